@@ -1,0 +1,34 @@
+"""boundary-jax: layer boundaries for JAX decoders under shard_map.
+
+Declare each stage (`declare_attn`, `declare_ffn`), append the stages inside a `layer_stack`,
+and run each layer as `prepare` -> compute -> `finish`, threading the `ResidualStream`.
+"""
+
+from . import residual as residual
+from .batch import BatchFacts as BatchFacts
+from .bind import ExitKind as ExitKind
+from .bind import StagePlan as StagePlan
+from .contracts import Placement as Placement
+from .contracts import ProducerReduction as ProducerReduction
+from .contracts import ReductionPolicy as ReductionPolicy
+from .contracts import StageKind as StageKind
+from .contracts import register_reduction_default as register_reduction_default
+from .contracts import resolve_reduction_policy as resolve_reduction_policy
+from .declare import StageDeclaration as StageDeclaration
+from .declare import declare_attn as declare_attn
+from .declare import declare_ffn as declare_ffn
+from .layout import BatchVariant as BatchVariant
+from .layout import Layout as Layout
+from .layout import MeshAxis as MeshAxis
+from .layout import SumGroup as SumGroup
+from .layout import TokenAxis as TokenAxis
+from .layout import Topology as Topology
+from .residual import OwedOutput as OwedOutput
+from .residual import ResidualStream as ResidualStream
+from .residual import RMSNorm as RMSNorm
+from .scan import scan_layers as scan_layers
+from .stack import LayerStack as LayerStack
+from .stack import append_stages as append_stages
+from .stack import layer_stack as layer_stack
+from .stage import StageBoundary as StageBoundary
+from .stage import StageExit as StageExit
