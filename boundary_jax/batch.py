@@ -1,0 +1,88 @@
+"""Per-forward batch facts: the static variant a forward selects its paths by, plus row counts."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from .layout import BatchVariant, TokenAxis, Topology
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["token_counts"],
+    meta_fields=["variant", "topology"],
+)
+@dataclasses.dataclass(frozen=True)
+class BatchFacts:
+    """What a forward's boundaries need to know about its batch.
+
+    Each attention-DP rank holds a static, padded block of token rows; `token_counts[r]` says how
+    many leading rows of DP rank r's block are real tokens (an idle rank has 0). Shapes stay
+    static under `jit`; only the counts are runtime values.
+
+    Attributes:
+      variant: The batch variant; every stage must have a bound path for it.
+      topology: The parallel topology the rows are laid out on.
+      token_counts: int32 [attn_dp] valid rows per DP rank, replicated; None when every row of
+        every block is a real token.
+    """
+
+    variant: BatchVariant
+    topology: Topology
+    token_counts: jax.Array | None = None
+
+    def __post_init__(self):
+        counts = self.token_counts
+        if counts is not None and getattr(counts, "shape", None) not in (
+            None,
+            (self.topology.attn_dp,),
+        ):
+            raise ValueError(
+                f"token_counts holds one count per attention-DP rank ({self.topology.attn_dp}); "
+                f"got shape {counts.shape}"
+            )
+
+    @classmethod
+    def ordinary(cls, topology: Topology, token_counts=None) -> BatchFacts:
+        """Facts for a batch whose residual is on the attention's rows."""
+        return cls(BatchVariant.ORDINARY, topology, _counts(token_counts))
+
+    @classmethod
+    def input_scattered(cls, topology: Topology, token_counts=None) -> BatchFacts:
+        """Facts for a batch whose residual is on each rank's attention-TP slice of the rows."""
+        return cls(BatchVariant.INPUT_SCATTERED, topology, _counts(token_counts))
+
+    def spec(self) -> BatchFacts:
+        """The `in_specs` entry for passing these facts into `shard_map` (counts replicated)."""
+        counts = None if self.token_counts is None else PartitionSpec()
+        return dataclasses.replace(self, token_counts=counts)
+
+    def valid_rows(self, rows: int) -> jax.Array | None:
+        """bool [rows] mask of this DP rank's real tokens within its block; None if all are real.
+
+        Call inside `shard_map`, on a block of attention rows.
+        """
+        if self.token_counts is None:
+            return None
+        dp = self.topology.active((TokenAxis.ATTN_DP,))
+        index = jax.lax.axis_index(Topology.mesh_names(dp)) if dp else 0
+        return jnp.arange(rows) < self.token_counts[index]
+
+    def has_tokens(self) -> jax.Array | bool:
+        """Whether this DP rank holds any real token (call inside `shard_map`)."""
+        if self.token_counts is None:
+            return True
+        dp = self.topology.active((TokenAxis.ATTN_DP,))
+        index = jax.lax.axis_index(Topology.mesh_names(dp)) if dp else 0
+        return self.token_counts[index] > 0
+
+
+def _counts(token_counts) -> jax.Array | None:
+    if token_counts is None:
+        return None
+    return jnp.asarray(token_counts, dtype=jnp.int32)

@@ -1,0 +1,20 @@
+"""Residual designs, the per-forward stream and the helpers models call around their layers."""
+
+from .add_norm import AddNormRead as AddNormRead
+from .add_norm import PlainAdd as PlainAdd
+from .batch import add_to_output as add_to_output
+from .batch import complete_output as complete_output
+from .batch import final_norm as final_norm
+from .batch import fold as fold
+from .batch import set_written as set_written
+from .batch import snapshot as snapshot
+from .batch import start as start
+from .batch import take_output as take_output
+from .norm import RMSNorm as RMSNorm
+from .norm import add_rms_norm as add_rms_norm
+from .norm import rms_norm as rms_norm
+from .protocols import ResidualReadout as ResidualReadout
+from .protocols import ResidualUpdate as ResidualUpdate
+from .stream import OwedOutput as OwedOutput
+from .stream import ResidualStream as ResidualStream
+from .stream import StreamState as StreamState

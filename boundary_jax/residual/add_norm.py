@@ -1,0 +1,47 @@
+"""The plain residual design: `residual + value`, read through an RMSNorm with FP32 accumulation."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from .norm import RMSNorm, accumulation_dtype, add_rms_norm
+from .protocols import Norm, ResidualUpdate
+
+
+@dataclasses.dataclass(frozen=True)
+class PlainAdd:
+    """The update `residual + value`, summed in FP32 and rounded to the residual's dtype."""
+
+    plain: bool = dataclasses.field(default=True, init=False)
+
+    def apply(self, residual: jax.Array, value: jax.Array) -> jax.Array:
+        acc = accumulation_dtype(jnp.promote_types(residual.dtype, value.dtype))
+        return (residual.astype(acc) + value.astype(acc)).astype(residual.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class AddNormRead:
+    """Reads `norm(residual)`; after a plain update, fuses the add and the norm in FP32.
+
+    Attributes:
+      reads_before_dp_gather: Normalize on the source rows before an attention-DP gather (the
+        cheaper order; set False to gather the residual and normalize the gathered rows).
+    """
+
+    reads_before_dp_gather: bool = True
+
+    def init_residual(self, x: jax.Array, norm: Norm | None) -> tuple[jax.Array, jax.Array]:
+        return self.read(x, norm)
+
+    def read(self, residual: jax.Array, norm: Norm | None) -> tuple[jax.Array, jax.Array]:
+        return (residual if norm is None else norm(residual)), residual
+
+    def update_and_read(
+        self, update: ResidualUpdate, value: jax.Array, residual: jax.Array, norm: Norm | None
+    ) -> tuple[jax.Array, jax.Array]:
+        if update.plain and isinstance(norm, RMSNorm):
+            return add_rms_norm(value, residual, norm.weight[...], eps=norm.eps, gemma=norm.gemma)
+        return self.read(update.apply(residual, value), norm)

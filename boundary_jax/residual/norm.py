@@ -1,0 +1,66 @@
+"""RMSNorm with FP32 accumulation: the norm a plain add + norm read applies."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def accumulation_dtype(dtype) -> jnp.dtype:
+    """FP32, or the input's dtype where that is wider (float64 stays float64)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, *, eps: float, gemma: bool = False) -> jax.Array:
+    """RMSNorm of `x` over its last dimension, computed in FP32 and cast back to `x.dtype`."""
+    acc = accumulation_dtype(x.dtype)
+    return _normalize(x.astype(acc), weight, eps=eps, gemma=gemma).astype(x.dtype)
+
+
+def add_rms_norm(
+    x: jax.Array, residual: jax.Array, weight: jax.Array, *, eps: float, gemma: bool = False
+) -> tuple[jax.Array, jax.Array]:
+    """Fused add + RMSNorm: `(norm(x + residual), x + residual)` with the sum kept in FP32.
+
+    The new residual is the FP32 sum rounded to `residual.dtype`; the normalized output is taken
+    from the unrounded sum, so a bf16 stream loses no precision between the add and the norm.
+    """
+    acc = accumulation_dtype(jnp.promote_types(x.dtype, residual.dtype))
+    summed = x.astype(acc) + residual.astype(acc)
+    normed = _normalize(summed, weight, eps=eps, gemma=gemma)
+    return normed.astype(x.dtype), summed.astype(residual.dtype)
+
+
+def _normalize(summed: jax.Array, weight: jax.Array, *, eps: float, gemma: bool) -> jax.Array:
+    scale = weight.astype(summed.dtype).reshape((1,) * (summed.ndim - 1) + weight.shape)
+    if gemma:
+        scale = 1.0 + scale
+    inverse = jax.lax.rsqrt(jnp.mean(summed * summed, axis=-1, keepdims=True) + eps)
+    return summed * inverse * scale
+
+
+class RMSNorm(nnx.Module):
+    """A replicated RMSNorm layer; boundaries read its `weight`, `eps` and `gemma` to fuse it.
+
+    Attributes:
+      weight: [dim] scale, replicated on every rank.
+      eps: Added to the mean square before the reciprocal square root.
+      gemma: Scale by `1 + weight` (Gemma-style) instead of `weight`.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        *,
+        eps: float = 1e-6,
+        gemma: bool = False,
+        param_dtype: jnp.dtype = jnp.float32,
+    ):
+        initial = jnp.zeros if gemma else jnp.ones
+        self.weight = nnx.Param(initial((dim,), param_dtype))
+        self.eps = eps
+        self.gemma = gemma
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return rms_norm(x, self.weight[...], eps=self.eps, gemma=self.gemma)
