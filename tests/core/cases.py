@@ -1,0 +1,74 @@
+"""Compiled stand-in stacks shared by the core tests: one compile per distinct bound plan set.
+
+Policies whose bound paths coincide for a configuration (all of them without attention DP, for
+instance) run the same program, so each distinct set of paths is compiled once and checked on
+behalf of every policy that binds it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+
+from boundary_jax.report import CollectiveReport, parse_hlo
+
+from .standin import (
+    HIDDEN,
+    ROWS,
+    Setup,
+    StandInDecoder,
+    make_batch,
+    reference,
+    sharded_forward,
+)
+
+
+@dataclasses.dataclass
+class Case:
+    setup: Setup
+    scattered: bool
+    model: StandInDecoder
+    fn: object
+    state: object
+    place: object
+    report: CollectiveReport
+    reference: object
+
+    def run(self, x, counts):
+        return self.fn(self.state, self.place(x), make_batch(self.setup, self.scattered, counts))
+
+
+def plan_key(model: StandInDecoder) -> tuple:
+    return tuple(
+        boundary.plan.paths
+        for layer in model.layers
+        for boundary in (layer.attn_boundary, layer.ffn_boundary)
+    )
+
+
+@functools.cache
+def build(setup: Setup) -> StandInDecoder:
+    with jax.enable_x64(True):
+        return StandInDecoder(setup, jax.random.key(setup.layers * 100 + setup.dp * 10 + setup.tp))
+
+
+_compiled: dict[tuple, Case] = {}
+
+
+def compiled(setup: Setup, scattered: bool) -> Case:
+    """The compiled case for `setup`, shared with every setup whose plans bind the same paths."""
+    model = build(setup)
+    key = (setup.dp, setup.tp, setup.layers, scattered, plan_key(model))
+    if key not in _compiled:
+        with jax.enable_x64(True):
+            batch = make_batch(setup, scattered, np.full(setup.dp, ROWS))
+            fn, state, place = sharded_forward(model, setup, batch)
+            x = np.zeros((setup.dp * ROWS, HIDDEN))
+            lowered = fn.lower(state, place(x), batch)
+            report = parse_hlo(lowered.compile().as_text())
+        want = jax.jit(functools.partial(reference, model, setup=setup))
+        _compiled[key] = Case(setup, scattered, model, fn, state, place, report, want)
+    return _compiled[key]

@@ -1,0 +1,247 @@
+"""A small decoder with stand-in compute, built only from boundaries, and its one-device reference.
+
+Attention is replaced by a column/row-parallel pair with causal row mixing (each row averages the
+rows before it in its DP rank's block, as attention mixes a sequence); the FFN by a SwiGLU
+column/row-parallel pair over the full TP group. Every weight is random, so every rank's shard
+differs: a sum taken twice, skipped, or mixed across ranks changes the output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+
+import boundary_jax as bj
+from boundary_jax import residual
+
+HIDDEN = 16
+ATTN_WIDTH = 16
+FFN_WIDTH = 32
+ROWS = 8  # padded rows per attention-DP rank
+
+CONFIGS = ((1, 1), (1, 2), (1, 4), (1, 8), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (8, 1))
+POLICIES = tuple(bj.ReductionPolicy)
+
+
+def make_mesh(dp: int, tp: int) -> jax.sharding.Mesh:
+    """A mesh over the first dp*tp simulated devices."""
+    names = (bj.MeshAxis.ATTN_DP.value, bj.MeshAxis.ATTN_TP.value)
+    return jax.make_mesh((dp, tp), names, devices=jax.devices()[: dp * tp])
+
+
+def _param(key, shape, spec, dtype):
+    value = jax.random.normal(key, shape, dtype) / np.sqrt(shape[0])
+    return nnx.Param(value, out_sharding=spec, eager_sharding=False)
+
+
+class StandInAttention(nnx.Module):
+    def __init__(self, topology: bj.Topology, key, dtype):
+        k1, k2 = jax.random.split(key)
+        heads = topology.shard_entry(bj.SumGroup.ATTN_TP)
+        self.w_in = _param(k1, (HIDDEN, ATTN_WIDTH), (None, heads), dtype)
+        self.w_out = _param(k2, (ATTN_WIDTH, HIDDEN), (heads, None), dtype)
+
+    def __call__(self, h: jax.Array) -> jax.Array:
+        return mix_rows(jnp.tanh(h @ self.w_in[...])) @ self.w_out[...]
+
+
+class StandInFfn(nnx.Module):
+    def __init__(self, topology: bj.Topology, key, dtype):
+        k1, k2, k3 = jax.random.split(key, 3)
+        cols = topology.shard_entry(bj.SumGroup.TP)
+        self.w_gate = _param(k1, (HIDDEN, FFN_WIDTH), (None, cols), dtype)
+        self.w_up = _param(k2, (HIDDEN, FFN_WIDTH), (None, cols), dtype)
+        self.w_down = _param(k3, (FFN_WIDTH, HIDDEN), (cols, None), dtype)
+
+    def __call__(self, h: jax.Array) -> jax.Array:
+        return (jax.nn.silu(h @ self.w_gate[...]) * (h @ self.w_up[...])) @ self.w_down[...]
+
+
+class ScaleThenTanh(nnx.Module):
+    """A parametric, nonlinear output transform: tanh(scale * value)."""
+
+    def __init__(self, key, dtype):
+        self.scale = nnx.Param(1.0 + 0.5 * jax.random.normal(key, (HIDDEN,), dtype))
+
+    def __call__(self, value: jax.Array) -> jax.Array:
+        return jnp.tanh(value * self.scale[...][None, :])
+
+
+@dataclasses.dataclass(frozen=True)
+class TanhUpdate:
+    """A nonlinear residual update: residual + tanh(value)."""
+
+    plain: bool = dataclasses.field(default=False, init=False)
+
+    def apply(self, residual: jax.Array, value: jax.Array) -> jax.Array:
+        return residual + jnp.tanh(value)
+
+
+def mix_rows(x: jax.Array) -> jax.Array:
+    """Causal mean over rows: row i becomes the mean of rows 0..i."""
+    counts = jnp.arange(1, x.shape[0] + 1, dtype=x.dtype)[:, None]
+    return jnp.cumsum(x, axis=0) / counts
+
+
+def _norm(key, dtype) -> bj.RMSNorm:
+    norm = bj.RMSNorm(HIDDEN, eps=1e-6, param_dtype=dtype)
+    norm.weight[...] = 1.0 + 0.3 * jax.random.normal(key, (HIDDEN,), dtype)
+    return norm
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """One stand-in stack: topology, depth, policy and the FFN's declaration options."""
+
+    dp: int
+    tp: int
+    layers: int = 2
+    policy: bj.ReductionPolicy = bj.ReductionPolicy.AR
+    input_sum: bj.SumGroup | None = bj.SumGroup.ATTN_TP
+    transform: str | None = None  # None, "tanh" (a function) or "module" (ScaleThenTanh)
+    transform_before_reduce_scatter: bool = False
+    update: Callable | None = None  # a ResidualUpdate class for the FFN; None: plain add
+    reads_before_dp_gather: bool = True
+
+    @property
+    def topology(self) -> bj.Topology:
+        return bj.Topology(attn_dp=self.dp, attn_tp=self.tp)
+
+
+class StandInLayer(nnx.Module):
+    def __init__(self, setup: Setup, key, dtype):
+        k1, k2, k3, k4, k5 = jax.random.split(key, 5)
+        self.input_norm = _norm(k1, dtype)
+        self.post_attn_norm = _norm(k2, dtype)
+        self.attn = StandInAttention(setup.topology, k3, dtype)
+        self.ffn = StandInFfn(setup.topology, k4, dtype)
+        self.transform = {None: None, "tanh": jnp.tanh, "module": ScaleThenTanh(k5, dtype)}[
+            setup.transform
+        ]
+        ffn_options = {
+            "read": bj.residual.AddNormRead(reads_before_dp_gather=setup.reads_before_dp_gather),
+            "output_transform": self.transform,
+            "transform_before_reduce_scatter": setup.transform_before_reduce_scatter,
+        }
+        if setup.update is not None:
+            ffn_options["update"] = setup.update()
+        self.attn_boundary, self.ffn_boundary = bj.append_stages(
+            (bj.declare_attn(), self.input_norm),
+            (bj.declare_ffn(**ffn_options), self.post_attn_norm),
+        )
+
+    def __call__(self, x, stream):
+        h, stream = self.attn_boundary.prepare(x, stream)
+        x, stream = self.attn_boundary.finish(self.attn(h), stream)
+        h, stream = self.ffn_boundary.prepare(x, stream)
+        return self.ffn_boundary.finish(self.ffn(h), stream)
+
+    def reference(self, rows: jax.Array, update) -> jax.Array:
+        rows = rows + self.attn(self.input_norm(rows))
+        out = self.ffn(self.post_attn_norm(rows))
+        if self.transform is not None:
+            out = self.transform(out)
+        return rows + out if update is None else update.apply(rows, out)
+
+
+class StandInDecoder(nnx.Module):
+    def __init__(self, setup: Setup, key, dtype=jnp.float64):
+        keys = jax.random.split(key, setup.layers + 1)
+        with bj.layer_stack(setup.topology, reduction=setup.policy, input_sum=setup.input_sum):
+            self.layers = nnx.List(
+                [StandInLayer(setup, keys[i], dtype) for i in range(setup.layers)]
+            )
+        self.final_norm = _norm(keys[-1], dtype)
+        self.scan_middle = False
+
+    def __call__(self, x: jax.Array, batch: bj.BatchFacts) -> jax.Array:
+        stream = residual.start(batch)
+        if self.scan_middle:
+            x, stream = self.layers[0](x, stream)
+            x, stream = bj.scan_layers(list(self.layers)[1:-1], (x, stream))
+            x, stream = self.layers[-1](x, stream)
+        else:
+            for index, layer in enumerate(self.layers):
+                with jax.named_scope(f"layer_{index}"):
+                    x, stream = layer(x, stream)
+        return residual.final_norm(x, stream, self.final_norm, skip_empty=True)
+
+
+def stack_input(setup: Setup, x: jax.Array) -> jax.Array:
+    """What the stack input owes: with `input_sum`, each attention-TP rank holds a share of x.
+
+    Returns [dp*ROWS, tp*HIDDEN]: rank t's share is column block t (the shares sum to x).
+    """
+    if setup.input_sum is None:
+        return x
+    weights = jnp.linspace(0.5, 1.5, setup.tp, dtype=x.dtype)
+    shares = weights / jnp.sum(weights)
+    return jnp.concatenate([x * share for share in shares], axis=1)
+
+
+def sharded_forward(
+    model: StandInDecoder, setup: Setup, batch: bj.BatchFacts, *, check_vma: bool = True
+):
+    """A jitted sharded forward `f(state, x, batch)`, the state placed on the mesh, and a
+    function that places a stack input `x` [dp*ROWS, HIDDEN]."""
+    mesh = make_mesh(setup.dp, setup.tp)
+    graphdef, state = nnx.split(model)
+    topology = setup.topology
+    state_specs = nnx.get_partition_spec(state)
+    dp = topology.spec_entry((bj.TokenAxis.ATTN_DP,))
+    owed = topology.spec_entry((bj.TokenAxis.ATTN_TP,)) if setup.input_sum else None
+    in_rows = jax.sharding.PartitionSpec(dp, owed)
+    out_rows = jax.sharding.PartitionSpec(dp, None)
+
+    def body(state, x, batch):
+        return nnx.merge(graphdef, state)(x, batch)
+
+    fn = jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(state_specs, in_rows, batch.spec()),
+            out_specs=out_rows,
+            check_vma=check_vma,
+        )
+    )
+    placed = jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), state_specs))
+
+    def place(x):
+        return jax.device_put(stack_input(setup, x), NamedSharding(mesh, in_rows))
+
+    return fn, placed, place
+
+
+def reference(model: StandInDecoder, x: jax.Array, setup: Setup, counts) -> jax.Array:
+    """The same decoder on one device: each DP rank's block is its own token set."""
+    update = None if setup.update is None else setup.update()
+    blocks = x.reshape(setup.dp, -1, x.shape[-1])
+    valid = jnp.arange(blocks.shape[1])[None, :] < jnp.asarray(counts)[:, None]
+    outputs = []
+    for block, keep in zip(blocks, valid, strict=True):
+        rows = jnp.where(keep[:, None], block, 0)
+        for layer in model.layers:
+            rows = layer.reference(rows, update)
+        outputs.append(jnp.where(keep[:, None], model.final_norm(rows), 0))
+    return jnp.concatenate(outputs)
+
+
+def count_patterns(dp: int) -> dict[str, np.ndarray]:
+    """Even, ragged and idle-rank token counts per DP rank (padded blocks of ROWS rows)."""
+    return {
+        "even": np.full(dp, ROWS),
+        "ragged": np.array([(5 * r + 3) % ROWS + 1 for r in range(dp)]),
+        "idle": np.array([0 if r % 2 else ROWS - 1 - r % 3 for r in range(dp)]),
+    }
+
+
+def make_batch(setup: Setup, scattered: bool, counts) -> bj.BatchFacts:
+    make = bj.BatchFacts.input_scattered if scattered else bj.BatchFacts.ordinary
+    return make(setup.topology, counts)

@@ -1,0 +1,119 @@
+"""The compiled HLO runs exactly the collectives docs/collectives.md documents, per layer."""
+
+import pathlib
+
+import jax
+import pytest
+
+import boundary_jax as bj
+from boundary_jax.report import parse_hlo
+
+from .cases import compiled
+from .standin import CONFIGS, POLICIES, Setup
+
+pytestmark = pytest.mark.xdist_group("core-compiled")
+
+TABLE = pathlib.Path(__file__).parents[2] / "docs" / "collectives.md"
+NAMES = {"AR": "all-reduce", "RS": "reduce-scatter", "AG": "all-gather"}
+COLUMNS = ("stack entry", "attention input", "FFN input", "FFN exit", "last FFN exit")
+
+
+def _documented() -> dict[tuple[str, str, str, str], dict[str, tuple[str, ...]]]:
+    rows = {}
+    lines = [line for line in TABLE.read_text().splitlines() if line.startswith("| ")]
+    header = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    for line in lines[2:]:
+        cells = dict(zip(header, (c.strip() for c in line.strip("|").split("|")), strict=True))
+        for policy in cells["policy"].split(", "):
+            key = (cells["dp"], cells["tp"], cells["batch"], policy)
+            rows[key] = {
+                column: tuple(NAMES[kind] for kind in cells[column].split() if kind != "–")
+                for column in COLUMNS
+            }
+    return rows
+
+
+DOCUMENTED = _documented()
+
+
+def expected_layers(dp, tp, scattered, policy, layers):
+    """Per-layer collective sequences the table composes for a stack of `layers` layers."""
+    row = DOCUMENTED[
+        (
+            "1" if dp == 1 else ">1",
+            "1" if tp == 1 else ">1",
+            "input-scattered" if scattered else "ordinary",
+            policy.value,
+        )
+    ]
+    sequences = []
+    for index in range(layers):
+        entry = row["stack entry"] if index == 0 else row["attention input"]
+        exit_ = row["last FFN exit"] if index == layers - 1 else row["FFN exit"]
+        sequences.append(entry + row["FFN input"] + exit_)
+    return sequences
+
+
+SWEEP = [
+    (dp, tp, layers, policy, scattered)
+    for dp, tp in CONFIGS
+    for layers in (1, 2, 3, 4)
+    for policy in POLICIES
+    for scattered in ((False, True) if tp > 1 else (False,))
+]
+
+
+def test_table_covers_every_configuration():
+    """Every (dp, tp, batch, policy) class of the sweep has one documented row."""
+    for dp, tp, _, policy, scattered in SWEEP:
+        expected_layers(dp, tp, scattered, policy, 1)
+
+
+@pytest.mark.parametrize(
+    "dp,tp,layers,policy,scattered",
+    SWEEP,
+    ids=[
+        f"dp{d}-tp{t}-L{n}-{p.value}-{'scattered' if s else 'ordinary'}" for d, t, n, p, s in SWEEP
+    ],
+)
+def test_each_layer_runs_the_documented_collectives(dp, tp, layers, policy, scattered):
+    """Each layer's collectives, in program order, are the table's; none run outside layers."""
+    report = compiled(Setup(dp=dp, tp=tp, layers=layers, policy=policy), scattered).report
+    for index, want in enumerate(expected_layers(dp, tp, scattered, policy, layers)):
+        assert report.sequence(index) == want, f"layer {index}"
+    assert report.sequence(None) == ()
+    assert report.layers == tuple(i for i in range(layers) if report.sequence(i))
+
+
+def test_report_counts_bytes_and_groups():
+    """The report counts kinds per layer and the bytes of each buffer."""
+    with jax.enable_x64(True):
+        report = compiled(Setup(dp=2, tp=2, layers=2, policy=bj.ReductionPolicy.RS), False).report
+    # layer 1: AR of one DP block (8 x 16 f64), AG over DP (16 rows), RS over DP x TP (16 rows),
+    # AG over TP (8 rows)
+    assert report.counts(1) == {
+        "all-reduce": 1,
+        "reduce-scatter": 1,
+        "all-gather": 2,
+        "all-to-all": 0,
+        "collective-permute": 0,
+    }
+    assert report.bytes(1) == 8 * (8 * 16 + 16 * 16 + 16 * 16 + 8 * 16)
+    assert [c.group_size for c in report.collectives if c.layer == 1] == [2, 2, 4, 2]
+
+
+ASYNC_HLO = """
+  %all-reduce-start = (bf16[4,4096]{1,0}, bf16[4,4096]{1,0}) all-reduce-start(bf16[4,4096]{1,0} %p), channel_id=1, replica_groups=[1,2]<=[2], metadata={op_name="jit(f)/shard_map/layer_3/psum"}
+  %all-reduce-done = bf16[4,4096]{1,0} all-reduce-done(%all-reduce-start)
+  %rs = f32[2,8]{1,0} reduce-scatter(f32[8,8]{1,0} %q), replica_groups={{0,1,2,3}}, dimensions={0}
+  %ag = f32[8,8]{1,0} all-gather(f32[2,8]{1,0} %r), replica_groups=[2,4]<=[8], dimensions={0}, metadata={op_name="jit(f)/layer_0/all_gather"}
+"""
+
+
+def test_parse_hlo_reads_async_and_classic_group_forms():
+    """Async starts count once; list and iota replica groups give the group size."""
+    report = parse_hlo(ASYNC_HLO)
+    assert report.sequence() == ("all-reduce", "reduce-scatter", "all-gather")
+    assert [c.bytes for c in report.collectives] == [2 * 4 * 4096, 4 * 8 * 8, 4 * 8 * 8]
+    assert [c.group_size for c in report.collectives] == [2, 4, 4]
+    assert [c.layer for c in report.collectives] == [3, None, 0]

@@ -1,0 +1,139 @@
+"""Every parallel path of a stand-in decoder equals its single-device reference."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import boundary_jax as bj
+from boundary_jax import ops
+
+from .cases import compiled
+from .standin import (
+    CONFIGS,
+    HIDDEN,
+    POLICIES,
+    ROWS,
+    Setup,
+    StandInDecoder,
+    count_patterns,
+    make_batch,
+    reference,
+    sharded_forward,
+)
+
+pytestmark = pytest.mark.xdist_group("core-compiled")
+
+SWEEP = [
+    (dp, tp, layers, policy, scattered)
+    for dp, tp in CONFIGS
+    for layers in (1, 2, 3, 4)
+    for policy in POLICIES
+    for scattered in ((False, True) if tp > 1 else (False,))
+]
+
+
+def _relative_error(got, want):
+    return float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+
+
+@pytest.mark.parametrize(
+    "dp,tp,layers,policy,scattered",
+    SWEEP,
+    ids=[
+        f"dp{d}-tp{t}-L{n}-{p.value}-{'scattered' if s else 'ordinary'}" for d, t, n, p, s in SWEEP
+    ],
+)
+def test_stack_equals_single_device_reference(dp, tp, layers, policy, scattered):
+    """Outputs equal the float64 single-device reference for even, ragged and idle DP ranks."""
+    setup = Setup(dp=dp, tp=tp, layers=layers, policy=policy)
+    case = compiled(setup, scattered)
+    with jax.enable_x64(True):
+        x = jax.random.normal(jax.random.key(7), (dp * ROWS, HIDDEN), jnp.float64)
+        for name, counts in count_patterns(dp).items():
+            got = case.run(x, counts)
+            want = case.reference(x, counts=counts)
+            assert _relative_error(got, want) < 1e-12, name
+
+
+@pytest.mark.parametrize(
+    "dp,tp,scattered", [(1, 8, False), (2, 4, True), (4, 2, False), (8, 1, False)]
+)
+def test_float32_stack_within_1e6(dp, tp, scattered):
+    """In float32 the parallel stack stays within 1e-6 (relative to the largest output)."""
+    setup = Setup(dp=dp, tp=tp, layers=4, policy=bj.ReductionPolicy.RS_RSV)
+    model = StandInDecoder(setup, jax.random.key(3), jnp.float32)
+    counts = count_patterns(dp)["ragged"]
+    batch = make_batch(setup, scattered, counts)
+    fn, state, place = sharded_forward(model, setup, batch)
+    x = jax.random.normal(jax.random.key(4), (dp * ROWS, HIDDEN), jnp.float32)
+    got = fn(state, place(x), batch)
+    assert _relative_error(got, reference(model, x, setup, counts)) < 1e-6
+
+
+def _mutated(monkeypatch, step_class, mutate):
+    """Patches the first call of `step_class` in the next trace with `mutate(original, step, x)`."""
+    original = step_class.__call__
+    calls = []
+
+    def patched(step, x):
+        calls.append(step)
+        return mutate(original, step, x) if len(calls) == 1 else original(step, x)
+
+    monkeypatch.setattr(step_class, "__call__", patched)
+    return calls
+
+
+MUTANTS = {
+    "skip an all-reduce": (ops.AllReduce, lambda original, step, x: x),
+    "double an all-reduce": (ops.AllReduce, lambda original, step, x: 2 * original(step, x)),
+    "skip a reduce-scatter's sum": (
+        ops.ReduceScatter,
+        lambda original, step, x: ops.TakeBlock(step.axes, step.parts)(x),
+    ),
+    "double a reduce-scatter": (ops.ReduceScatter, lambda original, step, x: 2 * original(step, x)),
+}
+
+
+MUTANT_CASES = [
+    (mutant, config)
+    for mutant, (step_class, _) in sorted(MUTANTS.items())
+    for config in (
+        [(1, 4, bj.ReductionPolicy.AR, False), (2, 2, bj.ReductionPolicy.RS_RSV, False)]
+        if step_class is ops.AllReduce
+        else [(2, 2, bj.ReductionPolicy.RS_RSV, False), (2, 2, bj.ReductionPolicy.RS, True)]
+    )
+]
+
+
+@pytest.mark.parametrize(
+    "mutant,config", MUTANT_CASES, ids=[f"{m}-{c[0]}x{c[1]}-{c[2].value}" for m, c in MUTANT_CASES]
+)
+def test_a_mutant_that_skips_or_doubles_one_sum_is_caught(monkeypatch, mutant, config):
+    """Skipping or doubling any one sum makes the parity check fail.
+
+    The mutants run with `check_vma=False`: with the check on, a skipped sum already fails to
+    trace (the output is not replicated where `out_specs` says it is).
+    """
+    dp, tp, policy, scattered = config
+    step_class, mutate = MUTANTS[mutant]
+    setup = Setup(dp=dp, tp=tp, layers=2, policy=policy)
+    with jax.enable_x64(True):
+        model = StandInDecoder(setup, jax.random.key(5))
+        counts = count_patterns(dp)["even"]
+        batch = make_batch(setup, scattered, counts)
+        calls = _mutated(monkeypatch, step_class, mutate)
+        fn, state, place = sharded_forward(model, setup, batch, check_vma=False)
+        x = jax.random.normal(jax.random.key(6), (dp * ROWS, HIDDEN), jnp.float64)
+        error = _relative_error(fn(state, place(x), batch), reference(model, x, setup, counts))
+    assert calls, f"the configuration must run a {step_class.__name__}"
+    assert error > 1e-3
+
+
+def test_every_policy_is_exercised_by_distinct_programs():
+    """The sweep's policies bind different paths where the topology lets them differ."""
+    with jax.enable_x64(True):
+        keys = {
+            policy: compiled(Setup(dp=2, tp=2, layers=2, policy=policy), False).report.sequence()
+            for policy in (bj.ReductionPolicy.AR, bj.ReductionPolicy.RS, bj.ReductionPolicy.RSV)
+        }
+    assert len(set(keys.values())) == 3, keys
