@@ -23,6 +23,10 @@ from .layout import MeshAxis as MeshAxis
 from .layout import SumGroup as SumGroup
 from .layout import TokenAxis as TokenAxis
 from .layout import Topology as Topology
+from .ops import gather_last_dim as gather_last_dim
+from .ops import shard_index as shard_index
+from .report import CollectiveReport as CollectiveReport
+from .report import collective_report as collective_report
 from .residual import OwedOutput as OwedOutput
 from .residual import ResidualStream as ResidualStream
 from .residual import RMSNorm as RMSNorm

@@ -15,7 +15,7 @@ import jax
 from jax import lax
 
 from .contracts import Placement
-from .layout import Layout, TokenAxis, Topology, canonical
+from .layout import Layout, SumGroup, TokenAxis, Topology, canonical
 
 
 class PlanError(ValueError):
@@ -170,3 +170,23 @@ def complete_onto(placement: Placement, target: Layout, topology: Topology) -> t
 def local_block_index(axes: Sequence[TokenAxis]) -> jax.Array:
     """This rank's linear index along `axes` (0 when `axes` is empty)."""
     return lax.axis_index(_names(tuple(axes))) if axes else 0
+
+
+def shard_index(topology: Topology, group: SumGroup) -> jax.Array | int:
+    """This rank's index among the ranks of `group` (0 when the group has one rank).
+
+    For models that split a weight over `group` (`Topology.shard_entry(group)`) and need to
+    know which slice they hold, e.g. a vocab-parallel embedding's row offset.
+    """
+    return local_block_index(topology.sum_axes(group))
+
+
+def gather_last_dim(x: jax.Array, topology: Topology, group: SumGroup) -> jax.Array:
+    """Concatenates the last dimension of `x` over the ranks of `group`, in rank order.
+
+    For outputs split column-wise over `group`, e.g. vocab-parallel logits.
+    """
+    axes = topology.sum_axes(group)
+    if not axes:
+        return x
+    return lax.all_gather(x, _names(axes), axis=x.ndim - 1, tiled=True, to="invarying")

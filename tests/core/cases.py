@@ -12,11 +12,14 @@ import functools
 
 import jax
 import numpy as np
+import pytest
 
 from boundary_jax.report import CollectiveReport, parse_hlo
 
 from .standin import (
+    CONFIGS,
     HIDDEN,
+    POLICIES,
     ROWS,
     Setup,
     StandInDecoder,
@@ -72,3 +75,22 @@ def compiled(setup: Setup, scattered: bool) -> Case:
         want = jax.jit(functools.partial(reference, model, setup=setup))
         _compiled[key] = Case(setup, scattered, model, fn, state, place, report, want)
     return _compiled[key]
+
+
+# Every mesh x depth x policy x batch variant; tests of one mesh share compiled programs, so
+# they run on one xdist worker.
+SWEEP = [
+    pytest.param(
+        dp,
+        tp,
+        layers,
+        policy,
+        scattered,
+        id=f"dp{dp}-tp{tp}-L{layers}-{policy.value}-{'scattered' if scattered else 'ordinary'}",
+        marks=pytest.mark.xdist_group(f"core-{dp}x{tp}"),
+    )
+    for dp, tp in CONFIGS
+    for layers in (1, 2, 3, 4)
+    for policy in POLICIES
+    for scattered in ((False, True) if tp > 1 else (False,))
+]

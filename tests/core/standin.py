@@ -23,7 +23,7 @@ from boundary_jax import residual
 HIDDEN = 16
 ATTN_WIDTH = 16
 FFN_WIDTH = 32
-ROWS = 8  # padded rows per attention-DP rank
+ROWS = 8  # padded rows per attention-DP rank, unless a Setup says otherwise
 
 CONFIGS = ((1, 1), (1, 2), (1, 4), (1, 8), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (8, 1))
 POLICIES = tuple(bj.ReductionPolicy)
@@ -83,6 +83,11 @@ class TanhUpdate:
         return residual + jnp.tanh(value)
 
 
+def halve(value: jax.Array) -> jax.Array:
+    """A linear output transform, which commutes with the sum."""
+    return 0.5 * value
+
+
 def mix_rows(x: jax.Array) -> jax.Array:
     """Causal mean over rows: row i becomes the mean of rows 0..i."""
     counts = jnp.arange(1, x.shape[0] + 1, dtype=x.dtype)[:, None]
@@ -104,10 +109,11 @@ class Setup:
     layers: int = 2
     policy: bj.ReductionPolicy = bj.ReductionPolicy.AR
     input_sum: bj.SumGroup | None = bj.SumGroup.ATTN_TP
-    transform: str | None = None  # None, "tanh" (a function) or "module" (ScaleThenTanh)
+    transform: str | None = None  # None, "tanh", "halve" (functions) or "module" (ScaleThenTanh)
     transform_before_reduce_scatter: bool = False
     update: Callable | None = None  # a ResidualUpdate class for the FFN; None: plain add
     reads_before_dp_gather: bool = True
+    rows: int = ROWS
 
     @property
     def topology(self) -> bj.Topology:
@@ -121,9 +127,10 @@ class StandInLayer(nnx.Module):
         self.post_attn_norm = _norm(k2, dtype)
         self.attn = StandInAttention(setup.topology, k3, dtype)
         self.ffn = StandInFfn(setup.topology, k4, dtype)
-        self.transform = {None: None, "tanh": jnp.tanh, "module": ScaleThenTanh(k5, dtype)}[
-            setup.transform
-        ]
+        transforms = {None: None, "tanh": jnp.tanh, "halve": halve}
+        if setup.transform == "module":
+            transforms["module"] = ScaleThenTanh(k5, dtype)
+        self.transform = transforms[setup.transform]
         ffn_options = {
             "read": bj.residual.AddNormRead(reads_before_dp_gather=setup.reads_before_dp_gather),
             "output_transform": self.transform,
@@ -186,10 +193,20 @@ def stack_input(setup: Setup, x: jax.Array) -> jax.Array:
 
 
 def sharded_forward(
-    model: StandInDecoder, setup: Setup, batch: bj.BatchFacts, *, check_vma: bool = True
+    model: StandInDecoder,
+    setup: Setup,
+    batch: bj.BatchFacts,
+    *,
+    check_vma: bool = True,
+    body: Callable | None = None,
+    out_layout: bj.Layout | None = None,
 ):
     """A jitted sharded forward `f(state, x, batch)`, the state placed on the mesh, and a
-    function that places a stack input `x` [dp*ROWS, HIDDEN]."""
+    function that places a stack input `x` [dp*rows, HIDDEN].
+
+    `body(model, x, batch)` replaces the model's own forward; its output rows follow
+    `out_layout` (default: the attention's rows).
+    """
     mesh = make_mesh(setup.dp, setup.tp)
     graphdef, state = nnx.split(model)
     topology = setup.topology
@@ -197,14 +214,15 @@ def sharded_forward(
     dp = topology.spec_entry((bj.TokenAxis.ATTN_DP,))
     owed = topology.spec_entry((bj.TokenAxis.ATTN_TP,)) if setup.input_sum else None
     in_rows = jax.sharding.PartitionSpec(dp, owed)
-    out_rows = jax.sharding.PartitionSpec(dp, None)
+    out_rows = topology.row_spec(out_layout or topology.layout(bj.TokenAxis.ATTN_DP), None)
+    call = body or (lambda model, x, batch: model(x, batch))
 
-    def body(state, x, batch):
-        return nnx.merge(graphdef, state)(x, batch)
+    def run(state, x, batch):
+        return call(nnx.merge(graphdef, state), x, batch)
 
     fn = jax.jit(
         jax.shard_map(
-            body,
+            run,
             mesh=mesh,
             in_specs=(state_specs, in_rows, batch.spec()),
             out_specs=out_rows,
@@ -233,12 +251,12 @@ def reference(model: StandInDecoder, x: jax.Array, setup: Setup, counts) -> jax.
     return jnp.concatenate(outputs)
 
 
-def count_patterns(dp: int) -> dict[str, np.ndarray]:
-    """Even, ragged and idle-rank token counts per DP rank (padded blocks of ROWS rows)."""
+def count_patterns(dp: int, rows: int = ROWS) -> dict[str, np.ndarray]:
+    """Even, ragged and idle-rank token counts per DP rank (padded blocks of `rows` rows)."""
     return {
-        "even": np.full(dp, ROWS),
-        "ragged": np.array([(5 * r + 3) % ROWS + 1 for r in range(dp)]),
-        "idle": np.array([0 if r % 2 else ROWS - 1 - r % 3 for r in range(dp)]),
+        "even": np.full(dp, rows),
+        "ragged": np.array([(5 * r + 3) % rows + 1 for r in range(dp)]),
+        "idle": np.array([0 if r % 2 else max(rows - 1 - r % 3, 1) for r in range(dp)]),
     }
 
 

@@ -8,10 +8,8 @@ import pytest
 import boundary_jax as bj
 from boundary_jax.report import parse_hlo
 
-from .cases import compiled
-from .standin import CONFIGS, POLICIES, Setup
-
-pytestmark = pytest.mark.xdist_group("core-compiled")
+from .cases import SWEEP, compiled
+from .standin import Setup
 
 TABLE = pathlib.Path(__file__).parents[2] / "docs" / "collectives.md"
 NAMES = {"AR": "all-reduce", "RS": "reduce-scatter", "AG": "all-gather"}
@@ -54,28 +52,14 @@ def expected_layers(dp, tp, scattered, policy, layers):
     return sequences
 
 
-SWEEP = [
-    (dp, tp, layers, policy, scattered)
-    for dp, tp in CONFIGS
-    for layers in (1, 2, 3, 4)
-    for policy in POLICIES
-    for scattered in ((False, True) if tp > 1 else (False,))
-]
-
-
 def test_table_covers_every_configuration():
     """Every (dp, tp, batch, policy) class of the sweep has one documented row."""
-    for dp, tp, _, policy, scattered in SWEEP:
+    for param in SWEEP:
+        dp, tp, _, policy, scattered = param.values
         expected_layers(dp, tp, scattered, policy, 1)
 
 
-@pytest.mark.parametrize(
-    "dp,tp,layers,policy,scattered",
-    SWEEP,
-    ids=[
-        f"dp{d}-tp{t}-L{n}-{p.value}-{'scattered' if s else 'ordinary'}" for d, t, n, p, s in SWEEP
-    ],
-)
+@pytest.mark.parametrize("dp,tp,layers,policy,scattered", SWEEP)
 def test_each_layer_runs_the_documented_collectives(dp, tp, layers, policy, scattered):
     """Each layer's collectives, in program order, are the table's; none run outside layers."""
     report = compiled(Setup(dp=dp, tp=tp, layers=layers, policy=policy), scattered).report
@@ -85,6 +69,7 @@ def test_each_layer_runs_the_documented_collectives(dp, tp, layers, policy, scat
     assert report.layers == tuple(i for i in range(layers) if report.sequence(i))
 
 
+@pytest.mark.xdist_group("core-2x2")
 def test_report_counts_bytes_and_groups():
     """The report counts kinds per layer and the bytes of each buffer."""
     with jax.enable_x64(True):

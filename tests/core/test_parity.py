@@ -7,11 +7,9 @@ import pytest
 import boundary_jax as bj
 from boundary_jax import ops
 
-from .cases import compiled
+from .cases import SWEEP, compiled
 from .standin import (
-    CONFIGS,
     HIDDEN,
-    POLICIES,
     ROWS,
     Setup,
     StandInDecoder,
@@ -21,28 +19,12 @@ from .standin import (
     sharded_forward,
 )
 
-pytestmark = pytest.mark.xdist_group("core-compiled")
-
-SWEEP = [
-    (dp, tp, layers, policy, scattered)
-    for dp, tp in CONFIGS
-    for layers in (1, 2, 3, 4)
-    for policy in POLICIES
-    for scattered in ((False, True) if tp > 1 else (False,))
-]
-
 
 def _relative_error(got, want):
     return float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
 
 
-@pytest.mark.parametrize(
-    "dp,tp,layers,policy,scattered",
-    SWEEP,
-    ids=[
-        f"dp{d}-tp{t}-L{n}-{p.value}-{'scattered' if s else 'ordinary'}" for d, t, n, p, s in SWEEP
-    ],
-)
+@pytest.mark.parametrize("dp,tp,layers,policy,scattered", SWEEP)
 def test_stack_equals_single_device_reference(dp, tp, layers, policy, scattered):
     """Outputs equal the float64 single-device reference for even, ragged and idle DP ranks."""
     setup = Setup(dp=dp, tp=tp, layers=layers, policy=policy)
@@ -129,6 +111,7 @@ def test_a_mutant_that_skips_or_doubles_one_sum_is_caught(monkeypatch, mutant, c
     assert error > 1e-3
 
 
+@pytest.mark.xdist_group("core-2x2")
 def test_every_policy_is_exercised_by_distinct_programs():
     """The sweep's policies bind different paths where the topology lets them differ."""
     with jax.enable_x64(True):

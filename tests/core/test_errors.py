@@ -1,0 +1,139 @@
+"""Each applicable error of the guide's "Common errors" table, raised with its message."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import boundary_jax as bj
+from boundary_jax import residual
+
+from .standin import HIDDEN, ROWS, Setup, StandInDecoder, TanhUpdate
+
+
+@pytest.fixture(scope="module")
+def single():
+    """A two-layer stand-in stack on one device: no collectives, so it runs eagerly."""
+    setup = Setup(dp=1, tp=1, layers=2, input_sum=None)
+    return setup, StandInDecoder(setup, jax.random.key(0), jnp.float32)
+
+
+def _x():
+    return jax.random.normal(jax.random.key(1), (ROWS, HIDDEN))
+
+
+def _batch(setup, scattered=False):
+    make = bj.BatchFacts.input_scattered if scattered else bj.BatchFacts.ordinary
+    return make(setup.topology)
+
+
+def test_entering_a_stage_without_start(single):
+    """prepare() without a started stream: 'start the layer stack before entering a stage'."""
+    _, model = single
+    with pytest.raises(RuntimeError, match="start the layer stack before entering a stage"):
+        model.layers[0].attn_boundary.prepare(_x(), None)
+
+
+def test_a_rebound_layer_output_is_rejected(single):
+    """Passing anything but the stream's own output handle fails the identity check."""
+    setup, model = single
+    message = "output does not belong to this residual stream; change layer outputs through"
+    stream = residual.start(_batch(setup))
+    out, stream = model.layers[0](_x(), stream)
+    with pytest.raises(ValueError, match=message):
+        model.layers[1](_x(), stream)
+    other_out, _ = model.layers[0](_x(), residual.start(_batch(setup)))
+    with pytest.raises(ValueError, match=message):
+        model.layers[1](other_out, stream)
+    with pytest.raises(ValueError, match=message):
+        residual.final_norm(other_out, stream, model.final_norm)
+
+
+def test_taking_the_output_while_an_update_is_pending(single):
+    """take_output() on a pending contribution: 'write the residual update before ...'."""
+    setup, model = single
+    out, stream = model.layers[0](_x(), residual.start(_batch(setup)))
+    with pytest.raises(RuntimeError, match="write the residual update before taking the final"):
+        residual.take_output(out, stream)
+    out, stream = residual.fold(out, stream)
+    assert residual.take_output(out, stream).shape == (ROWS, HIDDEN)
+
+
+def test_a_batch_variant_without_a_bound_path(single):
+    """An input-scattered batch on a stack without attention TP has no path, and says so."""
+    setup, model = single
+    stream = residual.start(_batch(setup, scattered=True))
+    with pytest.raises(
+        NotImplementedError, match="no stage boundary path for the active INPUT_SCATTERED batch"
+    ):
+        model.layers[0](_x(), stream)
+
+
+def test_appending_outside_a_layer_stack():
+    """append_stages() outside layer_stack(): 'append_stages needs an open layer stack'."""
+    with pytest.raises(RuntimeError, match="append_stages needs an open layer stack"):
+        bj.append_stages((bj.declare_attn(), bj.RMSNorm(HIDDEN)))
+
+
+def test_a_snapshot_of_a_nonlinear_update():
+    """snapshot() on a non-plain update: 'snapshot requires a plain residual update'."""
+    setup = Setup(dp=1, tp=1, layers=1, input_sum=None, update=TanhUpdate)
+    model = StandInDecoder(setup, jax.random.key(0), jnp.float32)
+    out, stream = model.layers[0](_x(), residual.start(_batch(setup)))
+    with pytest.raises(NotImplementedError, match="snapshot requires a plain residual update"):
+        residual.snapshot(out, stream)
+
+
+def test_a_reduction_contract_for_the_wrong_stage_kind():
+    """An FFN cannot be ALWAYS_PARTIAL; an attention stage cannot be output_complete."""
+    with pytest.raises(ValueError, match="ALWAYS_PARTIAL is not supported for ffn stages"):
+        bj.declare_ffn(reduction=bj.ProducerReduction.ALWAYS_PARTIAL)
+    with pytest.raises(ValueError, match="output_complete is an FFN fact"):
+        dataclasses.replace(bj.declare_attn(), output_complete=True)
+
+
+def test_an_owed_output_has_no_array_behaviour(single):
+    """OwedOutput refuses arithmetic, conversion and indexing with a pointer to the accessors."""
+    setup, model = single
+    out, _ = model.layers[0](_x(), residual.start(_batch(setup)))
+    for misuse in (
+        lambda: out + 1,
+        lambda: jnp.asarray(out),
+        lambda: out[0],
+        lambda: np.array(out),
+    ):
+        with pytest.raises(TypeError, match="an OwedOutput is not a tensor"):
+            misuse()
+    assert not hasattr(out, "shape")
+
+
+def test_a_stage_run_twice_or_out_of_order(single):
+    """finish() needs a prepared stage; a stage cannot take another stage's handoff."""
+    setup, model = single
+    layer = model.layers[0]
+    stream = residual.start(_batch(setup))
+    h, stream = layer.attn_boundary.prepare(_x(), stream)
+    out, stream = layer.attn_boundary.finish(h, stream)
+    with pytest.raises(RuntimeError, match="call prepare\\(\\) before"):
+        layer.attn_boundary.exit(stream)
+    with pytest.raises(RuntimeError, match="not the stack entry"):
+        model.layers[1].attn_boundary.prepare(_x(), residual.start(_batch(setup)))
+
+
+def test_a_batch_laid_out_on_another_topology(single):
+    """Batch facts for another mesh are rejected before any path runs."""
+    _, model = single
+    stream = residual.start(bj.BatchFacts.ordinary(bj.Topology(attn_tp=2)))
+    with pytest.raises(ValueError, match="was bound on"):
+        model.layers[0](_x(), stream)
+
+
+def test_compute_output_of_the_wrong_shape(single):
+    """finish() checks the compute output is [rows, hidden] on the stage's compute rows."""
+    setup, model = single
+    stream = residual.start(_batch(setup))
+    _, stream = model.layers[0].attn_boundary.prepare(_x(), stream)
+    with pytest.raises(ValueError, match="must return \\[rows, hidden\\]"):
+        model.layers[0].attn_boundary.finish(jnp.ones((ROWS + 1, HIDDEN)), stream)

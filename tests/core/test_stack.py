@@ -1,0 +1,187 @@
+"""Topology, layouts, declarations and stack binding: every decision made before tracing."""
+
+import jax
+import pytest
+
+import boundary_jax as bj
+from boundary_jax.bind import ExitKind
+
+from .standin import HIDDEN, make_mesh
+
+A = bj.TokenAxis
+
+
+def _stack(topology, *declarations, policy=bj.ReductionPolicy.AR, **options):
+    with bj.layer_stack(topology, reduction=policy, **options) as stack:
+        boundaries = bj.append_stages(*((d, bj.RMSNorm(HIDDEN)) for d in declarations))
+    return stack, boundaries
+
+
+def test_topology_reads_named_mesh_axes():
+    """A mesh's attn_dp / attn_tp axes become the topology; absent axes have size one."""
+    topology = bj.Topology.from_mesh(make_mesh(2, 4))
+    assert topology == bj.Topology(attn_dp=2, attn_tp=4)
+    assert topology.tp_size == 8
+    assert topology.sum_axes(bj.SumGroup.TP) == (A.ATTN_DP, A.ATTN_TP)
+    assert topology.sum_axes(bj.SumGroup.ATTN_CP) == ()
+    assert topology.shard_entry(bj.SumGroup.TP) == ("attn_dp", "attn_tp")
+    assert topology.shard_entry(bj.SumGroup.ATTN_TP) == "attn_tp"
+
+
+def test_topology_rejects_unknown_axes():
+    """A mesh axis boundary-jax does not know is rejected by name."""
+    with pytest.raises(ValueError, match=r"unknown axes \['tp'\]"):
+        bj.Topology.from_axis_sizes({"tp": 4})
+
+
+def test_layouts_drop_size_one_axes():
+    """Layouts keep only axes of size > 1, in canonical order, and give row PartitionSpecs."""
+    topology = bj.Topology(attn_dp=1, attn_tp=4)
+    assert topology.layout(A.ATTN_TP, A.ATTN_DP) == bj.Layout((A.ATTN_TP,))
+    assert topology.row_spec(topology.layout(A.ATTN_DP)) == jax.sharding.PartitionSpec(None)
+    wide = bj.Topology(attn_dp=2, attn_tp=2)
+    assert wide.row_spec(wide.layout(A.ATTN_DP, A.ATTN_TP), None) == jax.sharding.PartitionSpec(
+        ("attn_dp", "attn_tp"), None
+    )
+    with pytest.raises(ValueError, match="canonical order"):
+        bj.Layout((A.ATTN_TP, A.ATTN_DP))
+
+
+def test_stages_bind_when_the_stack_closes():
+    """Plans appear only when the stack closes; each declaration gets its place."""
+    topology = bj.Topology(attn_tp=2)
+    with bj.layer_stack(topology):
+        first = bj.append_stages((bj.declare_attn(), bj.RMSNorm(HIDDEN)))
+        second = bj.append_stages(
+            (bj.declare_ffn(), bj.RMSNorm(HIDDEN)), (bj.declare_attn(), bj.RMSNorm(HIDDEN))
+        )
+        assert all(b.plan is None for b in first + second)
+    last = second[-1]
+    assert first[0].declaration.place.previous is None
+    assert second[0].declaration.place.previous == first[0].declaration.facts()
+    assert [b.declaration.place.terminal for b in first + second] == [False, False, True]
+    assert last.plan.path(bj.BatchVariant.ORDINARY).initial_entry is None
+    assert first[0].plan.path(bj.BatchVariant.ORDINARY).initial_entry is not None
+
+
+def test_prepare_before_the_stack_closes_is_rejected():
+    """Running a stage whose stack is still open names the fix."""
+    topology = bj.Topology()
+    stream = bj.residual.start(bj.BatchFacts.ordinary(topology))
+    with bj.layer_stack(topology):
+        (boundary,) = bj.append_stages((bj.declare_attn(), bj.RMSNorm(HIDDEN)))
+        with pytest.raises(RuntimeError, match="is not bound yet"):
+            boundary.prepare(jax.numpy.ones((4, HIDDEN)), stream)
+
+
+def test_an_option_a_stage_does_not_take_is_rejected():
+    """append_stages rejects options the stage kind does not take, when appended."""
+    with pytest.raises(TypeError, match="do not take the options"), bj.layer_stack(bj.Topology()):
+        bj.append_stages((bj.declare_ffn(), bj.RMSNorm(HIDDEN), {"qkv_latent_func": print}))
+
+
+def test_a_declaration_from_a_bound_boundary_is_rejected():
+    """Reusing a bound boundary's declaration in another stack is rejected."""
+    _, (attn,) = _stack(bj.Topology(), bj.declare_attn())
+    with pytest.raises(ValueError, match="already has its place"), bj.layer_stack(bj.Topology()):
+        bj.append_stages((attn.declaration, bj.RMSNorm(HIDDEN)))
+
+
+def test_a_binding_error_names_its_append_stages_call():
+    """An error raised while binding carries a note with the append_stages call site."""
+    with (
+        pytest.raises(NotImplementedError, match="sparse") as info,
+        bj.layer_stack(bj.Topology()),
+    ):
+        bj.append_stages((bj.declare_attn(), None))
+        bj.append_stages((bj.declare_ffn(sparse=True), None))  # the line the note names
+    (note,) = info.value.__notes__
+    assert __file__ in note
+    assert "while binding the stage appended at" in note
+
+
+def test_next_sparse_must_match_the_next_ffn():
+    """A declared next_sparse that contradicts the stack is rejected at binding."""
+    with pytest.raises(ValueError, match="next FFN in the stack is dense"):
+        _stack(
+            bj.Topology(),
+            bj.declare_attn(),
+            bj.declare_ffn(next_sparse=True),
+            bj.declare_attn(),
+            bj.declare_ffn(),
+        )
+
+
+def test_pipeline_and_context_parallel_topologies_are_rejected_when_built():
+    """Reserved axes fail at construction, never at run time."""
+    with pytest.raises(NotImplementedError, match="pipeline"), bj.layer_stack(bj.Topology(pp=2)):
+        pass
+    with (
+        pytest.raises(NotImplementedError, match="context"),
+        bj.layer_stack(bj.Topology(attn_cp=2)),
+    ):
+        pass
+
+
+def test_input_scattered_paths_bind_only_where_every_attention_gathers():
+    """INPUT_SCATTERED needs attention TP > 1 and stages that take gathered attention-TP input."""
+    both = (bj.BatchVariant.ORDINARY, bj.BatchVariant.INPUT_SCATTERED)
+    _, boundaries = _stack(bj.Topology(attn_tp=2), bj.declare_attn(), bj.declare_ffn())
+    assert tuple(p.variant for p in boundaries[0].plan.paths) == both
+    _, boundaries = _stack(bj.Topology(attn_dp=2), bj.declare_attn(), bj.declare_ffn())
+    assert tuple(p.variant for p in boundaries[0].plan.paths) == both[:1]
+    mixer = bj.declare_attn(reduction=bj.ProducerReduction.EXIT_SCOPED, gathers_attn_tp_input=False)
+    _, boundaries = _stack(bj.Topology(attn_tp=2), mixer, bj.declare_ffn())
+    assert tuple(p.variant for p in boundaries[1].plan.paths) == both[:1]
+
+
+def test_reduction_policies_parse_and_resolve():
+    """Policies parse from their CLI spelling; AUTO resolves per architecture."""
+    assert bj.ReductionPolicy.parse("rs+rsv") is bj.ReductionPolicy.RS_RSV
+    with pytest.raises(ValueError, match="one of ar, rs, rsv, rs\\+rsv, auto"):
+        bj.ReductionPolicy.parse("reduce")
+    auto = bj.ReductionPolicy.AUTO
+    assert bj.resolve_reduction_policy(auto) is bj.ReductionPolicy.RS_RSV
+    bj.register_reduction_default("TestOnlyForCausalLM", bj.ReductionPolicy.AR)
+    assert bj.resolve_reduction_policy(auto, "TestOnlyForCausalLM") is bj.ReductionPolicy.AR
+    assert bj.resolve_reduction_policy(bj.ReductionPolicy.RS, "TestOnlyForCausalLM").value == "rs"
+
+
+def _ffn_exits(topology, policy, variant=bj.BatchVariant.ORDINARY):
+    _, boundaries = _stack(
+        topology,
+        bj.declare_attn(),
+        bj.declare_ffn(),
+        bj.declare_attn(),
+        bj.declare_ffn(),
+        policy=policy,
+    )
+    return [o.kind for o in boundaries[1].plan.path(variant).exits]
+
+
+def test_ineligible_scatter_policies_fall_back_to_the_all_reduce():
+    """rs and rsv are permissions: where they cannot apply, only the all-reduce path binds."""
+    P = bj.ReductionPolicy
+    plain_tp = bj.Topology(attn_tp=4)
+    for policy in P.RS, P.RSV, P.RS_RSV:
+        assert _ffn_exits(plain_tp, policy) == [ExitKind.LEAVE_TO_NEXT_INPUT]
+    dp_tp = bj.Topology(attn_dp=2, attn_tp=2)
+    assert _ffn_exits(dp_tp, P.RS_RSV) == [
+        ExitKind.DP_REDUCE_SCATTER,
+        ExitKind.REDUCE_SCATTER,
+        ExitKind.ALL_REDUCE,
+    ]
+    assert _ffn_exits(dp_tp, P.RSV, bj.BatchVariant.INPUT_SCATTERED) == [ExitKind.ALL_REDUCE]
+    assert _ffn_exits(dp_tp, P.AR) == [ExitKind.ALL_REDUCE]
+
+
+def test_mixer_exit_leaves_its_sum_to_an_ffn_and_completes_before_a_mixer_under_dp():
+    """A mixer carries its attention-TP sum to an FFN always, to a mixer only without DP."""
+    mixer = bj.declare_attn(reduction=bj.ProducerReduction.EXIT_SCOPED)
+    for dp, expected in ((1, ExitKind.LEAVE_TO_NEXT_INPUT), (2, ExitKind.ALL_REDUCE)):
+        _, (first, second, ffn) = _stack(
+            bj.Topology(attn_dp=dp, attn_tp=2), mixer, mixer, bj.declare_ffn()
+        )
+        ordinary = bj.BatchVariant.ORDINARY
+        assert first.plan.path(ordinary).exits[0].kind is expected
+        assert second.plan.path(ordinary).exits[0].kind is ExitKind.LEAVE_TO_NEXT_INPUT
