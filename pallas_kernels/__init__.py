@@ -1,0 +1,14 @@
+"""Fused Pallas kernels for layer boundaries: add + RMSNorm, and all-reduce + add + RMSNorm."""
+
+from .add_rms_norm import add_rms_norm as add_rms_norm
+from .add_rms_norm import add_rms_norm_reference as add_rms_norm_reference
+from .add_rms_norm import add_rms_norm_supported as add_rms_norm_supported
+from .all_reduce_add_rms_norm import AllReduceAlgorithm as AllReduceAlgorithm
+from .all_reduce_add_rms_norm import all_reduce_add_rms_norm as all_reduce_add_rms_norm
+from .all_reduce_add_rms_norm import (
+    all_reduce_add_rms_norm_reference as all_reduce_add_rms_norm_reference,
+)
+from .all_reduce_add_rms_norm import (
+    all_reduce_add_rms_norm_supported as all_reduce_add_rms_norm_supported,
+)
+from .impl import Impl as Impl

@@ -1,0 +1,391 @@
+"""Fused residual add + RMSNorm: `normed, new_residual = norm(x + residual) * weight, x + residual`.
+
+Layout: the reference (the spec), the kernel bodies (a BlockSpec body shared by Mosaic TPU, Triton
+and the interpreter; a Mosaic GPU body), block sizes, and the public wrapper.
+"""
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
+
+from . import _compat
+from ._common import MAX_HIDDEN_GPU, check_inputs, gpu_vector_size, inverse_rms, weight_factor
+from .impl import SUPPORTED_DTYPES, Impl, check_impl, platform_kernel
+
+# ---------------------------------------------------------------------------------------------
+# Reference
+
+
+def add_rms_norm_reference(
+    x: jax.Array,  # [..., hidden]
+    residual: jax.Array | None,  # [..., hidden], x's dtype
+    weight: jax.Array,  # [hidden]
+    *,
+    eps: float = 1e-6,
+    gemma: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """The specification of `add_rms_norm`, in plain `jnp` with float32 accumulation.
+
+    Args:
+      x: The stage output to add.
+      residual: The residual stream, or None to normalize `x` alone.
+      weight: The norm's scale.
+      eps: Added to the mean of squares.
+      gemma: Scale by `1 + weight` instead of `weight`.
+
+    Returns:
+      `(normed, new_residual)`: the float32 sum `x + residual` normalized, scaled and cast to
+      `x.dtype`, and that sum rounded to `x.dtype` (`x` itself when `residual` is None).
+    """
+    summed = x.astype(jnp.float32)
+    if residual is not None:
+        summed = summed + residual.astype(jnp.float32)
+    mean_square = jnp.mean(summed * summed, axis=-1, keepdims=True)
+    scale = weight_factor(weight, gemma=gemma).reshape((1,) * (x.ndim - 1) + weight.shape)
+    normed = (summed * lax.rsqrt(mean_square + eps) * scale).astype(x.dtype)
+    return normed, (x if residual is None else summed.astype(x.dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel bodies
+
+
+def _add_rms_norm_kernel(*refs, hidden: int, eps: float, gemma: bool, has_residual: bool):
+    """One [block_rows, block_hidden] block; lanes past `hidden` (Triton padding) are masked."""
+    if has_residual:
+        x_ref, residual_ref, weight_ref, out_ref, residual_out_ref = refs
+    else:
+        x_ref, weight_ref, out_ref = refs
+    summed = x_ref[...].astype(jnp.float32)
+    if has_residual:
+        summed = summed + residual_ref[...].astype(jnp.float32)
+        residual_out_ref[...] = summed.astype(residual_out_ref.dtype)
+    if summed.shape[1] != hidden:
+        lanes = lax.broadcasted_iota(jnp.int32, summed.shape, 1)
+        summed = jnp.where(lanes < hidden, summed, 0.0)
+    inv_rms = inverse_rms(jnp.sum(summed * summed, axis=1, keepdims=True), hidden=hidden, eps=eps)
+    scale = weight_factor(weight_ref[...], gemma=gemma)
+    out_ref[...] = (summed * inv_rms * scale).astype(out_ref.dtype)
+
+
+_PROGRAMS = "programs"
+
+
+def _add_rms_norm_gpu_kernel(
+    *refs,
+    rows: int,
+    hidden: int,
+    eps: float,
+    gemma: bool,
+    has_residual: bool,
+    num_programs: int,
+    rows_per_step: int,
+    vector_size: int,
+):
+    """Mosaic GPU: each program (one warpgroup) walks its rows, `rows_per_step` rows at a time.
+
+    A row lives in registers in the warpgroup-strided layout (16-byte accesses). The rows of one
+    step are all loaded before any is reduced, so their memory latencies overlap. A short last
+    step re-does row `rows - 1` instead of branching: the duplicate writes carry equal values.
+    """
+    if has_residual:
+        x_ref, residual_ref, weight_ref, out_ref, residual_out_ref = refs
+    else:
+        x_ref, weight_ref, out_ref = refs
+    layout = plgpu.Layout.WG_STRIDED((hidden,), vec_size=vector_size)
+    scale = weight_factor(plgpu.load(weight_ref, layout=layout), gemma=gemma)
+    first = lax.axis_index(_PROGRAMS) * rows_per_step
+
+    @pl.loop(first, rows, step=num_programs * rows_per_step)
+    def _step(row):
+        step_rows = (
+            [row]
+            if rows_per_step == 1
+            else [jnp.minimum(row + i, rows - 1) for i in range(rows_per_step)]
+        )
+        sums = []
+        for r in step_rows:
+            summed = plgpu.load(x_ref.at[r], layout=layout).astype(jnp.float32)
+            if has_residual:
+                summed = summed + plgpu.load(residual_ref.at[r], layout=layout).astype(jnp.float32)
+            sums.append(summed)
+        for r, summed in zip(step_rows, sums, strict=True):
+            if has_residual:
+                residual_out_ref[r] = summed.astype(residual_out_ref.dtype)
+            inv_rms = inverse_rms(jnp.sum(summed * summed), hidden=hidden, eps=eps)
+            out_ref[r] = (summed * inv_rms * scale).astype(out_ref.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Block sizes
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockShape:
+    """Grid blocking of the BlockSpec kernel (Mosaic TPU, Triton, interpreter).
+
+    Attributes:
+      block_rows: Rows per grid step; the last block may be ragged.
+      block_hidden: Hidden lanes per block: `hidden`, or for Triton the next power of two.
+      num_warps: Triton warps per program (None elsewhere).
+    """
+
+    block_rows: int
+    block_hidden: int
+    num_warps: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuLaunch:
+    """Launch shape of the Mosaic GPU kernel.
+
+    Attributes:
+      num_programs: Warpgroups launched; each walks rows with this stride.
+      rows_per_step: Rows whose loads a program issues together.
+      vector_size: Elements per thread per vector access.
+    """
+
+    num_programs: int
+    rows_per_step: int
+    vector_size: int
+
+
+_TPU_BLOCK_BYTES = 512 * 1024
+_TPU_MAX_HIDDEN = 16384  # a minimal block (8-16 rows), double-buffered, stays within ~8 MiB of VMEM
+_INTERPRET_BLOCK_ROWS = 8  # small, so CPU tests cover multi-block grids and ragged last blocks
+_TRITON_BLOCK_ELEMENTS = 8192
+# Measured on H200 (benchmarks/RESULTS.md run 1): one program per row, scheduled by the hardware,
+# beat 1-8 persistent programs per SM by 3-5% at 4096-32768 rows; 2 rows per step did not help.
+_GPU_ROWS_PER_STEP = 1
+
+
+def block_shape(impl: Impl, rows: int, hidden: int, dtype: np.dtype) -> BlockShape:
+    """Block sizes of the BlockSpec kernel for `impl` on a [rows, hidden] input."""
+    itemsize = np.dtype(dtype).itemsize
+    if impl is Impl.PALLAS_TRITON:
+        block_hidden = pl.next_power_of_2(hidden)
+        block_rows = min(max(1, _TRITON_BLOCK_ELEMENTS // block_hidden), pl.next_power_of_2(rows))
+        num_warps = 4 if block_rows * block_hidden <= 2048 else 8 if block_hidden <= 8192 else 16
+        return BlockShape(block_rows, block_hidden, num_warps)
+    if impl is Impl.PALLAS_INTERPRET:
+        return BlockShape(min(rows, _INTERPRET_BLOCK_ROWS), hidden)
+    sublanes = 32 // itemsize  # Mosaic TPU tiles rows by 8 (f32) or 16 (16-bit)
+    block_rows = max(sublanes, _TPU_BLOCK_BYTES // (hidden * itemsize) // sublanes * sublanes)
+    return BlockShape(rows if rows <= block_rows else block_rows, hidden)
+
+
+def gpu_launch(rows: int, hidden: int, dtype: np.dtype) -> GpuLaunch:
+    """Launch shape of the Mosaic GPU kernel on a [rows, hidden] input."""
+    num_programs = pl.cdiv(rows, _GPU_ROWS_PER_STEP)
+    return GpuLaunch(num_programs, _GPU_ROWS_PER_STEP, gpu_vector_size(hidden, dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# Public wrapper
+
+
+def add_rms_norm_supported(
+    *, platform: str, rows: int, hidden: int, dtype: jnp.dtype, impl: Impl | None = None
+) -> bool:
+    """Whether a fused Pallas kernel takes this call; pure Python, no side effects.
+
+    Args:
+      platform: Where it would run, as `jax.default_backend()` names it.
+      rows: Rows after flattening leading dimensions.
+      hidden: The normalized (last) dimension.
+      dtype: The dtype of `x` and `residual`.
+      impl: A backend to ask about; None asks about the platform's own kernel.
+
+    Returns:
+      True when `add_rms_norm(..., impl=impl)` would run a Pallas kernel (for `Impl.XLA`: always).
+      False for the platform default on CPU, where no kernel beats XLA.
+    """
+    check_impl(impl)
+    if impl is None:
+        impl = platform_kernel(platform)
+        if impl is Impl.XLA:
+            return False
+    if np.dtype(dtype) not in SUPPORTED_DTYPES or rows < 1 or hidden < 1:
+        return False
+    match impl:
+        case Impl.XLA | Impl.PALLAS_INTERPRET:
+            return True
+        case Impl.PALLAS_GPU:
+            return platform in ("gpu", "cuda") and _gpu_kernel_fits(hidden, dtype)
+        case Impl.PALLAS_GPU_INTERPRET:
+            return _compat.gpu_interpret_params() is not None and _gpu_kernel_fits(hidden, dtype)
+        case Impl.PALLAS_TRITON:
+            return platform in ("gpu", "cuda") and hidden <= MAX_HIDDEN_GPU
+        case Impl.PALLAS_TPU:
+            return platform == "tpu" and hidden <= _TPU_MAX_HIDDEN
+
+
+def _gpu_kernel_fits(hidden: int, dtype: jnp.dtype) -> bool:
+    return hidden <= MAX_HIDDEN_GPU and gpu_vector_size(hidden, dtype) > 0
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "gemma", "impl"))
+def add_rms_norm(
+    x: jax.Array,  # [..., rows, hidden]
+    residual: jax.Array | None,  # like x
+    weight: jax.Array,  # [hidden]
+    *,
+    eps: float = 1e-6,
+    gemma: bool = False,
+    impl: Impl | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Adds `x` to the residual stream and RMS-normalizes the sum, in one pass over memory.
+
+    The sum is formed in float32; the new residual is that sum rounded to `x.dtype`, and the
+    normalized output is computed from the unrounded sum. `add_rms_norm_reference` is the spec.
+
+    Args:
+      x: The stage output, float32, bfloat16 or float16; leading dimensions are flattened.
+      residual: The residual stream (x's shape and dtype), or None to normalize `x` alone.
+      weight: The norm's scale, any floating dtype.
+      eps: Added to the mean of squares.
+      gemma: Scale by `1 + weight` (Gemma's convention) instead of `weight`.
+      impl: The backend. None picks the platform's kernel (Mosaic GPU on GPU, Mosaic TPU on TPU)
+        when `add_rms_norm_supported` says it takes the shape, and the XLA reference otherwise.
+
+    Returns:
+      `(normed, new_residual)`, both shaped like `x`, in `x.dtype`; `new_residual` is `x` itself
+      when `residual` is None.
+
+    Raises:
+      TypeError: Bad dtypes or a non-`Impl` impl.
+      ValueError: Bad shapes or eps.
+      NotImplementedError: An explicit `impl` that cannot run this call on this platform.
+    """
+    check_inputs(x, residual, weight, eps=eps)
+    check_impl(impl)
+    hidden = x.shape[-1]
+    rows = math.prod(x.shape[:-1])
+    platform = jax.default_backend()
+    if impl is None:
+        impl = platform_kernel(platform)
+        if not add_rms_norm_supported(platform=platform, rows=rows, hidden=hidden, dtype=x.dtype):
+            impl = Impl.XLA
+    elif not add_rms_norm_supported(
+        platform=platform, rows=max(rows, 1), hidden=hidden, dtype=x.dtype, impl=impl
+    ):
+        raise NotImplementedError(
+            f"{impl} cannot run add_rms_norm on {platform=} with {x.shape=}, {x.dtype=}; "
+            "check add_rms_norm_supported() first, or pass impl=None to fall back to XLA."
+        )
+    if impl is Impl.XLA or rows == 0:
+        return add_rms_norm_reference(x, residual, weight, eps=eps, gemma=gemma)
+
+    x_rows = x.reshape(rows, hidden)
+    residual_rows = None if residual is None else residual.reshape(rows, hidden)
+    if impl in (Impl.PALLAS_GPU, Impl.PALLAS_GPU_INTERPRET):
+        outs = mosaic_gpu_add_rms_norm(
+            x_rows,
+            residual_rows,
+            weight,
+            eps=eps,
+            gemma=gemma,
+            launch=gpu_launch(rows, hidden, x.dtype),
+            interpret=None if impl is Impl.PALLAS_GPU else _compat.gpu_interpret_params(),
+        )
+    else:
+        outs = _pallas_call_add_rms_norm(
+            x_rows, residual_rows, weight, eps=eps, gemma=gemma, impl=impl
+        )
+    normed = outs[0].reshape(x.shape)
+    return normed, (x if residual is None else outs[1].reshape(x.shape))
+
+
+def mosaic_gpu_add_rms_norm(
+    x: jax.Array,  # [rows, hidden]
+    residual: jax.Array | None,  # [rows, hidden]
+    weight: jax.Array,  # [hidden]
+    *,
+    eps: float,
+    gemma: bool,
+    launch: GpuLaunch,
+    interpret: object = None,
+) -> tuple[jax.Array, ...]:
+    """Runs the Mosaic GPU kernel with an explicit launch shape (benchmarks sweep it).
+
+    Args:
+      x, residual, weight, eps, gemma: As for `add_rms_norm`, already flattened to rows and
+        validated.
+      launch: The grid and vector shape; `gpu_launch` gives the tuned default.
+      interpret: None to compile for the GPU, or Mosaic GPU interpret parameters to run on CPU.
+
+    Returns:
+      `(normed,)`, or `(normed, new_residual)` when a residual is given.
+    """
+    rows, hidden = x.shape
+    has_residual = residual is not None
+    kernel = functools.partial(
+        _add_rms_norm_gpu_kernel,
+        rows=rows,
+        hidden=hidden,
+        eps=eps,
+        gemma=gemma,
+        has_residual=has_residual,
+        num_programs=launch.num_programs,
+        rows_per_step=launch.rows_per_step,
+        vector_size=launch.vector_size,
+    )
+    out = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    call = plgpu.kernel(
+        kernel,
+        out_type=(out, out) if has_residual else (out,),
+        grid=(launch.num_programs,),
+        grid_names=(_PROGRAMS,),
+        # Safe: no thread reads memory it also writes.
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Lane, unsafe_no_auto_barriers=True
+        ),
+        interpret=interpret,
+    )
+    return tuple(call(x, residual, weight) if has_residual else call(x, weight))
+
+
+def _pallas_call_add_rms_norm(
+    x: jax.Array,  # [rows, hidden]
+    residual: jax.Array | None,  # [rows, hidden]
+    weight: jax.Array,  # [hidden]
+    *,
+    eps: float,
+    gemma: bool,
+    impl: Impl,
+) -> tuple[jax.Array, ...]:
+    rows, hidden = x.shape
+    blocks = block_shape(impl, rows, hidden, x.dtype)
+    row_block = pl.BlockSpec((blocks.block_rows, blocks.block_hidden), lambda i: (i, 0))
+    weight_block = pl.BlockSpec((1, blocks.block_hidden), lambda i: (0, 0))
+    has_residual = residual is not None
+    operands = (x, residual) if has_residual else (x,)
+    out = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    match impl:
+        case Impl.PALLAS_TRITON:
+            compiler_params = pltriton.CompilerParams(num_warps=blocks.num_warps)
+        case Impl.PALLAS_TPU:
+            compiler_params = pltpu.CompilerParams(dimension_semantics=("parallel",))
+        case _:
+            compiler_params = None
+    call = pl.pallas_call(
+        functools.partial(
+            _add_rms_norm_kernel, hidden=hidden, eps=eps, gemma=gemma, has_residual=has_residual
+        ),
+        out_shape=(out, out) if has_residual else (out,),
+        grid=(pl.cdiv(rows, blocks.block_rows),),
+        in_specs=[row_block] * len(operands) + [weight_block],
+        out_specs=(row_block, row_block) if has_residual else (row_block,),
+        compiler_params=compiler_params,
+        interpret=impl is Impl.PALLAS_INTERPRET,
+    )
+    return tuple(call(*operands, weight.reshape(1, hidden)))

@@ -1,0 +1,211 @@
+"""add_rms_norm: every kernel body equals the jnp reference; bad calls fail with clear errors."""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import (
+    Impl,
+    _compat,
+    add_rms_norm,
+    add_rms_norm_reference,
+    add_rms_norm_supported,
+)
+from pallas_kernels.add_rms_norm import GpuLaunch, mosaic_gpu_add_rms_norm
+
+# Max error relative to the largest reference value: float32 to 1e-6, 16-bit to one rounding.
+TOL = {jnp.float32: 1e-6, jnp.bfloat16: 2.0**-7, jnp.float16: 2.0**-10}
+
+GPU_INTERPRET = pytest.mark.skipif(
+    _compat.gpu_interpret_params() is None, reason="this JAX has no Mosaic GPU interpreter"
+)
+
+
+def make_inputs(shape, dtype, seed=0):
+    """Random x, residual and weight (never zeros or ones), in `dtype`."""
+    kx, kr, kw = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(kx, shape, jnp.float32).astype(dtype)
+    residual = (3 * jax.random.normal(kr, shape, jnp.float32)).astype(dtype)
+    weight = (1 + jax.random.normal(kw, shape[-1:], jnp.float32)).astype(dtype)
+    return x, residual, weight
+
+
+reference = jax.jit(add_rms_norm_reference, static_argnames=("eps", "gemma"))
+
+
+def assert_close(got, want, dtype):
+    """Max |got - want| within TOL[dtype] of the largest |want|; same shapes and dtypes."""
+    chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
+    for g, w in zip(got, want, strict=True):
+        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        assert np.all(np.isfinite(g)), "non-finite output: an unwritten or wrongly read row"
+        np.testing.assert_array_less(np.max(np.abs(g - w)), TOL[dtype] * np.max(np.abs(w)) + 1e-30)
+
+
+# (shape, dtype, gemma, with_residual): odd rows (ragged last block), odd hidden, batch dims.
+CASES = [
+    ((37, 256), jnp.float32, False, True),
+    ((37, 256), jnp.bfloat16, True, True),
+    ((1, 128), jnp.bfloat16, False, True),
+    ((9, 1000), jnp.float32, False, True),
+    ((9, 1000), jnp.bfloat16, True, False),
+    ((2, 5, 384), jnp.float16, False, True),
+    ((3, 2048), jnp.bfloat16, False, False),
+    ((4, 16384), jnp.bfloat16, True, True),
+]
+
+
+def case_id(case):
+    shape, dtype, gemma, with_residual = case
+    return (
+        "x".join(map(str, shape)) + f"-{dtype.__name__}-gemma{int(gemma)}-res{int(with_residual)}"
+    )
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_interpret_kernel_matches_reference(case):
+    """The BlockSpec kernel (TPU/Triton body) in the interpreter equals the reference."""
+    shape, dtype, gemma, with_residual = case
+    x, residual, weight = make_inputs(shape, dtype)
+    residual = residual if with_residual else None
+    got = add_rms_norm(x, residual, weight, gemma=gemma, impl=Impl.PALLAS_INTERPRET)
+    assert_close(got, reference(x, residual, weight, gemma=gemma), dtype)
+
+
+@GPU_INTERPRET
+@pytest.mark.parametrize(
+    "case", [c for c in CASES if c[0][-1] % 128 == 0 and c[0][-1] <= 2048], ids=case_id
+)
+def test_gpu_interpret_kernel_matches_reference(case):
+    """The Mosaic GPU kernel in the Mosaic GPU interpreter equals the reference."""
+    shape, dtype, gemma, with_residual = case
+    x, residual, weight = make_inputs(shape, dtype)
+    residual = residual if with_residual else None
+    got = add_rms_norm(x, residual, weight, gemma=gemma, impl=Impl.PALLAS_GPU_INTERPRET)
+    assert_close(got, reference(x, residual, weight, gemma=gemma), dtype)
+
+
+@GPU_INTERPRET
+@pytest.mark.parametrize("rows_per_step", [2, 3])
+def test_gpu_kernel_multi_row_steps_cover_every_row(rows_per_step):
+    """Steps of several rows (the last one short, re-doing the final row) write every row once."""
+    x, residual, weight = make_inputs((11, 256), jnp.float32, seed=1)
+    launch = GpuLaunch(num_programs=2, rows_per_step=rows_per_step, vector_size=2)
+    got = mosaic_gpu_add_rms_norm(
+        x,
+        residual,
+        weight,
+        eps=1e-6,
+        gemma=False,
+        launch=launch,
+        interpret=_compat.gpu_interpret_params(),
+    )
+    assert_close(got, reference(x, residual, weight), jnp.float32)
+
+
+def test_default_on_cpu_is_the_reference():
+    """impl=None on CPU runs XLA's fusion of the reference, bit for bit."""
+    x, residual, weight = make_inputs((5, 384), jnp.bfloat16)
+    chex.assert_trees_all_equal(add_rms_norm(x, residual, weight), reference(x, residual, weight))
+
+
+def test_residual_none_returns_x_as_residual():
+    """Without a residual, x is normalized alone and comes back unchanged as the residual."""
+    x, _, weight = make_inputs((6, 256), jnp.bfloat16)
+    normed, new_residual = add_rms_norm(x, None, weight, impl=Impl.PALLAS_INTERPRET)
+    chex.assert_trees_all_equal(new_residual, x)
+    assert_close((normed,), reference(x, None, weight)[:1], jnp.bfloat16)
+
+
+def test_new_residual_is_float32_sum_rounded_once():
+    """new_residual is round(x + residual in float32), not a bfloat16 addition."""
+    x, residual, weight = make_inputs((4, 256), jnp.bfloat16)
+    want = (x.astype(jnp.float32) + residual.astype(jnp.float32)).astype(jnp.bfloat16)
+    _, new_residual = add_rms_norm(x, residual, weight, impl=Impl.PALLAS_INTERPRET)
+    chex.assert_trees_all_equal(new_residual, want)
+
+
+def test_gemma_scales_by_one_plus_weight():
+    """gemma=True equals gemma=False with weight + 1."""
+    x, residual, weight = make_inputs((4, 256), jnp.float32)
+    gemma = add_rms_norm(x, residual, weight, gemma=True, impl=Impl.PALLAS_INTERPRET)
+    plain = add_rms_norm(x, residual, weight + 1, impl=Impl.PALLAS_INTERPRET)
+    assert_close(gemma, plain, jnp.float32)
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda x, r, w: add_rms_norm(x[0], r[0], w), ValueError, r"\[rows, hidden\]"),
+        (lambda x, r, w: add_rms_norm(x, r[:2], w), ValueError, "residual must have x's shape"),
+        (
+            lambda x, r, w: add_rms_norm(x, r.astype(jnp.float32), w),
+            TypeError,
+            "residual must have x's dtype",
+        ),
+        (lambda x, r, w: add_rms_norm(x, r, w[:8]), ValueError, r"weight must be \[hidden\]"),
+        (
+            lambda x, r, w: add_rms_norm(x.astype(jnp.int32), None, w),
+            TypeError,
+            "x must have dtype",
+        ),
+        (lambda x, r, w: add_rms_norm(x, r, w, eps=-1.0), ValueError, "eps must be >= 0"),
+        (lambda x, r, w: add_rms_norm(x, r, w, impl="pallas"), TypeError, "Impl member"),
+        (
+            lambda x, r, w: add_rms_norm(x, r, w, impl=Impl.PALLAS_GPU),
+            NotImplementedError,
+            "add_rms_norm_supported",
+        ),
+    ],
+    ids=["rank", "residual-shape", "residual-dtype", "weight", "int", "eps", "impl-type", "gpu"],
+)
+def test_invalid_calls_raise_clear_errors(call, error, match):
+    """Bad shapes, dtypes, eps or backends fail at trace time with a message naming the rule."""
+    x, residual, weight = make_inputs((4, 128), jnp.bfloat16)
+    with pytest.raises(error, match=match):
+        call(x, residual, weight)
+
+
+@pytest.mark.parametrize(
+    "kwargs, want",
+    [
+        (dict(platform="cpu", rows=8, hidden=4096, dtype=jnp.bfloat16), False),
+        (dict(platform="gpu", rows=8, hidden=4096, dtype=jnp.bfloat16), True),
+        (dict(platform="gpu", rows=8, hidden=1000, dtype=jnp.bfloat16), False),
+        (dict(platform="gpu", rows=8, hidden=32768, dtype=jnp.bfloat16), False),
+        (
+            dict(platform="gpu", rows=8, hidden=1000, dtype=jnp.bfloat16, impl=Impl.PALLAS_TRITON),
+            True,
+        ),
+        (dict(platform="tpu", rows=8, hidden=1000, dtype=jnp.float32), True),
+        (dict(platform="gpu", rows=8, hidden=4096, dtype=jnp.int8), False),
+        (dict(platform="cpu", rows=8, hidden=1000, dtype=jnp.float16, impl=Impl.XLA), True),
+        (dict(platform="cpu", rows=8, hidden=1000, dtype=jnp.float16, impl=Impl.PALLAS_TPU), False),
+    ],
+)
+def test_supported_predicate(kwargs, want):
+    """add_rms_norm_supported answers per platform, shape and dtype without touching arrays."""
+    assert add_rms_norm_supported(**kwargs) is want
+
+
+@functools.cache
+def _cuda_module(shape, dtype, with_residual):
+    x = jax.ShapeDtypeStruct(shape, dtype)
+    weight = jax.ShapeDtypeStruct(shape[-1:], jnp.float32)
+
+    def call(x, residual, weight):
+        launch = GpuLaunch(num_programs=min(shape[0], 264), rows_per_step=1, vector_size=8)
+        return mosaic_gpu_add_rms_norm(x, residual, weight, eps=1e-6, gemma=True, launch=launch)
+
+    exported = jax.export.export(jax.jit(call), platforms=["cuda"])
+    return exported(x, x if with_residual else None, weight).mlir_module()
+
+
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_mosaic_gpu_kernel_lowers_for_cuda(with_residual):
+    """The Mosaic GPU kernel lowers to a Mosaic GPU custom call without a GPU present."""
+    assert "mosaic_gpu" in _cuda_module((4096, 8192), jnp.bfloat16, with_residual)
