@@ -1,0 +1,92 @@
+"""Timing and reporting helpers shared by the GPU benchmarks.
+
+Kernel times come from CUPTI (through Mosaic GPU's profiler): device time of the kernels a call
+launches, without host dispatch. Where CUPTI is unavailable they fall back to wall-clock time of
+many back-to-back calls, which includes dispatch; the header line says which clock was used.
+"""
+
+import datetime
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+from jax.experimental.mosaic.gpu import profiler
+
+
+def header(title: str) -> str:
+    """Machine, JAX version and date, for RESULTS.md."""
+    gpus = subprocess.run(
+        ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    return (
+        f"== {title}\n"
+        f"date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}\n"
+        f"jax {jax.__version__}, devices: {jax.devices()}\n"
+        f"nvidia-smi: {gpus.replace(chr(10), ' | ')}"
+    )
+
+
+def _cupti_ms(fn: Callable, args: Sequence) -> float:
+    _, ms = profiler.measure(fn)(*args)
+    return float(ms)
+
+
+def kernel_ms(
+    fn: Callable, arg_sets: Sequence[Sequence], *, warmup: int = 3, repeats: int = 40
+) -> float:
+    """Median device time of `fn` in ms, rotating over `arg_sets` so caches don't flatter."""
+    for i in range(warmup):
+        jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
+    try:
+        times = [_cupti_ms(fn, arg_sets[i % len(arg_sets)]) for i in range(repeats)]
+    except Exception as error:  # CUPTI missing or busy: fall back to the wall clock
+        print(f"  (CUPTI failed: {type(error).__name__}: {error}; wall clock instead)")
+        times = []
+        for _ in range(max(5, repeats // 8)):
+            start = time.perf_counter()
+            outs = [fn(*arg_sets[i % len(arg_sets)]) for i in range(16)]
+            jax.block_until_ready(outs)
+            times.append((time.perf_counter() - start) * 1e3 / 16)
+    return statistics.median(times)
+
+
+def wall_ms(fn: Callable, args: Sequence, *, warmup: int = 3, repeats: int = 30) -> float:
+    """Median wall-clock time in ms of one blocking call of `fn` (for jitted loops)."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def relative_error(got, want) -> float:
+    """max |got - want| / max |want| over all leaves, in float64; inf if anything is non-finite."""
+    worst = 0.0
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        if not np.all(np.isfinite(g)):
+            return float("inf")
+        worst = max(worst, float(np.max(np.abs(g - w)) / max(np.max(np.abs(w)), 1e-30)))
+    return worst
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence]) -> None:
+    """Prints a Markdown table."""
+    cells = [[f"{c:.3g}" if isinstance(c, float) else str(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+
+    def line(items):
+        return "| " + " | ".join(s.rjust(w) for s, w in zip(items, widths, strict=True)) + " |"
+
+    print(line(headers))
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for row in cells:
+        print(line(row))
