@@ -4,6 +4,7 @@ Declare each stage (`declare_attn`, `declare_ffn`), append the stages inside a `
 and run each layer as `prepare` -> compute -> `finish`, threading the `ResidualStream`.
 """
 
+from . import fusions as fusions
 from . import residual as residual
 from .batch import BatchFacts as BatchFacts
 from .bind import ExitKind as ExitKind

@@ -15,6 +15,7 @@ import enum
 from . import ops
 from .contracts import Placement, ProducerReduction, ReductionPolicy, StageKind
 from .declare import StageDeclaration
+from .fusions import FusionProvider, InputFusion
 from .layout import BatchVariant, Layout, TokenAxis, Topology
 from .ops import AllGather, AllReduce, ReduceScatter, Step, TakeBlock
 
@@ -137,12 +138,22 @@ class StagePath:
 
 @dataclasses.dataclass(frozen=True)
 class StagePlan:
-    """A bound stage: its declaration with its place, and a path per supported batch variant."""
+    """A bound stage: its declaration with its place, and a path per supported batch variant.
+
+    Attributes:
+      declaration: The declaration, with its place in the stack.
+      topology: The topology it is bound on.
+      policy: The resolved reduction policy.
+      paths: One path per supported batch variant.
+      input_fusions: Fused candidates for this stage's input, tried in order before the
+        built-in path.
+    """
 
     declaration: StageDeclaration
     topology: Topology
     policy: ReductionPolicy
     paths: tuple[StagePath, ...]
+    input_fusions: tuple[InputFusion, ...] = ()
 
     def path(self, variant: BatchVariant) -> StagePath:
         """The path bound for `variant`.
@@ -284,8 +295,11 @@ def bind_stage(
     producer: StageDeclaration | None,
     consumer: StageDeclaration | None,
     stack: StackFacts,
+    fusions: FusionProvider | None = None,
 ) -> StagePlan:
     """Binds one stage between its producer (None: the stack input) and consumer (None: the end).
+
+    `fusions` supplies the ordered fused candidates of this stage's input.
 
     Raises:
       NotImplementedError: The stage needs a path boundary-jax does not implement.
@@ -333,7 +347,14 @@ def bind_stage(
         )
         _check_path(path, declaration, topology)
         paths.append(path)
-    return StagePlan(declaration, topology, stack.policy, tuple(paths))
+    plan = StagePlan(declaration, topology, stack.policy, tuple(paths))
+    if fusions is None:
+        return plan
+    if declaration.kind is StageKind.ATTN:
+        candidates = fusions.attn_input_fusions(plan)
+    else:
+        candidates = fusions.ffn_input_fusions(plan)
+    return dataclasses.replace(plan, input_fusions=tuple(candidates))
 
 
 def _check_path(path: StagePath, declaration: StageDeclaration, topology: Topology) -> None:

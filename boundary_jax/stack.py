@@ -8,16 +8,19 @@ import dataclasses
 import sys
 from collections.abc import Iterator, Mapping
 
+import jax
+
 from .bind import StackFacts, bind_stage, supported_variants
 from .contracts import ReductionPolicy, StageKind, resolve_reduction_policy
 from .declare import StackPlace, StageDeclaration
-from .layout import SumGroup, Topology
+from .fusions import FusionProvider, platform_fusions
+from .layout import SumGroup, TokenAxis, Topology
 from .residual.protocols import Norm
 from .stage import StageBoundary
 
 _STAGE_OPTIONS: dict[StageKind, frozenset[str]] = {
-    StageKind.ATTN: frozenset(),
-    StageKind.FFN: frozenset(),
+    StageKind.ATTN: frozenset({"fusions"}),
+    StageKind.FFN: frozenset({"fusions"}),
 }
 
 
@@ -29,12 +32,14 @@ class LayerStack:
       topology: The parallel topology every stage binds on.
       policy: The resolved reduction policy.
       input_sum: The sum the stack input still owes when it reaches the first stage.
+      fusions: The fusion provider of stages appended without their own.
       boundaries: The stages appended so far, in stack order.
     """
 
     topology: Topology
     policy: ReductionPolicy
     input_sum: SumGroup | None
+    fusions: FusionProvider
     boundaries: list[StageBoundary] = dataclasses.field(default_factory=list)
 
     def bind(self) -> None:
@@ -56,6 +61,7 @@ class LayerStack:
                     producer,
                     consumer,
                     facts,
+                    boundary.fusions or self.fusions,
                 )
             except Exception as error:
                 error.add_note(f"while binding the stage appended at {boundary.call_site}")
@@ -75,6 +81,7 @@ def layer_stack(
     reduction: ReductionPolicy = ReductionPolicy.AUTO,
     architecture: str | None = None,
     input_sum: SumGroup | None = None,
+    fusions: FusionProvider | None = None,
 ) -> Iterator[LayerStack]:
     """Opens a layer stack; every `append_stages` inside it extends this stack.
 
@@ -87,6 +94,8 @@ def layer_stack(
       architecture: Names the model for AUTO's per-architecture default.
       input_sum: The sum the stack input owes (a vocab-parallel embedding: `SumGroup.ATTN_TP`);
         the first stage's entry completes it.
+      fusions: Fused candidates for stages appended without a `fusions` option; None takes the
+        Pallas kernels of the platform JAX runs on now (none on CPU).
 
     Raises:
       NotImplementedError: The topology uses pipeline or attention context parallelism.
@@ -97,7 +106,13 @@ def layer_stack(
         raise NotImplementedError(
             f"attention context parallelism is not supported yet; got {topology=}"
         )
-    stack = LayerStack(topology, resolve_reduction_policy(reduction, architecture), input_sum)
+    if fusions is None:
+        axes = topology.active(TokenAxis)
+        vma_axis = axes[0].mesh_name if axes else None
+        fusions = platform_fusions(jax.default_backend(), vma_axis)
+    stack = LayerStack(
+        topology, resolve_reduction_policy(reduction, architecture), input_sum, fusions
+    )
     token = _open_stacks.set(_open_stacks.get() + (stack,))
     try:
         yield stack
@@ -157,8 +172,13 @@ def append_stages(
                 f"{declaration.kind.value} stages do not take the options {unknown}; "
                 f"they take {sorted(taken) or 'none'}"
             )
+        fusions = options.get("fusions")
+        if fusions is not None and not isinstance(fusions, FusionProvider):
+            raise TypeError(f"the fusions option takes a FusionProvider; got {fusions!r}")
         boundaries.append(
-            StageBoundary(declaration.facts(), norm, declaration.output_transform, call_site)
+            StageBoundary(
+                declaration.facts(), norm, declaration.output_transform, call_site, fusions
+            )
         )
     stacks[-1].boundaries.extend(boundaries)
     return tuple(boundaries)

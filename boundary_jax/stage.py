@@ -17,6 +17,8 @@ from . import ops
 from .bind import EntryPath, ExitKind, ExitOption, StagePath, StagePlan, rows_fit
 from .contracts import Placement
 from .declare import OutputTransform, StageDeclaration
+from .fusions import FusionProvider, FusionRequest
+from .layout import Topology
 from .residual.protocols import Norm
 from .residual.stream import (
     CarriedTransform,
@@ -40,6 +42,7 @@ class StageBoundary(nnx.Module):
       output_transform: Applied to the complete output before the residual update.
       plan: The bound plan; None until the stack closes.
       call_site: The `append_stages` call that built this boundary, for error notes.
+      fusions: This stage's own fusion provider (the `fusions` option); None takes the stack's.
     """
 
     def __init__(
@@ -48,12 +51,14 @@ class StageBoundary(nnx.Module):
         norm: Norm | None,
         output_transform: OutputTransform | None,
         call_site: str,
+        fusions: FusionProvider | None = None,
     ):
         self.declaration = declaration
         self.norm = norm
         self.output_transform = output_transform
         self.plan: StagePlan | None = None
         self.call_site = call_site
+        self.fusions = fusions
 
     def bind(self, plan: StagePlan) -> None:
         """Installs the plan its stack bound (called once, when the stack closes)."""
@@ -132,26 +137,49 @@ class StageBoundary(nnx.Module):
 
     def _read(self, entry: EntryPath, path: StagePath, pending, residual, stream):
         read = self.declaration.read
-        if pending is not None:
-            contribution, value, transform = pending
-            if entry.fused_sum:
-                value = ops.run(ops.all_reduce(entry.fused_sum), value)
-            if transform is not None:
-                value = transform(value)
-            if entry.read_after_move:
-                residual = contribution.update.apply(residual, value)
-            else:
-                compute_input, residual = read.update_and_read(
-                    contribution.update, value, residual, self.norm
-                )
-        elif not entry.read_after_move:
-            compute_input, residual = read.read(residual, self.norm)
         if entry.read_after_move:
+            if pending is not None:
+                residual = self._updated(entry, pending, residual)
             compute_input, _ = read.read(ops.run(entry.move_input, residual), self.norm)
         else:
+            if pending is None:
+                compute_input, residual = read.read(residual, self.norm)
+            else:
+                compute_input, residual = self._update_and_read(entry, pending, residual)
             compute_input = ops.run(entry.move_input, compute_input)
         _, stream = stream.written(residual, path.residual_layout)
         return compute_input, stream
+
+    def _update_and_read(self, entry: EntryPath, pending, residual):
+        """Completes `entry.fused_sum`, applies the update and reads: a fused candidate first."""
+        contribution, value, transform = pending
+        if transform is None:
+            request = FusionRequest(
+                value,
+                residual,
+                self.norm,
+                contribution.update,
+                self.declaration.read,
+                Topology.mesh_names(entry.fused_sum),
+                self.plan.topology.size(entry.fused_sum),
+            )
+            for candidate in self.plan.input_fusions:
+                result = candidate(request)
+                if result is not None:
+                    return result
+        value = ops.run(ops.all_reduce(entry.fused_sum), value)
+        if transform is not None:
+            value = transform(value)
+        return self.declaration.read.update_and_read(
+            contribution.update, value, residual, self.norm
+        )
+
+    def _updated(self, entry: EntryPath, pending, residual):
+        contribution, value, transform = pending
+        value = ops.run(ops.all_reduce(entry.fused_sum), value)
+        if transform is not None:
+            value = transform(value)
+        return contribution.update.apply(residual, value)
 
     def exit(self, stream: ResidualStream) -> StageExit:
         """Decides, before compute runs, how this stage's output will be handed on.

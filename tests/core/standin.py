@@ -114,6 +114,8 @@ class Setup:
     update: Callable | None = None  # a ResidualUpdate class for the FFN; None: plain add
     reads_before_dp_gather: bool = True
     rows: int = ROWS
+    fusions: bj.fusions.FusionProvider | None = None
+    ffn_fusions: bj.fusions.FusionProvider | None = None  # the FFN stages' own `fusions` option
 
     @property
     def topology(self) -> bj.Topology:
@@ -138,9 +140,11 @@ class StandInLayer(nnx.Module):
         }
         if setup.update is not None:
             ffn_options["update"] = setup.update()
+        ffn_stage = (bj.declare_ffn(**ffn_options), self.post_attn_norm)
+        if setup.ffn_fusions is not None:
+            ffn_stage += ({"fusions": setup.ffn_fusions},)
         self.attn_boundary, self.ffn_boundary = bj.append_stages(
-            (bj.declare_attn(), self.input_norm),
-            (bj.declare_ffn(**ffn_options), self.post_attn_norm),
+            (bj.declare_attn(), self.input_norm), ffn_stage
         )
 
     def __call__(self, x, stream):
@@ -160,7 +164,12 @@ class StandInLayer(nnx.Module):
 class StandInDecoder(nnx.Module):
     def __init__(self, setup: Setup, key, dtype=jnp.float64):
         keys = jax.random.split(key, setup.layers + 1)
-        with bj.layer_stack(setup.topology, reduction=setup.policy, input_sum=setup.input_sum):
+        with bj.layer_stack(
+            setup.topology,
+            reduction=setup.policy,
+            input_sum=setup.input_sum,
+            fusions=setup.fusions,
+        ):
             self.layers = nnx.List(
                 [StandInLayer(setup, keys[i], dtype) for i in range(setup.layers)]
             )

@@ -1,0 +1,70 @@
+"""The fusion-provider contract between a stage's input and backend kernels."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import jax
+
+from ..residual.protocols import Norm, ResidualReadout, ResidualUpdate
+
+
+@dataclasses.dataclass(frozen=True)
+class FusionRequest:
+    """What a consumer input asks a fused candidate to do: `read(update(residual, sum(value)))`.
+
+    Attributes:
+      value: The producer's contribution on the residual's rows, still a partial sum over
+        `sum_axes`.
+      residual: The residual on the same rows.
+      norm: The consumer's norm.
+      update: The producer's residual update.
+      read: The consumer's residual read.
+      sum_axes: Mesh axes the value still owes a sum over (empty: already complete).
+      num_devices: Ranks along `sum_axes`.
+    """
+
+    value: jax.Array
+    residual: jax.Array
+    norm: Norm | None
+    update: ResidualUpdate
+    read: ResidualReadout
+    sum_axes: tuple[str, ...]
+    num_devices: int
+
+
+class InputFusion(Protocol):
+    """One fused candidate for a stage's input."""
+
+    def __call__(self, request: FusionRequest) -> tuple[jax.Array, jax.Array] | None:
+        """`(compute_input, new_residual)`, or None before touching anything if it does not
+        apply (backend, size, dtype, sum group, update or read it cannot take)."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class FusionProvider:
+    """Ordered fused candidates per consumer input, tried before the built-in path.
+
+    Give one per stage as the `fusions` option, `(declaration, norm, {"fusions": provider})`, or
+    to every stage of a stack as `layer_stack(..., fusions=provider)`. `FusionProvider()` turns
+    fusion off.
+
+    Attributes:
+      attn_input: Candidates for an attention (or mixer) stage's input.
+      ffn_input: Candidates for an FFN stage's input.
+    """
+
+    attn_input: tuple[InputFusion, ...] = ()
+    ffn_input: tuple[InputFusion, ...] = ()
+
+    def attn_input_fusions(self, plan) -> tuple[InputFusion, ...]:
+        """The candidates for an attention stage bound as `plan`."""
+        del plan
+        return self.attn_input
+
+    def ffn_input_fusions(self, plan) -> tuple[InputFusion, ...]:
+        """The candidates for an FFN stage bound as `plan`."""
+        del plan
+        return self.ffn_input

@@ -1,0 +1,125 @@
+"""Candidates backed by `pallas_kernels`: fused all-reduce + add + RMSNorm, and add + RMSNorm."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+import pallas_kernels as pk
+
+from .._compat import checks_vma
+from ..residual.add_norm import AddNormRead
+from ..residual.norm import RMSNorm
+from .base import FusionProvider, FusionRequest
+
+
+def _plain_add_norm(request: FusionRequest) -> bool:
+    return (
+        request.update.plain
+        and isinstance(request.read, AddNormRead)
+        and isinstance(request.norm, RMSNorm)
+        and request.value.ndim == 2
+        and request.value.dtype == request.residual.dtype
+        and request.value.shape == request.residual.shape
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class AllReduceAddRmsNorm:
+    """Completes the sum, adds the residual and normalizes in one kernel.
+
+    Declines without a sum to complete, for a non-plain update or read, under a `shard_map`
+    with `check_vma=True` (Pallas needs it off), and wherever
+    `pallas_kernels.all_reduce_add_rms_norm_supported` says the kernel does not take or does not
+    pay off for the shape.
+
+    Attributes:
+      platform: The platform the stack was bound for.
+      impl: The kernel backend; None picks the platform's.
+    """
+
+    platform: str
+    impl: pk.Impl | None = None
+
+    def __call__(self, request: FusionRequest) -> tuple[jax.Array, jax.Array] | None:
+        if not request.sum_axes or not _plain_add_norm(request):
+            return None
+        rows, hidden = request.value.shape
+        supported = pk.all_reduce_add_rms_norm_supported(
+            platform=self.platform,
+            rows=rows,
+            hidden=hidden,
+            dtype=request.value.dtype,
+            num_devices=request.num_devices,
+            impl=self.impl,
+        )
+        if not supported or checks_vma(request.sum_axes[0]):
+            return None
+        norm = request.norm
+        return pk.all_reduce_add_rms_norm(
+            request.value,
+            request.residual,
+            norm.weight[...],
+            axis_name=request.sum_axes,
+            eps=norm.eps,
+            gemma=norm.gemma,
+            impl=self.impl,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class AddRmsNorm:
+    """Adds a complete contribution to the residual and normalizes in one Pallas kernel.
+
+    Declines when a sum is still owed, for a non-plain update or read, inside a `shard_map` with
+    `check_vma=True` (`vma_axis` names one of its axes; None outside `shard_map`), and wherever
+    `pallas_kernels.add_rms_norm_supported` declines (CPU, unsupported shapes or dtypes).
+
+    Attributes:
+      platform: The platform the stack was bound for.
+      impl: The kernel backend; None picks the platform's.
+      vma_axis: A mesh axis of the enclosing `shard_map`, or None without one.
+    """
+
+    platform: str
+    impl: pk.Impl | None = None
+    vma_axis: str | None = None
+
+    def __call__(self, request: FusionRequest) -> tuple[jax.Array, jax.Array] | None:
+        if request.sum_axes or not _plain_add_norm(request):
+            return None
+        rows, hidden = request.value.shape
+        supported = pk.add_rms_norm_supported(
+            platform=self.platform,
+            rows=rows,
+            hidden=hidden,
+            dtype=request.value.dtype,
+            impl=self.impl,
+        )
+        if not supported or (self.vma_axis is not None and checks_vma(self.vma_axis)):
+            return None
+        norm = request.norm
+        return pk.add_rms_norm(
+            request.value,
+            request.residual,
+            norm.weight[...],
+            eps=norm.eps,
+            gemma=norm.gemma,
+            impl=self.impl,
+        )
+
+
+def platform_fusions(
+    platform: str, vma_axis: str | None, *, impl: pk.Impl | None = None
+) -> FusionProvider:
+    """The fused candidates for `platform`: the fused all-reduce first, then the add + norm.
+
+    On CPU both decline (XLA's fusion of the reference is the fast path there), so the built-in
+    path runs.
+    """
+    candidates = (
+        AllReduceAddRmsNorm(platform, impl),
+        AddRmsNorm(platform, impl, vma_axis),
+    )
+    return FusionProvider(attn_input=candidates, ffn_input=candidates)

@@ -1,0 +1,121 @@
+"""Fusion providers: fused candidates run where they apply, decline cleanly, change nothing."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import boundary_jax as bj
+import pallas_kernels as pk
+from boundary_jax.fusions import AddRmsNorm, AllReduceAddRmsNorm, FusionProvider
+
+from .standin import (
+    HIDDEN,
+    Setup,
+    StandInDecoder,
+    count_patterns,
+    make_batch,
+    reference,
+    sharded_forward,
+)
+
+P = bj.ReductionPolicy
+CALLS: list[tuple[str, bool]] = []
+
+
+@dataclasses.dataclass(frozen=True)
+class Counting:
+    """Records whether the wrapped candidate took or declined each request."""
+
+    inner: object
+
+    def __call__(self, request):
+        result = self.inner(request)
+        CALLS.append((type(self.inner).__name__, result is not None))
+        return result
+
+
+def _interpret(setup: Setup) -> FusionProvider:
+    axes = setup.topology.active(bj.TokenAxis)
+    candidates = (
+        Counting(AllReduceAddRmsNorm("cpu", pk.Impl.PALLAS_INTERPRET)),
+        Counting(AddRmsNorm("cpu", pk.Impl.PALLAS_INTERPRET, axes[0].mesh_name)),
+    )
+    return FusionProvider(attn_input=candidates, ffn_input=candidates)
+
+
+def _run(setup, scattered, *, check_vma):
+    model = StandInDecoder(setup, jax.random.key(0), jnp.float32)
+    counts = count_patterns(setup.dp)["ragged"]
+    batch = make_batch(setup, scattered, counts)
+    fn, state, place = sharded_forward(model, setup, batch, check_vma=check_vma)
+    x = jax.random.normal(jax.random.key(1), (setup.dp * setup.rows, HIDDEN))
+    CALLS.clear()
+    got = fn(state, place(x), batch)
+    want = reference(model, x, setup, counts)
+    return float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want))), list(CALLS)
+
+
+@pytest.mark.parametrize(
+    "dp,tp,policy,scattered,taken",
+    [
+        (1, 2, P.AR, False, {"AllReduceAddRmsNorm"}),
+        (2, 2, P.AR, False, {"AllReduceAddRmsNorm", "AddRmsNorm"}),
+        (1, 4, P.RS, True, {"AddRmsNorm"}),
+    ],
+)
+def test_fused_candidates_give_the_same_outputs(dp, tp, policy, scattered, taken):
+    """With Pallas candidates (interpret mode) the stack equals its reference, and they ran."""
+    setup = Setup(dp=dp, tp=tp, layers=3, policy=policy)
+    setup = dataclasses.replace(setup, fusions=_interpret(setup))
+    error, calls = _run(setup, scattered, check_vma=False)
+    assert error < 1e-5
+    assert {name for name, took in calls if took} == taken
+
+
+def test_candidates_decline_under_check_vma_and_the_built_in_path_runs():
+    """Pallas kernels need check_vma=False; with it on every candidate declines untouched."""
+    setup = Setup(dp=1, tp=2, layers=2, policy=P.AR)
+    setup = dataclasses.replace(setup, fusions=_interpret(setup))
+    error, calls = _run(setup, False, check_vma=True)
+    assert error < 1e-5
+    assert calls and not any(took for _, took in calls)
+
+
+def test_platform_default_declines_on_cpu():
+    """The stack's default provider (the platform's kernels) declines on CPU: XLA is faster."""
+    setup = Setup(dp=1, tp=2, layers=2, policy=P.AR)
+    model = StandInDecoder(setup, jax.random.key(0), jnp.float32)
+    candidates = model.layers[1].attn_boundary.plan.input_fusions
+    assert [type(c).__name__ for c in candidates] == ["AllReduceAddRmsNorm", "AddRmsNorm"]
+    value = jnp.ones((8, HIDDEN))
+    request = bj.fusions.FusionRequest(
+        value,
+        value,
+        model.layers[1].input_norm,
+        bj.residual.PlainAdd(),
+        bj.residual.AddNormRead(),
+        ("attn_tp",),
+        2,
+    )
+    assert all(candidate(request) is None for candidate in candidates)
+
+
+def test_a_stage_option_overrides_the_stack_default():
+    """A stage's own `fusions` option replaces the stack's provider for that stage only."""
+    setup = Setup(dp=2, tp=2, layers=2, policy=P.RSV, fusions=FusionProvider())
+    setup = dataclasses.replace(setup, ffn_fusions=_interpret(setup))
+    model = StandInDecoder(setup, jax.random.key(0), jnp.float32)
+    layer = model.layers[1]
+    assert layer.attn_boundary.plan.input_fusions == ()
+    assert len(layer.ffn_boundary.plan.input_fusions) == 2
+    error, calls = _run(setup, False, check_vma=False)
+    assert error < 1e-5
+    assert calls and all(name for name, _ in calls)
+
+
+def test_the_fusions_option_takes_a_provider():
+    """A fusions option that is not a FusionProvider is rejected when appended."""
+    with pytest.raises(TypeError, match="takes a FusionProvider"), bj.layer_stack(bj.Topology()):
+        bj.append_stages((bj.declare_ffn(), bj.RMSNorm(HIDDEN), {"fusions": "pallas"}))
