@@ -1,0 +1,320 @@
+"""Grouped-query self-attention over packed token rows, split by heads over attention TP.
+
+Rows are one attention-DP rank's tokens: `positions` [T] is each row's position within its
+sequence and `segment_ids` [T] its sequence (0..S-1, -1 for padding). A row attends to the rows
+(or cached positions) of its own sequence at positions <= its own (and within the sliding
+window). The output is this rank's o_proj partial, unreduced over attention TP.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from boundary_jax import RMSNorm, SumGroup, TokenAxis, Topology, shard_index
+
+from .config import DecoderConfig
+from .layers import ColumnParallelLinear, RowParallelLinear, group_size
+from .rope import apply_rope, rope_inv_freq
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadSplit:
+    """How the query and kv heads of one attention layer divide over attention TP.
+
+    Query heads split evenly. Kv heads split too when their number is a multiple of the
+    attention-TP size; otherwise (fewer kv heads than ranks, each shared by
+    `attn_tp // num_kv_heads` ranks) the k/v projections stay replicated and each rank computes
+    only the one kv head its query heads use.
+
+    Attributes:
+      num_heads: Query heads of the layer.
+      num_kv_heads: Key/value heads of the layer.
+      attn_tp: Attention-TP size.
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    attn_tp: int
+
+    def __post_init__(self):
+        if self.num_heads % self.attn_tp:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of the attention-TP size "
+                f"({self.attn_tp}); use an attention-TP size that divides the query heads"
+            )
+        if self.num_kv_heads % self.attn_tp and self.attn_tp % self.num_kv_heads:
+            raise ValueError(
+                f"num_kv_heads ({self.num_kv_heads}) and the attention-TP size ({self.attn_tp}) "
+                "must divide one another: kv heads are either split over the ranks or each "
+                "shared by a whole number of ranks"
+            )
+
+    @property
+    def kv_sharded(self) -> bool:
+        """Whether the k/v projections (and kv heads) are split over attention TP."""
+        return self.num_kv_heads % self.attn_tp == 0
+
+    @property
+    def local_heads(self) -> int:
+        return self.num_heads // self.attn_tp
+
+    @property
+    def local_kv_heads(self) -> int:
+        return self.num_kv_heads // self.attn_tp if self.kv_sharded else 1
+
+    @property
+    def cache_heads(self) -> int:
+        """Kv-head extent of the global cache: the kv heads, or one per rank when shared."""
+        return self.local_kv_heads * self.attn_tp
+
+    @classmethod
+    def of(cls, config: DecoderConfig, topology: Topology) -> HeadSplit:
+        return cls(config.num_heads, config.num_kv_heads, group_size(topology, SumGroup.ATTN_TP))
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Static-shape key/value cache of one attention layer: a registered pytree.
+
+    Globally [slots, max_len, cache heads, head_dim], with slots split over attention DP and
+    heads over attention TP (`partition_spec`). Inside `shard_map` a rank holds
+    [slots / attn_dp, max_len, local kv heads, head_dim]; slot s holds sequence
+    `segment_ids == s` of that attention-DP rank, at index [s, position]. Where kv heads are
+    shared by several ranks (`HeadSplit.kv_sharded` is False) the global cache has one head per
+    attention-TP rank, each a copy of the kv head that rank uses.
+
+    Attributes:
+      k: Keys after q/k norm and RoPE.
+      v: Values.
+    """
+
+    k: jax.Array
+    v: jax.Array
+
+    @staticmethod
+    def global_shape(
+        config: DecoderConfig, topology: Topology, *, slots: int, max_len: int
+    ) -> tuple[int, int, int, int]:
+        """The [slots, max_len, cache heads, head_dim] shape of `k` and `v` outside shard_map.
+
+        Raises:
+          ValueError: `slots` is not a multiple of the attention-DP size.
+        """
+        if slots % topology.attn_dp:
+            raise ValueError(
+                f"KV cache slots ({slots}) must split evenly over attention DP "
+                f"({topology.attn_dp}); got {slots=}"
+            )
+        heads = HeadSplit.of(config, topology)
+        return (slots, max_len, heads.cache_heads, config.head_dim)
+
+    @staticmethod
+    def partition_spec(topology: Topology) -> PartitionSpec:
+        """Slots over attention DP, heads over attention TP."""
+        dp = topology.spec_entry((TokenAxis.ATTN_DP,))
+        return PartitionSpec(dp, None, topology.shard_entry(SumGroup.ATTN_TP), None)
+
+    @classmethod
+    def specs(cls, topology: Topology) -> KVCache:
+        """The cache's `PartitionSpec` tree, for `shard_map` in/out specs."""
+        spec = cls.partition_spec(topology)
+        return cls(k=spec, v=spec)
+
+    @classmethod
+    def create(
+        cls,
+        config: DecoderConfig,
+        topology: Topology,
+        *,
+        slots: int,
+        max_len: int,
+        dtype: jnp.dtype = jnp.float32,
+        mesh: Mesh | None = None,
+    ) -> KVCache:
+        """A zero cache of the global shape; on `mesh`, each device allocates only its shard."""
+        shape = cls.global_shape(config, topology, slots=slots, max_len=max_len)
+        device = None if mesh is None else NamedSharding(mesh, cls.partition_spec(topology))
+        return cls(
+            k=jnp.zeros(shape, dtype, device=device), v=jnp.zeros(shape, dtype, device=device)
+        )
+
+
+class Attention(nnx.Module):
+    """Self-attention with q/o split by heads over attention TP; returns the o_proj partial.
+
+    Attributes:
+      q_proj: [hidden, heads * head_dim], columns split over attention TP.
+      k_proj: [hidden, kv heads * head_dim], split over attention TP or replicated (`heads`).
+      v_proj: As `k_proj`.
+      o_proj: [heads * head_dim, hidden], rows split over attention TP.
+      q_norm: Qwen3 per-head RMSNorm [head_dim] of the queries before RoPE, or None.
+      k_norm: As `q_norm`, for the keys.
+      heads: How the heads divide over attention TP.
+      config: The decoder configuration (head_dim, RoPE, sliding window).
+      topology: The parallel topology.
+    """
+
+    def __init__(
+        self,
+        config: DecoderConfig,
+        *,
+        topology: Topology,
+        dtype: jnp.dtype = jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        if topology.attn_cp > 1:
+            raise NotImplementedError(
+                f"context-parallel attention is not implemented; got attn_cp={topology.attn_cp}"
+            )
+        heads = HeadSplit.of(config, topology)
+        kv_group = SumGroup.ATTN_TP if heads.kv_sharded else None
+        hidden, head_dim = config.hidden_size, config.head_dim
+        common = {"topology": topology, "dtype": dtype, "rngs": rngs}
+        q_width, kv_width = config.num_heads * head_dim, config.num_kv_heads * head_dim
+        self.q_proj = ColumnParallelLinear(hidden, q_width, group=SumGroup.ATTN_TP, **common)
+        self.k_proj = ColumnParallelLinear(hidden, kv_width, group=kv_group, **common)
+        self.v_proj = ColumnParallelLinear(hidden, kv_width, group=kv_group, **common)
+        self.o_proj = RowParallelLinear(q_width, hidden, group=SumGroup.ATTN_TP, **common)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(head_dim, eps=config.rms_norm_eps, param_dtype=dtype)
+            self.k_norm = RMSNorm(head_dim, eps=config.rms_norm_eps, param_dtype=dtype)
+        else:
+            self.q_norm = None
+            self.k_norm = None
+        self.heads = heads
+        self.config = config
+        self.topology = topology
+
+    def __call__(
+        self,
+        h: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array,
+        cache: KVCache | None = None,
+    ) -> tuple[jax.Array, KVCache | None]:
+        """Attends each row to its sequence; with a cache, first stores this call's keys/values.
+
+        Args:
+          h: [T, hidden] normalized input rows, complete and alike on every attention-TP rank.
+          positions: [T] int32 position of each row within its sequence.
+          segment_ids: [T] int32 sequence (cache slot) of each row; -1 marks padding.
+          cache: None to attend over these rows alone; else this rank's local cache. Every
+            position 0..p of a row's sequence must be in the cache or in this call; positions
+            >= max_len are not stored.
+
+        Returns:
+          ([T, hidden] o_proj partial owing a sum over attention TP, with zero rows for
+          padding; the updated cache, or None without one).
+        """
+        rows = h.shape[0]
+        if positions.shape != (rows,) or segment_ids.shape != (rows,):
+            raise ValueError(
+                f"positions and segment_ids must be [T] for h [T, hidden]; got {h.shape=}, "
+                f"{positions.shape=}, {segment_ids.shape=}"
+            )
+        head_dim = self.config.head_dim
+        q = self.q_proj(h).reshape(rows, self.heads.local_heads, head_dim)
+        k = self._project_kv(self.k_proj, h)
+        v = self._project_kv(self.v_proj, h)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        inv_freq = rope_inv_freq(head_dim, self.config.rope_theta, self.config.rope_scaling)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        q = q.reshape(rows, self.heads.local_kv_heads, -1, head_dim)  # [T, kv, group, D]
+        valid = segment_ids >= 0
+        if cache is None:
+            # Every row sees the same keys: this call's rows of its own sequence.
+            keys, values, key_axes = k, v, "skd"
+            mask = segment_ids[:, None] == segment_ids[None, :]
+            mask &= self._visible(positions, positions)
+        else:
+            # Each row sees its own slot's cached keys [T, max_len, kv, D], this call's included.
+            cache = self._write(cache, k, v, positions, segment_ids)
+            slot = jnp.where(valid, segment_ids, 0)
+            keys, values, key_axes = cache.k[slot], cache.v[slot], "tskd"
+            mask = self._visible(positions, jnp.arange(cache.k.shape[1], dtype=positions.dtype))
+        mask &= valid[:, None]
+        out = _attend(q, keys.astype(q.dtype), values.astype(v.dtype), mask, key_axes)
+        out = out.astype(h.dtype).reshape(rows, self.heads.local_heads * head_dim)
+        return self.o_proj(out), cache
+
+    def _project_kv(self, proj: ColumnParallelLinear, h: jax.Array) -> jax.Array:
+        """[T, local kv heads, head_dim]; a shared kv head is cut from the replicated kernel."""
+        head_dim = self.config.head_dim
+        kernel = proj.kernel[...]
+        if not self.heads.kv_sharded:
+            ranks_per_head = self.heads.attn_tp // self.heads.num_kv_heads
+            head = shard_index(self.topology, SumGroup.ATTN_TP) // ranks_per_head
+            kernel = lax.dynamic_slice_in_dim(kernel, head * head_dim, head_dim, axis=1)
+        return (h @ kernel).reshape(h.shape[0], self.heads.local_kv_heads, head_dim)
+
+    def _visible(self, query_positions: jax.Array, key_positions: jax.Array) -> jax.Array:
+        """[T, S] causal (and sliding-window) visibility of key positions from query positions."""
+        distance = query_positions[:, None] - key_positions[None, :]
+        visible = distance >= 0
+        if self.config.sliding_window is not None:
+            visible &= distance < self.config.sliding_window
+        return visible
+
+    def _write(
+        self,
+        cache: KVCache,
+        k: jax.Array,
+        v: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array,
+    ) -> KVCache:
+        expected = (self.heads.local_kv_heads, self.config.head_dim)
+        if cache.k.shape[2:] != expected or cache.v.shape != cache.k.shape:
+            raise ValueError(
+                "the local KV cache must be [slots, max_len, local kv heads, head_dim] with "
+                f"(local kv heads, head_dim)={expected}; got k {cache.k.shape}, v "
+                f"{cache.v.shape}. Pass KVCache.specs(topology) as the cache's shard_map spec."
+            )
+        # Padding rows point past the last slot, so the scatter drops them.
+        slot = jnp.where(segment_ids >= 0, segment_ids, cache.k.shape[0])
+        return KVCache(
+            k=cache.k.at[slot, positions].set(k.astype(cache.k.dtype), mode="drop"),
+            v=cache.v.at[slot, positions].set(v.astype(cache.v.dtype), mode="drop"),
+        )
+
+
+def _acc(dtype: jnp.dtype) -> jnp.dtype:
+    """FP32 accumulation, or the input's dtype where that is wider."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _attend(
+    q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array, key_axes: str
+) -> jax.Array:
+    """Softmax(q k^T / sqrt(head_dim)) v with FP32 scores and weights.
+
+    q is [T, kv, group, D]; keys/values are [S, kv, D] (`key_axes` "skd") or one set per row,
+    [T, S, kv, D] ("tskd"); mask is [T, S]. Returns [T, kv, group, D].
+    """
+    acc = _acc(q.dtype)
+    scores = jnp.einsum(f"tkgd,{key_axes}->tkgs", q, keys, preferred_element_type=acc)
+    probs = _masked_softmax(scores * q.shape[-1] ** -0.5, mask)
+    return jnp.einsum(
+        f"tkgs,{key_axes}->tkgd", probs.astype(values.dtype), values, preferred_element_type=acc
+    )
+
+
+def _masked_softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
+    """Softmax of [T, kv, group, S] scores over S where `mask` [T, S] allows; all-masked rows
+    (padding) get all-zero weights, with no NaN in the value or its gradient."""
+    allowed = mask[:, None, None, :]
+    scores = jnp.where(allowed, scores, -jnp.inf)
+    peak = lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
+    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+    weights = jnp.exp(scores - peak)
+    total = jnp.sum(weights, axis=-1, keepdims=True)
+    return weights / jnp.where(total > 0, total, 1.0)

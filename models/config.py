@@ -1,0 +1,289 @@
+"""Frozen decoder configurations: presets and a reader for Hugging Face `config.json` files."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping
+from typing import Any
+
+
+class Architecture(enum.StrEnum):
+    """The Hugging Face model classes a `DecoderConfig` can describe."""
+
+    QWEN3 = "Qwen3ForCausalLM"
+    LLAMA = "LlamaForCausalLM"
+    MISTRAL = "MistralForCausalLM"
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3 RoPE frequency scaling (Hugging Face `rope_type: "llama3"`).
+
+    Attributes:
+      factor: Divisor of the low frequencies.
+      low_freq_factor: Wavelengths above `original_max_position_embeddings / low_freq_factor`
+        are divided by `factor`.
+      high_freq_factor: Wavelengths below `original_max_position_embeddings / high_freq_factor`
+        are kept; those between the two bounds are interpolated.
+      original_max_position_embeddings: The context length the model was pre-trained with.
+    """
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def __post_init__(self):
+        if not self.high_freq_factor > self.low_freq_factor > 0:
+            raise ValueError(
+                "llama3 RoPE scaling needs high_freq_factor > low_freq_factor > 0; got "
+                f"{self.low_freq_factor=}, {self.high_freq_factor=}"
+            )
+        if self.factor <= 0 or self.original_max_position_embeddings <= 0:
+            raise ValueError(
+                "llama3 RoPE scaling needs a positive factor and original context; got "
+                f"{self.factor=}, {self.original_max_position_embeddings=}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+    """The architecture of a dense decoder (Qwen3, Llama, Mistral): static and hashable.
+
+    Attributes:
+      architecture: The Hugging Face class the weights come from.
+      vocab_size: Number of token ids (unpadded).
+      hidden_size: Width of the residual stream.
+      intermediate_size: Width of the SwiGLU FFN.
+      num_layers: Number of decoder layers.
+      num_heads: Query heads.
+      num_kv_heads: Key/value heads; query head j uses kv head j // (num_heads // num_kv_heads).
+      head_dim: Width of one head (may differ from hidden_size // num_heads).
+      rms_norm_eps: Epsilon of every RMSNorm, q/k norms included.
+      rope_theta: RoPE base.
+      rope_scaling: Llama 3 frequency scaling, or None for plain RoPE.
+      qk_norm: Qwen3-style RMSNorm of every query and key head before RoPE.
+      tie_word_embeddings: The LM head reuses the embedding table.
+      sliding_window: A row at position p attends to positions p - sliding_window < q <= p;
+        None for full causal attention.
+      max_position_embeddings: Longest context the model supports.
+    """
+
+    architecture: Architecture
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Llama3RopeScaling | None
+    qk_norm: bool
+    tie_word_embeddings: bool
+    sliding_window: int | None
+    max_position_embeddings: int
+
+    def __post_init__(self):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"DecoderConfig.{name} must be a positive int; got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                "num_heads must be a multiple of num_kv_heads (grouped-query attention); got "
+                f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(
+                f"RoPE rotates pairs of dimensions; head_dim must be even, got {self.head_dim}"
+            )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be positive or None; got {self.sliding_window}")
+
+    @classmethod
+    def from_hf(cls, config: Mapping[str, Any]) -> DecoderConfig:
+        """Reads a Hugging Face `config.json` (as a dict) of a Qwen3, Llama or Mistral model.
+
+        Accepts both RoPE formats: the legacy top-level `rope_theta` + `rope_scaling` and the
+        transformers-5 `rope_parameters`.
+
+        Raises:
+          ValueError: The architecture, RoPE type, activation, biases or per-layer sliding
+            windows are not supported, or a required key is missing.
+        """
+        architectures = config.get("architectures") or []
+        supported = [a.value for a in Architecture]
+        if len(architectures) != 1 or architectures[0] not in supported:
+            raise ValueError(
+                f"config.json must name exactly one architecture among {supported}; got "
+                f"architectures={architectures!r}"
+            )
+        architecture = Architecture(architectures[0])
+        for key in ("attention_bias", "mlp_bias"):
+            if config.get(key, False):
+                raise ValueError(
+                    f"{architecture.value} with {key}=true is not supported (the projections "
+                    "here have no bias)"
+                )
+        activation = config.get("hidden_act", "silu")
+        if activation != "silu":
+            raise ValueError(f"only the SiLU gated MLP is supported; got hidden_act={activation!r}")
+        theta, scaling = _read_rope(config)
+        hidden = _required(config, "hidden_size")
+        heads = _required(config, "num_attention_heads")
+        return cls(
+            architecture=architecture,
+            vocab_size=_required(config, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=_required(config, "intermediate_size"),
+            num_layers=_required(config, "num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or hidden // heads,
+            rms_norm_eps=float(_required(config, "rms_norm_eps")),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            qk_norm=architecture is Architecture.QWEN3,
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            sliding_window=_read_sliding_window(config, architecture),
+            max_position_embeddings=_required(config, "max_position_embeddings"),
+        )
+
+
+def padded_vocab(vocab: int, shards: int) -> int:
+    """`vocab` rounded up to a multiple of `shards`, so a vocab-parallel table splits evenly."""
+    if vocab < 1 or shards < 1:
+        raise ValueError(f"vocab and shards must be positive; got {vocab=}, {shards=}")
+    return -(-vocab // shards) * shards
+
+
+def _required(config: Mapping[str, Any], key: str) -> Any:
+    if config.get(key) is None:
+        raise ValueError(f"config.json has no {key!r}; it is required to build the decoder")
+    return config[key]
+
+
+def _read_rope(config: Mapping[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
+    parameters = config.get("rope_parameters")
+    if parameters is not None:
+        if "rope_theta" not in parameters:
+            raise ValueError(f"rope_parameters has no 'rope_theta'; got {parameters!r}")
+        theta, scaling = parameters["rope_theta"], parameters
+    else:
+        theta, scaling = _required(config, "rope_theta"), config.get("rope_scaling") or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type != "llama3":
+        raise ValueError(
+            f"RoPE type {rope_type!r} is not supported; supported: 'default' and 'llama3'"
+        )
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [key for key in keys if key not in scaling]
+    if missing:
+        raise ValueError(f"llama3 RoPE scaling is missing {missing}; got {dict(scaling)!r}")
+    return float(theta), Llama3RopeScaling(
+        factor=float(scaling["factor"]),
+        low_freq_factor=float(scaling["low_freq_factor"]),
+        high_freq_factor=float(scaling["high_freq_factor"]),
+        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+    )
+
+
+def _read_sliding_window(config: Mapping[str, Any], architecture: Architecture) -> int | None:
+    if architecture is Architecture.LLAMA:
+        return None
+    window = config.get("sliding_window")
+    if architecture is Architecture.MISTRAL or window is None:
+        return window
+    # Qwen3: the window applies only where enabled, to the layers `layer_types` marks sliding
+    # (by default those from `max_window_layers` on); one window for all layers is supported.
+    if not config.get("use_sliding_window", False):
+        return None
+    layers = config["num_hidden_layers"]
+    first = config.get("max_window_layers", layers)
+    kinds = config.get("layer_types") or [
+        "sliding_attention" if i >= first else "full_attention" for i in range(layers)
+    ]
+    if set(kinds) == {"full_attention"}:
+        return None
+    if set(kinds) == {"sliding_attention"}:
+        return window
+    raise ValueError(
+        "sliding windows on some layers only are not supported; got layer_types="
+        f"{kinds!r}. Use a config whose layers all use the same attention."
+    )
+
+
+PRESETS: dict[str, DecoderConfig] = {
+    "tiny-qwen3": DecoderConfig(
+        architecture=Architecture.QWEN3,
+        vocab_size=250,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=4,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        rope_scaling=None,
+        qk_norm=True,
+        tie_word_embeddings=True,
+        sliding_window=None,
+        max_position_embeddings=128,
+    ),
+    "tiny-mistral": DecoderConfig(
+        architecture=Architecture.MISTRAL,
+        vocab_size=250,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=8,
+        rms_norm_eps=1e-5,
+        rope_theta=1e4,
+        rope_scaling=None,
+        qk_norm=False,
+        tie_word_embeddings=False,
+        sliding_window=16,
+        max_position_embeddings=128,
+    ),
+    # About 0.9M parameters (3.5 MB in float32).
+    "small-llama": DecoderConfig(
+        architecture=Architecture.LLAMA,
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=384,
+        num_layers=4,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=5e5,
+        rope_scaling=Llama3RopeScaling(
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=256,
+        ),
+        qk_norm=False,
+        tie_word_embeddings=False,
+        sliding_window=None,
+        max_position_embeddings=2048,
+    ),
+}
+"""Named configurations for demos and tests; none needs a checkpoint."""

@@ -1,0 +1,80 @@
+"""Tests of the model building blocks; helpers to run a module inside `jax.shard_map`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
+
+import boundary_jax as bj
+
+MESHES = ((1, 1), (1, 2), (1, 4), (2, 2), (1, 8))
+"""(attn_dp, attn_tp) meshes every sharded layer test runs on."""
+
+
+def make_mesh(dp: int, tp: int) -> jax.sharding.Mesh:
+    """An attn_dp x attn_tp mesh over the first dp*tp simulated devices."""
+    names = (bj.MeshAxis.ATTN_DP.value, bj.MeshAxis.ATTN_TP.value)
+    return jax.make_mesh((dp, tp), names, devices=jax.devices()[: dp * tp])
+
+
+def row_spec(topology: bj.Topology, *trailing) -> PartitionSpec:
+    """Rows split over attention DP (each DP rank's own tokens), alike over attention TP."""
+    return topology.row_spec(topology.layout(bj.TokenAxis.ATTN_DP), *trailing)
+
+
+def sum_over(x: jax.Array, topology: bj.Topology, group: bj.SumGroup) -> jax.Array:
+    """The test-side completion of a partial sum over `group` (models never sum)."""
+    axes = topology.sum_axes(group)
+    return lax.psum(x, bj.Topology.mesh_names(axes)) if axes else x
+
+
+def run_sharded(
+    module: nnx.Module,
+    mesh: jax.sharding.Mesh,
+    body: Callable[..., Any],
+    args: tuple,
+    in_specs: tuple,
+    out_specs: Any,
+) -> Any:
+    """Runs `body(module, *args)` inside a jitted `shard_map` over `mesh`.
+
+    The module's state goes in with its parameters' own partition specs (nnx.split ->
+    shard_map -> nnx.merge); `args` are placed on the mesh with `in_specs`.
+    """
+    graphdef, state = nnx.split(module)
+    state_specs = nnx.get_partition_spec(state)
+
+    def inner(state, *args):
+        return body(nnx.merge(graphdef, state), *args)
+
+    fn = jax.jit(
+        jax.shard_map(inner, mesh=mesh, in_specs=(state_specs, *in_specs), out_specs=out_specs)
+    )
+    place = lambda tree, specs: jax.device_put(  # noqa: E731
+        tree, jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
+    )
+    return fn(
+        place(state, state_specs), *(place(a, s) for a, s in zip(args, in_specs, strict=True))
+    )
+
+
+def unsharded_copy(module: nnx.Module, factory: Callable[[bj.Topology], nnx.Module]) -> nnx.Module:
+    """`factory(Topology())` (one device) holding `module`'s global parameter values."""
+    reference = factory(bj.Topology())
+    nnx.update(reference, nnx.state(module, nnx.Param))
+    return reference
+
+
+def randomize_norms(module: nnx.Module, seed: int) -> None:
+    """Gives every RMSNorm weight random values around 1, so a skipped norm is visible."""
+    rng = np.random.default_rng(seed)
+    for _, node in nnx.iter_graph(module):
+        if isinstance(node, bj.RMSNorm):
+            shape = node.weight.shape
+            node.weight[...] = (1 + 0.2 * rng.standard_normal(shape)).astype(node.weight.dtype)

@@ -1,0 +1,40 @@
+"""SwiGLU over full TP: the rank partials sum to the unsharded FFN."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import boundary_jax as bj
+from models.mlp import SwiGLU
+
+from . import MESHES, make_mesh, run_sharded, sum_over, unsharded_copy
+
+HIDDEN, INTERMEDIATE = 16, 64
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 5e-2)])
+@pytest.mark.parametrize("dp,tp", MESHES)
+def test_swiglu_partials_sum_to_unsharded(dp, tp, dtype, tol):
+    """Summed over full TP (attn_dp x attn_tp) the partials equal the one-device SwiGLU."""
+    topology = bj.Topology(attn_dp=dp, attn_tp=tp)
+    make = lambda t: SwiGLU(HIDDEN, INTERMEDIATE, topology=t, dtype=dtype, rngs=nnx.Rngs(0))  # noqa: E731
+    mlp = make(topology)
+    entry = topology.shard_entry(bj.SumGroup.TP)
+    assert nnx.get_partition_spec(nnx.state(mlp)).gate_proj.kernel.get_value() == P(None, entry)
+    x = jax.random.normal(jax.random.key(1), (8, HIDDEN), jnp.float32).astype(dtype)
+
+    def body(module, x):
+        return sum_over(module(x), topology, bj.SumGroup.TP)
+
+    got = run_sharded(mlp, make_mesh(dp, tp), body, (x,), (P(),), P())
+    want = unsharded_copy(mlp, make)(x)
+    chex.assert_trees_all_close(got.astype(jnp.float32), want.astype(jnp.float32), atol=tol)
+
+
+def test_rejects_intermediate_not_divisible_by_tp():
+    """intermediate_size must divide over the full TP group, named in the error."""
+    with pytest.raises(ValueError, match=r"intermediate_size \(60\).*full TP size \(8"):
+        SwiGLU(16, 60, topology=bj.Topology(attn_dp=2, attn_tp=4), rngs=nnx.Rngs(0))
