@@ -1,0 +1,233 @@
+"""The `boundary-jax` command line: demo, forward, generate and plan.
+
+Bad input ends with a one-line error naming the problem and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import numpy as np
+
+EXIT_BAD_INPUT = 2
+
+
+class InputError(ValueError):
+    """A problem with what the user passed: reported in one line, exit code 2."""
+
+
+def _parse_mesh(text: str) -> dict[str, int]:
+    import boundary_jax as bj
+
+    sizes = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        name = name.strip()
+        if name not in {axis.value for axis in bj.MeshAxis} or not value.strip().isdigit():
+            raise argparse.ArgumentTypeError(
+                f"--mesh takes name=size pairs over {[a.value for a in bj.MeshAxis]}, e.g. "
+                f"attn_dp=2,attn_tp=4; got {text!r}"
+            )
+        sizes[name] = int(value)
+    if any(size < 1 for size in sizes.values()):
+        raise argparse.ArgumentTypeError(f"mesh sizes must be positive; got {text!r}")
+    return sizes
+
+
+def _policy(text: str):
+    import boundary_jax as bj
+
+    try:
+        return bj.ReductionPolicy.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _read_ids(path: str, vocab_size: int) -> list[list[int]]:
+    file = Path(path)
+    if not file.is_file():
+        raise InputError(f"no token-id file at {path}")
+    try:
+        ids = json.loads(file.read_text())
+    except json.JSONDecodeError as error:
+        raise InputError(f"{path} is not JSON: {error}") from None
+    valid = (
+        isinstance(ids, list)
+        and ids
+        and all(isinstance(s, list) and s for s in ids)
+        and all(isinstance(t, int) and not isinstance(t, bool) for s in ids for t in s)
+    )
+    if not valid:
+        raise InputError(f"{path} must hold a non-empty JSON list of non-empty lists of ints")
+    bad = [t for s in ids for t in s if not 0 <= t < vocab_size]
+    if bad:
+        raise InputError(
+            f"{path} has token ids outside the vocabulary [0, {vocab_size}): {sorted(set(bad))[:5]}"
+        )
+    return ids
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+@contextlib.contextmanager
+def _status(console, message: str):
+    with console.status(message):
+        start = time.perf_counter()
+        yield
+    console.log(f"{message} done in {time.perf_counter() - start:.1f}s")
+
+
+def _topology(sizes: dict[str, int]):
+    import boundary_jax as bj
+
+    return bj.Topology.from_axis_sizes(sizes)
+
+
+def _load(args, console):
+    """(ShardedCausalLM, config) for --checkpoint or --preset on --mesh."""
+    import jax.numpy as jnp
+
+    from .checkpoint import load_config
+    from .config import PRESETS
+    from .runtime import ShardedCausalLM, build_model, load_model, make_mesh
+
+    topology = _topology(args.mesh)
+    mesh = make_mesh(topology)
+    dtype = jnp.dtype(args.dtype)
+    if getattr(args, "preset", None):
+        if args.preset not in PRESETS:
+            raise InputError(f"unknown preset {args.preset!r}; choose one of {sorted(PRESETS)}")
+        with _status(console, f"building {args.preset} with random weights"):
+            model = build_model(PRESETS[args.preset], topology, reduction=args.policy, dtype=dtype)
+    else:
+        directory = Path(args.checkpoint)
+        if not directory.is_dir():
+            raise InputError(f"no checkpoint directory at {args.checkpoint}")
+        load_config(directory)
+        with _status(console, f"loading {directory} onto {topology}"):
+            model = load_model(directory, mesh, reduction=args.policy, dtype=dtype)
+    return ShardedCausalLM(model, mesh, input_scattered=args.input_scattered)
+
+
+def _forward(args) -> None:
+    console = _console()
+    runner = _load(args, console)
+    sequences = _read_ids(args.input_ids, runner.config.vocab_size)
+    with _status(console, f"forward of {len(sequences)} sequences"):
+        logits = runner.forward(sequences)
+    np.save(args.out, logits.astype(np.float32))
+    console.log(f"wrote logits {list(logits.shape)} to {args.out}")
+
+
+def _generate(args) -> None:
+    console = _console()
+    runner = _load(args, console)
+    prompts = _read_ids(args.prompt_ids, runner.config.vocab_size)
+    if args.max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens must be at least 1; got {args.max_new_tokens}")
+    with _status(console, f"generating {args.max_new_tokens} tokens for {len(prompts)} prompts"):
+        tokens = runner.generate(prompts, args.max_new_tokens)
+    print(json.dumps(tokens.tolist()))
+
+
+def _plan(args) -> None:
+    from .report import plan_report
+
+    console = _console()
+    runner = _load(args, console)
+    with _status(console, "compiling the sharded forward"):
+        report = plan_report(runner)
+    if args.json:
+        print(json.dumps(report))
+        return
+    from .report import print_plan
+
+    print_plan(report)
+
+
+def _demo(args) -> None:
+    from .demo import run_demo
+
+    run_demo(layers=args.layers, console=_console())
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="boundary-jax",
+        description="Run decoders built on layer boundaries, sharded over a JAX mesh.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    demo = commands.add_parser(
+        "demo", help="the embedded demo: a small model under several layouts on 8 CPU devices"
+    )
+    demo.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
+    demo.set_defaults(run=_demo, mesh={"attn_dp": 8})
+
+    def model_args(command, *, preset: bool):
+        source = command.add_mutually_exclusive_group(required=True)
+        source.add_argument("--checkpoint", help="a Hugging Face checkpoint directory")
+        if preset:
+            source.add_argument("--preset", help="a built-in configuration with random weights")
+        command.add_argument(
+            "--mesh", type=_parse_mesh, default={}, help="e.g. attn_dp=2,attn_tp=4 (default 1)"
+        )
+        command.add_argument(
+            "--devices", type=int, help="simulated CPU devices without an accelerator"
+        )
+        command.add_argument("--policy", type=_policy, default="auto", help="ar|rs|rsv|rs+rsv|auto")
+        command.add_argument("--input-scattered", action="store_true")
+        command.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+
+    forward = commands.add_parser("forward", help="logits of token-id sequences")
+    model_args(forward, preset=False)
+    forward.add_argument("--input-ids", required=True, help="JSON list of token-id lists")
+    forward.add_argument("--out", required=True, help="where to write the logits (.npy)")
+    forward.set_defaults(run=_forward)
+
+    generate = commands.add_parser("generate", help="greedy continuation of token-id prompts")
+    model_args(generate, preset=False)
+    generate.add_argument("--prompt-ids", required=True, help="JSON list of token-id lists")
+    generate.add_argument("--max-new-tokens", type=int, required=True)
+    generate.set_defaults(run=_generate)
+
+    plan = commands.add_parser(
+        "plan", help="each stage's bound plan and the collectives the compiled forward runs"
+    )
+    model_args(plan, preset=True)
+    plan.add_argument("--json", action="store_true", help="print one JSON object")
+    plan.set_defaults(run=_plan)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `boundary-jax` command."""
+    args = _parser().parse_args(argv)
+    devices = getattr(args, "devices", None) or math.prod(args.mesh.values()) or 1
+    if args.command == "demo":
+        devices = 8
+    with contextlib.suppress(RuntimeError):  # backends already up (e.g. called in-process)
+        jax.config.update("jax_num_cpu_devices", max(devices, 1))
+    try:
+        args.run(args)
+    except (InputError, ValueError, FileNotFoundError, NotImplementedError) as error:
+        message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        print(f"boundary-jax: error: {message}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""Qwen3 and Llama (also Mistral-style) decoders built only from stage boundaries.
+
+Each layer appends an attention stage and an FFN stage to the model's layer stack; the model
+enters the stack with the vocab-parallel embedding's partial sum and leaves it through the final
+norm. Compute never sums: every sum a stage owes is completed by a boundary.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import boundary_jax as bj
+from boundary_jax import residual
+
+from .attention import Attention, KVCache
+from .config import Architecture, DecoderConfig
+from .layers import ParallelLMHead, VocabParallelEmbedding
+from .mlp import SwiGLU
+from .rows import TokenRows
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm attention + SwiGLU FFN, joined to its neighbours by two stage boundaries.
+
+    Attributes:
+      input_norm: The attention stage's input norm (HF `input_layernorm`).
+      post_attn_norm: The FFN stage's input norm (HF `post_attention_layernorm`).
+      attn: Self-attention returning its o_proj partial.
+      mlp: SwiGLU returning its down_proj partial.
+      attn_boundary: The boundary before and after attention.
+      ffn_boundary: The boundary before and after the FFN.
+    """
+
+    def __init__(
+        self, config: DecoderConfig, *, topology: bj.Topology, dtype: jnp.dtype, rngs: nnx.Rngs
+    ):
+        eps = config.rms_norm_eps
+        self.input_norm = bj.RMSNorm(config.hidden_size, eps=eps, param_dtype=dtype)
+        self.post_attn_norm = bj.RMSNorm(config.hidden_size, eps=eps, param_dtype=dtype)
+        self.attn = Attention(config, topology=topology, dtype=dtype, rngs=rngs)
+        self.mlp = SwiGLU(
+            config.hidden_size, config.intermediate_size, topology=topology, dtype=dtype, rngs=rngs
+        )
+        self.attn_boundary, self.ffn_boundary = bj.append_stages(
+            (bj.declare_attn(), self.input_norm), (bj.declare_ffn(), self.post_attn_norm)
+        )
+
+    def __call__(
+        self,
+        x: jax.Array | bj.OwedOutput,
+        stream: bj.ResidualStream,
+        rows: TokenRows,
+        cache: KVCache | None,
+    ) -> tuple[bj.OwedOutput, bj.ResidualStream, KVCache | None]:
+        h, stream = self.attn_boundary.prepare(x, stream)
+        y, cache = self.attn(h, rows.positions, rows.segment_ids, cache)
+        x, stream = self.attn_boundary.finish(y, stream)
+        h, stream = self.ffn_boundary.prepare(x, stream)
+        x, stream = self.ffn_boundary.finish(self.mlp(h), stream)
+        return x, stream, cache
+
+
+class CausalLM(nnx.Module):
+    """A dense decoder LM over packed token rows; runs inside `jax.shard_map` on its topology.
+
+    Attributes:
+      config: The architecture.
+      topology: The parallel topology the weights are split for and the stack is bound on.
+      embed: Vocab-parallel embedding; its partial sum is owed to the first boundary.
+      layers: The decoder layers, one layer stack.
+      final_norm: The norm the stack leaves through.
+      lm_head: Vocab-parallel LM head (tied to `embed` when the config says so).
+    """
+
+    architectures: tuple[Architecture, ...] = tuple(Architecture)
+
+    def __init__(
+        self,
+        config: DecoderConfig,
+        topology: bj.Topology,
+        *,
+        reduction: bj.ReductionPolicy = bj.ReductionPolicy.AUTO,
+        dtype: jnp.dtype = jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        if config.architecture not in self.architectures:
+            names = ", ".join(a.value for a in self.architectures)
+            raise ValueError(
+                f"{type(self).__name__} builds {names}; got a {config.architecture.value} config"
+            )
+        common = {"topology": topology, "dtype": dtype, "rngs": rngs}
+        self.config = config
+        self.topology = topology
+        self.embed = VocabParallelEmbedding(config.vocab_size, config.hidden_size, **common)
+        with bj.layer_stack(
+            topology,
+            reduction=reduction,
+            architecture=config.architecture.value,
+            input_sum=bj.SumGroup.ATTN_TP,
+        ):
+            self.layers = nnx.List(
+                [DecoderLayer(config, **common) for _ in range(config.num_layers)]
+            )
+        self.final_norm = bj.RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=dtype)
+        self.lm_head = ParallelLMHead(
+            config.hidden_size,
+            config.vocab_size,
+            tied_embedding=self.embed if config.tie_word_embeddings else None,
+            **common,
+        )
+
+    def __call__(
+        self,
+        rows: TokenRows,
+        batch: bj.BatchFacts,
+        caches: tuple[KVCache, ...] | None = None,
+    ) -> tuple[jax.Array, tuple[KVCache, ...] | None]:
+        """Logits of every row of this attention-DP rank, and the updated caches.
+
+        Args:
+          rows: This DP rank's block of packed rows.
+          batch: The batch facts (variant and per-DP-rank token counts).
+          caches: One KV cache per layer, or None to attend within `rows` alone.
+
+        Returns:
+          ([rows, vocab] float32 logits, zero on padding rows; the caches or None).
+        """
+        stream = residual.start(batch)
+        x = self.embed(rows.ids)
+        updated = []
+        for index, layer in enumerate(self.layers):
+            with jax.named_scope(f"layer_{index}"):
+                cache = None if caches is None else caches[index]
+                x, stream, cache = layer(x, stream, rows, cache)
+            updated.append(cache)
+        hidden = residual.final_norm(x, stream, self.final_norm, skip_empty=True)
+        logits = self.lm_head(hidden).astype(jnp.float32)
+        return logits, None if caches is None else tuple(updated)
+
+
+class Qwen3ForCausalLM(CausalLM):
+    """Qwen3: q/k RMSNorm per head before RoPE, usually tied embeddings."""
+
+    architectures = (Architecture.QWEN3,)
+
+
+class LlamaForCausalLM(CausalLM):
+    """Llama (with llama3 RoPE scaling) and Mistral-style configs."""
+
+    architectures = (Architecture.LLAMA, Architecture.MISTRAL)
+
+
+def model_class(config: DecoderConfig) -> type[CausalLM]:
+    """The decoder class for a config's architecture."""
+    return Qwen3ForCausalLM if config.architecture is Architecture.QWEN3 else LlamaForCausalLM

@@ -1,0 +1,171 @@
+"""Packed token rows: whole sequences spread over attention-DP ranks, padded to static blocks.
+
+The forward runs on rows, not a [batch, seq] grid: each attention-DP rank holds a block of
+`rows_per_rank` rows, its sequences packed one after another from row 0, the rest padding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+import boundary_jax as bj
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["ids", "positions", "segment_ids"],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class TokenRows:
+    """Token rows of every attention-DP rank, concatenated: [attn_dp * rows_per_rank] each.
+
+    Attributes:
+      ids: int32 token ids (0 on padding rows).
+      positions: int32 position of each row within its sequence.
+      segment_ids: int32 slot of the row's sequence on its DP rank; -1 on padding rows.
+    """
+
+    ids: np.ndarray | jax.Array
+    positions: np.ndarray | jax.Array
+    segment_ids: np.ndarray | jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedBatch:
+    """Sequences packed onto attention-DP ranks, and where each one landed.
+
+    Attributes:
+      rows: The packed rows, [attn_dp * rows_per_rank].
+      token_counts: [attn_dp] real rows per DP rank (the rest of each block is padding).
+      rank: DP rank of each sequence.
+      slot: Slot (segment id) of each sequence on its DP rank.
+      start: First row of each sequence within its DP rank's block.
+      lengths: Rows of each sequence in this batch.
+      rows_per_rank: Static block size per DP rank.
+      slots_per_rank: Static number of sequence slots per DP rank.
+      decode_rows_per_rank: Block size of a one-row-per-slot decode step (slots rounded up to
+        a multiple of attention TP).
+    """
+
+    rows: TokenRows
+    token_counts: np.ndarray
+    rank: tuple[int, ...]
+    slot: tuple[int, ...]
+    start: tuple[int, ...]
+    lengths: tuple[int, ...]
+    rows_per_rank: int
+    slots_per_rank: int
+    decode_rows_per_rank: int
+
+    def batch_facts(self, topology: bj.Topology, *, input_scattered: bool = False) -> bj.BatchFacts:
+        make = bj.BatchFacts.input_scattered if input_scattered else bj.BatchFacts.ordinary
+        return make(topology, self.token_counts)
+
+    def unpack(self, values: np.ndarray) -> np.ndarray:
+        """[attn_dp * rows_per_rank, ...] row values -> [sequences, longest, ...], zero-padded."""
+        values = np.asarray(values)
+        out = np.zeros((len(self.lengths), max(self.lengths), *values.shape[1:]), values.dtype)
+        for index, (rank, start, length) in enumerate(
+            zip(self.rank, self.start, self.lengths, strict=True)
+        ):
+            first = rank * self.rows_per_rank + start
+            out[index, :length] = values[first : first + length]
+        return out
+
+    def last_rows(self, values: np.ndarray) -> np.ndarray:
+        """The value at each sequence's last row: [sequences, ...]."""
+        values = np.asarray(values)
+        rows = [
+            rank * self.rows_per_rank + start + length - 1
+            for rank, start, length in zip(self.rank, self.start, self.lengths, strict=True)
+        ]
+        return values[rows]
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def pack_sequences(
+    sequences: Sequence[Sequence[int]], topology: bj.Topology, *, rows_per_rank: int | None = None
+) -> PackedBatch:
+    """Packs whole sequences onto attention-DP ranks, balancing their token counts.
+
+    Longest sequences go first, each to the DP rank with the fewest tokens so far. Blocks are
+    padded to a common size that divides over attention TP (so input-scattered batches work).
+
+    Raises:
+      ValueError: A sequence is empty, or `rows_per_rank` is too small.
+    """
+    if not sequences or any(len(s) == 0 for s in sequences):
+        raise ValueError("pack_sequences needs at least one sequence and no empty sequence")
+    dp = topology.attn_dp
+    load, members = [0] * dp, [[] for _ in range(dp)]
+    for index in sorted(range(len(sequences)), key=lambda i: (-len(sequences[i]), i)):
+        rank = min(range(dp), key=lambda r: (load[r], len(members[r]), r))
+        members[rank].append(index)
+        load[rank] += len(sequences[index])
+    needed = _round_up(max(max(load), 1), topology.attn_tp)
+    block = needed if rows_per_rank is None else rows_per_rank
+    if block < needed or block % topology.attn_tp:
+        raise ValueError(
+            f"rows_per_rank must be a multiple of attention TP ({topology.attn_tp}) holding "
+            f"{max(load)} rows; got {rows_per_rank}"
+        )
+    ids = np.zeros(dp * block, np.int32)
+    positions = np.zeros(dp * block, np.int32)
+    segments = np.full(dp * block, -1, np.int32)
+    rank_of, slot_of, start_of = [0] * len(sequences), [0] * len(sequences), [0] * len(sequences)
+    for rank, indices in enumerate(members):
+        offset = 0
+        for slot, index in enumerate(sorted(indices)):
+            tokens = np.asarray(sequences[index], np.int32)
+            row = rank * block + offset
+            ids[row : row + len(tokens)] = tokens
+            positions[row : row + len(tokens)] = np.arange(len(tokens))
+            segments[row : row + len(tokens)] = slot
+            rank_of[index], slot_of[index], start_of[index] = rank, slot, offset
+            offset += len(tokens)
+    return PackedBatch(
+        rows=TokenRows(ids, positions, segments),
+        token_counts=np.asarray(load, np.int32),
+        rank=tuple(rank_of),
+        slot=tuple(slot_of),
+        start=tuple(start_of),
+        lengths=tuple(len(s) for s in sequences),
+        rows_per_rank=block,
+        slots_per_rank=max(len(m) for m in members),
+        decode_rows_per_rank=_round_up(max(len(m) for m in members), topology.attn_tp),
+    )
+
+
+def decode_rows(packed: PackedBatch, tokens: np.ndarray, positions: np.ndarray) -> PackedBatch:
+    """One row per sequence (its next token at its next position), in its prefill slot.
+
+    The block per DP rank holds one row per slot, padded to a multiple of attention TP, so the
+    rows land in the same cache slots as the prefill that produced `packed`.
+    """
+    dp = len(packed.token_counts)
+    block = packed.decode_rows_per_rank
+    ids = np.zeros(dp * block, np.int32)
+    rows_pos = np.zeros(dp * block, np.int32)
+    segments = np.full(dp * block, -1, np.int32)
+    counts = np.zeros(dp, np.int32)
+    for index, (rank, slot) in enumerate(zip(packed.rank, packed.slot, strict=True)):
+        row = rank * block + slot
+        ids[row], rows_pos[row], segments[row] = tokens[index], positions[index], slot
+        counts[rank] += 1
+    return dataclasses.replace(
+        packed,
+        rows=TokenRows(ids, rows_pos, segments),
+        token_counts=counts,
+        start=packed.slot,
+        lengths=(1,) * len(packed.lengths),
+        rows_per_rank=block,
+    )

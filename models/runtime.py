@@ -1,0 +1,249 @@
+"""Running a decoder sharded over a mesh: `shard_map` inside `jit`, prefill, decode, generate."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import boundary_jax as bj
+
+from .attention import KVCache
+from .checkpoint import hf_name_map, load_config, load_params
+from .config import DecoderConfig
+from .decoder import CausalLM, model_class
+from .rows import PackedBatch, TokenRows, decode_rows, pack_sequences
+
+
+def make_mesh(topology: bj.Topology, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A mesh with boundary-jax's named axes for `topology`, over the first devices needed.
+
+    Raises:
+      ValueError: Fewer devices than the topology needs.
+    """
+    shape = topology.mesh_shape()
+    needed = int(np.prod(list(shape.values())))
+    devices = list(jax.devices() if devices is None else devices)
+    if len(devices) < needed:
+        raise ValueError(
+            f"the mesh {shape} needs {needed} devices; only {len(devices)} are available"
+        )
+    return jax.make_mesh(tuple(shape.values()), tuple(shape), devices=devices[:needed])
+
+
+def build_model(
+    config: DecoderConfig,
+    topology: bj.Topology,
+    *,
+    reduction: bj.ReductionPolicy = bj.ReductionPolicy.AUTO,
+    dtype: jnp.dtype = jnp.float32,
+    seed: int = 0,
+) -> CausalLM:
+    """A model of `config` with random weights (every shard different)."""
+    return model_class(config)(
+        config, topology, reduction=reduction, dtype=dtype, rngs=nnx.Rngs(seed)
+    )
+
+
+def load_model(
+    checkpoint_dir: str | Path,
+    mesh: Mesh,
+    *,
+    reduction: bj.ReductionPolicy = bj.ReductionPolicy.AUTO,
+    dtype: jnp.dtype = jnp.float32,
+) -> CausalLM:
+    """A model loaded from a Hugging Face checkpoint directory, each device reading its shard.
+
+    The model is built abstractly (no weights allocated), then every parameter is read straight
+    into its sharded global array.
+    """
+    config = load_config(checkpoint_dir)
+    topology = bj.Topology.from_mesh(mesh)
+    abstract = nnx.eval_shape(
+        lambda: model_class(config)(
+            config, topology, reduction=reduction, dtype=dtype, rngs=nnx.Rngs(0)
+        )
+    )
+    graphdef, abstract_state = nnx.split(abstract)
+    # A norm a boundary reads is shared with its layer; load it under the layer's own path.
+    names = hf_name_map(config)
+    stored = {path for path, _ in nnx.to_flat_state(abstract_state)}
+    rename = {}
+    for paths in _variable_paths(abstract).values():
+        named = [path for path in paths if ".".join(map(str, path)) in names]
+        canonical = next(path for path in paths if path in stored)
+        if named and canonical not in named:
+            rename[canonical] = named[0]
+    state = load_params(checkpoint_dir, _renamed(abstract_state, rename), mesh, np.dtype(dtype))
+    back = {new: old for old, new in rename.items()}
+    return nnx.merge(graphdef, _renamed(state, back))
+
+
+def _variable_paths(module: nnx.Module) -> dict[int, list[tuple]]:
+    """Every path that reaches each variable of `module` (shared variables have several)."""
+    paths: dict[int, list[tuple]] = {}
+
+    def walk(node, prefix):
+        for key, child in nnx.iter_children(node):
+            path = (*prefix, key)
+            if isinstance(child, nnx.Variable):
+                paths.setdefault(id(child), []).append(path)
+            else:
+                walk(child, path)
+
+    walk(module, ())
+    return paths
+
+
+def _renamed(state: nnx.State, rename: dict[tuple, tuple]) -> nnx.State:
+    flat = nnx.to_flat_state(state)
+    return nnx.from_flat_state([(rename.get(path, path), leaf) for path, leaf in flat])
+
+
+class ShardedCausalLM:
+    """A `CausalLM` placed on a mesh, with jitted sharded prefill, decode and generation.
+
+    Attributes:
+      model: The decoder (its parameters are placed on `mesh`).
+      mesh: The mesh; its axes are boundary-jax's `MeshAxis` names.
+      input_scattered: Run batches input-scattered (residual on attention-TP slices).
+    """
+
+    def __init__(self, model: CausalLM, mesh: Mesh, *, input_scattered: bool = False):
+        if bj.Topology.from_mesh(mesh) != model.topology:
+            raise ValueError(
+                f"the model is bound on {model.topology} but the mesh is "
+                f"{bj.Topology.from_mesh(mesh)}"
+            )
+        self.model = model
+        self.mesh = mesh
+        self.input_scattered = input_scattered
+        self._graphdef, state = nnx.split(model)
+        self._state_specs = nnx.get_partition_spec(state)
+        self._state = jax.device_put(state, self._shardings(self._state_specs))
+
+    @property
+    def topology(self) -> bj.Topology:
+        return self.model.topology
+
+    @property
+    def config(self) -> DecoderConfig:
+        return self.model.config
+
+    def _shardings(self, specs):
+        return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs)
+
+    def _row_spec(self) -> PartitionSpec:
+        return PartitionSpec(self.topology.spec_entry((bj.TokenAxis.ATTN_DP,)))
+
+    @functools.cached_property
+    def _programs(self):
+        rows = self._row_spec()
+        rows_spec = TokenRows(rows, rows, rows)
+        variant = (
+            bj.BatchVariant.INPUT_SCATTERED if self.input_scattered else (bj.BatchVariant.ORDINARY)
+        )
+        batch_spec = bj.BatchFacts(variant, self.topology, PartitionSpec())
+        logits_spec = PartitionSpec(rows.__getitem__(0), None)
+        cache_specs = tuple(KVCache.specs(self.topology) for _ in range(self.config.num_layers))
+        graphdef = self._graphdef
+
+        def forward(state, rows, batch):
+            return nnx.merge(graphdef, state)(rows, batch)[0]
+
+        def step(state, rows, batch, caches):
+            return nnx.merge(graphdef, state)(rows, batch, caches)
+
+        forward = jax.jit(
+            jax.shard_map(
+                forward,
+                mesh=self.mesh,
+                in_specs=(self._state_specs, rows_spec, batch_spec),
+                out_specs=logits_spec,
+            )
+        )
+        step = jax.jit(
+            jax.shard_map(
+                step,
+                mesh=self.mesh,
+                in_specs=(self._state_specs, rows_spec, batch_spec, cache_specs),
+                out_specs=(logits_spec, cache_specs),
+            ),
+            donate_argnums=3,
+        )
+        return forward, step
+
+    def place(self, packed: PackedBatch) -> tuple[TokenRows, bj.BatchFacts]:
+        """The packed rows and their batch facts, placed on the mesh."""
+        rows = jax.device_put(packed.rows, NamedSharding(self.mesh, self._row_spec()))
+        batch = packed.batch_facts(self.topology, input_scattered=self.input_scattered)
+        counts = jax.device_put(batch.token_counts, NamedSharding(self.mesh, PartitionSpec()))
+        return rows, bj.BatchFacts(batch.variant, batch.topology, counts)
+
+    def pack(self, sequences: Sequence[Sequence[int]]) -> PackedBatch:
+        return pack_sequences(sequences, self.topology)
+
+    def forward_rows(self, packed: PackedBatch) -> jax.Array:
+        """[attn_dp * rows_per_rank, vocab] logits of packed rows (attention within the batch)."""
+        forward, _ = self._programs
+        return forward(self._state, *self.place(packed))
+
+    def forward(self, sequences: Sequence[Sequence[int]]) -> np.ndarray:
+        """float32 logits [sequences, longest, vocab] of ragged token-id lists, zero past ends."""
+        packed = self.pack(sequences)
+        return packed.unpack(jax.device_get(self.forward_rows(packed)))
+
+    def lower_forward(self, sequences: Sequence[Sequence[int]]):
+        """The lowered (not yet compiled) sharded forward for these sequences' shapes."""
+        forward, _ = self._programs
+        return forward.lower(self._state, *self.place(self.pack(sequences)))
+
+    def new_caches(self, packed: PackedBatch, max_len: int) -> tuple[KVCache, ...]:
+        slots = packed.slots_per_rank * self.topology.attn_dp
+        dtype = self.model.final_norm.weight[...].dtype
+        return tuple(
+            KVCache.create(
+                self.config,
+                self.topology,
+                slots=slots,
+                max_len=max_len,
+                dtype=dtype,
+                mesh=self.mesh,
+            )
+            for _ in range(self.config.num_layers)
+        )
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> np.ndarray:
+        """Greedy continuation of each prompt: int32 [prompts, max_new_tokens].
+
+        One prefill fills a static-shape KV cache; each further token is one decode step with a
+        row per sequence.
+        """
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1; got {max_new_tokens}")
+        _, step = self._programs
+        packed = self.pack(prompts)
+        longest = max(packed.lengths) + max_new_tokens
+        if longest > self.config.max_position_embeddings:
+            raise ValueError(
+                f"prompt + new tokens ({longest}) exceed max_position_embeddings "
+                f"({self.config.max_position_embeddings})"
+            )
+        caches = self.new_caches(packed, longest)
+        logits, caches = step(self._state, *self.place(packed), caches)
+        tokens = np.argmax(packed.last_rows(jax.device_get(logits)), axis=-1).astype(np.int32)
+        generated = [tokens]
+        positions = np.asarray(packed.lengths, np.int32)
+        for _ in range(max_new_tokens - 1):
+            rows = decode_rows(packed, tokens, positions)
+            logits, caches = step(self._state, *self.place(rows), caches)
+            tokens = np.argmax(rows.last_rows(jax.device_get(logits)), axis=-1).astype(np.int32)
+            generated.append(tokens)
+            positions = positions + 1
+        return np.stack(generated, axis=1)
