@@ -218,8 +218,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     devices = getattr(args, "devices", None) or math.prod(args.mesh.values()) or 1
     if args.command == "demo":
         devices = 8
-    with contextlib.suppress(RuntimeError):  # backends already up (e.g. called in-process)
-        jax.config.update("jax_num_cpu_devices", max(devices, 1))
+    if devices > jax.config.jax_num_cpu_devices:
+        with contextlib.suppress(RuntimeError):  # backends already up (e.g. called in-process)
+            jax.config.update("jax_num_cpu_devices", devices)
     try:
         args.run(args)
     except (InputError, ValueError, FileNotFoundError, NotImplementedError) as error:

@@ -110,6 +110,22 @@ def run_demo(*, layers: int = 4, console: Console | None = None) -> list[dict]:
         table.add_row("compile", f"{compile_seconds:.2f} s")
         table.add_row("step (median of 10)", f"{row['step_ms']:.2f} ms")
         out.print(table)
+    summary = Table(title=f"summary (collectives of layer {middle_layer(layers)})")
+    for column in ("layout", "max |diff|", "AR", "RS", "AG", "bytes", "compile", "step"):
+        summary.add_column(column, justify="left" if column == "layout" else "right")
+    for row in rows:
+        counts = row["collectives"]
+        summary.add_row(
+            row["layout"],
+            f"{row['max_abs_logit_diff']:.1e}",
+            str(counts["all-reduce"]),
+            str(counts["reduce-scatter"]),
+            str(counts["all-gather"]),
+            f"{row['bytes']:,}",
+            f"{row['compile_s']:.2f} s",
+            f"{row['step_ms']:.1f} ms",
+        )
+    out.print(summary)
     worst = max(row["max_abs_logit_diff"] for row in rows)
     scale = float(np.max(np.abs(expected)))
     verdict = "match" if worst <= 1e-4 * scale else "DIFFER"

@@ -1,0 +1,237 @@
+"""The boundary-jax command line: forward, generate and plan on checkpoints; bad input."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import boundary_jax as bj
+from models.cli import main
+from tests.core.test_collectives import expected_layers
+
+GOLDEN = pathlib.Path(__file__).parents[1] / "golden"
+P = bj.ReductionPolicy
+
+
+def _golden(name):
+    return GOLDEN / name, dict(np.load(GOLDEN / name / "reference.npz"))
+
+
+@pytest.mark.parametrize(
+    "mesh,extra", [("attn_dp=2,attn_tp=2", []), ("attn_tp=4", ["--input-scattered"])]
+)
+def test_forward_writes_the_logits_of_ragged_sequences(tmp_path, mesh, extra):
+    """forward writes float32 [sequences, longest, vocab] logits, zero past each end."""
+    checkpoint, reference = _golden("llama")
+    out = tmp_path / "logits.npy"
+    code = main(
+        [
+            "forward",
+            "--checkpoint",
+            str(checkpoint),
+            "--mesh",
+            mesh,
+            "--policy",
+            "rs+rsv",
+            "--input-ids",
+            str(checkpoint / "prompts.json"),
+            "--out",
+            str(out),
+            *extra,
+        ]
+    )
+    assert code == 0
+    logits = np.load(out)
+    assert logits.dtype == np.float32 and logits.shape == reference["logits"].shape
+    scale = np.max(np.abs(reference["logits"]))
+    assert np.max(np.abs(logits - reference["logits"])) <= 1e-4 * scale
+
+
+def test_generate_prints_the_greedy_ids_as_its_last_line(capsys):
+    """generate's last stdout line is one JSON list of lists: HF's greedy tokens."""
+    checkpoint, reference = _golden("qwen3")
+    code = main(
+        [
+            "generate",
+            "--checkpoint",
+            str(checkpoint),
+            "--mesh",
+            "attn_tp=4",
+            "--prompt-ids",
+            str(checkpoint / "prompts.json"),
+            "--max-new-tokens",
+            "6",
+        ]
+    )
+    assert code == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert json.loads(last) == reference["generated"].tolist()
+
+
+PLANS = [
+    ("attn_tp=8", P.AR, False),
+    ("attn_dp=2,attn_tp=4", P.RS_RSV, False),
+    ("attn_dp=2,attn_tp=4", P.RS, False),
+    ("attn_dp=2,attn_tp=4", P.AR, False),
+    ("attn_tp=4", P.RS_RSV, True),
+    ("attn_dp=8", P.AUTO, False),
+]
+
+
+@pytest.mark.parametrize("mesh,policy,scattered", PLANS)
+def test_plan_json_counts_equal_the_documented_table(capsys, mesh, policy, scattered):
+    """plan --json counts one middle layer's collectives exactly as docs/collectives.md says."""
+    args = ["plan", "--preset", "tiny-qwen3", "--mesh", mesh, "--policy", policy.value, "--json"]
+    assert main(args + (["--input-scattered"] if scattered else [])) == 0
+    report = json.loads(capsys.readouterr().out)
+    sizes = dict(item.split("=") for item in mesh.split(","))
+    dp, tp = int(sizes.get("attn_dp", 1)), int(sizes.get("attn_tp", 1))
+    layers = len(report["collectives_by_layer"])
+    expected = expected_layers(dp, tp, scattered, policy, layers)
+    middle = report["middle_layer"]
+    counts = report["collectives_per_layer"]
+    assert 0 < middle < layers - 1
+    for kind in ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute"):
+        assert counts[kind] == expected[middle].count(kind)
+    assert [layer["sequence"] for layer in report["collectives_by_layer"]] == [
+        list(sequence) for sequence in expected
+    ]
+    assert report["bytes_per_layer"] > 0 or not expected[middle]
+    assert len(report["stages"]) == 2 * layers
+
+
+def test_plan_prints_tables(capsys):
+    """Without --json, plan prints the bound plans and per-layer collectives as tables."""
+    assert main(["plan", "--preset", "tiny-mistral", "--mesh", "attn_dp=2,attn_tp=2"]) == 0
+    out = capsys.readouterr().out
+    assert "bound stage plans" in out and "collectives per layer" in out
+
+
+def _bad_config(tmp_path):
+    directory = tmp_path / "gpt2"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    return str(directory)
+
+
+def _file(tmp_path, text):
+    path = tmp_path / "ids.json"
+    path.write_text(text)
+    return str(path)
+
+
+BAD_INPUT = {
+    "missing checkpoint": (
+        lambda tmp: [
+            "forward",
+            "--checkpoint",
+            str(tmp / "nowhere"),
+            "--input-ids",
+            "x",
+            "--out",
+            "y",
+        ],
+        "no checkpoint directory",
+    ),
+    "unsupported architecture": (
+        lambda tmp: ["forward", "--checkpoint", _bad_config(tmp), "--input-ids", "x", "--out", "y"],
+        "GPT2LMHeadModel",
+    ),
+    "mesh that does not divide the heads": (
+        lambda tmp: [
+            "forward",
+            "--checkpoint",
+            str(GOLDEN / "llama"),
+            "--mesh",
+            "attn_tp=3",
+            "--devices",
+            "3",
+            "--input-ids",
+            "x",
+            "--out",
+            "y",
+        ],
+        "num_heads \\(8\\) must be a multiple",
+    ),
+    "mesh larger than the devices": (
+        lambda tmp: ["plan", "--preset", "tiny-qwen3", "--mesh", "attn_dp=4,attn_tp=4"],
+        "needs 16 devices",
+    ),
+    "malformed ids": (
+        lambda tmp: [
+            "generate",
+            "--checkpoint",
+            str(GOLDEN / "qwen3"),
+            "--prompt-ids",
+            _file(tmp, '[[1, 2], [3, "a"]]'),
+            "--max-new-tokens",
+            "2",
+        ],
+        "list of non-empty lists of ints",
+    ),
+    "ids outside the vocabulary": (
+        lambda tmp: [
+            "forward",
+            "--checkpoint",
+            str(GOLDEN / "qwen3"),
+            "--input-ids",
+            _file(tmp, "[[1, 999]]"),
+            "--out",
+            str(tmp / "o.npy"),
+        ],
+        "outside the vocabulary",
+    ),
+    "ids that are not JSON": (
+        lambda tmp: [
+            "forward",
+            "--checkpoint",
+            str(GOLDEN / "qwen3"),
+            "--input-ids",
+            _file(tmp, "1 2 3"),
+            "--out",
+            str(tmp / "o.npy"),
+        ],
+        "is not JSON",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUT))
+def test_bad_input_ends_with_one_line_and_exit_code_2(tmp_path, capsys, case):
+    """Bad input names the problem in one stderr line, exit code 2, no traceback."""
+    args, pattern = BAD_INPUT[case]
+    assert main(args(tmp_path)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("boundary-jax: error: ")
+    assert "Traceback" not in "\n".join(err)
+    import re
+
+    assert re.search(pattern, err[-1]), err[-1]
+
+
+def test_the_installed_command_reports_bad_input_without_a_traceback(tmp_path):
+    """The console script itself exits 2 with one line on stderr."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "models.cli",
+            "forward",
+            "--checkpoint",
+            str(tmp_path / "none"),
+            "--input-ids",
+            "x",
+            "--out",
+            "y",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"boundary-jax: error: no checkpoint directory at {tmp_path / 'none'}"
+    ]

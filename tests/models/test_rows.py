@@ -1,0 +1,64 @@
+"""Packing whole sequences onto attention-DP ranks as static padded blocks of rows."""
+
+import numpy as np
+import pytest
+
+import boundary_jax as bj
+from models.rows import decode_rows, pack_sequences
+
+
+def test_sequences_are_balanced_whole_and_padded():
+    """Longest first onto the least-loaded rank; blocks divide over attention TP."""
+    topology = bj.Topology(attn_dp=2, attn_tp=4)
+    sequences = [[1] * 7, [2] * 1, [3] * 12, [4] * 5]
+    packed = pack_sequences(sequences, topology)
+    assert packed.rows_per_rank % 4 == 0
+    assert packed.token_counts.tolist() == [13, 12]
+    assert packed.rank == (1, 0, 0, 1)
+    rows = packed.rows
+    for index, tokens in enumerate(sequences):
+        first = packed.rank[index] * packed.rows_per_rank + packed.start[index]
+        assert rows.ids[first : first + len(tokens)].tolist() == tokens
+        assert rows.positions[first : first + len(tokens)].tolist() == list(range(len(tokens)))
+        assert set(rows.segment_ids[first : first + len(tokens)]) == {packed.slot[index]}
+    block = rows.segment_ids.reshape(2, -1)
+    for rank, count in enumerate(packed.token_counts):
+        assert (block[rank, :count] >= 0).all() and (block[rank, count:] == -1).all()
+
+
+def test_an_idle_rank_has_an_all_padding_block():
+    """With fewer sequences than DP ranks, the idle ranks hold only padding."""
+    packed = pack_sequences([[1, 2, 3]], bj.Topology(attn_dp=4))
+    assert packed.token_counts.tolist() == [3, 0, 0, 0]
+    assert (packed.rows.segment_ids[packed.rows_per_rank :] == -1).all()
+
+
+def test_unpack_and_last_rows_invert_the_packing():
+    """unpack() gives [sequences, longest, ...] with zeros past each end."""
+    packed = pack_sequences([[1] * 3, [2] * 5], bj.Topology(attn_dp=2))
+    values = np.arange(2 * packed.rows_per_rank, dtype=np.float32)[:, None]
+    out = packed.unpack(values)
+    assert out.shape == (2, 5, 1)
+    assert out[0, 3:].sum() == 0
+    np.testing.assert_array_equal(packed.last_rows(values)[:, 0], [out[0, 2, 0], out[1, 4, 0]])
+
+
+def test_decode_rows_land_in_the_prefill_slots():
+    """A decode step has one row per sequence, in the slot its prefill used."""
+    topology = bj.Topology(attn_dp=2, attn_tp=2)
+    packed = pack_sequences([[1] * 3, [2] * 5, [3] * 2], topology)
+    step = decode_rows(packed, np.array([7, 8, 9]), np.array([3, 5, 2]))
+    assert step.rows_per_rank == 2
+    for index in range(3):
+        row = packed.rank[index] * 2 + packed.slot[index]
+        assert step.rows.segment_ids[row] == packed.slot[index]
+        assert step.rows.ids[row] == (7, 8, 9)[index]
+    assert step.token_counts.tolist() == [1, 2]
+
+
+def test_packing_rejects_empty_input_and_small_blocks():
+    """Empty sequences and a block too small for a rank's tokens are rejected."""
+    with pytest.raises(ValueError, match="no empty sequence"):
+        pack_sequences([[1], []], bj.Topology())
+    with pytest.raises(ValueError, match="rows_per_rank"):
+        pack_sequences([[1] * 9], bj.Topology(attn_tp=2), rows_per_rank=8)
