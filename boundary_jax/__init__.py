@@ -9,6 +9,7 @@ from . import residual as residual
 from .batch import BatchFacts as BatchFacts
 from .bind import ExitKind as ExitKind
 from .bind import StagePlan as StagePlan
+from .bind import describe_path as describe_path
 from .contracts import Placement as Placement
 from .contracts import ProducerReduction as ProducerReduction
 from .contracts import ReductionPolicy as ReductionPolicy
@@ -28,10 +29,14 @@ from .ops import gather_last_dim as gather_last_dim
 from .ops import shard_index as shard_index
 from .report import CollectiveReport as CollectiveReport
 from .report import collective_report as collective_report
+from .report import parse_hlo as parse_hlo
 from .residual import OwedOutput as OwedOutput
 from .residual import ResidualStream as ResidualStream
 from .residual import RMSNorm as RMSNorm
 from .scan import scan_layers as scan_layers
+from .sharding import ShardedModule as ShardedModule
+from .sharding import make_mesh as make_mesh
+from .sharding import place as place
 from .stack import LayerStack as LayerStack
 from .stack import append_stages as append_stages
 from .stack import layer_stack as layer_stack

@@ -92,6 +92,7 @@ class EntryPath:
       move_input: Movements from the residual's rows to the compute rows.
       read_after_move: The read runs on the moved rows (the read does not read before a DP
         gather).
+      primary: The entry the producer's preferred exit option (or the stack input) leads to.
     """
 
     handoff: Placement | None
@@ -102,6 +103,7 @@ class EntryPath:
     fused_sum: tuple[TokenAxis, ...]
     move_input: tuple[Step, ...]
     read_after_move: bool
+    primary: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,20 +174,15 @@ class StagePlan:
         )
 
 
-def attention_rows(topology: Topology) -> Layout:
-    """Rows of an attention stage, of the stack input and of the stack output."""
-    return topology.layout(TokenAxis.ATTN_DP)
-
-
 def residual_layout(topology: Topology, variant: BatchVariant) -> Layout:
     if variant is BatchVariant.INPUT_SCATTERED:
         return topology.layout(TokenAxis.ATTN_DP, TokenAxis.ATTN_TP)
-    return attention_rows(topology)
+    return topology.attention_rows()
 
 
 def compute_layout(declaration: StageDeclaration, topology: Topology) -> Layout:
     if declaration.kind is StageKind.ATTN:
-        return attention_rows(topology)
+        return topology.attention_rows()
     return topology.layout()
 
 
@@ -215,7 +212,7 @@ def exit_options(
     value = Placement(compute, owed)
     terminal = consumer is None
     fold_to = (
-        attention_rows(topology) if terminal and residual != attention_rows(topology) else None
+        topology.attention_rows() if terminal and residual != topology.attention_rows() else None
     )
 
     if declaration.reduction is ProducerReduction.ALWAYS_PARTIAL:
@@ -329,15 +326,22 @@ def bind_stage(
             )
 
         handoffs = {Placement(residual)}
+        primary = None
         if producer is not None:
-            for option in exit_options(producer, declaration, variant, stack):
+            options = exit_options(producer, declaration, variant, stack)
+            primary = options[0].handoff
+            for option in options:
                 handoffs |= {option.handoff, option.handoff.completed()}
         entries = [entry(None)] + [entry(h) for h in sorted(handoffs, key=str)]
         if producer is None:
-            rows = attention_rows(topology)
+            rows = topology.attention_rows()
             entries.append(entry(Placement(rows, stack.input_owed), True, rows))
             if rows != residual:
                 entries.append(entry(None, residual_from=rows))
+        entries = [
+            dataclasses.replace(e, primary=e.initial or (not e.initial and e.handoff == primary))
+            for e in entries
+        ]
         path = StagePath(
             variant,
             residual,
@@ -388,3 +392,57 @@ def rows_fit(steps: tuple[Step, ...], rows: int, topology: Topology) -> bool:
         elif isinstance(step, AllGather):
             rows *= topology.size(step.axes)
     return True
+
+
+def describe_steps(steps: tuple[Step, ...]) -> str:
+    """`steps` in words, e.g. "reduce-scatter over attn_dp x attn_tp, all-gather over attn_tp"."""
+
+    def over(axes):
+        return " x ".join(axis.mesh_name for axis in axes)
+
+    words = {
+        AllReduce: "all-reduce",
+        ReduceScatter: "reduce-scatter",
+        AllGather: "all-gather",
+        TakeBlock: "local slice",
+    }
+    return ", ".join(f"{words[type(step)]} over {over(step.axes)}" for step in steps) or "nothing"
+
+
+def describe_path(path: StagePath) -> dict[str, object]:
+    """A JSON-friendly account of one bound path: what each entry and exit option runs."""
+    entries = []
+    for entry in path.entries:
+        if entry.initial:
+            source = f"stack input ({entry.handoff})"
+        elif entry.handoff is None:
+            source = f"written residual on rows {entry.residual_from}"
+        else:
+            source = f"pending contribution ({entry.handoff})"
+        completion = entry.residual_move + entry.complete
+        entries.append(
+            {
+                "primary": entry.primary,
+                "from": source,
+                "completes": describe_steps(completion),
+                "fused_with_add_norm": describe_steps(ops.all_reduce(entry.fused_sum)),
+                "reads_on_rows": str(path.residual_layout),
+                "moves_input": describe_steps(entry.move_input),
+            }
+        )
+    exits = [
+        {
+            "exit": option.kind.value,
+            "runs": describe_steps(option.steps),
+            "hands_on": str(option.handoff),
+            **({"then_folds_and_moves_residual_to": str(option.fold_to)} if option.fold_to else {}),
+        }
+        for option in path.exits
+    ]
+    return {
+        "variant": path.variant.value,
+        "residual_rows": str(path.residual_layout),
+        "compute_rows": str(path.compute_layout),
+        "entries": entries,
+        "exit_options": exits,
+    }

@@ -72,7 +72,7 @@ class Layout:
         return axis in self.sharded
 
     def __str__(self) -> str:
-        return "{" + ", ".join(axis.name for axis in self.sharded) + "}"
+        return "{" + (", ".join(axis.name for axis in self.sharded) or "all rows") + "}"
 
 
 class SumGroup(enum.Enum):
@@ -157,6 +157,13 @@ class Topology:
     def layout(self, *axes: TokenAxis) -> Layout:
         """The layout whose rows `axes` partition, size-one axes dropped."""
         return Layout(self.active(axes))
+
+    def attention_rows(self) -> Layout:
+        """The attention's rows: each attention-DP rank's tokens, alike over attention TP.
+
+        Also the rows of the stack input (the embedding) and of the stack output.
+        """
+        return self.layout(TokenAxis.ATTN_DP)
 
     def sum_axes(self, group: SumGroup) -> tuple[TokenAxis, ...]:
         """The token axes a sum over `group` runs across, size-one axes dropped."""

@@ -15,7 +15,17 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from rich.console import Console
+
+import boundary_jax as bj
+
+from .checkpoint import load_config
+from .config import PRESETS
+from .demo import run_demo
+from .report import plan_report, print_plan
+from .runtime import ShardedCausalLM, build_model, load_model
 
 EXIT_BAD_INPUT = 2
 
@@ -25,8 +35,6 @@ class InputError(ValueError):
 
 
 def _parse_mesh(text: str) -> dict[str, int]:
-    import boundary_jax as bj
-
     sizes = {}
     for item in text.split(","):
         name, _, value = item.partition("=")
@@ -43,8 +51,6 @@ def _parse_mesh(text: str) -> dict[str, int]:
 
 
 def _policy(text: str):
-    import boundary_jax as bj
-
     try:
         return bj.ReductionPolicy.parse(text)
     except ValueError as error:
@@ -76,8 +82,6 @@ def _read_ids(path: str, vocab_size: int) -> list[list[int]]:
 
 
 def _console():
-    from rich.console import Console
-
     return Console(stderr=True)
 
 
@@ -89,22 +93,10 @@ def _status(console, message: str):
     console.log(f"{message} done in {time.perf_counter() - start:.1f}s")
 
 
-def _topology(sizes: dict[str, int]):
-    import boundary_jax as bj
-
-    return bj.Topology.from_axis_sizes(sizes)
-
-
 def _load(args, console):
     """(ShardedCausalLM, config) for --checkpoint or --preset on --mesh."""
-    import jax.numpy as jnp
-
-    from .checkpoint import load_config
-    from .config import PRESETS
-    from .runtime import ShardedCausalLM, build_model, load_model, make_mesh
-
-    topology = _topology(args.mesh)
-    mesh = make_mesh(topology)
+    topology = bj.Topology.from_axis_sizes(args.mesh)
+    mesh = bj.make_mesh(topology)
     dtype = jnp.dtype(args.dtype)
     if getattr(args, "preset", None):
         if args.preset not in PRESETS:
@@ -143,8 +135,6 @@ def _generate(args) -> None:
 
 
 def _plan(args) -> None:
-    from .report import plan_report
-
     console = _console()
     runner = _load(args, console)
     with _status(console, "compiling the sharded forward"):
@@ -152,14 +142,10 @@ def _plan(args) -> None:
     if args.json:
         print(json.dumps(report))
         return
-    from .report import print_plan
-
     print_plan(report)
 
 
 def _demo(args) -> None:
-    from .demo import run_demo
-
     run_demo(layers=args.layers, console=_console())
 
 

@@ -16,7 +16,7 @@ from boundary_jax.report import KINDS
 
 from .config import PRESETS
 from .report import collective_report, middle_layer
-from .runtime import ShardedCausalLM, build_model, make_mesh
+from .runtime import ShardedCausalLM, build_model
 
 PRESET = "tiny-qwen3"
 P = bj.ReductionPolicy
@@ -66,7 +66,7 @@ def run_demo(*, layers: int = 4, console: Console | None = None) -> list[dict]:
     prompts = demo_prompts(config.vocab_size)
     single = bj.Topology()
     with console.status("single-device reference"):
-        reference = ShardedCausalLM(build_model(config, single), make_mesh(single))
+        reference = ShardedCausalLM(build_model(config, single), bj.make_mesh(single))
         expected = reference.forward(prompts)
     out.print(
         f"[bold]boundary-jax demo[/]: {PRESET} ({layers} layers, random weights), "
@@ -79,7 +79,7 @@ def run_demo(*, layers: int = 4, console: Console | None = None) -> list[dict]:
         with console.status(f"{layout.name}: building and compiling"):
             model = build_model(config, topology, reduction=layout.policy)
             runner = ShardedCausalLM(
-                model, make_mesh(topology), input_scattered=layout.input_scattered
+                model, bj.make_mesh(topology), input_scattered=layout.input_scattered
             )
             start = time.perf_counter()
             report = collective_report(runner)

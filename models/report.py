@@ -82,8 +82,7 @@ def print_plan(report: dict[str, Any], console: Console | None = None) -> None:
     ):
         table.add_column(column)
     for stage in report["stages"]:
-        pending = [e for e in stage["entries"] if e["from"].startswith(("pending", "stack"))]
-        entry = pending[0] if pending else stage["entries"][0]
+        entry = next(e for e in stage["entries"] if e["primary"])
         option = stage["exit_options"][0]
         table.add_row(
             str(stage["layer"]),

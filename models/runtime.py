@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -19,22 +18,6 @@ from .checkpoint import hf_name_map, load_config, load_params
 from .config import DecoderConfig
 from .decoder import CausalLM, model_class
 from .rows import PackedBatch, TokenRows, decode_rows, pack_sequences
-
-
-def make_mesh(topology: bj.Topology, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A mesh with boundary-jax's named axes for `topology`, over the first devices needed.
-
-    Raises:
-      ValueError: Fewer devices than the topology needs.
-    """
-    shape = topology.mesh_shape()
-    needed = int(np.prod(list(shape.values())))
-    devices = list(jax.devices() if devices is None else devices)
-    if len(devices) < needed:
-        raise ValueError(
-            f"the mesh {shape} needs {needed} devices; only {len(devices)} are available"
-        )
-    return jax.make_mesh(tuple(shape.values()), tuple(shape), devices=devices[:needed])
 
 
 def build_model(
@@ -124,9 +107,26 @@ class ShardedCausalLM:
         self.model = model
         self.mesh = mesh
         self.input_scattered = input_scattered
-        self._graphdef, state = nnx.split(model)
-        self._state_specs = nnx.get_partition_spec(state)
-        self._state = jax.device_put(state, self._shardings(self._state_specs))
+        rows = PartitionSpec(model.topology.spec_entry((bj.TokenAxis.ATTN_DP,)))
+        self._rows = rows
+        rows_spec = TokenRows(rows, rows, rows)
+        variant = bj.BatchVariant.INPUT_SCATTERED if input_scattered else bj.BatchVariant.ORDINARY
+        batch_spec = bj.BatchFacts(variant, model.topology, PartitionSpec())
+        logits_spec = PartitionSpec(rows[0], None)
+        cache_specs = tuple(KVCache.specs(model.topology) for _ in model.layers)
+        sharded = bj.ShardedModule(model, mesh)
+        self._state = sharded.state
+        self._forward = sharded.program(
+            lambda model, rows, batch: model(rows, batch)[0],
+            in_specs=(rows_spec, batch_spec),
+            out_specs=logits_spec,
+        )
+        self._step = sharded.program(
+            lambda model, rows, batch, caches: model(rows, batch, caches),
+            in_specs=(rows_spec, batch_spec, cache_specs),
+            out_specs=(logits_spec, cache_specs),
+            donate_argnums=(2,),
+        )
 
     @property
     def topology(self) -> bj.Topology:
@@ -136,52 +136,9 @@ class ShardedCausalLM:
     def config(self) -> DecoderConfig:
         return self.model.config
 
-    def _shardings(self, specs):
-        return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs)
-
-    def _row_spec(self) -> PartitionSpec:
-        return PartitionSpec(self.topology.spec_entry((bj.TokenAxis.ATTN_DP,)))
-
-    @functools.cached_property
-    def _programs(self):
-        rows = self._row_spec()
-        rows_spec = TokenRows(rows, rows, rows)
-        variant = (
-            bj.BatchVariant.INPUT_SCATTERED if self.input_scattered else (bj.BatchVariant.ORDINARY)
-        )
-        batch_spec = bj.BatchFacts(variant, self.topology, PartitionSpec())
-        logits_spec = PartitionSpec(rows.__getitem__(0), None)
-        cache_specs = tuple(KVCache.specs(self.topology) for _ in range(self.config.num_layers))
-        graphdef = self._graphdef
-
-        def forward(state, rows, batch):
-            return nnx.merge(graphdef, state)(rows, batch)[0]
-
-        def step(state, rows, batch, caches):
-            return nnx.merge(graphdef, state)(rows, batch, caches)
-
-        forward = jax.jit(
-            jax.shard_map(
-                forward,
-                mesh=self.mesh,
-                in_specs=(self._state_specs, rows_spec, batch_spec),
-                out_specs=logits_spec,
-            )
-        )
-        step = jax.jit(
-            jax.shard_map(
-                step,
-                mesh=self.mesh,
-                in_specs=(self._state_specs, rows_spec, batch_spec, cache_specs),
-                out_specs=(logits_spec, cache_specs),
-            ),
-            donate_argnums=3,
-        )
-        return forward, step
-
     def place(self, packed: PackedBatch) -> tuple[TokenRows, bj.BatchFacts]:
         """The packed rows and their batch facts, placed on the mesh."""
-        rows = jax.device_put(packed.rows, NamedSharding(self.mesh, self._row_spec()))
+        rows = jax.device_put(packed.rows, NamedSharding(self.mesh, self._rows))
         batch = packed.batch_facts(self.topology, input_scattered=self.input_scattered)
         counts = jax.device_put(batch.token_counts, NamedSharding(self.mesh, PartitionSpec()))
         return rows, bj.BatchFacts(batch.variant, batch.topology, counts)
@@ -191,8 +148,7 @@ class ShardedCausalLM:
 
     def forward_rows(self, packed: PackedBatch) -> jax.Array:
         """[attn_dp * rows_per_rank, vocab] logits of packed rows (attention within the batch)."""
-        forward, _ = self._programs
-        return forward(self._state, *self.place(packed))
+        return self._forward(self._state, *self.place(packed))
 
     def forward(self, sequences: Sequence[Sequence[int]]) -> np.ndarray:
         """float32 logits [sequences, longest, vocab] of ragged token-id lists, zero past ends."""
@@ -201,8 +157,7 @@ class ShardedCausalLM:
 
     def lower_forward(self, sequences: Sequence[Sequence[int]]):
         """The lowered (not yet compiled) sharded forward for these sequences' shapes."""
-        forward, _ = self._programs
-        return forward.lower(self._state, *self.place(self.pack(sequences)))
+        return self._forward.lower(self._state, *self.place(self.pack(sequences)))
 
     def new_caches(self, packed: PackedBatch, max_len: int) -> tuple[KVCache, ...]:
         slots = packed.slots_per_rank * self.topology.attn_dp
@@ -227,7 +182,7 @@ class ShardedCausalLM:
         """
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1; got {max_new_tokens}")
-        _, step = self._programs
+        step = self._step
         packed = self.pack(prompts)
         longest = max(packed.lengths) + max_new_tokens
         if longest > self.config.max_position_embeddings:

@@ -16,7 +16,6 @@ from .. import ops
 from .._compat import zeros_varying_like
 from ..batch import BatchFacts
 from ..contracts import Placement
-from ..layout import TokenAxis
 from .add_norm import AddNormRead, PlainAdd
 from .protocols import Norm
 from .stream import (
@@ -70,7 +69,7 @@ def set_written(hidden: jax.Array, stream: ResidualStream) -> tuple[OwedOutput, 
     stream = require_stream(stream)
     if isinstance(hidden, OwedOutput):
         raise TypeError("set_written() takes the residual tensor; fold() handles an OwedOutput")
-    layout = stream.residual_layout or _stack_rows(stream)
+    layout = stream.residual_layout or stream.batch.topology.attention_rows()
     if stream.residual is not None and hidden.shape != stream.residual.shape:
         raise ValueError(
             f"set_written() needs the residual's shape {stream.residual.shape}; got {hidden.shape}"
@@ -89,9 +88,8 @@ def take_output(output: OwedOutput, stream: ResidualStream) -> jax.Array:
     if stream.state is not StreamState.WRITTEN:
         raise RuntimeError(f"{WRITE_FIRST} ({stream!r})")
     topology = stream.batch.topology
-    return ops.run(
-        ops.relayout(stream.residual_layout, _stack_rows(stream), topology), stream.residual
-    )
+    move = ops.relayout(stream.residual_layout, topology.attention_rows(), topology)
+    return ops.run(move, stream.residual)
 
 
 def snapshot(output: OwedOutput, stream: ResidualStream) -> jax.Array:
@@ -148,7 +146,7 @@ def final_norm(
     if stream.state is StreamState.INITIAL:
         raise RuntimeError(f"{WRITE_FIRST} ({stream!r})")
     topology = stream.batch.topology
-    rows = _stack_rows(stream)
+    rows = stream.batch.topology.attention_rows()
     move = ops.relayout(stream.residual_layout, rows, topology)
     read = AddNormRead()
     if stream.pending is not None and not move:
@@ -181,10 +179,6 @@ def _checked(output: Any, stream: Any) -> ResidualStream:
     if stream.state is not StreamState.INITIAL:
         stream.check_output(output)
     return stream
-
-
-def _stack_rows(stream: ResidualStream):
-    return stream.batch.topology.layout(TokenAxis.ATTN_DP)
 
 
 def _completed_on_residual_rows(stream: ResidualStream) -> jax.Array:

@@ -217,28 +217,19 @@ def sharded_forward(
     `out_layout` (default: the attention's rows).
     """
     mesh = make_mesh(setup.dp, setup.tp)
-    graphdef, state = nnx.split(model)
     topology = setup.topology
-    state_specs = nnx.get_partition_spec(state)
     dp = topology.spec_entry((bj.TokenAxis.ATTN_DP,))
     owed = topology.spec_entry((bj.TokenAxis.ATTN_TP,)) if setup.input_sum else None
     in_rows = jax.sharding.PartitionSpec(dp, owed)
-    out_rows = topology.row_spec(out_layout or topology.layout(bj.TokenAxis.ATTN_DP), None)
-    call = body or (lambda model, x, batch: model(x, batch))
-
-    def run(state, x, batch):
-        return call(nnx.merge(graphdef, state), x, batch)
-
-    fn = jax.jit(
-        jax.shard_map(
-            run,
-            mesh=mesh,
-            in_specs=(state_specs, in_rows, batch.spec()),
-            out_specs=out_rows,
-            check_vma=check_vma,
-        )
+    out_rows = topology.row_spec(out_layout or topology.attention_rows(), None)
+    sharded = bj.ShardedModule(model, mesh)
+    fn = sharded.program(
+        body or (lambda model, x, batch: model(x, batch)),
+        in_specs=(in_rows, batch.spec()),
+        out_specs=out_rows,
+        check_vma=check_vma,
     )
-    placed = jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), state_specs))
+    placed = sharded.state
 
     def place(x):
         return jax.device_put(stack_input(setup, x), NamedSharding(mesh, in_rows))

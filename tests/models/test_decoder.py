@@ -10,9 +10,10 @@ import pytest
 from flax import nnx
 
 import boundary_jax as bj
+from boundary_jax import make_mesh
 from models.config import PRESETS
 from models.decoder import LlamaForCausalLM, Qwen3ForCausalLM
-from models.runtime import ShardedCausalLM, build_model, load_model, make_mesh
+from models.runtime import ShardedCausalLM, build_model, load_model
 
 GOLDEN = pathlib.Path(__file__).parents[1] / "golden"
 NAMES = ("qwen3", "llama", "mistral")
