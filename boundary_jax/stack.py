@@ -8,13 +8,11 @@ import dataclasses
 import sys
 from collections.abc import Iterator, Mapping
 
-import jax
-
 from .bind import StackFacts, bind_stage, supported_variants
 from .contracts import ReductionPolicy, StageKind, resolve_reduction_policy
 from .declare import StackPlace, StageDeclaration
-from .fusions import FusionProvider, platform_fusions
-from .layout import SumGroup, TokenAxis, Topology
+from .fusions import NO_FUSIONS, FusionProvider
+from .layout import SumGroup, Topology
 from .residual.protocols import Norm
 from .stage import StageBoundary
 
@@ -81,7 +79,7 @@ def layer_stack(
     reduction: ReductionPolicy = ReductionPolicy.AUTO,
     architecture: str | None = None,
     input_sum: SumGroup | None = None,
-    fusions: FusionProvider | None = None,
+    fusions: FusionProvider = NO_FUSIONS,
 ) -> Iterator[LayerStack]:
     """Opens a layer stack; every `append_stages` inside it extends this stack.
 
@@ -94,8 +92,10 @@ def layer_stack(
       architecture: Names the model for AUTO's per-architecture default.
       input_sum: The sum the stack input owes (a vocab-parallel embedding: `SumGroup.ATTN_TP`);
         the first stage's entry completes it.
-      fusions: Fused candidates for stages appended without a `fusions` option; None takes the
-        Pallas kernels of the platform JAX runs on now (none on CPU).
+      fusions: Fused candidates for stages appended without a `fusions` option. The default has
+        none: the built-in all-reduce + XLA add + norm measured fastest end to end
+        (benchmarks/RESULTS.md); `fusions.platform_fusions(topology)` opts into the Pallas
+        kernels.
 
     Raises:
       NotImplementedError: The topology uses pipeline or attention context parallelism.
@@ -106,10 +106,6 @@ def layer_stack(
         raise NotImplementedError(
             f"attention context parallelism is not supported yet; got {topology=}"
         )
-    if fusions is None:
-        axes = topology.active(TokenAxis)
-        vma_axis = axes[0].mesh_name if axes else None
-        fusions = platform_fusions(jax.default_backend(), vma_axis)
     stack = LayerStack(
         topology, resolve_reduction_policy(reduction, architecture), input_sum, fusions
     )

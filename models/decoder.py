@@ -82,6 +82,7 @@ class CausalLM(nnx.Module):
         topology: bj.Topology,
         *,
         reduction: bj.ReductionPolicy = bj.ReductionPolicy.AUTO,
+        fusions: bj.fusions.FusionProvider = bj.fusions.NO_FUSIONS,
         dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs,
     ):
@@ -99,6 +100,7 @@ class CausalLM(nnx.Module):
             reduction=reduction,
             architecture=config.architecture.value,
             input_sum=bj.SumGroup.ATTN_TP,
+            fusions=fusions,
         ):
             self.layers = nnx.List(
                 [DecoderLayer(config, **common) for _ in range(config.num_layers)]

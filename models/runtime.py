@@ -25,12 +25,16 @@ def build_model(
     topology: bj.Topology,
     *,
     reduction: bj.ReductionPolicy = bj.ReductionPolicy.AUTO,
+    fusions: bj.fusions.FusionProvider = bj.fusions.NO_FUSIONS,
     dtype: jnp.dtype = jnp.float32,
     seed: int = 0,
 ) -> CausalLM:
-    """A model of `config` with random weights (every shard different)."""
+    """A model of `config` with random weights (every shard different).
+
+    `fusions` is the stack's fusion provider (default: none, the built-in path).
+    """
     return model_class(config)(
-        config, topology, reduction=reduction, dtype=dtype, rngs=nnx.Rngs(seed)
+        config, topology, reduction=reduction, fusions=fusions, dtype=dtype, rngs=nnx.Rngs(seed)
     )
 
 
@@ -39,6 +43,7 @@ def load_model(
     mesh: Mesh,
     *,
     reduction: bj.ReductionPolicy = bj.ReductionPolicy.AUTO,
+    fusions: bj.fusions.FusionProvider = bj.fusions.NO_FUSIONS,
     dtype: jnp.dtype = jnp.float32,
 ) -> CausalLM:
     """A model loaded from a Hugging Face checkpoint directory, each device reading its shard.
@@ -50,7 +55,7 @@ def load_model(
     topology = bj.Topology.from_mesh(mesh)
     abstract = nnx.eval_shape(
         lambda: model_class(config)(
-            config, topology, reduction=reduction, dtype=dtype, rngs=nnx.Rngs(0)
+            config, topology, reduction=reduction, fusions=fusions, dtype=dtype, rngs=nnx.Rngs(0)
         )
     )
     graphdef, abstract_state = nnx.split(abstract)
@@ -96,9 +101,18 @@ class ShardedCausalLM:
       model: The decoder (its parameters are placed on `mesh`).
       mesh: The mesh; its axes are boundary-jax's `MeshAxis` names.
       input_scattered: Run batches input-scattered (residual on attention-TP slices).
+      check_vma: `shard_map`'s varying-axes check; the Pallas fusion candidates only run with
+        it off (None: off on GPU and TPU, on elsewhere).
     """
 
-    def __init__(self, model: CausalLM, mesh: Mesh, *, input_scattered: bool = False):
+    def __init__(
+        self,
+        model: CausalLM,
+        mesh: Mesh,
+        *,
+        input_scattered: bool = False,
+        check_vma: bool | None = None,
+    ):
         if bj.Topology.from_mesh(mesh) != model.topology:
             raise ValueError(
                 f"the model is bound on {model.topology} but the mesh is "
@@ -107,6 +121,9 @@ class ShardedCausalLM:
         self.model = model
         self.mesh = mesh
         self.input_scattered = input_scattered
+        if check_vma is None:
+            check_vma = mesh.devices.flat[0].platform not in ("gpu", "cuda", "tpu")
+        self.check_vma = check_vma
         rows = PartitionSpec(model.topology.spec_entry((bj.TokenAxis.ATTN_DP,)))
         self._rows = rows
         rows_spec = TokenRows(rows, rows, rows)
@@ -120,11 +137,13 @@ class ShardedCausalLM:
             lambda model, rows, batch: model(rows, batch)[0],
             in_specs=(rows_spec, batch_spec),
             out_specs=logits_spec,
+            check_vma=check_vma,
         )
         self._step = sharded.program(
             lambda model, rows, batch, caches: model(rows, batch, caches),
             in_specs=(rows_spec, batch_spec, cache_specs),
             out_specs=(logits_spec, cache_specs),
+            check_vma=check_vma,
             donate_argnums=(2,),
         )
 

@@ -5,6 +5,7 @@ tries the next candidate and finally its built-in path (an all-reduce, then the 
 `update_and_read`).
 """
 
+from .base import NO_FUSIONS as NO_FUSIONS
 from .base import FusionProvider as FusionProvider
 from .base import FusionRequest as FusionRequest
 from .base import InputFusion as InputFusion

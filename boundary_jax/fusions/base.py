@@ -68,3 +68,7 @@ class FusionProvider:
         """The candidates for an FFN stage bound as `plan`."""
         del plan
         return self.ffn_input
+
+
+NO_FUSIONS = FusionProvider()
+"""The default: no fused candidate, every input takes the built-in path."""

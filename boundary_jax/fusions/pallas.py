@@ -9,6 +9,7 @@ import jax
 import pallas_kernels as pk
 
 from .._compat import checks_vma
+from ..layout import TokenAxis, Topology
 from ..residual.add_norm import AddNormRead
 from ..residual.norm import RMSNorm
 from .base import FusionProvider, FusionRequest
@@ -70,9 +71,10 @@ class AllReduceAddRmsNorm:
 
 @dataclasses.dataclass(frozen=True)
 class AddRmsNorm:
-    """Adds a complete contribution to the residual and normalizes in one Pallas kernel.
+    """Adds the contribution to the residual and normalizes in one Pallas kernel.
 
-    Declines when a sum is still owed, for a non-plain update or read, inside a `shard_map` with
+    A sum still owed is completed first by the built-in all-reduce, so the kernel replaces only
+    XLA's add + norm. Declines for a non-plain update or read, inside a `shard_map` with
     `check_vma=True` (`vma_axis` names one of its axes; None outside `shard_map`), and wherever
     `pallas_kernels.add_rms_norm_supported` declines (CPU, unsupported shapes or dtypes).
 
@@ -87,7 +89,7 @@ class AddRmsNorm:
     vma_axis: str | None = None
 
     def __call__(self, request: FusionRequest) -> tuple[jax.Array, jax.Array] | None:
-        if request.sum_axes or not _plain_add_norm(request):
+        if not _plain_add_norm(request):
             return None
         rows, hidden = request.value.shape
         supported = pk.add_rms_norm_supported(
@@ -99,9 +101,12 @@ class AddRmsNorm:
         )
         if not supported or (self.vma_axis is not None and checks_vma(self.vma_axis)):
             return None
+        value = request.value
+        if request.sum_axes:
+            value = jax.lax.psum(value, request.sum_axes)
         norm = request.norm
         return pk.add_rms_norm(
-            request.value,
+            value,
             request.residual,
             norm.weight[...],
             eps=norm.eps,
@@ -111,15 +116,16 @@ class AddRmsNorm:
 
 
 def platform_fusions(
-    platform: str, vma_axis: str | None, *, impl: pk.Impl | None = None
+    topology: Topology, *, platform: str | None = None, impl: pk.Impl | None = None
 ) -> FusionProvider:
-    """The fused candidates for `platform`: the fused all-reduce first, then the add + norm.
+    """The Pallas candidates for `platform` (default: where JAX runs now), to opt into.
 
-    On CPU both decline (XLA's fusion of the reference is the fast path there), so the built-in
-    path runs.
+    The fused all-reduce + add + norm comes first, then psum + the Pallas add + norm. Each
+    declines where its kernel does not take the shape or does not pay off (everywhere on CPU).
+    Run the model's `shard_map` with `check_vma=False`, or every candidate declines.
     """
-    candidates = (
-        AllReduceAddRmsNorm(platform, impl),
-        AddRmsNorm(platform, impl, vma_axis),
-    )
+    platform = platform or jax.default_backend()
+    axes = topology.active(TokenAxis)
+    vma_axis = axes[0].mesh_name if axes else None
+    candidates = (AllReduceAddRmsNorm(platform, impl), AddRmsNorm(platform, impl, vma_axis))
     return FusionProvider(attn_input=candidates, ffn_input=candidates)

@@ -114,7 +114,7 @@ class Setup:
     update: Callable | None = None  # a ResidualUpdate class for the FFN; None: plain add
     reads_before_dp_gather: bool = True
     rows: int = ROWS
-    fusions: bj.fusions.FusionProvider | None = None
+    fusions: bj.fusions.FusionProvider = bj.fusions.NO_FUSIONS
     ffn_fusions: bj.fusions.FusionProvider | None = None  # the FFN stages' own `fusions` option
 
     @property

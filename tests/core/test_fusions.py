@@ -8,7 +8,12 @@ import pytest
 
 import boundary_jax as bj
 import pallas_kernels as pk
-from boundary_jax.fusions import AddRmsNorm, AllReduceAddRmsNorm, FusionProvider
+from boundary_jax.fusions import (
+    AddRmsNorm,
+    AllReduceAddRmsNorm,
+    FusionProvider,
+    platform_fusions,
+)
 
 from .standin import (
     HIDDEN,
@@ -83,11 +88,12 @@ def test_candidates_decline_under_check_vma_and_the_built_in_path_runs():
     assert calls and not any(took for _, took in calls)
 
 
-def test_platform_default_declines_on_cpu():
-    """The stack's default provider (the platform's kernels) declines on CPU: XLA is faster."""
+def test_stacks_bind_no_candidates_unless_asked_and_platform_kernels_decline_on_cpu():
+    """The default binds the built-in path; the platform's Pallas candidates decline on CPU."""
     setup = Setup(dp=1, tp=2, layers=2, policy=P.AR)
     model = StandInDecoder(setup, jax.random.key(0), jnp.float32)
-    candidates = model.layers[1].attn_boundary.plan.input_fusions
+    assert model.layers[1].attn_boundary.plan.input_fusions == ()
+    candidates = platform_fusions(setup.topology, platform="cpu").attn_input
     assert [type(c).__name__ for c in candidates] == ["AllReduceAddRmsNorm", "AddRmsNorm"]
     value = jnp.ones((8, HIDDEN))
     request = bj.fusions.FusionRequest(

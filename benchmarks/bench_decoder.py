@@ -1,0 +1,134 @@
+"""End to end on the lent GPUs: the decoders on boundaries, and fusion providers on and off.
+
+Part 1 checks the Qwen3 and Llama golden checkpoints on two GPUs (TP 2, attention DP 2,
+input-scattered TP 2) against the transformers logits and greedy tokens, in float32 with
+`highest` matmul precision.
+
+Part 2 times a Llama-shaped decoder (hidden 4096, 32 heads, 8 kv heads, intermediate 14336,
+2 layers, bf16) over TP 2, one forward of packed 8-token sequences, with the boundary's fusion
+candidates off (psum + XLA add+norm), with only the Pallas add+norm (psum + Pallas), and with the
+platform's candidates (`platform_fusions`: the fused all-reduce + add + norm where the kernel
+pays off, else psum + Pallas).
+Each variant is compiled once; times are wall-clock medians of blocking forwards.
+
+Run from the repository root: `python3 -m benchmarks.bench_decoder`.
+"""
+
+import json
+import pathlib
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import boundary_jax as bj
+from boundary_jax.fusions import AddRmsNorm, FusionProvider, platform_fusions
+from models.config import Architecture, DecoderConfig
+from models.runtime import ShardedCausalLM, build_model, load_model
+
+from .common import header
+
+GOLDEN = pathlib.Path(__file__).parents[1] / "tests" / "golden"
+LLAMA_8B_SHAPE = DecoderConfig(
+    architecture=Architecture.LLAMA,
+    vocab_size=32000,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=2,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-5,
+    rope_theta=5e5,
+    rope_scaling=None,
+    qk_norm=False,
+    tie_word_embeddings=False,
+    sliding_window=None,
+    max_position_embeddings=8192,
+)
+
+
+def parity() -> None:
+    print("\n## golden checkpoints on GPU (float32, highest precision)")
+    print("| model | layout | max |logit diff| / max |logit| | greedy tokens equal |")
+    print("|---|---|---|---|")
+    with jax.default_matmul_precision("highest"):
+        for name in ("qwen3", "llama"):
+            prompts = json.loads((GOLDEN / name / "prompts.json").read_text())
+            reference = np.load(GOLDEN / name / "reference.npz")
+            for label, dp, tp, scattered in (
+                ("TP 2", 1, 2, False),
+                ("attention DP 2", 2, 1, False),
+                ("input-scattered TP 2", 1, 2, True),
+            ):
+                mesh = bj.make_mesh(bj.Topology(attn_dp=dp, attn_tp=tp))
+                runner = ShardedCausalLM(
+                    load_model(GOLDEN / name, mesh), mesh, input_scattered=scattered
+                )
+                logits = runner.forward(prompts)
+                want = reference["logits"]
+                error = np.max(np.abs(logits - want)) / np.max(np.abs(want))
+                tokens = runner.generate(prompts, reference["generated"].shape[1])
+                same = bool(np.array_equal(tokens, reference["generated"]))
+                print(f"| {name} | {label} | {error:.1e} | {same} |")
+
+
+def _median_ms(fn, repeats: int = 20) -> float:
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def fusions() -> None:
+    topology = bj.Topology(attn_tp=2)
+    mesh = bj.make_mesh(topology)
+    platform = jax.default_backend()
+    variants = {
+        "off (psum + XLA add+norm)": FusionProvider(),
+        "Pallas add+norm (psum + kernel)": FusionProvider(
+            attn_input=(AddRmsNorm(platform, None, "attn_tp"),),
+            ffn_input=(AddRmsNorm(platform, None, "attn_tp"),),
+        ),
+        "platform_fusions": platform_fusions(topology, platform=platform),
+    }
+    rng = np.random.default_rng(0)
+    print("\n## Llama-8B-shaped decoder, 2 layers, bf16, TP 2: forward time by fusion provider")
+    print("| rows | " + " | ".join(variants) + " | off / platform | max |diff| platform vs off |")
+    print("|---" * (len(variants) + 3) + "|")
+    runners = {
+        name: ShardedCausalLM(
+            build_model(LLAMA_8B_SHAPE, topology, fusions=provider, dtype=jnp.bfloat16),
+            mesh,
+            check_vma=False,
+        )
+        for name, provider in variants.items()
+    }
+    for rows in (8, 256, 2048):
+        sequences = [rng.integers(0, 32000, 8).tolist() for _ in range(rows // 8)]
+        times, outputs = {}, {}
+        for name, runner in runners.items():
+            packed = runner.pack(sequences)
+            times[name] = _median_ms(
+                lambda runner=runner, packed=packed: runner.forward_rows(packed)
+            )
+            outputs[name] = np.asarray(jax.device_get(runner.forward_rows(packed)), np.float32)
+        off, fused = list(variants)[0], list(variants)[-1]
+        diff = np.max(np.abs(outputs[fused] - outputs[off]))
+        cells = " | ".join(f"{times[name]:.3f} ms" for name in variants)
+        print(f"| {rows} | {cells} | {times[off] / times[fused]:.2f}x | {diff:.2e} |")
+
+
+def main() -> None:
+    print(header("bench_decoder"))
+    parity()
+    fusions()
+
+
+if __name__ == "__main__":
+    main()
