@@ -4,6 +4,7 @@ one device, with the collectives each layout runs and its compile and step times
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 
 import jax
@@ -61,7 +62,7 @@ def _step_time(runner: ShardedCausalLM, packed, repeats: int = 10) -> float:
 def run_demo(*, layers: int = 4, console: Console | None = None) -> list[dict]:
     """Runs every layout, prints one table per layout and a summary; returns the rows."""
     console = console or Console(stderr=True)
-    out = Console()
+    out = Console(width=None if sys.stdout.isatty() else 100)
     config = dataclasses.replace(PRESETS[PRESET], num_layers=layers)
     prompts = demo_prompts(config.vocab_size)
     single = bj.Topology()

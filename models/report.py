@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from rich.console import Console
@@ -66,7 +67,7 @@ def plan_report(runner: ShardedCausalLM) -> dict[str, Any]:
 
 def print_plan(report: dict[str, Any], console: Console | None = None) -> None:
     """Prints `plan_report` as tables."""
-    console = console or Console()
+    console = console or Console(width=None if sys.stdout.isatty() else 120)
     console.print(
         f"[bold]{report['architecture']}[/] on mesh {report['mesh']}, policy {report['policy']}, "
         f"{report['batch']} batch"
