@@ -11,12 +11,17 @@ platform's candidates (`platform_fusions`: the fused all-reduce + add + norm whe
 pays off, else psum + Pallas).
 Each variant is compiled once; times are wall-clock medians of blocking forwards.
 
-Run from the repository root: `python3 -m benchmarks.bench_decoder`.
+Part 3 times the same decoder per layout and reduction policy: TP 2 ordinary and
+input-scattered (rs, ar), attention DP 2 (ar, rsv).
+
+Run from the repository root: `python3 -m benchmarks.bench_decoder [parity] [fusions]
+[policies]` (default: all three).
 """
 
 import json
 import pathlib
 import statistics
+import sys
 import time
 
 import jax
@@ -124,10 +129,41 @@ def fusions() -> None:
         print(f"| {rows} | {cells} | {times[off] / times[fused]:.2f}x | {diff:.2e} |")
 
 
+def policies() -> None:
+    """Forward time of the same decoder per layout and reduction policy on the two GPUs."""
+    rng = np.random.default_rng(1)
+    P = bj.ReductionPolicy
+    layouts = {
+        "TP 2 (any policy: ar)": (1, 2, False, P.AR),
+        "TP 2 input-scattered, rs": (1, 2, True, P.RS),
+        "TP 2 input-scattered, ar": (1, 2, True, P.AR),
+        "attention DP 2, ar": (2, 1, False, P.AR),
+        "attention DP 2, rsv": (2, 1, False, P.RSV),
+    }
+    print("\n## Llama-8B-shaped decoder, 2 layers, bf16: forward time by layout and policy")
+    print("| rows | " + " | ".join(layouts) + " |")
+    print("|---" * (len(layouts) + 1) + "|")
+    runners = {}
+    for name, (dp, tp, scattered, policy) in layouts.items():
+        topology = bj.Topology(attn_dp=dp, attn_tp=tp)
+        model = build_model(LLAMA_8B_SHAPE, topology, reduction=policy, dtype=jnp.bfloat16)
+        runners[name] = ShardedCausalLM(model, bj.make_mesh(topology), input_scattered=scattered)
+    for rows in (256, 2048, 8192):
+        sequences = [rng.integers(0, 32000, 8).tolist() for _ in range(rows // 8)]
+        cells = []
+        for runner in runners.values():
+            packed = runner.pack(sequences)
+            cells.append(
+                _median_ms(lambda runner=runner, packed=packed: runner.forward_rows(packed))
+            )
+        print(f"| {rows} | " + " | ".join(f"{ms:.3f} ms" for ms in cells) + " |")
+
+
 def main() -> None:
     print(header("bench_decoder"))
-    parity()
-    fusions()
+    parts = {"parity": parity, "fusions": fusions, "policies": policies}
+    for name in sys.argv[1:] or parts:
+        parts[name]()
 
 
 if __name__ == "__main__":
