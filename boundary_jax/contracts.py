@@ -81,7 +81,8 @@ def resolve_reduction_policy(
     """A concrete policy: `policy` itself, or for `AUTO` the architecture's registered default.
 
     The built-in default is RS_RSV: each scatter it permits moves no more bytes than the
-    all-reduce it replaces, and every ineligible case falls back to the all-reduce.
+    all-reduce it replaces, every ineligible case falls back to the all-reduce, and under
+    attention DP rsv ran 1-6% faster than ar end to end (benchmarks/RESULTS.md, run 5).
     """
     if policy is not ReductionPolicy.AUTO:
         return policy
