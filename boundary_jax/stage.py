@@ -18,7 +18,6 @@ from .bind import EntryPath, ExitKind, ExitOption, StagePath, StagePlan, rows_fi
 from .contracts import Placement
 from .declare import OutputTransform, StageDeclaration
 from .fusions import FusionProvider, FusionRequest
-from .layout import Topology
 from .residual.protocols import Norm
 from .residual.stream import (
     CarriedTransform,
@@ -160,26 +159,19 @@ class StageBoundary(nnx.Module):
                 self.norm,
                 contribution.update,
                 self.declaration.read,
-                Topology.mesh_names(entry.fused_sum),
+                entry.fused_sum,
                 self.plan.topology.size(entry.fused_sum),
             )
             for candidate in self.plan.input_fusions:
                 result = candidate(request)
                 if result is not None:
                     return result
-        value = ops.run(ops.all_reduce(entry.fused_sum), value)
-        if transform is not None:
-            value = transform(value)
         return self.declaration.read.update_and_read(
-            contribution.update, value, residual, self.norm
+            contribution.update, _completed(entry, pending), residual, self.norm
         )
 
     def _updated(self, entry: EntryPath, pending, residual):
-        contribution, value, transform = pending
-        value = ops.run(ops.all_reduce(entry.fused_sum), value)
-        if transform is not None:
-            value = transform(value)
-        return contribution.update.apply(residual, value)
+        return pending[0].update.apply(residual, _completed(entry, pending))
 
     def exit(self, stream: ResidualStream) -> StageExit:
         """Decides, before compute runs, how this stage's output will be handed on.
@@ -283,3 +275,10 @@ class StageExit:
             ops.relayout(self.path.residual_layout, self.option.fold_to, topology), residual
         )
         return stream.written(residual, self.option.fold_to)
+
+
+def _completed(entry: EntryPath, pending) -> jax.Array:
+    """The pending value after the entry's fused sum and any output transform still owed."""
+    _, value, transform = pending
+    value = ops.run(ops.all_reduce(entry.fused_sum), value)
+    return value if transform is None else transform(value)

@@ -7,6 +7,7 @@ from typing import Protocol
 
 import jax
 
+from ..layout import TokenAxis, Topology
 from ..residual.protocols import Norm, ResidualReadout, ResidualUpdate
 
 
@@ -21,7 +22,7 @@ class FusionRequest:
       norm: The consumer's norm.
       update: The producer's residual update.
       read: The consumer's residual read.
-      sum_axes: Mesh axes the value still owes a sum over (empty: already complete).
+      sum_axes: Token axes the value still owes a sum over (empty: already complete).
       num_devices: Ranks along `sum_axes`.
     """
 
@@ -30,8 +31,13 @@ class FusionRequest:
     norm: Norm | None
     update: ResidualUpdate
     read: ResidualReadout
-    sum_axes: tuple[str, ...]
+    sum_axes: tuple[TokenAxis, ...]
     num_devices: int
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        """Mesh axis names of `sum_axes`, for a kernel's collective."""
+        return Topology.mesh_names(self.sum_axes)
 
 
 class InputFusion(Protocol):

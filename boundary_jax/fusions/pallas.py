@@ -8,6 +8,7 @@ import jax
 
 import pallas_kernels as pk
 
+from .. import ops
 from .._compat import checks_vma
 from ..layout import TokenAxis, Topology
 from ..residual.add_norm import AddNormRead
@@ -55,14 +56,14 @@ class AllReduceAddRmsNorm:
             num_devices=request.num_devices,
             impl=self.impl,
         )
-        if not supported or checks_vma(request.sum_axes[0]):
+        if not supported or checks_vma(request.axis_names[0]):
             return None
         norm = request.norm
         return pk.all_reduce_add_rms_norm(
             request.value,
             request.residual,
             norm.weight[...],
-            axis_name=request.sum_axes,
+            axis_name=request.axis_names,
             eps=norm.eps,
             gemma=norm.gemma,
             impl=self.impl,
@@ -101,9 +102,7 @@ class AddRmsNorm:
         )
         if not supported or (self.vma_axis is not None and checks_vma(self.vma_axis)):
             return None
-        value = request.value
-        if request.sum_axes:
-            value = jax.lax.psum(value, request.sum_axes)
+        value = ops.run(ops.all_reduce(request.sum_axes), request.value)
         norm = request.norm
         return pk.add_rms_norm(
             value,

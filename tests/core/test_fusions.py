@@ -102,7 +102,7 @@ def test_stacks_bind_no_candidates_unless_asked_and_platform_kernels_decline_on_
         model.layers[1].input_norm,
         bj.residual.PlainAdd(),
         bj.residual.AddNormRead(),
-        ("attn_tp",),
+        (bj.TokenAxis.ATTN_TP,),
         2,
     )
     assert all(candidate(request) is None for candidate in candidates)
