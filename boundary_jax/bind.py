@@ -339,7 +339,9 @@ def bind_stage(
             if rows != residual:
                 entries.append(entry(None, residual_from=rows))
         entries = [
-            dataclasses.replace(e, primary=e.initial or (not e.initial and e.handoff == primary))
+            dataclasses.replace(
+                e, primary=e.initial or (primary is not None and e.handoff == primary)
+            )
             for e in entries
         ]
         path = StagePath(

@@ -62,6 +62,10 @@ def test_stages_bind_when_the_stack_closes():
     assert [b.declaration.place.terminal for b in first + second] == [False, False, True]
     assert last.plan.path(bj.BatchVariant.ORDINARY).initial_entry is None
     assert first[0].plan.path(bj.BatchVariant.ORDINARY).initial_entry is not None
+    for boundary in first + second:
+        primaries = [e for e in boundary.plan.path(bj.BatchVariant.ORDINARY).entries if e.primary]
+        assert len(primaries) == 1, "exactly one entry is the one the producer leads to"
+    assert first[0].plan.path(bj.BatchVariant.ORDINARY).initial_entry.primary
 
 
 def test_prepare_before_the_stack_closes_is_rejected():
