@@ -15,6 +15,16 @@ class StageKind(enum.Enum):
     FFN = "ffn"
 
 
+class EdgeKind(enum.Enum):
+    """How a stage is joined to what comes before or after it."""
+
+    STACK_ENTRY = "stack entry"
+    NEXT_STAGE = "next stage"
+    STACK_EXIT = "stack exit into the final read"
+    PIPELINE_SEND = "pipeline send"
+    PIPELINE_RECEIVE = "pipeline receive"
+
+
 class ProducerReduction(enum.Enum):
     """How a stage's compute cooperates with the sum its output owes.
 
@@ -91,15 +101,20 @@ def resolve_reduction_policy(
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """Where a contribution's rows are and which partial sum it still owes.
+    """Where a contribution's rows are and the work it still owes, in order.
+
+    Owed work runs in a fixed order: first the finalize (a sparse FFN's weighted combine of its
+    top-k expert outputs), then the sums. A sum never runs on an unfinalized value.
 
     Attributes:
       layout: The token rows the value is on.
-      owed: Token axes over which the value is still a partial sum (empty: complete).
+      owed: Token axes over which the value is still a partial sum (empty: no sum owed).
+      finalize: The value is a `DeferredFinalize` whose combine has not run yet.
     """
 
     layout: Layout
     owed: tuple[TokenAxis, ...] = ()
+    finalize: bool = False
 
     def __post_init__(self):
         if tuple(self.owed) != canonical(self.owed):
@@ -107,11 +122,13 @@ class Placement:
 
     @property
     def complete(self) -> bool:
-        return not self.owed
+        return not self.owed and not self.finalize
 
     def completed(self) -> Placement:
         return Placement(self.layout)
 
     def __str__(self) -> str:
-        owed = "+".join(axis.name for axis in self.owed) or "nothing"
-        return f"rows {self.layout}, owing {owed}"
+        work = (["finalize"] if self.finalize else []) + (
+            ["+".join(axis.name for axis in self.owed)] if self.owed else []
+        )
+        return f"rows {self.layout}, owing {', then '.join(work) or 'nothing'}"

@@ -1,33 +1,42 @@
-"""Model-facing stage declarations: what a stage's compute does, never how it is executed.
+"""Model-facing stage declarations, and the typed edges that give a declaration its place.
 
-A declaration holds no mesh, no array and no plan. `append_stages` gives it its place in a layer
-stack; binding turns it into a `StagePlan` when the stack closes.
+A declaration holds no mesh, no array and no plan: what its compute does, and (for the read,
+update and output transform) the objects a boundary runs, whose capabilities binding reads. When
+its layer stack closes, each stage is given its place: the edge it is entered through and the edge
+it leaves by.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Callable
 
-from .contracts import ProducerReduction, StageKind
+from .contracts import EdgeKind, ProducerReduction, StageKind
 from .layout import SumGroup
 from .residual.add_norm import AddNormRead, PlainAdd
-from .residual.protocols import ResidualReadout, ResidualUpdate
+from .residual.protocols import (
+    DesignFacts,
+    ResidualReadout,
+    ResidualUpdate,
+    read_facts,
+    update_facts,
+)
 
 OutputTransform = Callable  # a pure function of the value, or an nnx.Module applied to it
 
 
-@dataclasses.dataclass(frozen=True)
-class StackPlace:
-    """Where a bound declaration sits in its layer stack.
+class MoeDispatch(enum.Enum):
+    """Where a sparse FFN's experts get their tokens.
 
-    Attributes:
-      previous: Facts of the stage before it; None at the stack entry.
-      terminal: The stage ends the stack: it leaves no work for a following layer.
+    GATHER: the MoE runs on every attention-DP rank's rows, like a dense FFN over the full TP
+      group; its output owes a sum over the MoE output group.
+    ALL_TO_ALL: the MoE runs on this rank's own rows and moves tokens to the ranks holding their
+      experts and back inside compute; its output owes no sum.
     """
 
-    previous: StageDeclaration | None
-    terminal: bool
+    GATHER = "gather"
+    ALL_TO_ALL = "all-to-all"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,16 +45,20 @@ class StageDeclaration:
 
     Attributes:
       kind: Attention/mixer or FFN.
-      read: How this stage reads the residual into its input (with its norm).
-      update: How this stage's complete output joins the residual.
+      read: How this stage reads the residual into its input; in a bound declaration, its
+        `DesignFacts` (the object runs on the boundary).
+      update: How this stage's complete output joins the residual; likewise facts once bound.
       reduction: How compute cooperates with the sum its output owes.
-      sum_group: The group over which compute leaves its output unreduced.
       gathers_attn_tp_input: The boundary may gather this stage's input from attention-TP slices
-        (needed for input-scattered batches). Attention only.
+        (needed for input-scattered batches and after an FFN on its own rows). Attention only.
       has_output_transform: An output transform runs on the complete output before the update.
       transform_before_reduce_scatter: The transform commutes with the sum and runs before a
         reduce-scatter, preserving an implementation's order.
-      sparse: The FFN is a sparse (MoE) FFN.
+      sparse: The FFN is a sparse (MoE) FFN; its output owes a sum over `SumGroup.MOE_OUTPUT`
+        and may owe a finalize.
+      moe_dispatch: For a sparse FFN, where its experts get their tokens.
+      dense_tp_size: For a dense FFN, the ranks its weights are split over: None (the full TP
+        group), the attention-TP size, or 1 (fully data-parallel on this rank's own rows).
       next_sparse: Declared sparsity of the next FFN (checked against the stack when bound).
       output_complete: Compute completes its own output sum (fused with a reduction it needs
         anyway); the exit owes no sum. FFN only.
@@ -54,14 +67,15 @@ class StageDeclaration:
     """
 
     kind: StageKind
-    read: ResidualReadout
-    update: ResidualUpdate
+    read: ResidualReadout | DesignFacts
+    update: ResidualUpdate | DesignFacts
     reduction: ProducerReduction
-    sum_group: SumGroup
     gathers_attn_tp_input: bool = True
     has_output_transform: bool = False
     transform_before_reduce_scatter: bool = False
     sparse: bool = False
+    moe_dispatch: MoeDispatch = MoeDispatch.GATHER
+    dense_tp_size: int | None = None
     next_sparse: bool | None = None
     output_complete: bool = False
     place: StackPlace | None = None
@@ -81,10 +95,113 @@ class StageDeclaration:
             raise ValueError(f"output_complete=True needs EXIT_SCOPED; got {self.reduction=}")
         if self.transform_before_reduce_scatter and not self.has_output_transform:
             raise ValueError("transform_before_reduce_scatter=True needs an output_transform")
+        if self.sparse and self.dense_tp_size is not None:
+            raise ValueError(
+                f"dense_tp_size is a dense FFN fact; a sparse FFN takes moe_dispatch ({self=})"
+            )
+        if self.dense_tp_size is not None and (
+            not isinstance(self.dense_tp_size, int) or self.dense_tp_size < 1
+        ):
+            raise ValueError(
+                f"dense_tp_size must be a positive int or None; got {self.dense_tp_size=}"
+            )
+
+    @property
+    def sum_group(self) -> SumGroup:
+        """The group over which compute leaves its output unreduced (before the topology says
+        which of its axes have more than one rank)."""
+        if self.kind is StageKind.ATTN:
+            return SumGroup.ATTN_TP
+        return SumGroup.MOE_OUTPUT if self.sparse else SumGroup.TP
 
     def facts(self) -> StageDeclaration:
-        """The capabilities binding reads, without the transform object or the stack place."""
-        return dataclasses.replace(self, output_transform=None, place=None)
+        """What binding reads: capabilities, without the objects or the stack place."""
+        return dataclasses.replace(
+            self,
+            read=self.read if isinstance(self.read, DesignFacts) else read_facts(self.read),
+            update=self.update
+            if isinstance(self.update, DesignFacts)
+            else update_facts(self.update),
+            output_transform=None,
+            place=None,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class StackInput:
+    """The producer at a stack entry: the raw stack input (e.g. an embedding).
+
+    Attributes:
+      owed: The sum the input still owes when it reaches the first stage (a vocab-parallel
+        embedding owes `SumGroup.ATTN_TP`); None when it is complete.
+    """
+
+    owed: SumGroup | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class FinalRead:
+    """The consumer at a stack exit: the read that turns the residual into the stack output.
+
+    Attributes:
+      read: The read's capabilities.
+    """
+
+    read: DesignFacts
+
+
+@dataclasses.dataclass(frozen=True)
+class Edge:
+    """A typed edge between a producer and a consumer of the residual stream.
+
+    Attributes:
+      kind: What joins them.
+      producer: The stack input at a stack entry; otherwise the producing stage's facts (across
+        a pipeline receive, the previous rank's last stage, from `stage_facts`).
+      consumer: The final read at a stack exit; otherwise the consuming stage's facts (across a
+        pipeline send, the next rank's first stage, from `stage_facts`).
+    """
+
+    kind: EdgeKind
+    producer: StageDeclaration | StackInput
+    consumer: StageDeclaration | FinalRead
+
+    def __post_init__(self):
+        entry = self.kind is EdgeKind.STACK_ENTRY
+        final = self.kind is EdgeKind.STACK_EXIT
+        if isinstance(self.producer, StackInput) != entry:
+            raise TypeError(
+                f"only a stack entry's producer is the StackInput; got a {self.kind.value} edge "
+                f"from {type(self.producer).__name__}"
+            )
+        if isinstance(self.consumer, FinalRead) != final:
+            raise TypeError(
+                f"only a stack exit's consumer is the FinalRead; got a {self.kind.value} edge "
+                f"into {type(self.consumer).__name__}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class StackPlace:
+    """Where a bound declaration sits in its layer stack.
+
+    Attributes:
+      incoming: The edge the stage is entered through.
+      outgoing: The edge the stage leaves by.
+    """
+
+    incoming: Edge
+    outgoing: Edge
+
+    @property
+    def previous(self) -> StageDeclaration | StackInput:
+        """The producer: the stage before, or the stack input."""
+        return self.incoming.producer
+
+    @property
+    def terminal(self) -> bool:
+        """The stage ends the model's layer stack (its consumer is the final read)."""
+        return self.outgoing.kind is EdgeKind.STACK_EXIT
 
 
 def declare_attn(
@@ -103,11 +220,12 @@ def declare_attn(
     attention-TP sum. A single-stage mixer passes `reduction=ProducerReduction.EXIT_SCOPED`.
 
     Args:
-      read: The residual read into this stage's input.
-      update: How this stage's output joins the residual.
+      read: The residual read into this stage's input (a frozen design or an `nnx.Module`).
+      update: How this stage's output joins the residual (a frozen design or an `nnx.Module`
+        whose parameters become this stage's state).
       reduction: ALWAYS_PARTIAL (attention) or EXIT_SCOPED (a mixer whose exit decides).
       gathers_attn_tp_input: Input may be gathered from attention-TP slices; False rules out
-        input-scattered batches for stacks containing this stage.
+        input-scattered batches and FFNs on their own rows before this stage.
       output_transform: A function (or nnx.Module) applied to the complete output.
       transform_before_reduce_scatter: Apply the transform before a reduce-scatter.
 
@@ -119,7 +237,6 @@ def declare_attn(
         read=read,
         update=update,
         reduction=reduction,
-        sum_group=SumGroup.ATTN_TP,
         gathers_attn_tp_input=gathers_attn_tp_input,
         has_output_transform=output_transform is not None,
         transform_before_reduce_scatter=transform_before_reduce_scatter,
@@ -135,13 +252,17 @@ def declare_ffn(
     output_transform: OutputTransform | None = None,
     transform_before_reduce_scatter: bool = False,
     sparse: bool = False,
+    moe_dispatch: MoeDispatch = MoeDispatch.GATHER,
+    dense_tp_size: int | None = None,
     next_sparse: bool | None = None,
     output_complete: bool = False,
 ) -> StageDeclaration:
-    """Declares an FFN stage: a dense FFN whose weights are split over the full TP group.
+    """Declares an FFN stage: by default a dense FFN whose weights are split over the full TP
+    group, run on every attention-DP rank's rows.
 
-    Compute returns its output unreduced over the full TP group (unless `output_complete`), and
-    the exit decides before compute where that sum completes.
+    Compute returns its output unreduced (unless `output_complete`), and the exit decides before
+    compute where that sum completes. A sparse FFN may return a `DeferredFinalize` when its exit
+    says `defer_moe_finalize`.
 
     Args:
       read: The residual read into this stage's input.
@@ -150,6 +271,11 @@ def declare_ffn(
       output_transform: A function (or nnx.Module) applied to the complete output.
       transform_before_reduce_scatter: Apply the transform before a reduce-scatter.
       sparse: The FFN is a MoE.
+      moe_dispatch: For a MoE: GATHER (gathered rows, output summed over the MoE output group)
+        or ALL_TO_ALL (this rank's own rows; the residual follows onto them).
+      dense_tp_size: For a dense FFN: None for the full TP group, the attention-TP size (on the
+        attention's rows, summed over attention TP), or 1 (every weight on every rank, run on this
+        rank's own rows; the residual follows onto them). Checked against the topology at binding.
       next_sparse: Whether the next FFN in the stack is sparse; checked when the stack binds.
       output_complete: Compute completes its own output sum; the exit owes none.
 
@@ -161,10 +287,11 @@ def declare_ffn(
         read=read,
         update=update,
         reduction=reduction,
-        sum_group=SumGroup.MOE_OUTPUT if sparse else SumGroup.TP,
         has_output_transform=output_transform is not None,
         transform_before_reduce_scatter=transform_before_reduce_scatter,
         sparse=sparse,
+        moe_dispatch=moe_dispatch,
+        dense_tp_size=dense_tp_size,
         next_sparse=next_sparse,
         output_complete=output_complete,
         output_transform=output_transform,

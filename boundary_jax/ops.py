@@ -22,6 +22,14 @@ class PlanError(ValueError):
     """A step was composed where it cannot run (a binding bug or an unsupported transition)."""
 
 
+def _require_finalized(placement: Placement, what: str) -> None:
+    if placement.finalize:
+        raise PlanError(
+            f"{what} of a value {placement}: a sum or row move never runs on an unfinalized "
+            "value; finalize it first"
+        )
+
+
 def _names(axes: Sequence[TokenAxis]) -> tuple[str, ...]:
     return tuple(axis.mesh_name for axis in axes)
 
@@ -47,6 +55,7 @@ class AllReduce:
     axes: tuple[TokenAxis, ...]
 
     def after(self, placement: Placement) -> Placement:
+        _require_finalized(placement, f"all-reduce over {self.axes}")
         if not set(self.axes) <= set(placement.owed):
             raise PlanError(f"all-reduce over {self.axes} of a value {placement}")
         return Placement(placement.layout, canonical(set(placement.owed) - set(self.axes)))
@@ -63,6 +72,7 @@ class ReduceScatter:
     parts: int
 
     def after(self, placement: Placement) -> Placement:
+        _require_finalized(placement, f"reduce-scatter over {self.axes}")
         if not set(self.axes) <= set(placement.owed):
             raise PlanError(f"reduce-scatter over {self.axes} of a value {placement}")
         layout = _refine(placement.layout, self.axes, "reduce-scatter")
@@ -99,6 +109,7 @@ class TakeBlock:
     parts: int
 
     def after(self, placement: Placement) -> Placement:
+        _require_finalized(placement, f"block slice over {self.axes}")
         return Placement(_refine(placement.layout, self.axes, "block slice"), placement.owed)
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -108,7 +119,20 @@ class TakeBlock:
         return lax.dynamic_slice_in_dim(x, index * rows, rows, axis=0)
 
 
-Step = AllReduce | ReduceScatter | AllGather | TakeBlock
+@dataclasses.dataclass(frozen=True)
+class Finalize:
+    """Runs a `DeferredFinalize`'s combine on this rank's rows: local work, no communication."""
+
+    def after(self, placement: Placement) -> Placement:
+        if not placement.finalize:
+            raise PlanError(f"finalize of a value {placement}: it owes no finalize")
+        return Placement(placement.layout, placement.owed)
+
+    def __call__(self, x) -> jax.Array:
+        return x.complete()
+
+
+Step = AllReduce | ReduceScatter | AllGather | TakeBlock | Finalize
 
 
 def simulate(steps: Sequence[Step], placement: Placement) -> Placement:
@@ -154,10 +178,15 @@ def relayout(source: Layout, target: Layout, topology: Topology) -> tuple[Step, 
 
 
 def complete_onto(placement: Placement, target: Layout, topology: Topology) -> tuple[Step, ...]:
-    """Completes every owed sum, then moves the value onto `target` rows (the unfused fallback).
+    """Completes every owed item, then moves the value onto `target` rows (the unfused fallback).
 
-    Where the target refines the rows over owed axes, a reduce-scatter does both at once.
+    A finalize runs first; where the target refines the rows over owed axes, a reduce-scatter
+    then completes the sum and moves the rows at once.
     """
+    if placement.finalize:
+        return (Finalize(),) + complete_onto(
+            Placement(placement.layout, placement.owed), target, topology
+        )
     extra = tuple(a for a in target.sharded if a not in placement.layout)
     if placement.layout.sharded == target.sharded[: len(placement.layout.sharded)]:
         scatter = tuple(a for a in extra if a in placement.owed)
@@ -165,6 +194,33 @@ def complete_onto(placement: Placement, target: Layout, topology: Topology) -> t
             rest = canonical(set(placement.owed) - set(scatter))
             return reduce_scatter(scatter, topology) + all_reduce(rest)
     return all_reduce(placement.owed) + relayout(placement.layout, target, topology)
+
+
+@dataclasses.dataclass(frozen=True)
+class OwedWork:
+    """What a handed-on contribution still owes, with the unfused steps that complete it.
+
+    Bound with the exit that hands it on, so a residual helper runs only decided steps.
+
+    Attributes:
+      placement: The value's rows and owed work (finalize, then sums).
+      in_place: Completes every owed item on the value's own rows (`complete_output`).
+      onto_residual: Completes it and moves it onto the residual's rows (`fold`, `snapshot`,
+        `add_to_output`).
+      then: The record after `in_place` ran; None when nothing is owed.
+    """
+
+    placement: Placement
+    in_place: tuple[Step, ...]
+    onto_residual: tuple[Step, ...]
+    then: OwedWork | None
+
+
+def owed_work(placement: Placement, residual: Layout, topology: Topology) -> OwedWork:
+    """The owed-work record of a value on `placement` whose residual is on `residual` rows."""
+    in_place = ((Finalize(),) if placement.finalize else ()) + all_reduce(placement.owed)
+    then = None if placement.complete else owed_work(placement.completed(), residual, topology)
+    return OwedWork(placement, in_place, complete_onto(placement, residual, topology), then)
 
 
 def local_block_index(axes: Sequence[TokenAxis]) -> jax.Array:

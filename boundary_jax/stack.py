@@ -1,4 +1,10 @@
-"""Layer stacks: `append_stages` records stages in order; the stack binds them when it closes."""
+"""Layer stacks: `append_stages` records stages in order; the stack binds them when it closes.
+
+A stack is a graph of stages joined by typed edges (`declare.Edge`): the stack entry, next-stage
+edges, the stack exit into the final read, and, for a stack that holds layers [a, b) of a longer
+model, a pipeline receive and a pipeline send whose far ends are the neighbouring layers'
+declarations from the model's shared `stage_facts` function.
+"""
 
 from __future__ import annotations
 
@@ -6,20 +12,37 @@ import contextlib
 import contextvars
 import dataclasses
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
-from .bind import StackFacts, bind_stage, supported_variants
+from .bind import (
+    StackFacts,
+    StageRows,
+    bind_stage,
+    compute_layout,
+    stage_rows,
+    supported_variants,
+)
 from .contracts import ReductionPolicy, StageKind, resolve_reduction_policy
-from .declare import StackPlace, StageDeclaration
+from .declare import (
+    Edge,
+    EdgeKind,
+    FinalRead,
+    StackInput,
+    StackPlace,
+    StageDeclaration,
+)
 from .fusions import NO_FUSIONS, FusionProvider
-from .layout import SumGroup, Topology
-from .residual.protocols import Norm
+from .layout import BatchVariant, SumGroup, Topology
+from .residual.add_norm import AddNormRead
+from .residual.protocols import Norm, ResidualReadout, read_facts
 from .stage import StageBoundary
 
 _STAGE_OPTIONS: dict[StageKind, frozenset[str]] = {
     StageKind.ATTN: frozenset({"fusions"}),
     StageKind.FFN: frozenset({"fusions"}),
 }
+
+StageFacts = Callable[[int], tuple[StageDeclaration, ...]]
 
 
 @dataclasses.dataclass
@@ -31,6 +54,10 @@ class LayerStack:
       policy: The resolved reduction policy.
       input_sum: The sum the stack input still owes when it reaches the first stage.
       fusions: The fusion provider of stages appended without their own.
+      final_read: The read the stack leaves through (the last stage's consumer).
+      stage_facts: The model's shared declaration function, or None.
+      layers: The model layers this stack holds (with `stage_facts`), or None for all.
+      num_layers: The model's layer count (with `stage_facts`).
       boundaries: The stages appended so far, in stack order.
     """
 
@@ -38,28 +65,97 @@ class LayerStack:
     policy: ReductionPolicy
     input_sum: SumGroup | None
     fusions: FusionProvider
+    final_read: ResidualReadout
+    stage_facts: StageFacts | None = None
+    layers: range | None = None
+    num_layers: int | None = None
     boundaries: list[StageBoundary] = dataclasses.field(default_factory=list)
 
+    def model_stages(self) -> tuple[tuple[StageDeclaration, ...], int]:
+        """The facts of every stage of the model, and the index of this stack's first stage.
+
+        Raises:
+          ValueError: The appended stages differ from what `stage_facts` declares for the
+            layers this stack holds.
+        """
+        local = tuple(b.declaration for b in self.boundaries)
+        if self.stage_facts is None:
+            return local, 0
+        per_layer = [tuple(d.facts() for d in self.stage_facts(i)) for i in range(self.num_layers)]
+        before = sum(len(stages) for stages in per_layer[: self.layers.start])
+        declared = tuple(d for i in self.layers for d in per_layer[i])
+        if declared != local:
+            at = next(
+                (i for i, (a, b) in enumerate(zip(declared, local, strict=False)) if a != b),
+                min(len(declared), len(local)),
+            )
+            raise ValueError(
+                f"the layers {self.layers} appended {len(local)} stages, but stage_facts declares "
+                f"{len(declared)} for them, differing first at stage {at}; each layer must declare "
+                "its stages with the model's stage_facts function"
+            )
+        return tuple(d for stages in per_layer for d in stages), before
+
     def bind(self) -> None:
-        """Binds every stage once its producer and consumer are known."""
-        declarations = tuple(b.declaration for b in self.boundaries)
+        """Binds every stage once the edges on both its sides are known."""
+        stages, offset = self.model_stages()
         facts = StackFacts(
             self.topology,
             self.policy,
-            () if self.input_sum is None else self.topology.sum_axes(self.input_sum),
-            supported_variants(declarations, self.topology),
+            supported_variants(stages, self.topology),
+            self.fusions,
         )
-        for index, boundary in enumerate(self.boundaries):
-            producer = declarations[index - 1] if index else None
-            consumer = declarations[index + 1] if index + 1 < len(declarations) else None
+        for boundary in self.boundaries:
             try:
-                _check_next_sparse(boundary.declaration, declarations[index + 1 :])
+                compute_layout(boundary.declaration, self.topology, BatchVariant.ORDINARY)
+            except ValueError as error:
+                error.add_note(f"while binding the stage appended at {boundary.call_site}")
+                raise
+        rows: dict[BatchVariant, tuple[StageRows, ...]] = {}
+        for variant in facts.variants:
+            try:
+                rows[variant] = stage_rows(stages, variant, self.topology)
+            except NotImplementedError as error:
+                error.add_note(
+                    "while binding the stack whose first stage is appended at "
+                    f"{self.boundaries[0].call_site}"
+                )
+                raise
+        final = FinalRead(read_facts(self.final_read))
+        last = len(self.boundaries) - 1
+        for local, boundary in enumerate(self.boundaries):
+            index = offset + local
+            declaration = stages[index]
+            if index == 0:
+                incoming = Edge(EdgeKind.STACK_ENTRY, StackInput(self.input_sum), declaration)
+            else:
+                kind = EdgeKind.PIPELINE_RECEIVE if local == 0 else EdgeKind.NEXT_STAGE
+                incoming = Edge(kind, stages[index - 1], declaration)
+            if index == len(stages) - 1:
+                outgoing = Edge(EdgeKind.STACK_EXIT, declaration, final)
+            else:
+                kind = EdgeKind.PIPELINE_SEND if local == last else EdgeKind.NEXT_STAGE
+                outgoing = Edge(kind, declaration, stages[index + 1])
+            stage_rows_of = {
+                variant: (
+                    rows[variant][index - 1] if index else None,
+                    rows[variant][index],
+                    rows[variant][index + 1] if index + 1 < len(stages) else None,
+                )
+                for variant in facts.variants
+            }
+            producer = self.boundaries[local - 1].fusions if local else None
+            try:
+                _check_next_sparse(declaration, stages[index + 1 :])
                 plan = bind_stage(
-                    _placed(boundary.declaration, producer, consumer is None),
-                    producer,
-                    consumer,
+                    dataclasses.replace(declaration, place=StackPlace(incoming, outgoing)),
+                    incoming,
+                    outgoing,
                     facts,
-                    boundary.fusions or self.fusions,
+                    stage_rows_of,
+                    boundary.fusions,
+                    producer,
+                    final_read=self.final_read if outgoing.kind is EdgeKind.STACK_EXIT else None,
                 )
             except Exception as error:
                 error.add_note(f"while binding the stage appended at {boundary.call_site}")
@@ -80,11 +176,15 @@ def layer_stack(
     architecture: str | None = None,
     input_sum: SumGroup | None = None,
     fusions: FusionProvider = NO_FUSIONS,
+    final_read: ResidualReadout = AddNormRead(),
+    stage_facts: StageFacts | None = None,
+    num_layers: int | None = None,
+    layers: range | None = None,
 ) -> Iterator[LayerStack]:
     """Opens a layer stack; every `append_stages` inside it extends this stack.
 
-    When the block ends without an error, every stage binds: each knows the stage before it
-    (its producer) and after it (its consumer); the last one is terminal.
+    When the block ends without an error, every stage binds between the edge it is entered
+    through and the edge it leaves by.
 
     Args:
       topology: The parallel topology (e.g. `Topology.from_mesh(mesh)`).
@@ -96,18 +196,63 @@ def layer_stack(
         none: the built-in all-reduce + XLA add + norm measured fastest end to end
         (benchmarks/RESULTS.md); `fusions.platform_fusions(topology)` opts into the Pallas
         kernels.
+      final_read: The read the stack leaves through (`residual.final_norm` applies it with the
+        model's final norm); a frozen, stateless read. The default is add + RMSNorm.
+      stage_facts: The model's shared declaration function: `stage_facts(i)` returns fresh
+        declarations of the stages layer `i` appends, in order (an empty tuple for a layer that
+        appends none). With it, each layer is checked against it and a stack holding part of the
+        model binds its edge stages against the neighbouring layers' declarations.
+      num_layers: The model's layer count (with `stage_facts`).
+      layers: The layers this stack holds (with `stage_facts`; default all): a pipeline rank's
+        share. Its first stage is entered through a pipeline receive unless it holds layer 0,
+        and its last leaves by a pipeline send unless it holds the last layer.
 
     Raises:
-      NotImplementedError: The topology uses pipeline or attention context parallelism.
+      NotImplementedError: The topology uses attention context parallelism, or pipeline
+        parallelism without `stage_facts`.
+      ValueError: `layers` or `num_layers` without `stage_facts`, or a `layers` range outside
+        the model.
+      TypeError: `final_read` is not a frozen (hashable) read.
     """
-    if topology.pp > 1:
-        raise NotImplementedError(f"pipeline parallelism is not supported yet; got {topology=}")
+    if stage_facts is None:
+        if layers is not None or num_layers is not None:
+            raise ValueError(
+                "a stack that holds part of a model's layers binds its edges from the model's "
+                "declarations: pass stage_facts with num_layers and layers"
+            )
+        if topology.pp > 1:
+            raise NotImplementedError(
+                f"pipeline parallelism needs the model's stage_facts and the layers this rank "
+                f"holds (layer_stack(stage_facts=..., num_layers=..., layers=...)); got {topology=}"
+            )
+    else:
+        if num_layers is None or num_layers < 1:
+            raise ValueError(f"stage_facts needs num_layers >= 1; got {num_layers=}")
+        layers = range(num_layers) if layers is None else layers
+        if layers.step != 1 or not 0 <= layers.start < layers.stop <= num_layers:
+            raise ValueError(
+                f"layers must be a non-empty range [a, b) within [0, {num_layers}); got {layers}"
+            )
     if topology.attn_cp > 1:
         raise NotImplementedError(
             f"attention context parallelism is not supported yet; got {topology=}"
         )
+    try:
+        hash(final_read)
+    except TypeError as error:
+        raise TypeError(
+            f"final_read must be a frozen, stateless read (it is static plan data); got "
+            f"{type(final_read).__name__}. Put parameters in the norm passed to final_norm()."
+        ) from error
     stack = LayerStack(
-        topology, resolve_reduction_policy(reduction, architecture), input_sum, fusions
+        topology,
+        resolve_reduction_policy(reduction, architecture),
+        input_sum,
+        fusions,
+        final_read,
+        stage_facts,
+        layers,
+        num_layers,
     )
     token = _open_stacks.set(_open_stacks.get() + (stack,))
     try:
@@ -173,17 +318,17 @@ def append_stages(
             raise TypeError(f"the fusions option takes a FusionProvider; got {fusions!r}")
         boundaries.append(
             StageBoundary(
-                declaration.facts(), norm, declaration.output_transform, call_site, fusions
+                declaration.facts(),
+                norm,
+                declaration.read,
+                declaration.update,
+                declaration.output_transform,
+                call_site,
+                fusions,
             )
         )
     stacks[-1].boundaries.extend(boundaries)
     return tuple(boundaries)
-
-
-def _placed(
-    declaration: StageDeclaration, producer: StageDeclaration | None, terminal: bool
-) -> StageDeclaration:
-    return dataclasses.replace(declaration, place=StackPlace(producer, terminal))
 
 
 def _check_next_sparse(declaration: StageDeclaration, later: tuple[StageDeclaration, ...]) -> None:

@@ -1,7 +1,8 @@
 """The model-facing boundary of one stage: `prepare` before compute, `exit`/`finish` after.
 
 A `StageBoundary` runs the plan its stack bound; it decides nothing that binding did not
-already decide, except choosing among the bound exit options by the batch's row count.
+already decide, except choosing among the bound exit options by the batch (its row count, and
+whether the fusion provider takes a MoE finalize).
 """
 
 from __future__ import annotations
@@ -14,13 +15,27 @@ import jax.numpy as jnp
 from flax import nnx
 
 from . import ops
-from .bind import EntryPath, ExitKind, ExitOption, StagePath, StagePlan, rows_fit
+from .batch import BatchFacts
+from .bind import (
+    EntryPath,
+    ExitKind,
+    ExitOption,
+    OwedWork,
+    StagePath,
+    StagePlan,
+    rows_fit,
+    sends_written,
+)
 from .contracts import Placement
-from .declare import OutputTransform, StageDeclaration
-from .fusions import FusionProvider, FusionRequest
-from .residual.protocols import Norm
+from .declare import EdgeKind, OutputTransform, StageDeclaration
+from .fusions import FusionProvider
+from .output import DeferredFinalize
+from .residual import batch as residual_batch
+from .residual.add_norm import PlainAdd
+from .residual.entry import run_entry
+from .residual.protocols import Norm, ResidualReadout, ResidualUpdate
 from .residual.stream import (
-    CarriedTransform,
+    Carried,
     Contribution,
     OwedOutput,
     ResidualStream,
@@ -29,15 +44,36 @@ from .residual.stream import (
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class Leave:
+    """How a stream leaves the stack after its terminal stage (or before a pipeline send).
+
+    Attributes:
+      kind: The edge the stage leaves by: STACK_EXIT (the final read), PIPELINE_SEND (`to_pp`)
+        or NEXT_STAGE (only `take_output` may leave there).
+      entry: The bound completion, update and move onto the attention's rows.
+      final_read: At a stack exit, the read `final_norm` applies.
+      sends_written: For a pipeline send: fold and send the residual alone.
+    """
+
+    kind: EdgeKind
+    entry: EntryPath
+    final_read: ResidualReadout | None
+    sends_written: bool = False
+
+
 class StageBoundary(nnx.Module):
     """The boundary in front of and behind one stage's compute.
 
     Built by `append_stages` inside an open `layer_stack()`; bound when the stack closes. Each
-    call takes the residual stream and returns the new one.
+    call takes the residual stream and returns the new one. It owns the stage's residual read,
+    update and norm: a parametric design's weights are this module's state.
 
     Attributes:
-      declaration: The stage's declaration; after binding it carries its place in the stack.
+      declaration: The stage's declaration facts; after binding they carry its place.
       norm: The norm this stage's input read applies (None: read without a norm).
+      read: How this stage reads the residual.
+      update: How this stage's output joins the residual.
       output_transform: Applied to the complete output before the residual update.
       plan: The bound plan; None until the stack closes.
       call_site: The `append_stages` call that built this boundary, for error notes.
@@ -48,12 +84,16 @@ class StageBoundary(nnx.Module):
         self,
         declaration: StageDeclaration,
         norm: Norm | None,
+        read: ResidualReadout,
+        update: ResidualUpdate,
         output_transform: OutputTransform | None,
         call_site: str,
         fusions: FusionProvider | None = None,
     ):
         self.declaration = declaration
         self.norm = norm
+        self.read = read
+        self.update = update
         self.output_transform = output_transform
         self.plan: StagePlan | None = None
         self.call_site = call_site
@@ -93,8 +133,7 @@ class StageBoundary(nnx.Module):
         """
         stream = require_stream(stream)
         path = self._path(stream)
-        state = stream.state
-        if state is StreamState.INITIAL:
+        if stream.state is StreamState.INITIAL:
             entry = path.initial_entry
             if entry is None:
                 raise RuntimeError(
@@ -110,11 +149,17 @@ class StageBoundary(nnx.Module):
                 f"the stage appended at {self.call_site} has no entry for {stream!r}: it is "
                 "not what this stage's producer hands on; run the stages in stack order"
             )
-        residual = ops.run(entry.residual_move, stream.residual)
-        if pending is None:
-            return self._read(entry, path, None, residual, stream)
-        value, transform = pending.advance(entry.complete)
-        return self._read(entry, path, (pending, value, transform), residual, stream)
+        compute_input, residual, state = run_entry(
+            entry,
+            stream.residual,
+            pending,
+            self.read,
+            self.norm,
+            candidates=self.plan.input_fusions,
+            topology=self.plan.topology,
+        )
+        _, stream = stream.written(residual, path.residual_layout, state)
+        return compute_input, stream
 
     def _enter_stack(self, x, stream, entry: EntryPath, path: StagePath):
         if isinstance(x, OwedOutput):
@@ -124,60 +169,62 @@ class StageBoundary(nnx.Module):
         if mask is not None:
             x = jnp.where(mask[:, None], x, jnp.zeros((), x.dtype))
         value = ops.run(entry.complete, x)
-        read = self.declaration.read
         if entry.read_after_move:
-            compute_input, _ = read.init_residual(ops.run(entry.move_input, value), self.norm)
-            residual = value
-        else:
-            compute_input, residual = read.init_residual(value, self.norm)
-            compute_input = ops.run(entry.move_input, compute_input)
-        _, stream = stream.written(residual, path.residual_layout)
-        return compute_input, stream
-
-    def _read(self, entry: EntryPath, path: StagePath, pending, residual, stream):
-        read = self.declaration.read
-        if entry.read_after_move:
-            if pending is not None:
-                residual = self._updated(entry, pending, residual)
-            compute_input, _ = read.read(ops.run(entry.move_input, residual), self.norm)
-        else:
-            if pending is None:
-                compute_input, residual = read.read(residual, self.norm)
-            else:
-                compute_input, residual = self._update_and_read(entry, pending, residual)
-            compute_input = ops.run(entry.move_input, compute_input)
-        _, stream = stream.written(residual, path.residual_layout)
-        return compute_input, stream
-
-    def _update_and_read(self, entry: EntryPath, pending, residual):
-        """Completes `entry.fused_sum`, applies the update and reads: a fused candidate first."""
-        contribution, value, transform = pending
-        if transform is None:
-            request = FusionRequest(
-                value,
-                residual,
-                self.norm,
-                contribution.update,
-                self.declaration.read,
-                entry.fused_sum,
-                self.plan.topology.size(entry.fused_sum),
+            compute_input, _, _ = self.read.init_residual(
+                ops.run(entry.move_input, value), self.norm
             )
-            for candidate in self.plan.input_fusions:
-                result = candidate(request)
-                if result is not None:
-                    return result
-        return self.declaration.read.update_and_read(
-            contribution.update, _completed(entry, pending), residual, self.norm
-        )
+            residual, state = value, None
+        else:
+            compute_input, residual, state = self.read.init_residual(value, self.norm)
+            compute_input = ops.run(entry.move_input, compute_input)
+        _, stream = stream.written(residual, path.residual_layout, state)
+        return compute_input, stream
 
-    def _updated(self, entry: EntryPath, pending, residual):
-        return pending[0].update.apply(residual, _completed(entry, pending))
+    def from_pp(
+        self, tensors: dict[str, jax.Array], batch: BatchFacts
+    ) -> tuple[OwedOutput, ResidualStream]:
+        """Rebuilds the stream a previous pipeline rank's `to_pp` sent, on this receiving stage.
+
+        What arrives is decided by the producer's declaration, as this stage's transport entry
+        binds it: the residual alone (a written stream), or a completed output with the residual
+        (a pending stream that owes nothing). Both are on the attention's rows.
+
+        Returns:
+          `(handle, stream)` to pass to this stage's `prepare`.
+
+        Raises:
+          RuntimeError: This stage is not entered through a pipeline receive.
+          ValueError: The tensors are not what the producer's declaration sends.
+        """
+        stream = residual_batch.start(batch)
+        path = self._path(stream)
+        entry = next((e for e in path.entries if e.transport), None)
+        if entry is None:
+            raise RuntimeError(
+                f"from_pp() rebuilds the stream on the stage a pipeline receive enters; the stage "
+                f"appended at {self.call_site} is entered through "
+                f"{self.plan.declaration.place.incoming.kind.value}"
+            )
+        expected = {"hidden_states"} if entry.handoff is None else {"hidden_states", "residual"}
+        if set(tensors) != expected:
+            raise ValueError(
+                f"the previous rank's last stage sends {sorted(expected)}; got {sorted(tensors)}"
+            )
+        if entry.handoff is None:
+            return stream.written(tensors["hidden_states"], entry.residual_from)
+        _, stream = stream.written(tensors["residual"], entry.residual_from)
+        done = OwedWork(entry.handoff, (), (), None)
+        value = tensors["hidden_states"]
+        return stream.with_pending(Contribution(value, None, Carried(PlainAdd()), None, done, True))
 
     def exit(self, stream: ResidualStream) -> StageExit:
         """Decides, before compute runs, how this stage's output will be handed on.
 
-        The decision depends on the bound exit options and this batch's row count; the returned
-        object's `finish` runs the matching completion.
+        The decision depends on the bound exit options, this batch's row count and, for a
+        sparse FFN whose plan binds a finalize handoff, whether its provider takes the finalize
+        for this batch (`can_defer_finalize`); the returned object's `finish` runs the matching
+        completion, and `defer_moe_finalize` tells compute whether it may return a
+        `DeferredFinalize`.
         """
         stream = require_stream(stream)
         path = self._path(stream)
@@ -189,8 +236,12 @@ class StageBoundary(nnx.Module):
         topology = self.plan.topology
         global_rows = stream.residual.shape[0] * topology.size(path.residual_layout.sharded)
         rows = global_rows // topology.size(path.compute_layout.sharded)
-        option = next(o for o in path.exits if rows_fit(o.steps, rows, topology))
-        return StageExit(self, path, option, rows)
+        fitting = [o for o in path.exits if rows_fit(o.steps, rows, topology)]
+        if any(o.defers_finalize for o in fitting) and not self.plan.fusions.can_defer_finalize(
+            self.plan, stream.batch
+        ):
+            fitting = [o for o in fitting if not o.defers_finalize]
+        return StageExit(self, path, tuple(fitting), rows)
 
     def finish(self, y: jax.Array, stream: ResidualStream) -> tuple[OwedOutput, ResidualStream]:
         """Hands this stage's compute output `y` on: `exit(stream).finish(y, stream)`."""
@@ -202,16 +253,21 @@ class StageExit:
     """One exit decision, made before compute; `finish` runs its completion once.
 
     Attributes:
-      kind: What the exit does with the owed sum.
+      kind: What the exit does with the owed work.
       completes_now: The output's sum completes at this exit (nothing owed to the next input).
       leaves_sum_to_next_input: The next stage's input completes (some of) the sum.
-      defer_moe_finalize: Whether a MoE may hand its finalize to the next input (never, here).
+      defer_moe_finalize: Compute may return a `DeferredFinalize`: the finalize is handed to the
+        next input (or the final read).
     """
 
     boundary: StageBoundary
     path: StagePath
-    option: ExitOption
+    options: tuple[ExitOption, ...]
     rows: int
+
+    @property
+    def option(self) -> ExitOption:
+        return self.options[0]
 
     @property
     def kind(self) -> ExitKind:
@@ -227,10 +283,15 @@ class StageExit:
 
     @property
     def defer_moe_finalize(self) -> bool:
-        return False
+        return self.option.defers_finalize
 
-    def finish(self, y: jax.Array, stream: ResidualStream) -> tuple[OwedOutput, ResidualStream]:
-        """Runs the decided completion on compute output `y` and records it in the stream."""
+    def finish(self, y: Any, stream: ResidualStream) -> tuple[OwedOutput, ResidualStream]:
+        """Runs the decided completion on compute output `y` and records it in the stream.
+
+        `y` is [rows, hidden] on the compute rows, or a `DeferredFinalize` where
+        `defer_moe_finalize` allowed it (a MoE that combined its experts itself may still return
+        the array).
+        """
         boundary = self.boundary
         stream = require_stream(stream)
         if stream.state is not StreamState.WRITTEN:
@@ -242,43 +303,56 @@ class StageExit:
             raise TypeError(
                 f"finish() takes the stage's compute output, not a boundary handle ({y!r})"
             )
-        declaration = boundary.declaration
-        expected_rows = self.rows
-        if y.ndim != 2 or y.shape[0] != expected_rows:
+        handoff = isinstance(y, DeferredFinalize)
+        if handoff and not self.defer_moe_finalize:
+            raise TypeError(
+                f"the stage appended at {boundary.call_site} returned a DeferredFinalize while "
+                "defer_moe_finalize is False; finalize inside compute when the exit says so"
+            )
+        option = next(o for o in self.options if o.defers_finalize == handoff)
+        rows = y.rows if handoff else (y.shape[0] if y.ndim == 2 else None)
+        if rows != self.rows:
             raise ValueError(
                 f"the stage appended at {boundary.call_site} must return [rows, hidden] on its "
-                f"compute rows ({expected_rows} rows here); got shape {y.shape}"
+                f"compute rows ({self.rows} rows here); got {_shape(y)}"
             )
-        owed = (
-            ()
-            if declaration.output_complete
-            else boundary.plan.topology.sum_axes(declaration.sum_group)
-        )
         transform = None
         if boundary.output_transform is not None:
-            transform = CarriedTransform.of(boundary.output_transform)
+            transform = Carried.of(boundary.output_transform)
+        raw = Placement(self.path.compute_layout, self.path.owed, finalize=handoff)
         contribution = Contribution(
-            y, transform, Placement(self.path.compute_layout, owed), declaration.update
+            y,
+            transform,
+            Carried.of(boundary.update),
+            stream.read_state,
+            OwedWork(raw, (), (), None),
+            boundary.declaration.update.plain,
         )
         value, transform = contribution.advance(
-            self.option.steps,
-            before_reduce_scatter=declaration.transform_before_reduce_scatter,
+            option.steps,
+            before_reduce_scatter=boundary.declaration.transform_before_reduce_scatter,
         )
-        contribution = Contribution(value, transform, self.option.handoff, declaration.update)
-        if self.option.fold_to is None:
-            return stream.with_pending(contribution)
+        contribution = contribution.moved(option.owed, value, transform)
+        leave = _leave(boundary.plan, option)
+        if option.fold_to is None:
+            return stream.with_pending(contribution, leave)
         if transform is not None:
             value = transform(value)
-        residual = declaration.update.apply(stream.residual, value)
-        topology = boundary.plan.topology
-        residual = ops.run(
-            ops.relayout(self.path.residual_layout, self.option.fold_to, topology), residual
-        )
-        return stream.written(residual, self.option.fold_to)
+        residual = ops.run(option.fold_steps, contribution.apply(stream.residual, value))
+        return stream.written(residual, option.fold_to, leave=leave)
 
 
-def _completed(entry: EntryPath, pending) -> jax.Array:
-    """The pending value after the entry's fused sum and any output transform still owed."""
-    _, value, transform = pending
-    value = ops.run(ops.all_reduce(entry.fused_sum), value)
-    return value if transform is None else transform(value)
+def _leave(plan: StagePlan, option: ExitOption) -> Leave | None:
+    if option.leave is None:
+        return None
+    kind = plan.declaration.place.outgoing.kind
+    writes = kind is EdgeKind.PIPELINE_SEND and sends_written(
+        plan.declaration, option.leave.residual_from, plan.topology
+    )
+    return Leave(kind, option.leave, plan.final_read, writes)
+
+
+def _shape(y: Any) -> str:
+    if isinstance(y, DeferredFinalize):
+        return f"a DeferredFinalize of {y.rows} rows"
+    return f"shape {y.shape}"

@@ -46,8 +46,8 @@ class HFTensor:
 
 
 _LAYER_TENSORS = {
-    "input_norm.weight": HFTensor("input_layernorm.weight"),
-    "post_attn_norm.weight": HFTensor("post_attention_layernorm.weight"),
+    "attn_boundary.norm.weight": HFTensor("input_layernorm.weight"),
+    "ffn_boundary.norm.weight": HFTensor("post_attention_layernorm.weight"),
     "attn.q_proj.kernel": HFTensor("self_attn.q_proj.weight", transpose=True),
     "attn.k_proj.kernel": HFTensor("self_attn.k_proj.weight", transpose=True),
     "attn.v_proj.kernel": HFTensor("self_attn.v_proj.weight", transpose=True),
@@ -67,7 +67,8 @@ def hf_name_map(config: DecoderConfig) -> dict[str, HFTensor]:
     """`{module path: HFTensor}` for every parameter of a decoder described by `config`.
 
     Module paths are the dotted `nnx` state paths: `embed.embedding`,
-    `layers.{i}.input_norm.weight`, `layers.{i}.post_attn_norm.weight`,
+    `layers.{i}.attn_boundary.norm.weight`, `layers.{i}.ffn_boundary.norm.weight` (each
+    stage's input norm, owned by its boundary),
     `layers.{i}.attn.{q,k,v,o}_proj.kernel`, `layers.{i}.attn.{q,k}_norm.weight` (qk_norm only),
     `layers.{i}.mlp.{gate,up,down}_proj.kernel`, `final_norm.weight`, and `lm_head.kernel`
     (absent with tied embeddings, where the head reads the embedding table).

@@ -25,27 +25,37 @@ class DecoderLayer(nnx.Module):
     """Pre-norm attention + SwiGLU FFN, joined to its neighbours by two stage boundaries.
 
     Attributes:
-      input_norm: The attention stage's input norm (HF `input_layernorm`).
-      post_attn_norm: The FFN stage's input norm (HF `post_attention_layernorm`).
       attn: Self-attention returning its o_proj partial.
       mlp: SwiGLU returning its down_proj partial.
-      attn_boundary: The boundary before and after attention.
-      ffn_boundary: The boundary before and after the FFN.
+      attn_boundary: The boundary before and after attention; owns its input norm (HF
+        `input_layernorm`).
+      ffn_boundary: The boundary before and after the FFN; owns its input norm (HF
+        `post_attention_layernorm`).
     """
 
     def __init__(
         self, config: DecoderConfig, *, topology: bj.Topology, dtype: jnp.dtype, rngs: nnx.Rngs
     ):
         eps = config.rms_norm_eps
-        self.input_norm = bj.RMSNorm(config.hidden_size, eps=eps, param_dtype=dtype)
-        self.post_attn_norm = bj.RMSNorm(config.hidden_size, eps=eps, param_dtype=dtype)
+        input_norm = bj.RMSNorm(config.hidden_size, eps=eps, param_dtype=dtype)
+        post_attn_norm = bj.RMSNorm(config.hidden_size, eps=eps, param_dtype=dtype)
         self.attn = Attention(config, topology=topology, dtype=dtype, rngs=rngs)
         self.mlp = SwiGLU(
             config.hidden_size, config.intermediate_size, topology=topology, dtype=dtype, rngs=rngs
         )
         self.attn_boundary, self.ffn_boundary = bj.append_stages(
-            (bj.declare_attn(), self.input_norm), (bj.declare_ffn(), self.post_attn_norm)
+            (bj.declare_attn(), input_norm), (bj.declare_ffn(), post_attn_norm)
         )
+
+    @property
+    def input_norm(self) -> bj.RMSNorm:
+        """The attention stage's input norm."""
+        return self.attn_boundary.norm
+
+    @property
+    def post_attn_norm(self) -> bj.RMSNorm:
+        """The FFN stage's input norm."""
+        return self.ffn_boundary.norm
 
     def __call__(
         self,

@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import boundary_jax as bj
 
 from .attention import KVCache
-from .checkpoint import hf_name_map, load_config, load_params
+from .checkpoint import load_config, load_params
 from .config import DecoderConfig
 from .decoder import CausalLM, model_class
 from .rows import PackedBatch, TokenRows, decode_rows, pack_sequences
@@ -59,39 +59,7 @@ def load_model(
         )
     )
     graphdef, abstract_state = nnx.split(abstract)
-    # A norm a boundary reads is shared with its layer; load it under the layer's own path.
-    names = hf_name_map(config)
-    stored = {path for path, _ in nnx.to_flat_state(abstract_state)}
-    rename = {}
-    for paths in _variable_paths(abstract).values():
-        named = [path for path in paths if ".".join(map(str, path)) in names]
-        canonical = next(path for path in paths if path in stored)
-        if named and canonical not in named:
-            rename[canonical] = named[0]
-    state = load_params(checkpoint_dir, _renamed(abstract_state, rename), mesh, np.dtype(dtype))
-    back = {new: old for old, new in rename.items()}
-    return nnx.merge(graphdef, _renamed(state, back))
-
-
-def _variable_paths(module: nnx.Module) -> dict[int, list[tuple]]:
-    """Every path that reaches each variable of `module` (shared variables have several)."""
-    paths: dict[int, list[tuple]] = {}
-
-    def walk(node, prefix):
-        for key, child in nnx.iter_children(node):
-            path = (*prefix, key)
-            if isinstance(child, nnx.Variable):
-                paths.setdefault(id(child), []).append(path)
-            else:
-                walk(child, path)
-
-    walk(module, ())
-    return paths
-
-
-def _renamed(state: nnx.State, rename: dict[tuple, tuple]) -> nnx.State:
-    flat = nnx.to_flat_state(state)
-    return nnx.from_flat_state([(rename.get(path, path), leaf) for path, leaf in flat])
+    return nnx.merge(graphdef, load_params(checkpoint_dir, abstract_state, mesh, np.dtype(dtype)))
 
 
 class ShardedCausalLM:

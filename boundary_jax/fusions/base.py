@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import jax
 
 from ..layout import TokenAxis, Topology
-from ..residual.protocols import Norm, ResidualReadout, ResidualUpdate
+
+if TYPE_CHECKING:
+    from ..residual.protocols import Norm, ResidualReadout, ResidualUpdate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,10 +62,26 @@ class FusionProvider:
     Attributes:
       attn_input: Candidates for an attention (or mixer) stage's input.
       ffn_input: Candidates for an FFN stage's input.
+      defer_finalize: A sparse FFN's exit may hand its finalize (and sum) to the next input,
+        where an input candidate may fuse it; `can_defer_finalize` decides per batch.
+      terminal_finalize: A terminal sparse FFN may hand its finalize to the final read
+        (`final_norm(..., finalize_norm=...)`).
     """
 
     attn_input: tuple[InputFusion, ...] = ()
     ffn_input: tuple[InputFusion, ...] = ()
+    defer_finalize: bool = False
+    terminal_finalize: bool = False
+
+    def can_defer_finalize(self, plan, batch) -> bool:
+        """Whether the sparse FFN bound as `plan` may return a `DeferredFinalize` for `batch`.
+
+        Called on every exit of a sparse FFN whose plan binds a finalize handoff; the default
+        accepts every batch. A provider that fuses the finalize only for some shapes overrides
+        it.
+        """
+        del plan, batch
+        return True
 
     def attn_input_fusions(self, plan) -> tuple[InputFusion, ...]:
         """The candidates for an attention stage bound as `plan`."""

@@ -2,6 +2,7 @@
 
 from .add_norm import AddNormRead as AddNormRead
 from .add_norm import PlainAdd as PlainAdd
+from .batch import FinalizeRequest as FinalizeRequest
 from .batch import add_to_output as add_to_output
 from .batch import complete_output as complete_output
 from .batch import final_norm as final_norm
@@ -10,9 +11,12 @@ from .batch import set_written as set_written
 from .batch import snapshot as snapshot
 from .batch import start as start
 from .batch import take_output as take_output
+from .batch import to_pp as to_pp
 from .norm import RMSNorm as RMSNorm
 from .norm import add_rms_norm as add_rms_norm
 from .norm import rms_norm as rms_norm
+from .post_norm import PostNormUpdate as PostNormUpdate
+from .protocols import DesignFacts as DesignFacts
 from .protocols import ResidualReadout as ResidualReadout
 from .protocols import ResidualUpdate as ResidualUpdate
 from .stream import OwedOutput as OwedOutput

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from .norm import RMSNorm, accumulation_dtype, add_rms_norm
-from .protocols import Norm, ResidualUpdate
+from .protocols import Norm, ReadState, ResidualUpdate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,7 +17,7 @@ class PlainAdd:
 
     plain: bool = dataclasses.field(default=True, init=False)
 
-    def apply(self, residual: jax.Array, value: jax.Array) -> jax.Array:
+    def apply(self, residual: jax.Array, value: jax.Array, state: ReadState = None) -> jax.Array:
         acc = accumulation_dtype(jnp.promote_types(residual.dtype, value.dtype))
         return (residual.astype(acc) + value.astype(acc)).astype(residual.dtype)
 
@@ -33,15 +33,23 @@ class AddNormRead:
 
     reads_before_dp_gather: bool = True
 
-    def init_residual(self, x: jax.Array, norm: Norm | None) -> tuple[jax.Array, jax.Array]:
+    def init_residual(self, x: jax.Array, norm: Norm | None) -> tuple[jax.Array, jax.Array, None]:
         return self.read(x, norm)
 
-    def read(self, residual: jax.Array, norm: Norm | None) -> tuple[jax.Array, jax.Array]:
-        return (residual if norm is None else norm(residual)), residual
+    def read(self, residual: jax.Array, norm: Norm | None) -> tuple[jax.Array, jax.Array, None]:
+        return (residual if norm is None else norm(residual)), residual, None
 
     def update_and_read(
-        self, update: ResidualUpdate, value: jax.Array, residual: jax.Array, norm: Norm | None
-    ) -> tuple[jax.Array, jax.Array]:
+        self,
+        update: ResidualUpdate,
+        value: jax.Array,
+        residual: jax.Array,
+        norm: Norm | None,
+        state: ReadState = None,
+    ) -> tuple[jax.Array, jax.Array, None]:
         if update.plain and isinstance(norm, RMSNorm):
-            return add_rms_norm(value, residual, norm.weight[...], eps=norm.eps, gemma=norm.gemma)
-        return self.read(update.apply(residual, value), norm)
+            normed, summed = add_rms_norm(
+                value, residual, norm.weight[...], eps=norm.eps, gemma=norm.gemma
+            )
+            return normed, summed, None
+        return self.read(update.apply(residual, value, state), norm)

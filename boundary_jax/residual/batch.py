@@ -6,6 +6,8 @@ that keeps the stream alive returns the new stream too.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -15,11 +17,16 @@ from jax import lax
 from .. import ops
 from .._compat import zeros_varying_like
 from ..batch import BatchFacts
-from ..contracts import Placement
-from .add_norm import AddNormRead, PlainAdd
+from ..contracts import EdgeKind, Placement
+from ..layout import TokenAxis, Topology
+from ..ops import OwedWork
+from ..output import DeferredFinalize
+from .add_norm import PlainAdd
+from .entry import run_entry
 from .protocols import Norm
 from .stream import (
     WRITE_FIRST,
+    Carried,
     Contribution,
     OwedOutput,
     ResidualStream,
@@ -38,15 +45,14 @@ def start(batch: BatchFacts) -> ResidualStream:
 def complete_output(
     output: OwedOutput, stream: ResidualStream
 ) -> tuple[OwedOutput, ResidualStream]:
-    """Completes the sum the pending contribution owes, on its rows; the update stays pending."""
+    """Completes what the pending contribution owes (finalize, then sums), on its rows; the
+    update stays pending."""
     stream = _checked(output, stream)
     pending = stream.pending
     if pending is None or pending.placement.complete:
         return stream.output, stream
-    value, transform = pending.advance(ops.all_reduce(pending.placement.owed))
-    return stream.with_pending(
-        Contribution(value, transform, pending.placement.completed(), pending.update)
-    )
+    value, transform = pending.advance(pending.owed.in_place)
+    return stream.with_pending(pending.moved(pending.owed.then, value, transform), stream.leave)
 
 
 def fold(output: OwedOutput, stream: ResidualStream) -> tuple[OwedOutput, ResidualStream]:
@@ -54,9 +60,8 @@ def fold(output: OwedOutput, stream: ResidualStream) -> tuple[OwedOutput, Residu
     stream = _checked(output, stream)
     if stream.pending is None:
         return stream.output, stream
-    value = _completed_on_residual_rows(stream)
-    residual = stream.pending.update.apply(stream.residual, value)
-    return stream.written(residual, stream.residual_layout)
+    residual = stream.pending.apply(stream.residual, _completed_on_residual_rows(stream))
+    return stream.written(residual, stream.residual_layout, leave=stream.leave)
 
 
 def set_written(hidden: jax.Array, stream: ResidualStream) -> tuple[OwedOutput, ResidualStream]:
@@ -74,7 +79,7 @@ def set_written(hidden: jax.Array, stream: ResidualStream) -> tuple[OwedOutput, 
         raise ValueError(
             f"set_written() needs the residual's shape {stream.residual.shape}; got {hidden.shape}"
         )
-    return stream.written(hidden, layout)
+    return stream.written(hidden, layout, leave=stream.leave)
 
 
 def take_output(output: OwedOutput, stream: ResidualStream) -> jax.Array:
@@ -82,14 +87,13 @@ def take_output(output: OwedOutput, stream: ResidualStream) -> jax.Array:
     attention's rows.
 
     Raises:
-      RuntimeError: A contribution is still pending (fold or norm it first).
+      RuntimeError: A contribution is still pending (fold or norm it first), or the stream has
+        not passed the stack's terminal stage.
     """
     stream = _checked(output, stream)
     if stream.state is not StreamState.WRITTEN:
         raise RuntimeError(f"{WRITE_FIRST} ({stream!r})")
-    topology = stream.batch.topology
-    move = ops.relayout(stream.residual_layout, topology.attention_rows(), topology)
-    return ops.run(move, stream.residual)
+    return ops.run(_leave(stream, "take_output").entry.move_input, stream.residual)
 
 
 def snapshot(output: OwedOutput, stream: ResidualStream) -> jax.Array:
@@ -97,23 +101,31 @@ def snapshot(output: OwedOutput, stream: ResidualStream) -> jax.Array:
     its work.
 
     Raises:
-      NotImplementedError: The pending update is not a plain add.
+      NotImplementedError: The pending update is not a plain add, or the pending output hands
+        its finalize on (a handoff needs an explicit capture adapter).
     """
     stream = _checked(output, stream)
     pending = stream.pending
     if pending is None:
         return stream.residual
-    if not pending.update.plain:
+    if not pending.update_plain:
         raise NotImplementedError(
-            f"snapshot requires a plain residual update; got {type(pending.update).__name__}"
+            "snapshot requires a plain residual update; got "
+            f"{type(pending.update.resolve()).__name__}"
         )
-    return pending.update.apply(stream.residual, _completed_on_residual_rows(stream))
+    if pending.placement.finalize:
+        raise NotImplementedError(
+            "snapshot of a pending MoE finalize handoff is not supported; complete_output() "
+            "runs the unfused finalize first"
+        )
+    return pending.apply(stream.residual, _completed_on_residual_rows(stream))
 
 
 def add_to_output(
     output: OwedOutput, stream: ResidualStream, extra: jax.Array
 ) -> tuple[OwedOutput, ResidualStream]:
-    """Adds `extra` (on the residual's rows) to the layer output once, after completing its sum.
+    """Adds `extra` (on the residual's rows) to the layer output once, after completing what it
+    owes.
 
     The residual update stays pending; the next boundary applies it.
     """
@@ -125,43 +137,77 @@ def add_to_output(
             f"extra must be on the residual's rows, shape {stream.residual.shape}; "
             f"got {extra.shape}"
         )
-    if stream.pending is None:
-        value, update = extra, PlainAdd()
+    done = OwedWork(Placement(stream.residual_layout), (), (), None)
+    pending = stream.pending
+    if pending is None:
+        contribution = Contribution(extra, None, Carried(PlainAdd()), None, done, True)
     else:
-        value = _completed_on_residual_rows(stream) + extra.astype(stream.pending.value.dtype)
-        update = stream.pending.update
-    return stream.with_pending(Contribution(value, None, Placement(stream.residual_layout), update))
+        value = _completed_on_residual_rows(stream)
+        contribution = pending.moved(done, value + extra.astype(value.dtype), None)
+    return stream.with_pending(contribution, stream.leave)
+
+
+@dataclasses.dataclass(frozen=True)
+class FinalizeRequest:
+    """What a fused finalize norm is asked to do: `norm(residual + sum(finalize(handoff)))`.
+
+    Attributes:
+      handoff: The sparse FFN's `DeferredFinalize`, on the residual's rows.
+      residual: The residual on the same rows.
+      norm: The final norm.
+      sum_axes: Token axes the finalized value still owes a sum over.
+    """
+
+    handoff: DeferredFinalize
+    residual: jax.Array
+    norm: Norm | None
+    sum_axes: tuple[TokenAxis, ...]
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        """Mesh axis names of `sum_axes`, for a kernel's collective."""
+        return Topology.mesh_names(self.sum_axes)
 
 
 def final_norm(
-    output: OwedOutput, stream: ResidualStream, norm: Norm | None, *, skip_empty: bool = False
+    output: OwedOutput,
+    stream: ResidualStream,
+    norm: Norm | None,
+    *,
+    skip_empty: bool = False,
+    finalize_norm: Callable[[FinalizeRequest], jax.Array] | None = None,
 ) -> jax.Array:
-    """Leaves the stack: completes what is owed, applies the update and normalizes.
+    """Leaves the stack through its final read: completes what is owed, applies the update, and
+    reads (by default add + RMSNorm with `norm`).
 
     Returns the stack output on the attention's rows; rows past a DP rank's token count are zero.
     With `skip_empty`, a rank without tokens still runs every collective (the other ranks join
-    them) and skips only the norm.
+    them) and skips only the read. A MoE finalize handed to the final read goes to
+    `finalize_norm` (a fused finalize + sum + add + norm) when given; otherwise it completes
+    unfused first.
     """
     stream = _checked(output, stream)
     if stream.state is StreamState.INITIAL:
         raise RuntimeError(f"{WRITE_FIRST} ({stream!r})")
-    topology = stream.batch.topology
-    rows = stream.batch.topology.attention_rows()
-    move = ops.relayout(stream.residual_layout, rows, topology)
-    read = AddNormRead()
-    if stream.pending is not None and not move:
-        value = _completed_on_residual_rows(stream)
+    leave = _leave(stream, "final_norm")
+    if leave.kind is not EdgeKind.STACK_EXIT:
+        raise RuntimeError(
+            "final_norm() after a stage that leaves by a pipeline send: this rank's stack "
+            "continues on the next pipeline rank; leave through to_pp()"
+        )
+    entry = leave.entry
+    pending = stream.pending
+    if pending is not None and entry.handoff != pending.placement:
+        entry = dataclasses.replace(entry, complete=pending.owed.onto_residual, fused_sum=())
 
-        def normalize():
-            return read.update_and_read(stream.pending.update, value, stream.residual, norm)[0]
-    else:
-        residual = stream.residual
-        if stream.pending is not None:
-            residual = stream.pending.update.apply(residual, _completed_on_residual_rows(stream))
-        residual = ops.run(move, residual)
-
-        def normalize():
-            return read.read(residual, norm)[0]
+    def normalize():
+        fused = pending is not None and pending.placement.finalize and finalize_norm is not None
+        if fused and not entry.move_input:
+            request = FinalizeRequest(pending.value, stream.residual, norm, pending.placement.owed)
+            return finalize_norm(request)
+        return run_entry(
+            entry, stream.residual, pending, leave.final_read, norm, topology=stream.batch.topology
+        )[0]
 
     if skip_empty and stream.batch.token_counts is not None:
         result = jax.eval_shape(normalize)
@@ -174,6 +220,45 @@ def final_norm(
     return normed
 
 
+def to_pp(output: OwedOutput, stream: ResidualStream) -> dict[str, jax.Array]:
+    """Hands the stream to the next pipeline rank as a plain pytree, every owed item complete.
+
+    Completes the pending contribution's finalize and sums on this rank (a partial sum must
+    never travel: the transport reassembles a tensor from one slice per attention-TP rank). When
+    the residual is on the attention's rows and the update is plain, sends
+    `{"hidden_states": completed output, "residual": residual}` for the receiver's fused update
+    + read; otherwise folds the output into the residual here and sends
+    `{"hidden_states": residual}` alone. Both are on the attention's rows.
+
+    Raises:
+      RuntimeError: The stream has not passed the stage before this rank's pipeline send.
+    """
+    stream = _checked(output, stream)
+    if stream.state is StreamState.INITIAL:
+        raise RuntimeError(f"{WRITE_FIRST} ({stream!r})")
+    leave = _leave(stream, "to_pp")
+    if leave.kind is not EdgeKind.PIPELINE_SEND:
+        raise RuntimeError(
+            "to_pp() after the model's terminal stage: there is no next pipeline rank; leave "
+            "through final_norm()"
+        )
+    residual, pending = stream.residual, stream.pending
+    if pending is not None:
+        value = _completed_on_residual_rows(stream)
+        if not leave.sends_written:
+            return {"hidden_states": value, "residual": residual}
+        residual = pending.apply(residual, value)
+    return {"hidden_states": ops.run(leave.entry.move_input, residual)}
+
+
+def _leave(stream: ResidualStream, what: str):
+    if stream.leave is None:
+        raise RuntimeError(
+            f"{what}() needs a stream a stage has exited; run a stage's finish() first ({stream!r})"
+        )
+    return stream.leave
+
+
 def _checked(output: Any, stream: Any) -> ResidualStream:
     stream = require_stream(stream)
     if stream.state is not StreamState.INITIAL:
@@ -183,6 +268,5 @@ def _checked(output: Any, stream: Any) -> ResidualStream:
 
 def _completed_on_residual_rows(stream: ResidualStream) -> jax.Array:
     pending = stream.pending
-    steps = ops.complete_onto(pending.placement, stream.residual_layout, stream.batch.topology)
-    value, transform = pending.advance(steps)
+    value, transform = pending.advance(pending.owed.onto_residual)
     return value if transform is None else transform(value)

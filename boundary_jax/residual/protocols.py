@@ -1,17 +1,21 @@
 """What a producer's residual update and a consumer's residual read must provide.
 
-A boundary selects its ordering from the capabilities declared here, so declare only what the
+A design is either a frozen, stateless object or an `nnx.Module` whose parameters are trainable
+state of the stage that owns it. A boundary selects its ordering from the capabilities declared
+here (binding reads them through `update_facts` / `read_facts`), so declare only what the
 implementation really supports.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import jax
 
 Norm = Callable[[jax.Array], jax.Array]
+ReadState = Any  # a pytree of [rows, ...] arrays a read hands to the same stage's update, or None
 
 
 class ResidualUpdate(Protocol):
@@ -24,14 +28,16 @@ class ResidualUpdate(Protocol):
 
     plain: bool
 
-    def apply(self, residual: jax.Array, value: jax.Array) -> jax.Array:
-        """The new residual, in `residual.dtype`."""
+    def apply(self, residual: jax.Array, value: jax.Array, state: ReadState) -> jax.Array:
+        """The new residual, in `residual.dtype`; `state` is what this stage's read handed on."""
         ...
 
 
 class ResidualReadout(Protocol):
-    """How a consumer turns the residual into its compute input; each call returns
-    `(compute_input, residual)`.
+    """How a consumer turns the residual into its compute input.
+
+    Each call returns `(compute_input, residual, state)`: `state` is handed to the same stage's
+    update when its output joins the residual (None when the design keeps none).
 
     Attributes:
       reads_before_dp_gather: The read runs on the source rows, before an attention-DP gather
@@ -40,16 +46,54 @@ class ResidualReadout(Protocol):
 
     reads_before_dp_gather: bool
 
-    def init_residual(self, x: jax.Array, norm: Norm | None) -> tuple[jax.Array, jax.Array]:
+    def init_residual(
+        self, x: jax.Array, norm: Norm | None
+    ) -> tuple[jax.Array, jax.Array, ReadState]:
         """At the stack entry: the complete input becomes the residual."""
         ...
 
-    def read(self, residual: jax.Array, norm: Norm | None) -> tuple[jax.Array, jax.Array]:
+    def read(
+        self, residual: jax.Array, norm: Norm | None
+    ) -> tuple[jax.Array, jax.Array, ReadState]:
         """Reads a written residual."""
         ...
 
     def update_and_read(
-        self, update: ResidualUpdate, value: jax.Array, residual: jax.Array, norm: Norm | None
-    ) -> tuple[jax.Array, jax.Array]:
-        """Applies the producer's `update` of `value`, then reads; may fuse the two."""
+        self,
+        update: ResidualUpdate,
+        value: jax.Array,
+        residual: jax.Array,
+        norm: Norm | None,
+        state: ReadState,
+    ) -> tuple[jax.Array, jax.Array, ReadState]:
+        """Applies the producer's `update` of `value` (with its read `state`), then reads; may
+        fuse the two."""
         ...
+
+
+@dataclasses.dataclass(frozen=True)
+class DesignFacts:
+    """What binding and fusion read of a residual update or read: its capabilities, not the
+    object (whose parameters are module state).
+
+    Attributes:
+      design: The design's class name, for plans and messages.
+      plain: For an update: it is `residual + value`.
+      reads_before_dp_gather: For a read: it runs on the source rows before a DP gather.
+    """
+
+    design: str
+    plain: bool = False
+    reads_before_dp_gather: bool = True
+
+
+def update_facts(update: ResidualUpdate) -> DesignFacts:
+    """The capabilities a residual update declares."""
+    return DesignFacts(type(update).__name__, plain=bool(update.plain))
+
+
+def read_facts(read: ResidualReadout) -> DesignFacts:
+    """The capabilities a residual read declares."""
+    return DesignFacts(
+        type(read).__name__, reads_before_dp_gather=bool(read.reads_before_dp_gather)
+    )

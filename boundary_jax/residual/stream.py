@@ -10,8 +10,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-import itertools
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -21,7 +19,6 @@ from ..batch import BatchFacts
 from ..contracts import Placement
 from ..layout import Layout
 from ..ops import ReduceScatter, Step
-from .protocols import ResidualUpdate
 
 START_FIRST = "start the layer stack before entering a stage"
 NOT_THIS_STREAM = (
@@ -39,61 +36,75 @@ class StreamState(enum.Enum):
     PENDING = "Pending"
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass, data_fields=["state"], meta_fields=["apply_fn"]
-)
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["state"], meta_fields=["fn"])
 @dataclasses.dataclass(frozen=True)
-class CarriedTransform:
-    """An output transform that travels with a contribution until its sum completes.
+class Carried:
+    """A transform or residual update that travels with a contribution until it applies.
 
-    A module transform travels split (`nnx.split`), so its parameters are this trace's values.
+    A module travels split (`nnx.split`), so its parameters are this trace's values and take
+    gradients; a stateless object travels as static structure.
 
     Attributes:
-      apply_fn: A static callable of the value, or the module's graph definition.
-      state: The module's parameters; None for a plain callable.
+      fn: The static object, or the module's graph definition.
+      state: The module's state; None for a stateless object.
     """
 
-    apply_fn: Any
+    fn: Any
     state: Any = None
 
     @classmethod
-    def of(cls, transform: Callable[[jax.Array], jax.Array]) -> CarriedTransform:
-        if isinstance(transform, nnx.Module):
-            graphdef, state = nnx.split(transform)
+    def of(cls, obj: Any) -> Carried:
+        if isinstance(obj, nnx.Module):
+            graphdef, state = nnx.split(obj)
             return cls(graphdef, state)
-        return cls(transform)
+        return cls(obj)
+
+    def resolve(self) -> Any:
+        """The object itself (a module merged from this trace's state)."""
+        return self.fn if self.state is None else nnx.merge(self.fn, self.state)
 
     def __call__(self, value: jax.Array) -> jax.Array:
-        if self.state is None:
-            return self.apply_fn(value)
-        return nnx.merge(self.apply_fn, self.state)(value)
+        return self.resolve()(value)
 
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["value", "transform"],
-    meta_fields=["placement", "update"],
+    data_fields=["value", "transform", "update", "update_state"],
+    meta_fields=["owed", "update_plain"],
 )
 @dataclasses.dataclass(frozen=True)
 class Contribution:
-    """A producer's output with the work it still owes.
+    """A producer's output with the work it still owes and the update that will apply it.
 
     Attributes:
-      value: [rows, hidden] on `placement.layout` rows.
-      transform: Output transform to apply once the sum completes; None when applied or absent.
-      placement: The rows the value is on and the partial sum it still owes.
-      update: How the complete value joins the residual.
+      value: [rows, hidden] on `owed.placement.layout` rows, or a `DeferredFinalize`.
+      transform: Output transform to apply once the value is complete; None when applied or
+        absent.
+      update: The producer's residual update.
+      update_state: What the producer's read handed to its update (on the residual's rows).
+      owed: The bound owed-work record: rows, owed finalize and sums, and their unfused steps.
+      update_plain: The update is `residual + value`.
     """
 
-    value: jax.Array
-    transform: CarriedTransform | None
-    placement: Placement
-    update: ResidualUpdate
+    value: Any
+    transform: Carried | None
+    update: Carried
+    update_state: Any
+    owed: Any  # bind.OwedWork
+    update_plain: bool
+
+    @property
+    def placement(self) -> Placement:
+        return self.owed.placement
+
+    def apply(self, residual: jax.Array, value: jax.Array) -> jax.Array:
+        """The producer's update of `residual` by the complete `value`."""
+        return self.update.resolve().apply(residual, value, self.update_state)
 
     def advance(
         self, steps: tuple[Step, ...], *, before_reduce_scatter: bool = False
-    ) -> tuple[jax.Array, CarriedTransform | None]:
-        """Runs `steps` on the value, applying the output transform once the sum completes.
+    ) -> tuple[jax.Array, Carried | None]:
+        """Runs `steps` on the value, applying the output transform once the value completes.
 
         With `before_reduce_scatter`, the transform runs just before the first reduce-scatter
         instead (its declaration says it commutes with the sum).
@@ -113,6 +124,29 @@ class Contribution:
                 value, transform = transform(value), None
         return value, transform
 
+    def moved(self, owed: Any, value: Any, transform: Carried | None) -> Contribution:
+        """The same contribution after completion steps: `value` now owes what `owed` records."""
+        return dataclasses.replace(self, value=value, transform=transform, owed=owed)
+
+
+class StreamToken:
+    """The identity of one stream and the handles it gives out.
+
+    Compared by `is` for the identity check; equal to every other token, so jit caches and scan
+    carries see one structure for every stream (no per-stream retrace).
+    """
+
+    __slots__ = ()
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, StreamToken)
+
+    def __hash__(self) -> int:
+        return hash(StreamToken)
+
+    def __repr__(self) -> str:
+        return f"stream@{id(self) & 0xFFFFFF:06x}"
+
 
 class OwedOutput:
     """The opaque handle a boundary returns for a layer output.
@@ -122,22 +156,22 @@ class OwedOutput:
     It has no array behaviour: no arithmetic, no slicing, no `.shape`.
     """
 
-    __slots__ = ("stream_id",)
+    __slots__ = ("token",)
 
-    def __init__(self, stream_id: int):
-        object.__setattr__(self, "stream_id", stream_id)
+    def __init__(self, token: StreamToken):
+        object.__setattr__(self, "token", token)
 
     def __setattr__(self, name, value):
         raise AttributeError("OwedOutput is immutable")
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, OwedOutput) and other.stream_id == self.stream_id
+        return isinstance(other, OwedOutput)
 
     def __hash__(self) -> int:
-        return hash(("OwedOutput", self.stream_id))
+        return hash(OwedOutput)
 
     def __repr__(self) -> str:
-        return f"OwedOutput(stream={self.stream_id})"
+        return f"OwedOutput({self.token!r})"
 
     def _refuse(self, *args, **kwargs):
         raise TypeError(
@@ -151,16 +185,14 @@ class OwedOutput:
 
 
 jax.tree_util.register_pytree_node(
-    OwedOutput, lambda out: ((), out.stream_id), lambda stream_id, _: OwedOutput(stream_id)
+    OwedOutput, lambda out: ((), out.token), lambda token, _: OwedOutput(token)
 )
-
-_stream_ids = itertools.count()
 
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["residual", "pending", "batch"],
-    meta_fields=["stream_id", "residual_layout"],
+    data_fields=["residual", "pending", "batch", "read_state"],
+    meta_fields=["token", "residual_layout", "leave"],
 )
 @dataclasses.dataclass(frozen=True)
 class ResidualStream:
@@ -170,19 +202,24 @@ class ResidualStream:
       residual: [rows, hidden] on `residual_layout` rows; None before the stack entry writes it.
       pending: The last producer's contribution; None when nothing is pending.
       batch: The batch facts this stream's boundaries select their paths by.
-      stream_id: Identity shared with the `OwedOutput` handles this stream gives out.
+      read_state: What the running stage's read hands to its update; None for most designs.
+      token: Identity shared with the `OwedOutput` handles this stream gives out.
       residual_layout: The rows `residual` is on; None in the Initial state.
+      leave: Set by the stack's terminal stage (or the stage before a pipeline send): the bound
+        path the final read, `take_output` or `to_pp` runs. None elsewhere.
     """
 
     residual: jax.Array | None
     pending: Contribution | None
     batch: BatchFacts
-    stream_id: int
+    read_state: Any
+    token: StreamToken
     residual_layout: Layout | None
+    leave: Any = None  # stage.Leave
 
     @classmethod
     def initial(cls, batch: BatchFacts) -> ResidualStream:
-        return cls(None, None, batch, next(_stream_ids), None)
+        return cls(None, None, batch, None, StreamToken(), None)
 
     @property
     def state(self) -> StreamState:
@@ -193,24 +230,36 @@ class ResidualStream:
     @property
     def output(self) -> OwedOutput:
         """The handle of this stream's current layer output."""
-        return OwedOutput(self.stream_id)
+        return OwedOutput(self.token)
 
     def check_output(self, output: Any) -> None:
         """Rejects anything but this stream's own handle (a trace-time identity check)."""
-        if not isinstance(output, OwedOutput) or output.stream_id != self.stream_id:
+        if not isinstance(output, OwedOutput) or output.token is not self.token:
             raise ValueError(f"{NOT_THIS_STREAM} (got {_describe(output)}, {self!r})")
 
-    def with_pending(self, contribution: Contribution) -> tuple[OwedOutput, ResidualStream]:
-        return self.output, dataclasses.replace(self, pending=contribution)
+    def with_pending(
+        self, contribution: Contribution, leave: Any = None
+    ) -> tuple[OwedOutput, ResidualStream]:
+        stream = dataclasses.replace(self, pending=contribution, read_state=None, leave=leave)
+        return stream.output, stream
 
-    def written(self, residual: jax.Array, layout: Layout) -> tuple[OwedOutput, ResidualStream]:
-        stream = dataclasses.replace(self, residual=residual, pending=None, residual_layout=layout)
+    def written(
+        self, residual: jax.Array, layout: Layout, read_state: Any = None, leave: Any = None
+    ) -> tuple[OwedOutput, ResidualStream]:
+        stream = dataclasses.replace(
+            self,
+            residual=residual,
+            pending=None,
+            residual_layout=layout,
+            read_state=read_state,
+            leave=leave,
+        )
         return stream.output, stream
 
     def __repr__(self) -> str:
         rows = "" if self.residual_layout is None else f", residual rows {self.residual_layout}"
         owed = "" if self.pending is None else f", pending {self.pending.placement}"
-        return f"ResidualStream({self.stream_id}, {self.state.value}{rows}{owed})"
+        return f"ResidualStream({self.token!r}, {self.state.value}{rows}{owed})"
 
 
 def require_stream(stream: Any) -> ResidualStream:

@@ -79,7 +79,7 @@ class TanhUpdate:
 
     plain: bool = dataclasses.field(default=False, init=False)
 
-    def apply(self, residual: jax.Array, value: jax.Array) -> jax.Array:
+    def apply(self, residual: jax.Array, value: jax.Array, state=None) -> jax.Array:
         return residual + jnp.tanh(value)
 
 
@@ -158,7 +158,7 @@ class StandInLayer(nnx.Module):
         out = self.ffn(self.post_attn_norm(rows))
         if self.transform is not None:
             out = self.transform(out)
-        return rows + out if update is None else update.apply(rows, out)
+        return rows + out if update is None else update.apply(rows, out, None)
 
 
 class StandInDecoder(nnx.Module):

@@ -6,7 +6,6 @@ import pytest
 
 import boundary_jax as bj
 from boundary_jax import residual
-from boundary_jax.bind import residual_layout
 from boundary_jax.report import parse_hlo
 
 from .standin import (
@@ -58,7 +57,11 @@ def _close(got, want, valid=None):
 def test_snapshot_and_fold_give_the_updated_residual(dp, tp, policy, scattered):
     """snapshot() and fold()+take_output() both equal the residual after layer 0."""
     setup = Setup(dp=dp, tp=tp, layers=2, policy=policy)
-    rows = residual_layout(setup.topology, make_batch(setup, scattered, None).variant)
+    rows = bj.bind.stage_rows(
+        (bj.declare_attn(), bj.declare_ffn()),
+        make_batch(setup, scattered, None).variant,
+        setup.topology,
+    )[1].residual
 
     def snap(model, x, batch):
         out, stream = model.layers[0](x, residual.start(batch))

@@ -57,9 +57,14 @@ def test_stages_bind_when_the_stack_closes():
         )
         assert all(b.plan is None for b in first + second)
     last = second[-1]
-    assert first[0].declaration.place.previous is None
+    places = [b.declaration.place for b in first + second]
+    assert places[0].incoming.kind is bj.EdgeKind.STACK_ENTRY
+    assert places[0].previous == bj.StackInput(None)
     assert second[0].declaration.place.previous == first[0].declaration.facts()
-    assert [b.declaration.place.terminal for b in first + second] == [False, False, True]
+    assert [p.incoming.kind for p in places[1:]] == [bj.EdgeKind.NEXT_STAGE] * 2
+    assert places[-1].outgoing.kind is bj.EdgeKind.STACK_EXIT
+    assert isinstance(places[-1].outgoing.consumer, bj.FinalRead)
+    assert [p.terminal for p in places] == [False, False, True]
     assert last.plan.path(bj.BatchVariant.ORDINARY).initial_entry is None
     assert first[0].plan.path(bj.BatchVariant.ORDINARY).initial_entry is not None
     for boundary in first + second:
@@ -94,11 +99,11 @@ def test_a_declaration_from_a_bound_boundary_is_rejected():
 def test_a_binding_error_names_its_append_stages_call():
     """An error raised while binding carries a note with the append_stages call site."""
     with (
-        pytest.raises(NotImplementedError, match="sparse") as info,
-        bj.layer_stack(bj.Topology()),
+        pytest.raises(ValueError, match="dense_tp_size must be 1, attention TP") as info,
+        bj.layer_stack(bj.Topology(attn_dp=2, attn_tp=2)),
     ):
         bj.append_stages((bj.declare_attn(), None))
-        bj.append_stages((bj.declare_ffn(sparse=True), None))  # the line the note names
+        bj.append_stages((bj.declare_ffn(dense_tp_size=3), None))  # the line the note names
     (note,) = info.value.__notes__
     assert __file__ in note
     assert "while binding the stage appended at" in note
@@ -128,15 +133,22 @@ def test_pipeline_and_context_parallel_topologies_are_rejected_when_built():
 
 
 def test_input_scattered_paths_bind_only_where_every_attention_gathers():
-    """INPUT_SCATTERED needs attention TP > 1 and stages that take gathered attention-TP input."""
-    both = (bj.BatchVariant.ORDINARY, bj.BatchVariant.INPUT_SCATTERED)
+    """INPUT_SCATTERED needs attention TP > 1 and stages that take gathered attention-TP input;
+    UNPADDED needs attention TP > 1 without attention DP."""
+    V = bj.BatchVariant
     _, boundaries = _stack(bj.Topology(attn_tp=2), bj.declare_attn(), bj.declare_ffn())
-    assert tuple(p.variant for p in boundaries[0].plan.paths) == both
+    assert tuple(p.variant for p in boundaries[0].plan.paths) == (
+        V.ORDINARY,
+        V.INPUT_SCATTERED,
+        V.UNPADDED,
+    )
     _, boundaries = _stack(bj.Topology(attn_dp=2), bj.declare_attn(), bj.declare_ffn())
-    assert tuple(p.variant for p in boundaries[0].plan.paths) == both[:1]
+    assert tuple(p.variant for p in boundaries[0].plan.paths) == (V.ORDINARY,)
+    _, boundaries = _stack(bj.Topology(attn_dp=2, attn_tp=2), bj.declare_attn(), bj.declare_ffn())
+    assert tuple(p.variant for p in boundaries[0].plan.paths) == (V.ORDINARY, V.INPUT_SCATTERED)
     mixer = bj.declare_attn(reduction=bj.ProducerReduction.EXIT_SCOPED, gathers_attn_tp_input=False)
     _, boundaries = _stack(bj.Topology(attn_tp=2), mixer, bj.declare_ffn())
-    assert tuple(p.variant for p in boundaries[1].plan.paths) == both[:1]
+    assert tuple(p.variant for p in boundaries[1].plan.paths) == (V.ORDINARY, V.UNPADDED)
 
 
 def test_reduction_policies_parse_and_resolve():

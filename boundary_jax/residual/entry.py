@@ -1,0 +1,91 @@
+"""Runs one bound entry path: complete what the producer owes, update the residual, read it.
+
+Shared by a stage's `prepare` and the stack's leaving read (`final_norm`), so both keep the same
+order: the unfused completion steps, then the fused sum + update + read (a fusion candidate
+first), then the row move of the read's result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from .. import ops
+from ..fusions import FusionRequest, InputFusion
+from ..layout import Topology
+from .protocols import Norm, ResidualReadout
+from .stream import Contribution
+
+_NEEDS_EARLY_READ = (
+    "a read that hands state to its stage's update must read before the rows move; declare it "
+    "with reads_before_dp_gather=True"
+)
+
+
+def run_entry(
+    entry: Any,  # bind.EntryPath
+    residual: jax.Array,
+    pending: Contribution | None,
+    read: ResidualReadout,
+    norm: Norm | None,
+    *,
+    candidates: Sequence[InputFusion] = (),
+    topology: Topology,
+) -> tuple[jax.Array, jax.Array, Any]:
+    """`(compute_input, residual, read_state)` after `entry`, from a residual on the entry's
+    `residual_from` rows; `pending` is the producer's contribution or None."""
+    residual = ops.run(entry.residual_move, residual)
+    if pending is not None and entry.residual_move:
+        pending = _moved_state(pending, entry.residual_move)
+    if entry.read_after_move:
+        if pending is not None:
+            residual = pending.apply(residual, _completed(entry, pending))
+        compute_input, _, state = read.read(ops.run(entry.move_input, residual), norm)
+        if state is not None:
+            raise NotImplementedError(_NEEDS_EARLY_READ)
+        return compute_input, residual, None
+    if pending is None:
+        compute_input, residual, state = read.read(residual, norm)
+    else:
+        value, transform = pending.advance(entry.complete)
+        compute_input, residual, state = _update_and_read(
+            entry, pending, value, transform, residual, read, norm, candidates, topology
+        )
+    return ops.run(entry.move_input, compute_input), residual, state
+
+
+def _moved_state(pending: Contribution, steps) -> Contribution:
+    """The producer's read state follows the residual onto this stage's rows."""
+    state = jax.tree.map(lambda leaf: ops.run(steps, leaf), pending.update_state)
+    return dataclasses.replace(pending, update_state=state)
+
+
+def _update_and_read(entry, pending, value, transform, residual, read, norm, candidates, topology):
+    if transform is None and pending.update_state is None:
+        request = FusionRequest(
+            value,
+            residual,
+            norm,
+            pending.update.resolve(),
+            read,
+            entry.fused_sum,
+            topology.size(entry.fused_sum),
+        )
+        for candidate in candidates:
+            result = candidate(request)
+            if result is not None:
+                return (*result, None)
+    value = ops.run(ops.all_reduce(entry.fused_sum), value)
+    if transform is not None:
+        value = transform(value)
+    return read.update_and_read(
+        pending.update.resolve(), value, residual, norm, pending.update_state
+    )
+
+
+def _completed(entry, pending: Contribution) -> jax.Array:
+    value, transform = pending.advance(entry.complete + ops.all_reduce(entry.fused_sum))
+    return value if transform is None else transform(value)
