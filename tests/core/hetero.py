@@ -1,0 +1,193 @@
+"""Heterogeneous stand-in stacks: any sequence of stage kinds, one stage per layer, cut anywhere.
+
+Each stage is its own layer, declared by one shared function (`declare`), so a stack holding
+layers [a, b) binds its edge stages against the neighbouring layers' declarations exactly as a
+pipeline rank would. Every weight is random and sharded, so every rank's shard differs; weights
+depend only on the stage's index, so a cut stack holds the same weights as the uncut one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import boundary_jax as bj
+
+from .standin import HIDDEN, StandInAttention, StandInFfn, _norm, _param
+
+TOP_K = 2
+EXPERT_WIDTH = 16
+
+
+class Kind(enum.Enum):
+    """The stage kinds of the cut sweep."""
+
+    ATTN = "attention that always leaves its sum"
+    MIXER = "mixer whose exit may leave its sum"
+    FFN = "dense FFN over the full TP group"
+    FFN_DP = "dense FFN fully data-parallel"
+    MOE = "sparse FFN with a deferred finalize"
+    MOE_OWN = "sparse FFN on its own rows"
+
+
+DEFERS = bj.fusions.FusionProvider(defer_finalize=True, terminal_finalize=True)
+
+
+def declare(kind: Kind, update=None) -> bj.StageDeclaration:
+    """The one declaration of each kind; `update` replaces the plain add."""
+    extra = {} if update is None else {"update": update}
+    match kind:
+        case Kind.ATTN:
+            return bj.declare_attn(**extra)
+        case Kind.MIXER:
+            return bj.declare_attn(reduction=bj.ProducerReduction.EXIT_SCOPED, **extra)
+        case Kind.FFN:
+            return bj.declare_ffn(**extra)
+        case Kind.FFN_DP:
+            return bj.declare_ffn(dense_tp_size=1, **extra)
+        case Kind.MOE:
+            return bj.declare_ffn(sparse=True, **extra)
+        case Kind.MOE_OWN:
+            return bj.declare_ffn(sparse=True, moe_dispatch=bj.MoeDispatch.ALL_TO_ALL, **extra)
+
+
+class StandInMoe(nnx.Module):
+    """Top-k experts with softmax routing weights; `sharded` splits each expert over full TP."""
+
+    def __init__(self, topology: bj.Topology, key, dtype, *, sharded: bool):
+        k1, k2, k3 = jax.random.split(key, 3)
+        cols = topology.shard_entry(bj.SumGroup.MOE_OUTPUT) if sharded else None
+        self.w_router = _param(k1, (HIDDEN, TOP_K), (None, None), dtype)
+        self.w_up = _param(k2, (HIDDEN, TOP_K, EXPERT_WIDTH), (None, None, cols), dtype)
+        self.w_down = _param(k3, (EXPERT_WIDTH, TOP_K, HIDDEN), (cols, None, None), dtype)
+
+    def __call__(self, h: jax.Array, defer: bool) -> jax.Array | bj.DeferredFinalize:
+        hidden = jnp.tanh(jnp.einsum("rh,hkf->rkf", h, self.w_up[...]))
+        outputs = jnp.einsum("rkf,fkh->rkh", hidden, self.w_down[...])
+        weights = jax.nn.softmax(h @ self.w_router[...], axis=-1)
+        handoff = bj.DeferredFinalize(outputs, weights)
+        return handoff if defer else handoff.complete()
+
+
+class Stage(nnx.Module):
+    """One stage of `kind` as its own layer: boundary, compute and single-device reference."""
+
+    def __init__(self, kind: Kind, topology: bj.Topology, key, dtype, update=None):
+        k1, k2 = jax.random.split(key)
+        self.kind = kind
+        (self.boundary,) = bj.append_stages((declare(kind, update), _norm(k1, dtype)))
+        match kind:
+            case Kind.ATTN | Kind.MIXER:
+                self.compute = StandInAttention(topology, k2, dtype)
+            case Kind.FFN:
+                self.compute = StandInFfn(topology, k2, dtype)
+            case Kind.FFN_DP:
+                self.compute = StandInFfn(bj.Topology(), k2, dtype)
+            case Kind.MOE | Kind.MOE_OWN:
+                self.compute = StandInMoe(topology, k2, dtype, sharded=kind is Kind.MOE)
+
+    def __call__(self, x, stream):
+        h, stream = self.boundary.prepare(x, stream)
+        exit = self.boundary.exit(stream)
+        if self.kind in (Kind.MOE, Kind.MOE_OWN):
+            return exit.finish(self.compute(h, exit.defer_moe_finalize), stream)
+        return exit.finish(self.compute(h), stream)
+
+    def reference(self, rows: jax.Array) -> jax.Array:
+        """rows + update(compute(read(rows))) on one device's full block of rows."""
+        h = self.boundary.norm(rows)
+        out = self.compute(h, False) if self.kind in (Kind.MOE, Kind.MOE_OWN) else self.compute(h)
+        return self.boundary.update.apply(rows, out, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Hetero:
+    """A stand-in model: its stage kinds, topology, policy and (optionally) a residual update.
+
+    Attributes:
+      kinds: One stage kind per layer.
+      dp: Attention DP size.
+      tp: Attention TP size.
+      policy: The reduction policy.
+      fusions: The stack's provider (default: hand every finalize on).
+      update: A factory of each stage's residual update (None: the plain add).
+    """
+
+    kinds: tuple[Kind, ...]
+    dp: int
+    tp: int
+    policy: bj.ReductionPolicy = bj.ReductionPolicy.RS_RSV
+    fusions: bj.fusions.FusionProvider = DEFERS
+    update: object = None
+
+    @property
+    def topology(self) -> bj.Topology:
+        return bj.Topology(attn_dp=self.dp, attn_tp=self.tp)
+
+    def stage_facts(self, index: int) -> tuple[bj.StageDeclaration, ...]:
+        return (declare(self.kinds[index], self.update and self.update()),)
+
+
+class HeteroStack(nnx.Module):
+    """Layers [a, b) of a `Hetero` model, each stage with the weights of its global index."""
+
+    def __init__(self, model: Hetero, layers: range, key, dtype=jnp.float64):
+        with bj.layer_stack(
+            model.topology,
+            reduction=model.policy,
+            input_sum=bj.SumGroup.ATTN_TP,
+            fusions=model.fusions,
+            stage_facts=model.stage_facts,
+            num_layers=len(model.kinds),
+            layers=layers,
+        ):
+            self.stages = nnx.List(
+                [
+                    Stage(
+                        model.kinds[i],
+                        model.topology,
+                        jax.random.fold_in(key, i),
+                        dtype,
+                        model.update and model.update(),
+                    )
+                    for i in layers
+                ]
+            )
+        self.final_norm = _norm(jax.random.fold_in(key, 1000), dtype)
+
+    def run(self, x, stream):
+        for index, stage in enumerate(self.stages):
+            with jax.named_scope(f"layer_{index}"):
+                x, stream = stage(x, stream)
+        return x, stream
+
+
+def reference(stacks: list[HeteroStack], x: jax.Array, dp: int) -> jax.Array:
+    """The model on one device: each DP block through every stage, then the final norm."""
+    outputs = []
+    for block in x.reshape(dp, -1, x.shape[-1]):
+        for stack in stacks:
+            for stage in stack.stages:
+                block = stage.reference(block)
+        outputs.append(stacks[-1].final_norm(block))
+    return jnp.concatenate(outputs)
+
+
+def stack_input(x: jax.Array, tp: int) -> jax.Array:
+    """Each attention-TP rank's share of x, as column blocks: shares differ per row and column,
+    so no rank's share is a scalar multiple of another's."""
+    noise = jax.random.normal(jax.random.key(99), (tp - 1, *x.shape), x.dtype)
+    shares = [x * 0 + noise[i] for i in range(tp - 1)]
+    return jnp.concatenate([x - sum(shares, jnp.zeros_like(x)), *shares], axis=1)
+
+
+def transport(tensors: dict, topology: bj.Topology) -> dict:
+    """The simulated pipeline transport: each attention-TP rank sends its slice of every tensor,
+    and the receiver gathers the slices back (inside `shard_map`)."""
+    tp = topology.active((bj.TokenAxis.ATTN_TP,))
+    slice_, gather = bj.ops.take_block(tp, topology), bj.ops.all_gather(tp)
+    return jax.tree.map(lambda t: bj.ops.run(gather, bj.ops.run(slice_, t)), tensors)

@@ -1,0 +1,267 @@
+"""Heterogeneous stacks on simulated meshes: FFNs on their own rows, deferred finalizes, and
+values through every pipeline cut, against a float64 single-device reference."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import boundary_jax as bj
+from boundary_jax import ops, residual
+
+from .hetero import HIDDEN, Hetero, HeteroStack, Kind, reference, stack_input, transport
+from .standin import ROWS, count_patterns, make_mesh
+
+K = Kind
+V = bj.BatchVariant
+# (kinds, dp, tp, variant): the defect shapes of the pipeline PR among them.
+SCENARIOS = [
+    ((K.ATTN, K.FFN_DP, K.ATTN, K.FFN), 1, 4, V.ORDINARY),
+    ((K.ATTN, K.FFN_DP, K.ATTN, K.FFN), 2, 2, V.ORDINARY),
+    ((K.ATTN, K.MOE_OWN, K.ATTN, K.MOE), 1, 2, V.ORDINARY),
+    ((K.ATTN, K.MOE, K.MIXER, K.FFN), 2, 2, V.ORDINARY),
+    ((K.MIXER, K.FFN, K.MIXER, K.MIXER), 1, 4, V.ORDINARY),
+    ((K.ATTN, K.FFN, K.ATTN, K.FFN_DP), 2, 2, V.INPUT_SCATTERED),
+    ((K.ATTN, K.MOE, K.ATTN, K.MOE_OWN), 1, 4, V.INPUT_SCATTERED),
+    ((K.ATTN, K.FFN_DP, K.MIXER, K.MOE), 1, 4, V.UNPADDED),
+]
+IDS = [f"{'-'.join(k.name for k in s[0])}-dp{s[1]}-tp{s[2]}-{s[3].value}" for s in SCENARIOS]
+KEY = jax.random.key(21)
+
+
+def _batch(model: Hetero, variant: V, counts) -> bj.BatchFacts:
+    return bj.BatchFacts(variant, model.topology, jnp.asarray(counts, jnp.int32))
+
+
+def _rows(variant: V, tp: int) -> int:
+    return ROWS + 1 if variant is V.UNPADDED else ROWS
+
+
+def build(model: Hetero, cut: int | None, *, finalize_norm=None, check_vma: bool = True):
+    """The jitted sharded forward `f(x, counts)` of `model`, cut before layer `cut` (None:
+    uncut), and its stacks. A cut runs to_pp, the simulated transport and from_pp between."""
+    n = len(model.kinds)
+    parts = [range(n)] if cut is None else [range(cut), range(cut, n)]
+    with jax.enable_x64(True):
+        stacks = nnx.List([HeteroStack(model, part, KEY) for part in parts])
+    mesh = make_mesh(model.dp, model.tp)
+    topology = model.topology
+
+    def body(stacks, x, batch):
+        stream = residual.start(batch)
+        out, stream = stacks[0].run(x, stream)
+        if cut is not None:
+            tensors = transport(residual.to_pp(out, stream), topology)
+            out, stream = stacks[1].stages[0].boundary.from_pp(tensors, batch)
+            out, stream = stacks[1].run(out, stream)
+        return residual.final_norm(
+            out, stream, stacks[-1].final_norm, skip_empty=True, finalize_norm=finalize_norm
+        )
+
+    sharded = bj.ShardedModule(stacks, mesh)
+    dp = topology.spec_entry((bj.TokenAxis.ATTN_DP,))
+    in_rows = P(dp, topology.spec_entry((bj.TokenAxis.ATTN_TP,)))
+    programs = {}
+
+    def run(x, counts, variant):
+        placed = jax.device_put(stack_input(x, model.tp), NamedSharding(mesh, in_rows))
+        batch = _batch(model, variant, counts)
+        if variant not in programs:
+            programs[variant] = sharded.program(
+                body, in_specs=(in_rows, batch.spec()), out_specs=P(dp, None), check_vma=check_vma
+            )
+        return programs[variant](sharded.state, placed, batch)
+
+    return run, list(stacks)
+
+
+@functools.cache
+def _uncut(model: Hetero):
+    return build(model, None)
+
+
+def _error(got, want) -> float:
+    return float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+
+
+def _inputs(model: Hetero, variant: V, counts: str = "ragged"):
+    rows = _rows(variant, model.tp)
+    x = jax.random.normal(jax.random.key(5), (model.dp * rows, HIDDEN), jnp.float64)
+    return x, count_patterns(model.dp, rows)[counts]
+
+
+def _want(stacks, x, counts, dp):
+    valid = (np.arange(x.shape[0] // dp)[None, :] < np.asarray(counts)[:, None]).reshape(-1)
+    return jnp.where(valid[:, None], reference(stacks, jnp.where(valid[:, None], x, 0), dp), 0)
+
+
+@pytest.mark.parametrize("kinds,dp,tp,variant", SCENARIOS, ids=IDS)
+def test_every_cut_equals_the_uncut_stack_and_the_reference(kinds, dp, tp, variant):
+    """Sender, to_pp, transport, from_pp and receiver equal the uncut run and the float64
+    single-device reference, at every cut; FFNs on their own rows and deferred finalizes among
+    the stages."""
+    model = Hetero(kinds, dp, tp)
+    with jax.enable_x64(True):
+        x, counts = _inputs(model, variant)
+        run, stacks = _uncut(model)
+        uncut = run(x, counts, variant)
+        assert _error(uncut, _want(stacks, x, counts, dp)) < 1e-12
+        # The simulated transport sends one slice per attention-TP rank, which an unpadded
+        # batch's rows do not divide into; its stack is checked uncut.
+        cuts = () if variant is V.UNPADDED else range(1, len(kinds))
+        for cut in cuts:
+            got = build(model, cut)[0](x, counts, variant)
+            assert _error(got, uncut) < 1e-12, f"cut at {cut}"
+
+
+@pytest.mark.parametrize("terminal", [False, True], ids=["into-next-input", "into-final-norm"])
+def test_a_deferred_finalize_equals_completing_it_at_the_exit(terminal):
+    """A sparse FFN handing its finalize (and sum) to the next input, or to the final norm,
+    equals the same stack finalizing inside compute and completing at its exit."""
+    kinds = (K.ATTN, K.MOE) if terminal else (K.ATTN, K.MOE, K.ATTN, K.FFN)
+    deferring = Hetero(kinds, 1, 4)
+    completing = Hetero(kinds, 1, 4, fusions=bj.fusions.NO_FUSIONS)
+    with jax.enable_x64(True):
+        x, counts = _inputs(deferring, V.ORDINARY)
+        run, stacks = _uncut(deferring)
+        moe = stacks[0].stages[1].boundary.plan.path(V.ORDINARY)
+        assert moe.exits[0].kind is bj.ExitKind.HAND_FINALIZE
+        assert (
+            _uncut(completing)[1][0].stages[1].boundary.plan.path(V.ORDINARY).exits[0].kind
+            is not bj.ExitKind.HAND_FINALIZE
+        )
+        want = _uncut(completing)[0](x, counts, V.ORDINARY)
+        assert _error(run(x, counts, V.ORDINARY), want) < 1e-12
+        assert _error(want, _want(stacks, x, counts, 1)) < 1e-12
+
+
+def _fused_finalize_norm(request: residual.FinalizeRequest) -> jax.Array:
+    """A stand-in fused service: finalize, sum, add and norm in one function."""
+    value = jax.lax.psum(request.handoff.complete(), request.axis_names)
+    return request.norm(request.residual + value)
+
+
+def test_final_norm_takes_a_finalize_through_its_service():
+    """final_norm(finalize_norm=...) receives the terminal MoE's handoff and equals the unfused
+    final norm."""
+    model = Hetero((K.ATTN, K.FFN, K.ATTN, K.MOE), 1, 4)
+    calls = []
+
+    def service(request):
+        calls.append(request)
+        return _fused_finalize_norm(request)
+
+    with jax.enable_x64(True):
+        x, counts = _inputs(model, V.ORDINARY)
+        fused = build(model, None, finalize_norm=service)[0](x, counts, V.ORDINARY)
+        want = _uncut(model)[0](x, counts, V.ORDINARY)
+    assert calls and isinstance(calls[0].handoff, bj.DeferredFinalize)
+    assert _error(fused, want) < 1e-12
+
+
+def test_a_sum_before_a_finalize_is_rejected():
+    """No sum or row move runs on an unfinalized value: the steps refuse at binding."""
+    owed = bj.Placement(bj.Layout(), (bj.TokenAxis.ATTN_TP,), finalize=True)
+    for step in (
+        ops.AllReduce((bj.TokenAxis.ATTN_TP,)),
+        ops.ReduceScatter((bj.TokenAxis.ATTN_TP,), 2),
+    ):
+        with pytest.raises(bj.PlanError, match="unfinalized"):
+            ops.simulate((step, ops.Finalize()), owed)
+    assert ops.complete_onto(owed, bj.Layout(), bj.Topology(attn_tp=2))[0] == ops.Finalize()
+
+
+MUTANTS = {
+    "skip": {
+        ops.AllReduce: lambda original, step, x: x,
+        ops.ReduceScatter: lambda original, step, x: ops.TakeBlock(step.axes, step.parts)(x),
+        ops.AllGather: lambda original, step, x: jnp.concatenate(
+            [x] * (original(step, x).shape[0] // x.shape[0])
+        ),
+        ops.TakeBlock: lambda original, step, x: x[: x.shape[0] // step.parts],
+        ops.Finalize: lambda original, step, x: x.expert_outputs.sum(axis=1),
+    },
+    # A norm follows many steps and hides a scaled value, so rows move instead of scaling.
+    "double or misplace": {
+        ops.AllReduce: lambda original, step, x: 2 * original(step, x),
+        ops.ReduceScatter: lambda original, step, x: 2 * original(step, x),
+        ops.AllGather: lambda original, step, x: jnp.roll(original(step, x), x.shape[0], axis=0),
+        ops.TakeBlock: lambda original, step, x: original(
+            step, jnp.roll(x, -x.shape[0] // step.parts, axis=0)
+        ),
+        ops.Finalize: lambda original, step, x: bj.DeferredFinalize(
+            x.expert_outputs * x.weights[..., None], x.weights
+        ).complete(),
+    },
+}
+MUTANT_MODELS = [
+    (Hetero((K.ATTN, K.MOE, K.ATTN, K.FFN_DP), 1, 4), V.ORDINARY, 2),
+    (Hetero((K.ATTN, K.FFN, K.ATTN, K.MOE), 2, 2), V.INPUT_SCATTERED, None),
+    (Hetero((K.ATTN, K.FFN, K.MIXER, K.FFN), 2, 2, policy=bj.ReductionPolicy.RS), V.ORDINARY, 3),
+]
+
+
+def _calls(monkeypatch, model, variant, cut):
+    """Every step call one trace of `model` runs, in order."""
+    calls = []
+    for step_class in MUTANTS["skip"]:
+        original = step_class.__call__
+
+        def recorder(step, x, original=original):
+            calls.append(type(step))
+            return original(step, x)
+
+        monkeypatch.setattr(step_class, "__call__", recorder)
+    with jax.enable_x64(True):
+        x, counts = _inputs(model, variant, "even")
+        build(model, cut, check_vma=False)[0](x, counts, variant)
+    monkeypatch.undo()
+    return calls
+
+
+def test_the_mutant_models_run_every_kind_of_step(monkeypatch):
+    """Together the mutant models run every sum, gather, slice and finalize kind."""
+    kinds = set()
+    for model, variant, cut in MUTANT_MODELS:
+        kinds |= set(_calls(monkeypatch, model, variant, cut))
+    assert kinds == set(MUTANTS["skip"])
+
+
+@pytest.mark.parametrize("index", range(len(MUTANT_MODELS)))
+def test_a_mutant_at_any_sum_gather_slice_or_finalize_is_caught(monkeypatch, index):
+    """Skipping, doubling or misplacing the n-th collective, slice or finalize of a path, for
+    every n, makes the output differ from the reference (or fail to run)."""
+    model, variant, cut = MUTANT_MODELS[index]
+    calls = _calls(monkeypatch, model, variant, cut)
+    assert {ops.AllReduce, ops.ReduceScatter} & set(calls) and ops.AllGather in calls
+    with jax.enable_x64(True):
+        # Every row is a real token: a wrong slice cannot hide in padding rows.
+        x, counts = _inputs(model, variant, "even")
+        want = _uncut(model)[0](x, counts, variant)
+    caught = 0
+    for name, mutants in MUTANTS.items():
+        for position, step_class in enumerate(calls):
+            mutate, original = mutants[step_class], step_class.__call__
+            nth = calls[: position + 1].count(step_class)
+            seen = []
+
+            def patched(step, x, mutate=mutate, original=original, seen=seen, nth=nth):
+                seen.append(step)
+                return mutate(original, step, x) if len(seen) == nth else original(step, x)
+
+            monkeypatch.setattr(step_class, "__call__", patched)
+            try:
+                with jax.enable_x64(True):
+                    got = build(model, cut, check_vma=False)[0](x, counts, variant)
+                error = _error(got, want)
+            except (ValueError, TypeError):
+                error = np.inf
+            monkeypatch.undo()
+            assert error > 1e-6, f"{name} of call {position} ({step_class.__name__}) not caught"
+            caught += 1
+    print(f"\n{caught} mutants caught over {len(calls)} step calls")
