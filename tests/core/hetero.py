@@ -37,9 +37,9 @@ class Kind(enum.Enum):
 DEFERS = bj.fusions.FusionProvider(defer_finalize=True, terminal_finalize=True)
 
 
-def declare(kind: Kind, update=None) -> bj.StageDeclaration:
-    """The one declaration of each kind; `update` replaces the plain add."""
-    extra = {} if update is None else {"update": update}
+def declare(kind: Kind, design: dict | None = None) -> bj.StageDeclaration:
+    """The one declaration of each kind; `design` may give its `read` and `update`."""
+    extra = design or {}
     match kind:
         case Kind.ATTN:
             return bj.declare_attn(**extra)
@@ -76,10 +76,10 @@ class StandInMoe(nnx.Module):
 class Stage(nnx.Module):
     """One stage of `kind` as its own layer: boundary, compute and single-device reference."""
 
-    def __init__(self, kind: Kind, topology: bj.Topology, key, dtype, update=None):
+    def __init__(self, kind: Kind, topology: bj.Topology, key, dtype, design: dict | None = None):
         k1, k2 = jax.random.split(key)
         self.kind = kind
-        (self.boundary,) = bj.append_stages((declare(kind, update), _norm(k1, dtype)))
+        (self.boundary,) = bj.append_stages((declare(kind, design), _norm(k1, dtype)))
         match kind:
             case Kind.ATTN | Kind.MIXER:
                 self.compute = StandInAttention(topology, k2, dtype)
@@ -98,10 +98,10 @@ class Stage(nnx.Module):
         return exit.finish(self.compute(h), stream)
 
     def reference(self, rows: jax.Array) -> jax.Array:
-        """rows + update(compute(read(rows))) on one device's full block of rows."""
-        h = self.boundary.norm(rows)
+        """update(rows, compute(read(rows))) on one device's full block of rows."""
+        h, _, state = self.boundary.read.read(rows, self.boundary.norm)
         out = self.compute(h, False) if self.kind in (Kind.MOE, Kind.MOE_OWN) else self.compute(h)
-        return self.boundary.update.apply(rows, out, None)
+        return self.boundary.update.apply(rows, out, state)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +114,8 @@ class Hetero:
       tp: Attention TP size.
       policy: The reduction policy.
       fusions: The stack's provider (default: hand every finalize on).
-      update: A factory of each stage's residual update (None: the plain add).
+      design: `design(index)` gives stage `index`'s `read` and `update` as declaration keywords
+        (None: the plain add + norm); called once per declaration, so it must be deterministic.
     """
 
     kinds: tuple[Kind, ...]
@@ -122,14 +123,14 @@ class Hetero:
     tp: int
     policy: bj.ReductionPolicy = bj.ReductionPolicy.RS_RSV
     fusions: bj.fusions.FusionProvider = DEFERS
-    update: object = None
+    design: object = None
 
     @property
     def topology(self) -> bj.Topology:
         return bj.Topology(attn_dp=self.dp, attn_tp=self.tp)
 
     def stage_facts(self, index: int) -> tuple[bj.StageDeclaration, ...]:
-        return (declare(self.kinds[index], self.update and self.update()),)
+        return (declare(self.kinds[index], self.design and self.design(index)),)
 
 
 class HeteroStack(nnx.Module):
@@ -152,7 +153,7 @@ class HeteroStack(nnx.Module):
                         model.topology,
                         jax.random.fold_in(key, i),
                         dtype,
-                        model.update and model.update(),
+                        model.design and model.design(i),
                     )
                     for i in layers
                 ]
@@ -175,14 +176,6 @@ def reference(stacks: list[HeteroStack], x: jax.Array, dp: int) -> jax.Array:
                 block = stage.reference(block)
         outputs.append(stacks[-1].final_norm(block))
     return jnp.concatenate(outputs)
-
-
-def stack_input(x: jax.Array, tp: int) -> jax.Array:
-    """Each attention-TP rank's share of x, as column blocks: shares differ per row and column,
-    so no rank's share is a scalar multiple of another's."""
-    noise = jax.random.normal(jax.random.key(99), (tp - 1, *x.shape), x.dtype)
-    shares = [x * 0 + noise[i] for i in range(tp - 1)]
-    return jnp.concatenate([x - sum(shares, jnp.zeros_like(x)), *shares], axis=1)
 
 
 def transport(tensors: dict, topology: bj.Topology) -> dict:

@@ -196,9 +196,15 @@ def stack_input(setup: Setup, x: jax.Array) -> jax.Array:
     """
     if setup.input_sum is None:
         return x
-    weights = jnp.linspace(0.5, 1.5, setup.tp, dtype=x.dtype)
-    shares = weights / jnp.sum(weights)
-    return jnp.concatenate([x * share for share in shares], axis=1)
+    return input_shares(x, setup.tp)
+
+
+def input_shares(x: jax.Array, tp: int) -> jax.Array:
+    """`tp` shares of x as column blocks, differing per row and column, so that no rank's share
+    is a scalar multiple of another's (a sum that mixes ranks' shares cannot pass as a scaling)."""
+    noise = jax.random.normal(jax.random.key(99), (tp - 1, *x.shape), x.dtype)
+    shares = [noise[i] for i in range(tp - 1)]
+    return jnp.concatenate([x - sum(shares, jnp.zeros_like(x)), *shares], axis=1)
 
 
 def sharded_forward(

@@ -26,28 +26,35 @@ from .standin import (
 )
 
 P = bj.ReductionPolicy
-CALLS: list[tuple[str, bool]] = []
+CALLS: list[tuple[str, str, bool]] = []
 
 
 @dataclasses.dataclass(frozen=True)
 class Counting:
-    """Records whether the wrapped candidate took or declined each request."""
+    """Records, under the label of the stage input it was bound to, whether the wrapped
+    candidate took or declined each request."""
 
     inner: object
+    label: str
 
     def __call__(self, request):
         result = self.inner(request)
-        CALLS.append((type(self.inner).__name__, result is not None))
+        CALLS.append((self.label, type(self.inner).__name__, result is not None))
         return result
 
 
-def _interpret(setup: Setup) -> FusionProvider:
+def _interpret(setup: Setup, prefix: str = "") -> FusionProvider:
     axes = setup.topology.active(bj.TokenAxis)
-    candidates = (
-        Counting(AllReduceAddRmsNorm("cpu", pk.Impl.PALLAS_INTERPRET)),
-        Counting(AddRmsNorm("cpu", pk.Impl.PALLAS_INTERPRET, axes[0].mesh_name)),
-    )
-    return FusionProvider(attn_input=candidates, ffn_input=candidates)
+
+    def candidates(label):
+        return (
+            Counting(AllReduceAddRmsNorm("cpu", pk.Impl.PALLAS_INTERPRET), prefix + label),
+            Counting(
+                AddRmsNorm("cpu", pk.Impl.PALLAS_INTERPRET, axes[0].mesh_name), prefix + label
+            ),
+        )
+
+    return FusionProvider(attn_input=candidates("attn"), ffn_input=candidates("ffn"))
 
 
 def _run(setup, scattered, *, check_vma):
@@ -76,7 +83,10 @@ def test_fused_candidates_give_the_same_outputs(dp, tp, policy, scattered, taken
     setup = dataclasses.replace(setup, fusions=_interpret(setup))
     error, calls = _run(setup, scattered, check_vma=False)
     assert error < 1e-5
-    assert {name for name, took in calls if took} == taken
+    assert {name for _, name, took in calls if took} == taken
+    assert {label for label, _, took in calls if took} == {"attn", "ffn"}, (
+        "each stage kind's own candidates ran at its inputs"
+    )
 
 
 def test_candidates_decline_under_check_vma_and_the_built_in_path_runs():
@@ -85,7 +95,7 @@ def test_candidates_decline_under_check_vma_and_the_built_in_path_runs():
     setup = dataclasses.replace(setup, fusions=_interpret(setup))
     error, calls = _run(setup, False, check_vma=True)
     assert error < 1e-5
-    assert calls and not any(took for _, took in calls)
+    assert calls and not any(took for _, _, took in calls)
 
 
 def test_stacks_bind_no_candidates_unless_asked_and_platform_kernels_decline_on_cpu():
@@ -111,14 +121,15 @@ def test_stacks_bind_no_candidates_unless_asked_and_platform_kernels_decline_on_
 def test_a_stage_option_overrides_the_stack_default():
     """A stage's own `fusions` option replaces the stack's provider for that stage only."""
     setup = Setup(dp=2, tp=2, layers=2, policy=P.RSV, fusions=FusionProvider())
-    setup = dataclasses.replace(setup, ffn_fusions=_interpret(setup))
+    setup = dataclasses.replace(setup, ffn_fusions=_interpret(setup, prefix="own-"))
     model = StandInDecoder(setup, jax.random.key(0), jnp.float32)
     layer = model.layers[1]
     assert layer.attn_boundary.plan.input_fusions == ()
     assert len(layer.ffn_boundary.plan.input_fusions) == 2
     error, calls = _run(setup, False, check_vma=False)
     assert error < 1e-5
-    assert calls and all(name for name, _ in calls)
+    taken = [label for label, _, took in calls if took]
+    assert taken == ["own-ffn"] * setup.layers, "each FFN input ran its own candidates, only"
 
 
 def test_the_fusions_option_takes_a_provider():

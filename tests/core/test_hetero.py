@@ -14,8 +14,8 @@ from jax.sharding import PartitionSpec as P
 import boundary_jax as bj
 from boundary_jax import ops, residual
 
-from .hetero import HIDDEN, Hetero, HeteroStack, Kind, reference, stack_input, transport
-from .standin import ROWS, count_patterns, make_mesh
+from .hetero import HIDDEN, Hetero, HeteroStack, Kind, reference, transport
+from .standin import ROWS, count_patterns, input_shares, make_mesh
 
 K = Kind
 V = bj.BatchVariant
@@ -69,7 +69,7 @@ def build(model: Hetero, cut: int | None, *, finalize_norm=None, check_vma: bool
     programs = {}
 
     def run(x, counts, variant):
-        placed = jax.device_put(stack_input(x, model.tp), NamedSharding(mesh, in_rows))
+        placed = jax.device_put(input_shares(x, model.tp), NamedSharding(mesh, in_rows))
         batch = _batch(model, variant, counts)
         if variant not in programs:
             programs[variant] = sharded.program(
@@ -265,3 +265,67 @@ def test_a_mutant_at_any_sum_gather_slice_or_finalize_is_caught(monkeypatch, ind
             assert error > 1e-6, f"{name} of call {position} ({step_class.__name__}) not caught"
             caught += 1
     print(f"\n{caught} mutants caught over {len(calls)} step calls")
+
+
+# The five defects `pr-keep-rows-and-sums-consistent-across-pipeline` fixed, one regression each:
+# (kinds, dp, tp, variant, policy, cut).
+DEFECTS = {
+    "an append after an always-partial attention slices the residual once": (
+        (K.ATTN, K.MOE_OWN, K.ATTN, K.FFN),
+        1,
+        4,
+        V.ORDINARY,
+        bj.ReductionPolicy.RS_RSV,
+        2,
+    ),
+    "a stack ending on attention after an FFN on its own rows leaves on the attention's rows": (
+        (K.ATTN, K.FFN_DP, K.ATTN, K.FFN),
+        2,
+        2,
+        V.ORDINARY,
+        bj.ReductionPolicy.RS_RSV,
+        3,
+    ),
+    "a later rank takes an input-scattered batch from its facts, not from a handle": (
+        (K.ATTN, K.FFN, K.ATTN, K.FFN),
+        1,
+        2,
+        V.INPUT_SCATTERED,
+        bj.ReductionPolicy.RS,
+        2,
+    ),
+    "the FFN before a handoff keeps one set of rows after a fully data-parallel FFN": (
+        (K.ATTN, K.FFN_DP, K.ATTN, K.FFN, K.ATTN, K.FFN),
+        2,
+        2,
+        V.ORDINARY,
+        bj.ReductionPolicy.AR,
+        4,
+    ),
+    "to_pp completes a mixer's declared partial sum before the handoff": (
+        (K.MIXER, K.FFN, K.ATTN, K.FFN),
+        1,
+        2,
+        V.INPUT_SCATTERED,
+        bj.ReductionPolicy.AR,
+        1,
+    ),
+}
+
+
+@pytest.mark.parametrize("defect", DEFECTS)
+def test_a_pipeline_defect_of_the_original_stays_fixed(defect):
+    """Each defect's stack binds, the receiver sums nothing, and the cut run equals the float64
+    single-device reference on a small ragged batch."""
+    kinds, dp, tp, variant, policy, cut = DEFECTS[defect]
+    model = Hetero(kinds, dp, tp, policy)
+    with jax.enable_x64(True):
+        x, counts = _inputs(model, variant)
+        run, stacks = build(model, cut)
+        receiver = stacks[1].stages[0].boundary.plan.path(variant)
+        (transport_entry,) = [e for e in receiver.entries if e.transport]
+        assert not transport_entry.fused_sum
+        assert not any(
+            isinstance(s, ops.AllReduce | ops.ReduceScatter) for s in transport_entry.complete
+        )
+        assert _error(run(x, counts, variant), _want(stacks, x, counts, dp)) < 1e-12

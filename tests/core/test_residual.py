@@ -158,3 +158,31 @@ def test_final_norm_with_skip_empty_leaves_idle_ranks_zero():
         assert counts[1] == 0
         assert float(jnp.max(jnp.abs(jax.device_get(got)[setup.rows :]))) == 0.0
         _close(got, reference(model, x, setup, counts))
+
+
+def test_add_and_norm_accumulate_in_float32_for_a_bf16_stream():
+    """The boundary's add + RMSNorm of a bf16 stream normalizes the float32 sum: its output
+    equals the float32 reference rounded once, which rounding the sum to bf16 first misses in
+    a quarter of the elements."""
+    hidden = 256
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    stored = (30 * jax.random.normal(k1, (64, hidden))).astype(jnp.bfloat16)
+    value = jax.random.normal(k2, (64, hidden)).astype(jnp.bfloat16)
+    norm = bj.RMSNorm(hidden)
+    norm.weight[...] = 1 + 0.1 * jax.random.normal(k3, (hidden,))
+    topology = bj.Topology()
+    with bj.layer_stack(topology):
+        (boundary,) = bj.append_stages((bj.declare_attn(), None))
+    _, stream = boundary.prepare(stored, residual.start(bj.BatchFacts.ordinary(topology)))
+    out, stream = boundary.finish(value, stream)
+    got = residual.final_norm(out, stream, norm)
+
+    def normalized(summed):
+        summed = summed.astype(jnp.float32)
+        inverse = jax.lax.rsqrt(jnp.mean(summed * summed, -1, keepdims=True) + norm.eps)
+        return (summed * inverse * norm.weight[...][None, :]).astype(jnp.bfloat16)
+
+    want = normalized(value.astype(jnp.float32) + stored.astype(jnp.float32))
+    rounded_first = normalized(value + stored)
+    assert float(jnp.mean(got != want)) < 0.01
+    assert float(jnp.mean(rounded_first != want)) > 0.1, "the inputs must tell the two apart"

@@ -1,0 +1,198 @@
+"""Residual designs with parameters and state: post-norm, and a read that hands state to its
+stage's update, on every layout and through pipeline cuts; their gradients; what they keep out of."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import boundary_jax as bj
+from boundary_jax import residual
+
+from .hetero import HIDDEN, Hetero, HeteroStack, Kind, reference, transport
+from .standin import ROWS, _norm, count_patterns, input_shares, make_mesh
+
+K = Kind
+V = bj.BatchVariant
+
+
+class GatedRead(nnx.Module):
+    """A read that normalizes and hands its update a per-row gate, sigmoid(residual @ w)."""
+
+    reads_before_dp_gather = True
+
+    def __init__(self, key):
+        self.w = nnx.Param(jax.random.normal(key, (HIDDEN, 1), jnp.float64) / HIDDEN**0.5)
+
+    def init_residual(self, x, norm):
+        return self.read(x, norm)
+
+    def read(self, residual, norm):
+        return norm(residual), residual, jax.nn.sigmoid(residual @ self.w[...])
+
+    def update_and_read(self, update, value, residual, norm, state):
+        return self.read(update.apply(residual, value, state), norm)
+
+
+class GatedUpdate(nnx.Module):
+    """The nonlinear update `residual + gate * value`, with the gate its own stage's read made,
+    and a trainable scale."""
+
+    plain = False
+
+    def __init__(self, key):
+        self.scale = nnx.Param(1.0 + 0.3 * jax.random.normal(key, (HIDDEN,), jnp.float64))
+
+    def apply(self, residual, value, state):
+        return residual + state * value * self.scale[...][None, :]
+
+
+def gated(index: int) -> dict:
+    key = jax.random.fold_in(jax.random.key(31), index)
+    return {"read": GatedRead(key), "update": GatedUpdate(jax.random.fold_in(key, 1))}
+
+
+def post_norm(index: int) -> dict:
+    key = jax.random.fold_in(jax.random.key(32), index)
+    return {"update": residual.PostNormUpdate(_norm(key, jnp.float64))}
+
+
+DESIGNS = {"post-norm": post_norm, "gated": gated}
+MESHES = [
+    ((K.ATTN, K.FFN, K.MIXER, K.MOE), 2, 2, V.ORDINARY, 2),
+    ((K.ATTN, K.FFN_DP, K.ATTN, K.FFN), 1, 4, V.ORDINARY, 2),
+    ((K.ATTN, K.MOE, K.ATTN, K.FFN), 2, 2, V.INPUT_SCATTERED, 3),
+]
+KEY = jax.random.key(41)
+
+
+def _program(model: Hetero, cut, variant):
+    """`(f(state, x, counts), state, stacks, place)` of the sharded model, cut before `cut`."""
+    n = len(model.kinds)
+    parts = [range(n)] if cut is None else [range(cut), range(cut, n)]
+    with jax.enable_x64(True):
+        stacks = nnx.List([HeteroStack(model, part, KEY) for part in parts])
+    topology, mesh = model.topology, make_mesh(model.dp, model.tp)
+
+    def body(stacks, x, batch):
+        stream = residual.start(batch)
+        out, stream = stacks[0].run(x, stream)
+        if cut is not None:
+            tensors = transport(residual.to_pp(out, stream), topology)
+            out, stream = stacks[1].stages[0].boundary.from_pp(tensors, batch)
+            out, stream = stacks[1].run(out, stream)
+        return residual.final_norm(out, stream, stacks[-1].final_norm)
+
+    dp = topology.spec_entry((bj.TokenAxis.ATTN_DP,))
+    in_rows = P(dp, topology.spec_entry((bj.TokenAxis.ATTN_TP,)))
+    sharded = bj.ShardedModule(stacks, mesh)
+    spec = bj.BatchFacts(variant, topology, P())
+    fn = sharded.program(body, in_specs=(in_rows, spec), out_specs=P(dp, None))
+
+    def run(state, x, counts):
+        return fn(state, x, bj.BatchFacts(variant, topology, jnp.asarray(counts, jnp.int32)))
+
+    def place(x):
+        return jax.device_put(input_shares(x, model.tp), NamedSharding(mesh, in_rows))
+
+    return run, sharded.state, stacks, place
+
+
+def _inputs(dp):
+    x = jax.random.normal(jax.random.key(8), (dp * ROWS, HIDDEN), jnp.float64)
+    return x, count_patterns(dp)["even"]
+
+
+def _error(got, want):
+    return float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+@pytest.mark.parametrize("kinds,dp,tp,variant,cut", MESHES, ids=lambda v: getattr(v, "value", v))
+def test_a_design_with_parameters_equals_one_device_uncut_and_cut(
+    design, kinds, dp, tp, variant, cut
+):
+    """A parametric (and stateful) design on every layout equals the single-device reference,
+    uncut and through a pipeline cut (where its update runs on the sending rank)."""
+    model = Hetero(kinds, dp, tp, design=DESIGNS[design])
+    with jax.enable_x64(True):
+        x, counts = _inputs(dp)
+        run, state, stacks, place = _program(model, None, variant)
+        want = reference(list(stacks), x, dp)
+        assert _error(run(state, place(x), counts), want) < 1e-12
+        run, state, _, place = _program(model, cut, variant)
+        assert _error(run(state, place(x), counts), want) < 1e-12
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+def test_gradients_of_the_design_parameters_equal_one_device(design):
+    """jax.grad through a sharded stack equals the single-device gradient for every parameter,
+    the design's own (the post-norm weights, the gate and scale) included."""
+    model = Hetero((K.ATTN, K.FFN, K.MIXER, K.MOE), 2, 2, design=DESIGNS[design])
+    with jax.enable_x64(True):
+        x, counts = _inputs(2)
+        run, state, stacks, place = _program(model, None, V.ORDINARY)
+        weights = jax.random.normal(jax.random.key(9), x.shape, jnp.float64)
+        graphdef, plain = nnx.split(stacks)
+        with jax.set_mesh(make_mesh(2, 2)):
+            got = jax.jit(jax.grad(lambda s: jnp.sum(run(s, place(x), counts) * weights)))(state)
+        want = jax.grad(lambda s: jnp.sum(reference(list(nnx.merge(graphdef, s)), x, 2) * weights))(
+            plain
+        )
+    got_flat = dict(nnx.to_flat_state(got))
+    want_flat = dict(nnx.to_flat_state(want))
+    design_paths = [p for p in want_flat if "update" in p or "read" in p]
+    assert design_paths, "the design's parameters are state of the stage"
+    assert set(got_flat) == set(want_flat)
+    for path, leaf in want_flat.items():
+        value = np.asarray(jax.device_get(got_flat[path][...]))
+        np.testing.assert_allclose(value, leaf[...], rtol=1e-9, atol=1e-12, err_msg=str(path))
+
+
+def test_a_nonlinear_update_is_kept_out_of_fused_kernels_and_snapshots():
+    """A post-norm update is not plain: no fused add + norm candidate takes it, and snapshot()
+    raises the guide's message."""
+    update = residual.PostNormUpdate(bj.RMSNorm(HIDDEN))
+    assert not update.plain
+    value = jnp.ones((8, HIDDEN))
+    request = bj.fusions.FusionRequest(
+        value, value, bj.RMSNorm(HIDDEN), update, residual.AddNormRead(), (), 1
+    )
+    assert bj.fusions.AddRmsNorm("cpu", impl=None, vma_axis=None)(request) is None
+    model = Hetero((K.ATTN, K.FFN), 1, 1, design=post_norm)
+    stack = HeteroStack(model, range(2), KEY, jnp.float32)
+    stream = residual.start(bj.BatchFacts.ordinary(model.topology))
+    out, stream = stack.run(jnp.ones((ROWS, HIDDEN)), stream)
+    with pytest.raises(NotImplementedError, match="snapshot requires a plain residual update"):
+        residual.snapshot(out, stream)
+
+
+def test_a_jitted_function_of_a_stream_does_not_retrace_per_stream():
+    """Streams carry no counter in their static structure: a new stream reuses the trace."""
+    topology = bj.Topology()
+    traces = []
+
+    @jax.jit
+    def f(stream):
+        traces.append(1)
+        return stream.residual * 2
+
+    for _ in range(3):
+        _, stream = residual.start(bj.BatchFacts.ordinary(topology)).written(
+            jnp.ones((4, HIDDEN)), topology.attention_rows()
+        )
+        f(stream)
+    assert len(traces) == 1
+
+
+def test_another_streams_handle_is_still_rejected_in_one_trace():
+    """Two streams in one trace keep distinct identities."""
+    topology = bj.Topology()
+    batch = bj.BatchFacts.ordinary(topology)
+    first = residual.start(batch).written(jnp.ones((4, HIDDEN)), topology.attention_rows())
+    second = residual.start(batch).written(jnp.ones((4, HIDDEN)), topology.attention_rows())
+    with pytest.raises(ValueError, match="does not belong to this residual stream"):
+        second[1].check_output(first[0])
