@@ -18,7 +18,8 @@ COLUMNS = ("stack entry", "attention input", "FFN input", "FFN exit", "last FFN 
 
 def _documented() -> dict[tuple[str, str, str, str], dict[str, tuple[str, ...]]]:
     rows = {}
-    lines = [line for line in TABLE.read_text().splitlines() if line.startswith("| ")]
+    dense = TABLE.read_text().split("## Heterogeneous stacks", 1)[0]
+    lines = [line for line in dense.splitlines() if line.startswith("| ")]
     header = [cell.strip() for cell in lines[0].strip("|").split("|")]
     for line in lines[2:]:
         cells = dict(zip(header, (c.strip() for c in line.strip("|").split("|")), strict=True))
@@ -102,3 +103,57 @@ def test_parse_hlo_reads_async_and_classic_group_forms():
     assert [c.bytes for c in report.collectives] == [2 * 4 * 4096, 4 * 8 * 8, 4 * 8 * 8]
     assert [c.group_size for c in report.collectives] == [2, 4, 4]
     assert [c.layer for c in report.collectives] == [3, None, 0]
+
+
+HETERO_KINDS = {
+    "attn": "ATTN",
+    "mixer": "MIXER",
+    "ffn": "FFN",
+    "ffn-dp": "FFN_DP",
+    "moe": "MOE",
+    "moe-own": "MOE_OWN",
+}
+
+
+def _hetero_rows():
+    text = TABLE.read_text().split("## Heterogeneous stacks", 1)[1]
+    lines = [line for line in text.splitlines() if line.startswith("| ")]
+    header = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    return [
+        dict(zip(header, (c.strip() for c in line.strip("|").split("|")), strict=True))
+        for line in lines[2:]
+    ]
+
+
+@pytest.mark.parametrize(
+    "row",
+    _hetero_rows(),
+    ids=lambda row: f"{row['stages']}-{row['dp']}x{row['tp']}-{row['batch']}-{row['finalize']}",
+)
+def test_heterogeneous_stacks_run_the_documented_collectives(row):
+    """FFNs on their own rows and finalize handoffs run exactly the table's collectives."""
+    from .hetero import Hetero, Kind
+    from .test_hetero import _inputs, build
+
+    kinds = tuple(Kind[HETERO_KINDS[name]] for name in row["stages"].split(", "))
+    defer = row["finalize"] == "handed on"
+    model = Hetero(
+        kinds,
+        int(row["dp"]),
+        int(row["tp"]),
+        bj.ReductionPolicy.parse(row["policy"]),
+        fusions=bj.fusions.FusionProvider(defer_finalize=defer, terminal_finalize=defer),
+    )
+    variant = {"ordinary": bj.BatchVariant.ORDINARY, "unpadded": bj.BatchVariant.UNPADDED}[
+        row["batch"]
+    ]
+    with jax.enable_x64(True):
+        x, counts = _inputs(model, variant, "even")
+        report = build(model, None).report(x, counts, variant)
+
+    def names(cell):
+        return tuple(NAMES[kind] for kind in cell.split() if kind != "–")
+
+    for index in range(len(kinds)):
+        assert report.sequence(index) == names(row[f"layer {index}"]), f"layer {index}"
+    assert report.sequence(None) == names(row["final read"])

@@ -1,5 +1,6 @@
 """Residual designs with parameters and state: post-norm, and a read that hands state to its
-stage's update, on every layout and through pipeline cuts; their gradients; what they keep out of."""
+stage's update, on every layout and through pipeline cuts; their gradients; what they keep out
+of."""
 
 import jax
 import jax.numpy as jnp

@@ -1,7 +1,9 @@
 """Heterogeneous stacks on simulated meshes: FFNs on their own rows, deferred finalizes, and
 values through every pipeline cut, against a float64 single-device reference."""
 
+import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import boundary_jax as bj
 from boundary_jax import ops, residual
+from boundary_jax.report import CollectiveReport, parse_hlo
 
 from .hetero import HIDDEN, Hetero, HeteroStack, Kind, reference, transport
 from .standin import ROWS, count_patterns, input_shares, make_mesh
@@ -42,9 +45,19 @@ def _rows(variant: V, tp: int) -> int:
     return ROWS + 1 if variant is V.UNPADDED else ROWS
 
 
-def build(model: Hetero, cut: int | None, *, finalize_norm=None, check_vma: bool = True):
-    """The jitted sharded forward `f(x, counts)` of `model`, cut before layer `cut` (None:
-    uncut), and its stacks. A cut runs to_pp, the simulated transport and from_pp between."""
+@dataclasses.dataclass(frozen=True)
+class Built:
+    """A sharded stand-in model: `run(x, counts, variant)`, its stacks, and `report(...)`, the
+    collectives its compiled program runs."""
+
+    run: Callable
+    stacks: list
+    report: Callable
+
+
+def build(model: Hetero, cut: int | None, *, finalize_norm=None, check_vma: bool = True) -> Built:
+    """The jitted sharded forward of `model`, cut before layer `cut` (None: uncut). A cut runs
+    to_pp, the simulated transport and from_pp between its two stacks."""
     n = len(model.kinds)
     parts = [range(n)] if cut is None else [range(cut), range(cut, n)]
     with jax.enable_x64(True):
@@ -68,16 +81,24 @@ def build(model: Hetero, cut: int | None, *, finalize_norm=None, check_vma: bool
     in_rows = P(dp, topology.spec_entry((bj.TokenAxis.ATTN_TP,)))
     programs = {}
 
-    def run(x, counts, variant):
+    def program(x, counts, variant):
         placed = jax.device_put(input_shares(x, model.tp), NamedSharding(mesh, in_rows))
         batch = _batch(model, variant, counts)
         if variant not in programs:
             programs[variant] = sharded.program(
                 body, in_specs=(in_rows, batch.spec()), out_specs=P(dp, None), check_vma=check_vma
             )
-        return programs[variant](sharded.state, placed, batch)
+        return programs[variant], (sharded.state, placed, batch)
 
-    return run, list(stacks)
+    def run(x, counts, variant):
+        fn, args = program(x, counts, variant)
+        return fn(*args)
+
+    def report(x, counts, variant) -> CollectiveReport:
+        fn, args = program(x, counts, variant)
+        return parse_hlo(fn.lower(*args).compile().as_text())
+
+    return Built(run, list(stacks), report)
 
 
 @functools.cache
@@ -108,14 +129,14 @@ def test_every_cut_equals_the_uncut_stack_and_the_reference(kinds, dp, tp, varia
     model = Hetero(kinds, dp, tp)
     with jax.enable_x64(True):
         x, counts = _inputs(model, variant)
-        run, stacks = _uncut(model)
+        run, stacks = _uncut(model).run, _uncut(model).stacks
         uncut = run(x, counts, variant)
         assert _error(uncut, _want(stacks, x, counts, dp)) < 1e-12
         # The simulated transport sends one slice per attention-TP rank, which an unpadded
         # batch's rows do not divide into; its stack is checked uncut.
         cuts = () if variant is V.UNPADDED else range(1, len(kinds))
         for cut in cuts:
-            got = build(model, cut)[0](x, counts, variant)
+            got = build(model, cut).run(x, counts, variant)
             assert _error(got, uncut) < 1e-12, f"cut at {cut}"
 
 
@@ -128,14 +149,14 @@ def test_a_deferred_finalize_equals_completing_it_at_the_exit(terminal):
     completing = Hetero(kinds, 1, 4, fusions=bj.fusions.NO_FUSIONS)
     with jax.enable_x64(True):
         x, counts = _inputs(deferring, V.ORDINARY)
-        run, stacks = _uncut(deferring)
+        run, stacks = _uncut(deferring).run, _uncut(deferring).stacks
         moe = stacks[0].stages[1].boundary.plan.path(V.ORDINARY)
         assert moe.exits[0].kind is bj.ExitKind.HAND_FINALIZE
         assert (
-            _uncut(completing)[1][0].stages[1].boundary.plan.path(V.ORDINARY).exits[0].kind
+            _uncut(completing).stacks[0].stages[1].boundary.plan.path(V.ORDINARY).exits[0].kind
             is not bj.ExitKind.HAND_FINALIZE
         )
-        want = _uncut(completing)[0](x, counts, V.ORDINARY)
+        want = _uncut(completing).run(x, counts, V.ORDINARY)
         assert _error(run(x, counts, V.ORDINARY), want) < 1e-12
         assert _error(want, _want(stacks, x, counts, 1)) < 1e-12
 
@@ -158,8 +179,8 @@ def test_final_norm_takes_a_finalize_through_its_service():
 
     with jax.enable_x64(True):
         x, counts = _inputs(model, V.ORDINARY)
-        fused = build(model, None, finalize_norm=service)[0](x, counts, V.ORDINARY)
-        want = _uncut(model)[0](x, counts, V.ORDINARY)
+        fused = build(model, None, finalize_norm=service).run(x, counts, V.ORDINARY)
+        want = _uncut(model).run(x, counts, V.ORDINARY)
     assert calls and isinstance(calls[0].handoff, bj.DeferredFinalize)
     assert _error(fused, want) < 1e-12
 
@@ -219,7 +240,7 @@ def _calls(monkeypatch, model, variant, cut):
         monkeypatch.setattr(step_class, "__call__", recorder)
     with jax.enable_x64(True):
         x, counts = _inputs(model, variant, "even")
-        build(model, cut, check_vma=False)[0](x, counts, variant)
+        build(model, cut, check_vma=False).run(x, counts, variant)
     monkeypatch.undo()
     return calls
 
@@ -242,7 +263,7 @@ def test_a_mutant_at_any_sum_gather_slice_or_finalize_is_caught(monkeypatch, ind
     with jax.enable_x64(True):
         # Every row is a real token: a wrong slice cannot hide in padding rows.
         x, counts = _inputs(model, variant, "even")
-        want = _uncut(model)[0](x, counts, variant)
+        want = _uncut(model).run(x, counts, variant)
     caught = 0
     for name, mutants in MUTANTS.items():
         for position, step_class in enumerate(calls):
@@ -257,7 +278,7 @@ def test_a_mutant_at_any_sum_gather_slice_or_finalize_is_caught(monkeypatch, ind
             monkeypatch.setattr(step_class, "__call__", patched)
             try:
                 with jax.enable_x64(True):
-                    got = build(model, cut, check_vma=False)[0](x, counts, variant)
+                    got = build(model, cut, check_vma=False).run(x, counts, variant)
                 error = _error(got, want)
             except (ValueError, TypeError):
                 error = np.inf
@@ -321,7 +342,8 @@ def test_a_pipeline_defect_of_the_original_stays_fixed(defect):
     model = Hetero(kinds, dp, tp, policy)
     with jax.enable_x64(True):
         x, counts = _inputs(model, variant)
-        run, stacks = build(model, cut)
+        built = build(model, cut)
+        run, stacks = built.run, built.stacks
         receiver = stacks[1].stages[0].boundary.plan.path(variant)
         (transport_entry,) = [e for e in receiver.entries if e.transport]
         assert not transport_entry.fused_sum
