@@ -57,6 +57,12 @@ class BatchFacts:
         """Facts for a batch whose residual is on each rank's attention-TP slice of the rows."""
         return cls(BatchVariant.INPUT_SCATTERED, topology, _counts(token_counts))
 
+    @classmethod
+    def unpadded(cls, topology: Topology, token_counts=None) -> BatchFacts:
+        """Facts for a batch whose rows need not divide over attention TP (no attention DP):
+        an FFN that would run on this rank's attention-TP slice runs on the attention's rows."""
+        return cls(BatchVariant.UNPADDED, topology, _counts(token_counts))
+
     def spec(self) -> BatchFacts:
         """The `in_specs` entry for passing these facts into `shard_map` (counts replicated)."""
         counts = None if self.token_counts is None else PartitionSpec()

@@ -21,6 +21,13 @@ from .mlp import SwiGLU
 from .rows import TokenRows
 
 
+def stage_facts(layer_index: int) -> tuple[bj.StageDeclaration, bj.StageDeclaration]:
+    """The stages every dense decoder layer declares, in order: the model's shared declaration
+    function (a stack holding part of the layers binds its edges from it)."""
+    del layer_index
+    return bj.declare_attn(), bj.declare_ffn()
+
+
 class DecoderLayer(nnx.Module):
     """Pre-norm attention + SwiGLU FFN, joined to its neighbours by two stage boundaries.
 
@@ -34,7 +41,13 @@ class DecoderLayer(nnx.Module):
     """
 
     def __init__(
-        self, config: DecoderConfig, *, topology: bj.Topology, dtype: jnp.dtype, rngs: nnx.Rngs
+        self,
+        config: DecoderConfig,
+        index: int,
+        *,
+        topology: bj.Topology,
+        dtype: jnp.dtype,
+        rngs: nnx.Rngs,
     ):
         eps = config.rms_norm_eps
         input_norm = bj.RMSNorm(config.hidden_size, eps=eps, param_dtype=dtype)
@@ -43,8 +56,9 @@ class DecoderLayer(nnx.Module):
         self.mlp = SwiGLU(
             config.hidden_size, config.intermediate_size, topology=topology, dtype=dtype, rngs=rngs
         )
+        attn, ffn = stage_facts(index)
         self.attn_boundary, self.ffn_boundary = bj.append_stages(
-            (bj.declare_attn(), input_norm), (bj.declare_ffn(), post_attn_norm)
+            (attn, input_norm), (ffn, post_attn_norm)
         )
 
     @property
@@ -111,9 +125,11 @@ class CausalLM(nnx.Module):
             architecture=config.architecture.value,
             input_sum=bj.SumGroup.ATTN_TP,
             fusions=fusions,
+            stage_facts=stage_facts,
+            num_layers=config.num_layers,
         ):
             self.layers = nnx.List(
-                [DecoderLayer(config, **common) for _ in range(config.num_layers)]
+                [DecoderLayer(config, i, **common) for i in range(config.num_layers)]
             )
         self.final_norm = bj.RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=dtype)
         self.lm_head = ParallelLMHead(

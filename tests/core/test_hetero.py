@@ -38,7 +38,12 @@ KEY = jax.random.key(21)
 
 
 def _batch(model: Hetero, variant: V, counts) -> bj.BatchFacts:
-    return bj.BatchFacts(variant, model.topology, jnp.asarray(counts, jnp.int32))
+    make = {
+        V.ORDINARY: bj.BatchFacts.ordinary,
+        V.INPUT_SCATTERED: bj.BatchFacts.input_scattered,
+        V.UNPADDED: bj.BatchFacts.unpadded,
+    }[variant]
+    return make(model.topology, counts)
 
 
 def _rows(variant: V, tp: int) -> int:
