@@ -12,6 +12,9 @@ from .batch import snapshot as snapshot
 from .batch import start as start
 from .batch import take_output as take_output
 from .batch import to_pp as to_pp
+from .mhc import MhcHead as MhcHead
+from .mhc import MhcRead as MhcRead
+from .mhc import MhcUpdate as MhcUpdate
 from .norm import RMSNorm as RMSNorm
 from .norm import add_rms_norm as add_rms_norm
 from .norm import rms_norm as rms_norm

@@ -116,6 +116,7 @@ class Hetero:
       fusions: The stack's provider (default: hand every finalize on).
       design: `design(index)` gives stage `index`'s `read` and `update` as declaration keywords
         (None: the plain add + norm); called once per declaration, so it must be deterministic.
+      final: `final(key, dtype)` builds the module the final read applies (None: an RMSNorm).
     """
 
     kinds: tuple[Kind, ...]
@@ -124,6 +125,7 @@ class Hetero:
     policy: bj.ReductionPolicy = bj.ReductionPolicy.RS_RSV
     fusions: bj.fusions.FusionProvider = DEFERS
     design: object = None
+    final: object = None
 
     @property
     def topology(self) -> bj.Topology:
@@ -158,7 +160,8 @@ class HeteroStack(nnx.Module):
                     for i in layers
                 ]
             )
-        self.final_norm = _norm(jax.random.fold_in(key, 1000), dtype)
+        final = model.final or _norm
+        self.final_norm = final(jax.random.fold_in(key, 1000), dtype)
 
     def run(self, x, stream):
         for index, stage in enumerate(self.stages):
@@ -170,7 +173,9 @@ class HeteroStack(nnx.Module):
 def reference(stacks: list[HeteroStack], x: jax.Array, dp: int) -> jax.Array:
     """The model on one device: each DP block through every stage, then the final norm."""
     outputs = []
+    first = stacks[0].stages[0].boundary
     for block in x.reshape(dp, -1, x.shape[-1]):
+        _, block, _ = first.read.init_residual(block, first.norm)
         for stack in stacks:
             for stage in stack.stages:
                 block = stage.reference(block)

@@ -2,6 +2,8 @@
 stage's update, on every layout and through pipeline cuts; their gradients; what they keep out
 of."""
 
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -61,7 +63,21 @@ def post_norm(index: int) -> dict:
     return {"update": residual.PostNormUpdate(_norm(key, jnp.float64))}
 
 
-DESIGNS = {"post-norm": post_norm, "gated": gated}
+def mhc(index: int) -> dict:
+    rngs = nnx.Rngs(jax.random.fold_in(jax.random.key(33), index))
+    read = residual.MhcRead(HIDDEN, HC_MULT, param_dtype=jnp.float64, rngs=rngs)
+    return {"read": read, "update": residual.MhcUpdate()}
+
+
+def mhc_head(key, dtype):
+    return residual.MhcHead(
+        HIDDEN, HC_MULT, _norm(key, dtype), param_dtype=dtype, rngs=nnx.Rngs(key)
+    )
+
+
+HC_MULT = 4
+DESIGNS = {"post-norm": post_norm, "gated": gated, "mhc": mhc}
+FINALS = {"mhc": mhc_head}
 MESHES = [
     ((K.ATTN, K.FFN, K.MIXER, K.MOE), 2, 2, V.ORDINARY, 2),
     ((K.ATTN, K.FFN_DP, K.ATTN, K.FFN), 1, 4, V.ORDINARY, 2),
@@ -118,7 +134,7 @@ def test_a_design_with_parameters_equals_one_device_uncut_and_cut(
 ):
     """A parametric (and stateful) design on every layout equals the single-device reference,
     uncut and through a pipeline cut (where its update runs on the sending rank)."""
-    model = Hetero(kinds, dp, tp, design=DESIGNS[design])
+    model = Hetero(kinds, dp, tp, design=DESIGNS[design], final=FINALS.get(design))
     with jax.enable_x64(True):
         x, counts = _inputs(dp)
         run, state, stacks, place = _program(model, None, variant)
@@ -132,7 +148,9 @@ def test_a_design_with_parameters_equals_one_device_uncut_and_cut(
 def test_gradients_of_the_design_parameters_equal_one_device(design):
     """jax.grad through a sharded stack equals the single-device gradient for every parameter,
     the design's own (the post-norm weights, the gate and scale) included."""
-    model = Hetero((K.ATTN, K.FFN, K.MIXER, K.MOE), 2, 2, design=DESIGNS[design])
+    model = Hetero(
+        (K.ATTN, K.FFN, K.MIXER, K.MOE), 2, 2, design=DESIGNS[design], final=FINALS.get(design)
+    )
     with jax.enable_x64(True):
         x, counts = _inputs(2)
         run, state, stacks, place = _program(model, None, V.ORDINARY)
@@ -197,3 +215,43 @@ def test_another_streams_handle_is_still_rejected_in_one_trace():
     second = residual.start(batch).written(jnp.ones((4, HIDDEN)), topology.attention_rows())
     with pytest.raises(ValueError, match="does not belong to this residual stream"):
         second[1].check_output(first[0])
+
+
+GOLDEN = np.load(pathlib.Path(__file__).parents[1] / "golden" / "mhc" / "reference.npz")
+
+
+def test_mhc_read_update_and_head_equal_transformers():
+    """MhcRead, MhcUpdate and MhcHead equal transformers' DeepseekV4HyperConnection and
+    DeepseekV4HyperHead on random weights (float32, 1e-6)."""
+    g = {name: jnp.asarray(GOLDEN[name]) for name in GOLDEN.files}
+    hidden, hc = g["output"].shape[1], g["streams"].shape[1]
+    read = residual.MhcRead(hidden, hc, rngs=nnx.Rngs(0))
+    read.projection[...], read.base[...], read.scale[...] = g["fn"], g["base"], g["scale"]
+    collapsed, streams, (post, comb) = read.read(g["streams"], None)
+    for got, name in ((post, "post"), (comb, "comb"), (collapsed, "collapsed")):
+        np.testing.assert_allclose(got, g[name], rtol=1e-6, atol=1e-6, err_msg=name)
+    updated = residual.MhcUpdate().apply(streams, g["output"], (post, comb))
+    np.testing.assert_allclose(updated, g["updated"], rtol=1e-6, atol=1e-6)
+    head = residual.MhcHead(hidden, hc, None, rngs=nnx.Rngs(0))
+    head.projection[...], head.base[...], head.scale[...] = (
+        g["head_fn"],
+        g["head_base"],
+        g["head_scale"],
+    )
+    np.testing.assert_allclose(head(g["streams"]), g["head_collapsed"], rtol=1e-6, atol=1e-6)
+
+
+def test_an_mhc_stage_completes_its_sum_before_its_nonlinear_update():
+    """No fused candidate takes an MHC input, and the sum an attention owes completes in one
+    all-reduce per boundary before the next read, as for the plain design."""
+    from .test_hetero import build
+
+    kinds = (K.ATTN, K.FFN, K.ATTN, K.FFN)
+    with jax.enable_x64(True):
+        x, counts = _inputs(1)
+        plain = build(Hetero(kinds, 1, 4), None).report(x, counts, V.ORDINARY)
+        expanded = build(Hetero(kinds, 1, 4, design=mhc, final=mhc_head), None).report(
+            x, counts, V.ORDINARY
+        )
+    assert [expanded.sequence(i) for i in range(4)] == [plain.sequence(i) for i in range(4)]
+    assert all(c.kind == "all-reduce" for c in expanded.collectives)
