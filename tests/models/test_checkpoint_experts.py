@@ -4,6 +4,7 @@ import json
 import shutil
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
 import boundary_jax as bj
-from models import checkpoint
+from models import checkpoint, moe
 from models.attention import Attention
 from models.checkpoint import HFTensor, hf_name_map, load_config, load_params, load_tensor
 from models.config import DecoderConfig
@@ -194,9 +195,11 @@ def test_missing_and_misshaped_expert_named(tmp_path):
     mesh = make_mesh(1, 2)
     for edit, match in (
         (lambda t: t.pop(pattern.format(expert=5)), r"no tensor '.*experts.5.w1.weight'"),
-        (lambda t: t.update({pattern.format(expert=3): t[pattern.format(expert=3)][:8]}),
-         r"differ in shape"),
-    ):  # fmt: skip
+        (
+            lambda t: t.update({pattern.format(expert=3): t[pattern.format(expert=3)][:8]}),
+            r"differ in shape",
+        ),
+    ):
         target = tmp_path / str(len(list(tmp_path.iterdir())))
         target.mkdir()
         shutil.copy(source / "config.json", target / "config.json")
@@ -221,3 +224,80 @@ def test_hf_tensor_validates_stacking():
     with pytest.raises(ValueError, match="no padded axis"):
         HFTensor("x.{expert}.w", experts=2, padded_axis=0)
     assert json.dumps(HFTensor("x.{expert}.w", experts=2).tensor_names()) == '["x.0.w", "x.1.w"]'
+
+
+def hf_sparse_block(found: dict, prefix: str, x: np.ndarray, top_k: int, renormalize: bool):
+    """Qwen2-MoE's sparse block written as transformers does, on the raw [out, in] tensors."""
+    linear = lambda v, name: v @ found[prefix + name].astype(np.float64).T  # noqa: E731
+    silu = lambda v: v / (1 + np.exp(-v))  # noqa: E731
+    logits = linear(x, "gate.weight")
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        chosen = np.argsort(-probs[t], kind="stable")[:top_k]
+        weights = probs[t, chosen] / (probs[t, chosen].sum() if renormalize else 1.0)
+        for e, w in zip(chosen, weights, strict=True):
+            e_prefix = f"experts.{e}."
+            h = silu(linear(x[t], e_prefix + "gate_proj.weight"))
+            h = h * linear(x[t], e_prefix + "up_proj.weight")
+            out[t] += w * linear(h, e_prefix + "down_proj.weight")
+    shared = silu(linear(x, "shared_expert.gate_proj.weight"))
+    shared = linear(
+        shared * linear(x, "shared_expert.up_proj.weight"), "shared_expert.down_proj.weight"
+    )
+    return out + shared / (1 + np.exp(-linear(x, "shared_expert_gate.weight")))
+
+
+def test_loaded_experts_feed_moe_functions():
+    """Golden Qwen2-MoE weights loaded by the name map, run by models.moe (experts over 4 ranks,
+    summed here), equal the block computed the transformers way from the raw tensors."""
+
+    config = load_config(GOLDEN / "qwen2_moe")
+    sources = hf_name_map(config)
+    found = tensors("qwen2_moe")
+    mesh = make_mesh(1, 4)
+    params = {}
+    for part in (
+        "router",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+        "shared_expert.gate_proj",
+        "shared_expert.up_proj",
+        "shared_expert.down_proj",
+        "shared_expert.expert_gate",
+    ):
+        source = sources[f"layers.1.mlp.{part}"]
+        one = found[source.tensor_names()[0]]
+        shape = one.shape[::-1] if source.experts is None else (source.experts, *one.shape[::-1])
+        spec = P(TP) if source.experts is not None else P()
+        loaded = load_tensor(GOLDEN / "qwen2_moe", source, shape, mesh, spec, jnp.float32)
+        # On the host from here: models.moe runs inside shard_map, on local arrays.
+        params[part] = np.asarray(loaded)
+    x = np.random.default_rng(0).standard_normal((10, config.hidden_size)).astype(np.float32)
+    moe_config = config.moe
+    local = moe_config.num_experts // 4
+
+    @jax.jit
+    def block(x, params):
+        routing = moe.route(x, params["router"], top_k=moe_config.top_k, renormalize=False)
+        outputs = sum(
+            moe.expert_outputs(
+                x,
+                routing,
+                *(
+                    params[p][r * local : (r + 1) * local]
+                    for p in ("gate_proj", "up_proj", "down_proj")
+                ),
+                expert_offset=r * local,
+            )
+            for r in range(4)
+        )
+        parts = ("gate_proj", "up_proj", "down_proj", "expert_gate")
+        shared = moe.shared_expert(x, *(params[f"shared_expert.{p}"] for p in parts))
+        return moe.finalize(moe.MoeOutput(expert_outputs=outputs, routing=routing, shared=shared))
+
+    got = block(jnp.asarray(x), params)
+    want = hf_sparse_block(found, "model.layers.1.mlp.", x.astype(np.float64), 2, False)
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
