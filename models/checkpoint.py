@@ -5,6 +5,11 @@ reads only its block of the tensor from the memory-mapped file (`safe_open(...).
 process ever materializes a whole sharded tensor, and a replicated one only once at a time.
 Hugging Face `nn.Linear` weights are [out, in]; our kernels are [in, out], so a kernel block is
 read transposed. Vocab-padding rows (embedding) and columns (LM head) are zeros.
+
+Mixture-of-experts checkpoints store one tensor per expert (`...experts.{e}.gate_proj.weight`,
+Mixtral's `...experts.{e}.w1.weight`); the model stacks them into one [experts, ...] parameter, and
+a device whose shard covers experts [a, b) (and a slice of their width) reads only those tensors,
+and only that slice of each.
 """
 
 from __future__ import annotations
@@ -19,10 +24,10 @@ from pathlib import Path
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from safetensors import safe_open
 
-from .config import DecoderConfig
+from .config import Architecture, DecoderConfig
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -34,15 +39,41 @@ class HFTensor:
     """Where one model parameter comes from in a Hugging Face checkpoint.
 
     Attributes:
-      name: The safetensors tensor name, e.g. "model.layers.0.self_attn.q_proj.weight".
-      transpose: The tensor is an `nn.Linear` weight [out, in]; the parameter is [in, out].
+      name: The safetensors tensor name, e.g. "model.layers.0.self_attn.q_proj.weight"; for
+        stacked experts a pattern with an `{expert}` field, e.g.
+        "model.layers.0.mlp.experts.{expert}.gate_proj.weight".
+      transpose: The tensor is an `nn.Linear` weight [out, in]; the parameter is [in, out] (for
+        stacked experts: each expert's [out, in] becomes [in, out] behind the expert axis).
       padded_axis: The parameter axis padded past the checkpoint's vocab size with zeros, or
         None when the shapes must match exactly.
+      experts: For a stack of per-expert tensors, their number: parameter axis 0 runs over the
+        experts 0 .. experts - 1, and expert e comes from `name.format(expert=e)`. None for one
+        tensor.
     """
 
     name: str
     transpose: bool = False
     padded_axis: int | None = None
+    experts: int | None = None
+
+    def __post_init__(self):
+        stacked = "{expert}" in self.name
+        if stacked != (self.experts is not None):
+            raise ValueError(
+                "a stacked-experts HFTensor needs both an {expert} field in its name and "
+                f"experts=N; got name={self.name!r}, experts={self.experts!r}"
+            )
+        if self.experts is not None and (self.experts < 1 or self.padded_axis is not None):
+            raise ValueError(
+                f"stacked experts need experts >= 1 and no padded axis; got {self.experts=}, "
+                f"{self.padded_axis=}"
+            )
+
+    def tensor_names(self) -> tuple[str, ...]:
+        """The checkpoint tensors this parameter is made of, in parameter order."""
+        if self.experts is None:
+            return (self.name,)
+        return tuple(self.name.format(expert=e) for e in range(self.experts))
 
 
 _LAYER_TENSORS = {
@@ -60,7 +91,35 @@ _QK_NORM_TENSORS = {
     "attn.q_norm.weight": HFTensor("self_attn.q_norm.weight"),
     "attn.k_norm.weight": HFTensor("self_attn.k_norm.weight"),
 }
+_QKV_BIAS_TENSORS = {
+    f"attn.{proj}_proj.bias": HFTensor(f"self_attn.{proj}_proj.bias") for proj in ("q", "k", "v")
+}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # a buffer some older checkpoints store
+
+
+def _sparse_ffn_tensors(config: DecoderConfig) -> dict[str, HFTensor]:
+    """The sparse FFN's parameters (paths relative to the layer) for `models.moe.SparseMoe` held
+    as the layer's `mlp`, with layer-relative tensor names."""
+    moe = config.moe
+    if config.architecture is Architecture.MIXTRAL:
+        prefix, names = "block_sparse_moe.", {"gate": "w1", "up": "w3", "down": "w2"}
+    else:
+        prefix, names = "mlp.", {part: f"{part}_proj" for part in ("gate", "up", "down")}
+    tensors = {"mlp.router": HFTensor(f"{prefix}gate.weight", transpose=True)}
+    for part, name in names.items():
+        tensors[f"mlp.{part}_proj"] = HFTensor(
+            f"{prefix}experts.{{expert}}.{name}.weight", transpose=True, experts=moe.num_experts
+        )
+    if moe.shared_expert_intermediate_size is not None:
+        for part in ("gate", "up", "down"):
+            tensors[f"mlp.shared_expert.{part}_proj"] = HFTensor(
+                f"mlp.shared_expert.{part}_proj.weight", transpose=True
+            )
+        if moe.shared_expert_gate:
+            tensors["mlp.shared_expert.expert_gate"] = HFTensor(
+                "mlp.shared_expert_gate.weight", transpose=True
+            )
+    return tensors
 
 
 def hf_name_map(config: DecoderConfig) -> dict[str, HFTensor]:
@@ -72,11 +131,25 @@ def hf_name_map(config: DecoderConfig) -> dict[str, HFTensor]:
     `layers.{i}.attn.{q,k,v,o}_proj.kernel`, `layers.{i}.attn.{q,k}_norm.weight` (qk_norm only),
     `layers.{i}.mlp.{gate,up,down}_proj.kernel`, `final_norm.weight`, and `lm_head.kernel`
     (absent with tied embeddings, where the head reads the embedding table).
+
+    With q/k/v biases (Qwen2, Qwen2-MoE): `layers.{i}.attn.{q,k,v}_proj.bias`. A sparse layer of
+    an MoE decoder (`config.sparse_layers`) has, in place of the dense MLP, the parameters of a
+    `models.moe.SparseMoe` at `layers.{i}.mlp`: `mlp.router` [hidden, experts],
+    `mlp.{gate,up}_proj` [experts, hidden, width] and `mlp.down_proj` [experts, width, hidden]
+    (stacked per-expert tensors), and with a shared expert `mlp.shared_expert.{gate,up,down}_proj`
+    and `mlp.shared_expert.expert_gate` [hidden, 1].
     """
     names = {"embed.embedding": HFTensor("model.embed_tokens.weight", padded_axis=0)}
-    layer_tensors = _LAYER_TENSORS | (_QK_NORM_TENSORS if config.qk_norm else {})
-    for i in range(config.num_layers):
-        for path, tensor in layer_tensors.items():
+    dense = (
+        _LAYER_TENSORS
+        | (_QK_NORM_TENSORS if config.qk_norm else {})
+        | (_QKV_BIAS_TENSORS if config.qkv_bias else {})
+    )
+    sparse = {k: v for k, v in dense.items() if not k.startswith("mlp.")}
+    if config.moe is not None:
+        sparse |= _sparse_ffn_tensors(config)
+    for i, is_sparse in enumerate(config.sparse_layers):
+        for path, tensor in (sparse if is_sparse else dense).items():
             names[f"layers.{i}.{path}"] = dataclasses.replace(
                 tensor, name=f"model.layers.{i}.{tensor.name}"
             )
@@ -133,7 +206,7 @@ def load_params(
             f"the model from the same config as {checkpoint_dir}"
         )
     with _Checkpoint(Path(checkpoint_dir)) as checkpoint:
-        used = {sources[path].name for path in paths}
+        used = {name for path in paths for name in sources[path].tensor_names()}
         unused = sorted(
             name
             for name in checkpoint.names
@@ -152,18 +225,53 @@ def load_params(
         }
         loaded = []
         for path, variable in leaves:
-            read = functools.partial(
-                _read_block,
+            value = _make_array(
                 checkpoint,
                 sources[_dotted(path)],
                 variable.shape,
                 stored_shapes[path],
-                np.dtype(dtype),
+                NamedSharding(mesh, specs[path].get_value()),
+                dtype,
             )
-            sharding = NamedSharding(mesh, specs[path].get_value())
-            value = jax.make_array_from_callback(variable.shape, sharding, read)
             loaded.append((path, variable.replace(value=value)))
     return nnx.from_flat_state(loaded)
+
+
+def load_tensor(
+    checkpoint_dir: str | Path,
+    source: HFTensor,
+    shape: tuple[int, ...],
+    mesh: Mesh,
+    spec: PartitionSpec,
+    dtype: np.dtype,
+) -> jax.Array:
+    """One parameter from a checkpoint as a global array split by `spec`, each device reading
+    only its block (for stacked experts: only its experts' tensors, and only its slice of each).
+
+    Args:
+      checkpoint_dir: As `load_params`.
+      source: Where the parameter comes from (a single tensor or a stack of per-expert ones).
+      shape: The parameter's global shape (in the parameter's layout, e.g. [experts, hidden,
+        width] for stacked gate projections).
+      mesh: The mesh the array is placed on.
+      spec: The parameter's `PartitionSpec` over `mesh`.
+      dtype: The array's dtype (the checkpoint's values are cast).
+
+    Raises:
+      FileNotFoundError: The directory lacks the weights files.
+      ValueError: A tensor is missing or its shape does not fit `shape`.
+    """
+    path = f"<{source.name}>"
+    with _Checkpoint(Path(checkpoint_dir)) as checkpoint:
+        logical = _fitted_shape(checkpoint, source, path, tuple(shape))
+        return _make_array(
+            checkpoint, source, tuple(shape), logical, NamedSharding(mesh, spec), dtype
+        )
+
+
+def _make_array(checkpoint, source, shape, logical, sharding, dtype) -> jax.Array:
+    read = functools.partial(_read_block, checkpoint, source, shape, logical, np.dtype(dtype))
+    return jax.make_array_from_callback(shape, sharding, read)
 
 
 def _dotted(path: tuple) -> str:
@@ -173,15 +281,31 @@ def _dotted(path: tuple) -> str:
 def _fitted_shape(
     checkpoint: _Checkpoint, source: HFTensor, path: str, shape: tuple[int, ...]
 ) -> tuple[int, ...]:
-    """The stored tensor's shape in the parameter's layout, checked to fit `shape`."""
-    stored = checkpoint.shape(source.name, path)
-    logical = stored[::-1] if source.transpose else stored
+    """The stored tensor's shape in the parameter's layout, checked to fit `shape`.
+
+    For stacked experts, "stored" is (experts, *one expert's shape), and only the expert's own
+    axes are transposed."""
+    shapes = {name: checkpoint.shape(name, path) for name in source.tensor_names()}
+    if len(set(shapes.values())) != 1:
+        raise ValueError(
+            f"the experts of {source.name} (parameter {path}) differ in shape: {shapes}"
+        )
+    one = next(iter(shapes.values()))
+    one_logical = one[::-1] if source.transpose else one
+    if source.experts is None:
+        stored, logical = one, one_logical
+    else:
+        stored, logical = (source.experts, *one), (source.experts, *one_logical)
     fits = len(logical) == len(shape) and all(
         have == want or (axis == source.padded_axis and have <= want)
         for axis, (have, want) in enumerate(zip(logical, shape, strict=False))
     )
     if not fits:
-        layout = " (read transposed: HF Linear weights are [out, in])" if source.transpose else ""
+        layout = (
+            f" (read transposed, as {logical}: HF Linear weights are [out, in])"
+            if source.transpose
+            else ""
+        )
         raise ValueError(
             f"checkpoint tensor {source.name} has shape {stored}{layout}; parameter {path} is "
             f"{shape}. Build the model from the checkpoint's config.json."
@@ -208,10 +332,23 @@ def _read_block(
     )
     if any(part.stop <= part.start for part in reads):
         return block
-    stored = checkpoint.read(source.name, reads[::-1] if source.transpose else reads)
-    values = stored.T if source.transpose else stored
+    if source.experts is None:
+        values = _read_tensor(checkpoint, source.name, source.transpose, reads)
+    else:  # axis 0 picks the experts; each expert's tensor gives the rest of the block
+        names = source.tensor_names()[reads[0]]
+        values = np.stack(
+            [_read_tensor(checkpoint, name, source.transpose, reads[1:]) for name in names]
+        )
     block[tuple(slice(0, part.stop - part.start) for part in reads)] = values.astype(dtype)
     return block
+
+
+def _read_tensor(
+    checkpoint: _Checkpoint, name: str, transpose: bool, reads: tuple[slice, ...]
+) -> np.ndarray:
+    """The block `reads` (in the parameter's layout) of one stored tensor."""
+    stored = checkpoint.read(name, reads[::-1] if transpose else reads)
+    return stored.T if transpose else stored
 
 
 class _Checkpoint(contextlib.AbstractContextManager):

@@ -1,4 +1,8 @@
-"""Frozen decoder configurations: presets and a reader for Hugging Face `config.json` files."""
+"""Frozen decoder configurations: presets and a reader for Hugging Face `config.json` files.
+
+Dense decoders (Qwen3, Llama, Mistral, Qwen2) and mixture-of-experts decoders (Qwen3-MoE, Mixtral,
+Qwen2-MoE) read into one `DecoderConfig`; the sparse FFN's facts sit in its `moe` field.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +18,76 @@ class Architecture(enum.StrEnum):
     QWEN3 = "Qwen3ForCausalLM"
     LLAMA = "LlamaForCausalLM"
     MISTRAL = "MistralForCausalLM"
+    QWEN2 = "Qwen2ForCausalLM"
+    QWEN3_MOE = "Qwen3MoeForCausalLM"
+    MIXTRAL = "MixtralForCausalLM"
+    QWEN2_MOE = "Qwen2MoeForCausalLM"
+
+
+_MOE_ARCHITECTURES = (Architecture.QWEN3_MOE, Architecture.MIXTRAL, Architecture.QWEN2_MOE)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """The sparse FFN of a mixture-of-experts decoder: static and hashable.
+
+    Attributes:
+      num_experts: Routed experts per sparse layer (HF `num_experts` / `num_local_experts`).
+      top_k: Experts each token is sent to (HF `num_experts_per_tok`).
+      expert_intermediate_size: Width of one routed expert's SwiGLU (HF `moe_intermediate_size`;
+        Mixtral's `intermediate_size`).
+      renormalize: The top-k router probabilities are divided by their sum (Mixtral always;
+        Qwen3-MoE and Qwen2-MoE where `norm_topk_prob`); otherwise they are the softmax over all
+        experts as is.
+      shared_expert_intermediate_size: Width of the shared expert every token also goes
+        through, or None without one (Qwen2-MoE has one).
+      shared_expert_gate: The shared expert's output is scaled by
+        `sigmoid(x @ shared_expert_gate)` per token (Qwen2-MoE).
+      mlp_only_layers: Layers whose FFN is dense (HF `mlp_only_layers`).
+      decoder_sparse_step: Layer i is sparse when (i + 1) % decoder_sparse_step == 0 and it is
+        not in `mlp_only_layers`; the others run the dense FFN of width `intermediate_size`.
+    """
+
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    renormalize: bool
+    shared_expert_intermediate_size: int | None = None
+    shared_expert_gate: bool = False
+    mlp_only_layers: tuple[int, ...] = ()
+    decoder_sparse_step: int = 1
+
+    def __post_init__(self):
+        for name in ("num_experts", "top_k", "expert_intermediate_size", "decoder_sparse_step"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"MoeConfig.{name} must be a positive int; got {value!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                "top_k cannot exceed num_experts (a token picks distinct experts); got "
+                f"{self.top_k=}, {self.num_experts=}"
+            )
+        shared = self.shared_expert_intermediate_size
+        if shared is not None and (not isinstance(shared, int) or shared < 1):
+            raise ValueError(
+                f"shared_expert_intermediate_size must be positive or None; got {shared!r}"
+            )
+        if self.shared_expert_gate and shared is None:
+            raise ValueError(
+                "shared_expert_gate=True needs a shared expert; got "
+                "shared_expert_intermediate_size=None"
+            )
+        if not isinstance(self.mlp_only_layers, tuple) or any(
+            not isinstance(i, int) or i < 0 for i in self.mlp_only_layers
+        ):
+            raise TypeError(
+                "mlp_only_layers must be a tuple of layer indices (hashable); got "
+                f"{self.mlp_only_layers!r}"
+            )
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (0-based) runs the sparse FFN, by HF's rule."""
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,13 +123,15 @@ class Llama3RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class DecoderConfig:
-    """The architecture of a dense decoder (Qwen3, Llama, Mistral): static and hashable.
+    """The architecture of a decoder (Qwen3, Llama, Mistral, Qwen2 and the MoE ones): static and
+    hashable.
 
     Attributes:
       architecture: The Hugging Face class the weights come from.
       vocab_size: Number of token ids (unpadded).
       hidden_size: Width of the residual stream.
-      intermediate_size: Width of the SwiGLU FFN.
+      intermediate_size: Width of the dense SwiGLU FFN (in an MoE decoder, that of its dense
+        layers; Mixtral has none and repeats its expert width here, as its config.json does).
       num_layers: Number of decoder layers.
       num_heads: Query heads.
       num_kv_heads: Key/value heads; query head j uses kv head j // (num_heads // num_kv_heads).
@@ -68,6 +144,8 @@ class DecoderConfig:
       sliding_window: A row at position p attends to positions p - sliding_window < q <= p;
         None for full causal attention.
       max_position_embeddings: Longest context the model supports.
+      qkv_bias: The q, k and v projections add a bias (Qwen2, Qwen2-MoE); o has none.
+      moe: The sparse FFN of an MoE decoder, or None for a dense decoder.
     """
 
     architecture: Architecture
@@ -85,6 +163,8 @@ class DecoderConfig:
     tie_word_embeddings: bool
     sliding_window: int | None
     max_position_embeddings: int
+    qkv_bias: bool = False
+    moe: MoeConfig | None = None
 
     def __post_init__(self):
         for name in (
@@ -111,13 +191,33 @@ class DecoderConfig:
             )
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be positive or None; got {self.sliding_window}")
+        if (self.moe is not None) != (self.architecture in _MOE_ARCHITECTURES):
+            raise ValueError(
+                f"{self.architecture.value} {'needs' if self.moe is None else 'takes no'} MoE "
+                f"settings; got moe={self.moe!r}. Mixture-of-experts architectures are "
+                f"{[a.value for a in _MOE_ARCHITECTURES]}"
+            )
+        if self.moe is not None and any(i >= self.num_layers for i in self.moe.mlp_only_layers):
+            raise ValueError(
+                f"mlp_only_layers must name layers below num_layers={self.num_layers}; got "
+                f"{self.moe.mlp_only_layers}"
+            )
+
+    @property
+    def sparse_layers(self) -> tuple[bool, ...]:
+        """Per layer, whether its FFN is the sparse (MoE) one; all False for a dense decoder."""
+        return tuple(
+            self.moe is not None and self.moe.is_sparse(layer) for layer in range(self.num_layers)
+        )
 
     @classmethod
     def from_hf(cls, config: Mapping[str, Any]) -> DecoderConfig:
-        """Reads a Hugging Face `config.json` (as a dict) of a Qwen3, Llama or Mistral model.
+        """Reads a Hugging Face `config.json` (as a dict) of a supported decoder.
 
         Accepts both RoPE formats: the legacy top-level `rope_theta` + `rope_scaling` and the
-        transformers-5 `rope_parameters`.
+        transformers-5 `rope_parameters`; and both spellings of the expert count
+        (`num_experts`, as the Qwen hub checkpoints, and `num_local_experts`, as Mixtral and
+        transformers 5's Qwen3-MoE write it).
 
         Raises:
           ValueError: The architecture, RoPE type, activation, biases or per-layer sliding
@@ -135,7 +235,7 @@ class DecoderConfig:
             if config.get(key, False):
                 raise ValueError(
                     f"{architecture.value} with {key}=true is not supported (the projections "
-                    "here have no bias)"
+                    "here have no bias, except q/k/v of Qwen2 and Qwen2-MoE)"
                 )
         activation = config.get("hidden_act", "silu")
         if activation != "silu":
@@ -155,10 +255,12 @@ class DecoderConfig:
             rms_norm_eps=float(_required(config, "rms_norm_eps")),
             rope_theta=theta,
             rope_scaling=scaling,
-            qk_norm=architecture is Architecture.QWEN3,
+            qk_norm=architecture in (Architecture.QWEN3, Architecture.QWEN3_MOE),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             sliding_window=_read_sliding_window(config, architecture),
             max_position_embeddings=_required(config, "max_position_embeddings"),
+            qkv_bias=_read_qkv_bias(config, architecture),
+            moe=_read_moe(config, architecture),
         )
 
 
@@ -202,20 +304,70 @@ def _read_rope(config: Mapping[str, Any]) -> tuple[float, Llama3RopeScaling | No
     )
 
 
+def _read_qkv_bias(config: Mapping[str, Any], architecture: Architecture) -> bool:
+    # Qwen2 always has q/k/v biases (its config has no key for them); Qwen2-MoE has them unless
+    # transformers 5's `qkv_bias` says otherwise (the hub checkpoints predate that key).
+    if architecture is Architecture.QWEN2:
+        return True
+    if architecture is Architecture.QWEN2_MOE:
+        return bool(config.get("qkv_bias", True))
+    return False
+
+
+def _read_moe(config: Mapping[str, Any], architecture: Architecture) -> MoeConfig | None:
+    if architecture not in _MOE_ARCHITECTURES:
+        return None
+    experts = config.get("num_experts") or config.get("num_local_experts")
+    if experts is None:
+        raise ValueError(
+            f"{architecture.value} config.json has neither 'num_experts' nor "
+            "'num_local_experts'; one is required to build the sparse FFN"
+        )
+    top_k = _required(config, "num_experts_per_tok")
+    if architecture is Architecture.MIXTRAL:
+        return MoeConfig(
+            num_experts=experts,
+            top_k=top_k,
+            expert_intermediate_size=_required(config, "intermediate_size"),
+            renormalize=True,
+        )
+    shared = None
+    if architecture is Architecture.QWEN2_MOE:
+        shared = _required(config, "shared_expert_intermediate_size")
+    return MoeConfig(
+        num_experts=experts,
+        top_k=top_k,
+        expert_intermediate_size=_required(config, "moe_intermediate_size"),
+        renormalize=bool(config.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=shared,
+        shared_expert_gate=shared is not None,
+        mlp_only_layers=tuple(sorted(config.get("mlp_only_layers") or ())),
+        decoder_sparse_step=config.get("decoder_sparse_step") or 1,
+    )
+
+
 def _read_sliding_window(config: Mapping[str, Any], architecture: Architecture) -> int | None:
     if architecture is Architecture.LLAMA:
         return None
     window = config.get("sliding_window")
-    if architecture is Architecture.MISTRAL or window is None:
+    if architecture in (Architecture.MISTRAL, Architecture.MIXTRAL) or window is None:
         return window
-    # Qwen3: the window applies only where enabled, to the layers `layer_types` marks sliding
-    # (by default those from `max_window_layers` on); one window for all layers is supported.
+    # The Qwen family: the window applies only where enabled. Qwen3-MoE then applies it to
+    # every layer; the others to the layers `layer_types` marks sliding (by default those from
+    # `max_window_layers` on, every other one below it for Qwen2-MoE). One window for all layers
+    # is supported.
     if not config.get("use_sliding_window", False):
         return None
+    if architecture is Architecture.QWEN3_MOE:
+        return window
     layers = config["num_hidden_layers"]
     first = config.get("max_window_layers", layers)
+    if architecture is Architecture.QWEN2_MOE:
+        default = [bool((i + 1) % 2) and i < first for i in range(layers)]
+    else:
+        default = [i >= first for i in range(layers)]
     kinds = config.get("layer_types") or [
-        "sliding_attention" if i >= first else "full_attention" for i in range(layers)
+        "sliding_attention" if sliding else "full_attention" for sliding in default
     ]
     if set(kinds) == {"full_attention"}:
         return None

@@ -1,5 +1,6 @@
-"""DecoderConfig: Hugging Face config.json parsing, presets and vocab padding."""
+"""DecoderConfig: Hugging Face config.json parsing (dense and MoE), presets and vocab padding."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -10,6 +11,7 @@ from models.config import (
     Architecture,
     DecoderConfig,
     Llama3RopeScaling,
+    MoeConfig,
     padded_vocab,
 )
 
@@ -128,3 +130,121 @@ def test_presets_are_valid_and_small(name):
     params = config.num_layers * (attn + mlp) + heads * config.vocab_size * config.hidden_size
     assert params * 4 < 8e6
     assert PRESETS["tiny-qwen3"].qk_norm and PRESETS["small-llama"].rope_scaling is not None
+
+
+def test_qwen3_moe_golden_config():
+    """Qwen3-MoE: experts (as num_local_experts), top-k, renormalisation, a dense middle layer."""
+    config = DecoderConfig.from_hf(golden_config("qwen3_moe"))
+    assert config.architecture is Architecture.QWEN3_MOE
+    assert config.qk_norm and not config.qkv_bias and config.sliding_window is None
+    assert config.moe == MoeConfig(
+        num_experts=16,
+        top_k=4,
+        expert_intermediate_size=16,
+        renormalize=True,
+        mlp_only_layers=(1,),
+        decoder_sparse_step=1,
+    )
+    assert config.intermediate_size == 128  # the dense layer's width
+    assert config.sparse_layers == (True, False, True)
+
+
+def test_qwen3_moe_hub_spelling_and_sparse_step():
+    """The hub's num_experts key equals num_local_experts; decoder_sparse_step picks layers."""
+    raw = golden_config("qwen3_moe")
+    hub = {k: v for k, v in raw.items() if k != "num_local_experts"} | {"num_experts": 16}
+    assert DecoderConfig.from_hf(hub) == DecoderConfig.from_hf(raw)
+    stepped = DecoderConfig.from_hf(raw | {"mlp_only_layers": [], "decoder_sparse_step": 2})
+    assert stepped.sparse_layers == (False, True, False)
+    assert not DecoderConfig.from_hf(raw | {"norm_topk_prob": False}).moe.renormalize
+
+
+@pytest.mark.parametrize("name,window", [("mixtral", None), ("mixtral_sliding", 5)])
+def test_mixtral_golden_config(name, window):
+    """Mixtral: the expert width is intermediate_size, always renormalised, every layer sparse."""
+    config = DecoderConfig.from_hf(golden_config(name))
+    assert config.architecture is Architecture.MIXTRAL
+    assert config.sliding_window == window
+    assert config.moe == MoeConfig(
+        num_experts=8, top_k=2, expert_intermediate_size=16, renormalize=True
+    )
+    assert config.sparse_layers == (True, True)
+    assert not config.qk_norm and not config.qkv_bias
+
+
+def test_qwen2_moe_golden_config():
+    """Qwen2-MoE: no renormalisation, a sigmoid-gated shared expert, q/k/v biases."""
+    config = DecoderConfig.from_hf(golden_config("qwen2_moe"))
+    assert config.architecture is Architecture.QWEN2_MOE
+    assert config.qkv_bias and not config.qk_norm
+    assert config.sliding_window is None  # the file says sliding_window 0, use_sliding_window off
+    assert config.moe == MoeConfig(
+        num_experts=8,
+        top_k=2,
+        expert_intermediate_size=16,
+        renormalize=False,
+        shared_expert_intermediate_size=32,
+        shared_expert_gate=True,
+    )
+    hub = {k: v for k, v in golden_config("qwen2_moe").items() if k != "qkv_bias"}
+    assert DecoderConfig.from_hf(hub).qkv_bias  # hub checkpoints have no key: biased
+    assert not DecoderConfig.from_hf(hub | {"qkv_bias": False}).qkv_bias
+
+
+def test_qwen2_golden_config():
+    """Dense Qwen2 always has q/k/v biases and no MoE settings."""
+    config = DecoderConfig.from_hf(golden_config("qwen2"))
+    assert config.architecture is Architecture.QWEN2
+    assert config.qkv_bias and config.moe is None and config.tie_word_embeddings
+    assert config.sparse_layers == (False, False)
+    assert (config.intermediate_size, config.head_dim, config.sliding_window) == (96, 8, None)
+
+
+def test_dense_configs_have_no_bias_or_moe():
+    """The existing dense goldens read qkv_bias=False and moe=None."""
+    for name in ("qwen3", "llama", "mistral"):
+        config = DecoderConfig.from_hf(golden_config(name))
+        assert not config.qkv_bias and config.moe is None
+
+
+def test_qwen_moe_sliding_windows():
+    """Qwen3-MoE's window covers every layer when enabled; Qwen2-MoE's default alternates."""
+    raw = golden_config("qwen3_moe") | {"sliding_window": 8, "use_sliding_window": True}
+    assert DecoderConfig.from_hf(raw).sliding_window == 8
+    qwen2 = golden_config("qwen2_moe") | {"sliding_window": 8, "use_sliding_window": True}
+    del qwen2["layer_types"]
+    with pytest.raises(ValueError, match="sliding windows on some layers"):
+        DecoderConfig.from_hf(qwen2)
+
+
+@pytest.mark.parametrize(
+    "name,change,match",
+    [
+        ("qwen3_moe", {"num_local_experts": None}, "neither 'num_experts' nor"),
+        ("qwen3_moe", {"num_experts_per_tok": 17}, "top_k cannot exceed num_experts"),
+        ("qwen3_moe", {"moe_intermediate_size": None}, "no 'moe_intermediate_size'"),
+        ("qwen3_moe", {"mlp_only_layers": [3]}, "below num_layers=3"),
+        ("qwen2_moe", {"shared_expert_intermediate_size": None}, "shared_expert_intermediate"),
+        ("mixtral", {"num_experts_per_tok": 0}, "top_k must be a positive int"),
+    ],
+)
+def test_rejects_bad_moe(name, change, match):
+    """Missing or inconsistent MoE settings fail at construction with the field named."""
+    with pytest.raises(ValueError, match=match):
+        DecoderConfig.from_hf(golden_config(name) | change)
+
+
+def test_moe_config_invariants():
+    """MoE settings belong to MoE architectures only; a gate needs a shared expert."""
+    dense = DecoderConfig.from_hf(golden_config("qwen3"))
+    moe = MoeConfig(num_experts=4, top_k=2, expert_intermediate_size=8, renormalize=True)
+    with pytest.raises(ValueError, match="takes no MoE settings"):
+        dataclasses.replace(dense, moe=moe)
+    sparse = DecoderConfig.from_hf(golden_config("mixtral"))
+    with pytest.raises(ValueError, match="needs MoE settings"):
+        dataclasses.replace(sparse, moe=None)
+    with pytest.raises(ValueError, match="needs a shared expert"):
+        dataclasses.replace(moe, shared_expert_gate=True)
+    with pytest.raises(TypeError, match="tuple of layer indices"):
+        dataclasses.replace(moe, mlp_only_layers=[1])
+    hash(dataclasses.replace(sparse, moe=dataclasses.replace(moe, mlp_only_layers=(0,))))
