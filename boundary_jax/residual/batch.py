@@ -93,7 +93,7 @@ def take_output(output: OwedOutput, stream: ResidualStream) -> jax.Array:
     stream = _checked(output, stream)
     if stream.state is not StreamState.WRITTEN:
         raise RuntimeError(f"{WRITE_FIRST} ({stream!r})")
-    return ops.run(_leave(stream, "take_output").entry.move_input, stream.residual)
+    return ops.run(_leave(stream).entry.move_input, stream.residual)
 
 
 def snapshot(output: OwedOutput, stream: ResidualStream) -> jax.Array:
@@ -187,14 +187,12 @@ def final_norm(
     unfused first.
     """
     stream = _checked(output, stream)
-    if stream.state is StreamState.INITIAL:
-        raise RuntimeError(f"{WRITE_FIRST} ({stream!r})")
-    leave = _leave(stream, "final_norm")
-    if leave.kind is not EdgeKind.STACK_EXIT:
-        raise RuntimeError(
-            "final_norm() after a stage that leaves by a pipeline send: this rank's stack "
-            "continues on the next pipeline rank; leave through to_pp()"
-        )
+    leave = _leave(
+        stream,
+        EdgeKind.STACK_EXIT,
+        "final_norm() after a stage that leaves by a pipeline send: this rank's stack "
+        "continues on the next pipeline rank; leave through to_pp()",
+    )
     entry = leave.entry
     pending = stream.pending
     if pending is not None and entry.handoff != pending.placement:
@@ -234,14 +232,12 @@ def to_pp(output: OwedOutput, stream: ResidualStream) -> dict[str, jax.Array]:
       RuntimeError: The stream has not passed the stage before this rank's pipeline send.
     """
     stream = _checked(output, stream)
-    if stream.state is StreamState.INITIAL:
-        raise RuntimeError(f"{WRITE_FIRST} ({stream!r})")
-    leave = _leave(stream, "to_pp")
-    if leave.kind is not EdgeKind.PIPELINE_SEND:
-        raise RuntimeError(
-            "to_pp() after the model's terminal stage: there is no next pipeline rank; leave "
-            "through final_norm()"
-        )
+    leave = _leave(
+        stream,
+        EdgeKind.PIPELINE_SEND,
+        "to_pp() after the model's terminal stage: there is no next pipeline rank; leave "
+        "through final_norm()",
+    )
     residual, pending = stream.residual, stream.pending
     if pending is not None:
         value = _completed_on_residual_rows(stream)
@@ -251,11 +247,17 @@ def to_pp(output: OwedOutput, stream: ResidualStream) -> dict[str, jax.Array]:
     return {"hidden_states": ops.run(leave.entry.move_input, residual)}
 
 
-def _leave(stream: ResidualStream, what: str):
+def _leave(stream: ResidualStream, kind: EdgeKind | None = None, elsewhere: str = ""):
+    """The bound way out of a stream that a stage has exited (by `kind`, when given)."""
+    if stream.state is StreamState.INITIAL:
+        raise RuntimeError(f"{WRITE_FIRST} ({stream!r})")
     if stream.leave is None:
         raise RuntimeError(
-            f"{what}() needs a stream a stage has exited; run a stage's finish() first ({stream!r})"
+            f"leaving the stack needs a stream a stage has exited; run a stage's finish() first "
+            f"({stream!r})"
         )
+    if kind is not None and stream.leave.kind is not kind:
+        raise RuntimeError(elsewhere)
     return stream.leave
 
 

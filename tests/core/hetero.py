@@ -10,14 +10,20 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import boundary_jax as bj
+from boundary_jax import residual
+from boundary_jax.report import CollectiveReport, parse_hlo
 
-from .standin import HIDDEN, StandInAttention, StandInFfn, _norm, _param
+from .standin import HIDDEN, StandInAttention, StandInFfn, _norm, _param, input_shares, make_mesh
 
 TOP_K = 2
 EXPERT_WIDTH = 16
@@ -189,3 +195,89 @@ def transport(tensors: dict, topology: bj.Topology) -> dict:
     tp = topology.active((bj.TokenAxis.ATTN_TP,))
     slice_, gather = bj.ops.take_block(tp, topology), bj.ops.all_gather(tp)
     return jax.tree.map(lambda t: bj.ops.run(gather, bj.ops.run(slice_, t)), tensors)
+
+
+KEY = jax.random.key(21)
+
+
+def make_batch(model: Hetero, variant: bj.BatchVariant, counts) -> bj.BatchFacts:
+    make = {
+        bj.BatchVariant.ORDINARY: bj.BatchFacts.ordinary,
+        bj.BatchVariant.INPUT_SCATTERED: bj.BatchFacts.input_scattered,
+        bj.BatchVariant.UNPADDED: bj.BatchFacts.unpadded,
+    }[variant]
+    return make(model.topology, counts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Built:
+    """A sharded stand-in model.
+
+    Attributes:
+      stacks: Its stacks (one, or the two sides of a cut).
+      state: Their parameters placed on the mesh.
+      place: Places a stack input `x` [dp * rows, HIDDEN] as per-rank shares.
+      program: `program(variant)` is the jitted `f(state, placed_x, batch)`.
+    """
+
+    model: Hetero
+    stacks: list
+    state: object
+    place: Callable
+    program: Callable
+
+    def run(self, x, counts, variant):
+        """The output rows for stack input `x` and per-DP-rank token `counts`."""
+        batch = make_batch(self.model, variant, counts)
+        return self.program(variant)(self.state, self.place(x), batch)
+
+    def report(self, x, counts, variant) -> CollectiveReport:
+        """The collectives the compiled program runs."""
+        batch = make_batch(self.model, variant, counts)
+        lowered = self.program(variant).lower(self.state, self.place(x), batch)
+        return parse_hlo(lowered.compile().as_text())
+
+
+def build(
+    model: Hetero,
+    cut: int | None,
+    *,
+    finalize_norm=None,
+    check_vma: bool = True,
+    skip_empty: bool = True,
+) -> Built:
+    """The jitted sharded forward of `model`, cut before layer `cut` (None: uncut). A cut runs
+    to_pp, the simulated transport and from_pp between its two stacks."""
+    n = len(model.kinds)
+    parts = [range(n)] if cut is None else [range(cut), range(cut, n)]
+    with jax.enable_x64(True):
+        stacks = nnx.List([HeteroStack(model, part, KEY) for part in parts])
+    topology = model.topology
+
+    def body(stacks, x, batch):
+        stream = residual.start(batch)
+        out, stream = stacks[0].run(x, stream)
+        if cut is not None:
+            tensors = transport(residual.to_pp(out, stream), topology)
+            out, stream = stacks[1].stages[0].boundary.from_pp(tensors, batch)
+            out, stream = stacks[1].run(out, stream)
+        return residual.final_norm(
+            out, stream, stacks[-1].final_norm, skip_empty=skip_empty, finalize_norm=finalize_norm
+        )
+
+    mesh = make_mesh(model.dp, model.tp)
+    sharded = bj.ShardedModule(stacks, mesh)
+    dp = topology.spec_entry((bj.TokenAxis.ATTN_DP,))
+    in_rows = P(dp, topology.spec_entry((bj.TokenAxis.ATTN_TP,)))
+
+    @functools.cache
+    def program(variant):
+        spec = bj.BatchFacts(variant, topology, P())
+        return sharded.program(
+            body, in_specs=(in_rows, spec), out_specs=P(dp, None), check_vma=check_vma
+        )
+
+    def place(x):
+        return jax.device_put(input_shares(x, model.tp), NamedSharding(mesh, in_rows))
+
+    return Built(model, list(stacks), sharded.state, place, program)

@@ -9,14 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import boundary_jax as bj
 from boundary_jax import residual
 
-from .hetero import HIDDEN, Hetero, HeteroStack, Kind, reference, transport
-from .standin import ROWS, _norm, count_patterns, input_shares, make_mesh
+from .hetero import HIDDEN, Hetero, HeteroStack, Kind, build, make_batch, reference
+from .standin import ROWS, _norm, count_patterns, make_mesh
 
 K = Kind
 V = bj.BatchVariant
@@ -88,34 +86,12 @@ KEY = jax.random.key(41)
 
 def _program(model: Hetero, cut, variant):
     """`(f(state, x, counts), state, stacks, place)` of the sharded model, cut before `cut`."""
-    n = len(model.kinds)
-    parts = [range(n)] if cut is None else [range(cut), range(cut, n)]
-    with jax.enable_x64(True):
-        stacks = nnx.List([HeteroStack(model, part, KEY) for part in parts])
-    topology, mesh = model.topology, make_mesh(model.dp, model.tp)
-
-    def body(stacks, x, batch):
-        stream = residual.start(batch)
-        out, stream = stacks[0].run(x, stream)
-        if cut is not None:
-            tensors = transport(residual.to_pp(out, stream), topology)
-            out, stream = stacks[1].stages[0].boundary.from_pp(tensors, batch)
-            out, stream = stacks[1].run(out, stream)
-        return residual.final_norm(out, stream, stacks[-1].final_norm)
-
-    dp = topology.spec_entry((bj.TokenAxis.ATTN_DP,))
-    in_rows = P(dp, topology.spec_entry((bj.TokenAxis.ATTN_TP,)))
-    sharded = bj.ShardedModule(stacks, mesh)
-    spec = bj.BatchFacts(variant, topology, P())
-    fn = sharded.program(body, in_specs=(in_rows, spec), out_specs=P(dp, None))
+    built = build(model, cut, skip_empty=False)
 
     def run(state, x, counts):
-        return fn(state, x, bj.BatchFacts(variant, topology, jnp.asarray(counts, jnp.int32)))
+        return built.program(variant)(state, x, make_batch(model, variant, counts))
 
-    def place(x):
-        return jax.device_put(input_shares(x, model.tp), NamedSharding(mesh, in_rows))
-
-    return run, sharded.state, stacks, place
+    return run, built.state, built.stacks, built.place
 
 
 def _inputs(dp):
@@ -244,8 +220,6 @@ def test_mhc_read_update_and_head_equal_transformers():
 def test_an_mhc_stage_completes_its_sum_before_its_nonlinear_update():
     """No fused candidate takes an MHC input, and the sum an attention owes completes in one
     all-reduce per boundary before the next read, as for the plain design."""
-    from .test_hetero import build
-
     kinds = (K.ATTN, K.FFN, K.ATTN, K.FFN)
     with jax.enable_x64(True):
         x, counts = _inputs(1)

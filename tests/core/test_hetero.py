@@ -1,24 +1,18 @@
 """Heterogeneous stacks on simulated meshes: FFNs on their own rows, deferred finalizes, and
 values through every pipeline cut, against a float64 single-device reference."""
 
-import dataclasses
 import functools
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import boundary_jax as bj
 from boundary_jax import ops, residual
-from boundary_jax.report import CollectiveReport, parse_hlo
 
-from .hetero import HIDDEN, Hetero, HeteroStack, Kind, reference, transport
-from .standin import ROWS, count_patterns, input_shares, make_mesh
+from .hetero import HIDDEN, Hetero, Kind, build, reference
+from .standin import ROWS, count_patterns
 
 K = Kind
 V = bj.BatchVariant
@@ -34,76 +28,10 @@ SCENARIOS = [
     ((K.ATTN, K.FFN_DP, K.MIXER, K.MOE), 1, 4, V.UNPADDED),
 ]
 IDS = [f"{'-'.join(k.name for k in s[0])}-dp{s[1]}-tp{s[2]}-{s[3].value}" for s in SCENARIOS]
-KEY = jax.random.key(21)
 
 
-def _batch(model: Hetero, variant: V, counts) -> bj.BatchFacts:
-    make = {
-        V.ORDINARY: bj.BatchFacts.ordinary,
-        V.INPUT_SCATTERED: bj.BatchFacts.input_scattered,
-        V.UNPADDED: bj.BatchFacts.unpadded,
-    }[variant]
-    return make(model.topology, counts)
-
-
-def _rows(variant: V, tp: int) -> int:
+def _rows(variant: V) -> int:
     return ROWS + 1 if variant is V.UNPADDED else ROWS
-
-
-@dataclasses.dataclass(frozen=True)
-class Built:
-    """A sharded stand-in model: `run(x, counts, variant)`, its stacks, and `report(...)`, the
-    collectives its compiled program runs."""
-
-    run: Callable
-    stacks: list
-    report: Callable
-
-
-def build(model: Hetero, cut: int | None, *, finalize_norm=None, check_vma: bool = True) -> Built:
-    """The jitted sharded forward of `model`, cut before layer `cut` (None: uncut). A cut runs
-    to_pp, the simulated transport and from_pp between its two stacks."""
-    n = len(model.kinds)
-    parts = [range(n)] if cut is None else [range(cut), range(cut, n)]
-    with jax.enable_x64(True):
-        stacks = nnx.List([HeteroStack(model, part, KEY) for part in parts])
-    mesh = make_mesh(model.dp, model.tp)
-    topology = model.topology
-
-    def body(stacks, x, batch):
-        stream = residual.start(batch)
-        out, stream = stacks[0].run(x, stream)
-        if cut is not None:
-            tensors = transport(residual.to_pp(out, stream), topology)
-            out, stream = stacks[1].stages[0].boundary.from_pp(tensors, batch)
-            out, stream = stacks[1].run(out, stream)
-        return residual.final_norm(
-            out, stream, stacks[-1].final_norm, skip_empty=True, finalize_norm=finalize_norm
-        )
-
-    sharded = bj.ShardedModule(stacks, mesh)
-    dp = topology.spec_entry((bj.TokenAxis.ATTN_DP,))
-    in_rows = P(dp, topology.spec_entry((bj.TokenAxis.ATTN_TP,)))
-    programs = {}
-
-    def program(x, counts, variant):
-        placed = jax.device_put(input_shares(x, model.tp), NamedSharding(mesh, in_rows))
-        batch = _batch(model, variant, counts)
-        if variant not in programs:
-            programs[variant] = sharded.program(
-                body, in_specs=(in_rows, batch.spec()), out_specs=P(dp, None), check_vma=check_vma
-            )
-        return programs[variant], (sharded.state, placed, batch)
-
-    def run(x, counts, variant):
-        fn, args = program(x, counts, variant)
-        return fn(*args)
-
-    def report(x, counts, variant) -> CollectiveReport:
-        fn, args = program(x, counts, variant)
-        return parse_hlo(fn.lower(*args).compile().as_text())
-
-    return Built(run, list(stacks), report)
 
 
 @functools.cache
@@ -116,7 +44,7 @@ def _error(got, want) -> float:
 
 
 def _inputs(model: Hetero, variant: V, counts: str = "ragged"):
-    rows = _rows(variant, model.tp)
+    rows = _rows(variant)
     x = jax.random.normal(jax.random.key(5), (model.dp * rows, HIDDEN), jnp.float64)
     return x, count_patterns(model.dp, rows)[counts]
 

@@ -201,3 +201,71 @@ def test_mixer_exit_leaves_its_sum_to_an_ffn_and_completes_before_a_mixer_under_
         ordinary = bj.BatchVariant.ORDINARY
         assert first.plan.path(ordinary).exits[0].kind is expected
         assert second.plan.path(ordinary).exits[0].kind is ExitKind.LEAVE_TO_NEXT_INPUT
+
+
+def _facts(index):
+    return (bj.declare_attn(), bj.declare_ffn())
+
+
+def test_a_partial_stack_needs_the_models_stage_facts():
+    """layers= without stage_facts, layers outside the model and a pipeline axis without
+    stage_facts are rejected when the stack opens."""
+    with (
+        pytest.raises(ValueError, match="pass stage_facts"),
+        bj.layer_stack(bj.Topology(), layers=range(1)),
+    ):
+        pass
+    with (
+        pytest.raises(ValueError, match="within"),
+        bj.layer_stack(bj.Topology(), stage_facts=_facts, num_layers=2, layers=range(1, 3)),
+    ):
+        pass
+
+
+def test_layers_must_declare_what_stage_facts_declares():
+    """A layer that appends other stages than the model's stage_facts says is rejected."""
+    with (
+        pytest.raises(ValueError, match="differing first at stage 1"),
+        bj.layer_stack(bj.Topology(attn_tp=2), stage_facts=_facts, num_layers=1),
+    ):
+        bj.append_stages((bj.declare_attn(), None), (bj.declare_ffn(dense_tp_size=1), None))
+
+
+def test_each_side_of_a_cut_leaves_and_enters_only_its_own_way():
+    """final_norm after a pipeline send, to_pp after the terminal stage, and from_pp on a stage
+    no pipeline receive enters each raise with the fix."""
+    topology = bj.Topology(attn_tp=2)
+    with bj.layer_stack(topology, stage_facts=_facts, num_layers=2, layers=range(1)):
+        sender = bj.append_stages((bj.declare_attn(), None), (bj.declare_ffn(), None))
+    with bj.layer_stack(topology, stage_facts=_facts, num_layers=2, layers=range(1, 2)):
+        receiver = bj.append_stages((bj.declare_attn(), None), (bj.declare_ffn(), None))
+    assert sender[-1].declaration.place.outgoing.kind is bj.EdgeKind.PIPELINE_SEND
+    assert receiver[0].declaration.place.incoming.kind is bj.EdgeKind.PIPELINE_RECEIVE
+    assert receiver[0].declaration.place.previous == sender[-1].declaration.facts()
+    batch = bj.BatchFacts.ordinary(bj.Topology())
+    with bj.layer_stack(bj.Topology()):
+        (only,) = bj.append_stages((bj.declare_ffn(), bj.RMSNorm(HIDDEN)))
+    out, stream = only.prepare(jax.numpy.ones((4, HIDDEN)), bj.residual.start(batch))
+    out, stream = only.finish(jax.numpy.ones((4, HIDDEN)), stream)
+    with pytest.raises(RuntimeError, match="no next pipeline rank"):
+        bj.residual.to_pp(out, stream)
+    with pytest.raises(RuntimeError, match="entered through stack entry"):
+        only.from_pp({"hidden_states": jax.numpy.ones((4, HIDDEN))}, batch)
+
+
+def test_final_norm_after_a_pipeline_send_is_rejected():
+    """A rank whose stack continues on the next rank leaves through to_pp, not final_norm."""
+    topology = bj.Topology()
+    with bj.layer_stack(topology, stage_facts=_facts, num_layers=2, layers=range(1)):
+        attn, ffn = bj.append_stages(
+            (bj.declare_attn(), bj.RMSNorm(HIDDEN)), (bj.declare_ffn(), bj.RMSNorm(HIDDEN))
+        )
+    stream = bj.residual.start(bj.BatchFacts.ordinary(topology))
+    h, stream = attn.prepare(jax.numpy.ones((4, HIDDEN)), stream)
+    out, stream = attn.finish(h, stream)
+    h, stream = ffn.prepare(out, stream)
+    out, stream = ffn.finish(h, stream)
+    with pytest.raises(RuntimeError, match="leave through to_pp"):
+        bj.residual.final_norm(out, stream, bj.RMSNorm(HIDDEN))
+    tensors = bj.residual.to_pp(out, stream)
+    assert set(tensors) == {"hidden_states", "residual"}
