@@ -103,6 +103,8 @@ class EntryPath:
         leaving read needs rows the residual is not on).
       primary: The entry the producer's preferred exit option (or the stack input) leads to.
       transport: The entry a pipeline receive takes: what `from_pp` rebuilds.
+      capture_move: Moves the updated residual from the residual's rows onto the attention's
+        rows, for a gathered capture.
     """
 
     handoff: Placement | None
@@ -115,6 +117,7 @@ class EntryPath:
     read_after_move: bool
     primary: bool = False
     transport: bool = False
+    capture_move: tuple[Step, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -477,6 +480,7 @@ def _entry(
         move,
         read_after_move,
         transport=transport,
+        capture_move=ops.relayout(residual, topology.attention_rows(), topology),
     )
 
 

@@ -24,8 +24,22 @@ def scan_layers(
     Raises:
       ValueError: The layers differ in structure (for example the stack entry or terminal layer).
     """
+    return scan_layers_with_outputs(layers, carry, lambda layer, c: (call(layer, c), None))[0]
+
+
+def scan_layers_with_outputs(
+    layers: Sequence[nnx.Module],
+    carry: Any,
+    call: Callable[[nnx.Module, Any], tuple[Any, Any]],
+) -> tuple[Any, Any]:
+    """`scan_layers` whose `call(layer, carry)` returns `(carry, output)`; also returns every
+    layer's output stacked on a leading axis (e.g. each layer's captured hidden state).
+
+    Raises:
+      ValueError: The layers differ in structure (for example the stack entry or terminal layer).
+    """
     if not layers:
-        return carry
+        return carry, None
     graphdefs, states = zip(*(nnx.split(layer) for layer in layers), strict=True)
     for index, graphdef in enumerate(graphdefs[1:], start=1):
         if graphdef != graphdefs[0]:
@@ -36,7 +50,6 @@ def scan_layers(
     stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *states)
 
     def body(carry, state):
-        return call(nnx.merge(graphdefs[0], state), carry), None
+        return call(nnx.merge(graphdefs[0], state), carry)
 
-    carry, _ = jax.lax.scan(body, carry, stacked)
-    return carry
+    return jax.lax.scan(body, carry, stacked)

@@ -26,7 +26,7 @@ from .bind import (
     rows_fit,
     sends_written,
 )
-from .contracts import Placement
+from .contracts import Placement, StageKind
 from .declare import EdgeKind, OutputTransform, StageDeclaration
 from .fusions import FusionProvider
 from .output import DeferredFinalize
@@ -131,6 +131,44 @@ class StageBoundary(nnx.Module):
           `(compute_input, stream)`: the input on this stage's compute rows and the stream, now
           written.
         """
+        compute_input, stream, _ = self._prepare(x, stream, capture=False)
+        return compute_input, stream
+
+    def prepare_captured(
+        self, x: Any, stream: ResidualStream, *, gathered: bool = False
+    ) -> tuple[jax.Array, ResidualStream, jax.Array]:
+        """`prepare`, also returning the updated residual this read produces (an auxiliary
+        hidden state, e.g. for EAGLE-3 drafting). Attention and mixer stages only.
+
+        The sum the producer owes completes unfused first (an add + norm kernel still runs);
+        at the stack entry the capture is the complete stack input before `init_residual`. The
+        captured value is a new array (JAX values are never aliased), so it is always owned.
+
+        Args:
+          x: As for `prepare`.
+          stream: As for `prepare`.
+          gathered: Return the capture on the attention's rows (gathered from attention-TP
+            slices where the residual is on them); otherwise on the residual's rows.
+
+        Returns:
+          `(compute_input, stream, captured)`.
+
+        Raises:
+          TypeError: The stage is an FFN (its prepare does not capture).
+        """
+        if self.declaration.kind is not StageKind.ATTN:
+            raise TypeError(
+                f"the stage appended at {self.call_site} is an FFN; only an attention or mixer "
+                "input captures the residual"
+            )
+        compute_input, stream, (residual, entry) = self._prepare(x, stream, capture=True)
+        return (
+            compute_input,
+            stream,
+            ops.run(entry.capture_move, residual) if gathered else residual,
+        )
+
+    def _prepare(self, x: Any, stream: ResidualStream, *, capture: bool):
         stream = require_stream(stream)
         path = self._path(stream)
         if stream.state is StreamState.INITIAL:
@@ -157,9 +195,10 @@ class StageBoundary(nnx.Module):
             self.norm,
             candidates=self.plan.input_fusions,
             topology=self.plan.topology,
+            fuse_sum=not capture,
         )
         _, stream = stream.written(residual, path.residual_layout, state)
-        return compute_input, stream
+        return compute_input, stream, (residual, entry)
 
     def _enter_stack(self, x, stream, entry: EntryPath, path: StagePath):
         if isinstance(x, OwedOutput):
@@ -178,7 +217,7 @@ class StageBoundary(nnx.Module):
             compute_input, residual, state = self.read.init_residual(value, self.norm)
             compute_input = ops.run(entry.move_input, compute_input)
         _, stream = stream.written(residual, path.residual_layout, state)
-        return compute_input, stream
+        return compute_input, stream, (value, entry)
 
     def from_pp(
         self, tensors: dict[str, jax.Array], batch: BatchFacts

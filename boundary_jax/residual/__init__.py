@@ -6,7 +6,9 @@ from .batch import FinalizeRequest as FinalizeRequest
 from .batch import add_to_output as add_to_output
 from .batch import complete_output as complete_output
 from .batch import final_norm as final_norm
+from .batch import final_norm_captured as final_norm_captured
 from .batch import fold as fold
+from .batch import next_pass as next_pass
 from .batch import set_written as set_written
 from .batch import snapshot as snapshot
 from .batch import start as start

@@ -96,6 +96,23 @@ def take_output(output: OwedOutput, stream: ResidualStream) -> jax.Array:
     return ops.run(_leave(stream).entry.move_input, stream.residual)
 
 
+def next_pass(
+    output: OwedOutput, stream: ResidualStream, loop_norm: Norm | None = None
+) -> tuple[OwedOutput, ResidualStream]:
+    """Starts another pass over the same layers (a looped stack, as Nanbeige's).
+
+    Folds what is pending into the residual, brings it to the attention's rows, applies the
+    loop norm when given, and starts a new stream written with it: the stack's first stage
+    then enters from that written stream without `init_residual`. Call after the stack's last
+    stage, in place of `final_norm`, between passes.
+    """
+    output, stream = fold(output, stream)
+    hidden = take_output(output, stream)
+    if loop_norm is not None:
+        hidden = loop_norm(hidden)
+    return set_written(hidden, start(stream.batch))
+
+
 def snapshot(output: OwedOutput, stream: ResidualStream) -> jax.Array:
     """The updated residual on the residual's rows, computed on a copy: the stream still owes
     its work.
@@ -186,6 +203,22 @@ def final_norm(
     `finalize_norm` (a fused finalize + sum + add + norm) when given; otherwise it completes
     unfused first.
     """
+    return _final_read(output, stream, norm, skip_empty, finalize_norm, capture=False)[0]
+
+
+def final_norm_captured(
+    output: OwedOutput, stream: ResidualStream, norm: Norm | None, *, skip_empty: bool = False
+) -> tuple[jax.Array, jax.Array]:
+    """`final_norm`, also returning the updated residual it normalizes (the last auxiliary
+    hidden state), on the attention's rows.
+
+    The owed sum completes unfused first, and a finalize handoff completes unfused (there is no
+    fused finalize norm when the residual is captured).
+    """
+    return _final_read(output, stream, norm, skip_empty, None, capture=True)
+
+
+def _final_read(output, stream, norm, skip_empty, finalize_norm, *, capture: bool):
     stream = _checked(output, stream)
     leave = _leave(
         stream,
@@ -198,24 +231,35 @@ def final_norm(
     if pending is not None and entry.handoff != pending.placement:
         entry = dataclasses.replace(entry, complete=pending.owed.onto_residual, fused_sum=())
 
-    def normalize():
+    def read():
         fused = pending is not None and pending.placement.finalize and finalize_norm is not None
         if fused and not entry.move_input:
             request = FinalizeRequest(pending.value, stream.residual, norm, pending.placement.owed)
-            return finalize_norm(request)
-        return run_entry(
-            entry, stream.residual, pending, leave.final_read, norm, topology=stream.batch.topology
-        )[0]
+            return finalize_norm(request), None
+        normed, residual, _ = run_entry(
+            entry,
+            stream.residual,
+            pending,
+            leave.final_read,
+            norm,
+            topology=stream.batch.topology,
+            fuse_sum=not capture,
+        )
+        return normed, ops.run(entry.move_input, residual) if capture else None
 
     if skip_empty and stream.batch.token_counts is not None:
-        result = jax.eval_shape(normalize)
-        normed = lax.cond(stream.batch.has_tokens(), normalize, lambda: zeros_varying_like(result))
+        result = jax.eval_shape(read)
+        normed, residual = lax.cond(
+            stream.batch.has_tokens(),
+            read,
+            lambda: jax.tree.map(zeros_varying_like, result),
+        )
     else:
-        normed = normalize()
+        normed, residual = read()
     mask = stream.batch.valid_rows(normed.shape[0])
     if mask is not None:
         normed = jnp.where(mask[:, None], normed, jnp.zeros((), normed.dtype))
-    return normed
+    return normed, residual
 
 
 def to_pp(output: OwedOutput, stream: ResidualStream) -> dict[str, jax.Array]:

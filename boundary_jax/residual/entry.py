@@ -34,9 +34,17 @@ def run_entry(
     *,
     candidates: Sequence[InputFusion] = (),
     topology: Topology,
+    fuse_sum: bool = True,
 ) -> tuple[jax.Array, jax.Array, Any]:
     """`(compute_input, residual, read_state)` after `entry`, from a residual on the entry's
-    `residual_from` rows; `pending` is the producer's contribution or None."""
+    `residual_from` rows; `pending` is the producer's contribution or None.
+
+    With `fuse_sum=False` the sum left for the update + read completes first, unfused (a
+    capture of the updated residual needs it complete); an add + norm kernel may still run.
+    """
+    if not fuse_sum and entry.fused_sum:
+        steps = entry.complete + ops.all_reduce(entry.fused_sum)
+        entry = dataclasses.replace(entry, complete=steps, fused_sum=())
     residual = ops.run(entry.residual_move, residual)
     if pending is not None and entry.residual_move:
         pending = _moved_state(pending, entry.residual_move)
