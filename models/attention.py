@@ -279,7 +279,9 @@ class Attention(nnx.Module):
             if cache is not None:
                 cache = self._write(cache, k, v, positions, segment_ids)
             if cudnn:
-                out = _packed_cudnn(q, k, v, segment_ids)
+                # Segment ids are cache slots, so the slots bound the segments per call.
+                bound = rows if cache is None else cache.k.shape[0]
+                out = _packed_cudnn(q, k, v, segment_ids, max_segments=bound)
             else:
                 mask = segment_ids[:, None] == segment_ids[None, :]
                 mask &= self._visible(positions, positions) & valid[:, None]
@@ -346,26 +348,36 @@ class Attention(nnx.Module):
                 f"(local kv heads, head_dim)={expected}; got k {cache.k.shape}, v "
                 f"{cache.v.shape}. Pass KVCache.specs(topology) as the cache's shard_map spec."
             )
-        # Padding rows point past the last slot, so the scatter drops them.
-        slot = jnp.where(segment_ids >= 0, segment_ids, cache.k.shape[0])
+        # Padding rows point past the last slot, each at its own row index, so every index is
+        # distinct (XLA may then scatter without atomics) and the out-of-range ones drop.
+        valid = segment_ids >= 0
+        slot = jnp.where(valid, segment_ids, cache.k.shape[0])
+        position = jnp.where(
+            valid, positions, jnp.arange(positions.shape[0], dtype=positions.dtype)
+        )
+        write = {"mode": "drop", "unique_indices": True}
         return KVCache(
-            k=cache.k.at[slot, positions].set(k.astype(cache.k.dtype), mode="drop"),
-            v=cache.v.at[slot, positions].set(v.astype(cache.v.dtype), mode="drop"),
+            k=cache.k.at[slot, position].set(k.astype(cache.k.dtype), **write),
+            v=cache.v.at[slot, position].set(v.astype(cache.v.dtype), **write),
         )
 
 
-def _packed_cudnn(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
+def _packed_cudnn(
+    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, max_segments: int
+) -> jax.Array:
     """Causal attention within each segment of packed rows, through cuDNN's ragged layout.
 
     q is [T, heads, D], k/v [T, kv, D]. Each segment must be contiguous with positions 0, 1,
     ... (causality is by row order); padding rows (-1) get unspecified values the caller masks.
-    cuDNN skips the score blocks between segments, so packing costs no T x T work.
+    Segment ids must be < `max_segments` (static): cuDNN schedules work for every segment
+    entry, so a tight bound (the cache slots) keeps empty entries cheap. cuDNN skips the score
+    blocks between segments, so packing costs no T x T work.
     """
     # Private but stable since JAX 0.4.3x: the public wrapper takes no segment offsets.
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
     rows = segment_ids.shape[0]
-    segments = rows  # a static bound on the number of segments in these rows
+    segments = max_segments
     index = jnp.arange(rows, dtype=jnp.int32)
     seg = jnp.where(segment_ids >= 0, segment_ids, segments)
     lengths = jax.ops.segment_sum(jnp.ones(rows, jnp.int32), seg, segments + 1)[:segments]

@@ -146,6 +146,19 @@ class CausalLM(nnx.Module):
         Returns:
           ([rows or R, vocab] float32 logits, zero on padding rows; the caches or None).
         """
+        hidden, caches_out = self.hidden(rows, batch, caches, last_rows)
+        return self.lm_head(hidden).astype(jnp.float32), caches_out
+
+    def hidden(
+        self,
+        rows: TokenRows,
+        batch: bj.BatchFacts,
+        caches: tuple[KVCache, ...] | None = None,
+        last_rows: jax.Array | None = None,
+    ) -> tuple[jax.Array, tuple[KVCache, ...] | None]:
+        """The final-norm output [rows or R, hidden] that `__call__` feeds to the LM head
+        (same arguments), and the updated caches; for callers that apply the head themselves
+        (e.g. `lm_head.greedy`)."""
         stream = residual.start(batch)
         x = self.embed(rows.ids)
         updated = []
@@ -159,8 +172,7 @@ class CausalLM(nnx.Module):
             # The LM head is the largest matmul of a decode step: run it on the rows asked for.
             picked = jnp.take(hidden, jnp.clip(last_rows, 0, hidden.shape[0] - 1), axis=0)
             hidden = jnp.where((last_rows >= 0)[:, None], picked, 0)
-        logits = self.lm_head(hidden).astype(jnp.float32)
-        return logits, None if caches is None else tuple(updated)
+        return hidden, None if caches is None else tuple(updated)
 
 
 class Qwen3ForCausalLM(CausalLM):

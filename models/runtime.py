@@ -138,6 +138,27 @@ def load_model(
     return nnx.merge(graphdef, _renamed(state, back))
 
 
+def _next_tokens(
+    model: CausalLM,
+    rows: TokenRows,
+    batch: bj.BatchFacts,
+    caches: tuple[KVCache, ...],
+    last_rows: jax.Array | None,
+    key: jax.Array,
+    sampling: Sampling,
+) -> tuple[jax.Array, tuple[KVCache, ...]]:
+    """The next token per row (or per `last_rows` entry), and the updated caches.
+
+    Greedy decoding takes the argmax of each rank's vocab shard, so full logits never cross
+    attention TP; sampling gathers the logits of the chosen rows only.
+    """
+    hidden, caches = model.hidden(rows, batch, caches, last_rows)
+    if sampling.greedy:
+        return model.lm_head.greedy(hidden), caches
+    logits = model.lm_head(hidden).astype(jnp.float32)
+    return sample_tokens(logits, key, sampling), caches
+
+
 def _variable_paths(module: nnx.Module) -> dict[int, list[tuple]]:
     """Every path that reaches each variable of `module` (shared variables have several)."""
     paths: dict[int, list[tuple]] = {}
@@ -364,8 +385,9 @@ class ShardedCausalLM:
         rows = self._rows
 
         def body(model, rows_, batch, caches, last_rows, key):
-            logits, caches = model(rows_, batch, caches, last_rows)
-            tokens = sample_tokens(logits, self._rank_key(key), sampling)
+            tokens, caches = _next_tokens(
+                model, rows_, batch, caches, last_rows, self._rank_key(key), sampling
+            )
             return jnp.where(last_rows >= 0, tokens, 0), caches
 
         return self._sharded.program(
@@ -394,8 +416,9 @@ class ShardedCausalLM:
             def step(index, carry):
                 ids, positions, caches, out = carry
                 current = TokenRows(ids, positions, rows_.segment_ids, RowsPhase.DECODE)
-                logits, caches = model(current, batch, caches)
-                tokens = sample_tokens(logits, jax.random.fold_in(key, index), sampling)
+                tokens, caches = _next_tokens(
+                    model, current, batch, caches, None, jax.random.fold_in(key, index), sampling
+                )
                 tokens = jnp.where(active, tokens, 0)
                 out = lax.dynamic_update_index_in_dim(out, tokens, index, axis=0)
                 return tokens, positions + 1, caches, out
