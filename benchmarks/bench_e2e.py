@@ -75,7 +75,9 @@ LLAMA3_8B = DecoderConfig(
 def auto_mesh(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
     """The same devices and axis names with Auto axes: the GSPMD baseline's mesh."""
     return jax.sharding.Mesh(
-        mesh.devices, mesh.axis_names, axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
+        mesh.devices,
+        mesh.axis_names,
+        axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names),
     )
 
 
@@ -304,7 +306,10 @@ def _decode_inputs(runner: ShardedCausalLM, sequences: int, start: int):
     return rows, bj.BatchFacts(runner._variant, runner.topology, counts)
 
 
-def run_config(config: DecoderConfig, tp: int, results: list, memory: list) -> None:
+def run_config(
+    config: DecoderConfig, tp: int, results: list, memory: list, cases: list[str] | None = None
+) -> None:
+    wanted = lambda case: cases is None or case in cases  # noqa: E731
     topology = bj.Topology(attn_tp=tp)
     mesh = bj.make_mesh(topology)
     model = build_model(
@@ -349,6 +354,8 @@ def run_config(config: DecoderConfig, tp: int, results: list, memory: list) -> N
 
     for sequences in (1, 8):
         length = 512
+        if not wanted(f"prefill {sequences * length}"):
+            continue
         prompts = rng.integers(0, config.vocab_size, (sequences, length)).astype(np.int32)
         packed = pack_sequences(list(prompts), topology)
         rows, batch = runner.place(packed)
@@ -398,6 +405,8 @@ def run_config(config: DecoderConfig, tp: int, results: list, memory: list) -> N
 
     for cache_len in (1024, 8192):
         for sequences in (8, 64):
+            if not wanted(f"decode {sequences} @ {cache_len}"):
+                continue
             start = cache_len - STEPS - 1
             times = {}
             rows, batch = _decode_inputs(runner, sequences, start)
@@ -478,6 +487,12 @@ def main() -> None:
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--no-generate", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="a tiny config (CPU check)")
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        default=None,
+        help="only these cases, e.g. 'prefill 4096' 'decode 64 @ 1024' (default: all)",
+    )
     args = parser.parse_args()
     print(header("bench_e2e"))
     results, memory = [], []
@@ -494,7 +509,7 @@ def main() -> None:
                     num_kv_heads=2,
                     head_dim=32,
                 )
-            run_config(config, tp, results, memory)
+            run_config(config, tp, results, memory, args.cases)
     print("\n## Llama-3-8B shape, bf16: project vs one-jit GSPMD (ms; ratios are speedups)")
     print_table(
         (

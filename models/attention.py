@@ -247,7 +247,8 @@ class Attention(nnx.Module):
 
         Returns:
           ([T, hidden] o_proj partial owing a sum over attention TP, with zero rows for
-          padding; the updated cache, or None without one).
+          padding, except idle DECODE rows on the cuDNN path, which hold finite values; the
+          updated cache, or None without one).
 
         Raises:
           ValueError: Mismatched row shapes, a DECODE call without a cache or with other than
@@ -282,6 +283,8 @@ class Attention(nnx.Module):
                 # Segment ids are cache slots, so the slots bound the segments per call.
                 bound = rows if cache is None else cache.k.shape[0]
                 out = _packed_cudnn(q, k, v, segment_ids, max_segments=bound)
+                # cuDNN leaves rows outside every segment unwritten.
+                out = jnp.where(valid[:, None, None], out, 0)
             else:
                 mask = segment_ids[:, None] == segment_ids[None, :]
                 mask &= self._visible(positions, positions) & valid[:, None]
@@ -297,8 +300,10 @@ class Attention(nnx.Module):
                 mask = self._visible(positions, key_positions) & valid[:, None]
                 keys, values = cache.k.astype(q.dtype), cache.v.astype(v.dtype)
                 out = _attend(self._grouped(q), keys, values, mask, "tskd")
-        out = out.reshape(rows, self.heads.local_heads * head_dim)
-        out = jnp.where(valid[:, None], out.astype(h.dtype), 0)
+        # The jnp paths give padding rows zero weights. A cuDNN decode row of an idle slot
+        # reads its slot's first key (finite values): masking it would cost a kernel per layer
+        # and step, and the batch's token counts (or the caller) ignore that row.
+        out = out.astype(h.dtype).reshape(rows, self.heads.local_heads * head_dim)
         return self.o_proj(out), cache
 
     def _grouped(self, q: jax.Array) -> jax.Array:
