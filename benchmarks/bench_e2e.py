@@ -36,7 +36,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 import boundary_jax as bj
-from models.attention import AttentionImpl, KVCache
+from models.attention import AttentionImpl, KVCache, decode_attention_cudnn
 from models.config import Architecture, DecoderConfig
 from models.rope import apply_rope, rope_inv_freq
 from models.rows import RowsPhase, TokenRows, pack_sequences
@@ -168,16 +168,10 @@ def _decode_jnp(q, k_cache, v_cache, positions):
 
 
 def _decode_cudnn(q, k_cache, v_cache, positions):
-    lengths = (positions + 1).astype(jnp.int32)
-    out = jax.nn.dot_product_attention(
-        q[:, None],
-        k_cache,
-        v_cache,
-        query_seq_lengths=jnp.ones_like(lengths),
-        key_value_seq_lengths=lengths,
-        implementation=KERNEL,
-    )
-    return out[:, 0]
+    """The project's own cuDNN decode call (the "same kernels" baseline)."""
+    if KERNEL != "cudnn":
+        return _decode_jnp(q, k_cache, v_cache, positions)
+    return decode_attention_cudnn(q, k_cache, v_cache, (positions + 1).astype(jnp.int32))
 
 
 def make_baseline(config: DecoderConfig, cudnn: bool):
@@ -450,6 +444,32 @@ def run_config(
             print(results[-1], flush=True)
 
 
+def attention_kernels() -> None:
+    """Decode attention alone, one GPU, TP-2-local heads (16 query, 4 kv): cache read rate."""
+    from .common import kernel_ms
+
+    print("\n## decode attention kernels (16 query heads, 4 kv heads, head 128, bf16)")
+    print("| sequences @ cache | cuDNN per query head | cuDNN grouped | plain jnp |")
+    print("|---|---|---|---|")
+    rng = jax.random.key(0)
+    for sequences, length in ((64, 1024), (64, 8192), (8, 8192)):
+        q = jax.random.normal(rng, (sequences, 16, 128), jnp.bfloat16)
+        k = jax.random.normal(rng, (sequences, length, 4, 128), jnp.bfloat16)
+        v = jax.random.normal(rng, (sequences, length, 4, 128), jnp.bfloat16)
+        positions = jnp.full((sequences,), length - 1, jnp.int32)
+        lengths = positions + 1
+        nbytes = 2 * k.nbytes
+        cells = []
+        for fn in (
+            jax.jit(lambda q, k, v, n: decode_attention_cudnn(q, k, v, n, grouped=False)),
+            jax.jit(lambda q, k, v, n: decode_attention_cudnn(q, k, v, n)),
+            jax.jit(lambda q, k, v, p: _decode_jnp(q, k, v, p - 1)),
+        ):
+            ms = kernel_ms(fn, [(q, k, v, lengths)])
+            cells.append(f"{ms * 1e3:.1f} us ({nbytes / ms / 1e9:.2f} TB/s)")
+        print(f"| {sequences} @ {length} | " + " | ".join(cells) + " |")
+
+
 def generate_check(config: DecoderConfig, tp: int) -> None:
     """generate() per token (the decode part) against the jitted decode loop it calls."""
     topology = bj.Topology(attn_tp=tp)
@@ -486,6 +506,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, nargs="+", default=[8])
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--no-generate", action="store_true")
+    parser.add_argument("--kernels", action="store_true", help="decode attention kernels only")
     parser.add_argument("--smoke", action="store_true", help="a tiny config (CPU check)")
     parser.add_argument(
         "--cases",
@@ -495,6 +516,9 @@ def main() -> None:
     )
     args = parser.parse_args()
     print(header("bench_e2e"))
+    if args.kernels:
+        attention_kernels()
+        return
     results, memory = [], []
     for layers in args.layers:
         for tp in args.tp:

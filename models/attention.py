@@ -411,20 +411,52 @@ def _packed_cudnn(
 def _decode_cudnn(q: jax.Array, cache: KVCache, positions: jax.Array) -> jax.Array:
     """Row i's query [heads, D] over slot i's cached keys 0..positions[i], through cuDNN.
 
-    The cache is read in place ([slots, max_len, kv, D] is cuDNN's BSNH layout); idle rows
-    read one key and are masked by the caller.
+    The cache is read in place ([slots, max_len, kv, D] is cuDNN's BSNH layout); an idle row
+    reads its slot's first key.
     """
     lengths = jnp.clip(positions + 1, 1, cache.k.shape[1]).astype(jnp.int32)
+    return decode_attention_cudnn(q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), lengths)
+
+
+def decode_attention_cudnn(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    lengths: jax.Array,
+    *,
+    grouped: bool = True,
+) -> jax.Array:
+    """One query row per slot over its cache: [B, heads, D] x [B, S, kv, D] -> [B, heads, D].
+
+    Slot b attends to keys 0..lengths[b]-1 (lengths >= 1). With `grouped` (the default), the
+    query heads that share a kv head become that many query rows of one kv head: cuDNN then
+    reads each slot's keys once per kv head, instead of once per query head.
+    """
+    batch, heads, head_dim = q.shape
+    kv = k_cache.shape[2]
+    if not grouped:
+        out = jax.nn.dot_product_attention(
+            q[:, None],
+            k_cache,
+            v_cache,
+            scale=head_dim**-0.5,
+            query_seq_lengths=jnp.ones_like(lengths),
+            key_value_seq_lengths=lengths,
+            implementation="cudnn",
+        )
+        return out[:, 0]
+    group = heads // kv
+    rows = q.reshape(batch, kv, group, head_dim).transpose(0, 2, 1, 3)  # [B, group, kv, D]
     out = jax.nn.dot_product_attention(
-        q[:, None],
-        cache.k.astype(q.dtype),
-        cache.v.astype(q.dtype),
-        scale=q.shape[-1] ** -0.5,
-        query_seq_lengths=jnp.ones_like(lengths),
+        rows,
+        k_cache,
+        v_cache,
+        scale=head_dim**-0.5,
+        query_seq_lengths=jnp.full_like(lengths, group),
         key_value_seq_lengths=lengths,
         implementation="cudnn",
     )
-    return out[:, 0]
+    return out.transpose(0, 2, 1, 3).reshape(batch, heads, head_dim)
 
 
 def _acc(dtype: jnp.dtype) -> jnp.dtype:

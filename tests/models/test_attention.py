@@ -427,7 +427,9 @@ def test_cudnn_equals_reference_in_prefill_and_decode(dp, tp):
         )
     (want, want_cache), (got, got_cache) = outs[AttentionImpl.XLA], outs[AttentionImpl.CUDNN]
     # Padding rows of the prefill are zero on both paths; an idle decode slot is unspecified.
-    for g, w, active in zip(got, want, (np.ones(dp * 128, bool), np.asarray(step_seg) >= 0)):
+    for g, w, active in zip(
+        got, want, (np.ones(dp * 128, bool), np.asarray(step_seg) >= 0), strict=True
+    ):
         g, w = np.asarray(g, np.float32)[active], np.asarray(w, np.float32)[active]
         assert np.max(np.abs(g - w)) <= 2e-2 * np.max(np.abs(w))
     np.testing.assert_array_equal(np.asarray(got_cache.k), np.asarray(want_cache.k))
