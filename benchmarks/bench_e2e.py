@@ -21,10 +21,13 @@ Run on the GPU machine from the repository root:
   python3 -m benchmarks.bench_e2e --layers 8 --tp 1 2
 """
 
+# ruff: noqa: B023 (each timed closure runs within its own loop iteration)
+
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import statistics
 import time
 
@@ -358,7 +361,7 @@ def run_config(
         want = runner.forward_placed(rows, batch)[last]
         ids = jax.device_put(prompts, replicated)
         times, errors = {}, {}
-        for name, (logits_of, step, _) in baselines.items():
+        for name, (logits_of, _, _) in baselines.items():
             got = logits_of(params, ids)
             got, ref = np.asarray(got), np.asarray(want)
             errors[name] = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
@@ -522,6 +525,7 @@ def main() -> None:
     results, memory = [], []
     for layers in args.layers:
         for tp in args.tp:
+            gc.collect()  # the previous configuration's model and caches
             config = dataclasses.replace(LLAMA3_8B, num_layers=layers)
             if args.smoke:
                 config = dataclasses.replace(

@@ -35,7 +35,8 @@ def kernel_table(trace_dir: pathlib.Path, top: int = 25) -> dict[str, list[tuple
     files = glob.glob(str(trace_dir / "**" / "*.json.gz"), recursive=True)
     if not files:
         return {}
-    events = json.load(gzip.open(sorted(files)[-1]))
+    with gzip.open(sorted(files)[-1]) as stream:
+        events = json.load(stream)
     events = events["traceEvents"] if isinstance(events, dict) else events
     processes, threads = {}, {}
     for event in events:

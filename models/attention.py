@@ -424,7 +424,7 @@ def decode_attention_cudnn(
     v_cache: jax.Array,
     lengths: jax.Array,
     *,
-    grouped: bool = True,
+    grouped: bool = False,
 ) -> jax.Array:
     """One query row per slot over its cache: [B, heads, D] x [B, S, kv, D] -> [B, heads, D].
 

@@ -31,6 +31,10 @@ from .sampling import GREEDY, Sampling, sample_tokens
 CACHE_LENGTHS = tuple(2**i for i in range(7, 18))
 """Cache lengths a request's prompt + new tokens are rounded up to (capped at the model's
 max_position_embeddings)."""
+MIN_ROWS = 16
+"""The smallest prefill block per DP rank that `pack(bucketed=True)` uses."""
+MIN_STEPS = 16
+"""The smallest decode token buffer (`capacity`) that `generate` uses."""
 
 
 def bucket(size: int, multiple: int = 1) -> int:
@@ -262,7 +266,7 @@ class ShardedCausalLM:
         return pack_sequences(
             sequences,
             self.topology,
-            rows_per_rank=bucket(exact.rows_per_rank, tp),
+            rows_per_rank=bucket(max(exact.rows_per_rank, MIN_ROWS), tp),
             slots_per_rank=bucket(exact.decode_rows_per_rank, tp),
         )
 
@@ -478,7 +482,13 @@ class ShardedCausalLM:
             rows, batch = self.place(host_rows)
             rows = TokenRows(first, rows.positions, rows.segment_ids, RowsPhase.DECODE)
             rest, caches = self.decode(
-                rows, batch, caches, decode_key, steps, capacity=bucket(steps), sampling=sampling
+                rows,
+                batch,
+                caches,
+                decode_key,
+                steps,
+                capacity=bucket(max(steps, MIN_STEPS)),
+                sampling=sampling,
             )
             tokens = jnp.concatenate([tokens, rest[:steps]])
         return np.asarray(jax.device_get(tokens))[:, packed.slot_order()].T.astype(np.int32)
