@@ -299,8 +299,7 @@ def _decode_inputs(runner: ShardedCausalLM, sequences: int, start: int):
         runner.place_array(segments),
         RowsPhase.DECODE,
     )
-    counts = runner.place_array(np.full(runner.topology.attn_dp, slots, np.int32), rows=False)
-    return rows, bj.BatchFacts(runner._variant, runner.topology, counts)
+    return rows, runner.place_batch(np.full(runner.topology.attn_dp, slots, np.int32))
 
 
 def run_config(

@@ -25,6 +25,7 @@ import boundary_jax as bj
 from models.attention import AttentionImpl, KVCache
 from models.rows import pack_sequences
 from models.runtime import ShardedCausalLM, build_model
+from models.sampling import GREEDY
 
 from .bench_e2e import LLAMA3_8B, _decode_inputs, auto_mesh, baseline_params, make_baseline
 
@@ -106,7 +107,7 @@ def main() -> None:
             tokens, base[0] = prefill_step(params, ids, base[0])
             return tokens
 
-        program = runner._program("prefill", runner_sampling())
+        program = runner._program(runner._prefill_program, GREEDY)
         hlo = {
             "project": program.lower(runner.state, rows, batch, held[0], last_rows, key),
             "baseline": prefill_step.lower(params, ids, base[0]),
@@ -127,7 +128,7 @@ def main() -> None:
             result, base[0] = decode(params, tokens, positions, base[0], steps)
             return result
 
-        program = runner._program("decode", runner_sampling(), steps)
+        program = runner._program(runner._decode_program, GREEDY, steps)
         hlo = {
             "project": program.lower(runner.state, rows, batch, held[0], key, jnp.int32(steps)),
             "baseline": decode.lower(params, tokens, positions, base[0], steps),
@@ -148,12 +149,6 @@ def main() -> None:
                 total += ms
                 print(f"{ms / 5:9.3f} ms  x{count // 5:<5} {kernel}")
             print(f"(top entries sum {total / 5:.3f} ms per call)")
-
-
-def runner_sampling():
-    from models.sampling import GREEDY
-
-    return GREEDY
 
 
 if __name__ == "__main__":

@@ -278,9 +278,12 @@ class ShardedCausalLM:
     def place(self, packed: PackedBatch) -> tuple[TokenRows, bj.BatchFacts]:
         """The packed rows and their batch facts, placed on the mesh."""
         rows = jax.device_put(packed.rows, NamedSharding(self.mesh, self._rows))
-        batch = packed.batch_facts(self.topology, input_scattered=self.input_scattered)
-        counts = self.place_array(batch.token_counts, rows=False)
-        return rows, bj.BatchFacts(batch.variant, batch.topology, counts)
+        return rows, self.place_batch(packed.token_counts)
+
+    def place_batch(self, token_counts: np.ndarray) -> bj.BatchFacts:
+        """Placed batch facts of this runner's variant: [attn_dp] real rows per DP rank."""
+        counts = self.place_array(np.asarray(token_counts, np.int32), rows=False)
+        return bj.BatchFacts(self._variant, self.topology, counts)
 
     def new_caches(self, slots_per_rank: int, max_len: int) -> tuple[KVCache, ...]:
         """Zero KV caches (one per layer) of `slots_per_rank` slots per DP rank, sharded."""
@@ -339,7 +342,7 @@ class ShardedCausalLM:
         Returns:
           (int32 [attn_dp * slots per rank] next token per slot, in slot order; the caches).
         """
-        program = self._program("prefill", sampling)
+        program = self._program(self._prefill_program, sampling)
         return program(self._state, rows, batch, caches, last_rows, key)
 
     def decode(
@@ -369,13 +372,13 @@ class ShardedCausalLM:
         Returns:
           (int32 [capacity, attn_dp * slots per rank] tokens, rows past `steps` zero; caches).
         """
-        program = self._program("decode", sampling, capacity)
+        program = self._program(self._decode_program, sampling, capacity)
         return program(self._state, rows, batch, caches, key, jnp.asarray(steps, jnp.int32))
 
-    def _program(self, kind: str, sampling: Sampling, capacity: int = 0) -> Callable:
-        name = (kind, sampling, capacity)
+    def _program(self, make: Callable, sampling: Sampling, capacity: int = 0) -> Callable:
+        """The program `make(sampling, capacity)` builds, built once per runner."""
+        name = (make.__name__, sampling, capacity)
         if name not in self._programs:
-            make = self._prefill_program if kind == "prefill" else self._decode_program
             self._programs[name] = make(sampling, capacity)
         return self._programs[name]
 
