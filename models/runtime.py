@@ -71,8 +71,9 @@ def build_model(
       attention: The attention kernel; None picks `AttentionImpl.for_platform` of `mesh` (or
         of the default backend).
       mesh: None builds every weight whole on the default device; a mesh builds the model
-        abstractly and creates each weight straight into its shards (no unsharded copy).
-        The values are the same either way.
+        abstractly and creates each weight straight into its shards (no unsharded copy), at
+        the cost of compiling the initializer (seconds; worth it for large models). The
+        values are the same either way.
     """
     if attention is None:
         attention = AttentionImpl.for_platform(_platform(mesh))

@@ -27,13 +27,13 @@ def test_build_on_a_mesh_creates_sharded_weights_equal_to_the_plain_build():
     config = PRESETS["tiny-qwen3"]
     topology = bj.Topology(attn_tp=4)
     mesh = bj.make_mesh(topology)
-    placed = nnx.to_flat_state(nnx.state(build_model(config, topology, mesh=mesh)))
+    placed = nnx.state(build_model(config, topology, mesh=mesh))
     plain = dict(nnx.to_flat_state(nnx.state(build_model(config, topology))))
-    for path, variable in placed:
+    for path, variable in nnx.to_flat_state(placed):
         value = variable[...]
         assert isinstance(value.sharding, jax.sharding.NamedSharding)
         np.testing.assert_array_equal(np.asarray(value), np.asarray(plain[path][...]))
-    table = nnx.state(build_model(config, topology, mesh=mesh))["embed"]["embedding"][...]
+    table = placed["embed"]["embedding"][...]
     assert table.addressable_shards[0].data.shape[0] == table.shape[0] // 4
 
 
