@@ -4,11 +4,18 @@ Rows are one attention-DP rank's tokens: `positions` [T] is each row's position 
 sequence and `segment_ids` [T] its sequence (0..S-1, -1 for padding). A row attends to the rows
 (or cached positions) of its own sequence at positions <= its own (and within the sliding
 window). The output is this rank's o_proj partial, unreduced over attention TP.
+
+Two kinds of call (`RowsPhase`): a prefill attends within its packed rows (and writes them into
+the cache, if one is given, in place); a decode step has one row per cache slot, row i being
+slot i's next token, and attends over the cache directly (no per-row copy of the cache).
+The attention itself runs through an `AttentionImpl`: plain `jnp` (the reference, and the CPU
+path) or cuDNN's fused attention (GPU; packed variable-length prefill and length-masked decode).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 
 import jax
@@ -22,6 +29,25 @@ from boundary_jax import RMSNorm, SumGroup, TokenAxis, Topology, shard_index
 from .config import DecoderConfig
 from .layers import ColumnParallelLinear, RowParallelLinear, group_size
 from .rope import apply_rope, rope_inv_freq
+from .rows import RowsPhase
+
+
+class AttentionImpl(enum.Enum):
+    """Which kernel computes softmax(q k^T) v.
+
+    XLA: plain `jnp` einsums with float32 scores (the reference; every platform, every dtype).
+    CUDNN: cuDNN fused attention (GPU): packed variable-length causal prefill and decode over
+    the cache with per-slot key lengths. Where cuDNN does not take the call (float32, a
+    sliding window, head_dim not a multiple of 8 or over 128) the layer uses XLA instead.
+    """
+
+    XLA = "xla"
+    CUDNN = "cudnn"
+
+    @classmethod
+    def for_platform(cls, platform: str) -> AttentionImpl:
+        """The measured-fastest choice for a JAX platform name ("cpu", "gpu", "cuda", "tpu")."""
+        return cls.CUDNN if platform in ("gpu", "cuda") else cls.XLA
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +186,7 @@ class Attention(nnx.Module):
       heads: How the heads divide over attention TP.
       config: The decoder configuration (head_dim, RoPE, sliding window).
       topology: The parallel topology.
+      impl: The attention kernel (`AttentionImpl`).
     """
 
     def __init__(
@@ -168,6 +195,7 @@ class Attention(nnx.Module):
         *,
         topology: Topology,
         dtype: jnp.dtype = jnp.float32,
+        impl: AttentionImpl = AttentionImpl.XLA,
         rngs: nnx.Rngs,
     ):
         if topology.attn_cp > 1:
@@ -192,6 +220,7 @@ class Attention(nnx.Module):
         self.heads = heads
         self.config = config
         self.topology = topology
+        self.impl = impl
 
     def __call__(
         self,
@@ -199,26 +228,43 @@ class Attention(nnx.Module):
         positions: jax.Array,
         segment_ids: jax.Array,
         cache: KVCache | None = None,
+        *,
+        phase: RowsPhase = RowsPhase.PREFILL,
     ) -> tuple[jax.Array, KVCache | None]:
-        """Attends each row to its sequence; with a cache, first stores this call's keys/values.
+        """Attends each row to its sequence; with a cache, also stores this call's keys/values.
 
         Args:
           h: [T, hidden] normalized input rows, complete and alike on every attention-TP rank.
           positions: [T] int32 position of each row within its sequence.
           segment_ids: [T] int32 sequence (cache slot) of each row; -1 marks padding.
-          cache: None to attend over these rows alone; else this rank's local cache. Every
-            position 0..p of a row's sequence must be in the cache or in this call; positions
-            >= max_len are not stored.
+          cache: None to attend over these rows alone; else this rank's local cache.
+          phase: PREFILL: each sequence's rows are all in this call, contiguous, at positions
+            0, 1, ... (as `pack_sequences` lays them out); they attend among themselves and,
+            with a cache, are written into it in place. DECODE (needs a cache): row i is slot
+            i's next token (segment id i, or -1 for an idle slot); it is written at its
+            position and attends to cached positions 0..position. Positions >= max_len are
+            not stored.
 
         Returns:
           ([T, hidden] o_proj partial owing a sum over attention TP, with zero rows for
-          padding; the updated cache, or None without one).
+          padding, except idle DECODE rows on the cuDNN path, which hold finite values; the
+          updated cache, or None without one).
+
+        Raises:
+          ValueError: Mismatched row shapes, a DECODE call without a cache or with other than
+            one row per cache slot.
         """
         rows = h.shape[0]
         if positions.shape != (rows,) or segment_ids.shape != (rows,):
             raise ValueError(
                 f"positions and segment_ids must be [T] for h [T, hidden]; got {h.shape=}, "
                 f"{positions.shape=}, {segment_ids.shape=}"
+            )
+        if phase is RowsPhase.DECODE and (cache is None or cache.k.shape[0] != rows):
+            slots = None if cache is None else cache.k.shape[0]
+            raise ValueError(
+                "a DECODE call needs a cache and one row per cache slot (row i is slot i); "
+                f"got {rows} rows and cache slots {slots}. Use `decode_rows` to lay them out."
             )
         head_dim = self.config.head_dim
         q = self.q_proj(h).reshape(rows, self.heads.local_heads, head_dim)
@@ -228,23 +274,51 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = rope_inv_freq(head_dim, self.config.rope_theta, self.config.rope_scaling)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        q = q.reshape(rows, self.heads.local_kv_heads, -1, head_dim)  # [T, kv, group, D]
         valid = segment_ids >= 0
-        if cache is None:
-            # Every row sees the same keys: this call's rows of its own sequence.
-            keys, values, key_axes = k, v, "skd"
-            mask = segment_ids[:, None] == segment_ids[None, :]
-            mask &= self._visible(positions, positions)
+        cudnn = self._takes_cudnn(q.dtype)
+        if phase is RowsPhase.PREFILL:
+            if cache is not None:
+                cache = self._write(cache, k, v, positions, segment_ids)
+            if cudnn:
+                # Segment ids are cache slots, so the slots bound the segments per call.
+                bound = rows if cache is None else cache.k.shape[0]
+                out = _packed_cudnn(q, k, v, segment_ids, max_segments=bound)
+                # cuDNN leaves rows outside every segment unwritten.
+                out = jnp.where(valid[:, None, None], out, 0)
+            else:
+                mask = segment_ids[:, None] == segment_ids[None, :]
+                mask &= self._visible(positions, positions) & valid[:, None]
+                out = _attend(self._grouped(q), k.astype(q.dtype), v, mask, "skd")
         else:
-            # Each row sees its own slot's cached keys [T, max_len, kv, D], this call's included.
-            cache = self._write(cache, k, v, positions, segment_ids)
-            slot = jnp.where(valid, segment_ids, 0)
-            keys, values, key_axes = cache.k[slot], cache.v[slot], "tskd"
-            mask = self._visible(positions, jnp.arange(cache.k.shape[1], dtype=positions.dtype))
-        mask &= valid[:, None]
-        out = _attend(q, keys.astype(q.dtype), values.astype(v.dtype), mask, key_axes)
+            # Row i is slot i: write each row's key at its position, then read the cache as is.
+            slot_of_row = jnp.arange(rows, dtype=segment_ids.dtype)
+            cache = self._write(cache, k, v, positions, jnp.where(valid, slot_of_row, -1))
+            if cudnn:
+                out = _decode_cudnn(q, cache, positions)
+            else:
+                key_positions = jnp.arange(cache.k.shape[1], dtype=positions.dtype)
+                mask = self._visible(positions, key_positions) & valid[:, None]
+                keys, values = cache.k.astype(q.dtype), cache.v.astype(v.dtype)
+                out = _attend(self._grouped(q), keys, values, mask, "tskd")
+        # The jnp paths give padding rows zero weights. A cuDNN decode row of an idle slot
+        # reads its slot's first key (finite values): masking it would cost a kernel per layer
+        # and step, and the batch's token counts (or the caller) ignore that row.
         out = out.astype(h.dtype).reshape(rows, self.heads.local_heads * head_dim)
         return self.o_proj(out), cache
+
+    def _grouped(self, q: jax.Array) -> jax.Array:
+        """[T, heads, D] -> [T, kv, group, D]: query head n uses kv head n // group."""
+        return q.reshape(q.shape[0], self.heads.local_kv_heads, -1, q.shape[-1])
+
+    def _takes_cudnn(self, dtype: jnp.dtype) -> bool:
+        """Whether cuDNN computes this layer's attention (else the `jnp` reference does)."""
+        return (
+            self.impl is AttentionImpl.CUDNN
+            and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            and self.config.sliding_window is None
+            and self.config.head_dim % 8 == 0
+            and self.config.head_dim <= 128
+        )
 
     def _project_kv(self, proj: ColumnParallelLinear, h: jax.Array) -> jax.Array:
         """[T, local kv heads, head_dim]; a shared kv head is cut from the replicated kernel."""
@@ -279,12 +353,110 @@ class Attention(nnx.Module):
                 f"(local kv heads, head_dim)={expected}; got k {cache.k.shape}, v "
                 f"{cache.v.shape}. Pass KVCache.specs(topology) as the cache's shard_map spec."
             )
-        # Padding rows point past the last slot, so the scatter drops them.
-        slot = jnp.where(segment_ids >= 0, segment_ids, cache.k.shape[0])
-        return KVCache(
-            k=cache.k.at[slot, positions].set(k.astype(cache.k.dtype), mode="drop"),
-            v=cache.v.at[slot, positions].set(v.astype(cache.v.dtype), mode="drop"),
+        # Padding rows point past the last slot, each at its own row index, so every index is
+        # distinct (XLA may then scatter without atomics) and the out-of-range ones drop.
+        valid = segment_ids >= 0
+        slot = jnp.where(valid, segment_ids, cache.k.shape[0])
+        position = jnp.where(
+            valid, positions, jnp.arange(positions.shape[0], dtype=positions.dtype)
         )
+        write = {"mode": "drop", "unique_indices": True}
+        return KVCache(
+            k=cache.k.at[slot, position].set(k.astype(cache.k.dtype), **write),
+            v=cache.v.at[slot, position].set(v.astype(cache.v.dtype), **write),
+        )
+
+
+def _packed_cudnn(
+    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, max_segments: int
+) -> jax.Array:
+    """Causal attention within each segment of packed rows, through cuDNN's ragged layout.
+
+    q is [T, heads, D], k/v [T, kv, D]. Each segment must be contiguous with positions 0, 1,
+    ... (causality is by row order); padding rows (-1) get unspecified values the caller masks.
+    Segment ids must be < `max_segments` (static): cuDNN schedules work for every segment
+    entry, so a tight bound (the cache slots) keeps empty entries cheap. cuDNN skips the score
+    blocks between segments, so packing costs no T x T work.
+    """
+    # Private but stable since JAX 0.4.3x: the public wrapper takes no segment offsets.
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    rows = segment_ids.shape[0]
+    segments = max_segments
+    index = jnp.arange(rows, dtype=jnp.int32)
+    seg = jnp.where(segment_ids >= 0, segment_ids, segments)
+    lengths = jax.ops.segment_sum(jnp.ones(rows, jnp.int32), seg, segments + 1)[:segments]
+    first = jax.ops.segment_min(index, seg, segments + 1)[:segments]
+    # cuDNN wants the segments in row order, the real ones first, the rest -1.
+    first = jnp.where(lengths > 0, first, rows)
+    order = jnp.argsort(first)
+    first, lengths = first[order], lengths[order]
+    offsets = jnp.where(lengths > 0, first, -1)
+    offsets = jnp.concatenate([offsets, jnp.full((1,), -1, jnp.int32)])[None]
+    seqlen = jnp.where(lengths > 0, lengths, -1)[None]
+    out = cudnn.dot_product_attention(
+        q[None],
+        k[None].astype(q.dtype),
+        v[None].astype(q.dtype),
+        q_seqlen=seqlen,
+        kv_seqlen=seqlen,
+        q_offsets=offsets,
+        kv_offsets=offsets,
+        scale=q.shape[-1] ** -0.5,
+        mask_type=cudnn.MaskType.PADDING_CAUSAL,
+    )
+    return out[0]
+
+
+def _decode_cudnn(q: jax.Array, cache: KVCache, positions: jax.Array) -> jax.Array:
+    """Row i's query [heads, D] over slot i's cached keys 0..positions[i], through cuDNN.
+
+    The cache is read in place ([slots, max_len, kv, D] is cuDNN's BSNH layout); an idle row
+    reads its slot's first key.
+    """
+    lengths = jnp.clip(positions + 1, 1, cache.k.shape[1]).astype(jnp.int32)
+    return decode_attention_cudnn(q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), lengths)
+
+
+def decode_attention_cudnn(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    lengths: jax.Array,
+    *,
+    grouped: bool = False,
+) -> jax.Array:
+    """One query row per slot over its cache: [B, heads, D] x [B, S, kv, D] -> [B, heads, D].
+
+    Slot b attends to keys 0..lengths[b]-1 (lengths >= 1). With `grouped` (the default), the
+    query heads that share a kv head become that many query rows of one kv head: cuDNN then
+    reads each slot's keys once per kv head, instead of once per query head.
+    """
+    batch, heads, head_dim = q.shape
+    kv = k_cache.shape[2]
+    if not grouped:
+        out = jax.nn.dot_product_attention(
+            q[:, None],
+            k_cache,
+            v_cache,
+            scale=head_dim**-0.5,
+            query_seq_lengths=jnp.ones_like(lengths),
+            key_value_seq_lengths=lengths,
+            implementation="cudnn",
+        )
+        return out[:, 0]
+    group = heads // kv
+    rows = q.reshape(batch, kv, group, head_dim).transpose(0, 2, 1, 3)  # [B, group, kv, D]
+    out = jax.nn.dot_product_attention(
+        rows,
+        k_cache,
+        v_cache,
+        scale=head_dim**-0.5,
+        query_seq_lengths=jnp.full_like(lengths, group),
+        key_value_seq_lengths=lengths,
+        implementation="cudnn",
+    )
+    return out.transpose(0, 2, 1, 3).reshape(batch, heads, head_dim)
 
 
 def _acc(dtype: jnp.dtype) -> jnp.dtype:

@@ -26,6 +26,7 @@ from .config import PRESETS
 from .demo import run_demo
 from .report import plan_report, print_plan
 from .runtime import ShardedCausalLM, build_model, load_model
+from .sampling import Sampling
 
 EXIT_BAD_INPUT = 2
 
@@ -129,8 +130,12 @@ def _generate(args) -> None:
     prompts = _read_ids(args.prompt_ids, runner.config.vocab_size)
     if args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be at least 1; got {args.max_new_tokens}")
+    try:
+        sampling = Sampling(args.temperature, top_k=args.top_k, top_p=args.top_p)
+    except ValueError as error:
+        raise InputError(str(error)) from None
     with _status(console, f"generating {args.max_new_tokens} tokens for {len(prompts)} prompts"):
-        tokens = runner.generate(prompts, args.max_new_tokens)
+        tokens = runner.generate(prompts, args.max_new_tokens, sampling=sampling, seed=args.seed)
     print(json.dumps(tokens.tolist()))
 
 
@@ -183,10 +188,16 @@ def _parser() -> argparse.ArgumentParser:
     forward.add_argument("--out", required=True, help="where to write the logits (.npy)")
     forward.set_defaults(run=_forward)
 
-    generate = commands.add_parser("generate", help="greedy continuation of token-id prompts")
+    generate = commands.add_parser(
+        "generate", help="continuation of token-id prompts (greedy, or sampled on the device)"
+    )
     model_args(generate, preset=False)
     generate.add_argument("--prompt-ids", required=True, help="JSON list of token-id lists")
     generate.add_argument("--max-new-tokens", type=int, required=True)
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    generate.add_argument("--top-k", type=int, default=None)
+    generate.add_argument("--top-p", type=float, default=None)
+    generate.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling")
     generate.set_defaults(run=_generate)
 
     plan = commands.add_parser(

@@ -14,7 +14,7 @@ from flax import nnx
 import boundary_jax as bj
 from boundary_jax import residual
 
-from .attention import Attention, KVCache
+from .attention import Attention, AttentionImpl, KVCache
 from .config import Architecture, DecoderConfig
 from .layers import ParallelLMHead, VocabParallelEmbedding
 from .mlp import SwiGLU
@@ -47,12 +47,13 @@ class DecoderLayer(nnx.Module):
         *,
         topology: bj.Topology,
         dtype: jnp.dtype,
+        attention: AttentionImpl = AttentionImpl.XLA,
         rngs: nnx.Rngs,
     ):
         eps = config.rms_norm_eps
         input_norm = bj.RMSNorm(config.hidden_size, eps=eps, param_dtype=dtype)
         post_attn_norm = bj.RMSNorm(config.hidden_size, eps=eps, param_dtype=dtype)
-        self.attn = Attention(config, topology=topology, dtype=dtype, rngs=rngs)
+        self.attn = Attention(config, topology=topology, dtype=dtype, impl=attention, rngs=rngs)
         self.mlp = SwiGLU(
             config.hidden_size, config.intermediate_size, topology=topology, dtype=dtype, rngs=rngs
         )
@@ -79,7 +80,7 @@ class DecoderLayer(nnx.Module):
         cache: KVCache | None,
     ) -> tuple[bj.OwedOutput, bj.ResidualStream, KVCache | None]:
         h, stream = self.attn_boundary.prepare(x, stream)
-        y, cache = self.attn(h, rows.positions, rows.segment_ids, cache)
+        y, cache = self.attn(h, rows.positions, rows.segment_ids, cache, phase=rows.phase)
         x, stream = self.attn_boundary.finish(y, stream)
         h, stream = self.ffn_boundary.prepare(x, stream)
         x, stream = self.ffn_boundary.finish(self.mlp(h), stream)
@@ -96,6 +97,8 @@ class CausalLM(nnx.Module):
       layers: The decoder layers, one layer stack.
       final_norm: The norm the stack leaves through.
       lm_head: Vocab-parallel LM head (tied to `embed` when the config says so).
+      fusions: The stack's fusion provider (`bj.fusions.NO_FUSIONS`: the built-in path).
+      attention: The attention kernel of every layer.
     """
 
     architectures: tuple[Architecture, ...] = tuple(Architecture)
@@ -108,6 +111,7 @@ class CausalLM(nnx.Module):
         reduction: bj.ReductionPolicy = bj.ReductionPolicy.AUTO,
         fusions: bj.fusions.FusionProvider = bj.fusions.NO_FUSIONS,
         dtype: jnp.dtype = jnp.float32,
+        attention: AttentionImpl = AttentionImpl.XLA,
         rngs: nnx.Rngs,
     ):
         if config.architecture not in self.architectures:
@@ -118,6 +122,8 @@ class CausalLM(nnx.Module):
         common = {"topology": topology, "dtype": dtype, "rngs": rngs}
         self.config = config
         self.topology = topology
+        self.fusions = fusions
+        self.attention = attention
         self.embed = VocabParallelEmbedding(config.vocab_size, config.hidden_size, **common)
         with bj.layer_stack(
             topology,
@@ -129,7 +135,10 @@ class CausalLM(nnx.Module):
             num_layers=config.num_layers,
         ):
             self.layers = nnx.List(
-                [DecoderLayer(config, i, **common) for i in range(config.num_layers)]
+                [
+                    DecoderLayer(config, i, attention=attention, **common)
+                    for i in range(config.num_layers)
+                ]
             )
         self.final_norm = bj.RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=dtype)
         self.lm_head = ParallelLMHead(
@@ -144,17 +153,33 @@ class CausalLM(nnx.Module):
         rows: TokenRows,
         batch: bj.BatchFacts,
         caches: tuple[KVCache, ...] | None = None,
+        last_rows: jax.Array | None = None,
     ) -> tuple[jax.Array, tuple[KVCache, ...] | None]:
-        """Logits of every row of this attention-DP rank, and the updated caches.
+        """Logits of this attention-DP rank's rows (or of chosen rows), and the updated caches.
 
         Args:
           rows: This DP rank's block of packed rows.
           batch: The batch facts (variant and per-DP-rank token counts).
           caches: One KV cache per layer, or None to attend within `rows` alone.
+          last_rows: None for logits of every row; else [R] int32 row indices (within this
+            rank's block) whose logits alone the LM head computes, -1 for none (zero logits).
 
         Returns:
-          ([rows, vocab] float32 logits, zero on padding rows; the caches or None).
+          ([rows or R, vocab] float32 logits, zero on padding rows; the caches or None).
         """
+        hidden, caches_out = self.hidden(rows, batch, caches, last_rows)
+        return self.lm_head(hidden).astype(jnp.float32), caches_out
+
+    def hidden(
+        self,
+        rows: TokenRows,
+        batch: bj.BatchFacts,
+        caches: tuple[KVCache, ...] | None = None,
+        last_rows: jax.Array | None = None,
+    ) -> tuple[jax.Array, tuple[KVCache, ...] | None]:
+        """The final-norm output [rows or R, hidden] that `__call__` feeds to the LM head
+        (same arguments), and the updated caches; for callers that apply the head themselves
+        (e.g. `lm_head.greedy`)."""
         stream = residual.start(batch)
         x = self.embed(rows.ids)
         updated = []
@@ -164,8 +189,11 @@ class CausalLM(nnx.Module):
                 x, stream, cache = layer(x, stream, rows, cache)
             updated.append(cache)
         hidden = residual.final_norm(x, stream, self.final_norm, skip_empty=True)
-        logits = self.lm_head(hidden).astype(jnp.float32)
-        return logits, None if caches is None else tuple(updated)
+        if last_rows is not None:
+            # The LM head is the largest matmul of a decode step: run it on the rows asked for.
+            picked = jnp.take(hidden, jnp.clip(last_rows, 0, hidden.shape[0] - 1), axis=0)
+            hidden = jnp.where((last_rows >= 0)[:, None], picked, 0)
+        return hidden, None if caches is None else tuple(updated)
 
 
 class Qwen3ForCausalLM(CausalLM):

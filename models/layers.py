@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax import lax
 
 from boundary_jax import SumGroup, Topology, gather_last_dim, shard_index
 
@@ -193,3 +194,28 @@ class ParallelLMHead(nnx.Module):
         weight = self.tied_embedding.embedding[...].T if tied else self.kernel[...]
         logits = gather_last_dim(x @ weight, self.topology, SumGroup.ATTN_TP)
         return logits[:, : self.vocab_size]
+
+    def greedy(self, x: jax.Array) -> jax.Array:
+        """[T, hidden] complete rows -> int32 [T] argmax token ids, without gathering logits.
+
+        Each rank takes the argmax of its own vocab columns (padding columns excluded); only
+        the [T] maxima and their ids cross attention TP. Ties go to the lowest id, as with
+        `argmax` of the gathered logits.
+        """
+        tied = self.kernel is None
+        weight = self.tied_embedding.embedding[...].T if tied else self.kernel[...]
+        logits = (x @ weight).astype(jnp.float32)
+        columns = logits.shape[-1]
+        first = shard_index(self.topology, SumGroup.ATTN_TP) * columns
+        ids = first + jnp.arange(columns)
+        logits = jnp.where(ids < self.vocab_size, logits, -jnp.inf)
+        best = jnp.max(logits, axis=-1)
+        token = (first + jnp.argmax(logits, axis=-1)).astype(jnp.int32)
+        axes = self.topology.sum_axes(SumGroup.ATTN_TP)
+        if not axes:
+            return token
+        names = Topology.mesh_names(axes)
+        best = lax.all_gather(best, names, axis=0, to="invarying")  # [ranks, T]
+        token = lax.all_gather(token, names, axis=0, to="invarying")
+        rank = jnp.argmax(best, axis=0)  # first rank with the maximum: the lowest id
+        return jnp.take_along_axis(token, rank[None], axis=0)[0]

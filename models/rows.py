@@ -7,6 +7,7 @@ The forward runs on rows, not a [batch, seq] grid: each attention-DP rank holds 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 from collections.abc import Sequence
 
@@ -16,10 +17,23 @@ import numpy as np
 import boundary_jax as bj
 
 
+class RowsPhase(enum.Enum):
+    """What a block of rows is, which decides how attention reads and writes the KV cache.
+
+    PREFILL: whole sequences packed from row 0, each contiguous at positions 0, 1, ...; they
+    attend among themselves (and are written into the cache, if any).
+    DECODE: one row per cache slot (row i is slot i's next token, segment id i or -1); each
+    attends over its slot of the cache.
+    """
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["ids", "positions", "segment_ids"],
-    meta_fields=[],
+    meta_fields=["phase"],
 )
 @dataclasses.dataclass(frozen=True)
 class TokenRows:
@@ -29,11 +43,13 @@ class TokenRows:
       ids: int32 token ids (0 on padding rows).
       positions: int32 position of each row within its sequence.
       segment_ids: int32 slot of the row's sequence on its DP rank; -1 on padding rows.
+      phase: Static: packed prefill rows or one decode row per slot.
     """
 
     ids: np.ndarray | jax.Array
     positions: np.ndarray | jax.Array
     segment_ids: np.ndarray | jax.Array
+    phase: RowsPhase = RowsPhase.PREFILL
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,21 +103,49 @@ class PackedBatch:
         ]
         return values[rows]
 
+    def last_row_index(self) -> np.ndarray:
+        """int32 [attn_dp * decode_rows_per_rank]: per DP rank and slot, the row (within the
+        rank's block) of that slot's sequence's last token; -1 for an empty slot.
+
+        Fed to the model as `last_rows`, it yields one logits row per slot, in slot order.
+        """
+        dp = len(self.token_counts)
+        index = np.full(dp * self.decode_rows_per_rank, -1, np.int32)
+        for rank, slot, start, length in zip(
+            self.rank, self.slot, self.start, self.lengths, strict=True
+        ):
+            index[rank * self.decode_rows_per_rank + slot] = start + length - 1
+        return index
+
+    def slot_order(self) -> np.ndarray:
+        """int32 [sequences]: where each sequence sits in a slot-ordered [attn_dp * slots] array."""
+        return np.asarray(
+            [r * self.decode_rows_per_rank + s for r, s in zip(self.rank, self.slot, strict=True)],
+            np.int32,
+        )
+
 
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
 def pack_sequences(
-    sequences: Sequence[Sequence[int]], topology: bj.Topology, *, rows_per_rank: int | None = None
+    sequences: Sequence[Sequence[int]],
+    topology: bj.Topology,
+    *,
+    rows_per_rank: int | None = None,
+    slots_per_rank: int | None = None,
 ) -> PackedBatch:
     """Packs whole sequences onto attention-DP ranks, balancing their token counts.
 
     Longest sequences go first, each to the DP rank with the fewest tokens so far. Blocks are
     padded to a common size that divides over attention TP (so input-scattered batches work).
+    `rows_per_rank` and `slots_per_rank` fix the prefill block and the decode block (cache
+    slots per rank) to larger static sizes, so that batches of other sizes share one program.
 
     Raises:
-      ValueError: A sequence is empty, or `rows_per_rank` is too small.
+      ValueError: A sequence is empty, or `rows_per_rank` / `slots_per_rank` is too small or
+        not a multiple of attention TP.
     """
     if not sequences or any(len(s) == 0 for s in sequences):
         raise ValueError("pack_sequences needs at least one sequence and no empty sequence")
@@ -132,6 +176,14 @@ def pack_sequences(
             segments[row : row + len(tokens)] = slot
             rank_of[index], slot_of[index], start_of[index] = rank, slot, offset
             offset += len(tokens)
+    slots = _round_up(max(len(m) for m in members), topology.attn_tp)
+    if slots_per_rank is not None:
+        if slots_per_rank < slots or slots_per_rank % topology.attn_tp:
+            raise ValueError(
+                f"slots_per_rank must be a multiple of attention TP ({topology.attn_tp}) holding "
+                f"{max(len(m) for m in members)} sequences; got {slots_per_rank}"
+            )
+        slots = slots_per_rank
     return PackedBatch(
         rows=TokenRows(ids, positions, segments),
         token_counts=np.asarray(load, np.int32),
@@ -141,15 +193,15 @@ def pack_sequences(
         lengths=tuple(len(s) for s in sequences),
         rows_per_rank=block,
         slots_per_rank=max(len(m) for m in members),
-        decode_rows_per_rank=_round_up(max(len(m) for m in members), topology.attn_tp),
+        decode_rows_per_rank=slots,
     )
 
 
 def decode_rows(packed: PackedBatch, tokens: np.ndarray, positions: np.ndarray) -> PackedBatch:
     """One row per sequence (its next token at its next position), in its prefill slot.
 
-    The block per DP rank holds one row per slot, padded to a multiple of attention TP, so the
-    rows land in the same cache slots as the prefill that produced `packed`.
+    The block per DP rank holds one row per slot (`decode_rows_per_rank`, the cache's slots per
+    rank), so row i of a rank is cache slot i, as a DECODE call requires.
     """
     dp = len(packed.token_counts)
     block = packed.decode_rows_per_rank
@@ -163,7 +215,7 @@ def decode_rows(packed: PackedBatch, tokens: np.ndarray, positions: np.ndarray) 
         counts[rank] += 1
     return dataclasses.replace(
         packed,
-        rows=TokenRows(ids, rows_pos, segments),
+        rows=TokenRows(ids, rows_pos, segments, RowsPhase.DECODE),
         token_counts=counts,
         start=packed.slot,
         lengths=(1,) * len(packed.lengths),

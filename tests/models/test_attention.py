@@ -15,8 +15,9 @@ from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file
 
 import boundary_jax as bj
-from models.attention import Attention, HeadSplit, KVCache
+from models.attention import Attention, AttentionImpl, HeadSplit, KVCache
 from models.config import PRESETS, DecoderConfig, Llama3RopeScaling
+from models.rows import RowsPhase
 
 from . import MESHES, make_mesh, randomize_norms, row_spec, run_sharded, sum_over, unsharded_copy
 
@@ -185,11 +186,12 @@ def test_sliding_window_sees_last_window_positions():
     chex.assert_trees_all_close(got, want, atol=1e-5)
 
 
-# Cache test: per DP rank, sequences of SLOTS slots grow by prefill then DECODE_STEPS one-token
-# steps; each step also carries a padding row whose write must be dropped.
+# Cache test: per DP rank, three sequences in slots 0-2 grow by prefill then DECODE_STEPS
+# one-token steps; each decode step has one row per slot, slot 3 idle (a padding row whose write
+# must be dropped).
 PREFILL = ((5, 1, 3), (2, 4, 1))
 DECODE_STEPS = 3
-SLOTS = 3
+SLOTS = 4
 MAX_LEN = 16
 
 
@@ -254,7 +256,8 @@ def test_cache_prefill_and_decode_equal_packed(dp, tp, name):
         outs = []
         for i in range(len(calls)):
             positions, segments, h = flat[3 * i : 3 * i + 3]
-            out, cache = module(h, positions, segments, cache)
+            phase = RowsPhase.PREFILL if i == 0 else RowsPhase.DECODE
+            out, cache = module(h, positions, segments, cache, phase=phase)
             outs.append(sum_over(out, topology, bj.SumGroup.ATTN_TP))
         return outs, cache
 
@@ -277,7 +280,7 @@ def test_cache_prefill_and_decode_equal_packed(dp, tp, name):
             else:
                 assert np.all(out[index] == 0)
     # Nothing was written past each sequence's last position (padding writes were dropped).
-    lengths = np.array([[n + DECODE_STEPS for n in PREFILL[r % 2]] for r in range(dp)])
+    lengths = np.array([[n + DECODE_STEPS for n in PREFILL[r % 2]] + [0] for r in range(dp)])
     written = np.any(np.asarray(cache.k) != 0, axis=(2, 3)).reshape(dp, SLOTS, MAX_LEN)
     np.testing.assert_array_equal(written, np.arange(MAX_LEN) < lengths[..., None])
 
@@ -381,3 +384,52 @@ def test_matches_hf_qwen3_layer0(dp, tp):
     )
     want = np.stack([expected[i][1][pos] if seg >= 0 else np.zeros(64) for seg, i, pos in flat])
     np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs a GPU")
+@pytest.mark.parametrize("dp,tp", [(1, 1), (1, 2)])
+def test_cudnn_equals_reference_in_prefill_and_decode(dp, tp):
+    """On GPU, cuDNN packed prefill and cache decode equal the jnp reference (bf16 rounding)."""
+    if jax.device_count() < dp * tp:
+        pytest.skip(f"needs {dp * tp} devices")
+    config = dataclasses.replace(BASE, hidden_size=256, head_dim=64, num_heads=8, num_kv_heads=4)
+    topology = bj.Topology(attn_dp=dp, attn_tp=tp)
+    mesh = make_mesh(dp, tp)
+    rows, hidden = row_spec(topology), row_spec(topology, None)
+    # Irregular packing: segment 1 before segment 0, a slot with no rows (2), padding at the end.
+    lengths = ((1, 37), (0, 64), (3, 9))
+    segments = [s for s, n in lengths for _ in range(n)] + [-1] * 18
+    positions = [p for _, n in lengths for p in range(n)] + [0] * 18
+    positions, segments = jnp.array(positions * dp, jnp.int32), jnp.array(segments * dp, jnp.int32)
+    h = jax.random.normal(jax.random.key(3), (dp * 128, config.hidden_size), jnp.bfloat16)
+    step_h = jax.random.normal(jax.random.key(4), (dp * 4, config.hidden_size), jnp.bfloat16)
+    step_pos = jnp.array([64, 37, 0, 9] * dp, jnp.int32)
+    step_seg = jnp.array([0, 1, -1, 3] * dp, jnp.int32)
+    outs = {}
+    for impl in (AttentionImpl.XLA, AttentionImpl.CUDNN):
+        attn = Attention(config, topology=topology, dtype=jnp.bfloat16, impl=impl, rngs=nnx.Rngs(0))
+        cache = KVCache.create(config, topology, slots=dp * 4, max_len=80, mesh=mesh)
+        cache = jax.tree.map(lambda a: a.astype(jnp.bfloat16), cache)
+
+        def body(module, cache, h, positions, segments, step_h, step_pos, step_seg):
+            first, cache = module(h, positions, segments, cache)
+            second, cache = module(step_h, step_pos, step_seg, cache, phase=RowsPhase.DECODE)
+            done = [sum_over(o, topology, bj.SumGroup.ATTN_TP) for o in (first, second)]
+            return done, cache
+
+        outs[impl] = run_sharded(
+            attn,
+            mesh,
+            body,
+            (cache, h, positions, segments, step_h, step_pos, step_seg),
+            (KVCache.specs(topology), hidden, rows, rows, hidden, rows, rows),
+            ([hidden, hidden], KVCache.specs(topology)),
+        )
+    (want, want_cache), (got, got_cache) = outs[AttentionImpl.XLA], outs[AttentionImpl.CUDNN]
+    # Padding rows of the prefill are zero on both paths; an idle decode slot is unspecified.
+    for g, w, active in zip(
+        got, want, (np.ones(dp * 128, bool), np.asarray(step_seg) >= 0), strict=True
+    ):
+        g, w = np.asarray(g, np.float32)[active], np.asarray(w, np.float32)[active]
+        assert np.max(np.abs(g - w)) <= 2e-2 * np.max(np.abs(w))
+    np.testing.assert_array_equal(np.asarray(got_cache.k), np.asarray(want_cache.k))

@@ -172,6 +172,20 @@ BAD_INPUT = {
         ],
         "list of non-empty lists of ints",
     ),
+    "sampling without a temperature": (
+        lambda tmp: [
+            "generate",
+            "--checkpoint",
+            str(GOLDEN / "qwen3"),
+            "--prompt-ids",
+            _file(tmp, "[[1, 2]]"),
+            "--max-new-tokens",
+            "2",
+            "--top-k",
+            "5",
+        ],
+        "need a temperature",
+    ),
     "ids outside the vocabulary": (
         lambda tmp: [
             "forward",

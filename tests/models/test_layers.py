@@ -141,3 +141,23 @@ def test_rejects_uneven_split_and_mismatched_tie():
     embed = VocabParallelEmbedding(VOCAB, HIDDEN, topology=topology, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="tied LM head"):
         ParallelLMHead(2 * HIDDEN, VOCAB, topology=topology, rngs=nnx.Rngs(0), tied_embedding=embed)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_lm_head_greedy_equals_argmax_of_gathered_logits(tp):
+    """The sharded greedy head picks argmax of the full logits, never a padding column."""
+    from models.layers import ParallelLMHead
+
+    topology = bj.Topology(attn_tp=tp)
+    mesh = make_mesh(1, tp)
+    head = ParallelLMHead(16, 37, topology=topology, rngs=nnx.Rngs(0))  # 37: padded columns
+    # All logits negative: a zero padding column would win a naive argmax.
+    head.kernel[...] = -jnp.abs(head.kernel[...])
+    x = jnp.abs(jax.random.normal(jax.random.key(1), (6, 16), jnp.float32))
+    x = x.at[3].set(0.0)  # all-equal logits: the tie goes to token 0
+    spec = P()
+    got, logits = run_sharded(
+        head, mesh, lambda m, x: (m.greedy(x), m(x)), (x,), (spec,), (spec, spec)
+    )
+    np.testing.assert_array_equal(np.asarray(got), np.argmax(np.asarray(logits), axis=-1))
+    assert np.asarray(got)[3] == 0

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import boundary_jax as bj
-from models.rows import decode_rows, pack_sequences
+from models.rows import RowsPhase, decode_rows, pack_sequences
 
 
 def test_sequences_are_balanced_whole_and_padded():
@@ -62,3 +62,40 @@ def test_packing_rejects_empty_input_and_small_blocks():
         pack_sequences([[1], []], bj.Topology())
     with pytest.raises(ValueError, match="rows_per_rank"):
         pack_sequences([[1] * 9], bj.Topology(attn_tp=2), rows_per_rank=8)
+
+
+def test_last_row_index_and_slot_order_address_each_sequence():
+    """Per DP rank and slot, last_row_index is the slot's last row; slot_order finds it back."""
+    topology = bj.Topology(attn_dp=2, attn_tp=2)
+    sequences = [[1] * 3, [2] * 5, [3] * 2]
+    packed = pack_sequences(sequences, topology, slots_per_rank=4)
+    assert packed.decode_rows_per_rank == 4
+    index = packed.last_row_index()
+    assert index.shape == (2 * 4,)
+    values = np.arange(2 * packed.rows_per_rank)
+    for sequence, position in enumerate(packed.slot_order()):
+        rank = position // 4
+        row = rank * packed.rows_per_rank + index[position]
+        assert packed.rows.ids[row] == sequences[sequence][-1]
+        assert values[row] == packed.last_rows(values)[sequence]
+    assert (np.sort(index)[: 2 * 4 - 3] == -1).all()  # the five empty slots
+
+
+def test_slots_per_rank_must_hold_the_sequences_and_split_over_tp():
+    """A decode block smaller than a rank's sequences, or not a multiple of TP, is rejected."""
+    topology = bj.Topology(attn_tp=2)
+    with pytest.raises(ValueError, match="slots_per_rank must be a multiple"):
+        pack_sequences([[1], [2], [3]], topology, slots_per_rank=2)
+    with pytest.raises(ValueError, match="slots_per_rank must be a multiple"):
+        pack_sequences([[1]], topology, slots_per_rank=3)
+
+
+def test_decode_rows_put_row_i_in_slot_i():
+    """Decode rows are DECODE phase, one per slot: row i of a rank is slot i (or padding)."""
+    packed = pack_sequences([[1] * 3, [2] * 5, [3] * 2], bj.Topology(attn_dp=2), slots_per_rank=4)
+    rows = decode_rows(packed, np.array([7, 8, 9]), np.array([3, 5, 2])).rows
+    assert rows.phase is RowsPhase.DECODE
+    block = rows.segment_ids.reshape(2, 4)
+    for rank in range(2):
+        live = block[rank] >= 0
+        np.testing.assert_array_equal(block[rank][live], np.arange(4)[live])

@@ -1,0 +1,155 @@
+"""Where the time goes: GPU kernel times of the project's and the GSPMD baseline's programs.
+
+Runs one case of `bench_e2e` (prefill or decode, Llama-3-8B shape) under `jax.profiler` with a
+Perfetto trace, sums device time per kernel name for each contender, and writes the optimized
+HLO of both programs next to the trace. Run on the GPU machine:
+  python3 -m benchmarks.profile_e2e OUT_DIR --layers 8 --tp 2 --case prefill
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import glob
+import gzip
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+import boundary_jax as bj
+from models.attention import AttentionImpl, KVCache
+from models.rows import pack_sequences
+from models.runtime import ShardedCausalLM, build_model
+from models.sampling import GREEDY
+
+from .bench_e2e import LLAMA3_8B, _decode_inputs, auto_mesh, baseline_params, make_baseline
+
+
+def kernel_table(trace_dir: pathlib.Path, top: int = 25) -> dict[str, list[tuple[str, float, int]]]:
+    """Per GPU timeline kind ("Stream" kernels, "XLA Ops"): (name, total ms, count), largest
+    first, from the Perfetto trace of `jax.profiler.trace`."""
+    files = glob.glob(str(trace_dir / "**" / "*.json.gz"), recursive=True)
+    if not files:
+        return {}
+    with gzip.open(sorted(files)[-1]) as stream:
+        events = json.load(stream)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    processes, threads = {}, {}
+    for event in events:
+        if event.get("ph") == "M" and event.get("name") == "process_name":
+            processes[event["pid"]] = event["args"]["name"]
+        if event.get("ph") == "M" and event.get("name") == "thread_name":
+            threads[event["pid"], event["tid"]] = event["args"]["name"]
+    totals = collections.defaultdict(collections.Counter)
+    counts = collections.defaultdict(collections.Counter)
+    for event in events:
+        process = processes.get(event.get("pid"), "")
+        if event.get("ph") != "X" or "GPU" not in process:
+            continue
+        thread = threads.get((event["pid"], event.get("tid")), "")
+        kind = "XLA Ops" if "XLA Op" in thread else ("Stream" if "Stream" in thread else thread)
+        name = event["name"][:90]
+        totals[kind][name] += event.get("dur", 0) / 1e3
+        counts[kind][name] += 1
+    return {
+        kind: [(name, ms, counts[kind][name]) for name, ms in totals[kind].most_common(top)]
+        for kind in totals
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--case", choices=("prefill", "decode"), default="prefill")
+    args = parser.parse_args()
+    out = pathlib.Path(args.out)
+    config = dataclasses.replace(LLAMA3_8B, num_layers=args.layers)
+    topology = bj.Topology(attn_tp=args.tp)
+    mesh = bj.make_mesh(topology)
+    runner = ShardedCausalLM(
+        build_model(config, topology, dtype=jnp.bfloat16, attention=AttentionImpl.CUDNN, mesh=mesh),
+        mesh,
+    )
+    gspmd = auto_mesh(mesh)
+    params = baseline_params(runner, gspmd)
+    _, prefill_step, decode = make_baseline(config, cudnn=True)
+    replicated = NamedSharding(gspmd, PartitionSpec())
+    cache_spec = NamedSharding(gspmd, KVCache.partition_spec(topology))
+    key = jax.device_put(jax.random.key(0), NamedSharding(mesh, PartitionSpec()))
+    rng = np.random.default_rng(0)
+
+    def zero_caches(slots, length):
+        shape = KVCache.global_shape(config, topology, slots=slots, max_len=length)
+        zeros = lambda: jnp.zeros(shape, jnp.bfloat16, device=cache_spec)  # noqa: E731
+        return [(zeros(), zeros()) for _ in range(config.num_layers)]
+
+    if args.case == "prefill":
+        prompts = rng.integers(0, config.vocab_size, (8, 512)).astype(np.int32)
+        packed = pack_sequences(list(prompts), topology)
+        rows, batch = runner.place(packed)
+        last_rows = runner.place_array(packed.last_row_index())
+        held = [runner.new_caches(packed.decode_rows_per_rank, 512)]
+        ids = jax.device_put(prompts, replicated)
+        base = [zero_caches(8, 512)]
+
+        def project():
+            tokens, held[0] = runner.prefill(rows, batch, held[0], last_rows, key)
+            return tokens
+
+        def baseline():
+            tokens, base[0] = prefill_step(params, ids, base[0])
+            return tokens
+
+        program = runner._program(runner._prefill_program, GREEDY)
+        hlo = {
+            "project": program.lower(runner.state, rows, batch, held[0], last_rows, key),
+            "baseline": prefill_step.lower(params, ids, base[0]),
+        }
+    else:
+        steps, sequences, cache_len = 8, 64, 1024
+        rows, batch = _decode_inputs(runner, sequences, cache_len - steps - 1)
+        held = [runner.new_caches(sequences, cache_len)]
+        tokens = jax.device_put(np.zeros(sequences, np.int32), replicated)
+        positions = jax.device_put(np.full(sequences, cache_len - steps - 1, np.int32), replicated)
+        base = [zero_caches(sequences, cache_len)]
+
+        def project():
+            result, held[0] = runner.decode(rows, batch, held[0], key, steps, capacity=steps)
+            return result
+
+        def baseline():
+            result, base[0] = decode(params, tokens, positions, base[0], steps)
+            return result
+
+        program = runner._program(runner._decode_program, GREEDY, steps)
+        hlo = {
+            "project": program.lower(runner.state, rows, batch, held[0], key, jnp.int32(steps)),
+            "baseline": decode.lower(params, tokens, positions, base[0], steps),
+        }
+    for name, lowered in hlo.items():
+        (out / f"{args.case}_{name}.hlo.txt").write_text(lowered.compile().as_text())
+    for name, call in (("project", project), ("baseline", baseline)):
+        for _ in range(3):
+            jax.block_until_ready(call())
+        trace_dir = pathlib.Path("/tmp") / f"trace_{args.case}_{name}"
+        with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+            for _ in range(5):
+                jax.block_until_ready(call())
+        for kind, table in kernel_table(trace_dir).items():
+            print(f"\n## {name} {args.case}, {args.layers} layers TP {args.tp}: {kind} (per call)")
+            total = 0.0
+            for kernel, ms, count in table:
+                total += ms
+                print(f"{ms / 5:9.3f} ms  x{count // 5:<5} {kernel}")
+            print(f"(top entries sum {total / 5:.3f} ms per call)")
+
+
+if __name__ == "__main__":
+    main()
