@@ -32,7 +32,10 @@ def test_build_on_a_mesh_creates_sharded_weights_equal_to_the_plain_build():
     for path, variable in nnx.to_flat_state(placed):
         value = variable[...]
         assert isinstance(value.sharding, jax.sharding.NamedSharding)
-        np.testing.assert_array_equal(np.asarray(value), np.asarray(plain[path][...]))
+        # Equal up to float32 rounding: JAX 0.11.2 fuses the init's scaling differently under jit.
+        np.testing.assert_allclose(
+            np.asarray(value), np.asarray(plain[path][...]), rtol=1e-6, atol=1e-7
+        )
     table = placed["embed"]["embedding"][...]
     assert table.addressable_shards[0].data.shape[0] == table.shape[0] // 4
 
