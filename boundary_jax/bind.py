@@ -489,7 +489,7 @@ def bind_stage(
     incoming: Edge,
     outgoing: Edge,
     stack: StackFacts,
-    rows: dict[BatchVariant, tuple[StageRows | None, StageRows, StageRows | None]],
+    rows: dict[BatchVariant, tuple[StageRows | None, StageRows]],
     fusions: FusionProvider | None = None,
     producer_fusions: FusionProvider | None = None,
     *,
@@ -502,8 +502,7 @@ def bind_stage(
       incoming: The edge from its producer (or the stack input).
       outgoing: The edge to its consumer (or the final read).
       stack: The stack's facts.
-      rows: Per variant, the rows of (the producer, this stage, the consumer); None for the
-        stack input and the final read.
+      rows: Per variant, the rows of (the producer, this stage); None for the stack input.
       fusions: This stage's provider (None: the stack's).
       producer_fusions: The producer's provider (None: the stack's).
       final_read: At a stack exit, the read the stack leaves through.
@@ -518,7 +517,7 @@ def bind_stage(
     attention = topology.attention_rows()
     paths = []
     for variant in stack.variants:
-        producer_rows, own, _ = rows[variant]
+        producer_rows, own = rows[variant]
         residual, compute = own.residual, own.compute
 
         def entry(

@@ -140,7 +140,6 @@ class LayerStack:
                 variant: (
                     rows[variant][index - 1] if index else None,
                     rows[variant][index],
-                    rows[variant][index + 1] if index + 1 < len(stages) else None,
                 )
                 for variant in facts.variants
             }
