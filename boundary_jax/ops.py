@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from .contracts import Placement
@@ -246,3 +247,24 @@ def gather_last_dim(x: jax.Array, topology: Topology, group: SumGroup) -> jax.Ar
     if not axes:
         return x
     return lax.all_gather(x, _names(axes), axis=x.ndim - 1, tiled=True, to="invarying")
+
+
+def sharded_rms_norm(
+    x: jax.Array, weight: jax.Array, topology: Topology, group: SumGroup, *, eps: float
+) -> jax.Array:
+    """RMSNorm over a last dimension split column-wise over the ranks of `group`.
+
+    Each rank holds its columns of `x` [rows, width / ranks] and its slice of `weight`; the mean
+    of squares is summed over the group (one small all-reduce of [rows, 1]), in FP32 or wider.
+    For a norm over a whole projection whose heads are split over attention TP (OLMo 2's q/k
+    norm). Call inside `shard_map`.
+    """
+    axes = topology.sum_axes(group)
+    acc = jnp.promote_types(x.dtype, jnp.float32)
+    wide = x.astype(acc)
+    squares = jnp.sum(wide * wide, axis=-1, keepdims=True)
+    if axes:
+        squares = lax.psum(squares, _names(axes))
+    width = x.shape[-1] * topology.size(axes)
+    scale = weight.astype(acc).reshape((1,) * (x.ndim - 1) + weight.shape)
+    return (wide * lax.rsqrt(squares / width + eps) * scale).astype(x.dtype)
