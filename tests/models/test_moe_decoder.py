@@ -270,24 +270,38 @@ def test_mutant_moe_sum_missing_is_caught(monkeypatch):
 # Collectives of a middle sparse layer (docs/collectives.md, "MoE decoders")
 # --------------------------------------------------------------------------------------------
 
-AR, RS, AG, A2A = "all-reduce", "reduce-scatter", "all-gather", "all-to-all"
-MIDDLE_SPARSE_LAYER = {  # Layout -> the compiled kinds of layer 1 of 4, in program order
-    Layout(1, 4, ep=4): (AR, AR),
-    Layout(1, 4, ep=4, defer=True): (AR, AR),
-    Layout(2, 2, ep=4): (AR, AR, AG, RS),
-    Layout(2, 2, ep=4, defer=True): (AR, AR, AG, RS),
-    Layout(8, 1, ep=8): (AG, RS),
-    Layout(1, 4, ep=4, dispatch=ALL_TO_ALL): (AG, RS, A2A, A2A, A2A),
-    Layout(1, 4, ep=4, dispatch=ALL_TO_ALL, defer=True): (AG, RS, A2A, A2A, A2A),
-    Layout(2, 2, ep=4, dispatch=ALL_TO_ALL): (AG, RS, A2A, A2A, A2A),
-    Layout(8, 1, ep=8, dispatch=ALL_TO_ALL): (A2A, A2A, A2A),
-    Layout(1, 4, ep=4, dispatch=ALL_TO_ALL, scattered=True): (AG, RS, A2A, A2A, A2A),
-}
+TABLE = pathlib.Path(__file__).parents[2] / "docs" / "collectives.md"
+KINDS = {"AR": "all-reduce", "RS": "reduce-scatter", "AG": "all-gather", "A2A": "all-to-all"}
+
+
+def _documented_moe_rows() -> dict[Layout, tuple[str, ...]]:
+    """The "MoE decoders" table of docs/collectives.md: layout -> the middle layer's kinds."""
+    text = TABLE.read_text().split("## MoE decoders", 1)[1]
+    lines = [line for line in text.splitlines() if line.startswith("| ")]
+    header = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    rows = {}
+    for line in lines[2:]:
+        cells = dict(zip(header, (c.strip() for c in line.strip("|").split("|")), strict=True))
+        layout = Layout(
+            int(cells["dp"]),
+            int(cells["tp"]),
+            ep=int(cells["ep"]),
+            dispatch=bj.MoeDispatch(cells["dispatch"]),
+            scattered=cells["batch"] == "input-scattered",
+            defer=cells["finalize"] == "deferred",
+        )
+        rows[layout] = tuple(KINDS[kind] for kind in cells["middle sparse layer"].split())
+    return rows
+
+
+MIDDLE_SPARSE_LAYER = _documented_moe_rows()
 
 
 @pytest.mark.parametrize("layout", list(MIDDLE_SPARSE_LAYER), ids=str)
 def test_middle_sparse_layer_collectives(layout):
-    """A middle layer of a 4-layer Mixtral runs exactly the collectives of the table."""
+    """A middle layer of a 4-layer Mixtral runs exactly the collectives docs/collectives.md
+    documents for it (gather and all-to-all, finalize deferred or not)."""
+    assert len(MIDDLE_SPARSE_LAYER) >= 10
     config = dataclasses.replace(load_config(GOLDEN / "mixtral"), num_layers=4)
     topology = bj.Topology(attn_dp=layout.dp, attn_tp=layout.tp, moe_ep=layout.ep)
     model = build_model(
