@@ -46,7 +46,6 @@ class MoeDecoderLayer(nnx.Module):
     def __init__(
         self,
         config: DecoderConfig,
-        index: int,
         declarations: tuple[bj.StageDeclaration, bj.StageDeclaration],
         mlp: MoeFfn | SwiGLU,
         *,
@@ -54,7 +53,6 @@ class MoeDecoderLayer(nnx.Module):
         dtype: jnp.dtype,
         rngs: nnx.Rngs,
     ):
-        del index
         eps = config.rms_norm_eps
         input_norm = bj.RMSNorm(config.hidden_size, eps=eps, param_dtype=dtype)
         post_attn_norm = bj.RMSNorm(config.hidden_size, eps=eps, param_dtype=dtype)
@@ -136,7 +134,7 @@ class MoeCausalLM(CausalLM):
             )
         else:
             mlp = SwiGLU(config.hidden_size, config.intermediate_size, **common)
-        return MoeDecoderLayer(config, index, self.stage_facts(index), mlp, **common)
+        return MoeDecoderLayer(config, self.stage_facts(index), mlp, **common)
 
 
 class Qwen3MoeForCausalLM(MoeCausalLM):
