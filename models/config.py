@@ -324,6 +324,12 @@ def _read_moe(config: Mapping[str, Any], architecture: Architecture) -> MoeConfi
             "'num_local_experts'; one is required to build the sparse FFN"
         )
     top_k = _required(config, "num_experts_per_tok")
+    scoring = config.get("scoring_func", "softmax")
+    if scoring != "softmax":
+        raise ValueError(
+            f"unsupported router: {architecture.value} routes by a softmax over all experts, "
+            f"then top-k; got scoring_func={scoring!r}. Use a softmax-routed checkpoint"
+        )
     if architecture is Architecture.MIXTRAL:
         return MoeConfig(
             num_experts=experts,

@@ -19,7 +19,7 @@ import models.moe_decoder
 from boundary_jax import make_mesh
 from models import moe
 from models.checkpoint import load_config
-from models.config import MoeConfig
+from models.config import DecoderConfig, MoeConfig
 from models.moe_decoder import MixtralForCausalLM, Qwen3MoeForCausalLM
 from models.moe_ffn import MoeFfn
 from models.report import collective_report
@@ -351,6 +351,12 @@ def test_dense_checkpoint_takes_no_moe_options():
     mesh = make_mesh(bj.Topology(attn_tp=4))
     with pytest.raises(ValueError, match="has no experts"):
         load_model(GOLDEN / "qwen3", mesh, moe_ep=4)
+
+
+def test_unsupported_router_is_rejected():
+    config = json.loads((GOLDEN / "qwen3_moe" / "config.json").read_text())
+    with pytest.raises(ValueError, match="unsupported router"):
+        DecoderConfig.from_hf(config | {"scoring_func": "sigmoid"})
 
 
 def test_qwen2_moe_is_not_built_yet():
