@@ -82,6 +82,8 @@ class SumGroup(enum.Enum):
     TP = "full TP"
     MOE_OUTPUT = "MoE output"
     ATTN_CP = "attention CP"
+    MOE_EP = "MoE expert parallel"
+    MOE_TP = "MoE expert width"
 
 
 class BatchVariant(enum.Enum):
@@ -100,35 +102,81 @@ class Topology:
     Full TP is the product of the attention DP, CP and TP axes: a dense FFN over the full TP group
     shards its weights over all three. The pipeline axis is reserved.
 
+    A sparse FFN's experts are split over the expert-parallel group (`SumGroup.MOE_EP`, `moe_ep`
+    ranks) and each expert's width over the rest of the full TP group (`SumGroup.MOE_TP`,
+    `moe_tp = tp_size / moe_ep` ranks), EP outermost: `moe_ep x moe_tp = attn_dp x attn_cp x
+    attn_tp`. Each group is made of whole mesh axes: the EP group is the outermost active axes
+    of the full TP group whose sizes multiply to `moe_ep`.
+
     Attributes:
       attn_dp: Attention data-parallel size.
       attn_cp: Attention context-parallel size.
       attn_tp: Attention tensor-parallel size.
       pp: Pipeline-parallel size.
+      moe_ep: Expert-parallel size (not a mesh axis: a grouping of the full TP group's axes).
     """
 
     attn_dp: int = 1
     attn_cp: int = 1
     attn_tp: int = 1
     pp: int = 1
+    moe_ep: int = 1
 
     def __post_init__(self):
-        for name in ("attn_dp", "attn_cp", "attn_tp", "pp"):
+        for name in ("attn_dp", "attn_cp", "attn_tp", "pp", "moe_ep"):
             size = getattr(self, name)
             if not isinstance(size, int) or size < 1:
                 raise ValueError(f"Topology sizes are positive integers; got {name}={size!r}")
+        if self.tp_size % self.moe_ep:
+            raise ValueError(
+                f"moe_ep must divide the full TP group (attn_dp x attn_cp x attn_tp = "
+                f"{self.tp_size}); got {self.moe_ep=}. Choose moe_ep among "
+                f"{[d for d in range(1, self.tp_size + 1) if self.tp_size % d == 0]}"
+            )
+        self._moe_ep_axes()  # raises for an EP group that would split a mesh axis
+
+    def _moe_ep_axes(self) -> tuple[TokenAxis, ...]:
+        axes = self.active(_SUM_GROUP_AXES[SumGroup.TP])
+        for count in range(len(axes) + 1):
+            if math.prod(self.size(axis) for axis in axes[:count]) == self.moe_ep:
+                return axes[:count]
+        sizes = {axis.mesh_name: self.size(axis) for axis in axes}
+        raise NotImplementedError(
+            f"the expert-parallel group is made of whole mesh axes, outermost first; "
+            f"{self.moe_ep=} is no product of the leading axes of {sizes}. Choose moe_ep among "
+            f"{[math.prod(list(sizes.values())[:n]) for n in range(len(sizes) + 1)]}"
+        )
+
+    @property
+    def moe_tp(self) -> int:
+        """Ranks each expert's width is split over: `tp_size / moe_ep`."""
+        return self.tp_size // self.moe_ep
+
+    def experts_per_rank(self, num_experts: int) -> int:
+        """The experts each expert-parallel rank holds.
+
+        Raises:
+          ValueError: `moe_ep` does not divide `num_experts`.
+        """
+        if num_experts % self.moe_ep:
+            raise ValueError(
+                f"moe_ep must divide the number of experts; got {self.moe_ep=} for "
+                f"{num_experts=}. Choose an expert-parallel size that divides {num_experts}"
+            )
+        return num_experts // self.moe_ep
 
     @classmethod
-    def from_mesh(cls, mesh) -> Topology:
+    def from_mesh(cls, mesh, *, moe_ep: int = 1) -> Topology:
         """Reads the sizes of the `MeshAxis` axes of `mesh` (a `jax.sharding.Mesh`).
 
         Raises:
-          ValueError: The mesh has an axis boundary-jax does not know.
+          ValueError: The mesh has an axis boundary-jax does not know, or `moe_ep` does not
+            divide its full TP group.
         """
-        return cls.from_axis_sizes(dict(mesh.shape))
+        return cls.from_axis_sizes(dict(mesh.shape), moe_ep=moe_ep)
 
     @classmethod
-    def from_axis_sizes(cls, sizes: Mapping[str, int]) -> Topology:
+    def from_axis_sizes(cls, sizes: Mapping[str, int], *, moe_ep: int = 1) -> Topology:
         """Builds a topology from `{mesh axis name: size}`; absent axes have size one."""
         known = {axis.value for axis in MeshAxis}
         unknown = sorted(set(sizes) - known)
@@ -137,7 +185,8 @@ class Topology:
                 f"mesh axes must be among {sorted(known)}; got unknown axes {unknown}. "
                 "Name the mesh axes with boundary_jax.MeshAxis values."
             )
-        return cls(**{axis.name.lower(): int(sizes.get(axis.value, 1)) for axis in MeshAxis})
+        axes = {axis.name.lower(): int(sizes.get(axis.value, 1)) for axis in MeshAxis}
+        return cls(**axes, moe_ep=moe_ep)
 
     @property
     def tp_size(self) -> int:
@@ -166,7 +215,15 @@ class Topology:
         return self.layout(TokenAxis.ATTN_DP)
 
     def sum_axes(self, group: SumGroup) -> tuple[TokenAxis, ...]:
-        """The token axes a sum over `group` runs across, size-one axes dropped."""
+        """The token axes a sum over `group` runs across, size-one axes dropped.
+
+        `MOE_EP` and `MOE_TP` are the expert-parallel and expert-width parts of the full TP
+        group (see the class docstring)."""
+        if group is SumGroup.MOE_EP:
+            return self._moe_ep_axes()
+        if group is SumGroup.MOE_TP:
+            ep = self._moe_ep_axes()
+            return tuple(a for a in self.active(_SUM_GROUP_AXES[SumGroup.TP]) if a not in ep)
         return self.active(_SUM_GROUP_AXES[group])
 
     @staticmethod
@@ -182,8 +239,9 @@ class Topology:
         return names[0] if len(names) == 1 else names
 
     def shard_entry(self, group: SumGroup) -> str | tuple[str, ...] | None:
-        """The `PartitionSpec` entry of a weight dimension split over the ranks of `group`."""
-        return self.spec_entry(_SUM_GROUP_AXES[group])
+        """The `PartitionSpec` entry of a weight dimension split over the ranks of `group`
+        (`SumGroup.MOE_EP`: the expert axis of stacked experts; `MOE_TP`: their width)."""
+        return self.spec_entry(self.sum_axes(group))
 
     def row_spec(self, layout: Layout, *trailing) -> PartitionSpec:
         """The `PartitionSpec` of a [rows, ...] array whose rows follow `layout`."""

@@ -9,6 +9,7 @@ has checked, so every owed sum completes exactly once and lands on the rows the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -268,3 +269,112 @@ def sharded_rms_norm(
     width = x.shape[-1] * topology.size(axes)
     scale = weight.astype(acc).reshape((1,) * (x.ndim - 1) + weight.shape)
     return (wide * lax.rsqrt(squares / width + eps) * scale).astype(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Token movement for an all-to-all expert dispatch (inside a MoE's compute)
+# --------------------------------------------------------------------------------------------
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["rows", "tags", "slots"],
+    meta_fields=["capacity"],
+)
+@dataclasses.dataclass(frozen=True)
+class Dispatched:
+    """Rows received by this rank from every expert-parallel rank, and how to send them back.
+
+    Attributes:
+      rows: [moe_ep * capacity, hidden] received rows, source rank outermost; a source's unused
+        slots are zero rows.
+      tags: [moe_ep * capacity] int32 the tag each row was sent with (e.g. its expert's local
+        id on this rank); -1 in unused slots.
+      slots: [sent rows] int32 where each row this rank sent sits in its destination's block
+        (destination * capacity + position); `combine_from_experts` reads the answers there.
+      capacity: Rows each rank sends to each rank (static).
+    """
+
+    rows: jax.Array
+    tags: jax.Array
+    slots: jax.Array
+    capacity: int
+
+
+def dispatch_to_experts(
+    rows: jax.Array,
+    tags: jax.Array,
+    destination: jax.Array,
+    topology: Topology,
+    *,
+    max_rows_per_rank: int,
+    capacity: int | None = None,
+) -> Dispatched:
+    """Sends each row to the expert-parallel rank `destination` names (`lax.all_to_all`).
+
+    Static shapes: every rank sends every rank a block of `capacity` rows. The default capacity,
+    `max_rows_per_rank`, is the most rows this rank can send one rank (for top-k routing of T
+    tokens to distinct experts, `T * min(k, experts per rank)`), so nothing is ever dropped.
+
+    Args:
+      rows: [N, hidden] rows to send (e.g. one per (token, choice)).
+      tags: [N] int32 carried with each row (e.g. the chosen expert's id on its rank).
+      destination: [N] int32 expert-parallel rank (`ops.shard_index(topology, MOE_EP)` order)
+        each row goes to, in [0, moe_ep).
+      topology: Its `SumGroup.MOE_EP` axes are the group exchanged over.
+      max_rows_per_rank: The most rows of `rows` that may name one destination.
+      capacity: Rows per (source, destination) block; None for `max_rows_per_rank`.
+
+    Returns:
+      The received rows, their tags, and the slots `combine_from_experts` needs.
+
+    Raises:
+      ValueError: `capacity` is below `max_rows_per_rank` (it could drop tokens), or the
+        shapes disagree.
+    """
+    if rows.ndim != 2 or tags.shape != rows.shape[:1] or destination.shape != rows.shape[:1]:
+        raise ValueError(
+            "dispatch_to_experts takes rows [N, hidden] with tags [N] and destination [N]; got "
+            f"{rows.shape=}, {tags.shape=}, {destination.shape=}"
+        )
+    if capacity is None:
+        capacity = max_rows_per_rank
+    if capacity < max_rows_per_rank:
+        raise ValueError(
+            f"an all-to-all capacity of {capacity} rows per rank could drop tokens: up to "
+            f"{max_rows_per_rank=} rows may go to one rank. Pass capacity=None (drop nothing) "
+            f"or at least {max_rows_per_rank}"
+        )
+    ranks = topology.moe_ep
+    axes = topology.sum_axes(SumGroup.MOE_EP)
+    # A row's position among the rows sent to the same rank, in row order.
+    onehot = destination[:, None] == jnp.arange(ranks, dtype=destination.dtype)[None, :]
+    position = jnp.sum(jnp.cumsum(onehot, axis=0) * onehot, axis=1) - 1
+    slots = (destination * capacity + position).astype(jnp.int32)
+    send = jnp.zeros((ranks * capacity, rows.shape[1]), rows.dtype).at[slots].set(rows)
+    send_tags = jnp.full((ranks * capacity,), -1, jnp.int32).at[slots].set(tags.astype(jnp.int32))
+    return Dispatched(_exchange(send, axes), _exchange(send_tags, axes), slots, capacity)
+
+
+def combine_from_experts(outputs: jax.Array, dispatched: Dispatched, topology: Topology):
+    """Sends the experts' answers back (`lax.all_to_all`): [N, ...] in the order rows were sent.
+
+    Args:
+      outputs: [moe_ep * capacity, ...] one answer per row of `dispatched.rows`.
+      dispatched: What `dispatch_to_experts` returned.
+      topology: As for the dispatch.
+    """
+    if outputs.shape[0] != dispatched.rows.shape[0]:
+        raise ValueError(
+            f"combine_from_experts takes one answer per received row ({dispatched.rows.shape[0]}); "
+            f"got {outputs.shape=}"
+        )
+    returned = _exchange(outputs, topology.sum_axes(SumGroup.MOE_EP))
+    return jnp.take(returned, dispatched.slots, axis=0)
+
+
+def _exchange(x: jax.Array, axes: tuple[TokenAxis, ...]) -> jax.Array:
+    """Block r of `x`'s rows goes to rank r; block s of the result came from rank s."""
+    if not axes:
+        return x
+    return lax.all_to_all(x, _names(axes), split_axis=0, concat_axis=0, tiled=True)

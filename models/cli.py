@@ -96,21 +96,34 @@ def _status(console, message: str):
 
 def _load(args, console):
     """(ShardedCausalLM, config) for --checkpoint or --preset on --mesh."""
-    topology = bj.Topology.from_axis_sizes(args.mesh)
+    topology = bj.Topology.from_axis_sizes(args.mesh, moe_ep=args.moe_ep)
     mesh = bj.make_mesh(topology)
     dtype = jnp.dtype(args.dtype)
     if getattr(args, "preset", None):
         if args.preset not in PRESETS:
             raise InputError(f"unknown preset {args.preset!r}; choose one of {sorted(PRESETS)}")
         with _status(console, f"building {args.preset} with random weights"):
-            model = build_model(PRESETS[args.preset], topology, reduction=args.policy, dtype=dtype)
+            model = build_model(
+                PRESETS[args.preset],
+                topology,
+                reduction=args.policy,
+                moe_dispatch=args.moe_dispatch,
+                dtype=dtype,
+            )
     else:
         directory = Path(args.checkpoint)
         if not directory.is_dir():
             raise InputError(f"no checkpoint directory at {args.checkpoint}")
         load_config(directory)
         with _status(console, f"loading {directory} onto {topology}"):
-            model = load_model(directory, mesh, reduction=args.policy, dtype=dtype)
+            model = load_model(
+                directory,
+                mesh,
+                reduction=args.policy,
+                moe_ep=args.moe_ep,
+                moe_dispatch=args.moe_dispatch,
+                dtype=dtype,
+            )
     return ShardedCausalLM(model, mesh, input_scattered=args.input_scattered)
 
 
@@ -180,6 +193,19 @@ def _parser() -> argparse.ArgumentParser:
         )
         command.add_argument("--policy", type=_policy, default="auto", help="ar|rs|rsv|rs+rsv|auto")
         command.add_argument("--input-scattered", action="store_true")
+        command.add_argument(
+            "--moe-ep",
+            type=int,
+            default=1,
+            help="MoE checkpoints: expert-parallel size, dividing the full TP group (default 1)",
+        )
+        command.add_argument(
+            "--moe-dispatch",
+            type=bj.MoeDispatch,
+            choices=tuple(bj.MoeDispatch),
+            metavar="{gather,all-to-all}",
+            help="MoE checkpoints: where the experts get their tokens (default gather)",
+        )
         command.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
 
     forward = commands.add_parser("forward", help="logits of token-id sequences")

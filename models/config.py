@@ -324,6 +324,12 @@ def _read_moe(config: Mapping[str, Any], architecture: Architecture) -> MoeConfi
             "'num_local_experts'; one is required to build the sparse FFN"
         )
     top_k = _required(config, "num_experts_per_tok")
+    scoring = config.get("scoring_func", "softmax")
+    if scoring != "softmax":
+        raise ValueError(
+            f"unsupported router: {architecture.value} routes by a softmax over all experts, "
+            f"then top-k; got scoring_func={scoring!r}. Use a softmax-routed checkpoint"
+        )
     if architecture is Architecture.MIXTRAL:
         return MoeConfig(
             num_experts=experts,
@@ -413,6 +419,31 @@ PRESETS: dict[str, DecoderConfig] = {
         tie_word_embeddings=False,
         sliding_window=16,
         max_position_embeddings=128,
+    ),
+    # Qwen3-MoE with a dense layer among three sparse ones (8 experts, top-2 of them).
+    "tiny-qwen3-moe": DecoderConfig(
+        architecture=Architecture.QWEN3_MOE,
+        vocab_size=250,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=4,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        rope_scaling=None,
+        qk_norm=True,
+        tie_word_embeddings=False,
+        sliding_window=None,
+        max_position_embeddings=128,
+        moe=MoeConfig(
+            num_experts=8,
+            top_k=2,
+            expert_intermediate_size=32,
+            renormalize=True,
+            mlp_only_layers=(1,),
+        ),
     ),
     # About 0.9M parameters (3.5 MB in float32).
     "small-llama": DecoderConfig(

@@ -101,7 +101,11 @@ class CausalLM(nnx.Module):
       attention: The attention kernel of every layer.
     """
 
-    architectures: tuple[Architecture, ...] = tuple(Architecture)
+    architectures: tuple[Architecture, ...] = (
+        Architecture.QWEN3,
+        Architecture.LLAMA,
+        Architecture.MISTRAL,
+    )
 
     def __init__(
         self,
@@ -131,14 +135,11 @@ class CausalLM(nnx.Module):
             architecture=config.architecture.value,
             input_sum=bj.SumGroup.ATTN_TP,
             fusions=fusions,
-            stage_facts=stage_facts,
+            stage_facts=self.stage_facts,
             num_layers=config.num_layers,
         ):
             self.layers = nnx.List(
-                [
-                    DecoderLayer(config, i, attention=attention, **common)
-                    for i in range(config.num_layers)
-                ]
+                [self.make_layer(config, i, **common) for i in range(config.num_layers)]
             )
         self.final_norm = bj.RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=dtype)
         self.lm_head = ParallelLMHead(
@@ -147,6 +148,15 @@ class CausalLM(nnx.Module):
             tied_embedding=self.embed if config.tie_word_embeddings else None,
             **common,
         )
+
+    def stage_facts(self, layer_index: int) -> tuple[bj.StageDeclaration, ...]:
+        """The model's shared declaration function: layer `layer_index`'s stages, in order."""
+        return stage_facts(layer_index)
+
+    def make_layer(self, config: DecoderConfig, index: int, **common) -> nnx.Module:
+        """Decoder layer `index` (inside the open layer stack), with this model's attention
+        kernel; `common` holds `topology`, `dtype` and `rngs`."""
+        return DecoderLayer(config, index, attention=self.attention, **common)
 
     def __call__(
         self,
@@ -206,8 +216,3 @@ class LlamaForCausalLM(CausalLM):
     """Llama (with llama3 RoPE scaling) and Mistral-style configs."""
 
     architectures = (Architecture.LLAMA, Architecture.MISTRAL)
-
-
-def model_class(config: DecoderConfig) -> type[CausalLM]:
-    """The decoder class for a config's architecture."""
-    return Qwen3ForCausalLM if config.architecture is Architecture.QWEN3 else LlamaForCausalLM

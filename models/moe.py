@@ -356,7 +356,8 @@ class SparseMoe(nnx.Module):
     Built outside `jax.shard_map` with global shapes; the caller names the mesh axes the experts
     and their width are split over (`expert_entry`, `width_entry`: `PartitionSpec` entries), so
     inside `shard_map` the module sees its block of `num_experts / expert ranks` experts and
-    `width / width ranks` features. The router is whole on every rank.
+    `width / width ranks` features. The router is whole on every rank. The shared expert's
+    width is split over `shared_width_entry` (None: whole on every rank).
 
     Attributes:
       router: [hidden, num_experts], replicated.
@@ -383,6 +384,7 @@ class SparseMoe(nnx.Module):
         shared_gated: bool = False,
         expert_entry: PartitionEntry = None,
         width_entry: PartitionEntry = None,
+        shared_width_entry: PartitionEntry = None,
         impl: GroupedMatmulImpl = GroupedMatmulImpl.RAGGED_DOT,
         dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs,
@@ -405,7 +407,7 @@ class SparseMoe(nnx.Module):
                 hidden_size,
                 shared_width,
                 gated=shared_gated,
-                width_entry=width_entry,
+                width_entry=shared_width_entry,
                 dtype=dtype,
                 rngs=rngs,
             )

@@ -12,6 +12,7 @@ import boundary_jax as bj
 from boundary_jax.bind import describe_path
 from boundary_jax.report import KINDS, parse_hlo
 
+from .moe_decoder import MoeCausalLM
 from .runtime import ShardedCausalLM
 
 # A batch with ragged sequences, so every boundary runs on padded blocks.
@@ -29,11 +30,20 @@ def middle_layer(num_layers: int) -> int:
     return num_layers // 2
 
 
+def middle_sparse_layer(sparse_layers: tuple[bool, ...]) -> int | None:
+    """The sparse layer nearest the middle that is neither the first nor the last; None when no
+    such layer exists (a dense decoder, or too few layers)."""
+    middle = middle_layer(len(sparse_layers))
+    inner = [i for i in range(1, len(sparse_layers) - 1) if sparse_layers[i]]
+    return min(inner, key=lambda i: abs(i - middle)) if inner else None
+
+
 def plan_report(runner: ShardedCausalLM) -> dict[str, Any]:
     """Every stage's bound plan for the runner's batch variant, and measured collectives.
 
-    `collectives_per_layer` and `bytes_per_layer` are those of `middle_layer` (bytes: the sum
-    of each collective's full buffer, see `boundary_jax.report`).
+    `collectives_per_layer` and `bytes_per_layer` are those of `middle_layer` (of an MoE
+    decoder, a middle sparse layer; bytes: the sum of each collective's full buffer, see
+    `boundary_jax.report`).
     """
     model = runner.model
     variant = (
@@ -46,11 +56,15 @@ def plan_report(runner: ShardedCausalLM) -> dict[str, Any]:
                 {"layer": index, "stage": name, **describe_path(boundary.plan.path(variant))}
             )
     report = collective_report(runner)
-    middle = middle_layer(len(model.layers))
+    middle = middle_sparse_layer(model.config.sparse_layers)
+    if middle is None:
+        middle = middle_layer(len(model.layers))
     first_plan = model.layers[0].attn_boundary.plan
     return {
         "architecture": model.config.architecture.value,
         "mesh": runner.topology.mesh_shape(),
+        "moe_ep": runner.topology.moe_ep,
+        "moe_dispatch": model.moe_dispatch.value if isinstance(model, MoeCausalLM) else None,
         "policy": first_plan.policy.value,
         "batch": variant.value,
         "stages": stages,

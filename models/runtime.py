@@ -23,8 +23,9 @@ import boundary_jax as bj
 
 from .attention import AttentionImpl, KVCache
 from .checkpoint import load_config, load_params
-from .config import DecoderConfig
-from .decoder import CausalLM, model_class
+from .config import Architecture, DecoderConfig
+from .decoder import CausalLM, LlamaForCausalLM, Qwen3ForCausalLM
+from .moe_decoder import MixtralForCausalLM, MoeCausalLM, Qwen3MoeForCausalLM
 from .rows import PackedBatch, RowsPhase, TokenRows, decode_rows, pack_sequences
 from .sampling import GREEDY, Sampling, sample_tokens
 
@@ -53,12 +54,53 @@ def _platform(mesh: Mesh | None) -> str:
     return jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
 
 
+_MODEL_CLASSES = {
+    Architecture.QWEN3: Qwen3ForCausalLM,
+    Architecture.LLAMA: LlamaForCausalLM,
+    Architecture.MISTRAL: LlamaForCausalLM,
+    Architecture.QWEN3_MOE: Qwen3MoeForCausalLM,
+    Architecture.MIXTRAL: MixtralForCausalLM,
+}
+
+
+def model_class(config: DecoderConfig) -> type[CausalLM]:
+    """The decoder class for a config's architecture.
+
+    Raises:
+      NotImplementedError: Qwen2 and Qwen2-MoE (their attention needs q/k/v biases, not built).
+    """
+    if config.architecture not in _MODEL_CLASSES:
+        raise NotImplementedError(
+            f"{config.architecture.value} is not built yet (its attention needs q/k/v biases); "
+            f"supported: {', '.join(a.value for a in _MODEL_CLASSES)}"
+        )
+    return _MODEL_CLASSES[config.architecture]
+
+
+def _construct(
+    config: DecoderConfig,
+    topology: bj.Topology,
+    moe_dispatch: bj.MoeDispatch | None,
+    **options,
+) -> CausalLM:
+    cls = model_class(config)
+    if issubclass(cls, MoeCausalLM):
+        return cls(config, topology, moe_dispatch=moe_dispatch or bj.MoeDispatch.GATHER, **options)
+    if moe_dispatch is not None or topology.moe_ep != 1:
+        raise ValueError(
+            f"{config.architecture.value} has no experts; got {moe_dispatch=} and "
+            f"moe_ep={topology.moe_ep}. Leave the MoE options unset"
+        )
+    return cls(config, topology, **options)
+
+
 def build_model(
     config: DecoderConfig,
     topology: bj.Topology,
     *,
     reduction: bj.ReductionPolicy = bj.ReductionPolicy.AUTO,
     fusions: bj.fusions.FusionProvider = bj.fusions.NO_FUSIONS,
+    moe_dispatch: bj.MoeDispatch | None = None,
     dtype: jnp.dtype = jnp.float32,
     seed: int = 0,
     attention: AttentionImpl | None = None,
@@ -68,6 +110,9 @@ def build_model(
 
     Args:
       fusions: The stack's fusion provider (default: none, the built-in path).
+      moe_dispatch: For an MoE config, the sparse layers' dispatch (None:
+        `MoeDispatch.GATHER`); `topology.moe_ep` gives their expert parallelism. A dense config
+        takes neither.
       attention: The attention kernel; None picks `AttentionImpl.for_platform` of `mesh` (or
         of the default backend).
       mesh: None builds every weight whole on the default device; a mesh builds the model
@@ -79,9 +124,10 @@ def build_model(
         attention = AttentionImpl.for_platform(_platform(mesh))
 
     def make() -> CausalLM:
-        return model_class(config)(
+        return _construct(
             config,
             topology,
+            moe_dispatch,
             reduction=reduction,
             fusions=fusions,
             dtype=dtype,
@@ -105,22 +151,28 @@ def load_model(
     *,
     reduction: bj.ReductionPolicy = bj.ReductionPolicy.AUTO,
     fusions: bj.fusions.FusionProvider = bj.fusions.NO_FUSIONS,
+    moe_ep: int = 1,
+    moe_dispatch: bj.MoeDispatch | None = None,
     dtype: jnp.dtype = jnp.float32,
     attention: AttentionImpl | None = None,
 ) -> CausalLM:
     """A model loaded from a Hugging Face checkpoint directory, each device reading its shard.
 
     The model is built abstractly (no weights allocated), then every parameter is read straight
-    into its sharded global array. `attention` None picks `AttentionImpl.for_platform`.
+    into its sharded global array (stacked experts: each device reads only its experts). MoE
+    checkpoints take `moe_ep` (expert-parallel size, dividing the mesh's full TP group) and
+    `moe_dispatch` (None: `MoeDispatch.GATHER`). `attention` None picks
+    `AttentionImpl.for_platform`.
     """
     config = load_config(checkpoint_dir)
-    topology = bj.Topology.from_mesh(mesh)
+    topology = bj.Topology.from_mesh(mesh, moe_ep=moe_ep)
     if attention is None:
         attention = AttentionImpl.for_platform(_platform(mesh))
     abstract = nnx.eval_shape(
-        lambda: model_class(config)(
+        lambda: _construct(
             config,
             topology,
+            moe_dispatch,
             reduction=reduction,
             fusions=fusions,
             dtype=dtype,
@@ -181,10 +233,10 @@ class ShardedCausalLM:
         input_scattered: bool = False,
         check_vma: bool | None = None,
     ):
-        if bj.Topology.from_mesh(mesh) != model.topology:
+        mesh_topology = bj.Topology.from_mesh(mesh, moe_ep=model.topology.moe_ep)
+        if mesh_topology != model.topology:
             raise ValueError(
-                f"the model is bound on {model.topology} but the mesh is "
-                f"{bj.Topology.from_mesh(mesh)}"
+                f"the model is bound on {model.topology} but the mesh is {mesh_topology}"
             )
         self.mesh = mesh
         self.topology = model.topology

@@ -71,6 +71,49 @@ def test_generate_prints_the_greedy_ids_as_its_last_line(capsys):
     assert json.loads(last) == reference["generated"].tolist()
 
 
+@pytest.mark.parametrize(
+    "command,extra",
+    [
+        ("forward", ["--moe-ep", "4"]),
+        ("generate", ["--moe-ep", "4", "--moe-dispatch", "all-to-all"]),
+    ],
+)
+def test_moe_checkpoint_runs_with_expert_parallelism(tmp_path, capsys, command, extra):
+    """forward and generate take an MoE checkpoint with --moe-ep/--moe-dispatch: HF's logits
+    (within 1e-4) and greedy tokens."""
+    checkpoint, reference = _golden("mixtral")
+    args = [command, "--checkpoint", str(checkpoint), "--mesh", "attn_tp=4", *extra]
+    prompts = str(checkpoint / "prompts.json")
+    if command == "forward":
+        out = tmp_path / "logits.npy"
+        assert main([*args, "--input-ids", prompts, "--out", str(out)]) == 0
+        logits, want = np.load(out), reference["logits"]
+        assert np.max(np.abs(logits - want)) <= 1e-4 * np.max(np.abs(want))
+    else:
+        new = str(reference["generated"].shape[1])
+        assert main([*args, "--prompt-ids", prompts, "--max-new-tokens", new]) == 0
+        last = capsys.readouterr().out.strip().splitlines()[-1]
+        assert json.loads(last) == reference["generated"].tolist()
+
+
+@pytest.mark.parametrize(
+    "dispatch,per_layer",
+    [
+        ("gather", {"all-reduce": 2}),
+        ("all-to-all", {"all-gather": 1, "reduce-scatter": 1, "all-to-all": 3}),
+    ],
+)
+def test_plan_json_reports_a_middle_sparse_layer(capsys, dispatch, per_layer):
+    """plan --json on an MoE model counts a middle sparse layer's collectives, all-to-all too."""
+    args = ["plan", "--preset", "tiny-qwen3-moe", "--mesh", "attn_tp=4", "--moe-ep", "4"]
+    assert main([*args, "--moe-dispatch", dispatch, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["middle_layer"] == 2 and report["moe_ep"] == 4
+    assert report["moe_dispatch"] == dispatch
+    counts = {kind: n for kind, n in report["collectives_per_layer"].items() if n}
+    assert counts == per_layer
+
+
 PLANS = [
     ("attn_tp=8", P.AR, False),
     ("attn_dp=2,attn_tp=4", P.RS_RSV, False),
@@ -197,6 +240,14 @@ BAD_INPUT = {
             str(tmp / "o.npy"),
         ],
         "outside the vocabulary",
+    ),
+    "expert-parallel size not dividing the TP group": (
+        lambda tmp: ["plan", "--preset", "tiny-qwen3-moe", "--mesh", "attn_tp=4", "--moe-ep", "3"],
+        "moe_ep must divide the full TP group",
+    ),
+    "MoE options for a dense model": (
+        lambda tmp: ["plan", "--preset", "tiny-qwen3", "--mesh", "attn_tp=4", "--moe-ep", "4"],
+        "has no experts",
     ),
     "ids that are not JSON": (
         lambda tmp: [

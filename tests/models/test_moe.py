@@ -316,6 +316,7 @@ def test_module_under_shard_map(dp, tp, shared):
         shared_gated=shared,
         expert_entry=EXPERT_AXIS,
         width_entry=WIDTH_AXIS,
+        shared_width_entry=WIDTH_AXIS,
         rngs=nnx.Rngs(3),
     )
     spec = nnx.get_partition_spec(nnx.state(module))

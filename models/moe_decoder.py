@@ -1,0 +1,160 @@
+"""Mixture-of-experts decoders (Qwen3-MoE, Mixtral) built only from stage boundaries.
+
+A layer is attention + an FFN that is either the sparse `MoeFfn` or, for the layers the config
+marks dense (Qwen3-MoE's `mlp_only_layers` and `decoder_sparse_step`), the dense SwiGLU; one
+stack holds both. Each layer declares its stages through the model's `stage_facts`, from the
+config and the chosen `MoeDispatch`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import boundary_jax as bj
+
+from .attention import Attention, AttentionImpl, KVCache
+from .config import Architecture, DecoderConfig
+from .decoder import CausalLM
+from .mlp import SwiGLU
+from .moe import GroupedMatmulImpl
+from .moe_ffn import MoeFfn
+from .rows import TokenRows
+
+
+def moe_stage_facts(
+    config: DecoderConfig, dispatch: bj.MoeDispatch, layer_index: int
+) -> tuple[bj.StageDeclaration, bj.StageDeclaration]:
+    """Layer `layer_index`'s stages: attention, then a sparse FFN dispatched as `dispatch` where
+    the config makes the layer sparse, else a dense FFN over the full TP group."""
+    if config.sparse_layers[layer_index]:
+        return bj.declare_attn(), bj.declare_ffn(sparse=True, moe_dispatch=dispatch)
+    return bj.declare_attn(), bj.declare_ffn()
+
+
+class MoeDecoderLayer(nnx.Module):
+    """Pre-norm attention + a sparse (or, where the config says, dense) FFN.
+
+    Attributes:
+      attn: Self-attention returning its o_proj partial.
+      mlp: `MoeFfn` on a sparse layer (its exit may take a deferred finalize), else `SwiGLU`.
+      attn_boundary: The boundary before and after attention (HF `input_layernorm`).
+      ffn_boundary: The boundary before and after the FFN (HF `post_attention_layernorm`).
+    """
+
+    def __init__(
+        self,
+        config: DecoderConfig,
+        declarations: tuple[bj.StageDeclaration, bj.StageDeclaration],
+        mlp: MoeFfn | SwiGLU,
+        *,
+        topology: bj.Topology,
+        dtype: jnp.dtype,
+        attention: AttentionImpl = AttentionImpl.XLA,
+        rngs: nnx.Rngs,
+    ):
+        eps = config.rms_norm_eps
+        input_norm = bj.RMSNorm(config.hidden_size, eps=eps, param_dtype=dtype)
+        post_attn_norm = bj.RMSNorm(config.hidden_size, eps=eps, param_dtype=dtype)
+        self.attn = Attention(config, topology=topology, dtype=dtype, impl=attention, rngs=rngs)
+        self.mlp = mlp
+        attn, ffn = declarations
+        self.attn_boundary, self.ffn_boundary = bj.append_stages(
+            (attn, input_norm), (ffn, post_attn_norm)
+        )
+
+    def __call__(
+        self,
+        x: jax.Array | bj.OwedOutput,
+        stream: bj.ResidualStream,
+        rows: TokenRows,
+        cache: KVCache | None,
+    ) -> tuple[bj.OwedOutput, bj.ResidualStream, KVCache | None]:
+        h, stream = self.attn_boundary.prepare(x, stream)
+        y, cache = self.attn(h, rows.positions, rows.segment_ids, cache, phase=rows.phase)
+        x, stream = self.attn_boundary.finish(y, stream)
+        h, stream = self.ffn_boundary.prepare(x, stream)
+        if isinstance(self.mlp, MoeFfn):
+            exit = self.ffn_boundary.exit(stream)
+            x, stream = exit.finish(self.mlp(h, defer=exit.defer_moe_finalize), stream)
+        else:
+            x, stream = self.ffn_boundary.finish(self.mlp(h), stream)
+        return x, stream, cache
+
+
+class MoeCausalLM(CausalLM):
+    """An MoE decoder LM: `CausalLM` whose sparse layers run `MoeFfn`.
+
+    The experts are split over `topology.moe_ep` ranks. `moe_dispatch` picks where the experts
+    get their tokens (gathered rows, or an all-to-all from each rank's own rows, which needs
+    `moe_ep` = the full TP group). A fusion provider with `defer_finalize=True` lets each sparse
+    FFN hand its top-k combine to the next input.
+
+    Attributes (besides `CausalLM`'s):
+      moe_dispatch: The sparse layers' dispatch.
+      moe_capacity: The all-to-all capacity (rows per rank pair; None drops nothing).
+    """
+
+    architectures = ()
+
+    def __init__(
+        self,
+        config: DecoderConfig,
+        topology: bj.Topology,
+        *,
+        moe_dispatch: bj.MoeDispatch = bj.MoeDispatch.GATHER,
+        moe_capacity: int | None = None,
+        grouped_matmul: GroupedMatmulImpl = GroupedMatmulImpl.RAGGED_DOT,
+        reduction: bj.ReductionPolicy = bj.ReductionPolicy.AUTO,
+        fusions: bj.fusions.FusionProvider = bj.fusions.NO_FUSIONS,
+        dtype: jnp.dtype = jnp.float32,
+        attention: AttentionImpl = AttentionImpl.XLA,
+        rngs: nnx.Rngs,
+    ):
+        self.moe_dispatch = moe_dispatch
+        self.moe_capacity = moe_capacity
+        self.grouped_matmul = grouped_matmul
+        super().__init__(
+            config,
+            topology,
+            reduction=reduction,
+            fusions=fusions,
+            dtype=dtype,
+            attention=attention,
+            rngs=rngs,
+        )
+
+    def stage_facts(self, layer_index: int) -> tuple[bj.StageDeclaration, ...]:
+        return moe_stage_facts(self.config, self.moe_dispatch, layer_index)
+
+    def make_layer(self, config: DecoderConfig, index: int, **common) -> nnx.Module:
+        if config.sparse_layers[index]:
+            mlp = MoeFfn(
+                config.hidden_size,
+                config.moe,
+                common["topology"],
+                dispatch=self.moe_dispatch,
+                capacity=self.moe_capacity,
+                impl=self.grouped_matmul,
+                dtype=common["dtype"],
+                rngs=common["rngs"],
+            )
+        else:
+            mlp = SwiGLU(config.hidden_size, config.intermediate_size, **common)
+        return MoeDecoderLayer(
+            config, self.stage_facts(index), mlp, attention=self.attention, **common
+        )
+
+
+class Qwen3MoeForCausalLM(MoeCausalLM):
+    """Qwen3-MoE: q/k RMSNorm per head, sparse layers by `mlp_only_layers` and
+    `decoder_sparse_step`, top-k weights renormalized where `norm_topk_prob`."""
+
+    architectures = (Architecture.QWEN3_MOE,)
+
+
+class MixtralForCausalLM(MoeCausalLM):
+    """Mixtral: every layer sparse, top-k renormalized, sliding-window attention where set."""
+
+    architectures = (Architecture.MIXTRAL,)

@@ -1,0 +1,364 @@
+"""Qwen3-MoE and Mixtral on boundaries equal Hugging Face transformers (golden files), under
+TP, attention DP, expert parallelism and both dispatch modes; the sharded MoE FFN equals the
+float64 reference; mutants of the MoE path are caught; the compiled collectives are held."""
+
+import dataclasses
+import functools
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import boundary_jax as bj
+import models.moe_decoder
+from boundary_jax import make_mesh
+from models import moe
+from models.checkpoint import load_config
+from models.config import DecoderConfig, MoeConfig
+from models.moe_decoder import MixtralForCausalLM, Qwen3MoeForCausalLM
+from models.moe_ffn import MoeFfn
+from models.report import collective_report
+from models.runtime import ShardedCausalLM, build_model, load_model
+
+from . import run_sharded
+
+GOLDEN = pathlib.Path(__file__).parents[1] / "golden"
+GATHER, ALL_TO_ALL = bj.MoeDispatch.GATHER, bj.MoeDispatch.ALL_TO_ALL
+DEFER = bj.fusions.FusionProvider(defer_finalize=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A parallel layout of an MoE decoder."""
+
+    dp: int
+    tp: int
+    ep: int = 1
+    dispatch: bj.MoeDispatch = GATHER
+    scattered: bool = False
+    defer: bool = False
+
+    def __str__(self) -> str:
+        parts = [f"DP{self.dp}xTP{self.tp}", f"EP{self.ep}", self.dispatch.value]
+        parts += ["scattered"] * self.scattered + ["deferred"] * self.defer
+        return "-".join(parts)
+
+
+LAYOUTS = (
+    Layout(1, 1),
+    Layout(1, 4),
+    Layout(2, 2, defer=True),
+    Layout(1, 4, ep=4),
+    Layout(1, 4, ep=4, dispatch=ALL_TO_ALL, defer=True),
+    Layout(8, 1, ep=8, dispatch=ALL_TO_ALL),
+    Layout(1, 4, ep=4, dispatch=ALL_TO_ALL, scattered=True),
+)
+CASES = [
+    pytest.param(name, layout, id=f"{name}-{layout}", marks=pytest.mark.xdist_group(name))
+    for name in ("qwen3_moe", "mixtral")
+    for layout in LAYOUTS
+] + [
+    pytest.param("mixtral_sliding", layout, id=f"mixtral_sliding-{layout}")
+    for layout in (Layout(1, 1), Layout(2, 2, ep=4, dispatch=ALL_TO_ALL))
+]
+
+
+@functools.cache
+def golden(name: str) -> tuple[list[list[int]], dict[str, np.ndarray]]:
+    prompts = json.loads((GOLDEN / name / "prompts.json").read_text())
+    return prompts, dict(np.load(GOLDEN / name / "reference.npz"))
+
+
+@functools.cache
+def runner(name: str, layout: Layout) -> ShardedCausalLM:
+    mesh = make_mesh(bj.Topology(attn_dp=layout.dp, attn_tp=layout.tp))
+    model = load_model(
+        GOLDEN / name,
+        mesh,
+        moe_ep=layout.ep,
+        moe_dispatch=layout.dispatch,
+        fusions=DEFER if layout.defer else bj.fusions.NO_FUSIONS,
+    )
+    return ShardedCausalLM(model, mesh, input_scattered=layout.scattered)
+
+
+def relative_error(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
+@pytest.mark.parametrize("name,layout", CASES)
+def test_logits_and_greedy_tokens_match_transformers(name, layout):
+    """float32 logits within 1e-4 (relative to the largest) of HF's, zero past each sequence's
+    end, and HF's greedy tokens through the sharded KV cache."""
+    prompts, reference = golden(name)
+    run = runner(name, layout)
+    logits = run.forward(prompts)
+    assert logits.shape == reference["logits"].shape
+    assert relative_error(logits, reference["logits"]) <= 1e-4
+    for index, length in enumerate(reference["lengths"]):
+        assert not np.any(logits[index, length:])
+    tokens = run.generate(prompts, reference["generated"].shape[1])
+    np.testing.assert_array_equal(tokens, reference["generated"])
+
+
+def test_model_classes_and_sparse_layers():
+    """load_model picks the class by architecture; Qwen3-MoE's mlp_only_layers stay dense."""
+    assert isinstance(runner("mixtral", Layout(1, 1)).model, MixtralForCausalLM)
+    model = runner("qwen3_moe", Layout(1, 1)).model
+    assert isinstance(model, Qwen3MoeForCausalLM)
+    assert [isinstance(layer.mlp, MoeFfn) for layer in model.layers] == [True, False, True]
+
+
+# --------------------------------------------------------------------------------------------
+# The MoE FFN alone against the float64 reference
+# --------------------------------------------------------------------------------------------
+
+HIDDEN, TOKENS = 16, 32
+LAYER_MOE = MoeConfig(
+    num_experts=8,
+    top_k=3,
+    expert_intermediate_size=8,
+    renormalize=False,
+    shared_expert_intermediate_size=12,  # split over TP 4; whole (first rank only) over 8
+    shared_expert_gate=True,
+)
+LAYER_MESHES = (  # (dp, tp, moe_ep, dispatch)
+    (1, 1, 1, GATHER),
+    (1, 4, 4, GATHER),
+    (2, 2, 2, GATHER),
+    (2, 4, 2, GATHER),
+    (1, 8, 8, GATHER),
+    (1, 4, 4, ALL_TO_ALL),
+    (2, 4, 8, ALL_TO_ALL),
+)
+
+
+def layer_case(dp, tp, ep, dispatch, *, capacity=None) -> tuple[MoeFfn, jax.sharding.Mesh]:
+    topology = bj.Topology(attn_dp=dp, attn_tp=tp, moe_ep=ep)
+    module = MoeFfn(
+        HIDDEN, LAYER_MOE, topology, dispatch=dispatch, capacity=capacity, rngs=nnx.Rngs(5)
+    )
+    return module, make_mesh(bj.Topology(attn_dp=dp, attn_tp=tp))
+
+
+def run_layer(module: MoeFfn, mesh, x: jax.Array, *, defer: bool) -> np.ndarray:
+    """The layer's output on every token, completed as its boundary would: gathered rows summed
+    over the MoE output group, own rows concatenated; a deferred finalize completed first."""
+    topology = module.topology
+    own = module.dispatch is ALL_TO_ALL
+    rows = P(topology.shard_entry(bj.SumGroup.TP)) if own else P()
+
+    def body(module, x):
+        out = module(x, defer=defer)
+        if defer:
+            out = out.complete()
+        if own:
+            return out
+        axes = topology.sum_axes(bj.SumGroup.MOE_OUTPUT)
+        return jax.lax.psum(out, bj.Topology.mesh_names(axes)) if axes else out
+
+    return np.asarray(run_sharded(module, mesh, body, (x,), (rows,), rows))
+
+
+def layer_reference(module: MoeFfn, x: np.ndarray) -> np.ndarray:
+    shared = module.shared_expert
+    return moe.moe_reference(
+        x,
+        np.asarray(module.router[...]),
+        np.asarray(module.gate_proj[...]),
+        np.asarray(module.up_proj[...]),
+        np.asarray(module.down_proj[...]),
+        top_k=LAYER_MOE.top_k,
+        renormalize=LAYER_MOE.renormalize,
+        shared=tuple(
+            np.asarray(p[...]) for p in (shared.gate_proj, shared.up_proj, shared.down_proj)
+        ),
+        shared_gate=np.asarray(shared.expert_gate[...]),
+    )
+
+
+TOKENS_IN = jax.random.normal(jax.random.key(2), (TOKENS, HIDDEN), jnp.float32)
+
+
+@pytest.mark.parametrize("defer", [False, True], ids=["finalized", "deferred"])
+@pytest.mark.parametrize("dp,tp,ep,dispatch", LAYER_MESHES)
+def test_moe_ffn_matches_float64_reference(dp, tp, ep, dispatch, defer):
+    """Experts over EP, width over moe_tp, tokens gathered or sent all-to-all: the completed
+    output equals the float64 layer (each expert and each rank's shard has its own weights)."""
+    module, mesh = layer_case(dp, tp, ep, dispatch)
+    want = layer_reference(module, np.asarray(TOKENS_IN))
+    got = run_layer(module, mesh, TOKENS_IN, defer=defer)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.max(np.abs(want)))
+
+
+def test_moe_ffn_spreads_experts_over_ranks():
+    """Each EP rank holds its own block of experts; routing is not trivial (every rank's
+    experts are chosen, by tokens on different ranks)."""
+    module, _ = layer_case(2, 4, 8, ALL_TO_ALL)
+    assert nnx.get_partition_spec(nnx.state(module)).gate_proj.get_value() == P(
+        ("attn_dp", "attn_tp"), None, None
+    )
+    routing = moe.route(TOKENS_IN, module.router[...], top_k=3, renormalize=False)
+    chosen = np.asarray(routing.experts)  # 8 experts over 8 ranks: expert e lives on rank e
+    per_rank = [set(chosen[rank * 4 : rank * 4 + 4].ravel()) for rank in range(8)]
+    assert set().union(*per_rank) == set(range(8))
+    assert len({frozenset(s) for s in per_rank}) > 1
+
+
+def mutant_error(module, mesh, *, defer=False) -> float:
+    want = layer_reference(module, np.asarray(TOKENS_IN))
+    return relative_error(run_layer(module, mesh, TOKENS_IN, defer=defer), want)
+
+
+def test_mutant_shared_expert_added_on_every_rank_is_caught():
+    """A shared expert whole on every rank, added on every rank, is counted tp times."""
+    module, mesh = layer_case(1, 8, 8, GATHER)
+    assert module.shared_on_first_rank
+    assert mutant_error(module, mesh) < 1e-5
+    module.shared_on_first_rank = False
+    assert mutant_error(module, mesh) > 1e-2
+
+
+@pytest.mark.parametrize("mutant", ["skipped", "doubled"])
+def test_mutant_finalize_skipped_or_doubled_is_caught(monkeypatch, mutant):
+    """A finalize that ignores the routing weights, or adds twice, changes the output."""
+    complete = bj.DeferredFinalize.complete
+    broken = {
+        "skipped": lambda self: jnp.sum(self.expert_outputs, axis=1),
+        "doubled": lambda self: 2 * complete(self),
+    }[mutant]
+    monkeypatch.setattr(bj.DeferredFinalize, "complete", broken)
+    module, mesh = layer_case(2, 4, 2, GATHER)
+    assert mutant_error(module, mesh, defer=True) > 1e-2
+
+
+def test_mutant_token_sent_to_the_wrong_rank_is_caught(monkeypatch):
+    """Rows dispatched one EP rank off reach the wrong experts."""
+    dispatch = bj.ops.dispatch_to_experts
+
+    def off_by_one(rows, tags, destination, topology, **options):
+        return dispatch(rows, tags, (destination + 1) % topology.moe_ep, topology, **options)
+
+    monkeypatch.setattr(bj.ops, "dispatch_to_experts", off_by_one)
+    module, mesh = layer_case(1, 4, 4, ALL_TO_ALL)
+    assert mutant_error(module, mesh) > 1e-2
+
+
+def test_mutant_moe_sum_missing_is_caught(monkeypatch):
+    """A sparse FFN declared complete (no MoE output sum) gives logits far from HF's."""
+    honest = models.moe_decoder.moe_stage_facts
+
+    def no_sum(config, dispatch, layer_index):
+        attn, ffn = honest(config, dispatch, layer_index)
+        if ffn.sparse:
+            ffn = bj.declare_ffn(sparse=True, output_complete=True)
+        return attn, ffn
+
+    monkeypatch.setattr(models.moe_decoder, "moe_stage_facts", no_sum)
+    prompts, reference = golden("mixtral")
+    mesh = make_mesh(bj.Topology(attn_tp=4))
+    run = ShardedCausalLM(load_model(GOLDEN / "mixtral", mesh, moe_ep=4), mesh)
+    assert relative_error(run.forward(prompts), reference["logits"]) > 1e-2
+
+
+# --------------------------------------------------------------------------------------------
+# Collectives of a middle sparse layer (docs/collectives.md, "MoE decoders")
+# --------------------------------------------------------------------------------------------
+
+TABLE = pathlib.Path(__file__).parents[2] / "docs" / "collectives.md"
+KINDS = {"AR": "all-reduce", "RS": "reduce-scatter", "AG": "all-gather", "A2A": "all-to-all"}
+
+
+def _documented_moe_rows() -> dict[Layout, tuple[str, ...]]:
+    """The "MoE decoders" table of docs/collectives.md: layout -> the middle layer's kinds."""
+    text = TABLE.read_text().split("## MoE decoders", 1)[1]
+    lines = [line for line in text.splitlines() if line.startswith("| ")]
+    header = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    rows = {}
+    for line in lines[2:]:
+        cells = dict(zip(header, (c.strip() for c in line.strip("|").split("|")), strict=True))
+        layout = Layout(
+            int(cells["dp"]),
+            int(cells["tp"]),
+            ep=int(cells["ep"]),
+            dispatch=bj.MoeDispatch(cells["dispatch"]),
+            scattered=cells["batch"] == "input-scattered",
+            defer=cells["finalize"] == "deferred",
+        )
+        rows[layout] = tuple(KINDS[kind] for kind in cells["middle sparse layer"].split())
+    return rows
+
+
+MIDDLE_SPARSE_LAYER = _documented_moe_rows()
+
+
+@pytest.mark.parametrize("layout", list(MIDDLE_SPARSE_LAYER), ids=str)
+def test_middle_sparse_layer_collectives(layout):
+    """A middle layer of a 4-layer Mixtral runs exactly the collectives docs/collectives.md
+    documents for it (gather and all-to-all, finalize deferred or not)."""
+    assert len(MIDDLE_SPARSE_LAYER) >= 10
+    config = dataclasses.replace(load_config(GOLDEN / "mixtral"), num_layers=4)
+    topology = bj.Topology(attn_dp=layout.dp, attn_tp=layout.tp, moe_ep=layout.ep)
+    model = build_model(
+        config,
+        topology,
+        moe_dispatch=layout.dispatch,
+        fusions=DEFER if layout.defer else bj.fusions.NO_FUSIONS,
+    )
+    run = ShardedCausalLM(model, make_mesh(topology), input_scattered=layout.scattered)
+    assert collective_report(run).sequence(1) == MIDDLE_SPARSE_LAYER[layout]
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input
+# --------------------------------------------------------------------------------------------
+
+
+def test_ep_size_must_divide_the_tp_group():
+    with pytest.raises(ValueError, match="moe_ep must divide the full TP group"):
+        bj.Topology(attn_tp=4, moe_ep=3)
+
+
+def test_ep_group_splitting_a_mesh_axis_is_rejected():
+    with pytest.raises(NotImplementedError, match="whole mesh axes"):
+        bj.Topology(attn_tp=4, moe_ep=2)
+
+
+def test_ep_size_must_divide_the_experts():
+    topology = bj.Topology(attn_dp=2, attn_tp=3, moe_ep=6)
+    with pytest.raises(ValueError, match="moe_ep must divide the number of experts"):
+        MoeFfn(HIDDEN, LAYER_MOE, topology, rngs=nnx.Rngs(0))
+
+
+def test_all_to_all_needs_whole_experts_per_rank():
+    topology = bj.Topology(attn_dp=2, attn_tp=4, moe_ep=2)
+    with pytest.raises(NotImplementedError, match="all-to-all dispatch runs whole experts"):
+        MoeFfn(HIDDEN, LAYER_MOE, topology, dispatch=ALL_TO_ALL, rngs=nnx.Rngs(0))
+
+
+def test_capacity_that_could_drop_tokens_is_rejected():
+    module, mesh = layer_case(1, 4, 4, ALL_TO_ALL, capacity=5)
+    with pytest.raises(ValueError, match="could drop tokens"):
+        run_layer(module, mesh, TOKENS_IN, defer=False)
+
+
+def test_dense_checkpoint_takes_no_moe_options():
+    mesh = make_mesh(bj.Topology(attn_tp=4))
+    with pytest.raises(ValueError, match="has no experts"):
+        load_model(GOLDEN / "qwen3", mesh, moe_ep=4)
+
+
+def test_unsupported_router_is_rejected():
+    config = json.loads((GOLDEN / "qwen3_moe" / "config.json").read_text())
+    with pytest.raises(ValueError, match="unsupported router"):
+        DecoderConfig.from_hf(config | {"scoring_func": "sigmoid"})
+
+
+def test_qwen2_moe_is_not_built_yet():
+    with pytest.raises(NotImplementedError, match="q/k/v biases"):
+        load_model(GOLDEN / "qwen2_moe", make_mesh(bj.Topology()))
