@@ -18,6 +18,7 @@ Run from the repository root: `python3 -m benchmarks.bench_decoder [parity] [fus
 [policies]` (default: all three).
 """
 
+import dataclasses
 import json
 import pathlib
 import statistics
@@ -30,29 +31,13 @@ import numpy as np
 
 import boundary_jax as bj
 from boundary_jax.fusions import AddRmsNorm, FusionProvider, platform_fusions
-from models.config import Architecture, DecoderConfig
 from models.runtime import ShardedCausalLM, build_model, load_model
 
-from .common import header
+from .common import LLAMA3_8B, header
 
 GOLDEN = pathlib.Path(__file__).parents[1] / "tests" / "golden"
-LLAMA_8B_SHAPE = DecoderConfig(
-    architecture=Architecture.LLAMA,
-    vocab_size=32000,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_layers=2,
-    num_heads=32,
-    num_kv_heads=8,
-    head_dim=128,
-    rms_norm_eps=1e-5,
-    rope_theta=5e5,
-    rope_scaling=None,
-    qk_norm=False,
-    tie_word_embeddings=False,
-    sliding_window=None,
-    max_position_embeddings=8192,
-)
+# Llama-3-8B layers with a 32k vocabulary, 2 layers deep.
+LLAMA_8B_SHAPE = dataclasses.replace(LLAMA3_8B, vocab_size=32000, num_layers=2)
 
 
 def parity() -> None:

@@ -40,36 +40,18 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import boundary_jax as bj
 from models.attention import AttentionImpl, KVCache, decode_attention_cudnn
-from models.config import Architecture, DecoderConfig
+from models.config import DecoderConfig
 from models.rope import apply_rope, rope_inv_freq
 from models.rows import RowsPhase, TokenRows, pack_sequences
 from models.runtime import ShardedCausalLM, build_model
 
-from .common import header, print_table
+from .common import LLAMA3_8B, header, print_table
 
 # On CPU (a smoke run of this script) cuDNN stands in as XLA's own attention.
 KERNEL = "cudnn" if jax.default_backend() == "gpu" else "xla"
 HBM_BYTES_PER_S = 4.8e12
 PEAK_FLOPS = 990e12
 STEPS = 32
-
-LLAMA3_8B = DecoderConfig(
-    architecture=Architecture.LLAMA,
-    vocab_size=128256,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_layers=32,
-    num_heads=32,
-    num_kv_heads=8,
-    head_dim=128,
-    rms_norm_eps=1e-5,
-    rope_theta=5e5,
-    rope_scaling=None,
-    qk_norm=False,
-    tie_word_embeddings=False,
-    sliding_window=None,
-    max_position_embeddings=8192,
-)
 
 
 # -- the GSPMD baseline: plain Llama over global arrays, one jax.jit --------------------------

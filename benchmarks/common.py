@@ -15,6 +15,27 @@ import jax
 import numpy as np
 from jax.experimental.mosaic.gpu import profiler
 
+from models.config import Architecture, DecoderConfig
+
+LLAMA3_8B = DecoderConfig(
+    architecture=Architecture.LLAMA,
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-5,
+    rope_theta=5e5,
+    rope_scaling=None,
+    qk_norm=False,
+    tie_word_embeddings=False,
+    sliding_window=None,
+    max_position_embeddings=8192,
+)
+"""The Llama-3-8B shape the benchmarks measure (random weights; no checkpoint)."""
+
 
 def header(title: str) -> str:
     """Machine, JAX version and date, for RESULTS.md."""

@@ -420,31 +420,6 @@ PRESETS: dict[str, DecoderConfig] = {
         sliding_window=16,
         max_position_embeddings=128,
     ),
-    # Qwen3-MoE with a dense layer among three sparse ones (8 experts, top-2 of them).
-    "tiny-qwen3-moe": DecoderConfig(
-        architecture=Architecture.QWEN3_MOE,
-        vocab_size=250,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=4,
-        num_heads=8,
-        num_kv_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-6,
-        rope_theta=1e6,
-        rope_scaling=None,
-        qk_norm=True,
-        tie_word_embeddings=False,
-        sliding_window=None,
-        max_position_embeddings=128,
-        moe=MoeConfig(
-            num_experts=8,
-            top_k=2,
-            expert_intermediate_size=32,
-            renormalize=True,
-            mlp_only_layers=(1,),
-        ),
-    ),
     # About 0.9M parameters (3.5 MB in float32).
     "small-llama": DecoderConfig(
         architecture=Architecture.LLAMA,
@@ -470,3 +445,16 @@ PRESETS: dict[str, DecoderConfig] = {
     ),
 }
 """Named configurations for demos and tests; none needs a checkpoint."""
+# Qwen3-MoE with a dense layer among three sparse ones (8 experts, top-2 of them).
+PRESETS["tiny-qwen3-moe"] = dataclasses.replace(
+    PRESETS["tiny-qwen3"],
+    architecture=Architecture.QWEN3_MOE,
+    tie_word_embeddings=False,
+    moe=MoeConfig(
+        num_experts=8,
+        top_k=2,
+        expert_intermediate_size=32,
+        renormalize=True,
+        mlp_only_layers=(1,),
+    ),
+)

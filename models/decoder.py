@@ -7,6 +7,8 @@ norm. Compute never sums: every sum a stage owes is completed by a boundary.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -29,11 +31,12 @@ def stage_facts(layer_index: int) -> tuple[bj.StageDeclaration, bj.StageDeclarat
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm attention + SwiGLU FFN, joined to its neighbours by two stage boundaries.
+    """Pre-norm attention + an FFN, joined to its neighbours by two stage boundaries.
 
     Attributes:
       attn: Self-attention returning its o_proj partial.
-      mlp: SwiGLU returning its down_proj partial.
+      mlp: The FFN (a SwiGLU here) returning its down_proj partial; built by `make_mlp` after
+        the attention, so a mesh that fits neither reports the heads first.
       attn_boundary: The boundary before and after attention; owns its input norm (HF
         `input_layernorm`).
       ffn_boundary: The boundary before and after the FFN; owns its input norm (HF
@@ -43,7 +46,8 @@ class DecoderLayer(nnx.Module):
     def __init__(
         self,
         config: DecoderConfig,
-        index: int,
+        declarations: tuple[bj.StageDeclaration, bj.StageDeclaration],
+        make_mlp: Callable[[], nnx.Module],
         *,
         topology: bj.Topology,
         dtype: jnp.dtype,
@@ -54,10 +58,8 @@ class DecoderLayer(nnx.Module):
         input_norm = bj.RMSNorm(config.hidden_size, eps=eps, param_dtype=dtype)
         post_attn_norm = bj.RMSNorm(config.hidden_size, eps=eps, param_dtype=dtype)
         self.attn = Attention(config, topology=topology, dtype=dtype, impl=attention, rngs=rngs)
-        self.mlp = SwiGLU(
-            config.hidden_size, config.intermediate_size, topology=topology, dtype=dtype, rngs=rngs
-        )
-        attn, ffn = stage_facts(index)
+        self.mlp = make_mlp()
+        attn, ffn = declarations
         self.attn_boundary, self.ffn_boundary = bj.append_stages(
             (attn, input_norm), (ffn, post_attn_norm)
         )
@@ -83,8 +85,14 @@ class DecoderLayer(nnx.Module):
         y, cache = self.attn(h, rows.positions, rows.segment_ids, cache, phase=rows.phase)
         x, stream = self.attn_boundary.finish(y, stream)
         h, stream = self.ffn_boundary.prepare(x, stream)
-        x, stream = self.ffn_boundary.finish(self.mlp(h), stream)
+        x, stream = self.run_ffn(h, stream)
         return x, stream, cache
+
+    def run_ffn(
+        self, h: jax.Array, stream: bj.ResidualStream
+    ) -> tuple[bj.OwedOutput, bj.ResidualStream]:
+        """The FFN's compute and exit; a layer whose FFN may hand on a finalize overrides it."""
+        return self.ffn_boundary.finish(self.mlp(h), stream)
 
 
 class CausalLM(nnx.Module):
@@ -156,7 +164,13 @@ class CausalLM(nnx.Module):
     def make_layer(self, config: DecoderConfig, index: int, **common) -> nnx.Module:
         """Decoder layer `index` (inside the open layer stack), with this model's attention
         kernel; `common` holds `topology`, `dtype` and `rngs`."""
-        return DecoderLayer(config, index, attention=self.attention, **common)
+
+        def make_mlp():
+            return SwiGLU(config.hidden_size, config.intermediate_size, **common)
+
+        return DecoderLayer(
+            config, self.stage_facts(index), make_mlp, attention=self.attention, **common
+        )
 
     def __call__(
         self,

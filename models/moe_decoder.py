@@ -14,13 +14,12 @@ from flax import nnx
 
 import boundary_jax as bj
 
-from .attention import Attention, AttentionImpl, KVCache
+from .attention import AttentionImpl
 from .config import Architecture, DecoderConfig
-from .decoder import CausalLM
+from .decoder import CausalLM, DecoderLayer
 from .mlp import SwiGLU
 from .moe import GroupedMatmulImpl
 from .moe_ffn import MoeFfn
-from .rows import TokenRows
 
 
 def moe_stage_facts(
@@ -33,54 +32,17 @@ def moe_stage_facts(
     return bj.declare_attn(), bj.declare_ffn()
 
 
-class MoeDecoderLayer(nnx.Module):
-    """Pre-norm attention + a sparse (or, where the config says, dense) FFN.
+class MoeDecoderLayer(DecoderLayer):
+    """A decoder layer whose FFN may be a `MoeFfn`: its exit decides, before compute, whether
+    the MoE hands its finalize on (`mlp` is `MoeFfn` on a sparse layer, else `SwiGLU`)."""
 
-    Attributes:
-      attn: Self-attention returning its o_proj partial.
-      mlp: `MoeFfn` on a sparse layer (its exit may take a deferred finalize), else `SwiGLU`.
-      attn_boundary: The boundary before and after attention (HF `input_layernorm`).
-      ffn_boundary: The boundary before and after the FFN (HF `post_attention_layernorm`).
-    """
-
-    def __init__(
-        self,
-        config: DecoderConfig,
-        declarations: tuple[bj.StageDeclaration, bj.StageDeclaration],
-        mlp: MoeFfn | SwiGLU,
-        *,
-        topology: bj.Topology,
-        dtype: jnp.dtype,
-        attention: AttentionImpl = AttentionImpl.XLA,
-        rngs: nnx.Rngs,
-    ):
-        eps = config.rms_norm_eps
-        input_norm = bj.RMSNorm(config.hidden_size, eps=eps, param_dtype=dtype)
-        post_attn_norm = bj.RMSNorm(config.hidden_size, eps=eps, param_dtype=dtype)
-        self.attn = Attention(config, topology=topology, dtype=dtype, impl=attention, rngs=rngs)
-        self.mlp = mlp
-        attn, ffn = declarations
-        self.attn_boundary, self.ffn_boundary = bj.append_stages(
-            (attn, input_norm), (ffn, post_attn_norm)
-        )
-
-    def __call__(
-        self,
-        x: jax.Array | bj.OwedOutput,
-        stream: bj.ResidualStream,
-        rows: TokenRows,
-        cache: KVCache | None,
-    ) -> tuple[bj.OwedOutput, bj.ResidualStream, KVCache | None]:
-        h, stream = self.attn_boundary.prepare(x, stream)
-        y, cache = self.attn(h, rows.positions, rows.segment_ids, cache, phase=rows.phase)
-        x, stream = self.attn_boundary.finish(y, stream)
-        h, stream = self.ffn_boundary.prepare(x, stream)
-        if isinstance(self.mlp, MoeFfn):
-            exit = self.ffn_boundary.exit(stream)
-            x, stream = exit.finish(self.mlp(h, defer=exit.defer_moe_finalize), stream)
-        else:
-            x, stream = self.ffn_boundary.finish(self.mlp(h), stream)
-        return x, stream, cache
+    def run_ffn(
+        self, h: jax.Array, stream: bj.ResidualStream
+    ) -> tuple[bj.OwedOutput, bj.ResidualStream]:
+        if not isinstance(self.mlp, MoeFfn):
+            return super().run_ffn(h, stream)
+        exit = self.ffn_boundary.exit(stream)
+        return exit.finish(self.mlp(h, defer=exit.defer_moe_finalize), stream)
 
 
 class MoeCausalLM(CausalLM):
@@ -143,7 +105,7 @@ class MoeCausalLM(CausalLM):
         else:
             mlp = SwiGLU(config.hidden_size, config.intermediate_size, **common)
         return MoeDecoderLayer(
-            config, self.stage_facts(index), mlp, attention=self.attention, **common
+            config, self.stage_facts(index), lambda: mlp, attention=self.attention, **common
         )
 
 
