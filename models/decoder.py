@@ -194,6 +194,21 @@ class CausalLM(nnx.Module):
         hidden, caches_out = self.hidden(rows, batch, caches, last_rows)
         return self.lm_head(hidden).astype(jnp.float32), caches_out
 
+    def loss(self, rows: TokenRows, batch: bj.BatchFacts, labels: jax.Array) -> jax.Array:
+        """The mean next-token cross-entropy over every labelled row of the batch (all DP
+        ranks): a float32 scalar alike on every rank.
+
+        Args:
+          rows: This DP rank's block of packed rows (attention within the batch, no caches).
+          batch: The batch facts.
+          labels: [rows] int32 target id per row (the next token of its sequence), -1 where
+            nothing is predicted (a sequence's last row, padding).
+        """
+        hidden, _ = self.hidden(rows, batch)
+        losses = self.lm_head.cross_entropy(hidden, labels)
+        count = bj.total_over_rows((labels >= 0).astype(jnp.float32), self.topology)
+        return bj.total_over_rows(losses, self.topology) / jnp.maximum(count, 1)
+
     def hidden(
         self,
         rows: TokenRows,

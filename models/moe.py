@@ -38,6 +38,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+import boundary_jax as bj
+
 try:  # JAX's Hopper kernel; it imports on any platform but runs only on NVIDIA Hopper GPUs.
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu as _ragged_dot_mgpu
 except ImportError:  # pragma: no cover - depends on the JAX build
@@ -195,14 +197,14 @@ def expert_outputs(
     # Sort the (token, choice) rows by local expert; rows of experts held elsewhere go last, as
     # group `local`, which no matmul covers (ragged_dot leaves such rows zero; masked anyway).
     group = jnp.where(held, flat, local)
-    order = jnp.argsort(group, stable=True)
+    order = bj.argsort(group)  # typed varying where `group` is (jnp.argsort drops it)
     rows = jnp.take(x, order // top_k, axis=0)  # [T*k, hidden]
     group_sizes = jnp.bincount(group, length=local + 1)[:local].astype(jnp.int32)
     matmul = functools.partial(_grouped_matmul, group_sizes=group_sizes, impl=impl)
     hidden_rows = jax.nn.silu(matmul(rows, gate)) * matmul(rows, up)
     out = matmul(hidden_rows, down)  # [T*k, hidden], in sorted order
     out = jnp.where(jnp.take(held, order)[:, None], out, jnp.zeros_like(out))
-    inverse = jnp.argsort(order)
+    inverse = bj.argsort(order)
     return jnp.take(out, inverse, axis=0).reshape(tokens, top_k, hidden)
 
 
