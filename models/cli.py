@@ -24,6 +24,7 @@ import boundary_jax as bj
 
 from .checkpoint import load_config, save_checkpoint
 from .config import PRESETS, DecoderConfig
+from .decoder import Remat
 from .demo import run_demo
 from .report import plan_report, print_plan
 from .runtime import ShardedCausalLM, build_model, load_model
@@ -113,6 +114,7 @@ def _build(args, console):
                 moe_dispatch=args.moe_dispatch,
                 dtype=dtype,
                 seed=getattr(args, "seed", 0),
+                remat=getattr(args, "remat", Remat.NONE),
             )
     else:
         directory = Path(args.checkpoint)
@@ -127,6 +129,7 @@ def _build(args, console):
                 moe_ep=args.moe_ep,
                 moe_dispatch=args.moe_dispatch,
                 dtype=dtype,
+                remat=getattr(args, "remat", Remat.NONE),
             )
     return model, mesh
 
@@ -352,6 +355,14 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
     train.add_argument("--warmup", type=int, default=10, help="warmup steps (default 10)")
     train.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches")
+    train.add_argument(
+        "--remat",
+        type=Remat,
+        choices=tuple(Remat),
+        default=Remat.NONE,
+        metavar="{none,full,dots}",
+        help="what each layer keeps for the backward pass (default none: everything)",
+    )
     train.add_argument("--log-every", type=int, default=10, help="progress every N steps")
     train.add_argument("--out", required=True, help="where to write the trained checkpoint")
     train.set_defaults(run=_train)

@@ -7,6 +7,7 @@ norm. Compute never sums: every sum a stage owes is completed by a boundary.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 
 import jax
@@ -21,6 +22,26 @@ from .config import Architecture, DecoderConfig
 from .layers import ParallelLMHead, VocabParallelEmbedding
 from .mlp import SwiGLU
 from .rows import TokenRows
+
+
+class Remat(enum.Enum):
+    """What each decoder layer keeps for the backward pass (`jax.checkpoint` per layer).
+
+    NONE: every activation is kept (no recomputation).
+    FULL: only each layer's inputs are kept; the backward recomputes the layer.
+    DOTS: the layer's matmul outputs are kept, the rest (norms, activations, softmax) is
+      recomputed (`jax.checkpoint_policies.dots_with_no_batch_dims_saveable`).
+    """
+
+    NONE = "none"
+    FULL = "full"
+    DOTS = "dots"
+
+    def policy(self) -> Callable | None:
+        """The `jax.checkpoint` policy (None: save nothing); only for FULL and DOTS."""
+        if self is Remat.DOTS:
+            return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+        return None
 
 
 def stage_facts(layer_index: int) -> tuple[bj.StageDeclaration, bj.StageDeclaration]:
@@ -107,6 +128,8 @@ class CausalLM(nnx.Module):
       lm_head: Vocab-parallel LM head (tied to `embed` when the config says so).
       fusions: The stack's fusion provider (`bj.fusions.NO_FUSIONS`: the built-in path).
       attention: The attention kernel of every layer.
+      remat: What each layer keeps for the backward pass (`Remat`); a forward with KV caches
+        (serving) never recomputes.
     """
 
     architectures: tuple[Architecture, ...] = (
@@ -124,6 +147,7 @@ class CausalLM(nnx.Module):
         fusions: bj.fusions.FusionProvider = bj.fusions.NO_FUSIONS,
         dtype: jnp.dtype = jnp.float32,
         attention: AttentionImpl = AttentionImpl.XLA,
+        remat: Remat = Remat.NONE,
         rngs: nnx.Rngs,
     ):
         if config.architecture not in self.architectures:
@@ -136,6 +160,7 @@ class CausalLM(nnx.Module):
         self.topology = topology
         self.fusions = fusions
         self.attention = attention
+        self.remat = remat
         self.embed = VocabParallelEmbedding(config.vocab_size, config.hidden_size, **common)
         with bj.layer_stack(
             topology,
@@ -224,8 +249,10 @@ class CausalLM(nnx.Module):
         updated = []
         for index, layer in enumerate(self.layers):
             with jax.named_scope(f"layer_{index}"):
-                cache = None if caches is None else caches[index]
-                x, stream, cache = layer(x, stream, rows, cache)
+                if caches is None:
+                    x, stream, cache = self._run_layer(layer, x, stream, rows)
+                else:
+                    x, stream, cache = layer(x, stream, rows, caches[index])
             updated.append(cache)
         hidden = residual.final_norm(x, stream, self.final_norm, skip_empty=True)
         if last_rows is not None:
@@ -233,6 +260,19 @@ class CausalLM(nnx.Module):
             picked = jnp.take(hidden, jnp.clip(last_rows, 0, hidden.shape[0] - 1), axis=0)
             hidden = jnp.where((last_rows >= 0)[:, None], picked, 0)
         return hidden, None if caches is None else tuple(updated)
+
+    def _run_layer(self, layer: nnx.Module, x, stream: bj.ResidualStream, rows: TokenRows):
+        """One layer without a cache, under `jax.checkpoint` as `remat` says."""
+        if self.remat is Remat.NONE:
+            return layer(x, stream, rows, None)
+        graphdef, state = nnx.split(layer)
+
+        def run(state, x, stream, rows):
+            x, stream, _ = nnx.merge(graphdef, state)(x, stream, rows, None)
+            return x, stream
+
+        x, stream = jax.checkpoint(run, policy=self.remat.policy())(state, x, stream, rows)
+        return x, stream, None
 
 
 class Qwen3ForCausalLM(CausalLM):

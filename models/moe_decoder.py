@@ -16,7 +16,7 @@ import boundary_jax as bj
 
 from .attention import AttentionImpl
 from .config import Architecture, DecoderConfig
-from .decoder import CausalLM, DecoderLayer
+from .decoder import CausalLM, DecoderLayer, Remat
 from .mlp import SwiGLU
 from .moe import GroupedMatmulImpl
 from .moe_ffn import MoeFfn
@@ -72,6 +72,7 @@ class MoeCausalLM(CausalLM):
         fusions: bj.fusions.FusionProvider = bj.fusions.NO_FUSIONS,
         dtype: jnp.dtype = jnp.float32,
         attention: AttentionImpl = AttentionImpl.XLA,
+        remat: Remat = Remat.NONE,
         rngs: nnx.Rngs,
     ):
         self.moe_dispatch = moe_dispatch
@@ -84,6 +85,7 @@ class MoeCausalLM(CausalLM):
             fusions=fusions,
             dtype=dtype,
             attention=attention,
+            remat=remat,
             rngs=rngs,
         )
 

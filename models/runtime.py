@@ -24,7 +24,7 @@ import boundary_jax as bj
 from .attention import AttentionImpl, KVCache
 from .checkpoint import load_config, load_params
 from .config import Architecture, DecoderConfig
-from .decoder import CausalLM, LlamaForCausalLM, Qwen3ForCausalLM
+from .decoder import CausalLM, LlamaForCausalLM, Qwen3ForCausalLM, Remat
 from .moe_decoder import MixtralForCausalLM, MoeCausalLM, Qwen3MoeForCausalLM
 from .rows import PackedBatch, RowsPhase, TokenRows, decode_rows, pack_sequences
 from .sampling import GREEDY, Sampling, sample_tokens
@@ -105,6 +105,7 @@ def build_model(
     seed: int = 0,
     attention: AttentionImpl | None = None,
     mesh: Mesh | None = None,
+    remat: Remat = Remat.NONE,
 ) -> CausalLM:
     """A model of `config` with random weights (every shard different).
 
@@ -119,6 +120,7 @@ def build_model(
         abstractly and creates each weight straight into its shards (no unsharded copy), at
         the cost of compiling the initializer (seconds; worth it for large models). The
         values are the same either way.
+      remat: What each layer keeps for the backward pass (training).
     """
     if attention is None:
         attention = AttentionImpl.for_platform(_platform(mesh))
@@ -132,6 +134,7 @@ def build_model(
             fusions=fusions,
             dtype=dtype,
             attention=attention,
+            remat=remat,
             rngs=nnx.Rngs(seed),
         )
 
@@ -155,6 +158,7 @@ def load_model(
     moe_dispatch: bj.MoeDispatch | None = None,
     dtype: jnp.dtype = jnp.float32,
     attention: AttentionImpl | None = None,
+    remat: Remat = Remat.NONE,
 ) -> CausalLM:
     """A model loaded from a Hugging Face checkpoint directory, each device reading its shard.
 
@@ -162,7 +166,7 @@ def load_model(
     into its sharded global array (stacked experts: each device reads only its experts). MoE
     checkpoints take `moe_ep` (expert-parallel size, dividing the mesh's full TP group) and
     `moe_dispatch` (None: `MoeDispatch.GATHER`). `attention` None picks
-    `AttentionImpl.for_platform`.
+    `AttentionImpl.for_platform`; `remat` says what each layer keeps for a backward pass.
     """
     config = load_config(checkpoint_dir)
     topology = bj.Topology.from_mesh(mesh, moe_ep=moe_ep)
@@ -177,6 +181,7 @@ def load_model(
             fusions=fusions,
             dtype=dtype,
             attention=attention,
+            remat=remat,
             rngs=nnx.Rngs(0),
         )
     )

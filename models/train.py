@@ -208,7 +208,7 @@ class Trainer:
             out_shardings=self._state_shardings,
         )
         self.state = init(flat)
-        self._loss = jax.jit(self._sharded_loss)
+        self._loss = jax.jit(self.sharded_loss)
         self._step = jax.jit(
             self._train_step, donate_argnums=(0,), out_shardings=(self._state_shardings, None)
         )
@@ -245,7 +245,9 @@ class Trainer:
 
     # -- loss and step --------------------------------------------------------------------
 
-    def _sharded_loss(self, params: dict[str, jax.Array], batch: TrainBatch) -> jax.Array:
+    def sharded_loss(self, params: dict[str, jax.Array], batch: TrainBatch) -> jax.Array:
+        """The mean next-token loss of `batch` under `params` (global arrays placed like
+        `state.params`): the sharded forward and loss, one `shard_map`; differentiable."""
         graphdef, rows, layout = self._graphdef, self._rows, self._params
 
         def body(params, batch):
@@ -268,7 +270,7 @@ class Trainer:
     def _train_step(
         self, state: TrainState, batch: TrainBatch
     ) -> tuple[TrainState, dict[str, jax.Array]]:
-        loss, grads = jax.value_and_grad(self._sharded_loss)(state.params, batch)
+        loss, grads = jax.value_and_grad(self.sharded_loss)(state.params, batch)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
@@ -282,7 +284,7 @@ class Trainer:
     def gradients(self, batch: TrainBatch) -> tuple[float, dict[str, jax.Array]]:
         """(loss, gradients of the loss w.r.t. every parameter) at the current parameters; the
         gradients are global arrays sharded like the parameters."""
-        loss, grads = jax.jit(jax.value_and_grad(self._sharded_loss))(self.state.params, batch)
+        loss, grads = jax.jit(jax.value_and_grad(self.sharded_loss))(self.state.params, batch)
         return float(loss), grads
 
     def step(self, batch: TrainBatch) -> dict[str, float]:

@@ -40,7 +40,7 @@ def trained(tmp_path_factory):
     out = tmp / "trained"
     args = ["train", "--preset", "tiny-qwen3", "--mesh", "attn_dp=2,attn_tp=2"]
     args += ["--text", str(texts), "--steps", "30", "--batch-tokens", "256", "--seq-len", "64"]
-    args += ["--lr", "1e-2", "--log-every", "10", "--out", str(out)]
+    args += ["--lr", "1e-2", "--log-every", "10", "--remat", "dots", "--out", str(out)]
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
         assert main(args) == 0
