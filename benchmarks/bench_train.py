@@ -31,6 +31,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 import boundary_jax as bj
+from models.attention import AttentionImpl
 from models.config import PRESETS, DecoderConfig
 from models.runtime import build_model
 from models.train import TrainConfig, Trainer, state_shardings
@@ -53,7 +54,9 @@ def train_flops(config: DecoderConfig, sequences: int, length: int) -> float:
     return 3 * (2 * matmul_params * tokens + attention)
 
 
-def make_baseline(config: DecoderConfig, optimizer: optax.GradientTransformation, shardings):
+def make_baseline(
+    config: DecoderConfig, optimizer: optax.GradientTransformation, shardings, kernel: str
+):
     """The GSPMD train step: (params, opt_state, ids [B, L], labels [B, L]) -> same, loss."""
     eps = config.rms_norm_eps
     layers = config.num_layers
@@ -77,8 +80,8 @@ def make_baseline(config: DecoderConfig, optimizer: optax.GradientTransformation
             h = _rms(x, layer["attn_norm"], eps)
             q, k, v = _qkv(layer, h, positions, config)
             q, k, v = (a.reshape(batch, length, *a.shape[1:]) for a in (q, k, v))
-            if KERNEL == "cudnn":
-                out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=KERNEL)
+            if kernel == "cudnn":
+                out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=kernel)
             else:
                 out = _causal_jnp(q, k, v)
             x = x + out.reshape(batch * length, -1) @ layer["wo"]
@@ -111,13 +114,16 @@ def timed(call, steps: int) -> float:
     return statistics.median(times)
 
 
-def run(base: DecoderConfig, layers: int, tp: int, sequences: int, length: int, steps: int) -> dict:
+def run(
+    base: DecoderConfig, layers: int, tp: int, sequences: int, length: int, steps: int, kernel: str
+) -> dict:
     config = dataclasses.replace(base, num_layers=layers)
     topology = bj.Topology(attn_tp=tp)
     mesh = bj.make_mesh(topology)
     optimizer = TrainConfig(learning_rate=1e-4, total_steps=1000, warmup_steps=10).optimizer()
     start = time.perf_counter()
-    model = build_model(config, topology, dtype=jnp.bfloat16, mesh=mesh)
+    attention = AttentionImpl.CUDNN if kernel == "cudnn" else AttentionImpl.XLA
+    model = build_model(config, topology, dtype=jnp.bfloat16, mesh=mesh, attention=attention)
     trainer = Trainer(model, mesh, optimizer)
     del model
     print(f"  project: built and placed in {time.perf_counter() - start:.1f}s")
@@ -133,7 +139,7 @@ def run(base: DecoderConfig, layers: int, tp: int, sequences: int, length: int, 
     replicated = NamedSharding(gspmd, PartitionSpec())
     opt_shardings = state_shardings(optimizer, params, param_shardings, replicated)
     opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
-    baseline = make_baseline(config, optimizer, (param_shardings, opt_shardings))
+    baseline = make_baseline(config, optimizer, (param_shardings, opt_shardings), kernel)
     data = (jax.device_put(ids, replicated), jax.device_put(labels, replicated))
 
     start = time.perf_counter()
@@ -155,6 +161,7 @@ def run(base: DecoderConfig, layers: int, tp: int, sequences: int, length: int, 
     tokens = sequences * length
     flops = train_flops(config, sequences, length)
     return {
+        "attention": kernel,
         "layers": layers,
         "tp": tp,
         "tokens/step": tokens,
@@ -180,14 +187,21 @@ def main() -> None:
     parser.add_argument(
         "--preset", choices=sorted(PRESETS), help="a small preset in place of Llama-3-8B (smoke)"
     )
+    parser.add_argument(
+        "--attention",
+        choices=("platform", "xla"),
+        default="platform",
+        help="platform: cuDNN on GPU in both steps; xla: plain jnp attention in both",
+    )
     args = parser.parse_args()
+    kernel = KERNEL if args.attention == "platform" else "xla"
     base = LLAMA3_8B if args.preset is None else PRESETS[args.preset]
     name = "Llama-3-8B shape" if args.preset is None else args.preset
     print(header(f"bench_train: {name}, {args.layers} layers, bf16, AdamW"))
     rows = []
     for tp in args.tp:
         print(f"TP {tp}:")
-        rows.append(run(base, args.layers, tp, args.sequences, args.length, args.steps))
+        rows.append(run(base, args.layers, tp, args.sequences, args.length, args.steps, kernel))
     print_table(list(rows[0]), [list(row.values()) for row in rows])
 
 
