@@ -1,4 +1,4 @@
-"""Qwen3 and Llama (also Mistral-style) decoders built only from stage boundaries.
+"""Qwen3, Llama (also Mistral-style) and Qwen2 decoders built only from stage boundaries.
 
 Each layer appends an attention stage and an FFN stage to the model's layer stack; the model
 enters the stack with the vocab-parallel embedding's partial sum and leaves it through the final
@@ -113,6 +113,7 @@ class CausalLM(nnx.Module):
         Architecture.QWEN3,
         Architecture.LLAMA,
         Architecture.MISTRAL,
+        Architecture.QWEN2,
     )
 
     def __init__(
@@ -230,3 +231,9 @@ class LlamaForCausalLM(CausalLM):
     """Llama (with llama3 RoPE scaling) and Mistral-style configs."""
 
     architectures = (Architecture.LLAMA, Architecture.MISTRAL)
+
+
+class Qwen2ForCausalLM(CausalLM):
+    """Qwen2 / Qwen2.5: q/k/v projections with biases (split with their heads), no q/k norm."""
+
+    architectures = (Architecture.QWEN2,)

@@ -1,4 +1,4 @@
-"""Mixture-of-experts decoders (Qwen3-MoE, Mixtral) built only from stage boundaries.
+"""Mixture-of-experts decoders (Qwen3-MoE, Mixtral, Qwen2-MoE) built only from stage boundaries.
 
 A layer is attention + an FFN that is either the sparse `MoeFfn` or, for the layers the config
 marks dense (Qwen3-MoE's `mlp_only_layers` and `decoder_sparse_step`), the dense SwiGLU; one
@@ -120,3 +120,11 @@ class MixtralForCausalLM(MoeCausalLM):
     """Mixtral: every layer sparse, top-k renormalized, sliding-window attention where set."""
 
     architectures = (Architecture.MIXTRAL,)
+
+
+class Qwen2MoeForCausalLM(MoeCausalLM):
+    """Qwen2-MoE: q/k/v biases, top-k weights as the softmax gave them (renormalized only where
+    `norm_topk_prob`), and a shared expert scaled by `sigmoid(x @ shared_expert_gate)` that every
+    token goes through, summed with the routed experts' output."""
+
+    architectures = (Architecture.QWEN2_MOE,)

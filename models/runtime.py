@@ -24,8 +24,13 @@ import boundary_jax as bj
 from .attention import AttentionImpl, KVCache
 from .checkpoint import load_config, load_params
 from .config import Architecture, DecoderConfig
-from .decoder import CausalLM, LlamaForCausalLM, Qwen3ForCausalLM
-from .moe_decoder import MixtralForCausalLM, MoeCausalLM, Qwen3MoeForCausalLM
+from .decoder import CausalLM, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from .moe_decoder import (
+    MixtralForCausalLM,
+    MoeCausalLM,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeForCausalLM,
+)
 from .rows import PackedBatch, RowsPhase, TokenRows, decode_rows, pack_sequences
 from .sampling import GREEDY, Sampling, sample_tokens
 
@@ -58,22 +63,15 @@ _MODEL_CLASSES = {
     Architecture.QWEN3: Qwen3ForCausalLM,
     Architecture.LLAMA: LlamaForCausalLM,
     Architecture.MISTRAL: LlamaForCausalLM,
+    Architecture.QWEN2: Qwen2ForCausalLM,
     Architecture.QWEN3_MOE: Qwen3MoeForCausalLM,
     Architecture.MIXTRAL: MixtralForCausalLM,
+    Architecture.QWEN2_MOE: Qwen2MoeForCausalLM,
 }
 
 
 def model_class(config: DecoderConfig) -> type[CausalLM]:
-    """The decoder class for a config's architecture.
-
-    Raises:
-      NotImplementedError: Qwen2 and Qwen2-MoE (their attention needs q/k/v biases, not built).
-    """
-    if config.architecture not in _MODEL_CLASSES:
-        raise NotImplementedError(
-            f"{config.architecture.value} is not built yet (its attention needs q/k/v biases); "
-            f"supported: {', '.join(a.value for a in _MODEL_CLASSES)}"
-        )
+    """The decoder class for a config's architecture (every `Architecture` has one)."""
     return _MODEL_CLASSES[config.architecture]
 
 
