@@ -337,7 +337,7 @@ class Attention(nnx.Module):
             kernel = lax.dynamic_slice_in_dim(kernel, head * head_dim, head_dim, axis=1)
             if bias is not None:
                 bias = lax.dynamic_slice_in_dim(bias, head * head_dim, head_dim)
-        out = h @ kernel if bias is None else h @ kernel + bias
+        out = h @ kernel if bias is None else h @ kernel + bias[None, :]
         return out.reshape(h.shape[0], self.heads.local_kv_heads, head_dim)
 
     def _visible(self, query_positions: jax.Array, key_positions: jax.Array) -> jax.Array:

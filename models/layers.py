@@ -81,7 +81,7 @@ class ColumnParallelLinear(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """[T, in_features] -> this rank's [T, local out_features]; complete, nothing owed."""
         y = x @ self.kernel[...]
-        return y if self.bias is None else y + self.bias[...]
+        return y if self.bias is None else y + self.bias[None, :]
 
 
 class RowParallelLinear(nnx.Module):

@@ -264,8 +264,10 @@ MODELS |= {
             "num_experts_per_tok": 2,
             "norm_topk_prob": False,
             "decoder_sparse_step": 1,
-            "mlp_only_layers": [1],  # layers 0 and 2 sparse, layer 1 dense
-            "num_hidden_layers": 3,
+            # Layer 1 dense between sparse ones; layer 2 a sparse layer neither first nor last
+            # (the middle sparse layer `plan` reports).
+            "mlp_only_layers": [1],
+            "num_hidden_layers": 4,
             "num_attention_heads": 8,
             "num_key_value_heads": 2,
             "qkv_bias": True,

@@ -187,7 +187,7 @@ def test_qwen2_moe_golden_config():
         shared_expert_gate=True,
         mlp_only_layers=(1,),
     )
-    assert config.sparse_layers == (True, False, True)
+    assert config.sparse_layers == (True, False, True, True)
     assert config.intermediate_size == 64
     hub = {k: v for k, v in golden_config("qwen2_moe").items() if k != "qkv_bias"}
     assert DecoderConfig.from_hf(hub).qkv_bias  # hub checkpoints have no key: biased
