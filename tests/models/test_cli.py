@@ -72,16 +72,19 @@ def test_generate_prints_the_greedy_ids_as_its_last_line(capsys):
 
 
 @pytest.mark.parametrize(
-    "command,extra",
+    "name,command,extra",
     [
-        ("forward", ["--moe-ep", "4"]),
-        ("generate", ["--moe-ep", "4", "--moe-dispatch", "all-to-all"]),
+        ("mixtral", "forward", ["--moe-ep", "4"]),
+        ("mixtral", "generate", ["--moe-ep", "4", "--moe-dispatch", "all-to-all"]),
+        ("qwen2_moe", "forward", ["--moe-ep", "4", "--moe-dispatch", "all-to-all"]),
+        ("qwen2_moe", "generate", ["--moe-ep", "4", "--moe-dispatch", "gather"]),
+        ("qwen2", "generate", []),
     ],
 )
-def test_moe_checkpoint_runs_with_expert_parallelism(tmp_path, capsys, command, extra):
-    """forward and generate take an MoE checkpoint with --moe-ep/--moe-dispatch: HF's logits
-    (within 1e-4) and greedy tokens."""
-    checkpoint, reference = _golden("mixtral")
+def test_checkpoint_runs_with_expert_parallelism(tmp_path, capsys, name, command, extra):
+    """forward and generate take MoE checkpoints with --moe-ep/--moe-dispatch (and dense Qwen2,
+    with q/k/v biases): HF's logits (within 1e-4) and greedy tokens."""
+    checkpoint, reference = _golden(name)
     args = [command, "--checkpoint", str(checkpoint), "--mesh", "attn_tp=4", *extra]
     prompts = str(checkpoint / "prompts.json")
     if command == "forward":
@@ -110,6 +113,26 @@ def test_plan_json_reports_a_middle_sparse_layer(capsys, dispatch, per_layer):
     report = json.loads(capsys.readouterr().out)
     assert report["middle_layer"] == 2 and report["moe_ep"] == 4
     assert report["moe_dispatch"] == dispatch
+    counts = {kind: n for kind, n in report["collectives_per_layer"].items() if n}
+    assert counts == per_layer
+
+
+@pytest.mark.parametrize(
+    "dispatch,per_layer",
+    [
+        ("gather", {"all-reduce": 2}),
+        ("all-to-all", {"all-gather": 1, "reduce-scatter": 1, "all-to-all": 3}),
+    ],
+)
+def test_plan_json_of_a_qwen2_moe_checkpoint(capsys, dispatch, per_layer):
+    """plan --json on the Qwen2-MoE checkpoint (sparse, dense, sparse, sparse) reports layer 2,
+    the middle sparse layer: its shared expert adds no collective in either mode."""
+    checkpoint = str(GOLDEN / "qwen2_moe")
+    args = ["plan", "--checkpoint", checkpoint, "--mesh", "attn_tp=4", "--moe-ep", "4"]
+    assert main([*args, "--moe-dispatch", dispatch, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["architecture"] == "Qwen2MoeForCausalLM"
+    assert report["middle_layer"] == 2 and report["moe_dispatch"] == dispatch
     counts = {kind: n for kind, n in report["collectives_per_layer"].items() if n}
     assert counts == per_layer
 

@@ -378,7 +378,19 @@ def test_dense_checkpoint_takes_no_moe_options():
         load_model(GOLDEN / "qwen3", mesh, moe_ep=4)
 
 
-def test_unsupported_router_is_rejected():
-    config = json.loads((GOLDEN / "qwen3_moe" / "config.json").read_text())
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"scoring_func": "sigmoid"},
+        {"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2},
+        {"routed_scaling_factor": 2.5},
+    ],
+    ids=["sigmoid", "grouped", "scaled"],
+)
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe"])
+def test_unsupported_router_is_rejected(name, change):
+    config = json.loads((GOLDEN / name / "config.json").read_text())
     with pytest.raises(ValueError, match="unsupported router"):
-        DecoderConfig.from_hf(config | {"scoring_func": "sigmoid"})
+        DecoderConfig.from_hf(config | change)
+    plain = {"topk_method": "greedy", "n_group": 1, "routed_scaling_factor": 1.0}
+    assert DecoderConfig.from_hf(config | plain) == DecoderConfig.from_hf(config)
