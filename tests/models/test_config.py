@@ -189,6 +189,8 @@ def test_qwen2_moe_golden_config():
     )
     assert config.sparse_layers == (True, False, True, True)
     assert config.intermediate_size == 64
+    renormalized = golden_config("qwen2_moe") | {"norm_topk_prob": True}
+    assert DecoderConfig.from_hf(renormalized).moe.renormalize
     hub = {k: v for k, v in golden_config("qwen2_moe").items() if k != "qkv_bias"}
     assert DecoderConfig.from_hf(hub).qkv_bias  # hub checkpoints have no key: biased
     assert not DecoderConfig.from_hf(hub | {"qkv_bias": False}).qkv_bias
