@@ -249,6 +249,31 @@ def test_mutant_split_shared_expert_counted_on_one_rank_is_caught():
     assert mutant_error(module, mesh) > 1e-2
 
 
+def test_whole_shared_expert_counted_once_in_a_model():
+    """A Qwen2-MoE whose shared expert (width 12) does not split over TP 8 keeps it whole on
+    every rank and adds it on one: equal to one device; added on every rank, it is not."""
+    config = load_config(GOLDEN / "qwen2_moe")
+    moe_config = dataclasses.replace(
+        config.moe, shared_expert_intermediate_size=12, mlp_only_layers=()
+    )
+    config = dataclasses.replace(config, num_layers=2, moe=moe_config)
+    prompts, _ = golden("qwen2_moe")
+    single = bj.Topology()
+    want = ShardedCausalLM(build_model(config, single), make_mesh(single)).forward(prompts)
+    topology = bj.Topology(attn_tp=8, moe_ep=8)
+    errors = []
+    for every_rank in (False, True):
+        model = build_model(config, topology)
+        for layer in model.layers:
+            if isinstance(layer.mlp, MoeFfn):
+                assert layer.mlp.shared_on_first_rank
+                layer.mlp.shared_on_first_rank = not every_rank
+        errors.append(
+            relative_error(ShardedCausalLM(model, make_mesh(topology)).forward(prompts), want)
+        )
+    assert errors[0] <= 1e-5 and errors[1] > 1e-2
+
+
 @pytest.mark.parametrize("mutant", ["skipped", "doubled"])
 def test_mutant_finalize_skipped_or_doubled_is_caught(monkeypatch, mutant):
     """A finalize that ignores the routing weights, or adds twice, changes the output."""
