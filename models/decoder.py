@@ -7,7 +7,8 @@ norm. Compute never sums: every sum a stage owes is completed by a boundary.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -18,16 +19,31 @@ from boundary_jax import residual
 
 from .attention import Attention, AttentionImpl, KVCache
 from .config import Architecture, DecoderConfig
+from .hyper_connections import HyperConnections
 from .layers import ParallelLMHead, VocabParallelEmbedding
 from .mlp import SwiGLU
 from .rows import TokenRows
 
+LayerDesigns = tuple[Mapping[str, Any], Mapping[str, Any]]
+"""A layer's attention and FFN stages' residual `read` / `update` declaration keywords."""
+PLAIN: LayerDesigns = ({}, {})
+"""The plain pre-norm design: add + RMSNorm at every boundary."""
 
-def stage_facts(layer_index: int) -> tuple[bj.StageDeclaration, bj.StageDeclaration]:
+
+def stage_facts(
+    layer_index: int, designs: LayerDesigns = PLAIN
+) -> tuple[bj.StageDeclaration, bj.StageDeclaration]:
     """The stages every dense decoder layer declares, in order: the model's shared declaration
-    function (a stack holding part of the layers binds its edges from it)."""
+    function (a stack holding part of the layers binds its edges from it).
+
+    Args:
+      layer_index: The layer (every dense layer declares the same stages).
+      designs: Each stage's residual read and update: the objects the layer owns, or (for
+        binding a neighbour) their `DesignFacts`.
+    """
     del layer_index
-    return bj.declare_attn(), bj.declare_ffn()
+    attn, ffn = designs
+    return bj.declare_attn(**attn), bj.declare_ffn(**ffn)
 
 
 class DecoderLayer(nnx.Module):
@@ -107,6 +123,9 @@ class CausalLM(nnx.Module):
       lm_head: Vocab-parallel LM head (tied to `embed` when the config says so).
       fusions: The stack's fusion provider (`bj.fusions.NO_FUSIONS`: the built-in path).
       attention: The attention kernel of every layer.
+      hyper_connections: The MHC residual design of every boundary, or None for the plain
+        pre-norm add + RMSNorm.
+      hyper_head: With hyper-connections, the head collapsing the streams before `final_norm`.
     """
 
     architectures: tuple[Architecture, ...] = (
@@ -124,6 +143,7 @@ class CausalLM(nnx.Module):
         fusions: bj.fusions.FusionProvider = bj.fusions.NO_FUSIONS,
         dtype: jnp.dtype = jnp.float32,
         attention: AttentionImpl = AttentionImpl.XLA,
+        hyper_connections: HyperConnections | None = None,
         rngs: nnx.Rngs,
     ):
         if config.architecture not in self.architectures:
@@ -136,6 +156,7 @@ class CausalLM(nnx.Module):
         self.topology = topology
         self.fusions = fusions
         self.attention = attention
+        self.hyper_connections = hyper_connections
         self.embed = VocabParallelEmbedding(config.vocab_size, config.hidden_size, **common)
         with bj.layer_stack(
             topology,
@@ -150,6 +171,13 @@ class CausalLM(nnx.Module):
                 [self.make_layer(config, i, **common) for i in range(config.num_layers)]
             )
         self.final_norm = bj.RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=dtype)
+        self.hyper_head = (
+            None
+            if hyper_connections is None
+            else hyper_connections.head(
+                config.hidden_size, norm_eps=config.rms_norm_eps, dtype=dtype, rngs=rngs
+            )
+        )
         self.lm_head = ParallelLMHead(
             config.hidden_size,
             config.vocab_size,
@@ -157,20 +185,53 @@ class CausalLM(nnx.Module):
             **common,
         )
 
-    def stage_facts(self, layer_index: int) -> tuple[bj.StageDeclaration, ...]:
-        """The model's shared declaration function: layer `layer_index`'s stages, in order."""
-        return stage_facts(layer_index)
+    def stage_facts(
+        self, layer_index: int, designs: LayerDesigns | None = None
+    ) -> tuple[bj.StageDeclaration, ...]:
+        """The model's shared declaration function: layer `layer_index`'s stages, in order.
+
+        `designs` are the layer's own residual reads and updates (`layer_designs`); None
+        declares their capabilities only, which is what the stack binds against.
+        """
+        return stage_facts(layer_index, self.layer_designs() if designs is None else designs)
+
+    def layer_designs(
+        self, *, dtype: jnp.dtype | None = None, rngs: nnx.Rngs | None = None
+    ) -> LayerDesigns:
+        """A layer's residual designs: none for the plain add + norm; with hyper-connections,
+        each stage's MHC read (weights drawn from `rngs`) and update, or without `rngs` their
+        capabilities only."""
+        hc = self.hyper_connections
+        if hc is None:
+            return PLAIN
+        if rngs is None:
+            return hc.stage_facts(), hc.stage_facts()
+        config = self.config
+        return tuple(
+            hc.stage_design(
+                config.hidden_size, norm_eps=config.rms_norm_eps, dtype=dtype, rngs=rngs
+            )
+            for _ in range(2)
+        )
 
     def make_layer(self, config: DecoderConfig, index: int, **common) -> nnx.Module:
         """Decoder layer `index` (inside the open layer stack), with this model's attention
-        kernel; `common` holds `topology`, `dtype` and `rngs`."""
+        kernel and residual design; `common` holds `topology`, `dtype` and `rngs`."""
 
         def make_mlp():
             return SwiGLU(config.hidden_size, config.intermediate_size, **common)
 
+        designs = self.layer_designs(dtype=common["dtype"], rngs=common["rngs"])
         return DecoderLayer(
-            config, self.stage_facts(index), make_mlp, attention=self.attention, **common
+            config, self.stage_facts(index, designs), make_mlp, attention=self.attention, **common
         )
+
+    def final_read_norm(self, residual_rows: jax.Array) -> jax.Array:
+        """What the stack's final read applies to the residual: the final norm, after the
+        hyper-connections' head collapses the streams when the model has them."""
+        if self.hyper_head is not None:
+            residual_rows = self.hyper_head(residual_rows)
+        return self.final_norm(residual_rows)
 
     def __call__(
         self,
@@ -212,7 +273,7 @@ class CausalLM(nnx.Module):
                 cache = None if caches is None else caches[index]
                 x, stream, cache = layer(x, stream, rows, cache)
             updated.append(cache)
-        hidden = residual.final_norm(x, stream, self.final_norm, skip_empty=True)
+        hidden = residual.final_norm(x, stream, self.final_read_norm, skip_empty=True)
         if last_rows is not None:
             # The LM head is the largest matmul of a decode step: run it on the rows asked for.
             picked = jnp.take(hidden, jnp.clip(last_rows, 0, hidden.shape[0] - 1), axis=0)

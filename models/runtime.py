@@ -25,6 +25,7 @@ from .attention import AttentionImpl, KVCache
 from .checkpoint import load_config, load_params
 from .config import Architecture, DecoderConfig
 from .decoder import CausalLM, LlamaForCausalLM, Qwen3ForCausalLM
+from .hyper_connections import HyperConnections
 from .moe_decoder import MixtralForCausalLM, MoeCausalLM, Qwen3MoeForCausalLM
 from .rows import PackedBatch, RowsPhase, TokenRows, decode_rows, pack_sequences
 from .sampling import GREEDY, Sampling, sample_tokens
@@ -105,6 +106,7 @@ def build_model(
     seed: int = 0,
     attention: AttentionImpl | None = None,
     mesh: Mesh | None = None,
+    hyper_connections: HyperConnections | None = None,
 ) -> CausalLM:
     """A model of `config` with random weights (every shard different).
 
@@ -119,6 +121,8 @@ def build_model(
         abstractly and creates each weight straight into its shards (no unsharded copy), at
         the cost of compiling the initializer (seconds; worth it for large models). The
         values are the same either way.
+      hyper_connections: Build every boundary with MHC hyper-connections (random MHC weights);
+        None: the plain pre-norm add + RMSNorm.
     """
     if attention is None:
         attention = AttentionImpl.for_platform(_platform(mesh))
@@ -132,6 +136,7 @@ def build_model(
             fusions=fusions,
             dtype=dtype,
             attention=attention,
+            hyper_connections=hyper_connections,
             rngs=nnx.Rngs(seed),
         )
 
