@@ -24,6 +24,7 @@ import boundary_jax as bj
 from .checkpoint import load_config
 from .config import PRESETS
 from .demo import run_demo
+from .hyper_connections import HyperConnections
 from .report import plan_report, print_plan
 from .runtime import ShardedCausalLM, build_model, load_model
 from .sampling import Sampling
@@ -99,7 +100,18 @@ def _load(args, console):
     topology = bj.Topology.from_axis_sizes(args.mesh, moe_ep=args.moe_ep)
     mesh = bj.make_mesh(topology)
     dtype = jnp.dtype(args.dtype)
-    if getattr(args, "preset", None):
+    hyper_connections = None
+    if args.hc_mult is not None:
+        if args.checkpoint:
+            raise InputError(
+                "--hc-mult builds MHC layers with random weights, and a Hugging Face checkpoint "
+                "holds no MHC weights; use it with --preset"
+            )
+        try:
+            hyper_connections = HyperConnections(hc_mult=args.hc_mult)
+        except ValueError as error:
+            raise InputError(f"--hc-mult: {error}") from None
+    if args.preset:
         if args.preset not in PRESETS:
             raise InputError(f"unknown preset {args.preset!r}; choose one of {sorted(PRESETS)}")
         with _status(console, f"building {args.preset} with random weights"):
@@ -109,6 +121,7 @@ def _load(args, console):
                 reduction=args.policy,
                 moe_dispatch=args.moe_dispatch,
                 dtype=dtype,
+                hyper_connections=hyper_connections,
             )
     else:
         directory = Path(args.checkpoint)
@@ -180,11 +193,10 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
     demo.set_defaults(run=_demo, mesh={"attn_dp": 8})
 
-    def model_args(command, *, preset: bool):
+    def model_args(command):
         source = command.add_mutually_exclusive_group(required=True)
         source.add_argument("--checkpoint", help="a Hugging Face checkpoint directory")
-        if preset:
-            source.add_argument("--preset", help="a built-in configuration with random weights")
+        source.add_argument("--preset", help="a built-in configuration with random weights")
         command.add_argument(
             "--mesh", type=_parse_mesh, default={}, help="e.g. attn_dp=2,attn_tp=4 (default 1)"
         )
@@ -207,9 +219,15 @@ def _parser() -> argparse.ArgumentParser:
             help="MoE checkpoints: where the experts get their tokens (default gather)",
         )
         command.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+        command.add_argument(
+            "--hc-mult",
+            type=int,
+            help="presets: build every boundary with MHC hyper-connections of this many "
+            "residual streams (random MHC weights)",
+        )
 
     forward = commands.add_parser("forward", help="logits of token-id sequences")
-    model_args(forward, preset=False)
+    model_args(forward)
     forward.add_argument("--input-ids", required=True, help="JSON list of token-id lists")
     forward.add_argument("--out", required=True, help="where to write the logits (.npy)")
     forward.set_defaults(run=_forward)
@@ -217,7 +235,7 @@ def _parser() -> argparse.ArgumentParser:
     generate = commands.add_parser(
         "generate", help="continuation of token-id prompts (greedy, or sampled on the device)"
     )
-    model_args(generate, preset=False)
+    model_args(generate)
     generate.add_argument("--prompt-ids", required=True, help="JSON list of token-id lists")
     generate.add_argument("--max-new-tokens", type=int, required=True)
     generate.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
@@ -229,7 +247,7 @@ def _parser() -> argparse.ArgumentParser:
     plan = commands.add_parser(
         "plan", help="each stage's bound plan and the collectives the compiled forward runs"
     )
-    model_args(plan, preset=True)
+    model_args(plan)
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.set_defaults(run=_plan)
     return parser

@@ -7,7 +7,7 @@ norm. Compute never sums: every sum a stage owes is completed by a boundary.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -98,6 +98,32 @@ class DecoderLayer(nnx.Module):
         cache: KVCache | None,
     ) -> tuple[bj.OwedOutput, bj.ResidualStream, KVCache | None]:
         h, stream = self.attn_boundary.prepare(x, stream)
+        return self.run_stages(h, stream, rows, cache)
+
+    def captured(
+        self,
+        x: jax.Array | bj.OwedOutput,
+        stream: bj.ResidualStream,
+        rows: TokenRows,
+        cache: KVCache | None,
+    ) -> tuple[bj.OwedOutput, bj.ResidualStream, KVCache | None, jax.Array]:
+        """`__call__`, also returning the residual stream entering this layer (an auxiliary
+        hidden state, as EAGLE-3 drafting reads it) on the attention's rows.
+
+        For layer i that is transformers' `output_hidden_states[i]`: the stack input (the
+        embedding output) for layer 0, else the residual after layer i - 1's FFN update. The
+        sum the previous stage owes completes unfused before the attention's add + norm (the
+        same collectives run); a residual on attention-TP slices is gathered for the capture.
+        """
+        h, stream, hidden = self.attn_boundary.prepare_captured(x, stream, gathered=True)
+        x, stream, cache = self.run_stages(h, stream, rows, cache)
+        return x, stream, cache, hidden
+
+    def run_stages(
+        self, h: jax.Array, stream: bj.ResidualStream, rows: TokenRows, cache: KVCache | None
+    ) -> tuple[bj.OwedOutput, bj.ResidualStream, KVCache | None]:
+        """The layer after its attention input: attention and its exit, the FFN's input, the
+        FFN and its exit."""
         y, cache = self.attn(h, rows.positions, rows.segment_ids, cache, phase=rows.phase)
         x, stream = self.attn_boundary.finish(y, stream)
         h, stream = self.ffn_boundary.prepare(x, stream)
@@ -279,6 +305,92 @@ class CausalLM(nnx.Module):
             picked = jnp.take(hidden, jnp.clip(last_rows, 0, hidden.shape[0] - 1), axis=0)
             hidden = jnp.where((last_rows >= 0)[:, None], picked, 0)
         return hidden, None if caches is None else tuple(updated)
+
+    def hidden_captured(
+        self,
+        rows: TokenRows,
+        batch: bj.BatchFacts,
+        capture_layers: Sequence[int],
+        *,
+        scan_layers: bool = False,
+    ) -> tuple[jax.Array, jax.Array]:
+        """`hidden` (without caches), also returning the auxiliary hidden states of
+        `capture_layers`, on this rank's attention rows.
+
+        Capture index i < num_layers is the residual stream entering layer i (transformers'
+        `output_hidden_states[i]`; 0 is the embedding output); i = num_layers is the residual
+        the final norm reads (transformers' last hidden state is that residual after the norm,
+        which is the first returned value). Captures are returned values, so they survive
+        `jit` and `lax.scan`.
+
+        Args:
+          rows: This DP rank's block of packed rows.
+          batch: The batch facts.
+          capture_layers: Capture indices in [0, num_layers], in the order wanted (repeats
+            allowed).
+          scan_layers: Run the layers between the stack entry and the terminal layer as one
+            `lax.scan` (every scanned layer then captures; the wanted ones are picked after).
+
+        Returns:
+          (the final-norm output [rows, hidden], the captures [len(capture_layers), rows,
+          hidden] in the residual's dtype; rows past the DP rank's token count are zero in
+          both).
+
+        Raises:
+          ValueError: A capture index outside [0, num_layers].
+          NotImplementedError: The model has hyper-connections (its residual is `hc_mult`
+            streams per row, and the stack input is not).
+        """
+        count = len(self.layers)
+        capture_layers = tuple(capture_layers)
+        bad = [i for i in capture_layers if not isinstance(i, int) or not 0 <= i <= count]
+        if bad or not capture_layers:
+            raise ValueError(
+                f"capture layers must be a non-empty list of indices in [0, {count}] (i < "
+                f"{count}: the residual entering layer i; {count}: the residual the final norm "
+                f"reads); got {list(capture_layers)}"
+            )
+        if self.hyper_connections is not None:
+            raise NotImplementedError(
+                "captures of a decoder with hyper-connections are not supported: its residual "
+                "is hc_mult streams per row, not one hidden state"
+            )
+        wanted = frozenset(capture_layers)
+
+        def run(scope, layer, carry, capture):
+            x, stream = carry
+            with jax.named_scope(scope):
+                if capture:
+                    x, stream, _, hidden = layer.captured(x, stream, rows, None)
+                    return (x, stream), hidden
+                x, stream, _ = layer(x, stream, rows, None)
+            return (x, stream), None
+
+        carry = (self.embed(rows.ids), residual.start(batch))
+        captures: dict[int, jax.Array] = {}
+        layers = list(self.layers)
+        scanned = range(1, count - 1) if scan_layers and count > 2 else range(0)
+        for index, layer in enumerate(layers):
+            if index in scanned:
+                if index == scanned.start:
+                    carry, stacked = bj.scan_layers_with_outputs(
+                        layers[scanned.start : scanned.stop],
+                        carry,
+                        lambda layer, carry: run("scanned_layers", layer, carry, True),
+                    )
+                    captures.update({i: stacked[i - scanned.start] for i in scanned})
+                continue
+            carry, hidden = run(f"layer_{index}", layer, carry, index in wanted)
+            if hidden is not None:
+                captures[index] = hidden
+        hidden, captures[count] = residual.final_norm_captured(
+            *carry, self.final_read_norm, skip_empty=True
+        )
+        mask = batch.valid_rows(hidden.shape[0])
+        stacked = jnp.stack([captures[i] for i in capture_layers])
+        if mask is not None:
+            stacked = jnp.where(mask[None, :, None], stacked, jnp.zeros((), stacked.dtype))
+        return hidden, stacked
 
 
 class Qwen3ForCausalLM(CausalLM):
