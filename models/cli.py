@@ -144,10 +144,43 @@ def _forward(args) -> None:
     console = _console()
     runner = _load(args, console)
     sequences = _read_ids(args.input_ids, runner.config.vocab_size)
+    layers = args.capture_layers
+    if layers is not None:
+        count = runner.config.num_layers
+        bad = sorted({i for i in layers if not 0 <= i <= count})
+        if bad:
+            raise InputError(
+                f"--capture-layers takes indices in [0, {count}] (i < {count}: the residual "
+                f"entering layer i; {count}: the residual the final norm reads); got {bad}"
+            )
     with _status(console, f"forward of {len(sequences)} sequences"):
-        logits = runner.forward(sequences)
+        if layers is None:
+            logits = runner.forward(sequences)
+        else:
+            logits, hidden = runner.forward_captured(sequences, layers)
     np.save(args.out, logits.astype(np.float32))
     console.log(f"wrote logits {list(logits.shape)} to {args.out}")
+    if layers is not None:
+        path = captures_path(args.out)
+        np.savez(path, **{f"layer_{i}": hidden[n].astype(np.float32) for n, i in enumerate(layers)})
+        console.log(f"wrote hidden states of layers {layers} to {path}")
+
+
+def captures_path(logits_path: str | Path) -> Path:
+    """Where `forward --capture-layers` writes the captured hidden states: beside the logits,
+    `<logits name without .npy>.hidden_states.npz` (one `layer_<i>` array per capture)."""
+    path = Path(logits_path)
+    stem = path.name[: -len(".npy")] if path.name.endswith(".npy") else path.name
+    return path.with_name(f"{stem}.hidden_states.npz")
+
+
+def _capture_layers(text: str) -> list[int]:
+    items = [item.strip() for item in text.split(",")]
+    if not items or not all(item.isdigit() for item in items):
+        raise argparse.ArgumentTypeError(
+            f"--capture-layers takes comma-separated layer indices, e.g. 2,5; got {text!r}"
+        )
+    return [int(item) for item in items]
 
 
 def _generate(args) -> None:
@@ -230,6 +263,12 @@ def _parser() -> argparse.ArgumentParser:
     model_args(forward)
     forward.add_argument("--input-ids", required=True, help="JSON list of token-id lists")
     forward.add_argument("--out", required=True, help="where to write the logits (.npy)")
+    forward.add_argument(
+        "--capture-layers",
+        type=_capture_layers,
+        help="e.g. 2,5: also write the hidden states entering these layers (the layer count: "
+        "the residual the final norm reads) to <out>.hidden_states.npz",
+    )
     forward.set_defaults(run=_forward)
 
     generate = commands.add_parser(
