@@ -89,21 +89,50 @@ def _report(lowered) -> bj.CollectiveReport:
     return parse_hlo(lowered.compile().as_text())
 
 
+KINDS = {"AR": "all-reduce", "RS": "reduce-scatter", "AG": "all-gather"}
+
+
+def _documented_capture_costs() -> dict[str, dict[str, tuple[str, ...]]]:
+    """docs/collectives.md, the runtime captures table: batch -> column -> added kinds."""
+    text = (pathlib.Path(__file__).parents[2] / "docs" / "collectives.md").read_text()
+    text = text.split("## Captures", 1)[1].split("\n## ", 1)[0]
+    lines = [line for line in text.splitlines() if line.startswith("| ")]
+    header = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    rows = {}
+    for line in lines[2:]:
+        cells = dict(zip(header, (c.strip() for c in line.strip("|").split("|")), strict=True))
+        batch = cells.pop("batch")
+        rows[batch] = {
+            column: tuple(KINDS[k] for k in value.split() if k != "–")
+            for column, value in cells.items()
+        }
+    return rows
+
+
+CAPTURE_COSTS = _documented_capture_costs()
+
+
 @pytest.mark.parametrize("dp,tp,scattered", [(1, 4, False), (2, 2, False), (1, 4, True)])
 def test_a_capture_costs_what_the_collectives_table_says(dp, tp, scattered):
-    """Per layer the capturing forward runs the plain forward's collectives, plus one
-    all-gather per captured layer where the residual is on attention-TP slices; the final
-    read's capture adds none."""
+    """Per layer the capturing forward runs the plain forward's collectives plus what
+    docs/collectives.md says a captured layer costs (one all-gather where the residual is on
+    attention-TP slices); the final read's capture adds what its column says (nothing)."""
+    costs = CAPTURE_COSTS["input-scattered" if scattered else "ordinary"]
+    assert set(costs) == {"captured layer (index < layers)", "final read (index = layers)"}
     run = runner("qwen3", dp, tp, scattered)
     captured = (0, 2, 3)
     plain = _report(run.lower_forward(PLAN_SEQUENCES))
     capturing = _report(run.lower_forward_captured(PLAN_SEQUENCES, captured))
     for layer in range(3):
         want = dict(plain.counts(layer))
-        if scattered and layer in captured:
-            want["all-gather"] += 1
+        if layer in captured:
+            for kind in costs["captured layer (index < layers)"]:
+                want[kind] += 1
         assert capturing.counts(layer) == want, f"layer {layer}"
-    assert capturing.counts(None) == plain.counts(None)
+    want = dict(plain.counts(None))
+    for kind in costs["final read (index = layers)"]:
+        want[kind] += 1
+    assert capturing.counts(None) == want
 
 
 def test_capture_indices_outside_the_stack_are_rejected():
