@@ -26,6 +26,7 @@ HC = HyperConnections(hc_mult=4, sinkhorn_iters=3)
 CONFIGS = {
     "qwen3": dataclasses.replace(PRESETS["tiny-qwen3"], num_layers=3),
     "mistral": PRESETS["tiny-mistral"],
+    "qwen3-moe": PRESETS["tiny-qwen3-moe"],
 }
 PROMPTS = [[5, 7, 9, 11, 2], [3], [8, 8, 1, 4, 6, 2, 9], [17, 4]]
 # (family, attn_dp, attn_tp, input-scattered)
@@ -36,6 +37,7 @@ LAYOUTS = [
     ("qwen3", 2, 2, False),
     ("qwen3", 1, 4, True),
     ("mistral", 2, 2, False),
+    ("qwen3-moe", 2, 2, False),
 ]
 
 
