@@ -231,7 +231,7 @@ class CausalLM(nnx.Module):
         if hc is None:
             return PLAIN
         if rngs is None:
-            return hc.stage_facts(), hc.stage_facts()
+            return hc.design_facts(), hc.design_facts()
         config = self.config
         return tuple(
             hc.stage_design(

@@ -44,7 +44,7 @@ class HyperConnections:
         if not self.eps > 0:
             raise ValueError(f"HyperConnections.eps must be positive; got {self.eps!r}")
 
-    def stage_facts(self) -> dict[str, residual.DesignFacts]:
+    def design_facts(self) -> dict[str, residual.DesignFacts]:
         """A stage's `read` and `update` declaration keywords as capabilities only: what a
         neighbouring stage binds against, without building the read's weights."""
         return {

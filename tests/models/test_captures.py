@@ -197,7 +197,7 @@ def deepstack_program(dp: int, tp: int, scattered: bool, by_hand: bool):
         _deepstack_body(by_hand),
         in_specs=(
             TokenRows(rows, rows, rows),
-            bj.BatchFacts(run._variant, topology, PartitionSpec()),
+            bj.BatchFacts(_variant(run), topology, PartitionSpec()),
             extra_spec,
         ),
         out_specs=PartitionSpec(rows[0], None),
@@ -232,3 +232,8 @@ def test_a_deepstack_contribution_is_added_once_on_every_mesh(dp, tp, scattered)
     assert np.max(np.abs(got - want)) <= tolerance
     for wrong in (0.0, 2.0):
         assert np.max(np.abs(got - deepstack_reference(wrong))) > 1000 * tolerance, wrong
+
+
+def _variant(run: ShardedCausalLM) -> bj.BatchVariant:
+    """The batch variant the runner runs."""
+    return bj.BatchVariant.INPUT_SCATTERED if run.input_scattered else bj.BatchVariant.ORDINARY

@@ -102,7 +102,7 @@ def _gradients(dp: int, tp: int) -> dict:
         lambda model, rows_, batch: model(rows_, batch)[0],
         in_specs=(
             TokenRows(rows, rows, rows),
-            bj.BatchFacts(run._variant, topology, PartitionSpec()),
+            bj.BatchFacts(_variant(run), topology, PartitionSpec()),
         ),
         out_specs=PartitionSpec(rows[0], None),
     )
@@ -144,7 +144,7 @@ def test_snapshot_of_an_mhc_stream_raises_the_guides_message():
 
     program = bj.ShardedModule(run.model, run.mesh).program(
         body,
-        in_specs=(TokenRows(rows, rows, rows), bj.BatchFacts(run._variant, run.topology, rows)),
+        in_specs=(TokenRows(rows, rows, rows), bj.BatchFacts(_variant(run), run.topology, rows)),
         out_specs=rows,
     )
     with pytest.raises(NotImplementedError, match="snapshot requires a plain residual update"):
@@ -171,3 +171,8 @@ def test_mhc_sums_complete_before_the_update_in_the_plain_collectives(dp, tp, sc
             assert kind == "all-gather"
             want[-1] = (kind, size * HC.hc_mult)
         assert _collectives(mhc, layer) == want, f"layer {layer}"
+
+
+def _variant(run: ShardedCausalLM) -> bj.BatchVariant:
+    """The batch variant the runner runs."""
+    return bj.BatchVariant.INPUT_SCATTERED if run.input_scattered else bj.BatchVariant.ORDINARY
