@@ -173,6 +173,14 @@ def test_mhc_sums_complete_before_the_update_in_the_plain_collectives(dp, tp, sc
         assert _collectives(mhc, layer) == want, f"layer {layer}"
 
 
+@pytest.mark.slow
+def test_greedy_generation_of_an_mhc_decoder_equals_one_device():
+    """Prefill into the sharded KV caches and the on-device decode loop of an MHC decoder on
+    attention TP 4 give the one-device greedy tokens."""
+    want = runner("qwen3", 1, 1, False).generate(PROMPTS, 4)
+    np.testing.assert_array_equal(runner("qwen3", 1, 4, False).generate(PROMPTS, 4), want)
+
+
 def _variant(run: ShardedCausalLM) -> bj.BatchVariant:
     """The batch variant the runner runs."""
     return bj.BatchVariant.INPUT_SCATTERED if run.input_scattered else bj.BatchVariant.ORDINARY
