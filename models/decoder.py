@@ -371,18 +371,17 @@ class CausalLM(nnx.Module):
         layers = list(self.layers)
         scanned = range(1, count - 1) if scan_layers and count > 2 else range(0)
         for index, layer in enumerate(layers):
-            if index in scanned:
-                if index == scanned.start:
-                    carry, stacked = bj.scan_layers_with_outputs(
-                        layers[scanned.start : scanned.stop],
-                        carry,
-                        lambda layer, carry: run("scanned_layers", layer, carry, True),
-                    )
-                    captures.update({i: stacked[i - scanned.start] for i in scanned})
-                continue
-            carry, hidden = run(f"layer_{index}", layer, carry, index in wanted)
-            if hidden is not None:
-                captures[index] = hidden
+            if index not in scanned:
+                carry, hidden = run(f"layer_{index}", layer, carry, index in wanted)
+                if hidden is not None:
+                    captures[index] = hidden
+            elif index == scanned.start:
+                carry, stacked = bj.scan_layers_with_outputs(
+                    layers[scanned.start : scanned.stop],
+                    carry,
+                    lambda layer, carry: run("scanned_layers", layer, carry, True),
+                )
+                captures.update(zip(scanned, stacked, strict=True))
         hidden, captures[count] = residual.final_norm_captured(
             *carry, self.final_read_norm, skip_empty=True
         )
