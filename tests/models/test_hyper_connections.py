@@ -181,6 +181,34 @@ def test_greedy_generation_of_an_mhc_decoder_equals_one_device():
     np.testing.assert_array_equal(runner("qwen3", 1, 4, False).generate(PROMPTS, 4), want)
 
 
+@dataclasses.dataclass(frozen=True)
+class RecordingCandidate:
+    """A fused sum + add + norm candidate that records the sums it is offered, then declines."""
+
+    offered: list = dataclasses.field(default_factory=list, compare=False, hash=False)
+
+    def __call__(self, request):
+        self.offered.append(request.sum_axes)
+
+
+def test_no_fused_candidate_is_offered_an_mhc_input():
+    """A fusion candidate is asked at every input of the plain decoder (the attention-TP sum
+    it could fuse among them) and never at an MHC input, whose update is nonlinear."""
+    topology = bj.Topology(attn_tp=4)
+    offered = {}
+    for mhc in (False, True):
+        candidate = RecordingCandidate()
+        provider = bj.fusions.FusionProvider(attn_input=(candidate,), ffn_input=(candidate,))
+        model = build_model(
+            CONFIGS["qwen3"], topology, fusions=provider, hyper_connections=HC if mhc else None
+        )
+        ShardedCausalLM(model, bj.make_mesh(topology)).lower_forward(PROMPTS)
+        offered[mhc] = candidate.offered
+    # Layers 1 and 2 take the previous stage's sum at both inputs; layer 0 at its FFN's.
+    assert offered[False].count((bj.TokenAxis.ATTN_TP,)) == 5, offered[False]
+    assert offered[True] == []
+
+
 def _variant(run: ShardedCausalLM) -> bj.BatchVariant:
     """The batch variant the runner runs."""
     return bj.BatchVariant.INPUT_SCATTERED if run.input_scattered else bj.BatchVariant.ORDINARY
