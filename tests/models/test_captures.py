@@ -234,6 +234,13 @@ def test_a_deepstack_contribution_is_added_once_on_every_mesh(dp, tp, scattered)
         assert np.max(np.abs(got - deepstack_reference(wrong))) > 1000 * tolerance, wrong
 
 
+def test_an_extra_needs_a_stream_with_residual_rows():
+    """onto_residual_rows() before the stack has a residual names the state it needs."""
+    stream = residual.start(bj.BatchFacts.ordinary(bj.Topology()))
+    with pytest.raises(RuntimeError, match="needs a written or pending stream"):
+        residual.onto_residual_rows(np.zeros((4, 64), np.float32), stream)
+
+
 def _variant(run: ShardedCausalLM) -> bj.BatchVariant:
     """The batch variant the runner runs."""
     return bj.BatchVariant.INPUT_SCATTERED if run.input_scattered else bj.BatchVariant.ORDINARY
