@@ -13,6 +13,7 @@ import pytest
 import boundary_jax as bj
 from models.config import PRESETS
 from models.decoder import Remat
+from models.hyper_connections import HyperConnections
 from models.rows import pack_sequences
 from models.runtime import ShardedCausalLM, build_model
 from models.train import TrainConfig, Trainer, next_token_labels
@@ -21,10 +22,14 @@ from . import randomize_norms
 
 GATHER, ALL_TO_ALL = bj.MoeDispatch.GATHER, bj.MoeDispatch.ALL_TO_ALL
 MODELS = {
-    "dense": dataclasses.replace(PRESETS["tiny-qwen3"], num_layers=2),
-    "moe": dataclasses.replace(PRESETS["tiny-qwen3-moe"], num_layers=3),
+    "dense": (dataclasses.replace(PRESETS["tiny-qwen3"], num_layers=2), {}),
+    "moe": (dataclasses.replace(PRESETS["tiny-qwen3-moe"], num_layers=3), {}),
+    "mhc": (
+        dataclasses.replace(PRESETS["tiny-qwen3"], num_layers=2),
+        {"hyper_connections": HyperConnections(hc_mult=2, sinkhorn_iters=3)},
+    ),
 }
-"""The model families every layout trains; one more family is one more entry."""
+"""The model families every layout trains: (config, build_model options)."""
 # eps 1e-3: Adam's first step is ~sign(gradient) where |gradient| >> eps, so a float32
 # rounding of a near-zero gradient would flip a weight's step; the larger eps keeps the step a
 # smooth function of the gradient, so a relative tolerance can hold it.
@@ -51,24 +56,26 @@ class Layout:
 
 
 SINGLE = Layout(1, 1)
-DENSE_LAYOUTS = (
-    Layout(1, 2),
-    Layout(1, 4),
-    Layout(1, 8),
-    Layout(2, 2),
-    Layout(4, 2),
-    Layout(1, 4, scattered=True),
-    Layout(2, 2, scattered=True),
-)
-MOE_LAYOUTS = (
-    Layout(1, 4, ep=4, dispatch=GATHER),
-    Layout(2, 2, ep=2, dispatch=GATHER),
-    Layout(1, 4, ep=4, dispatch=ALL_TO_ALL),
-    Layout(2, 2, ep=4, dispatch=ALL_TO_ALL, scattered=True),
-)
-CASES = [pytest.param("dense", layout, id=f"dense-{layout}") for layout in DENSE_LAYOUTS] + [
-    pytest.param("moe", layout, id=f"moe-{layout}", marks=pytest.mark.slow)
-    for layout in MOE_LAYOUTS
+SLOW = pytest.mark.slow
+CASES = [
+    pytest.param("dense", Layout(1, 2), id="dense-TP2"),
+    pytest.param("dense", Layout(1, 4), id="dense-TP4", marks=SLOW),
+    pytest.param("dense", Layout(1, 8), id="dense-TP8", marks=SLOW),
+    pytest.param("dense", Layout(4, 2), id="dense-DP4xTP2", marks=SLOW),
+    pytest.param("dense", Layout(2, 2, scattered=True), id="dense-DP2xTP2-scattered"),
+    pytest.param("dense", Layout(1, 4, scattered=True), id="dense-TP4-scattered", marks=SLOW),
+    pytest.param("moe", Layout(1, 4, ep=4, dispatch=GATHER), id="moe-TP4-EP4-gather", marks=SLOW),
+    pytest.param("moe", Layout(2, 2, ep=2, dispatch=GATHER), id="moe-DP2xTP2-EP2-gather"),
+    pytest.param(
+        "moe", Layout(1, 4, ep=4, dispatch=ALL_TO_ALL), id="moe-TP4-EP4-all-to-all", marks=SLOW
+    ),
+    pytest.param(
+        "moe",
+        Layout(2, 2, ep=4, dispatch=ALL_TO_ALL, scattered=True),
+        id="moe-DP2xTP2-EP4-all-to-all-scattered",
+    ),
+    pytest.param("mhc", Layout(2, 2), id="mhc-DP2xTP2"),
+    pytest.param("mhc", Layout(1, 4, scattered=True), id="mhc-TP4-scattered", marks=SLOW),
 ]
 
 
@@ -76,7 +83,8 @@ def make_trainer(name: str, layout: Layout) -> Trainer:
     """A trainer of model `name` on `layout`, its weights the same global values on every mesh
     (split differently per rank), its norms random."""
     topology = bj.Topology(attn_dp=layout.dp, attn_tp=layout.tp, moe_ep=layout.ep)
-    model = build_model(MODELS[name], topology, moe_dispatch=layout.dispatch)
+    config, options = MODELS[name]
+    model = build_model(config, topology, moe_dispatch=layout.dispatch, **options)
     randomize_norms(model, seed=3)
     mesh = bj.make_mesh(topology)
     return Trainer(model, mesh, OPTIMIZER.optimizer(), input_scattered=layout.scattered)
@@ -157,7 +165,7 @@ def test_remat_gives_the_same_gradients_with_less_memory():
     sequences = [list(RNG.integers(0, 256, 64)) for _ in range(4)]
     grads, temp = {}, {}
     for remat in Remat:
-        model = build_model(MODELS["dense"], topology, remat=remat)
+        model = build_model(MODELS["dense"][0], topology, remat=remat)
         trainer = Trainer(model, mesh, OPTIMIZER.optimizer())
         batch = trainer.pack(sequences)
         compiled = (
@@ -214,11 +222,11 @@ def test_saved_state_restores_on_another_mesh_and_continues(tmp_path):
 
 def test_trainer_rejects_a_mismatched_mesh_and_fusions():
     topology = bj.Topology(attn_tp=2)
-    model = build_model(MODELS["dense"], topology)
+    model = build_model(MODELS["dense"][0], topology)
     with pytest.raises(ValueError, match="bound on"):
         Trainer(model, bj.make_mesh(bj.Topology(attn_tp=4)), OPTIMIZER.optimizer())
     fused = build_model(
-        MODELS["dense"], topology, fusions=bj.fusions.FusionProvider(defer_finalize=True)
+        MODELS["dense"][0], topology, fusions=bj.fusions.FusionProvider(defer_finalize=True)
     )
     with pytest.raises(ValueError, match="without fusions"):
         Trainer(fused, bj.make_mesh(topology), OPTIMIZER.optimizer())
