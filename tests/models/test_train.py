@@ -108,7 +108,7 @@ def worst_relative(got: dict, want: dict) -> tuple[str, float]:
     """The parameter whose values differ most, relative to its largest magnitude."""
     assert got.keys() == want.keys()
     errors = {
-        path: float(np.max(np.abs(got[path] - want[path])) / np.max(np.abs(want[path])))
+        path: float(np.max(np.abs(got[path] - want[path])) / max(np.max(np.abs(want[path])), 1e-30))
         for path in want
     }
     return max(errors.items(), key=lambda item: item[1])
