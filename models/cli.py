@@ -402,7 +402,7 @@ def _parser() -> argparse.ArgumentParser:
     train = commands.add_parser(
         "train", help="train on text (next-token loss, AdamW) and write a checkpoint directory"
     )
-    model_args(train, preset=True)
+    model_args(train)
     train.add_argument("--text", required=True, help="a text file or a directory of text files")
     train.add_argument("--steps", type=int, required=True, help="optimizer steps")
     train.add_argument(
