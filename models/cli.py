@@ -292,7 +292,7 @@ def _train(args) -> None:
     schedule = TrainConfig(
         learning_rate=args.lr,
         total_steps=args.steps,
-        warmup_steps=min(args.warmup, args.steps),
+        warmup_steps=min(args.warmup, args.steps - 1),
     )
     trainer = Trainer(model, mesh, schedule.optimizer(), input_scattered=args.input_scattered)
     del model

@@ -24,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import boundary_jax as bj
 
+from .checkpoint import hf_name_map
 from .decoder import CausalLM
 from .rows import PackedBatch, TokenRows, pack_sequences
 
@@ -35,7 +36,7 @@ class TrainConfig:
     Attributes:
       learning_rate: The peak learning rate.
       total_steps: Steps the schedule spans (it decays to `final_fraction` of the peak there).
-      warmup_steps: Linear warmup from zero to the peak.
+      warmup_steps: Linear warmup from zero to the peak (fewer than `total_steps`).
       final_fraction: The learning rate at `total_steps`, as a fraction of the peak.
       weight_decay: AdamW's decoupled weight decay.
       clip_norm: Gradients are scaled down to this global norm at most.
@@ -57,9 +58,9 @@ class TrainConfig:
     eps: float = 1e-8
 
     def __post_init__(self):
-        if self.total_steps < 1 or not 0 <= self.warmup_steps <= self.total_steps:
+        if self.total_steps < 1 or not 0 <= self.warmup_steps < self.total_steps:
             raise ValueError(
-                "TrainConfig needs total_steps >= 1 and 0 <= warmup_steps <= total_steps; got "
+                "TrainConfig needs total_steps >= 1 and 0 <= warmup_steps < total_steps; got "
                 f"{self.total_steps=}, {self.warmup_steps=}"
             )
         if self.learning_rate <= 0 or self.clip_norm <= 0:
@@ -188,6 +189,11 @@ class Trainer:
         self.optimizer = optimizer
         self._graphdef, params = nnx.split(model)
         self._params = FlatParams(params)
+        self._padded = {
+            path: source.padded_axis
+            for path, source in hf_name_map(model.config).items()
+            if source.padded_axis is not None and path in self._params.paths
+        }
         self._param_specs = self._params.flatten(
             nnx.get_partition_spec(params), is_leaf=lambda x: isinstance(x, PartitionSpec)
         )
@@ -301,37 +307,63 @@ class Trainer:
 
     def save(self, directory: str | Path) -> None:
         """Writes the train state (parameters, optimizer state, step) with orbax; each process
-        writes its shards. `directory` must not exist yet."""
+        writes its shards. Vocab-parallel tables are saved cut to the real vocabulary, so the
+        state restores on a mesh whose attention TP pads it differently. `directory` must not
+        exist yet."""
         import orbax.checkpoint as ocp
 
+        saved = jax.tree_util.tree_map_with_path(self._cut_vocab, self.state)
         with ocp.StandardCheckpointer() as checkpointer:
-            checkpointer.save(Path(directory).absolute(), self.state)
+            checkpointer.save(Path(directory).absolute(), saved)
 
     def restore(self, directory: str | Path) -> None:
-        """Reads a train state saved by `save` (from any mesh) onto this trainer's mesh.
+        """Reads a train state saved by `save` (on any mesh) onto this trainer's mesh.
 
         Raises:
-          ValueError: The saved parameters differ in shape from this model's (another config,
-            or a vocabulary padded differently: a vocab-parallel table is padded to a multiple
-            of attention TP, so a vocabulary that does not divide both meshes' attention TP
-            restores only onto a mesh of the same padding).
+          ValueError: The saved state does not fit this model (another config or optimizer).
         """
         import orbax.checkpoint as ocp
 
-        target = jax.tree.map(
-            lambda value, sharding: jax.ShapeDtypeStruct(
-                value.shape, value.dtype, sharding=sharding
-            ),
-            self.state,
-            self._state_shardings,
-        )
+        def target(path, value, sharding):
+            cut = self._vocab_axis(path)
+            if cut is None:
+                return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
+            shape = list(value.shape)
+            shape[cut] = self.config.vocab_size  # read whole, then padded and split below
+            return jax.ShapeDtypeStruct(tuple(shape), value.dtype, sharding=self._sharding(None))
+
+        abstract = jax.tree_util.tree_map_with_path(target, self.state, self._state_shardings)
         with ocp.StandardCheckpointer() as checkpointer:
             try:
-                self.state = checkpointer.restore(Path(directory).absolute(), target)
+                restored = checkpointer.restore(Path(directory).absolute(), abstract)
             except ValueError as error:
                 raise ValueError(
                     f"the train state in {directory} does not fit this model: {error}"
                 ) from None
+
+        def pad(path, value, like, sharding):
+            cut = self._vocab_axis(path)
+            if cut is None:
+                return value
+            widths = [(0, 0)] * value.ndim
+            widths[cut] = (0, like.shape[cut] - value.shape[cut])
+            return jax.device_put(jnp.pad(value, widths), sharding)
+
+        self.state = jax.tree_util.tree_map_with_path(
+            pad, restored, self.state, self._state_shardings
+        )
+
+    def _vocab_axis(self, path: tuple) -> int | None:
+        """The vocab-padded axis of a train-state leaf (a parameter, or its Adam moment), or
+        None."""
+        name = _dotted(path[-1:])
+        return self._padded.get(name)
+
+    def _cut_vocab(self, path: tuple, value: jax.Array) -> jax.Array:
+        cut = self._vocab_axis(path)
+        if cut is None:
+            return value
+        return jax.lax.slice_in_dim(value, 0, self.config.vocab_size, axis=cut)
 
 
 class FlatParams:

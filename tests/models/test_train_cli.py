@@ -77,6 +77,18 @@ def test_forward_and_generate_load_the_trained_checkpoint(trained, tmp_path, cap
     assert np.asarray(tokens).shape == (1, 4)
 
 
+def test_train_continues_from_a_checkpoint_it_wrote(trained, tmp_path, capsys):
+    """train --checkpoint (a directory without tokenizer.json: byte-level) starts from the
+    trained weights, on another mesh: its first loss is the trained level, not the initial."""
+    summary, _, out = trained
+    args = ["train", "--checkpoint", str(out), "--mesh", "attn_tp=2", "--text", _text(tmp_path)]
+    args += ["--steps", "2", "--batch-tokens", "128", "--seq-len", "64", "--lr", "1e-4"]
+    assert main([*args, "--out", str(tmp_path / "again")]) == 0
+    again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert again["loss_first"] < 0.5 * summary["loss_first"]
+    assert (tmp_path / "again" / "model.safetensors").is_file()
+
+
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_the_written_config_reads_back(name):
     config = PRESETS[name]
