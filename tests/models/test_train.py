@@ -197,7 +197,8 @@ def test_labels_stop_at_sequence_ends_and_rank_blocks():
 
 
 def test_optimizer_state_is_sharded_like_the_parameters():
-    """Adam's moments live split exactly as their parameters; the step count is replicated."""
+    """Adam's moments live split exactly as their parameters; the step count is replicated;
+    a step donates (reuses) every buffer of the state."""
     trainer = make_trainer("dense", Layout(2, 2))
     params = trainer.state.params
     adam = trainer.state.opt_state[1][0]
@@ -205,6 +206,9 @@ def test_optimizer_state_is_sharded_like_the_parameters():
         for path, value in moments.items():
             assert value.sharding == params[path].sharding, path
     assert trainer.state.step.sharding.is_fully_replicated
+    before = jax.tree.leaves(trainer.state)
+    trainer.step(trainer.pack(SEQUENCES[:2]))
+    assert all(leaf.is_deleted() for leaf in before)  # the step donated the whole state
 
 
 def test_saved_state_restores_on_another_mesh_and_continues(tmp_path):
