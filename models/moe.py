@@ -38,6 +38,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from pallas_kernels.expert_matmul import (
+    ExpertMatmulBlocks,
+    expert_matmul,
+    expert_matmul_supported,
+)
+
 try:  # JAX's Hopper kernel; it imports on any platform but runs only on NVIDIA Hopper GPUs.
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu as _ragged_dot_mgpu
 except ImportError:  # pragma: no cover - depends on the JAX build
@@ -58,12 +64,17 @@ class GroupedMatmulImpl(enum.Enum):
         128-expert layer on an H200, against 0.77 ms for PALLAS_GPU).
       PALLAS_GPU: JAX's Hopper Pallas kernel
         `jax.experimental.pallas.ops.gpu.ragged_dot_mgpu.ragged_dot` (Mosaic GPU, bf16/f16,
-        NVIDIA Hopper and newer only; never run on CPU).
+        NVIDIA Hopper and newer only; never run on CPU). It visits every expert, empty ones
+        too, so it reads all the weights whatever the routing: made for prefill.
+      PALLAS_TRITON: `pallas_kernels.expert_matmul` through the Pallas Triton lowering (NVIDIA
+        GPUs): one program per (expert with rows, column block), reading only the chosen
+        experts' weights: made for decode.
     """
 
     DENSE = enum.auto()
     RAGGED_DOT = enum.auto()
     PALLAS_GPU = enum.auto()
+    PALLAS_TRITON = enum.auto()
 
 
 def default_grouped_matmul_impl(platform: str) -> GroupedMatmulImpl:
@@ -506,7 +517,21 @@ def _grouped_matmul(
             group_sizes=group_sizes,
             **_mgpu_block_sizes(rows.shape[1], weights.shape[2], rows.dtype),
         )
+    if impl is GroupedMatmulImpl.PALLAS_TRITON:
+        blocks = _expert_matmul_blocks(rows.shape[1], weights.shape[2], rows.dtype)
+        return expert_matmul(rows, weights.astype(rows.dtype), group_sizes, blocks=blocks)
     raise ValueError(f"no grouped matmul for {impl=}")
+
+
+def _expert_matmul_blocks(k: int, n: int, dtype) -> ExpertMatmulBlocks:
+    """The tiling of `expert_matmul` (the default, checked to divide the shape)."""
+    blocks = ExpertMatmulBlocks()
+    if not expert_matmul_supported(k, n, dtype, blocks):
+        raise NotImplementedError(
+            f"GroupedMatmulImpl.PALLAS_TRITON needs k % {blocks.block_k} == 0 and "
+            f"n % {blocks.block_n} == 0; got {k=}, {n=}. Use GroupedMatmulImpl.RAGGED_DOT"
+        )
+    return blocks
 
 
 def _mgpu_block_sizes(k: int, n: int, dtype) -> dict[str, int]:
