@@ -13,9 +13,10 @@ weights the step must read (distinct chosen experts x 3 x hidden x width x 2 byt
 measured copy bandwidth; prefill, the routed FLOPs (tokens x top-k x 3 x 2 x hidden x width)
 over the measured bf16 matmul rate.
 
-Part 2 (two GPUs): 32 boundaries unrolled in one jitted `shard_map` at TP 2, each taking a
-different [rows, top-k, hidden] deferred finalize: the fused kernel against the unfused path
-(finalize, `psum`, XLA's add + RMSNorm), wall clock per boundary.
+Part 2: 32 boundaries unrolled in one jitted `shard_map` at TP 2 (and TP 1: no sum owed, as
+after an all-to-all dispatch), each taking a different [rows, top-k, hidden] deferred finalize:
+the fused kernel against the unfused path (finalize, `psum`, XLA's add + RMSNorm), wall clock
+per boundary.
 """
 
 import argparse
@@ -37,10 +38,12 @@ DTYPE = jnp.bfloat16
 TOKENS = (8, 64, 4096)
 FINALIZE_ROWS = (8, 64, 2048)
 BOUNDARIES = 32
-MGPU_TILINGS = {  # (block_m, block_n for N=768 / N=2048, block_k, max_concurrent_steps)
+MGPU_TILINGS = {  # block_m, block_n (where it divides N), block_k, steps, grid_block_n
     "mgpu 64x128x64 s2 (default)": None,
-    "mgpu 128x128x64 s4": (128, 128, 64, 4),
-    "mgpu 128x192|128 x64 s4": (128, 192, 64, 4),
+    "mgpu 128x128x64 s4": (128, 128, 64, 4, 1),
+    "mgpu 128x192|128 x64 s4": (128, 192, 64, 4, 1),
+    "mgpu 128x256x64 s4": (128, 256, 64, 4, 1),
+    "mgpu 128x192|128 x64 s4 g4": (128, 192, 64, 4, 4),
 }
 TRITON_TILINGS = {
     "triton 16x128x64 s4": ExpertMatmulBlocks(16, 128, 64, 4, 4),
@@ -126,17 +129,17 @@ def with_tiling(variant: str) -> None:
         moe._expert_matmul_blocks = lambda k, n, dtype: TRITON_TILINGS[variant]
     tiling = MGPU_TILINGS.get(variant)
     if tiling is not None:
-        block_m, block_n, block_k, steps = tiling
+        block_m, block_n, block_k, steps, grid_block_n = tiling
 
         def sizes(k, n, dtype):
             chosen = mgpu(k, n, dtype)
-            fits = n % block_n == 0
+            block = block_n if n % block_n == 0 else chosen["block_n"]
             return {
-                **chosen,
                 "block_m": block_m,
-                "block_n": block_n if fits else chosen["block_n"],
+                "block_n": block,
                 "block_k": block_k,
                 "max_concurrent_steps": steps,
+                "grid_block_n": grid_block_n if n % (grid_block_n * block) == 0 else 1,
             }
 
         moe._mgpu_block_sizes = sizes
@@ -147,13 +150,19 @@ def distinct_experts(x, router) -> int:
     return int(np.unique(np.asarray(routing.experts)).size)
 
 
-def part1(copy_tb_s: float, matmul_tflop_s: float, tokens_list) -> list[tuple]:
+def part1(
+    copy_tb_s: float, matmul_tflop_s: float, tokens_list, only: tuple[str, ...] = ()
+) -> list[tuple]:
     router, gate, up, down = layer_weights()
     table = []
     variants = [("ragged_dot (XLA)", moe.GroupedMatmulImpl.RAGGED_DOT)]
     variants += [(name, moe.GroupedMatmulImpl.PALLAS_GPU) for name in MGPU_TILINGS]
     variants += [(name, moe.GroupedMatmulImpl.PALLAS_TRITON) for name in TRITON_TILINGS]
     variants += [("dense per-expert", moe.GroupedMatmulImpl.DENSE)]
+    if only:
+        variants = [
+            v for v in variants if v[0].startswith("ragged") or any(o in v[0] for o in only)
+        ]
     for tokens in tokens_list:
         sets = token_sets(tokens)
         experts = np.mean([distinct_experts(s[0], router) for s in sets])
@@ -187,6 +196,8 @@ def part1(copy_tb_s: float, matmul_tflop_s: float, tokens_list) -> list[tuple]:
 
 @functools.cache
 def finalize_chain(mesh, fused: bool, loop: bool):
+    axis = "tp" if mesh.size > 1 else None
+
     def body(outputs, weights, residual, norm_weight):
         outputs, weights, residual, norm_weight = (
             outputs[0],
@@ -207,7 +218,7 @@ def finalize_chain(mesh, fused: bool, loop: bool):
                 )
             else:
                 normed, residual = moe_finalize_add_rms_norm_reference(
-                    outputs[i], weights[i], residual, norm_weight, axis_name="tp"
+                    outputs[i], weights[i], residual, norm_weight, axis_name=axis
                 )
             residual = residual + normed  # the next boundary depends on this one's output
         return normed[None], residual[None]
@@ -216,16 +227,17 @@ def finalize_chain(mesh, fused: bool, loop: bool):
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
 
 
-def part2(rows_list) -> list[tuple]:
-    mesh = jax.sharding.Mesh(jax.devices()[:2], ("tp",))
+def part2(rows_list, devices: int) -> list[tuple]:
+    """TP `devices` (1: no sum owed, as after an all-to-all dispatch)."""
+    mesh = jax.sharding.Mesh(jax.devices()[:devices], ("tp",))
     sharding = jax.sharding.NamedSharding(mesh, P("tp"))
     table = []
     for rows in rows_list:
         keys = jax.random.split(jax.random.key(rows), 4)
-        outputs = jax.random.normal(keys[0], (2, BOUNDARIES, rows, TOP_K, HIDDEN), DTYPE)
-        weights = jax.random.uniform(keys[1], (2, BOUNDARIES, rows, TOP_K), jnp.float32)
-        residual = jax.random.normal(keys[2], (2, rows, HIDDEN), DTYPE)
-        norm_weight = (1 + jax.random.normal(keys[3], (2, HIDDEN), jnp.float32)).astype(DTYPE)
+        outputs = jax.random.normal(keys[0], (devices, BOUNDARIES, rows, TOP_K, HIDDEN), DTYPE)
+        weights = jax.random.uniform(keys[1], (devices, BOUNDARIES, rows, TOP_K), jnp.float32)
+        residual = jax.random.normal(keys[2], (devices, rows, HIDDEN), DTYPE)
+        norm_weight = (1 + jax.random.normal(keys[3], (devices, HIDDEN), jnp.float32)).astype(DTYPE)
         operands = jax.device_put((outputs, weights, residual, norm_weight), sharding)
         try:
             err = relative_error(
@@ -237,7 +249,7 @@ def part2(rows_list) -> list[tuple]:
             print(f"  fused finalize @ {rows}: {type(error).__name__}: {str(error)[:600]}")
             err = fused_us = float("nan")
         unfused_us = wall_ms(finalize_chain(mesh, False, True), operands) * 1e3 / BOUNDARIES
-        row = (rows, TOP_K, HIDDEN, fused_us, unfused_us, unfused_us / fused_us, err)
+        row = (devices, rows, TOP_K, HIDDEN, fused_us, unfused_us, unfused_us / fused_us, err)
         print(f"  {row}")
         table.append(row)
     return table
@@ -247,6 +259,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=TOKENS)
     parser.add_argument("--finalize-rows", type=int, nargs="+", default=FINALIZE_ROWS)
+    parser.add_argument("--finalize-tp", type=int, nargs="*", default=(1, 2))
+    parser.add_argument("--only", nargs="*", default=(), help="variant names containing these")
     args = parser.parse_args()
     torch_tb_s = torch_copy_tb_s()
     print(header("bench_moe"))
@@ -256,8 +270,13 @@ def main() -> None:
         f"TB/s, bf16 matmul 8192^3 {matmul_tflop_s:.0f} TFLOP/s"
     )
     hbm_ceiling = torch_tb_s if np.isfinite(torch_tb_s) else copy_tb_s
-    layer = part1(hbm_ceiling, matmul_tflop_s, args.tokens)
-    finalize = part2(args.finalize_rows) if len(jax.devices()) >= 2 else []
+    layer = part1(hbm_ceiling, matmul_tflop_s, args.tokens, tuple(args.only))
+    finalize = [
+        row
+        for devices in args.finalize_tp
+        if devices <= len(jax.devices())
+        for row in part2(args.finalize_rows, devices)
+    ]
 
     print(
         f"\nMoE layer, {EXPERTS} experts, top-{TOP_K}, hidden {HIDDEN}, width {WIDTH}, bf16, "
@@ -277,9 +296,10 @@ def main() -> None:
         layer,
     )
     if finalize:
-        print("\nfused finalize + all-reduce + add + RMSNorm, TP 2, us per boundary:")
+        print("\nfused finalize (+ all-reduce at TP 2) + add + RMSNorm, us per boundary:")
         print_table(
-            ("rows", "top-k", "hidden", "fused us", "unfused us", "speedup", "rel err"), finalize
+            ("TP", "rows", "top-k", "hidden", "fused us", "unfused us", "speedup", "rel err"),
+            finalize,
         )
 
 
