@@ -192,10 +192,11 @@ def platform_fusions(
     The fused all-reduce + add + norm comes first, then psum + the Pallas add + norm. Each
     declines where its kernel does not take the shape or does not pay off (everywhere on CPU).
     With `moe_finalize`, sparse FFNs also hand their finalize to the next input and to the final
-    read (`defer_finalize`, `terminal_finalize`), where `MoeFinalizeAddRmsNorm` comes first;
-    off by default: on 2 x H200 it measured no faster end to end than the unfused finalize
-    (benchmarks/RESULTS.md). Run the model's `shard_map` with `check_vma=False`, or every
-    candidate declines.
+    read (`defer_finalize`, `terminal_finalize`), where `MoeFinalizeAddRmsNorm` comes first.
+    Off by default: on 2 x H200 the fused finalize kernel was 3-4x slower than the unfused path
+    at TP 2 and gained 1.11x only from 2048 rows without a sum (benchmarks/RESULTS.md run 8),
+    so with `impl=None` it declines on GPU except there. Run the model's `shard_map` with
+    `check_vma=False`, or every candidate declines.
     """
     platform = platform or jax.default_backend()
     axes = topology.active(TokenAxis)

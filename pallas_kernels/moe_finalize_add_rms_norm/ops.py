@@ -17,6 +17,11 @@ from .kernel_tpu import blocked_moe_finalize_add_rms_norm, tpu_moe_finalize_all_
 from .reference import moe_finalize_add_rms_norm_reference
 
 _GPU_MAX_ROWS = 2048  # one-shot: each device reads (devices - 1) x the per-choice outputs
+# Measured on 2 x H200, JAX 0.11.2, top-8, hidden 2048, bf16 (benchmarks/RESULTS.md run 8): with
+# a sum at TP 2 the kernel took 3-4x the unfused path (51-281 us against 13-96 us per boundary:
+# XLA's one-shot psum is already fast, and a Mosaic GPU collective launch waits on a multi-GPU
+# barrier); without a sum it lost at 8-64 rows (0.34-0.61x) and won from 2048 rows (1.11x).
+_GPU_MIN_ROWS_DEFAULT = 2048
 _GPU_MAX_DEVICES = 8
 _GPU_MAX_CHOICES = 16  # a row's loads are all issued before they are combined (registers)
 _GPU_PROGRAMS_PER_SM = 2  # with a sum, every program must be resident: programs wait on peers
@@ -63,14 +68,17 @@ def moe_finalize_add_rms_norm_supported(
     Returns:
       True when `moe_finalize_add_rms_norm(..., impl=impl)` runs a fused kernel (for `Impl.XLA`:
       always). False on CPU for the platform default, and for shapes, device counts or
-      processes the kernels don't take.
+      processes the kernels don't take. With `impl=None` on GPU also False where the kernel
+      measured slower than the unfused path: with a sum owed, and below 2048 rows without one;
+      `impl=Impl.PALLAS_GPU` asks about the kernel alone.
     """
     check_impl(impl)
     if np.dtype(dtype) not in SUPPORTED_DTYPES or min(rows, top_k, hidden, num_devices) < 1:
         return False
     if impl is None:
         impl = platform_kernel(platform)
-        if impl is Impl.XLA:
+        slower = impl is Impl.PALLAS_GPU and (num_devices > 1 or rows < _GPU_MIN_ROWS_DEFAULT)
+        if impl is Impl.XLA or slower:
             return False
     match impl:
         case Impl.XLA:
@@ -84,7 +92,7 @@ def moe_finalize_add_rms_norm_supported(
             return (
                 on_gpu
                 and num_devices <= _GPU_MAX_DEVICES
-                and rows <= _GPU_MAX_ROWS
+                and (num_devices == 1 or rows <= _GPU_MAX_ROWS)
                 and top_k <= _GPU_MAX_CHOICES
                 and hidden <= MAX_HIDDEN_GPU
                 and gpu_vector_size(hidden, dtype) > 0
