@@ -39,13 +39,14 @@ TOKENS = (8, 64, 4096)
 FINALIZE_ROWS = (8, 64, 2048)
 BOUNDARIES = 32
 MGPU_TILINGS = {  # block_m, block_n (where it divides N), block_k, steps, grid_block_n
-    "mgpu 64x128x64 s2 (default)": None,
+    "mgpu model default (128x192|128x64 s4 g4)": None,
+    "mgpu 64x128x64 s2": (64, 128, 64, 2, 1),
     "mgpu 128x128x64 s4": (128, 128, 64, 4, 1),
     "mgpu 128x192|128 x64 s4": (128, 192, 64, 4, 1),
     "mgpu 128x256x64 s4": (128, 256, 64, 4, 1),
     "mgpu 128x192|128 x64 s4 g4": (128, 192, 64, 4, 4),
 }
-TRITON_TILINGS = {
+TRITON_TILINGS = {  # the first is the model's default
     "triton 16x128x64 s4": ExpertMatmulBlocks(16, 128, 64, 4, 4),
     "triton 16x64x128 s4": ExpertMatmulBlocks(16, 64, 128, 4, 4),
     "triton 16x128x128 s3 w8": ExpertMatmulBlocks(16, 128, 128, 8, 3),
@@ -158,6 +159,7 @@ def part1(
     variants = [("ragged_dot (XLA)", moe.GroupedMatmulImpl.RAGGED_DOT)]
     variants += [(name, moe.GroupedMatmulImpl.PALLAS_GPU) for name in MGPU_TILINGS]
     variants += [(name, moe.GroupedMatmulImpl.PALLAS_TRITON) for name in TRITON_TILINGS]
+    variants += [("GPU_BY_SIZE (model default)", moe.GroupedMatmulImpl.GPU_BY_SIZE)]
     variants += [("dense per-expert", moe.GroupedMatmulImpl.DENSE)]
     if only:
         variants = [
