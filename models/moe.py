@@ -71,7 +71,7 @@ class GroupedMatmulImpl(enum.Enum):
         experts' weights: made for decode.
       GPU_BY_SIZE: PALLAS_TRITON up to `TRITON_MAX_ROUTED_ROWS` routed rows per matmul, else
         PALLAS_GPU: chosen per call from the (static) row count. On an H200 (Qwen3-30B-A3B
-        layer, benchmarks/RESULTS.md run 8) PALLAS_TRITON read the chosen experts' weights at
+        layer, benchmarks/RESULTS.md run 9) PALLAS_TRITON read the chosen experts' weights at
         75-86% of the copy bandwidth at 64-512 routed rows where PALLAS_GPU reached 23-64%;
         both took ~0.5 ms at 2048 rows; PALLAS_GPU was 2.3-4.3x faster from 8192 rows up.
     """
@@ -564,7 +564,7 @@ def _mgpu_block_sizes(k: int, n: int, dtype) -> dict[str, int]:
     """Tile sizes for the Hopper kernel: block_m 128, the largest of 192/128/64 dividing n, of
     64/32/16 dividing k, 4 pipelined steps, and 4 column blocks per grid step where they divide.
 
-    Swept on an H200 (benchmarks/RESULTS.md run 8, Qwen3-30B-A3B layer, 32768 routed rows):
+    Swept on an H200 (benchmarks/RESULTS.md run 9, Qwen3-30B-A3B layer, 32768 routed rows):
     this took the layer from 2.88 ms (block 64x128x64, 2 steps) to 1.21 ms; block_n 256 was 4x
     slower.
     """

@@ -194,7 +194,7 @@ def platform_fusions(
     With `moe_finalize`, sparse FFNs also hand their finalize to the next input and to the final
     read (`defer_finalize`, `terminal_finalize`), where `MoeFinalizeAddRmsNorm` comes first.
     Off by default: on 2 x H200 the fused finalize kernel was 3-4x slower than the unfused path
-    at TP 2 and gained 1.11x only from 2048 rows without a sum (benchmarks/RESULTS.md run 8),
+    at TP 2 and gained 1.11x only from 2048 rows without a sum (benchmarks/RESULTS.md run 9),
     so with `impl=None` it declines on GPU except there. Run the model's `shard_map` with
     `check_vma=False`, or every candidate declines.
     """

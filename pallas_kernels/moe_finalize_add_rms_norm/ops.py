@@ -17,7 +17,7 @@ from .kernel_tpu import blocked_moe_finalize_add_rms_norm, tpu_moe_finalize_all_
 from .reference import moe_finalize_add_rms_norm_reference
 
 _GPU_MAX_ROWS = 2048  # one-shot: each device reads (devices - 1) x the per-choice outputs
-# Measured on 2 x H200, JAX 0.11.2, top-8, hidden 2048, bf16 (benchmarks/RESULTS.md run 8): with
+# Measured on 2 x H200, JAX 0.11.2, top-8, hidden 2048, bf16 (benchmarks/RESULTS.md run 9): with
 # a sum at TP 2 the kernel took 3-4x the unfused path (51-281 us against 13-96 us per boundary:
 # XLA's one-shot psum is already fast, and a Mosaic GPU collective launch waits on a multi-GPU
 # barrier); without a sum it lost at 8-64 rows (0.34-0.61x) and won from 2048 rows (1.11x).
