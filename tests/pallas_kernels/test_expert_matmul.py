@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import boundary_jax as bj
 from models import moe
 from pallas_kernels.expert_matmul import (
     ExpertMatmulBlocks,
@@ -71,3 +72,49 @@ def test_pallas_triton_layer_matches_ragged_dot_on_gpu():  # pragma: no cover - 
     ]
     want, got = (np.asarray(o, np.float32) for o in outs)
     assert np.max(np.abs(got - want)) <= 2e-2 * np.max(np.abs(want))
+
+
+def test_gpu_by_size_picks_the_kernel_by_routed_rows(monkeypatch):
+    """GPU_BY_SIZE runs the Triton kernel up to TRITON_MAX_ROUTED_ROWS rows, the Hopper kernel
+    above (both stood in for by ragged_dot, recording which ran)."""
+    ran = []
+
+    def triton(rows, weights, group_sizes, *, blocks):
+        ran.append(("triton", rows.shape[0]))
+        return expert_matmul_reference(rows, weights, group_sizes)
+
+    def hopper(rows, weights, *, group_sizes, **tiling):
+        ran.append(("hopper", rows.shape[0]))
+        return expert_matmul_reference(rows, weights, group_sizes)
+
+    monkeypatch.setattr(moe, "expert_matmul", triton)
+    monkeypatch.setattr(moe, "_ragged_dot_mgpu", type("Mosaic", (), {"ragged_dot": hopper}))
+    weights = jnp.zeros((4, 128, 128), jnp.bfloat16)
+    sizes = jnp.asarray([1, 0, 2, 1], jnp.int32)
+    limit = moe.TRITON_MAX_ROUTED_ROWS
+    for m in (8, limit, limit + 8):
+        rows = jnp.zeros((m, 128), jnp.bfloat16)
+        moe._grouped_matmul(
+            rows, weights, group_sizes=sizes, impl=moe.GroupedMatmulImpl.GPU_BY_SIZE
+        )
+    assert ran == [("triton", 8), ("triton", limit), ("hopper", limit + 8)]
+
+
+def test_pallas_experts_turn_the_varying_axes_check_off():
+    """A sharded MoE model whose experts run Pallas kernels runs its shard_map with
+    check_vma=False (Pallas kernels need it); with lax.ragged_dot the check stays on."""
+    from flax import nnx
+
+    from models.config import PRESETS
+    from models.moe_decoder import Qwen3MoeForCausalLM
+    from models.runtime import ShardedCausalLM
+
+    topology = bj.Topology(attn_tp=2)
+    mesh = bj.make_mesh(topology)
+    config = PRESETS["tiny-qwen3-moe"]
+    for impl, check_vma in (
+        (moe.GroupedMatmulImpl.RAGGED_DOT, True),
+        (moe.GroupedMatmulImpl.PALLAS_TRITON, False),
+    ):
+        model = Qwen3MoeForCausalLM(config, topology, grouped_matmul=impl, rngs=nnx.Rngs(0))
+        assert ShardedCausalLM(model, mesh).check_vma is check_vma
