@@ -26,6 +26,8 @@ import boundary_jax as bj
 
 from .checkpoint import hf_name_map
 from .decoder import CausalLM
+from .moe import PALLAS
+from .moe_decoder import MoeCausalLM
 from .rows import PackedBatch, TokenRows, pack_sequences
 
 
@@ -181,6 +183,12 @@ class Trainer:
             raise ValueError(
                 "training runs the sharded forward with check_vma=True, where fusion kernels "
                 f"cannot run; build the model without fusions (got {model.fusions})"
+            )
+        if isinstance(model, MoeCausalLM) and model.grouped_matmul in PALLAS:
+            raise ValueError(
+                "training runs the sharded forward with check_vma=True, where Pallas expert "
+                f"kernels cannot run; got grouped_matmul={model.grouped_matmul}. Build the MoE "
+                "with grouped_matmul=GroupedMatmulImpl.RAGGED_DOT"
             )
         self.mesh = mesh
         self.topology = model.topology

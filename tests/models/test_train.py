@@ -9,11 +9,14 @@ import functools
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 import boundary_jax as bj
 from models.config import PRESETS
 from models.decoder import Remat
 from models.hyper_connections import HyperConnections
+from models.moe import GroupedMatmulImpl
+from models.moe_decoder import Qwen3MoeForCausalLM
 from models.rows import pack_sequences
 from models.runtime import ShardedCausalLM, build_model
 from models.train import TrainConfig, Trainer, next_token_labels
@@ -248,3 +251,11 @@ def test_trainer_rejects_a_mismatched_mesh_and_fusions():
     )
     with pytest.raises(ValueError, match="without fusions"):
         Trainer(fused, bj.make_mesh(topology), OPTIMIZER.optimizer())
+    pallas = Qwen3MoeForCausalLM(
+        MODELS["moe"][0],
+        topology,
+        grouped_matmul=GroupedMatmulImpl.PALLAS_TRITON,
+        rngs=nnx.Rngs(0),
+    )
+    with pytest.raises(ValueError, match="Pallas expert kernels"):
+        Trainer(pallas, bj.make_mesh(topology), OPTIMIZER.optimizer())
