@@ -22,6 +22,7 @@ from rich.console import Console
 
 import boundary_jax as bj
 
+from .attention import AttentionImpl
 from .checkpoint import load_config, save_checkpoint
 from .config import PRESETS, DecoderConfig
 from .decoder import Remat
@@ -104,6 +105,8 @@ def _build(args, console):
     topology = bj.Topology.from_axis_sizes(args.mesh, moe_ep=args.moe_ep)
     mesh = bj.make_mesh(topology)
     dtype = jnp.dtype(args.dtype)
+    # Training runs XLA's attention (cuDNN's backward is not supported); the rest pick theirs.
+    attention = AttentionImpl.XLA if args.command == "train" else None
     hyper_connections = None
     if args.hc_mult is not None:
         if args.checkpoint:
@@ -127,6 +130,7 @@ def _build(args, console):
                 dtype=dtype,
                 seed=getattr(args, "seed", 0),
                 remat=getattr(args, "remat", Remat.NONE),
+                attention=attention,
                 hyper_connections=hyper_connections,
             )
     else:
@@ -143,6 +147,7 @@ def _build(args, console):
                 moe_dispatch=args.moe_dispatch,
                 dtype=dtype,
                 remat=getattr(args, "remat", Remat.NONE),
+                attention=attention,
             )
     return model, mesh
 

@@ -24,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import boundary_jax as bj
 
+from .attention import AttentionImpl
 from .checkpoint import hf_name_map
 from .decoder import CausalLM
 from .moe import PALLAS
@@ -183,6 +184,12 @@ class Trainer:
             raise ValueError(
                 "training runs the sharded forward with check_vma=True, where fusion kernels "
                 f"cannot run; build the model without fusions (got {model.fusions})"
+            )
+        if model.attention is AttentionImpl.CUDNN:
+            raise NotImplementedError(
+                "training with cuDNN attention is not supported: on an H200 its train step "
+                "compiled to a 1 TiB program (benchmarks/RESULTS.md run 10). Build the model "
+                "with attention=AttentionImpl.XLA"
             )
         if isinstance(model, MoeCausalLM) and model.grouped_matmul in PALLAS:
             raise ValueError(

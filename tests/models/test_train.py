@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 import boundary_jax as bj
+from models.attention import AttentionImpl
 from models.config import PRESETS
 from models.decoder import Remat
 from models.hyper_connections import HyperConnections
@@ -259,3 +260,6 @@ def test_trainer_rejects_a_mismatched_mesh_and_fusions():
     )
     with pytest.raises(ValueError, match="Pallas expert kernels"):
         Trainer(pallas, bj.make_mesh(topology), OPTIMIZER.optimizer())
+    cudnn = build_model(MODELS["dense"][0], topology, attention=AttentionImpl.CUDNN)
+    with pytest.raises(NotImplementedError, match="cuDNN attention"):
+        Trainer(cudnn, bj.make_mesh(topology), OPTIMIZER.optimizer())
