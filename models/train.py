@@ -230,6 +230,7 @@ class Trainer:
         )
         self.state = init(flat)
         self._loss = jax.jit(self.sharded_loss)
+        self._gradients = jax.jit(jax.value_and_grad(self.sharded_loss))
         self._step = jax.jit(
             self._train_step, donate_argnums=(0,), out_shardings=(self._state_shardings, None)
         )
@@ -244,7 +245,9 @@ class Trainer:
 
     # -- batches --------------------------------------------------------------------------
 
-    def pack(self, sequences: Sequence[Sequence[int]], *, rows_per_rank: int | None = None):
+    def pack(
+        self, sequences: Sequence[Sequence[int]], *, rows_per_rank: int | None = None
+    ) -> TrainBatch:
         """Packs token sequences onto the DP ranks (see `pack_sequences`) and places them with
         their next-token labels: a `TrainBatch`."""
         packed = pack_sequences(sequences, self.topology, rows_per_rank=rows_per_rank)
@@ -305,7 +308,7 @@ class Trainer:
     def gradients(self, batch: TrainBatch) -> tuple[float, dict[str, jax.Array]]:
         """(loss, gradients of the loss w.r.t. every parameter) at the current parameters; the
         gradients are global arrays sharded like the parameters."""
-        loss, grads = jax.jit(jax.value_and_grad(self.sharded_loss))(self.state.params, batch)
+        loss, grads = self._gradients(self.state.params, batch)
         return float(loss), grads
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
