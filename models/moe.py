@@ -71,7 +71,8 @@ class GroupedMatmulImpl(enum.Enum):
         GPUs): one program per (expert with rows, column block), reading only the chosen
         experts' weights: made for decode.
       GPU_BY_SIZE: PALLAS_TRITON up to `TRITON_MAX_ROUTED_ROWS` routed rows per matmul, else
-        PALLAS_GPU: chosen per call from the (static) row count. On an H200 (Qwen3-30B-A3B
+        PALLAS_GPU: chosen per call from the (static) row count; RAGGED_DOT for shapes the
+        chosen kernel's tiles do not divide. On an H200 (Qwen3-30B-A3B
         layer, benchmarks/RESULTS.md run 9) PALLAS_TRITON read the chosen experts' weights at
         75-86% of the copy bandwidth at 64-512 routed rows where PALLAS_GPU reached 23-64%;
         both took ~0.5 ms at 2048 rows; PALLAS_GPU was 2.3-4.3x faster from 8192 rows up.
@@ -526,8 +527,7 @@ def _grouped_matmul(
     """[M, K] rows sorted by group x [G, K, N] -> [M, N]; rows past sum(group_sizes) unspecified
     (zero for RAGGED_DOT)."""
     if impl is GroupedMatmulImpl.GPU_BY_SIZE:
-        small = rows.shape[0] <= TRITON_MAX_ROUTED_ROWS
-        impl = GroupedMatmulImpl.PALLAS_TRITON if small else GroupedMatmulImpl.PALLAS_GPU
+        impl = _by_size(rows.shape[0], rows.shape[1], weights.shape[2], rows.dtype)
     if impl is GroupedMatmulImpl.RAGGED_DOT:
         return jax.lax.ragged_dot(
             rows, weights.astype(rows.dtype), group_sizes, precision=jax.lax.Precision.HIGHEST
@@ -548,6 +548,18 @@ def _grouped_matmul(
         blocks = _expert_matmul_blocks(rows.shape[1], weights.shape[2], rows.dtype)
         return expert_matmul(rows, weights.astype(rows.dtype), group_sizes, blocks=blocks)
     raise ValueError(f"no grouped matmul for {impl=}")
+
+
+def _by_size(m: int, k: int, n: int, dtype) -> GroupedMatmulImpl:
+    """`GPU_BY_SIZE`'s pick for [m, k] rows x [G, k, n] weights: the Triton kernel up to
+    `TRITON_MAX_ROUTED_ROWS` rows, JAX's Hopper kernel above; `RAGGED_DOT` where the picked
+    kernel's tiles do not divide the shape (tiny test models)."""
+    if m <= TRITON_MAX_ROUTED_ROWS:
+        if expert_matmul_supported(k, n, dtype, ExpertMatmulBlocks()):
+            return GroupedMatmulImpl.PALLAS_TRITON
+    elif _ragged_dot_mgpu is not None and n % 64 == 0 and k % 16 == 0:
+        return GroupedMatmulImpl.PALLAS_GPU
+    return GroupedMatmulImpl.RAGGED_DOT
 
 
 def _expert_matmul_blocks(k: int, n: int, dtype) -> ExpertMatmulBlocks:

@@ -98,6 +98,16 @@ def test_gpu_by_size_picks_the_kernel_by_routed_rows(monkeypatch):
             rows, weights, group_sizes=sizes, impl=moe.GroupedMatmulImpl.GPU_BY_SIZE
         )
     assert ran == [("triton", 8), ("triton", limit), ("hopper", limit + 8)]
+    # Expert widths neither kernel tiles (a tiny test model's 16) fall back to ragged_dot.
+    ran.clear()
+    narrow = jnp.ones((4, 128, 16), jnp.bfloat16)
+    for m in (8, limit + 8):
+        rows = jnp.ones((m, 128), jnp.bfloat16)
+        got = moe._grouped_matmul(
+            rows, narrow, group_sizes=sizes, impl=moe.GroupedMatmulImpl.GPU_BY_SIZE
+        )
+        np.testing.assert_allclose(np.asarray(got[:4], np.float32), 128.0)
+    assert ran == []
 
 
 def test_pallas_experts_turn_the_varying_axes_check_off():

@@ -1,0 +1,66 @@
+"""Whole models on GPU, bf16: the GPU kernels the runtime picks against the reference paths.
+
+Skipped without a GPU (the CPU suite covers the reference paths against the golden files). On the
+GPU machine run with `JAX_PLATFORMS=cuda,cpu` (tests/conftest.py otherwise forces the CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import boundary_jax as bj
+from models.attention import AttentionImpl
+from models.runtime import ShardedCausalLM, load_model
+
+GOLDEN = pathlib.Path(__file__).resolve().parents[1] / "golden"
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+
+
+def _golden(name: str):
+    prompts = json.loads((GOLDEN / name / "prompts.json").read_text())
+    return prompts, np.load(GOLDEN / name / "reference.npz")
+
+
+def _relative(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("name", ["qwen3", "llama"])
+def test_cudnn_model_generates_the_reference_tokens(name, tp):
+    """bf16 greedy tokens with cuDNN attention (packed prefill, cache decode) equal the jnp
+    attention's, and both logits stay within bf16 rounding of transformers' bf16 logits."""
+    if jax.device_count() < tp:
+        pytest.skip(f"needs {tp} GPUs")
+    prompts, reference = _golden(name)
+    mesh = bj.make_mesh(bj.Topology(attn_tp=tp))
+    tokens, logits = {}, {}
+    for impl in (AttentionImpl.XLA, AttentionImpl.CUDNN):
+        model = load_model(GOLDEN / name, mesh, dtype=jnp.bfloat16, attention=impl)
+        runner = ShardedCausalLM(model, mesh)
+        logits[impl] = runner.forward(prompts)
+        compiled = runner.lower_forward(prompts).compile().as_text()
+        assert ("__cudnn$fmha" in compiled) == (impl is AttentionImpl.CUDNN)
+        tokens[impl] = runner.generate(prompts, reference["generated"].shape[1])
+    np.testing.assert_array_equal(tokens[AttentionImpl.CUDNN], tokens[AttentionImpl.XLA])
+    for impl in logits:
+        assert _relative(logits[impl], reference["logits_bf16"]) < 5e-2, impl
+
+
+def test_moe_model_with_gpu_expert_kernels_matches_transformers():
+    """bf16 Qwen3-MoE with the GPU grouped matmul the runtime picks (Pallas by routed rows) stays
+    within bf16 rounding of transformers' bf16 logits, at TP 1 and (two GPUs) EP 2."""
+    prompts, reference = _golden("qwen3_moe")
+    for tp in (1, 2)[: jax.device_count()]:
+        mesh = bj.make_mesh(bj.Topology(attn_tp=tp))
+        model = load_model(GOLDEN / "qwen3_moe", mesh, dtype=jnp.bfloat16, moe_ep=tp)
+        got = ShardedCausalLM(model, mesh).forward(prompts)
+        assert _relative(got, reference["logits_bf16"]) < 5e-2, tp
