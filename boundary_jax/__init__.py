@@ -36,6 +36,7 @@ from .ops import PlanError as PlanError
 from .ops import gather_last_dim as gather_last_dim
 from .ops import shard_index as shard_index
 from .ops import sharded_rms_norm as sharded_rms_norm
+from .ops import sharded_rms_norms as sharded_rms_norms
 from .output import DeferredFinalize as DeferredFinalize
 from .report import CollectiveReport as CollectiveReport
 from .report import collective_report as collective_report

@@ -105,7 +105,12 @@ class MoeCausalLM(CausalLM):
         else:
             mlp = SwiGLU(config.hidden_size, config.intermediate_size, **common)
         return MoeDecoderLayer(
-            config, self.stage_facts(index), lambda: mlp, attention=self.attention, **common
+            config,
+            self.stage_facts(index),
+            lambda: mlp,
+            attention=self.attention,
+            layer_index=index,
+            **common,
         )
 
 

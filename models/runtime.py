@@ -26,6 +26,7 @@ from .checkpoint import load_config, load_params
 from .config import Architecture, DecoderConfig
 from .decoder import CausalLM, LlamaForCausalLM, Qwen3ForCausalLM
 from .moe_decoder import MixtralForCausalLM, MoeCausalLM, Qwen3MoeForCausalLM
+from .norm_decoders import Exaone4ForCausalLM, Gemma3ForCausalLM, Olmo2ForCausalLM
 from .rows import PackedBatch, RowsPhase, TokenRows, decode_rows, pack_sequences
 from .sampling import GREEDY, Sampling, sample_tokens
 
@@ -60,6 +61,9 @@ _MODEL_CLASSES = {
     Architecture.MISTRAL: LlamaForCausalLM,
     Architecture.QWEN3_MOE: Qwen3MoeForCausalLM,
     Architecture.MIXTRAL: MixtralForCausalLM,
+    Architecture.EXAONE4: Exaone4ForCausalLM,
+    Architecture.OLMO2: Olmo2ForCausalLM,
+    Architecture.GEMMA3: Gemma3ForCausalLM,
 }
 
 
