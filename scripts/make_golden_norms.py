@@ -185,7 +185,10 @@ def numpy_forward(ckpt: Path, ids: list[int], variant: str = "") -> np.ndarray:
     scale = (cfg["query_pre_attn_scalar"] if gemma else hd) ** -0.5
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        n = lambda name: w[p + name + ".weight"]  # noqa: E731
+
+        def n(name: str, prefix: str = p) -> np.ndarray:
+            return w[prefix + name + ".weight"]
+
         reads_norm = not post_norm or variant == "pre-norm"
         if gemma:
             h = rms(x, n("input_layernorm"))

@@ -276,7 +276,7 @@ KINDS = {"AR": "all-reduce", "RS": "reduce-scatter", "AG": "all-gather", "A2A": 
 
 def _documented_moe_rows() -> dict[Layout, tuple[str, ...]]:
     """The "MoE decoders" table of docs/collectives.md: layout -> the middle layer's kinds."""
-    text = TABLE.read_text().split("## MoE decoders", 1)[1]
+    text = TABLE.read_text().split("## MoE decoders", 1)[1].split("\n## ", 1)[0]
     lines = [line for line in text.splitlines() if line.startswith("| ")]
     header = [cell.strip() for cell in lines[0].strip("|").split("|")]
     rows = {}
