@@ -161,11 +161,12 @@ def test_each_layer_runs_the_pre_norm_collectives(name, dp, tp, scattered, polic
         assert report.sequence(index) == want, f"layer {index}"
 
 
-def test_bfloat16_load_stays_close_to_transformers_bfloat16():
-    """A bfloat16 Gemma 3 (scaled embedding in bf16, 1 + w norms) stays within bf16 rounding
-    (5% of the largest logit) of HF in bf16."""
-    prompts, reference = golden("gemma3")
-    logits = runner("gemma3", 2, 2, False, jnp.bfloat16).forward(prompts)
+@pytest.mark.parametrize("name", FAMILIES)
+def test_bfloat16_load_stays_close_to_transformers_bfloat16(name):
+    """A bfloat16 load (post-norm updates and output transforms in bf16, Gemma's embedding
+    scale rounded to bf16) stays within bf16 rounding (5% of the largest logit) of HF in bf16."""
+    prompts, reference = golden(name)
+    logits = runner(name, 2, 2, False, jnp.bfloat16).forward(prompts)
     scale = np.max(np.abs(reference["logits"]))
     assert np.max(np.abs(logits - reference["logits_bf16"])) <= 0.05 * scale
 
