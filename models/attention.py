@@ -298,7 +298,7 @@ class Attention(nnx.Module):
         q = self.q_proj(h).reshape(rows, self.heads.local_heads, head_dim)
         k = self._project_kv(self.k_proj, h)
         v = self._project_kv(self.v_proj, h)
-        if isinstance(self.q_norm, WholeProjectionNorm):
+        if self.config.qk_norm_whole:
             q, k = self._whole_qk_norm(q, k)
         elif self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)

@@ -55,8 +55,8 @@ def norm_stage_facts(
             bj.declare_ffn(output_transform=_norm(config, dtype)),
         )
     raise ValueError(
-        f"norm_stage_facts declares post-norm and sandwich-norm layers; {config.architecture} is "
-        f"{design.value}"
+        "norm_stage_facts declares post-norm and sandwich-norm layers; "
+        f"{config.architecture.value} is {design.value}"
     )
 
 

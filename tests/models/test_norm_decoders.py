@@ -11,8 +11,13 @@ from flax import nnx
 import boundary_jax as bj
 import models.attention
 from boundary_jax import make_mesh
-from models.config import DecoderConfig
-from models.norm_decoders import Exaone4ForCausalLM, Gemma3ForCausalLM, Olmo2ForCausalLM
+from models.config import PRESETS, DecoderConfig
+from models.norm_decoders import (
+    Exaone4ForCausalLM,
+    Gemma3ForCausalLM,
+    Olmo2ForCausalLM,
+    norm_stage_facts,
+)
 from models.report import collective_report
 from models.runtime import ShardedCausalLM, build_model, load_model, model_class
 from tests.core.test_collectives import DOCUMENTED, NAMES
@@ -63,6 +68,8 @@ def test_model_classes():
     assert [model_class(config) for config in configs] == list(classes)
     with pytest.raises(ValueError, match="Gemma3ForCausalLM builds Gemma3ForCausalLM; got a Ex"):
         Gemma3ForCausalLM(configs[0], bj.Topology(), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="Qwen3ForCausalLM is pre-norm"):
+        norm_stage_facts(PRESETS["tiny-qwen3"], jnp.float32, 0)
 
 
 @pytest.mark.parametrize("mutant", ["missing", "doubled"])
