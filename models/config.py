@@ -362,14 +362,16 @@ class DecoderConfig:
     def from_hf(cls, config: Mapping[str, Any]) -> DecoderConfig:
         """Reads a Hugging Face `config.json` (as a dict) of a supported decoder.
 
-        Accepts both RoPE formats: the legacy top-level `rope_theta` + `rope_scaling` and the
-        transformers-5 `rope_parameters`; and both spellings of the expert count
-        (`num_experts`, as the Qwen hub checkpoints, and `num_local_experts`, as Mixtral and
-        transformers 5's Qwen3-MoE write it).
+        Accepts both RoPE formats: the legacy top-level `rope_theta` + `rope_scaling` (Gemma 3:
+        also `rope_local_base_freq`) and the transformers-5 `rope_parameters` (Gemma 3: one
+        entry per layer type); both spellings of the expert count (`num_experts`, as the Qwen
+        hub checkpoints, and `num_local_experts`, as Mixtral and transformers 5's Qwen3-MoE
+        write it); and per-layer attention from `layer_types` (or the family's default pattern).
 
         Raises:
-          ValueError: The architecture, RoPE type, activation, biases or per-layer sliding
-            windows are not supported, or a required key is missing.
+          ValueError: The architecture, RoPE type, activation, biases, layer pattern or a
+            Gemma 3 option (softcapping, bidirectional attention) is not supported, or a
+            required key is missing.
         """
         architectures = config.get("architectures") or []
         supported = [a.value for a in Architecture]

@@ -140,6 +140,9 @@ def four_layer_config(name: str) -> DecoderConfig:
         )
         for name in FAMILIES
         for c in CONFIGURATIONS
+        # ar completes the FFN's sum at its exit (no sum carried to the next input): OLMo 2,
+        # whose attention adds its own all-reduce, holds that row for the three.
+        if c[3] is P.AUTO or name == "olmo2"
     ],
 )
 def test_each_layer_runs_the_pre_norm_collectives(name, dp, tp, scattered, policy):
