@@ -29,6 +29,9 @@ CONFIGS = {
     "llama3-kv8": dataclasses.replace(
         BASE, num_kv_heads=8, qk_norm=False, rope_scaling=Llama3RopeScaling(8.0, 1.0, 4.0, 6)
     ),
+    # OLMo 2's q/k norm over the whole projection: its mean of squares spans every rank's heads
+    # (kv heads shared by ranks at attention TP 4 and 8).
+    "whole-qk-norm-kv2": dataclasses.replace(BASE, qk_norm_whole=True),
 }
 
 # One DP rank's packed rows: (segment id, length) per sequence, then padding rows.
