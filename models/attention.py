@@ -194,8 +194,10 @@ class Attention(nnx.Module):
     """Self-attention with q/o split by heads over attention TP; returns the o_proj partial.
 
     Attributes:
-      q_proj: [hidden, heads * head_dim], columns split over attention TP.
-      k_proj: [hidden, kv heads * head_dim], split over attention TP or replicated (`heads`).
+      q_proj: [hidden, heads * head_dim], columns split over attention TP; with
+        `config.qkv_bias` (Qwen2) a bias split with its heads.
+      k_proj: [hidden, kv heads * head_dim], split over attention TP or replicated (`heads`);
+        its bias (if any) with it, a replicated one cut to this rank's kv head.
       v_proj: As `k_proj`.
       o_proj: [heads * head_dim, hidden], rows split over attention TP.
       q_norm: RMSNorm of the queries before RoPE: per head (Qwen3, EXAONE 4.0, Gemma 3: an
@@ -228,9 +230,12 @@ class Attention(nnx.Module):
         hidden, head_dim = config.hidden_size, config.head_dim
         common = {"topology": topology, "dtype": dtype, "rngs": rngs}
         q_width, kv_width = config.num_heads * head_dim, config.num_kv_heads * head_dim
-        self.q_proj = ColumnParallelLinear(hidden, q_width, group=SumGroup.ATTN_TP, **common)
-        self.k_proj = ColumnParallelLinear(hidden, kv_width, group=kv_group, **common)
-        self.v_proj = ColumnParallelLinear(hidden, kv_width, group=kv_group, **common)
+        bias = config.qkv_bias
+        self.q_proj = ColumnParallelLinear(
+            hidden, q_width, group=SumGroup.ATTN_TP, bias=bias, **common
+        )
+        self.k_proj = ColumnParallelLinear(hidden, kv_width, group=kv_group, bias=bias, **common)
+        self.v_proj = ColumnParallelLinear(hidden, kv_width, group=kv_group, bias=bias, **common)
         self.o_proj = RowParallelLinear(q_width, hidden, group=SumGroup.ATTN_TP, **common)
         eps = config.rms_norm_eps
         if config.qk_norm_whole:
@@ -378,14 +383,19 @@ class Attention(nnx.Module):
         )
 
     def _project_kv(self, proj: ColumnParallelLinear, h: jax.Array) -> jax.Array:
-        """[T, local kv heads, head_dim]; a shared kv head is cut from the replicated kernel."""
+        """[T, local kv heads, head_dim]; a shared kv head is cut from the replicated kernel
+        (and bias)."""
         head_dim = self.config.head_dim
         kernel = proj.kernel[...]
+        bias = None if proj.bias is None else proj.bias[...]
         if not self.heads.kv_sharded:
             ranks_per_head = self.heads.attn_tp // self.heads.num_kv_heads
             head = shard_index(self.topology, SumGroup.ATTN_TP) // ranks_per_head
             kernel = lax.dynamic_slice_in_dim(kernel, head * head_dim, head_dim, axis=1)
-        return (h @ kernel).reshape(h.shape[0], self.heads.local_kv_heads, head_dim)
+            if bias is not None:
+                bias = lax.dynamic_slice_in_dim(bias, head * head_dim, head_dim)
+        out = h @ kernel if bias is None else h @ kernel + bias[None, :]
+        return out.reshape(h.shape[0], self.heads.local_kv_heads, head_dim)
 
     def _visible(self, query_positions: jax.Array, key_positions: jax.Array) -> jax.Array:
         """[T, S] causal (and sliding-window) visibility of key positions from query positions."""

@@ -24,6 +24,7 @@ import boundary_jax as bj
 from .checkpoint import load_config
 from .config import PRESETS
 from .demo import run_demo
+from .hyper_connections import HyperConnections
 from .report import plan_report, print_plan
 from .runtime import ShardedCausalLM, build_model, load_model
 from .sampling import Sampling
@@ -99,7 +100,18 @@ def _load(args, console):
     topology = bj.Topology.from_axis_sizes(args.mesh, moe_ep=args.moe_ep)
     mesh = bj.make_mesh(topology)
     dtype = jnp.dtype(args.dtype)
-    if getattr(args, "preset", None):
+    hyper_connections = None
+    if args.hc_mult is not None:
+        if args.checkpoint:
+            raise InputError(
+                "--hc-mult builds MHC layers with random weights, and a Hugging Face checkpoint "
+                "holds no MHC weights; use it with --preset"
+            )
+        try:
+            hyper_connections = HyperConnections(hc_mult=args.hc_mult)
+        except ValueError as error:
+            raise InputError(f"--hc-mult: {error}") from None
+    if args.preset:
         if args.preset not in PRESETS:
             raise InputError(f"unknown preset {args.preset!r}; choose one of {sorted(PRESETS)}")
         with _status(console, f"building {args.preset} with random weights"):
@@ -109,6 +121,7 @@ def _load(args, console):
                 reduction=args.policy,
                 moe_dispatch=args.moe_dispatch,
                 dtype=dtype,
+                hyper_connections=hyper_connections,
             )
     else:
         directory = Path(args.checkpoint)
@@ -131,10 +144,43 @@ def _forward(args) -> None:
     console = _console()
     runner = _load(args, console)
     sequences = _read_ids(args.input_ids, runner.config.vocab_size)
+    layers = args.capture_layers
+    if layers is not None:
+        count = runner.config.num_layers
+        bad = sorted({i for i in layers if not 0 <= i <= count})
+        if bad:
+            raise InputError(
+                f"--capture-layers takes indices in [0, {count}] (i < {count}: the residual "
+                f"entering layer i; {count}: the residual the final norm reads); got {bad}"
+            )
     with _status(console, f"forward of {len(sequences)} sequences"):
-        logits = runner.forward(sequences)
+        if layers is None:
+            logits = runner.forward(sequences)
+        else:
+            logits, hidden = runner.forward_captured(sequences, layers)
     np.save(args.out, logits.astype(np.float32))
     console.log(f"wrote logits {list(logits.shape)} to {args.out}")
+    if layers is not None:
+        path = captures_path(args.out)
+        np.savez(path, **{f"layer_{i}": hidden[n].astype(np.float32) for n, i in enumerate(layers)})
+        console.log(f"wrote hidden states of layers {layers} to {path}")
+
+
+def captures_path(logits_path: str | Path) -> Path:
+    """Where `forward --capture-layers` writes the captured hidden states: beside the logits,
+    `<logits name without .npy>.hidden_states.npz` (one `layer_<i>` array per capture)."""
+    path = Path(logits_path)
+    stem = path.name[: -len(".npy")] if path.name.endswith(".npy") else path.name
+    return path.with_name(f"{stem}.hidden_states.npz")
+
+
+def _capture_layers(text: str) -> list[int]:
+    items = [item.strip() for item in text.split(",")]
+    if not items or not all(item.isdigit() for item in items):
+        raise argparse.ArgumentTypeError(
+            f"--capture-layers takes comma-separated layer indices, e.g. 2,5; got {text!r}"
+        )
+    return [int(item) for item in items]
 
 
 def _generate(args) -> None:
@@ -180,11 +226,10 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
     demo.set_defaults(run=_demo, mesh={"attn_dp": 8})
 
-    def model_args(command, *, preset: bool):
+    def model_args(command):
         source = command.add_mutually_exclusive_group(required=True)
         source.add_argument("--checkpoint", help="a Hugging Face checkpoint directory")
-        if preset:
-            source.add_argument("--preset", help="a built-in configuration with random weights")
+        source.add_argument("--preset", help="a built-in configuration with random weights")
         command.add_argument(
             "--mesh", type=_parse_mesh, default={}, help="e.g. attn_dp=2,attn_tp=4 (default 1)"
         )
@@ -207,17 +252,29 @@ def _parser() -> argparse.ArgumentParser:
             help="MoE checkpoints: where the experts get their tokens (default gather)",
         )
         command.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+        command.add_argument(
+            "--hc-mult",
+            type=int,
+            help="presets: build every boundary with MHC hyper-connections of this many "
+            "residual streams (random MHC weights)",
+        )
 
     forward = commands.add_parser("forward", help="logits of token-id sequences")
-    model_args(forward, preset=False)
+    model_args(forward)
     forward.add_argument("--input-ids", required=True, help="JSON list of token-id lists")
     forward.add_argument("--out", required=True, help="where to write the logits (.npy)")
+    forward.add_argument(
+        "--capture-layers",
+        type=_capture_layers,
+        help="e.g. 2,5: also write the hidden states entering these layers (the layer count: "
+        "the residual the final norm reads) to <out>.hidden_states.npz",
+    )
     forward.set_defaults(run=_forward)
 
     generate = commands.add_parser(
         "generate", help="continuation of token-id prompts (greedy, or sampled on the device)"
     )
-    model_args(generate, preset=False)
+    model_args(generate)
     generate.add_argument("--prompt-ids", required=True, help="JSON list of token-id lists")
     generate.add_argument("--max-new-tokens", type=int, required=True)
     generate.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
@@ -229,7 +286,7 @@ def _parser() -> argparse.ArgumentParser:
     plan = commands.add_parser(
         "plan", help="each stage's bound plan and the collectives the compiled forward runs"
     )
-    model_args(plan, preset=True)
+    model_args(plan)
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.set_defaults(run=_plan)
     return parser

@@ -549,6 +549,15 @@ def _read_qkv_bias(config: Mapping[str, Any], architecture: Architecture) -> boo
     return False
 
 
+_PLAIN_ROUTER = {
+    "topk_method": ("greedy",),
+    "n_group": (1,),
+    "topk_group": (1,),
+    "routed_scaling_factor": (1, 1.0),
+}
+"""Router keys of other MoE families, and the values that leave a plain softmax top-k."""
+
+
 def _read_moe(config: Mapping[str, Any], architecture: Architecture) -> MoeConfig | None:
     if architecture not in _MOE_ARCHITECTURES:
         return None
@@ -564,6 +573,17 @@ def _read_moe(config: Mapping[str, Any], architecture: Architecture) -> MoeConfi
         raise ValueError(
             f"unsupported router: {architecture.value} routes by a softmax over all experts, "
             f"then top-k; got scoring_func={scoring!r}. Use a softmax-routed checkpoint"
+        )
+    # Router variants of other families (grouped top-k, scaled weights) the router here lacks.
+    grouped = {
+        key: config[key]
+        for key, plain in _PLAIN_ROUTER.items()
+        if config.get(key) is not None and config[key] not in plain
+    }
+    if grouped:
+        raise ValueError(
+            f"unsupported router: {architecture.value} takes a plain top-k of the softmax; got "
+            f"{grouped}. Remove these keys or use a checkpoint routed that way"
         )
     if architecture is Architecture.MIXTRAL:
         return MoeConfig(

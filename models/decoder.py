@@ -1,4 +1,4 @@
-"""Qwen3 and Llama (also Mistral-style) decoders built only from stage boundaries.
+"""Qwen3, Llama (also Mistral-style) and Qwen2 decoders built only from stage boundaries.
 
 Each layer appends an attention stage and an FFN stage to the model's layer stack; the model
 enters the stack with the vocab-parallel embedding's partial sum and leaves it through the final
@@ -9,7 +9,8 @@ post-norm and sandwich-norm families (`models.norm_decoders`) change only those.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,18 +21,33 @@ from boundary_jax import residual
 
 from .attention import Attention, AttentionImpl, KVCache
 from .config import Architecture, DecoderConfig
+from .hyper_connections import HyperConnections
 from .layers import ParallelLMHead, VocabParallelEmbedding
 from .mlp import SwiGLU
 from .rows import TokenRows
 
+LayerDesigns = tuple[Mapping[str, Any], Mapping[str, Any]]
+"""A layer's attention and FFN stages' residual `read` / `update` declaration keywords."""
+PLAIN: LayerDesigns = ({}, {})
+"""The plain pre-norm design: add + RMSNorm at every boundary."""
 ReadNorms = tuple[bj.RMSNorm | None, bj.RMSNorm | None]
+"""A layer's attention and FFN stages' input norms (None: the stage reads the residual as is)."""
 
 
-def stage_facts(layer_index: int) -> tuple[bj.StageDeclaration, bj.StageDeclaration]:
+def stage_facts(
+    layer_index: int, designs: LayerDesigns = PLAIN
+) -> tuple[bj.StageDeclaration, bj.StageDeclaration]:
     """The stages every dense decoder layer declares, in order: the model's shared declaration
-    function (a stack holding part of the layers binds its edges from it)."""
+    function (a stack holding part of the layers binds its edges from it).
+
+    Args:
+      layer_index: The layer (every dense layer declares the same stages).
+      designs: Each stage's residual read and update: the objects the layer owns, or (for
+        binding a neighbour) their `DesignFacts`.
+    """
     del layer_index
-    return bj.declare_attn(), bj.declare_ffn()
+    attn, ffn = designs
+    return bj.declare_attn(**attn), bj.declare_ffn(**ffn)
 
 
 class DecoderLayer(nnx.Module):
@@ -97,6 +113,32 @@ class DecoderLayer(nnx.Module):
         cache: KVCache | None,
     ) -> tuple[bj.OwedOutput, bj.ResidualStream, KVCache | None]:
         h, stream = self.attn_boundary.prepare(x, stream)
+        return self.run_stages(h, stream, rows, cache)
+
+    def captured(
+        self,
+        x: jax.Array | bj.OwedOutput,
+        stream: bj.ResidualStream,
+        rows: TokenRows,
+        cache: KVCache | None,
+    ) -> tuple[bj.OwedOutput, bj.ResidualStream, KVCache | None, jax.Array]:
+        """`__call__`, also returning the residual stream entering this layer (an auxiliary
+        hidden state, as EAGLE-3 drafting reads it) on the attention's rows.
+
+        For layer i that is transformers' `output_hidden_states[i]`: the stack input (the
+        embedding output) for layer 0, else the residual after layer i - 1's FFN update. The
+        sum the previous stage owes completes unfused before the attention's add + norm (the
+        same collectives run); a residual on attention-TP slices is gathered for the capture.
+        """
+        h, stream, hidden = self.attn_boundary.prepare_captured(x, stream, gathered=True)
+        x, stream, cache = self.run_stages(h, stream, rows, cache)
+        return x, stream, cache, hidden
+
+    def run_stages(
+        self, h: jax.Array, stream: bj.ResidualStream, rows: TokenRows, cache: KVCache | None
+    ) -> tuple[bj.OwedOutput, bj.ResidualStream, KVCache | None]:
+        """The layer after its attention input: attention and its exit, the FFN's input, the
+        FFN and its exit."""
         y, cache = self.attn(h, rows.positions, rows.segment_ids, cache, phase=rows.phase)
         x, stream = self.attn_boundary.finish(y, stream)
         h, stream = self.ffn_boundary.prepare(x, stream)
@@ -132,6 +174,9 @@ class CausalLM(nnx.Module):
       lm_head: Vocab-parallel LM head (tied to `embed` when the config says so).
       fusions: The stack's fusion provider (`bj.fusions.NO_FUSIONS`: the built-in path).
       attention: The attention kernel of every layer.
+      hyper_connections: The MHC residual design of every boundary, or None for the plain
+        pre-norm add + RMSNorm.
+      hyper_head: With hyper-connections, the head collapsing the streams before `final_norm`.
       param_dtype: The dtype of every parameter.
     """
 
@@ -139,6 +184,7 @@ class CausalLM(nnx.Module):
         Architecture.QWEN3,
         Architecture.LLAMA,
         Architecture.MISTRAL,
+        Architecture.QWEN2,
     )
 
     def __init__(
@@ -150,6 +196,7 @@ class CausalLM(nnx.Module):
         fusions: bj.fusions.FusionProvider = bj.fusions.NO_FUSIONS,
         dtype: jnp.dtype = jnp.float32,
         attention: AttentionImpl = AttentionImpl.XLA,
+        hyper_connections: HyperConnections | None = None,
         rngs: nnx.Rngs,
     ):
         if config.architecture not in self.architectures:
@@ -162,6 +209,7 @@ class CausalLM(nnx.Module):
         self.topology = topology
         self.fusions = fusions
         self.attention = attention
+        self.hyper_connections = hyper_connections
         self.param_dtype = dtype
         self.embed = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, scale=config.embedding_scale, **common
@@ -181,6 +229,13 @@ class CausalLM(nnx.Module):
         self.final_norm = bj.RMSNorm(
             config.hidden_size, eps=config.rms_norm_eps, gemma=config.gemma_norms, param_dtype=dtype
         )
+        self.hyper_head = (
+            None
+            if hyper_connections is None
+            else hyper_connections.head(
+                config.hidden_size, norm_eps=config.rms_norm_eps, dtype=dtype, rngs=rngs
+            )
+        )
         self.lm_head = ParallelLMHead(
             config.hidden_size,
             config.vocab_size,
@@ -188,9 +243,34 @@ class CausalLM(nnx.Module):
             **common,
         )
 
-    def stage_facts(self, layer_index: int) -> tuple[bj.StageDeclaration, ...]:
-        """The model's shared declaration function: layer `layer_index`'s stages, in order."""
-        return stage_facts(layer_index)
+    def stage_facts(
+        self, layer_index: int, designs: LayerDesigns | None = None
+    ) -> tuple[bj.StageDeclaration, ...]:
+        """The model's shared declaration function: layer `layer_index`'s stages, in order.
+
+        `designs` are the layer's own residual reads and updates (`layer_designs`); None
+        declares their capabilities only, which is what the stack binds against.
+        """
+        return stage_facts(layer_index, self.layer_designs() if designs is None else designs)
+
+    def layer_designs(
+        self, *, dtype: jnp.dtype | None = None, rngs: nnx.Rngs | None = None
+    ) -> LayerDesigns:
+        """A layer's residual designs: none for the plain add + norm; with hyper-connections,
+        each stage's MHC read (weights drawn from `rngs`) and update, or without `rngs` their
+        capabilities only."""
+        hc = self.hyper_connections
+        if hc is None:
+            return PLAIN
+        if rngs is None:
+            return hc.design_facts(), hc.design_facts()
+        config = self.config
+        return tuple(
+            hc.stage_design(
+                config.hidden_size, norm_eps=config.rms_norm_eps, dtype=dtype, rngs=rngs
+            )
+            for _ in range(2)
+        )
 
     def read_norms(self) -> ReadNorms:
         """Fresh input norms of one layer's attention and FFN stages."""
@@ -198,7 +278,7 @@ class CausalLM(nnx.Module):
 
     def make_layer(self, config: DecoderConfig, index: int, **common) -> nnx.Module:
         """Decoder layer `index` (inside the open layer stack), with this model's attention
-        kernel; `common` holds `topology`, `dtype` and `rngs`."""
+        kernel and residual design; `common` holds `topology`, `dtype` and `rngs`."""
 
         def make_mlp():
             return SwiGLU(
@@ -208,15 +288,23 @@ class CausalLM(nnx.Module):
                 **common,
             )
 
+        designs = self.layer_designs(dtype=common["dtype"], rngs=common["rngs"])
         return DecoderLayer(
             config,
-            self.stage_facts(index),
+            self.stage_facts(index, designs),
             make_mlp,
             attention=self.attention,
             layer_index=index,
             read_norms=self.read_norms(),
             **common,
         )
+
+    def final_read_norm(self, residual_rows: jax.Array) -> jax.Array:
+        """What the stack's final read applies to the residual: the final norm, after the
+        hyper-connections' head collapses the streams when the model has them."""
+        if self.hyper_head is not None:
+            residual_rows = self.hyper_head(residual_rows)
+        return self.final_norm(residual_rows)
 
     def __call__(
         self,
@@ -258,12 +346,97 @@ class CausalLM(nnx.Module):
                 cache = None if caches is None else caches[index]
                 x, stream, cache = layer(x, stream, rows, cache)
             updated.append(cache)
-        hidden = residual.final_norm(x, stream, self.final_norm, skip_empty=True)
+        hidden = residual.final_norm(x, stream, self.final_read_norm, skip_empty=True)
         if last_rows is not None:
             # The LM head is the largest matmul of a decode step: run it on the rows asked for.
             picked = jnp.take(hidden, jnp.clip(last_rows, 0, hidden.shape[0] - 1), axis=0)
             hidden = jnp.where((last_rows >= 0)[:, None], picked, 0)
         return hidden, None if caches is None else tuple(updated)
+
+    def hidden_captured(
+        self,
+        rows: TokenRows,
+        batch: bj.BatchFacts,
+        capture_layers: Sequence[int],
+        *,
+        scan_layers: bool = False,
+    ) -> tuple[jax.Array, jax.Array]:
+        """`hidden` (without caches), also returning the auxiliary hidden states of
+        `capture_layers`, on this rank's attention rows.
+
+        Capture index i < num_layers is the residual stream entering layer i (transformers'
+        `output_hidden_states[i]`; 0 is the embedding output); i = num_layers is the residual
+        the final norm reads (transformers' last hidden state is that residual after the norm,
+        which is the first returned value). Captures are returned values, so they survive
+        `jit` and `lax.scan`.
+
+        Args:
+          rows: This DP rank's block of packed rows.
+          batch: The batch facts.
+          capture_layers: Capture indices in [0, num_layers], in the order wanted (repeats
+            allowed).
+          scan_layers: Run the layers between the stack entry and the terminal layer as one
+            `lax.scan` (every scanned layer then captures; the wanted ones are picked after).
+
+        Returns:
+          (the final-norm output [rows, hidden], the captures [len(capture_layers), rows,
+          hidden] in the residual's dtype; rows past the DP rank's token count are zero in
+          both).
+
+        Raises:
+          ValueError: A capture index outside [0, num_layers].
+          NotImplementedError: The model has hyper-connections (its residual is `hc_mult`
+            streams per row, and the stack input is not).
+        """
+        count = len(self.layers)
+        capture_layers = tuple(capture_layers)
+        bad = [i for i in capture_layers if not isinstance(i, int) or not 0 <= i <= count]
+        if bad or not capture_layers:
+            raise ValueError(
+                f"capture layers must be a non-empty list of indices in [0, {count}] (i < "
+                f"{count}: the residual entering layer i; {count}: the residual the final norm "
+                f"reads); got {list(capture_layers)}"
+            )
+        if self.hyper_connections is not None:
+            raise NotImplementedError(
+                "captures of a decoder with hyper-connections are not supported: its residual "
+                "is hc_mult streams per row, not one hidden state"
+            )
+        wanted = frozenset(capture_layers)
+
+        def run(scope, layer, carry, capture):
+            x, stream = carry
+            with jax.named_scope(scope):
+                if capture:
+                    x, stream, _, hidden = layer.captured(x, stream, rows, None)
+                    return (x, stream), hidden
+                x, stream, _ = layer(x, stream, rows, None)
+            return (x, stream), None
+
+        carry = (self.embed(rows.ids), residual.start(batch))
+        captures: dict[int, jax.Array] = {}
+        layers = list(self.layers)
+        scanned = range(1, count - 1) if scan_layers and count > 2 else range(0)
+        for index, layer in enumerate(layers):
+            if index not in scanned:
+                carry, hidden = run(f"layer_{index}", layer, carry, index in wanted)
+                if hidden is not None:
+                    captures[index] = hidden
+            elif index == scanned.start:
+                carry, stacked = bj.scan_layers_with_outputs(
+                    layers[scanned.start : scanned.stop],
+                    carry,
+                    lambda layer, carry: run("scanned_layers", layer, carry, True),
+                )
+                captures.update(zip(scanned, stacked, strict=True))
+        hidden, captures[count] = residual.final_norm_captured(
+            *carry, self.final_read_norm, skip_empty=True
+        )
+        mask = batch.valid_rows(hidden.shape[0])
+        stacked = jnp.stack([captures[i] for i in capture_layers])
+        if mask is not None:
+            stacked = jnp.where(mask[None, :, None], stacked, jnp.zeros((), stacked.dtype))
+        return hidden, stacked
 
 
 class Qwen3ForCausalLM(CausalLM):
@@ -276,3 +449,9 @@ class LlamaForCausalLM(CausalLM):
     """Llama (with llama3 RoPE scaling) and Mistral-style configs."""
 
     architectures = (Architecture.LLAMA, Architecture.MISTRAL)
+
+
+class Qwen2ForCausalLM(CausalLM):
+    """Qwen2 / Qwen2.5: q/k/v projections with biases (split with their heads), no q/k norm."""
+
+    architectures = (Architecture.QWEN2,)

@@ -44,10 +44,12 @@ def _split_entry(topology: Topology, group: SumGroup | None, size: int, what: st
 
 
 class ColumnParallelLinear(nnx.Module):
-    """`x @ kernel` with the output features split over `group`: each rank computes its columns.
+    """`x @ kernel (+ bias)` with the output features split over `group`: each rank computes its
+    columns (and adds its slice of the bias; the output owes no sum, so every rank adds it).
 
     Attributes:
       kernel: [in_features, out_features] global; local [in_features, out_features / ranks].
+      bias: [out_features] global, split as the kernel's columns; None without a bias.
       group: The group the output features are split over; None keeps the kernel replicated.
     """
 
@@ -58,6 +60,7 @@ class ColumnParallelLinear(nnx.Module):
         *,
         group: SumGroup | None,
         topology: Topology,
+        bias: bool = False,
         dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs,
     ):
@@ -65,11 +68,20 @@ class ColumnParallelLinear(nnx.Module):
         self.kernel = sharded_param(
             _normal(rngs, (in_features, out_features), dtype), (None, entry)
         )
+        # N(0, 1/4) (Hugging Face draws zeros): a dropped or mis-sharded bias shows.
+        self.bias = (
+            sharded_param(
+                (0.5 * jax.random.normal(rngs.params(), (out_features,))).astype(dtype), (entry,)
+            )
+            if bias
+            else None
+        )
         self.group = group
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """[T, in_features] -> this rank's [T, local out_features]; complete, nothing owed."""
-        return x @ self.kernel[...]
+        y = x @ self.kernel[...]
+        return y if self.bias is None else y + self.bias[None, :]
 
 
 class RowParallelLinear(nnx.Module):

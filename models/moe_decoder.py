@@ -1,4 +1,4 @@
-"""Mixture-of-experts decoders (Qwen3-MoE, Mixtral) built only from stage boundaries.
+"""Mixture-of-experts decoders (Qwen3-MoE, Mixtral, Qwen2-MoE) built only from stage boundaries.
 
 A layer is attention + an FFN that is either the sparse `MoeFfn` or, for the layers the config
 marks dense (Qwen3-MoE's `mlp_only_layers` and `decoder_sparse_step`), the dense SwiGLU; one
@@ -16,20 +16,26 @@ import boundary_jax as bj
 
 from .attention import AttentionImpl
 from .config import Architecture, DecoderConfig
-from .decoder import CausalLM, DecoderLayer
+from .decoder import PLAIN, CausalLM, DecoderLayer, LayerDesigns
+from .hyper_connections import HyperConnections
 from .mlp import SwiGLU
 from .moe import GroupedMatmulImpl
 from .moe_ffn import MoeFfn
 
 
 def moe_stage_facts(
-    config: DecoderConfig, dispatch: bj.MoeDispatch, layer_index: int
+    config: DecoderConfig,
+    dispatch: bj.MoeDispatch,
+    layer_index: int,
+    designs: LayerDesigns = PLAIN,
 ) -> tuple[bj.StageDeclaration, bj.StageDeclaration]:
     """Layer `layer_index`'s stages: attention, then a sparse FFN dispatched as `dispatch` where
-    the config makes the layer sparse, else a dense FFN over the full TP group."""
+    the config makes the layer sparse, else a dense FFN over the full TP group; `designs` gives
+    each stage's residual read and update (as for `decoder.stage_facts`)."""
+    attn, ffn = designs
     if config.sparse_layers[layer_index]:
-        return bj.declare_attn(), bj.declare_ffn(sparse=True, moe_dispatch=dispatch)
-    return bj.declare_attn(), bj.declare_ffn()
+        return bj.declare_attn(**attn), bj.declare_ffn(sparse=True, moe_dispatch=dispatch, **ffn)
+    return bj.declare_attn(**attn), bj.declare_ffn(**ffn)
 
 
 class MoeDecoderLayer(DecoderLayer):
@@ -72,6 +78,7 @@ class MoeCausalLM(CausalLM):
         fusions: bj.fusions.FusionProvider = bj.fusions.NO_FUSIONS,
         dtype: jnp.dtype = jnp.float32,
         attention: AttentionImpl = AttentionImpl.XLA,
+        hyper_connections: HyperConnections | None = None,
         rngs: nnx.Rngs,
     ):
         self.moe_dispatch = moe_dispatch
@@ -84,11 +91,15 @@ class MoeCausalLM(CausalLM):
             fusions=fusions,
             dtype=dtype,
             attention=attention,
+            hyper_connections=hyper_connections,
             rngs=rngs,
         )
 
-    def stage_facts(self, layer_index: int) -> tuple[bj.StageDeclaration, ...]:
-        return moe_stage_facts(self.config, self.moe_dispatch, layer_index)
+    def stage_facts(
+        self, layer_index: int, designs: LayerDesigns | None = None
+    ) -> tuple[bj.StageDeclaration, ...]:
+        designs = self.layer_designs() if designs is None else designs
+        return moe_stage_facts(self.config, self.moe_dispatch, layer_index, designs)
 
     def make_layer(self, config: DecoderConfig, index: int, **common) -> nnx.Module:
         if config.sparse_layers[index]:
@@ -104,9 +115,10 @@ class MoeCausalLM(CausalLM):
             )
         else:
             mlp = SwiGLU(config.hidden_size, config.intermediate_size, **common)
+        designs = self.layer_designs(dtype=common["dtype"], rngs=common["rngs"])
         return MoeDecoderLayer(
             config,
-            self.stage_facts(index),
+            self.stage_facts(index, designs),
             lambda: mlp,
             attention=self.attention,
             layer_index=index,
@@ -125,3 +137,11 @@ class MixtralForCausalLM(MoeCausalLM):
     """Mixtral: every layer sparse, top-k renormalized, sliding-window attention where set."""
 
     architectures = (Architecture.MIXTRAL,)
+
+
+class Qwen2MoeForCausalLM(MoeCausalLM):
+    """Qwen2-MoE: q/k/v biases, top-k weights as the softmax gave them (renormalized only where
+    `norm_topk_prob`), and a shared expert scaled by `sigmoid(x @ shared_expert_gate)` that every
+    token goes through, summed with the routed experts' output."""
+
+    architectures = (Architecture.QWEN2_MOE,)

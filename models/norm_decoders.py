@@ -23,7 +23,8 @@ import boundary_jax as bj
 from boundary_jax import residual
 
 from .config import Architecture, DecoderConfig, ResidualDesign
-from .decoder import CausalLM, ReadNorms
+from .decoder import CausalLM, LayerDesigns, ReadNorms
+from .hyper_connections import HyperConnections
 
 
 def _norm(config: DecoderConfig, dtype: jnp.dtype) -> bj.RMSNorm:
@@ -65,7 +66,28 @@ class NormDesignCausalLM(CausalLM):
 
     architectures = (Architecture.EXAONE4, Architecture.OLMO2, Architecture.GEMMA3)
 
-    def stage_facts(self, layer_index: int) -> tuple[bj.StageDeclaration, ...]:
+    def __init__(
+        self,
+        config: DecoderConfig,
+        topology: bj.Topology,
+        *,
+        hyper_connections: HyperConnections | None = None,
+        **options,
+    ):
+        if hyper_connections is not None:
+            raise NotImplementedError(
+                f"{type(self).__name__} has its own residual design ({config.residual_design.value}"
+                "); MHC hyper-connections replace it and are built for the pre-norm families "
+                "only. Leave hyper_connections unset"
+            )
+        super().__init__(config, topology, **options)
+
+    def stage_facts(
+        self, layer_index: int, designs: LayerDesigns | None = None
+    ) -> tuple[bj.StageDeclaration, ...]:
+        """The layers' stages (`norm_stage_facts`); `designs` is the plain design here (these
+        families take no hyper-connections)."""
+        del designs
         return norm_stage_facts(self.config, self.param_dtype, layer_index)
 
     def read_norms(self) -> ReadNorms:

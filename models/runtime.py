@@ -24,8 +24,14 @@ import boundary_jax as bj
 from .attention import AttentionImpl, KVCache
 from .checkpoint import load_config, load_params
 from .config import Architecture, DecoderConfig
-from .decoder import CausalLM, LlamaForCausalLM, Qwen3ForCausalLM
-from .moe_decoder import MixtralForCausalLM, MoeCausalLM, Qwen3MoeForCausalLM
+from .decoder import CausalLM, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from .hyper_connections import HyperConnections
+from .moe_decoder import (
+    MixtralForCausalLM,
+    MoeCausalLM,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeForCausalLM,
+)
 from .norm_decoders import Exaone4ForCausalLM, Gemma3ForCausalLM, Olmo2ForCausalLM
 from .rows import PackedBatch, RowsPhase, TokenRows, decode_rows, pack_sequences
 from .sampling import GREEDY, Sampling, sample_tokens
@@ -59,8 +65,10 @@ _MODEL_CLASSES = {
     Architecture.QWEN3: Qwen3ForCausalLM,
     Architecture.LLAMA: LlamaForCausalLM,
     Architecture.MISTRAL: LlamaForCausalLM,
+    Architecture.QWEN2: Qwen2ForCausalLM,
     Architecture.QWEN3_MOE: Qwen3MoeForCausalLM,
     Architecture.MIXTRAL: MixtralForCausalLM,
+    Architecture.QWEN2_MOE: Qwen2MoeForCausalLM,
     Architecture.EXAONE4: Exaone4ForCausalLM,
     Architecture.OLMO2: Olmo2ForCausalLM,
     Architecture.GEMMA3: Gemma3ForCausalLM,
@@ -68,16 +76,7 @@ _MODEL_CLASSES = {
 
 
 def model_class(config: DecoderConfig) -> type[CausalLM]:
-    """The decoder class for a config's architecture.
-
-    Raises:
-      NotImplementedError: Qwen2 and Qwen2-MoE (their attention needs q/k/v biases, not built).
-    """
-    if config.architecture not in _MODEL_CLASSES:
-        raise NotImplementedError(
-            f"{config.architecture.value} is not built yet (its attention needs q/k/v biases); "
-            f"supported: {', '.join(a.value for a in _MODEL_CLASSES)}"
-        )
+    """The decoder class for a config's architecture (every `Architecture` has one)."""
     return _MODEL_CLASSES[config.architecture]
 
 
@@ -109,6 +108,7 @@ def build_model(
     seed: int = 0,
     attention: AttentionImpl | None = None,
     mesh: Mesh | None = None,
+    hyper_connections: HyperConnections | None = None,
 ) -> CausalLM:
     """A model of `config` with random weights (every shard different).
 
@@ -123,6 +123,8 @@ def build_model(
         abstractly and creates each weight straight into its shards (no unsharded copy), at
         the cost of compiling the initializer (seconds; worth it for large models). The
         values are the same either way.
+      hyper_connections: Build every boundary with MHC hyper-connections (random MHC weights);
+        None: the plain pre-norm add + RMSNorm.
     """
     if attention is None:
         attention = AttentionImpl.for_platform(_platform(mesh))
@@ -136,6 +138,7 @@ def build_model(
             fusions=fusions,
             dtype=dtype,
             attention=attention,
+            hyper_connections=hyper_connections,
             rngs=nnx.Rngs(seed),
         )
 
@@ -342,6 +345,66 @@ class ShardedCausalLM:
     def lower_forward(self, sequences: Sequence[Sequence[int]]):
         """The lowered (not yet compiled) sharded forward for these sequences' shapes."""
         return self._forward.lower(self._state, *self.place(self.pack(sequences)))
+
+    def forward_captured(
+        self,
+        sequences: Sequence[Sequence[int]],
+        capture_layers: Sequence[int],
+        *,
+        scan_layers: bool = False,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """`forward`, also returning the auxiliary hidden states of `capture_layers` (what
+        EAGLE-3 drafting reads), computed in the same program.
+
+        Capture index i < num_layers is the residual stream entering layer i, transformers'
+        `output_hidden_states[i]` (0: the embedding output); i = num_layers is the residual the
+        final norm reads (transformers' last hidden state is it after the final norm). The
+        logits are those `forward` returns: a capture completes the sums the layers owe in the
+        same collectives, unfused from the add + norm.
+
+        Args:
+          sequences: Ragged token-id lists.
+          capture_layers: Capture indices in [0, num_layers], in the order wanted.
+          scan_layers: Run the layers between the first and the last as one `lax.scan`.
+
+        Returns:
+          (float32 logits [sequences, longest, vocab], hidden states [len(capture_layers),
+          sequences, longest, hidden] in the model's dtype; both zero past each sequence's end).
+        """
+        packed = self.pack(sequences)
+        program = self._captured_program(tuple(capture_layers), scan_layers)
+        logits, hidden = jax.device_get(program(self._state, *self.place(packed)))
+        return packed.unpack(logits), np.moveaxis(packed.unpack(np.moveaxis(hidden, 0, 1)), 2, 0)
+
+    def lower_forward_captured(
+        self,
+        sequences: Sequence[Sequence[int]],
+        capture_layers: Sequence[int],
+        *,
+        scan_layers: bool = False,
+    ):
+        """The lowered (not yet compiled) `forward_captured` program for these shapes."""
+        program = self._captured_program(tuple(capture_layers), scan_layers)
+        return program.lower(self._state, *self.place(self.pack(sequences)))
+
+    def _captured_program(self, capture_layers: tuple[int, ...], scan_layers: bool) -> Callable:
+        name = ("captured", capture_layers, scan_layers)
+        if name not in self._programs:
+            rows = self._rows
+
+            def body(model, rows_, batch):
+                hidden, captures = model.hidden_captured(
+                    rows_, batch, capture_layers, scan_layers=scan_layers
+                )
+                return model.lm_head(hidden).astype(jnp.float32), captures
+
+            self._programs[name] = self._sharded.program(
+                body,
+                in_specs=(TokenRows(rows, rows, rows), self._batch_spec),
+                out_specs=(self._logits_spec, PartitionSpec(None, rows[0], None)),
+                check_vma=self.check_vma,
+            )
+        return self._programs[name]
 
     # -- serving: prefill and decode on the device ----------------------------------------
 

@@ -249,7 +249,7 @@ MODELS |= {
     "qwen2_moe": {
         "config_cls": Qwen2MoeConfig,
         "model_cls": Qwen2MoeForCausalLM,
-        "seed": 1007,
+        "seed": 1008,
         "prompt_seed": 2007,
         "resid_gain": 1.0,
         "shard_size": None,
@@ -257,15 +257,17 @@ MODELS |= {
         "config": {
             "vocab_size": VOCAB,
             "hidden_size": 64,
-            "intermediate_size": 64,  # unused: every layer is sparse
+            "intermediate_size": 64,  # the dense FFN of layer 1 (mlp_only_layers)
             "moe_intermediate_size": 16,
             "shared_expert_intermediate_size": 32,
             "num_experts": 8,
             "num_experts_per_tok": 2,
             "norm_topk_prob": False,
             "decoder_sparse_step": 1,
-            "mlp_only_layers": [],
-            "num_hidden_layers": 2,
+            # Layer 1 dense between sparse ones; layer 2 a sparse layer neither first nor last
+            # (the middle sparse layer `plan` reports).
+            "mlp_only_layers": [1],
+            "num_hidden_layers": 4,
             "num_attention_heads": 8,
             "num_key_value_heads": 2,
             "qkv_bias": True,

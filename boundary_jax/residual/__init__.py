@@ -9,6 +9,7 @@ from .batch import final_norm as final_norm
 from .batch import final_norm_captured as final_norm_captured
 from .batch import fold as fold
 from .batch import next_pass as next_pass
+from .batch import onto_residual_rows as onto_residual_rows
 from .batch import set_written as set_written
 from .batch import snapshot as snapshot
 from .batch import start as start

@@ -164,6 +164,27 @@ def add_to_output(
     return stream.with_pending(contribution, stream.leave)
 
 
+def onto_residual_rows(x: jax.Array, stream: ResidualStream) -> jax.Array:
+    """`x` on the attention's rows (this DP rank's block, alike on every attention-TP rank),
+    moved onto the stream's residual rows: for `add_to_output`'s `extra` (e.g. deepstack
+    visual features computed per token) where the residual is on attention-TP slices.
+
+    A local slice, no communication; `x` is returned as is where the residual is on the
+    attention's rows.
+
+    Raises:
+      RuntimeError: The stream is Initial (it has no residual rows yet).
+    """
+    stream = require_stream(stream)
+    if stream.state is StreamState.INITIAL:
+        raise RuntimeError(f"onto_residual_rows() needs a written or pending stream ({stream!r})")
+    topology = stream.batch.topology
+    steps = ops.relayout(topology.attention_rows(), stream.residual_layout, topology)
+    # The residual's rows refine the attention's: the move is a slice, never a collective.
+    assert all(isinstance(step, ops.TakeBlock) for step in steps), steps
+    return ops.run(steps, x)
+
+
 @dataclasses.dataclass(frozen=True)
 class FinalizeRequest:
     """What a fused finalize norm is asked to do: `norm(residual + sum(finalize(handoff)))`.

@@ -119,7 +119,7 @@ HETERO_KINDS = {
 
 
 def _hetero_rows():
-    text = TABLE.read_text().split("## Heterogeneous stacks", 1)[1].split("## MoE decoders", 1)[0]
+    text = TABLE.read_text().split("## Heterogeneous stacks", 1)[1].split("\n## ", 1)[0]
     lines = [line for line in text.splitlines() if line.startswith("| ")]
     header = [cell.strip() for cell in lines[0].strip("|").split("|")]
     return [

@@ -29,6 +29,8 @@ CONFIGS = {
     "llama3-kv8": dataclasses.replace(
         BASE, num_kv_heads=8, qk_norm=False, rope_scaling=Llama3RopeScaling(8.0, 1.0, 4.0, 6)
     ),
+    # Qwen2: q/k/v biases; at TP 4 and 8 its 2 kv heads (and their biases) are shared by ranks.
+    "qwen2-bias-kv2": dataclasses.replace(BASE, qk_norm=False, qkv_bias=True),
     # OLMo 2's q/k norm over the whole projection: its mean of squares spans every rank's heads
     # (kv heads shared by ranks at attention TP 4 and 8).
     "whole-qk-norm-kv2": dataclasses.replace(BASE, qk_norm_whole=True),
@@ -115,6 +117,30 @@ def test_kv_head_split(tp, kv, sharded):
     assert (heads.kv_sharded, heads.local_kv_heads) == (sharded, kv // tp if sharded else 1)
     cache = KVCache.create(config, topology, slots=2, max_len=4)
     assert cache.k.shape == (2, 4, heads.cache_heads, config.head_dim)
+
+
+@pytest.mark.parametrize("tp,sharded", [(2, True), (4, False)])
+def test_qkv_biases_split_with_their_heads_and_count(tp, sharded):
+    """q/k/v biases split as their kernels' columns (k/v whole where kv heads are shared); the
+    output without them differs, so the parity tests above see a dropped or misplaced bias."""
+    config = CONFIGS["qwen2-bias-kv2"]
+    topology = bj.Topology(attn_tp=tp)
+    attn = build(config, topology)
+    entry = topology.shard_entry(bj.SumGroup.ATTN_TP)
+    specs = nnx.get_partition_spec(nnx.state(attn))
+    assert specs.q_proj.bias.get_value() == P(entry)
+    assert (
+        specs.k_proj.bias.get_value()
+        == specs.v_proj.bias.get_value()
+        == P(entry if sharded else None)
+    )
+    h = jax.random.normal(jax.random.key(2), (ROWS, config.hidden_size), jnp.float32)
+    positions, segments = packed_rows(1)
+    one = unsharded_copy(attn, lambda t: Attention(config, topology=t, rngs=nnx.Rngs(9)))
+    biased = one(h, positions, segments)[0]
+    for proj in (one.q_proj, one.k_proj, one.v_proj):
+        proj.bias[...] = jnp.zeros_like(proj.bias[...])
+    assert float(jnp.max(jnp.abs(one(h, positions, segments)[0] - biased))) > 0.1
 
 
 def test_bf16_partials_close_to_float32():

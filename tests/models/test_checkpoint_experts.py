@@ -51,7 +51,7 @@ CASES = [
     ),
     ("mixtral", "model.layers.1.block_sparse_moe.experts.{expert}.w1.weight", 8, P(TP, None, DP)),
     ("mixtral", "model.layers.0.block_sparse_moe.experts.{expert}.w2.weight", 8, P(DP, TP, None)),
-    ("qwen2_moe", "model.layers.1.mlp.experts.{expert}.up_proj.weight", 8, P(None, None, TP)),
+    ("qwen2_moe", "model.layers.2.mlp.experts.{expert}.up_proj.weight", 8, P(None, None, TP)),
 ]
 
 
@@ -116,8 +116,11 @@ def test_name_map_of_moe_decoders():
     assert qwen2_moe["layers.0.attn.k_proj.bias"] == HFTensor(
         "model.layers.0.self_attn.k_proj.bias"
     )
-    assert qwen2_moe["layers.1.mlp.shared_expert.expert_gate"] == HFTensor(
-        "model.layers.1.mlp.shared_expert_gate.weight", transpose=True
+    assert qwen2_moe["layers.2.mlp.shared_expert.expert_gate"] == HFTensor(
+        "model.layers.2.mlp.shared_expert_gate.weight", transpose=True
+    )
+    assert qwen2_moe["layers.1.mlp.gate_proj.kernel"] == HFTensor(  # the dense layer
+        "model.layers.1.mlp.gate_proj.weight", transpose=True
     )
     assert "layers.0.attn.o_proj.bias" not in qwen2_moe
     # Every tensor of each checkpoint is named by exactly one parameter.
@@ -269,7 +272,7 @@ def test_loaded_experts_feed_moe_functions():
         "shared_expert.down_proj",
         "shared_expert.expert_gate",
     ):
-        source = sources[f"layers.1.mlp.{part}"]
+        source = sources[f"layers.2.mlp.{part}"]
         one = found[source.tensor_names()[0]]
         shape = one.shape[::-1] if source.experts is None else (source.experts, *one.shape[::-1])
         spec = P(TP) if source.experts is not None else P()
@@ -300,5 +303,5 @@ def test_loaded_experts_feed_moe_functions():
         return moe.finalize(moe.MoeOutput(expert_outputs=outputs, routing=routing, shared=shared))
 
     got = block(jnp.asarray(x), params)
-    want = hf_sparse_block(found, "model.layers.1.mlp.", x.astype(np.float64), 2, False)
+    want = hf_sparse_block(found, "model.layers.2.mlp.", x.astype(np.float64), 2, False)
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)

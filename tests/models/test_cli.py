@@ -50,6 +50,25 @@ def test_forward_writes_the_logits_of_ragged_sequences(tmp_path, mesh, extra):
     assert np.max(np.abs(logits - reference["logits"])) <= 1e-4 * scale
 
 
+def test_forward_writes_captured_hidden_states_beside_the_logits(tmp_path):
+    """forward --capture-layers writes <out>.hidden_states.npz, one float32 [sequences,
+    longest, hidden] array per asked layer, equal to transformers' hidden states."""
+    checkpoint = GOLDEN / "qwen3"
+    out = tmp_path / "logits.npy"
+    args = ["forward", "--checkpoint", str(checkpoint), "--mesh", "attn_dp=2,attn_tp=2"]
+    args += ["--input-ids", str(checkpoint / "prompts.json"), "--out", str(out)]
+    assert main([*args, "--capture-layers", "3,1"]) == 0
+    want = np.load(checkpoint / "hidden_states.npz")["hidden_states"]
+    with np.load(tmp_path / "logits.hidden_states.npz") as captured:
+        assert sorted(captured.files) == ["layer_1", "layer_3"]
+        for layer in (1, 3):
+            got = captured[f"layer_{layer}"]
+            assert got.dtype == np.float32 and got.shape == want[layer].shape
+            scale = np.max(np.abs(want[layer]))
+            assert np.max(np.abs(got - want[layer])) <= 1e-4 * scale, layer
+    assert np.load(out).shape == (4, 12, 250)
+
+
 def test_generate_prints_the_greedy_ids_as_its_last_line(capsys):
     """generate's last stdout line is one JSON list of lists: HF's greedy tokens."""
     checkpoint, reference = _golden("qwen3")
@@ -72,16 +91,17 @@ def test_generate_prints_the_greedy_ids_as_its_last_line(capsys):
 
 
 @pytest.mark.parametrize(
-    "command,extra",
+    "name,command,extra",
     [
-        ("forward", ["--moe-ep", "4"]),
-        ("generate", ["--moe-ep", "4", "--moe-dispatch", "all-to-all"]),
+        ("qwen2_moe", "forward", ["--moe-ep", "4"]),
+        ("qwen2_moe", "generate", ["--moe-ep", "4", "--moe-dispatch", "all-to-all"]),
+        ("qwen2", "generate", []),
     ],
 )
-def test_moe_checkpoint_runs_with_expert_parallelism(tmp_path, capsys, command, extra):
-    """forward and generate take an MoE checkpoint with --moe-ep/--moe-dispatch: HF's logits
-    (within 1e-4) and greedy tokens."""
-    checkpoint, reference = _golden("mixtral")
+def test_checkpoint_runs_with_expert_parallelism(tmp_path, capsys, name, command, extra):
+    """forward and generate take MoE checkpoints with --moe-ep/--moe-dispatch (and dense Qwen2,
+    with q/k/v biases): HF's logits (within 1e-4) and greedy tokens."""
+    checkpoint, reference = _golden(name)
     args = [command, "--checkpoint", str(checkpoint), "--mesh", "attn_tp=4", *extra]
     prompts = str(checkpoint / "prompts.json")
     if command == "forward":
@@ -110,6 +130,26 @@ def test_plan_json_reports_a_middle_sparse_layer(capsys, dispatch, per_layer):
     report = json.loads(capsys.readouterr().out)
     assert report["middle_layer"] == 2 and report["moe_ep"] == 4
     assert report["moe_dispatch"] == dispatch
+    counts = {kind: n for kind, n in report["collectives_per_layer"].items() if n}
+    assert counts == per_layer
+
+
+@pytest.mark.parametrize(
+    "dispatch,per_layer",
+    [
+        ("gather", {"all-reduce": 2}),
+        ("all-to-all", {"all-gather": 1, "reduce-scatter": 1, "all-to-all": 3}),
+    ],
+)
+def test_plan_json_of_a_qwen2_moe_checkpoint(capsys, dispatch, per_layer):
+    """plan --json on the Qwen2-MoE checkpoint (sparse, dense, sparse, sparse) reports layer 2,
+    the middle sparse layer: its shared expert adds no collective in either mode."""
+    checkpoint = str(GOLDEN / "qwen2_moe")
+    args = ["plan", "--checkpoint", checkpoint, "--mesh", "attn_tp=4", "--moe-ep", "4"]
+    assert main([*args, "--moe-dispatch", dispatch, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["architecture"] == "Qwen2MoeForCausalLM"
+    assert report["middle_layer"] == 2 and report["moe_dispatch"] == dispatch
     counts = {kind: n for kind, n in report["collectives_per_layer"].items() if n}
     assert counts == per_layer
 
@@ -248,6 +288,50 @@ BAD_INPUT = {
     "MoE options for a dense model": (
         lambda tmp: ["plan", "--preset", "tiny-qwen3", "--mesh", "attn_tp=4", "--moe-ep", "4"],
         "has no experts",
+    ),
+    "MHC layers on a Hugging Face checkpoint": (
+        lambda tmp: [
+            "forward",
+            "--checkpoint",
+            str(GOLDEN / "qwen3"),
+            "--hc-mult",
+            "4",
+            "--input-ids",
+            "x",
+            "--out",
+            "y",
+        ],
+        "holds no MHC weights; use it with --preset",
+    ),
+    "capture index past the final read": (
+        lambda tmp: [
+            "forward",
+            "--checkpoint",
+            str(GOLDEN / "qwen3"),
+            "--input-ids",
+            str(GOLDEN / "qwen3" / "prompts.json"),
+            "--out",
+            str(tmp / "o.npy"),
+            "--capture-layers",
+            "1,7",
+        ],
+        r"--capture-layers takes indices in \[0, 3\].*got \[7\]",
+    ),
+    "captures of an MHC decoder": (
+        lambda tmp: [
+            "forward",
+            "--preset",
+            "tiny-mistral",
+            "--hc-mult",
+            "2",
+            "--input-ids",
+            _file(tmp, "[[1, 2]]"),
+            "--out",
+            str(tmp / "o.npy"),
+            "--capture-layers",
+            "1",
+        ],
+        "captures of a decoder with hyper-connections are not supported",
     ),
     "ids that are not JSON": (
         lambda tmp: [

@@ -193,7 +193,12 @@ def test_qwen2_moe_golden_config():
         renormalize=False,
         shared_expert_intermediate_size=32,
         shared_expert_gate=True,
+        mlp_only_layers=(1,),
     )
+    assert config.sparse_layers == (True, False, True, True)
+    assert config.intermediate_size == 64
+    renormalized = golden_config("qwen2_moe") | {"norm_topk_prob": True}
+    assert DecoderConfig.from_hf(renormalized).moe.renormalize
     hub = {k: v for k, v in golden_config("qwen2_moe").items() if k != "qkv_bias"}
     assert DecoderConfig.from_hf(hub).qkv_bias  # hub checkpoints have no key: biased
     assert not DecoderConfig.from_hf(hub | {"qkv_bias": False}).qkv_bias

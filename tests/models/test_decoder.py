@@ -1,4 +1,4 @@
-"""Qwen3, Llama and Mistral on boundaries equal Hugging Face transformers (golden files)."""
+"""Qwen3, Llama, Mistral and Qwen2 on boundaries equal Hugging Face transformers (golden files)."""
 
 import functools
 import json
@@ -12,7 +12,7 @@ from flax import nnx
 import boundary_jax as bj
 from boundary_jax import make_mesh
 from models.config import PRESETS
-from models.decoder import LlamaForCausalLM, Qwen3ForCausalLM
+from models.decoder import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from models.runtime import ShardedCausalLM, build_model, load_model
 
 GOLDEN = pathlib.Path(__file__).parents[1] / "golden"
@@ -25,11 +25,22 @@ LAYOUTS = (
     ("DP 2 x TP 2", 2, 2, False),
     ("input-scattered TP 4", 1, 4, True),
 )
-CASES = [
-    pytest.param(name, *layout[1:], id=f"{name}-{layout[0]}", marks=pytest.mark.xdist_group(name))
-    for name in NAMES
-    for layout in LAYOUTS
-]
+CASES = (
+    [
+        pytest.param(
+            name, *layout[1:], id=f"{name}-{layout[0]}", marks=pytest.mark.xdist_group(name)
+        )
+        for name in NAMES
+        for layout in LAYOUTS
+    ]
+    + [  # Qwen2: q/k/v biases split with their heads; its 2 kv heads shared by ranks at TP 4
+        pytest.param(
+            "qwen2", *layout[1:], id=f"qwen2-{layout[0]}", marks=pytest.mark.xdist_group("qwen2")
+        )
+        for layout in LAYOUTS
+        if layout[0] != "TP 8"
+    ]
+)
 
 
 @functools.cache
@@ -83,6 +94,9 @@ def test_model_classes_check_their_architecture():
         LlamaForCausalLM(PRESETS["tiny-qwen3"], topology, rngs=nnx.Rngs(0))
     model = build_model(PRESETS["tiny-qwen3"], topology)
     assert isinstance(model, Qwen3ForCausalLM)
+    model = runner("qwen2", 1, 4, False).model
+    assert isinstance(model, Qwen2ForCausalLM)
+    assert model.layers[0].attn.q_proj.bias is not None
 
 
 def test_random_weights_are_the_same_on_every_mesh():

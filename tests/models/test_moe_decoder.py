@@ -1,6 +1,6 @@
-"""Qwen3-MoE and Mixtral on boundaries equal Hugging Face transformers (golden files), under
-TP, attention DP, expert parallelism and both dispatch modes; the sharded MoE FFN equals the
-float64 reference; mutants of the MoE path are caught; the compiled collectives are held."""
+"""Qwen3-MoE, Mixtral and Qwen2-MoE on boundaries equal Hugging Face transformers (golden files),
+under TP, attention DP, expert parallelism and both dispatch modes; the sharded MoE FFN equals
+the float64 reference; mutants of the MoE path are caught; the compiled collectives are held."""
 
 import dataclasses
 import functools
@@ -20,7 +20,7 @@ from boundary_jax import make_mesh
 from models import moe
 from models.checkpoint import load_config
 from models.config import DecoderConfig, MoeConfig
-from models.moe_decoder import MixtralForCausalLM, Qwen3MoeForCausalLM
+from models.moe_decoder import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from models.moe_ffn import MoeFfn
 from models.report import collective_report
 from models.runtime import ShardedCausalLM, build_model, load_model
@@ -60,7 +60,7 @@ LAYOUTS = (
 )
 CASES = [
     pytest.param(name, layout, id=f"{name}-{layout}", marks=pytest.mark.xdist_group(name))
-    for name in ("qwen3_moe", "mixtral")
+    for name in ("qwen3_moe", "mixtral", "qwen2_moe")
     for layout in LAYOUTS
 ] + [
     pytest.param("mixtral_sliding", layout, id=f"mixtral_sliding-{layout}")
@@ -107,11 +107,19 @@ def test_logits_and_greedy_tokens_match_transformers(name, layout):
 
 
 def test_model_classes_and_sparse_layers():
-    """load_model picks the class by architecture; Qwen3-MoE's mlp_only_layers stay dense."""
+    """load_model picks the class by architecture; mlp_only_layers stay dense; Qwen2-MoE's
+    sparse layers carry its gated shared expert and do not renormalize."""
     assert isinstance(runner("mixtral", Layout(1, 1)).model, MixtralForCausalLM)
     model = runner("qwen3_moe", Layout(1, 1)).model
     assert isinstance(model, Qwen3MoeForCausalLM)
     assert [isinstance(layer.mlp, MoeFfn) for layer in model.layers] == [True, False, True]
+    model = runner("qwen2_moe", Layout(1, 4)).model
+    assert isinstance(model, Qwen2MoeForCausalLM)
+    sparse = [isinstance(layer.mlp, MoeFfn) for layer in model.layers]
+    assert sparse == [True, False, True, True]
+    ffn = model.layers[0].mlp
+    assert not ffn.renormalize and ffn.shared_expert.expert_gate is not None
+    assert model.layers[0].attn.k_proj.bias is not None
 
 
 # --------------------------------------------------------------------------------------------
@@ -222,6 +230,48 @@ def test_mutant_shared_expert_added_on_every_rank_is_caught():
     assert mutant_error(module, mesh) < 1e-5
     module.shared_on_first_rank = False
     assert mutant_error(module, mesh) > 1e-2
+
+
+def test_mutant_renormalized_router_is_caught():
+    """Qwen2-MoE keeps the softmax probabilities of its top-k: renormalizing them is caught."""
+    module, mesh = layer_case(2, 4, 8, ALL_TO_ALL)
+    module.renormalize = True
+    assert mutant_error(module, mesh) > 1e-2
+
+
+def test_mutant_split_shared_expert_counted_on_one_rank_is_caught():
+    """A shared expert split over TP owes the sum of every rank's share: keeping the first
+    rank's alone is caught."""
+    module, mesh = layer_case(1, 4, 4, GATHER)
+    assert module.shared_expert.gate_proj.shape == (HIDDEN, 12)
+    assert not module.shared_on_first_rank  # split: every rank adds its share
+    module.shared_on_first_rank = True
+    assert mutant_error(module, mesh) > 1e-2
+
+
+def test_whole_shared_expert_counted_once_in_a_model():
+    """A Qwen2-MoE whose shared expert (width 12) does not split over TP 8 keeps it whole on
+    every rank and adds it on one: equal to one device; added on every rank, it is not."""
+    config = load_config(GOLDEN / "qwen2_moe")
+    moe_config = dataclasses.replace(
+        config.moe, shared_expert_intermediate_size=12, mlp_only_layers=()
+    )
+    config = dataclasses.replace(config, num_layers=2, moe=moe_config)
+    prompts, _ = golden("qwen2_moe")
+    single = bj.Topology()
+    want = ShardedCausalLM(build_model(config, single), make_mesh(single)).forward(prompts)
+    topology = bj.Topology(attn_tp=8, moe_ep=8)
+    errors = []
+    for every_rank in (False, True):
+        model = build_model(config, topology)
+        for layer in model.layers:
+            if isinstance(layer.mlp, MoeFfn):
+                assert layer.mlp.shared_on_first_rank
+                layer.mlp.shared_on_first_rank = not every_rank
+        errors.append(
+            relative_error(ShardedCausalLM(model, make_mesh(topology)).forward(prompts), want)
+        )
+    assert errors[0] <= 1e-5 and errors[1] > 1e-2
 
 
 @pytest.mark.parametrize("mutant", ["skipped", "doubled"])
@@ -353,12 +403,19 @@ def test_dense_checkpoint_takes_no_moe_options():
         load_model(GOLDEN / "qwen3", mesh, moe_ep=4)
 
 
-def test_unsupported_router_is_rejected():
-    config = json.loads((GOLDEN / "qwen3_moe" / "config.json").read_text())
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"scoring_func": "sigmoid"},
+        {"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2},
+        {"routed_scaling_factor": 2.5},
+    ],
+    ids=["sigmoid", "grouped", "scaled"],
+)
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe"])
+def test_unsupported_router_is_rejected(name, change):
+    config = json.loads((GOLDEN / name / "config.json").read_text())
     with pytest.raises(ValueError, match="unsupported router"):
-        DecoderConfig.from_hf(config | {"scoring_func": "sigmoid"})
-
-
-def test_qwen2_moe_is_not_built_yet():
-    with pytest.raises(NotImplementedError, match="q/k/v biases"):
-        load_model(GOLDEN / "qwen2_moe", make_mesh(bj.Topology()))
+        DecoderConfig.from_hf(config | change)
+    plain = {"topk_method": "greedy", "n_group": 1, "routed_scaling_factor": 1.0}
+    assert DecoderConfig.from_hf(config | plain) == DecoderConfig.from_hf(config)
