@@ -12,6 +12,7 @@ import boundary_jax as bj
 import models.attention
 from boundary_jax import make_mesh
 from models.config import PRESETS, DecoderConfig
+from models.hyper_connections import HyperConnections
 from models.norm_decoders import (
     Exaone4ForCausalLM,
     Gemma3ForCausalLM,
@@ -70,6 +71,28 @@ def test_model_classes():
         Gemma3ForCausalLM(configs[0], bj.Topology(), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="Qwen3ForCausalLM is pre-norm"):
         norm_stage_facts(PRESETS["tiny-qwen3"], jnp.float32, 0)
+    with pytest.raises(NotImplementedError, match="MHC hyper-connections replace it"):
+        build_model(configs[1], bj.Topology(), hyper_connections=HyperConnections())
+
+
+@pytest.mark.parametrize(
+    "name,dp,tp,scattered,scan",
+    [
+        ("exaone4", 1, 4, True, False),
+        ("olmo2", 2, 2, False, True),
+        ("gemma3", 1, 4, True, False),
+    ],
+)
+def test_captured_hidden_states_equal_transformers(name, dp, tp, scattered, scan):
+    """The residual entering each layer (and the one the final norm reads) equals transformers'
+    `output_hidden_states` within 1e-4 of each layer's largest value: a post-norm update or an
+    output transform is applied before the capture reads the residual."""
+    prompts, _ = golden(name)
+    want = np.load(GOLDEN / name / "hidden_states.npz")["hidden_states"]
+    layers = list(range(want.shape[0]))[::-1]
+    _, hidden = runner(name, dp, tp, scattered).forward_captured(prompts, layers, scan_layers=scan)
+    for got, layer in zip(hidden, layers, strict=True):
+        assert relative_error(got, want[layer]) <= 1e-4, f"layer {layer}"
 
 
 @pytest.mark.parametrize("mutant", ["missing", "doubled"])
