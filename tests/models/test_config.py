@@ -226,7 +226,8 @@ def test_qwen_moe_sliding_windows():
     assert DecoderConfig.from_hf(raw).sliding_window == 8
     qwen2 = golden_config("qwen2_moe") | {"sliding_window": 8, "use_sliding_window": True}
     del qwen2["layer_types"]
-    assert DecoderConfig.from_hf(qwen2).layer_types == (S, F)
+    layers = qwen2["num_hidden_layers"]
+    assert DecoderConfig.from_hf(qwen2).layer_types == (S, F) * (layers // 2)
 
 
 @pytest.mark.parametrize(
