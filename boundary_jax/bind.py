@@ -202,6 +202,7 @@ class StagePlan:
       fusions: The provider this stage binds with (asked per batch whether the exit may defer a
         finalize).
       final_read: At a stack exit, the read `final_norm` applies.
+      final_fusions: At a stack exit, fused candidates for the final read.
     """
 
     declaration: StageDeclaration
@@ -211,6 +212,7 @@ class StagePlan:
     input_fusions: tuple[InputFusion, ...] = ()
     fusions: FusionProvider | None = dataclasses.field(default=None, compare=False)
     final_read: ResidualReadout | None = None
+    final_fusions: tuple[InputFusion, ...] = ()
 
     def path(self, variant: BatchVariant) -> StagePath:
         """The path bound for `variant`.
@@ -594,7 +596,8 @@ def bind_stage(
         candidates = fusions.attn_input_fusions(plan)
     else:
         candidates = fusions.ffn_input_fusions(plan)
-    return dataclasses.replace(plan, input_fusions=tuple(candidates))
+    final = () if final_read is None else tuple(fusions.final_input_fusions(plan))
+    return dataclasses.replace(plan, input_fusions=tuple(candidates), final_fusions=final)
 
 
 def _check_path(path: StagePath, topology: Topology) -> None:

@@ -28,7 +28,7 @@ from .bind import (
 )
 from .contracts import Placement, StageKind
 from .declare import EdgeKind, OutputTransform, StageDeclaration
-from .fusions import FusionProvider
+from .fusions import FusionProvider, InputFusion
 from .output import DeferredFinalize
 from .residual import batch as residual_batch
 from .residual.add_norm import PlainAdd
@@ -54,12 +54,14 @@ class Leave:
       entry: The bound completion, update and move onto the attention's rows.
       final_read: At a stack exit, the read `final_norm` applies.
       sends_written: For a pipeline send: fold and send the residual alone.
+      final_fusions: At a stack exit, fused candidates for the final read.
     """
 
     kind: EdgeKind
     entry: EntryPath
     final_read: ResidualReadout | None
     sends_written: bool = False
+    final_fusions: tuple[InputFusion, ...] = ()
 
 
 class StageBoundary(nnx.Module):
@@ -388,7 +390,7 @@ def _leave(plan: StagePlan, option: ExitOption) -> Leave | None:
     writes = kind is EdgeKind.PIPELINE_SEND and sends_written(
         plan.declaration, option.leave.residual_from, plan.topology
     )
-    return Leave(kind, option.leave, plan.final_read, writes)
+    return Leave(kind, option.leave, plan.final_read, writes, plan.final_fusions)
 
 
 def _shape(y: Any) -> str:

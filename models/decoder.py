@@ -299,6 +299,13 @@ class CausalLM(nnx.Module):
             **common,
         )
 
+    @property
+    def final_read(self) -> Callable[[jax.Array], jax.Array]:
+        """The norm the stack's final read applies: the `RMSNorm` itself without
+        hyper-connections (so the fused add + norm, and fusion candidates, recognise it), else
+        `final_read_norm`."""
+        return self.final_norm if self.hyper_head is None else self.final_read_norm
+
     def final_read_norm(self, residual_rows: jax.Array) -> jax.Array:
         """What the stack's final read applies to the residual: the final norm, after the
         hyper-connections' head collapses the streams when the model has them."""
@@ -346,7 +353,7 @@ class CausalLM(nnx.Module):
                 cache = None if caches is None else caches[index]
                 x, stream, cache = layer(x, stream, rows, cache)
             updated.append(cache)
-        hidden = residual.final_norm(x, stream, self.final_read_norm, skip_empty=True)
+        hidden = residual.final_norm(x, stream, self.final_read, skip_empty=True)
         if last_rows is not None:
             # The LM head is the largest matmul of a decode step: run it on the rows asked for.
             picked = jnp.take(hidden, jnp.clip(last_rows, 0, hidden.shape[0] - 1), axis=0)
@@ -430,7 +437,7 @@ class CausalLM(nnx.Module):
                 )
                 captures.update(zip(scanned, stacked, strict=True))
         hidden, captures[count] = residual.final_norm_captured(
-            *carry, self.final_read_norm, skip_empty=True
+            *carry, self.final_read, skip_empty=True
         )
         mask = batch.valid_rows(hidden.shape[0])
         stacked = jnp.stack([captures[i] for i in capture_layers])

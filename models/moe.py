@@ -38,6 +38,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from pallas_kernels.expert_matmul import (
+    ExpertMatmulBlocks,
+    expert_matmul,
+    expert_matmul_supported,
+)
+
 try:  # JAX's Hopper kernel; it imports on any platform but runs only on NVIDIA Hopper GPUs.
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu as _ragged_dot_mgpu
 except ImportError:  # pragma: no cover - depends on the JAX build
@@ -58,22 +64,50 @@ class GroupedMatmulImpl(enum.Enum):
         128-expert layer on an H200, against 0.77 ms for PALLAS_GPU).
       PALLAS_GPU: JAX's Hopper Pallas kernel
         `jax.experimental.pallas.ops.gpu.ragged_dot_mgpu.ragged_dot` (Mosaic GPU, bf16/f16,
-        NVIDIA Hopper and newer only; never run on CPU).
+        NVIDIA Hopper and newer only; never run on CPU). It visits every expert, empty ones
+        too, so it reads all the weights whatever the routing: made for prefill.
+      PALLAS_TRITON: `pallas_kernels.expert_matmul` through the Pallas Triton lowering (NVIDIA
+        GPUs): one program per (expert with rows, column block), reading only the chosen
+        experts' weights: made for decode.
+      GPU_BY_SIZE: PALLAS_TRITON up to `TRITON_MAX_ROUTED_ROWS` routed rows per matmul, else
+        PALLAS_GPU: chosen per call from the (static) row count. On an H200 (Qwen3-30B-A3B
+        layer, benchmarks/RESULTS.md run 9) PALLAS_TRITON read the chosen experts' weights at
+        75-86% of the copy bandwidth at 64-512 routed rows where PALLAS_GPU reached 23-64%;
+        both took ~0.5 ms at 2048 rows; PALLAS_GPU was 2.3-4.3x faster from 8192 rows up.
     """
 
     DENSE = enum.auto()
     RAGGED_DOT = enum.auto()
     PALLAS_GPU = enum.auto()
+    PALLAS_TRITON = enum.auto()
+    GPU_BY_SIZE = enum.auto()
 
 
-def default_grouped_matmul_impl(platform: str) -> GroupedMatmulImpl:
-    """The grouped matmul implementation for a JAX platform name ("cpu", "tpu", "gpu", "cuda").
+PALLAS = frozenset(
+    {GroupedMatmulImpl.PALLAS_GPU, GroupedMatmulImpl.PALLAS_TRITON, GroupedMatmulImpl.GPU_BY_SIZE}
+)
+"""The implementations that run Pallas kernels (inside `shard_map` only with `check_vma=False`)."""
 
-    GPU gets `PALLAS_GPU` when JAX ships the kernel, everything else `RAGGED_DOT`. Decide this
-    once, when the model is built (for example from `jax.devices()[0].platform`).
+TRITON_MAX_ROUTED_ROWS = 2048
+"""The most routed rows `GPU_BY_SIZE` gives the Triton kernel (the measured crossover)."""
+
+
+def default_grouped_matmul_impl(
+    platform: str, dtype: jnp.dtype = jnp.bfloat16
+) -> GroupedMatmulImpl:
+    """The grouped matmul implementation for a JAX platform name ("cpu", "tpu", "gpu", "cuda")
+    and the activations' dtype.
+
+    A 16-bit model on GPU gets `GPU_BY_SIZE` (the Triton kernel at decode sizes, JAX's Hopper
+    kernel above) when JAX ships the Hopper kernel, else `PALLAS_TRITON`; everything else
+    (float32 models too: the Pallas kernels multiply in 16 bits) `RAGGED_DOT`. Decide this once,
+    when the model is built (for example from `jax.default_backend()`).
     """
-    if platform in ("gpu", "cuda") and _ragged_dot_mgpu is not None:
-        return GroupedMatmulImpl.PALLAS_GPU
+    sixteen_bit = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    if platform in ("gpu", "cuda") and sixteen_bit:
+        if _ragged_dot_mgpu is None:
+            return GroupedMatmulImpl.PALLAS_TRITON
+        return GroupedMatmulImpl.GPU_BY_SIZE
     return GroupedMatmulImpl.RAGGED_DOT
 
 
@@ -490,6 +524,9 @@ def _grouped_matmul(
 ) -> jax.Array:
     """[M, K] rows sorted by group x [G, K, N] -> [M, N]; rows past sum(group_sizes) unspecified
     (zero for RAGGED_DOT)."""
+    if impl is GroupedMatmulImpl.GPU_BY_SIZE:
+        small = rows.shape[0] <= TRITON_MAX_ROUTED_ROWS
+        impl = GroupedMatmulImpl.PALLAS_TRITON if small else GroupedMatmulImpl.PALLAS_GPU
     if impl is GroupedMatmulImpl.RAGGED_DOT:
         return jax.lax.ragged_dot(
             rows, weights.astype(rows.dtype), group_sizes, precision=jax.lax.Precision.HIGHEST
@@ -506,20 +543,37 @@ def _grouped_matmul(
             group_sizes=group_sizes,
             **_mgpu_block_sizes(rows.shape[1], weights.shape[2], rows.dtype),
         )
+    if impl is GroupedMatmulImpl.PALLAS_TRITON:
+        blocks = _expert_matmul_blocks(rows.shape[1], weights.shape[2], rows.dtype)
+        return expert_matmul(rows, weights.astype(rows.dtype), group_sizes, blocks=blocks)
     raise ValueError(f"no grouped matmul for {impl=}")
 
 
-def _mgpu_block_sizes(k: int, n: int, dtype) -> dict[str, int]:
-    """Tile sizes for the Hopper kernel: the largest of 128/64 dividing n, 64/32/16 dividing k.
+def _expert_matmul_blocks(k: int, n: int, dtype) -> ExpertMatmulBlocks:
+    """The tiling of `expert_matmul` (the default, checked to divide the shape)."""
+    blocks = ExpertMatmulBlocks()
+    if not expert_matmul_supported(k, n, dtype, blocks):
+        raise NotImplementedError(
+            f"GroupedMatmulImpl.PALLAS_TRITON needs k % {blocks.block_k} == 0 and "
+            f"n % {blocks.block_n} == 0; got {k=}, {n=}. Use GroupedMatmulImpl.RAGGED_DOT"
+        )
+    return blocks
 
-    Not tuned: the kernel was measured on an H200 but these sizes were not swept.
+
+def _mgpu_block_sizes(k: int, n: int, dtype) -> dict[str, int]:
+    """Tile sizes for the Hopper kernel: block_m 128, the largest of 192/128/64 dividing n, of
+    64/32/16 dividing k, 4 pipelined steps, and 4 column blocks per grid step where they divide.
+
+    Swept on an H200 (benchmarks/RESULTS.md run 9, Qwen3-30B-A3B layer, 32768 routed rows):
+    this took the layer from 2.88 ms (block 64x128x64, 2 steps) to 1.21 ms; block_n 256 was 4x
+    slower.
     """
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         raise NotImplementedError(
             f"GroupedMatmulImpl.PALLAS_GPU runs bf16/f16 matmuls; got {dtype=}. Cast the "
             "activations and weights, or use GroupedMatmulImpl.RAGGED_DOT"
         )
-    block_n = next((b for b in (128, 64) if n % b == 0), None)
+    block_n = next((b for b in (192, 128, 64) if n % b == 0), None)
     block_k = next((b for b in (64, 32, 16) if k % b == 0), None)
     if block_n is None or block_k is None:
         raise NotImplementedError(
@@ -527,9 +581,9 @@ def _mgpu_block_sizes(k: int, n: int, dtype) -> dict[str, int]:
             "Use GroupedMatmulImpl.RAGGED_DOT for these shapes"
         )
     return {
-        "block_m": 64,
+        "block_m": 128,
         "block_n": block_n,
         "block_k": block_k,
-        "max_concurrent_steps": 2,
-        "grid_block_n": 1,
+        "max_concurrent_steps": 4,
+        "grid_block_n": 4 if n % (4 * block_n) == 0 else 1,
     }

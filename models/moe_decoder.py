@@ -19,7 +19,7 @@ from .config import Architecture, DecoderConfig
 from .decoder import PLAIN, CausalLM, DecoderLayer, LayerDesigns
 from .hyper_connections import HyperConnections
 from .mlp import SwiGLU
-from .moe import GroupedMatmulImpl
+from .moe import GroupedMatmulImpl, default_grouped_matmul_impl
 from .moe_ffn import MoeFfn
 
 
@@ -57,11 +57,13 @@ class MoeCausalLM(CausalLM):
     The experts are split over `topology.moe_ep` ranks. `moe_dispatch` picks where the experts
     get their tokens (gathered rows, or an all-to-all from each rank's own rows, which needs
     `moe_ep` = the full TP group). A fusion provider with `defer_finalize=True` lets each sparse
-    FFN hand its top-k combine to the next input.
+    FFN hand its top-k combine to the next input. The experts' grouped matmuls run as
+    `grouped_matmul` says (None: `default_grouped_matmul_impl` for where JAX runs and `dtype`).
 
     Attributes (besides `CausalLM`'s):
       moe_dispatch: The sparse layers' dispatch.
       moe_capacity: The all-to-all capacity (rows per rank pair; None drops nothing).
+      grouped_matmul: The grouped matmul implementation of every sparse layer.
     """
 
     architectures = ()
@@ -73,7 +75,7 @@ class MoeCausalLM(CausalLM):
         *,
         moe_dispatch: bj.MoeDispatch = bj.MoeDispatch.GATHER,
         moe_capacity: int | None = None,
-        grouped_matmul: GroupedMatmulImpl = GroupedMatmulImpl.RAGGED_DOT,
+        grouped_matmul: GroupedMatmulImpl | None = None,
         reduction: bj.ReductionPolicy = bj.ReductionPolicy.AUTO,
         fusions: bj.fusions.FusionProvider = bj.fusions.NO_FUSIONS,
         dtype: jnp.dtype = jnp.float32,
@@ -83,7 +85,9 @@ class MoeCausalLM(CausalLM):
     ):
         self.moe_dispatch = moe_dispatch
         self.moe_capacity = moe_capacity
-        self.grouped_matmul = grouped_matmul
+        self.grouped_matmul = grouped_matmul or default_grouped_matmul_impl(
+            jax.default_backend(), dtype
+        )
         super().__init__(
             config,
             topology,

@@ -26,6 +26,7 @@ from .checkpoint import load_config, load_params
 from .config import Architecture, DecoderConfig
 from .decoder import CausalLM, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from .hyper_connections import HyperConnections
+from .moe import PALLAS
 from .moe_decoder import (
     MixtralForCausalLM,
     MoeCausalLM,
@@ -229,7 +230,8 @@ class ShardedCausalLM:
       config: The model's architecture.
       input_scattered: Run batches input-scattered (residual on attention-TP slices).
       check_vma: `shard_map`'s varying-axes check: on unless the model's stack binds fusion
-        candidates (Pallas kernels, which run only with it off).
+        candidates or its experts run Pallas grouped matmuls (Pallas kernels run only with it
+        off).
     """
 
     def __init__(
@@ -250,7 +252,8 @@ class ShardedCausalLM:
         self.config = model.config
         self.input_scattered = input_scattered
         if check_vma is None:
-            check_vma = model.fusions == bj.fusions.NO_FUSIONS
+            pallas_experts = isinstance(model, MoeCausalLM) and model.grouped_matmul in PALLAS
+            check_vma = model.fusions == bj.fusions.NO_FUSIONS and not pallas_experts
         self.check_vma = check_vma
         self.dtype = model.final_norm.weight[...].dtype
         self._graphdef = nnx.split(model)[0]

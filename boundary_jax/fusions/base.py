@@ -10,6 +10,7 @@ import jax
 from ..layout import TokenAxis, Topology
 
 if TYPE_CHECKING:
+    from ..output import DeferredFinalize
     from ..residual.protocols import Norm, ResidualReadout, ResidualUpdate
 
 
@@ -19,7 +20,10 @@ class FusionRequest:
 
     Attributes:
       value: The producer's contribution on the residual's rows, still a partial sum over
-        `sum_axes`.
+        `sum_axes`; or, where a sparse FFN handed its finalize on and nothing but the sum stands
+        between it and the update, its `DeferredFinalize` (`finalize` is True): the candidate
+        then owes the finalize too, before the sum. A candidate that cannot finalize declines;
+        the boundary then finalizes unfused and asks again with the array.
       residual: The residual on the same rows.
       norm: The consumer's norm.
       update: The producer's residual update.
@@ -28,7 +32,7 @@ class FusionRequest:
       num_devices: Ranks along `sum_axes`.
     """
 
-    value: jax.Array
+    value: jax.Array | DeferredFinalize
     residual: jax.Array
     norm: Norm | None
     update: ResidualUpdate
@@ -40,6 +44,13 @@ class FusionRequest:
     def axis_names(self) -> tuple[str, ...]:
         """Mesh axis names of `sum_axes`, for a kernel's collective."""
         return Topology.mesh_names(self.sum_axes)
+
+    @property
+    def finalize(self) -> bool:
+        """The value is a `DeferredFinalize`: the candidate owes its finalize too."""
+        from ..output import DeferredFinalize  # output imports residual, which imports fusions
+
+        return isinstance(self.value, DeferredFinalize)
 
 
 class InputFusion(Protocol):
@@ -62,6 +73,8 @@ class FusionProvider:
     Attributes:
       attn_input: Candidates for an attention (or mixer) stage's input.
       ffn_input: Candidates for an FFN stage's input.
+      final_input: Candidates for the stack's final read (`residual.final_norm`): a sum left
+        for it, or a terminal sparse FFN's finalize (with `terminal_finalize`).
       defer_finalize: A sparse FFN's exit may hand its finalize (and sum) to the next input,
         where an input candidate may fuse it; `can_defer_finalize` decides per batch.
       terminal_finalize: A terminal sparse FFN may hand its finalize to the final read
@@ -70,6 +83,7 @@ class FusionProvider:
 
     attn_input: tuple[InputFusion, ...] = ()
     ffn_input: tuple[InputFusion, ...] = ()
+    final_input: tuple[InputFusion, ...] = ()
     defer_finalize: bool = False
     terminal_finalize: bool = False
 
@@ -92,6 +106,11 @@ class FusionProvider:
         """The candidates for an FFN stage bound as `plan`."""
         del plan
         return self.ffn_input
+
+    def final_input_fusions(self, plan) -> tuple[InputFusion, ...]:
+        """The candidates for the final read after the terminal stage bound as `plan`."""
+        del plan
+        return self.final_input
 
 
 NO_FUSIONS = FusionProvider()

@@ -1,4 +1,5 @@
-"""Candidates backed by `pallas_kernels`: fused all-reduce + add + RMSNorm, and add + RMSNorm."""
+"""Candidates backed by `pallas_kernels`: fused all-reduce + add + RMSNorm, add + RMSNorm, and
+the MoE finalize + all-reduce + add + RMSNorm."""
 
 from __future__ import annotations
 
@@ -17,13 +18,22 @@ from .base import FusionProvider, FusionRequest
 
 
 def _plain_add_norm(request: FusionRequest) -> bool:
+    """A plain update and add + RMSNorm read of an array already finalized, on the residual's
+    rows."""
+    return (
+        not request.finalize
+        and _plain_update_and_read(request)
+        and request.value.ndim == 2
+        and request.value.dtype == request.residual.dtype
+        and request.value.shape == request.residual.shape
+    )
+
+
+def _plain_update_and_read(request: FusionRequest) -> bool:
     return (
         request.update.plain
         and isinstance(request.read, AddNormRead)
         and isinstance(request.norm, RMSNorm)
-        and request.value.ndim == 2
-        and request.value.dtype == request.residual.dtype
-        and request.value.shape == request.residual.shape
     )
 
 
@@ -114,17 +124,91 @@ class AddRmsNorm:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class MoeFinalizeAddRmsNorm:
+    """Takes a sparse FFN's deferred finalize: combine, sum, add and normalize in one kernel.
+
+    Applies only to a request carrying a `DeferredFinalize` (`request.finalize`) whose outputs
+    are on the residual's rows in the residual's dtype, with a plain update and an add + RMSNorm
+    read. Declines inside a `shard_map` with `check_vma=True` (`vma_axis` names one of its axes;
+    the sum's own axes are checked when one is owed), and wherever
+    `pallas_kernels.moe_finalize_add_rms_norm_supported` declines (CPU for the platform default,
+    shapes or device counts its kernels don't take).
+
+    Attributes:
+      platform: The platform the stack was bound for.
+      impl: The kernel backend; None picks the platform's.
+      vma_axis: A mesh axis of the enclosing `shard_map`, or None without one.
+    """
+
+    platform: str
+    impl: pk.Impl | None = None
+    vma_axis: str | None = None
+
+    def __call__(self, request: FusionRequest) -> tuple[jax.Array, jax.Array] | None:
+        if not request.finalize or not _plain_update_and_read(request):
+            return None
+        handoff = request.value
+        rows, top_k, hidden = handoff.expert_outputs.shape
+        if (
+            rows,
+            hidden,
+        ) != request.residual.shape or handoff.expert_outputs.dtype != request.residual.dtype:
+            return None
+        supported = pk.moe_finalize_add_rms_norm_supported(
+            platform=self.platform,
+            rows=rows,
+            top_k=top_k,
+            hidden=hidden,
+            dtype=request.residual.dtype,
+            num_devices=request.num_devices,
+            impl=self.impl,
+        )
+        vma_axis = request.axis_names[0] if request.sum_axes else self.vma_axis
+        if not supported or (vma_axis is not None and checks_vma(vma_axis)):
+            return None
+        norm = request.norm
+        return pk.moe_finalize_add_rms_norm(
+            handoff.expert_outputs,
+            handoff.weights,
+            request.residual,
+            norm.weight[...],
+            axis_name=request.axis_names or None,
+            eps=norm.eps,
+            gemma=norm.gemma,
+            impl=self.impl,
+        )
+
+
 def platform_fusions(
-    topology: Topology, *, platform: str | None = None, impl: pk.Impl | None = None
+    topology: Topology,
+    *,
+    platform: str | None = None,
+    impl: pk.Impl | None = None,
+    moe_finalize: bool = False,
 ) -> FusionProvider:
     """The Pallas candidates for `platform` (default: where JAX runs now), to opt into.
 
     The fused all-reduce + add + norm comes first, then psum + the Pallas add + norm. Each
     declines where its kernel does not take the shape or does not pay off (everywhere on CPU).
-    Run the model's `shard_map` with `check_vma=False`, or every candidate declines.
+    With `moe_finalize`, sparse FFNs also hand their finalize to the next input and to the final
+    read (`defer_finalize`, `terminal_finalize`), where `MoeFinalizeAddRmsNorm` comes first.
+    Off by default: on 2 x H200 the fused finalize kernel was 3-4x slower than the unfused path
+    at TP 2 and gained 1.11x only from 2048 rows without a sum (benchmarks/RESULTS.md run 9),
+    so with `impl=None` it declines on GPU except there. Run the model's `shard_map` with
+    `check_vma=False`, or every candidate declines.
     """
     platform = platform or jax.default_backend()
     axes = topology.active(TokenAxis)
     vma_axis = axes[0].mesh_name if axes else None
     candidates = (AllReduceAddRmsNorm(platform, impl), AddRmsNorm(platform, impl, vma_axis))
-    return FusionProvider(attn_input=candidates, ffn_input=candidates)
+    if not moe_finalize:
+        return FusionProvider(attn_input=candidates, ffn_input=candidates)
+    candidates = (MoeFinalizeAddRmsNorm(platform, impl, vma_axis), *candidates)
+    return FusionProvider(
+        attn_input=candidates,
+        ffn_input=candidates,
+        final_input=candidates,
+        defer_finalize=True,
+        terminal_finalize=True,
+    )

@@ -221,8 +221,8 @@ def final_norm(
     Returns the stack output on the attention's rows; rows past a DP rank's token count are zero.
     With `skip_empty`, a rank without tokens still runs every collective (the other ranks join
     them) and skips only the read. A MoE finalize handed to the final read goes to
-    `finalize_norm` (a fused finalize + sum + add + norm) when given; otherwise it completes
-    unfused first.
+    `finalize_norm` (a fused finalize + sum + add + norm) when given, else to the stack's
+    fusion provider's `final_input` candidates; where none takes it, it completes unfused.
     """
     return _final_read(output, stream, norm, skip_empty, finalize_norm, capture=False)[0]
 
@@ -263,6 +263,7 @@ def _final_read(output, stream, norm, skip_empty, finalize_norm, *, capture: boo
             pending,
             leave.final_read,
             norm,
+            candidates=() if capture else leave.final_fusions,
             topology=stream.batch.topology,
             fuse_sum=not capture,
         )

@@ -58,10 +58,15 @@ def run_entry(
     if pending is None:
         compute_input, residual, state = read.read(residual, norm)
     else:
-        value, transform = pending.advance(entry.complete)
-        compute_input, residual, state = _update_and_read(
-            entry, pending, value, transform, residual, read, norm, candidates, topology
-        )
+        fused = _fused_finalize(entry, pending, residual, read, norm, candidates, topology)
+        if fused is not None:
+            compute_input, residual = fused
+            state = None
+        else:
+            value, transform = pending.advance(entry.complete)
+            compute_input, residual, state = _update_and_read(
+                entry, pending, value, transform, residual, read, norm, candidates, topology
+            )
     return ops.run(entry.move_input, compute_input), residual, state
 
 
@@ -69,6 +74,28 @@ def _moved_state(pending: Contribution, steps) -> Contribution:
     """The producer's read state follows the residual onto this stage's rows."""
     state = jax.tree.map(lambda leaf: ops.run(steps, leaf), pending.update_state)
     return dataclasses.replace(pending, update_state=state)
+
+
+def _fused_finalize(entry, pending, residual, read, norm, candidates, topology):
+    """Offers the candidates a MoE finalize handoff itself, when only the finalize (then the
+    fused sum) stands between it and the update; `(compute_input, residual)` or None."""
+    if (
+        not candidates
+        or entry.complete != (ops.Finalize(),)
+        or pending.transform is not None
+        or pending.update_state is not None
+    ):
+        return None
+    request = FusionRequest(
+        pending.value,
+        residual,
+        norm,
+        pending.update.resolve(),
+        read,
+        entry.fused_sum,
+        topology.size(entry.fused_sum),
+    )
+    return next((r for r in (c(request) for c in candidates) if r is not None), None)
 
 
 def _update_and_read(entry, pending, value, transform, residual, read, norm, candidates, topology):

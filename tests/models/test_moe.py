@@ -377,19 +377,22 @@ def test_rejects_bad_shapes_and_settings():
         moe._mgpu_block_sizes(64, 128, jnp.float32)
     with pytest.raises(NotImplementedError, match="n % 64 == 0"):
         moe._mgpu_block_sizes(64, 48, jnp.bfloat16)
-    assert moe._mgpu_block_sizes(2048, 768, jnp.bfloat16)["block_n"] == 128
+    assert moe._mgpu_block_sizes(2048, 768, jnp.bfloat16)["block_n"] == 192
+    assert moe._mgpu_block_sizes(768, 2048, jnp.bfloat16)["block_n"] == 128
 
 
 def test_default_impl_per_platform():
-    """CPU and TPU use lax.ragged_dot; GPU the Hopper kernel when JAX has it."""
+    """CPU and TPU use lax.ragged_dot; GPU picks by size between the Triton kernel and the
+    Hopper kernel when JAX has the latter."""
     assert moe.default_grouped_matmul_impl("cpu") is GroupedMatmulImpl.RAGGED_DOT
     assert moe.default_grouped_matmul_impl("tpu") is GroupedMatmulImpl.RAGGED_DOT
     want = (
-        GroupedMatmulImpl.RAGGED_DOT
+        GroupedMatmulImpl.PALLAS_TRITON
         if moe._ragged_dot_mgpu is None
-        else GroupedMatmulImpl.PALLAS_GPU
+        else GroupedMatmulImpl.GPU_BY_SIZE
     )
     assert moe.default_grouped_matmul_impl("gpu") is want
+    assert moe.default_grouped_matmul_impl("gpu", jnp.float32) is GroupedMatmulImpl.RAGGED_DOT
 
 
 @pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="the Hopper kernel runs on GPU only")

@@ -1,0 +1,309 @@
+"""The MoE layer of a Qwen3-30B-A3B shape on an H200: grouped matmul implementations, and the
+fused finalize + all-reduce + add + RMSNorm against the unfused path on two GPUs.
+
+Run from the repository root on a machine with one or two GPUs:
+    python3 -m benchmarks.bench_moe
+
+Part 1 (one GPU): the layer (router, top-k, three grouped matmuls, finalize) at 8, 64 and 4096
+tokens per step, through `jax.lax.ragged_dot`, JAX's Mosaic GPU `ragged_dot` (`PALLAS_GPU`, a
+few tilings), the project's gather-by-expert Triton kernel (`pallas_kernels.expert_matmul`,
+`PALLAS_TRITON`, a few tilings) and the dense per-expert reference. Device time by CUPTI, the
+median over rotating token sets (weights are 1.2 GB, far past L2). Rooflines: decode, the expert
+weights the step must read (distinct chosen experts x 3 x hidden x width x 2 bytes) over the
+measured copy bandwidth; prefill, the routed FLOPs (tokens x top-k x 3 x 2 x hidden x width)
+over the measured bf16 matmul rate.
+
+Part 2: 32 boundaries unrolled in one jitted `shard_map` at TP 2 (and TP 1: no sum owed, as
+after an all-to-all dispatch), each taking a different [rows, top-k, hidden] deferred finalize:
+the fused kernel against the unfused path (finalize, `psum`, XLA's add + RMSNorm), wall clock
+per boundary.
+"""
+
+import argparse
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import header, kernel_ms, print_table, relative_error, wall_ms
+from models import moe
+from pallas_kernels import Impl, moe_finalize_add_rms_norm, moe_finalize_add_rms_norm_reference
+from pallas_kernels.expert_matmul import ExpertMatmulBlocks
+
+P = jax.sharding.PartitionSpec
+EXPERTS, TOP_K, HIDDEN, WIDTH = 128, 8, 2048, 768
+DTYPE = jnp.bfloat16
+TOKENS = (8, 64, 4096)
+FINALIZE_ROWS = (8, 64, 2048)
+BOUNDARIES = 32
+MGPU_TILINGS = {  # block_m, block_n (where it divides N), block_k, steps, grid_block_n
+    "mgpu model default (128x192|128x64 s4 g4)": None,
+    "mgpu 64x128x64 s2": (64, 128, 64, 2, 1),
+    "mgpu 128x128x64 s4": (128, 128, 64, 4, 1),
+    "mgpu 128x192|128 x64 s4": (128, 192, 64, 4, 1),
+    "mgpu 128x256x64 s4": (128, 256, 64, 4, 1),
+    "mgpu 128x192|128 x64 s4 g4": (128, 192, 64, 4, 4),
+}
+TRITON_TILINGS = {  # the first is the model's default
+    "triton 16x128x64 s4": ExpertMatmulBlocks(16, 128, 64, 4, 4),
+    "triton 16x64x128 s4": ExpertMatmulBlocks(16, 64, 128, 4, 4),
+    "triton 16x128x128 s3 w8": ExpertMatmulBlocks(16, 128, 128, 8, 3),
+}
+
+
+def ceilings() -> tuple[float, float]:
+    """(copy bandwidth in TB/s, bf16 matmul rate in TFLOP/s), measured on GPU 0 by JAX."""
+    n = 2**30  # 2 GiB of bf16 read and written
+    x = jax.random.normal(jax.random.key(0), (n,), DTYPE)
+    copy = jax.jit(lambda a: a + jnp.ones((), a.dtype))  # an elementwise pass: read + write
+    copy_ms = kernel_ms(copy, [(x,)], repeats=10)
+    del x
+    size = 8192
+    a = jax.random.normal(jax.random.key(1), (size, size), DTYPE)
+    b = jax.random.normal(jax.random.key(2), (size, size), DTYPE)
+    mm_ms = kernel_ms(jax.jit(jnp.dot), [(a, b)], repeats=10)
+    return 2 * n * 2 / copy_ms / 1e9, 2 * size**3 / mm_ms / 1e9
+
+
+def torch_copy_tb_s() -> float:
+    """Device-to-device memcpy bandwidth by PyTorch (read + write), NaN without PyTorch."""
+    try:
+        import torch
+    except ImportError:
+        return float("nan")
+    src = torch.empty(2**30, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(12):
+        start.record()
+        dst.copy_(src)
+        stop.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(stop))
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * 2**30 * 2 / float(np.median(times[2:])) / 1e9
+
+
+def layer_weights(seed: int = 0):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    scale = lambda fan_in: 1 / math.sqrt(fan_in)  # noqa: E731
+    router = jax.random.normal(keys[0], (HIDDEN, EXPERTS), jnp.float32) * scale(HIDDEN)
+    gate = jax.random.normal(keys[1], (EXPERTS, HIDDEN, WIDTH), DTYPE) * scale(HIDDEN)
+    up = jax.random.normal(keys[2], (EXPERTS, HIDDEN, WIDTH), DTYPE) * scale(HIDDEN)
+    down = jax.random.normal(keys[3], (EXPERTS, WIDTH, HIDDEN), DTYPE) * scale(WIDTH)
+    return router.astype(DTYPE), gate.astype(DTYPE), up.astype(DTYPE), down.astype(DTYPE)
+
+
+def token_sets(tokens: int, count: int = 4):
+    return [
+        (jax.random.normal(jax.random.key(100 + i), (tokens, HIDDEN), jnp.float32).astype(DTYPE),)
+        for i in range(count)
+    ]
+
+
+@functools.cache
+def layer_fn(impl: moe.GroupedMatmulImpl, variant: str):
+    """The jitted MoE layer through `impl` (with `variant`'s tiling), weights closed over by
+    argument."""
+
+    def layer(x, router, gate, up, down):
+        routing = moe.route(x, router, top_k=TOP_K, renormalize=True)
+        outputs = moe.expert_outputs(x, routing, gate, up, down, impl=impl)
+        return moe.finalize(moe.MoeOutput(outputs, routing, None))
+
+    return jax.jit(layer)
+
+
+HONEST_TILINGS = (moe._mgpu_block_sizes, moe._expert_matmul_blocks)
+
+
+def with_tiling(variant: str) -> None:
+    """Makes the GroupedMatmulImpl paths trace with `variant`'s tiling (benchmark only; the
+    jitted layers trace once per shape, right after this is set)."""
+    mgpu, triton = HONEST_TILINGS
+    moe._mgpu_block_sizes, moe._expert_matmul_blocks = mgpu, triton
+    if variant in TRITON_TILINGS:
+        moe._expert_matmul_blocks = lambda k, n, dtype: TRITON_TILINGS[variant]
+    tiling = MGPU_TILINGS.get(variant)
+    if tiling is not None:
+        block_m, block_n, block_k, steps, grid_block_n = tiling
+
+        def sizes(k, n, dtype):
+            chosen = mgpu(k, n, dtype)
+            block = block_n if n % block_n == 0 else chosen["block_n"]
+            return {
+                "block_m": block_m,
+                "block_n": block,
+                "block_k": block_k,
+                "max_concurrent_steps": steps,
+                "grid_block_n": grid_block_n if n % (grid_block_n * block) == 0 else 1,
+            }
+
+        moe._mgpu_block_sizes = sizes
+
+
+def distinct_experts(x, router) -> int:
+    routing = moe.route(x, router, top_k=TOP_K, renormalize=True)
+    return int(np.unique(np.asarray(routing.experts)).size)
+
+
+def part1(
+    copy_tb_s: float, matmul_tflop_s: float, tokens_list, only: tuple[str, ...] = ()
+) -> list[tuple]:
+    router, gate, up, down = layer_weights()
+    table = []
+    variants = [("ragged_dot (XLA)", moe.GroupedMatmulImpl.RAGGED_DOT)]
+    variants += [(name, moe.GroupedMatmulImpl.PALLAS_GPU) for name in MGPU_TILINGS]
+    variants += [(name, moe.GroupedMatmulImpl.PALLAS_TRITON) for name in TRITON_TILINGS]
+    variants += [("GPU_BY_SIZE (model default)", moe.GroupedMatmulImpl.GPU_BY_SIZE)]
+    variants += [("dense per-expert", moe.GroupedMatmulImpl.DENSE)]
+    if only:
+        variants = [
+            v for v in variants if v[0].startswith("ragged") or any(o in v[0] for o in only)
+        ]
+    for tokens in tokens_list:
+        sets = token_sets(tokens)
+        experts = np.mean([distinct_experts(s[0], router) for s in sets])
+        weight_bytes = experts * 3 * HIDDEN * WIDTH * 2
+        flops = tokens * TOP_K * 3 * 2 * HIDDEN * WIDTH
+        reference = layer_fn(moe.GroupedMatmulImpl.RAGGED_DOT, "")(*sets[0], router, gate, up, down)
+        base_ms = None
+        for name, impl in variants:
+            if impl is moe.GroupedMatmulImpl.DENSE and tokens > 64:
+                continue  # every token through all 128 experts: 4.9 PFLOP at 4096 tokens
+            with_tiling(name)
+            fn = layer_fn(impl, name)
+            try:
+                err = relative_error(fn(*sets[0], router, gate, up, down), reference)
+                ms = kernel_ms(
+                    fn, [(s[0], router, gate, up, down) for s in sets], warmup=2, repeats=20
+                )
+            except Exception as error:  # one failing variant must not end the run
+                print(f"  {name} @ {tokens}: {type(error).__name__}: {str(error)[:600]}")
+                continue
+            base_ms = ms if base_ms is None else base_ms
+            hbm = weight_bytes / ms / 1e9 / copy_tb_s
+            flop = flops / ms / 1e9 / matmul_tflop_s
+            row = (tokens, name, ms * 1e3, tokens / ms * 1e3, base_ms / ms, hbm, flop, err)
+            print(f"  {row}")
+            table.append(row)
+        print(f"  tokens {tokens}: {experts:.1f} distinct experts, {weight_bytes / 1e6:.0f} MB")
+    with_tiling("")
+    return table
+
+
+@functools.cache
+def finalize_chain(mesh, fused: bool, loop: bool):
+    axis = "tp" if mesh.size > 1 else None
+
+    def body(outputs, weights, residual, norm_weight):
+        outputs, weights, residual, norm_weight = (
+            outputs[0],
+            weights[0],
+            residual[0],
+            norm_weight[0],
+        )
+        normed = None
+        for i in range(BOUNDARIES if loop else 1):
+            if fused:
+                normed, residual = moe_finalize_add_rms_norm(
+                    outputs[i],
+                    weights[i],
+                    residual,
+                    norm_weight,
+                    axis_name="tp",
+                    impl=Impl.PALLAS_GPU,
+                )
+            else:
+                normed, residual = moe_finalize_add_rms_norm_reference(
+                    outputs[i], weights[i], residual, norm_weight, axis_name=axis
+                )
+            residual = residual + normed  # the next boundary depends on this one's output
+        return normed[None], residual[None]
+
+    spec = P("tp")
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+
+
+def part2(rows_list, devices: int) -> list[tuple]:
+    """TP `devices` (1: no sum owed, as after an all-to-all dispatch)."""
+    mesh = jax.sharding.Mesh(jax.devices()[:devices], ("tp",))
+    sharding = jax.sharding.NamedSharding(mesh, P("tp"))
+    table = []
+    for rows in rows_list:
+        keys = jax.random.split(jax.random.key(rows), 4)
+        outputs = jax.random.normal(keys[0], (devices, BOUNDARIES, rows, TOP_K, HIDDEN), DTYPE)
+        weights = jax.random.uniform(keys[1], (devices, BOUNDARIES, rows, TOP_K), jnp.float32)
+        residual = jax.random.normal(keys[2], (devices, rows, HIDDEN), DTYPE)
+        norm_weight = (1 + jax.random.normal(keys[3], (devices, HIDDEN), jnp.float32)).astype(DTYPE)
+        operands = jax.device_put((outputs, weights, residual, norm_weight), sharding)
+        try:
+            err = relative_error(
+                finalize_chain(mesh, True, False)(*operands),
+                finalize_chain(mesh, False, False)(*operands),
+            )
+            fused_us = wall_ms(finalize_chain(mesh, True, True), operands) * 1e3 / BOUNDARIES
+        except Exception as error:
+            print(f"  fused finalize @ {rows}: {type(error).__name__}: {str(error)[:600]}")
+            err = fused_us = float("nan")
+        unfused_us = wall_ms(finalize_chain(mesh, False, True), operands) * 1e3 / BOUNDARIES
+        row = (devices, rows, TOP_K, HIDDEN, fused_us, unfused_us, unfused_us / fused_us, err)
+        print(f"  {row}")
+        table.append(row)
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=TOKENS)
+    parser.add_argument("--finalize-rows", type=int, nargs="+", default=FINALIZE_ROWS)
+    parser.add_argument("--finalize-tp", type=int, nargs="*", default=(1, 2))
+    parser.add_argument("--only", nargs="*", default=(), help="variant names containing these")
+    args = parser.parse_args()
+    torch_tb_s = torch_copy_tb_s()
+    print(header("bench_moe"))
+    copy_tb_s, matmul_tflop_s = ceilings()
+    print(
+        f"ceilings: XLA elementwise copy {copy_tb_s:.2f} TB/s, PyTorch memcpy {torch_tb_s:.2f} "
+        f"TB/s, bf16 matmul 8192^3 {matmul_tflop_s:.0f} TFLOP/s"
+    )
+    hbm_ceiling = torch_tb_s if np.isfinite(torch_tb_s) else copy_tb_s
+    layer = part1(hbm_ceiling, matmul_tflop_s, args.tokens, tuple(args.only))
+    finalize = [
+        row
+        for devices in args.finalize_tp
+        if devices <= len(jax.devices())
+        for row in part2(args.finalize_rows, devices)
+    ]
+
+    print(
+        f"\nMoE layer, {EXPERTS} experts, top-{TOP_K}, hidden {HIDDEN}, width {WIDTH}, bf16, "
+        f"1 GPU (HBM ceiling {hbm_ceiling:.2f} TB/s, FLOP ceiling {matmul_tflop_s:.0f} TFLOP/s):"
+    )
+    print_table(
+        (
+            "tokens",
+            "grouped matmul",
+            "us",
+            "tokens/s",
+            "x ragged_dot",
+            "HBM roofline",
+            "FLOP roofline",
+            "rel err",
+        ),
+        layer,
+    )
+    if finalize:
+        print("\nfused finalize (+ all-reduce at TP 2) + add + RMSNorm, us per boundary:")
+        print_table(
+            ("TP", "rows", "top-k", "hidden", "fused us", "unfused us", "speedup", "rel err"),
+            finalize,
+        )
+
+
+if __name__ == "__main__":
+    main()
