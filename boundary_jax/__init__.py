@@ -6,6 +6,7 @@ and run each layer as `prepare` -> compute -> `finish`, threading the `ResidualS
 
 from . import fusions as fusions
 from . import residual as residual
+from ._compat import argsort as argsort
 from .batch import BatchFacts as BatchFacts
 from .bind import ExitKind as ExitKind
 from .bind import StagePlan as StagePlan
@@ -37,6 +38,8 @@ from .ops import gather_last_dim as gather_last_dim
 from .ops import shard_index as shard_index
 from .ops import sharded_rms_norm as sharded_rms_norm
 from .ops import sharded_rms_norms as sharded_rms_norms
+from .ops import total_over_rows as total_over_rows
+from .ops import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
 from .output import DeferredFinalize as DeferredFinalize
 from .report import CollectiveReport as CollectiveReport
 from .report import collective_report as collective_report

@@ -302,6 +302,67 @@ def sharded_rms_norms(
     return tuple(out)
 
 
+def vocab_parallel_cross_entropy(
+    logits: jax.Array,
+    labels: jax.Array,
+    topology: Topology,
+    group: SumGroup,
+    *,
+    vocab_size: int,
+) -> jax.Array:
+    """Per-row cross-entropy of logits whose vocabulary columns are split over `group`, without
+    gathering them: a max and a sum of exponentials per row over the local columns, completed
+    over the group (two [rows] collectives and one for the label's logit).
+
+    Args:
+      logits: [rows, columns] this rank's block of vocabulary columns (rank r of `group` holds
+        ids r * columns ... (r + 1) * columns - 1); columns at ids >= `vocab_size` are padding
+        and never count.
+      labels: [rows] int target ids; rows with a label outside [0, vocab_size) (e.g. -1) are
+        masked: their loss is zero and they give no gradient.
+      topology: The parallel topology the columns are split for.
+      group: The group the columns are split over (a vocab-parallel LM head: attention TP).
+      vocab_size: Number of real ids.
+
+    Returns:
+      float32 [rows] `logsumexp(logits) - logits[label]` per row, alike on every rank of
+      `group`; zero on masked rows.
+    """
+    if logits.ndim != 2 or labels.shape != logits.shape[:1]:
+        raise ValueError(
+            "vocab_parallel_cross_entropy takes logits [rows, columns] and labels [rows]; got "
+            f"{logits.shape=}, {labels.shape=}"
+        )
+    axes = _names(topology.sum_axes(group))
+    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+    columns = logits.shape[1]
+    ids = shard_index(topology, group) * columns + jnp.arange(columns)
+    real = ids < vocab_size
+    # The max only keeps exp() in range: it cancels in the loss, so it carries no gradient.
+    peak = lax.stop_gradient(jnp.max(jnp.where(real[None, :], logits, -jnp.inf), axis=1))
+    if axes:
+        peak = lax.pmax(peak, axes)
+    exps = jnp.sum(jnp.where(real[None, :], jnp.exp(logits - peak[:, None]), 0), axis=1)
+    target = jnp.sum(jnp.where(ids[None, :] == labels[:, None], logits, 0), axis=1)
+    if axes:
+        exps = lax.psum(exps, axes)
+        target = lax.psum(target, axes)
+    valid = (labels >= 0) & (labels < vocab_size)
+    return jnp.where(valid, jnp.log(exps) + peak - target, 0)
+
+
+def total_over_rows(values: jax.Array, topology: Topology) -> jax.Array:
+    """The sum of per-row `values` over every row of the batch: a scalar alike on every rank.
+
+    `values` [rows, ...] are on the attention's rows (each attention-DP rank its own rows, alike
+    over attention TP, as a stack output and its per-row losses are); the local sum is
+    completed over attention DP only, so no row counts twice.
+    """
+    total = jnp.sum(values)
+    axes = _names(topology.attention_rows().sharded)
+    return lax.psum(total, axes) if axes else total
+
+
 # --------------------------------------------------------------------------------------------
 # Token movement for an all-to-all expert dispatch (inside a MoE's compute)
 # --------------------------------------------------------------------------------------------

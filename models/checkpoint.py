@@ -20,12 +20,14 @@ import functools
 import json
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from .config import Architecture, DecoderConfig, ResidualDesign
 
@@ -415,3 +417,99 @@ class _Checkpoint(contextlib.AbstractContextManager):
     def __exit__(self, *exc_info):
         self._files.close()
         self._handles.clear()
+
+
+_MODEL_TYPES = {
+    Architecture.QWEN3: "qwen3",
+    Architecture.LLAMA: "llama",
+    Architecture.MISTRAL: "mistral",
+    Architecture.QWEN2: "qwen2",
+    Architecture.QWEN3_MOE: "qwen3_moe",
+    Architecture.MIXTRAL: "mixtral",
+    Architecture.QWEN2_MOE: "qwen2_moe",
+}
+
+
+def hf_config(config: DecoderConfig) -> dict[str, Any]:
+    """The Hugging Face `config.json` (as a dict) of `config`, in transformers 5's format;
+    `DecoderConfig.from_hf` reads it back to `config`."""
+    rope: dict[str, Any] = {"rope_theta": config.rope_theta, "rope_type": "default"}
+    if config.rope_scaling is not None:
+        rope |= dataclasses.asdict(config.rope_scaling) | {"rope_type": "llama3"}
+    out: dict[str, Any] = {
+        "architectures": [config.architecture.value],
+        "model_type": _MODEL_TYPES[config.architecture],
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_parameters": rope,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "max_position_embeddings": config.max_position_embeddings,
+        "sliding_window": config.sliding_window,
+        "use_sliding_window": config.sliding_window is not None,
+        "attention_bias": False,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+        "dtype": "float32",
+    }
+    if config.architecture in (Architecture.QWEN2, Architecture.QWEN2_MOE):
+        out["attention_bias"] = config.qkv_bias
+        out["qkv_bias"] = config.qkv_bias
+    moe = config.moe
+    if moe is None:
+        return out
+    out |= {"num_experts_per_tok": moe.top_k, "num_local_experts": moe.num_experts}
+    if config.architecture is Architecture.MIXTRAL:
+        return out
+    out |= {
+        "num_experts": moe.num_experts,
+        "moe_intermediate_size": moe.expert_intermediate_size,
+        "norm_topk_prob": moe.renormalize,
+        "mlp_only_layers": list(moe.mlp_only_layers),
+        "decoder_sparse_step": moe.decoder_sparse_step,
+    }
+    if moe.shared_expert_intermediate_size is not None:
+        out["shared_expert_intermediate_size"] = moe.shared_expert_intermediate_size
+    return out
+
+
+def save_checkpoint(
+    config: DecoderConfig, params: Mapping[str, jax.Array], directory: str | Path
+) -> None:
+    """Writes a Hugging Face checkpoint directory (`config.json` + `model.safetensors`, float32)
+    that `load_model` (and transformers) reads.
+
+    Args:
+      config: The model's architecture.
+      params: `{module path: global array}` for every parameter (the paths of `hf_name_map`),
+        e.g. a flat view of a trained model's state; each array is fetched whole to the host.
+      directory: Created if absent; its config and weights files are overwritten.
+
+    Raises:
+      ValueError: `params` does not hold exactly the parameters `config` needs.
+    """
+    sources = hf_name_map(config)
+    if set(params) != set(sources):
+        raise ValueError(
+            f"save_checkpoint needs exactly the parameters of hf_name_map; missing "
+            f"{sorted(set(sources) - set(params))}, unexpected {sorted(set(params) - set(sources))}"
+        )
+    tensors: dict[str, np.ndarray] = {}
+    for path, source in sources.items():
+        value = np.asarray(jax.device_get(params[path]), np.float32)
+        if source.padded_axis is not None:  # drop the vocab padding
+            value = np.take(value, np.arange(config.vocab_size), axis=source.padded_axis)
+        parts = [value] if source.experts is None else list(value)
+        for name, part in zip(source.tensor_names(), parts, strict=True):
+            tensors[name] = np.ascontiguousarray(part.T if source.transpose else part)
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / CONFIG_FILE).write_text(json.dumps(hf_config(config), indent=2) + "\n")
+    save_file(tensors, str(out / SINGLE_FILE))

@@ -1,4 +1,4 @@
-"""The `boundary-jax` command line: demo, forward, generate and plan.
+"""The `boundary-jax` command line: demo, forward, generate, train and plan.
 
 Bad input ends with a one-line error naming the problem and exit code 2.
 """
@@ -9,6 +9,7 @@ import argparse
 import contextlib
 import json
 import math
+import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -21,15 +22,19 @@ from rich.console import Console
 
 import boundary_jax as bj
 
-from .checkpoint import load_config
-from .config import PRESETS
+from .attention import AttentionImpl
+from .checkpoint import load_config, save_checkpoint
+from .config import PRESETS, DecoderConfig
+from .decoder import Remat
 from .demo import run_demo
 from .hyper_connections import HyperConnections
 from .report import plan_report, print_plan
 from .runtime import ShardedCausalLM, build_model, load_model
 from .sampling import Sampling
+from .train import TrainConfig, Trainer
 
 EXIT_BAD_INPUT = 2
+TOKENIZER_FILE = "tokenizer.json"
 
 
 class InputError(ValueError):
@@ -95,11 +100,13 @@ def _status(console, message: str):
     console.log(f"{message} done in {time.perf_counter() - start:.1f}s")
 
 
-def _load(args, console):
-    """(ShardedCausalLM, config) for --checkpoint or --preset on --mesh."""
+def _build(args, console):
+    """(model, mesh) for --checkpoint or --preset on --mesh."""
     topology = bj.Topology.from_axis_sizes(args.mesh, moe_ep=args.moe_ep)
     mesh = bj.make_mesh(topology)
     dtype = jnp.dtype(args.dtype)
+    # Training runs XLA's attention (cuDNN's backward is not supported); the rest pick theirs.
+    attention = AttentionImpl.XLA if args.command == "train" else None
     hyper_connections = None
     if args.hc_mult is not None:
         if args.checkpoint:
@@ -121,6 +128,9 @@ def _load(args, console):
                 reduction=args.policy,
                 moe_dispatch=args.moe_dispatch,
                 dtype=dtype,
+                seed=getattr(args, "seed", 0),
+                remat=getattr(args, "remat", Remat.NONE),
+                attention=attention,
                 hyper_connections=hyper_connections,
             )
     else:
@@ -136,7 +146,26 @@ def _load(args, console):
                 moe_ep=args.moe_ep,
                 moe_dispatch=args.moe_dispatch,
                 dtype=dtype,
+                remat=getattr(args, "remat", Remat.NONE),
+                attention=attention,
             )
+    return model, mesh
+
+
+def _source_config(args) -> DecoderConfig:
+    """The config of --preset or --checkpoint, read before building anything."""
+    if getattr(args, "preset", None):
+        if args.preset not in PRESETS:
+            raise InputError(f"unknown preset {args.preset!r}; choose one of {sorted(PRESETS)}")
+        return PRESETS[args.preset]
+    if not Path(args.checkpoint).is_dir():
+        raise InputError(f"no checkpoint directory at {args.checkpoint}")
+    return load_config(args.checkpoint)
+
+
+def _load(args, console) -> ShardedCausalLM:
+    """The runner of `_build`'s model."""
+    model, mesh = _build(args, console)
     return ShardedCausalLM(model, mesh, input_scattered=args.input_scattered)
 
 
@@ -207,6 +236,98 @@ def _plan(args) -> None:
         print(json.dumps(report))
         return
     print_plan(report)
+
+
+def _read_text(path: str) -> list[bytes]:
+    """The bytes of a text file, or of every file under a directory (sorted by path)."""
+    source = Path(path)
+    if source.is_file():
+        files = [source]
+    elif source.is_dir():
+        files = sorted(p for p in source.rglob("*") if p.is_file())
+    else:
+        raise InputError(f"no text file or directory at {path}")
+    texts = [file.read_bytes() for file in files]
+    if not any(texts):
+        raise InputError(f"no text in {path}: it is empty (or a directory of empty files)")
+    return texts
+
+
+def _tokenize(texts: list[bytes], args, vocab_size: int) -> np.ndarray:
+    """One int32 token stream: the checkpoint's tokenizer.json when it has one, else bytes."""
+    tokenizer_file = Path(args.checkpoint or "") / TOKENIZER_FILE
+    if args.checkpoint and tokenizer_file.is_file():
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise InputError(
+                f"{tokenizer_file} needs the `tokenizers` package (pip install tokenizers); "
+                "it is not installed"
+            ) from None
+        tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        text = [t.decode("utf-8", errors="replace") for t in texts]
+        ids = [i for encoding in tokenizer.encode_batch(text) for i in encoding.ids]
+        return np.asarray(ids, np.int32)
+    if vocab_size < 256:
+        raise InputError(
+            f"byte-level tokens need a vocabulary of at least 256 ids; the model has {vocab_size}"
+        )
+    return np.frombuffer(b"".join(texts), np.uint8).astype(np.int32)
+
+
+def _train(args) -> None:
+    console = _console()
+    if args.steps < 1:
+        raise InputError(f"--steps must be at least 1; got {args.steps}")
+    if args.hc_mult is not None:
+        raise InputError(
+            "train writes a Hugging Face checkpoint, which holds no MHC weights; --hc-mult "
+            "models train through models.train.Trainer instead"
+        )
+    if args.batch_tokens < 2:
+        raise InputError(f"--batch-tokens must be at least 2; got {args.batch_tokens}")
+    texts = _read_text(args.text)
+    tokens = _tokenize(texts, args, _source_config(args).vocab_size)
+    model, mesh = _build(args, console)
+    config = model.config
+    length = min(args.seq_len, config.max_position_embeddings, args.batch_tokens, len(tokens))
+    if length < 2:
+        raise InputError(f"{args.text} holds {len(tokens)} token(s); training needs at least 2")
+    sequences = args.batch_tokens // length
+    schedule = TrainConfig(
+        learning_rate=args.lr,
+        total_steps=args.steps,
+        warmup_steps=min(args.warmup, args.steps - 1),
+    )
+    trainer = Trainer(model, mesh, schedule.optimizer(), input_scattered=args.input_scattered)
+    del model
+    rng = np.random.default_rng(args.seed)
+    losses, timed_tokens, timed_seconds = [], 0, 0.0
+    for step in range(args.steps):
+        starts = rng.integers(0, len(tokens) - length + 1, sequences)
+        batch = trainer.pack([tokens[s : s + length] for s in starts])
+        start = time.perf_counter()
+        loss = trainer.step(batch)["loss"]
+        seconds = time.perf_counter() - start
+        losses.append(loss)
+        if step > 0 or args.steps == 1:  # the first step also compiles
+            timed_tokens, timed_seconds = timed_tokens + batch.tokens, timed_seconds + seconds
+        if step == 0 or (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+            speed = timed_tokens / timed_seconds if timed_seconds else 0.0
+            console.log(f"step {step + 1}/{args.steps}  loss {loss:.4f}  {speed:,.0f} tokens/s")
+    with _status(console, f"writing {args.out}"):
+        save_checkpoint(config, trainer.state.params, args.out)
+        if args.checkpoint and (Path(args.checkpoint) / TOKENIZER_FILE).is_file():
+            shutil.copy(Path(args.checkpoint) / TOKENIZER_FILE, Path(args.out) / TOKENIZER_FILE)
+    summary = {
+        "steps": args.steps,
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
+        "tokens_per_s": timed_tokens / timed_seconds if timed_seconds else 0.0,
+        "tokens_per_step": batch.tokens,
+        "out": str(args.out),
+    }
+    print(json.dumps(summary))
 
 
 def _demo(args) -> None:
@@ -282,6 +403,36 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-p", type=float, default=None)
     generate.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling")
     generate.set_defaults(run=_generate)
+
+    train = commands.add_parser(
+        "train", help="train on text (next-token loss, AdamW) and write a checkpoint directory"
+    )
+    model_args(train)
+    train.add_argument("--text", required=True, help="a text file or a directory of text files")
+    train.add_argument("--steps", type=int, required=True, help="optimizer steps")
+    train.add_argument(
+        "--batch-tokens", type=int, default=1024, help="tokens per step (default 1024)"
+    )
+    train.add_argument(
+        "--seq-len",
+        type=int,
+        default=128,
+        help="tokens per sequence (default 128, at most the model's context)",
+    )
+    train.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
+    train.add_argument("--warmup", type=int, default=10, help="warmup steps (default 10)")
+    train.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches")
+    train.add_argument(
+        "--remat",
+        type=Remat,
+        choices=tuple(Remat),
+        default=Remat.NONE,
+        metavar="{none,full,dots}",
+        help="what each layer keeps for the backward pass (default none: everything)",
+    )
+    train.add_argument("--log-every", type=int, default=10, help="progress every N steps")
+    train.add_argument("--out", required=True, help="where to write the trained checkpoint")
+    train.set_defaults(run=_train)
 
     plan = commands.add_parser(
         "plan", help="each stage's bound plan and the collectives the compiled forward runs"

@@ -664,7 +664,7 @@ def _pattern_layers(pattern: Any, layers: int, family: str) -> list[bool]:
 PRESETS: dict[str, DecoderConfig] = {
     "tiny-qwen3": DecoderConfig(
         architecture=Architecture.QWEN3,
-        vocab_size=250,
+        vocab_size=256,
         hidden_size=64,
         intermediate_size=128,
         num_layers=4,
@@ -681,7 +681,7 @@ PRESETS: dict[str, DecoderConfig] = {
     ),
     "tiny-mistral": DecoderConfig(
         architecture=Architecture.MISTRAL,
-        vocab_size=250,
+        vocab_size=256,
         hidden_size=64,
         intermediate_size=128,
         num_layers=2,
@@ -720,7 +720,8 @@ PRESETS: dict[str, DecoderConfig] = {
         max_position_embeddings=2048,
     ),
 }
-"""Named configurations for demos and tests; none needs a checkpoint."""
+"""Named configurations for demos and tests; none needs a checkpoint. Every vocabulary holds at
+least the 256 byte values, so any preset trains on byte-level text."""
 # Qwen3-MoE with a dense layer among three sparse ones (8 experts, top-2 of them).
 PRESETS["tiny-qwen3-moe"] = dataclasses.replace(
     PRESETS["tiny-qwen3"],

@@ -9,6 +9,7 @@ post-norm and sandwich-norm families (`models.norm_decoders`) change only those.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -32,6 +33,26 @@ PLAIN: LayerDesigns = ({}, {})
 """The plain pre-norm design: add + RMSNorm at every boundary."""
 ReadNorms = tuple[bj.RMSNorm | None, bj.RMSNorm | None]
 """A layer's attention and FFN stages' input norms (None: the stage reads the residual as is)."""
+
+
+class Remat(enum.Enum):
+    """What each decoder layer keeps for the backward pass (`jax.checkpoint` per layer).
+
+    NONE: every activation is kept (no recomputation).
+    FULL: only each layer's inputs are kept; the backward recomputes the layer.
+    DOTS: the layer's matmul outputs are kept, the rest (norms, activations, softmax) is
+      recomputed (`jax.checkpoint_policies.dots_with_no_batch_dims_saveable`).
+    """
+
+    NONE = "none"
+    FULL = "full"
+    DOTS = "dots"
+
+    def policy(self) -> Callable | None:
+        """The `jax.checkpoint` policy (None: save nothing); only for FULL and DOTS."""
+        if self is Remat.DOTS:
+            return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+        return None
 
 
 def stage_facts(
@@ -174,6 +195,8 @@ class CausalLM(nnx.Module):
       lm_head: Vocab-parallel LM head (tied to `embed` when the config says so).
       fusions: The stack's fusion provider (`bj.fusions.NO_FUSIONS`: the built-in path).
       attention: The attention kernel of every layer.
+      remat: What each layer keeps for the backward pass (`Remat`); a forward with KV caches
+        (serving) never recomputes.
       hyper_connections: The MHC residual design of every boundary, or None for the plain
         pre-norm add + RMSNorm.
       hyper_head: With hyper-connections, the head collapsing the streams before `final_norm`.
@@ -196,6 +219,7 @@ class CausalLM(nnx.Module):
         fusions: bj.fusions.FusionProvider = bj.fusions.NO_FUSIONS,
         dtype: jnp.dtype = jnp.float32,
         attention: AttentionImpl = AttentionImpl.XLA,
+        remat: Remat = Remat.NONE,
         hyper_connections: HyperConnections | None = None,
         rngs: nnx.Rngs,
     ):
@@ -209,6 +233,7 @@ class CausalLM(nnx.Module):
         self.topology = topology
         self.fusions = fusions
         self.attention = attention
+        self.remat = remat
         self.hyper_connections = hyper_connections
         self.param_dtype = dtype
         self.embed = VocabParallelEmbedding(
@@ -335,6 +360,21 @@ class CausalLM(nnx.Module):
         hidden, caches_out = self.hidden(rows, batch, caches, last_rows)
         return self.lm_head(hidden).astype(jnp.float32), caches_out
 
+    def loss(self, rows: TokenRows, batch: bj.BatchFacts, labels: jax.Array) -> jax.Array:
+        """The mean next-token cross-entropy over every labelled row of the batch (all DP
+        ranks): a float32 scalar alike on every rank.
+
+        Args:
+          rows: This DP rank's block of packed rows (attention within the batch, no caches).
+          batch: The batch facts.
+          labels: [rows] int32 target id per row (the next token of its sequence), -1 where
+            nothing is predicted (a sequence's last row, padding).
+        """
+        hidden, _ = self.hidden(rows, batch)
+        losses = self.lm_head.cross_entropy(hidden, labels)
+        count = bj.total_over_rows((labels >= 0).astype(jnp.float32), self.topology)
+        return bj.total_over_rows(losses, self.topology) / jnp.maximum(count, 1)
+
     def hidden(
         self,
         rows: TokenRows,
@@ -350,8 +390,10 @@ class CausalLM(nnx.Module):
         updated = []
         for index, layer in enumerate(self.layers):
             with jax.named_scope(f"layer_{index}"):
-                cache = None if caches is None else caches[index]
-                x, stream, cache = layer(x, stream, rows, cache)
+                if caches is None:
+                    x, stream, cache = self._run_layer(layer, x, stream, rows)
+                else:
+                    x, stream, cache = layer(x, stream, rows, caches[index])
             updated.append(cache)
         hidden = residual.final_norm(x, stream, self.final_read, skip_empty=True)
         if last_rows is not None:
@@ -359,6 +401,19 @@ class CausalLM(nnx.Module):
             picked = jnp.take(hidden, jnp.clip(last_rows, 0, hidden.shape[0] - 1), axis=0)
             hidden = jnp.where((last_rows >= 0)[:, None], picked, 0)
         return hidden, None if caches is None else tuple(updated)
+
+    def _run_layer(self, layer: nnx.Module, x, stream: bj.ResidualStream, rows: TokenRows):
+        """One layer without a cache, under `jax.checkpoint` as `remat` says."""
+        if self.remat is Remat.NONE:
+            return layer(x, stream, rows, None)
+        graphdef, state = nnx.split(layer)
+
+        def run(state, x, stream, rows):
+            x, stream, _ = nnx.merge(graphdef, state)(x, stream, rows, None)
+            return x, stream
+
+        x, stream = jax.checkpoint(run, policy=self.remat.policy())(state, x, stream, rows)
+        return x, stream, None
 
     def hidden_captured(
         self,

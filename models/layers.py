@@ -13,7 +13,13 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from boundary_jax import SumGroup, Topology, gather_last_dim, shard_index
+from boundary_jax import (
+    SumGroup,
+    Topology,
+    gather_last_dim,
+    shard_index,
+    vocab_parallel_cross_entropy,
+)
 
 from .config import padded_vocab
 
@@ -213,6 +219,19 @@ class ParallelLMHead(nnx.Module):
         weight = self.tied_embedding.embedding[...].T if tied else self.kernel[...]
         logits = gather_last_dim(x @ weight, self.topology, SumGroup.ATTN_TP)
         return logits[:, : self.vocab_size]
+
+    def cross_entropy(self, x: jax.Array, labels: jax.Array) -> jax.Array:
+        """[T, hidden] complete rows and [T] target ids -> float32 [T] per-row cross-entropy.
+
+        The logits stay split over attention TP (`bj.vocab_parallel_cross_entropy` completes a
+        max and a sum of exponentials per row instead of gathering them); padding columns never
+        count. Rows labelled -1 (or any id outside the vocabulary) lose nothing.
+        """
+        tied = self.kernel is None
+        weight = self.tied_embedding.embedding[...].T if tied else self.kernel[...]
+        return vocab_parallel_cross_entropy(
+            x @ weight, labels, self.topology, SumGroup.ATTN_TP, vocab_size=self.vocab_size
+        )
 
     def greedy(self, x: jax.Array) -> jax.Array:
         """[T, hidden] complete rows -> int32 [T] argmax token ids, without gathering logits.

@@ -38,6 +38,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+import boundary_jax as bj
 from pallas_kernels.expert_matmul import (
     ExpertMatmulBlocks,
     expert_matmul,
@@ -229,14 +230,14 @@ def expert_outputs(
     # Sort the (token, choice) rows by local expert; rows of experts held elsewhere go last, as
     # group `local`, which no matmul covers (ragged_dot leaves such rows zero; masked anyway).
     group = jnp.where(held, flat, local)
-    order = jnp.argsort(group, stable=True)
+    order = bj.argsort(group)  # typed varying where `group` is (jnp.argsort drops it)
     rows = jnp.take(x, order // top_k, axis=0)  # [T*k, hidden]
     group_sizes = jnp.bincount(group, length=local + 1)[:local].astype(jnp.int32)
     matmul = functools.partial(_grouped_matmul, group_sizes=group_sizes, impl=impl)
     hidden_rows = jax.nn.silu(matmul(rows, gate)) * matmul(rows, up)
     out = matmul(hidden_rows, down)  # [T*k, hidden], in sorted order
     out = jnp.where(jnp.take(held, order)[:, None], out, jnp.zeros_like(out))
-    inverse = jnp.argsort(order)
+    inverse = bj.argsort(order)
     return jnp.take(out, inverse, axis=0).reshape(tokens, top_k, hidden)
 
 

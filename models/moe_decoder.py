@@ -16,7 +16,7 @@ import boundary_jax as bj
 
 from .attention import AttentionImpl
 from .config import Architecture, DecoderConfig
-from .decoder import PLAIN, CausalLM, DecoderLayer, LayerDesigns
+from .decoder import PLAIN, CausalLM, DecoderLayer, LayerDesigns, Remat
 from .hyper_connections import HyperConnections
 from .mlp import SwiGLU
 from .moe import GroupedMatmulImpl, default_grouped_matmul_impl
@@ -80,6 +80,7 @@ class MoeCausalLM(CausalLM):
         fusions: bj.fusions.FusionProvider = bj.fusions.NO_FUSIONS,
         dtype: jnp.dtype = jnp.float32,
         attention: AttentionImpl = AttentionImpl.XLA,
+        remat: Remat = Remat.NONE,
         hyper_connections: HyperConnections | None = None,
         rngs: nnx.Rngs,
     ):
@@ -95,6 +96,7 @@ class MoeCausalLM(CausalLM):
             fusions=fusions,
             dtype=dtype,
             attention=attention,
+            remat=remat,
             hyper_connections=hyper_connections,
             rngs=rngs,
         )

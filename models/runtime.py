@@ -24,7 +24,7 @@ import boundary_jax as bj
 from .attention import AttentionImpl, KVCache
 from .checkpoint import load_config, load_params
 from .config import Architecture, DecoderConfig
-from .decoder import CausalLM, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from .decoder import CausalLM, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Remat
 from .hyper_connections import HyperConnections
 from .moe import PALLAS
 from .moe_decoder import (
@@ -109,6 +109,7 @@ def build_model(
     seed: int = 0,
     attention: AttentionImpl | None = None,
     mesh: Mesh | None = None,
+    remat: Remat = Remat.NONE,
     hyper_connections: HyperConnections | None = None,
 ) -> CausalLM:
     """A model of `config` with random weights (every shard different).
@@ -124,6 +125,7 @@ def build_model(
         abstractly and creates each weight straight into its shards (no unsharded copy), at
         the cost of compiling the initializer (seconds; worth it for large models). The
         values are the same either way.
+      remat: What each layer keeps for the backward pass (training).
       hyper_connections: Build every boundary with MHC hyper-connections (random MHC weights);
         None: the plain pre-norm add + RMSNorm.
     """
@@ -139,6 +141,7 @@ def build_model(
             fusions=fusions,
             dtype=dtype,
             attention=attention,
+            remat=remat,
             hyper_connections=hyper_connections,
             rngs=nnx.Rngs(seed),
         )
@@ -163,6 +166,7 @@ def load_model(
     moe_dispatch: bj.MoeDispatch | None = None,
     dtype: jnp.dtype = jnp.float32,
     attention: AttentionImpl | None = None,
+    remat: Remat = Remat.NONE,
 ) -> CausalLM:
     """A model loaded from a Hugging Face checkpoint directory, each device reading its shard.
 
@@ -170,7 +174,7 @@ def load_model(
     into its sharded global array (stacked experts: each device reads only its experts). MoE
     checkpoints take `moe_ep` (expert-parallel size, dividing the mesh's full TP group) and
     `moe_dispatch` (None: `MoeDispatch.GATHER`). `attention` None picks
-    `AttentionImpl.for_platform`.
+    `AttentionImpl.for_platform`; `remat` says what each layer keeps for a backward pass.
     """
     config = load_config(checkpoint_dir)
     topology = bj.Topology.from_mesh(mesh, moe_ep=moe_ep)
@@ -185,6 +189,7 @@ def load_model(
             fusions=fusions,
             dtype=dtype,
             attention=attention,
+            remat=remat,
             rngs=nnx.Rngs(0),
         )
     )

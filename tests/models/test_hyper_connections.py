@@ -107,7 +107,8 @@ def _gradients(dp: int, tp: int) -> dict:
         out_specs=PartitionSpec(rows[0], None),
     )
     packed = run.pack(PROMPTS)
-    table = np.random.default_rng(0).standard_normal((len(PROMPTS), 7, 250)).astype(np.float32)
+    vocab = run.config.vocab_size
+    table = np.random.default_rng(0).standard_normal((len(PROMPTS), 7, vocab)).astype(np.float32)
     weights = run.place_array(_pack_values(packed, table))
     placed_rows, batch = run.place(packed)
     with jax.set_mesh(run.mesh):

@@ -303,8 +303,8 @@ def test_mutant_moe_sum_missing_is_caught(monkeypatch):
     """A sparse FFN declared complete (no MoE output sum) gives logits far from HF's."""
     honest = models.moe_decoder.moe_stage_facts
 
-    def no_sum(config, dispatch, layer_index):
-        attn, ffn = honest(config, dispatch, layer_index)
+    def no_sum(config, dispatch, layer_index, *designs):
+        attn, ffn = honest(config, dispatch, layer_index, *designs)
         if ffn.sparse:
             ffn = bj.declare_ffn(sparse=True, output_complete=True)
         return attn, ffn
