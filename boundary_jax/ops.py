@@ -260,15 +260,46 @@ def sharded_rms_norm(
     For a norm over a whole projection whose heads are split over attention TP (OLMo 2's q/k
     norm). Call inside `shard_map`.
     """
+    return sharded_rms_norms((x,), (weight,), topology, group, eps=eps)[0]
+
+
+def sharded_rms_norms(
+    xs: tuple[jax.Array, ...],
+    weights: tuple[jax.Array, ...],
+    topology: Topology,
+    group: SumGroup,
+    *,
+    eps: float,
+) -> tuple[jax.Array, ...]:
+    """`sharded_rms_norm` of several inputs over the same rows, their sums in one all-reduce.
+
+    Each `xs[i]` [rows, width_i / ranks] is normalized over its whole width with `weights[i]`
+    (this rank's slice); the [rows, len(xs)] sums of squares cross the group together (OLMo 2's
+    q and k norms: one small all-reduce per layer, not two). A rank may hold the same columns as
+    other ranks (a kv head shared by `r` ranks): its squares then count `r` times, and so does
+    its width, so the mean is still that of the whole projection. Call inside `shard_map`.
+
+    Raises:
+      ValueError: The inputs and weights differ in number, or the inputs in their rows.
+    """
+    if len(xs) != len(weights) or not xs or len({x.shape[:-1] for x in xs}) != 1:
+        raise ValueError(
+            "sharded_rms_norms takes as many weights as inputs, the inputs over the same rows; "
+            f"got inputs {[x.shape for x in xs]} and weights {[w.shape for w in weights]}"
+        )
     axes = topology.sum_axes(group)
-    acc = jnp.promote_types(x.dtype, jnp.float32)
-    wide = x.astype(acc)
-    squares = jnp.sum(wide * wide, axis=-1, keepdims=True)
+    acc = functools.reduce(jnp.promote_types, [x.dtype for x in xs], jnp.dtype(jnp.float32))
+    wide = [x.astype(acc) for x in xs]
+    squares = jnp.concatenate([jnp.sum(w * w, axis=-1, keepdims=True) for w in wide], axis=-1)
     if axes:
         squares = lax.psum(squares, _names(axes))
-    width = x.shape[-1] * topology.size(axes)
-    scale = weight.astype(acc).reshape((1,) * (x.ndim - 1) + weight.shape)
-    return (wide * lax.rsqrt(squares / width + eps) * scale).astype(x.dtype)
+    ranks = topology.size(axes)
+    out = []
+    for index, (x, value, weight) in enumerate(zip(xs, wide, weights, strict=True)):
+        mean = squares[..., index : index + 1] / (x.shape[-1] * ranks)
+        scale = weight.astype(acc).reshape((1,) * (x.ndim - 1) + weight.shape)
+        out.append((value * lax.rsqrt(mean + eps) * scale).astype(x.dtype))
+    return tuple(out)
 
 
 def vocab_parallel_cross_entropy(

@@ -24,10 +24,10 @@ from flax import nnx
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from boundary_jax import RMSNorm, SumGroup, TokenAxis, Topology, shard_index
+from boundary_jax import RMSNorm, SumGroup, TokenAxis, Topology, shard_index, sharded_rms_norms
 
 from .config import DecoderConfig
-from .layers import ColumnParallelLinear, RowParallelLinear, group_size
+from .layers import ColumnParallelLinear, RowParallelLinear, group_size, sharded_param
 from .rope import apply_rope, rope_inv_freq
 from .rows import RowsPhase
 
@@ -173,6 +173,23 @@ class KVCache:
         )
 
 
+class WholeProjectionNorm(nnx.Module):
+    """The weight of an RMSNorm over a whole q or k projection (all heads; OLMo 2), split over
+    attention TP like the projection's columns (replicated where the kv heads are shared).
+
+    Attributes:
+      weight: [heads * head_dim] global; this rank's columns inside `shard_map`.
+      eps: Added to the mean square (over the whole projection).
+    """
+
+    def __init__(
+        self, width: int, *, group: SumGroup | None, topology: Topology, eps: float, dtype
+    ):
+        entry = None if group is None else topology.shard_entry(group)
+        self.weight = sharded_param(jnp.ones((width,), dtype), (entry,))
+        self.eps = eps
+
+
 class Attention(nnx.Module):
     """Self-attention with q/o split by heads over attention TP; returns the o_proj partial.
 
@@ -183,10 +200,13 @@ class Attention(nnx.Module):
         its bias (if any) with it, a replicated one cut to this rank's kv head.
       v_proj: As `k_proj`.
       o_proj: [heads * head_dim, hidden], rows split over attention TP.
-      q_norm: Qwen3 per-head RMSNorm [head_dim] of the queries before RoPE, or None.
+      q_norm: RMSNorm of the queries before RoPE: per head (Qwen3, EXAONE 4.0, Gemma 3: an
+        `RMSNorm` [head_dim]), over the whole projection (OLMo 2: a `WholeProjectionNorm`), or
+        None.
       k_norm: As `q_norm`, for the keys.
       heads: How the heads divide over attention TP.
-      config: The decoder configuration (head_dim, RoPE, sliding window).
+      config: The decoder configuration (head_dim, q/k norm, query scale).
+      layer: This layer's window and RoPE (`DecoderConfig.layer_attention`).
       topology: The parallel topology.
       impl: The attention kernel (`AttentionImpl`).
     """
@@ -198,6 +218,7 @@ class Attention(nnx.Module):
         topology: Topology,
         dtype: jnp.dtype = jnp.float32,
         impl: AttentionImpl = AttentionImpl.XLA,
+        layer_index: int = 0,
         rngs: nnx.Rngs,
     ):
         if topology.attn_cp > 1:
@@ -216,14 +237,21 @@ class Attention(nnx.Module):
         self.k_proj = ColumnParallelLinear(hidden, kv_width, group=kv_group, bias=bias, **common)
         self.v_proj = ColumnParallelLinear(hidden, kv_width, group=kv_group, bias=bias, **common)
         self.o_proj = RowParallelLinear(q_width, hidden, group=SumGroup.ATTN_TP, **common)
-        if config.qk_norm:
-            self.q_norm = RMSNorm(head_dim, eps=config.rms_norm_eps, param_dtype=dtype)
-            self.k_norm = RMSNorm(head_dim, eps=config.rms_norm_eps, param_dtype=dtype)
+        eps = config.rms_norm_eps
+        if config.qk_norm_whole:
+            norm = {"topology": topology, "eps": eps, "dtype": dtype}
+            self.q_norm = WholeProjectionNorm(q_width, group=SumGroup.ATTN_TP, **norm)
+            self.k_norm = WholeProjectionNorm(kv_width, group=kv_group, **norm)
+        elif config.qk_norm:
+            norm = {"eps": eps, "gemma": config.gemma_norms, "param_dtype": dtype}
+            self.q_norm = RMSNorm(head_dim, **norm)
+            self.k_norm = RMSNorm(head_dim, **norm)
         else:
             self.q_norm = None
             self.k_norm = None
         self.heads = heads
         self.config = config
+        self.layer = config.layer_attention(layer_index)
         self.topology = topology
         self.impl = impl
 
@@ -275,10 +303,13 @@ class Attention(nnx.Module):
         q = self.q_proj(h).reshape(rows, self.heads.local_heads, head_dim)
         k = self._project_kv(self.k_proj, h)
         v = self._project_kv(self.v_proj, h)
-        if self.q_norm is not None:
+        if self.config.qk_norm_whole:
+            q, k = self._whole_qk_norm(q, k)
+        elif self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        inv_freq = rope_inv_freq(head_dim, self.config.rope_theta, self.config.rope_scaling)
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        if self.layer.rope_theta is not None:
+            inv_freq = rope_inv_freq(head_dim, self.layer.rope_theta, self.layer.rope_scaling)
+            q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         valid = segment_ids >= 0
         cudnn = self._takes_cudnn(q.dtype)
         if phase is RowsPhase.PREFILL:
@@ -287,29 +318,55 @@ class Attention(nnx.Module):
             if cudnn:
                 # Segment ids are cache slots, so the slots bound the segments per call.
                 bound = rows if cache is None else cache.k.shape[0]
-                out = _packed_cudnn(q, k, v, segment_ids, max_segments=bound)
+                out = _packed_cudnn(q, k, v, segment_ids, max_segments=bound, scale=self.scale)
                 # cuDNN leaves rows outside every segment unwritten.
                 out = jnp.where(valid[:, None, None], out, 0)
             else:
                 mask = segment_ids[:, None] == segment_ids[None, :]
                 mask &= self._visible(positions, positions) & valid[:, None]
-                out = _attend(self._grouped(q), k.astype(q.dtype), v, mask, "skd")
+                out = _attend(self._grouped(q), k.astype(q.dtype), v, mask, "skd", self.scale)
         else:
             # Row i is slot i: write each row's key at its position, then read the cache as is.
             slot_of_row = jnp.arange(rows, dtype=segment_ids.dtype)
             cache = self._write(cache, k, v, positions, jnp.where(valid, slot_of_row, -1))
             if cudnn:
-                out = _decode_cudnn(q, cache, positions)
+                out = _decode_cudnn(q, cache, positions, self.scale)
             else:
                 key_positions = jnp.arange(cache.k.shape[1], dtype=positions.dtype)
                 mask = self._visible(positions, key_positions) & valid[:, None]
                 keys, values = cache.k.astype(q.dtype), cache.v.astype(v.dtype)
-                out = _attend(self._grouped(q), keys, values, mask, "tskd")
+                out = _attend(self._grouped(q), keys, values, mask, "tskd", self.scale)
         # The jnp paths give padding rows zero weights. A cuDNN decode row of an idle slot
         # reads its slot's first key (finite values): masking it would cost a kernel per layer
         # and step, and the batch's token counts (or the caller) ignore that row.
         out = out.astype(h.dtype).reshape(rows, self.heads.local_heads * head_dim)
         return self.o_proj(out), cache
+
+    @property
+    def scale(self) -> float:
+        """The factor of the attention scores: `query_pre_attn_scalar ** -0.5` (Gemma 3), else
+        `head_dim ** -0.5`."""
+        scalar = self.config.query_pre_attn_scalar
+        return (self.config.head_dim if scalar is None else scalar) ** -0.5
+
+    def _whole_qk_norm(self, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """OLMo 2's q/k RMSNorms over all heads, their sums of squares in one small all-reduce
+        over attention TP (the heads are split there)."""
+        rows, head_dim = q.shape[0], self.config.head_dim
+        k_weight = self.k_norm.weight[...]
+        if not self.heads.kv_sharded:
+            # The rank computes one shared kv head: the norm weight's columns of that head.
+            ranks_per_head = self.heads.attn_tp // self.heads.num_kv_heads
+            head = shard_index(self.topology, SumGroup.ATTN_TP) // ranks_per_head
+            k_weight = lax.dynamic_slice_in_dim(k_weight, head * head_dim, head_dim)
+        q_flat, k_flat = sharded_rms_norms(
+            (q.reshape(rows, -1), k.reshape(rows, -1)),
+            (self.q_norm.weight[...], k_weight),
+            self.topology,
+            SumGroup.ATTN_TP,
+            eps=self.q_norm.eps,
+        )
+        return q_flat.reshape(q.shape), k_flat.reshape(k.shape)
 
     def _grouped(self, q: jax.Array) -> jax.Array:
         """[T, heads, D] -> [T, kv, group, D]: query head n uses kv head n // group."""
@@ -320,7 +377,7 @@ class Attention(nnx.Module):
         return (
             self.impl is AttentionImpl.CUDNN
             and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-            and self.config.sliding_window is None
+            and self.layer.sliding_window is None
             and self.config.head_dim % 8 == 0
             and self.config.head_dim <= 128
         )
@@ -344,8 +401,8 @@ class Attention(nnx.Module):
         """[T, S] causal (and sliding-window) visibility of key positions from query positions."""
         distance = query_positions[:, None] - key_positions[None, :]
         visible = distance >= 0
-        if self.config.sliding_window is not None:
-            visible &= distance < self.config.sliding_window
+        if self.layer.sliding_window is not None:
+            visible &= distance < self.layer.sliding_window
         return visible
 
     def _write(
@@ -378,7 +435,13 @@ class Attention(nnx.Module):
 
 
 def _packed_cudnn(
-    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, max_segments: int
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array,
+    *,
+    max_segments: int,
+    scale: float,
 ) -> jax.Array:
     """Causal attention within each segment of packed rows, through cuDNN's ragged layout.
 
@@ -412,20 +475,22 @@ def _packed_cudnn(
         kv_seqlen=seqlen,
         q_offsets=offsets,
         kv_offsets=offsets,
-        scale=q.shape[-1] ** -0.5,
+        scale=scale,
         mask_type=cudnn.MaskType.PADDING_CAUSAL,
     )
     return out[0]
 
 
-def _decode_cudnn(q: jax.Array, cache: KVCache, positions: jax.Array) -> jax.Array:
+def _decode_cudnn(q: jax.Array, cache: KVCache, positions: jax.Array, scale: float) -> jax.Array:
     """Row i's query [heads, D] over slot i's cached keys 0..positions[i], through cuDNN.
 
     The cache is read in place ([slots, max_len, kv, D] is cuDNN's BSNH layout); an idle row
     reads its slot's first key.
     """
     lengths = jnp.clip(positions + 1, 1, cache.k.shape[1]).astype(jnp.int32)
-    return decode_attention_cudnn(q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), lengths)
+    return decode_attention_cudnn(
+        q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), lengths, scale=scale
+    )
 
 
 def decode_attention_cudnn(
@@ -435,21 +500,24 @@ def decode_attention_cudnn(
     lengths: jax.Array,
     *,
     grouped: bool = False,
+    scale: float | None = None,
 ) -> jax.Array:
     """One query row per slot over its cache: [B, heads, D] x [B, S, kv, D] -> [B, heads, D].
 
-    Slot b attends to keys 0..lengths[b]-1 (lengths >= 1). With `grouped` (the default), the
+    Slot b attends to keys 0..lengths[b]-1 (lengths >= 1); scores are scaled by `scale` (None:
+    `D ** -0.5`). With `grouped` (the default), the
     query heads that share a kv head become that many query rows of one kv head: cuDNN then
     reads each slot's keys once per kv head, instead of once per query head.
     """
     batch, heads, head_dim = q.shape
     kv = k_cache.shape[2]
+    scale = head_dim**-0.5 if scale is None else scale
     if not grouped:
         out = jax.nn.dot_product_attention(
             q[:, None],
             k_cache,
             v_cache,
-            scale=head_dim**-0.5,
+            scale=scale,
             query_seq_lengths=jnp.ones_like(lengths),
             key_value_seq_lengths=lengths,
             implementation="cudnn",
@@ -461,7 +529,7 @@ def decode_attention_cudnn(
         rows,
         k_cache,
         v_cache,
-        scale=head_dim**-0.5,
+        scale=scale,
         query_seq_lengths=jnp.full_like(lengths, group),
         key_value_seq_lengths=lengths,
         implementation="cudnn",
@@ -475,16 +543,21 @@ def _acc(dtype: jnp.dtype) -> jnp.dtype:
 
 
 def _attend(
-    q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array, key_axes: str
+    q: jax.Array,
+    keys: jax.Array,
+    values: jax.Array,
+    mask: jax.Array,
+    key_axes: str,
+    scale: float,
 ) -> jax.Array:
-    """Softmax(q k^T / sqrt(head_dim)) v with FP32 scores and weights.
+    """Softmax(q k^T * scale) v with FP32 scores and weights.
 
     q is [T, kv, group, D]; keys/values are [S, kv, D] (`key_axes` "skd") or one set per row,
     [T, S, kv, D] ("tskd"); mask is [T, S]. Returns [T, kv, group, D].
     """
     acc = _acc(q.dtype)
     scores = jnp.einsum(f"tkgd,{key_axes}->tkgs", q, keys, preferred_element_type=acc)
-    probs = _masked_softmax(scores * q.shape[-1] ** -0.5, mask)
+    probs = _masked_softmax(scores * scale, mask)
     return jnp.einsum(
         f"tkgs,{key_axes}->tkgd", probs.astype(values.dtype), values, preferred_element_type=acc
     )

@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from .config import Architecture, DecoderConfig
+from .config import Architecture, DecoderConfig, ResidualDesign
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -78,9 +78,25 @@ class HFTensor:
         return tuple(self.name.format(expert=e) for e in range(self.experts))
 
 
+# Each design's norms, by the boundary that owns them: its input norm (`norm`), its update's norm
+# (post-norm) or its output transform (sandwich).
+_NORM_TENSORS = {
+    ResidualDesign.PRE_NORM: {
+        "attn_boundary.norm.weight": HFTensor("input_layernorm.weight"),
+        "ffn_boundary.norm.weight": HFTensor("post_attention_layernorm.weight"),
+    },
+    ResidualDesign.POST_NORM: {
+        "attn_boundary.update.norm.weight": HFTensor("post_attention_layernorm.weight"),
+        "ffn_boundary.update.norm.weight": HFTensor("post_feedforward_layernorm.weight"),
+    },
+    ResidualDesign.SANDWICH: {
+        "attn_boundary.norm.weight": HFTensor("input_layernorm.weight"),
+        "attn_boundary.output_transform.weight": HFTensor("post_attention_layernorm.weight"),
+        "ffn_boundary.norm.weight": HFTensor("pre_feedforward_layernorm.weight"),
+        "ffn_boundary.output_transform.weight": HFTensor("post_feedforward_layernorm.weight"),
+    },
+}
 _LAYER_TENSORS = {
-    "attn_boundary.norm.weight": HFTensor("input_layernorm.weight"),
-    "ffn_boundary.norm.weight": HFTensor("post_attention_layernorm.weight"),
     "attn.q_proj.kernel": HFTensor("self_attn.q_proj.weight", transpose=True),
     "attn.k_proj.kernel": HFTensor("self_attn.k_proj.weight", transpose=True),
     "attn.v_proj.kernel": HFTensor("self_attn.v_proj.weight", transpose=True),
@@ -129,7 +145,9 @@ def hf_name_map(config: DecoderConfig) -> dict[str, HFTensor]:
 
     Module paths are the dotted `nnx` state paths: `embed.embedding`,
     `layers.{i}.attn_boundary.norm.weight`, `layers.{i}.ffn_boundary.norm.weight` (each
-    stage's input norm, owned by its boundary),
+    stage's input norm, owned by its boundary; a post-norm decoder has instead
+    `layers.{i}.{attn,ffn}_boundary.update.norm.weight`, its updates' norms, and a sandwich-norm
+    one has both input norms and `layers.{i}.{attn,ffn}_boundary.output_transform.weight`),
     `layers.{i}.attn.{q,k,v,o}_proj.kernel`, `layers.{i}.attn.{q,k}_norm.weight` (qk_norm only),
     `layers.{i}.mlp.{gate,up,down}_proj.kernel`, `final_norm.weight`, and `lm_head.kernel`
     (absent with tied embeddings, where the head reads the embedding table).
@@ -143,7 +161,8 @@ def hf_name_map(config: DecoderConfig) -> dict[str, HFTensor]:
     """
     names = {"embed.embedding": HFTensor("model.embed_tokens.weight", padded_axis=0)}
     dense = (
-        _LAYER_TENSORS
+        _NORM_TENSORS[config.residual_design]
+        | _LAYER_TENSORS
         | (_QK_NORM_TENSORS if config.qk_norm else {})
         | (_QKV_BIAS_TENSORS if config.qkv_bias else {})
     )

@@ -1,13 +1,16 @@
 """Frozen decoder configurations: presets and a reader for Hugging Face `config.json` files.
 
-Dense decoders (Qwen3, Llama, Mistral, Qwen2) and mixture-of-experts decoders (Qwen3-MoE, Mixtral,
-Qwen2-MoE) read into one `DecoderConfig`; the sparse FFN's facts sit in its `moe` field.
+Dense decoders (Qwen3, Llama, Mistral, Qwen2), post-norm and sandwich-norm decoders (EXAONE 4.0,
+OLMo 2, Gemma 3 text) and mixture-of-experts decoders (Qwen3-MoE, Mixtral, Qwen2-MoE) read into
+one `DecoderConfig`; the sparse FFN's facts sit in its `moe` field, and what differs between the
+attention of one layer and another (window, RoPE) is `DecoderConfig.layer_attention`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,9 +25,47 @@ class Architecture(enum.StrEnum):
     QWEN3_MOE = "Qwen3MoeForCausalLM"
     MIXTRAL = "MixtralForCausalLM"
     QWEN2_MOE = "Qwen2MoeForCausalLM"
+    EXAONE4 = "Exaone4ForCausalLM"
+    OLMO2 = "Olmo2ForCausalLM"
+    GEMMA3 = "Gemma3ForCausalLM"
 
 
 _MOE_ARCHITECTURES = (Architecture.QWEN3_MOE, Architecture.MIXTRAL, Architecture.QWEN2_MOE)
+
+
+class ResidualDesign(enum.Enum):
+    """Where a decoder layer's norms sit around each stage.
+
+    PRE_NORM: each stage reads `norm(residual)`; the update is `residual + output`.
+    POST_NORM: each stage reads the residual as is; the update is `residual + norm(output)`
+      (EXAONE 4.0, OLMo 2).
+    SANDWICH: pre-norm read, and a norm of the complete output before the plain update (Gemma 3).
+    """
+
+    PRE_NORM = "pre-norm"
+    POST_NORM = "post-norm"
+    SANDWICH = "sandwich"
+
+
+_RESIDUAL_DESIGNS = {
+    Architecture.EXAONE4: ResidualDesign.POST_NORM,
+    Architecture.OLMO2: ResidualDesign.POST_NORM,
+    Architecture.GEMMA3: ResidualDesign.SANDWICH,
+}
+
+
+class AttentionKind(enum.StrEnum):
+    """The attention of one layer, by Hugging Face's `layer_types` names."""
+
+    FULL = "full_attention"
+    SLIDING = "sliding_attention"
+
+
+class Activation(enum.StrEnum):
+    """The gate activation of the gated MLP (Hugging Face `hidden_act` / `hidden_activation`)."""
+
+    SILU = "silu"
+    GELU_TANH = "gelu_pytorch_tanh"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +163,41 @@ class Llama3RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class LinearRopeScaling:
+    """Linear RoPE position interpolation (Hugging Face `rope_type: "linear"`): every inverse
+    frequency is divided by `factor`.
+
+    Attributes:
+      factor: The divisor (> 0).
+    """
+
+    factor: float
+
+    def __post_init__(self):
+        if not self.factor > 0:
+            raise ValueError(f"linear RoPE scaling needs a positive factor; got {self.factor=}")
+
+
+RopeScaling = Llama3RopeScaling | LinearRopeScaling
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerAttention:
+    """What the attention of one layer uses: its window and its rotary embedding.
+
+    Attributes:
+      sliding_window: A row at position p attends to positions p - sliding_window < q <= p;
+        None for full causal attention.
+      rope_theta: RoPE base; None for no rotary embedding (EXAONE 4.0's global layers).
+      rope_scaling: Frequency scaling of the RoPE, or None.
+    """
+
+    sliding_window: int | None
+    rope_theta: float | None
+    rope_scaling: RopeScaling | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class DecoderConfig:
     """The architecture of a decoder (Qwen3, Llama, Mistral, Qwen2 and the MoE ones): static and
     hashable.
@@ -146,6 +222,16 @@ class DecoderConfig:
       max_position_embeddings: Longest context the model supports.
       qkv_bias: The q, k and v projections add a bias (Qwen2, Qwen2-MoE); o has none.
       moe: The sparse FFN of an MoE decoder, or None for a dense decoder.
+      layer_types: Per layer, full or sliding-window attention; None: every layer slides when
+        `sliding_window` is set, none otherwise.
+      rope_local_theta: RoPE base of the sliding-window layers (Gemma 3's local base, without
+        `rope_scaling`); None: they use `rope_theta` and `rope_scaling` like the others.
+      nope_full_layers: The full-attention layers apply no RoPE (EXAONE 4.0 with a window).
+      qk_norm_whole: The q/k norms span the whole projection (all heads; OLMo 2) instead of each
+        head; needs `qk_norm`.
+      query_pre_attn_scalar: Attention scores are scaled by its inverse square root (Gemma 3);
+        None: by `head_dim ** -0.5`.
+      activation: The gated MLP's activation (SiLU: SwiGLU; GELU tanh: Gemma's GeGLU).
     """
 
     architecture: Architecture
@@ -158,13 +244,19 @@ class DecoderConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: Llama3RopeScaling | None
+    rope_scaling: RopeScaling | None
     qk_norm: bool
     tie_word_embeddings: bool
     sliding_window: int | None
     max_position_embeddings: int
     qkv_bias: bool = False
     moe: MoeConfig | None = None
+    layer_types: tuple[AttentionKind, ...] | None = None
+    rope_local_theta: float | None = None
+    nope_full_layers: bool = False
+    qk_norm_whole: bool = False
+    query_pre_attn_scalar: float | None = None
+    activation: Activation = Activation.SILU
 
     def __post_init__(self):
         for name in (
@@ -202,6 +294,62 @@ class DecoderConfig:
                 f"mlp_only_layers must name layers below num_layers={self.num_layers}; got "
                 f"{self.moe.mlp_only_layers}"
             )
+        kinds = self.layer_types
+        if kinds is not None:
+            if not isinstance(kinds, tuple) or any(
+                not isinstance(kind, AttentionKind) for kind in kinds
+            ):
+                raise TypeError(f"layer_types must be a tuple of AttentionKind; got {kinds!r}")
+            if len(kinds) != self.num_layers:
+                raise ValueError(
+                    f"layer_types must name one attention kind per layer ({self.num_layers}); "
+                    f"got {len(kinds)}"
+                )
+            if AttentionKind.SLIDING in kinds and self.sliding_window is None:
+                raise ValueError(
+                    "layer_types marks sliding-window layers but sliding_window is None; give "
+                    "the window or mark every layer full_attention"
+                )
+        if self.qk_norm_whole and not self.qk_norm:
+            raise ValueError("qk_norm_whole=True (norm over all heads) needs qk_norm=True")
+        if self.query_pre_attn_scalar is not None and not self.query_pre_attn_scalar > 0:
+            raise ValueError(
+                f"query_pre_attn_scalar must be positive or None; got {self.query_pre_attn_scalar}"
+            )
+
+    @property
+    def residual_design(self) -> ResidualDesign:
+        """Where the architecture's norms sit around each stage."""
+        return _RESIDUAL_DESIGNS.get(self.architecture, ResidualDesign.PRE_NORM)
+
+    @property
+    def gemma_norms(self) -> bool:
+        """Every RMSNorm (q/k norms and the final norm too) scales by `1 + weight` (Gemma)."""
+        return self.architecture is Architecture.GEMMA3
+
+    @property
+    def embedding_scale(self) -> float | None:
+        """The factor the embedding's output is multiplied by (Gemma: sqrt(hidden_size), in the
+        embedding's dtype), or None."""
+        return math.sqrt(self.hidden_size) if self.architecture is Architecture.GEMMA3 else None
+
+    def layer_kind(self, layer: int) -> AttentionKind:
+        """Whether layer `layer` (0-based) attends fully or within the sliding window."""
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer must be in [0, {self.num_layers}); got {layer}")
+        if self.layer_types is not None:
+            return self.layer_types[layer]
+        return AttentionKind.FULL if self.sliding_window is None else AttentionKind.SLIDING
+
+    def layer_attention(self, layer: int) -> LayerAttention:
+        """The window and RoPE of layer `layer`'s attention."""
+        if self.layer_kind(layer) is AttentionKind.SLIDING:
+            if self.rope_local_theta is not None:
+                return LayerAttention(self.sliding_window, self.rope_local_theta)
+            return LayerAttention(self.sliding_window, self.rope_theta, self.rope_scaling)
+        if self.nope_full_layers:
+            return LayerAttention(None, None)
+        return LayerAttention(None, self.rope_theta, self.rope_scaling)
 
     @property
     def sparse_layers(self) -> tuple[bool, ...]:
@@ -214,14 +362,16 @@ class DecoderConfig:
     def from_hf(cls, config: Mapping[str, Any]) -> DecoderConfig:
         """Reads a Hugging Face `config.json` (as a dict) of a supported decoder.
 
-        Accepts both RoPE formats: the legacy top-level `rope_theta` + `rope_scaling` and the
-        transformers-5 `rope_parameters`; and both spellings of the expert count
-        (`num_experts`, as the Qwen hub checkpoints, and `num_local_experts`, as Mixtral and
-        transformers 5's Qwen3-MoE write it).
+        Accepts both RoPE formats: the legacy top-level `rope_theta` + `rope_scaling` (Gemma 3:
+        also `rope_local_base_freq`) and the transformers-5 `rope_parameters` (Gemma 3: one
+        entry per layer type); both spellings of the expert count (`num_experts`, as the Qwen
+        hub checkpoints, and `num_local_experts`, as Mixtral and transformers 5's Qwen3-MoE
+        write it); and per-layer attention from `layer_types` (or the family's default pattern).
 
         Raises:
-          ValueError: The architecture, RoPE type, activation, biases or per-layer sliding
-            windows are not supported, or a required key is missing.
+          ValueError: The architecture, RoPE type, activation, biases, layer pattern or a
+            Gemma 3 option (softcapping, bidirectional attention) is not supported, or a
+            required key is missing.
         """
         architectures = config.get("architectures") or []
         supported = [a.value for a in Architecture]
@@ -237,31 +387,51 @@ class DecoderConfig:
                     f"{architecture.value} with {key}=true is not supported (the projections "
                     "here have no bias, except q/k/v of Qwen2 and Qwen2-MoE)"
                 )
-        activation = config.get("hidden_act", "silu")
-        if activation != "silu":
-            raise ValueError(f"only the SiLU gated MLP is supported; got hidden_act={activation!r}")
-        theta, scaling = _read_rope(config)
+        gemma = architecture is Architecture.GEMMA3
+        if gemma:
+            _check_gemma3(config)
+        activation = _read_activation(config, architecture)
+        theta, scaling, local_theta = (_read_gemma3_rope if gemma else _read_rope_global)(config)
         hidden = _required(config, "hidden_size")
         heads = _required(config, "num_attention_heads")
+        layers = _required(config, "num_hidden_layers")
+        window, kinds = _read_layer_types(config, architecture, layers)
         return cls(
             architecture=architecture,
             vocab_size=_required(config, "vocab_size"),
             hidden_size=hidden,
             intermediate_size=_required(config, "intermediate_size"),
-            num_layers=_required(config, "num_hidden_layers"),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=config.get("num_key_value_heads") or heads,
             head_dim=config.get("head_dim") or hidden // heads,
             rms_norm_eps=float(_required(config, "rms_norm_eps")),
             rope_theta=theta,
             rope_scaling=scaling,
-            qk_norm=architecture in (Architecture.QWEN3, Architecture.QWEN3_MOE),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            sliding_window=_read_sliding_window(config, architecture),
+            qk_norm=architecture in _QK_NORM_ARCHITECTURES,
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", gemma)),
+            sliding_window=window,
             max_position_embeddings=_required(config, "max_position_embeddings"),
             qkv_bias=_read_qkv_bias(config, architecture),
             moe=_read_moe(config, architecture),
+            layer_types=kinds,
+            rope_local_theta=local_theta,
+            nope_full_layers=architecture is Architecture.EXAONE4 and window is not None,
+            qk_norm_whole=architecture is Architecture.OLMO2,
+            query_pre_attn_scalar=(
+                float(_required(config, "query_pre_attn_scalar")) if gemma else None
+            ),
+            activation=activation,
         )
+
+
+_QK_NORM_ARCHITECTURES = (
+    Architecture.QWEN3,
+    Architecture.QWEN3_MOE,
+    Architecture.EXAONE4,
+    Architecture.OLMO2,
+    Architecture.GEMMA3,
+)
 
 
 def padded_vocab(vocab: int, shards: int) -> int:
@@ -277,7 +447,12 @@ def _required(config: Mapping[str, Any], key: str) -> Any:
     return config[key]
 
 
-def _read_rope(config: Mapping[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
+def _read_rope_global(config: Mapping[str, Any]) -> tuple[float, RopeScaling | None, None]:
+    theta, scaling = _read_rope(config)
+    return theta, scaling, None
+
+
+def _read_rope(config: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
     parameters = config.get("rope_parameters")
     if parameters is not None:
         if "rope_theta" not in parameters:
@@ -285,23 +460,83 @@ def _read_rope(config: Mapping[str, Any]) -> tuple[float, Llama3RopeScaling | No
         theta, scaling = parameters["rope_theta"], parameters
     else:
         theta, scaling = _required(config, "rope_theta"), config.get("rope_scaling") or {}
+    return float(theta), _rope_scaling(scaling)
+
+
+def _rope_scaling(scaling: Mapping[str, Any]) -> RopeScaling | None:
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
-        return float(theta), None
+        return None
+    if rope_type == "linear":
+        if "factor" not in scaling:
+            raise ValueError(f"linear RoPE scaling has no 'factor'; got {dict(scaling)!r}")
+        return LinearRopeScaling(float(scaling["factor"]))
     if rope_type != "llama3":
         raise ValueError(
-            f"RoPE type {rope_type!r} is not supported; supported: 'default' and 'llama3'"
+            f"RoPE type {rope_type!r} is not supported; supported: 'default', 'linear' and 'llama3'"
         )
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     missing = [key for key in keys if key not in scaling]
     if missing:
         raise ValueError(f"llama3 RoPE scaling is missing {missing}; got {dict(scaling)!r}")
-    return float(theta), Llama3RopeScaling(
+    return Llama3RopeScaling(
         factor=float(scaling["factor"]),
         low_freq_factor=float(scaling["low_freq_factor"]),
         high_freq_factor=float(scaling["high_freq_factor"]),
         original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
     )
+
+
+def _read_gemma3_rope(config: Mapping[str, Any]) -> tuple[float, RopeScaling | None, float]:
+    """Gemma 3's global RoPE (base and scaling) and its local base: transformers 5 writes one
+    `rope_parameters` entry per layer type; hub files say `rope_theta`, `rope_scaling` (global)
+    and `rope_local_base_freq`."""
+    parameters = config.get("rope_parameters")
+    if parameters is None:
+        theta = float(config.get("rope_theta", 1_000_000.0))
+        scaling = _rope_scaling(config.get("rope_scaling") or {})
+        return theta, scaling, float(config.get("rope_local_base_freq", 10_000.0))
+    full = parameters.get(AttentionKind.FULL.value)
+    local = parameters.get(AttentionKind.SLIDING.value)
+    if full is None or local is None or "rope_theta" not in full or "rope_theta" not in local:
+        raise ValueError(
+            "Gemma 3's rope_parameters needs 'full_attention' and 'sliding_attention' entries "
+            f"with a rope_theta each; got {parameters!r}"
+        )
+    if _rope_scaling(local) is not None:
+        raise ValueError(
+            f"RoPE scaling on Gemma 3's sliding-window layers is not supported; got {local!r}"
+        )
+    return float(full["rope_theta"]), _rope_scaling(full), float(local["rope_theta"])
+
+
+def _check_gemma3(config: Mapping[str, Any]) -> None:
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if config.get(key) is not None:
+            raise ValueError(
+                f"Gemma3ForCausalLM with {key}={config[key]!r} is not supported (Gemma 3 "
+                "checkpoints set it null); use a config without softcapping"
+            )
+    if config.get("use_bidirectional_attention", False):
+        raise ValueError(
+            "Gemma3ForCausalLM with use_bidirectional_attention=true is not supported: the "
+            "decoders here attend causally"
+        )
+
+
+def _read_activation(config: Mapping[str, Any], architecture: Architecture) -> Activation:
+    if architecture is Architecture.GEMMA3:
+        name = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
+        if name != Activation.GELU_TANH:
+            raise ValueError(
+                "Gemma 3's gated MLP is supported with the tanh GELU only; got "
+                f"hidden_activation={name!r}"
+            )
+        return Activation.GELU_TANH
+    name = config.get("hidden_act", "silu")
+    if name != Activation.SILU:
+        raise ValueError(f"only the SiLU gated MLP is supported; got hidden_act={name!r}")
+    return Activation.SILU
 
 
 def _read_qkv_bias(config: Mapping[str, Any], architecture: Architecture) -> bool:
@@ -372,37 +607,58 @@ def _read_moe(config: Mapping[str, Any], architecture: Architecture) -> MoeConfi
     )
 
 
-def _read_sliding_window(config: Mapping[str, Any], architecture: Architecture) -> int | None:
-    if architecture is Architecture.LLAMA:
-        return None
+def _read_layer_types(
+    config: Mapping[str, Any], architecture: Architecture, layers: int
+) -> tuple[int | None, tuple[AttentionKind, ...] | None]:
+    """The sliding window and, where layers differ, each layer's attention kind."""
+    if architecture in (Architecture.LLAMA, Architecture.OLMO2):
+        return None, None
     window = config.get("sliding_window")
-    if architecture in (Architecture.MISTRAL, Architecture.MIXTRAL) or window is None:
-        return window
-    # The Qwen family: the window applies only where enabled. Qwen3-MoE then applies it to
-    # every layer; the others to the layers `layer_types` marks sliding (by default those from
-    # `max_window_layers` on, every other one below it for Qwen2-MoE). One window for all layers
-    # is supported.
-    if not config.get("use_sliding_window", False):
-        return None
+    if architecture in (Architecture.MISTRAL, Architecture.MIXTRAL) or not window:
+        return window or None, None
+    qwen = architecture not in (Architecture.EXAONE4, Architecture.GEMMA3)
+    if qwen and not config.get("use_sliding_window", False):
+        return None, None
     if architecture is Architecture.QWEN3_MOE:
-        return window
-    layers = config["num_hidden_layers"]
-    first = config.get("max_window_layers", layers)
-    if architecture is Architecture.QWEN2_MOE:
-        default = [bool((i + 1) % 2) and i < first for i in range(layers)]
-    else:
-        default = [i >= first for i in range(layers)]
-    kinds = config.get("layer_types") or [
-        "sliding_attention" if sliding else "full_attention" for sliding in default
-    ]
-    if set(kinds) == {"full_attention"}:
-        return None
-    if set(kinds) == {"sliding_attention"}:
-        return window
-    raise ValueError(
-        "sliding windows on some layers only are not supported; got layer_types="
-        f"{kinds!r}. Use a config whose layers all use the same attention."
-    )
+        return window, None
+    names = config.get("layer_types")
+    if not names:
+        if architecture is Architecture.EXAONE4:
+            default = _pattern_layers(config.get("sliding_window_pattern"), layers, "EXAONE 4.0")
+        elif architecture is Architecture.GEMMA3:
+            default = _pattern_layers(config.get("sliding_window_pattern", 6), layers, "Gemma 3")
+        else:
+            # Qwen3, Qwen2, Qwen2-MoE: by default the layers from `max_window_layers` on slide
+            # (every other one below it for Qwen2-MoE).
+            first = config.get("max_window_layers", layers)
+            if architecture is Architecture.QWEN2_MOE:
+                default = [bool((i + 1) % 2) and i < first for i in range(layers)]
+            else:
+                default = [i >= first for i in range(layers)]
+        names = [(AttentionKind.SLIDING if s else AttentionKind.FULL).value for s in default]
+    known = {kind.value for kind in AttentionKind}
+    if len(names) != layers or not set(names) <= known:
+        raise ValueError(
+            f"layer_types must name one of {sorted(known)} for each of the {layers} layers; got "
+            f"{names!r}"
+        )
+    kinds = tuple(AttentionKind(name) for name in names)
+    if AttentionKind.SLIDING not in kinds:
+        return None, None
+    if set(kinds) == {AttentionKind.SLIDING}:
+        return window, None
+    return window, kinds
+
+
+def _pattern_layers(pattern: Any, layers: int, family: str) -> list[bool]:
+    """Which layers slide by an integer `sliding_window_pattern` (every pattern-th is full), as
+    transformers derives `layer_types` when config.json has none."""
+    if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern < 1:
+        raise ValueError(
+            f"{family} config.json without layer_types needs an integer sliding_window_pattern; "
+            f"got {pattern!r}. Give layer_types"
+        )
+    return [bool((i + 1) % pattern) for i in range(layers)]
 
 
 PRESETS: dict[str, DecoderConfig] = {

@@ -2,7 +2,9 @@
 
 Each layer appends an attention stage and an FFN stage to the model's layer stack; the model
 enters the stack with the vocab-parallel embedding's partial sum and leaves it through the final
-norm. Compute never sums: every sum a stage owes is completed by a boundary.
+norm. Compute never sums: every sum a stage owes is completed by a boundary. Where the norms sit
+around each stage is the model's declaration (`CausalLM.stage_facts`, `CausalLM.read_norms`): the
+post-norm and sandwich-norm families (`models.norm_decoders`) change only those.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ LayerDesigns = tuple[Mapping[str, Any], Mapping[str, Any]]
 """A layer's attention and FFN stages' residual `read` / `update` declaration keywords."""
 PLAIN: LayerDesigns = ({}, {})
 """The plain pre-norm design: add + RMSNorm at every boundary."""
+ReadNorms = tuple[bj.RMSNorm | None, bj.RMSNorm | None]
+"""A layer's attention and FFN stages' input norms (None: the stage reads the residual as is)."""
 
 
 class Remat(enum.Enum):
@@ -68,16 +72,18 @@ def stage_facts(
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm attention + an FFN, joined to its neighbours by two stage boundaries.
+    """Attention + an FFN, joined to its neighbours by two stage boundaries (pre-norm unless the
+    declarations and `read_norms` say otherwise).
 
     Attributes:
       attn: Self-attention returning its o_proj partial.
       mlp: The FFN (a SwiGLU here) returning its down_proj partial; built by `make_mlp` after
         the attention, so a mesh that fits neither reports the heads first.
       attn_boundary: The boundary before and after attention; owns its input norm (HF
-        `input_layernorm`).
+        `input_layernorm`), and its update and output transform.
       ffn_boundary: The boundary before and after the FFN; owns its input norm (HF
-        `post_attention_layernorm`).
+        `post_attention_layernorm`; Gemma 3's `pre_feedforward_layernorm`), and its update and
+        output transform.
     """
 
     def __init__(
@@ -89,12 +95,21 @@ class DecoderLayer(nnx.Module):
         topology: bj.Topology,
         dtype: jnp.dtype,
         attention: AttentionImpl = AttentionImpl.XLA,
+        layer_index: int = 0,
+        read_norms: ReadNorms | None = None,
         rngs: nnx.Rngs,
     ):
-        eps = config.rms_norm_eps
-        input_norm = bj.RMSNorm(config.hidden_size, eps=eps, param_dtype=dtype)
-        post_attn_norm = bj.RMSNorm(config.hidden_size, eps=eps, param_dtype=dtype)
-        self.attn = Attention(config, topology=topology, dtype=dtype, impl=attention, rngs=rngs)
+        if read_norms is None:
+            read_norms = pre_norms(config, dtype)
+        input_norm, post_attn_norm = read_norms
+        self.attn = Attention(
+            config,
+            topology=topology,
+            dtype=dtype,
+            impl=attention,
+            layer_index=layer_index,
+            rngs=rngs,
+        )
         self.mlp = make_mlp()
         attn, ffn = declarations
         self.attn_boundary, self.ffn_boundary = bj.append_stages(
@@ -102,13 +117,13 @@ class DecoderLayer(nnx.Module):
         )
 
     @property
-    def input_norm(self) -> bj.RMSNorm:
-        """The attention stage's input norm."""
+    def input_norm(self) -> bj.RMSNorm | None:
+        """The attention stage's input norm (None: it reads the residual as is)."""
         return self.attn_boundary.norm
 
     @property
-    def post_attn_norm(self) -> bj.RMSNorm:
-        """The FFN stage's input norm."""
+    def post_attn_norm(self) -> bj.RMSNorm | None:
+        """The FFN stage's input norm (None: it reads the residual as is)."""
         return self.ffn_boundary.norm
 
     def __call__(
@@ -158,6 +173,16 @@ class DecoderLayer(nnx.Module):
         return self.ffn_boundary.finish(self.mlp(h), stream)
 
 
+def pre_norms(config: DecoderConfig, dtype: jnp.dtype) -> ReadNorms:
+    """Fresh input norms of a layer's attention and FFN stages (`1 + w` where the config says)."""
+    return tuple(
+        bj.RMSNorm(
+            config.hidden_size, eps=config.rms_norm_eps, gemma=config.gemma_norms, param_dtype=dtype
+        )
+        for _ in range(2)
+    )
+
+
 class CausalLM(nnx.Module):
     """A dense decoder LM over packed token rows; runs inside `jax.shard_map` on its topology.
 
@@ -175,6 +200,7 @@ class CausalLM(nnx.Module):
       hyper_connections: The MHC residual design of every boundary, or None for the plain
         pre-norm add + RMSNorm.
       hyper_head: With hyper-connections, the head collapsing the streams before `final_norm`.
+      param_dtype: The dtype of every parameter.
     """
 
     architectures: tuple[Architecture, ...] = (
@@ -209,7 +235,10 @@ class CausalLM(nnx.Module):
         self.attention = attention
         self.remat = remat
         self.hyper_connections = hyper_connections
-        self.embed = VocabParallelEmbedding(config.vocab_size, config.hidden_size, **common)
+        self.param_dtype = dtype
+        self.embed = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, scale=config.embedding_scale, **common
+        )
         with bj.layer_stack(
             topology,
             reduction=reduction,
@@ -222,7 +251,9 @@ class CausalLM(nnx.Module):
             self.layers = nnx.List(
                 [self.make_layer(config, i, **common) for i in range(config.num_layers)]
             )
-        self.final_norm = bj.RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=dtype)
+        self.final_norm = bj.RMSNorm(
+            config.hidden_size, eps=config.rms_norm_eps, gemma=config.gemma_norms, param_dtype=dtype
+        )
         self.hyper_head = (
             None
             if hyper_connections is None
@@ -266,16 +297,31 @@ class CausalLM(nnx.Module):
             for _ in range(2)
         )
 
+    def read_norms(self) -> ReadNorms:
+        """Fresh input norms of one layer's attention and FFN stages."""
+        return pre_norms(self.config, self.param_dtype)
+
     def make_layer(self, config: DecoderConfig, index: int, **common) -> nnx.Module:
         """Decoder layer `index` (inside the open layer stack), with this model's attention
         kernel and residual design; `common` holds `topology`, `dtype` and `rngs`."""
 
         def make_mlp():
-            return SwiGLU(config.hidden_size, config.intermediate_size, **common)
+            return SwiGLU(
+                config.hidden_size,
+                config.intermediate_size,
+                activation=config.activation,
+                **common,
+            )
 
         designs = self.layer_designs(dtype=common["dtype"], rngs=common["rngs"])
         return DecoderLayer(
-            config, self.stage_facts(index, designs), make_mlp, attention=self.attention, **common
+            config,
+            self.stage_facts(index, designs),
+            make_mlp,
+            attention=self.attention,
+            layer_index=index,
+            read_norms=self.read_norms(),
+            **common,
         )
 
     @property

@@ -130,6 +130,8 @@ class VocabParallelEmbedding(nnx.Module):
       embedding: [padded vocab, hidden] global; local [padded vocab / attn_tp, hidden].
       vocab_size: Number of real token ids.
       topology: The parallel topology the table is split for.
+      scale: A factor the embeddings are multiplied by, rounded to the table's dtype first (as
+        Gemma's scaled embedding does), or None.
     """
 
     def __init__(
@@ -139,6 +141,7 @@ class VocabParallelEmbedding(nnx.Module):
         *,
         topology: Topology,
         dtype: jnp.dtype = jnp.float32,
+        scale: float | None = None,
         rngs: nnx.Rngs,
     ):
         rows = padded_vocab(vocab_size, group_size(topology, SumGroup.ATTN_TP))
@@ -148,6 +151,7 @@ class VocabParallelEmbedding(nnx.Module):
         self.embedding = sharded_param(table, (topology.shard_entry(SumGroup.ATTN_TP), None))
         self.vocab_size = vocab_size
         self.topology = topology
+        self.scale = scale
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         """[T] int ids -> [T, hidden]: this rank's partial, owing a sum over attention TP.
@@ -159,6 +163,9 @@ class VocabParallelEmbedding(nnx.Module):
         local = ids - shard_index(self.topology, SumGroup.ATTN_TP) * rows
         mine = (local >= 0) & (local < rows) & (ids < self.vocab_size)
         gathered = jnp.take(table, jnp.where(mine, local, 0), axis=0)
+        if self.scale is not None:
+            # Only the owning rank's row is nonzero, so scaling before the sum scales the sum.
+            gathered = gathered * jnp.asarray(self.scale, table.dtype)
         return jnp.where(mine[:, None], gathered, 0)
 
 

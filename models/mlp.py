@@ -1,4 +1,5 @@
-"""The SwiGLU FFN, split over the full TP group; it returns an unreduced partial sum."""
+"""The gated MLP (SwiGLU, or Gemma's tanh-GELU GeGLU), split over the full TP group; it returns an
+unreduced partial sum."""
 
 from __future__ import annotations
 
@@ -8,11 +9,18 @@ from flax import nnx
 
 from boundary_jax import SumGroup, Topology
 
+from .config import Activation
 from .layers import ColumnParallelLinear, RowParallelLinear, group_size
+
+_ACTIVATIONS = {
+    Activation.SILU: jax.nn.silu,
+    Activation.GELU_TANH: lambda x: jax.nn.gelu(x, approximate=True),
+}
 
 
 class SwiGLU(nnx.Module):
-    """`down(silu(gate(x)) * up(x))` with the intermediate features split over full TP.
+    """`down(act(gate(x)) * up(x))` with the intermediate features split over full TP; `act` is
+    SiLU (SwiGLU) unless the `activation` says otherwise (Gemma's GeGLU: GELU, tanh form).
 
     Full TP spans attention DP x CP x TP, so the input rows must be the same on every rank of
     the group (the boundary gathers attention-DP rows before the FFN).
@@ -21,6 +29,7 @@ class SwiGLU(nnx.Module):
       gate_proj: [hidden, intermediate], columns split over `SumGroup.TP`.
       up_proj: As `gate_proj`.
       down_proj: [intermediate, hidden], rows split over `SumGroup.TP`.
+      activation: The gate's activation.
     """
 
     def __init__(
@@ -30,6 +39,7 @@ class SwiGLU(nnx.Module):
         *,
         topology: Topology,
         dtype: jnp.dtype = jnp.float32,
+        activation: Activation = Activation.SILU,
         rngs: nnx.Rngs,
     ):
         tp = group_size(topology, SumGroup.TP)
@@ -42,7 +52,9 @@ class SwiGLU(nnx.Module):
         self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, **common)
         self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, **common)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, **common)
+        self.activation = activation
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """[T, hidden] complete rows -> [T, hidden] partial, owing a sum over full TP."""
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        act = _ACTIVATIONS[self.activation]
+        return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))

@@ -127,6 +127,7 @@ class MoeCausalLM(CausalLM):
             self.stage_facts(index, designs),
             lambda: mlp,
             attention=self.attention,
+            layer_index=index,
             **common,
         )
 

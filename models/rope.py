@@ -1,4 +1,5 @@
-"""Rotary position embeddings as Hugging Face computes them (NeoX `rotate_half`, llama3 scaling)."""
+"""Rotary position embeddings as Hugging Face computes them (NeoX `rotate_half`; linear and llama3
+frequency scaling)."""
 
 from __future__ import annotations
 
@@ -9,23 +10,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .config import Llama3RopeScaling
+from .config import LinearRopeScaling, Llama3RopeScaling, RopeScaling
 
 
 @functools.cache
-def rope_inv_freq(
-    head_dim: int, theta: float, scaling: Llama3RopeScaling | None = None
-) -> np.ndarray:
-    """The [head_dim // 2] float32 inverse frequencies, with optional llama3 scaling.
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:
+    """The [head_dim // 2] float32 inverse frequencies, with optional linear or llama3 scaling.
 
-    Follows transformers' `_compute_default_rope_parameters` and `_compute_llama3_parameters`
-    step by step in float32; the result is a read-only constant (cached per argument set).
+    Follows transformers' `_compute_default_rope_parameters`, `_compute_linear_scaling_rope_
+    parameters` and `_compute_llama3_parameters` step by step in float32; the result is a
+    read-only constant (cached per argument set).
     """
     if head_dim % 2:
         raise ValueError(f"RoPE rotates pairs of dimensions; head_dim must be even, got {head_dim}")
     exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
     inv_freq = np.float32(1.0) / np.power(np.float32(theta), exponents)
-    if scaling is not None:
+    if isinstance(scaling, LinearRopeScaling):
+        inv_freq = inv_freq / np.float32(scaling.factor)
+    elif isinstance(scaling, Llama3RopeScaling):
         inv_freq = _llama3_scale(inv_freq, scaling)
     inv_freq = inv_freq.astype(np.float32)
     inv_freq.setflags(write=False)

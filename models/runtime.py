@@ -33,6 +33,7 @@ from .moe_decoder import (
     Qwen2MoeForCausalLM,
     Qwen3MoeForCausalLM,
 )
+from .norm_decoders import Exaone4ForCausalLM, Gemma3ForCausalLM, Olmo2ForCausalLM
 from .rows import PackedBatch, RowsPhase, TokenRows, decode_rows, pack_sequences
 from .sampling import GREEDY, Sampling, sample_tokens
 
@@ -69,6 +70,9 @@ _MODEL_CLASSES = {
     Architecture.QWEN3_MOE: Qwen3MoeForCausalLM,
     Architecture.MIXTRAL: MixtralForCausalLM,
     Architecture.QWEN2_MOE: Qwen2MoeForCausalLM,
+    Architecture.EXAONE4: Exaone4ForCausalLM,
+    Architecture.OLMO2: Olmo2ForCausalLM,
+    Architecture.GEMMA3: Gemma3ForCausalLM,
 }
 
 

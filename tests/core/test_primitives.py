@@ -49,6 +49,61 @@ def test_a_norm_over_columns_split_over_a_group_equals_the_whole_norm(dp, tp, gr
     assert float(jnp.max(jnp.abs(local - want))) > 1e-2, "the inputs must need the group's sum"
 
 
+def test_norms_of_two_inputs_share_one_all_reduce_and_allow_shared_columns():
+    """sharded_rms_norms normalizes q-like columns split over attention TP and k-like heads each
+    shared by two ranks (their squares and width counted alike) with one all-reduce."""
+    topology = bj.Topology(attn_tp=4)
+    mesh = make_mesh(1, 4)
+    cols = topology.shard_entry(bj.SumGroup.ATTN_TP)
+    keys = jax.random.split(jax.random.key(1), 4)
+    q = jax.random.normal(keys[0], (6, 32)) * jnp.linspace(0.2, 3.0, 32)[None, :]
+    k = jax.random.normal(keys[1], (6, 16)) * jnp.linspace(3.0, 0.5, 16)[None, :]
+    wq = 1 + 0.2 * jax.random.normal(keys[2], (32,))
+    wk = 1 + 0.2 * jax.random.normal(keys[3], (16,))
+
+    def body(q, k, wq, wk):
+        head = bj.shard_index(topology, bj.SumGroup.ATTN_TP) // 2  # 2 heads of 8, 2 ranks each
+        k_mine = jax.lax.dynamic_slice_in_dim(k, head * 8, 8, axis=1)
+        wk_mine = jax.lax.dynamic_slice_in_dim(wk, head * 8, 8)
+        return bj.sharded_rms_norms(
+            (q, k_mine), (wq, wk_mine), topology, bj.SumGroup.ATTN_TP, eps=1e-6
+        )
+
+    fn = jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(P(None, cols), P(), P(cols), P()),
+            out_specs=(P(None, cols), P(None, cols)),
+        )
+    )
+    args = (q, k, wq, wk)
+    specs = (P(None, cols), P(), P(cols), P())
+    placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs, strict=True)]
+    got_q, got_k = fn(*placed)
+    np.testing.assert_allclose(got_q, rms_norm(q, wq, eps=1e-6), rtol=1e-5, atol=1e-6)
+    want_k = rms_norm(k, wk, eps=1e-6)  # rank r holds head r // 2
+    want_k = jnp.concatenate([want_k[:, 0:8], want_k[:, 0:8], want_k[:, 8:16], want_k[:, 8:16]], 1)
+    np.testing.assert_allclose(got_k, want_k, rtol=1e-5, atol=1e-6)
+    report = bj.parse_hlo(fn.lower(*placed).compile().as_text())
+    assert report.sequence(None) == ("all-reduce",)
+
+
+def test_norms_reject_mismatched_inputs():
+    """As many weights as inputs, all over the same rows."""
+    topology = bj.Topology()
+    with pytest.raises(ValueError, match="as many weights as inputs"):
+        bj.sharded_rms_norms((jnp.ones((2, 4)),), (), topology, bj.SumGroup.ATTN_TP, eps=1e-6)
+    with pytest.raises(ValueError, match="same rows"):
+        bj.sharded_rms_norms(
+            (jnp.ones((2, 4)), jnp.ones((3, 4))),
+            (jnp.ones(4), jnp.ones(4)),
+            topology,
+            bj.SumGroup.ATTN_TP,
+            eps=1e-6,
+        )
+
+
 @pytest.mark.parametrize("dp,tp", [(1, 4), (2, 2), (1, 8)])
 def test_vocab_parallel_cross_entropy_equals_the_gathered_one(dp, tp):
     """Per-row cross-entropy of vocab columns split over attention TP (padding columns past the

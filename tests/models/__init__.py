@@ -12,6 +12,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 import boundary_jax as bj
+from models.attention import WholeProjectionNorm
 
 MESHES = ((1, 1), (1, 2), (1, 4), (2, 2), (1, 8))
 """(attn_dp, attn_tp) meshes every sharded layer test runs on."""
@@ -72,9 +73,10 @@ def unsharded_copy(module: nnx.Module, factory: Callable[[bj.Topology], nnx.Modu
 
 
 def randomize_norms(module: nnx.Module, seed: int) -> None:
-    """Gives every RMSNorm weight random values around 1, so a skipped norm is visible."""
+    """Gives every RMSNorm weight (whole-projection q/k norms too) random values around 1, so a
+    skipped norm, or a rank holding another rank's slice, is visible."""
     rng = np.random.default_rng(seed)
     for _, node in nnx.iter_graph(module):
-        if isinstance(node, bj.RMSNorm):
+        if isinstance(node, bj.RMSNorm | WholeProjectionNorm):
             shape = node.weight.shape
             node.weight[...] = (1 + 0.2 * rng.standard_normal(shape)).astype(node.weight.dtype)

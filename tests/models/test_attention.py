@@ -31,6 +31,9 @@ CONFIGS = {
     ),
     # Qwen2: q/k/v biases; at TP 4 and 8 its 2 kv heads (and their biases) are shared by ranks.
     "qwen2-bias-kv2": dataclasses.replace(BASE, qk_norm=False, qkv_bias=True),
+    # OLMo 2's q/k norm over the whole projection: its mean of squares spans every rank's heads
+    # (kv heads shared by ranks at attention TP 4 and 8).
+    "whole-qk-norm-kv2": dataclasses.replace(BASE, qk_norm_whole=True),
 }
 
 # One DP rank's packed rows: (segment id, length) per sequence, then padding rows.

@@ -21,6 +21,7 @@ from models.checkpoint import hf_name_map, load_config, load_params
 from models.config import DecoderConfig
 from models.layers import ParallelLMHead, VocabParallelEmbedding
 from models.mlp import SwiGLU
+from models.runtime import load_model
 
 from . import make_mesh, row_spec, sum_over
 
@@ -253,3 +254,26 @@ def test_loaded_model_runs_under_shard_map():
     x = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + config.rms_norm_eps)
     want = (x * tensors["model.norm.weight"]) @ tensors["lm_head.weight"].T
     np.testing.assert_allclose(np.asarray(logits), want, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["exaone4", "olmo2", "gemma3"])
+def test_norm_families_load_each_norm_into_its_boundary(name):
+    """Post-norm checkpoints load their post-attention / post-feedforward norms into the
+    boundaries' updates, Gemma 3's into input norms and output transforms, OLMo 2's
+    whole-projection q/k norms split like their heads (k shared by two ranks at TP 4)."""
+    mesh = make_mesh(1, 4)
+    model = load_model(GOLDEN / name, mesh)
+    check_loaded(GOLDEN / name, nnx.state(model, nnx.Param), mesh, jnp.float32)
+    names = hf_name_map(load_config(GOLDEN / name))
+    if name == "gemma3":
+        assert names["layers.1.ffn_boundary.output_transform.weight"].name == (
+            "model.layers.1.post_feedforward_layernorm.weight"
+        )
+        assert names["layers.1.ffn_boundary.norm.weight"].name == (
+            "model.layers.1.pre_feedforward_layernorm.weight"
+        )
+    else:
+        assert names["layers.1.attn_boundary.update.norm.weight"].name == (
+            "model.layers.1.post_attention_layernorm.weight"
+        )
+        assert "layers.1.attn_boundary.norm.weight" not in names

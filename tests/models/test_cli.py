@@ -384,3 +384,30 @@ def test_the_installed_command_reports_bad_input_without_a_traceback(tmp_path):
     assert result.stderr.strip().splitlines() == [
         f"boundary-jax: error: no checkpoint directory at {tmp_path / 'none'}"
     ]
+
+
+def test_norm_family_checkpoints_run_forward_generate_and_plan(tmp_path, capsys):
+    """The post-norm and sandwich-norm checkpoints run on the command line: EXAONE 4.0 forward
+    input-scattered (HF's logits within 1e-4), Gemma 3 generate under DP 2 x TP 2 (HF's greedy
+    tokens), OLMo 2 plan (its middle layer's two boundary all-reduces and its q/k-norm one)."""
+    checkpoint, reference = _golden("exaone4")
+    out = tmp_path / "logits.npy"
+    args = ["forward", "--checkpoint", str(checkpoint), "--mesh", "attn_tp=4", "--input-scattered"]
+    assert main([*args, "--input-ids", str(checkpoint / "prompts.json"), "--out", str(out)]) == 0
+    want = reference["logits"]
+    assert np.max(np.abs(np.load(out) - want)) <= 1e-4 * np.max(np.abs(want))
+
+    checkpoint, reference = _golden("gemma3")
+    args = ["generate", "--checkpoint", str(checkpoint), "--mesh", "attn_dp=2,attn_tp=2"]
+    prompts = str(checkpoint / "prompts.json")
+    assert main([*args, "--prompt-ids", prompts, "--max-new-tokens", "6"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert json.loads(last) == reference["generated"].tolist()
+
+    args = ["plan", "--checkpoint", str(GOLDEN / "olmo2"), "--mesh", "attn_tp=4", "--json"]
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["middle_layer"] == 1
+    assert {kind: n for kind, n in report["collectives_per_layer"].items() if n} == {
+        "all-reduce": 3
+    }

@@ -8,12 +8,19 @@ import pytest
 
 from models.config import (
     PRESETS,
+    Activation,
     Architecture,
+    AttentionKind,
     DecoderConfig,
+    LayerAttention,
+    LinearRopeScaling,
     Llama3RopeScaling,
     MoeConfig,
+    ResidualDesign,
     padded_vocab,
 )
+
+F, S = AttentionKind.FULL, AttentionKind.SLIDING
 
 GOLDEN = Path(__file__).parents[1] / "golden"
 
@@ -79,14 +86,15 @@ def test_head_dim_defaults_to_hidden_over_heads():
 
 
 def test_qwen3_sliding_window_only_when_enabled():
-    """Qwen3's window applies only with use_sliding_window; per-layer windows are rejected."""
+    """Qwen3's window applies only with use_sliding_window, to the layers layer_types marks."""
     raw = golden_config("qwen3") | {"sliding_window": 8}
     assert DecoderConfig.from_hf(raw).sliding_window is None
     all_sliding = raw | {"use_sliding_window": True, "layer_types": ["sliding_attention"] * 3}
     assert DecoderConfig.from_hf(all_sliding).sliding_window == 8
     mixed = all_sliding | {"layer_types": ["full_attention", "sliding_attention", "full_attention"]}
-    with pytest.raises(ValueError, match="sliding windows on some layers"):
-        DecoderConfig.from_hf(mixed)
+    config = DecoderConfig.from_hf(mixed)
+    assert config.layer_types == (F, S, F)
+    assert [config.layer_attention(i).sliding_window for i in range(3)] == [None, 8, None]
 
 
 @pytest.mark.parametrize(
@@ -218,8 +226,8 @@ def test_qwen_moe_sliding_windows():
     assert DecoderConfig.from_hf(raw).sliding_window == 8
     qwen2 = golden_config("qwen2_moe") | {"sliding_window": 8, "use_sliding_window": True}
     del qwen2["layer_types"]
-    with pytest.raises(ValueError, match="sliding windows on some layers"):
-        DecoderConfig.from_hf(qwen2)
+    layers = qwen2["num_hidden_layers"]
+    assert DecoderConfig.from_hf(qwen2).layer_types == (S, F) * (layers // 2)
 
 
 @pytest.mark.parametrize(
@@ -253,3 +261,84 @@ def test_moe_config_invariants():
     with pytest.raises(TypeError, match="tuple of layer indices"):
         dataclasses.replace(moe, mlp_only_layers=[1])
     hash(dataclasses.replace(sparse, moe=dataclasses.replace(moe, mlp_only_layers=(0,))))
+
+
+def test_exaone4_golden_config():
+    """EXAONE 4.0: post-norm, per-head q/k norm, its layer_types, no RoPE on global layers."""
+    config = DecoderConfig.from_hf(golden_config("exaone4"))
+    assert config.architecture is Architecture.EXAONE4
+    assert config.residual_design is ResidualDesign.POST_NORM
+    assert config.qk_norm and not config.qk_norm_whole and not config.gemma_norms
+    assert config.layer_types == (S, S, F) and config.sliding_window == 4
+    assert config.layer_attention(0) == LayerAttention(4, 1e4)
+    assert config.layer_attention(2) == LayerAttention(None, None)  # global NoPE
+    # Without a window every layer is global and rotates.
+    plain = DecoderConfig.from_hf(golden_config("exaone4") | {"sliding_window": None})
+    assert plain.layer_types is None and plain.layer_attention(2) == LayerAttention(None, 1e4)
+    # Without layer_types, an integer sliding_window_pattern gives them (every 3rd is global).
+    raw = {k: v for k, v in golden_config("exaone4").items() if k != "layer_types"}
+    assert DecoderConfig.from_hf(raw).layer_types == (S, S, F)
+    with pytest.raises(ValueError, match="integer sliding_window_pattern"):
+        DecoderConfig.from_hf(raw | {"sliding_window_pattern": "LLG"})
+
+
+def test_olmo2_golden_config():
+    """OLMo 2: post-norm, q/k norm over the whole projection, full attention everywhere."""
+    config = DecoderConfig.from_hf(golden_config("olmo2"))
+    assert config.architecture is Architecture.OLMO2
+    assert config.residual_design is ResidualDesign.POST_NORM
+    assert config.qk_norm and config.qk_norm_whole
+    assert config.layer_types is None and config.layer_attention(1) == LayerAttention(None, 1e4)
+
+
+def test_gemma3_golden_config():
+    """Gemma 3: sandwich norms with 1 + w, GeGLU, local RoPE base on sliding layers, linear
+    scaling on global ones, query_pre_attn_scalar, scaled embedding."""
+    config = DecoderConfig.from_hf(golden_config("gemma3"))
+    assert config.architecture is Architecture.GEMMA3
+    assert config.residual_design is ResidualDesign.SANDWICH and config.gemma_norms
+    assert config.activation is Activation.GELU_TANH and config.query_pre_attn_scalar == 24
+    assert config.embedding_scale == 8.0 and not config.tie_word_embeddings
+    assert config.layer_types == (S, F, S)
+    assert config.layer_attention(0) == LayerAttention(4, 1e3)
+    assert config.layer_attention(1) == LayerAttention(None, 1e4, LinearRopeScaling(4.0))
+    # The hub's legacy keys read the same.
+    legacy = {k: v for k, v in golden_config("gemma3").items() if k != "rope_parameters"}
+    legacy |= {
+        "rope_theta": 1e4,
+        "rope_local_base_freq": 1e3,
+        "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+    }
+    assert DecoderConfig.from_hf(legacy) == config
+    tied = {k: v for k, v in golden_config("gemma3").items() if k != "tie_word_embeddings"}
+    assert DecoderConfig.from_hf(tied).tie_word_embeddings  # Gemma's default
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0 is not supported"),
+        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0 is not supported"),
+        ({"use_bidirectional_attention": True}, "attend causally"),
+        ({"hidden_activation": "gelu"}, "tanh GELU only"),
+        ({"rope_parameters": {"full_attention": {"rope_theta": 1e4}}}, "'sliding_attention'"),
+        ({"layer_types": ["full_attention"] * 2}, "each of the 3 layers"),
+    ],
+)
+def test_rejects_unsupported_gemma3(change, match):
+    """Gemma 3 options the decoder does not implement fail when the config is read."""
+    with pytest.raises(ValueError, match=match):
+        DecoderConfig.from_hf(golden_config("gemma3") | change)
+
+
+def test_layer_types_invariants():
+    """layer_types names every layer, and sliding layers need a window."""
+    config = DecoderConfig.from_hf(golden_config("exaone4"))
+    with pytest.raises(ValueError, match="one attention kind per layer"):
+        dataclasses.replace(config, layer_types=(S, F))
+    with pytest.raises(ValueError, match="sliding_window is None"):
+        dataclasses.replace(config, sliding_window=None)
+    with pytest.raises(TypeError, match="tuple of AttentionKind"):
+        dataclasses.replace(config, layer_types=["sliding_attention"] * 3)
+    with pytest.raises(ValueError, match="needs qk_norm=True"):
+        dataclasses.replace(config, qk_norm=False, qk_norm_whole=True)

@@ -8,6 +8,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import boundary_jax as bj
+from models.config import Activation
 from models.mlp import SwiGLU
 
 from . import MESHES, make_mesh, run_sharded, sum_over, unsharded_copy
@@ -38,3 +39,19 @@ def test_rejects_intermediate_not_divisible_by_tp():
     """intermediate_size must divide over the full TP group, named in the error."""
     with pytest.raises(ValueError, match=r"intermediate_size \(60\).*full TP size \(8"):
         SwiGLU(16, 60, topology=bj.Topology(attn_dp=2, attn_tp=4), rngs=nnx.Rngs(0))
+
+
+def test_geglu_uses_the_tanh_gelu():
+    """With Activation.GELU_TANH the gate goes through the tanh-form GELU (Gemma's GeGLU),
+    which differs from SiLU and from the exact GELU."""
+    topology = bj.Topology()
+    mlp = SwiGLU(
+        HIDDEN, INTERMEDIATE, topology=topology, activation=Activation.GELU_TANH, rngs=nnx.Rngs(0)
+    )
+    x = 3 * jax.random.normal(jax.random.key(1), (8, HIDDEN), jnp.float32)
+    gate, up = x @ mlp.gate_proj.kernel[...], x @ mlp.up_proj.kernel[...]
+    tanh_gelu = 0.5 * gate * (1 + jnp.tanh(jnp.sqrt(2 / jnp.pi) * (gate + 0.044715 * gate**3)))
+    want = (tanh_gelu * up) @ mlp.down_proj.kernel[...]
+    chex.assert_trees_all_close(mlp(x), want, atol=1e-5)
+    exact = (jax.nn.gelu(gate, approximate=False) * up) @ mlp.down_proj.kernel[...]
+    assert float(jnp.max(jnp.abs(exact - want))) > 1e-4
