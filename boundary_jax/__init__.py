@@ -47,8 +47,7 @@ from .report import parse_hlo as parse_hlo
 from .residual import OwedOutput as OwedOutput
 from .residual import ResidualStream as ResidualStream
 from .residual import RMSNorm as RMSNorm
-from .scan import scan_layers as scan_layers
-from .scan import scan_layers_with_outputs as scan_layers_with_outputs
+from .scan import StackedLayers as StackedLayers
 from .sharding import ShardedModule as ShardedModule
 from .sharding import make_mesh as make_mesh
 from .sharding import place as place

@@ -2,7 +2,9 @@
 
 The counts come from the compiled HLO text, after XLA's own passes, so they are what runs. A
 collective belongs to the innermost `jax.named_scope` whose name matches `layer_<index>` in its
-op metadata (the models wrap each decoder layer in one); the rest belong to no layer.
+op metadata (the models wrap each decoder layer in one); the rest belong to no layer. A
+collective in the body of a scanned run of layers (`boundary_jax.scan.StackedLayers`, scope
+`layers_<start>_<stop>`) runs once per layer of the run, and is counted once for each of them.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ _INSTRUCTION = re.compile(
 )
 _ARRAY = re.compile(r"(?P<dtype>[a-z]+\d*[a-z0-9]*)\[(?P<dims>[0-9,]*)\]")
 _LAYER = re.compile(r"layer_(\d+)")
+_RUN = re.compile(r"layers_(\d+)_(\d+)")
 _MESH_GROUPS = re.compile(r"replica_groups=mesh\[(?P<mesh>[^\]]*)\]\s*\{(?P<axes>[^}]*)\}")
 _LIST_GROUPS = re.compile(r"replica_groups=\{\{(?P<first>[0-9,]*)\}")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[(?P<groups>\d+),(?P<size>\d+)\]<=")
@@ -111,7 +114,12 @@ def parse_hlo(text: str) -> CollectiveReport:
         size = result_bytes * group if kind == "reduce-scatter" else result_bytes
         if kind.endswith("-start") or "-start(" in line[: match.end()]:
             size = _start_bytes(kind, match["shape"], size)
-        layers = _LAYER.findall(_metadata(line))
+        metadata = _metadata(line)
+        if runs := _RUN.findall(metadata):
+            start, stop = runs[-1]
+            found.extend(Collective(kind, size, group, i) for i in range(int(start), int(stop)))
+            continue
+        layers = _LAYER.findall(metadata)
         found.append(Collective(kind, size, group, int(layers[-1]) if layers else None))
     return CollectiveReport(tuple(found))
 

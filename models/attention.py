@@ -149,9 +149,12 @@ class KVCache:
         return PartitionSpec(dp, None, topology.shard_entry(SumGroup.ATTN_TP), None)
 
     @classmethod
-    def specs(cls, topology: Topology) -> KVCache:
-        """The cache's `PartitionSpec` tree, for `shard_map` in/out specs."""
+    def specs(cls, topology: Topology, *, stacked: bool = False) -> KVCache:
+        """The cache's `PartitionSpec` tree, for `shard_map` in/out specs; `stacked`: of the
+        stacked caches of a scanned run of layers (a leading, unsplit layer axis)."""
         spec = cls.partition_spec(topology)
+        if stacked:
+            spec = PartitionSpec(None, *spec)
         return cls(k=spec, v=spec)
 
     @classmethod
@@ -164,10 +167,16 @@ class KVCache:
         max_len: int,
         dtype: jnp.dtype = jnp.float32,
         mesh: Mesh | None = None,
+        layers: int | None = None,
     ) -> KVCache:
-        """A zero cache of the global shape; on `mesh`, each device allocates only its shard."""
+        """A zero cache of the global shape; on `mesh`, each device allocates only its shard.
+        `layers`: the stacked caches of a scanned run of that many layers, on a leading axis
+        (None: one layer's)."""
         shape = cls.global_shape(config, topology, slots=slots, max_len=max_len)
-        device = None if mesh is None else NamedSharding(mesh, cls.partition_spec(topology))
+        spec = cls.specs(topology, stacked=layers is not None).k
+        if layers is not None:
+            shape = (layers, *shape)
+        device = None if mesh is None else NamedSharding(mesh, spec)
         return cls(
             k=jnp.zeros(shape, dtype, device=device), v=jnp.zeros(shape, dtype, device=device)
         )

@@ -9,7 +9,8 @@ read transposed. Vocab-padding rows (embedding) and columns (LM head) are zeros.
 Mixture-of-experts checkpoints store one tensor per expert (`...experts.{e}.gate_proj.weight`,
 Mixtral's `...experts.{e}.w1.weight`); the model stacks them into one [experts, ...] parameter, and
 a device whose shard covers experts [a, b) (and a slice of their width) reads only those tensors,
-and only that slice of each.
+and only that slice of each. A model built with `scan_layers` stacks a run of layers' parameters
+on a leading layer axis; each is read layer by layer, each device reading its shard of each.
 """
 
 from __future__ import annotations
@@ -51,12 +52,17 @@ class HFTensor:
       experts: For a stack of per-expert tensors, their number: parameter axis 0 runs over the
         experts 0 .. experts - 1, and expert e comes from `name.format(expert=e)`. None for one
         tensor.
+      layers: For a parameter of a scanned run of layers (`boundary_jax.StackedLayers`), the
+        model layers it stacks: parameter axis 0 runs over them, and layer l's part (itself
+        possibly a stack of experts on the next axis) comes from the name with `{layer}`
+        replaced by l. None for one layer's parameter.
     """
 
     name: str
     transpose: bool = False
     padded_axis: int | None = None
     experts: int | None = None
+    layers: tuple[int, ...] | None = None
 
     def __post_init__(self):
         stacked = "{expert}" in self.name
@@ -70,9 +76,28 @@ class HFTensor:
                 f"stacked experts need experts >= 1 and no padded axis; got {self.experts=}, "
                 f"{self.padded_axis=}"
             )
+        if ("{layer}" in self.name) != (self.layers is not None) or (
+            self.layers is not None and (not self.layers or self.padded_axis is not None)
+        ):
+            raise ValueError(
+                "a stacked-layers HFTensor needs a {layer} field in its name, layers=(l, ...) "
+                f"and no padded axis; got name={self.name!r}, layers={self.layers!r}, "
+                f"padded_axis={self.padded_axis!r}"
+            )
+
+    def layer_parts(self) -> tuple[HFTensor, ...]:
+        """Per layer of a stacked-layers parameter, the source of its part; else (self,)."""
+        if self.layers is None:
+            return (self,)
+        return tuple(
+            dataclasses.replace(self, name=self.name.replace("{layer}", str(i)), layers=None)
+            for i in self.layers
+        )
 
     def tensor_names(self) -> tuple[str, ...]:
         """The checkpoint tensors this parameter is made of, in parameter order."""
+        if self.layers is not None:
+            return tuple(name for part in self.layer_parts() for name in part.tensor_names())
         if self.experts is None:
             return (self.name,)
         return tuple(self.name.format(expert=e) for e in range(self.experts))
@@ -140,8 +165,9 @@ def _sparse_ffn_tensors(config: DecoderConfig) -> dict[str, HFTensor]:
     return tensors
 
 
-def hf_name_map(config: DecoderConfig) -> dict[str, HFTensor]:
-    """`{module path: HFTensor}` for every parameter of a decoder described by `config`.
+def hf_name_map(config: DecoderConfig, *, scan_layers: bool = False) -> dict[str, HFTensor]:
+    """`{module path: HFTensor}` for every parameter of a decoder described by `config`, built
+    with or without `scan_layers`.
 
     Module paths are the dotted `nnx` state paths: `embed.embedding`,
     `layers.{i}.attn_boundary.norm.weight`, `layers.{i}.ffn_boundary.norm.weight` (each
@@ -158,6 +184,10 @@ def hf_name_map(config: DecoderConfig) -> dict[str, HFTensor]:
     `mlp.{gate,up}_proj` [experts, hidden, width] and `mlp.down_proj` [experts, width, hidden]
     (stacked per-expert tensors), and with a shared expert `mlp.shared_expert.{gate,up,down}_proj`
     and `mlp.shared_expert.expert_gate` [hidden, 1].
+
+    The paths above are those of an unscanned model. With `scan_layers`, `layers.{b}` is block
+    b of `config.layer_blocks(True)`: an unscanned layer has its paths, and a scanned run has
+    `layers.{b}.layer.<path>` with the run's layers stacked on axis 0 (`HFTensor.layers`).
     """
     names = {"embed.embedding": HFTensor("model.embed_tokens.weight", padded_axis=0)}
     dense = (
@@ -169,11 +199,17 @@ def hf_name_map(config: DecoderConfig) -> dict[str, HFTensor]:
     sparse = {k: v for k, v in dense.items() if not k.startswith("mlp.")}
     if config.moe is not None:
         sparse |= _sparse_ffn_tensors(config)
-    for i, is_sparse in enumerate(config.sparse_layers):
-        for path, tensor in (sparse if is_sparse else dense).items():
-            names[f"layers.{i}.{path}"] = dataclasses.replace(
-                tensor, name=f"model.layers.{i}.{tensor.name}"
-            )
+    for b, (block, scanned) in enumerate(config.layer_blocks(scan_layers)):
+        layer_paths = sparse if config.sparse_layers[block.start] else dense
+        for path, tensor in layer_paths.items():
+            if not scanned:
+                names[f"layers.{b}.{path}"] = dataclasses.replace(
+                    tensor, name=f"model.layers.{block.start}.{tensor.name}"
+                )
+            else:
+                names[f"layers.{b}.layer.{path}"] = dataclasses.replace(
+                    tensor, name=f"model.layers.{{layer}}.{tensor.name}", layers=tuple(block)
+                )
     names["final_norm.weight"] = HFTensor("model.norm.weight")
     if not config.tie_word_embeddings:
         names["lm_head.kernel"] = HFTensor("lm_head.weight", transpose=True, padded_axis=1)
@@ -189,7 +225,12 @@ def load_config(checkpoint_dir: str | Path) -> DecoderConfig:
 
 
 def load_params(
-    checkpoint_dir: str | Path, abstract_state: nnx.State, mesh: Mesh, dtype: np.dtype
+    checkpoint_dir: str | Path,
+    abstract_state: nnx.State,
+    mesh: Mesh,
+    dtype: np.dtype,
+    *,
+    scan_layers: bool = False,
 ) -> nnx.State:
     """Fills an abstract parameter state from a checkpoint, each device reading only its shard.
 
@@ -201,6 +242,8 @@ def load_params(
         metadata naming the mesh axes.
       mesh: The mesh the arrays are placed on.
       dtype: The dtype of every loaded parameter (the checkpoint's values are cast).
+      scan_layers: The model was built with `scan_layers` (its paths are `hf_name_map`'s with
+        it).
 
     Returns:
       `abstract_state` with every leaf replaced by a global array sharded as its metadata says.
@@ -210,7 +253,7 @@ def load_params(
       ValueError: A parameter has no tensor in the map or checkpoint, a tensor's shape does not
         fit its parameter, or the checkpoint holds tensors the model has no parameter for.
     """
-    sources = hf_name_map(load_config(checkpoint_dir))
+    sources = hf_name_map(load_config(checkpoint_dir), scan_layers=scan_layers)
     leaves = nnx.to_flat_state(abstract_state)
     specs = dict(nnx.to_flat_state(nnx.get_partition_spec(abstract_state)))
     paths = {_dotted(path) for path, _ in leaves}
@@ -305,7 +348,17 @@ def _fitted_shape(
     """The stored tensor's shape in the parameter's layout, checked to fit `shape`.
 
     For stacked experts, "stored" is (experts, *one expert's shape), and only the expert's own
-    axes are transposed."""
+    axes are transposed; for stacked layers, (layers, *one layer's)."""
+    if source.layers is not None:
+        parts = source.layer_parts()
+        if shape[:1] != (len(parts),):
+            raise ValueError(
+                f"parameter {path} stacks {len(parts)} layers on axis 0; its shape is {shape}"
+            )
+        fitted = {_fitted_shape(checkpoint, part, path, shape[1:]) for part in parts}
+        if len(fitted) != 1:
+            raise ValueError(f"the layers of {source.name} (parameter {path}) differ: {fitted}")
+        return (len(parts), *fitted.pop())
     shapes = {name: checkpoint.shape(name, path) for name in source.tensor_names()}
     if len(set(shapes.values())) != 1:
         raise ValueError(
@@ -353,7 +406,13 @@ def _read_block(
     )
     if any(part.stop <= part.start for part in reads):
         return block
-    if source.experts is None:
+    if source.layers is not None:  # axis 0 picks the layers; each layer's part gives the rest
+        parts = source.layer_parts()[reads[0]]
+        inner = tuple(slice(part.start, part.stop) for part in reads[1:])
+        values = np.stack(
+            [_read_block(checkpoint, part, shape[1:], logical[1:], dtype, inner) for part in parts]
+        )
+    elif source.experts is None:
         values = _read_tensor(checkpoint, source.name, source.transpose, reads)
     else:  # axis 0 picks the experts; each expert's tensor gives the rest of the block
         names = source.tensor_names()[reads[0]]
@@ -481,7 +540,11 @@ def hf_config(config: DecoderConfig) -> dict[str, Any]:
 
 
 def save_checkpoint(
-    config: DecoderConfig, params: Mapping[str, jax.Array], directory: str | Path
+    config: DecoderConfig,
+    params: Mapping[str, jax.Array],
+    directory: str | Path,
+    *,
+    scan_layers: bool = False,
 ) -> None:
     """Writes a Hugging Face checkpoint directory (`config.json` + `model.safetensors`, float32)
     that `load_model` (and transformers) reads.
@@ -491,11 +554,13 @@ def save_checkpoint(
       params: `{module path: global array}` for every parameter (the paths of `hf_name_map`),
         e.g. a flat view of a trained model's state; each array is fetched whole to the host.
       directory: Created if absent; its config and weights files are overwritten.
+      scan_layers: `params` are those of a model built with `scan_layers` (a scanned run's
+        parameters stacked over its layers); the checkpoint holds each layer's tensors.
 
     Raises:
       ValueError: `params` does not hold exactly the parameters `config` needs.
     """
-    sources = hf_name_map(config)
+    sources = hf_name_map(config, scan_layers=scan_layers)
     if set(params) != set(sources):
         raise ValueError(
             f"save_checkpoint needs exactly the parameters of hf_name_map; missing "
@@ -506,9 +571,11 @@ def save_checkpoint(
         value = np.asarray(jax.device_get(params[path]), np.float32)
         if source.padded_axis is not None:  # drop the vocab padding
             value = np.take(value, np.arange(config.vocab_size), axis=source.padded_axis)
-        parts = [value] if source.experts is None else list(value)
-        for name, part in zip(source.tensor_names(), parts, strict=True):
-            tensors[name] = np.ascontiguousarray(part.T if source.transpose else part)
+        layer_values = [value] if source.layers is None else list(value)
+        for layer_source, layer_value in zip(source.layer_parts(), layer_values, strict=True):
+            parts = [layer_value] if source.experts is None else list(layer_value)
+            for name, part in zip(layer_source.tensor_names(), parts, strict=True):
+                tensors[name] = np.ascontiguousarray(part.T if source.transpose else part)
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     (out / CONFIG_FILE).write_text(json.dumps(hf_config(config), indent=2) + "\n")

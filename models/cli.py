@@ -132,6 +132,7 @@ def _build(args, console):
                 remat=getattr(args, "remat", Remat.NONE),
                 attention=attention,
                 hyper_connections=hyper_connections,
+                scan_layers=args.scan_layers,
             )
     else:
         directory = Path(args.checkpoint)
@@ -148,6 +149,7 @@ def _build(args, console):
                 dtype=dtype,
                 remat=getattr(args, "remat", Remat.NONE),
                 attention=attention,
+                scan_layers=args.scan_layers,
             )
     return model, mesh
 
@@ -316,7 +318,7 @@ def _train(args) -> None:
             speed = timed_tokens / timed_seconds if timed_seconds else 0.0
             console.log(f"step {step + 1}/{args.steps}  loss {loss:.4f}  {speed:,.0f} tokens/s")
     with _status(console, f"writing {args.out}"):
-        save_checkpoint(config, trainer.state.params, args.out)
+        save_checkpoint(config, trainer.state.params, args.out, scan_layers=args.scan_layers)
         if args.checkpoint and (Path(args.checkpoint) / TOKENIZER_FILE).is_file():
             shutil.copy(Path(args.checkpoint) / TOKENIZER_FILE, Path(args.out) / TOKENIZER_FILE)
     summary = {
@@ -378,6 +380,12 @@ def _parser() -> argparse.ArgumentParser:
             type=int,
             help="presets: build every boundary with MHC hyper-connections of this many "
             "residual streams (random MHC weights)",
+        )
+        command.add_argument(
+            "--scan-layers",
+            action="store_true",
+            help="stack each run of identical layers between the first and the last once and "
+            "run it as one lax.scan (compiles one layer body per run; default: unrolled)",
         )
 
     forward = commands.add_parser("forward", help="logits of token-id sequences")

@@ -12,7 +12,7 @@ import dataclasses
 import enum
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 
 class Architecture(enum.StrEnum):
@@ -179,6 +179,19 @@ class LinearRopeScaling:
 
 
 RopeScaling = Llama3RopeScaling | LinearRopeScaling
+
+
+class LayerBlock(NamedTuple):
+    """Consecutive layers a model holds as one block (`DecoderConfig.layer_blocks`).
+
+    Attributes:
+      layers: The model layer indices of the block.
+      scanned: The block is a scanned run (`boundary_jax.StackedLayers`, its parameters
+        stacked on a leading layer axis); else it is one layer held plainly.
+    """
+
+    layers: range
+    scanned: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -350,6 +363,29 @@ class DecoderConfig:
         if self.nope_full_layers:
             return LayerAttention(None, None)
         return LayerAttention(None, self.rope_theta, self.rope_scaling)
+
+    def layer_blocks(self, scan_layers: bool) -> tuple[LayerBlock, ...]:
+        """The blocks a model of this config holds its layers in, in order: one unscanned layer
+        each without `scan_layers`; with it, the stack entry and the terminal layer alone
+        (unscanned) and the layers between in scanned runs of one structure
+        (`boundary_jax.StackedLayers`), split where the FFN (sparse or dense) or the attention
+        (window, RoPE) changes, and after a change of FFN (a layer's attention input binds to
+        what the previous FFN's exit hands on)."""
+        count = self.num_layers
+        if not scan_layers or count < 3:
+            return tuple(LayerBlock(range(i, i + 1), False) for i in range(count))
+        blocks = [LayerBlock(range(0, 1), False)]
+        start = 1
+        for index in range(2, count):
+            if index == count - 1 or self._layer_structure(index) != self._layer_structure(start):
+                blocks.append(LayerBlock(range(start, index), True))
+                start = index
+        blocks.append(LayerBlock(range(count - 1, count), False))
+        return tuple(blocks)
+
+    def _layer_structure(self, layer: int) -> tuple:
+        sparse = self.sparse_layers
+        return sparse[layer - 1], sparse[layer], self.layer_attention(layer)
 
     @property
     def sparse_layers(self) -> tuple[bool, ...]:

@@ -190,13 +190,18 @@ class CausalLM(nnx.Module):
       config: The architecture.
       topology: The parallel topology the weights are split for and the stack is bound on.
       embed: Vocab-parallel embedding; its partial sum is owed to the first boundary.
-      layers: The decoder layers, one layer stack.
+      layers: The decoder layers, one layer stack, in the blocks `config.layer_blocks(
+        scan_layers)` says: a `DecoderLayer` per unscanned layer, a `bj.StackedLayers` (its
+        parameters stacked on a leading layer axis, run by one `lax.scan`) per scanned run.
+      scan_layers: Whether the runs of identical layers between the stack entry and the
+        terminal layer are stacked and scanned (one compiled layer body per run) rather than
+        unrolled.
       final_norm: The norm the stack leaves through.
       lm_head: Vocab-parallel LM head (tied to `embed` when the config says so).
       fusions: The stack's fusion provider (`bj.fusions.NO_FUSIONS`: the built-in path).
       attention: The attention kernel of every layer.
-      remat: What each layer keeps for the backward pass (`Remat`); a forward with KV caches
-        (serving) never recomputes.
+      remat: What each layer keeps for the backward pass (`Remat`; per scanned layer too); a
+        forward with KV caches (serving) never recomputes.
       hyper_connections: The MHC residual design of every boundary, or None for the plain
         pre-norm add + RMSNorm.
       hyper_head: With hyper-connections, the head collapsing the streams before `final_norm`.
@@ -221,6 +226,7 @@ class CausalLM(nnx.Module):
         attention: AttentionImpl = AttentionImpl.XLA,
         remat: Remat = Remat.NONE,
         hyper_connections: HyperConnections | None = None,
+        scan_layers: bool = False,
         rngs: nnx.Rngs,
     ):
         if config.architecture not in self.architectures:
@@ -234,6 +240,7 @@ class CausalLM(nnx.Module):
         self.fusions = fusions
         self.attention = attention
         self.remat = remat
+        self.scan_layers = scan_layers
         self.hyper_connections = hyper_connections
         self.param_dtype = dtype
         self.embed = VocabParallelEmbedding(
@@ -248,9 +255,15 @@ class CausalLM(nnx.Module):
             stage_facts=self.stage_facts,
             num_layers=config.num_layers,
         ):
-            self.layers = nnx.List(
-                [self.make_layer(config, i, **common) for i in range(config.num_layers)]
-            )
+            layers = [self.make_layer(config, i, **common) for i in range(config.num_layers)]
+        self.layers = nnx.List(
+            [
+                bj.StackedLayers(layers[block.start : block.stop], start=block.start)
+                if scanned
+                else layers[block.start]
+                for block, scanned in config.layer_blocks(scan_layers)
+            ]
+        )
         self.final_norm = bj.RMSNorm(
             config.hidden_size, eps=config.rms_norm_eps, gemma=config.gemma_norms, param_dtype=dtype
         )
@@ -388,12 +401,16 @@ class CausalLM(nnx.Module):
         stream = residual.start(batch)
         x = self.embed(rows.ids)
         updated = []
-        for index, layer in enumerate(self.layers):
-            with jax.named_scope(f"layer_{index}"):
-                if caches is None:
-                    x, stream, cache = self._run_layer(layer, x, stream, rows)
-                else:
-                    x, stream, cache = layer(x, stream, rows, caches[index])
+        for index, (layers, block) in enumerate(self.blocks()):
+            cache = None if caches is None else caches[index]
+            if isinstance(block, bj.StackedLayers):
+                x, stream, cache = self._scan_run(block, x, stream, rows, cache)
+            else:
+                with jax.named_scope(f"layer_{layers.start}"):
+                    if caches is None:
+                        x, stream, cache = self._run_layer(block, x, stream, rows)
+                    else:
+                        x, stream, cache = block(x, stream, rows, cache)
             updated.append(cache)
         hidden = residual.final_norm(x, stream, self.final_read, skip_empty=True)
         if last_rows is not None:
@@ -401,6 +418,41 @@ class CausalLM(nnx.Module):
             picked = jnp.take(hidden, jnp.clip(last_rows, 0, hidden.shape[0] - 1), axis=0)
             hidden = jnp.where((last_rows >= 0)[:, None], picked, 0)
         return hidden, None if caches is None else tuple(updated)
+
+    def blocks(self) -> list[tuple[range, nnx.Module]]:
+        """Each block of `layers` with the model layers it holds (`config.layer_blocks`)."""
+        ranges = [block.layers for block in self.config.layer_blocks(self.scan_layers)]
+        return list(zip(ranges, self.layers, strict=True))
+
+    def layer_structure(self, index: int) -> nnx.Module:
+        """The module that runs layer `index`, for its structure (bound plans, options): the
+        layer itself, or in a scanned run the run's layer (whose parameters hold every layer of
+        the run)."""
+        for layers, block in self.blocks():
+            if index in layers:
+                return block.layer if isinstance(block, bj.StackedLayers) else block
+        raise ValueError(f"layer must be in [0, {self.config.num_layers}); got {index}")
+
+    def _scan_run(
+        self,
+        run: bj.StackedLayers,
+        x,
+        stream: bj.ResidualStream,
+        rows: TokenRows,
+        cache: KVCache | None,
+    ):
+        """A scanned run of layers; `cache` is the run's stacked KV cache, or None (then the
+        layers run under `jax.checkpoint` as `remat` says)."""
+
+        def call(layer, carry, cache):
+            x, stream, cache = layer(*carry, rows, cache)
+            return (x, stream), cache
+
+        remat = cache is None and self.remat is not Remat.NONE
+        (x, stream), cache = run.scan(
+            call, (x, stream), cache, remat=remat, policy=self.remat.policy() if remat else None
+        )
+        return x, stream, cache
 
     def _run_layer(self, layer: nnx.Module, x, stream: bj.ResidualStream, rows: TokenRows):
         """One layer without a cache, under `jax.checkpoint` as `remat` says."""
@@ -416,12 +468,7 @@ class CausalLM(nnx.Module):
         return x, stream, None
 
     def hidden_captured(
-        self,
-        rows: TokenRows,
-        batch: bj.BatchFacts,
-        capture_layers: Sequence[int],
-        *,
-        scan_layers: bool = False,
+        self, rows: TokenRows, batch: bj.BatchFacts, capture_layers: Sequence[int]
     ) -> tuple[jax.Array, jax.Array]:
         """`hidden` (without caches), also returning the auxiliary hidden states of
         `capture_layers`, on this rank's attention rows.
@@ -430,15 +477,14 @@ class CausalLM(nnx.Module):
         `output_hidden_states[i]`; 0 is the embedding output); i = num_layers is the residual
         the final norm reads (transformers' last hidden state is that residual after the norm,
         which is the first returned value). Captures are returned values, so they survive
-        `jit` and `lax.scan`.
+        `jit` and `lax.scan`: in a scanned run every layer captures, and the wanted ones are
+        picked after.
 
         Args:
           rows: This DP rank's block of packed rows.
           batch: The batch facts.
           capture_layers: Capture indices in [0, num_layers], in the order wanted (repeats
             allowed).
-          scan_layers: Run the layers between the stack entry and the terminal layer as one
-            `lax.scan` (every scanned layer then captures; the wanted ones are picked after).
 
         Returns:
           (the final-norm output [rows, hidden], the captures [len(capture_layers), rows,
@@ -450,7 +496,7 @@ class CausalLM(nnx.Module):
           NotImplementedError: The model has hyper-connections (its residual is `hc_mult`
             streams per row, and the stack input is not).
         """
-        count = len(self.layers)
+        count = self.config.num_layers
         capture_layers = tuple(capture_layers)
         bad = [i for i in capture_layers if not isinstance(i, int) or not 0 <= i <= count]
         if bad or not capture_layers:
@@ -466,31 +512,23 @@ class CausalLM(nnx.Module):
             )
         wanted = frozenset(capture_layers)
 
-        def run(scope, layer, carry, capture):
-            x, stream = carry
-            with jax.named_scope(scope):
-                if capture:
-                    x, stream, _, hidden = layer.captured(x, stream, rows, None)
-                    return (x, stream), hidden
-                x, stream, _ = layer(x, stream, rows, None)
-            return (x, stream), None
+        def captured(layer, carry, _):
+            x, stream, _, hidden = layer.captured(*carry, rows, None)
+            return (x, stream), hidden
 
         carry = (self.embed(rows.ids), residual.start(batch))
         captures: dict[int, jax.Array] = {}
-        layers = list(self.layers)
-        scanned = range(1, count - 1) if scan_layers and count > 2 else range(0)
-        for index, layer in enumerate(layers):
-            if index not in scanned:
-                carry, hidden = run(f"layer_{index}", layer, carry, index in wanted)
-                if hidden is not None:
-                    captures[index] = hidden
-            elif index == scanned.start:
-                carry, stacked = bj.scan_layers_with_outputs(
-                    layers[scanned.start : scanned.stop],
-                    carry,
-                    lambda layer, carry: run("scanned_layers", layer, carry, True),
-                )
-                captures.update(zip(scanned, stacked, strict=True))
+        for layers, block in self.blocks():
+            if isinstance(block, bj.StackedLayers):
+                carry, stacked = block.scan(captured, carry)
+                captures.update(zip(layers, stacked, strict=True))
+                continue
+            with jax.named_scope(f"layer_{layers.start}"):
+                if layers.start in wanted:
+                    carry, captures[layers.start] = captured(block, carry, None)
+                else:
+                    x, stream, _ = block(*carry, rows, None)
+                    carry = (x, stream)
         hidden, captures[count] = residual.final_norm_captured(
             *carry, self.final_read, skip_empty=True
         )

@@ -82,6 +82,7 @@ class MoeCausalLM(CausalLM):
         attention: AttentionImpl = AttentionImpl.XLA,
         remat: Remat = Remat.NONE,
         hyper_connections: HyperConnections | None = None,
+        scan_layers: bool = False,
         rngs: nnx.Rngs,
     ):
         self.moe_dispatch = moe_dispatch
@@ -98,6 +99,7 @@ class MoeCausalLM(CausalLM):
             attention=attention,
             remat=remat,
             hyper_connections=hyper_connections,
+            scan_layers=scan_layers,
             rngs=rngs,
         )
 

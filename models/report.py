@@ -43,14 +43,17 @@ def plan_report(runner: ShardedCausalLM) -> dict[str, Any]:
 
     `collectives_per_layer` and `bytes_per_layer` are those of `middle_layer` (of an MoE
     decoder, a middle sparse layer; bytes: the sum of each collective's full buffer, see
-    `boundary_jax.report`).
+    `boundary_jax.report`). In a model built with `scan_layers`, each layer of a scanned run
+    reports its run's plans and the collectives of the run's scan body (once per layer).
     """
     model = runner.model
     variant = (
         bj.BatchVariant.INPUT_SCATTERED if runner.input_scattered else bj.BatchVariant.ORDINARY
     )
+    count = model.config.num_layers
     stages = []
-    for index, layer in enumerate(model.layers):
+    for index in range(count):
+        layer = model.layer_structure(index)
         for name, boundary in (("attention", layer.attn_boundary), ("ffn", layer.ffn_boundary)):
             stages.append(
                 {"layer": index, "stage": name, **describe_path(boundary.plan.path(variant))}
@@ -58,13 +61,14 @@ def plan_report(runner: ShardedCausalLM) -> dict[str, Any]:
     report = collective_report(runner)
     middle = middle_sparse_layer(model.config.sparse_layers)
     if middle is None:
-        middle = middle_layer(len(model.layers))
-    first_plan = model.layers[0].attn_boundary.plan
+        middle = middle_layer(count)
+    first_plan = model.layer_structure(0).attn_boundary.plan
     return {
         "architecture": model.config.architecture.value,
         "mesh": runner.topology.mesh_shape(),
         "moe_ep": runner.topology.moe_ep,
         "moe_dispatch": model.moe_dispatch.value if isinstance(model, MoeCausalLM) else None,
+        "scan_layers": model.scan_layers,
         "policy": first_plan.policy.value,
         "batch": variant.value,
         "stages": stages,
@@ -73,7 +77,7 @@ def plan_report(runner: ShardedCausalLM) -> dict[str, Any]:
         "bytes_per_layer": report.bytes(middle),
         "collectives_by_layer": [
             {"layer": layer, "sequence": list(report.sequence(layer)), "bytes": report.bytes(layer)}
-            for layer in range(len(model.layers))
+            for layer in range(count)
         ],
         "collectives_outside_layers": list(report.sequence(None)),
     }

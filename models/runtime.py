@@ -111,6 +111,7 @@ def build_model(
     mesh: Mesh | None = None,
     remat: Remat = Remat.NONE,
     hyper_connections: HyperConnections | None = None,
+    scan_layers: bool = False,
 ) -> CausalLM:
     """A model of `config` with random weights (every shard different).
 
@@ -128,6 +129,9 @@ def build_model(
       remat: What each layer keeps for the backward pass (training).
       hyper_connections: Build every boundary with MHC hyper-connections (random MHC weights);
         None: the plain pre-norm add + RMSNorm.
+      scan_layers: Stack the parameters of each run of identical layers between the stack
+        entry and the terminal layer once, here, and run the run as one `lax.scan`
+        (`DecoderConfig.layer_blocks`); the values are those of the unscanned model.
     """
     if attention is None:
         attention = AttentionImpl.for_platform(_platform(mesh))
@@ -143,6 +147,7 @@ def build_model(
             attention=attention,
             remat=remat,
             hyper_connections=hyper_connections,
+            scan_layers=scan_layers,
             rngs=nnx.Rngs(seed),
         )
 
@@ -167,6 +172,7 @@ def load_model(
     dtype: jnp.dtype = jnp.float32,
     attention: AttentionImpl | None = None,
     remat: Remat = Remat.NONE,
+    scan_layers: bool = False,
 ) -> CausalLM:
     """A model loaded from a Hugging Face checkpoint directory, each device reading its shard.
 
@@ -175,6 +181,8 @@ def load_model(
     checkpoints take `moe_ep` (expert-parallel size, dividing the mesh's full TP group) and
     `moe_dispatch` (None: `MoeDispatch.GATHER`). `attention` None picks
     `AttentionImpl.for_platform`; `remat` says what each layer keeps for a backward pass.
+    With `scan_layers` (see `build_model`) a stacked parameter is read layer by layer, each
+    device still reading only its shard of each layer's tensor.
     """
     config = load_config(checkpoint_dir)
     topology = bj.Topology.from_mesh(mesh, moe_ep=moe_ep)
@@ -190,11 +198,15 @@ def load_model(
             dtype=dtype,
             attention=attention,
             remat=remat,
+            scan_layers=scan_layers,
             rngs=nnx.Rngs(0),
         )
     )
     graphdef, abstract_state = nnx.split(abstract)
-    return nnx.merge(graphdef, load_params(checkpoint_dir, abstract_state, mesh, np.dtype(dtype)))
+    params = load_params(
+        checkpoint_dir, abstract_state, mesh, np.dtype(dtype), scan_layers=scan_layers
+    )
+    return nnx.merge(graphdef, params)
 
 
 def _next_tokens(
@@ -271,7 +283,11 @@ class ShardedCausalLM:
         )
         self._batch_spec = bj.BatchFacts(self._variant, model.topology, PartitionSpec())
         self._logits_spec = PartitionSpec(rows[0], None)
-        self._cache_specs = tuple(KVCache.specs(model.topology) for _ in model.layers)
+        self._blocks = model.config.layer_blocks(model.scan_layers)
+        self.scan_layers = model.scan_layers
+        self._cache_specs = tuple(
+            KVCache.specs(model.topology, stacked=block.scanned) for block in self._blocks
+        )
         self._forward = self._sharded.program(
             lambda model, rows, batch: model(rows, batch)[0],
             in_specs=(TokenRows(rows, rows, rows), self._batch_spec),
@@ -322,7 +338,9 @@ class ShardedCausalLM:
         return bj.BatchFacts(self._variant, self.topology, counts)
 
     def new_caches(self, slots_per_rank: int, max_len: int) -> tuple[KVCache, ...]:
-        """Zero KV caches (one per layer) of `slots_per_rank` slots per DP rank, sharded."""
+        """Zero KV caches of `slots_per_rank` slots per DP rank, sharded: one per block of the
+        model's layers (`DecoderConfig.layer_blocks`), a scanned run's stacked on a leading
+        layer axis."""
         return tuple(
             KVCache.create(
                 self.config,
@@ -331,8 +349,9 @@ class ShardedCausalLM:
                 max_len=max_len,
                 dtype=self.dtype,
                 mesh=self.mesh,
+                layers=len(block.layers) if block.scanned else None,
             )
-            for _ in range(self.config.num_layers)
+            for block in self._blocks
         )
 
     # -- forward --------------------------------------------------------------------------
@@ -358,8 +377,6 @@ class ShardedCausalLM:
         self,
         sequences: Sequence[Sequence[int]],
         capture_layers: Sequence[int],
-        *,
-        scan_layers: bool = False,
     ) -> tuple[np.ndarray, np.ndarray]:
         """`forward`, also returning the auxiliary hidden states of `capture_layers` (what
         EAGLE-3 drafting reads), computed in the same program.
@@ -372,15 +389,15 @@ class ShardedCausalLM:
 
         Args:
           sequences: Ragged token-id lists.
-          capture_layers: Capture indices in [0, num_layers], in the order wanted.
-          scan_layers: Run the layers between the first and the last as one `lax.scan`.
+          capture_layers: Capture indices in [0, num_layers], in the order wanted (a model
+            built with `scan_layers` captures in its scanned runs).
 
         Returns:
           (float32 logits [sequences, longest, vocab], hidden states [len(capture_layers),
           sequences, longest, hidden] in the model's dtype; both zero past each sequence's end).
         """
         packed = self.pack(sequences)
-        program = self._captured_program(tuple(capture_layers), scan_layers)
+        program = self._captured_program(tuple(capture_layers))
         logits, hidden = jax.device_get(program(self._state, *self.place(packed)))
         return packed.unpack(logits), np.moveaxis(packed.unpack(np.moveaxis(hidden, 0, 1)), 2, 0)
 
@@ -388,22 +405,18 @@ class ShardedCausalLM:
         self,
         sequences: Sequence[Sequence[int]],
         capture_layers: Sequence[int],
-        *,
-        scan_layers: bool = False,
     ):
         """The lowered (not yet compiled) `forward_captured` program for these shapes."""
-        program = self._captured_program(tuple(capture_layers), scan_layers)
+        program = self._captured_program(tuple(capture_layers))
         return program.lower(self._state, *self.place(self.pack(sequences)))
 
-    def _captured_program(self, capture_layers: tuple[int, ...], scan_layers: bool) -> Callable:
-        name = ("captured", capture_layers, scan_layers)
+    def _captured_program(self, capture_layers: tuple[int, ...]) -> Callable:
+        name = ("captured", capture_layers)
         if name not in self._programs:
             rows = self._rows
 
             def body(model, rows_, batch):
-                hidden, captures = model.hidden_captured(
-                    rows_, batch, capture_layers, scan_layers=scan_layers
-                )
+                hidden, captures = model.hidden_captured(rows_, batch, capture_layers)
                 return model.lm_head(hidden).astype(jnp.float32), captures
 
             self._programs[name] = self._sharded.program(

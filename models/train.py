@@ -206,7 +206,7 @@ class Trainer:
         self._params = FlatParams(params)
         self._padded = {
             path: source.padded_axis
-            for path, source in hf_name_map(model.config).items()
+            for path, source in hf_name_map(model.config, scan_layers=model.scan_layers).items()
             if source.padded_axis is not None and path in self._params.paths
         }
         self._param_specs = self._params.flatten(

@@ -180,7 +180,8 @@ class StandInDecoder(nnx.Module):
         stream = residual.start(batch)
         if self.scan_middle:
             x, stream = self.layers[0](x, stream)
-            x, stream = bj.scan_layers(list(self.layers)[1:-1], (x, stream))
+            run = bj.StackedLayers(list(self.layers)[1:-1], start=1)
+            (x, stream), _ = run.scan(lambda layer, carry, _: (layer(*carry), None), (x, stream))
             x, stream = self.layers[-1](x, stream)
         else:
             for index, layer in enumerate(self.layers):

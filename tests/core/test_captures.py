@@ -43,7 +43,8 @@ def _captured(model, x, batch, scan: bool):
     layers = list(model.layers)
     if scan:
         carry, first = capture_layer(layers[0], carry)
-        carry, middle = bj.scan_layers_with_outputs(layers[1:-1], carry, capture_layer)
+        run = bj.StackedLayers(layers[1:-1], start=1)
+        carry, middle = run.scan(lambda layer, carry, _: capture_layer(layer, carry), carry)
         carry, last = capture_layer(layers[-1], carry)
         hidden = [first, *middle, last]
     else:

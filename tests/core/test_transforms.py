@@ -6,7 +6,6 @@ import pytest
 from flax import nnx
 
 import boundary_jax as bj
-from boundary_jax import residual
 
 from .standin import (
     HIDDEN,
@@ -76,6 +75,5 @@ def test_scan_rejects_layers_bound_differently():
     """The stack-entry layer binds other paths than a middle layer, so it cannot scan with it."""
     setup = Setup(dp=1, tp=1, layers=3)
     model = StandInDecoder(setup, jax.random.key(0), jnp.float32)
-    stream = residual.start(make_batch(setup, False, None))
     with pytest.raises(ValueError, match="layer 1 differs from layer 0"):
-        bj.scan_layers(list(model.layers)[:2], (jnp.ones((8, HIDDEN)), stream))
+        bj.StackedLayers(list(model.layers)[:2], start=0)

@@ -51,9 +51,10 @@ def golden(name: str) -> tuple[list[list[int]], np.ndarray, np.ndarray]:
 
 
 @functools.cache
-def runner(name: str, dp: int, tp: int, scattered: bool) -> ShardedCausalLM:
+def runner(name: str, dp: int, tp: int, scattered: bool, scan: bool = False) -> ShardedCausalLM:
     mesh = bj.make_mesh(bj.Topology(attn_dp=dp, attn_tp=tp))
-    return ShardedCausalLM(load_model(GOLDEN / name, mesh), mesh, input_scattered=scattered)
+    model = load_model(GOLDEN / name, mesh, scan_layers=scan)
+    return ShardedCausalLM(model, mesh, input_scattered=scattered)
 
 
 @pytest.mark.parametrize("case", CASES, ids=_id)
@@ -66,9 +67,7 @@ def test_captured_hidden_states_equal_transformers(case):
     prompts, want, want_logits = golden(name)
     count = want.shape[0] - 1
     layers = [count, 0, *range(1, count), 0]
-    logits, hidden = runner(name, dp, tp, scattered).forward_captured(
-        prompts, layers, scan_layers=scan
-    )
+    logits, hidden = runner(name, dp, tp, scattered, scan).forward_captured(prompts, layers)
     assert hidden.shape == (len(layers), *want.shape[1:])
     for got, layer in zip(hidden, layers, strict=True):
         scale = np.max(np.abs(want[layer]))

@@ -117,18 +117,21 @@ def test_checkpoint_runs_with_expert_parallelism(tmp_path, capsys, name, command
 
 
 @pytest.mark.parametrize(
-    "dispatch,per_layer",
+    "dispatch,per_layer,scan",
     [
-        ("gather", {"all-reduce": 2}),
-        ("all-to-all", {"all-gather": 1, "reduce-scatter": 1, "all-to-all": 3}),
+        ("gather", {"all-reduce": 2}, True),
+        ("all-to-all", {"all-gather": 1, "reduce-scatter": 1, "all-to-all": 3}, False),
     ],
 )
-def test_plan_json_reports_a_middle_sparse_layer(capsys, dispatch, per_layer):
-    """plan --json on an MoE model counts a middle sparse layer's collectives, all-to-all too."""
+def test_plan_json_reports_a_middle_sparse_layer(capsys, dispatch, per_layer, scan):
+    """plan --json on an MoE model counts a middle sparse layer's collectives, all-to-all too
+    (with --scan-layers: its scanned run's body, once for the layer)."""
     args = ["plan", "--preset", "tiny-qwen3-moe", "--mesh", "attn_tp=4", "--moe-ep", "4"]
+    args += ["--scan-layers"] * scan
     assert main([*args, "--moe-dispatch", dispatch, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["middle_layer"] == 2 and report["moe_ep"] == 4
+    assert report["scan_layers"] is scan
     assert report["moe_dispatch"] == dispatch
     counts = {kind: n for kind, n in report["collectives_per_layer"].items() if n}
     assert counts == per_layer

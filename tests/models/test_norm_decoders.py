@@ -90,7 +90,12 @@ def test_captured_hidden_states_equal_transformers(name, dp, tp, scattered, scan
     prompts, _ = golden(name)
     want = np.load(GOLDEN / name / "hidden_states.npz")["hidden_states"]
     layers = list(range(want.shape[0]))[::-1]
-    _, hidden = runner(name, dp, tp, scattered).forward_captured(prompts, layers, scan_layers=scan)
+    run = runner(name, dp, tp, scattered)
+    if scan:
+        mesh = make_mesh(bj.Topology(attn_dp=dp, attn_tp=tp))
+        model = load_model(GOLDEN / name, mesh, scan_layers=True)
+        run = ShardedCausalLM(model, mesh, input_scattered=scattered)
+    _, hidden = run.forward_captured(prompts, layers)
     for got, layer in zip(hidden, layers, strict=True):
         assert relative_error(got, want[layer]) <= 1e-4, f"layer {layer}"
 

@@ -30,8 +30,9 @@ def cross_entropy(logits: np.ndarray, ids: list[int]) -> float:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """One short training run of tiny-qwen3 on DP2 x TP2 over a directory of two text files:
-    (its summary, its stdout, the checkpoint directory)."""
+    """One short training run of tiny-qwen3 on DP2 x TP2 over a directory of two text files,
+    its layers 1 and 2 scanned (remat per scanned layer): (its summary, its stdout, the
+    checkpoint directory)."""
     tmp = tmp_path_factory.mktemp("train")
     texts = tmp / "texts"
     texts.mkdir()
@@ -40,7 +41,8 @@ def trained(tmp_path_factory):
     out = tmp / "trained"
     args = ["train", "--preset", "tiny-qwen3", "--mesh", "attn_dp=2,attn_tp=2"]
     args += ["--text", str(texts), "--steps", "30", "--batch-tokens", "256", "--seq-len", "64"]
-    args += ["--lr", "1e-2", "--log-every", "10", "--remat", "dots", "--out", str(out)]
+    args += ["--lr", "1e-2", "--log-every", "10", "--remat", "dots", "--scan-layers"]
+    args += ["--out", str(out)]
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
         assert main(args) == 0
@@ -58,8 +60,9 @@ def test_train_lowers_the_loss_and_reports_one_json_line(trained):
 
 
 def test_forward_and_generate_load_the_trained_checkpoint(trained, tmp_path, capsys):
-    """forward loads the written checkpoint on another mesh: its logits give the trained loss
-    (not the initial one) on the training text; generate runs on it."""
+    """forward loads the written checkpoint (per-layer tensors from the scanned run) unrolled
+    on another mesh: its logits give the trained loss (not the initial one) on the training
+    text; generate runs on it scanned."""
     summary, _, out = trained
     ids = list(TEXT.encode()[:64])
     prompts = tmp_path / "ids.json"
@@ -71,7 +74,7 @@ def test_forward_and_generate_load_the_trained_checkpoint(trained, tmp_path, cap
     assert loss < 0.5 * summary["loss_first"]
     assert loss == pytest.approx(summary["loss_last"], rel=0.5)
     prompts.write_text(json.dumps([ids[:8]]))
-    args = ["generate", "--checkpoint", str(out), "--prompt-ids", str(prompts)]
+    args = ["generate", "--checkpoint", str(out), "--prompt-ids", str(prompts), "--scan-layers"]
     assert main([*args, "--max-new-tokens", "4"]) == 0
     tokens = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert np.asarray(tokens).shape == (1, 4)
