@@ -363,7 +363,8 @@ class CausalLM(nnx.Module):
         Args:
           rows: This DP rank's block of packed rows.
           batch: The batch facts (variant and per-DP-rank token counts).
-          caches: One KV cache per layer, or None to attend within `rows` alone.
+          caches: One KV cache per block of `layers` (a scanned run's stacked on a leading
+            layer axis; `ShardedCausalLM.new_caches`), or None to attend within `rows` alone.
           last_rows: None for logits of every row; else [R] int32 row indices (within this
             rank's block) whose logits alone the LM head computes, -1 for none (zero logits).
 
