@@ -661,13 +661,14 @@ def numpy_forward(
 
 
 @torch.no_grad()
-def make_one(name: str, spec: dict) -> dict:
+def write_reference(name: str, spec: dict) -> tuple[dict, torch.nn.Module, torch.nn.Module]:
+    """Builds checkpoint `name` from `spec`, saves it, and writes its prompts.json and
+    reference.npz from the checkpoint as re-loaded from disk (eager attention), i.e. exactly what
+    a user of the files gets. Returns the summary and the re-loaded float32 and bfloat16 models.
+    """
     out = GOLDEN / name
     model = make_model(spec)
     write_checkpoint(model, spec, out)
-
-    # Reference logits/generation come from the checkpoint as re-loaded from disk (eager, fp32),
-    # i.e. exactly what a user of the files gets.
     ref = AutoModelForCausalLM.from_pretrained(
         out, dtype=torch.float32, attn_implementation="eager"
     )
@@ -709,13 +710,20 @@ def make_one(name: str, spec: dict) -> dict:
     save_npz_deterministic(out / "reference.npz", arrays)
     (out / "prompts.json").write_text(json.dumps(prompts) + "\n")
 
-    return {
+    summary = {
         "name": name,
         "prompt_seed": seed,
         "min_gap": min(gaps),
         "max_abs_logit": float(np.abs(logits).max()),
         "bf16_max_err": float(np.abs(logits_bf16 - logits).max()),
         "bf16_greedy_same": gens_bf16 == gens,
+    }
+    return summary, ref, bf16
+
+
+def make_one(name: str, spec: dict) -> dict:
+    summary, ref, bf16 = write_reference(name, spec)
+    return summary | {
         "inv_freq": ref.model.rotary_emb.inv_freq.tolist(),
         "bf16_inv_freq_dtype": str(bf16.model.rotary_emb.inv_freq.dtype),
     }

@@ -243,51 +243,9 @@ def numpy_forward(ckpt: Path, ids: list[int], variant: str = "") -> np.ndarray:
 
 @torch.no_grad()
 def make_one(name: str, spec: dict) -> dict:
-    out = GOLDEN / name
-    model = base.make_model(spec)
-    base.write_checkpoint(model, spec, out)
-    ref = AutoModelForCausalLM.from_pretrained(
-        out, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    summary, ref, _ = base.write_reference(name, spec)
     assert type(ref) is spec["model_cls"], type(ref)
-    for (n1, p1), (n2, p2) in zip(
-        sorted(model.state_dict().items()), sorted(ref.state_dict().items()), strict=True
-    ):
-        assert n1 == n2 and torch.equal(p1, p2), (name, n1, n2)
-    seed, prompts, gens, gaps = base.choose_prompts(ref, name, spec["prompt_seed"])
-    input_ids = np.zeros((len(prompts), base.MAX_LEN), dtype=np.int32)
-    lengths = np.array([len(p) for p in prompts], dtype=np.int32)
-    logits = np.zeros((len(prompts), base.MAX_LEN, VOCAB), dtype=np.float32)
-    for b, p in enumerate(prompts):
-        input_ids[b, : len(p)] = p
-        logits[b, : len(p)] = base.logits_alone(ref, p)
-        assert np.abs(logits[b, : len(p)] - base.logits_alone(model, p)).max() < 1e-5, name
-    bf16 = AutoModelForCausalLM.from_pretrained(
-        out, dtype=torch.bfloat16, attn_implementation="eager"
-    ).eval()
-    logits_bf16 = np.zeros_like(logits)
-    gens_bf16 = []
-    for b, p in enumerate(prompts):
-        logits_bf16[b, : len(p)] = base.logits_alone(bf16, p)
-        gens_bf16.append(base.greedy_generate(bf16, p)[0])
-    arrays = {
-        "input_ids": input_ids,
-        "lengths": lengths,
-        "logits": logits,
-        "logits_bf16": logits_bf16,
-        "generated": np.array(gens, dtype=np.int32),
-        "min_top2_gap": np.array(gaps, dtype=np.float32),
-    }
-    base.save_npz_deterministic(out / "reference.npz", arrays)
-    (out / "prompts.json").write_text(json.dumps(prompts) + "\n")
-    return {
-        "name": name,
-        "prompt_seed": seed,
-        "min_gap": min(gaps),
-        "max_abs_logit": float(np.abs(logits).max()),
-        "bf16_max_err": float(np.abs(logits_bf16 - logits).max()),
-        "bf16_greedy_same": gens_bf16 == gens,
-    }
+    return summary
 
 
 VARIANTS = {

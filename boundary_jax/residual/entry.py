@@ -86,8 +86,13 @@ def _fused_finalize(entry, pending, residual, read, norm, candidates, topology):
         or pending.update_state is not None
     ):
         return None
+    return _offer(entry, pending, pending.value, residual, read, norm, candidates, topology)
+
+
+def _offer(entry, pending, value, residual, read, norm, candidates, topology):
+    """The first candidate's `(compute_input, residual)` for `value`, or None if all decline."""
     request = FusionRequest(
-        pending.value,
+        value,
         residual,
         norm,
         pending.update.resolve(),
@@ -100,19 +105,9 @@ def _fused_finalize(entry, pending, residual, read, norm, candidates, topology):
 
 def _update_and_read(entry, pending, value, transform, residual, read, norm, candidates, topology):
     if transform is None and pending.update_state is None:
-        request = FusionRequest(
-            value,
-            residual,
-            norm,
-            pending.update.resolve(),
-            read,
-            entry.fused_sum,
-            topology.size(entry.fused_sum),
-        )
-        for candidate in candidates:
-            result = candidate(request)
-            if result is not None:
-                return (*result, None)
+        fused = _offer(entry, pending, value, residual, read, norm, candidates, topology)
+        if fused is not None:
+            return (*fused, None)
     value = ops.run(ops.all_reduce(entry.fused_sum), value)
     if transform is not None:
         value = transform(value)
