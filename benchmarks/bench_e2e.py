@@ -17,8 +17,13 @@ Roofline: decode, weights + KV bytes read per GPU / HBM bandwidth (4.8 TB/s); pr
 causal attention FLOPs per GPU / dense bf16 peak (990 TFLOP/s). Times are wall-clock medians of
 blocking calls (a decode call runs STEPS steps, so dispatch is amortized).
 
+With `--scan` the project model is built with `scan_layers=True` and both baselines run their
+layers (stacked once, a copy) as one `lax.scan`, as a user writing a deep model would: 32 layers
+unrolled took over 5 minutes to compile on JAX 0.11.2.
+
 Run on the GPU machine from the repository root:
   python3 -m benchmarks.bench_e2e --layers 8 --tp 1 2
+  python3 -m benchmarks.bench_e2e --layers 32 --tp 2 --scan
 """
 
 # ruff: noqa: B023 (each timed closure runs within its own loop iteration)
@@ -73,27 +78,39 @@ def _rewrap(x: jax.Array, mesh: jax.sharding.Mesh) -> jax.Array:
     return jax.make_array_from_single_device_arrays(x.shape, sharding, shards)
 
 
-def baseline_params(runner: ShardedCausalLM, mesh: jax.sharding.Mesh) -> dict:
-    """The project's placed weights, by role, on the Auto-axes `mesh` (same buffers, no copy)."""
+def _layer_weights(flat: dict, prefix: tuple) -> dict:
+    """One decoder layer's weights by role (stacked on a leading axis for a scanned run)."""
+    get = lambda *name: flat[(*prefix, *name)]  # noqa: E731
+    return {
+        "attn_norm": get("attn_boundary", "norm", "weight"),
+        "wq": get("attn", "q_proj", "kernel"),
+        "wk": get("attn", "k_proj", "kernel"),
+        "wv": get("attn", "v_proj", "kernel"),
+        "wo": get("attn", "o_proj", "kernel"),
+        "ffn_norm": get("ffn_boundary", "norm", "weight"),
+        "wg": get("mlp", "gate_proj", "kernel"),
+        "wu": get("mlp", "up_proj", "kernel"),
+        "wd": get("mlp", "down_proj", "kernel"),
+    }
+
+
+def baseline_params(runner: ShardedCausalLM, mesh: jax.sharding.Mesh, *, scan: bool) -> dict:
+    """The project's placed weights, by role, on the Auto-axes `mesh` (the same buffers where
+    the layouts agree). `scan`: the layers stacked on a leading axis (a copy), for a baseline
+    that runs them as one `lax.scan` as a user writing a deep model would; else a list (a
+    scanned project model's runs sliced per layer)."""
     flat = {
         path: _rewrap(variable[...], mesh) for path, variable in nnx.to_flat_state(runner.state)
     }
     layers = []
-    for index in range(runner.config.num_layers):
-        get = lambda *name, index=index: flat[("layers", index, *name)]  # noqa: E731
-        layers.append(
-            {
-                "attn_norm": get("attn_boundary", "norm", "weight"),
-                "wq": get("attn", "q_proj", "kernel"),
-                "wk": get("attn", "k_proj", "kernel"),
-                "wv": get("attn", "v_proj", "kernel"),
-                "wo": get("attn", "o_proj", "kernel"),
-                "ffn_norm": get("ffn_boundary", "norm", "weight"),
-                "wg": get("mlp", "gate_proj", "kernel"),
-                "wu": get("mlp", "up_proj", "kernel"),
-                "wd": get("mlp", "down_proj", "kernel"),
-            }
-        )
+    for index, (block, module) in enumerate(runner.model.blocks()):
+        if isinstance(module, bj.StackedLayers):
+            run = _layer_weights(flat, ("layers", index, "layer"))
+            layers += [{role: w[i] for role, w in run.items()} for i in range(len(block))]
+        else:
+            layers.append(_layer_weights(flat, ("layers", index)))
+    if scan:
+        layers = {role: jnp.stack([layer[role] for layer in layers]) for role in layers[0]}
     return {
         "embed": flat[("embed", "embedding")],
         "layers": layers,
@@ -159,9 +176,20 @@ def _decode_cudnn(q, k_cache, v_cache, positions):
     return decode_attention_cudnn(q, k_cache, v_cache, (positions + 1).astype(jnp.int32))
 
 
-def make_baseline(config: DecoderConfig, cudnn: bool):
-    """(prefill, decode) jitted over global arrays; caches are donated."""
+def make_baseline(config: DecoderConfig, cudnn: bool, scan: bool = False):
+    """(logits of prefill, prefill, decode) jitted over global arrays; caches are donated.
+    `scan`: the layers and caches are stacked on a leading axis and run as one `lax.scan`."""
     eps = config.rms_norm_eps
+
+    def over_layers(layer_fn, x, layers, caches):
+        """`x, cache = layer_fn(layer, x, cache)` over every layer (caches may be None)."""
+        if scan:
+            return lax.scan(lambda x, lc: layer_fn(lc[0], x, lc[1]), x, (layers, caches))
+        updated = []
+        for index, layer in enumerate(layers):
+            x, cache = layer_fn(layer, x, None if caches is None else caches[index])
+            updated.append(cache)
+        return x, None if caches is None else updated
 
     @jax.jit
     def logits_of_prefill(params, ids):
@@ -172,22 +200,24 @@ def make_baseline(config: DecoderConfig, cudnn: bool):
         batch, length = ids.shape
         positions = jnp.tile(jnp.arange(length, dtype=jnp.int32), batch)
         x = params["embed"][ids.reshape(-1)]
-        updated = []
-        for index, layer in enumerate(params["layers"]):
+
+        def layer_fn(layer, x, cache):
             h = _rms(x, layer["attn_norm"], eps)
             q, k, v = _qkv(layer, h, positions, config)
             q, k, v = (a.reshape(batch, length, *a.shape[1:]) for a in (q, k, v))
-            if caches is not None:
-                k_cache, v_cache = caches[index]
+            if cache is not None:
+                k_cache, v_cache = cache
                 k_cache = lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, 0, 0, 0))
                 v_cache = lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, 0, 0, 0))
-                updated.append((k_cache, v_cache))
+                cache = (k_cache, v_cache)
             if cudnn:
                 out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=KERNEL)
             else:
                 out = _causal_jnp(q, k, v)
             x = x + out.reshape(batch * length, -1) @ layer["wo"]
-            x = _mlp(layer, x, eps)
+            return _mlp(layer, x, eps), cache
+
+        x, updated = over_layers(layer_fn, x, params["layers"], caches)
         last = x.reshape(batch, length, -1)[:, -1]
         logits = _logits(params, last, config)
         return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits, updated
@@ -204,20 +234,22 @@ def make_baseline(config: DecoderConfig, cudnn: bool):
         def step(_, carry):
             tokens, positions, caches = carry
             x = params["embed"][tokens]
-            updated = []
-            for layer, (k_cache, v_cache) in zip(params["layers"], caches, strict=True):
+
+            def layer_fn(layer, x, cache):
                 h = _rms(x, layer["attn_norm"], eps)
                 q, k, v = _qkv(layer, h, positions, config)
-                k_cache = k_cache.at[rows, positions].set(k.astype(k_cache.dtype))
-                v_cache = v_cache.at[rows, positions].set(v.astype(v_cache.dtype))
-                updated.append((k_cache, v_cache))
+                k_cache = cache[0].at[rows, positions].set(k.astype(cache[0].dtype))
+                v_cache = cache[1].at[rows, positions].set(v.astype(cache[1].dtype))
                 out = attend(q, k_cache, v_cache, positions)
                 x = x + out.reshape(x.shape[0], -1) @ layer["wo"]
-                x = _mlp(layer, x, eps)
-            tokens = jnp.argmax(_logits(params, x, config), axis=-1).astype(jnp.int32)
-            return tokens, positions + 1, tuple(updated)
+                return _mlp(layer, x, eps), (k_cache, v_cache)
 
-        tokens, _, caches = lax.fori_loop(0, steps, step, (tokens, positions, tuple(caches)))
+            x, caches = over_layers(layer_fn, x, params["layers"], caches)
+            tokens = jnp.argmax(_logits(params, x, config), axis=-1).astype(jnp.int32)
+            return tokens, positions + 1, caches
+
+        caches = caches if scan else list(caches)
+        tokens, _, caches = lax.fori_loop(0, steps, step, (tokens, positions, caches))
         return tokens, caches
 
     return (
@@ -285,7 +317,12 @@ def _decode_inputs(runner: ShardedCausalLM, sequences: int, start: int):
 
 
 def run_config(
-    config: DecoderConfig, tp: int, results: list, memory: list, cases: list[str] | None = None
+    config: DecoderConfig,
+    tp: int,
+    results: list,
+    memory: list,
+    cases: list[str] | None = None,
+    scan: bool = False,
 ) -> None:
     wanted = lambda case: cases is None or case in cases  # noqa: E731
     topology = bj.Topology(attn_tp=tp)
@@ -296,6 +333,7 @@ def run_config(
         dtype=jnp.bfloat16,
         attention=AttentionImpl.for_platform(jax.default_backend()),
         mesh=mesh,
+        scan_layers=scan,
     )
     runner = ShardedCausalLM(model, mesh)
     del model
@@ -310,18 +348,24 @@ def run_config(
     )
     print(memory[-1], flush=True)
     gspmd = auto_mesh(mesh)
-    params = baseline_params(runner, gspmd)
+    params = baseline_params(runner, gspmd, scan=scan)
     baselines = {
-        name: make_baseline(config, cudnn) for name, cudnn in (("cuDNN", True), ("jnp", False))
+        name: make_baseline(config, cudnn, scan)
+        for name, cudnn in (("cuDNN", True), ("jnp", False))
     }
     rng = np.random.default_rng(0)
-    cache_spec = NamedSharding(gspmd, KVCache.partition_spec(topology))
+    cache_spec = KVCache.partition_spec(topology)
+    cache_spec = NamedSharding(gspmd, PartitionSpec(None, *cache_spec) if scan else cache_spec)
     replicated = NamedSharding(gspmd, PartitionSpec())
     key = jax.device_put(jax.random.key(0), NamedSharding(mesh, PartitionSpec()))
     label = f"{config.num_layers}L TP{tp}"
 
     def zero_caches(slots, length):
         shape = KVCache.global_shape(config, topology, slots=slots, max_len=length)
+        if scan:
+            shape = (config.num_layers, *shape)
+            zeros = lambda: jnp.zeros(shape, jnp.bfloat16, device=cache_spec)  # noqa: E731
+            return (zeros(), zeros())
         return [
             (
                 jnp.zeros(shape, jnp.bfloat16, device=cache_spec),
@@ -493,6 +537,9 @@ def main() -> None:
     parser.add_argument("--kernels", action="store_true", help="decode attention kernels only")
     parser.add_argument("--smoke", action="store_true", help="a tiny config (CPU check)")
     parser.add_argument(
+        "--scan", action="store_true", help="scanned layers in the project and the baselines"
+    )
+    parser.add_argument(
         "--cases",
         nargs="+",
         default=None,
@@ -518,7 +565,7 @@ def main() -> None:
                     num_kv_heads=2,
                     head_dim=32,
                 )
-            run_config(config, tp, results, memory, args.cases)
+            run_config(config, tp, results, memory, args.cases, args.scan)
     print("\n## Llama-3-8B shape, bf16: project vs one-jit GSPMD (ms; ratios are speedups)")
     print_table(
         (

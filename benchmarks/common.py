@@ -39,11 +39,14 @@ LLAMA3_8B = DecoderConfig(
 
 def header(title: str) -> str:
     """Machine, JAX version and date, for RESULTS.md."""
-    gpus = subprocess.run(
-        ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
+    try:
+        gpus = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    except FileNotFoundError:  # a CPU smoke run
+        gpus = "none"
     return (
         f"== {title}\n"
         f"date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}\n"
