@@ -31,6 +31,9 @@ from .layers import ColumnParallelLinear, RowParallelLinear, group_size, sharded
 from .rope import apply_rope, rope_inv_freq
 from .rows import RowsPhase
 
+PREFILL_KEY_BLOCK = 64
+"""Query rows per block of the `jnp` prefill when a static reach bounds its keys."""
+
 
 class AttentionImpl(enum.Enum):
     """Which kernel computes softmax(q k^T) v.
@@ -272,6 +275,7 @@ class Attention(nnx.Module):
         cache: KVCache | None = None,
         *,
         phase: RowsPhase = RowsPhase.PREFILL,
+        max_sequence_rows: int | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """Attends each row to its sequence; with a cache, also stores this call's keys/values.
 
@@ -286,6 +290,9 @@ class Attention(nnx.Module):
             i's next token (segment id i, or -1 for an idle slot); it is written at its
             position and attends to cached positions 0..position. Positions >= max_len are
             not stored.
+          max_sequence_rows: Static: no PREFILL sequence has more rows (`TokenRows`). With it
+            (or a sliding window) the `jnp` prefill attends block by block to the keys within
+            reach instead of over all T x T row pairs.
 
         Returns:
           ([T, hidden] o_proj partial owing a sum over attention TP, with zero rows for
@@ -331,9 +338,14 @@ class Attention(nnx.Module):
                 # cuDNN leaves rows outside every segment unwritten.
                 out = jnp.where(valid[:, None, None], out, 0)
             else:
-                mask = segment_ids[:, None] == segment_ids[None, :]
-                mask &= self._visible(positions, positions) & valid[:, None]
-                out = _attend(self._grouped(q), k.astype(q.dtype), v, mask, "skd", self.scale)
+                out = self._attend_packed(
+                    self._grouped(q),
+                    k.astype(q.dtype),
+                    v,
+                    positions,
+                    segment_ids,
+                    max_sequence_rows,
+                )
         else:
             # Row i is slot i: write each row's key at its position, then read the cache as is.
             slot_of_row = jnp.arange(rows, dtype=segment_ids.dtype)
@@ -406,9 +418,58 @@ class Attention(nnx.Module):
         out = h @ kernel if bias is None else h @ kernel + bias[None, :]
         return out.reshape(h.shape[0], self.heads.local_kv_heads, head_dim)
 
+    def _attend_packed(
+        self,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array,
+        max_sequence_rows: int | None,
+    ) -> jax.Array:
+        """Prefill attention among packed rows, [T, kv, group, D].
+
+        Rows of a sequence are contiguous, so a row's keys lie at most `reach - 1` rows back,
+        where `reach` is the longer bound of the sequence length and the sliding window. When
+        that reach is static and well short of T, queries go in blocks of `block` rows and each
+        block attends to the `width` key blocks ending at its own, so scores cost
+        T x width * block instead of T x T (forward and backward).
+        """
+        rows = q.shape[0]
+        bounds = [b for b in (max_sequence_rows, self.layer.sliding_window) if b is not None]
+        reach = min(bounds) if bounds else rows
+        block = min(PREFILL_KEY_BLOCK, 1 << max(reach - 1, 1).bit_length())
+        width = -(-(reach - 1) // block) + 1
+        if width * block >= rows:
+            mask = segment_ids[:, None] == segment_ids[None, :]
+            mask &= self._visible(positions, positions) & (segment_ids >= 0)[:, None]
+            return _attend(q, k, v, mask, "skd", self.scale)
+        blocks = -(-rows // block)
+        pad = blocks * block - rows
+
+        def blocked(x: jax.Array, fill: int) -> jax.Array:
+            x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
+            return x.reshape(blocks, block, *x.shape[1:])
+
+        def windows(x: jax.Array, fill: int) -> jax.Array:
+            """[blocks, block, ...] -> [blocks, width * block, ...]: key blocks i-width+1..i."""
+            before = jnp.full((width - 1, *x.shape[1:]), fill, x.dtype)
+            x = jnp.concatenate([before, x])
+            stacked = jnp.stack([x[j : j + blocks] for j in range(width)], axis=1)
+            return stacked.reshape(blocks, width * block, *x.shape[2:])
+
+        segments, where = blocked(segment_ids, -1), blocked(positions, 0)
+        mask = segments[:, :, None] == windows(segments, -1)[:, None, :]
+        mask &= self._visible(where, windows(where, 0)) & (segments >= 0)[:, :, None]
+        out = _attend_blocks(
+            blocked(q, 0), windows(blocked(k, 0), 0), windows(blocked(v, 0), 0), mask, self.scale
+        )
+        return out.reshape(blocks * block, *q.shape[1:])[:rows]
+
     def _visible(self, query_positions: jax.Array, key_positions: jax.Array) -> jax.Array:
-        """[T, S] causal (and sliding-window) visibility of key positions from query positions."""
-        distance = query_positions[:, None] - key_positions[None, :]
+        """[..., T, S] causal (and sliding-window) visibility of key positions [..., S] from
+        query positions [..., T]."""
+        distance = query_positions[..., :, None] - key_positions[..., None, :]
         visible = distance >= 0
         if self.layer.sliding_window is not None:
             visible &= distance < self.layer.sliding_window
@@ -572,10 +633,23 @@ def _attend(
     )
 
 
+def _attend_blocks(
+    q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array, scale: float
+) -> jax.Array:
+    """`_attend` per query block: q [N, B, kv, group, D] against that block's keys and values
+    [N, S, kv, D] under mask [N, B, S]. Returns [N, B, kv, group, D]."""
+    acc = _acc(q.dtype)
+    scores = jnp.einsum("nbkgd,nskd->nbkgs", q, keys, preferred_element_type=acc)
+    probs = _masked_softmax(scores * scale, mask)
+    return jnp.einsum(
+        "nbkgs,nskd->nbkgd", probs.astype(values.dtype), values, preferred_element_type=acc
+    )
+
+
 def _masked_softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
-    """Softmax of [T, kv, group, S] scores over S where `mask` [T, S] allows; all-masked rows
-    (padding) get all-zero weights, with no NaN in the value or its gradient."""
-    allowed = mask[:, None, None, :]
+    """Softmax of [..., T, kv, group, S] scores over S where `mask` [..., T, S] allows;
+    all-masked rows (padding) get all-zero weights, with no NaN in the value or its gradient."""
+    allowed = mask[..., :, None, None, :]
     scores = jnp.where(allowed, scores, -jnp.inf)
     peak = lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
     peak = jnp.where(jnp.isfinite(peak), peak, 0.0)

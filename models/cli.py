@@ -307,7 +307,7 @@ def _train(args) -> None:
     losses, timed_tokens, timed_seconds = [], 0, 0.0
     for step in range(args.steps):
         starts = rng.integers(0, len(tokens) - length + 1, sequences)
-        batch = trainer.pack([tokens[s : s + length] for s in starts])
+        batch = trainer.pack([tokens[s : s + length] for s in starts], max_sequence_rows=length)
         start = time.perf_counter()
         loss = trainer.step(batch)["loss"]
         seconds = time.perf_counter() - start

@@ -160,7 +160,14 @@ class DecoderLayer(nnx.Module):
     ) -> tuple[bj.OwedOutput, bj.ResidualStream, KVCache | None]:
         """The layer after its attention input: attention and its exit, the FFN's input, the
         FFN and its exit."""
-        y, cache = self.attn(h, rows.positions, rows.segment_ids, cache, phase=rows.phase)
+        y, cache = self.attn(
+            h,
+            rows.positions,
+            rows.segment_ids,
+            cache,
+            phase=rows.phase,
+            max_sequence_rows=rows.max_sequence_rows,
+        )
         x, stream = self.attn_boundary.finish(y, stream)
         h, stream = self.ffn_boundary.prepare(x, stream)
         x, stream = self.run_ffn(h, stream)

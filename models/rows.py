@@ -33,7 +33,7 @@ class RowsPhase(enum.Enum):
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["ids", "positions", "segment_ids"],
-    meta_fields=["phase"],
+    meta_fields=["phase", "max_sequence_rows"],
 )
 @dataclasses.dataclass(frozen=True)
 class TokenRows:
@@ -44,12 +44,16 @@ class TokenRows:
       positions: int32 position of each row within its sequence.
       segment_ids: int32 slot of the row's sequence on its DP rank; -1 on padding rows.
       phase: Static: packed prefill rows or one decode row per slot.
+      max_sequence_rows: Static: no sequence of a prefill block has more rows than this, or
+        None. A bound well short of the block lets attention skip the key rows beyond it
+        (`pack_sequences` checks it; rows built by hand must keep it).
     """
 
     ids: np.ndarray | jax.Array
     positions: np.ndarray | jax.Array
     segment_ids: np.ndarray | jax.Array
     phase: RowsPhase = RowsPhase.PREFILL
+    max_sequence_rows: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +139,7 @@ def pack_sequences(
     *,
     rows_per_rank: int | None = None,
     slots_per_rank: int | None = None,
+    max_sequence_rows: int | None = None,
 ) -> PackedBatch:
     """Packs whole sequences onto attention-DP ranks, balancing their token counts.
 
@@ -142,13 +147,20 @@ def pack_sequences(
     padded to a common size that divides over attention TP (so input-scattered batches work).
     `rows_per_rank` and `slots_per_rank` fix the prefill block and the decode block (cache
     slots per rank) to larger static sizes, so that batches of other sizes share one program.
+    `max_sequence_rows` bounds every sequence's length (static, as `TokenRows` carries it), so
+    that prefill attention skips the key rows beyond it; batches under one bound share a program.
 
     Raises:
-      ValueError: A sequence is empty, or `rows_per_rank` / `slots_per_rank` is too small or
-        not a multiple of attention TP.
+      ValueError: A sequence is empty or longer than `max_sequence_rows`, or `rows_per_rank` /
+        `slots_per_rank` is too small or not a multiple of attention TP.
     """
     if not sequences or any(len(s) == 0 for s in sequences):
         raise ValueError("pack_sequences needs at least one sequence and no empty sequence")
+    if max_sequence_rows is not None and max(map(len, sequences)) > max_sequence_rows:
+        raise ValueError(
+            f"a sequence of {max(map(len, sequences))} tokens is longer than "
+            f"max_sequence_rows={max_sequence_rows}"
+        )
     dp = topology.attn_dp
     load, members = [0] * dp, [[] for _ in range(dp)]
     for index in sorted(range(len(sequences)), key=lambda i: (-len(sequences[i]), i)):
@@ -185,7 +197,7 @@ def pack_sequences(
             )
         slots = slots_per_rank
     return PackedBatch(
-        rows=TokenRows(ids, positions, segments),
+        rows=TokenRows(ids, positions, segments, max_sequence_rows=max_sequence_rows),
         token_counts=np.asarray(load, np.int32),
         rank=tuple(rank_of),
         slot=tuple(slot_of),

@@ -246,11 +246,21 @@ class Trainer:
     # -- batches --------------------------------------------------------------------------
 
     def pack(
-        self, sequences: Sequence[Sequence[int]], *, rows_per_rank: int | None = None
+        self,
+        sequences: Sequence[Sequence[int]],
+        *,
+        rows_per_rank: int | None = None,
+        max_sequence_rows: int | None = None,
     ) -> TrainBatch:
-        """Packs token sequences onto the DP ranks (see `pack_sequences`) and places them with
-        their next-token labels: a `TrainBatch`."""
-        packed = pack_sequences(sequences, self.topology, rows_per_rank=rows_per_rank)
+        """Packs token sequences onto the DP ranks (see `pack_sequences`; a `max_sequence_rows`
+        bound lets attention skip keys beyond it) and places them with their next-token labels:
+        a `TrainBatch`."""
+        packed = pack_sequences(
+            sequences,
+            self.topology,
+            rows_per_rank=rows_per_rank,
+            max_sequence_rows=max_sequence_rows,
+        )
         return self.place(packed)
 
     def place(self, packed: PackedBatch) -> TrainBatch:
@@ -279,7 +289,7 @@ class Trainer:
             return model.loss(batch.rows, batch.batch, batch.labels)
 
         batch_spec = TrainBatch(
-            TokenRows(rows, rows, rows),
+            dataclasses.replace(batch.rows, ids=rows, positions=rows, segment_ids=rows),
             bj.BatchFacts(self._variant, self.topology, PartitionSpec()),
             rows,
             batch.tokens,

@@ -462,3 +462,67 @@ def test_cudnn_equals_reference_in_prefill_and_decode(dp, tp):
         g, w = np.asarray(g, np.float32)[active], np.asarray(w, np.float32)[active]
         assert np.max(np.abs(g - w)) <= 2e-2 * np.max(np.abs(w))
     np.testing.assert_array_equal(np.asarray(got_cache.k), np.asarray(want_cache.k))
+
+
+# Packed prefill rows that cross the key blocks of a bounded reach: (segment, length), then
+# padding to BOUNDED_ROWS.
+BOUNDED_PACKING = ((0, 7), (1, 3), (2, 9), (3, 1), (4, 6), (5, 8))
+BOUNDED_ROWS = 40
+
+
+def bounded_rows(config):
+    positions = [p for _, n in BOUNDED_PACKING for p in range(n)]
+    segments = [s for s, n in BOUNDED_PACKING for _ in range(n)]
+    pad = BOUNDED_ROWS - len(positions)
+    positions = jnp.array(positions + [0] * pad, jnp.int32)
+    segments = jnp.array(segments + [-1] * pad, jnp.int32)
+    h = jax.random.normal(jax.random.key(11), (BOUNDED_ROWS, config.hidden_size), jnp.float32)
+    return h, positions, segments
+
+
+@pytest.mark.parametrize("name", ["qwen3-kv2", "window3-kv4"])
+@pytest.mark.parametrize("bound", [9, 12, 33])
+def test_bounded_prefill_equals_each_sequence_alone(name, bound):
+    """With `max_sequence_rows`, queries attend block by block to the keys within reach; every
+    row equals its sequence run alone, padding rows stay zero, and gradients match the unbounded
+    call's (the bound 9 is the longest sequence, so a key block left out of a window shows; at
+    33 the window would span all 40 rows, and the call keeps the T x T scores)."""
+    config = CONFIGS[name]
+    attn = build(config, bj.Topology())
+    h, positions, segments = bounded_rows(config)
+    bounded = jax.jit(lambda h: attn(h, positions, segments, max_sequence_rows=bound)[0])
+    got = np.asarray(bounded(h))
+    start = 0
+    for _, length in BOUNDED_PACKING:
+        rows = slice(start, start + length)
+        alone = attn(h[rows], positions[rows], jnp.zeros(length, jnp.int32))[0]
+        np.testing.assert_allclose(got[rows], alone, rtol=1e-5, atol=1e-5)
+        start += length
+    assert np.all(got[start:] == 0)
+
+    def loss(h, bound):
+        return jnp.sum(jnp.sin(attn(h, positions, segments, max_sequence_rows=bound)[0]))
+
+    grads = [jax.jit(jax.grad(lambda h, b=b: loss(h, b)))(h) for b in (bound, None)]
+    chex.assert_trees_all_close(*grads, rtol=1e-5, atol=1e-5)
+
+
+def test_bounded_prefill_computes_a_fraction_of_the_scores():
+    """A bound of 128 rows in 1024 packed rows: the compiled layer's FLOPs (forward and
+    backward) drop to about the window's share of the T x T scores."""
+    config = CONFIGS["qwen3-kv2"]
+    attn = build(config, bj.Topology())
+    rows = 1024
+    h = jnp.ones((rows, config.hidden_size), jnp.float32)
+    positions = jnp.arange(rows, dtype=jnp.int32) % 128
+    segments = jnp.arange(rows, dtype=jnp.int32) // 128
+
+    def flops(bound):
+        def loss(h):
+            return jnp.sum(attn(h, positions, segments, max_sequence_rows=bound)[0])
+
+        cost = jax.jit(jax.value_and_grad(loss)).lower(h).compile().cost_analysis()
+        return (cost[0] if isinstance(cost, list) else cost)["flops"]
+
+    # Blocks of 64 query rows each see 3 key blocks: 192 of 1024 key rows.
+    assert flops(128) < 0.3 * flops(None)

@@ -1,5 +1,6 @@
 """Packing whole sequences onto attention-DP ranks as static padded blocks of rows."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -62,6 +63,20 @@ def test_packing_rejects_empty_input_and_small_blocks():
         pack_sequences([[1], []], bj.Topology())
     with pytest.raises(ValueError, match="rows_per_rank"):
         pack_sequences([[1] * 9], bj.Topology(attn_tp=2), rows_per_rank=8)
+
+
+def test_a_sequence_bound_is_checked_and_carried_by_prefill_rows_only():
+    """`max_sequence_rows` rejects a longer sequence; the prefill rows carry it (static), a
+    decode step's rows do not."""
+    with pytest.raises(ValueError, match="longer than max_sequence_rows=4"):
+        pack_sequences([[1] * 3, [2] * 5], bj.Topology(), max_sequence_rows=4)
+    packed = pack_sequences([[1] * 3, [2] * 5], bj.Topology(), max_sequence_rows=5)
+    assert packed.rows.max_sequence_rows == 5
+    assert jax.tree.structure(packed.rows) != jax.tree.structure(
+        pack_sequences([[1] * 3, [2] * 5], bj.Topology()).rows
+    )
+    step = decode_rows(packed, np.array([7, 8]), np.array([3, 5]))
+    assert step.rows.max_sequence_rows is None
 
 
 def test_last_row_index_and_slot_order_address_each_sequence():
