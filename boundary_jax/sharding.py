@@ -62,7 +62,7 @@ class ShardedModule:
 
         Args:
           call: What each rank runs.
-          in_specs: `PartitionSpec` trees of `args`.
+          in_specs: `PartitionSpec` trees of `args` (or prefixes of them).
           out_specs: `PartitionSpec` tree of the result.
           check_vma: `shard_map`'s varying-axes check (Pallas fusion candidates need it off).
           donate_argnums: Indices into `args` whose buffers the program may reuse.

@@ -290,7 +290,7 @@ class ShardedCausalLM:
         )
         self._forward = self._sharded.program(
             lambda model, rows, batch: model(rows, batch)[0],
-            in_specs=(TokenRows(rows, rows, rows), self._batch_spec),
+            in_specs=(rows, self._batch_spec),
             out_specs=self._logits_spec,
             check_vma=check_vma,
         )
@@ -421,7 +421,7 @@ class ShardedCausalLM:
 
             self._programs[name] = self._sharded.program(
                 body,
-                in_specs=(TokenRows(rows, rows, rows), self._batch_spec),
+                in_specs=(rows, self._batch_spec),
                 out_specs=(self._logits_spec, PartitionSpec(None, rows[0], None)),
                 check_vma=self.check_vma,
             )
@@ -509,7 +509,7 @@ class ShardedCausalLM:
         return self._sharded.program(
             body,
             in_specs=(
-                TokenRows(rows, rows, rows),
+                rows,
                 self._batch_spec,
                 self._cache_specs,
                 rows,
@@ -546,7 +546,7 @@ class ShardedCausalLM:
         return self._sharded.program(
             body,
             in_specs=(
-                TokenRows(rows, rows, rows, RowsPhase.DECODE),
+                rows,
                 self._batch_spec,
                 self._cache_specs,
                 PartitionSpec(),

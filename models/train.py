@@ -289,7 +289,7 @@ class Trainer:
             return model.loss(batch.rows, batch.batch, batch.labels)
 
         batch_spec = TrainBatch(
-            dataclasses.replace(batch.rows, ids=rows, positions=rows, segment_ids=rows),
+            rows,
             bj.BatchFacts(self._variant, self.topology, PartitionSpec()),
             rows,
             batch.tokens,

@@ -2,6 +2,7 @@
 
 import gc
 import os
+import sys
 
 import pytest
 
@@ -13,30 +14,36 @@ jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 
+def mapped_regions() -> tuple[int, int]:
+    """This process's memory mappings and the kernel's limit on them (0, 0 where unknown)."""
+    try:
+        with open("/proc/self/maps", "rb") as maps, open("/proc/sys/vm/max_map_count") as limit:
+            return sum(1 for _ in maps), int(limit.read())
+    except OSError:
+        return 0, 0
+
+
 @pytest.fixture(autouse=True, scope="module")
-def release_compiled_code(request):
-    """Frees a test module's compiled executables when the module ends.
+def release_compiled_code():
+    """Frees the compiled executables when a module ends with the process's mappings past half
+    the kernel's limit.
 
     XLA's CPU backend maps a few memory regions per executable. A worker that kept every
-    executable of its half of the suite reached the kernel's limit of mappings per process
+    executable of its half of the suite reached the limit of mappings per process
     (vm.max_map_count, 65530) after about 800 tests, and the next compilation segfaulted.
-    Functions a module shares between its tests stay shared within the module.
+    Releasing only past half the limit keeps the compilations that later modules share; the
+    test modules' cached functions and JAX's caches are then cleared together.
     """
     yield
-    for value in vars(request.module).values():
-        if callable(getattr(value, "cache_clear", None)):
-            value.cache_clear()
+    regions, limit = mapped_regions()
+    if regions < limit // 2:
+        return
+    tests = os.path.dirname(__file__)
+    for module in list(sys.modules.values()):
+        if not getattr(module, "__file__", "").startswith(tests):
+            continue
+        for value in vars(module).values():
+            if callable(getattr(value, "cache_clear", None)):
+                value.cache_clear()
     jax.clear_caches()
     gc.collect()
-
-
-def pytest_terminal_summary(terminalreporter):
-    """Prints how many pipeline cuts the binding sweep checked (reported by each worker)."""
-    cuts = sum(
-        value
-        for report in terminalreporter.stats.get("passed", [])
-        for name, value in report.user_properties
-        if name == "cuts"
-    )
-    if cuts:
-        terminalreporter.write_line(f"pipeline cuts checked at binding level: {cuts:,}")
