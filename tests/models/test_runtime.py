@@ -9,6 +9,7 @@ from flax import nnx
 import boundary_jax as bj
 from boundary_jax.fusions import AddRmsNorm, FusionProvider
 from models.config import PRESETS
+from models.rows import pack_sequences
 from models.runtime import ShardedCausalLM, bucket, build_model, cache_length
 from models.sampling import Sampling
 
@@ -107,3 +108,15 @@ def test_runner_holds_no_unsharded_weights(runner):
         assert len(value.sharding.device_set) == 4
     assert not hasattr(runner, "_model")
     assert jnp.issubdtype(runner.dtype, jnp.floating)
+
+
+def test_rows_with_a_sequence_bound_give_the_same_logits(runner):
+    """Rows packed with `max_sequence_rows` (a static field of the rows) run through the
+    runner's program, their attention blocked, with the unbounded logits."""
+    sequences = PROMPTS * 4
+    packed = [
+        pack_sequences(sequences, runner.topology, rows_per_rank=64, max_sequence_rows=bound)
+        for bound in (5, None)
+    ]
+    bounded, unbounded = (np.asarray(runner.forward_rows(p)) for p in packed)
+    np.testing.assert_allclose(bounded, unbounded, rtol=1e-5, atol=1e-5)
