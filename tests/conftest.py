@@ -40,7 +40,7 @@ def release_compiled_code():
         return
     tests = os.path.dirname(__file__)
     for module in list(sys.modules.values()):
-        if not getattr(module, "__file__", "").startswith(tests):
+        if not (getattr(module, "__file__", None) or "").startswith(tests):
             continue
         for value in vars(module).values():
             if callable(getattr(value, "cache_clear", None)):
