@@ -47,3 +47,15 @@ def release_compiled_code():
                 value.cache_clear()
     jax.clear_caches()
     gc.collect()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Prints how many pipeline cuts the binding sweep checked (reported by each worker)."""
+    cuts = sum(
+        value
+        for report in terminalreporter.stats.get("passed", [])
+        for name, value in report.user_properties
+        if name == "cuts"
+    )
+    if cuts:
+        terminalreporter.write_line(f"pipeline cuts checked at binding level: {cuts:,}")
