@@ -17,6 +17,11 @@ Part 2: 32 boundaries unrolled in one jitted `shard_map` at TP 2 (and TP 1: no s
 after an all-to-all dispatch), each taking a different [rows, top-k, hidden] deferred finalize:
 the fused kernel against the unfused path (finalize, `psum`, XLA's add + RMSNorm), wall clock
 per boundary.
+
+Part 3 (`--breakdown`, one GPU): the prefill layer's pieces at 4096 tokens, each jitted and
+timed alone on the previous piece's outputs (route; sort and row gather; the gate, up, fused
+gate|up and down grouped matmuls; the un-sort; the finalize), and the whole layer with gate and
+up as two matmuls against one fused [hidden, 2 x width] matmul.
 """
 
 import argparse
@@ -257,12 +262,145 @@ def part2(rows_list, devices: int) -> list[tuple]:
     return table
 
 
+BREAKDOWN_TILINGS = (  # block_m, block_n, block_k, steps, grid_block_n
+    (128, 128, 64, 4, 4),
+    (128, 192, 64, 4, 4),
+    (128, 128, 128, 3, 4),
+    (64, 256, 64, 4, 4),
+    (64, 256, 128, 3, 4),
+    (64, 128, 64, 4, 4),
+    (64, 192, 64, 4, 4),
+)
+
+
+def counting_positions(experts: jax.Array, num_experts: int) -> jax.Array:
+    """Each (token, choice) row's place in the rows sorted by expert, without a sort: the
+    expert's offset plus the row's rank among the rows of its expert."""
+    group = experts.reshape(-1)
+    onehot = (group[:, None] == jnp.arange(num_experts)[None, :]).astype(jnp.int32)
+    before = jnp.cumsum(onehot, axis=0) - onehot  # rows of each expert before this row
+    sizes = jnp.sum(onehot, axis=0)
+    starts = jnp.cumsum(sizes) - sizes
+    return jnp.take_along_axis(before + starts[None, :], group[:, None], axis=1)[:, 0]
+
+
+def part3(tokens: int, matmul_tflop_s: float) -> list[tuple]:
+    """The prefill layer's pieces (GPU_BY_SIZE, the model default), device time each, and the
+    Hopper grouped matmul's tilings on the gate and down shapes."""
+    router, gate, up, down = layer_weights()
+    gate_up = jnp.concatenate([gate, up], axis=2)  # [E, hidden, 2 x width]
+    impl = moe.GroupedMatmulImpl.GPU_BY_SIZE
+    x = token_sets(tokens)[0][0]
+    rows_n = tokens * TOP_K
+    routing = jax.jit(functools.partial(moe.route, top_k=TOP_K, renormalize=True))(x, router)
+    group = routing.experts.reshape(-1)
+    argsort = jax.jit(jnp.argsort)
+    order = argsort(group)
+    positions = jax.jit(counting_positions, static_argnums=1)(routing.experts, EXPERTS)
+    gather_rows = jax.jit(lambda x, order: jnp.take(x, order // TOP_K, axis=0))
+    rows = gather_rows(x, order)
+    sizes = jnp.bincount(group, length=EXPERTS).astype(jnp.int32)
+    inverse_by_scatter = jax.jit(
+        lambda order: jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0]))
+    )
+    inverse = inverse_by_scatter(order)
+    np.testing.assert_array_equal(np.asarray(inverse), np.asarray(positions))
+    np.testing.assert_array_equal(np.asarray(argsort(order)), np.asarray(inverse))
+
+    @functools.partial(jax.jit, static_argnames=("tiling", "width"))
+    def matmul(rows, weights, sizes, tiling=None, width=None):
+        if tiling is None:
+            out = moe._grouped_matmul(rows, weights, group_sizes=sizes, impl=impl)
+        else:
+            block_m, block_n, block_k, steps, grid_block_n = tiling
+            out = moe._ragged_dot_mgpu.ragged_dot(
+                rows,
+                weights,
+                group_sizes=sizes,
+                block_m=block_m,
+                block_n=block_n,
+                block_k=block_k,
+                max_concurrent_steps=steps,
+                grid_block_n=grid_block_n,
+            )
+        return out if width is None else jax.nn.silu(out[:, :width]) * out[:, width:]
+
+    g = matmul(rows, gate, sizes)
+    h = jax.nn.silu(g) * matmul(rows, up, sizes)
+    out = matmul(h, down, sizes)
+    un_sort = jax.jit(lambda out, inverse: jnp.take(out, inverse, axis=0))
+    finalize = jax.jit(lambda outputs, routing: moe.finalize(moe.MoeOutput(outputs, routing, None)))
+    outputs = un_sort(out, inverse).reshape(tokens, TOP_K, HIDDEN)
+    reference = layer_fn(impl, "")(x, router, gate, up, down)
+    errors = {"pieces": relative_error(finalize(outputs, routing), reference)}
+    mm_flops = rows_n * 2 * HIDDEN * WIDTH
+    pieces = [
+        (
+            "route",
+            jax.jit(functools.partial(moe.route, top_k=TOP_K, renormalize=True)),
+            (x, router),
+            0,
+        ),
+        ("argsort of the expert ids", argsort, (group,), 0),
+        (
+            "counting positions (no sort)",
+            jax.jit(counting_positions, static_argnums=1),
+            (routing.experts, EXPERTS),
+            0,
+        ),
+        ("row gather", gather_rows, (x, order), 0),
+        ("inverse by argsort", argsort, (order,), 0),
+        ("inverse by scatter", inverse_by_scatter, (order,), 0),
+        ("un-sort row gather", un_sort, (out, inverse), 0),
+        ("finalize", finalize, (outputs, routing), 0),
+        ("gate matmul [K, W]", matmul, (rows, gate, sizes), mm_flops),
+        (
+            "fused gate|up [K, 2W] + silu * up",
+            matmul,
+            (rows, gate_up, sizes, None, WIDTH),
+            2 * mm_flops,
+        ),
+        ("down matmul [W, K]", matmul, (h, down, sizes), mm_flops),
+        ("layer (model default)", layer_fn(impl, ""), (x, router, gate, up, down), 3 * mm_flops),
+    ]
+    for tiling in BREAKDOWN_TILINGS:
+        name = "{}x{}x{} s{} g{}".format(*tiling)
+        for what, args in (
+            ("gate", (rows, gate, sizes, tiling)),
+            ("down", (h, down, sizes, tiling)),
+        ):
+            n = args[1].shape[2]
+            if n % tiling[1] or args[1].shape[1] % tiling[2] or n % (tiling[1] * tiling[4]):
+                continue
+            try:
+                want = g if what == "gate" else out
+                errors[f"{what} {name}"] = relative_error(matmul(*args), want)
+            except Exception as error:  # a tiling the kernel rejects must not end the run
+                print(f"  {what} {name}: {type(error).__name__}: {str(error)[:400]}")
+                continue
+            pieces.append((f"{what} matmul {name}", matmul, args, mm_flops))
+    table = []
+    for name, fn, args, flops in pieces:
+        try:
+            ms = kernel_ms(fn, [args], warmup=2, repeats=20)
+        except Exception as error:  # one failing tiling must not end the run
+            print(f"  {name}: {type(error).__name__}: {str(error)[:400]}")
+            continue
+        share = flops / ms / 1e9 / matmul_tflop_s if flops else float("nan")
+        row = (tokens, name, ms * 1e3, share)
+        print(f"  {row}")
+        table.append(row)
+    print("  rel err against the model's layer / its own matmul:", errors)
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=TOKENS)
     parser.add_argument("--finalize-rows", type=int, nargs="+", default=FINALIZE_ROWS)
     parser.add_argument("--finalize-tp", type=int, nargs="*", default=(1, 2))
     parser.add_argument("--only", nargs="*", default=(), help="variant names containing these")
+    parser.add_argument("--breakdown", action="store_true", help="part 3 only (4096 tokens)")
     args = parser.parse_args()
     torch_tb_s = torch_copy_tb_s()
     print(header("bench_moe"))
@@ -272,6 +410,10 @@ def main() -> None:
         f"TB/s, bf16 matmul 8192^3 {matmul_tflop_s:.0f} TFLOP/s"
     )
     hbm_ceiling = torch_tb_s if np.isfinite(torch_tb_s) else copy_tb_s
+    if args.breakdown:
+        print(f"\nprefill layer pieces, 1 GPU (FLOP ceiling {matmul_tflop_s:.0f} TFLOP/s):")
+        print_table(("tokens", "piece", "us", "FLOP roofline"), part3(4096, matmul_tflop_s))
+        return
     layer = part1(hbm_ceiling, matmul_tflop_s, args.tokens, tuple(args.only))
     finalize = [
         row

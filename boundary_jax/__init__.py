@@ -6,7 +6,6 @@ and run each layer as `prepare` -> compute -> `finish`, threading the `ResidualS
 
 from . import fusions as fusions
 from . import residual as residual
-from ._compat import argsort as argsort
 from .batch import BatchFacts as BatchFacts
 from .bind import ExitKind as ExitKind
 from .bind import StagePlan as StagePlan
@@ -35,6 +34,7 @@ from .layout import Topology as Topology
 from .ops import OwedWork as OwedWork
 from .ops import PlanError as PlanError
 from .ops import gather_last_dim as gather_last_dim
+from .ops import group_order as group_order
 from .ops import shard_index as shard_index
 from .ops import sharded_rms_norm as sharded_rms_norm
 from .ops import sharded_rms_norms as sharded_rms_norms

@@ -25,18 +25,3 @@ def checks_vma(axis_name: str) -> bool:
     Pallas kernels cannot run there; a fusion candidate asks before it commits.
     """
     return bool(varying_axes(lax.axis_index(axis_name)))
-
-
-def argsort(x: jax.Array) -> jax.Array:
-    """A stable `jnp.argsort` of the 1-D `x` that varies over the same mesh axes as `x`.
-
-    Inside `shard_map` with `check_vma=True`, JAX 0.12's `jnp.argsort` of a varying array
-    types its result invariant (its index operand is an invariant iota). Indices typed
-    invariant that differ per rank make gradients wrong: a gather by them transposes to a sum
-    over ranks taken before each rank's own scatter. Sorting a varying iota keeps the type.
-    """
-    iota = jax.numpy.arange(x.shape[0], dtype=jax.numpy.int32)
-    axes = varying_axes(x)
-    if axes:
-        iota = lax.pcast(iota, axes, to="varying")
-    return lax.sort_key_val(x, iota, is_stable=True)[1]

@@ -368,6 +368,40 @@ def total_over_rows(values: jax.Array, topology: Topology) -> jax.Array:
 # --------------------------------------------------------------------------------------------
 
 
+def group_order(groups: jax.Array, num_groups: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The stable order of rows by their group id, by counting (no comparison sort).
+
+    For grouped matmuls: rows sorted by expert, and the way back. Cheaper than an argsort on
+    GPU (RESULTS run 12: 32768 rows of 129 groups, 13 us against 32 us for the sort and 33 us
+    for the inverse's). The orders vary over the mesh axes `groups` varies over, so gathers by
+    them transpose to per-rank scatters (an index typed invariant would sum the ranks' gradients
+    before each rank's own scatter).
+
+    Args:
+      groups: [N] int group id of each row, each in [0, num_groups).
+      num_groups: The number of groups (static).
+
+    Returns:
+      `(order, positions, sizes)`: `order[i]` is the row at place i of the sorted rows (rows of
+      one group keep their order), `positions[r]` the place of row r (`order`'s inverse), and
+      `sizes[g]` the rows of group g; all int32.
+    """
+    if groups.ndim != 1:
+        raise ValueError(f"group_order takes [N] group ids; got {groups.shape=}")
+    onehot = (groups[:, None] == jnp.arange(num_groups, dtype=groups.dtype)[None, :]).astype(
+        jnp.int32
+    )
+    before = jnp.cumsum(onehot, axis=0) - onehot  # rows of each group ahead of this row
+    sizes = jnp.sum(onehot, axis=0)
+    starts = jnp.cumsum(sizes) - sizes
+    place = jnp.take_along_axis(before + starts[None, :], groups[:, None].astype(jnp.int32), 1)
+    positions = place[:, 0]
+    rows = jnp.arange(groups.shape[0], dtype=jnp.int32)
+    # Scattered into a varying operand, the order varies as `groups` does.
+    order = jnp.zeros_like(positions).at[positions].set(rows, unique_indices=True)
+    return order, positions, sizes
+
+
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["rows", "tags", "slots"],

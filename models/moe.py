@@ -230,16 +230,13 @@ def expert_outputs(
         return _dense_expert_outputs(x, flat, held, gate, up, down).reshape(tokens, top_k, hidden)
     # Sort the (token, choice) rows by local expert; rows of experts held elsewhere go last, as
     # group `local`, which no matmul covers (ragged_dot leaves such rows zero; masked anyway).
-    group = jnp.where(held, flat, local)
-    order = bj.argsort(group)  # typed varying where `group` is (jnp.argsort drops it)
+    order, positions, sizes = bj.group_order(jnp.where(held, flat, local), local + 1)
     rows = jnp.take(x, order // top_k, axis=0)  # [T*k, hidden]
-    group_sizes = jnp.bincount(group, length=local + 1)[:local].astype(jnp.int32)
-    matmul = functools.partial(_grouped_matmul, group_sizes=group_sizes, impl=impl)
+    matmul = functools.partial(_grouped_matmul, group_sizes=sizes[:local], impl=impl)
     hidden_rows = jax.nn.silu(matmul(rows, gate)) * matmul(rows, up)
-    out = matmul(hidden_rows, down)  # [T*k, hidden], in sorted order
-    out = jnp.where(jnp.take(held, order)[:, None], out, jnp.zeros_like(out))
-    inverse = bj.argsort(order)
-    return jnp.take(out, inverse, axis=0).reshape(tokens, top_k, hidden)
+    out = jnp.take(matmul(hidden_rows, down), positions, axis=0)  # back in (token, choice) order
+    out = jnp.where(held[:, None], out, jnp.zeros_like(out))
+    return out.reshape(tokens, top_k, hidden)
 
 
 def shared_expert(
@@ -574,19 +571,22 @@ def _expert_matmul_blocks(k: int, n: int, dtype) -> ExpertMatmulBlocks:
 
 
 def _mgpu_block_sizes(k: int, n: int, dtype) -> dict[str, int]:
-    """Tile sizes for the Hopper kernel: block_m 128, the largest of 192/128/64 dividing n, of
-    64/32/16 dividing k, 4 pipelined steps, and 4 column blocks per grid step where they divide.
+    """Tile sizes for the Hopper kernel: 4 pipelined steps and 4 column blocks per grid step
+    where they divide; 64 x 256 tiles where 4 of them divide n, else 128 rows by the largest of
+    192/128/64 dividing n; block_k the largest of 64/32/16 dividing k.
 
-    Swept on an H200 (benchmarks/RESULTS.md run 9, Qwen3-30B-A3B layer, 32768 routed rows):
-    this took the layer from 2.88 ms (block 64x128x64, 2 steps) to 1.21 ms; block_n 256 was 4x
-    slower.
+    Swept on an H200 (benchmarks/RESULTS.md runs 9 and 12, Qwen3-30B-A3B layer, 32768 routed
+    rows): 128 x 192 x 64 took the layer from 2.88 ms (64 x 128 x 64, 2 steps) to 1.21 ms, and
+    128 x 256 was 4x slower; on the down projection (n 2048, k 768) 64 x 256 tiles took 386 us
+    against 426 us for 128 x 128 (fewer rows wasted where a tile straddles two experts).
     """
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         raise NotImplementedError(
             f"GroupedMatmulImpl.PALLAS_GPU runs bf16/f16 matmuls; got {dtype=}. Cast the "
             "activations and weights, or use GroupedMatmulImpl.RAGGED_DOT"
         )
-    block_n = next((b for b in (192, 128, 64) if n % b == 0), None)
+    block_m, block_n = (64, 256) if n % 1024 == 0 else (128, None)
+    block_n = block_n or next((b for b in (192, 128, 64) if n % b == 0), None)
     block_k = next((b for b in (64, 32, 16) if k % b == 0), None)
     if block_n is None or block_k is None:
         raise NotImplementedError(
@@ -594,7 +594,7 @@ def _mgpu_block_sizes(k: int, n: int, dtype) -> dict[str, int]:
             "Use GroupedMatmulImpl.RAGGED_DOT for these shapes"
         )
     return {
-        "block_m": 128,
+        "block_m": block_m,
         "block_n": block_n,
         "block_k": block_k,
         "max_concurrent_steps": 4,
