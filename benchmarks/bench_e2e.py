@@ -78,27 +78,38 @@ def _rewrap(x: jax.Array, mesh: jax.sharding.Mesh) -> jax.Array:
     return jax.make_array_from_single_device_arrays(x.shape, sharding, shards)
 
 
+def split_part(w: jax.Array, index: int) -> jax.Array:
+    """Part `index` of a stacked [..., parts, out] projection (the project's k|v and gate|up) as
+    a matrix of its own, sharded as the stack's columns: a copy, since a baseline keeps one
+    matrix per projection, as a user writes it."""
+    spec = (*w.sharding.spec, *(None,) * (w.ndim - len(w.sharding.spec)))
+    sharding = NamedSharding(w.sharding.mesh, PartitionSpec(*spec[:-2], spec[-1]))
+    return jax.device_put(w[..., index, :], sharding)
+
+
 def _layer_weights(flat: dict, prefix: tuple) -> dict:
     """One decoder layer's weights by role (stacked on a leading axis for a scanned run)."""
     get = lambda *name: flat[(*prefix, *name)]  # noqa: E731
+    kv, gate_up = get("attn", "kv_proj", "kernel"), get("mlp", "gate_up_proj", "kernel")
     return {
         "attn_norm": get("attn_boundary", "norm", "weight"),
         "wq": get("attn", "q_proj", "kernel"),
-        "wk": get("attn", "k_proj", "kernel"),
-        "wv": get("attn", "v_proj", "kernel"),
+        "wk": split_part(kv, 0),
+        "wv": split_part(kv, 1),
         "wo": get("attn", "o_proj", "kernel"),
         "ffn_norm": get("ffn_boundary", "norm", "weight"),
-        "wg": get("mlp", "gate_proj", "kernel"),
-        "wu": get("mlp", "up_proj", "kernel"),
+        "wg": split_part(gate_up, 0),
+        "wu": split_part(gate_up, 1),
         "wd": get("mlp", "down_proj", "kernel"),
     }
 
 
 def baseline_params(runner: ShardedCausalLM, mesh: jax.sharding.Mesh, *, scan: bool) -> dict:
-    """The project's placed weights, by role, on the Auto-axes `mesh` (the same buffers where
-    the layouts agree). `scan`: the layers stacked on a leading axis (a copy), for a baseline
-    that runs them as one `lax.scan` as a user writing a deep model would; else a list (a
-    scanned project model's runs sliced per layer)."""
+    """The project's placed weights, by role, on the Auto-axes `mesh`: the same buffers where
+    the layouts agree, and k, v, gate and up each a matrix of its own. `scan`: the layers
+    stacked on a leading axis (a copy), for a baseline that runs them as one `lax.scan` as a
+    user writing a deep model would; else a list (a scanned project model's runs sliced per
+    layer)."""
     flat = {
         path: _rewrap(variable[...], mesh) for path, variable in nnx.to_flat_state(runner.state)
     }

@@ -38,7 +38,7 @@ from models.config import PRESETS, DecoderConfig
 from models.runtime import build_model
 from models.train import TrainConfig, Trainer, state_shardings
 
-from .bench_e2e import _causal_jnp, _mlp, _qkv, _rewrap, _rms, auto_mesh
+from .bench_e2e import _causal_jnp, _mlp, _qkv, _rewrap, _rms, auto_mesh, split_part
 from .common import LLAMA3_8B, header, print_table
 
 PEAK_FLOPS = 990e12
@@ -54,6 +54,24 @@ def train_flops(config: DecoderConfig, sequences: int, length: int) -> float:
     tokens = sequences * length
     attention = 2 * 2 * config.num_layers * tokens * (length / 2) * heads * config.head_dim
     return 3 * (2 * matmul_params * tokens + attention)
+
+
+def separate_projections(params: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """The project's parameters with its stacked k|v and gate|up projections as one matrix
+    each (`attn.{k,v}_proj.kernel`, `mlp.{gate,up}_proj.kernel`), as the baseline trains them."""
+    stacks = {
+        "attn.kv_proj": ("attn.k_proj", "attn.v_proj"),
+        "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    }
+    out = {}
+    for path, value in params.items():
+        stack = next((s for s in stacks if path.endswith(f"{s}.kernel")), None)
+        if stack is None:
+            out[path] = value
+            continue
+        for index, name in enumerate(stacks[stack]):
+            out[path.replace(stack, name)] = split_part(value, index)
+    return out
 
 
 def make_baseline(
@@ -143,7 +161,9 @@ def run(
 
     # The baseline's own copy of the weights (the project's are donated each step).
     gspmd = auto_mesh(mesh)
-    params = {k: _rewrap(jnp.copy(v), gspmd) for k, v in trainer.state.params.items()}
+    params = separate_projections(
+        {k: _rewrap(jnp.copy(v), gspmd) for k, v in trainer.state.params.items()}
+    )
     param_shardings = {k: NamedSharding(gspmd, v.sharding.spec) for k, v in params.items()}
     replicated = NamedSharding(gspmd, PartitionSpec())
     opt_shardings = state_shardings(optimizer, params, param_shardings, replicated)

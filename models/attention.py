@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from boundary_jax import RMSNorm, SumGroup, TokenAxis, Topology, shard_index, sharded_rms_norms
 
 from .config import DecoderConfig
-from .layers import ColumnParallelLinear, RowParallelLinear, group_size, sharded_param
+from .layers import ColumnParallelLinear, RowParallelLinear, group_size, project, sharded_param
 from .rope import apply_rope, rope_inv_freq
 from .rows import RowsPhase
 
@@ -208,9 +208,9 @@ class Attention(nnx.Module):
     Attributes:
       q_proj: [hidden, heads * head_dim], columns split over attention TP; with
         `config.qkv_bias` (Qwen2) a bias split with its heads.
-      k_proj: [hidden, kv heads * head_dim], split over attention TP or replicated (`heads`);
-        its bias (if any) with it, a replicated one cut to this rank's kv head.
-      v_proj: As `k_proj`.
+      kv_proj: [hidden, 2, kv heads * head_dim]: the k and v projections stacked (one matmul),
+        split over attention TP or replicated (`heads`); its bias [2, kv heads * head_dim] (if
+        any) with it, a replicated one cut to this rank's kv head.
       o_proj: [heads * head_dim, hidden], rows split over attention TP.
       q_norm: RMSNorm of the queries before RoPE: per head (Qwen3, EXAONE 4.0, Gemma 3: an
         `RMSNorm` [head_dim]), over the whole projection (OLMo 2: a `WholeProjectionNorm`), or
@@ -246,8 +246,9 @@ class Attention(nnx.Module):
         self.q_proj = ColumnParallelLinear(
             hidden, q_width, group=SumGroup.ATTN_TP, bias=bias, **common
         )
-        self.k_proj = ColumnParallelLinear(hidden, kv_width, group=kv_group, bias=bias, **common)
-        self.v_proj = ColumnParallelLinear(hidden, kv_width, group=kv_group, bias=bias, **common)
+        self.kv_proj = ColumnParallelLinear(
+            hidden, kv_width, group=kv_group, parts=2, bias=bias, **common
+        )
         self.o_proj = RowParallelLinear(q_width, hidden, group=SumGroup.ATTN_TP, **common)
         eps = config.rms_norm_eps
         if config.qk_norm_whole:
@@ -317,8 +318,7 @@ class Attention(nnx.Module):
             )
         head_dim = self.config.head_dim
         q = self.q_proj(h).reshape(rows, self.heads.local_heads, head_dim)
-        k = self._project_kv(self.k_proj, h)
-        v = self._project_kv(self.v_proj, h)
+        k, v = self._project_kv(h)
         if self.config.qk_norm_whole:
             q, k = self._whole_qk_norm(q, k)
         elif self.q_norm is not None:
@@ -403,20 +403,20 @@ class Attention(nnx.Module):
             and self.config.head_dim <= 128
         )
 
-    def _project_kv(self, proj: ColumnParallelLinear, h: jax.Array) -> jax.Array:
-        """[T, local kv heads, head_dim]; a shared kv head is cut from the replicated kernel
-        (and bias)."""
+    def _project_kv(self, h: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """k and v, [T, local kv heads, head_dim] each; a shared kv head is cut from the
+        replicated kernel (and bias)."""
         head_dim = self.config.head_dim
-        kernel = proj.kernel[...]
-        bias = None if proj.bias is None else proj.bias[...]
+        kernel = self.kv_proj.kernel[...]
+        bias = None if self.kv_proj.bias is None else self.kv_proj.bias[...]
         if not self.heads.kv_sharded:
             ranks_per_head = self.heads.attn_tp // self.heads.num_kv_heads
             head = shard_index(self.topology, SumGroup.ATTN_TP) // ranks_per_head
-            kernel = lax.dynamic_slice_in_dim(kernel, head * head_dim, head_dim, axis=1)
+            kernel = lax.dynamic_slice_in_dim(kernel, head * head_dim, head_dim, axis=2)
             if bias is not None:
-                bias = lax.dynamic_slice_in_dim(bias, head * head_dim, head_dim)
-        out = h @ kernel if bias is None else h @ kernel + bias[None, :]
-        return out.reshape(h.shape[0], self.heads.local_kv_heads, head_dim)
+                bias = lax.dynamic_slice_in_dim(bias, head * head_dim, head_dim, axis=1)
+        kv = project(h, kernel, bias).reshape(h.shape[0], 2, self.heads.local_kv_heads, head_dim)
+        return kv[:, 0], kv[:, 1]
 
     def _attend_packed(
         self,

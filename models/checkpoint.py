@@ -11,6 +11,8 @@ Mixtral's `...experts.{e}.w1.weight`); the model stacks them into one [experts, 
 a device whose shard covers experts [a, b) (and a slice of their width) reads only those tensors,
 and only that slice of each. A model built with `scan_layers` stacks a run of layers' parameters
 on a leading layer axis; each is read layer by layer, each device reading its shard of each.
+Projections that one matmul computes together (k and v; gate and up) are one parameter with a
+parts axis, each part read from its own tensor.
 """
 
 from __future__ import annotations
@@ -54,8 +56,12 @@ class HFTensor:
         tensor.
       layers: For a parameter of a scanned run of layers (`boundary_jax.StackedLayers`), the
         model layers it stacks: parameter axis 0 runs over them, and layer l's part (itself
-        possibly a stack of experts on the next axis) comes from the name with `{layer}`
-        replaced by l. None for one layer's parameter.
+        possibly a stack of experts or parts) comes from the name with `{layer}` replaced by l.
+        None for one layer's parameter.
+      parts: For projections stacked in one parameter (`ColumnParallelLinear(parts=...)`), the
+        values of the name's `{part}` field, e.g. ("k", "v") in "self_attn.{part}_proj.weight":
+        one layer's parameter axis `part_axis` runs over them. None for one tensor.
+      part_axis: The axis of one layer's parameter that `parts` stack on.
     """
 
     name: str
@@ -63,6 +69,8 @@ class HFTensor:
     padded_axis: int | None = None
     experts: int | None = None
     layers: tuple[int, ...] | None = None
+    parts: tuple[str, ...] | None = None
+    part_axis: int | None = None
 
     def __post_init__(self):
         stacked = "{expert}" in self.name
@@ -84,6 +92,19 @@ class HFTensor:
                 f"and no padded axis; got name={self.name!r}, layers={self.layers!r}, "
                 f"padded_axis={self.padded_axis!r}"
             )
+        if ("{part}" in self.name) != (self.parts is not None) or (self.parts is None) != (
+            self.part_axis is None
+        ):
+            raise ValueError(
+                "a stacked-parts HFTensor needs a {part} field in its name, parts=(name, ...) "
+                f"and part_axis; got name={self.name!r}, parts={self.parts!r}, "
+                f"part_axis={self.part_axis!r}"
+            )
+        if self.parts is not None and (self.experts is not None or self.padded_axis is not None):
+            raise ValueError(
+                f"stacked parts take neither experts nor a padded axis; got {self.experts=}, "
+                f"{self.padded_axis=}"
+            )
 
     def layer_parts(self) -> tuple[HFTensor, ...]:
         """Per layer of a stacked-layers parameter, the source of its part; else (self,)."""
@@ -94,10 +115,21 @@ class HFTensor:
             for i in self.layers
         )
 
+    def stacked_parts(self) -> tuple[HFTensor, ...]:
+        """Per part of one layer's stacked-parts parameter, the source of its part."""
+        return tuple(
+            dataclasses.replace(
+                self, name=self.name.replace("{part}", part), parts=None, part_axis=None
+            )
+            for part in self.parts
+        )
+
     def tensor_names(self) -> tuple[str, ...]:
         """The checkpoint tensors this parameter is made of, in parameter order."""
         if self.layers is not None:
             return tuple(name for part in self.layer_parts() for name in part.tensor_names())
+        if self.parts is not None:
+            return tuple(part.name for part in self.stacked_parts())
         if self.experts is None:
             return (self.name,)
         return tuple(self.name.format(expert=e) for e in range(self.experts))
@@ -121,13 +153,16 @@ _NORM_TENSORS = {
         "ffn_boundary.output_transform.weight": HFTensor("post_feedforward_layernorm.weight"),
     },
 }
+_KV_PARTS = ("k", "v")
 _LAYER_TENSORS = {
     "attn.q_proj.kernel": HFTensor("self_attn.q_proj.weight", transpose=True),
-    "attn.k_proj.kernel": HFTensor("self_attn.k_proj.weight", transpose=True),
-    "attn.v_proj.kernel": HFTensor("self_attn.v_proj.weight", transpose=True),
+    "attn.kv_proj.kernel": HFTensor(
+        "self_attn.{part}_proj.weight", transpose=True, parts=_KV_PARTS, part_axis=1
+    ),
     "attn.o_proj.kernel": HFTensor("self_attn.o_proj.weight", transpose=True),
-    "mlp.gate_proj.kernel": HFTensor("mlp.gate_proj.weight", transpose=True),
-    "mlp.up_proj.kernel": HFTensor("mlp.up_proj.weight", transpose=True),
+    "mlp.gate_up_proj.kernel": HFTensor(
+        "mlp.{part}_proj.weight", transpose=True, parts=("gate", "up"), part_axis=1
+    ),
     "mlp.down_proj.kernel": HFTensor("mlp.down_proj.weight", transpose=True),
 }
 _QK_NORM_TENSORS = {
@@ -135,7 +170,8 @@ _QK_NORM_TENSORS = {
     "attn.k_norm.weight": HFTensor("self_attn.k_norm.weight"),
 }
 _QKV_BIAS_TENSORS = {
-    f"attn.{proj}_proj.bias": HFTensor(f"self_attn.{proj}_proj.bias") for proj in ("q", "k", "v")
+    "attn.q_proj.bias": HFTensor("self_attn.q_proj.bias"),
+    "attn.kv_proj.bias": HFTensor("self_attn.{part}_proj.bias", parts=_KV_PARTS, part_axis=0),
 }
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # a buffer some older checkpoints store
 
@@ -174,11 +210,14 @@ def hf_name_map(config: DecoderConfig, *, scan_layers: bool = False) -> dict[str
     stage's input norm, owned by its boundary; a post-norm decoder has instead
     `layers.{i}.{attn,ffn}_boundary.update.norm.weight`, its updates' norms, and a sandwich-norm
     one has both input norms and `layers.{i}.{attn,ffn}_boundary.output_transform.weight`),
-    `layers.{i}.attn.{q,k,v,o}_proj.kernel`, `layers.{i}.attn.{q,k}_norm.weight` (qk_norm only),
-    `layers.{i}.mlp.{gate,up,down}_proj.kernel`, `final_norm.weight`, and `lm_head.kernel`
-    (absent with tied embeddings, where the head reads the embedding table).
+    `layers.{i}.attn.{q,o}_proj.kernel`, `layers.{i}.attn.kv_proj.kernel` (k and v stacked on
+    axis 1), `layers.{i}.attn.{q,k}_norm.weight` (qk_norm only),
+    `layers.{i}.mlp.gate_up_proj.kernel` (gate and up stacked on axis 1),
+    `layers.{i}.mlp.down_proj.kernel`, `final_norm.weight`, and `lm_head.kernel` (absent with
+    tied embeddings, where the head reads the embedding table).
 
-    With q/k/v biases (Qwen2, Qwen2-MoE): `layers.{i}.attn.{q,k,v}_proj.bias`. A sparse layer of
+    With q/k/v biases (Qwen2, Qwen2-MoE): `layers.{i}.attn.q_proj.bias` and
+    `layers.{i}.attn.kv_proj.bias` (k and v stacked on axis 0). A sparse layer of
     an MoE decoder (`config.sparse_layers`) has, in place of the dense MLP, the parameters of a
     `models.moe.SparseMoe` at `layers.{i}.mlp`: `mlp.router` [hidden, experts],
     `mlp.{gate,up}_proj` [experts, hidden, width] and `mlp.down_proj` [experts, width, hidden]
@@ -359,6 +398,19 @@ def _fitted_shape(
         if len(fitted) != 1:
             raise ValueError(f"the layers of {source.name} (parameter {path}) differ: {fitted}")
         return (len(parts), *fitted.pop())
+    if source.parts is not None:
+        axis = source.part_axis
+        if not 0 <= axis < len(shape) or shape[axis] != len(source.parts):
+            raise ValueError(
+                f"parameter {path} stacks {len(source.parts)} parts on axis {axis}; its shape is "
+                f"{shape}"
+            )
+        inner = shape[:axis] + shape[axis + 1 :]
+        fitted = {_fitted_shape(checkpoint, part, path, inner) for part in source.stacked_parts()}
+        if len(fitted) != 1:
+            raise ValueError(f"the parts of {source.name} (parameter {path}) differ: {fitted}")
+        one = fitted.pop()
+        return (*one[:axis], len(source.parts), *one[axis:])
     shapes = {name: checkpoint.shape(name, path) for name in source.tensor_names()}
     if len(set(shapes.values())) != 1:
         raise ValueError(
@@ -412,6 +464,13 @@ def _read_block(
         values = np.stack(
             [_read_block(checkpoint, part, shape[1:], logical[1:], dtype, inner) for part in parts]
         )
+    elif source.parts is not None:  # the parts axis picks the parts; each gives the rest
+        axis = source.part_axis
+        parts = source.stacked_parts()[reads[axis]]
+        inner = tuple(slice(part.start, part.stop) for part in reads[:axis] + reads[axis + 1 :])
+        cut = lambda sizes: sizes[:axis] + sizes[axis + 1 :]  # noqa: E731
+        blocks = [_read_block(checkpoint, p, cut(shape), cut(logical), dtype, inner) for p in parts]
+        values = np.stack(blocks, axis=axis)
     elif source.experts is None:
         values = _read_tensor(checkpoint, source.name, source.transpose, reads)
     else:  # axis 0 picks the experts; each expert's tensor gives the rest of the block
@@ -573,7 +632,10 @@ def save_checkpoint(
             value = np.take(value, np.arange(config.vocab_size), axis=source.padded_axis)
         layer_values = [value] if source.layers is None else list(value)
         for layer_source, layer_value in zip(source.layer_parts(), layer_values, strict=True):
-            parts = [layer_value] if source.experts is None else list(layer_value)
+            if source.parts is not None:
+                parts = list(np.moveaxis(layer_value, source.part_axis, 0))
+            else:
+                parts = [layer_value] if source.experts is None else list(layer_value)
             for name, part in zip(layer_source.tensor_names(), parts, strict=True):
                 tensors[name] = np.ascontiguousarray(part.T if source.transpose else part)
     out = Path(directory)

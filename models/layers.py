@@ -34,7 +34,7 @@ def sharded_param(value: jax.Array, spec: tuple[str | tuple[str, ...] | None, ..
     return nnx.Param(value, out_sharding=spec, eager_sharding=False)
 
 
-def _normal(rngs: nnx.Rngs, shape: tuple[int, int], dtype: jnp.dtype) -> jax.Array:
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Array:
     """N(0, 1/fan_in) weights, drawn in float32 so every dtype gets the same values."""
     return (jax.random.normal(rngs.params(), shape, jnp.float32) / np.sqrt(shape[0])).astype(dtype)
 
@@ -53,9 +53,17 @@ class ColumnParallelLinear(nnx.Module):
     """`x @ kernel (+ bias)` with the output features split over `group`: each rank computes its
     columns (and adds its slice of the bias; the output owes no sum, so every rank adds it).
 
+    With `parts`, one kernel holds several projections of the same input (k and v; gate and
+    up), stacked on a parts axis before the split features, so each rank's block of all of them
+    is one contiguous [in_features, parts x local out_features] matrix: one matmul instead of
+    one per projection (on an H200 at decode sizes, fewer and wider matmuls read the weights
+    faster: benchmarks/RESULTS.md run 8).
+
     Attributes:
-      kernel: [in_features, out_features] global; local [in_features, out_features / ranks].
-      bias: [out_features] global, split as the kernel's columns; None without a bias.
+      kernel: [in_features, out_features] global, local [in_features, out_features / ranks];
+        with parts, [in_features, parts, out_features] split on the last axis.
+      bias: [out_features] (with parts, [parts, out_features]) split as the kernel's columns;
+        None without a bias.
       group: The group the output features are split over; None keeps the kernel replicated.
     """
 
@@ -66,18 +74,22 @@ class ColumnParallelLinear(nnx.Module):
         *,
         group: SumGroup | None,
         topology: Topology,
+        parts: int | None = None,
         bias: bool = False,
         dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs,
     ):
         entry = _split_entry(topology, group, out_features, "out_features")
+        stacked = () if parts is None else (parts,)
         self.kernel = sharded_param(
-            _normal(rngs, (in_features, out_features), dtype), (None, entry)
+            _normal(rngs, (in_features, *stacked, out_features), dtype),
+            (None, *(None for _ in stacked), entry),
         )
         # N(0, 1/4) (Hugging Face draws zeros): a dropped or mis-sharded bias shows.
         self.bias = (
             sharded_param(
-                (0.5 * jax.random.normal(rngs.params(), (out_features,))).astype(dtype), (entry,)
+                (0.5 * jax.random.normal(rngs.params(), (*stacked, out_features))).astype(dtype),
+                (*(None for _ in stacked), entry),
             )
             if bias
             else None
@@ -85,9 +97,17 @@ class ColumnParallelLinear(nnx.Module):
         self.group = group
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        """[T, in_features] -> this rank's [T, local out_features]; complete, nothing owed."""
-        y = x @ self.kernel[...]
-        return y if self.bias is None else y + self.bias[None, :]
+        """[T, in_features] -> this rank's [T, local out_features] (with parts, [T, parts,
+        local out_features]); complete, nothing owed."""
+        return project(x, self.kernel[...], None if self.bias is None else self.bias[...])
+
+
+def project(x: jax.Array, kernel: jax.Array, bias: jax.Array | None) -> jax.Array:
+    """`x @ kernel + bias` for a local [in, out] kernel, or one matmul over a stacked [in, parts,
+    out] kernel returning [T, parts, out]."""
+    y = x @ kernel.reshape(kernel.shape[0], -1)
+    y = y.reshape(x.shape[0], *kernel.shape[1:])
+    return y if bias is None else y + bias[None]
 
 
 class RowParallelLinear(nnx.Module):

@@ -26,8 +26,8 @@ class SwiGLU(nnx.Module):
     the group (the boundary gathers attention-DP rows before the FFN).
 
     Attributes:
-      gate_proj: [hidden, intermediate], columns split over `SumGroup.TP`.
-      up_proj: As `gate_proj`.
+      gate_up_proj: [hidden, 2, intermediate]: the gate and up projections stacked (one matmul),
+        columns split over `SumGroup.TP`.
       down_proj: [intermediate, hidden], rows split over `SumGroup.TP`.
       activation: The gate's activation.
     """
@@ -49,12 +49,12 @@ class SwiGLU(nnx.Module):
                 f"({tp} = attn_dp x attn_cp x attn_tp); choose a mesh whose TP size divides it"
             )
         common = {"group": SumGroup.TP, "topology": topology, "dtype": dtype, "rngs": rngs}
-        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, **common)
-        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, **common)
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, intermediate_size, parts=2, **common)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, **common)
         self.activation = activation
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """[T, hidden] complete rows -> [T, hidden] partial, owing a sum over full TP."""
         act = _ACTIVATIONS[self.activation]
-        return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = self.gate_up_proj(x)
+        return self.down_proj(act(gate_up[:, 0]) * gate_up[:, 1])

@@ -111,7 +111,7 @@ def test_kv_head_split(tp, kv, sharded):
     attn = build(config, topology)
     entry = topology.shard_entry(bj.SumGroup.ATTN_TP)
     specs = nnx.get_partition_spec(nnx.state(attn))
-    assert specs.k_proj.kernel.get_value() == P(None, entry if sharded else None)
+    assert specs.kv_proj.kernel.get_value() == P(None, None, entry if sharded else None)
     assert specs.q_proj.kernel.get_value() == P(None, entry)
     heads = HeadSplit.of(config, topology)
     assert (heads.kv_sharded, heads.local_kv_heads) == (sharded, kv // tp if sharded else 1)
@@ -129,18 +129,16 @@ def test_qkv_biases_split_with_their_heads_and_count(tp, sharded):
     entry = topology.shard_entry(bj.SumGroup.ATTN_TP)
     specs = nnx.get_partition_spec(nnx.state(attn))
     assert specs.q_proj.bias.get_value() == P(entry)
-    assert (
-        specs.k_proj.bias.get_value()
-        == specs.v_proj.bias.get_value()
-        == P(entry if sharded else None)
-    )
+    assert specs.kv_proj.bias.get_value() == P(None, entry if sharded else None)
     h = jax.random.normal(jax.random.key(2), (ROWS, config.hidden_size), jnp.float32)
     positions, segments = packed_rows(1)
     one = unsharded_copy(attn, lambda t: Attention(config, topology=t, rngs=nnx.Rngs(9)))
     biased = one(h, positions, segments)[0]
-    for proj in (one.q_proj, one.k_proj, one.v_proj):
-        proj.bias[...] = jnp.zeros_like(proj.bias[...])
-    assert float(jnp.max(jnp.abs(one(h, positions, segments)[0] - biased))) > 0.1
+    for proj, part in ((one.q_proj, ...), (one.kv_proj, 0), (one.kv_proj, 1)):
+        kept = proj.bias[...]
+        proj.bias[...] = kept.at[part].set(0)
+        assert float(jnp.max(jnp.abs(one(h, positions, segments)[0] - biased))) > 0.1
+        proj.bias[...] = kept
 
 
 def test_bf16_partials_close_to_float32():
@@ -379,8 +377,11 @@ def test_matches_hf_qwen3_layer0(dp, tp):
     ]
     topology = bj.Topology(attn_dp=dp, attn_tp=tp)
     attn = Attention(config, topology=topology, rngs=nnx.Rngs(0))
-    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        getattr(attn, name).kernel[...] = weights[f"model.layers.0.self_attn.{name}.weight"].T
+    layer = "model.layers.0.self_attn"
+    for name in ("q_proj", "o_proj"):
+        getattr(attn, name).kernel[...] = weights[f"{layer}.{name}.weight"].T
+    kv = [weights[f"{layer}.{part}_proj.weight"].T for part in "kv"]
+    attn.kv_proj.kernel[...] = np.stack(kv, axis=1)
     attn.q_norm.weight[...] = weights["model.layers.0.self_attn.q_norm.weight"]
     attn.k_norm.weight[...] = weights["model.layers.0.self_attn.k_norm.weight"]
 

@@ -88,8 +88,15 @@ def hf_tensors(directory: Path) -> dict[str, np.ndarray]:
     return tensors
 
 
-def expected_full(tensor: np.ndarray, source: checkpoint.HFTensor, shape) -> np.ndarray:
-    """The parameter a Hugging Face tensor becomes: transposed, vocab padding zero-filled."""
+def expected_full(tensors: dict, source: checkpoint.HFTensor, shape) -> np.ndarray:
+    """The parameter Hugging Face tensors become: transposed, vocab padding zero-filled, stacked
+    projections stacked on their parts axis."""
+    if source.parts is not None:
+        axis = source.part_axis
+        inner = shape[:axis] + shape[axis + 1 :]
+        parts = [expected_full(tensors, part, inner) for part in source.stacked_parts()]
+        return np.stack(parts, axis=axis)
+    tensor = tensors[source.name]
     value = tensor.T if source.transpose else tensor
     full = np.zeros(shape, np.float32)
     full[tuple(slice(0, n) for n in value.shape)] = value
@@ -107,7 +114,7 @@ def check_loaded(directory: Path, loaded: nnx.State, mesh, dtype) -> None:
         array = variable.get_value()
         assert array.dtype == dtype, path
         assert array.sharding == NamedSharding(mesh, specs[path].get_value()), path
-        full = expected_full(tensors[source.name], source, array.shape).astype(dtype)
+        full = expected_full(tensors, source, array.shape).astype(dtype)
         for shard in array.addressable_shards:
             np.testing.assert_array_equal(np.asarray(shard.data), full[shard.index], err_msg=path)
 

@@ -101,8 +101,11 @@ def test_name_map_of_moe_decoders():
     assert qwen3["layers.2.mlp.router"] == HFTensor(
         "model.layers.2.mlp.gate.weight", transpose=True
     )
-    assert qwen3["layers.1.mlp.gate_proj.kernel"].name == "model.layers.1.mlp.gate_proj.weight"
-    assert "layers.1.mlp.router" not in qwen3 and "layers.0.mlp.gate_proj.kernel" not in qwen3
+    assert qwen3["layers.1.mlp.gate_up_proj.kernel"].tensor_names() == (
+        "model.layers.1.mlp.gate_proj.weight",
+        "model.layers.1.mlp.up_proj.weight",
+    )
+    assert "layers.1.mlp.router" not in qwen3 and "layers.0.mlp.gate_up_proj.kernel" not in qwen3
     assert not any(".bias" in path or "shared" in path for path in qwen3)
 
     mixtral = hf_name_map(load_config(GOLDEN / "mixtral"))
@@ -113,14 +116,14 @@ def test_name_map_of_moe_decoders():
     assert mixtral["layers.0.mlp.router"].name == "model.layers.0.block_sparse_moe.gate.weight"
 
     qwen2_moe = hf_name_map(load_config(GOLDEN / "qwen2_moe"))
-    assert qwen2_moe["layers.0.attn.k_proj.bias"] == HFTensor(
-        "model.layers.0.self_attn.k_proj.bias"
+    assert qwen2_moe["layers.0.attn.kv_proj.bias"] == HFTensor(
+        "model.layers.0.self_attn.{part}_proj.bias", parts=("k", "v"), part_axis=0
     )
     assert qwen2_moe["layers.2.mlp.shared_expert.expert_gate"] == HFTensor(
         "model.layers.2.mlp.shared_expert_gate.weight", transpose=True
     )
-    assert qwen2_moe["layers.1.mlp.gate_proj.kernel"] == HFTensor(  # the dense layer
-        "model.layers.1.mlp.gate_proj.weight", transpose=True
+    assert qwen2_moe["layers.1.mlp.gate_up_proj.kernel"] == HFTensor(  # the dense layer
+        "model.layers.1.mlp.{part}_proj.weight", transpose=True, parts=("gate", "up"), part_axis=1
     )
     assert "layers.0.attn.o_proj.bias" not in qwen2_moe
     # Every tensor of each checkpoint is named by exactly one parameter.
@@ -220,7 +223,8 @@ def test_missing_and_misshaped_expert_named(tmp_path):
 
 
 def test_hf_tensor_validates_stacking():
-    """A stacked HFTensor needs an {expert} field and a count, and no vocab padding."""
+    """A stacked HFTensor needs an {expert} field and a count (stacked parts: a {part} field,
+    the parts and their axis), and no vocab padding."""
     with pytest.raises(ValueError, match="both an {expert} field"):
         HFTensor("model.layers.0.mlp.experts.0.w1.weight", experts=8)
     with pytest.raises(ValueError, match="both an {expert} field"):
@@ -228,6 +232,14 @@ def test_hf_tensor_validates_stacking():
     with pytest.raises(ValueError, match="no padded axis"):
         HFTensor("x.{expert}.w", experts=2, padded_axis=0)
     assert json.dumps(HFTensor("x.{expert}.w", experts=2).tensor_names()) == '["x.0.w", "x.1.w"]'
+    with pytest.raises(ValueError, match="a {part} field in its name, parts=.* and part_axis"):
+        HFTensor("x.{part}.w", parts=("k", "v"))
+    with pytest.raises(ValueError, match="a {part} field in its name"):
+        HFTensor("x.k.w", parts=("k", "v"), part_axis=1)
+    with pytest.raises(ValueError, match="neither experts nor a padded axis"):
+        HFTensor("x.{part}.{expert}.w", parts=("k",), part_axis=1, experts=2)
+    kv = HFTensor("x.{part}.w", parts=("k", "v"), part_axis=1)
+    assert kv.tensor_names() == ("x.k.w", "x.v.w")
 
 
 def hf_sparse_block(found: dict, prefix: str, x: np.ndarray, top_k: int, renormalize: bool):

@@ -24,7 +24,8 @@ def test_swiglu_partials_sum_to_unsharded(dp, tp, dtype, tol):
     make = lambda t: SwiGLU(HIDDEN, INTERMEDIATE, topology=t, dtype=dtype, rngs=nnx.Rngs(0))  # noqa: E731
     mlp = make(topology)
     entry = topology.shard_entry(bj.SumGroup.TP)
-    assert nnx.get_partition_spec(nnx.state(mlp)).gate_proj.kernel.get_value() == P(None, entry)
+    spec = nnx.get_partition_spec(nnx.state(mlp)).gate_up_proj.kernel.get_value()
+    assert spec == P(None, None, entry)
     x = jax.random.normal(jax.random.key(1), (8, HIDDEN), jnp.float32).astype(dtype)
 
     def body(module, x):
@@ -49,7 +50,8 @@ def test_geglu_uses_the_tanh_gelu():
         HIDDEN, INTERMEDIATE, topology=topology, activation=Activation.GELU_TANH, rngs=nnx.Rngs(0)
     )
     x = 3 * jax.random.normal(jax.random.key(1), (8, HIDDEN), jnp.float32)
-    gate, up = x @ mlp.gate_proj.kernel[...], x @ mlp.up_proj.kernel[...]
+    kernel = mlp.gate_up_proj.kernel[...]
+    gate, up = x @ kernel[:, 0], x @ kernel[:, 1]
     tanh_gelu = 0.5 * gate * (1 + jnp.tanh(jnp.sqrt(2 / jnp.pi) * (gate + 0.044715 * gate**3)))
     want = (tanh_gelu * up) @ mlp.down_proj.kernel[...]
     chex.assert_trees_all_close(mlp(x), want, atol=1e-5)

@@ -119,7 +119,7 @@ def test_model_classes_and_sparse_layers():
     assert sparse == [True, False, True, True]
     ffn = model.layers[0].mlp
     assert not ffn.renormalize and ffn.shared_expert.expert_gate is not None
-    assert model.layers[0].attn.k_proj.bias is not None
+    assert model.layers[0].attn.kv_proj.bias is not None
 
 
 # --------------------------------------------------------------------------------------------
