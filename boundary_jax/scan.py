@@ -85,6 +85,7 @@ class StackedLayers(nnx.Module):
         carry: Any,
         per_layer: Any = None,
         *,
+        in_place: bool = False,
         remat: bool = False,
         policy: Callable | None = None,
     ) -> tuple[Any, Any]:
@@ -97,6 +98,9 @@ class StackedLayers(nnx.Module):
             no leaves, so it scans as static structure.
           per_layer: A pytree whose leaves have a leading axis of the run's length (e.g. the
             run's stacked KV caches), sliced per layer; None for none.
+          in_place: `out` is layer i's `per_layer[i]` updated (a KV cache): the stacked
+            `per_layer` rides in the loop's carry and each layer writes its slice back in place,
+            instead of the scan stacking a fresh copy of all of it.
           remat: Run each layer under `jax.checkpoint` (its backward recomputes the layer).
           policy: The `jax.checkpoint` policy with `remat` (None: save nothing).
 
@@ -117,7 +121,10 @@ class StackedLayers(nnx.Module):
             body = jax.checkpoint(body, policy=policy)
         stacked = (state, per_layer)
         first = jax.tree.map(lambda leaf: leaf[0], stacked)
-        if _same_type(carry, jax.eval_shape(body, carry, first)[0]):
+        scanned_from = 0 if _same_type(carry, jax.eval_shape(body, carry, first)[0]) else 1
+        if in_place:
+            return self._scan_in_place(body, carry, state, per_layer, scanned_from)
+        if scanned_from == 0:
             with jax.named_scope(run_scope(self.start, self.stop)):
                 return jax.lax.scan(body, carry, stacked)
         with jax.named_scope(f"layer_{self.start}"):
@@ -127,6 +134,30 @@ class StackedLayers(nnx.Module):
         with jax.named_scope(run_scope(self.start + 1, self.stop)):
             carry, outs = jax.lax.scan(body, carry, jax.tree.map(lambda leaf: leaf[1:], stacked))
         return carry, jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), out, outs)
+
+    def _scan_in_place(self, body, carry, state, updated, scanned_from: int):
+        """`scan` with `in_place`: layer i reads and writes back slice i of `updated`."""
+
+        def step(carry, updated, state, index):
+            xs = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index, 0, False), updated)
+            carry, out = body(carry, (state, xs))
+            write = lambda a, o: jax.lax.dynamic_update_index_in_dim(a, o, index, 0)  # noqa: E731
+            return carry, jax.tree.map(write, updated, out)
+
+        if scanned_from:
+            with jax.named_scope(f"layer_{self.start}"):
+                first = jax.tree.map(lambda leaf: leaf[0], state)
+                carry, updated = step(carry, updated, first, 0)
+            state = jax.tree.map(lambda leaf: leaf[1:], state)
+        if len(self) > scanned_from:
+
+            def scanned(both, sliced):
+                return step(*both, *sliced), None
+
+            indices = jnp.arange(scanned_from, len(self), dtype=jnp.int32)
+            with jax.named_scope(run_scope(self.start + scanned_from, self.stop)):
+                (carry, updated), _ = jax.lax.scan(scanned, (carry, updated), (state, indices))
+        return carry, updated
 
 
 def _same_type(carry: Any, shapes: Any) -> bool:

@@ -458,7 +458,12 @@ class CausalLM(nnx.Module):
 
         remat = cache is None and self.remat is not Remat.NONE
         (x, stream), cache = run.scan(
-            call, (x, stream), cache, remat=remat, policy=self.remat.policy() if remat else None
+            call,
+            (x, stream),
+            cache,
+            in_place=cache is not None,
+            remat=remat,
+            policy=self.remat.policy() if remat else None,
         )
         return x, stream, cache
 

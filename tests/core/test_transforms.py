@@ -77,3 +77,43 @@ def test_scan_rejects_layers_bound_differently():
     model = StandInDecoder(setup, jax.random.key(0), jnp.float32)
     with pytest.raises(ValueError, match="layer 1 differs from layer 0"):
         bj.StackedLayers(list(model.layers)[:2], start=0)
+
+
+class _Scale(nnx.Module):
+    def __init__(self, seed: int):
+        self.weight = nnx.Param(jax.random.normal(jax.random.key(seed), (HIDDEN,)))
+
+
+def _scale_layer(layer, x, cache):
+    """A layer that reads its cache slot and writes it back updated (as a KV cache)."""
+    x = x.astype(jnp.float32) * layer.weight[...] + jnp.sum(cache[:, :HIDDEN], axis=0)
+    return x, cache.at[0, :HIDDEN].add(x)
+
+
+@pytest.mark.parametrize("first_carry_dtype", [jnp.float32, jnp.float16])
+def test_scan_in_place_updates_the_stacked_state_as_the_stacking_scan(first_carry_dtype):
+    """`in_place` gives the stacking scan's carry and per-layer outputs (also when the first
+    layer's carry type differs and it runs unscanned), and holds no second copy of the state."""
+    run = bj.StackedLayers([_Scale(seed) for seed in range(8)], start=1)
+    cache = jax.random.normal(jax.random.key(9), (8, 256, 1024))  # 1 MB a layer
+    x = jax.random.normal(jax.random.key(8), (HIDDEN,)).astype(first_carry_dtype)
+
+    def scanned(in_place):
+        def steps(x, cache):  # as a decode loop: the state rides in the loop's carry
+            x, cache = run.scan(_scale_layer, x, cache, in_place=in_place)
+            step = lambda _, carry: run.scan(_scale_layer, *carry, in_place=in_place)  # noqa: E731
+            return jax.lax.fori_loop(0, 2, step, (x, cache))
+
+        return jax.jit(steps)
+
+    want, got = scanned(False)(x, cache), scanned(True)(x, cache)
+    for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+        assert float(jnp.max(jnp.abs(w - g))) == 0
+    assert float(jnp.max(jnp.abs(got[1] - cache))) > 0.1
+
+    def temp_bytes(in_place):
+        compiled = scanned(in_place).lower(x, cache).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    # In place: about one layer's slice (the layer's own update of it); stacking: all of it.
+    assert temp_bytes(True) < cache.nbytes / 4 < temp_bytes(False)
