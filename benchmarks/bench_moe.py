@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import boundary_jax as bj
 from benchmarks.common import header, kernel_ms, print_table, relative_error, wall_ms
 from models import moe
 from pallas_kernels import Impl, moe_finalize_add_rms_norm, moe_finalize_add_rms_norm_reference
@@ -273,17 +274,6 @@ BREAKDOWN_TILINGS = (  # block_m, block_n, block_k, steps, grid_block_n
 )
 
 
-def counting_positions(experts: jax.Array, num_experts: int) -> jax.Array:
-    """Each (token, choice) row's place in the rows sorted by expert, without a sort: the
-    expert's offset plus the row's rank among the rows of its expert."""
-    group = experts.reshape(-1)
-    onehot = (group[:, None] == jnp.arange(num_experts)[None, :]).astype(jnp.int32)
-    before = jnp.cumsum(onehot, axis=0) - onehot  # rows of each expert before this row
-    sizes = jnp.sum(onehot, axis=0)
-    starts = jnp.cumsum(sizes) - sizes
-    return jnp.take_along_axis(before + starts[None, :], group[:, None], axis=1)[:, 0]
-
-
 def part3(tokens: int, matmul_tflop_s: float) -> list[tuple]:
     """The prefill layer's pieces (GPU_BY_SIZE, the model default), device time each, and the
     Hopper grouped matmul's tilings on the gate and down shapes."""
@@ -296,7 +286,8 @@ def part3(tokens: int, matmul_tflop_s: float) -> list[tuple]:
     group = routing.experts.reshape(-1)
     argsort = jax.jit(jnp.argsort)
     order = argsort(group)
-    positions = jax.jit(counting_positions, static_argnums=1)(routing.experts, EXPERTS)
+    group_order = jax.jit(bj.group_order, static_argnums=1)
+    positions = group_order(group, EXPERTS)[1]
     gather_rows = jax.jit(lambda x, order: jnp.take(x, order // TOP_K, axis=0))
     rows = gather_rows(x, order)
     sizes = jnp.bincount(group, length=EXPERTS).astype(jnp.int32)
@@ -343,9 +334,9 @@ def part3(tokens: int, matmul_tflop_s: float) -> list[tuple]:
         ),
         ("argsort of the expert ids", argsort, (group,), 0),
         (
-            "counting positions (no sort)",
-            jax.jit(counting_positions, static_argnums=1),
-            (routing.experts, EXPERTS),
+            "bj.group_order (counting, no sort)",
+            group_order,
+            (group, EXPERTS),
             0,
         ),
         ("row gather", gather_rows, (x, order), 0),
