@@ -49,6 +49,7 @@ from models.config import DecoderConfig
 from models.rope import apply_rope, rope_inv_freq
 from models.rows import RowsPhase, TokenRows, pack_sequences
 from models.runtime import ShardedCausalLM, build_model
+from pallas_kernels import Impl
 
 from .common import LLAMA3_8B, header, print_table
 
@@ -327,6 +328,19 @@ def _decode_inputs(runner: ShardedCausalLM, sequences: int, start: int):
     return rows, runner.place_batch(np.full(runner.topology.attn_dp, slots, np.int32))
 
 
+FUSIONS = ("none", "auto", "pallas")
+
+
+def fusion_provider(name: str, topology: bj.Topology) -> bj.fusions.FusionProvider:
+    """The project's boundary fusions for `--fusions`: none (the default stack), the platform's
+    candidates as they pick by shape (`platform_fusions`), or every candidate forced onto its
+    Pallas GPU kernel."""
+    if name == "none":
+        return bj.fusions.NO_FUSIONS
+    impl = Impl.PALLAS_GPU if name == "pallas" else None
+    return bj.fusions.platform_fusions(topology, impl=impl)
+
+
 def run_config(
     config: DecoderConfig,
     tp: int,
@@ -334,6 +348,7 @@ def run_config(
     memory: list,
     cases: list[str] | None = None,
     scan: bool = False,
+    fusions: str = "none",
 ) -> None:
     wanted = lambda case: cases is None or case in cases  # noqa: E731
     topology = bj.Topology(attn_tp=tp)
@@ -345,6 +360,7 @@ def run_config(
         attention=AttentionImpl.for_platform(jax.default_backend()),
         mesh=mesh,
         scan_layers=scan,
+        fusions=fusion_provider(fusions, topology),
     )
     runner = ShardedCausalLM(model, mesh)
     del model
@@ -353,7 +369,8 @@ def run_config(
     )
     stats = mesh.devices.flat[0].memory_stats() or {}
     memory.append(
-        f"{config.num_layers} layers TP {tp}: sharded weights {weights / 2**30:.2f} GiB per GPU; "
+        f"{config.num_layers} layers TP {tp}, fusions {fusions}: "
+        f"sharded weights {weights / 2**30:.2f} GiB per GPU; "
         f"GPU 0 in use after placement {stats.get('bytes_in_use', 0) / 2**30:.2f} GiB, "
         f"peak {stats.get('peak_bytes_in_use', 0) / 2**30:.2f} GiB"
     )
@@ -369,7 +386,7 @@ def run_config(
     cache_spec = NamedSharding(gspmd, PartitionSpec(None, *cache_spec) if scan else cache_spec)
     replicated = NamedSharding(gspmd, PartitionSpec())
     key = jax.device_put(jax.random.key(0), NamedSharding(mesh, PartitionSpec()))
-    label = f"{config.num_layers}L TP{tp}"
+    label = f"{config.num_layers}L TP{tp}" + ("" if fusions == "none" else f" fusions {fusions}")
 
     def zero_caches(slots, length):
         shape = KVCache.global_shape(config, topology, slots=slots, max_len=length)
@@ -551,6 +568,13 @@ def main() -> None:
         "--scan", action="store_true", help="scanned layers in the project and the baselines"
     )
     parser.add_argument(
+        "--fusions",
+        nargs="+",
+        choices=FUSIONS,
+        default=["none"],
+        help="the project's boundary fusions; several values build one project model each",
+    )
+    parser.add_argument(
         "--cases",
         nargs="+",
         default=None,
@@ -576,7 +600,8 @@ def main() -> None:
                     num_kv_heads=2,
                     head_dim=32,
                 )
-            run_config(config, tp, results, memory, args.cases, args.scan)
+            for fusions in args.fusions:
+                run_config(config, tp, results, memory, args.cases, args.scan, fusions)
     print("\n## Llama-3-8B shape, bf16: project vs one-jit GSPMD (ms; ratios are speedups)")
     print_table(
         (
