@@ -588,7 +588,6 @@ def main() -> None:
     results, memory = [], []
     for layers in args.layers:
         for tp in args.tp:
-            gc.collect()  # the previous configuration's model and caches
             config = dataclasses.replace(LLAMA3_8B, num_layers=layers)
             if args.smoke:
                 config = dataclasses.replace(
@@ -601,6 +600,7 @@ def main() -> None:
                     head_dim=32,
                 )
             for fusions in args.fusions:
+                gc.collect()  # the previous model and caches hold reference cycles
                 run_config(config, tp, results, memory, args.cases, args.scan, fusions)
     print("\n## Llama-3-8B shape, bf16: project vs one-jit GSPMD (ms; ratios are speedups)")
     print_table(
