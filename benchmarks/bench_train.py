@@ -56,6 +56,16 @@ def train_flops(config: DecoderConfig, sequences: int, length: int) -> float:
     return 3 * (2 * matmul_params * tokens + attention)
 
 
+def llama_shaped(config: DecoderConfig) -> bool:
+    """Whether the GSPMD baseline (a plain Llama) computes the same model as `config`."""
+    shape = (
+        "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+        "num_kv_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling",
+        "max_position_embeddings",
+    )  # fmt: skip
+    return config == dataclasses.replace(LLAMA3_8B, **{f: getattr(config, f) for f in shape})
+
+
 def separate_projections(params: dict[str, jax.Array]) -> dict[str, jax.Array]:
     """The project's parameters with its stacked k|v and gate|up projections as one matrix
     each (`attn.{k,v}_proj.kernel`, `mlp.{gate,up}_proj.kernel`), as the baseline trains them."""
@@ -215,7 +225,9 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument(
-        "--preset", choices=sorted(PRESETS), help="a small preset in place of Llama-3-8B (smoke)"
+        "--preset",
+        choices=sorted(name for name, preset in PRESETS.items() if llama_shaped(preset)),
+        help="a small Llama preset in place of Llama-3-8B (smoke); the baseline is a plain Llama",
     )
     parser.add_argument(
         "--attention",
