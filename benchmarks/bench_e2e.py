@@ -407,7 +407,7 @@ def run_config(
         if not wanted(f"prefill {sequences * length}"):
             continue
         prompts = rng.integers(0, config.vocab_size, (sequences, length)).astype(np.int32)
-        packed = pack_sequences(list(prompts), topology)
+        packed = pack_sequences(list(prompts), topology, max_sequence_rows=length)
         rows, batch = runner.place(packed)
         last_rows = runner.place_array(packed.last_row_index())
         last = packed.last_row_index()[packed.slot_order()]

@@ -92,7 +92,7 @@ def main() -> None:
 
     if args.case == "prefill":
         prompts = rng.integers(0, config.vocab_size, (8, 512)).astype(np.int32)
-        packed = pack_sequences(list(prompts), topology)
+        packed = pack_sequences(list(prompts), topology, max_sequence_rows=512)
         rows, batch = runner.place(packed)
         last_rows = runner.place_array(packed.last_row_index())
         held = [runner.new_caches(packed.decode_rows_per_rank, 512)]
