@@ -20,8 +20,10 @@ per boundary.
 
 Part 3 (`--breakdown`, one GPU): the prefill layer's pieces at 4096 tokens, each jitted and
 timed alone on the previous piece's outputs (route; sort and row gather; the gate, up, fused
-gate|up and down grouped matmuls; the un-sort; the finalize), and the whole layer with gate and
-up as two matmuls against one fused [hidden, 2 x width] matmul.
+gate|up and down grouped matmuls; the un-sort; the finalize), the whole layer with gate and up
+as two matmuls against one fused [hidden, 2 x width] matmul, and a candidate layer whose expert
+matmuls are XLA batched dots over an expert-major copy of the rows padded to a capacity
+(`capacity_layer`; the batched dots also timed alone on equal groups).
 """
 
 import argparse
@@ -274,6 +276,35 @@ BREAKDOWN_TILINGS = (  # block_m, block_n, block_k, steps, grid_block_n
 )
 
 
+@functools.cache
+def capacity_layer(tokens: int, capacity: int):
+    """A candidate for prefill: the layer with its expert matmuls as XLA batched dots over an
+    expert-major [experts, capacity, hidden] copy of the routed rows (cuBLAS's batched GEMM in
+    place of a grouped-matmul kernel), gate and up as one [hidden, 2 x width] matmul. Rows past
+    an expert's `capacity` are dropped, so the caller picks a capacity of at least the largest
+    expert's rows. Returns the jitted layer (x, router, gate_up, down) -> [tokens, hidden]."""
+    flat_rows = tokens * TOP_K
+
+    def layer(x, router, gate_up, down):
+        routing = moe.route(x, router, top_k=TOP_K, renormalize=True)
+        group = routing.experts.reshape(-1)
+        order, positions, sizes = bj.group_order(group, EXPERTS)
+        starts = jnp.cumsum(sizes) - sizes
+        place = jnp.arange(capacity)[None, :]  # [1, C]: the c-th row of each expert
+        filled = place < sizes[:, None]
+        source = jnp.take(order, jnp.minimum(starts[:, None] + place, flat_rows - 1))
+        index = jnp.where(filled, source // TOP_K, tokens).reshape(-1)  # `tokens`: a zero row
+        rows = jnp.take(jnp.concatenate([x, jnp.zeros_like(x[:1])]), index, axis=0)
+        h = jnp.einsum("gck,gkn->gcn", rows.reshape(EXPERTS, capacity, HIDDEN), gate_up)
+        h = jax.nn.silu(h[..., :WIDTH]) * h[..., WIDTH:]
+        out = jnp.einsum("gcw,gwh->gch", h, down).reshape(EXPERTS * capacity, HIDDEN)
+        slot = group * capacity + positions - starts[group]
+        outputs = jnp.take(out, slot, axis=0).reshape(tokens, TOP_K, HIDDEN)
+        return moe.finalize(moe.MoeOutput(outputs, routing, None))
+
+    return jax.jit(layer)
+
+
 def part3(tokens: int, matmul_tflop_s: float) -> list[tuple]:
     """The prefill layer's pieces (GPU_BY_SIZE, the model default), device time each, and the
     Hopper grouped matmul's tilings on the gate and down shapes."""
@@ -353,6 +384,18 @@ def part3(tokens: int, matmul_tflop_s: float) -> list[tuple]:
         ),
         ("down matmul [W, K]", matmul, (h, down, sizes), mm_flops),
         ("layer (model default)", layer_fn(impl, ""), (x, router, gate, up, down), 3 * mm_flops),
+    ]
+    largest = int(jnp.max(sizes))
+    for capacity in sorted({-(-largest // 64) * 64, -(-largest // 128) * 128}):
+        candidate = capacity_layer(tokens, capacity)
+        name = f"capacity layer, batched dots, C {capacity} (largest expert {largest})"
+        errors[name] = relative_error(candidate(x, router, gate_up, down), reference)
+        pieces.append((name, candidate, (x, router, gate_up, down), 3 * mm_flops))
+    per_expert = rows.reshape(EXPERTS, -1, HIDDEN)[:, : rows_n // EXPERTS]  # equal groups
+    batched = jax.jit(lambda a, w: jnp.einsum("gck,gkn->gcn", a, w))
+    pieces += [
+        ("batched gate|up, equal groups", batched, (per_expert, gate_up), 2 * mm_flops),
+        ("batched down, equal groups", batched, (per_expert[..., :WIDTH], down), mm_flops),
     ]
     for tiling in BREAKDOWN_TILINGS:
         name = "{}x{}x{} s{} g{}".format(*tiling)
