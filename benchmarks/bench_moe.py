@@ -58,6 +58,10 @@ TRITON_TILINGS = {  # the first is the model's default
     "triton 16x128x64 s4": ExpertMatmulBlocks(16, 128, 64, 4, 4),
     "triton 16x64x128 s4": ExpertMatmulBlocks(16, 64, 128, 4, 4),
     "triton 16x128x128 s3 w8": ExpertMatmulBlocks(16, 128, 128, 8, 3),
+    # Prefill-sized row blocks (a warpgroup's 64 rows and more), not yet timed on a GPU:
+    "triton 64x128x64 s4 w4": ExpertMatmulBlocks(64, 128, 64, 4, 4),
+    "triton 128x128x64 s3 w8": ExpertMatmulBlocks(128, 128, 64, 8, 3),
+    "triton 128x256x64 s3 w8": ExpertMatmulBlocks(128, 256, 64, 8, 3),
 }
 
 
