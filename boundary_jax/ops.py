@@ -409,13 +409,17 @@ def group_order(groups: jax.Array, num_groups: int) -> tuple[jax.Array, jax.Arra
 )
 @dataclasses.dataclass(frozen=True)
 class Dispatched:
-    """Rows received by this rank from every expert-parallel rank, and how to send them back.
+    """Rows received by this rank's expert-parallel position, and how to send them back.
+
+    With `moe_tp > 1` each expert's width is split over the `SumGroup.MOE_TP` ranks, so every
+    one of them needs the rows its EP position received: the blocks of all `moe_tp` ranks are
+    gathered, `moe_tp` rank outermost.
 
     Attributes:
-      rows: [moe_ep * capacity, hidden] received rows, source rank outermost; a source's unused
-        slots are zero rows.
-      tags: [moe_ep * capacity] int32 the tag each row was sent with (e.g. its expert's local
-        id on this rank); -1 in unused slots.
+      rows: [moe_tp * moe_ep * capacity, hidden] received rows, source rank outermost within
+        each `moe_tp` rank's block; a source's unused slots are zero rows.
+      tags: [moe_tp * moe_ep * capacity] int32 the tag each row was sent with (e.g. its
+        expert's local id on this rank); -1 in unused slots.
       slots: [sent rows] int32 where each row this rank sent sits in its destination's block
         (destination * capacity + position); `combine_from_experts` reads the answers there.
       capacity: Rows each rank sends to each rank (static).
@@ -436,7 +440,9 @@ def dispatch_to_experts(
     max_rows_per_rank: int,
     capacity: int | None = None,
 ) -> Dispatched:
-    """Sends each row to the expert-parallel rank `destination` names (`lax.all_to_all`).
+    """Sends each row to the expert-parallel rank `destination` names (`lax.all_to_all` over
+    `SumGroup.MOE_EP`), and gathers what the `SumGroup.MOE_TP` ranks received (`lax.all_gather`)
+    when each expert's width is split over them.
 
     Static shapes: every rank sends every rank a block of `capacity` rows. The default capacity,
     `max_rows_per_rank`, is the most rows this rank can send one rank (for top-k routing of T
@@ -479,14 +485,20 @@ def dispatch_to_experts(
     slots = (destination * capacity + position).astype(jnp.int32)
     send = jnp.zeros((ranks * capacity, rows.shape[1]), rows.dtype).at[slots].set(rows)
     send_tags = jnp.full((ranks * capacity,), -1, jnp.int32).at[slots].set(tags.astype(jnp.int32))
-    return Dispatched(_exchange(send, axes), _exchange(send_tags, axes), slots, capacity)
+    width = topology.sum_axes(SumGroup.MOE_TP)
+    received, received_tags = _exchange(send, axes), _exchange(send_tags, axes)
+    return Dispatched(_gather(received, width), _gather(received_tags, width), slots, capacity)
 
 
 def combine_from_experts(outputs: jax.Array, dispatched: Dispatched, topology: Topology):
-    """Sends the experts' answers back (`lax.all_to_all`): [N, ...] in the order rows were sent.
+    """Sends the experts' answers back: [N, ...] in the order rows were sent.
+
+    With `moe_tp > 1` each answer is this rank's share over its slice of the expert width: the
+    shares are summed and each `moe_tp` rank keeps its own block (`lax.psum_scatter`) before
+    the answers go back (`lax.all_to_all`).
 
     Args:
-      outputs: [moe_ep * capacity, ...] one answer per row of `dispatched.rows`.
+      outputs: [moe_tp * moe_ep * capacity, ...] one answer per row of `dispatched.rows`.
       dispatched: What `dispatch_to_experts` returned.
       topology: As for the dispatch.
     """
@@ -495,8 +507,18 @@ def combine_from_experts(outputs: jax.Array, dispatched: Dispatched, topology: T
             f"combine_from_experts takes one answer per received row ({dispatched.rows.shape[0]}); "
             f"got {outputs.shape=}"
         )
+    width = topology.sum_axes(SumGroup.MOE_TP)
+    if width:
+        outputs = lax.psum_scatter(outputs, _names(width), scatter_dimension=0, tiled=True)
     returned = _exchange(outputs, topology.sum_axes(SumGroup.MOE_EP))
     return jnp.take(returned, dispatched.slots, axis=0)
+
+
+def _gather(x: jax.Array, axes: tuple[TokenAxis, ...]) -> jax.Array:
+    """The row blocks of every rank of `axes`, concatenated in rank order; alike on each."""
+    if not axes:
+        return x
+    return lax.all_gather(x, _names(axes), axis=0, tiled=True, to="invarying")
 
 
 def _exchange(x: jax.Array, axes: tuple[TokenAxis, ...]) -> jax.Array:

@@ -55,10 +55,11 @@ class MoeCausalLM(CausalLM):
     """An MoE decoder LM: `CausalLM` whose sparse layers run `MoeFfn`.
 
     The experts are split over `topology.moe_ep` ranks. `moe_dispatch` picks where the experts
-    get their tokens (gathered rows, or an all-to-all from each rank's own rows, which needs
-    `moe_ep` = the full TP group). A fusion provider with `defer_finalize=True` lets each sparse
-    FFN hand its top-k combine to the next input. The experts' grouped matmuls run as
-    `grouped_matmul` says (None: `default_grouped_matmul_impl` for where JAX runs and `dtype`).
+    get their tokens (gathered rows, or an all-to-all from each rank's own rows); either way
+    each expert's width is split over the rest of the full TP group. A fusion provider with
+    `defer_finalize=True` lets each sparse FFN hand its top-k combine to the next input. The
+    experts' grouped matmuls run as `grouped_matmul` says (None: `default_grouped_matmul_impl`
+    for where JAX runs and `dtype`).
 
     Attributes (besides `CausalLM`'s):
       moe_dispatch: The sparse layers' dispatch.

@@ -2,15 +2,17 @@
 
 `MoeFfn` is `models.moe.SparseMoe` (same parameters, same checkpoint paths) with its weights
 split by the topology, not by mesh axes it names: the experts over the expert-parallel group
-(`SumGroup.MOE_EP`) and, on gathered rows, each expert's width over `SumGroup.MOE_TP`. Its call
+(`SumGroup.MOE_EP`) and each expert's width over `SumGroup.MOE_TP`. Its call
 takes the stage's normalized input and the exit's `defer_moe_finalize`:
 
 - `MoeDispatch.GATHER`: every rank of the full TP group holds every attention-DP rank's rows;
   it runs its experts (its slice of their width) on all of them and returns its share, zero for
   experts held elsewhere. The boundary sums the shares over the MoE output group.
 - `MoeDispatch.ALL_TO_ALL`: each rank holds only its own rows; every (token, choice) row is sent
-  to the rank holding its expert and the answer comes back (`boundary_jax.ops`
-  `dispatch_to_experts` / `combine_from_experts`), so the output is complete on its own rows.
+  to the expert-parallel rank holding its expert and the answer comes back (`boundary_jax.ops`
+  `dispatch_to_experts` / `combine_from_experts`; with `moe_tp > 1` the `moe_tp` ranks of an
+  expert share their received rows and sum their width shares of the answers), so the output
+  is complete on its own rows.
 
 A shared expert is split over the full TP group on gathered rows when its width divides it,
 otherwise computed whole on every rank and added on the first rank of the MoE output group only,
@@ -55,15 +57,9 @@ class MoeFfn(SparseMoe):
     ):
         topology.experts_per_rank(moe.num_experts)  # raises for an EP size not dividing them
         own_rows = dispatch is bj.MoeDispatch.ALL_TO_ALL
-        if own_rows and topology.moe_tp > 1:
-            raise NotImplementedError(
-                "the all-to-all dispatch runs whole experts on each rank: moe_ep must be the full "
-                f"TP group ({topology.tp_size}); got {topology.moe_ep=}. Use "
-                "MoeDispatch.GATHER to split the expert width too"
-            )
         if capacity is not None and not own_rows:
             raise ValueError(f"capacity is an all-to-all setting; got {capacity=} with {dispatch}")
-        width_entry = None if own_rows else topology.shard_entry(bj.SumGroup.MOE_TP)
+        width_entry = topology.shard_entry(bj.SumGroup.MOE_TP)
         if width_entry is not None and moe.expert_intermediate_size % topology.moe_tp:
             raise ValueError(
                 f"the expert width ({moe.expert_intermediate_size}) must divide over moe_tp "

@@ -58,14 +58,24 @@ LAYOUTS = (
     Layout(8, 1, ep=8, dispatch=ALL_TO_ALL),
     Layout(1, 4, ep=4, dispatch=ALL_TO_ALL, scattered=True),
 )
-CASES = [
-    pytest.param(name, layout, id=f"{name}-{layout}", marks=pytest.mark.xdist_group(name))
-    for name in ("qwen3_moe", "mixtral", "qwen2_moe")
-    for layout in LAYOUTS
-] + [
-    pytest.param("mixtral_sliding", layout, id=f"mixtral_sliding-{layout}")
-    for layout in (Layout(1, 1), Layout(2, 2, ep=4, dispatch=ALL_TO_ALL))
-]
+CASES = (
+    [
+        pytest.param(name, layout, id=f"{name}-{layout}", marks=pytest.mark.xdist_group(name))
+        for name in ("qwen3_moe", "mixtral", "qwen2_moe")
+        for layout in LAYOUTS
+    ]
+    + [
+        pytest.param("mixtral_sliding", layout, id=f"mixtral_sliding-{layout}")
+        for layout in (Layout(1, 1), Layout(2, 2, ep=4, dispatch=ALL_TO_ALL))
+    ]
+    + [  # all-to-all with each expert's width split over attention TP (moe_tp > 1)
+        pytest.param(name, layout, id=f"{name}-{layout}", marks=pytest.mark.xdist_group(name))
+        for name, layout in (
+            ("qwen2_moe", Layout(2, 2, ep=2, dispatch=ALL_TO_ALL)),
+            ("qwen3_moe", Layout(2, 4, ep=2, dispatch=ALL_TO_ALL, defer=True)),
+        )
+    ]
+)
 
 
 @functools.cache
@@ -143,6 +153,8 @@ LAYER_MESHES = (  # (dp, tp, moe_ep, dispatch)
     (1, 8, 8, GATHER),
     (1, 4, 4, ALL_TO_ALL),
     (2, 4, 8, ALL_TO_ALL),
+    (2, 4, 2, ALL_TO_ALL),  # experts over attention DP, their width over attention TP 4
+    (2, 2, 2, ALL_TO_ALL),
 )
 
 
@@ -383,12 +395,6 @@ def test_ep_size_must_divide_the_experts():
     topology = bj.Topology(attn_dp=2, attn_tp=3, moe_ep=6)
     with pytest.raises(ValueError, match="moe_ep must divide the number of experts"):
         MoeFfn(HIDDEN, LAYER_MOE, topology, rngs=nnx.Rngs(0))
-
-
-def test_all_to_all_needs_whole_experts_per_rank():
-    topology = bj.Topology(attn_dp=2, attn_tp=4, moe_ep=2)
-    with pytest.raises(NotImplementedError, match="all-to-all dispatch runs whole experts"):
-        MoeFfn(HIDDEN, LAYER_MOE, topology, dispatch=ALL_TO_ALL, rngs=nnx.Rngs(0))
 
 
 def test_capacity_that_could_drop_tokens_is_rejected():
