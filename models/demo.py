@@ -56,10 +56,12 @@ LAYOUTS = (
 MOE_LAYOUTS = tuple(dataclasses.replace(layout, moe_dispatch=GATHER) for layout in LAYOUTS) + (
     Layout("TP 8, EP 8 gather", 1, 8, moe_ep=8, moe_dispatch=GATHER),
     Layout("attention DP 2 x TP 4, EP 8 all-to-all", 2, 4, moe_ep=8, moe_dispatch=ALL_TO_ALL),
+    Layout("attention DP 2 x TP 4, EP 2 all-to-all", 2, 4, moe_ep=2, moe_dispatch=ALL_TO_ALL),
     Layout("attention DP 8, EP 8 all-to-all", 8, 1, moe_ep=8, moe_dispatch=ALL_TO_ALL),
 )
 """The MoE model's layouts: the dense ones (experts whole on every rank, their width split over
-the TP group) and expert parallelism in both dispatch modes."""
+the TP group) and expert parallelism in both dispatch modes (with EP 2 all-to-all, each
+expert's width split over attention TP 4)."""
 
 
 def demo_config(preset: str, layers: int) -> DecoderConfig:
