@@ -485,9 +485,11 @@ def dispatch_to_experts(
     slots = (destination * capacity + position).astype(jnp.int32)
     send = jnp.zeros((ranks * capacity, rows.shape[1]), rows.dtype).at[slots].set(rows)
     send_tags = jnp.full((ranks * capacity,), -1, jnp.int32).at[slots].set(tags.astype(jnp.int32))
-    width = topology.sum_axes(SumGroup.MOE_TP)
     received, received_tags = _exchange(send, axes), _exchange(send_tags, axes)
-    return Dispatched(_gather(received, width), _gather(received_tags, width), slots, capacity)
+    width = topology.sum_axes(SumGroup.MOE_TP)
+    if width:
+        received, received_tags = AllGather(width)(received), AllGather(width)(received_tags)
+    return Dispatched(received, received_tags, slots, capacity)
 
 
 def combine_from_experts(outputs: jax.Array, dispatched: Dispatched, topology: Topology):
@@ -509,16 +511,9 @@ def combine_from_experts(outputs: jax.Array, dispatched: Dispatched, topology: T
         )
     width = topology.sum_axes(SumGroup.MOE_TP)
     if width:
-        outputs = lax.psum_scatter(outputs, _names(width), scatter_dimension=0, tiled=True)
+        outputs = ReduceScatter(width, topology.moe_tp)(outputs)
     returned = _exchange(outputs, topology.sum_axes(SumGroup.MOE_EP))
     return jnp.take(returned, dispatched.slots, axis=0)
-
-
-def _gather(x: jax.Array, axes: tuple[TokenAxis, ...]) -> jax.Array:
-    """The row blocks of every rank of `axes`, concatenated in rank order; alike on each."""
-    if not axes:
-        return x
-    return lax.all_gather(x, _names(axes), axis=0, tiled=True, to="invarying")
 
 
 def _exchange(x: jax.Array, axes: tuple[TokenAxis, ...]) -> jax.Array:
