@@ -2,8 +2,11 @@
 
 Runs one case of `bench_e2e` (prefill or decode, Llama-3-8B shape) under `jax.profiler` with a
 Perfetto trace, sums device time per kernel name for each contender, and writes the optimized
-HLO of both programs next to the trace. Run on the GPU machine:
+HLO of both programs next to the trace. `--scan` profiles scanned layers (the project with
+`scan_layers=True`, the baseline scanning its stacked layers), as `bench_e2e --scan` times them.
+Run on the GPU machine:
   python3 -m benchmarks.profile_e2e OUT_DIR --layers 8 --tp 2 --case prefill
+  python3 -m benchmarks.profile_e2e OUT_DIR --layers 8 --tp 1 --case decode --scan --sequences 8
 """
 
 from __future__ import annotations
@@ -68,26 +71,41 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--case", choices=("prefill", "decode"), default="prefill")
+    parser.add_argument("--scan", action="store_true", help="scanned layers in both programs")
+    parser.add_argument("--sequences", type=int, default=64, help="decode sequences")
+    parser.add_argument("--cache", type=int, default=1024, help="decode cache length")
     args = parser.parse_args()
     out = pathlib.Path(args.out)
     config = dataclasses.replace(LLAMA3_8B, num_layers=args.layers)
     topology = bj.Topology(attn_tp=args.tp)
     mesh = bj.make_mesh(topology)
     runner = ShardedCausalLM(
-        build_model(config, topology, dtype=jnp.bfloat16, attention=AttentionImpl.CUDNN, mesh=mesh),
+        build_model(
+            config,
+            topology,
+            dtype=jnp.bfloat16,
+            attention=AttentionImpl.CUDNN,
+            mesh=mesh,
+            scan_layers=args.scan,
+        ),
         mesh,
     )
     gspmd = auto_mesh(mesh)
-    params = baseline_params(runner, gspmd)
-    _, prefill_step, decode = make_baseline(config, cudnn=True)
+    params = baseline_params(runner, gspmd, scan=args.scan)
+    _, prefill_step, decode = make_baseline(config, cudnn=True, scan=args.scan)
     replicated = NamedSharding(gspmd, PartitionSpec())
-    cache_spec = NamedSharding(gspmd, KVCache.partition_spec(topology))
+    cache_spec = KVCache.partition_spec(topology)
+    cache_spec = NamedSharding(gspmd, PartitionSpec(None, *cache_spec) if args.scan else cache_spec)
     key = jax.device_put(jax.random.key(0), NamedSharding(mesh, PartitionSpec()))
     rng = np.random.default_rng(0)
 
     def zero_caches(slots, length):
         shape = KVCache.global_shape(config, topology, slots=slots, max_len=length)
+        if args.scan:
+            shape = (config.num_layers, *shape)
         zeros = lambda: jnp.zeros(shape, jnp.bfloat16, device=cache_spec)  # noqa: E731
+        if args.scan:
+            return (zeros(), zeros())
         return [(zeros(), zeros()) for _ in range(config.num_layers)]
 
     if args.case == "prefill":
@@ -113,7 +131,7 @@ def main() -> None:
             "baseline": prefill_step.lower(params, ids, base[0]),
         }
     else:
-        steps, sequences, cache_len = 8, 64, 1024
+        steps, sequences, cache_len = 8, args.sequences, args.cache
         rows, batch = _decode_inputs(runner, sequences, cache_len - steps - 1)
         held = [runner.new_caches(sequences, cache_len)]
         tokens = jax.device_put(np.zeros(sequences, np.int32), replicated)
@@ -143,7 +161,11 @@ def main() -> None:
             for _ in range(5):
                 jax.block_until_ready(call())
         for kind, table in kernel_table(trace_dir).items():
-            print(f"\n## {name} {args.case}, {args.layers} layers TP {args.tp}: {kind} (per call)")
+            scanned = ", scanned" if args.scan else ""
+            print(
+                f"\n## {name} {args.case}, {args.layers} layers{scanned} TP {args.tp}: {kind} "
+                "(per call)"
+            )
             total = 0.0
             for kernel, ms, count in table:
                 total += ms
