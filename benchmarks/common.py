@@ -61,16 +61,28 @@ def _cupti_ms(fn: Callable, args: Sequence) -> float:
 
 
 def kernel_ms(
-    fn: Callable, arg_sets: Sequence[Sequence], *, warmup: int = 3, repeats: int = 40
+    fn: Callable,
+    arg_sets: Sequence[Sequence],
+    *,
+    warmup: int = 3,
+    repeats: int = 40,
+    wall: bool = False,
 ) -> float:
-    """Median device time of `fn` in ms, rotating over `arg_sets` so caches don't flatter."""
+    """Median device time of `fn` in ms, rotating over `arg_sets` so caches don't flatter.
+
+    By CUPTI, or with `wall` (and where CUPTI fails) by the wall clock of 16 calls dispatched
+    back to back. CUPTI does not see the kernels of a branch XLA runs from a conditional
+    (`lax.switch`, `lax.cond`): time such programs with `wall`.
+    """
     for i in range(warmup):
         jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
-    try:
-        times = [_cupti_ms(fn, arg_sets[i % len(arg_sets)]) for i in range(repeats)]
-    except Exception as error:  # CUPTI missing or busy: fall back to the wall clock
-        print(f"  (CUPTI failed: {type(error).__name__}: {error}; wall clock instead)")
-        times = []
+    times = []
+    if not wall:
+        try:
+            times = [_cupti_ms(fn, arg_sets[i % len(arg_sets)]) for i in range(repeats)]
+        except Exception as error:  # CUPTI missing or busy: fall back to the wall clock
+            print(f"  (CUPTI failed: {type(error).__name__}: {error}; wall clock instead)")
+    if not times:
         for _ in range(max(5, repeats // 8)):
             start = time.perf_counter()
             outs = [fn(*arg_sets[i % len(arg_sets)]) for i in range(16)]
