@@ -23,7 +23,8 @@ The math, as Hugging Face transformers 5 computes it (Mixtral, Qwen3-MoE, Qwen2-
 
 Grouped matmuls (`GroupedMatmulImpl`): the (token, choice) rows are sorted by expert, so each
 local expert's rows are contiguous, and the three projections run as ragged matmuls over the
-groups. `DENSE` runs every row through every local expert and masks: the test reference.
+groups, or, padded to a capacity, as batched matmuls (`PADDED_BATCHED`). `DENSE` runs every row
+through every local expert and masks: the test reference.
 """
 
 from __future__ import annotations
@@ -70,18 +71,26 @@ class GroupedMatmulImpl(enum.Enum):
       PALLAS_TRITON: `pallas_kernels.expert_matmul` through the Pallas Triton lowering (NVIDIA
         GPUs): one program per (expert with rows, column block), reading only the chosen
         experts' weights: made for decode.
-      GPU_BY_SIZE: PALLAS_TRITON up to `TRITON_MAX_ROUTED_ROWS` routed rows per matmul, else
-        PALLAS_GPU: chosen per call from the (static) row count; RAGGED_DOT for shapes the
-        chosen kernel's tiles do not divide. On an H200 (Qwen3-30B-A3B
-        layer, benchmarks/RESULTS.md run 9) PALLAS_TRITON read the chosen experts' weights at
+      PADDED_BATCHED: The routed rows copied expert-major into [local experts, C, hidden],
+        C the smallest of `capacity_buckets` that holds the busiest expert's rows, and the
+        three projections as XLA batched matmuls (cuBLAS on GPU), which run near the matmul
+        peak where the grouped kernels do not; padding costs at most a quarter of the FLOPs
+        more in the first bucket. Where an expert gets more rows than the largest bucket, the
+        layer runs RAGGED_DOT (PALLAS_GPU under GPU_BY_SIZE) instead, so no row is dropped.
+      GPU_BY_SIZE: By the (static) routed row count: PALLAS_TRITON up to
+        `TRITON_MAX_ROUTED_ROWS` rows, else PADDED_BATCHED falling back to PALLAS_GPU; RAGGED_DOT
+        for shapes the chosen kernel's tiles do not divide. On an H200 (Qwen3-30B-A3B layer,
+        benchmarks/RESULTS.md runs 9 and 15) PALLAS_TRITON read the chosen experts' weights at
         75-86% of the copy bandwidth at 64-512 routed rows where PALLAS_GPU reached 23-64%;
-        both took ~0.5 ms at 2048 rows; PALLAS_GPU was 2.3-4.3x faster from 8192 rows up.
+        both took ~0.5 ms at 2048 rows; at 32768 rows PALLAS_GPU took the layer 1.15 ms and
+        PADDED_BATCHED 0.79 ms.
     """
 
     DENSE = enum.auto()
     RAGGED_DOT = enum.auto()
     PALLAS_GPU = enum.auto()
     PALLAS_TRITON = enum.auto()
+    PADDED_BATCHED = enum.auto()
     GPU_BY_SIZE = enum.auto()
 
 
@@ -92,6 +101,24 @@ PALLAS = frozenset(
 
 TRITON_MAX_ROUTED_ROWS = 2048
 """The most routed rows `GPU_BY_SIZE` gives the Triton kernel (the measured crossover)."""
+
+CAPACITY_FACTORS = (1.25, 1.5)
+"""`PADDED_BATCHED`'s capacities as multiples of the even share, smallest first."""
+
+
+def capacity_buckets(even_share: float, rows: int) -> tuple[int, ...]:
+    """The static per-expert capacities `PADDED_BATCHED` picks from, smallest first.
+
+    Each is a `CAPACITY_FACTORS` multiple of `even_share` (the rows each local expert gets when
+    the routing is even) rounded up to a multiple of 64 rows (of 8 below 64, for small models),
+    and at most `rows` (the routed rows in all, which no expert can exceed).
+    """
+    buckets = []
+    for factor in CAPACITY_FACTORS:
+        want = max(1.0, factor * even_share)
+        step = 64 if want > 64 else 8
+        buckets.append(min(rows, step * int(np.ceil(want / step))))
+    return tuple(sorted(set(buckets)))
 
 
 def default_grouped_matmul_impl(
@@ -202,6 +229,7 @@ def expert_outputs(
     *,
     expert_offset: int | jax.Array = 0,
     impl: GroupedMatmulImpl = GroupedMatmulImpl.RAGGED_DOT,
+    even_share: float | None = None,
 ) -> jax.Array:
     """Each (token, choice)'s expert output from the experts this rank holds, unweighted.
 
@@ -216,6 +244,10 @@ def expert_outputs(
       expert_offset: Global id of this rank's first expert; a Python int or a traced int32
         scalar (for example `axis_index * local_experts`, computed by the caller).
       impl: How the grouped matmuls run.
+      even_share: The rows each local expert gets when the routing is even, which sizes the
+        capacities of `PADDED_BATCHED` (`capacity_buckets`); e.g. `T * k / num_experts` when
+        every rank sees all T tokens. None: `T * k / local_experts` (this rank holds every
+        expert).
 
     Returns:
       [T, k, hidden] in `x.dtype`: row (t, j) is `down(silu(gate(x_t)) * up(x_t))` of expert
@@ -228,13 +260,30 @@ def expert_outputs(
     held = (flat >= 0) & (flat < local)
     if impl is GroupedMatmulImpl.DENSE:
         return _dense_expert_outputs(x, flat, held, gate, up, down).reshape(tokens, top_k, hidden)
+    # The grouped matmuls: the impl itself, or PADDED_BATCHED's fallback past its buckets.
+    fallback = impl
+    if impl is GroupedMatmulImpl.GPU_BY_SIZE and tokens * top_k > TRITON_MAX_ROUTED_ROWS:
+        impl = GroupedMatmulImpl.PADDED_BATCHED
+    elif impl is GroupedMatmulImpl.PADDED_BATCHED:
+        fallback = GroupedMatmulImpl.RAGGED_DOT
     # Sort the (token, choice) rows by local expert; rows of experts held elsewhere go last, as
     # group `local`, which no matmul covers (ragged_dot leaves such rows zero; masked anyway).
     order, positions, sizes = bj.group_order(jnp.where(held, flat, local), local + 1)
-    rows = jnp.take(x, order // top_k, axis=0)  # [T*k, hidden]
-    matmul = functools.partial(_grouped_matmul, group_sizes=sizes[:local], impl=impl)
-    hidden_rows = jax.nn.silu(matmul(rows, gate)) * matmul(rows, up)
-    out = jnp.take(matmul(hidden_rows, down), positions, axis=0)  # back in (token, choice) order
+    sorted_rows = _SortedRows(order, positions, sizes[:local], jnp.where(held, flat, 0), top_k)
+    weights = (gate, up, down)
+    grouped = functools.partial(_grouped_expert_outputs, x, sorted_rows, weights, fallback)
+    if impl is GroupedMatmulImpl.PADDED_BATCHED:
+        share = tokens * top_k / local if even_share is None else even_share
+        buckets = capacity_buckets(share, tokens * top_k)
+        branches = [
+            functools.partial(_padded_expert_outputs, x, sorted_rows, weights, capacity)
+            for capacity in buckets
+        ]
+        # The first bucket that holds the busiest expert; past the last, the grouped matmuls.
+        pick = jnp.sum(jnp.asarray(buckets, jnp.int32) < jnp.max(sorted_rows.sizes))
+        out = jax.lax.switch(pick, [*branches, grouped])
+    else:
+        out = grouped()
     out = jnp.where(held[:, None], out, jnp.zeros_like(out))
     return out.reshape(tokens, top_k, hidden)
 
@@ -466,6 +515,7 @@ class SparseMoe(nnx.Module):
             self.down_proj[...],
             expert_offset=expert_offset,
             impl=self.impl,
+            even_share=x.shape[0] * self.top_k / self.router.shape[1],
         )
         shared = None if self.shared_expert is None else self.shared_expert(x)
         return MoeOutput(expert_outputs=outputs, routing=routing, shared=shared)
@@ -516,6 +566,63 @@ def _dense_expert_outputs(x, flat, held, gate, up, down) -> jax.Array:
     mask = (flat[:, None] == jnp.arange(local)[None, :]) & held[:, None]  # [T*k, L]
     per_row = jnp.repeat(all_out, top_k, axis=0)  # row t*k + j is token t
     return jnp.einsum("rl,rlh->rh", mask.astype(all_out.dtype), per_row, precision=hp)
+
+
+@dataclasses.dataclass(frozen=True)
+class _SortedRows:
+    """The (token, choice) rows of one rank ordered by local expert (`bj.group_order`).
+
+    Attributes:
+      order: [T*k] the row at each place of the sorted order.
+      positions: [T*k] each row's place (`order`'s inverse).
+      sizes: [local experts] rows per local expert; the rows of experts held elsewhere come
+        after all of them.
+      local_expert: [T*k] each row's local expert (0 for rows held elsewhere).
+      top_k: Rows per token.
+    """
+
+    order: jax.Array
+    positions: jax.Array
+    sizes: jax.Array
+    local_expert: jax.Array
+    top_k: int
+
+
+def _grouped_expert_outputs(x, rows: _SortedRows, weights, impl) -> jax.Array:
+    """[T*k, hidden] in (token, choice) order, through grouped matmuls over the sorted rows;
+    rows held elsewhere come back unspecified (zero for RAGGED_DOT)."""
+    gate, up, down = weights
+    sorted_x = jnp.take(x, rows.order // rows.top_k, axis=0)
+    matmul = functools.partial(_grouped_matmul, group_sizes=rows.sizes, impl=impl)
+    hidden_rows = jax.nn.silu(matmul(sorted_x, gate)) * matmul(sorted_x, up)
+    return jnp.take(matmul(hidden_rows, down), rows.positions, axis=0)
+
+
+def _padded_expert_outputs(x, rows: _SortedRows, weights, capacity: int) -> jax.Array:
+    """As `_grouped_expert_outputs`, through batched matmuls over [local experts, `capacity`,
+    hidden]: expert e's rows in its first `sizes[e]` places (each at most `capacity`), the
+    rest padding that no row reads back."""
+    gate, up, down = weights
+    local, hidden, _ = gate.shape
+    routed = rows.order.shape[0]
+    starts = jnp.cumsum(rows.sizes) - rows.sizes
+    place = jnp.arange(capacity, dtype=starts.dtype)
+    sorted_place = jnp.minimum(starts[:, None] + place[None, :], routed - 1)  # [local, C]
+    source = jnp.take(rows.order, sorted_place.reshape(-1)) // rows.top_k
+    expert = rows.local_expert
+    slot = expert * capacity + rows.positions - jnp.take(starts, expert)
+    slot = jnp.clip(slot, 0, local * capacity - 1)  # rows held elsewhere: any slot
+    # Materialized: fused into the gathers below, XLA recomputed this per element (2 ms
+    # instead of 40 us for a 32768-row layer on an H200).
+    source, slot = jax.lax.optimization_barrier((source, slot))
+    padded = jnp.take(x, source, axis=0).reshape(local, capacity, hidden)
+    # Full precision keeps float32 models exact; 16-bit matmuls take XLA's default.
+    full = jnp.finfo(x.dtype).bits > 16
+    batched = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST if full else None)
+    g = batched("eck,ekw->ecw", padded, gate.astype(x.dtype))
+    u = batched("eck,ekw->ecw", padded, up.astype(x.dtype))
+    out = batched("ecw,ewh->ech", jax.nn.silu(g) * u, down.astype(x.dtype))
+    return jnp.take(out.reshape(local * capacity, hidden), slot, axis=0)
 
 
 def _grouped_matmul(

@@ -133,6 +133,9 @@ class MoeFfn(SparseMoe):
             self.up_proj[...],
             self.down_proj[...],
             impl=self.impl,
+            # Each EP rank sends T * k rows, spread evenly over all experts; the width group's
+            # ranks gather theirs.
+            even_share=tokens * top_k * self.topology.moe_tp / local,
         )[:, 0]
         returned = bj.ops.combine_from_experts(answers, dispatched, self.topology)
         shared = None if self.shared_expert is None else self.shared_expert(x)

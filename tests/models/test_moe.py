@@ -19,7 +19,7 @@ from models.moe import GroupedMatmulImpl, MoeOutput, Routing
 from . import make_mesh, run_sharded
 
 HIDDEN, TOKENS = 16, 24
-GROUPED = (GroupedMatmulImpl.DENSE, GroupedMatmulImpl.RAGGED_DOT)
+GROUPED = (GroupedMatmulImpl.DENSE, GroupedMatmulImpl.RAGGED_DOT, GroupedMatmulImpl.PADDED_BATCHED)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -382,6 +382,64 @@ def test_rejects_bad_shapes_and_settings():
     assert (down["block_m"], down["block_n"], down["grid_block_n"]) == (64, 256, 4)
 
 
+def test_capacity_buckets():
+    """1.25 and 1.5 times the even share, in whole tiles (64 rows; 8 for small shares), never
+    above the routed rows."""
+    assert moe.capacity_buckets(256, 32768) == (320, 384)  # Qwen3-30B-A3B, 4096 tokens
+    assert moe.capacity_buckets(6, 48) == (8, 16)
+    assert moe.capacity_buckets(24, 30) == (30,)
+    assert moe.capacity_buckets(0.25, 48) == (8,)
+
+
+def skewed_routing(busiest_load: int, tokens: int = TOKENS, experts: int = 8):
+    """Top-2 choices of distinct experts where expert 0 gets `busiest_load` rows and the
+    others about an even share of the rest."""
+    chosen = np.zeros((tokens, 2), np.int32)
+    for t in range(tokens):
+        others = [1 + (t + i) % (experts - 1) for i in range(2)]
+        chosen[t] = [0, others[0]] if t < busiest_load else others
+    return np.full((tokens, 2), 0.5), chosen
+
+
+@pytest.mark.parametrize(
+    "busiest_load,branch",
+    [(8, "padded 8"), (9, "padded 16"), (16, "padded 16"), (17, "grouped")],
+)
+def test_padded_batched_takes_the_first_bucket_that_fits(monkeypatch, busiest_load, branch):
+    """With an even share of 6 rows (buckets 8 and 16), the busiest expert's load picks the
+    branch: the first bucket that holds it, else the grouped matmuls. Every other branch is
+    poisoned, so a wrong pick (a dropped row, or a needless fallback) shows."""
+    layer = make_layer(8)
+    weights, chosen = skewed_routing(busiest_load)
+    assert np.bincount(chosen.reshape(-1)).max() == busiest_load
+    padded, grouped = moe._padded_expert_outputs, moe._grouped_expert_outputs
+
+    def poisoned(name, real):
+        def call(*args):
+            out = real(*args)
+            return out if name == branch else jnp.full_like(out, jnp.nan)
+
+        return call
+
+    monkeypatch.setattr(
+        moe,
+        "_padded_expert_outputs",
+        lambda x, rows, w, capacity: poisoned(f"padded {capacity}", padded)(x, rows, w, capacity),
+    )
+    monkeypatch.setattr(moe, "_grouped_expert_outputs", poisoned("grouped", grouped))
+    with jax.enable_x64(True):
+        got = moe.expert_outputs(
+            jnp.asarray(layer.x),
+            routing_of(weights, chosen),
+            layer.gate,
+            layer.up,
+            layer.down,
+            impl=GroupedMatmulImpl.PADDED_BATCHED,
+        )
+        want = loop_outputs(layer, chosen, 0, 8)
+        np.testing.assert_allclose(np.asarray(got), want, atol=1e-12, rtol=1e-12)
+
+
 def test_default_impl_per_platform():
     """CPU and TPU use lax.ragged_dot; GPU picks by size between the Triton kernel and the
     Hopper kernel when JAX has the latter."""
@@ -408,5 +466,27 @@ def test_pallas_gpu_matches_ragged_dot():  # pragma: no cover - GPU only
     outs = [
         jit_expert_outputs(x, routing, gate, up, down, jnp.int32(4), impl=impl)
         for impl in (GroupedMatmulImpl.RAGGED_DOT, GroupedMatmulImpl.PALLAS_GPU)
+    ]
+    chex.assert_trees_all_close(*(o.astype(jnp.float32) for o in outs), atol=5e-2)
+
+
+@pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="the Hopper kernel runs on GPU only")
+@pytest.mark.parametrize("skewed", [False, True], ids=["padded", "fallback"])
+def test_gpu_by_size_prefill_matches_ragged_dot(skewed):  # pragma: no cover - GPU only
+    """On a Hopper GPU, GPU_BY_SIZE at prefill sizes (4096 routed rows: batched matmuls padded
+    to a bucket, or past the buckets the Hopper kernel) equals lax.ragged_dot (bf16)."""
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((512, 128)), jnp.bfloat16)
+    gate, up = (jnp.asarray(rng.standard_normal((16, 128, 128)) / 11, jnp.bfloat16) for _ in "gu")
+    down = jnp.asarray(rng.standard_normal((16, 128, 128)) / 11, jnp.bfloat16)
+    if skewed:  # expert 0 in every token's choices: 512 rows, past the buckets (320, 384)
+        others = [1 + rng.permutation(15)[:7] for _ in range(512)]
+        chosen = np.stack([np.concatenate([[0], o]) for o in others]).astype(np.int32)
+    else:
+        chosen = np.stack([rng.permutation(16)[:8] for _ in range(512)]).astype(np.int32)
+    routing = routing_of(np.full((512, 8), 1 / 8), chosen)
+    outs = [
+        jit_expert_outputs(x, routing, gate, up, down, jnp.int32(0), impl=impl)
+        for impl in (GroupedMatmulImpl.RAGGED_DOT, GroupedMatmulImpl.GPU_BY_SIZE)
     ]
     chex.assert_trees_all_close(*(o.astype(jnp.float32) for o in outs), atol=5e-2)

@@ -20,6 +20,7 @@ from boundary_jax import make_mesh
 from models import moe
 from models.checkpoint import load_config
 from models.config import DecoderConfig, MoeConfig
+from models.moe import GroupedMatmulImpl
 from models.moe_decoder import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from models.moe_ffn import MoeFfn
 from models.report import collective_report
@@ -158,10 +159,18 @@ LAYER_MESHES = (  # (dp, tp, moe_ep, dispatch)
 )
 
 
-def layer_case(dp, tp, ep, dispatch, *, capacity=None) -> tuple[MoeFfn, jax.sharding.Mesh]:
+def layer_case(
+    dp, tp, ep, dispatch, *, capacity=None, impl=GroupedMatmulImpl.RAGGED_DOT
+) -> tuple[MoeFfn, jax.sharding.Mesh]:
     topology = bj.Topology(attn_dp=dp, attn_tp=tp, moe_ep=ep)
     module = MoeFfn(
-        HIDDEN, LAYER_MOE, topology, dispatch=dispatch, capacity=capacity, rngs=nnx.Rngs(5)
+        HIDDEN,
+        LAYER_MOE,
+        topology,
+        dispatch=dispatch,
+        capacity=capacity,
+        impl=impl,
+        rngs=nnx.Rngs(5),
     )
     return module, make_mesh(bj.Topology(attn_dp=dp, attn_tp=tp))
 
@@ -214,6 +223,32 @@ def test_moe_ffn_matches_float64_reference(dp, tp, ep, dispatch, defer):
     want = layer_reference(module, np.asarray(TOKENS_IN))
     got = run_layer(module, mesh, TOKENS_IN, defer=defer)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.max(np.abs(want)))
+
+
+@pytest.mark.parametrize(
+    "dp,tp,ep,dispatch",
+    [(1, 4, 4, GATHER), (2, 2, 2, GATHER), (2, 4, 2, ALL_TO_ALL), (2, 4, 8, ALL_TO_ALL)],
+)
+def test_padded_batched_experts_match_float64_reference(monkeypatch, dp, tp, ep, dispatch):
+    """PADDED_BATCHED inside the layer: every dispatch sizes the buckets by the even share of
+    the whole layer (32 tokens x top-3 over 8 experts: 12 rows each expert sees), they hold
+    every expert's rows (the grouped fallback is poisoned), and the output equals float64."""
+    real_grouped, real_buckets = moe._grouped_expert_outputs, moe.capacity_buckets
+    shares = []
+
+    def buckets(share, rows):
+        shares.append(share)
+        return real_buckets(share, rows)
+
+    monkeypatch.setattr(moe, "capacity_buckets", buckets)
+    monkeypatch.setattr(
+        moe, "_grouped_expert_outputs", lambda *args: jnp.full_like(real_grouped(*args), jnp.nan)
+    )
+    module, mesh = layer_case(dp, tp, ep, dispatch, impl=GroupedMatmulImpl.PADDED_BATCHED)
+    want = layer_reference(module, np.asarray(TOKENS_IN))
+    got = run_layer(module, mesh, TOKENS_IN, defer=True)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.max(np.abs(want)))
+    assert shares and set(shares) == {TOKENS * LAYER_MOE.top_k / LAYER_MOE.num_experts}
 
 
 def test_moe_ffn_spreads_experts_over_ranks():

@@ -1,6 +1,7 @@
 """expert_matmul: the gather-by-expert grouped matmul equals `lax.ragged_dot` on the rows it
 covers, in the Pallas interpreter (CPU) and compiled for Triton (GPU only)."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -108,6 +109,44 @@ def test_gpu_by_size_picks_the_kernel_by_routed_rows(monkeypatch):
         )
         np.testing.assert_allclose(np.asarray(got[:4], np.float32), 128.0)
     assert ran == []
+
+
+def test_gpu_by_size_pads_prefill_layers_and_falls_back_to_the_hopper_kernel(monkeypatch):
+    """A layer of more than TRITON_MAX_ROUTED_ROWS routed rows runs PADDED_BATCHED, with the
+    Hopper kernel past its buckets; a decode-sized layer runs the Triton kernel (the kernels
+    stood in for by ragged_dot, recording which ran)."""
+    ran = []
+
+    def triton(rows, weights, group_sizes, *, blocks):
+        ran.append("triton")
+        return expert_matmul_reference(rows, weights, group_sizes)
+
+    def hopper(rows, weights, *, group_sizes, **tiling):
+        ran.append("hopper")
+        return expert_matmul_reference(rows, weights, group_sizes)
+
+    padded = moe._padded_expert_outputs
+
+    def record_padded(x, rows, weights, capacity):
+        ran.append(f"padded {capacity}")
+        return padded(x, rows, weights, capacity)
+
+    monkeypatch.setattr(moe, "expert_matmul", triton)
+    monkeypatch.setattr(moe, "_ragged_dot_mgpu", type("Mosaic", (), {"ragged_dot": hopper}))
+    monkeypatch.setattr(moe, "_padded_expert_outputs", record_padded)
+    rng = np.random.default_rng(0)
+    gate, up, down = (
+        jnp.asarray(rng.standard_normal((4, 128, 128)) / 11, jnp.bfloat16) for _ in range(3)
+    )
+    for tokens in (4, moe.TRITON_MAX_ROUTED_ROWS // 2 + 4):  # top-2: 8 and 2056 rows
+        x = jnp.asarray(rng.standard_normal((tokens, 128)), jnp.bfloat16)
+        chosen = np.stack([rng.permutation(4)[:2] for _ in range(tokens)]).astype(np.int32)
+        routing = moe.Routing(jnp.full((tokens, 2), 0.5), jnp.asarray(chosen))
+        got = moe.expert_outputs(x, routing, gate, up, down, impl=moe.GroupedMatmulImpl.GPU_BY_SIZE)
+        want = moe.expert_outputs(x, routing, gate, up, down, impl=moe.GroupedMatmulImpl.RAGGED_DOT)
+        chex.assert_trees_all_close(got.astype(jnp.float32), want.astype(jnp.float32), atol=5e-2)
+    # 2056 rows over 4 experts: an even share of 514, buckets of 1.25 and 1.5 times it.
+    assert ran == ["triton"] * 3 + ["padded 704", "padded 832"] + ["hopper"] * 3
 
 
 def test_pallas_experts_turn_the_varying_axes_check_off():
