@@ -18,8 +18,9 @@ causal attention FLOPs per GPU / dense bf16 peak (990 TFLOP/s). Times are wall-c
 blocking calls (a decode call runs STEPS steps, so dispatch is amortized).
 
 With `--scan` the project model is built with `scan_layers=True` and both baselines run their
-layers (stacked once, a copy) as one `lax.scan`, as a user writing a deep model would: 32 layers
-unrolled took over 5 minutes to compile on JAX 0.11.2.
+layers (stacked once, a copy) as one `lax.scan`, as a user writing a deep model would. On JAX
+0.11.2 a scanned decode step copies each layer's weights out of the stack (RESULTS run 15), so
+decode is measured unrolled.
 
 Run on the GPU machine from the repository root:
   python3 -m benchmarks.bench_e2e --layers 8 --tp 1 2

@@ -8,6 +8,7 @@ from flax import nnx
 
 import boundary_jax as bj
 from boundary_jax.fusions import AddRmsNorm, FusionProvider
+from models import runtime
 from models.config import PRESETS
 from models.rows import pack_sequences
 from models.runtime import ShardedCausalLM, bucket, build_model, cache_length
@@ -23,8 +24,13 @@ def runner() -> ShardedCausalLM:
     return ShardedCausalLM(build_model(PRESETS["tiny-mistral"], topology, mesh=mesh), mesh)
 
 
-def test_build_on_a_mesh_creates_sharded_weights_equal_to_the_plain_build():
-    """build_model(mesh=) gives the same values as the one-device build, already sharded."""
+@pytest.mark.parametrize("layers_per_part", [1, 4])
+def test_build_on_a_mesh_creates_sharded_weights_equal_to_the_plain_build(
+    monkeypatch, layers_per_part
+):
+    """build_model(mesh=) gives the same values as the one-device build, already sharded,
+    whether one initializer creates all the layers or each its own."""
+    monkeypatch.setattr(runtime, "LAYERS_PER_INIT_PART", layers_per_part)
     config = PRESETS["tiny-qwen3"]
     topology = bj.Topology(attn_tp=4)
     mesh = bj.make_mesh(topology)
