@@ -74,16 +74,16 @@ class GroupedMatmulImpl(enum.Enum):
       PADDED_BATCHED: The routed rows copied expert-major into [local experts, C, hidden],
         C the smallest of `capacity_buckets` that holds the busiest expert's rows, and the
         three projections as XLA batched matmuls (cuBLAS on GPU), which run near the matmul
-        peak where the grouped kernels do not; padding costs at most a quarter of the FLOPs
-        more in the first bucket. Where an expert gets more rows than the largest bucket, the
+        peak where the grouped kernels do not; the first bucket pads about a quarter more
+        rows than the even share. Where an expert gets more rows than the largest bucket, the
         layer runs RAGGED_DOT (PALLAS_GPU under GPU_BY_SIZE) instead, so no row is dropped.
       GPU_BY_SIZE: By the (static) routed row count: PALLAS_TRITON up to
         `TRITON_MAX_ROUTED_ROWS` rows, else PADDED_BATCHED falling back to PALLAS_GPU; RAGGED_DOT
         for shapes the chosen kernel's tiles do not divide. On an H200 (Qwen3-30B-A3B layer,
         benchmarks/RESULTS.md runs 9 and 15) PALLAS_TRITON read the chosen experts' weights at
         75-86% of the copy bandwidth at 64-512 routed rows where PALLAS_GPU reached 23-64%;
-        both took ~0.5 ms at 2048 rows; at 32768 rows PALLAS_GPU took the layer 1.15 ms and
-        PADDED_BATCHED 0.79 ms.
+        both took ~0.5 ms at 2048 rows; at 32768 rows the layer took 1.18 ms with PALLAS_GPU
+        and 0.97 ms with PADDED_BATCHED (wall clock, run 15).
     """
 
     DENSE = enum.auto()
