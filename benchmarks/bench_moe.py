@@ -4,7 +4,8 @@ fused finalize + all-reduce + add + RMSNorm against the unfused path on two GPUs
 Run from the repository root on a machine with one or two GPUs:
     python3 -m benchmarks.bench_moe
 
-Part 1 (one GPU): the layer (router, top-k, three grouped matmuls, finalize) at 8, 64 and 4096
+Part 1 (one GPU): the layer as the model runs it when it finalizes on the spot (router, top-k,
+the gate|up and down grouped matmuls, the combine; `SparseMoe.finalized`) at 8, 64 and 4096
 tokens per step, through `jax.lax.ragged_dot`, JAX's Mosaic GPU `ragged_dot` (`PALLAS_GPU`, a
 few tilings), the project's gather-by-expert Triton kernel (`pallas_kernels.expert_matmul`,
 `PALLAS_TRITON`, a few tilings), the model default (`GPU_BY_SIZE`: Triton at decode sizes,
@@ -112,7 +113,8 @@ def layer_weights(seed: int = 0):
     gate = jax.random.normal(keys[1], (EXPERTS, HIDDEN, WIDTH), DTYPE) * scale(HIDDEN)
     up = jax.random.normal(keys[2], (EXPERTS, HIDDEN, WIDTH), DTYPE) * scale(HIDDEN)
     down = jax.random.normal(keys[3], (EXPERTS, WIDTH, HIDDEN), DTYPE) * scale(WIDTH)
-    return router.astype(DTYPE), gate.astype(DTYPE), up.astype(DTYPE), down.astype(DTYPE)
+    gate_up = jnp.stack([gate, up], axis=2)  # [E, hidden, 2, width], as the model stores them
+    return router.astype(DTYPE), gate_up.astype(DTYPE), down.astype(DTYPE)
 
 
 def token_sets(tokens: int, count: int = 4):
@@ -127,10 +129,9 @@ def layer_fn(impl: moe.GroupedMatmulImpl, variant: str):
     """The jitted MoE layer through `impl` (with `variant`'s tiling), weights closed over by
     argument."""
 
-    def layer(x, router, gate, up, down):
+    def layer(x, router, gate_up, down):  # as `SparseMoe.finalized` runs it
         routing = moe.route(x, router, top_k=TOP_K, renormalize=True)
-        outputs = moe.expert_outputs(x, routing, gate, up, down, impl=impl)
-        return moe.finalize(moe.MoeOutput(outputs, routing, None))
+        return moe.finalized_expert_outputs(x, routing, gate_up, down, impl=impl)
 
     return jax.jit(layer)
 
@@ -171,7 +172,7 @@ def distinct_experts(x, router) -> int:
 def part1(
     copy_tb_s: float, matmul_tflop_s: float, tokens_list, only: tuple[str, ...] = ()
 ) -> list[tuple]:
-    router, gate, up, down = layer_weights()
+    router, gate_up, down = layer_weights()
     table = []
     variants = [("ragged_dot (XLA)", moe.GroupedMatmulImpl.RAGGED_DOT)]
     variants += [(name, moe.GroupedMatmulImpl.PALLAS_GPU) for name in MGPU_TILINGS]
@@ -187,7 +188,7 @@ def part1(
         experts = np.mean([distinct_experts(s[0], router) for s in sets])
         weight_bytes = experts * 3 * HIDDEN * WIDTH * 2
         flops = tokens * TOP_K * 3 * 2 * HIDDEN * WIDTH
-        reference = layer_fn(moe.GroupedMatmulImpl.RAGGED_DOT, "")(*sets[0], router, gate, up, down)
+        reference = layer_fn(moe.GroupedMatmulImpl.RAGGED_DOT, "")(*sets[0], router, gate_up, down)
         # The model default branches (lax.switch) from here up, which CUPTI does not see into:
         # every variant by the wall clock, side by side.
         wall = tokens * TOP_K > moe.TRITON_MAX_ROUTED_ROWS
@@ -198,10 +199,10 @@ def part1(
             with_tiling(name)
             fn = layer_fn(impl, name)
             try:
-                err = relative_error(fn(*sets[0], router, gate, up, down), reference)
+                err = relative_error(fn(*sets[0], router, gate_up, down), reference)
                 ms = kernel_ms(
                     fn,
-                    [(s[0], router, gate, up, down) for s in sets],
+                    [(s[0], router, gate_up, down) for s in sets],
                     warmup=2,
                     repeats=20,
                     wall=wall,
@@ -296,8 +297,9 @@ BREAKDOWN_TILINGS = (  # block_m, block_n, block_k, steps, grid_block_n
 def part3(tokens: int, matmul_tflop_s: float) -> list[tuple]:
     """The prefill layer's pieces (GPU_BY_SIZE, the model default), device time each, and the
     Hopper grouped matmul's tilings on the gate and down shapes."""
-    router, gate, up, down = layer_weights()
-    gate_up = jnp.concatenate([gate, up], axis=2)  # [E, hidden, 2 x width]
+    router, gate_up, down = layer_weights()
+    gate, up = gate_up[:, :, 0], gate_up[:, :, 1]
+    fused = gate_up.reshape(EXPERTS, HIDDEN, 2 * WIDTH)  # [E, hidden, 2 x width]
     impl = moe.GroupedMatmulImpl.GPU_BY_SIZE
     x = token_sets(tokens)[0][0]
     rows_n = tokens * TOP_K
@@ -341,7 +343,7 @@ def part3(tokens: int, matmul_tflop_s: float) -> list[tuple]:
     un_sort = jax.jit(lambda out, inverse: jnp.take(out, inverse, axis=0))
     finalize = jax.jit(lambda outputs, routing: moe.finalize(moe.MoeOutput(outputs, routing, None)))
     outputs = un_sort(out, inverse).reshape(tokens, TOP_K, HIDDEN)
-    reference = layer_fn(impl, "")(x, router, gate, up, down)
+    reference = layer_fn(impl, "")(x, router, gate_up, down)
     errors = {"pieces": relative_error(finalize(outputs, routing), reference)}
     hopper = layer_fn(moe.GroupedMatmulImpl.PALLAS_GPU, "")
     largest = int(jnp.max(sizes))
@@ -371,19 +373,19 @@ def part3(tokens: int, matmul_tflop_s: float) -> list[tuple]:
         (
             "Hopper fused gate|up [K, 2W] + silu * up",
             matmul,
-            (rows, gate_up, sizes, None, WIDTH),
+            (rows, fused, sizes, None, WIDTH),
             2 * mm_flops,
         ),
         ("Hopper down matmul [W, K]", matmul, (h, down, sizes), mm_flops),
-        ("layer, Hopper kernel (PALLAS_GPU)", hopper, (x, router, gate, up, down), 3 * mm_flops),
+        ("layer, Hopper kernel (PALLAS_GPU)", hopper, (x, router, gate_up, down), 3 * mm_flops),
         (
             f"layer (model default: {path}, busiest expert {largest})",
             layer_fn(impl, ""),
-            (x, router, gate, up, down),
+            (x, router, gate_up, down),
             3 * mm_flops,
         ),
     ]
-    errors["layer, Hopper kernel"] = relative_error(hopper(x, router, gate, up, down), reference)
+    errors["layer, Hopper kernel"] = relative_error(hopper(x, router, gate_up, down), reference)
     per_expert = rows.reshape(EXPERTS, -1, HIDDEN)[:, : rows_n // EXPERTS]  # equal groups
     batched = jax.jit(lambda a, w: jnp.einsum("gck,gkn->gcn", a, w))
     pieces += [

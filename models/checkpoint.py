@@ -58,9 +58,10 @@ class HFTensor:
         model layers it stacks: parameter axis 0 runs over them, and layer l's part (itself
         possibly a stack of experts or parts) comes from the name with `{layer}` replaced by l.
         None for one layer's parameter.
-      parts: For projections stacked in one parameter (`ColumnParallelLinear(parts=...)`), the
-        values of the name's `{part}` field, e.g. ("k", "v") in "self_attn.{part}_proj.weight":
-        one layer's parameter axis `part_axis` runs over them. None for one tensor.
+      parts: For projections stacked in one parameter (`ColumnParallelLinear(parts=...)`, the
+        experts' `gate_up_proj`), the values of the name's `{part}` field, e.g. ("k", "v") in
+        "self_attn.{part}_proj.weight": one layer's parameter axis `part_axis` runs over them,
+        and each part may itself be a stack of experts. None for one tensor.
       part_axis: The axis of one layer's parameter that `parts` stack on.
     """
 
@@ -100,11 +101,8 @@ class HFTensor:
                 f"and part_axis; got name={self.name!r}, parts={self.parts!r}, "
                 f"part_axis={self.part_axis!r}"
             )
-        if self.parts is not None and (self.experts is not None or self.padded_axis is not None):
-            raise ValueError(
-                f"stacked parts take neither experts nor a padded axis; got {self.experts=}, "
-                f"{self.padded_axis=}"
-            )
+        if self.parts is not None and self.padded_axis is not None:
+            raise ValueError(f"stacked parts take no padded axis; got {self.padded_axis=}")
 
     def layer_parts(self) -> tuple[HFTensor, ...]:
         """Per layer of a stacked-layers parameter, the source of its part; else (self,)."""
@@ -129,7 +127,7 @@ class HFTensor:
         if self.layers is not None:
             return tuple(name for part in self.layer_parts() for name in part.tensor_names())
         if self.parts is not None:
-            return tuple(part.name for part in self.stacked_parts())
+            return tuple(name for part in self.stacked_parts() for name in part.tensor_names())
         if self.experts is None:
             return (self.name,)
         return tuple(self.name.format(expert=e) for e in range(self.experts))
@@ -184,11 +182,20 @@ def _sparse_ffn_tensors(config: DecoderConfig) -> dict[str, HFTensor]:
         prefix, names = "block_sparse_moe.", {"gate": "w1", "up": "w3", "down": "w2"}
     else:
         prefix, names = "mlp.", {part: f"{part}_proj" for part in ("gate", "up", "down")}
-    tensors = {"mlp.router": HFTensor(f"{prefix}gate.weight", transpose=True)}
-    for part, name in names.items():
-        tensors[f"mlp.{part}_proj"] = HFTensor(
-            f"{prefix}experts.{{expert}}.{name}.weight", transpose=True, experts=moe.num_experts
-        )
+    experts = f"{prefix}experts.{{expert}}."
+    tensors = {
+        "mlp.router": HFTensor(f"{prefix}gate.weight", transpose=True),
+        "mlp.gate_up_proj": HFTensor(
+            experts + "{part}.weight",
+            transpose=True,
+            experts=moe.num_experts,
+            parts=(names["gate"], names["up"]),
+            part_axis=2,
+        ),
+        "mlp.down_proj": HFTensor(
+            experts + names["down"] + ".weight", transpose=True, experts=moe.num_experts
+        ),
+    }
     if moe.shared_expert_intermediate_size is not None:
         for part in ("gate", "up", "down"):
             tensors[f"mlp.shared_expert.{part}_proj"] = HFTensor(
@@ -220,9 +227,10 @@ def hf_name_map(config: DecoderConfig, *, scan_layers: bool = False) -> dict[str
     `layers.{i}.attn.kv_proj.bias` (k and v stacked on axis 0). A sparse layer of
     an MoE decoder (`config.sparse_layers`) has, in place of the dense MLP, the parameters of a
     `models.moe.SparseMoe` at `layers.{i}.mlp`: `mlp.router` [hidden, experts],
-    `mlp.{gate,up}_proj` [experts, hidden, width] and `mlp.down_proj` [experts, width, hidden]
-    (stacked per-expert tensors), and with a shared expert `mlp.shared_expert.{gate,up,down}_proj`
-    and `mlp.shared_expert.expert_gate` [hidden, 1].
+    `mlp.gate_up_proj` [experts, hidden, 2, width] (gate and up stacked on axis 2) and
+    `mlp.down_proj` [experts, width, hidden] (stacked per-expert tensors), and with a shared
+    expert `mlp.shared_expert.{gate,up,down}_proj` and `mlp.shared_expert.expert_gate`
+    [hidden, 1].
 
     The paths above are those of an unscanned model. With `scan_layers`, `layers.{b}` is block
     b of `config.layer_blocks(True)`: an unscanned layer has its paths, and a scanned run has
@@ -632,10 +640,11 @@ def save_checkpoint(
             value = np.take(value, np.arange(config.vocab_size), axis=source.padded_axis)
         layer_values = [value] if source.layers is None else list(value)
         for layer_source, layer_value in zip(source.layer_parts(), layer_values, strict=True):
+            parts = [layer_value]
             if source.parts is not None:
                 parts = list(np.moveaxis(layer_value, source.part_axis, 0))
-            else:
-                parts = [layer_value] if source.experts is None else list(layer_value)
+            if source.experts is not None:  # each part, a stack of experts
+                parts = [expert for part in parts for expert in part]
             for name, part in zip(layer_source.tensor_names(), parts, strict=True):
                 tensors[name] = np.ascontiguousarray(part.T if source.transpose else part)
     out = Path(directory)

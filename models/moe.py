@@ -21,6 +21,10 @@ The math, as Hugging Face transformers 5 computes it (Mixtral, Qwen3-MoE, Qwen2-
            + sigmoid(x[t] @ shared_gate) * shared_expert(x[t])    # Qwen2-MoE
     expert_e(x) = (silu(x @ gate_e) * (x @ up_e)) @ down_e
 
+Each expert's gate and up projections are stored stacked, `gate_up` [experts, hidden, 2, width],
+so both are one matmul of 2 x width columns (the rows are read once), and a width slice over
+ranks cuts the same features out of both.
+
 Grouped matmuls (`GroupedMatmulImpl`): the (token, choice) rows are sorted by expert, so each
 local expert's rows are contiguous, and the three projections run as ragged matmuls over the
 groups, or, padded to a capacity, as batched matmuls (`PADDED_BATCHED`). `DENSE` runs every row
@@ -82,8 +86,8 @@ class GroupedMatmulImpl(enum.Enum):
         for shapes the chosen kernel's tiles do not divide. On an H200 (Qwen3-30B-A3B layer,
         benchmarks/RESULTS.md runs 9 and 15) PALLAS_TRITON read the chosen experts' weights at
         75-86% of the copy bandwidth at 64-512 routed rows where PALLAS_GPU reached 23-64%;
-        both took ~0.5 ms at 2048 rows; at 32768 rows the layer took 1.18 ms with PALLAS_GPU
-        and 0.97 ms with PADDED_BATCHED (wall clock, run 15).
+        both took ~0.5 ms at 2048 rows; at 32768 rows the layer took 1.20 ms with PALLAS_GPU
+        and 0.87 ms with PADDED_BATCHED (wall clock, run 16, finalized inside the branch).
     """
 
     DENSE = enum.auto()
@@ -223,8 +227,7 @@ def route(x: jax.Array, router: jax.Array, *, top_k: int, renormalize: bool) -> 
 def expert_outputs(
     x: jax.Array,
     routing: Routing,
-    gate: jax.Array,
-    up: jax.Array,
+    gate_up: jax.Array,
     down: jax.Array,
     *,
     expert_offset: int | jax.Array = 0,
@@ -236,10 +239,9 @@ def expert_outputs(
     Args:
       x: [T, hidden] complete token rows.
       routing: Their routing (global expert ids).
-      gate: [local_experts, hidden, width] this rank's experts' gate projections, for global
-        experts `expert_offset + 0 .. expert_offset + local_experts - 1`; `width` may be a slice
-        of the expert's intermediate features.
-      up: As `gate`, the up projections (same slice of the width).
+      gate_up: [local_experts, hidden, 2, width] this rank's experts' gate (`[:, :, 0]`) and up
+        (`[:, :, 1]`) projections, for global experts `expert_offset + 0 .. expert_offset +
+        local_experts - 1`; `width` may be a slice of the expert's intermediate features.
       down: [local_experts, width, hidden] the down projections (same slice, as rows).
       expert_offset: Global id of this rank's first expert; a Python int or a traced int32
         scalar (for example `axis_index * local_experts`, computed by the caller).
@@ -254,12 +256,59 @@ def expert_outputs(
       `routing.experts[t, j]` over this rank's width slice if this rank holds that expert, zero
       otherwise. The sum over the ranks that split the experts and the width completes it.
     """
-    local, hidden, width = _check_expert_weights(x, gate, up, down)
+    return _routed_outputs(
+        x, routing, gate_up, down, expert_offset, impl, even_share, lambda outputs: outputs
+    )
+
+
+def finalized_expert_outputs(
+    x: jax.Array,
+    routing: Routing,
+    gate_up: jax.Array,
+    down: jax.Array,
+    *,
+    shared: jax.Array | None = None,
+    expert_offset: int | jax.Array = 0,
+    impl: GroupedMatmulImpl = GroupedMatmulImpl.RAGGED_DOT,
+    even_share: float | None = None,
+    dtype: jnp.dtype | None = None,
+) -> jax.Array:
+    """`finalize(MoeOutput(expert_outputs(...), routing, shared), dtype)`, combined where the
+    expert outputs are made: for a MoE that finalizes on the spot rather than handing the
+    finalize on.
+
+    Under `PADDED_BATCHED` the combine runs inside the capacity branch, so the branch returns
+    [T, hidden] rather than the [T * k, hidden] per-choice rows, which XLA would otherwise write
+    out of the branch and read back (on an H200, 4096 tokens of a 128-expert top-8 layer: 877
+    against 971 us, benchmarks/RESULTS.md run 16).
+
+    Args: as `expert_outputs`, plus `shared` ([T, hidden] this rank's shared-expert share, or
+    None) and `dtype` (the result's; None keeps `x.dtype`).
+
+    Returns:
+      [T, hidden]: this rank's finalized share, owing the same sum as `expert_outputs`.
+    """
+
+    def combine(outputs: jax.Array) -> jax.Array:
+        return finalize(MoeOutput(outputs, routing, shared), dtype)
+
+    return _routed_outputs(x, routing, gate_up, down, expert_offset, impl, even_share, combine)
+
+
+def _routed_outputs(x, routing, gate_up, down, expert_offset, impl, even_share, epilogue):
+    """`epilogue` of `expert_outputs`'s [T, k, hidden], applied inside PADDED_BATCHED's branch."""
+    local, hidden, width = _check_expert_weights(x, gate_up, down)
     tokens, top_k = routing.experts.shape
     flat = routing.experts.reshape(-1) - expert_offset  # [T*k] local expert ids
     held = (flat >= 0) & (flat < local)
     if impl is GroupedMatmulImpl.DENSE:
-        return _dense_expert_outputs(x, flat, held, gate, up, down).reshape(tokens, top_k, hidden)
+        dense = _dense_expert_outputs(x, flat, held, gate_up, down)
+        return epilogue(dense.reshape(tokens, top_k, hidden))
+
+    def finish(rows: jax.Array) -> jax.Array:  # [T*k, hidden], held elsewhere unspecified
+        rows = jnp.where(held[:, None], rows, jnp.zeros_like(rows))
+        return epilogue(rows.reshape(tokens, top_k, hidden))
+
     # The grouped matmuls: the impl itself, or PADDED_BATCHED's fallback past its buckets.
     fallback = impl
     if impl is GroupedMatmulImpl.GPU_BY_SIZE and tokens * top_k > TRITON_MAX_ROUTED_ROWS:
@@ -270,22 +319,22 @@ def expert_outputs(
     # group `local`, which no matmul covers (ragged_dot leaves such rows zero; masked anyway).
     order, positions, sizes = bj.group_order(jnp.where(held, flat, local), local + 1)
     sorted_rows = _SortedRows(order, positions, sizes[:local], jnp.where(held, flat, 0), top_k)
-    weights = (gate, up, down)
-    grouped = functools.partial(_grouped_expert_outputs, x, sorted_rows, weights, fallback)
-    if impl is GroupedMatmulImpl.PADDED_BATCHED:
-        share = tokens * top_k / local if even_share is None else even_share
-        buckets = capacity_buckets(share, tokens * top_k)
-        branches = [
-            functools.partial(_padded_expert_outputs, x, sorted_rows, weights, capacity)
-            for capacity in buckets
-        ]
-        # The first bucket that holds the busiest expert; past the last, the grouped matmuls.
-        pick = jnp.sum(jnp.asarray(buckets, jnp.int32) < jnp.max(sorted_rows.sizes))
-        out = jax.lax.switch(pick, [*branches, grouped])
-    else:
-        out = grouped()
-    out = jnp.where(held[:, None], out, jnp.zeros_like(out))
-    return out.reshape(tokens, top_k, hidden)
+    weights = (gate_up.reshape(local, hidden, 2 * width), down)  # gate | up as one matmul
+
+    def grouped() -> jax.Array:
+        return finish(_grouped_expert_outputs(x, sorted_rows, weights, fallback))
+
+    def padded(capacity: int) -> jax.Array:
+        return finish(_padded_expert_outputs(x, sorted_rows, weights, capacity))
+
+    if impl is not GroupedMatmulImpl.PADDED_BATCHED:
+        return grouped()
+    share = tokens * top_k / local if even_share is None else even_share
+    buckets = capacity_buckets(share, tokens * top_k)
+    branches = [functools.partial(padded, capacity) for capacity in buckets]
+    # The first bucket that holds the busiest expert; past the last, the grouped matmuls.
+    pick = jnp.sum(jnp.asarray(buckets, jnp.int32) < jnp.max(sorted_rows.sizes))
+    return jax.lax.switch(pick, [*branches, grouped])
 
 
 def shared_expert(
@@ -354,8 +403,7 @@ def finalize(output: MoeOutput, dtype: jnp.dtype | None = None) -> jax.Array:
 def moe_reference(
     x: np.ndarray,
     router: np.ndarray,
-    gate: np.ndarray,
-    up: np.ndarray,
+    gate_up: np.ndarray,
     down: np.ndarray,
     *,
     top_k: int,
@@ -366,7 +414,7 @@ def moe_reference(
     """The whole MoE layer in float64 NumPy, one token at a time: the spec the tests check.
 
     Args: as `route`, `expert_outputs` and `shared_expert`, with all experts and their whole
-    width (`gate`/`up` [E, hidden, width], `down` [E, width, hidden]).
+    width (`gate_up` [E, hidden, 2, width], `down` [E, width, hidden]).
 
     Returns:
       [T, hidden] float64.
@@ -383,7 +431,8 @@ def moe_reference(
         if renormalize:
             weights = weights / weights.sum()
         for e, weight in zip(chosen, weights, strict=True):
-            g, u, d = (np.asarray(a[e], np.float64) for a in (gate, up, down))
+            g, u = np.moveaxis(np.asarray(gate_up[e], np.float64), 1, 0)
+            d = np.asarray(down[e], np.float64)
             out[t] += weight * ((silu(x[t] @ g) * (x[t] @ u)) @ d)
     if shared is not None:
         g, u, d = (np.asarray(a, np.float64) for a in shared)
@@ -443,9 +492,9 @@ class SparseMoe(nnx.Module):
 
     Attributes:
       router: [hidden, num_experts], replicated.
-      gate_proj: [num_experts, hidden, width] global; split over `expert_entry` (axis 0) and
-        `width_entry` (axis 2).
-      up_proj: As `gate_proj`.
+      gate_up_proj: [num_experts, hidden, 2, width] global, each expert's gate and up
+        projections stacked on axis 2; split over `expert_entry` (axis 0) and `width_entry`
+        (axis 3).
       down_proj: [num_experts, width, hidden] global; split over `expert_entry` (axis 0) and
         `width_entry` (axis 1).
       shared_expert: A `SharedExpert` or None.
@@ -476,9 +525,13 @@ class SparseMoe(nnx.Module):
         if shared_gated and shared_width is None:
             raise ValueError("shared_gated=True needs a shared expert; got shared_width=None")
         self.router = _param(rngs, (hidden_size, num_experts), (None, None), dtype)
-        experts = (num_experts, hidden_size, expert_width)
-        self.gate_proj = _param(rngs, experts, (expert_entry, None, width_entry), dtype)
-        self.up_proj = _param(rngs, experts, (expert_entry, None, width_entry), dtype)
+        self.gate_up_proj = _param(
+            rngs,
+            (num_experts, hidden_size, 2, expert_width),
+            (expert_entry, None, None, width_entry),
+            dtype,
+            fan_in=hidden_size,
+        )
         self.down_proj = _param(
             rngs, (num_experts, expert_width, hidden_size), (expert_entry, width_entry, None), dtype
         )
@@ -510,15 +563,50 @@ class SparseMoe(nnx.Module):
         outputs = expert_outputs(
             x,
             routing,
-            self.gate_proj[...],
-            self.up_proj[...],
+            self.gate_up_proj[...],
             self.down_proj[...],
-            expert_offset=expert_offset,
-            impl=self.impl,
-            even_share=x.shape[0] * self.top_k / self.router.shape[1],
+            **self._settings(x, expert_offset),
         )
         shared = None if self.shared_expert is None else self.shared_expert(x)
         return MoeOutput(expert_outputs=outputs, routing=routing, shared=shared)
+
+    def finalized(
+        self,
+        x: jax.Array,
+        *,
+        expert_offset: int | jax.Array = 0,
+        count_shared: bool | jax.Array = True,
+    ) -> jax.Array:
+        """[T, hidden] complete rows -> this rank's finalized share, owing the sum:
+        `finalize(self(x, expert_offset=...))`, combined inside the expert computation
+        (`finalized_expert_outputs`).
+
+        Args:
+          x, expert_offset: As for `__call__`.
+          count_shared: Whether this rank adds its shared-expert output (a traced bool where
+            the rank decides it, e.g. the first rank of a group that holds it whole).
+        """
+        routing = route(x, self.router[...], top_k=self.top_k, renormalize=self.renormalize)
+        shared = None
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            shared = jnp.where(count_shared, shared, jnp.zeros_like(shared))
+        return finalized_expert_outputs(
+            x,
+            routing,
+            self.gate_up_proj[...],
+            self.down_proj[...],
+            shared=shared,
+            **self._settings(x, expert_offset),
+        )
+
+    def _settings(self, x: jax.Array, expert_offset: int | jax.Array) -> dict:
+        """The grouped-matmul keywords of `expert_outputs` for rows `x` of every rank's tokens."""
+        return {
+            "expert_offset": expert_offset,
+            "impl": self.impl,
+            "even_share": x.shape[0] * self.top_k / self.router.shape[1],
+        }
 
 
 # --------------------------------------------------------------------------------------------
@@ -526,9 +614,12 @@ class SparseMoe(nnx.Module):
 # --------------------------------------------------------------------------------------------
 
 
-def _param(rngs: nnx.Rngs, shape: tuple[int, ...], spec: tuple, dtype) -> nnx.Param:
-    """N(0, 1/fan_in) weights (fan_in = the second-to-last axis), split as `spec` says."""
-    value = jax.random.normal(rngs.params(), shape, jnp.float32) / np.sqrt(shape[-2])
+def _param(
+    rngs: nnx.Rngs, shape: tuple[int, ...], spec: tuple, dtype, *, fan_in: int | None = None
+) -> nnx.Param:
+    """N(0, 1/fan_in) weights (fan_in by default the second-to-last axis), split as `spec` says."""
+    fan_in = shape[-2] if fan_in is None else fan_in
+    value = jax.random.normal(rngs.params(), shape, jnp.float32) / np.sqrt(fan_in)
     return nnx.Param(value.astype(dtype), out_sharding=PartitionSpec(*spec), eager_sharding=False)
 
 
@@ -541,27 +632,27 @@ def _check_rank(array: jax.Array, rank: int, what: str) -> None:
         raise ValueError(f"{what} must have rank {rank}; got shape {array.shape}")
 
 
-def _check_expert_weights(x, gate, up, down) -> tuple[int, int, int]:
+def _check_expert_weights(x, gate_up, down) -> tuple[int, int, int]:
     _check_rank(x, 2, "x [T, hidden]")
-    _check_rank(gate, 3, "gate [local_experts, hidden, width]")
-    local, hidden, width = gate.shape
-    if up.shape != gate.shape or down.shape != (local, width, hidden) or x.shape[1] != hidden:
+    _check_rank(gate_up, 4, "gate_up [local_experts, hidden, 2, width]")
+    local, hidden, parts, width = gate_up.shape
+    if parts != 2 or down.shape != (local, width, hidden) or x.shape[1] != hidden:
         raise ValueError(
-            "expert weights must be gate/up [local_experts, hidden, width] and down "
-            f"[local_experts, width, hidden] with hidden = x.shape[1]; got {gate.shape=}, "
-            f"{up.shape=}, {down.shape=}, {x.shape=}"
+            "expert weights must be gate_up [local_experts, hidden, 2, width] and down "
+            f"[local_experts, width, hidden] with hidden = x.shape[1]; got {gate_up.shape=}, "
+            f"{down.shape=}, {x.shape=}"
         )
     return local, hidden, width
 
 
-def _dense_expert_outputs(x, flat, held, gate, up, down) -> jax.Array:
+def _dense_expert_outputs(x, flat, held, gate_up, down) -> jax.Array:
     """[T*k, hidden]: every token through every local expert, then each row's own expert."""
     hp = jax.lax.Precision.HIGHEST
-    hidden_all = jax.nn.silu(jnp.einsum("th,lhi->tli", x, gate, precision=hp)) * jnp.einsum(
-        "th,lhi->tli", x, up, precision=hp
-    )
-    all_out = jnp.einsum("tli,lih->tlh", hidden_all, down, precision=hp)  # [T, L, hidden]
-    local = gate.shape[0]
+    gate, up = jnp.einsum("th,lhpi->ptli", x, gate_up, precision=hp)
+    all_out = jnp.einsum(
+        "tli,lih->tlh", jax.nn.silu(gate) * up, down, precision=hp
+    )  # [T, L, hidden]
+    local = gate_up.shape[0]
     top_k = flat.shape[0] // x.shape[0]
     mask = (flat[:, None] == jnp.arange(local)[None, :]) & held[:, None]  # [T*k, L]
     per_row = jnp.repeat(all_out, top_k, axis=0)  # row t*k + j is token t
@@ -591,10 +682,10 @@ class _SortedRows:
 def _grouped_expert_outputs(x, rows: _SortedRows, weights, impl) -> jax.Array:
     """[T*k, hidden] in (token, choice) order, through grouped matmuls over the sorted rows;
     rows held elsewhere come back unspecified (zero for RAGGED_DOT)."""
-    gate, up, down = weights
+    gate_up, down = weights
     sorted_x = jnp.take(x, rows.order // rows.top_k, axis=0)
     matmul = functools.partial(_grouped_matmul, group_sizes=rows.sizes, impl=impl)
-    hidden_rows = jax.nn.silu(matmul(sorted_x, gate)) * matmul(sorted_x, up)
+    hidden_rows = _swiglu(matmul(sorted_x, gate_up))
     return jnp.take(matmul(hidden_rows, down), rows.positions, axis=0)
 
 
@@ -602,8 +693,8 @@ def _padded_expert_outputs(x, rows: _SortedRows, weights, capacity: int) -> jax.
     """As `_grouped_expert_outputs`, through batched matmuls over [local experts, `capacity`,
     hidden]: expert e's rows in its first `sizes[e]` places (each at most `capacity`), the
     rest padding that no row reads back."""
-    gate, up, down = weights
-    local, hidden, _ = gate.shape
+    gate_up, down = weights
+    local, hidden, _ = gate_up.shape
     routed = rows.order.shape[0]
     starts = jnp.cumsum(rows.sizes) - rows.sizes
     place = jnp.arange(capacity, dtype=starts.dtype)
@@ -619,10 +710,15 @@ def _padded_expert_outputs(x, rows: _SortedRows, weights, capacity: int) -> jax.
     # Full precision keeps float32 models exact; 16-bit matmuls take XLA's default.
     full = jnp.finfo(x.dtype).bits > 16
     batched = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST if full else None)
-    g = batched("eck,ekw->ecw", padded, gate.astype(x.dtype))
-    u = batched("eck,ekw->ecw", padded, up.astype(x.dtype))
-    out = batched("ecw,ewh->ech", jax.nn.silu(g) * u, down.astype(x.dtype))
+    hidden_rows = _swiglu(batched("eck,ekn->ecn", padded, gate_up.astype(x.dtype)))
+    out = batched("ecw,ewh->ech", hidden_rows, down.astype(x.dtype))
     return jnp.take(out.reshape(local * capacity, hidden), slot, axis=0)
+
+
+def _swiglu(gate_up: jax.Array) -> jax.Array:
+    """[..., 2 x width] gate | up matmul output -> [..., width] `silu(gate) * up`."""
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    return jax.nn.silu(gate) * up
 
 
 def _grouped_matmul(

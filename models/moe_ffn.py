@@ -93,16 +93,20 @@ class MoeFfn(SparseMoe):
     def __call__(self, x: jax.Array, *, defer: bool) -> jax.Array | bj.DeferredFinalize:
         """[T, hidden] normalized rows -> this rank's output: finalized, or a `DeferredFinalize`
         when `defer` (the exit's `defer_moe_finalize`)."""
+        count_shared = True
+        if self.shared_on_first_rank:
+            count_shared = bj.ops.shard_index(self.topology, bj.SumGroup.MOE_OUTPUT) == 0
         if self.dispatch is bj.MoeDispatch.ALL_TO_ALL:
             output = self._own_rows(x)
         else:
-            local = self.gate_proj.shape[0]
+            local = self.gate_up_proj.shape[0]
             offset = bj.ops.shard_index(self.topology, bj.SumGroup.MOE_EP) * local
+            if not defer:  # combined where the experts run (SparseMoe.finalized)
+                return self.finalized(x, expert_offset=offset, count_shared=count_shared)
             output = super().__call__(x, expert_offset=offset)
         shared = output.shared
-        if self.shared_on_first_rank:
-            first = bj.ops.shard_index(self.topology, bj.SumGroup.MOE_OUTPUT) == 0
-            shared = jnp.where(first, shared, jnp.zeros_like(shared))
+        if shared is not None:
+            shared = jnp.where(count_shared, shared, jnp.zeros_like(shared))
         if not defer:
             return finalize(MoeOutput(output.expert_outputs, output.routing, shared))
         outputs, weights = output.expert_outputs, output.routing.weights
@@ -115,7 +119,7 @@ class MoeFfn(SparseMoe):
         """Routes this rank's own rows, sends each choice to its expert's rank and back."""
         routing = route(x, self.router[...], top_k=self.top_k, renormalize=self.renormalize)
         tokens, top_k = routing.experts.shape
-        local = self.gate_proj.shape[0]
+        local = self.gate_up_proj.shape[0]
         chosen = routing.experts.reshape(-1)
         dispatched = bj.ops.dispatch_to_experts(
             jnp.repeat(x, top_k, axis=0),
@@ -129,8 +133,7 @@ class MoeFfn(SparseMoe):
         answers = expert_outputs(  # each received row is one choice of its tagged local expert
             dispatched.rows,
             Routing(jnp.ones((received, 1), jnp.float32), dispatched.tags[:, None]),
-            self.gate_proj[...],
-            self.up_proj[...],
+            self.gate_up_proj[...],
             self.down_proj[...],
             impl=self.impl,
             # Each EP rank sends T * k rows, spread evenly over all experts; the width group's

@@ -70,6 +70,31 @@ def test_stacked_experts_shards_equal_safetensors(name, pattern, experts, spec, 
     assert len({want[e].tobytes() for e in range(experts)}) == experts
 
 
+GATE_UP_CASES = [
+    # (checkpoint, one layer's expert tensor pattern, its parts, experts)
+    ("qwen3_moe", "model.layers.2.mlp.experts.{expert}.{part}_proj.weight", ("gate", "up"), 16),
+    ("mixtral", "model.layers.1.block_sparse_moe.experts.{expert}.{part}.weight", ("w1", "w3"), 8),
+]
+
+
+@pytest.mark.parametrize("spec", [P(TP, None, None, DP), P((DP, TP)), P(None, None, None, TP)])
+@pytest.mark.parametrize("name,pattern,parts,experts", GATE_UP_CASES)
+def test_stacked_gate_up_of_experts_equal_safetensors(name, pattern, parts, experts, spec):
+    """gate_up [experts, in, 2, out]: part p of expert e is the HF tensor of that part and
+    expert, transposed, each device holding its block of experts and of the width."""
+    mesh = make_mesh(2, 4)
+    want = np.stack(
+        [stacked(name, pattern.replace("{part}", part), experts) for part in parts], axis=2
+    )
+    source = HFTensor(pattern, transpose=True, experts=experts, parts=parts, part_axis=2)
+    array = load_tensor(GOLDEN / name, source, want.shape, mesh, spec, jnp.float32)
+    assert array.sharding == NamedSharding(mesh, spec)
+    for shard in array.addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), want[shard.index])
+    assert np.abs(want[:, :, 0] - want[:, :, 1]).max() > 1e-3  # gate and up differ
+    assert source.tensor_names()[experts] == pattern.format(expert=0, part=parts[1])
+
+
 def test_devices_read_only_their_experts(monkeypatch):
     """With 16 experts over 4 ranks and the width over 2, every read is one expert's half-width
     block: no device reads an expert outside its block, nor a whole expert it splits."""
@@ -82,12 +107,16 @@ def test_devices_read_only_their_experts(monkeypatch):
         return block
 
     monkeypatch.setattr(checkpoint._Checkpoint, "read", recording_read)
-    pattern = "model.layers.0.mlp.experts.{expert}.gate_proj.weight"
-    source = HFTensor(pattern, transpose=True, experts=16)
-    load_tensor(GOLDEN / "qwen3_moe", source, (16, 64, 16), make_mesh(2, 4), P(TP, None, DP), "f4")
+    pattern = "model.layers.0.mlp.experts.{expert}.{part}_proj.weight"
+    source = HFTensor(pattern, transpose=True, experts=16, parts=("gate", "up"), part_axis=2)
+    mesh, spec = make_mesh(2, 4), P(TP, None, None, DP)
+    load_tensor(GOLDEN / "qwen3_moe", source, (16, 64, 2, 16), mesh, spec, "f4")
     # Stored [out=16, in=64]: each read is 8 of the 16 output rows, all 64 inputs.
     assert sorted(reads) == sorted(
-        (pattern.format(expert=e), (8, 64)) for e in range(16) for _ in "ab"
+        (pattern.format(expert=e, part=part), (8, 64))
+        for e in range(16)
+        for part in ("gate", "up")
+        for _ in "ab"
     )
 
 
@@ -95,8 +124,12 @@ def test_name_map_of_moe_decoders():
     """Sparse layers map to SparseMoe's stacked parameters, dense ones to the MLP; biases and the
     shared expert appear where the architecture has them."""
     qwen3 = hf_name_map(load_config(GOLDEN / "qwen3_moe"))
-    assert qwen3["layers.0.mlp.gate_proj"] == HFTensor(
-        "model.layers.0.mlp.experts.{expert}.gate_proj.weight", transpose=True, experts=16
+    assert qwen3["layers.0.mlp.gate_up_proj"] == HFTensor(
+        "model.layers.0.mlp.experts.{expert}.{part}.weight",
+        transpose=True,
+        experts=16,
+        parts=("gate_proj", "up_proj"),
+        part_axis=2,
     )
     assert qwen3["layers.2.mlp.router"] == HFTensor(
         "model.layers.2.mlp.gate.weight", transpose=True
@@ -112,7 +145,10 @@ def test_name_map_of_moe_decoders():
     assert mixtral["layers.1.mlp.down_proj"].name == (
         "model.layers.1.block_sparse_moe.experts.{expert}.w2.weight"
     )
-    assert mixtral["layers.1.mlp.up_proj"].name.endswith(".w3.weight")
+    assert mixtral["layers.1.mlp.gate_up_proj"].tensor_names()[8:10] == (
+        "model.layers.1.block_sparse_moe.experts.0.w3.weight",
+        "model.layers.1.block_sparse_moe.experts.1.w3.weight",
+    )
     assert mixtral["layers.0.mlp.router"].name == "model.layers.0.block_sparse_moe.gate.weight"
 
     qwen2_moe = hf_name_map(load_config(GOLDEN / "qwen2_moe"))
@@ -188,10 +224,12 @@ def test_load_params_fills_sparse_moe(name):
         if source.experts is None:
             continue
         want = np.stack([found[t].T for t in source.tensor_names()])
+        if source.parts is not None:  # part-major names; the parts axis is 2
+            want = np.stack(np.split(want, len(source.parts)), axis=2)
         for shard in variable.get_value().addressable_shards:
             np.testing.assert_array_equal(np.asarray(shard.data), want[shard.index])
         checked += 1
-    assert checked == 3 * sum(config.sparse_layers)
+    assert checked == 2 * sum(config.sparse_layers)
 
 
 def test_missing_and_misshaped_expert_named(tmp_path):
@@ -236,8 +274,10 @@ def test_hf_tensor_validates_stacking():
         HFTensor("x.{part}.w", parts=("k", "v"))
     with pytest.raises(ValueError, match="a {part} field in its name"):
         HFTensor("x.k.w", parts=("k", "v"), part_axis=1)
-    with pytest.raises(ValueError, match="neither experts nor a padded axis"):
-        HFTensor("x.{part}.{expert}.w", parts=("k",), part_axis=1, experts=2)
+    with pytest.raises(ValueError, match="stacked parts take no padded axis"):
+        HFTensor("x.{part}.w", parts=("k",), part_axis=1, padded_axis=0)
+    gate_up = HFTensor("x.{expert}.{part}.w", experts=2, parts=("g", "u"), part_axis=2)
+    assert gate_up.tensor_names() == ("x.0.g.w", "x.1.g.w", "x.0.u.w", "x.1.u.w")
     kv = HFTensor("x.{part}.w", parts=("k", "v"), part_axis=1)
     assert kv.tensor_names() == ("x.k.w", "x.v.w")
 
@@ -276,8 +316,7 @@ def test_loaded_experts_feed_moe_functions():
     params = {}
     for part in (
         "router",
-        "gate_proj",
-        "up_proj",
+        "gate_up_proj",
         "down_proj",
         "shared_expert.gate_proj",
         "shared_expert.up_proj",
@@ -287,6 +326,8 @@ def test_loaded_experts_feed_moe_functions():
         source = sources[f"layers.2.mlp.{part}"]
         one = found[source.tensor_names()[0]]
         shape = one.shape[::-1] if source.experts is None else (source.experts, *one.shape[::-1])
+        if source.parts is not None:
+            shape = (*shape[:2], len(source.parts), *shape[2:])
         spec = P(TP) if source.experts is not None else P()
         loaded = load_tensor(GOLDEN / "qwen2_moe", source, shape, mesh, spec, jnp.float32)
         # On the host from here: models.moe runs inside shard_map, on local arrays.
@@ -302,10 +343,7 @@ def test_loaded_experts_feed_moe_functions():
             moe.expert_outputs(
                 x,
                 routing,
-                *(
-                    params[p][r * local : (r + 1) * local]
-                    for p in ("gate_proj", "up_proj", "down_proj")
-                ),
+                *(params[p][r * local : (r + 1) * local] for p in ("gate_up_proj", "down_proj")),
                 expert_offset=r * local,
             )
             for r in range(4)

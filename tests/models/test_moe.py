@@ -34,6 +34,11 @@ class Layer:
     shared: tuple[np.ndarray, np.ndarray, np.ndarray]
     shared_gate: np.ndarray  # [hidden, 1]
 
+    @property
+    def gate_up(self) -> np.ndarray:
+        """[E, hidden, 2, width]: gate and up stacked as the module stores them."""
+        return np.stack([self.gate, self.up], axis=2)
+
 
 @functools.cache
 def make_layer(experts: int, width: int = 8, seed: int = 0) -> Layer:
@@ -86,8 +91,8 @@ def jit_route(x, router, *, top_k, renormalize):
 
 
 @functools.partial(jax.jit, static_argnames=("impl",))
-def jit_expert_outputs(x, routing, gate, up, down, offset, *, impl):
-    return moe.expert_outputs(x, routing, gate, up, down, expert_offset=offset, impl=impl)
+def jit_expert_outputs(x, routing, gate_up, down, offset, *, impl):
+    return moe.expert_outputs(x, routing, gate_up, down, expert_offset=offset, impl=impl)
 
 
 def routing_of(weights, experts) -> Routing:
@@ -139,8 +144,7 @@ def test_block_outputs_equal_per_token_loop(experts, top_k, offset, local, impl)
         got = jit_expert_outputs(
             layer.x,
             routing_of(weights, chosen),
-            layer.gate[block],
-            layer.up[block],
+            layer.gate_up[block],
             layer.down[block],
             jnp.int32(offset),
             impl=impl,
@@ -161,8 +165,7 @@ def test_width_slices_sum_to_whole_expert(impl):
             jit_expert_outputs(
                 layer.x,
                 routing_of(weights, chosen),
-                layer.gate[2:6, :, cols],
-                layer.up[2:6, :, cols],
+                layer.gate_up[2:6, ..., cols],
                 layer.down[2:6, cols],
                 jnp.int32(2),
                 impl=impl,
@@ -196,8 +199,7 @@ def rank_outputs(layer, routing, ranks, widths, impl, shared):
             out = jit_expert_outputs(
                 layer.x,
                 routing,
-                layer.gate[block, :, sl],
-                layer.up[block, :, sl],
+                layer.gate_up[block, ..., sl],
                 layer.down[block, sl],
                 jnp.int32(r * local),
                 impl=impl,
@@ -229,8 +231,7 @@ def test_rank_partials_sum_to_reference(experts, top_k, ranks, widths, renormali
     reference = moe.moe_reference(
         layer.x,
         layer.router,
-        layer.gate,
-        layer.up,
+        layer.gate_up,
         layer.down,
         **kwargs,
         shared=layer.shared if shared else None,
@@ -262,8 +263,7 @@ def test_rank_partials_sum_to_reference(experts, top_k, ranks, widths, renormali
     flipped = moe.moe_reference(
         layer.x,
         layer.router,
-        layer.gate,
-        layer.up,
+        layer.gate_up,
         layer.down,
         top_k=top_k,
         renormalize=not renormalize,
@@ -284,7 +284,7 @@ def test_finalize_float32_and_bf16():
     out = jit_expert_outputs(
         jnp.asarray(layer.x, jnp.bfloat16),
         routing,
-        *(jnp.asarray(a, jnp.bfloat16) for a in (layer.gate, layer.up, layer.down)),
+        *(jnp.asarray(a, jnp.bfloat16) for a in (layer.gate_up, layer.down)),
         jnp.int32(0),
         impl=GroupedMatmulImpl.RAGGED_DOT,
     )
@@ -293,7 +293,7 @@ def test_finalize_float32_and_bf16():
     assert moe.finalize(output).dtype == jnp.bfloat16
     got = moe.finalize(output, jnp.float32)
     want = moe.moe_reference(
-        layer.x, layer.router, layer.gate, layer.up, layer.down, top_k=2, renormalize=True
+        layer.x, layer.router, layer.gate_up, layer.down, top_k=2, renormalize=True
     )
     chex.assert_trees_all_close(np.asarray(got), want.astype(np.float32), atol=5e-2)
 
@@ -320,12 +320,12 @@ def test_module_under_shard_map(dp, tp, shared):
         rngs=nnx.Rngs(3),
     )
     spec = nnx.get_partition_spec(nnx.state(module))
-    assert spec.gate_proj.get_value() == P(EXPERT_AXIS, None, WIDTH_AXIS)
+    assert spec.gate_up_proj.get_value() == P(EXPERT_AXIS, None, None, WIDTH_AXIS)
     assert spec.down_proj.get_value() == P(EXPERT_AXIS, WIDTH_AXIS, None)
     x = jax.random.normal(jax.random.key(1), (TOKENS, HIDDEN), jnp.float32)
 
     def body(module, x):
-        local = module.gate_proj.shape[0]
+        local = module.gate_up_proj.shape[0]
         offset = lax.axis_index(EXPERT_AXIS) * local
         output = module(x, expert_offset=offset)
         if output.shared is not None:  # the test owns the rule: count the shared expert once
@@ -343,8 +343,7 @@ def test_module_under_shard_map(dp, tp, shared):
     want = moe.moe_reference(
         np.asarray(x),
         weights["router"],
-        weights["gate_proj"],
-        weights["up_proj"],
+        weights["gate_up_proj"],
         weights["down_proj"],
         top_k=2,
         renormalize=not shared,
@@ -364,9 +363,11 @@ def test_rejects_bad_shapes_and_settings():
     layer = make_layer(8)
     x = jnp.asarray(layer.x, jnp.float32)
     routing = jit_route(x, jnp.asarray(layer.router, jnp.float32), top_k=2, renormalize=True)
-    gate = jnp.asarray(layer.gate, jnp.float32)
+    gate_up = jnp.asarray(layer.gate_up, jnp.float32)
     with pytest.raises(ValueError, match="down \\[local_experts, width, hidden\\]"):
-        moe.expert_outputs(x, routing, gate, gate, gate)
+        moe.expert_outputs(x, routing, gate_up, gate_up[:, :, 0])
+    with pytest.raises(ValueError, match="gate_up \\[local_experts, hidden, 2, width\\]"):
+        moe.expert_outputs(x, routing, gate_up[:, :, 0], jnp.asarray(layer.down))
     with pytest.raises(ValueError, match="top_k must be in"):
         moe.route(x, jnp.asarray(layer.router), top_k=9, renormalize=True)
     with pytest.raises(ValueError, match="router must be"):
@@ -431,13 +432,39 @@ def test_padded_batched_takes_the_first_bucket_that_fits(monkeypatch, busiest_lo
         got = moe.expert_outputs(
             jnp.asarray(layer.x),
             routing_of(weights, chosen),
-            layer.gate,
-            layer.up,
+            layer.gate_up,
             layer.down,
             impl=GroupedMatmulImpl.PADDED_BATCHED,
         )
         want = loop_outputs(layer, chosen, 0, 8)
         np.testing.assert_allclose(np.asarray(got), want, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("impl", GROUPED, ids=lambda i: i.name)
+@pytest.mark.parametrize("busiest_load", [8, 16, 17], ids=["bucket 8", "bucket 16", "grouped"])
+@pytest.mark.parametrize("offset,local", [(0, 8), (0, 4)])
+def test_finalized_expert_outputs_equal_the_weighted_loop(impl, busiest_load, offset, local):
+    """finalized_expert_outputs is the weighted sum of the block's per-choice outputs plus the
+    shared share, through every PADDED_BATCHED branch (each bucket and the grouped fallback)."""
+    layer = make_layer(8)
+    weights, chosen = skewed_routing(busiest_load)
+    weights = weights * np.linspace(0.5, 1.5, TOKENS)[:, None]  # no two tokens weighted alike
+    shared = np.tanh(layer.x)  # any [T, hidden] share
+    block = slice(offset, offset + local)
+    with jax.enable_x64(True):
+        got = moe.finalized_expert_outputs(
+            jnp.asarray(layer.x),
+            routing_of(weights, chosen),
+            layer.gate_up[block],
+            layer.down[block],
+            shared=jnp.asarray(shared),
+            expert_offset=offset,
+            impl=impl,
+        )
+    want = np.einsum("tk,tkh->th", weights, loop_outputs(layer, chosen, offset, local)) + shared
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-12, rtol=1e-12)
+    unweighted = loop_outputs(layer, chosen, offset, local).sum(1) + shared
+    assert np.abs(unweighted - want).max() > 1e-2  # the weights matter
 
 
 def test_default_impl_per_platform():
@@ -460,11 +487,11 @@ def test_pallas_gpu_matches_ragged_dot():  # pragma: no cover - GPU only
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((256, 128)), jnp.bfloat16)
     router = jnp.asarray(rng.standard_normal((128, 16)), jnp.bfloat16)
-    gate, up = (jnp.asarray(rng.standard_normal((4, 128, 128)) / 11, jnp.bfloat16) for _ in "gu")
+    gate_up = jnp.asarray(rng.standard_normal((4, 128, 2, 128)) / 11, jnp.bfloat16)
     down = jnp.asarray(rng.standard_normal((4, 128, 128)) / 11, jnp.bfloat16)
     routing = moe.route(x, router, top_k=4, renormalize=True)
     outs = [
-        jit_expert_outputs(x, routing, gate, up, down, jnp.int32(4), impl=impl)
+        jit_expert_outputs(x, routing, gate_up, down, jnp.int32(4), impl=impl)
         for impl in (GroupedMatmulImpl.RAGGED_DOT, GroupedMatmulImpl.PALLAS_GPU)
     ]
     chex.assert_trees_all_close(*(o.astype(jnp.float32) for o in outs), atol=5e-2)
@@ -477,7 +504,7 @@ def test_gpu_by_size_prefill_matches_ragged_dot(skewed):  # pragma: no cover - G
     to a bucket, or past the buckets the Hopper kernel) equals lax.ragged_dot (bf16)."""
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.standard_normal((512, 128)), jnp.bfloat16)
-    gate, up = (jnp.asarray(rng.standard_normal((16, 128, 128)) / 11, jnp.bfloat16) for _ in "gu")
+    gate_up = jnp.asarray(rng.standard_normal((16, 128, 2, 128)) / 11, jnp.bfloat16)
     down = jnp.asarray(rng.standard_normal((16, 128, 128)) / 11, jnp.bfloat16)
     if skewed:  # expert 0 in every token's choices: 512 rows, past the buckets (320, 384)
         others = [1 + rng.permutation(15)[:7] for _ in range(512)]
@@ -486,7 +513,7 @@ def test_gpu_by_size_prefill_matches_ragged_dot(skewed):  # pragma: no cover - G
         chosen = np.stack([rng.permutation(16)[:8] for _ in range(512)]).astype(np.int32)
     routing = routing_of(np.full((512, 8), 1 / 8), chosen)
     outs = [
-        jit_expert_outputs(x, routing, gate, up, down, jnp.int32(0), impl=impl)
+        jit_expert_outputs(x, routing, gate_up, down, jnp.int32(0), impl=impl)
         for impl in (GroupedMatmulImpl.RAGGED_DOT, GroupedMatmulImpl.GPU_BY_SIZE)
     ]
     chex.assert_trees_all_close(*(o.astype(jnp.float32) for o in outs), atol=5e-2)

@@ -199,8 +199,7 @@ def layer_reference(module: MoeFfn, x: np.ndarray) -> np.ndarray:
     return moe.moe_reference(
         x,
         np.asarray(module.router[...]),
-        np.asarray(module.gate_proj[...]),
-        np.asarray(module.up_proj[...]),
+        np.asarray(module.gate_up_proj[...]),
         np.asarray(module.down_proj[...]),
         top_k=LAYER_MOE.top_k,
         renormalize=LAYER_MOE.renormalize,
@@ -255,8 +254,8 @@ def test_moe_ffn_spreads_experts_over_ranks():
     """Each EP rank holds its own block of experts; routing is not trivial (every rank's
     experts are chosen, by tokens on different ranks)."""
     module, _ = layer_case(2, 4, 8, ALL_TO_ALL)
-    assert nnx.get_partition_spec(nnx.state(module)).gate_proj.get_value() == P(
-        ("attn_dp", "attn_tp"), None, None
+    assert nnx.get_partition_spec(nnx.state(module)).gate_up_proj.get_value() == P(
+        ("attn_dp", "attn_tp"), None, None, None
     )
     routing = moe.route(TOKENS_IN, module.router[...], top_k=3, renormalize=False)
     chosen = np.asarray(routing.experts)  # 8 experts over 8 ranks: expert e lives on rank e

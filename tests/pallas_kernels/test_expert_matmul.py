@@ -64,11 +64,11 @@ def test_pallas_triton_layer_matches_ragged_dot_on_gpu():  # pragma: no cover - 
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((24, 256)), jnp.bfloat16)
     router = jnp.asarray(rng.standard_normal((256, 16)), jnp.bfloat16)
-    gate, up = (jnp.asarray(rng.standard_normal((16, 256, 128)) / 16, jnp.bfloat16) for _ in "gu")
+    gate_up = jnp.asarray(rng.standard_normal((16, 256, 2, 128)) / 16, jnp.bfloat16)
     down = jnp.asarray(rng.standard_normal((16, 128, 256)) / 11, jnp.bfloat16)
     routing = moe.route(x, router, top_k=4, renormalize=True)
     outs = [
-        jax.jit(moe.expert_outputs, static_argnames="impl")(x, routing, gate, up, down, impl=impl)
+        jax.jit(moe.expert_outputs, static_argnames="impl")(x, routing, gate_up, down, impl=impl)
         for impl in (moe.GroupedMatmulImpl.RAGGED_DOT, moe.GroupedMatmulImpl.PALLAS_TRITON)
     ]
     want, got = (np.asarray(o, np.float32) for o in outs)
@@ -135,18 +135,18 @@ def test_gpu_by_size_pads_prefill_layers_and_falls_back_to_the_hopper_kernel(mon
     monkeypatch.setattr(moe, "_ragged_dot_mgpu", type("Mosaic", (), {"ragged_dot": hopper}))
     monkeypatch.setattr(moe, "_padded_expert_outputs", record_padded)
     rng = np.random.default_rng(0)
-    gate, up, down = (
-        jnp.asarray(rng.standard_normal((4, 128, 128)) / 11, jnp.bfloat16) for _ in range(3)
-    )
+    gate_up = jnp.asarray(rng.standard_normal((4, 128, 2, 128)) / 11, jnp.bfloat16)
+    down = jnp.asarray(rng.standard_normal((4, 128, 128)) / 11, jnp.bfloat16)
     for tokens in (4, moe.TRITON_MAX_ROUTED_ROWS // 2 + 4):  # top-2: 8 and 2056 rows
         x = jnp.asarray(rng.standard_normal((tokens, 128)), jnp.bfloat16)
         chosen = np.stack([rng.permutation(4)[:2] for _ in range(tokens)]).astype(np.int32)
         routing = moe.Routing(jnp.full((tokens, 2), 0.5), jnp.asarray(chosen))
-        got = moe.expert_outputs(x, routing, gate, up, down, impl=moe.GroupedMatmulImpl.GPU_BY_SIZE)
-        want = moe.expert_outputs(x, routing, gate, up, down, impl=moe.GroupedMatmulImpl.RAGGED_DOT)
+        got = moe.expert_outputs(x, routing, gate_up, down, impl=moe.GroupedMatmulImpl.GPU_BY_SIZE)
+        want = moe.expert_outputs(x, routing, gate_up, down, impl=moe.GroupedMatmulImpl.RAGGED_DOT)
         chex.assert_trees_all_close(got.astype(jnp.float32), want.astype(jnp.float32), atol=5e-2)
     # 2056 rows over 4 experts: an even share of 514, buckets of 1.25 and 1.5 times it.
-    assert ran == ["triton"] * 3 + ["padded 704", "padded 832"] + ["hopper"] * 3
+    # Two grouped matmuls per path: gate | up as one, then down.
+    assert ran == ["triton"] * 2 + ["padded 704", "padded 832"] + ["hopper"] * 2
 
 
 def test_pallas_experts_turn_the_varying_axes_check_off():
