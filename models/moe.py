@@ -551,13 +551,21 @@ class SparseMoe(nnx.Module):
         self.renormalize = renormalize
         self.impl = impl
 
-    def __call__(self, x: jax.Array, *, expert_offset: int | jax.Array = 0) -> MoeOutput:
+    def __call__(
+        self,
+        x: jax.Array,
+        *,
+        expert_offset: int | jax.Array = 0,
+        count_shared: bool | jax.Array = True,
+    ) -> MoeOutput:
         """[T, hidden] complete rows -> this rank's `MoeOutput` (unfinalized, owing the sum).
 
         Args:
           x: [T, hidden] token rows, the same on every rank that splits these experts.
           expert_offset: Global id of this rank's first local expert (0 when the experts are
             not split); the caller computes it, e.g. `axis_index * local_experts`.
+          count_shared: Whether this rank adds its shared-expert output (a traced bool where
+            the rank decides it, e.g. the first rank of a group that holds it whole).
         """
         routing = route(x, self.router[...], top_k=self.top_k, renormalize=self.renormalize)
         outputs = expert_outputs(
@@ -567,8 +575,7 @@ class SparseMoe(nnx.Module):
             self.down_proj[...],
             **self._settings(x, expert_offset),
         )
-        shared = None if self.shared_expert is None else self.shared_expert(x)
-        return MoeOutput(expert_outputs=outputs, routing=routing, shared=shared)
+        return MoeOutput(outputs, routing, self._shared(x, count_shared))
 
     def finalized(
         self,
@@ -582,23 +589,24 @@ class SparseMoe(nnx.Module):
         (`finalized_expert_outputs`).
 
         Args:
-          x, expert_offset: As for `__call__`.
-          count_shared: Whether this rank adds its shared-expert output (a traced bool where
-            the rank decides it, e.g. the first rank of a group that holds it whole).
+          x, expert_offset, count_shared: As for `__call__`.
         """
         routing = route(x, self.router[...], top_k=self.top_k, renormalize=self.renormalize)
-        shared = None
-        if self.shared_expert is not None:
-            shared = self.shared_expert(x)
-            shared = jnp.where(count_shared, shared, jnp.zeros_like(shared))
         return finalized_expert_outputs(
             x,
             routing,
             self.gate_up_proj[...],
             self.down_proj[...],
-            shared=shared,
+            shared=self._shared(x, count_shared),
             **self._settings(x, expert_offset),
         )
+
+    def _shared(self, x: jax.Array, count_shared: bool | jax.Array) -> jax.Array | None:
+        """The shared expert's share of rows `x`, zero on a rank that does not count it."""
+        if self.shared_expert is None:
+            return None
+        shared = self.shared_expert(x)
+        return jnp.where(count_shared, shared, jnp.zeros_like(shared))
 
     def _settings(self, x: jax.Array, expert_offset: int | jax.Array) -> dict:
         """The grouped-matmul keywords of `expert_outputs` for rows `x` of every rank's tokens."""

@@ -103,12 +103,10 @@ class MoeFfn(SparseMoe):
             offset = bj.ops.shard_index(self.topology, bj.SumGroup.MOE_EP) * local
             if not defer:  # combined where the experts run (SparseMoe.finalized)
                 return self.finalized(x, expert_offset=offset, count_shared=count_shared)
-            output = super().__call__(x, expert_offset=offset)
+            output = super().__call__(x, expert_offset=offset, count_shared=count_shared)
         shared = output.shared
-        if shared is not None:
-            shared = jnp.where(count_shared, shared, jnp.zeros_like(shared))
         if not defer:
-            return finalize(MoeOutput(output.expert_outputs, output.routing, shared))
+            return finalize(output)
         outputs, weights = output.expert_outputs, output.routing.weights
         if shared is not None:  # the shared expert as one more choice of weight one
             outputs = jnp.concatenate([outputs, shared[:, None]], axis=1)
