@@ -31,7 +31,8 @@ import numpy as np
 
 import boundary_jax as bj
 from boundary_jax.fusions import AddRmsNorm, FusionProvider, platform_fusions
-from models.runtime import ShardedCausalLM, build_model, load_model
+from models.build import build_model, load_model
+from models.serving.runtime import ShardedCausalLM
 
 from .common import LLAMA3_8B, header
 

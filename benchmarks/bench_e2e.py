@@ -45,11 +45,12 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 import boundary_jax as bj
-from models.attention import AttentionImpl, KVCache, decode_attention_cudnn
+from models.build import build_model
 from models.config import DecoderConfig
-from models.rope import apply_rope, rope_inv_freq
+from models.layers.attention import AttentionImpl, KVCache, decode_attention_cudnn
+from models.layers.rope import apply_rope, rope_inv_freq
 from models.rows import RowsPhase, TokenRows, pack_sequences
-from models.runtime import ShardedCausalLM, build_model
+from models.serving.runtime import ShardedCausalLM
 from pallas_kernels import Impl
 
 from .common import LLAMA3_8B, header, print_table

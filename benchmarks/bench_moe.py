@@ -41,7 +41,7 @@ import numpy as np
 
 import boundary_jax as bj
 from benchmarks.common import header, kernel_ms, print_table, relative_error, wall_ms
-from models import moe
+from models.layers import moe
 from pallas_kernels import Impl, moe_finalize_add_rms_norm, moe_finalize_add_rms_norm_reference
 from pallas_kernels.expert_matmul import ExpertMatmulBlocks
 

@@ -33,10 +33,10 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 import boundary_jax as bj
-from models.attention import AttentionImpl
+from models.build import build_model
 from models.config import PRESETS, DecoderConfig
-from models.runtime import build_model
-from models.train import TrainConfig, Trainer, state_shardings
+from models.layers.attention import AttentionImpl
+from models.training.trainer import TrainConfig, Trainer, state_shardings
 
 from .bench_e2e import _causal_jnp, _mlp, _qkv, _rewrap, _rms, auto_mesh, split_part
 from .common import LLAMA3_8B, header, print_table

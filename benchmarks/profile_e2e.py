@@ -25,10 +25,11 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 import boundary_jax as bj
-from models.attention import AttentionImpl, KVCache
+from models.build import build_model
+from models.layers.attention import AttentionImpl, KVCache
 from models.rows import pack_sequences
-from models.runtime import ShardedCausalLM, build_model
-from models.sampling import GREEDY
+from models.serving.runtime import ShardedCausalLM
+from models.serving.sampling import GREEDY
 
 from .bench_e2e import LLAMA3_8B, _decode_inputs, auto_mesh, baseline_params, make_baseline
 

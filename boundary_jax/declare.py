@@ -12,16 +12,47 @@ import dataclasses
 import enum
 from collections.abc import Callable
 
-from .contracts import EdgeKind, ProducerReduction, StageKind
-from .layout import SumGroup
-from .residual.add_norm import AddNormRead, PlainAdd
-from .residual.protocols import (
+from .designs.add_norm import AddNormRead, PlainAdd
+from .designs.protocols import (
     DesignFacts,
     ResidualReadout,
     ResidualUpdate,
     read_facts,
     update_facts,
 )
+from .layout import SumGroup
+
+
+class StageKind(enum.Enum):
+    """What a stage computes: a token mixer (attention, SSM) or an FFN (dense or sparse)."""
+
+    ATTN = "attention"
+    FFN = "ffn"
+
+
+class EdgeKind(enum.Enum):
+    """How a stage is joined to what comes before or after it."""
+
+    STACK_ENTRY = "stack entry"
+    NEXT_STAGE = "next stage"
+    STACK_EXIT = "stack exit into the final read"
+    PIPELINE_SEND = "pipeline send"
+    PIPELINE_RECEIVE = "pipeline receive"
+
+
+class ProducerReduction(enum.Enum):
+    """How a stage's compute cooperates with the sum its output owes.
+
+    ALWAYS_PARTIAL: compute always returns an unreduced contribution; the next stage's input
+      completes it. Attention only (the `declare_attn()` default).
+    EXIT_SCOPED: the stage's exit decides, before compute, whether the sum completes at the exit,
+      in a reduce-scatter on the way back, or at the next input. Every FFN; a mixer with
+      `declare_attn(reduction=EXIT_SCOPED)`.
+    """
+
+    ALWAYS_PARTIAL = "ALWAYS_PARTIAL"
+    EXIT_SCOPED = "EXIT_SCOPED"
+
 
 OutputTransform = Callable  # a pure function of the value, or an nnx.Module applied to it
 
@@ -132,11 +163,11 @@ class StackInput:
     """The producer at a stack entry: the raw stack input (e.g. an embedding).
 
     Attributes:
-      owed: The sum the input still owes when it reaches the first stage (a vocab-parallel
-        embedding owes `SumGroup.ATTN_TP`); None when it is complete.
+      sum_group: The sum the input still owes when it reaches the first stage (a
+        vocab-parallel embedding owes `SumGroup.ATTN_TP`); None when it is complete.
     """
 
-    owed: SumGroup | None = None
+    sum_group: SumGroup | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,8 +1,9 @@
-"""Counts the collectives in a compiled program, by kind and by layer, with their bytes.
+"""Plans and compiled programs described, in one place: what each bound path runs, in words,
+and the collectives a compiled program runs, by kind and by layer, with their bytes.
 
-The counts come from the compiled HLO text, after XLA's own passes, so they are what runs. A
-collective belongs to the innermost `jax.named_scope` whose name matches `layer_<index>` in its
-op metadata (the models wrap each decoder layer in one); the rest belong to no layer. A
+The collective counts come from the compiled HLO text, after XLA's own passes, so they are what
+runs. A collective belongs to the innermost `jax.named_scope` whose name matches `layer_<index>`
+in its op metadata (the models wrap each decoder layer in one); the rest belong to no layer. A
 collective in the body of a scanned run of layers (`boundary_jax.scan.StackedLayers`, scope
 `layers_<start>_<stop>`) runs once per layer of the run, and is counted once for each of them.
 """
@@ -16,6 +17,10 @@ import re
 from collections.abc import Callable
 
 import jax
+
+from . import ops
+from .ops import AllGather, AllReduce, Finalize, ReduceScatter, Step, TakeBlock
+from .plan import StagePath
 
 KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
 
@@ -157,3 +162,67 @@ def _start_bytes(kind: str, shape: str, size: int) -> int:
         for a in _ARRAY.finditer(shape)
     ]
     return max(arrays) if arrays else size
+
+
+def describe_steps(steps: tuple[Step, ...]) -> str:
+    """`steps` in words, e.g. "reduce-scatter over attn_dp x attn_tp, all-gather over attn_tp"."""
+
+    def over(axes):
+        return " x ".join(axis.mesh_name for axis in axes)
+
+    words = {
+        AllReduce: "all-reduce",
+        ReduceScatter: "reduce-scatter",
+        AllGather: "all-gather",
+        TakeBlock: "local slice",
+    }
+
+    def word(step: Step) -> str:
+        if isinstance(step, Finalize):
+            return "finalize"
+        return f"{words[type(step)]} over {over(step.axes)}"
+
+    return ", ".join(word(step) for step in steps) or "nothing"
+
+
+def describe_path(path: StagePath) -> dict[str, object]:
+    """A JSON-friendly account of one bound path: what each entry and exit option runs."""
+    entries = []
+    for entry in path.entries:
+        if entry.initial:
+            source = f"stack input ({entry.handoff})"
+        elif entry.handoff is None:
+            source = f"written residual on rows {entry.residual_from}"
+        else:
+            source = f"pending contribution ({entry.handoff})"
+        completion = entry.residual_move + entry.complete
+        entries.append(
+            {
+                "primary": entry.primary,
+                "from": source,
+                "completes": describe_steps(completion),
+                "fused_with_add_norm": describe_steps(ops.all_reduce(entry.fused_sum)),
+                "reads_on_rows": str(path.residual_layout),
+                "moves_input": describe_steps(entry.move_input),
+            }
+        )
+    exits = [
+        {
+            "exit": option.kind.value,
+            "runs": describe_steps(option.steps),
+            "hands_on": str(option.handoff),
+            **(
+                {"then_folds_and_moves_residual_to": str(option.fold_to.layout)}
+                if option.fold_to
+                else {}
+            ),
+        }
+        for option in path.exits
+    ]
+    return {
+        "variant": path.variant.value,
+        "residual_rows": str(path.residual_layout),
+        "compute_rows": str(path.compute_layout),
+        "entries": entries,
+        "exit_options": exits,
+    }

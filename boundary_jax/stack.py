@@ -14,15 +14,10 @@ import dataclasses
 import sys
 from collections.abc import Callable, Iterator, Mapping
 
-from .bind import (
-    StackFacts,
-    StageRows,
-    bind_stage,
-    compute_layout,
-    stage_rows,
-    supported_variants,
-)
-from .contracts import ReductionPolicy, StageKind, resolve_reduction_policy
+from flax import nnx
+
+from .bind import bind_stage
+from .check import check_plan
 from .declare import (
     Edge,
     EdgeKind,
@@ -30,12 +25,16 @@ from .declare import (
     StackInput,
     StackPlace,
     StageDeclaration,
+    StageKind,
 )
+from .designs.add_norm import AddNormRead
+from .designs.protocols import Norm, ResidualReadout, read_facts
 from .fusions import NO_FUSIONS, FusionProvider
 from .layout import BatchVariant, SumGroup, Topology
-from .residual.add_norm import AddNormRead
-from .residual.protocols import Norm, ResidualReadout, read_facts
-from .stage import StageBoundary
+from .plan import StackFacts, StageRows
+from .policy import ReductionPolicy, resolve_reduction_policy
+from .rows import compute_layout, stage_rows, supported_variants
+from .stage import Owned, StageBoundary
 
 _STAGE_OPTIONS: dict[StageKind, frozenset[str]] = {
     StageKind.ATTN: frozenset({"fusions"}),
@@ -104,6 +103,7 @@ class LayerStack:
             self.policy,
             supported_variants(stages, self.topology),
             self.fusions,
+            self.final_read,
         )
         for boundary in self.boundaries:
             try:
@@ -154,8 +154,8 @@ class LayerStack:
                     stage_rows_of,
                     boundary.fusions,
                     producer,
-                    final_read=self.final_read if outgoing.kind is EdgeKind.STACK_EXIT else None,
                 )
+                check_plan(plan)
             except Exception as error:
                 error.add_note(f"while binding the stage appended at {boundary.call_site}")
                 raise
@@ -266,19 +266,31 @@ def layer_stack(
 def append_stages(
     *items: tuple[StageDeclaration, Norm | None]
     | tuple[StageDeclaration, Norm | None, Mapping[str, object]],
+    owner: nnx.Module | None = None,
 ) -> tuple[StageBoundary, ...]:
     """Appends stages to the innermost open layer stack, in order.
 
     Each item is `(declaration, norm)` or `(declaration, norm, options)`. The stage appended
     before the first item is its producer; the boundaries bind when the stack closes.
 
+    A norm, read, update or output transform that is an `nnx.Module` belongs to the layer, not
+    to the boundary: assign it to an attribute of the layer first and pass the layer as
+    `owner`, so its parameters are named by the layer's part (`layers.3.input_norm.weight`).
+
+    Args:
+      items: The stages, in order.
+      owner: The layer appending them (`self` in its `__init__`); needed when a design is a
+        module.
+
     Returns:
       One `StageBoundary` per item.
 
     Raises:
       RuntimeError: No layer stack is open.
-      ValueError: A declaration already has its place in a stack.
-      TypeError: A malformed item or an option the stage does not take.
+      ValueError: A declaration already has its place in a stack, or a module design is not an
+        attribute of `owner`.
+      TypeError: A malformed item, an option the stage does not take, or a module design
+        without an `owner`.
     """
     stacks = _open_stacks.get()
     if not stacks:
@@ -315,19 +327,37 @@ def append_stages(
         fusions = options.get("fusions")
         if fusions is not None and not isinstance(fusions, FusionProvider):
             raise TypeError(f"the fusions option takes a FusionProvider; got {fusions!r}")
+        parts = (norm, declaration.read, declaration.update, declaration.output_transform)
+        names = ("norm", "read", "update", "output_transform")
+        designs = tuple(_owned(part, name, owner) for part, name in zip(parts, names, strict=True))
+        uses_owner = any(isinstance(design, Owned) for design in designs)
         boundaries.append(
             StageBoundary(
-                declaration.facts(),
-                norm,
-                declaration.read,
-                declaration.update,
-                declaration.output_transform,
-                call_site,
-                fusions,
+                declaration.facts(), designs, call_site, fusions, owner if uses_owner else None
             )
         )
     stacks[-1].boundaries.extend(boundaries)
     return tuple(boundaries)
+
+
+def _owned(design: object, what: str, owner: nnx.Module | None) -> object:
+    """`design` as the boundary holds it: a module of the layer becomes `Owned(attribute)`."""
+    if not isinstance(design, nnx.Module):
+        return design
+    if owner is None:
+        raise TypeError(
+            f"the {what} passed to append_stages is a module ({type(design).__name__}); its "
+            "parameters belong to the layer: assign it to an attribute of the layer and pass "
+            "append_stages(..., owner=self)"
+        )
+    attribute = next((k for k, v in vars(owner).items() if v is design), None)
+    if attribute is None:
+        raise ValueError(
+            f"the {what} passed to append_stages ({type(design).__name__}) is not an attribute "
+            f"of its owner {type(owner).__name__}; assign it first (self.<name> = ...), then "
+            "append the stage"
+        )
+    return Owned(attribute)
 
 
 def _check_next_sparse(declaration: StageDeclaration, later: tuple[StageDeclaration, ...]) -> None:

@@ -16,24 +16,23 @@ from flax import nnx
 
 from . import ops
 from .batch import BatchFacts
-from .bind import (
+from .declare import OutputTransform, StageDeclaration, StageKind
+from .designs.add_norm import PlainAdd
+from .designs.protocols import Norm, ResidualReadout, ResidualUpdate
+from .finalize import DeferredFinalize
+from .fusions import FusionProvider
+from .plan import (
     EntryPath,
     ExitKind,
     ExitOption,
     OwedWork,
+    ResidualRows,
     StagePath,
     StagePlan,
     rows_fit,
-    sends_written,
 )
-from .contracts import Placement, StageKind
-from .declare import EdgeKind, OutputTransform, StageDeclaration
-from .fusions import FusionProvider, InputFusion
-from .output import DeferredFinalize
-from .residual import batch as residual_batch
-from .residual.add_norm import PlainAdd
+from .residual import helpers as residual_helpers
 from .residual.entry import run_entry
-from .residual.protocols import Norm, ResidualReadout, ResidualUpdate
 from .residual.stream import (
     Carried,
     Contribution,
@@ -45,38 +44,33 @@ from .residual.stream import (
 
 
 @dataclasses.dataclass(frozen=True)
-class Leave:
-    """How a stream leaves the stack after its terminal stage (or before a pipeline send).
+class Owned:
+    """A residual design (norm, read, update or output transform) that is a module of the layer
+    owning the boundary: the boundary reaches it as `getattr(owner, attribute)`, so its
+    parameters live under the layer's own name (`layers.3.input_norm`), not the boundary's.
 
     Attributes:
-      kind: The edge the stage leaves by: STACK_EXIT (the final read), PIPELINE_SEND (`to_pp`)
-        or NEXT_STAGE (only `take_output` may leave there).
-      entry: The bound completion, update and move onto the attention's rows.
-      final_read: At a stack exit, the read `final_norm` applies.
-      sends_written: For a pipeline send: fold and send the residual alone.
-      final_fusions: At a stack exit, fused candidates for the final read.
+      attribute: The layer attribute holding the module.
     """
 
-    kind: EdgeKind
-    entry: EntryPath
-    final_read: ResidualReadout | None
-    sends_written: bool = False
-    final_fusions: tuple[InputFusion, ...] = ()
+    attribute: str
+
+
+Design = object  # a frozen stateless design, a function, an `Owned` module of the layer, or None
 
 
 class StageBoundary(nnx.Module):
     """The boundary in front of and behind one stage's compute.
 
     Built by `append_stages` inside an open `layer_stack()`; bound when the stack closes. Each
-    call takes the residual stream and returns the new one. It owns the stage's residual read,
-    update and norm: a parametric design's weights are this module's state.
+    call takes the residual stream and returns the new one. Its residual read, update, norm and
+    output transform are either frozen stateless objects or modules of the layer that appended
+    it (its `owner`), reached through that layer, so their parameters are the layer's state.
 
     Attributes:
       declaration: The stage's declaration facts; after binding they carry its place.
-      norm: The norm this stage's input read applies (None: read without a norm).
-      read: How this stage reads the residual.
-      update: How this stage's output joins the residual.
-      output_transform: Applied to the complete output before the residual update.
+      owner: The layer that appended the stage, where one of its designs is a module; None
+        otherwise.
       plan: The bound plan; None until the stack closes.
       call_site: The `append_stages` call that built this boundary, for error notes.
       fusions: This stage's own fusion provider (the `fusions` option); None takes the stack's.
@@ -85,21 +79,41 @@ class StageBoundary(nnx.Module):
     def __init__(
         self,
         declaration: StageDeclaration,
-        norm: Norm | None,
-        read: ResidualReadout,
-        update: ResidualUpdate,
-        output_transform: OutputTransform | None,
+        designs: tuple[Design, Design, Design, Design],
         call_site: str,
         fusions: FusionProvider | None = None,
+        owner: nnx.Module | None = None,
     ):
         self.declaration = declaration
-        self.norm = norm
-        self.read = read
-        self.update = update
-        self.output_transform = output_transform
+        self._designs = designs
+        self.owner = owner
         self.plan: StagePlan | None = None
         self.call_site = call_site
         self.fusions = fusions
+
+    def _design(self, index: int) -> Any:
+        design = self._designs[index]
+        return getattr(self.owner, design.attribute) if isinstance(design, Owned) else design
+
+    @property
+    def norm(self) -> Norm | None:
+        """The norm this stage's input read applies (None: read without a norm)."""
+        return self._design(0)
+
+    @property
+    def read(self) -> ResidualReadout:
+        """How this stage reads the residual."""
+        return self._design(1)
+
+    @property
+    def update(self) -> ResidualUpdate:
+        """How this stage's output joins the residual."""
+        return self._design(2)
+
+    @property
+    def output_transform(self) -> OutputTransform | None:
+        """Applied to the complete output before the residual update; None without one."""
+        return self._design(3)
 
     def bind(self, plan: StagePlan) -> None:
         """Installs the plan its stack bound (called once, when the stack closes)."""
@@ -199,7 +213,7 @@ class StageBoundary(nnx.Module):
             topology=self.plan.topology,
             fuse_sum=not capture,
         )
-        _, stream = stream.written(residual, path.residual_layout, state)
+        _, stream = stream.written(residual, path.residual_rows, state)
         return compute_input, stream, (residual, entry)
 
     def _enter_stack(self, x, stream, entry: EntryPath, path: StagePath):
@@ -218,7 +232,7 @@ class StageBoundary(nnx.Module):
         else:
             compute_input, residual, state = self.read.init_residual(value, self.norm)
             compute_input = ops.run(entry.move_input, compute_input)
-        _, stream = stream.written(residual, path.residual_layout, state)
+        _, stream = stream.written(residual, path.residual_rows, state)
         return compute_input, stream, (value, entry)
 
     def from_pp(
@@ -237,9 +251,9 @@ class StageBoundary(nnx.Module):
           RuntimeError: This stage is not entered through a pipeline receive.
           ValueError: The tensors are not what the producer's declaration sends.
         """
-        stream = residual_batch.start(batch)
+        stream = residual_helpers.start(batch)
         path = self._path(stream)
-        entry = next((e for e in path.entries if e.transport), None)
+        entry = path.transport_entry
         if entry is None:
             raise RuntimeError(
                 f"from_pp() rebuilds the stream on the stage a pipeline receive enters; the stage "
@@ -251,10 +265,11 @@ class StageBoundary(nnx.Module):
             raise ValueError(
                 f"the previous rank's last stage sends {sorted(expected)}; got {sorted(tensors)}"
             )
+        rows = ResidualRows.attention(self.plan.topology)
         if entry.handoff is None:
-            return stream.written(tensors["hidden_states"], entry.residual_from)
-        _, stream = stream.written(tensors["residual"], entry.residual_from)
-        done = OwedWork(entry.handoff, (), (), None)
+            return stream.written(tensors["hidden_states"], rows)
+        _, stream = stream.written(tensors["residual"], rows)
+        done = OwedWork.nothing(rows.layout)
         value = tensors["hidden_states"]
         return stream.with_pending(Contribution(value, None, Carried(PlainAdd()), None, done, True))
 
@@ -279,7 +294,7 @@ class StageBoundary(nnx.Module):
         rows = global_rows // topology.size(path.compute_layout.sharded)
         fitting = [o for o in path.exits if rows_fit(o.steps, rows, topology)]
         if any(o.defers_finalize for o in fitting) and not self.plan.fusions.can_defer_finalize(
-            self.plan, stream.batch
+            stream.batch, rows
         ):
             fitting = [o for o in fitting if not o.defers_finalize]
         return StageExit(self, path, tuple(fitting), rows)
@@ -296,7 +311,6 @@ class StageExit:
     Attributes:
       kind: What the exit does with the owed work.
       completes_now: The output's sum completes at this exit (nothing owed to the next input).
-      leaves_sum_to_next_input: The next stage's input completes (some of) the sum.
       defer_moe_finalize: Compute may return a `DeferredFinalize`: the finalize is handed to the
         next input (or the final read).
     """
@@ -317,10 +331,6 @@ class StageExit:
     @property
     def completes_now(self) -> bool:
         return self.option.completes_now
-
-    @property
-    def leaves_sum_to_next_input(self) -> bool:
-        return not self.option.completes_now
 
     @property
     def defer_moe_finalize(self) -> bool:
@@ -360,37 +370,26 @@ class StageExit:
         transform = None
         if boundary.output_transform is not None:
             transform = Carried.of(boundary.output_transform)
-        raw = Placement(self.path.compute_layout, self.path.owed, finalize=handoff)
         contribution = Contribution(
             y,
             transform,
             Carried.of(boundary.update),
             stream.read_state,
-            OwedWork(raw, (), (), None),
+            option.work,
             boundary.declaration.update.plain,
         )
         value, transform = contribution.advance(
             option.steps,
+            start=option.output,
             before_reduce_scatter=boundary.declaration.transform_before_reduce_scatter,
         )
-        contribution = contribution.moved(option.owed, value, transform)
-        leave = _leave(boundary.plan, option)
+        contribution = contribution.moved(option.work, value, transform)
         if option.fold_to is None:
-            return stream.with_pending(contribution, leave)
+            return stream.with_pending(contribution, option.leave)
         if transform is not None:
             value = transform(value)
         residual = ops.run(option.fold_steps, contribution.apply(stream.residual, value))
-        return stream.written(residual, option.fold_to, leave=leave)
-
-
-def _leave(plan: StagePlan, option: ExitOption) -> Leave | None:
-    if option.leave is None:
-        return None
-    kind = plan.declaration.place.outgoing.kind
-    writes = kind is EdgeKind.PIPELINE_SEND and sends_written(
-        plan.declaration, option.leave.residual_from, plan.topology
-    )
-    return Leave(kind, option.leave, plan.final_read, writes, plan.final_fusions)
+        return stream.written(residual, option.fold_to, leave=option.leave)
 
 
 def _shape(y: Any) -> str:

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import jax
 
+from ..batch import BatchFacts
+from ..designs.protocols import Norm, ResidualReadout, ResidualUpdate
+from ..finalize import DeferredFinalize
 from ..layout import TokenAxis, Topology
-
-if TYPE_CHECKING:
-    from ..output import DeferredFinalize
-    from ..residual.protocols import Norm, ResidualReadout, ResidualUpdate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +47,6 @@ class FusionRequest:
     @property
     def finalize(self) -> bool:
         """The value is a `DeferredFinalize`: the candidate owes its finalize too."""
-        from ..output import DeferredFinalize  # output imports residual, which imports fusions
-
         return isinstance(self.value, DeferredFinalize)
 
 
@@ -87,30 +84,15 @@ class FusionProvider:
     defer_finalize: bool = False
     terminal_finalize: bool = False
 
-    def can_defer_finalize(self, plan, batch) -> bool:
-        """Whether the sparse FFN bound as `plan` may return a `DeferredFinalize` for `batch`.
+    def can_defer_finalize(self, batch: BatchFacts, rows: int) -> bool:
+        """Whether a sparse FFN whose plan binds a finalize handoff may return a
+        `DeferredFinalize` for `batch`, whose compute holds `rows` local rows.
 
-        Called on every exit of a sparse FFN whose plan binds a finalize handoff; the default
-        accepts every batch. A provider that fuses the finalize only for some shapes overrides
-        it.
+        Called on every such exit; the default accepts every batch. A provider that fuses the
+        finalize only for some shapes overrides it.
         """
-        del plan, batch
+        del batch, rows
         return True
-
-    def attn_input_fusions(self, plan) -> tuple[InputFusion, ...]:
-        """The candidates for an attention stage bound as `plan`."""
-        del plan
-        return self.attn_input
-
-    def ffn_input_fusions(self, plan) -> tuple[InputFusion, ...]:
-        """The candidates for an FFN stage bound as `plan`."""
-        del plan
-        return self.ffn_input
-
-    def final_input_fusions(self, plan) -> tuple[InputFusion, ...]:
-        """The candidates for the final read after the terminal stage bound as `plan`."""
-        del plan
-        return self.final_input
 
 
 NO_FUSIONS = FusionProvider()

@@ -11,9 +11,9 @@ import pallas_kernels as pk
 
 from .. import ops
 from .._compat import checks_vma
+from ..designs.add_norm import AddNormRead
+from ..designs.norm import RMSNorm
 from ..layout import TokenAxis, Topology
-from ..residual.add_norm import AddNormRead
-from ..residual.norm import RMSNorm
 from .base import FusionProvider, FusionRequest
 
 

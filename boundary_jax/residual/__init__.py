@@ -1,30 +1,20 @@
-"""Residual designs, the per-forward stream and the helpers models call around their layers."""
+"""The per-forward residual stream and the helpers a model calls around its layers (`start`,
+`final_norm`, `to_pp`, `fold`, `snapshot`, ...): the runtime above the plans, the fusions and the
+residual designs."""
 
-from .add_norm import AddNormRead as AddNormRead
-from .add_norm import PlainAdd as PlainAdd
-from .batch import FinalizeRequest as FinalizeRequest
-from .batch import add_to_output as add_to_output
-from .batch import complete_output as complete_output
-from .batch import final_norm as final_norm
-from .batch import final_norm_captured as final_norm_captured
-from .batch import fold as fold
-from .batch import next_pass as next_pass
-from .batch import onto_residual_rows as onto_residual_rows
-from .batch import set_written as set_written
-from .batch import snapshot as snapshot
-from .batch import start as start
-from .batch import take_output as take_output
-from .batch import to_pp as to_pp
-from .mhc import MhcHead as MhcHead
-from .mhc import MhcRead as MhcRead
-from .mhc import MhcUpdate as MhcUpdate
-from .norm import RMSNorm as RMSNorm
-from .norm import add_rms_norm as add_rms_norm
-from .norm import rms_norm as rms_norm
-from .post_norm import PostNormUpdate as PostNormUpdate
-from .protocols import DesignFacts as DesignFacts
-from .protocols import ResidualReadout as ResidualReadout
-from .protocols import ResidualUpdate as ResidualUpdate
+from .helpers import FinalizeRequest as FinalizeRequest
+from .helpers import add_to_output as add_to_output
+from .helpers import complete_output as complete_output
+from .helpers import final_norm as final_norm
+from .helpers import final_norm_captured as final_norm_captured
+from .helpers import fold as fold
+from .helpers import next_pass as next_pass
+from .helpers import onto_residual_rows as onto_residual_rows
+from .helpers import set_written as set_written
+from .helpers import snapshot as snapshot
+from .helpers import start as start
+from .helpers import take_output as take_output
+from .helpers import to_pp as to_pp
 from .stream import OwedOutput as OwedOutput
 from .stream import ResidualStream as ResidualStream
 from .stream import StreamState as StreamState

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 
 from .. import ops
+from ..designs.protocols import Norm, ReadState, ResidualReadout
 from ..fusions import FusionRequest, InputFusion
 from ..layout import Topology
-from .protocols import Norm, ResidualReadout
+from ..plan import EntryPath
 from .stream import Contribution
 
 _NEEDS_EARLY_READ = (
@@ -26,7 +26,7 @@ _NEEDS_EARLY_READ = (
 
 
 def run_entry(
-    entry: Any,  # bind.EntryPath
+    entry: EntryPath,
     residual: jax.Array,
     pending: Contribution | None,
     read: ResidualReadout,
@@ -35,16 +35,15 @@ def run_entry(
     candidates: Sequence[InputFusion] = (),
     topology: Topology,
     fuse_sum: bool = True,
-) -> tuple[jax.Array, jax.Array, Any]:
+) -> tuple[jax.Array, jax.Array, ReadState]:
     """`(compute_input, residual, read_state)` after `entry`, from a residual on the entry's
     `residual_from` rows; `pending` is the producer's contribution or None.
 
     With `fuse_sum=False` the sum left for the update + read completes first, unfused (a
     capture of the updated residual needs it complete); an add + norm kernel may still run.
     """
-    if not fuse_sum and entry.fused_sum:
-        steps = entry.complete + ops.all_reduce(entry.fused_sum)
-        entry = dataclasses.replace(entry, complete=steps, fused_sum=())
+    if not fuse_sum:
+        entry = entry.unfused()
     residual = ops.run(entry.residual_move, residual)
     if pending is not None and entry.residual_move:
         pending = _moved_state(pending, entry.residual_move)

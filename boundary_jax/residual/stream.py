@@ -16,9 +16,12 @@ import jax
 from flax import nnx
 
 from ..batch import BatchFacts
-from ..contracts import Placement
+from ..designs.protocols import ReadState
+from ..finalize import DeferredFinalize
 from ..layout import Layout
 from ..ops import ReduceScatter, Step
+from ..placement import Placement
+from ..plan import Leave, OwedWork, ResidualRows
 
 START_FIRST = "start the layer stack before entering a stage"
 NOT_THIS_STREAM = (
@@ -70,7 +73,7 @@ class Carried:
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["value", "transform", "update", "update_state"],
-    meta_fields=["owed", "update_plain"],
+    meta_fields=["work", "update_plain"],
 )
 @dataclasses.dataclass(frozen=True)
 class Contribution:
@@ -82,37 +85,48 @@ class Contribution:
         absent.
       update: The producer's residual update.
       update_state: What the producer's read handed to its update (on the residual's rows).
-      owed: The bound owed-work record: rows, owed finalize and sums, and their unfused steps.
+      work: The bound owed-work record: rows, owed finalize and sums, and their unfused steps.
       update_plain: The update is `residual + value`.
     """
 
-    value: Any
+    value: jax.Array | DeferredFinalize
     transform: Carried | None
     update: Carried
-    update_state: Any
-    owed: Any  # bind.OwedWork
+    update_state: ReadState
+    work: OwedWork
     update_plain: bool
 
     @property
     def placement(self) -> Placement:
-        return self.owed.placement
+        return self.work.placement
 
     def apply(self, residual: jax.Array, value: jax.Array) -> jax.Array:
         """The producer's update of `residual` by the complete `value`."""
         return self.update.resolve().apply(residual, value, self.update_state)
 
     def advance(
-        self, steps: tuple[Step, ...], *, before_reduce_scatter: bool = False
+        self,
+        steps: tuple[Step, ...],
+        *,
+        start: Placement | None = None,
+        before_reduce_scatter: bool = False,
     ) -> tuple[jax.Array, Carried | None]:
         """Runs `steps` on the value, applying the output transform once the value completes.
 
         With `before_reduce_scatter`, the transform runs just before the first reduce-scatter
         instead (its declaration says it commutes with the sum).
 
+        Args:
+          steps: Bound steps, starting where the value is.
+          start: Where the value is, when not where `work` records (a compute output before
+            its exit's steps run).
+          before_reduce_scatter: Apply the transform just before the first reduce-scatter.
+
         Returns:
           The moved value and the transform still to apply (None once applied).
         """
-        value, transform, placement = self.value, self.transform, self.placement
+        value, transform = self.value, self.transform
+        placement = self.placement if start is None else start
         if transform is not None and placement.complete:
             value, transform = transform(value), None
         for step in steps:
@@ -124,9 +138,11 @@ class Contribution:
                 value, transform = transform(value), None
         return value, transform
 
-    def moved(self, owed: Any, value: Any, transform: Carried | None) -> Contribution:
-        """The same contribution after completion steps: `value` now owes what `owed` records."""
-        return dataclasses.replace(self, value=value, transform=transform, owed=owed)
+    def moved(
+        self, work: OwedWork, value: jax.Array | DeferredFinalize, transform: Carried | None
+    ) -> Contribution:
+        """The same contribution after completion steps: `value` now owes what `work` records."""
+        return dataclasses.replace(self, value=value, transform=transform, work=work)
 
 
 class StreamToken:
@@ -192,7 +208,7 @@ jax.tree_util.register_pytree_node(
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["residual", "pending", "batch", "read_state"],
-    meta_fields=["token", "residual_layout", "leave"],
+    meta_fields=["token", "rows", "leave"],
 )
 @dataclasses.dataclass(frozen=True)
 class ResidualStream:
@@ -204,18 +220,18 @@ class ResidualStream:
       batch: The batch facts this stream's boundaries select their paths by.
       read_state: What the running stage's read hands to its update; None for most designs.
       token: Identity shared with the `OwedOutput` handles this stream gives out.
-      residual_layout: The rows `residual` is on; None in the Initial state.
-      leave: Set by the stack's terminal stage (or the stage before a pipeline send): the bound
-        path the final read, `take_output` or `to_pp` runs. None elsewhere.
+      rows: The rows `residual` is on, with the bound move onto them; None in the Initial state.
+      leave: Set by every stage's exit: the bound paths the final read, `take_output` or
+        `to_pp` run after it. None before the first exit.
     """
 
     residual: jax.Array | None
     pending: Contribution | None
     batch: BatchFacts
-    read_state: Any
+    read_state: ReadState
     token: StreamToken
-    residual_layout: Layout | None
-    leave: Any = None  # stage.Leave
+    rows: ResidualRows | None
+    leave: Leave | None = None
 
     @classmethod
     def initial(cls, batch: BatchFacts) -> ResidualStream:
@@ -228,6 +244,11 @@ class ResidualStream:
         return StreamState.INITIAL if self.residual is None else StreamState.WRITTEN
 
     @property
+    def residual_layout(self) -> Layout | None:
+        """The rows `residual` is on; None in the Initial state."""
+        return None if self.rows is None else self.rows.layout
+
+    @property
     def output(self) -> OwedOutput:
         """The handle of this stream's current layer output."""
         return OwedOutput(self.token)
@@ -238,19 +259,23 @@ class ResidualStream:
             raise ValueError(f"{NOT_THIS_STREAM} (got {_describe(output)}, {self!r})")
 
     def with_pending(
-        self, contribution: Contribution, leave: Any = None
+        self, contribution: Contribution, leave: Leave | None = None
     ) -> tuple[OwedOutput, ResidualStream]:
         stream = dataclasses.replace(self, pending=contribution, read_state=None, leave=leave)
         return stream.output, stream
 
     def written(
-        self, residual: jax.Array, layout: Layout, read_state: Any = None, leave: Any = None
+        self,
+        residual: jax.Array,
+        rows: ResidualRows,
+        read_state: ReadState = None,
+        leave: Leave | None = None,
     ) -> tuple[OwedOutput, ResidualStream]:
         stream = dataclasses.replace(
             self,
             residual=residual,
             pending=None,
-            residual_layout=layout,
+            rows=rows,
             read_state=read_state,
             leave=leave,
         )

@@ -134,7 +134,7 @@ class StandInLayer(nnx.Module):
             transforms["module"] = ScaleThenTanh(k5, dtype)
         self.transform = transforms[setup.transform]
         ffn_options = {
-            "read": bj.residual.AddNormRead(reads_before_dp_gather=setup.reads_before_dp_gather),
+            "read": bj.designs.AddNormRead(reads_before_dp_gather=setup.reads_before_dp_gather),
             "output_transform": self.transform,
             "transform_before_reduce_scatter": setup.transform_before_reduce_scatter,
         }

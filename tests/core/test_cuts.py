@@ -86,7 +86,8 @@ def _check_cut(uncut, sender, receiver, cut, model):
         writes = bj.bind.sends_written(last.declaration, send.residual_layout, topology)
         assert (transport.handoff is None) == writes
         for option in send.exits:
-            leave = option.leave
+            assert option.leave.sends_written == writes
+            leave = option.leave.entry(option.handoff)
             residual = bj.Placement(leave.residual_from)
             landed = ops.simulate(leave.complete + ops.all_reduce(leave.fused_sum), leave.handoff)
             assert landed == residual, "to_pp completes every owed item"

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 import boundary_jax as bj
-from boundary_jax import residual
+from boundary_jax import designs, residual
 
 from .hetero import HIDDEN, Hetero, HeteroStack, Kind, build, make_batch, reference
 from .standin import ROWS, _norm, count_patterns, make_mesh
@@ -58,17 +58,17 @@ def gated(index: int) -> dict:
 
 def post_norm(index: int) -> dict:
     key = jax.random.fold_in(jax.random.key(32), index)
-    return {"update": residual.PostNormUpdate(_norm(key, jnp.float64))}
+    return {"update": designs.PostNormUpdate(_norm(key, jnp.float64))}
 
 
 def mhc(index: int) -> dict:
     rngs = nnx.Rngs(jax.random.fold_in(jax.random.key(33), index))
-    read = residual.MhcRead(HIDDEN, HC_MULT, param_dtype=jnp.float64, rngs=rngs)
-    return {"read": read, "update": residual.MhcUpdate()}
+    read = designs.MhcRead(HIDDEN, HC_MULT, param_dtype=jnp.float64, rngs=rngs)
+    return {"read": read, "update": designs.MhcUpdate()}
 
 
 def mhc_head(key, dtype):
-    return residual.MhcHead(
+    return designs.MhcHead(
         HIDDEN, HC_MULT, _norm(key, dtype), param_dtype=dtype, rngs=nnx.Rngs(key)
     )
 
@@ -150,11 +150,11 @@ def test_gradients_of_the_design_parameters_equal_one_device(design):
 def test_a_nonlinear_update_is_kept_out_of_fused_kernels_and_snapshots():
     """A post-norm update is not plain: no fused add + norm candidate takes it, and snapshot()
     raises the guide's message."""
-    update = residual.PostNormUpdate(bj.RMSNorm(HIDDEN))
+    update = designs.PostNormUpdate(bj.RMSNorm(HIDDEN))
     assert not update.plain
     value = jnp.ones((8, HIDDEN))
     request = bj.fusions.FusionRequest(
-        value, value, bj.RMSNorm(HIDDEN), update, residual.AddNormRead(), (), 1
+        value, value, bj.RMSNorm(HIDDEN), update, designs.AddNormRead(), (), 1
     )
     assert bj.fusions.AddRmsNorm("cpu", impl=None, vma_axis=None)(request) is None
     model = Hetero((K.ATTN, K.FFN), 1, 1, design=post_norm)
@@ -201,14 +201,14 @@ def test_mhc_read_update_and_head_equal_transformers():
     DeepseekV4HyperHead on random weights (float32, 1e-6)."""
     g = {name: jnp.asarray(GOLDEN[name]) for name in GOLDEN.files}
     hidden, hc = g["output"].shape[1], g["streams"].shape[1]
-    read = residual.MhcRead(hidden, hc, rngs=nnx.Rngs(0))
+    read = designs.MhcRead(hidden, hc, rngs=nnx.Rngs(0))
     read.projection[...], read.base[...], read.scale[...] = g["fn"], g["base"], g["scale"]
     collapsed, streams, (post, comb) = read.read(g["streams"], None)
     for got, name in ((post, "post"), (comb, "comb"), (collapsed, "collapsed")):
         np.testing.assert_allclose(got, g[name], rtol=1e-6, atol=1e-6, err_msg=name)
-    updated = residual.MhcUpdate().apply(streams, g["output"], (post, comb))
+    updated = designs.MhcUpdate().apply(streams, g["output"], (post, comb))
     np.testing.assert_allclose(updated, g["updated"], rtol=1e-6, atol=1e-6)
-    head = residual.MhcHead(hidden, hc, None, rngs=nnx.Rngs(0))
+    head = designs.MhcHead(hidden, hc, None, rngs=nnx.Rngs(0))
     head.projection[...], head.base[...], head.scale[...] = (
         g["head_fn"],
         g["head_base"],

@@ -110,8 +110,8 @@ def test_stacks_bind_no_candidates_unless_asked_and_platform_kernels_decline_on_
         value,
         value,
         model.layers[1].input_norm,
-        bj.residual.PlainAdd(),
-        bj.residual.AddNormRead(),
+        bj.designs.PlainAdd(),
+        bj.designs.AddNormRead(),
         (bj.TokenAxis.ATTN_TP,),
         2,
     )

@@ -8,7 +8,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import boundary_jax as bj
-from boundary_jax.residual import rms_norm
+from boundary_jax.designs import rms_norm
 
 from .standin import make_mesh
 

@@ -4,7 +4,7 @@ import jax
 import pytest
 
 import boundary_jax as bj
-from boundary_jax.bind import ExitKind
+from boundary_jax.plan import ExitKind
 
 from .standin import HIDDEN, make_mesh
 

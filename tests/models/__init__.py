@@ -12,7 +12,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 import boundary_jax as bj
-from models.attention import WholeProjectionNorm
+from models.layers.attention import WholeProjectionNorm
 
 MESHES = ((1, 1), (1, 2), (1, 4), (2, 2), (1, 8))
 """(attn_dp, attn_tp) meshes every sharded layer test runs on."""

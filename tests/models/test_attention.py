@@ -15,8 +15,8 @@ from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file
 
 import boundary_jax as bj
-from models.attention import Attention, AttentionImpl, HeadSplit, KVCache
-from models.config import PRESETS, DecoderConfig, Llama3RopeScaling
+from models.config import PRESETS, DecoderConfig, Llama3RopeScaling, read_hf_config
+from models.layers.attention import Attention, AttentionImpl, HeadSplit, KVCache
 from models.rows import RowsPhase
 
 from . import MESHES, make_mesh, randomize_norms, row_spec, run_sharded, sum_over, unsharded_copy
@@ -368,7 +368,7 @@ def qwen3_layer0_reference(weights, config, ids):
 def test_matches_hf_qwen3_layer0(dp, tp):
     """Packed prompts through our Attention with the golden layer-0 weights equal HF's math."""
     raw = json.loads((GOLDEN / "qwen3" / "config.json").read_text())
-    config = DecoderConfig.from_hf(raw)
+    config = read_hf_config(raw)
     weights = load_file(str(GOLDEN / "qwen3" / "model.safetensors"))
     reference = np.load(GOLDEN / "qwen3" / "reference.npz")
     prompts = [

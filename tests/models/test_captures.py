@@ -15,10 +15,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 import boundary_jax as bj
 from boundary_jax import residual
 from boundary_jax.report import parse_hlo
+from models.build import build_model, load_model
+from models.cli.plan import PLAN_SEQUENCES
 from models.config import PRESETS
-from models.report import PLAN_SEQUENCES
 from models.rows import TokenRows
-from models.runtime import ShardedCausalLM, build_model, load_model
+from models.serving.runtime import ShardedCausalLM
 
 GOLDEN = pathlib.Path(__file__).parents[1] / "golden"
 # (name, attn_dp, attn_tp, input-scattered, scan_layers)

@@ -15,13 +15,13 @@ from jax.sharding import NamedSharding
 from safetensors.numpy import load_file, save_file
 
 import boundary_jax as bj
-from models import checkpoint
-from models.attention import Attention
-from models.checkpoint import hf_name_map, load_config, load_params
+from models import checkpoints as checkpoint
+from models.build import load_model
+from models.checkpoints import hf_name_map, load_config, load_params
 from models.config import DecoderConfig
-from models.layers import ParallelLMHead, VocabParallelEmbedding
-from models.mlp import SwiGLU
-from models.runtime import load_model
+from models.layers.attention import Attention
+from models.layers.linear import ParallelLMHead, VocabParallelEmbedding
+from models.layers.mlp import SwiGLU
 
 from . import make_mesh, row_spec, sum_over
 

@@ -14,13 +14,14 @@ from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
 import boundary_jax as bj
-from models import checkpoint, moe
-from models.attention import Attention
-from models.checkpoint import HFTensor, hf_name_map, load_config, load_params, load_tensor
+from models import checkpoints as checkpoint
+from models.checkpoints import HFTensor, hf_name_map, load_config, load_params, load_tensor
 from models.config import DecoderConfig
-from models.layers import ParallelLMHead, VocabParallelEmbedding
-from models.mlp import SwiGLU
-from models.moe import SparseMoe
+from models.layers import moe
+from models.layers.attention import Attention
+from models.layers.linear import ParallelLMHead, VocabParallelEmbedding
+from models.layers.mlp import SwiGLU
+from models.layers.moe import SparseMoe
 
 from . import make_mesh
 from .test_checkpoint import TinyBoundary
@@ -306,7 +307,7 @@ def hf_sparse_block(found: dict, prefix: str, x: np.ndarray, top_k: int, renorma
 
 
 def test_loaded_experts_feed_moe_functions():
-    """Golden Qwen2-MoE weights loaded by the name map, run by models.moe (experts over 4 ranks,
+    """Golden Qwen2-MoE weights loaded by the name map, run by models.layers.moe (experts over 4 ranks,
     summed here), equal the block computed the transformers way from the raw tensors."""
 
     config = load_config(GOLDEN / "qwen2_moe")
@@ -330,7 +331,7 @@ def test_loaded_experts_feed_moe_functions():
             shape = (*shape[:2], len(source.parts), *shape[2:])
         spec = P(TP) if source.experts is not None else P()
         loaded = load_tensor(GOLDEN / "qwen2_moe", source, shape, mesh, spec, jnp.float32)
-        # On the host from here: models.moe runs inside shard_map, on local arrays.
+        # On the host from here: models.layers.moe runs inside shard_map, on local arrays.
         params[part] = np.asarray(loaded)
     x = np.random.default_rng(0).standard_normal((10, config.hidden_size)).astype(np.float32)
     moe_config = config.moe

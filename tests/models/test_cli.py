@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import boundary_jax as bj
-from models.cli import main
+from models.cli.main import main
 from tests.core.test_collectives import expected_layers
 
 GOLDEN = pathlib.Path(__file__).parents[1] / "golden"

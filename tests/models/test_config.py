@@ -18,6 +18,7 @@ from models.config import (
     MoeConfig,
     ResidualDesign,
     padded_vocab,
+    read_hf_config,
 )
 
 F, S = AttentionKind.FULL, AttentionKind.SLIDING
@@ -31,7 +32,7 @@ def golden_config(name: str) -> dict:
 
 def test_qwen3_golden_config():
     """A transformers-5 Qwen3 config (rope_parameters, tied, head_dim 16) reads field by field."""
-    config = DecoderConfig.from_hf(golden_config("qwen3"))
+    config = read_hf_config(golden_config("qwen3"))
     assert config == DecoderConfig(
         architecture=Architecture.QWEN3,
         vocab_size=250,
@@ -53,7 +54,7 @@ def test_qwen3_golden_config():
 
 def test_llama_legacy_rope_scaling():
     """The legacy rope_theta + rope_scaling (llama3) form gives a Llama3RopeScaling."""
-    config = DecoderConfig.from_hf(golden_config("llama"))
+    config = read_hf_config(golden_config("llama"))
     assert config.architecture is Architecture.LLAMA
     assert config.rope_theta == 1e4
     assert config.rope_scaling == Llama3RopeScaling(8.0, 1.0, 4.0, 100)
@@ -63,11 +64,11 @@ def test_llama_legacy_rope_scaling():
 
 def test_mistral_config():
     """Mistral reads its kv heads, eps and (null) sliding window."""
-    config = DecoderConfig.from_hf(golden_config("mistral"))
+    config = read_hf_config(golden_config("mistral"))
     assert config.architecture is Architecture.MISTRAL
     assert (config.num_layers, config.num_kv_heads, config.rms_norm_eps) == (2, 4, 1e-5)
     assert config.sliding_window is None and config.rope_scaling is None
-    assert DecoderConfig.from_hf(golden_config("mistral") | {"sliding_window": 32}).sliding_window
+    assert read_hf_config(golden_config("mistral") | {"sliding_window": 32}).sliding_window
 
 
 def test_rope_parameters_llama3_form():
@@ -75,24 +76,24 @@ def test_rope_parameters_llama3_form():
     legacy = golden_config("llama")
     modern = {k: v for k, v in legacy.items() if k not in ("rope_theta", "rope_scaling")}
     modern["rope_parameters"] = legacy["rope_scaling"] | {"rope_theta": legacy["rope_theta"]}
-    assert DecoderConfig.from_hf(modern) == DecoderConfig.from_hf(legacy)
+    assert read_hf_config(modern) == read_hf_config(legacy)
 
 
 def test_head_dim_defaults_to_hidden_over_heads():
     """Without a head_dim key, head_dim is hidden_size // num_attention_heads."""
     raw = golden_config("mistral")
     del raw["head_dim"]
-    assert DecoderConfig.from_hf(raw).head_dim == 64 // 8
+    assert read_hf_config(raw).head_dim == 64 // 8
 
 
 def test_qwen3_sliding_window_only_when_enabled():
     """Qwen3's window applies only with use_sliding_window, to the layers layer_types marks."""
     raw = golden_config("qwen3") | {"sliding_window": 8}
-    assert DecoderConfig.from_hf(raw).sliding_window is None
+    assert read_hf_config(raw).sliding_window is None
     all_sliding = raw | {"use_sliding_window": True, "layer_types": ["sliding_attention"] * 3}
-    assert DecoderConfig.from_hf(all_sliding).sliding_window == 8
+    assert read_hf_config(all_sliding).sliding_window == 8
     mixed = all_sliding | {"layer_types": ["full_attention", "sliding_attention", "full_attention"]}
-    config = DecoderConfig.from_hf(mixed)
+    config = read_hf_config(mixed)
     assert config.layer_types == (F, S, F)
     assert [config.layer_attention(i).sliding_window for i in range(3)] == [None, 8, None]
 
@@ -112,13 +113,13 @@ def test_qwen3_sliding_window_only_when_enabled():
 def test_rejects_unsupported(change, match):
     """Unsupported architectures, biases, activations and RoPE types fail with a clear error."""
     with pytest.raises(ValueError, match=match):
-        DecoderConfig.from_hf(golden_config("qwen3") | change)
+        read_hf_config(golden_config("qwen3") | change)
 
 
 def test_validates_head_grouping():
     """num_heads must be a multiple of num_kv_heads."""
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
-        DecoderConfig.from_hf(golden_config("mistral") | {"num_key_value_heads": 3})
+        read_hf_config(golden_config("mistral") | {"num_key_value_heads": 3})
 
 
 @pytest.mark.parametrize("vocab,shards,want", [(250, 8, 256), (250, 1, 250), (256, 8, 256)])
@@ -142,7 +143,7 @@ def test_presets_are_valid_and_small(name):
 
 def test_qwen3_moe_golden_config():
     """Qwen3-MoE: experts (as num_local_experts), top-k, renormalisation, a dense middle layer."""
-    config = DecoderConfig.from_hf(golden_config("qwen3_moe"))
+    config = read_hf_config(golden_config("qwen3_moe"))
     assert config.architecture is Architecture.QWEN3_MOE
     assert config.qk_norm and not config.qkv_bias and config.sliding_window is None
     assert config.moe == MoeConfig(
@@ -161,16 +162,16 @@ def test_qwen3_moe_hub_spelling_and_sparse_step():
     """The hub's num_experts key equals num_local_experts; decoder_sparse_step picks layers."""
     raw = golden_config("qwen3_moe")
     hub = {k: v for k, v in raw.items() if k != "num_local_experts"} | {"num_experts": 16}
-    assert DecoderConfig.from_hf(hub) == DecoderConfig.from_hf(raw)
-    stepped = DecoderConfig.from_hf(raw | {"mlp_only_layers": [], "decoder_sparse_step": 2})
+    assert read_hf_config(hub) == read_hf_config(raw)
+    stepped = read_hf_config(raw | {"mlp_only_layers": [], "decoder_sparse_step": 2})
     assert stepped.sparse_layers == (False, True, False)
-    assert not DecoderConfig.from_hf(raw | {"norm_topk_prob": False}).moe.renormalize
+    assert not read_hf_config(raw | {"norm_topk_prob": False}).moe.renormalize
 
 
 @pytest.mark.parametrize("name,window", [("mixtral", None), ("mixtral_sliding", 5)])
 def test_mixtral_golden_config(name, window):
     """Mixtral: the expert width is intermediate_size, always renormalised, every layer sparse."""
-    config = DecoderConfig.from_hf(golden_config(name))
+    config = read_hf_config(golden_config(name))
     assert config.architecture is Architecture.MIXTRAL
     assert config.sliding_window == window
     assert config.moe == MoeConfig(
@@ -182,7 +183,7 @@ def test_mixtral_golden_config(name, window):
 
 def test_qwen2_moe_golden_config():
     """Qwen2-MoE: no renormalisation, a sigmoid-gated shared expert, q/k/v biases."""
-    config = DecoderConfig.from_hf(golden_config("qwen2_moe"))
+    config = read_hf_config(golden_config("qwen2_moe"))
     assert config.architecture is Architecture.QWEN2_MOE
     assert config.qkv_bias and not config.qk_norm
     assert config.sliding_window is None  # the file says sliding_window 0, use_sliding_window off
@@ -198,15 +199,15 @@ def test_qwen2_moe_golden_config():
     assert config.sparse_layers == (True, False, True, True)
     assert config.intermediate_size == 64
     renormalized = golden_config("qwen2_moe") | {"norm_topk_prob": True}
-    assert DecoderConfig.from_hf(renormalized).moe.renormalize
+    assert read_hf_config(renormalized).moe.renormalize
     hub = {k: v for k, v in golden_config("qwen2_moe").items() if k != "qkv_bias"}
-    assert DecoderConfig.from_hf(hub).qkv_bias  # hub checkpoints have no key: biased
-    assert not DecoderConfig.from_hf(hub | {"qkv_bias": False}).qkv_bias
+    assert read_hf_config(hub).qkv_bias  # hub checkpoints have no key: biased
+    assert not read_hf_config(hub | {"qkv_bias": False}).qkv_bias
 
 
 def test_qwen2_golden_config():
     """Dense Qwen2 always has q/k/v biases and no MoE settings."""
-    config = DecoderConfig.from_hf(golden_config("qwen2"))
+    config = read_hf_config(golden_config("qwen2"))
     assert config.architecture is Architecture.QWEN2
     assert config.qkv_bias and config.moe is None and config.tie_word_embeddings
     assert config.sparse_layers == (False, False)
@@ -216,18 +217,18 @@ def test_qwen2_golden_config():
 def test_dense_configs_have_no_bias_or_moe():
     """The existing dense goldens read qkv_bias=False and moe=None."""
     for name in ("qwen3", "llama", "mistral"):
-        config = DecoderConfig.from_hf(golden_config(name))
+        config = read_hf_config(golden_config(name))
         assert not config.qkv_bias and config.moe is None
 
 
 def test_qwen_moe_sliding_windows():
     """Qwen3-MoE's window covers every layer when enabled; Qwen2-MoE's default alternates."""
     raw = golden_config("qwen3_moe") | {"sliding_window": 8, "use_sliding_window": True}
-    assert DecoderConfig.from_hf(raw).sliding_window == 8
+    assert read_hf_config(raw).sliding_window == 8
     qwen2 = golden_config("qwen2_moe") | {"sliding_window": 8, "use_sliding_window": True}
     del qwen2["layer_types"]
     layers = qwen2["num_hidden_layers"]
-    assert DecoderConfig.from_hf(qwen2).layer_types == (S, F) * (layers // 2)
+    assert read_hf_config(qwen2).layer_types == (S, F) * (layers // 2)
 
 
 @pytest.mark.parametrize(
@@ -244,16 +245,16 @@ def test_qwen_moe_sliding_windows():
 def test_rejects_bad_moe(name, change, match):
     """Missing or inconsistent MoE settings fail at construction with the field named."""
     with pytest.raises(ValueError, match=match):
-        DecoderConfig.from_hf(golden_config(name) | change)
+        read_hf_config(golden_config(name) | change)
 
 
 def test_moe_config_invariants():
     """MoE settings belong to MoE architectures only; a gate needs a shared expert."""
-    dense = DecoderConfig.from_hf(golden_config("qwen3"))
+    dense = read_hf_config(golden_config("qwen3"))
     moe = MoeConfig(num_experts=4, top_k=2, expert_intermediate_size=8, renormalize=True)
     with pytest.raises(ValueError, match="takes no MoE settings"):
         dataclasses.replace(dense, moe=moe)
-    sparse = DecoderConfig.from_hf(golden_config("mixtral"))
+    sparse = read_hf_config(golden_config("mixtral"))
     with pytest.raises(ValueError, match="needs MoE settings"):
         dataclasses.replace(sparse, moe=None)
     with pytest.raises(ValueError, match="needs a shared expert"):
@@ -265,7 +266,7 @@ def test_moe_config_invariants():
 
 def test_exaone4_golden_config():
     """EXAONE 4.0: post-norm, per-head q/k norm, its layer_types, no RoPE on global layers."""
-    config = DecoderConfig.from_hf(golden_config("exaone4"))
+    config = read_hf_config(golden_config("exaone4"))
     assert config.architecture is Architecture.EXAONE4
     assert config.residual_design is ResidualDesign.POST_NORM
     assert config.qk_norm and not config.qk_norm_whole and not config.gemma_norms
@@ -273,18 +274,18 @@ def test_exaone4_golden_config():
     assert config.layer_attention(0) == LayerAttention(4, 1e4)
     assert config.layer_attention(2) == LayerAttention(None, None)  # global NoPE
     # Without a window every layer is global and rotates.
-    plain = DecoderConfig.from_hf(golden_config("exaone4") | {"sliding_window": None})
+    plain = read_hf_config(golden_config("exaone4") | {"sliding_window": None})
     assert plain.layer_types is None and plain.layer_attention(2) == LayerAttention(None, 1e4)
     # Without layer_types, an integer sliding_window_pattern gives them (every 3rd is global).
     raw = {k: v for k, v in golden_config("exaone4").items() if k != "layer_types"}
-    assert DecoderConfig.from_hf(raw).layer_types == (S, S, F)
+    assert read_hf_config(raw).layer_types == (S, S, F)
     with pytest.raises(ValueError, match="integer sliding_window_pattern"):
-        DecoderConfig.from_hf(raw | {"sliding_window_pattern": "LLG"})
+        read_hf_config(raw | {"sliding_window_pattern": "LLG"})
 
 
 def test_olmo2_golden_config():
     """OLMo 2: post-norm, q/k norm over the whole projection, full attention everywhere."""
-    config = DecoderConfig.from_hf(golden_config("olmo2"))
+    config = read_hf_config(golden_config("olmo2"))
     assert config.architecture is Architecture.OLMO2
     assert config.residual_design is ResidualDesign.POST_NORM
     assert config.qk_norm and config.qk_norm_whole
@@ -294,7 +295,7 @@ def test_olmo2_golden_config():
 def test_gemma3_golden_config():
     """Gemma 3: sandwich norms with 1 + w, GeGLU, local RoPE base on sliding layers, linear
     scaling on global ones, query_pre_attn_scalar, scaled embedding."""
-    config = DecoderConfig.from_hf(golden_config("gemma3"))
+    config = read_hf_config(golden_config("gemma3"))
     assert config.architecture is Architecture.GEMMA3
     assert config.residual_design is ResidualDesign.SANDWICH and config.gemma_norms
     assert config.activation is Activation.GELU_TANH and config.query_pre_attn_scalar == 24
@@ -309,9 +310,9 @@ def test_gemma3_golden_config():
         "rope_local_base_freq": 1e3,
         "rope_scaling": {"rope_type": "linear", "factor": 4.0},
     }
-    assert DecoderConfig.from_hf(legacy) == config
+    assert read_hf_config(legacy) == config
     tied = {k: v for k, v in golden_config("gemma3").items() if k != "tie_word_embeddings"}
-    assert DecoderConfig.from_hf(tied).tie_word_embeddings  # Gemma's default
+    assert read_hf_config(tied).tie_word_embeddings  # Gemma's default
 
 
 @pytest.mark.parametrize(
@@ -328,12 +329,12 @@ def test_gemma3_golden_config():
 def test_rejects_unsupported_gemma3(change, match):
     """Gemma 3 options the decoder does not implement fail when the config is read."""
     with pytest.raises(ValueError, match=match):
-        DecoderConfig.from_hf(golden_config("gemma3") | change)
+        read_hf_config(golden_config("gemma3") | change)
 
 
 def test_layer_types_invariants():
     """layer_types names every layer, and sliding layers need a window."""
-    config = DecoderConfig.from_hf(golden_config("exaone4"))
+    config = read_hf_config(golden_config("exaone4"))
     with pytest.raises(ValueError, match="one attention kind per layer"):
         dataclasses.replace(config, layer_types=(S, F))
     with pytest.raises(ValueError, match="sliding_window is None"):

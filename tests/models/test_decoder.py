@@ -11,9 +11,10 @@ from flax import nnx
 
 import boundary_jax as bj
 from boundary_jax import make_mesh
+from models.build import build_model, load_model
 from models.config import PRESETS
-from models.decoder import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
-from models.runtime import ShardedCausalLM, build_model, load_model
+from models.families import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from models.serving.runtime import ShardedCausalLM
 
 GOLDEN = pathlib.Path(__file__).parents[1] / "golden"
 NAMES = ("qwen3", "llama", "mistral")

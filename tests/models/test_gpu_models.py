@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 import boundary_jax as bj
-from models.attention import AttentionImpl
-from models.runtime import ShardedCausalLM, load_model
+from models.build import load_model
+from models.layers.attention import AttentionImpl
+from models.serving.runtime import ShardedCausalLM
 
 GOLDEN = pathlib.Path(__file__).resolve().parents[1] / "golden"
 

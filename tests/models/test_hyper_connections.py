@@ -12,12 +12,13 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 import boundary_jax as bj
-from boundary_jax import residual
+from boundary_jax import designs, residual
+from models.build import build_model
+from models.cli.plan import collective_report
 from models.config import PRESETS
-from models.hyper_connections import HyperConnections
-from models.report import collective_report
+from models.layers.hyper_connections import HyperConnections
 from models.rows import TokenRows
-from models.runtime import ShardedCausalLM, build_model
+from models.serving.runtime import ShardedCausalLM
 
 # Few Sinkhorn iterations keep the compiled programs small; the design is tested in full in
 # tests/core/test_designs.py.
@@ -64,10 +65,10 @@ def test_every_boundary_is_mhc_and_changes_the_output():
     model = runner("qwen3", 1, 1, False).model
     for layer in model.layers:
         for boundary in (layer.attn_boundary, layer.ffn_boundary):
-            assert isinstance(boundary.read, residual.MhcRead)
-            assert isinstance(boundary.update, residual.MhcUpdate)
+            assert isinstance(boundary.read, designs.MhcRead)
+            assert isinstance(boundary.update, designs.MhcUpdate)
             assert boundary.read.hc_mult == HC.hc_mult
-    assert isinstance(model.hyper_head, residual.MhcHead)
+    assert isinstance(model.hyper_head, designs.MhcHead)
     plain = runner("qwen3", 1, 1, False, mhc=False).forward(PROMPTS)
     assert np.max(np.abs(plain - one_device("qwen3"))) > 0.1 * np.max(np.abs(plain))
 

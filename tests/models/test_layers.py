@@ -9,7 +9,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import boundary_jax as bj
-from models.layers import (
+from models.layers.linear import (
     ColumnParallelLinear,
     ParallelLMHead,
     RowParallelLinear,
@@ -146,7 +146,7 @@ def test_rejects_uneven_split_and_mismatched_tie():
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_lm_head_greedy_equals_argmax_of_gathered_logits(tp):
     """The sharded greedy head picks argmax of the full logits, never a padding column."""
-    from models.layers import ParallelLMHead
+    from models.layers.linear import ParallelLMHead
 
     topology = bj.Topology(attn_tp=tp)
     mesh = make_mesh(1, tp)

@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 
 import boundary_jax as bj
 from models.config import Activation
-from models.mlp import SwiGLU
+from models.layers.mlp import SwiGLU
 
 from . import MESHES, make_mesh, run_sharded, sum_over, unsharded_copy
 

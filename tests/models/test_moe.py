@@ -13,8 +13,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import boundary_jax as bj
-from models import moe
-from models.moe import GroupedMatmulImpl, MoeOutput, Routing
+from models.layers import moe
+from models.layers.moe import GroupedMatmulImpl, MoeOutput, Routing
 
 from . import make_mesh, run_sharded
 

@@ -15,16 +15,17 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import boundary_jax as bj
-import models.moe_decoder
+import models.families.moe
 from boundary_jax import make_mesh
-from models import moe
-from models.checkpoint import load_config
-from models.config import DecoderConfig, MoeConfig
-from models.moe import GroupedMatmulImpl
-from models.moe_decoder import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
-from models.moe_ffn import MoeFfn
-from models.report import collective_report
-from models.runtime import ShardedCausalLM, build_model, load_model
+from models.build import build_model, load_model
+from models.checkpoints import load_config
+from models.cli.plan import collective_report
+from models.config import MoeConfig, read_hf_config
+from models.families import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+from models.layers import moe
+from models.layers.moe import GroupedMatmulImpl
+from models.layers.moe_ffn import MoeFfn
+from models.serving.runtime import ShardedCausalLM
 
 from . import run_sharded
 
@@ -347,7 +348,7 @@ def test_mutant_token_sent_to_the_wrong_rank_is_caught(monkeypatch):
 
 def test_mutant_moe_sum_missing_is_caught(monkeypatch):
     """A sparse FFN declared complete (no MoE output sum) gives logits far from HF's."""
-    honest = models.moe_decoder.moe_stage_facts
+    honest = models.families.moe.moe_stage_facts
 
     def no_sum(config, dispatch, layer_index, *designs):
         attn, ffn = honest(config, dispatch, layer_index, *designs)
@@ -355,7 +356,7 @@ def test_mutant_moe_sum_missing_is_caught(monkeypatch):
             ffn = bj.declare_ffn(sparse=True, output_complete=True)
         return attn, ffn
 
-    monkeypatch.setattr(models.moe_decoder, "moe_stage_facts", no_sum)
+    monkeypatch.setattr(models.families.moe, "moe_stage_facts", no_sum)
     prompts, reference = golden("mixtral")
     mesh = make_mesh(bj.Topology(attn_tp=4))
     run = ShardedCausalLM(load_model(GOLDEN / "mixtral", mesh, moe_ep=4), mesh)
@@ -456,6 +457,6 @@ def test_dense_checkpoint_takes_no_moe_options():
 def test_unsupported_router_is_rejected(name, change):
     config = json.loads((GOLDEN / name / "config.json").read_text())
     with pytest.raises(ValueError, match="unsupported router"):
-        DecoderConfig.from_hf(config | change)
+        read_hf_config(config | change)
     plain = {"topk_method": "greedy", "n_group": 1, "routed_scaling_factor": 1.0}
-    assert DecoderConfig.from_hf(config | plain) == DecoderConfig.from_hf(config)
+    assert read_hf_config(config | plain) == read_hf_config(config)

@@ -13,7 +13,8 @@ import pytest
 import boundary_jax as bj
 import pallas_kernels as pk
 from boundary_jax.fusions import MoeFinalizeAddRmsNorm, platform_fusions
-from models.runtime import ShardedCausalLM, load_model
+from models.build import load_model
+from models.serving.runtime import ShardedCausalLM
 
 GOLDEN = pathlib.Path(__file__).parents[1] / "golden" / "qwen3_moe"
 CALLS: list[tuple[str, bool]] = []

@@ -9,18 +9,15 @@ import pytest
 from flax import nnx
 
 import boundary_jax as bj
-import models.attention
+import models.layers.attention
 from boundary_jax import make_mesh
-from models.config import PRESETS, DecoderConfig
-from models.hyper_connections import HyperConnections
-from models.norm_decoders import (
-    Exaone4ForCausalLM,
-    Gemma3ForCausalLM,
-    Olmo2ForCausalLM,
-    norm_stage_facts,
-)
-from models.report import collective_report
-from models.runtime import ShardedCausalLM, build_model, load_model, model_class
+from models.build import build_model, load_model
+from models.cli.plan import collective_report
+from models.config import PRESETS, DecoderConfig, read_hf_config
+from models.families import Exaone4ForCausalLM, Gemma3ForCausalLM, Olmo2ForCausalLM, model_class
+from models.families.norm_designs import norm_stage_facts
+from models.layers.hyper_connections import HyperConnections
+from models.serving.runtime import ShardedCausalLM
 from tests.core.test_collectives import DOCUMENTED, NAMES
 from tests.models.test_decoder import golden, runner
 
@@ -63,8 +60,7 @@ def test_model_classes():
     """Each checkpoint builds its family's class; a class rejects the others' configs."""
     classes = (Exaone4ForCausalLM, Olmo2ForCausalLM, Gemma3ForCausalLM)
     configs = [
-        DecoderConfig.from_hf(json.loads((GOLDEN / n / "config.json").read_text()))
-        for n in FAMILIES
+        read_hf_config(json.loads((GOLDEN / n / "config.json").read_text())) for n in FAMILIES
     ]
     assert [model_class(config) for config in configs] == list(classes)
     with pytest.raises(ValueError, match="Gemma3ForCausalLM builds Gemma3ForCausalLM; got a Ex"):
@@ -105,7 +101,7 @@ def test_olmo2_qk_norm_sum_over_all_heads_is_needed(monkeypatch, mutant):
     """Under attention TP 4, OLMo 2's q/k norm without the sum of squares over the ranks' heads
     (each rank's own mean), or with it taken twice (the mean `attn_tp` times too large), gives
     logits far from HF's."""
-    honest = models.attention.sharded_rms_norms
+    honest = models.layers.attention.sharded_rms_norms
 
     def broken(xs, weights, topology, group, *, eps):
         if mutant == "missing":
@@ -113,7 +109,7 @@ def test_olmo2_qk_norm_sum_over_all_heads_is_needed(monkeypatch, mutant):
         ranks = topology.size(topology.sum_axes(group))
         return tuple(y / np.sqrt(ranks) for y in honest(xs, weights, topology, group, eps=eps))
 
-    monkeypatch.setattr(models.attention, "sharded_rms_norms", broken)
+    monkeypatch.setattr(models.layers.attention, "sharded_rms_norms", broken)
     prompts, reference = golden("olmo2")
     mesh = make_mesh(bj.Topology(attn_tp=4))
     logits = ShardedCausalLM(load_model(GOLDEN / "olmo2", mesh), mesh).forward(prompts)
@@ -157,7 +153,7 @@ def four_layer_config(name: str) -> DecoderConfig:
     raw["num_hidden_layers"] = 4
     if "layer_types" in raw:
         raw["layer_types"] = (raw["layer_types"] * 2)[:4]
-    return DecoderConfig.from_hf(raw)
+    return read_hf_config(raw)
 
 
 @pytest.mark.parametrize(
@@ -214,7 +210,7 @@ def test_post_norm_layers_read_the_residual_as_is():
     model = build_model(four_layer_config("olmo2"), bj.Topology())
     layer = model.layers[1]
     assert layer.input_norm is None and layer.post_attn_norm is None
-    assert isinstance(layer.attn_boundary.update, bj.residual.PostNormUpdate)
+    assert isinstance(layer.attn_boundary.update, bj.designs.PostNormUpdate)
     assert not layer.attn_boundary.declaration.update.plain
     gemma = build_model(four_layer_config("gemma3"), bj.Topology()).layers[1]
     assert gemma.input_norm.gemma and gemma.attn_boundary.declaration.has_output_transform

@@ -8,11 +8,12 @@ from flax import nnx
 
 import boundary_jax as bj
 from boundary_jax.fusions import AddRmsNorm, FusionProvider
-from models import runtime
+from models.build import build_model
 from models.config import PRESETS
 from models.rows import pack_sequences
-from models.runtime import ShardedCausalLM, bucket, build_model, cache_length
-from models.sampling import Sampling
+from models.serving import runtime
+from models.serving.runtime import ShardedCausalLM, bucket, cache_length
+from models.serving.sampling import Sampling
 
 PROMPTS = [[5, 7, 9, 11, 2], [3], [8, 8, 1]]
 

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.sampling import GREEDY, Sampling, sample_tokens
+from models.serving.sampling import GREEDY, Sampling, sample_tokens
 
 LOGITS = jax.random.normal(jax.random.key(0), (6, 50), jnp.float32) * 3
 

@@ -22,13 +22,14 @@ from safetensors.numpy import load_file
 
 import boundary_jax as bj
 from boundary_jax.report import parse_hlo
-from models import checkpoint
-from models.checkpoint import hf_name_map, save_checkpoint
-from models.config import PRESETS, DecoderConfig
-from models.decoder import Remat
-from models.report import PLAN_SEQUENCES, plan_report
-from models.runtime import ShardedCausalLM, build_model, load_model
-from models.train import TrainConfig, Trainer
+from models import checkpoints as checkpoint
+from models.build import build_model, load_model
+from models.checkpoints import hf_name_map, save_checkpoint
+from models.cli.plan import PLAN_SEQUENCES, plan_report
+from models.config import PRESETS, DecoderConfig, read_hf_config
+from models.families.decoder import Remat
+from models.serving.runtime import ShardedCausalLM
+from models.training.trainer import TrainConfig, Trainer
 
 from . import randomize_norms
 
@@ -41,7 +42,7 @@ def _gemma3() -> DecoderConfig:
     global, sliding, sliding (scanned runs [1, 3), [3, 5), [5, 6))."""
     raw = json.loads((GOLDEN / "gemma3" / "config.json").read_text())
     kinds = ["sliding_attention"] * 3 + ["full_attention"] * 2 + ["sliding_attention"] * 2
-    return DecoderConfig.from_hf(raw | {"num_hidden_layers": 7, "layer_types": kinds})
+    return read_hf_config(raw | {"num_hidden_layers": 7, "layer_types": kinds})
 
 
 CONFIGS = {

@@ -12,15 +12,16 @@ import pytest
 from flax import nnx
 
 import boundary_jax as bj
-from models.attention import AttentionImpl
+from models.build import build_model
 from models.config import PRESETS
-from models.decoder import Remat
-from models.hyper_connections import HyperConnections
-from models.moe import GroupedMatmulImpl
-from models.moe_decoder import Qwen3MoeForCausalLM
+from models.families import Qwen3MoeForCausalLM
+from models.families.decoder import Remat
+from models.layers.attention import AttentionImpl
+from models.layers.hyper_connections import HyperConnections
+from models.layers.moe import GroupedMatmulImpl
 from models.rows import pack_sequences
-from models.runtime import ShardedCausalLM, build_model
-from models.train import TrainConfig, Trainer, next_token_labels
+from models.serving.runtime import ShardedCausalLM
+from models.training.trainer import TrainConfig, Trainer, next_token_labels
 
 from . import randomize_norms
 

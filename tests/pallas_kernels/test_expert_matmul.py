@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import boundary_jax as bj
-from models import moe
+from models.layers import moe
 from pallas_kernels.expert_matmul import (
     ExpertMatmulBlocks,
     expert_matmul,
@@ -155,8 +155,8 @@ def test_pallas_experts_turn_the_varying_axes_check_off():
     from flax import nnx
 
     from models.config import PRESETS
-    from models.moe_decoder import Qwen3MoeForCausalLM
-    from models.runtime import ShardedCausalLM
+    from models.families import Qwen3MoeForCausalLM
+    from models.serving.runtime import ShardedCausalLM
 
     topology = bj.Topology(attn_tp=2)
     mesh = bj.make_mesh(topology)

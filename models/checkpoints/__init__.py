@@ -1,0 +1,10 @@
+"""Hugging Face safetensors checkpoints: the tensor names per family, loading onto a mesh (each
+device reading only its shards), and saving."""
+
+from .load import CONFIG_FILE as CONFIG_FILE
+from .load import load_config as load_config
+from .load import load_params as load_params
+from .load import load_tensor as load_tensor
+from .names import HFTensor as HFTensor
+from .names import hf_name_map as hf_name_map
+from .save import save_checkpoint as save_checkpoint

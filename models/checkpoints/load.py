@@ -1,0 +1,319 @@
+"""Loading Hugging Face safetensors checkpoints onto a mesh, one shard per device.
+
+Every parameter is built with `jax.make_array_from_callback`: each addressable device's callback
+reads only its block of the tensor from the memory-mapped file (`safe_open(...).get_slice`), so no
+process ever materializes a whole sharded tensor, and a replicated one only once at a time.
+Hugging Face `nn.Linear` weights are [out, in]; our kernels are [in, out], so a kernel block is
+read transposed. Vocab-padding rows (embedding) and columns (LM head) are zeros.
+
+Mixture-of-experts checkpoints store one tensor per expert (`...experts.{e}.gate_proj.weight`,
+Mixtral's `...experts.{e}.w1.weight`); the model stacks them into one [experts, ...] parameter, and
+a device whose shard covers experts [a, b) (and a slice of their width) reads only those tensors,
+and only that slice of each. A model built with `scan_layers` stacks a run of layers' parameters
+on a leading layer axis; each is read layer by layer, each device reading its shard of each.
+Projections that one matmul computes together (k and v; gate and up) are one parameter with a
+parts axis, each part read from its own tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from safetensors import safe_open
+
+from ..config import DecoderConfig, read_hf_config
+from .names import IGNORED_SUFFIXES, HFTensor, hf_name_map
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def load_config(checkpoint_dir: str | Path) -> DecoderConfig:
+    """The `DecoderConfig` of the checkpoint directory's `config.json`."""
+    path = Path(checkpoint_dir) / CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no {CONFIG_FILE} in checkpoint directory {checkpoint_dir}")
+    return read_hf_config(json.loads(path.read_text()))
+
+
+def load_params(
+    checkpoint_dir: str | Path,
+    abstract_state: nnx.State,
+    mesh: Mesh,
+    dtype: np.dtype,
+    *,
+    scan_layers: bool = False,
+) -> nnx.State:
+    """Fills an abstract parameter state from a checkpoint, each device reading only its shard.
+
+    Args:
+      checkpoint_dir: A directory with `config.json` and `model.safetensors`, or
+        `model.safetensors.index.json` and the shard files it names.
+      abstract_state: The parameters of `nnx.eval_shape(model_factory)` (e.g.
+        `nnx.split(abstract_model, nnx.Param, ...)[1]`), with global shapes and `out_sharding`
+        metadata naming the mesh axes.
+      mesh: The mesh the arrays are placed on.
+      dtype: The dtype of every loaded parameter (the checkpoint's values are cast).
+      scan_layers: The model was built with `scan_layers` (its paths are `hf_name_map`'s with
+        it).
+
+    Returns:
+      `abstract_state` with every leaf replaced by a global array sharded as its metadata says.
+
+    Raises:
+      FileNotFoundError: The directory lacks the config or weights files.
+      ValueError: A parameter has no tensor in the map or checkpoint, a tensor's shape does not
+        fit its parameter, or the checkpoint holds tensors the model has no parameter for.
+    """
+    sources = hf_name_map(load_config(checkpoint_dir), scan_layers=scan_layers)
+    leaves = nnx.to_flat_state(abstract_state)
+    specs = dict(nnx.to_flat_state(nnx.get_partition_spec(abstract_state)))
+    paths = {_dotted(path) for path, _ in leaves}
+    unmapped = sorted(paths - sources.keys())
+    if unmapped:
+        raise ValueError(
+            f"model parameters {unmapped} have no Hugging Face tensor; expected the module paths "
+            "of models.checkpoints.hf_name_map"
+        )
+    absent = sorted(sources.keys() - paths)
+    if absent:
+        raise ValueError(
+            f"the checkpoint's config needs parameters {absent}, which the model lacks; build "
+            f"the model from the same config as {checkpoint_dir}"
+        )
+    with _Checkpoint(Path(checkpoint_dir)) as checkpoint:
+        used = {name for path in paths for name in sources[path].tensor_names()}
+        unused = sorted(
+            name
+            for name in checkpoint.names
+            if name not in used
+            and not name.endswith(IGNORED_SUFFIXES)
+            and (name != "lm_head.weight" or "lm_head.kernel" in sources)
+        )
+        if unused:
+            raise ValueError(
+                f"checkpoint {checkpoint_dir} has tensors the model does not use: {unused}"
+            )
+        # Check every tensor's presence and shape before reading any data.
+        stored_shapes = {
+            path: _fitted_shape(checkpoint, sources[_dotted(path)], _dotted(path), variable.shape)
+            for path, variable in leaves
+        }
+        loaded = []
+        for path, variable in leaves:
+            value = _make_array(
+                checkpoint,
+                sources[_dotted(path)],
+                variable.shape,
+                stored_shapes[path],
+                NamedSharding(mesh, specs[path].get_value()),
+                dtype,
+            )
+            loaded.append((path, variable.replace(value=value)))
+    return nnx.from_flat_state(loaded)
+
+
+def load_tensor(
+    checkpoint_dir: str | Path,
+    source: HFTensor,
+    shape: tuple[int, ...],
+    mesh: Mesh,
+    spec: PartitionSpec,
+    dtype: np.dtype,
+) -> jax.Array:
+    """One parameter from a checkpoint as a global array split by `spec`, each device reading
+    only its block (for stacked experts: only its experts' tensors, and only its slice of each).
+
+    Args:
+      checkpoint_dir: As `load_params`.
+      source: Where the parameter comes from (a single tensor or a stack of per-expert ones).
+      shape: The parameter's global shape (in the parameter's layout, e.g. [experts, hidden,
+        width] for stacked gate projections).
+      mesh: The mesh the array is placed on.
+      spec: The parameter's `PartitionSpec` over `mesh`.
+      dtype: The array's dtype (the checkpoint's values are cast).
+
+    Raises:
+      FileNotFoundError: The directory lacks the weights files.
+      ValueError: A tensor is missing or its shape does not fit `shape`.
+    """
+    path = f"<{source.name}>"
+    with _Checkpoint(Path(checkpoint_dir)) as checkpoint:
+        logical = _fitted_shape(checkpoint, source, path, tuple(shape))
+        return _make_array(
+            checkpoint, source, tuple(shape), logical, NamedSharding(mesh, spec), dtype
+        )
+
+
+def _make_array(checkpoint, source, shape, logical, sharding, dtype) -> jax.Array:
+    read = functools.partial(_read_block, checkpoint, source, shape, logical, np.dtype(dtype))
+    return jax.make_array_from_callback(shape, sharding, read)
+
+
+def _dotted(path: tuple) -> str:
+    return ".".join(str(part) for part in path)
+
+
+def _fitted_shape(
+    checkpoint: _Checkpoint, source: HFTensor, path: str, shape: tuple[int, ...]
+) -> tuple[int, ...]:
+    """The stored tensor's shape in the parameter's layout, checked to fit `shape`.
+
+    For stacked experts, "stored" is (experts, *one expert's shape), and only the expert's own
+    axes are transposed; for stacked layers, (layers, *one layer's)."""
+    if source.layers is not None:
+        parts = source.layer_parts()
+        if shape[:1] != (len(parts),):
+            raise ValueError(
+                f"parameter {path} stacks {len(parts)} layers on axis 0; its shape is {shape}"
+            )
+        fitted = {_fitted_shape(checkpoint, part, path, shape[1:]) for part in parts}
+        if len(fitted) != 1:
+            raise ValueError(f"the layers of {source.name} (parameter {path}) differ: {fitted}")
+        return (len(parts), *fitted.pop())
+    if source.parts is not None:
+        axis = source.part_axis
+        if not 0 <= axis < len(shape) or shape[axis] != len(source.parts):
+            raise ValueError(
+                f"parameter {path} stacks {len(source.parts)} parts on axis {axis}; its shape is "
+                f"{shape}"
+            )
+        inner = shape[:axis] + shape[axis + 1 :]
+        fitted = {_fitted_shape(checkpoint, part, path, inner) for part in source.stacked_parts()}
+        if len(fitted) != 1:
+            raise ValueError(f"the parts of {source.name} (parameter {path}) differ: {fitted}")
+        one = fitted.pop()
+        return (*one[:axis], len(source.parts), *one[axis:])
+    shapes = {name: checkpoint.shape(name, path) for name in source.tensor_names()}
+    if len(set(shapes.values())) != 1:
+        raise ValueError(
+            f"the experts of {source.name} (parameter {path}) differ in shape: {shapes}"
+        )
+    one = next(iter(shapes.values()))
+    one_logical = one[::-1] if source.transpose else one
+    if source.experts is None:
+        stored, logical = one, one_logical
+    else:
+        stored, logical = (source.experts, *one), (source.experts, *one_logical)
+    fits = len(logical) == len(shape) and all(
+        have == want or (axis == source.padded_axis and have <= want)
+        for axis, (have, want) in enumerate(zip(logical, shape, strict=False))
+    )
+    if not fits:
+        layout = (
+            f" (read transposed, as {logical}: HF Linear weights are [out, in])"
+            if source.transpose
+            else ""
+        )
+        raise ValueError(
+            f"checkpoint tensor {source.name} has shape {stored}{layout}; parameter {path} is "
+            f"{shape}. Build the model from the checkpoint's config.json."
+        )
+    return logical
+
+
+def _read_block(
+    checkpoint: _Checkpoint,
+    source: HFTensor,
+    shape: tuple[int, ...],
+    logical: tuple[int, ...],
+    dtype: np.dtype,
+    index: tuple[slice, ...],
+) -> np.ndarray:
+    """One device's block of a parameter of global `shape`; `logical` is the stored tensor's
+    shape in the parameter's layout (smaller along a padded axis)."""
+    wanted = [part.indices(size) for part, size in zip(index, shape, strict=True)]
+    block = np.zeros(tuple(stop - start for start, stop, _ in wanted), dtype)
+    # Clip to the stored extent: rows or columns past it are vocab padding, left zero.
+    reads = tuple(
+        slice(start, min(stop, size))
+        for (start, stop, _), size in zip(wanted, logical, strict=True)
+    )
+    if any(part.stop <= part.start for part in reads):
+        return block
+    if source.layers is not None:  # axis 0 picks the layers; each layer's part gives the rest
+        parts = source.layer_parts()[reads[0]]
+        inner = tuple(slice(part.start, part.stop) for part in reads[1:])
+        values = np.stack(
+            [_read_block(checkpoint, part, shape[1:], logical[1:], dtype, inner) for part in parts]
+        )
+    elif source.parts is not None:  # the parts axis picks the parts; each gives the rest
+        axis = source.part_axis
+        parts = source.stacked_parts()[reads[axis]]
+        inner = tuple(slice(part.start, part.stop) for part in reads[:axis] + reads[axis + 1 :])
+        cut = lambda sizes: sizes[:axis] + sizes[axis + 1 :]  # noqa: E731
+        blocks = [_read_block(checkpoint, p, cut(shape), cut(logical), dtype, inner) for p in parts]
+        values = np.stack(blocks, axis=axis)
+    elif source.experts is None:
+        values = _read_tensor(checkpoint, source.name, source.transpose, reads)
+    else:  # axis 0 picks the experts; each expert's tensor gives the rest of the block
+        names = source.tensor_names()[reads[0]]
+        values = np.stack(
+            [_read_tensor(checkpoint, name, source.transpose, reads[1:]) for name in names]
+        )
+    block[tuple(slice(0, part.stop - part.start) for part in reads)] = values.astype(dtype)
+    return block
+
+
+def _read_tensor(
+    checkpoint: _Checkpoint, name: str, transpose: bool, reads: tuple[slice, ...]
+) -> np.ndarray:
+    """The block `reads` (in the parameter's layout) of one stored tensor."""
+    stored = checkpoint.read(name, reads[::-1] if transpose else reads)
+    return stored.T if transpose else stored
+
+
+class _Checkpoint(contextlib.AbstractContextManager):
+    """The tensors of one checkpoint directory, each file opened (memory-mapped) once."""
+
+    def __init__(self, directory: Path):
+        self._directory = directory
+        self._files = contextlib.ExitStack()
+        self._handles: dict[str, object] = {}
+        index = directory / INDEX_FILE
+        if index.is_file():
+            weight_map: Mapping[str, str] = json.loads(index.read_text())["weight_map"]
+            self._file_of = dict(weight_map)
+        elif (directory / SINGLE_FILE).is_file():
+            self._file_of = {name: SINGLE_FILE for name in self._open(SINGLE_FILE).keys()}  # noqa: SIM118
+        else:
+            raise FileNotFoundError(
+                f"checkpoint directory {directory} has neither {SINGLE_FILE} nor {INDEX_FILE}"
+            )
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._file_of)
+
+    def shape(self, name: str, path: str) -> tuple[int, ...]:
+        if name not in self._file_of:
+            raise ValueError(
+                f"checkpoint {self._directory} has no tensor {name!r}, needed for parameter {path}"
+            )
+        return tuple(self._open(self._file_of[name]).get_slice(name).get_shape())
+
+    def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        return self._open(self._file_of[name]).get_slice(name)[index]
+
+    def _open(self, file: str):
+        if file not in self._handles:
+            path = self._directory / file
+            if not path.is_file():
+                raise FileNotFoundError(
+                    f"checkpoint file {path} (named in {INDEX_FILE}) is missing"
+                )
+            self._handles[file] = self._files.enter_context(safe_open(str(path), framework="numpy"))
+        return self._handles[file]
+
+    def __exit__(self, *exc_info):
+        self._files.close()
+        self._handles.clear()

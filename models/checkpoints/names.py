@@ -1,0 +1,238 @@
+"""Where each model parameter comes from in a Hugging Face checkpoint: the tensor names per
+family, in one room.
+
+`hf_name_map(config)` maps every parameter path of a decoder (`layers.3.input_norm.weight`) to its
+`HFTensor`: the safetensors name (`model.layers.3.input_layernorm.weight`), whether it is an
+`nn.Linear` weight read transposed, the vocab padding, and the stacks one parameter holds (the
+experts of a layer, the parts one matmul computes together, the layers of a scanned run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..config import Architecture, DecoderConfig, ResidualDesign
+
+
+@dataclasses.dataclass(frozen=True)
+class HFTensor:
+    """Where one model parameter comes from in a Hugging Face checkpoint.
+
+    Attributes:
+      name: The safetensors tensor name, e.g. "model.layers.0.self_attn.q_proj.weight"; for
+        stacked experts a pattern with an `{expert}` field, e.g.
+        "model.layers.0.mlp.experts.{expert}.gate_proj.weight".
+      transpose: The tensor is an `nn.Linear` weight [out, in]; the parameter is [in, out] (for
+        stacked experts: each expert's [out, in] becomes [in, out] behind the expert axis).
+      padded_axis: The parameter axis padded past the checkpoint's vocab size with zeros, or
+        None when the shapes must match exactly.
+      experts: For a stack of per-expert tensors, their number: parameter axis 0 runs over the
+        experts 0 .. experts - 1, and expert e comes from `name.format(expert=e)`. None for one
+        tensor.
+      layers: For a parameter of a scanned run of layers (`boundary_jax.StackedLayers`), the
+        model layers it stacks: parameter axis 0 runs over them, and layer l's part (itself
+        possibly a stack of experts or parts) comes from the name with `{layer}` replaced by l.
+        None for one layer's parameter.
+      parts: For projections stacked in one parameter (`ColumnParallelLinear(parts=...)`, the
+        experts' `gate_up_proj`), the values of the name's `{part}` field, e.g. ("k", "v") in
+        "self_attn.{part}_proj.weight": one layer's parameter axis `part_axis` runs over them,
+        and each part may itself be a stack of experts. None for one tensor.
+      part_axis: The axis of one layer's parameter that `parts` stack on.
+    """
+
+    name: str
+    transpose: bool = False
+    padded_axis: int | None = None
+    experts: int | None = None
+    layers: tuple[int, ...] | None = None
+    parts: tuple[str, ...] | None = None
+    part_axis: int | None = None
+
+    def __post_init__(self):
+        stacked = "{expert}" in self.name
+        if stacked != (self.experts is not None):
+            raise ValueError(
+                "a stacked-experts HFTensor needs both an {expert} field in its name and "
+                f"experts=N; got name={self.name!r}, experts={self.experts!r}"
+            )
+        if self.experts is not None and (self.experts < 1 or self.padded_axis is not None):
+            raise ValueError(
+                f"stacked experts need experts >= 1 and no padded axis; got {self.experts=}, "
+                f"{self.padded_axis=}"
+            )
+        if ("{layer}" in self.name) != (self.layers is not None) or (
+            self.layers is not None and (not self.layers or self.padded_axis is not None)
+        ):
+            raise ValueError(
+                "a stacked-layers HFTensor needs a {layer} field in its name, layers=(l, ...) "
+                f"and no padded axis; got name={self.name!r}, layers={self.layers!r}, "
+                f"padded_axis={self.padded_axis!r}"
+            )
+        if ("{part}" in self.name) != (self.parts is not None) or (self.parts is None) != (
+            self.part_axis is None
+        ):
+            raise ValueError(
+                "a stacked-parts HFTensor needs a {part} field in its name, parts=(name, ...) "
+                f"and part_axis; got name={self.name!r}, parts={self.parts!r}, "
+                f"part_axis={self.part_axis!r}"
+            )
+        if self.parts is not None and self.padded_axis is not None:
+            raise ValueError(f"stacked parts take no padded axis; got {self.padded_axis=}")
+
+    def layer_parts(self) -> tuple[HFTensor, ...]:
+        """Per layer of a stacked-layers parameter, the source of its part; else (self,)."""
+        if self.layers is None:
+            return (self,)
+        return tuple(
+            dataclasses.replace(self, name=self.name.replace("{layer}", str(i)), layers=None)
+            for i in self.layers
+        )
+
+    def stacked_parts(self) -> tuple[HFTensor, ...]:
+        """Per part of one layer's stacked-parts parameter, the source of its part."""
+        return tuple(
+            dataclasses.replace(
+                self, name=self.name.replace("{part}", part), parts=None, part_axis=None
+            )
+            for part in self.parts
+        )
+
+    def tensor_names(self) -> tuple[str, ...]:
+        """The checkpoint tensors this parameter is made of, in parameter order."""
+        if self.layers is not None:
+            return tuple(name for part in self.layer_parts() for name in part.tensor_names())
+        if self.parts is not None:
+            return tuple(name for part in self.stacked_parts() for name in part.tensor_names())
+        if self.experts is None:
+            return (self.name,)
+        return tuple(self.name.format(expert=e) for e in range(self.experts))
+
+
+# Each design's norms, by the boundary that owns them: its input norm (`norm`), its update's norm
+# (post-norm) or its output transform (sandwich).
+_NORM_TENSORS = {
+    ResidualDesign.PRE_NORM: {
+        "attn_boundary.norm.weight": HFTensor("input_layernorm.weight"),
+        "ffn_boundary.norm.weight": HFTensor("post_attention_layernorm.weight"),
+    },
+    ResidualDesign.POST_NORM: {
+        "attn_boundary.update.norm.weight": HFTensor("post_attention_layernorm.weight"),
+        "ffn_boundary.update.norm.weight": HFTensor("post_feedforward_layernorm.weight"),
+    },
+    ResidualDesign.SANDWICH: {
+        "attn_boundary.norm.weight": HFTensor("input_layernorm.weight"),
+        "attn_boundary.output_transform.weight": HFTensor("post_attention_layernorm.weight"),
+        "ffn_boundary.norm.weight": HFTensor("pre_feedforward_layernorm.weight"),
+        "ffn_boundary.output_transform.weight": HFTensor("post_feedforward_layernorm.weight"),
+    },
+}
+_KV_PARTS = ("k", "v")
+_LAYER_TENSORS = {
+    "attn.q_proj.kernel": HFTensor("self_attn.q_proj.weight", transpose=True),
+    "attn.kv_proj.kernel": HFTensor(
+        "self_attn.{part}_proj.weight", transpose=True, parts=_KV_PARTS, part_axis=1
+    ),
+    "attn.o_proj.kernel": HFTensor("self_attn.o_proj.weight", transpose=True),
+    "mlp.gate_up_proj.kernel": HFTensor(
+        "mlp.{part}_proj.weight", transpose=True, parts=("gate", "up"), part_axis=1
+    ),
+    "mlp.down_proj.kernel": HFTensor("mlp.down_proj.weight", transpose=True),
+}
+_QK_NORM_TENSORS = {
+    "attn.q_norm.weight": HFTensor("self_attn.q_norm.weight"),
+    "attn.k_norm.weight": HFTensor("self_attn.k_norm.weight"),
+}
+_QKV_BIAS_TENSORS = {
+    "attn.q_proj.bias": HFTensor("self_attn.q_proj.bias"),
+    "attn.kv_proj.bias": HFTensor("self_attn.{part}_proj.bias", parts=_KV_PARTS, part_axis=0),
+}
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # a buffer some older checkpoints store
+
+
+def _sparse_ffn_tensors(config: DecoderConfig) -> dict[str, HFTensor]:
+    """The sparse FFN's parameters (paths relative to the layer) for
+    `models.layers.moe.SparseMoe` held as the layer's `mlp`, with layer-relative tensor names."""
+    moe = config.moe
+    if config.architecture is Architecture.MIXTRAL:
+        prefix, names = "block_sparse_moe.", {"gate": "w1", "up": "w3", "down": "w2"}
+    else:
+        prefix, names = "mlp.", {part: f"{part}_proj" for part in ("gate", "up", "down")}
+    experts = f"{prefix}experts.{{expert}}."
+    tensors = {
+        "mlp.router": HFTensor(f"{prefix}gate.weight", transpose=True),
+        "mlp.gate_up_proj": HFTensor(
+            experts + "{part}.weight",
+            transpose=True,
+            experts=moe.num_experts,
+            parts=(names["gate"], names["up"]),
+            part_axis=2,
+        ),
+        "mlp.down_proj": HFTensor(
+            experts + names["down"] + ".weight", transpose=True, experts=moe.num_experts
+        ),
+    }
+    if moe.shared_expert_intermediate_size is not None:
+        for part in ("gate", "up", "down"):
+            tensors[f"mlp.shared_expert.{part}_proj"] = HFTensor(
+                f"mlp.shared_expert.{part}_proj.weight", transpose=True
+            )
+        if moe.shared_expert_gate:
+            tensors["mlp.shared_expert.expert_gate"] = HFTensor(
+                "mlp.shared_expert_gate.weight", transpose=True
+            )
+    return tensors
+
+
+def hf_name_map(config: DecoderConfig, *, scan_layers: bool = False) -> dict[str, HFTensor]:
+    """`{module path: HFTensor}` for every parameter of a decoder described by `config`, built
+    with or without `scan_layers`.
+
+    Module paths are the dotted `nnx` state paths: `embed.embedding`,
+    `layers.{i}.attn_boundary.norm.weight`, `layers.{i}.ffn_boundary.norm.weight` (each
+    stage's input norm, owned by its boundary; a post-norm decoder has instead
+    `layers.{i}.{attn,ffn}_boundary.update.norm.weight`, its updates' norms, and a sandwich-norm
+    one has both input norms and `layers.{i}.{attn,ffn}_boundary.output_transform.weight`),
+    `layers.{i}.attn.{q,o}_proj.kernel`, `layers.{i}.attn.kv_proj.kernel` (k and v stacked on
+    axis 1), `layers.{i}.attn.{q,k}_norm.weight` (qk_norm only),
+    `layers.{i}.mlp.gate_up_proj.kernel` (gate and up stacked on axis 1),
+    `layers.{i}.mlp.down_proj.kernel`, `final_norm.weight`, and `lm_head.kernel` (absent with
+    tied embeddings, where the head reads the embedding table).
+
+    With q/k/v biases (Qwen2, Qwen2-MoE): `layers.{i}.attn.q_proj.bias` and
+    `layers.{i}.attn.kv_proj.bias` (k and v stacked on axis 0). A sparse layer of
+    an MoE decoder (`config.sparse_layers`) has, in place of the dense MLP, the parameters of a
+    `models.layers.moe.SparseMoe` at `layers.{i}.mlp`: `mlp.router` [hidden, experts],
+    `mlp.gate_up_proj` [experts, hidden, 2, width] (gate and up stacked on axis 2) and
+    `mlp.down_proj` [experts, width, hidden] (stacked per-expert tensors), and with a shared
+    expert `mlp.shared_expert.{gate,up,down}_proj` and `mlp.shared_expert.expert_gate`
+    [hidden, 1].
+
+    The paths above are those of an unscanned model. With `scan_layers`, `layers.{b}` is block
+    b of `config.layer_blocks(True)`: an unscanned layer has its paths, and a scanned run has
+    `layers.{b}.layer.<path>` with the run's layers stacked on axis 0 (`HFTensor.layers`).
+    """
+    names = {"embed.embedding": HFTensor("model.embed_tokens.weight", padded_axis=0)}
+    dense = (
+        _NORM_TENSORS[config.residual_design]
+        | _LAYER_TENSORS
+        | (_QK_NORM_TENSORS if config.qk_norm else {})
+        | (_QKV_BIAS_TENSORS if config.qkv_bias else {})
+    )
+    sparse = {k: v for k, v in dense.items() if not k.startswith("mlp.")}
+    if config.moe is not None:
+        sparse |= _sparse_ffn_tensors(config)
+    for b, (block, scanned) in enumerate(config.layer_blocks(scan_layers)):
+        layer_paths = sparse if config.sparse_layers[block.start] else dense
+        for path, tensor in layer_paths.items():
+            if not scanned:
+                names[f"layers.{b}.{path}"] = dataclasses.replace(
+                    tensor, name=f"model.layers.{block.start}.{tensor.name}"
+                )
+            else:
+                names[f"layers.{b}.layer.{path}"] = dataclasses.replace(
+                    tensor, name=f"model.layers.{{layer}}.{tensor.name}", layers=tuple(block)
+                )
+    names["final_norm.weight"] = HFTensor("model.norm.weight")
+    if not config.tie_word_embeddings:
+        names["lm_head.kernel"] = HFTensor("lm_head.weight", transpose=True, padded_axis=1)
+    return names

@@ -1,0 +1,1 @@
+"""The `boundary-jax` command line: forward, generate, plan, train and the demo."""

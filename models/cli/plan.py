@@ -1,0 +1,124 @@
+"""What a sharded decoder binds and runs: stage plans and its compiled forward's collectives."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+import boundary_jax as bj
+from boundary_jax.report import KINDS, describe_path, parse_hlo
+
+from ..families.moe import MoeCausalLM
+from ..serving.runtime import ShardedCausalLM
+
+# A batch with ragged sequences, so every boundary runs on padded blocks.
+PLAN_SEQUENCES = ([1] * 13, [2] * 5, [3] * 9, [4] * 2)
+
+
+def collective_report(runner: ShardedCausalLM) -> bj.CollectiveReport:
+    """The collectives of the compiled sharded forward, by layer."""
+    compiled = runner.lower_forward(PLAN_SEQUENCES).compile()
+    return parse_hlo(compiled.as_text())
+
+
+def middle_layer(num_layers: int) -> int:
+    """A layer that is neither the stack entry nor the terminal layer, where there is one."""
+    return num_layers // 2
+
+
+def middle_sparse_layer(sparse_layers: tuple[bool, ...]) -> int | None:
+    """The sparse layer nearest the middle that is neither the first nor the last; None when no
+    such layer exists (a dense decoder, or too few layers)."""
+    middle = middle_layer(len(sparse_layers))
+    inner = [i for i in range(1, len(sparse_layers) - 1) if sparse_layers[i]]
+    return min(inner, key=lambda i: abs(i - middle)) if inner else None
+
+
+def plan_report(runner: ShardedCausalLM) -> dict[str, Any]:
+    """Every stage's bound plan for the runner's batch variant, and measured collectives.
+
+    `collectives_per_layer` and `bytes_per_layer` are those of `middle_layer` (of an MoE
+    decoder, a middle sparse layer; bytes: the sum of each collective's full buffer, see
+    `boundary_jax.report`). In a model built with `scan_layers`, each layer of a scanned run
+    reports its run's plans and the collectives of the run's scan body (once per layer).
+    """
+    model = runner.model
+    variant = (
+        bj.BatchVariant.INPUT_SCATTERED if runner.input_scattered else bj.BatchVariant.ORDINARY
+    )
+    count = model.config.num_layers
+    stages = []
+    for index in range(count):
+        layer = model.layer_structure(index)
+        for name, boundary in (("attention", layer.attn_boundary), ("ffn", layer.ffn_boundary)):
+            stages.append(
+                {"layer": index, "stage": name, **describe_path(boundary.plan.path(variant))}
+            )
+    report = collective_report(runner)
+    middle = middle_sparse_layer(model.config.sparse_layers)
+    if middle is None:
+        middle = middle_layer(count)
+    first_plan = model.layer_structure(0).attn_boundary.plan
+    return {
+        "architecture": model.config.architecture.value,
+        "mesh": runner.topology.mesh_shape(),
+        "moe_ep": runner.topology.moe_ep,
+        "moe_dispatch": model.moe_dispatch.value if isinstance(model, MoeCausalLM) else None,
+        "scan_layers": model.scan_layers,
+        "policy": first_plan.policy.value,
+        "batch": variant.value,
+        "stages": stages,
+        "middle_layer": middle,
+        "collectives_per_layer": report.counts(middle),
+        "bytes_per_layer": report.bytes(middle),
+        "collectives_by_layer": [
+            {"layer": layer, "sequence": list(report.sequence(layer)), "bytes": report.bytes(layer)}
+            for layer in range(count)
+        ],
+        "collectives_outside_layers": list(report.sequence(None)),
+    }
+
+
+def print_plan(report: dict[str, Any], console: Console | None = None) -> None:
+    """Prints `plan_report` as tables."""
+    console = console or Console(width=None if sys.stdout.isatty() else 120)
+    console.print(
+        f"[bold]{report['architecture']}[/] on mesh {report['mesh']}, policy {report['policy']}, "
+        f"{report['batch']} batch"
+    )
+    table = Table(title="bound stage plans")
+    for column in (
+        "layer",
+        "stage",
+        "input: completes",
+        "fused with add+norm",
+        "moves input",
+        "exit (first eligible option)",
+    ):
+        table.add_column(column)
+    for stage in report["stages"]:
+        entry = next(e for e in stage["entries"] if e["primary"])
+        option = stage["exit_options"][0]
+        table.add_row(
+            str(stage["layer"]),
+            stage["stage"],
+            f"{entry['from']}: {entry['completes']}",
+            entry["fused_with_add_norm"],
+            entry["moves_input"],
+            f"{option['exit']}: {option['runs']}",
+        )
+    console.print(table)
+    counts = Table(title="collectives per layer (compiled HLO)")
+    counts.add_column("layer")
+    for kind in KINDS:
+        counts.add_column(kind)
+    counts.add_column("bytes")
+    for layer in report["collectives_by_layer"]:
+        sequence = layer["sequence"]
+        counts.add_row(
+            str(layer["layer"]), *(str(sequence.count(kind)) for kind in KINDS), str(layer["bytes"])
+        )
+    console.print(counts)

@@ -1,0 +1,19 @@
+"""Decoder configurations: the frozen config types, the Hugging Face `config.json` reader and
+writer, and the named presets."""
+
+from .hf import read_hf_config as read_hf_config
+from .hf import write_hf_config as write_hf_config
+from .presets import PRESETS as PRESETS
+from .types import MOE_ARCHITECTURES as MOE_ARCHITECTURES
+from .types import Activation as Activation
+from .types import Architecture as Architecture
+from .types import AttentionKind as AttentionKind
+from .types import DecoderConfig as DecoderConfig
+from .types import LayerAttention as LayerAttention
+from .types import LayerBlock as LayerBlock
+from .types import LinearRopeScaling as LinearRopeScaling
+from .types import Llama3RopeScaling as Llama3RopeScaling
+from .types import MoeConfig as MoeConfig
+from .types import ResidualDesign as ResidualDesign
+from .types import RopeScaling as RopeScaling
+from .types import padded_vocab as padded_vocab

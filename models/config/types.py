@@ -1,0 +1,401 @@
+"""Frozen decoder configurations: presets and a reader for Hugging Face `config.json` files.
+
+Dense decoders (Qwen3, Llama, Mistral, Qwen2), post-norm and sandwich-norm decoders (EXAONE 4.0,
+OLMo 2, Gemma 3 text) and mixture-of-experts decoders (Qwen3-MoE, Mixtral, Qwen2-MoE) read into
+one `DecoderConfig`; the sparse FFN's facts sit in its `moe` field, and what differs between the
+attention of one layer and another (window, RoPE) is `DecoderConfig.layer_attention`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import NamedTuple
+
+
+class Architecture(enum.StrEnum):
+    """The Hugging Face model classes a `DecoderConfig` can describe."""
+
+    QWEN3 = "Qwen3ForCausalLM"
+    LLAMA = "LlamaForCausalLM"
+    MISTRAL = "MistralForCausalLM"
+    QWEN2 = "Qwen2ForCausalLM"
+    QWEN3_MOE = "Qwen3MoeForCausalLM"
+    MIXTRAL = "MixtralForCausalLM"
+    QWEN2_MOE = "Qwen2MoeForCausalLM"
+    EXAONE4 = "Exaone4ForCausalLM"
+    OLMO2 = "Olmo2ForCausalLM"
+    GEMMA3 = "Gemma3ForCausalLM"
+
+
+MOE_ARCHITECTURES = (Architecture.QWEN3_MOE, Architecture.MIXTRAL, Architecture.QWEN2_MOE)
+
+
+class ResidualDesign(enum.Enum):
+    """Where a decoder layer's norms sit around each stage.
+
+    PRE_NORM: each stage reads `norm(residual)`; the update is `residual + output`.
+    POST_NORM: each stage reads the residual as is; the update is `residual + norm(output)`
+      (EXAONE 4.0, OLMo 2).
+    SANDWICH: pre-norm read, and a norm of the complete output before the plain update (Gemma 3).
+    """
+
+    PRE_NORM = "pre-norm"
+    POST_NORM = "post-norm"
+    SANDWICH = "sandwich"
+
+
+_RESIDUAL_DESIGNS = {
+    Architecture.EXAONE4: ResidualDesign.POST_NORM,
+    Architecture.OLMO2: ResidualDesign.POST_NORM,
+    Architecture.GEMMA3: ResidualDesign.SANDWICH,
+}
+
+
+class AttentionKind(enum.StrEnum):
+    """The attention of one layer, by Hugging Face's `layer_types` names."""
+
+    FULL = "full_attention"
+    SLIDING = "sliding_attention"
+
+
+class Activation(enum.StrEnum):
+    """The gate activation of the gated MLP (Hugging Face `hidden_act` / `hidden_activation`)."""
+
+    SILU = "silu"
+    GELU_TANH = "gelu_pytorch_tanh"
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """The sparse FFN of a mixture-of-experts decoder: static and hashable.
+
+    Attributes:
+      num_experts: Routed experts per sparse layer (HF `num_experts` / `num_local_experts`).
+      top_k: Experts each token is sent to (HF `num_experts_per_tok`).
+      expert_intermediate_size: Width of one routed expert's SwiGLU (HF `moe_intermediate_size`;
+        Mixtral's `intermediate_size`).
+      renormalize: The top-k router probabilities are divided by their sum (Mixtral always;
+        Qwen3-MoE and Qwen2-MoE where `norm_topk_prob`); otherwise they are the softmax over all
+        experts as is.
+      shared_expert_intermediate_size: Width of the shared expert every token also goes
+        through, or None without one (Qwen2-MoE has one).
+      shared_expert_gate: The shared expert's output is scaled by
+        `sigmoid(x @ shared_expert_gate)` per token (Qwen2-MoE).
+      mlp_only_layers: Layers whose FFN is dense (HF `mlp_only_layers`).
+      decoder_sparse_step: Layer i is sparse when (i + 1) % decoder_sparse_step == 0 and it is
+        not in `mlp_only_layers`; the others run the dense FFN of width `intermediate_size`.
+    """
+
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    renormalize: bool
+    shared_expert_intermediate_size: int | None = None
+    shared_expert_gate: bool = False
+    mlp_only_layers: tuple[int, ...] = ()
+    decoder_sparse_step: int = 1
+
+    def __post_init__(self):
+        for name in ("num_experts", "top_k", "expert_intermediate_size", "decoder_sparse_step"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"MoeConfig.{name} must be a positive int; got {value!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                "top_k cannot exceed num_experts (a token picks distinct experts); got "
+                f"{self.top_k=}, {self.num_experts=}"
+            )
+        shared = self.shared_expert_intermediate_size
+        if shared is not None and (not isinstance(shared, int) or shared < 1):
+            raise ValueError(
+                f"shared_expert_intermediate_size must be positive or None; got {shared!r}"
+            )
+        if self.shared_expert_gate and shared is None:
+            raise ValueError(
+                "shared_expert_gate=True needs a shared expert; got "
+                "shared_expert_intermediate_size=None"
+            )
+        if not isinstance(self.mlp_only_layers, tuple) or any(
+            not isinstance(i, int) or i < 0 for i in self.mlp_only_layers
+        ):
+            raise TypeError(
+                "mlp_only_layers must be a tuple of layer indices (hashable); got "
+                f"{self.mlp_only_layers!r}"
+            )
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (0-based) runs the sparse FFN, by HF's rule."""
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3 RoPE frequency scaling (Hugging Face `rope_type: "llama3"`).
+
+    Attributes:
+      factor: Divisor of the low frequencies.
+      low_freq_factor: Wavelengths above `original_max_position_embeddings / low_freq_factor`
+        are divided by `factor`.
+      high_freq_factor: Wavelengths below `original_max_position_embeddings / high_freq_factor`
+        are kept; those between the two bounds are interpolated.
+      original_max_position_embeddings: The context length the model was pre-trained with.
+    """
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def __post_init__(self):
+        if not self.high_freq_factor > self.low_freq_factor > 0:
+            raise ValueError(
+                "llama3 RoPE scaling needs high_freq_factor > low_freq_factor > 0; got "
+                f"{self.low_freq_factor=}, {self.high_freq_factor=}"
+            )
+        if self.factor <= 0 or self.original_max_position_embeddings <= 0:
+            raise ValueError(
+                "llama3 RoPE scaling needs a positive factor and original context; got "
+                f"{self.factor=}, {self.original_max_position_embeddings=}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearRopeScaling:
+    """Linear RoPE position interpolation (Hugging Face `rope_type: "linear"`): every inverse
+    frequency is divided by `factor`.
+
+    Attributes:
+      factor: The divisor (> 0).
+    """
+
+    factor: float
+
+    def __post_init__(self):
+        if not self.factor > 0:
+            raise ValueError(f"linear RoPE scaling needs a positive factor; got {self.factor=}")
+
+
+RopeScaling = Llama3RopeScaling | LinearRopeScaling
+
+
+class LayerBlock(NamedTuple):
+    """Consecutive layers a model holds as one block (`DecoderConfig.layer_blocks`).
+
+    Attributes:
+      layers: The model layer indices of the block.
+      scanned: The block is a scanned run (`boundary_jax.StackedLayers`, its parameters
+        stacked on a leading layer axis); else it is one layer held plainly.
+    """
+
+    layers: range
+    scanned: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerAttention:
+    """What the attention of one layer uses: its window and its rotary embedding.
+
+    Attributes:
+      sliding_window: A row at position p attends to positions p - sliding_window < q <= p;
+        None for full causal attention.
+      rope_theta: RoPE base; None for no rotary embedding (EXAONE 4.0's global layers).
+      rope_scaling: Frequency scaling of the RoPE, or None.
+    """
+
+    sliding_window: int | None
+    rope_theta: float | None
+    rope_scaling: RopeScaling | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+    """The architecture of a decoder (Qwen3, Llama, Mistral, Qwen2 and the MoE ones): static and
+    hashable.
+
+    Attributes:
+      architecture: The Hugging Face class the weights come from.
+      vocab_size: Number of token ids (unpadded).
+      hidden_size: Width of the residual stream.
+      intermediate_size: Width of the dense SwiGLU FFN (in an MoE decoder, that of its dense
+        layers; Mixtral has none and repeats its expert width here, as its config.json does).
+      num_layers: Number of decoder layers.
+      num_heads: Query heads.
+      num_kv_heads: Key/value heads; query head j uses kv head j // (num_heads // num_kv_heads).
+      head_dim: Width of one head (may differ from hidden_size // num_heads).
+      rms_norm_eps: Epsilon of every RMSNorm, q/k norms included.
+      rope_theta: RoPE base.
+      rope_scaling: Llama 3 frequency scaling, or None for plain RoPE.
+      qk_norm: Qwen3-style RMSNorm of every query and key head before RoPE.
+      tie_word_embeddings: The LM head reuses the embedding table.
+      sliding_window: A row at position p attends to positions p - sliding_window < q <= p;
+        None for full causal attention.
+      max_position_embeddings: Longest context the model supports.
+      qkv_bias: The q, k and v projections add a bias (Qwen2, Qwen2-MoE); o has none.
+      moe: The sparse FFN of an MoE decoder, or None for a dense decoder.
+      layer_types: Per layer, full or sliding-window attention; None: every layer slides when
+        `sliding_window` is set, none otherwise.
+      rope_local_theta: RoPE base of the sliding-window layers (Gemma 3's local base, without
+        `rope_scaling`); None: they use `rope_theta` and `rope_scaling` like the others.
+      nope_full_layers: The full-attention layers apply no RoPE (EXAONE 4.0 with a window).
+      qk_norm_whole: The q/k norms span the whole projection (all heads; OLMo 2) instead of each
+        head; needs `qk_norm`.
+      query_pre_attn_scalar: Attention scores are scaled by its inverse square root (Gemma 3);
+        None: by `head_dim ** -0.5`.
+      activation: The gated MLP's activation (SiLU: SwiGLU; GELU tanh: Gemma's GeGLU).
+    """
+
+    architecture: Architecture
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    qk_norm: bool
+    tie_word_embeddings: bool
+    sliding_window: int | None
+    max_position_embeddings: int
+    qkv_bias: bool = False
+    moe: MoeConfig | None = None
+    layer_types: tuple[AttentionKind, ...] | None = None
+    rope_local_theta: float | None = None
+    nope_full_layers: bool = False
+    qk_norm_whole: bool = False
+    query_pre_attn_scalar: float | None = None
+    activation: Activation = Activation.SILU
+
+    def __post_init__(self):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"DecoderConfig.{name} must be a positive int; got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                "num_heads must be a multiple of num_kv_heads (grouped-query attention); got "
+                f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(
+                f"RoPE rotates pairs of dimensions; head_dim must be even, got {self.head_dim}"
+            )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be positive or None; got {self.sliding_window}")
+        if (self.moe is not None) != (self.architecture in MOE_ARCHITECTURES):
+            raise ValueError(
+                f"{self.architecture.value} {'needs' if self.moe is None else 'takes no'} MoE "
+                f"settings; got moe={self.moe!r}. Mixture-of-experts architectures are "
+                f"{[a.value for a in MOE_ARCHITECTURES]}"
+            )
+        if self.moe is not None and any(i >= self.num_layers for i in self.moe.mlp_only_layers):
+            raise ValueError(
+                f"mlp_only_layers must name layers below num_layers={self.num_layers}; got "
+                f"{self.moe.mlp_only_layers}"
+            )
+        kinds = self.layer_types
+        if kinds is not None:
+            if not isinstance(kinds, tuple) or any(
+                not isinstance(kind, AttentionKind) for kind in kinds
+            ):
+                raise TypeError(f"layer_types must be a tuple of AttentionKind; got {kinds!r}")
+            if len(kinds) != self.num_layers:
+                raise ValueError(
+                    f"layer_types must name one attention kind per layer ({self.num_layers}); "
+                    f"got {len(kinds)}"
+                )
+            if AttentionKind.SLIDING in kinds and self.sliding_window is None:
+                raise ValueError(
+                    "layer_types marks sliding-window layers but sliding_window is None; give "
+                    "the window or mark every layer full_attention"
+                )
+        if self.qk_norm_whole and not self.qk_norm:
+            raise ValueError("qk_norm_whole=True (norm over all heads) needs qk_norm=True")
+        if self.query_pre_attn_scalar is not None and not self.query_pre_attn_scalar > 0:
+            raise ValueError(
+                f"query_pre_attn_scalar must be positive or None; got {self.query_pre_attn_scalar}"
+            )
+
+    @property
+    def residual_design(self) -> ResidualDesign:
+        """Where the architecture's norms sit around each stage."""
+        return _RESIDUAL_DESIGNS.get(self.architecture, ResidualDesign.PRE_NORM)
+
+    @property
+    def gemma_norms(self) -> bool:
+        """Every RMSNorm (q/k norms and the final norm too) scales by `1 + weight` (Gemma)."""
+        return self.architecture is Architecture.GEMMA3
+
+    @property
+    def embedding_scale(self) -> float | None:
+        """The factor the embedding's output is multiplied by (Gemma: sqrt(hidden_size), in the
+        embedding's dtype), or None."""
+        return math.sqrt(self.hidden_size) if self.architecture is Architecture.GEMMA3 else None
+
+    def layer_kind(self, layer: int) -> AttentionKind:
+        """Whether layer `layer` (0-based) attends fully or within the sliding window."""
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer must be in [0, {self.num_layers}); got {layer}")
+        if self.layer_types is not None:
+            return self.layer_types[layer]
+        return AttentionKind.FULL if self.sliding_window is None else AttentionKind.SLIDING
+
+    def layer_attention(self, layer: int) -> LayerAttention:
+        """The window and RoPE of layer `layer`'s attention."""
+        if self.layer_kind(layer) is AttentionKind.SLIDING:
+            if self.rope_local_theta is not None:
+                return LayerAttention(self.sliding_window, self.rope_local_theta)
+            return LayerAttention(self.sliding_window, self.rope_theta, self.rope_scaling)
+        if self.nope_full_layers:
+            return LayerAttention(None, None)
+        return LayerAttention(None, self.rope_theta, self.rope_scaling)
+
+    def layer_blocks(self, scan_layers: bool) -> tuple[LayerBlock, ...]:
+        """The blocks a model of this config holds its layers in, in order: one unscanned layer
+        each without `scan_layers`; with it, the stack entry and the terminal layer alone
+        (unscanned) and the layers between in scanned runs of one structure
+        (`boundary_jax.StackedLayers`), split where the FFN (sparse or dense) or the attention
+        (window, RoPE) changes, and after a change of FFN (a layer's attention input binds to
+        what the previous FFN's exit hands on)."""
+        count = self.num_layers
+        if not scan_layers or count < 3:
+            return tuple(LayerBlock(range(i, i + 1), False) for i in range(count))
+        blocks = [LayerBlock(range(0, 1), False)]
+        start = 1
+        for index in range(2, count):
+            if index == count - 1 or self._layer_structure(index) != self._layer_structure(start):
+                blocks.append(LayerBlock(range(start, index), True))
+                start = index
+        blocks.append(LayerBlock(range(count - 1, count), False))
+        return tuple(blocks)
+
+    def _layer_structure(self, layer: int) -> tuple:
+        sparse = self.sparse_layers
+        return sparse[layer - 1], sparse[layer], self.layer_attention(layer)
+
+    @property
+    def sparse_layers(self) -> tuple[bool, ...]:
+        """Per layer, whether its FFN is the sparse (MoE) one; all False for a dense decoder."""
+        return tuple(
+            self.moe is not None and self.moe.is_sparse(layer) for layer in range(self.num_layers)
+        )
+
+
+def padded_vocab(vocab: int, shards: int) -> int:
+    """`vocab` rounded up to a multiple of `shards`, so a vocab-parallel table splits evenly."""
+    if vocab < 1 or shards < 1:
+        raise ValueError(f"vocab and shards must be positive; got {vocab=}, {shards=}")
+    return -(-vocab // shards) * shards

@@ -1,0 +1,552 @@
+"""Qwen3, Llama (also Mistral-style) and Qwen2 decoders built only from stage boundaries.
+
+Each layer appends an attention stage and an FFN stage to the model's layer stack; the model
+enters the stack with the vocab-parallel embedding's partial sum and leaves it through the final
+norm. Compute never sums: every sum a stage owes is completed by a boundary. Where the norms sit
+around each stage is the model's declaration (`CausalLM.stage_facts`, `CausalLM.read_norms`): the
+post-norm and sandwich-norm families (`models.families.norm_designs`) change only those.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import boundary_jax as bj
+from boundary_jax import residual
+
+from ..config import Architecture, DecoderConfig
+from ..layers.attention import Attention, AttentionImpl, KVCache
+from ..layers.hyper_connections import HyperConnections
+from ..layers.linear import ParallelLMHead, VocabParallelEmbedding
+from ..layers.mlp import SwiGLU
+from ..rows import TokenRows
+
+LayerDesigns = tuple[Mapping[str, Any], Mapping[str, Any]]
+"""A layer's attention and FFN stages' residual `read` / `update` declaration keywords."""
+PLAIN: LayerDesigns = ({}, {})
+"""The plain pre-norm design: add + RMSNorm at every boundary."""
+ReadNorms = tuple[bj.RMSNorm | None, bj.RMSNorm | None]
+"""A layer's attention and FFN stages' input norms (None: the stage reads the residual as is)."""
+
+
+class Remat(enum.Enum):
+    """What each decoder layer keeps for the backward pass (`jax.checkpoint` per layer).
+
+    NONE: every activation is kept (no recomputation).
+    FULL: only each layer's inputs are kept; the backward recomputes the layer.
+    DOTS: the layer's matmul outputs are kept, the rest (norms, activations, softmax) is
+      recomputed (`jax.checkpoint_policies.dots_with_no_batch_dims_saveable`).
+    """
+
+    NONE = "none"
+    FULL = "full"
+    DOTS = "dots"
+
+    def policy(self) -> Callable | None:
+        """The `jax.checkpoint` policy (None: save nothing); only for FULL and DOTS."""
+        if self is Remat.DOTS:
+            return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+        return None
+
+
+def stage_facts(
+    layer_index: int, designs: LayerDesigns = PLAIN
+) -> tuple[bj.StageDeclaration, bj.StageDeclaration]:
+    """The stages every dense decoder layer declares, in order: the model's shared declaration
+    function (a stack holding part of the layers binds its edges from it).
+
+    Args:
+      layer_index: The layer (every dense layer declares the same stages).
+      designs: Each stage's residual read and update: the objects the layer owns, or (for
+        binding a neighbour) their `DesignFacts`.
+    """
+    del layer_index
+    attn, ffn = designs
+    return bj.declare_attn(**attn), bj.declare_ffn(**ffn)
+
+
+class DecoderLayer(nnx.Module):
+    """Attention + an FFN, joined to its neighbours by two stage boundaries (pre-norm unless the
+    declarations and `read_norms` say otherwise).
+
+    Attributes:
+      attn: Self-attention returning its o_proj partial.
+      mlp: The FFN (a SwiGLU here) returning its down_proj partial; built by `make_mlp` after
+        the attention, so a mesh that fits neither reports the heads first.
+      attn_boundary: The boundary before and after attention; owns its input norm (HF
+        `input_layernorm`), and its update and output transform.
+      ffn_boundary: The boundary before and after the FFN; owns its input norm (HF
+        `post_attention_layernorm`; Gemma 3's `pre_feedforward_layernorm`), and its update and
+        output transform.
+    """
+
+    def __init__(
+        self,
+        config: DecoderConfig,
+        declarations: tuple[bj.StageDeclaration, bj.StageDeclaration],
+        make_mlp: Callable[[], nnx.Module],
+        *,
+        topology: bj.Topology,
+        dtype: jnp.dtype,
+        attention: AttentionImpl = AttentionImpl.XLA,
+        layer_index: int = 0,
+        read_norms: ReadNorms | None = None,
+        rngs: nnx.Rngs,
+    ):
+        if read_norms is None:
+            read_norms = pre_norms(config, dtype)
+        input_norm, post_attn_norm = read_norms
+        self.attn = Attention(
+            config,
+            topology=topology,
+            dtype=dtype,
+            impl=attention,
+            layer_index=layer_index,
+            rngs=rngs,
+        )
+        self.mlp = make_mlp()
+        attn, ffn = declarations
+        self.attn_boundary, self.ffn_boundary = bj.append_stages(
+            (attn, input_norm), (ffn, post_attn_norm)
+        )
+
+    @property
+    def input_norm(self) -> bj.RMSNorm | None:
+        """The attention stage's input norm (None: it reads the residual as is)."""
+        return self.attn_boundary.norm
+
+    @property
+    def post_attn_norm(self) -> bj.RMSNorm | None:
+        """The FFN stage's input norm (None: it reads the residual as is)."""
+        return self.ffn_boundary.norm
+
+    def __call__(
+        self,
+        x: jax.Array | bj.OwedOutput,
+        stream: bj.ResidualStream,
+        rows: TokenRows,
+        cache: KVCache | None,
+    ) -> tuple[bj.OwedOutput, bj.ResidualStream, KVCache | None]:
+        h, stream = self.attn_boundary.prepare(x, stream)
+        return self.run_stages(h, stream, rows, cache)
+
+    def captured(
+        self,
+        x: jax.Array | bj.OwedOutput,
+        stream: bj.ResidualStream,
+        rows: TokenRows,
+        cache: KVCache | None,
+    ) -> tuple[bj.OwedOutput, bj.ResidualStream, KVCache | None, jax.Array]:
+        """`__call__`, also returning the residual stream entering this layer (an auxiliary
+        hidden state, as EAGLE-3 drafting reads it) on the attention's rows.
+
+        For layer i that is transformers' `output_hidden_states[i]`: the stack input (the
+        embedding output) for layer 0, else the residual after layer i - 1's FFN update. The
+        sum the previous stage owes completes unfused before the attention's add + norm (the
+        same collectives run); a residual on attention-TP slices is gathered for the capture.
+        """
+        h, stream, hidden = self.attn_boundary.prepare_captured(x, stream, gathered=True)
+        x, stream, cache = self.run_stages(h, stream, rows, cache)
+        return x, stream, cache, hidden
+
+    def run_stages(
+        self, h: jax.Array, stream: bj.ResidualStream, rows: TokenRows, cache: KVCache | None
+    ) -> tuple[bj.OwedOutput, bj.ResidualStream, KVCache | None]:
+        """The layer after its attention input: attention and its exit, the FFN's input, the
+        FFN and its exit."""
+        y, cache = self.attn(
+            h,
+            rows.positions,
+            rows.segment_ids,
+            cache,
+            phase=rows.phase,
+            max_sequence_rows=rows.max_sequence_rows,
+        )
+        x, stream = self.attn_boundary.finish(y, stream)
+        h, stream = self.ffn_boundary.prepare(x, stream)
+        x, stream = self.run_ffn(h, stream)
+        return x, stream, cache
+
+    def run_ffn(
+        self, h: jax.Array, stream: bj.ResidualStream
+    ) -> tuple[bj.OwedOutput, bj.ResidualStream]:
+        """The FFN's compute and exit; a layer whose FFN may hand on a finalize overrides it."""
+        return self.ffn_boundary.finish(self.mlp(h), stream)
+
+
+def pre_norms(config: DecoderConfig, dtype: jnp.dtype) -> ReadNorms:
+    """Fresh input norms of a layer's attention and FFN stages (`1 + w` where the config says)."""
+    return tuple(
+        bj.RMSNorm(
+            config.hidden_size, eps=config.rms_norm_eps, gemma=config.gemma_norms, param_dtype=dtype
+        )
+        for _ in range(2)
+    )
+
+
+class CausalLM(nnx.Module):
+    """A dense decoder LM over packed token rows; runs inside `jax.shard_map` on its topology.
+
+    Attributes:
+      config: The architecture.
+      topology: The parallel topology the weights are split for and the stack is bound on.
+      embed: Vocab-parallel embedding; its partial sum is owed to the first boundary.
+      layers: The decoder layers, one layer stack, in the blocks `config.layer_blocks(
+        scan_layers)` says: a `DecoderLayer` per unscanned layer, a `bj.StackedLayers` (its
+        parameters stacked on a leading layer axis, run by one `lax.scan`) per scanned run.
+      scan_layers: Whether the runs of identical layers between the stack entry and the
+        terminal layer are stacked and scanned (one compiled layer body per run) rather than
+        unrolled.
+      final_norm: The norm the stack leaves through.
+      lm_head: Vocab-parallel LM head (tied to `embed` when the config says so).
+      fusions: The stack's fusion provider (`bj.fusions.NO_FUSIONS`: the built-in path).
+      attention: The attention kernel of every layer.
+      remat: What each layer keeps for the backward pass (`Remat`; per scanned layer too); a
+        forward with KV caches (serving) never recomputes.
+      hyper_connections: The MHC residual design of every boundary, or None for the plain
+        pre-norm add + RMSNorm.
+      hyper_head: With hyper-connections, the head collapsing the streams before `final_norm`.
+      param_dtype: The dtype of every parameter.
+    """
+
+    architectures: tuple[Architecture, ...] = (
+        Architecture.QWEN3,
+        Architecture.LLAMA,
+        Architecture.MISTRAL,
+        Architecture.QWEN2,
+    )
+
+    def __init__(
+        self,
+        config: DecoderConfig,
+        topology: bj.Topology,
+        *,
+        reduction: bj.ReductionPolicy = bj.ReductionPolicy.AUTO,
+        fusions: bj.fusions.FusionProvider = bj.fusions.NO_FUSIONS,
+        dtype: jnp.dtype = jnp.float32,
+        attention: AttentionImpl = AttentionImpl.XLA,
+        remat: Remat = Remat.NONE,
+        hyper_connections: HyperConnections | None = None,
+        scan_layers: bool = False,
+        rngs: nnx.Rngs,
+    ):
+        if config.architecture not in self.architectures:
+            names = ", ".join(a.value for a in self.architectures)
+            raise ValueError(
+                f"{type(self).__name__} builds {names}; got a {config.architecture.value} config"
+            )
+        common = {"topology": topology, "dtype": dtype, "rngs": rngs}
+        self.config = config
+        self.topology = topology
+        self.fusions = fusions
+        self.attention = attention
+        self.remat = remat
+        self.scan_layers = scan_layers
+        self.hyper_connections = hyper_connections
+        self.param_dtype = dtype
+        self.embed = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, scale=config.embedding_scale, **common
+        )
+        with bj.layer_stack(
+            topology,
+            reduction=reduction,
+            architecture=config.architecture.value,
+            input_sum=bj.SumGroup.ATTN_TP,
+            fusions=fusions,
+            stage_facts=self.stage_facts,
+            num_layers=config.num_layers,
+        ):
+            layers = [self.make_layer(config, i, **common) for i in range(config.num_layers)]
+        self.layers = nnx.List(
+            [
+                bj.StackedLayers(layers[block.start : block.stop], start=block.start)
+                if scanned
+                else layers[block.start]
+                for block, scanned in config.layer_blocks(scan_layers)
+            ]
+        )
+        self.final_norm = bj.RMSNorm(
+            config.hidden_size, eps=config.rms_norm_eps, gemma=config.gemma_norms, param_dtype=dtype
+        )
+        self.hyper_head = (
+            None
+            if hyper_connections is None
+            else hyper_connections.head(
+                config.hidden_size, norm_eps=config.rms_norm_eps, dtype=dtype, rngs=rngs
+            )
+        )
+        self.lm_head = ParallelLMHead(
+            config.hidden_size,
+            config.vocab_size,
+            tied_embedding=self.embed if config.tie_word_embeddings else None,
+            **common,
+        )
+
+    def stage_facts(
+        self, layer_index: int, designs: LayerDesigns | None = None
+    ) -> tuple[bj.StageDeclaration, ...]:
+        """The model's shared declaration function: layer `layer_index`'s stages, in order.
+
+        `designs` are the layer's own residual reads and updates (`layer_designs`); None
+        declares their capabilities only, which is what the stack binds against.
+        """
+        return stage_facts(layer_index, self.layer_designs() if designs is None else designs)
+
+    def layer_designs(
+        self, *, dtype: jnp.dtype | None = None, rngs: nnx.Rngs | None = None
+    ) -> LayerDesigns:
+        """A layer's residual designs: none for the plain add + norm; with hyper-connections,
+        each stage's MHC read (weights drawn from `rngs`) and update, or without `rngs` their
+        capabilities only."""
+        hc = self.hyper_connections
+        if hc is None:
+            return PLAIN
+        if rngs is None:
+            return hc.design_facts(), hc.design_facts()
+        config = self.config
+        return tuple(
+            hc.stage_design(
+                config.hidden_size, norm_eps=config.rms_norm_eps, dtype=dtype, rngs=rngs
+            )
+            for _ in range(2)
+        )
+
+    def read_norms(self) -> ReadNorms:
+        """Fresh input norms of one layer's attention and FFN stages."""
+        return pre_norms(self.config, self.param_dtype)
+
+    def make_layer(self, config: DecoderConfig, index: int, **common) -> nnx.Module:
+        """Decoder layer `index` (inside the open layer stack), with this model's attention
+        kernel and residual design; `common` holds `topology`, `dtype` and `rngs`."""
+
+        def make_mlp():
+            return SwiGLU(
+                config.hidden_size,
+                config.intermediate_size,
+                activation=config.activation,
+                **common,
+            )
+
+        designs = self.layer_designs(dtype=common["dtype"], rngs=common["rngs"])
+        return DecoderLayer(
+            config,
+            self.stage_facts(index, designs),
+            make_mlp,
+            attention=self.attention,
+            layer_index=index,
+            read_norms=self.read_norms(),
+            **common,
+        )
+
+    @property
+    def final_read(self) -> Callable[[jax.Array], jax.Array]:
+        """The norm the stack's final read applies: the `RMSNorm` itself without
+        hyper-connections (so the fused add + norm, and fusion candidates, recognise it), else
+        `final_read_norm`."""
+        return self.final_norm if self.hyper_head is None else self.final_read_norm
+
+    def final_read_norm(self, residual_rows: jax.Array) -> jax.Array:
+        """What the stack's final read applies to the residual: the final norm, after the
+        hyper-connections' head collapses the streams when the model has them."""
+        if self.hyper_head is not None:
+            residual_rows = self.hyper_head(residual_rows)
+        return self.final_norm(residual_rows)
+
+    def __call__(
+        self,
+        rows: TokenRows,
+        batch: bj.BatchFacts,
+        caches: tuple[KVCache, ...] | None = None,
+        last_rows: jax.Array | None = None,
+    ) -> tuple[jax.Array, tuple[KVCache, ...] | None]:
+        """Logits of this attention-DP rank's rows (or of chosen rows), and the updated caches.
+
+        Args:
+          rows: This DP rank's block of packed rows.
+          batch: The batch facts (variant and per-DP-rank token counts).
+          caches: One KV cache per block of `layers` (a scanned run's stacked on a leading
+            layer axis; `ShardedCausalLM.new_caches`), or None to attend within `rows` alone.
+          last_rows: None for logits of every row; else [R] int32 row indices (within this
+            rank's block) whose logits alone the LM head computes, -1 for none (zero logits).
+
+        Returns:
+          ([rows or R, vocab] float32 logits, zero on padding rows; the caches or None).
+        """
+        hidden, caches_out = self.hidden(rows, batch, caches, last_rows)
+        return self.lm_head(hidden).astype(jnp.float32), caches_out
+
+    def loss(self, rows: TokenRows, batch: bj.BatchFacts, labels: jax.Array) -> jax.Array:
+        """The mean next-token cross-entropy over every labelled row of the batch (all DP
+        ranks): a float32 scalar alike on every rank.
+
+        Args:
+          rows: This DP rank's block of packed rows (attention within the batch, no caches).
+          batch: The batch facts.
+          labels: [rows] int32 target id per row (the next token of its sequence), -1 where
+            nothing is predicted (a sequence's last row, padding).
+        """
+        hidden, _ = self.hidden(rows, batch)
+        losses = self.lm_head.cross_entropy(hidden, labels)
+        count = bj.total_over_rows((labels >= 0).astype(jnp.float32), self.topology)
+        return bj.total_over_rows(losses, self.topology) / jnp.maximum(count, 1)
+
+    def hidden(
+        self,
+        rows: TokenRows,
+        batch: bj.BatchFacts,
+        caches: tuple[KVCache, ...] | None = None,
+        last_rows: jax.Array | None = None,
+    ) -> tuple[jax.Array, tuple[KVCache, ...] | None]:
+        """The final-norm output [rows or R, hidden] that `__call__` feeds to the LM head
+        (same arguments), and the updated caches; for callers that apply the head themselves
+        (e.g. `lm_head.greedy`)."""
+        stream = residual.start(batch)
+        x = self.embed(rows.ids)
+        updated = []
+        for index, (layers, block) in enumerate(self.blocks()):
+            cache = None if caches is None else caches[index]
+            if isinstance(block, bj.StackedLayers):
+                x, stream, cache = self._scan_run(block, x, stream, rows, cache)
+            else:
+                with jax.named_scope(f"layer_{layers.start}"):
+                    if caches is None:
+                        x, stream, cache = self._run_layer(block, x, stream, rows)
+                    else:
+                        x, stream, cache = block(x, stream, rows, cache)
+            updated.append(cache)
+        hidden = residual.final_norm(x, stream, self.final_read, skip_empty=True)
+        if last_rows is not None:
+            # The LM head is the largest matmul of a decode step: run it on the rows asked for.
+            picked = jnp.take(hidden, jnp.clip(last_rows, 0, hidden.shape[0] - 1), axis=0)
+            hidden = jnp.where((last_rows >= 0)[:, None], picked, 0)
+        return hidden, None if caches is None else tuple(updated)
+
+    def blocks(self) -> list[tuple[range, nnx.Module]]:
+        """Each block of `layers` with the model layers it holds (`config.layer_blocks`)."""
+        ranges = [block.layers for block in self.config.layer_blocks(self.scan_layers)]
+        return list(zip(ranges, self.layers, strict=True))
+
+    def layer_structure(self, index: int) -> nnx.Module:
+        """The module that runs layer `index`, for its structure (bound plans, options): the
+        layer itself, or in a scanned run the run's layer (whose parameters hold every layer of
+        the run)."""
+        for layers, block in self.blocks():
+            if index in layers:
+                return block.layer if isinstance(block, bj.StackedLayers) else block
+        raise ValueError(f"layer must be in [0, {self.config.num_layers}); got {index}")
+
+    def _scan_run(
+        self,
+        run: bj.StackedLayers,
+        x,
+        stream: bj.ResidualStream,
+        rows: TokenRows,
+        cache: KVCache | None,
+    ):
+        """A scanned run of layers; `cache` is the run's stacked KV cache, or None (then the
+        layers run under `jax.checkpoint` as `remat` says)."""
+
+        def call(layer, carry, cache):
+            x, stream, cache = layer(*carry, rows, cache)
+            return (x, stream), cache
+
+        remat = cache is None and self.remat is not Remat.NONE
+        (x, stream), cache = run.scan(
+            call,
+            (x, stream),
+            cache,
+            in_place=cache is not None,
+            remat=remat,
+            policy=self.remat.policy() if remat else None,
+        )
+        return x, stream, cache
+
+    def _run_layer(self, layer: nnx.Module, x, stream: bj.ResidualStream, rows: TokenRows):
+        """One layer without a cache, under `jax.checkpoint` as `remat` says."""
+        if self.remat is Remat.NONE:
+            return layer(x, stream, rows, None)
+        graphdef, state = nnx.split(layer)
+
+        def run(state, x, stream, rows):
+            x, stream, _ = nnx.merge(graphdef, state)(x, stream, rows, None)
+            return x, stream
+
+        x, stream = jax.checkpoint(run, policy=self.remat.policy())(state, x, stream, rows)
+        return x, stream, None
+
+    def hidden_captured(
+        self, rows: TokenRows, batch: bj.BatchFacts, capture_layers: Sequence[int]
+    ) -> tuple[jax.Array, jax.Array]:
+        """`hidden` (without caches), also returning the auxiliary hidden states of
+        `capture_layers`, on this rank's attention rows.
+
+        Capture index i < num_layers is the residual stream entering layer i (transformers'
+        `output_hidden_states[i]`; 0 is the embedding output); i = num_layers is the residual
+        the final norm reads (transformers' last hidden state is that residual after the norm,
+        which is the first returned value). Captures are returned values, so they survive
+        `jit` and `lax.scan`: in a scanned run every layer captures, and the wanted ones are
+        picked after.
+
+        Args:
+          rows: This DP rank's block of packed rows.
+          batch: The batch facts.
+          capture_layers: Capture indices in [0, num_layers], in the order wanted (repeats
+            allowed).
+
+        Returns:
+          (the final-norm output [rows, hidden], the captures [len(capture_layers), rows,
+          hidden] in the residual's dtype; rows past the DP rank's token count are zero in
+          both).
+
+        Raises:
+          ValueError: A capture index outside [0, num_layers].
+          NotImplementedError: The model has hyper-connections (its residual is `hc_mult`
+            streams per row, and the stack input is not).
+        """
+        count = self.config.num_layers
+        capture_layers = tuple(capture_layers)
+        bad = [i for i in capture_layers if not isinstance(i, int) or not 0 <= i <= count]
+        if bad or not capture_layers:
+            raise ValueError(
+                f"capture layers must be a non-empty list of indices in [0, {count}] (i < "
+                f"{count}: the residual entering layer i; {count}: the residual the final norm "
+                f"reads); got {list(capture_layers)}"
+            )
+        if self.hyper_connections is not None:
+            raise NotImplementedError(
+                "captures of a decoder with hyper-connections are not supported: its residual "
+                "is hc_mult streams per row, not one hidden state"
+            )
+        wanted = frozenset(capture_layers)
+
+        def captured(layer, carry, _):
+            x, stream, _, hidden = layer.captured(*carry, rows, None)
+            return (x, stream), hidden
+
+        carry = (self.embed(rows.ids), residual.start(batch))
+        captures: dict[int, jax.Array] = {}
+        for layers, block in self.blocks():
+            if isinstance(block, bj.StackedLayers):
+                carry, stacked = block.scan(captured, carry)
+                captures.update(zip(layers, stacked, strict=True))
+                continue
+            with jax.named_scope(f"layer_{layers.start}"):
+                if layers.start in wanted:
+                    carry, captures[layers.start] = captured(block, carry, None)
+                else:
+                    x, stream, _ = block(*carry, rows, None)
+                    carry = (x, stream)
+        hidden, captures[count] = residual.final_norm_captured(
+            *carry, self.final_read, skip_empty=True
+        )
+        mask = batch.valid_rows(hidden.shape[0])
+        stacked = jnp.stack([captures[i] for i in capture_layers])
+        if mask is not None:
+            stacked = jnp.where(mask[None, :, None], stacked, jnp.zeros((), stacked.dtype))
+        return hidden, stacked

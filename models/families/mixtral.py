@@ -1,0 +1,12 @@
+"""Mixtral (Hugging Face `MixtralForCausalLM`)."""
+
+from __future__ import annotations
+
+from ..config import Architecture
+from .moe import MoeCausalLM
+
+
+class MixtralForCausalLM(MoeCausalLM):
+    """Mixtral: every layer sparse, top-k renormalized, sliding-window attention where set."""
+
+    architectures = (Architecture.MIXTRAL,)

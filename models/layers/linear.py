@@ -1,0 +1,279 @@
+"""Tensor-parallel linear layers, a vocab-parallel embedding and the LM head: none of them sums.
+
+Each layer is built outside `jax.shard_map` with its global shape; its parameter carries the
+`PartitionSpec` entries of `Topology.shard_entry`, and inside `shard_map` it sees its local shard.
+A layer whose output is a partial sum returns it unreduced: the caller's boundary completes it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+
+from boundary_jax import (
+    SumGroup,
+    Topology,
+    gather_last_dim,
+    shard_index,
+    vocab_parallel_cross_entropy,
+)
+
+from ..config import padded_vocab
+
+
+def group_size(topology: Topology, group: SumGroup | None) -> int:
+    """Number of ranks a weight split over `group` is divided among (1 for None)."""
+    return 1 if group is None else topology.size(topology.sum_axes(group))
+
+
+def sharded_param(value: jax.Array, spec: tuple[str | tuple[str, ...] | None, ...]) -> nnx.Param:
+    """A parameter holding the global `value`, split over the mesh as `spec` says."""
+    return nnx.Param(value, out_sharding=spec, eager_sharding=False)
+
+
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Array:
+    """N(0, 1/fan_in) weights, drawn in float32 so every dtype gets the same values."""
+    return (jax.random.normal(rngs.params(), shape, jnp.float32) / np.sqrt(shape[0])).astype(dtype)
+
+
+def _split_entry(topology: Topology, group: SumGroup | None, size: int, what: str):
+    shards = group_size(topology, group)
+    if size % shards:
+        raise ValueError(
+            f"{what} ({size}) must divide evenly over the {shards} ranks of "
+            f"{group.value if group else 'no group'}; got {size=}, {shards=}"
+        )
+    return None if group is None else topology.shard_entry(group)
+
+
+class ColumnParallelLinear(nnx.Module):
+    """`x @ kernel (+ bias)` with the output features split over `group`: each rank computes its
+    columns (and adds its slice of the bias; the output owes no sum, so every rank adds it).
+
+    With `parts`, one kernel holds several projections of the same input (k and v; gate and
+    up), stacked on a parts axis before the split features, so each rank's block of all of them
+    is one contiguous [in_features, parts x local out_features] matrix: one matmul instead of
+    one per projection (on an H200 at decode sizes, fewer and wider matmuls read the weights
+    faster: benchmarks/RESULTS.md run 8).
+
+    Attributes:
+      kernel: [in_features, out_features] global, local [in_features, out_features / ranks];
+        with parts, [in_features, parts, out_features] split on the last axis.
+      bias: [out_features] (with parts, [parts, out_features]) split as the kernel's columns;
+        None without a bias.
+      group: The group the output features are split over; None keeps the kernel replicated.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        group: SumGroup | None,
+        topology: Topology,
+        parts: int | None = None,
+        bias: bool = False,
+        dtype: jnp.dtype = jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        entry = _split_entry(topology, group, out_features, "out_features")
+        stacked = () if parts is None else (parts,)
+        self.kernel = sharded_param(
+            _normal(rngs, (in_features, *stacked, out_features), dtype),
+            (None, *(None for _ in stacked), entry),
+        )
+        # N(0, 1/4) (Hugging Face draws zeros): a dropped or mis-sharded bias shows.
+        self.bias = (
+            sharded_param(
+                (0.5 * jax.random.normal(rngs.params(), (*stacked, out_features))).astype(dtype),
+                (*(None for _ in stacked), entry),
+            )
+            if bias
+            else None
+        )
+        self.group = group
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """[T, in_features] -> this rank's [T, local out_features] (with parts, [T, parts,
+        local out_features]); complete, nothing owed."""
+        return project(x, self.kernel[...], None if self.bias is None else self.bias[...])
+
+
+def project(x: jax.Array, kernel: jax.Array, bias: jax.Array | None) -> jax.Array:
+    """`x @ kernel + bias` for a local [in, out] kernel, or one matmul over a stacked [in, parts,
+    out] kernel returning [T, parts, out]."""
+    y = x @ kernel.reshape(kernel.shape[0], -1)
+    y = y.reshape(x.shape[0], *kernel.shape[1:])
+    return y if bias is None else y + bias[None]
+
+
+class RowParallelLinear(nnx.Module):
+    """`x @ kernel` with the input features split over `group`: returns this rank's partial sum.
+
+    Attributes:
+      kernel: [in_features, out_features] global; local [in_features / ranks, out_features].
+      group: The group the input features are split over; the output owes a sum over it.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        group: SumGroup,
+        topology: Topology,
+        dtype: jnp.dtype = jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        entry = _split_entry(topology, group, in_features, "in_features")
+        self.kernel = sharded_param(
+            _normal(rngs, (in_features, out_features), dtype), (entry, None)
+        )
+        self.group = group
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """This rank's [T, local in_features] -> [T, out_features] partial, unreduced over group."""
+        return x @ self.kernel[...]
+
+
+class VocabParallelEmbedding(nnx.Module):
+    """Token embedding whose table rows are split over attention TP.
+
+    The table has `padded_vocab(vocab_size, attn_tp)` rows; the padding rows are zero and no id
+    selects them. A rank returns the embeddings of the ids in its row range and zeros elsewhere,
+    so the sum over attention TP (owed to the first boundary) is the full embedding.
+
+    Attributes:
+      embedding: [padded vocab, hidden] global; local [padded vocab / attn_tp, hidden].
+      vocab_size: Number of real token ids.
+      topology: The parallel topology the table is split for.
+      scale: A factor the embeddings are multiplied by, rounded to the table's dtype first (as
+        Gemma's scaled embedding does), or None.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        *,
+        topology: Topology,
+        dtype: jnp.dtype = jnp.float32,
+        scale: float | None = None,
+        rngs: nnx.Rngs,
+    ):
+        rows = padded_vocab(vocab_size, group_size(topology, SumGroup.ATTN_TP))
+        # Drawn at the real vocabulary size, so a seed gives the same table on every mesh.
+        table = jax.random.normal(rngs.params(), (vocab_size, hidden_size), jnp.float32)
+        table = jnp.pad(table, ((0, rows - vocab_size), (0, 0))).astype(dtype)
+        self.embedding = sharded_param(table, (topology.shard_entry(SumGroup.ATTN_TP), None))
+        self.vocab_size = vocab_size
+        self.topology = topology
+        self.scale = scale
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        """[T] int ids -> [T, hidden]: this rank's partial, owing a sum over attention TP.
+
+        Ids outside [0, vocab_size) (e.g. -1 on padding rows) give zeros on every rank.
+        """
+        table = self.embedding[...]
+        rows = table.shape[0]
+        local = ids - shard_index(self.topology, SumGroup.ATTN_TP) * rows
+        mine = (local >= 0) & (local < rows) & (ids < self.vocab_size)
+        gathered = jnp.take(table, jnp.where(mine, local, 0), axis=0)
+        if self.scale is not None:
+            # Only the owning rank's row is nonzero, so scaling before the sum scales the sum.
+            gathered = gathered * jnp.asarray(self.scale, table.dtype)
+        return jnp.where(mine[:, None], gathered, 0)
+
+
+class ParallelLMHead(nnx.Module):
+    """Logits over the real vocabulary from vocab-parallel columns, gathered over attention TP.
+
+    Attributes:
+      kernel: [hidden, padded vocab] global (padding columns zero), split over attention TP;
+        None when the head is tied to an embedding.
+      tied_embedding: The embedding whose table (transposed) is the head's weight, or None.
+      vocab_size: Number of real token ids; the logits have this many columns.
+      topology: The parallel topology the columns are split for.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        vocab_size: int,
+        *,
+        topology: Topology,
+        dtype: jnp.dtype = jnp.float32,
+        rngs: nnx.Rngs,
+        tied_embedding: VocabParallelEmbedding | None = None,
+    ):
+        columns = padded_vocab(vocab_size, group_size(topology, SumGroup.ATTN_TP))
+        if tied_embedding is None:
+            kernel = _normal(rngs, (hidden_size, vocab_size), jnp.float32)
+            kernel = jnp.pad(kernel, ((0, 0), (0, columns - vocab_size)))
+            entry = topology.shard_entry(SumGroup.ATTN_TP)
+            self.kernel = sharded_param(kernel.astype(dtype), (None, entry))
+        else:
+            table_shape = tied_embedding.embedding.shape
+            if tied_embedding.vocab_size != vocab_size or table_shape != (columns, hidden_size):
+                raise ValueError(
+                    "a tied LM head needs an embedding of the same vocab and hidden size, split "
+                    f"over the same topology; got {vocab_size=}, {hidden_size=} and an embedding "
+                    f"of vocab {tied_embedding.vocab_size} with table {table_shape}"
+                )
+            self.kernel = None
+        self.tied_embedding = tied_embedding
+        self.vocab_size = vocab_size
+        self.topology = topology
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """[T, hidden] complete rows (alike on every attention-TP rank) -> [T, vocab_size] logits.
+
+        The local [T, padded / attn_tp] logits are gathered over attention TP (one all-gather)
+        and sliced to the real vocabulary, so padding columns never reach the caller.
+        """
+        tied = self.kernel is None
+        weight = self.tied_embedding.embedding[...].T if tied else self.kernel[...]
+        logits = gather_last_dim(x @ weight, self.topology, SumGroup.ATTN_TP)
+        return logits[:, : self.vocab_size]
+
+    def cross_entropy(self, x: jax.Array, labels: jax.Array) -> jax.Array:
+        """[T, hidden] complete rows and [T] target ids -> float32 [T] per-row cross-entropy.
+
+        The logits stay split over attention TP (`bj.vocab_parallel_cross_entropy` completes a
+        max and a sum of exponentials per row instead of gathering them); padding columns never
+        count. Rows labelled -1 (or any id outside the vocabulary) lose nothing.
+        """
+        tied = self.kernel is None
+        weight = self.tied_embedding.embedding[...].T if tied else self.kernel[...]
+        return vocab_parallel_cross_entropy(
+            x @ weight, labels, self.topology, SumGroup.ATTN_TP, vocab_size=self.vocab_size
+        )
+
+    def greedy(self, x: jax.Array) -> jax.Array:
+        """[T, hidden] complete rows -> int32 [T] argmax token ids, without gathering logits.
+
+        Each rank takes the argmax of its own vocab columns (padding columns excluded); only
+        the [T] maxima and their ids cross attention TP. Ties go to the lowest id, as with
+        `argmax` of the gathered logits.
+        """
+        tied = self.kernel is None
+        weight = self.tied_embedding.embedding[...].T if tied else self.kernel[...]
+        logits = (x @ weight).astype(jnp.float32)
+        columns = logits.shape[-1]
+        first = shard_index(self.topology, SumGroup.ATTN_TP) * columns
+        ids = first + jnp.arange(columns)
+        logits = jnp.where(ids < self.vocab_size, logits, -jnp.inf)
+        best = jnp.max(logits, axis=-1)
+        token = (first + jnp.argmax(logits, axis=-1)).astype(jnp.int32)
+        axes = self.topology.sum_axes(SumGroup.ATTN_TP)
+        if not axes:
+            return token
+        names = Topology.mesh_names(axes)
+        best = lax.all_gather(best, names, axis=0, to="invarying")  # [ranks, T]
+        token = lax.all_gather(token, names, axis=0, to="invarying")
+        rank = jnp.argmax(best, axis=0)  # first rank with the maximum: the lowest id
+        return jnp.take_along_axis(token, rank[None], axis=0)[0]

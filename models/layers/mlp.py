@@ -1,0 +1,60 @@
+"""The gated MLP (SwiGLU, or Gemma's tanh-GELU GeGLU), split over the full TP group; it returns an
+unreduced partial sum."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from boundary_jax import SumGroup, Topology
+
+from ..config import Activation
+from .linear import ColumnParallelLinear, RowParallelLinear, group_size
+
+_ACTIVATIONS = {
+    Activation.SILU: jax.nn.silu,
+    Activation.GELU_TANH: lambda x: jax.nn.gelu(x, approximate=True),
+}
+
+
+class SwiGLU(nnx.Module):
+    """`down(act(gate(x)) * up(x))` with the intermediate features split over full TP; `act` is
+    SiLU (SwiGLU) unless the `activation` says otherwise (Gemma's GeGLU: GELU, tanh form).
+
+    Full TP spans attention DP x CP x TP, so the input rows must be the same on every rank of
+    the group (the boundary gathers attention-DP rows before the FFN).
+
+    Attributes:
+      gate_up_proj: [hidden, 2, intermediate]: the gate and up projections stacked (one matmul),
+        columns split over `SumGroup.TP`.
+      down_proj: [intermediate, hidden], rows split over `SumGroup.TP`.
+      activation: The gate's activation.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        topology: Topology,
+        dtype: jnp.dtype = jnp.float32,
+        activation: Activation = Activation.SILU,
+        rngs: nnx.Rngs,
+    ):
+        tp = group_size(topology, SumGroup.TP)
+        if intermediate_size % tp:
+            raise ValueError(
+                f"intermediate_size ({intermediate_size}) must be a multiple of the full TP size "
+                f"({tp} = attn_dp x attn_cp x attn_tp); choose a mesh whose TP size divides it"
+            )
+        common = {"group": SumGroup.TP, "topology": topology, "dtype": dtype, "rngs": rngs}
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, intermediate_size, parts=2, **common)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, **common)
+        self.activation = activation
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """[T, hidden] complete rows -> [T, hidden] partial, owing a sum over full TP."""
+        act = _ACTIVATIONS[self.activation]
+        gate_up = self.gate_up_proj(x)
+        return self.down_proj(act(gate_up[:, 0]) * gate_up[:, 1])

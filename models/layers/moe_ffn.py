@@ -1,0 +1,143 @@
+"""The sparse FFN of an MoE decoder layer on a topology: experts over EP, both dispatch modes.
+
+`MoeFfn` is `models.layers.moe.SparseMoe` (same parameters, same checkpoint paths) with its weights
+split by the topology, not by mesh axes it names: the experts over the expert-parallel group
+(`SumGroup.MOE_EP`) and each expert's width over `SumGroup.MOE_TP`. Its call
+takes the stage's normalized input and the exit's `defer_moe_finalize`:
+
+- `MoeDispatch.GATHER`: every rank of the full TP group holds every attention-DP rank's rows;
+  it runs its experts (its slice of their width) on all of them and returns its share, zero for
+  experts held elsewhere. The boundary sums the shares over the MoE output group.
+- `MoeDispatch.ALL_TO_ALL`: each rank holds only its own rows; every (token, choice) row is sent
+  to the expert-parallel rank holding its expert and the answer comes back (`boundary_jax.ops`
+  `dispatch_to_experts` / `combine_from_experts`; with `moe_tp > 1` the `moe_tp` ranks of an
+  expert share their received rows and sum their width shares of the answers), so the output
+  is complete on its own rows.
+
+A shared expert is split over the full TP group on gathered rows when its width divides it,
+otherwise computed whole on every rank and added on the first rank of the MoE output group only,
+so the boundary's one sum counts it once. On own rows it is whole and added on every rank: each
+rank's rows are its own.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import boundary_jax as bj
+
+from ..config import MoeConfig
+from .moe import GroupedMatmulImpl, MoeOutput, Routing, SparseMoe, expert_outputs, finalize, route
+
+
+class MoeFfn(SparseMoe):
+    """One rank's sparse FFN on `topology`, returning what its stage's exit takes.
+
+    Attributes (besides `SparseMoe`'s):
+      topology: Where the experts and their width are split.
+      dispatch: Where the experts get their tokens (must match the stage's declaration).
+      capacity: For ALL_TO_ALL, rows each rank sends each rank (None: drop nothing).
+      shared_on_first_rank: The shared expert is whole on every rank of the MoE output group and
+        counted on its first rank only.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        moe: MoeConfig,
+        topology: bj.Topology,
+        *,
+        dispatch: bj.MoeDispatch = bj.MoeDispatch.GATHER,
+        capacity: int | None = None,
+        impl: GroupedMatmulImpl = GroupedMatmulImpl.RAGGED_DOT,
+        dtype: jnp.dtype = jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        topology.experts_per_rank(moe.num_experts)  # raises for an EP size not dividing them
+        own_rows = dispatch is bj.MoeDispatch.ALL_TO_ALL
+        if capacity is not None and not own_rows:
+            raise ValueError(f"capacity is an all-to-all setting; got {capacity=} with {dispatch}")
+        width_entry = topology.shard_entry(bj.SumGroup.MOE_TP)
+        if width_entry is not None and moe.expert_intermediate_size % topology.moe_tp:
+            raise ValueError(
+                f"the expert width ({moe.expert_intermediate_size}) must divide over moe_tp "
+                f"({topology.moe_tp} = TP {topology.tp_size} / moe_ep {topology.moe_ep}); "
+                "choose a larger moe_ep"
+            )
+        shared = moe.shared_expert_intermediate_size
+        split_shared = not own_rows and shared is not None and shared % topology.tp_size == 0
+        super().__init__(
+            hidden_size,
+            moe.num_experts,
+            moe.expert_intermediate_size,
+            top_k=moe.top_k,
+            renormalize=moe.renormalize,
+            shared_width=shared,
+            shared_gated=moe.shared_expert_gate,
+            expert_entry=topology.shard_entry(bj.SumGroup.MOE_EP),
+            width_entry=width_entry,
+            shared_width_entry=topology.shard_entry(bj.SumGroup.TP) if split_shared else None,
+            impl=impl,
+            dtype=dtype,
+            rngs=rngs,
+        )
+        self.topology = topology
+        self.dispatch = dispatch
+        self.capacity = capacity
+        self.shared_on_first_rank = (
+            shared is not None and not own_rows and not split_shared and topology.tp_size > 1
+        )
+
+    def __call__(self, x: jax.Array, *, defer: bool) -> jax.Array | bj.DeferredFinalize:
+        """[T, hidden] normalized rows -> this rank's output: finalized, or a `DeferredFinalize`
+        when `defer` (the exit's `defer_moe_finalize`)."""
+        count_shared = True
+        if self.shared_on_first_rank:
+            count_shared = bj.ops.shard_index(self.topology, bj.SumGroup.MOE_OUTPUT) == 0
+        if self.dispatch is bj.MoeDispatch.ALL_TO_ALL:
+            output = self._own_rows(x)
+        else:
+            local = self.gate_up_proj.shape[0]
+            offset = bj.ops.shard_index(self.topology, bj.SumGroup.MOE_EP) * local
+            if not defer:  # combined where the experts run (SparseMoe.finalized)
+                return self.finalized(x, expert_offset=offset, count_shared=count_shared)
+            output = super().__call__(x, expert_offset=offset, count_shared=count_shared)
+        shared = output.shared
+        if not defer:
+            return finalize(output)
+        outputs, weights = output.expert_outputs, output.routing.weights
+        if shared is not None:  # the shared expert as one more choice of weight one
+            outputs = jnp.concatenate([outputs, shared[:, None]], axis=1)
+            weights = jnp.concatenate([weights, jnp.ones_like(weights[:, :1])], axis=1)
+        return bj.DeferredFinalize(outputs, weights)
+
+    def _own_rows(self, x: jax.Array) -> MoeOutput:
+        """Routes this rank's own rows, sends each choice to its expert's rank and back."""
+        routing = route(x, self.router[...], top_k=self.top_k, renormalize=self.renormalize)
+        tokens, top_k = routing.experts.shape
+        local = self.gate_up_proj.shape[0]
+        chosen = routing.experts.reshape(-1)
+        dispatched = bj.ops.dispatch_to_experts(
+            jnp.repeat(x, top_k, axis=0),
+            chosen % local,
+            chosen // local,
+            self.topology,
+            max_rows_per_rank=tokens * min(top_k, local),
+            capacity=self.capacity,
+        )
+        received = dispatched.rows.shape[0]
+        answers = expert_outputs(  # each received row is one choice of its tagged local expert
+            dispatched.rows,
+            Routing(jnp.ones((received, 1), jnp.float32), dispatched.tags[:, None]),
+            self.gate_up_proj[...],
+            self.down_proj[...],
+            impl=self.impl,
+            # Each EP rank sends T * k rows, spread evenly over all experts; the width group's
+            # ranks gather theirs.
+            even_share=tokens * top_k * self.topology.moe_tp / local,
+        )[:, 0]
+        returned = bj.ops.combine_from_experts(answers, dispatched, self.topology)
+        shared = None if self.shared_expert is None else self.shared_expert(x)
+        return MoeOutput(returned.reshape(tokens, top_k, -1), routing, shared)

@@ -1,0 +1,445 @@
+"""Running a decoder sharded over a mesh: `shard_map` inside `jit`, prefill, decode, generate.
+
+The serving path stays on the device: a prefill writes the KV caches in place and samples each
+sequence's next token from its last row's logits; a decode loop (`lax.fori_loop` inside one
+program) runs any number of steps, sampling on the device; only the token ids come back.
+Static sizes (prefill rows, cache slots, cache length, decode steps) are rounded up to buckets,
+so requests of nearby shapes share one compiled program.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import boundary_jax as bj
+
+from ..families.decoder import CausalLM
+from ..families.moe import MoeCausalLM
+from ..layers.attention import KVCache
+from ..layers.moe import PALLAS
+from ..rows import PackedBatch, RowsPhase, TokenRows, decode_rows, pack_sequences
+from .sampling import GREEDY, Sampling, sample_tokens
+
+CACHE_LENGTHS = tuple(2**i for i in range(7, 18))
+"""Cache lengths a request's prompt + new tokens are rounded up to (capped at the model's
+max_position_embeddings)."""
+MIN_ROWS = 16
+"""The smallest prefill block per DP rank that `pack(bucketed=True)` uses."""
+MIN_STEPS = 16
+"""The smallest decode token buffer (`capacity`) that `generate` uses."""
+
+
+def bucket(size: int, multiple: int = 1) -> int:
+    """The power of two >= `size` (and >= `multiple`), rounded up to a multiple of `multiple`."""
+    power = 1 << max(size - 1, 0).bit_length()
+    power = max(power, multiple)
+    return -(-power // multiple) * multiple
+
+
+def cache_length(tokens: int, limit: int) -> int:
+    """The cache bucket for `tokens` positions: the smallest of CACHE_LENGTHS, at most `limit`."""
+    return min(next((n for n in CACHE_LENGTHS if n >= tokens), tokens), limit)
+
+
+def _next_tokens(
+    model: CausalLM,
+    rows: TokenRows,
+    batch: bj.BatchFacts,
+    caches: tuple[KVCache, ...],
+    last_rows: jax.Array | None,
+    key: jax.Array,
+    sampling: Sampling,
+) -> tuple[jax.Array, tuple[KVCache, ...]]:
+    """The next token per row (or per `last_rows` entry), and the updated caches.
+
+    Greedy decoding takes the argmax of each rank's vocab shard, so full logits never cross
+    attention TP; sampling gathers the logits of the chosen rows only.
+    """
+    hidden, caches = model.hidden(rows, batch, caches, last_rows)
+    if sampling.greedy:
+        return model.lm_head.greedy(hidden), caches
+    logits = model.lm_head(hidden).astype(jnp.float32)
+    return sample_tokens(logits, key, sampling), caches
+
+
+class ShardedCausalLM:
+    """A `CausalLM` placed on a mesh, with jitted sharded forward, prefill, decode and generation.
+
+    The runner keeps the model's graph and its placed state only: build the model with
+    `build_model(..., mesh=mesh)` or `load_model` and drop your own reference to it, and no
+    unsharded copy of a weight exists.
+
+    The `place*`, `new_caches`, `prefill` and `decode` methods are the placed-input API, for
+    callers (servers, benchmarks) that run the same shapes repeatedly: they take and return
+    device arrays and never copy to the host.
+
+    Attributes:
+      mesh: The mesh; its axes are boundary-jax's `MeshAxis` names.
+      topology: The model's parallel topology.
+      config: The model's architecture.
+      input_scattered: Run batches input-scattered (residual on attention-TP slices).
+      check_vma: `shard_map`'s varying-axes check: on unless the model's stack binds fusion
+        candidates or its experts run Pallas grouped matmuls (Pallas kernels run only with it
+        off).
+    """
+
+    def __init__(
+        self,
+        model: CausalLM,
+        mesh: Mesh,
+        *,
+        input_scattered: bool = False,
+        check_vma: bool | None = None,
+    ):
+        mesh_topology = bj.Topology.from_mesh(mesh, moe_ep=model.topology.moe_ep)
+        if mesh_topology != model.topology:
+            raise ValueError(
+                f"the model is bound on {model.topology} but the mesh is {mesh_topology}"
+            )
+        self.mesh = mesh
+        self.topology = model.topology
+        self.config = model.config
+        self.input_scattered = input_scattered
+        if check_vma is None:
+            pallas_experts = isinstance(model, MoeCausalLM) and model.grouped_matmul in PALLAS
+            check_vma = model.fusions == bj.fusions.NO_FUSIONS and not pallas_experts
+        self.check_vma = check_vma
+        self.dtype = model.final_norm.weight[...].dtype
+        self._graphdef = nnx.split(model)[0]
+        self._sharded = bj.ShardedModule(model, mesh)
+        self._state = self._sharded.state
+        rows = PartitionSpec(model.topology.spec_entry((bj.TokenAxis.ATTN_DP,)))
+        self._rows = rows
+        self._variant = (
+            bj.BatchVariant.INPUT_SCATTERED if input_scattered else bj.BatchVariant.ORDINARY
+        )
+        self._batch_spec = bj.BatchFacts(self._variant, model.topology, PartitionSpec())
+        self._logits_spec = PartitionSpec(rows[0], None)
+        self._blocks = model.config.layer_blocks(model.scan_layers)
+        self.scan_layers = model.scan_layers
+        self._cache_specs = tuple(
+            KVCache.specs(model.topology, stacked=block.scanned) for block in self._blocks
+        )
+        self._forward = self._sharded.program(
+            lambda model, rows, batch: model(rows, batch)[0],
+            in_specs=(rows, self._batch_spec),
+            out_specs=self._logits_spec,
+            check_vma=check_vma,
+        )
+        self._programs: dict[tuple, Callable] = {}
+
+    @property
+    def model(self) -> CausalLM:
+        """The model over the placed (sharded) state; no copy is made."""
+        return nnx.merge(self._graphdef, self._state)
+
+    @property
+    def state(self) -> nnx.State:
+        """The placed parameters (global arrays sharded over the mesh)."""
+        return self._state
+
+    # -- placing inputs -------------------------------------------------------------------
+
+    def pack(self, sequences: Sequence[Sequence[int]], *, bucketed: bool = False) -> PackedBatch:
+        """Packs sequences onto the DP ranks; `bucketed` rounds the prefill rows and the cache
+        slots per rank up to powers of two (see `bucket`), so that batches share programs."""
+        if not bucketed:
+            return pack_sequences(sequences, self.topology)
+        exact = pack_sequences(sequences, self.topology)
+        tp = self.topology.attn_tp
+        return pack_sequences(
+            sequences,
+            self.topology,
+            rows_per_rank=bucket(max(exact.rows_per_rank, MIN_ROWS), tp),
+            slots_per_rank=bucket(exact.decode_rows_per_rank, tp),
+        )
+
+    def place_array(self, values: np.ndarray | jax.Array, *, rows: bool = True) -> jax.Array:
+        """An array placed on the mesh: split over attention DP along axis 0, or replicated."""
+        spec = PartitionSpec(*self._rows) if rows else PartitionSpec()
+        return jax.device_put(values, NamedSharding(self.mesh, spec))
+
+    def place(self, packed: PackedBatch) -> tuple[TokenRows, bj.BatchFacts]:
+        """The packed rows and their batch facts, placed on the mesh."""
+        rows = jax.device_put(packed.rows, NamedSharding(self.mesh, self._rows))
+        return rows, self.place_batch(packed.token_counts)
+
+    def place_batch(self, token_counts: np.ndarray) -> bj.BatchFacts:
+        """Placed batch facts of this runner's variant: [attn_dp] real rows per DP rank."""
+        counts = self.place_array(np.asarray(token_counts, np.int32), rows=False)
+        return bj.BatchFacts(self._variant, self.topology, counts)
+
+    def new_caches(self, slots_per_rank: int, max_len: int) -> tuple[KVCache, ...]:
+        """Zero KV caches of `slots_per_rank` slots per DP rank, sharded: one per block of the
+        model's layers (`DecoderConfig.layer_blocks`), a scanned run's stacked on a leading
+        layer axis."""
+        return tuple(
+            KVCache.create(
+                self.config,
+                self.topology,
+                slots=slots_per_rank * self.topology.attn_dp,
+                max_len=max_len,
+                dtype=self.dtype,
+                mesh=self.mesh,
+                layers=len(block.layers) if block.scanned else None,
+            )
+            for block in self._blocks
+        )
+
+    # -- forward --------------------------------------------------------------------------
+
+    def forward_rows(self, packed: PackedBatch) -> jax.Array:
+        """[attn_dp * rows_per_rank, vocab] logits of packed rows (attention within the batch)."""
+        return self._forward(self._state, *self.place(packed))
+
+    def forward_placed(self, rows: TokenRows, batch: bj.BatchFacts) -> jax.Array:
+        """`forward_rows` on rows already placed by `place`."""
+        return self._forward(self._state, rows, batch)
+
+    def forward(self, sequences: Sequence[Sequence[int]]) -> np.ndarray:
+        """float32 logits [sequences, longest, vocab] of ragged token-id lists, zero past ends."""
+        packed = self.pack(sequences)
+        return packed.unpack(jax.device_get(self.forward_rows(packed)))
+
+    def lower_forward(self, sequences: Sequence[Sequence[int]]):
+        """The lowered (not yet compiled) sharded forward for these sequences' shapes."""
+        return self._forward.lower(self._state, *self.place(self.pack(sequences)))
+
+    def forward_captured(
+        self,
+        sequences: Sequence[Sequence[int]],
+        capture_layers: Sequence[int],
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """`forward`, also returning the auxiliary hidden states of `capture_layers` (what
+        EAGLE-3 drafting reads), computed in the same program.
+
+        Capture index i < num_layers is the residual stream entering layer i, transformers'
+        `output_hidden_states[i]` (0: the embedding output); i = num_layers is the residual the
+        final norm reads (transformers' last hidden state is it after the final norm). The
+        logits are those `forward` returns: a capture completes the sums the layers owe in the
+        same collectives, unfused from the add + norm.
+
+        Args:
+          sequences: Ragged token-id lists.
+          capture_layers: Capture indices in [0, num_layers], in the order wanted (a model
+            built with `scan_layers` captures in its scanned runs).
+
+        Returns:
+          (float32 logits [sequences, longest, vocab], hidden states [len(capture_layers),
+          sequences, longest, hidden] in the model's dtype; both zero past each sequence's end).
+        """
+        packed = self.pack(sequences)
+        program = self._captured_program(tuple(capture_layers))
+        logits, hidden = jax.device_get(program(self._state, *self.place(packed)))
+        return packed.unpack(logits), np.moveaxis(packed.unpack(np.moveaxis(hidden, 0, 1)), 2, 0)
+
+    def lower_forward_captured(
+        self,
+        sequences: Sequence[Sequence[int]],
+        capture_layers: Sequence[int],
+    ):
+        """The lowered (not yet compiled) `forward_captured` program for these shapes."""
+        program = self._captured_program(tuple(capture_layers))
+        return program.lower(self._state, *self.place(self.pack(sequences)))
+
+    def _captured_program(self, capture_layers: tuple[int, ...]) -> Callable:
+        name = ("captured", capture_layers)
+        if name not in self._programs:
+            rows = self._rows
+
+            def body(model, rows_, batch):
+                hidden, captures = model.hidden_captured(rows_, batch, capture_layers)
+                return model.lm_head(hidden).astype(jnp.float32), captures
+
+            self._programs[name] = self._sharded.program(
+                body,
+                in_specs=(rows, self._batch_spec),
+                out_specs=(self._logits_spec, PartitionSpec(None, rows[0], None)),
+                check_vma=self.check_vma,
+            )
+        return self._programs[name]
+
+    # -- serving: prefill and decode on the device ----------------------------------------
+
+    def prefill(
+        self,
+        rows: TokenRows,
+        batch: bj.BatchFacts,
+        caches: tuple[KVCache, ...],
+        last_rows: jax.Array,
+        key: jax.Array,
+        *,
+        sampling: Sampling = GREEDY,
+    ) -> tuple[jax.Array, tuple[KVCache, ...]]:
+        """Runs placed PREFILL rows, writes the caches in place (they are donated) and samples.
+
+        Args:
+          rows, batch: From `place(packed)`.
+          caches: From `new_caches(packed.decode_rows_per_rank, max_len)`.
+          last_rows: `place_array(packed.last_row_index())`: per slot, its last row.
+          key: A replicated PRNG key (unused when greedy).
+          sampling: How the next token is drawn.
+
+        Returns:
+          (int32 [attn_dp * slots per rank] next token per slot, in slot order; the caches).
+        """
+        program = self._program(self._prefill_program, sampling)
+        return program(self._state, rows, batch, caches, last_rows, key)
+
+    def decode(
+        self,
+        rows: TokenRows,
+        batch: bj.BatchFacts,
+        caches: tuple[KVCache, ...],
+        key: jax.Array,
+        steps: int | jax.Array,
+        *,
+        capacity: int,
+        sampling: Sampling = GREEDY,
+    ) -> tuple[jax.Array, tuple[KVCache, ...]]:
+        """Runs `steps` decode steps in one program; the caches are donated.
+
+        Args:
+          rows: DECODE rows, placed: per slot its latest token, that token's position, and its
+            slot index (or -1 for an idle slot). See `decode_rows`.
+          batch: Placed batch facts of `rows` (sequences per DP rank).
+          caches: The caches the prefill filled.
+          key: A replicated PRNG key (unused when greedy).
+          steps: How many tokens to generate, at most `capacity` (a traced value: any count
+            runs the same program).
+          capacity: Static size of the returned token buffer.
+          sampling: How each token is drawn.
+
+        Returns:
+          (int32 [capacity, attn_dp * slots per rank] tokens, rows past `steps` zero; caches).
+        """
+        program = self._program(self._decode_program, sampling, capacity)
+        return program(self._state, rows, batch, caches, key, jnp.asarray(steps, jnp.int32))
+
+    def _program(self, make: Callable, sampling: Sampling, capacity: int = 0) -> Callable:
+        """The program `make(sampling, capacity)` builds, built once per runner."""
+        name = (make.__name__, sampling, capacity)
+        if name not in self._programs:
+            self._programs[name] = make(sampling, capacity)
+        return self._programs[name]
+
+    def _rank_key(self, key: jax.Array) -> jax.Array:
+        """`key` folded with the DP rank, so that ranks draw independently."""
+        entry = self.topology.spec_entry((bj.TokenAxis.ATTN_DP,))
+        return key if entry is None else jax.random.fold_in(key, lax.axis_index(entry))
+
+    def _prefill_program(self, sampling: Sampling, capacity: int) -> Callable:
+        del capacity
+        rows = self._rows
+
+        def body(model, rows_, batch, caches, last_rows, key):
+            tokens, caches = _next_tokens(
+                model, rows_, batch, caches, last_rows, self._rank_key(key), sampling
+            )
+            return jnp.where(last_rows >= 0, tokens, 0), caches
+
+        return self._sharded.program(
+            body,
+            in_specs=(
+                rows,
+                self._batch_spec,
+                self._cache_specs,
+                rows,
+                PartitionSpec(),
+            ),
+            out_specs=(rows, self._cache_specs),
+            check_vma=self.check_vma,
+            donate_argnums=(2,),
+        )
+
+    def _decode_program(self, sampling: Sampling, capacity: int) -> Callable:
+        rows = self._rows
+
+        def body(model, rows_, batch, caches, key, steps):
+            key = self._rank_key(key)
+            active = rows_.segment_ids >= 0
+            # Built from the rows, so the buffer varies over the same mesh axes as the tokens.
+            out = jnp.broadcast_to(rows_.ids * 0, (capacity, *rows_.ids.shape))
+
+            def step(index, carry):
+                ids, positions, caches, out = carry
+                current = TokenRows(ids, positions, rows_.segment_ids, RowsPhase.DECODE)
+                tokens, caches = _next_tokens(
+                    model, current, batch, caches, None, jax.random.fold_in(key, index), sampling
+                )
+                tokens = jnp.where(active, tokens, 0)
+                out = lax.dynamic_update_index_in_dim(out, tokens, index, axis=0)
+                return tokens, positions + 1, caches, out
+
+            carry = (jnp.where(active, rows_.ids, 0), rows_.positions, caches, out)
+            _, _, caches, out = lax.fori_loop(0, jnp.minimum(steps, capacity), step, carry)
+            return out, caches
+
+        return self._sharded.program(
+            body,
+            in_specs=(
+                rows,
+                self._batch_spec,
+                self._cache_specs,
+                PartitionSpec(),
+                PartitionSpec(),
+            ),
+            out_specs=(PartitionSpec(None, *rows), self._cache_specs),
+            check_vma=self.check_vma,
+            donate_argnums=(2,),
+        )
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        *,
+        sampling: Sampling = GREEDY,
+        seed: int = 0,
+    ) -> np.ndarray:
+        """Continuation of each prompt: int32 [prompts, max_new_tokens].
+
+        One prefill fills a static-shape KV cache (its length rounded up to `CACHE_LENGTHS`)
+        and samples the first token; one decode program samples the rest on the device. Only
+        the token ids come back to the host, once.
+        """
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1; got {max_new_tokens}")
+        packed = self.pack(prompts, bucketed=True)
+        longest = max(packed.lengths) + max_new_tokens
+        limit = self.config.max_position_embeddings
+        if longest > limit:
+            raise ValueError(
+                f"prompt + new tokens ({longest}) exceed max_position_embeddings ({limit})"
+            )
+        caches = self.new_caches(packed.decode_rows_per_rank, cache_length(longest, limit))
+        prefill_key, decode_key = jax.random.split(jax.random.key(seed))
+        last_rows = self.place_array(packed.last_row_index())
+        first, caches = self.prefill(
+            *self.place(packed), caches, last_rows, prefill_key, sampling=sampling
+        )
+        steps = max_new_tokens - 1
+        tokens = first[None]
+        if steps:
+            lengths = np.asarray(packed.lengths, np.int32)
+            host_rows = decode_rows(packed, np.zeros_like(lengths), lengths)
+            rows, batch = self.place(host_rows)
+            rows = TokenRows(first, rows.positions, rows.segment_ids, RowsPhase.DECODE)
+            rest, caches = self.decode(
+                rows,
+                batch,
+                caches,
+                decode_key,
+                steps,
+                capacity=bucket(max(steps, MIN_STEPS)),
+                sampling=sampling,
+            )
+            tokens = jnp.concatenate([tokens, rest[:steps]])
+        return np.asarray(jax.device_get(tokens))[:, packed.slot_order()].T.astype(np.int32)
