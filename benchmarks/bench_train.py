@@ -97,12 +97,12 @@ def make_baseline(
         x = params["embed.embedding"][ids.reshape(-1)]
         for index in range(layers):
             layer = {
-                "attn_norm": params[f"layers.{index}.attn_boundary.norm.weight"],
+                "attn_norm": params[f"layers.{index}.input_norm.weight"],
                 "wq": params[f"layers.{index}.attn.q_proj.kernel"],
                 "wk": params[f"layers.{index}.attn.k_proj.kernel"],
                 "wv": params[f"layers.{index}.attn.v_proj.kernel"],
                 "wo": params[f"layers.{index}.attn.o_proj.kernel"],
-                "ffn_norm": params[f"layers.{index}.ffn_boundary.norm.weight"],
+                "ffn_norm": params[f"layers.{index}.post_attn_norm.weight"],
                 "wg": params[f"layers.{index}.mlp.gate_proj.kernel"],
                 "wu": params[f"layers.{index}.mlp.up_proj.kernel"],
                 "wd": params[f"layers.{index}.mlp.down_proj.kernel"],

@@ -108,22 +108,21 @@ class HFTensor:
         return tuple(self.name.format(expert=e) for e in range(self.experts))
 
 
-# Each design's norms, by the boundary that owns them: its input norm (`norm`), its update's norm
-# (post-norm) or its output transform (sandwich).
+# Each design's norms, by the layer attribute that holds them (`models.families.designs`).
 _NORM_TENSORS = {
     ResidualDesign.PRE_NORM: {
-        "attn_boundary.norm.weight": HFTensor("input_layernorm.weight"),
-        "ffn_boundary.norm.weight": HFTensor("post_attention_layernorm.weight"),
+        "input_norm.weight": HFTensor("input_layernorm.weight"),
+        "post_attn_norm.weight": HFTensor("post_attention_layernorm.weight"),
     },
     ResidualDesign.POST_NORM: {
-        "attn_boundary.update.norm.weight": HFTensor("post_attention_layernorm.weight"),
-        "ffn_boundary.update.norm.weight": HFTensor("post_feedforward_layernorm.weight"),
+        "post_attn_norm.weight": HFTensor("post_attention_layernorm.weight"),
+        "post_ffn_norm.weight": HFTensor("post_feedforward_layernorm.weight"),
     },
     ResidualDesign.SANDWICH: {
-        "attn_boundary.norm.weight": HFTensor("input_layernorm.weight"),
-        "attn_boundary.output_transform.weight": HFTensor("post_attention_layernorm.weight"),
-        "ffn_boundary.norm.weight": HFTensor("pre_feedforward_layernorm.weight"),
-        "ffn_boundary.output_transform.weight": HFTensor("post_feedforward_layernorm.weight"),
+        "input_norm.weight": HFTensor("input_layernorm.weight"),
+        "post_attn_norm.weight": HFTensor("post_attention_layernorm.weight"),
+        "pre_ffn_norm.weight": HFTensor("pre_feedforward_layernorm.weight"),
+        "post_ffn_norm.weight": HFTensor("post_feedforward_layernorm.weight"),
     },
 }
 _KV_PARTS = ("k", "v")
@@ -188,10 +187,9 @@ def hf_name_map(config: DecoderConfig, *, scan_layers: bool = False) -> dict[str
     with or without `scan_layers`.
 
     Module paths are the dotted `nnx` state paths: `embed.embedding`,
-    `layers.{i}.attn_boundary.norm.weight`, `layers.{i}.ffn_boundary.norm.weight` (each
-    stage's input norm, owned by its boundary; a post-norm decoder has instead
-    `layers.{i}.{attn,ffn}_boundary.update.norm.weight`, its updates' norms, and a sandwich-norm
-    one has both input norms and `layers.{i}.{attn,ffn}_boundary.output_transform.weight`),
+    `layers.{i}.input_norm.weight`, `layers.{i}.post_attn_norm.weight` (the stages' input norms;
+    a post-norm decoder's `post_attn_norm` and `post_ffn_norm` are its updates' norms, and a
+    sandwich-norm one has `input_norm`, `post_attn_norm`, `pre_ffn_norm` and `post_ffn_norm`),
     `layers.{i}.attn.{q,o}_proj.kernel`, `layers.{i}.attn.kv_proj.kernel` (k and v stacked on
     axis 1), `layers.{i}.attn.{q,k}_norm.weight` (qk_norm only),
     `layers.{i}.mlp.gate_up_proj.kernel` (gate and up stacked on axis 1),

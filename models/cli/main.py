@@ -468,4 +468,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"boundary-jax: error: {message}", file=sys.stderr)
         return EXIT_BAD_INPUT
     return 0
-

@@ -3,15 +3,14 @@
 Each layer appends an attention stage and an FFN stage to the model's layer stack; the model
 enters the stack with the vocab-parallel embedding's partial sum and leaves it through the final
 norm. Compute never sums: every sum a stage owes is completed by a boundary. Where the norms sit
-around each stage is the model's declaration (`CausalLM.stage_facts`, `CausalLM.read_norms`): the
-post-norm and sandwich-norm families (`models.families.norm_designs`) change only those.
+around each stage is the family's residual design (`models.families.designs`): each layer builds
+it as its own modules and declares its stages with the model's `stage_facts`.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -20,19 +19,24 @@ from flax import nnx
 import boundary_jax as bj
 from boundary_jax import residual
 
-from ..config import Architecture, DecoderConfig
+from ..config import Architecture, DecoderConfig, ResidualDesign
 from ..layers.attention import Attention, AttentionImpl, KVCache
 from ..layers.hyper_connections import HyperConnections
 from ..layers.linear import ParallelLMHead, VocabParallelEmbedding
 from ..layers.mlp import SwiGLU
 from ..rows import TokenRows
+from .designs import (
+    HyperConnected,
+    LayerDesign,
+    NormSpec,
+    PostNorm,
+    PreNorm,
+    Sandwich,
+    StageDesigns,
+)
 
-LayerDesigns = tuple[Mapping[str, Any], Mapping[str, Any]]
-"""A layer's attention and FFN stages' residual `read` / `update` declaration keywords."""
-PLAIN: LayerDesigns = ({}, {})
-"""The plain pre-norm design: add + RMSNorm at every boundary."""
-ReadNorms = tuple[bj.RMSNorm | None, bj.RMSNorm | None]
-"""A layer's attention and FFN stages' input norms (None: the stage reads the residual as is)."""
+Declare = Callable[[StageDesigns], tuple[bj.StageDeclaration, ...]]
+"""A layer's stage declarations, from what its residual design built (`CausalLM.stage_facts`)."""
 
 
 class Remat(enum.Enum):
@@ -55,76 +59,38 @@ class Remat(enum.Enum):
         return None
 
 
-def stage_facts(
-    layer_index: int, designs: LayerDesigns = PLAIN
-) -> tuple[bj.StageDeclaration, bj.StageDeclaration]:
-    """The stages every dense decoder layer declares, in order: the model's shared declaration
-    function (a stack holding part of the layers binds its edges from it).
-
-    Args:
-      layer_index: The layer (every dense layer declares the same stages).
-      designs: Each stage's residual read and update: the objects the layer owns, or (for
-        binding a neighbour) their `DesignFacts`.
-    """
-    del layer_index
-    attn, ffn = designs
-    return bj.declare_attn(**attn), bj.declare_ffn(**ffn)
-
-
 class DecoderLayer(nnx.Module):
-    """Attention + an FFN, joined to its neighbours by two stage boundaries (pre-norm unless the
-    declarations and `read_norms` say otherwise).
+    """Attention + an FFN, joined to its neighbours by two stage boundaries; the norms around
+    them are the layer's own modules, placed as the model's residual design says.
 
     Attributes:
       attn: Self-attention returning its o_proj partial.
-      mlp: The FFN (a SwiGLU here) returning its down_proj partial; built by `make_mlp` after
-        the attention, so a mesh that fits neither reports the heads first.
-      attn_boundary: The boundary before and after attention; owns its input norm (HF
-        `input_layernorm`), and its update and output transform.
-      ffn_boundary: The boundary before and after the FFN; owns its input norm (HF
-        `post_attention_layernorm`; Gemma 3's `pre_feedforward_layernorm`), and its update and
-        output transform.
+      mlp: The FFN (a SwiGLU here) returning its down_proj partial.
+      attn_boundary: The boundary before and after attention.
+      ffn_boundary: The boundary before and after the FFN.
+      input_norm, post_attn_norm, ...: The residual design's modules (`designs.LayerDesign`):
+        HF `input_layernorm` is `input_norm`, `post_attention_layernorm` `post_attn_norm`,
+        `pre_feedforward_layernorm` `pre_ffn_norm`, `post_feedforward_layernorm`
+        `post_ffn_norm`.
     """
 
     def __init__(
         self,
-        config: DecoderConfig,
-        declarations: tuple[bj.StageDeclaration, bj.StageDeclaration],
-        make_mlp: Callable[[], nnx.Module],
+        attn: Attention,
+        mlp: nnx.Module,
         *,
-        topology: bj.Topology,
+        design: LayerDesign,
+        declare: Declare,
         dtype: jnp.dtype,
-        attention: AttentionImpl = AttentionImpl.XLA,
-        layer_index: int = 0,
-        read_norms: ReadNorms | None = None,
         rngs: nnx.Rngs,
     ):
-        if read_norms is None:
-            read_norms = pre_norms(config, dtype)
-        input_norm, post_attn_norm = read_norms
-        self.attn = Attention(
-            config,
-            topology=topology,
-            dtype=dtype,
-            impl=attention,
-            layer_index=layer_index,
-            rngs=rngs,
-        )
-        self.mlp = make_mlp()
-        attn, ffn = declarations
+        self.attn = attn
+        self.mlp = mlp
+        stages = design.attach(self, dtype=dtype, rngs=rngs)
+        attn_stage, ffn_stage = declare(stages)
         self.attn_boundary, self.ffn_boundary = bj.append_stages(
-            (attn, input_norm), (ffn, post_attn_norm)
+            (attn_stage, stages.attn_norm), (ffn_stage, stages.ffn_norm), owner=self
         )
-
-    @property
-    def input_norm(self) -> bj.RMSNorm | None:
-        """The attention stage's input norm (None: it reads the residual as is)."""
-        return self.attn_boundary.norm
-
-    @property
-    def post_attn_norm(self) -> bj.RMSNorm | None:
-        """The FFN stage's input norm (None: it reads the residual as is)."""
-        return self.ffn_boundary.norm
 
     def __call__(
         self,
@@ -180,16 +146,6 @@ class DecoderLayer(nnx.Module):
         return self.ffn_boundary.finish(self.mlp(h), stream)
 
 
-def pre_norms(config: DecoderConfig, dtype: jnp.dtype) -> ReadNorms:
-    """Fresh input norms of a layer's attention and FFN stages (`1 + w` where the config says)."""
-    return tuple(
-        bj.RMSNorm(
-            config.hidden_size, eps=config.rms_norm_eps, gemma=config.gemma_norms, param_dtype=dtype
-        )
-        for _ in range(2)
-    )
-
-
 class CausalLM(nnx.Module):
     """A dense decoder LM over packed token rows; runs inside `jax.shard_map` on its topology.
 
@@ -215,6 +171,7 @@ class CausalLM(nnx.Module):
       param_dtype: The dtype of every parameter.
     """
 
+    layer_class: type[DecoderLayer] = DecoderLayer
     architectures: tuple[Architecture, ...] = (
         Architecture.QWEN3,
         Architecture.LLAMA,
@@ -241,7 +198,6 @@ class CausalLM(nnx.Module):
             raise ValueError(
                 f"{type(self).__name__} builds {names}; got a {config.architecture.value} config"
             )
-        common = {"topology": topology, "dtype": dtype, "rngs": rngs}
         self.config = config
         self.topology = topology
         self.fusions = fusions
@@ -250,8 +206,14 @@ class CausalLM(nnx.Module):
         self.scan_layers = scan_layers
         self.hyper_connections = hyper_connections
         self.param_dtype = dtype
+        self.design = self.layer_design()
         self.embed = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, scale=config.embedding_scale, **common
+            config.vocab_size,
+            config.hidden_size,
+            scale=config.embedding_scale,
+            topology=topology,
+            dtype=dtype,
+            rngs=rngs,
         )
         with bj.layer_stack(
             topology,
@@ -262,7 +224,7 @@ class CausalLM(nnx.Module):
             stage_facts=self.stage_facts,
             num_layers=config.num_layers,
         ):
-            layers = [self.make_layer(config, i, **common) for i in range(config.num_layers)]
+            layers = [self.make_layer(i, dtype=dtype, rngs=rngs) for i in range(config.num_layers)]
         self.layers = nnx.List(
             [
                 bj.StackedLayers(layers[block.start : block.stop], start=block.start)
@@ -285,63 +247,67 @@ class CausalLM(nnx.Module):
             config.hidden_size,
             config.vocab_size,
             tied_embedding=self.embed if config.tie_word_embeddings else None,
-            **common,
+            topology=topology,
+            dtype=dtype,
+            rngs=rngs,
         )
 
     def stage_facts(
-        self, layer_index: int, designs: LayerDesigns | None = None
+        self, layer_index: int, stages: StageDesigns | None = None
     ) -> tuple[bj.StageDeclaration, ...]:
         """The model's shared declaration function: layer `layer_index`'s stages, in order.
 
-        `designs` are the layer's own residual reads and updates (`layer_designs`); None
-        declares their capabilities only, which is what the stack binds against.
+        `stages` is what the layer's residual design built (its own modules); None declares
+        their capabilities only, which is what the stack binds a neighbour against.
         """
-        return stage_facts(layer_index, self.layer_designs() if designs is None else designs)
+        del layer_index
+        stages = self.design.facts() if stages is None else stages
+        return bj.declare_attn(**stages.attn), bj.declare_ffn(**stages.ffn)
 
-    def layer_designs(
-        self, *, dtype: jnp.dtype | None = None, rngs: nnx.Rngs | None = None
-    ) -> LayerDesigns:
-        """A layer's residual designs: none for the plain add + norm; with hyper-connections,
-        each stage's MHC read (weights drawn from `rngs`) and update, or without `rngs` their
-        capabilities only."""
-        hc = self.hyper_connections
-        if hc is None:
-            return PLAIN
-        if rngs is None:
-            return hc.design_facts(), hc.design_facts()
+    def layer_design(self) -> LayerDesign:
+        """Where every layer's norms sit: the family's residual design, or pre-norm behind
+        MHC hyper-connections."""
         config = self.config
-        return tuple(
-            hc.stage_design(
-                config.hidden_size, norm_eps=config.rms_norm_eps, dtype=dtype, rngs=rngs
-            )
-            for _ in range(2)
+        norm = NormSpec(config.hidden_size, config.rms_norm_eps, config.gemma_norms)
+        if self.hyper_connections is not None:
+            return HyperConnected(norm, self.hyper_connections)
+        return {
+            ResidualDesign.PRE_NORM: PreNorm,
+            ResidualDesign.POST_NORM: PostNorm,
+            ResidualDesign.SANDWICH: Sandwich,
+        }[config.residual_design](norm)
+
+    def make_mlp(self, index: int, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> nnx.Module:
+        """Layer `index`'s FFN: the dense gated MLP here."""
+        del index
+        config = self.config
+        return SwiGLU(
+            config.hidden_size,
+            config.intermediate_size,
+            activation=config.activation,
+            topology=self.topology,
+            dtype=dtype,
+            rngs=rngs,
         )
 
-    def read_norms(self) -> ReadNorms:
-        """Fresh input norms of one layer's attention and FFN stages."""
-        return pre_norms(self.config, self.param_dtype)
-
-    def make_layer(self, config: DecoderConfig, index: int, **common) -> nnx.Module:
+    def make_layer(self, index: int, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> nnx.Module:
         """Decoder layer `index` (inside the open layer stack), with this model's attention
-        kernel and residual design; `common` holds `topology`, `dtype` and `rngs`."""
-
-        def make_mlp():
-            return SwiGLU(
-                config.hidden_size,
-                config.intermediate_size,
-                activation=config.activation,
-                **common,
-            )
-
-        designs = self.layer_designs(dtype=common["dtype"], rngs=common["rngs"])
-        return DecoderLayer(
-            config,
-            self.stage_facts(index, designs),
-            make_mlp,
-            attention=self.attention,
+        kernel and residual design."""
+        attn = Attention(
+            self.config,
+            topology=self.topology,
+            dtype=dtype,
+            impl=self.attention,
             layer_index=index,
-            read_norms=self.read_norms(),
-            **common,
+            rngs=rngs,
+        )
+        return self.layer_class(
+            attn,
+            self.make_mlp(index, dtype=dtype, rngs=rngs),
+            design=self.design,
+            declare=lambda stages: self.stage_facts(index, stages),
+            dtype=dtype,
+            rngs=rngs,
         )
 
     @property

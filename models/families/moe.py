@@ -20,19 +20,20 @@ from ..layers.hyper_connections import HyperConnections
 from ..layers.mlp import SwiGLU
 from ..layers.moe import GroupedMatmulImpl, default_grouped_matmul_impl
 from ..layers.moe_ffn import MoeFfn
-from .decoder import PLAIN, CausalLM, DecoderLayer, LayerDesigns, Remat
+from .decoder import CausalLM, DecoderLayer, Remat
+from .designs import StageDesigns
 
 
 def moe_stage_facts(
     config: DecoderConfig,
     dispatch: bj.MoeDispatch,
     layer_index: int,
-    designs: LayerDesigns = PLAIN,
+    stages: StageDesigns,
 ) -> tuple[bj.StageDeclaration, bj.StageDeclaration]:
     """Layer `layer_index`'s stages: attention, then a sparse FFN dispatched as `dispatch` where
-    the config makes the layer sparse, else a dense FFN over the full TP group; `designs` gives
-    each stage's residual read and update (as for `decoder.stage_facts`)."""
-    attn, ffn = designs
+    the config makes the layer sparse, else a dense FFN over the full TP group; `stages` gives
+    each stage's residual read, update and output transform (as for `CausalLM.stage_facts`)."""
+    attn, ffn = stages.attn, stages.ffn
     if config.sparse_layers[layer_index]:
         return bj.declare_attn(**attn), bj.declare_ffn(sparse=True, moe_dispatch=dispatch, **ffn)
     return bj.declare_attn(**attn), bj.declare_ffn(**ffn)
@@ -67,6 +68,7 @@ class MoeCausalLM(CausalLM):
       grouped_matmul: The grouped matmul implementation of every sparse layer.
     """
 
+    layer_class = MoeDecoderLayer
     architectures = ()
 
     def __init__(
@@ -105,31 +107,29 @@ class MoeCausalLM(CausalLM):
         )
 
     def stage_facts(
-        self, layer_index: int, designs: LayerDesigns | None = None
+        self, layer_index: int, stages: StageDesigns | None = None
     ) -> tuple[bj.StageDeclaration, ...]:
-        designs = self.layer_designs() if designs is None else designs
-        return moe_stage_facts(self.config, self.moe_dispatch, layer_index, designs)
+        stages = self.design.facts() if stages is None else stages
+        return moe_stage_facts(self.config, self.moe_dispatch, layer_index, stages)
 
-    def make_layer(self, config: DecoderConfig, index: int, **common) -> nnx.Module:
-        if config.sparse_layers[index]:
-            mlp = MoeFfn(
+    def make_mlp(self, index: int, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> nnx.Module:
+        """Layer `index`'s FFN: the sparse `MoeFfn` on a sparse layer, else the dense SwiGLU."""
+        config = self.config
+        if not config.sparse_layers[index]:
+            return SwiGLU(
                 config.hidden_size,
-                config.moe,
-                common["topology"],
-                dispatch=self.moe_dispatch,
-                capacity=self.moe_capacity,
-                impl=self.grouped_matmul,
-                dtype=common["dtype"],
-                rngs=common["rngs"],
+                config.intermediate_size,
+                topology=self.topology,
+                dtype=dtype,
+                rngs=rngs,
             )
-        else:
-            mlp = SwiGLU(config.hidden_size, config.intermediate_size, **common)
-        designs = self.layer_designs(dtype=common["dtype"], rngs=common["rngs"])
-        return MoeDecoderLayer(
-            config,
-            self.stage_facts(index, designs),
-            lambda: mlp,
-            attention=self.attention,
-            layer_index=index,
-            **common,
+        return MoeFfn(
+            config.hidden_size,
+            config.moe,
+            self.topology,
+            dispatch=self.moe_dispatch,
+            capacity=self.moe_capacity,
+            impl=self.grouped_matmul,
+            dtype=dtype,
+            rngs=rngs,
         )

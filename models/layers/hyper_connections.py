@@ -57,11 +57,11 @@ class HyperConnections:
             ),
         }
 
-    def stage_design(
+    def read(
         self, hidden: int, *, norm_eps: float, dtype: jnp.dtype, rngs: nnx.Rngs
-    ) -> dict[str, nnx.Module]:
-        """A stage's `read` (with fresh trainable weights drawn from `rngs`) and `update`."""
-        read = designs.MhcRead(
+    ) -> designs.MhcRead:
+        """A stage's read, with fresh trainable weights drawn from `rngs`."""
+        return designs.MhcRead(
             hidden,
             self.hc_mult,
             sinkhorn_iters=self.sinkhorn_iters,
@@ -70,7 +70,6 @@ class HyperConnections:
             param_dtype=dtype,
             rngs=rngs,
         )
-        return {"read": read, "update": designs.MhcUpdate()}
 
     def head(
         self, hidden: int, *, norm_eps: float, dtype: jnp.dtype, rngs: nnx.Rngs

@@ -85,7 +85,10 @@ class Stage(nnx.Module):
     def __init__(self, kind: Kind, topology: bj.Topology, key, dtype, design: dict | None = None):
         k1, k2 = jax.random.split(key)
         self.kind = kind
-        (self.boundary,) = bj.append_stages((declare(kind, design), _norm(k1, dtype)))
+        self.norm = _norm(k1, dtype)
+        design = design or {}
+        self.read, self.update = design.get("read"), design.get("update")
+        (self.boundary,) = bj.append_stages((declare(kind, design), self.norm), owner=self)
         match kind:
             case Kind.ATTN | Kind.MIXER:
                 self.compute = StandInAttention(topology, k2, dtype)

@@ -144,7 +144,7 @@ class StandInLayer(nnx.Module):
         if setup.ffn_fusions is not None:
             ffn_stage += ({"fusions": setup.ffn_fusions},)
         self.attn_boundary, self.ffn_boundary = bj.append_stages(
-            (bj.declare_attn(), self.input_norm), ffn_stage
+            (bj.declare_attn(), self.input_norm), ffn_stage, owner=self
         )
 
     def __call__(self, x, stream):

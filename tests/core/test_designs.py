@@ -58,7 +58,9 @@ def gated(index: int) -> dict:
 
 def post_norm(index: int) -> dict:
     key = jax.random.fold_in(jax.random.key(32), index)
-    return {"update": designs.PostNormUpdate(_norm(key, jnp.float64))}
+    update = designs.PostNormUpdate(HIDDEN, param_dtype=jnp.float64)
+    update.weight[...] = _norm(key, jnp.float64).weight[...]
+    return {"update": update}
 
 
 def mhc(index: int) -> dict:
@@ -150,7 +152,7 @@ def test_gradients_of_the_design_parameters_equal_one_device(design):
 def test_a_nonlinear_update_is_kept_out_of_fused_kernels_and_snapshots():
     """A post-norm update is not plain: no fused add + norm candidate takes it, and snapshot()
     raises the guide's message."""
-    update = designs.PostNormUpdate(bj.RMSNorm(HIDDEN))
+    update = designs.PostNormUpdate(HIDDEN)
     assert not update.plain
     value = jnp.ones((8, HIDDEN))
     request = bj.fusions.FusionRequest(

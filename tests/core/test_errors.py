@@ -74,7 +74,7 @@ def test_a_batch_variant_without_a_bound_path(single):
 def test_appending_outside_a_layer_stack():
     """append_stages() outside layer_stack(): 'append_stages needs an open layer stack'."""
     with pytest.raises(RuntimeError, match="append_stages needs an open layer stack"):
-        bj.append_stages((bj.declare_attn(), bj.RMSNorm(HIDDEN)))
+        bj.append_stages((bj.declare_attn(), None))
 
 
 def test_a_snapshot_of_a_nonlinear_update():

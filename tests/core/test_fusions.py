@@ -135,4 +135,4 @@ def test_a_stage_option_overrides_the_stack_default():
 def test_the_fusions_option_takes_a_provider():
     """A fusions option that is not a FusionProvider is rejected when appended."""
     with pytest.raises(TypeError, match="takes a FusionProvider"), bj.layer_stack(bj.Topology()):
-        bj.append_stages((bj.declare_ffn(), bj.RMSNorm(HIDDEN), {"fusions": "pallas"}))
+        bj.append_stages((bj.declare_ffn(), None, {"fusions": "pallas"}))

@@ -1,5 +1,6 @@
 """Topology, layouts, declarations and stack binding: every decision made before tracing."""
 
+import flax.nnx
 import jax
 import pytest
 
@@ -13,7 +14,7 @@ A = bj.TokenAxis
 
 def _stack(topology, *declarations, policy=bj.ReductionPolicy.AR, **options):
     with bj.layer_stack(topology, reduction=policy, **options) as stack:
-        boundaries = bj.append_stages(*((d, bj.RMSNorm(HIDDEN)) for d in declarations))
+        boundaries = bj.append_stages(*((d, None) for d in declarations))
     return stack, boundaries
 
 
@@ -51,10 +52,8 @@ def test_stages_bind_when_the_stack_closes():
     """Plans appear only when the stack closes; each declaration gets its place."""
     topology = bj.Topology(attn_tp=2)
     with bj.layer_stack(topology):
-        first = bj.append_stages((bj.declare_attn(), bj.RMSNorm(HIDDEN)))
-        second = bj.append_stages(
-            (bj.declare_ffn(), bj.RMSNorm(HIDDEN)), (bj.declare_attn(), bj.RMSNorm(HIDDEN))
-        )
+        first = bj.append_stages((bj.declare_attn(), None))
+        second = bj.append_stages((bj.declare_ffn(), None), (bj.declare_attn(), None))
         assert all(b.plan is None for b in first + second)
     last = second[-1]
     places = [b.declaration.place for b in first + second]
@@ -78,7 +77,7 @@ def test_prepare_before_the_stack_closes_is_rejected():
     topology = bj.Topology()
     stream = bj.residual.start(bj.BatchFacts.ordinary(topology))
     with bj.layer_stack(topology):
-        (boundary,) = bj.append_stages((bj.declare_attn(), bj.RMSNorm(HIDDEN)))
+        (boundary,) = bj.append_stages((bj.declare_attn(), None))
         with pytest.raises(RuntimeError, match="is not bound yet"):
             boundary.prepare(jax.numpy.ones((4, HIDDEN)), stream)
 
@@ -86,14 +85,14 @@ def test_prepare_before_the_stack_closes_is_rejected():
 def test_an_option_a_stage_does_not_take_is_rejected():
     """append_stages rejects options the stage kind does not take, when appended."""
     with pytest.raises(TypeError, match="do not take the options"), bj.layer_stack(bj.Topology()):
-        bj.append_stages((bj.declare_ffn(), bj.RMSNorm(HIDDEN), {"qkv_latent_func": print}))
+        bj.append_stages((bj.declare_ffn(), None, {"qkv_latent_func": print}))
 
 
 def test_a_declaration_from_a_bound_boundary_is_rejected():
     """Reusing a bound boundary's declaration in another stack is rejected."""
     _, (attn,) = _stack(bj.Topology(), bj.declare_attn())
     with pytest.raises(ValueError, match="already has its place"), bj.layer_stack(bj.Topology()):
-        bj.append_stages((attn.declaration, bj.RMSNorm(HIDDEN)))
+        bj.append_stages((attn.declaration, None))
 
 
 def test_a_binding_error_names_its_append_stages_call():
@@ -244,7 +243,7 @@ def test_each_side_of_a_cut_leaves_and_enters_only_its_own_way():
     assert receiver[0].declaration.place.previous == sender[-1].declaration.facts()
     batch = bj.BatchFacts.ordinary(bj.Topology())
     with bj.layer_stack(bj.Topology()):
-        (only,) = bj.append_stages((bj.declare_ffn(), bj.RMSNorm(HIDDEN)))
+        (only,) = bj.append_stages((bj.declare_ffn(), None))
     out, stream = only.prepare(jax.numpy.ones((4, HIDDEN)), bj.residual.start(batch))
     out, stream = only.finish(jax.numpy.ones((4, HIDDEN)), stream)
     with pytest.raises(RuntimeError, match="no next pipeline rank"):
@@ -257,9 +256,7 @@ def test_final_norm_after_a_pipeline_send_is_rejected():
     """A rank whose stack continues on the next rank leaves through to_pp, not final_norm."""
     topology = bj.Topology()
     with bj.layer_stack(topology, stage_facts=_facts, num_layers=2, layers=range(1)):
-        attn, ffn = bj.append_stages(
-            (bj.declare_attn(), bj.RMSNorm(HIDDEN)), (bj.declare_ffn(), bj.RMSNorm(HIDDEN))
-        )
+        attn, ffn = bj.append_stages((bj.declare_attn(), None), (bj.declare_ffn(), None))
     stream = bj.residual.start(bj.BatchFacts.ordinary(topology))
     h, stream = attn.prepare(jax.numpy.ones((4, HIDDEN)), stream)
     out, stream = attn.finish(h, stream)
@@ -269,3 +266,29 @@ def test_final_norm_after_a_pipeline_send_is_rejected():
         bj.residual.final_norm(out, stream, bj.RMSNorm(HIDDEN))
     tensors = bj.residual.to_pp(out, stream)
     assert set(tensors) == {"hidden_states", "residual"}
+
+
+class _Owner(flax.nnx.Module):
+    """A layer that owns one norm and appends one stage with it."""
+
+    def __init__(self, owned: bool):
+        self.input_norm = bj.RMSNorm(HIDDEN)
+        norm = self.input_norm if owned else bj.RMSNorm(HIDDEN)
+        (self.boundary,) = bj.append_stages((bj.declare_attn(), norm), owner=self)
+
+
+def test_a_stage_norm_is_the_layer_s_parameter():
+    """A module design is reached through its layer: its parameters are named by the layer's
+    part, and the boundary holds no copy; one that is no attribute of the owner, or passed
+    without an owner, is rejected when appended."""
+    with bj.layer_stack(bj.Topology()):
+        layer = _Owner(owned=True)
+    paths = [path for path, _ in flax.nnx.to_flat_state(flax.nnx.state(layer, flax.nnx.Param))]
+    assert paths == [("input_norm", "weight")]
+    assert layer.boundary.norm is layer.input_norm
+    stack = bj.layer_stack(bj.Topology())
+    with pytest.raises(ValueError, match="is not an attribute of its owner"), stack:
+        _Owner(owned=False)
+    stack = bj.layer_stack(bj.Topology())
+    with pytest.raises(TypeError, match=r"pass append_stages\(\.\.\., owner=self\)"), stack:
+        bj.append_stages((bj.declare_attn(), bj.RMSNorm(HIDDEN)))

@@ -273,14 +273,14 @@ def test_norm_families_load_each_norm_into_its_boundary(name):
     check_loaded(GOLDEN / name, nnx.state(model, nnx.Param), mesh, jnp.float32)
     names = hf_name_map(load_config(GOLDEN / name))
     if name == "gemma3":
-        assert names["layers.1.ffn_boundary.output_transform.weight"].name == (
+        assert names["layers.1.post_ffn_norm.weight"].name == (
             "model.layers.1.post_feedforward_layernorm.weight"
         )
-        assert names["layers.1.ffn_boundary.norm.weight"].name == (
+        assert names["layers.1.pre_ffn_norm.weight"].name == (
             "model.layers.1.pre_feedforward_layernorm.weight"
         )
     else:
-        assert names["layers.1.attn_boundary.update.norm.weight"].name == (
+        assert names["layers.1.post_attn_norm.weight"].name == (
             "model.layers.1.post_attention_layernorm.weight"
         )
-        assert "layers.1.attn_boundary.norm.weight" not in names
+        assert "layers.1.input_norm.weight" not in names

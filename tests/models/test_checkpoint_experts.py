@@ -307,8 +307,8 @@ def hf_sparse_block(found: dict, prefix: str, x: np.ndarray, top_k: int, renorma
 
 
 def test_loaded_experts_feed_moe_functions():
-    """Golden Qwen2-MoE weights loaded by the name map, run by models.layers.moe (experts over 4 ranks,
-    summed here), equal the block computed the transformers way from the raw tensors."""
+    """Golden Qwen2-MoE weights loaded by the name map, run by models.layers.moe (experts over 4
+    ranks, summed here), equal the block computed the transformers way from the raw tensors."""
 
     config = load_config(GOLDEN / "qwen2_moe")
     sources = hf_name_map(config)

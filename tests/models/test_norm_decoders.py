@@ -13,9 +13,8 @@ import models.layers.attention
 from boundary_jax import make_mesh
 from models.build import build_model, load_model
 from models.cli.plan import collective_report
-from models.config import PRESETS, DecoderConfig, read_hf_config
+from models.config import DecoderConfig, read_hf_config
 from models.families import Exaone4ForCausalLM, Gemma3ForCausalLM, Olmo2ForCausalLM, model_class
-from models.families.norm_designs import norm_stage_facts
 from models.layers.hyper_connections import HyperConnections
 from models.serving.runtime import ShardedCausalLM
 from tests.core.test_collectives import DOCUMENTED, NAMES
@@ -65,8 +64,6 @@ def test_model_classes():
     assert [model_class(config) for config in configs] == list(classes)
     with pytest.raises(ValueError, match="Gemma3ForCausalLM builds Gemma3ForCausalLM; got a Ex"):
         Gemma3ForCausalLM(configs[0], bj.Topology(), rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="Qwen3ForCausalLM is pre-norm"):
-        norm_stage_facts(PRESETS["tiny-qwen3"], jnp.float32, 0)
     with pytest.raises(NotImplementedError, match="MHC hyper-connections replace it"):
         build_model(configs[1], bj.Topology(), hyper_connections=HyperConnections())
 
@@ -209,8 +206,9 @@ def test_post_norm_layers_read_the_residual_as_is():
     """A post-norm layer's boundaries have no input norm; their updates hold the norms."""
     model = build_model(four_layer_config("olmo2"), bj.Topology())
     layer = model.layers[1]
-    assert layer.input_norm is None and layer.post_attn_norm is None
+    assert layer.attn_boundary.norm is None and layer.ffn_boundary.norm is None
     assert isinstance(layer.attn_boundary.update, bj.designs.PostNormUpdate)
+    assert layer.attn_boundary.update is layer.post_attn_norm
     assert not layer.attn_boundary.declaration.update.plain
     gemma = build_model(four_layer_config("gemma3"), bj.Topology()).layers[1]
     assert gemma.input_norm.gemma and gemma.attn_boundary.declaration.has_output_transform
