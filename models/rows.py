@@ -83,10 +83,6 @@ class PackedBatch:
     slots_per_rank: int
     decode_rows_per_rank: int
 
-    def batch_facts(self, topology: bj.Topology, *, input_scattered: bool = False) -> bj.BatchFacts:
-        make = bj.BatchFacts.input_scattered if input_scattered else bj.BatchFacts.ordinary
-        return make(topology, self.token_counts)
-
     def unpack(self, values: np.ndarray) -> np.ndarray:
         """[attn_dp * rows_per_rank, ...] row values -> [sequences, longest, ...], zero-padded."""
         values = np.asarray(values)

@@ -327,10 +327,6 @@ class Trainer:
         self.state, metrics = self._step(self.state, batch)
         return {name: float(value) for name, value in metrics.items()}
 
-    def lower_step(self, batch: TrainBatch):
-        """The lowered (not yet compiled) train step for `batch`'s shapes."""
-        return self._step.lower(self.state, batch)
-
     # -- checkpoints of the train state ---------------------------------------------------
 
     def save(self, directory: str | Path) -> None:

@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding
 
 import boundary_jax as bj
 from boundary_jax import residual
+from tests.meshes import make_mesh  # noqa: F401 (the tests import it from here)
 
 HIDDEN = 16
 ATTN_WIDTH = 16
@@ -27,12 +28,6 @@ ROWS = 8  # padded rows per attention-DP rank, unless a Setup says otherwise
 
 CONFIGS = ((1, 1), (1, 2), (1, 4), (1, 8), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (8, 1))
 POLICIES = tuple(bj.ReductionPolicy)
-
-
-def make_mesh(dp: int, tp: int) -> jax.sharding.Mesh:
-    """A mesh over the first dp*tp simulated devices."""
-    names = (bj.MeshAxis.ATTN_DP.value, bj.MeshAxis.ATTN_TP.value)
-    return jax.make_mesh((dp, tp), names, devices=jax.devices()[: dp * tp])
 
 
 def _param(key, shape, spec, dtype):

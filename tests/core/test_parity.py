@@ -52,14 +52,15 @@ def test_float32_stack_within_1e6(dp, tp, scattered):
     assert _relative_error(got, reference(model, x, setup, counts)) < 1e-6
 
 
-def _mutated(monkeypatch, step_class, mutate):
-    """Patches the first call of `step_class` in the next trace with `mutate(original, step, x)`."""
+def _mutated(monkeypatch, step_class, mutate, at: int):
+    """Patches call `at` (0-based) of `step_class` in the next trace with
+    `mutate(original, step, x)`; returns the list the calls are recorded in."""
     original = step_class.__call__
     calls = []
 
     def patched(step, x):
         calls.append(step)
-        return mutate(original, step, x) if len(calls) == 1 else original(step, x)
+        return mutate(original, step, x) if len(calls) == at + 1 else original(step, x)
 
     monkeypatch.setattr(step_class, "__call__", patched)
     return calls
@@ -91,7 +92,7 @@ MUTANT_CASES = [
     "mutant,config", MUTANT_CASES, ids=[f"{m}-{c[0]}x{c[1]}-{c[2].value}" for m, c in MUTANT_CASES]
 )
 def test_a_mutant_that_skips_or_doubles_one_sum_is_caught(monkeypatch, mutant, config):
-    """Skipping or doubling any one sum makes the parity check fail.
+    """Skipping or doubling any one sum, each of them in turn, makes the parity check fail.
 
     The mutants run with `check_vma=False`: with the check on, a skipped sum already fails to
     trace (the output is not replicated where `out_specs` says it is).
@@ -103,12 +104,20 @@ def test_a_mutant_that_skips_or_doubles_one_sum_is_caught(monkeypatch, mutant, c
         model = StandInDecoder(setup, jax.random.key(5))
         counts = count_patterns(dp)["even"]
         batch = make_batch(setup, scattered, counts)
-        calls = _mutated(monkeypatch, step_class, mutate)
-        fn, state, place = sharded_forward(model, setup, batch, check_vma=False)
         x = jax.random.normal(jax.random.key(6), (dp * ROWS, HIDDEN), jnp.float64)
-        error = _relative_error(fn(state, place(x), batch), reference(model, x, setup, counts))
-    assert calls, f"the configuration must run a {step_class.__name__}"
-    assert error > 1e-3
+        want = reference(model, x, setup, counts)
+        calls = _mutated(monkeypatch, step_class, lambda original, step, x: original(step, x), 0)
+        fn, state, place = sharded_forward(model, setup, batch, check_vma=False)
+        fn.lower(state, place(x), batch)
+        runs = len(calls)
+        assert runs, f"the configuration must run a {step_class.__name__}"
+        for at in range(runs):
+            monkeypatch.undo()
+            calls = _mutated(monkeypatch, step_class, mutate, at)
+            fn, state, place = sharded_forward(model, setup, batch, check_vma=False)
+            error = _relative_error(fn(state, place(x), batch), want)
+            assert len(calls) == runs
+            assert error > 1e-3, f"mutating {step_class.__name__} call {at} of {runs} is not seen"
 
 
 @pytest.mark.xdist_group("core-2x2")

@@ -13,15 +13,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import boundary_jax as bj
 from models.layers.attention import WholeProjectionNorm
+from tests.meshes import make_mesh  # noqa: F401 (the tests import it from here)
 
 MESHES = ((1, 1), (1, 2), (1, 4), (2, 2), (1, 8))
 """(attn_dp, attn_tp) meshes every sharded layer test runs on."""
-
-
-def make_mesh(dp: int, tp: int) -> jax.sharding.Mesh:
-    """An attn_dp x attn_tp mesh over the first dp*tp simulated devices."""
-    names = (bj.MeshAxis.ATTN_DP.value, bj.MeshAxis.ATTN_TP.value)
-    return jax.make_mesh((dp, tp), names, devices=jax.devices()[: dp * tp])
 
 
 def row_spec(topology: bj.Topology, *trailing) -> PartitionSpec:
