@@ -14,13 +14,14 @@ import collections
 import dataclasses
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import jax
 
 from . import ops
+from .layout import BatchVariant
 from .ops import AllGather, AllReduce, Finalize, ReduceScatter, Step, TakeBlock
-from .plan import StagePath
+from .plan import StagePath, StagePlan
 
 KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
 
@@ -225,4 +226,27 @@ def describe_path(path: StagePath) -> dict[str, object]:
         "compute_rows": str(path.compute_layout),
         "entries": entries,
         "exit_options": exits,
+    }
+
+
+def describe_stages(
+    stages: Iterable[tuple[int, str, StagePlan]], variant: BatchVariant
+) -> list[dict[str, object]]:
+    """`describe_path` of each `(layer, stage name, plan)` for `variant`, with its layer and
+    name: a model's whole bound stack in JSON-friendly form."""
+    return [
+        {"layer": layer, "stage": name, **describe_path(plan.path(variant))}
+        for layer, name, plan in stages
+    ]
+
+
+def describe_collectives(report: CollectiveReport, num_layers: int) -> dict[str, object]:
+    """A compiled program's collectives in JSON-friendly form: each layer's in program order
+    with their bytes, and those outside every layer."""
+    return {
+        "collectives_by_layer": [
+            {"layer": layer, "sequence": list(report.sequence(layer)), "bytes": report.bytes(layer)}
+            for layer in range(num_layers)
+        ],
+        "collectives_outside_layers": list(report.sequence(None)),
     }

@@ -3,9 +3,9 @@
 Post-norm decoders (OLMo 2, EXAONE 4.0) normalize each stage's complete output before adding it;
 the stage's compute reads the residual as it is (`AddNormRead` with no norm). The update is the
 norm itself, a module of the layer (`self.post_attn_norm = PostNormUpdate(hidden)`, appended as
-`(declare_attn(update=self.post_attn_norm), None)` with `owner=self`), so its weight is the layer's
-state, with gradients. The update is not plain: the norm cannot move before the sum, so no fused add + norm kernel takes it and
-`snapshot()` rejects it.
+`(declare_attn(update=self.post_attn_norm), None)` with `owner=self`), so its weight is the
+layer's state, with gradients. The update is not plain: the norm cannot move before the sum, so
+no fused add + norm kernel takes it and `snapshot()` rejects it.
 """
 
 from __future__ import annotations

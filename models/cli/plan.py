@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 import boundary_jax as bj
-from boundary_jax.report import KINDS, describe_path, parse_hlo
+from boundary_jax.report import KINDS, parse_hlo
 
 from ..families.moe import MoeCausalLM
 from ..serving.runtime import ShardedCausalLM
@@ -50,35 +50,28 @@ def plan_report(runner: ShardedCausalLM) -> dict[str, Any]:
         bj.BatchVariant.INPUT_SCATTERED if runner.input_scattered else bj.BatchVariant.ORDINARY
     )
     count = model.config.num_layers
-    stages = []
-    for index in range(count):
-        layer = model.layer_structure(index)
-        for name, boundary in (("attention", layer.attn_boundary), ("ffn", layer.ffn_boundary)):
-            stages.append(
-                {"layer": index, "stage": name, **describe_path(boundary.plan.path(variant))}
-            )
+    stages = [
+        (index, name, boundary.plan)
+        for index in range(count)
+        for name, boundary in model.layer_structure(index).stages()
+    ]
     report = collective_report(runner)
     middle = middle_sparse_layer(model.config.sparse_layers)
     if middle is None:
         middle = middle_layer(count)
-    first_plan = model.layer_structure(0).attn_boundary.plan
     return {
         "architecture": model.config.architecture.value,
         "mesh": runner.topology.mesh_shape(),
         "moe_ep": runner.topology.moe_ep,
         "moe_dispatch": model.moe_dispatch.value if isinstance(model, MoeCausalLM) else None,
         "scan_layers": model.scan_layers,
-        "policy": first_plan.policy.value,
+        "policy": stages[0][2].policy.value,
         "batch": variant.value,
-        "stages": stages,
+        "stages": bj.report.describe_stages(stages, variant),
         "middle_layer": middle,
         "collectives_per_layer": report.counts(middle),
         "bytes_per_layer": report.bytes(middle),
-        "collectives_by_layer": [
-            {"layer": layer, "sequence": list(report.sequence(layer)), "bytes": report.bytes(layer)}
-            for layer in range(count)
-        ],
-        "collectives_outside_layers": list(report.sequence(None)),
+        **bj.report.describe_collectives(report, count),
     }
 
 

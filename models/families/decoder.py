@@ -92,6 +92,10 @@ class DecoderLayer(nnx.Module):
             (attn_stage, stages.attn_norm), (ffn_stage, stages.ffn_norm), owner=self
         )
 
+    def stages(self) -> tuple[tuple[str, bj.StageBoundary], ...]:
+        """The layer's stage boundaries by name, in stack order (for plan reports)."""
+        return ("attention", self.attn_boundary), ("ffn", self.ffn_boundary)
+
     def __call__(
         self,
         x: jax.Array | bj.OwedOutput,
