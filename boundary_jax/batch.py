@@ -7,6 +7,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec
 
 from .layout import BatchVariant, TokenAxis, Topology
@@ -15,7 +16,7 @@ from .layout import BatchVariant, TokenAxis, Topology
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["token_counts"],
-    meta_fields=["variant", "topology"],
+    meta_fields=["variant", "topology", "rows"],
 )
 @dataclasses.dataclass(frozen=True)
 class BatchFacts:
@@ -30,11 +31,14 @@ class BatchFacts:
       topology: The parallel topology the rows are laid out on.
       token_counts: int32 [attn_dp] valid rows per DP rank, replicated; None when every row of
         every block is a real token.
+      rows: The rows of each DP rank's block, where the counts were checked against it (the
+        stack input must then have this many rows); None when not given.
     """
 
     variant: BatchVariant
     topology: Topology
     token_counts: jax.Array | None = None
+    rows: int | None = None
 
     def __post_init__(self):
         counts = self.token_counts
@@ -48,20 +52,57 @@ class BatchFacts:
             )
 
     @classmethod
-    def ordinary(cls, topology: Topology, token_counts=None) -> BatchFacts:
-        """Facts for a batch whose residual is on the attention's rows."""
-        return cls(BatchVariant.ORDINARY, topology, _counts(token_counts))
+    def ordinary(
+        cls, topology: Topology, token_counts=None, *, rows: int | None = None
+    ) -> BatchFacts:
+        """Facts for a batch whose residual is on the attention's rows.
+
+        Args:
+          topology: The parallel topology.
+          token_counts: [attn_dp] real tokens per DP rank's block, or None when every row is
+            a token.
+          rows: The rows of each DP rank's block; required with `token_counts`, which must lie
+            in [0, rows].
+
+        Raises:
+          ValueError: Counts of the wrong shape, negative, past `rows`, or without `rows`.
+        """
+        return cls._make(BatchVariant.ORDINARY, topology, token_counts, rows)
 
     @classmethod
-    def input_scattered(cls, topology: Topology, token_counts=None) -> BatchFacts:
-        """Facts for a batch whose residual is on each rank's attention-TP slice of the rows."""
-        return cls(BatchVariant.INPUT_SCATTERED, topology, _counts(token_counts))
+    def input_scattered(
+        cls, topology: Topology, token_counts=None, *, rows: int | None = None
+    ) -> BatchFacts:
+        """Facts for a batch whose residual is on each rank's attention-TP slice of the rows
+        (arguments as for `ordinary`)."""
+        return cls._make(BatchVariant.INPUT_SCATTERED, topology, token_counts, rows)
 
     @classmethod
-    def unpadded(cls, topology: Topology, token_counts=None) -> BatchFacts:
+    def unpadded(
+        cls, topology: Topology, token_counts=None, *, rows: int | None = None
+    ) -> BatchFacts:
         """Facts for a batch whose rows need not divide over attention TP (no attention DP):
-        an FFN that would run on this rank's attention-TP slice runs on the attention's rows."""
-        return cls(BatchVariant.UNPADDED, topology, _counts(token_counts))
+        an FFN that would run on this rank's attention-TP slice runs on the attention's rows
+        (arguments as for `ordinary`)."""
+        return cls._make(BatchVariant.UNPADDED, topology, token_counts, rows)
+
+    @classmethod
+    def _make(cls, variant, topology, token_counts, rows) -> BatchFacts:
+        if token_counts is None:
+            return cls(variant, topology, None, rows)
+        if rows is None:
+            raise ValueError(
+                "token_counts need the rows each attention-DP rank's block holds, to be checked "
+                "against: pass rows=..."
+            )
+        counts = np.asarray(token_counts)
+        if counts.dtype.kind not in "iu" or np.any(counts < 0) or np.any(counts > rows):
+            raise ValueError(
+                f"token_counts are whole numbers of real tokens in [0, {rows}] per DP rank's "
+                f"block of {rows=}; got {counts.tolist()}. Count each rank's tokens, or pad "
+                "each block to more rows"
+            )
+        return cls(variant, topology, jnp.asarray(counts, jnp.int32), rows)
 
     def spec(self) -> BatchFacts:
         """The `in_specs` entry for passing these facts into `shard_map` (counts replicated)."""
@@ -86,9 +127,3 @@ class BatchFacts:
         dp = self.topology.active((TokenAxis.ATTN_DP,))
         index = jax.lax.axis_index(Topology.mesh_names(dp)) if dp else 0
         return self.token_counts[index] > 0
-
-
-def _counts(token_counts) -> jax.Array | None:
-    if token_counts is None:
-        return None
-    return jnp.asarray(token_counts, dtype=jnp.int32)

@@ -11,6 +11,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from .layout import Topology
+from .residual import OwedOutput
 
 
 def make_mesh(topology: Topology, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -70,7 +71,15 @@ class ShardedModule:
         graphdef = self._graphdef
 
         def body(state, *args):
-            return call(nnx.merge(graphdef, state), *args)
+            result = call(nnx.merge(graphdef, state), *args)
+            handles = jax.tree.leaves(result, is_leaf=lambda leaf: isinstance(leaf, OwedOutput))
+            if any(isinstance(leaf, OwedOutput) for leaf in handles):
+                raise TypeError(
+                    "the program returned an OwedOutput: a layer output that still owes its "
+                    "sums and residual update, which would be dropped. Leave the stack through "
+                    "residual.final_norm(), take_output() or to_pp()"
+                )
+            return result
 
         return jax.jit(
             jax.shard_map(

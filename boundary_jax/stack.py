@@ -207,6 +207,7 @@ def layer_stack(
         and its last leaves by a pipeline send unless it holds the last layer.
 
     Raises:
+      RuntimeError: Another layer stack is open.
       NotImplementedError: The topology uses attention context parallelism, or pipeline
         parallelism without `stage_facts`.
       ValueError: `layers` or `num_layers` without `stage_facts`, or a `layers` range outside
@@ -232,6 +233,12 @@ def layer_stack(
             raise ValueError(
                 f"layers must be a non-empty range [a, b) within [0, {num_layers}); got {layers}"
             )
+    if _open_stacks.get():
+        raise RuntimeError(
+            "layer_stack() inside an open layer stack: a stack holds one model's layers and "
+            "binds when it closes; build a second stack (a draft model's, a multi-token "
+            "predictor's) after the first one closes"
+        )
     if topology.attn_cp > 1:
         raise NotImplementedError(
             f"attention context parallelism is not supported yet; got {topology=}"

@@ -186,6 +186,12 @@ class StageBoundary(nnx.Module):
 
     def _prepare(self, x: Any, stream: ResidualStream, *, capture: bool):
         stream = require_stream(stream)
+        if stream.prepared_by is not None:
+            raise RuntimeError(
+                f"prepare() of the stage appended at {self.call_site} on a stream that the stage "
+                f"appended at {stream.prepared_by} prepared and has not finished: each stage "
+                "runs prepare(), its compute and finish() once, in stack order"
+            )
         path = self._path(stream)
         if stream.state is StreamState.INITIAL:
             entry = path.initial_entry
@@ -213,13 +219,19 @@ class StageBoundary(nnx.Module):
             topology=self.plan.topology,
             fuse_sum=not capture,
         )
-        _, stream = stream.written(residual, path.residual_rows, state)
+        _, stream = stream.written(residual, path.residual_rows, state, prepared_by=self.call_site)
         return compute_input, stream, (residual, entry)
 
     def _enter_stack(self, x, stream, entry: EntryPath, path: StagePath):
         if isinstance(x, OwedOutput):
             stream.check_output(x)
         x = jnp.asarray(x)
+        rows = stream.batch.rows
+        if rows is not None and x.ndim and x.shape[0] != rows:
+            raise ValueError(
+                f"the stack input has {x.shape[0]} rows per attention-DP rank, but the batch "
+                f"facts count tokens in blocks of {rows=}; pass each rank's whole padded block"
+            )
         mask = stream.batch.valid_rows(x.shape[0])
         if mask is not None:
             x = jnp.where(mask[:, None], x, jnp.zeros((), x.dtype))
@@ -232,7 +244,7 @@ class StageBoundary(nnx.Module):
         else:
             compute_input, residual, state = self.read.init_residual(value, self.norm)
             compute_input = ops.run(entry.move_input, compute_input)
-        _, stream = stream.written(residual, path.residual_rows, state)
+        _, stream = stream.written(residual, path.residual_rows, state, prepared_by=self.call_site)
         return compute_input, stream, (value, entry)
 
     def from_pp(
@@ -288,6 +300,16 @@ class StageBoundary(nnx.Module):
             raise RuntimeError(
                 f"the stage appended at {self.call_site} exits a stream in the "
                 f"{stream.state.value} state; call prepare() before its compute and exit"
+            )
+        if stream.prepared_by != self.call_site:
+            raise RuntimeError(
+                f"exit() or finish() of the stage appended at {self.call_site} on a stream "
+                + (
+                    "no stage prepared"
+                    if stream.prepared_by is None
+                    else f"that the stage appended at {stream.prepared_by} prepared"
+                )
+                + ": each stage runs prepare(), its compute and finish() once, in stack order"
             )
         topology = self.plan.topology
         global_rows = stream.residual.shape[0] * topology.size(path.residual_layout.sharded)
@@ -366,6 +388,13 @@ class StageExit:
             raise ValueError(
                 f"the stage appended at {boundary.call_site} must return [rows, hidden] on its "
                 f"compute rows ({self.rows} rows here); got {_shape(y)}"
+            )
+        width = (y.expert_outputs if handoff else y).shape[-1]
+        if width != stream.residual.shape[-1]:
+            raise ValueError(
+                f"the stage appended at {boundary.call_site} returned outputs of width {width}, "
+                f"but the residual stream is {stream.residual.shape[-1]} wide; its output "
+                "projection must map back to the residual's hidden size"
             )
         transform = None
         if boundary.output_transform is not None:

@@ -48,6 +48,7 @@ class AddNormRead:
         state: ReadState = None,
     ) -> tuple[jax.Array, jax.Array, None]:
         if update.plain and isinstance(norm, RMSNorm):
+            norm.check_width(residual)
             normed, summed = add_rms_norm(
                 value, residual, norm.weight[...], eps=norm.eps, gemma=norm.gemma
             )

@@ -63,4 +63,14 @@ class RMSNorm(nnx.Module):
         self.gemma = gemma
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        self.check_width(x)
         return rms_norm(x, self.weight[...], eps=self.eps, gemma=self.gemma)
+
+    def check_width(self, x: jax.Array) -> None:
+        """Raises a ValueError naming both widths unless `x`'s last dimension is the norm's."""
+        if x.shape[-1] != self.weight.shape[-1]:
+            raise ValueError(
+                f"an RMSNorm of width {self.weight.shape[-1]} normalizes rows of width "
+                f"{x.shape[-1]}; the residual stream and every stage's output must have the "
+                "model's hidden size"
+            )

@@ -237,12 +237,7 @@ def final_norm_captured(
 
 def _final_read(output, stream, norm, skip_empty, finalize_norm, *, capture: bool):
     stream = _checked(output, stream)
-    leave = _leave(
-        stream,
-        EdgeKind.STACK_EXIT,
-        "final_norm() after a stage that leaves by a pipeline send: this rank's stack "
-        "continues on the next pipeline rank; leave through to_pp()",
-    )
+    leave = _leave(stream, EdgeKind.STACK_EXIT, "final_norm()")
     pending = stream.pending
     entry = leave.entry(None if pending is None else pending.placement)
 
@@ -292,12 +287,7 @@ def to_pp(output: OwedOutput, stream: ResidualStream) -> dict[str, jax.Array]:
       RuntimeError: The stream has not passed the stage before this rank's pipeline send.
     """
     stream = _checked(output, stream)
-    leave = _leave(
-        stream,
-        EdgeKind.PIPELINE_SEND,
-        "to_pp() after the model's terminal stage: there is no next pipeline rank; leave "
-        "through final_norm()",
-    )
+    leave = _leave(stream, EdgeKind.PIPELINE_SEND, "to_pp()")
     residual, pending = stream.residual, stream.pending
     if pending is not None:
         value = _completed_on_residual_rows(stream)
@@ -307,7 +297,22 @@ def to_pp(output: OwedOutput, stream: ResidualStream) -> dict[str, jax.Array]:
     return {"hidden_states": ops.run(leave.entry(None).move_input, residual)}
 
 
-def _leave(stream: ResidualStream, kind: EdgeKind | None = None, elsewhere: str = "") -> Leave:
+_WAYS_OUT = {
+    EdgeKind.STACK_EXIT: (
+        "the model's terminal stage: there is no next pipeline rank; leave through final_norm()"
+    ),
+    EdgeKind.PIPELINE_SEND: (
+        "a stage that leaves by a pipeline send: this rank's stack continues on the next "
+        "pipeline rank; leave through to_pp()"
+    ),
+    EdgeKind.NEXT_STAGE: (
+        "a stage that is not the stack's last: run every layer of the stack first (take_output "
+        "may leave anywhere, once the stream is written)"
+    ),
+}
+
+
+def _leave(stream: ResidualStream, kind: EdgeKind | None = None, helper: str = "") -> Leave:
     """The bound way out of a stream that a stage has exited (by `kind`, when given)."""
     if stream.state is StreamState.INITIAL:
         raise RuntimeError(f"{WRITE_FIRST} ({stream!r})")
@@ -317,7 +322,7 @@ def _leave(stream: ResidualStream, kind: EdgeKind | None = None, elsewhere: str 
             f"({stream!r})"
         )
     if kind is not None and stream.leave.kind is not kind:
-        raise RuntimeError(elsewhere)
+        raise RuntimeError(f"{helper} after {_WAYS_OUT[stream.leave.kind]}")
     return stream.leave
 
 

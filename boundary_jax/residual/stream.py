@@ -208,7 +208,7 @@ jax.tree_util.register_pytree_node(
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["residual", "pending", "batch", "read_state"],
-    meta_fields=["token", "rows", "leave"],
+    meta_fields=["token", "rows", "leave", "prepared_by"],
 )
 @dataclasses.dataclass(frozen=True)
 class ResidualStream:
@@ -223,6 +223,8 @@ class ResidualStream:
       rows: The rows `residual` is on, with the bound move onto them; None in the Initial state.
       leave: Set by every stage's exit: the bound paths the final read, `take_output` or
         `to_pp` run after it. None before the first exit.
+      prepared_by: The `append_stages` call site of the stage whose `prepare` wrote this stream
+        and whose compute and exit are still to run; None otherwise.
     """
 
     residual: jax.Array | None
@@ -232,6 +234,7 @@ class ResidualStream:
     token: StreamToken
     rows: ResidualRows | None
     leave: Leave | None = None
+    prepared_by: str | None = None
 
     @classmethod
     def initial(cls, batch: BatchFacts) -> ResidualStream:
@@ -261,7 +264,9 @@ class ResidualStream:
     def with_pending(
         self, contribution: Contribution, leave: Leave | None = None
     ) -> tuple[OwedOutput, ResidualStream]:
-        stream = dataclasses.replace(self, pending=contribution, read_state=None, leave=leave)
+        stream = dataclasses.replace(
+            self, pending=contribution, read_state=None, leave=leave, prepared_by=None
+        )
         return stream.output, stream
 
     def written(
@@ -270,6 +275,7 @@ class ResidualStream:
         rows: ResidualRows,
         read_state: ReadState = None,
         leave: Leave | None = None,
+        prepared_by: str | None = None,
     ) -> tuple[OwedOutput, ResidualStream]:
         stream = dataclasses.replace(
             self,
@@ -278,6 +284,7 @@ class ResidualStream:
             rows=rows,
             read_state=read_state,
             leave=leave,
+            prepared_by=prepared_by,
         )
         return stream.output, stream
 

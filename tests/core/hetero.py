@@ -23,7 +23,16 @@ import boundary_jax as bj
 from boundary_jax import residual
 from boundary_jax.report import CollectiveReport, parse_hlo
 
-from .standin import HIDDEN, StandInAttention, StandInFfn, _norm, _param, input_shares, make_mesh
+from .standin import (
+    HIDDEN,
+    ROWS,
+    StandInAttention,
+    StandInFfn,
+    _norm,
+    _param,
+    input_shares,
+    make_mesh,
+)
 
 TOP_K = 2
 EXPERT_WIDTH = 16
@@ -209,7 +218,7 @@ def make_batch(model: Hetero, variant: bj.BatchVariant, counts) -> bj.BatchFacts
         bj.BatchVariant.INPUT_SCATTERED: bj.BatchFacts.input_scattered,
         bj.BatchVariant.UNPADDED: bj.BatchFacts.unpadded,
     }[variant]
-    return make(model.topology, counts)
+    return make(model.topology, counts, rows=ROWS)
 
 
 @dataclasses.dataclass(frozen=True)

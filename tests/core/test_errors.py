@@ -137,3 +137,82 @@ def test_compute_output_of_the_wrong_shape(single):
     _, stream = model.layers[0].attn_boundary.prepare(_x(), stream)
     with pytest.raises(ValueError, match="must return \\[rows, hidden\\]"):
         model.layers[0].attn_boundary.finish(jnp.ones((ROWS + 1, HIDDEN)), stream)
+
+
+def test_a_stage_prepared_twice_or_finished_unprepared(single):
+    """prepare() on a stream the stage has prepared but not finished, and finish() without a
+    prepare(), each name the stage and the order the stages run in."""
+    setup, model = single
+    layer = model.layers[0]
+    h, stream = layer.attn_boundary.prepare(_x(), residual.start(_batch(setup)))
+    with pytest.raises(RuntimeError, match="prepared and has not finished"):
+        layer.attn_boundary.prepare(_x(), stream)
+    out, stream = layer.attn_boundary.finish(h, stream)
+    h, written = layer.ffn_boundary.prepare(out, stream)
+    _, written = residual.fold(*layer.ffn_boundary.finish(h, written))
+    with pytest.raises(RuntimeError, match="on a stream no stage prepared"):
+        layer.ffn_boundary.finish(h, written)
+
+
+def test_final_norm_before_the_last_layer_names_the_fix(single):
+    """final_norm() after a stage that is not the stack's last says so (not a pipeline send)."""
+    setup, model = single
+    out, stream = model.layers[0](_x(), residual.start(_batch(setup)))
+    with pytest.raises(RuntimeError, match="final_norm\\(\\) after a stage that is not the stack"):
+        residual.final_norm(out, stream, model.final_norm)
+
+
+def test_a_nested_layer_stack_is_rejected():
+    """A layer stack opened inside another is rejected when it opens."""
+    outer, inner = bj.layer_stack(bj.Topology()), bj.layer_stack(bj.Topology())
+    with pytest.raises(RuntimeError, match="inside an open layer stack"), outer, inner:
+        pass
+
+
+def test_token_counts_are_checked_against_their_rows():
+    """Counts outside [0, rows], or without rows, are rejected when the facts are made; a
+    stack input of other rows than the facts count is rejected at the stack entry."""
+    topology = bj.Topology(attn_dp=2)
+    for counts in ([9, 1], [-1, 2], [1.5, 2]):
+        with pytest.raises(ValueError, match="whole numbers of real tokens in \\[0, 8\\]"):
+            bj.BatchFacts.ordinary(topology, token_counts=counts, rows=8)
+    with pytest.raises(ValueError, match="pass rows="):
+        bj.BatchFacts.ordinary(topology, token_counts=[1, 2])
+    assert bj.BatchFacts.ordinary(topology, token_counts=[8, 0], rows=8).rows == 8
+
+
+def test_wrong_widths_name_the_stage(single):
+    """A compute output of another width than the residual fails at its finish(), and a stack
+    input of another width at its norm, each naming both widths."""
+    setup, model = single
+    layer = model.layers[0]
+    h, stream = layer.attn_boundary.prepare(_x(), residual.start(_batch(setup)))
+    with pytest.raises(
+        ValueError, match=f"outputs of width 3, but the residual stream is {HIDDEN}"
+    ):
+        layer.attn_boundary.finish(h[:, :3], stream)
+    with pytest.raises(ValueError, match=f"RMSNorm of width {HIDDEN} normalizes rows of width 3"):
+        layer.attn_boundary.prepare(_x()[:, :3], residual.start(_batch(setup)))
+    batch = bj.BatchFacts.ordinary(setup.topology, token_counts=[2], rows=ROWS + 1)
+    with pytest.raises(ValueError, match=f"has {ROWS} rows per attention-DP rank"):
+        layer.attn_boundary.prepare(_x(), residual.start(batch))
+
+
+def test_a_program_returning_an_owed_output_is_rejected(single):
+    """A sharded program whose result holds an OwedOutput (its sums and update would be
+    dropped) is rejected while tracing."""
+    setup, model = single
+    batch = _batch(setup)
+    mesh = bj.make_mesh(setup.topology)
+    sharded = bj.ShardedModule(model, mesh)
+    spec = jax.sharding.PartitionSpec()
+
+    def forgets_the_final_norm(model, x, batch):
+        stream = residual.start(batch)
+        for layer in model.layers:
+            x, stream = layer(x, stream)
+        return x
+
+    program = sharded.program(forgets_the_final_norm, in_specs=(spec, batch.spec()), out_specs=spec)
+    with pytest.raises(TypeError, match="returned an OwedOutput"):
+        program(sharded.state, _x(), batch)
