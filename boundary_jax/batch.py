@@ -16,7 +16,7 @@ from .layout import BatchVariant, TokenAxis, Topology
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["token_counts"],
-    meta_fields=["variant", "topology", "rows"],
+    meta_fields=["variant", "topology"],
 )
 @dataclasses.dataclass(frozen=True)
 class BatchFacts:
@@ -31,14 +31,11 @@ class BatchFacts:
       topology: The parallel topology the rows are laid out on.
       token_counts: int32 [attn_dp] valid rows per DP rank, replicated; None when every row of
         every block is a real token.
-      rows: The rows of each DP rank's block, where the counts were checked against it (the
-        stack input must then have this many rows); None when not given.
     """
 
     variant: BatchVariant
     topology: Topology
     token_counts: jax.Array | None = None
-    rows: int | None = None
 
     def __post_init__(self):
         counts = self.token_counts
@@ -89,7 +86,7 @@ class BatchFacts:
     @classmethod
     def _make(cls, variant, topology, token_counts, rows) -> BatchFacts:
         if token_counts is None:
-            return cls(variant, topology, None, rows)
+            return cls(variant, topology)
         if rows is None:
             raise ValueError(
                 "token_counts need the rows each attention-DP rank's block holds, to be checked "
@@ -102,7 +99,7 @@ class BatchFacts:
                 f"block of {rows=}; got {counts.tolist()}. Count each rank's tokens, or pad "
                 "each block to more rows"
             )
-        return cls(variant, topology, jnp.asarray(counts, jnp.int32), rows)
+        return cls(variant, topology, jnp.asarray(counts, jnp.int32))
 
     def spec(self) -> BatchFacts:
         """The `in_specs` entry for passing these facts into `shard_map` (counts replicated)."""

@@ -226,12 +226,6 @@ class StageBoundary(nnx.Module):
         if isinstance(x, OwedOutput):
             stream.check_output(x)
         x = jnp.asarray(x)
-        rows = stream.batch.rows
-        if rows is not None and x.ndim and x.shape[0] != rows:
-            raise ValueError(
-                f"the stack input has {x.shape[0]} rows per attention-DP rank, but the batch "
-                f"facts count tokens in blocks of {rows=}; pass each rank's whole padded block"
-            )
         mask = stream.batch.valid_rows(x.shape[0])
         if mask is not None:
             x = jnp.where(mask[:, None], x, jnp.zeros((), x.dtype))

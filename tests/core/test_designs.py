@@ -12,6 +12,7 @@ from flax import nnx
 
 import boundary_jax as bj
 from boundary_jax import designs, residual
+from boundary_jax.plan import ResidualRows
 
 from .hetero import HIDDEN, Hetero, HeteroStack, Kind, build, make_batch, reference
 from .standin import ROWS, _norm, count_patterns, make_mesh
@@ -179,7 +180,7 @@ def test_a_jitted_function_of_a_stream_does_not_retrace_per_stream():
 
     for _ in range(3):
         _, stream = residual.start(bj.BatchFacts.ordinary(topology)).written(
-            jnp.ones((4, HIDDEN)), topology.attention_rows()
+            jnp.ones((4, HIDDEN)), ResidualRows.attention(topology)
         )
         f(stream)
     assert len(traces) == 1
@@ -189,8 +190,8 @@ def test_another_streams_handle_is_still_rejected_in_one_trace():
     """Two streams in one trace keep distinct identities."""
     topology = bj.Topology()
     batch = bj.BatchFacts.ordinary(topology)
-    first = residual.start(batch).written(jnp.ones((4, HIDDEN)), topology.attention_rows())
-    second = residual.start(batch).written(jnp.ones((4, HIDDEN)), topology.attention_rows())
+    first = residual.start(batch).written(jnp.ones((4, HIDDEN)), ResidualRows.attention(topology))
+    second = residual.start(batch).written(jnp.ones((4, HIDDEN)), ResidualRows.attention(topology))
     with pytest.raises(ValueError, match="does not belong to this residual stream"):
         second[1].check_output(first[0])
 
