@@ -29,18 +29,11 @@ GOLDEN = Path(__file__).parents[1] / "golden"
 CHECKPOINTS = ("qwen3", "llama", "mistral")
 
 
-class TinyBoundary(nnx.Module):
-    def __init__(self, norm: bj.RMSNorm):
-        self.norm = norm
-
-
 class TinyLayer(nnx.Module):
     def __init__(self, config: DecoderConfig, topology: bj.Topology, dtype, rngs: nnx.Rngs):
         eps = config.rms_norm_eps
-        self.attn_boundary = TinyBoundary(
-            bj.RMSNorm(config.hidden_size, eps=eps, param_dtype=dtype)
-        )
-        self.ffn_boundary = TinyBoundary(bj.RMSNorm(config.hidden_size, eps=eps, param_dtype=dtype))
+        self.input_norm = bj.RMSNorm(config.hidden_size, eps=eps, param_dtype=dtype)
+        self.post_attn_norm = bj.RMSNorm(config.hidden_size, eps=eps, param_dtype=dtype)
         self.attn = Attention(config, topology=topology, dtype=dtype, rngs=rngs)
         self.mlp = SwiGLU(
             config.hidden_size, config.intermediate_size, topology=topology, dtype=dtype, rngs=rngs

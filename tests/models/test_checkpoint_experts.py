@@ -24,7 +24,6 @@ from models.layers.mlp import SwiGLU
 from models.layers.moe import SparseMoe
 
 from . import make_mesh
-from .test_checkpoint import TinyBoundary
 
 GOLDEN = Path(__file__).parents[1] / "golden"
 DP, TP = bj.MeshAxis.ATTN_DP.value, bj.MeshAxis.ATTN_TP.value
@@ -174,8 +173,8 @@ def test_name_map_of_moe_decoders():
 class TinyMoeLayer(nnx.Module):
     def __init__(self, config: DecoderConfig, sparse: bool, topology, rngs: nnx.Rngs):
         eps, hidden = config.rms_norm_eps, config.hidden_size
-        self.attn_boundary = TinyBoundary(bj.RMSNorm(hidden, eps=eps))
-        self.ffn_boundary = TinyBoundary(bj.RMSNorm(hidden, eps=eps))
+        self.input_norm = bj.RMSNorm(hidden, eps=eps)
+        self.post_attn_norm = bj.RMSNorm(hidden, eps=eps)
         self.attn = Attention(config, topology=topology, rngs=rngs)
         if sparse:
             moe = config.moe
