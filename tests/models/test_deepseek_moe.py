@@ -183,8 +183,7 @@ def hf_moe(name: str, expert_entry=None, width_entry=None) -> DeepseekMoe:
 EXPERT_AXIS, WIDTH_AXIS = bj.MeshAxis.ATTN_TP.value, bj.MeshAxis.ATTN_DP.value
 
 
-@pytest.mark.parametrize("name", ["deepseek_v2", "deepseek_v3"])
-@pytest.mark.parametrize("dp,tp", [(1, 1), (2, 4)])
+@pytest.mark.parametrize("name,dp,tp", [("deepseek_v2", 1, 1), ("deepseek_v3", 2, 4)])
 def test_moe_matches_transformers(name, dp, tp):
     """Experts split over one mesh axis and their width (shared experts' too) over another,
     finalized, the shared experts counted once and the ranks summed, equal transformers'

@@ -83,14 +83,7 @@ def run_attention(attn, dp, tp, h, positions, segments):
 
 @pytest.mark.parametrize(
     "name,dp,tp",
-    [
-        ("deepseek_v2", 1, 1),
-        ("deepseek_v2", 1, 4),
-        ("deepseek_v2", 2, 2),
-        ("deepseek_v3", 1, 2),
-        ("deepseek_v3", 1, 4),
-        ("deepseek_v3", 2, 2),
-    ],
+    [("deepseek_v2", 1, 1), ("deepseek_v2", 2, 2), ("deepseek_v3", 1, 4), ("deepseek_v3", 2, 2)],
 )
 def test_matches_hf_attention(name, dp, tp):
     """Packed prompts through our MLA, heads split over attention TP (each rank's q/kv_b/o
@@ -135,6 +128,39 @@ def test_config_and_cache_from_hf():
         MultiHeadLatentAttention(v2, topology=bj.Topology(attn_tp=8), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="num_key_value_heads"):
         MlaConfig.from_hf(golden("deepseek_v3")[0] | {"num_key_value_heads": 128})
+
+
+def test_config_from_hub_style_file():
+    """A DeepSeek-V3 hub config (top-level rope_theta, legacy `rope_scaling` with `type`, no
+    `rope_interleave`) reads as YaRN factor 40 with the softmax scale x (1 + 0.1 ln 40)^2."""
+    hub = {
+        "model_type": "deepseek_v3",
+        "hidden_size": 7168,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 128,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "max_position_embeddings": 163840,
+        "rope_theta": 10000,
+        "rope_scaling": {
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "factor": 40,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 4096,
+            "type": "yarn",
+        },
+    }
+    config = MlaConfig.from_hf(hub)
+    assert config.rope_interleaved and config.latent_width == 576
+    assert config.rope_scaling == YarnRopeScaling(40.0, 4096, 32.0, 1.0, 1.0, 1.0)
+    assert config.rope_attention_factor == 1.0
+    assert config.softmax_scale == pytest.approx(192**-0.5 * (1 + 0.1 * np.log(40)) ** 2)
+    assert LatentCache.bytes_per_token(config, jnp.bfloat16) == 1152
 
 
 # transformers' `_compute_yarn_parameters` (5.24.0) for qk_rope_head_dim 8: (theta, factor,
@@ -184,20 +210,22 @@ TINY = MlaConfig(
 def test_absorbed_decode_equals_expanded_in_float64():
     """In float64, each absorbed decode step over the latent cache equals the expanded prefill
     of the whole sequence to 1e-12 (the absorption is exact algebra, not an approximation)."""
+    attn = MultiHeadLatentAttention(TINY, topology=bj.Topology(), rngs=nnx.Rngs(5))
+    randomize_norms(attn, seed=6)
+    graphdef, state = nnx.split(attn)
     with jax.enable_x64(True):
-        attn = MultiHeadLatentAttention(
-            TINY, topology=bj.Topology(), dtype=jnp.float64, rngs=nnx.Rngs(5)
-        )
-        randomize_norms(attn, seed=6)
+        # The float32 draws, widened: NumPy leaves become float64 arrays in the program.
+        attn = nnx.merge(graphdef, jax.tree.map(lambda x: np.asarray(x, np.float64), state))
         steps, prefill = 3, 5
         h = jax.random.normal(jax.random.key(7), (prefill + steps, 24), jnp.float64)
         positions = jnp.arange(prefill + steps, dtype=jnp.int32)
         call = jax.jit(lambda *args: attn(*args[:4], phase=args[4]), static_argnums=4)
-        want = call(h, positions, positions * 0, None, RowsPhase.PREFILL)[0]
-        cache = LatentCache.create(TINY, bj.Topology(), slots=2, max_len=12, dtype=jnp.float64)
-        head = slice(0, prefill)
-        first, cache = call(h[head], positions[head], positions[head] * 0, cache, RowsPhase.PREFILL)
-        np.testing.assert_allclose(first, want[:prefill], atol=1e-12, rtol=0)
+        empty = LatentCache.create(TINY, bj.Topology(), slots=2, max_len=12, dtype=jnp.float64)
+        want = call(h, positions, positions * 0, empty, RowsPhase.PREFILL)[0]
+        # The same program: the rows past the prefill are padding.
+        segments = jnp.where(positions < prefill, 0, -1).astype(jnp.int32)
+        first, cache = call(h, positions, segments, empty, RowsPhase.PREFILL)
+        np.testing.assert_allclose(first[:prefill], want[:prefill], atol=1e-12, rtol=0)
         for t in range(prefill, prefill + steps):
             rows = jnp.stack([h[t], h[0]])  # slot 1 idle
             step_positions, slots = jnp.array([t, 0], jnp.int32), jnp.array([0, -1], jnp.int32)
