@@ -1,8 +1,9 @@
-"""Rotary position embeddings as Hugging Face computes them (NeoX `rotate_half`; linear and llama3
-frequency scaling)."""
+"""Rotary position embeddings as Hugging Face computes them (NeoX `rotate_half`; linear, llama3 and
+YaRN frequency scaling)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -13,13 +14,81 @@ import numpy as np
 from ..config import LinearRopeScaling, Llama3RopeScaling, RopeScaling
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction `0.1 * mscale * ln(factor) + 1` (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class YarnRopeScaling:
+    """YaRN RoPE scaling (Hugging Face `rope_type: "yarn"`), with DeepSeek's magnitude factors.
+
+    Frequencies whose wavelength fits the original context are kept, long ones are divided by
+    `factor`, with a linear ramp between the two bands (in rotation counts `beta_fast` and
+    `beta_slow`). cos and sin are multiplied by `attention_factor`, so the rotated part of
+    every score gains its square.
+
+    Attributes:
+      factor: Divisor of the interpolated (low) frequencies (> 0).
+      original_max_position_embeddings: The context length the model was pre-trained with.
+      beta_fast: Rotations that bound the extrapolated band (HF default 32).
+      beta_slow: Rotations that bound the interpolated band (HF default 1).
+      mscale: DeepSeek's `mscale` (numerator of the cos/sin factor), or None.
+      mscale_all_dim: DeepSeek's `mscale_all_dim`: the denominator of the cos/sin factor, and
+        DeepSeek attention multiplies its softmax scale by `yarn_mscale(factor,
+        mscale_all_dim) ** 2` (`softmax_scale_factor`); None or 0 for neither.
+      explicit_attention_factor: The config's `attention_factor`, or None to derive it.
+      truncate: Round the correction band's bounds outwards to whole dimensions (HF default).
+    """
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    explicit_attention_factor: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self):
+        if not self.factor > 0 or self.original_max_position_embeddings <= 0:
+            raise ValueError(
+                "YaRN RoPE scaling needs a positive factor and original context; got "
+                f"{self.factor=}, {self.original_max_position_embeddings=}"
+            )
+
+    @property
+    def attention_factor(self) -> float:
+        """The factor of cos and sin: the explicit one, else `yarn_mscale(factor, mscale) /
+        yarn_mscale(factor, mscale_all_dim)` where both are set, else `yarn_mscale(factor)`."""
+        if self.explicit_attention_factor is not None:
+            return self.explicit_attention_factor
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(
+                self.factor, self.mscale_all_dim
+            )
+        return yarn_mscale(self.factor)
+
+    @property
+    def softmax_scale_factor(self) -> float:
+        """DeepSeek attention's extra factor of the softmax scale: `yarn_mscale(factor,
+        mscale_all_dim) ** 2`, or 1 without `mscale_all_dim`."""
+        if not self.mscale_all_dim:
+            return 1.0
+        return yarn_mscale(self.factor, self.mscale_all_dim) ** 2
+
+
 @functools.cache
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:
-    """The [head_dim // 2] float32 inverse frequencies, with optional linear or llama3 scaling.
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: RopeScaling | YarnRopeScaling | None = None
+) -> np.ndarray:
+    """The [head_dim // 2] float32 inverse frequencies, with optional linear, llama3 or YaRN
+    scaling.
 
     Follows transformers' `_compute_default_rope_parameters`, `_compute_linear_scaling_rope_
-    parameters` and `_compute_llama3_parameters` step by step in float32; the result is a
-    read-only constant (cached per argument set).
+    parameters`, `_compute_llama3_parameters` and `_compute_yarn_parameters` step by step in
+    float32; the result is a read-only constant (cached per argument set). YaRN's cos/sin
+    factor is not part of it: pass `scaling.attention_factor` to `apply_rope`.
     """
     if head_dim % 2:
         raise ValueError(f"RoPE rotates pairs of dimensions; head_dim must be even, got {head_dim}")
@@ -29,6 +98,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = Non
         inv_freq = inv_freq / np.float32(scaling.factor)
     elif isinstance(scaling, Llama3RopeScaling):
         inv_freq = _llama3_scale(inv_freq, scaling)
+    elif isinstance(scaling, YarnRopeScaling):
+        inv_freq = _yarn_scale(exponents, head_dim, theta, scaling)
     inv_freq = inv_freq.astype(np.float32)
     inv_freq.setflags(write=False)
     return inv_freq
@@ -49,23 +120,57 @@ def _llama3_scale(inv_freq: np.ndarray, scaling: Llama3RopeScaling) -> np.ndarra
     return np.where(medium, smoothed, scaled)
 
 
+def _yarn_scale(
+    exponents: np.ndarray, head_dim: int, theta: float, scaling: YarnRopeScaling
+) -> np.ndarray:
+    """Blends the kept (extrapolated) and the divided (interpolated) frequencies over a linear
+    ramp between the dimensions that turn `beta_fast` and `beta_slow` times in the original
+    context (float32, in transformers' order of operations)."""
+    f32 = np.float32
+    powers = np.power(f32(theta), exponents)
+    original = scaling.original_max_position_embeddings
+
+    def correction_dim(rotations: float) -> float:
+        turns = original / (rotations * 2 * math.pi)
+        return head_dim * math.log(turns) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    ramp = (np.arange(head_dim // 2, dtype=f32) - f32(low)) / f32(high - low)
+    extrapolated = f32(1) - np.clip(ramp, f32(0), f32(1))
+    interpolated = f32(1) / (f32(scaling.factor) * powers)
+    return interpolated * (f32(1) - extrapolated) + f32(1) / powers * extrapolated
+
+
 def rotate_half(x: jax.Array) -> jax.Array:
     """NeoX rotation: dimension i pairs with i + d/2; returns cat(-x[d/2:], x[:d/2])."""
     half = x.shape[-1] // 2
     return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray | jax.Array) -> jax.Array:
+def apply_rope(
+    x: jax.Array,
+    positions: jax.Array,
+    inv_freq: np.ndarray | jax.Array,
+    *,
+    attention_factor: float = 1.0,
+) -> jax.Array:
     """Rotates every head of every row by its position.
 
     Args:
       x: [T, heads, head_dim] queries or keys.
       positions: [T] int position of each row within its sequence.
       inv_freq: [head_dim // 2] float32 inverse frequencies (`rope_inv_freq`).
+      attention_factor: The factor of cos and sin (YaRN's `attention_factor`; 1 otherwise).
 
     Returns:
       [T, heads, head_dim] in `x.dtype`: `x * cos + rotate_half(x) * sin`, with the angles
-      computed in float32 and cos/sin cast to `x.dtype` before the products, as in transformers.
+      computed in float32, cos/sin multiplied by `attention_factor` there and cast to
+      `x.dtype` before the products, as in transformers.
     """
     if x.ndim != 3 or positions.shape != x.shape[:1] or 2 * len(inv_freq) != x.shape[-1]:
         raise ValueError(
@@ -74,6 +179,8 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray | jax.Ar
         )
     freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)[None, :]
     angles = jnp.concatenate([freqs, freqs], axis=-1)[:, None, :]  # [T, 1, head_dim]
-    cos = jnp.cos(angles).astype(x.dtype)
-    sin = jnp.sin(angles).astype(x.dtype)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
+    cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
     return x * cos + rotate_half(x) * sin
