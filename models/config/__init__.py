@@ -16,4 +16,6 @@ from .types import Llama3RopeScaling as Llama3RopeScaling
 from .types import MoeConfig as MoeConfig
 from .types import ResidualDesign as ResidualDesign
 from .types import RopeScaling as RopeScaling
+from .types import YarnRopeScaling as YarnRopeScaling
 from .types import padded_vocab as padded_vocab
+from .types import yarn_mscale as yarn_mscale

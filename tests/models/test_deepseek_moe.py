@@ -13,8 +13,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import boundary_jax as bj
-from models import moe
-from models.deepseek_moe import (
+from models.layers import moe
+from models.layers.deepseek_moe import (
     DeepseekMoe,
     DeepseekRouting,
     ExpertScoring,

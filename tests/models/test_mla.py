@@ -15,8 +15,9 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 import boundary_jax as bj
-from models.mla import LatentCache, MlaConfig, MultiHeadLatentAttention
-from models.rope import YarnRopeScaling, rope_inv_freq
+from models.config import YarnRopeScaling
+from models.layers.mla import LatentCache, MlaConfig, MultiHeadLatentAttention
+from models.layers.rope import rope_inv_freq
 from models.rows import RowsPhase
 
 from . import make_mesh, randomize_norms, row_spec, run_sharded, sum_over

@@ -42,11 +42,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from boundary_jax import RMSNorm, SumGroup, TokenAxis, Topology
 
+from ..config import LinearRopeScaling, Llama3RopeScaling, RopeScaling, YarnRopeScaling
+from ..rows import RowsPhase
 from .attention import PREFILL_KEY_BLOCK, _acc, _attend, _attend_blocks
-from .config import LinearRopeScaling, Llama3RopeScaling, RopeScaling
-from .layers import ColumnParallelLinear, RowParallelLinear, group_size
-from .rope import YarnRopeScaling, apply_rope, rope_inv_freq
-from .rows import RowsPhase
+from .linear import ColumnParallelLinear, RowParallelLinear, group_size
+from .rope import apply_rope, rope_inv_freq
 
 LATENT_NORM_EPS = 1e-6
 """Epsilon of q_a_layernorm and kv_a_layernorm: transformers (and DeepSeek's own code) build
