@@ -361,7 +361,8 @@ def make_model(spec: dict) -> torch.nn.Module:
     torch.manual_seed(spec["seed"])
     cfg = build_config(spec)
     model = spec["model_cls"](cfg)
-    randomize_(model, spec["seed"], spec["resid_gain"])
+    # A family with other parameters (Nemotron-H's Mamba2) brings its own scheme.
+    spec.get("randomize", randomize_)(model, spec["seed"], spec["resid_gain"])
     model = model.to(torch.float32).eval()
     if cfg.tie_word_embeddings:
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
