@@ -277,7 +277,8 @@ def test_mixer_under_attention_tp_equals_one_device(dp, tp):
 
 def test_prefill_then_decode_equals_a_longer_prefill():
     """Prefill, then three decode steps from the cache, give the outputs the mixer gives the
-    whole sequences prefilled at once; an idle slot's state stays zero."""
+    whole sequences prefilled at once; an idle slot's state stays zero, and a prefill writes
+    only the slots it has rows of."""
     prefill, decode = one_device(SPEC)
     state = params_of(Mamba2Mixer(SPEC, topology=bj.Topology(), rngs=nnx.Rngs(3)))
     lengths, steps = (11, 1, 6), 3
@@ -301,6 +302,15 @@ def test_prefill_then_decode_equals_a_longer_prefill():
         chex.assert_trees_all_close(got[:3], want[rows], atol=1e-5)
         assert not np.asarray(got[3]).any()
     assert not np.asarray(cache.ssm[3]).any() and not np.asarray(cache.conv[3]).any()
+    # A later prefill into slot 3 alone leaves the other slots' states as they were.
+    later = layout_rows(((3, 5),), padding=ROWS - 5)
+    alone = prefill(state, h, *later, empty)[1]
+    both = prefill(state, h, *later, cache)[1]
+    for field in ("conv", "ssm"):
+        kept, new = np.asarray(getattr(both, field)), np.asarray(getattr(alone, field))
+        np.testing.assert_array_equal(kept[:3], np.asarray(getattr(cache, field))[:3])
+        np.testing.assert_array_equal(kept[3], new[3])
+        assert new[3].any()
 
 
 def golden_params(golden: dict) -> dict:
