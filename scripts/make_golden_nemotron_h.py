@@ -229,18 +229,19 @@ def numpy_moe(cfg: dict, w: dict, p: str, h: np.ndarray, variant: str, routing: 
     choice = scores + (0 if variant == "no-score-bias" else w[p + "gate.e_score_correction_bias"])
     out = np.zeros_like(h)
     for t in range(h.shape[0]):
-        ranked = choice[t].copy()
+        ranked, group_margin = choice[t].copy(), np.inf
         if variant != "no-group-limit":
             per_group = np.sort(choice[t].reshape(groups, -1), axis=-1)[:, -2:].sum(-1)
-            kept = np.argsort(-per_group, kind="stable")[:top_groups]
-            ranked = np.where(
-                np.isin(np.arange(experts) // (experts // groups), kept), ranked, -np.inf
-            )
+            by_score = np.argsort(-per_group, kind="stable")
+            group_margin = per_group[by_score[top_groups - 1]] - per_group[by_score[top_groups]]
+            kept = np.isin(np.arange(experts) // (experts // groups), by_score[:top_groups])
+            ranked = np.where(kept, ranked, -np.inf)
         order = np.argsort(-ranked, kind="stable")
         chosen = order[:k]
-        routing.append(
-            (tuple(sorted(chosen.tolist())), float(ranked[order[k - 1]] - ranked[order[k]]))
-        )
+        # The margins a float32 reimplementation must not cross: k-th vs (k+1)-th expert,
+        # and the last kept group vs the first dropped one.
+        margin = min(ranked[order[k - 1]] - ranked[order[k]], group_margin)
+        routing.append((tuple(sorted(chosen.tolist())), float(margin)))
         weights = scores[t, chosen]
         weights = weights / (weights.sum() + 1e-20) * cfg["routed_scaling_factor"]
         for e, weight in zip(chosen, weights, strict=True):
@@ -427,8 +428,9 @@ def main() -> int:
         print(f"   smallest Mamba2 time step {checked['smallest_dt']:.2e}")
         if "experts_used" in checked:
             print(
-                f"   experts used {checked['experts_used']}; smallest k-th vs (k+1)-th choice "
-                f"score gap {checked['router_margin']:.2e}"
+                f"   experts used {checked['experts_used']}; smallest gap between the k-th and "
+                f"(k+1)-th expert or the last kept and first dropped group "
+                f"{checked['router_margin']:.2e}"
             )
         print(f"   max|dlogit| with one detail broken: {checked['effects']}")
     return 0
