@@ -100,30 +100,36 @@ class Mamba2Spec:
     def from_hf_config(cls, config: Mapping) -> Mamba2Spec:
         """The spec of a Hugging Face `NemotronHConfig` (its config.json as a dict).
 
-        Hugging Face's mixer clips the time step to (time_step_min, inf); the config's own
-        `time_step_limit` key is not read by it, and not here either.
+        Reads the legacy key names too (`mamba_n_groups`, `mamba_d_conv`, `mamba_dt_min`,
+        `mamba_conv_bias`, `mamba_chunk_size`, taking precedence as in `NemotronHConfig`) and
+        that class's defaults for absent keys. Hugging Face's mixer clips the time step to
+        (time_step_min, inf); the config's own `time_step_limit` key is read by neither.
 
         Raises:
-          NotImplementedError: The config asks for projection biases or an activation other
-            than SiLU.
+          NotImplementedError: The config asks for projection biases (`use_bias`) or an
+            activation other than SiLU.
         """
-        if config.get("use_bias") or config.get("mamba_proj_bias"):
+        if config.get("use_bias", False):
             raise NotImplementedError("Mamba2 in_proj / out_proj biases are not supported")
         if config.get("mamba_hidden_act", "silu") != "silu":
             raise NotImplementedError(
                 f"Mamba2 activation must be silu; got {config['mamba_hidden_act']!r}"
             )
+
+        def read(key: str, legacy: str, default):
+            return config.get(legacy, config.get(key, default))
+
         return cls(
             hidden_size=config["hidden_size"],
-            num_heads=config["mamba_num_heads"],
-            head_dim=config["mamba_head_dim"],
-            n_groups=config["n_groups"],
-            state_size=config["ssm_state_size"],
-            conv_kernel=config["conv_kernel"],
-            chunk_size=config["chunk_size"],
-            eps=config["layer_norm_epsilon"],
-            time_step_limit=(config["time_step_min"], math.inf),
-            conv_bias=config.get("use_conv_bias", True),
+            num_heads=config.get("mamba_num_heads", 128),
+            head_dim=config.get("mamba_head_dim", 64),
+            n_groups=read("n_groups", "mamba_n_groups", 8),
+            state_size=config.get("ssm_state_size", 128),
+            conv_kernel=read("conv_kernel", "mamba_d_conv", 4),
+            chunk_size=read("chunk_size", "mamba_chunk_size", 128),
+            eps=config.get("layer_norm_epsilon", 1e-5),
+            time_step_limit=(read("time_step_min", "mamba_dt_min", 1e-3), math.inf),
+            conv_bias=read("use_conv_bias", "mamba_conv_bias", True),
         )
 
 
@@ -290,10 +296,10 @@ class Mamba2Cache:
         )
         ssm = (*lead, slots, spec.num_heads, spec.head_dim, spec.state_size)
         specs = cls.specs(topology, stacked=layers is not None)
-        place = lambda p: None if mesh is None else NamedSharding(mesh, p)  # noqa: E731
+        devices = jax.tree.map(lambda p: None if mesh is None else NamedSharding(mesh, p), specs)
         return cls(
-            conv=jnp.zeros(conv, dtype, device=place(specs.conv)),
-            ssm=jnp.zeros(ssm, jnp.float32, device=place(specs.ssm)),
+            conv=jnp.zeros(conv, dtype, device=devices.conv),
+            ssm=jnp.zeros(ssm, jnp.float32, device=devices.ssm),
         )
 
 

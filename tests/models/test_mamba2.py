@@ -373,3 +373,15 @@ def test_rejects_splits_that_do_not_divide():
     wrong = Mamba2Cache.create(dataclasses.replace(SPEC, n_groups=4), bj.Topology(), slots=4)
     with pytest.raises(ValueError, match="Mamba2 cache must be"):
         mixer(h, rows, rows, wrong)
+
+
+def test_spec_from_hf_config_reads_legacy_keys_and_rejects_biases():
+    """Older config.json spellings give the same spec; projection biases are refused."""
+    config = json.loads((GOLDEN / "config.json").read_text())
+    legacy = {k: v for k, v in config.items() if k not in ("n_groups", "conv_kernel")}
+    legacy |= {"mamba_n_groups": config["n_groups"], "mamba_d_conv": config["conv_kernel"]}
+    legacy |= {"mamba_dt_min": config["time_step_min"], "time_step_min": 0.5}
+    assert Mamba2Spec.from_hf_config(legacy) == SPEC
+    assert SPEC.time_step_limit == (1e-3, math.inf) and SPEC.n_groups == 2
+    with pytest.raises(NotImplementedError, match="biases"):
+        Mamba2Spec.from_hf_config(config | {"use_bias": True})
