@@ -15,9 +15,8 @@ import pytest
 from flax import nnx
 
 import boundary_jax as bj
-from models.mamba2 import Mamba2Cache, Mamba2Mixer, Mamba2Spec, Mamba2Split, hf_mixer_params
-from models.rows import RowsPhase
-from models.ssd import (
+from models.layers.mamba2 import Mamba2Cache, Mamba2Mixer, Mamba2Spec, Mamba2Split, hf_mixer_params
+from models.layers.ssd import (
     causal_conv1d,
     causal_conv1d_step,
     conv_states,
@@ -26,6 +25,7 @@ from models.ssd import (
     ssd_reference,
     time_step,
 )
+from models.rows import RowsPhase
 
 from . import make_mesh, row_spec, run_sharded, sum_over
 

@@ -29,8 +29,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from boundary_jax import SumGroup, TokenAxis, Topology, shard_index
 
-from .layers import ColumnParallelLinear, RowParallelLinear, group_size, project, sharded_param
-from .rows import RowsPhase
+from ..rows import RowsPhase
+from .linear import ColumnParallelLinear, RowParallelLinear, group_size, project, sharded_param
 from .ssd import (
     accumulation_dtype,
     causal_conv1d,
