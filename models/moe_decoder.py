@@ -13,13 +13,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 import boundary_jax as bj
+from pallas_kernels.grouped_matmul import default_grouped_matmul_impl
 
 from .attention import AttentionImpl
 from .config import Architecture, DecoderConfig
 from .decoder import PLAIN, CausalLM, DecoderLayer, LayerDesigns, Remat
 from .hyper_connections import HyperConnections
 from .mlp import SwiGLU
-from .moe import GroupedMatmulImpl, default_grouped_matmul_impl
+from .moe import GroupedMatmulImpl
 from .moe_ffn import MoeFfn
 
 
