@@ -48,19 +48,26 @@ class HopperTiling:
 
 
 def triton_tiling(k: int, n: int, dtype) -> TritonTiling:
-    """The Triton kernel's tiling for [*, k] x [*, k, n]: the default, checked to divide.
+    """The Triton kernel's tiling for [*, k] x [*, k, n]: the default (16 rows, 128 columns,
+    64 deep) where it divides the shape, else the largest of 64/32/16 columns and 32/16 deep
+    that do (small models: tests), at least 16 either way (the tensor cores' smallest tile).
+
+    The default held 75-86% of the copy bandwidth on an H200 (benchmarks/RESULTS.md run 15);
+    `GroupedMatmulImpl.GPU_BY_SIZE` picks this kernel only where the default divides.
 
     Raises:
-      NotImplementedError: The default tiling does not divide the shape.
+      NotImplementedError: No tile of at least 16 divides the shape.
     """
     del dtype
-    tiling = TritonTiling()
-    if not tiling.divides(k, n):
+    default = TritonTiling()
+    block_n = next((b for b in (default.block_n, 64, 32, 16) if n % b == 0), None)
+    block_k = next((b for b in (default.block_k, 32, 16) if k % b == 0), None)
+    if block_n is None or block_k is None:
         raise NotImplementedError(
-            f"GroupedMatmulImpl.PALLAS_TRITON needs k % {tiling.block_k} == 0 and "
-            f"n % {tiling.block_n} == 0; got {k=}, {n=}. Use GroupedMatmulImpl.RAGGED_DOT"
+            f"GroupedMatmulImpl.PALLAS_TRITON needs k % 16 == 0 and n % 16 == 0; got {k=}, "
+            f"{n=}. Use GroupedMatmulImpl.RAGGED_DOT"
         )
-    return tiling
+    return dataclasses.replace(default, block_n=block_n, block_k=block_k)
 
 
 def hopper_tiling(k: int, n: int, dtype) -> HopperTiling:

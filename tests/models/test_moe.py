@@ -360,6 +360,47 @@ def test_module_under_shard_map(dp, tp, shared):
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=1e-5)
 
 
+def test_pallas_experts_keep_the_varying_axes_check():
+    """With the Pallas expert kernel bound (the Triton body, interpreted) shard_map keeps
+    check_vma on: experts split over TP and summed over it equal the float64 layer; the same
+    split experts treated as whole (their output returned as complete, the sum over the expert
+    ranks forgotten) fail to trace, where with the check off they run, wrong."""
+    module = moe.SparseMoe(
+        128,
+        8,
+        64,
+        top_k=2,
+        renormalize=True,
+        expert_entry=EXPERT_AXIS,
+        impl=GroupedMatmulImpl.PALLAS_INTERPRET,
+        rngs=nnx.Rngs(4),
+    )
+    x = jax.random.normal(jax.random.key(1), (TOKENS, 128), jnp.float32)
+    mesh = make_mesh(1, 2)
+
+    def partial(module, x):
+        offset = lax.axis_index(EXPERT_AXIS) * module.gate_up_proj.shape[0]
+        return module.finalized(x, expert_offset=offset)
+
+    def summed(module, x):
+        return lax.psum(partial(module, x), EXPERT_AXIS)
+
+    want = moe.moe_reference(
+        np.asarray(x),
+        np.asarray(module.router[...]),
+        np.asarray(module.gate_up_proj[...]),
+        np.asarray(module.down_proj[...]),
+        top_k=2,
+        renormalize=True,
+    )
+    got = run_sharded(module, mesh, summed, (x,), (P(),), P())
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="replicat"):
+        run_sharded(module, mesh, partial, (x,), (P(),), P())
+    unchecked = run_sharded(module, mesh, partial, (x,), (P(),), P(), check_vma=False)
+    assert np.abs(np.asarray(unchecked) - want).max() > 1e-2
+
+
 def test_rejects_bad_shapes_and_settings():
     """Mismatched expert weights and top_k out of range fail clearly (the kernels' own inputs:
     tests/pallas_kernels/test_grouped_matmul.py)."""
