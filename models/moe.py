@@ -28,7 +28,8 @@ ranks cuts the same features out of both.
 Grouped matmuls (`GroupedMatmulImpl`): the (token, choice) rows are sorted by expert, so each
 local expert's rows are contiguous, and the three projections run as ragged matmuls over the
 groups, or, padded to a capacity, as batched matmuls (`PADDED_BATCHED`). `DENSE` runs every row
-through every local expert and masks: the test reference.
+through every local expert and masks: the test reference. The grouped matmuls themselves (the
+Pallas kernels, their tuned tilings, the choice by size) are `pallas_kernels.grouped_matmul`'s.
 """
 
 from __future__ import annotations
@@ -53,7 +54,6 @@ from pallas_kernels.grouped_matmul import (
 
 PartitionEntry = str | tuple[str, ...] | None
 """One entry of a `PartitionSpec`: mesh axis name(s) chosen by the caller, or None."""
-
 
 CAPACITY_FACTORS = (1.25, 1.5)
 """`PADDED_BATCHED`'s capacities as multiples of the even share, smallest first."""
