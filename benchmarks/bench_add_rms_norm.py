@@ -17,7 +17,6 @@ import jax.numpy as jnp
 
 from benchmarks.common import header, kernel_ms, print_table, relative_error
 from pallas_kernels import Impl, add_rms_norm, add_rms_norm_reference
-from pallas_kernels._common import gpu_vector_size
 from pallas_kernels.add_rms_norm import GpuLaunch, gpu_launch, mosaic_gpu_add_rms_norm
 
 ROWS = (1, 16, 256, 4096, 32768)
@@ -90,7 +89,7 @@ def copy_ceiling_tb_s() -> float:
 def sweep_launches(sets, rows: int, hidden: int) -> list[tuple]:
     """Times the Mosaic GPU kernel over launch shapes; returns table rows."""
     sms = jax.local_devices()[0].core_count
-    vector = gpu_vector_size(hidden, DTYPE)
+    vector = gpu_launch(rows, hidden, DTYPE).vector_size
     results = []
     for programs_per_sm in (4, None):
         for rows_per_step in (1, 2):

@@ -3,17 +3,18 @@ fused finalize + all-reduce + add + RMSNorm against the unfused path on two GPUs
 
 Run from the repository root on a machine with one or two GPUs:
     python3 -m benchmarks.bench_moe
+    python3 -m benchmarks.bench_moe --smoke    # CPU: tiny shapes, the Triton kernel interpreted
 
 Part 1 (one GPU): the layer as the model runs it when it finalizes on the spot (router, top-k,
 the gate|up and down grouped matmuls, the combine; `SparseMoe.finalized`) at 8, 64 and 4096
 tokens per step, through `jax.lax.ragged_dot`, JAX's Mosaic GPU `ragged_dot` (`PALLAS_GPU`, a
-few tilings), the project's gather-by-expert Triton kernel (`pallas_kernels.expert_matmul`,
-`PALLAS_TRITON`, a few tilings), the model default (`GPU_BY_SIZE`: Triton at decode sizes,
-batched matmuls over rows padded to a capacity at prefill sizes) and the dense per-expert
-reference. Device time by CUPTI up to `TRITON_MAX_ROUTED_ROWS` routed rows; above, where the
-model default runs a `lax.switch` whose branch kernels CUPTI misses, every variant by the wall
-clock of back-to-back calls. The median over rotating token sets (weights are 1.2 GB, far past
-L2). Rooflines: decode, the expert
+few tilings), the project's gather-by-expert Triton kernel (`grouped_matmul.expert_matmul`,
+`PALLAS_TRITON`, a few tilings; each tiling is passed as the layer's `tiling` argument), the
+model default (`GPU_BY_SIZE`: Triton at decode sizes, batched matmuls over rows padded to a
+capacity at prefill sizes) and the dense per-expert reference. Device time by CUPTI up to
+`TRITON_MAX_ROUTED_ROWS` routed rows; above, where the model default runs a `lax.switch` whose
+branch kernels CUPTI misses, every variant by the wall clock of back-to-back calls. The median
+over rotating token sets (weights are 1.2 GB, far past L2). Rooflines: decode, the expert
 weights the step must read (distinct chosen experts x 3 x hidden x width x 2 bytes) over the
 measured copy bandwidth; prefill, the routed FLOPs (tokens x top-k x 3 x 2 x hidden x width)
 over the measured bf16 matmul rate.
@@ -43,7 +44,14 @@ import boundary_jax as bj
 from benchmarks.common import header, kernel_ms, print_table, relative_error, wall_ms
 from models.layers import moe
 from pallas_kernels import Impl, moe_finalize_add_rms_norm, moe_finalize_add_rms_norm_reference
-from pallas_kernels.expert_matmul import ExpertMatmulBlocks
+from pallas_kernels.grouped_matmul import (
+    TRITON_MAX_ROUTED_ROWS,
+    HopperTiling,
+    TritonTiling,
+    grouped_matmul,
+    hopper_ragged_dot,
+    hopper_tiling,
+)
 
 P = jax.sharding.PartitionSpec
 EXPERTS, TOP_K, HIDDEN, WIDTH = 128, 8, 2048, 768
@@ -60,14 +68,14 @@ MGPU_TILINGS = {  # block_m, block_n (where it divides N), block_k, steps, grid_
     "mgpu 128x192|128 x64 s4 g4": (128, 192, 64, 4, 4),
 }
 TRITON_TILINGS = {  # the first is the model's default
-    "triton 16x128x64 s4": ExpertMatmulBlocks(16, 128, 64, 4, 4),
-    "triton 16x64x128 s4": ExpertMatmulBlocks(16, 64, 128, 4, 4),
-    "triton 16x128x128 s3 w8": ExpertMatmulBlocks(16, 128, 128, 8, 3),
+    "triton 16x128x64 s4": TritonTiling(16, 128, 64, 4, 4),
+    "triton 16x64x128 s4": TritonTiling(16, 64, 128, 4, 4),
+    "triton 16x128x128 s3 w8": TritonTiling(16, 128, 128, 8, 3),
     # Prefill-sized row blocks (a warpgroup's 64 rows and more): at 4096 tokens 1.35-2.05 ms
     # for the layer, against 1.15 ms with JAX's Hopper kernel (RESULTS run 15):
-    "triton 64x128x64 s4 w4": ExpertMatmulBlocks(64, 128, 64, 4, 4),
-    "triton 128x128x64 s3 w8": ExpertMatmulBlocks(128, 128, 64, 8, 3),
-    "triton 128x256x64 s3 w8": ExpertMatmulBlocks(128, 256, 64, 8, 3),
+    "triton 64x128x64 s4 w4": TritonTiling(64, 128, 64, 4, 4),
+    "triton 128x128x64 s3 w8": TritonTiling(128, 128, 64, 8, 3),
+    "triton 128x256x64 s3 w8": TritonTiling(128, 256, 64, 8, 3),
 }
 
 
@@ -126,42 +134,36 @@ def token_sets(tokens: int, count: int = 4):
 
 @functools.cache
 def layer_fn(impl: moe.GroupedMatmulImpl, variant: str):
-    """The jitted MoE layer through `impl` (with `variant`'s tiling), weights closed over by
-    argument."""
+    """The jitted MoE layer through `impl` with `variant`'s tiling (`tiling_table`), weights
+    closed over by argument."""
+    tiling = tiling_table(variant)
 
     def layer(x, router, gate_up, down):  # as `SparseMoe.finalized` runs it
         routing = moe.route(x, router, top_k=TOP_K, renormalize=True)
-        return moe.finalized_expert_outputs(x, routing, gate_up, down, impl=impl)
+        return moe.finalized_expert_outputs(x, routing, gate_up, down, impl=impl, tiling=tiling)
 
     return jax.jit(layer)
 
 
-HONEST_TILINGS = (moe._mgpu_block_sizes, moe._expert_matmul_blocks)
+def tiling_table(variant: str):
+    """`variant`'s tiling by shape, as `grouped_matmul` takes it; None for the tuned tables.
 
-
-def with_tiling(variant: str) -> None:
-    """Makes the GroupedMatmulImpl paths trace with `variant`'s tiling (benchmark only; the
-    jitted layers trace once per shape, right after this is set)."""
-    mgpu, triton = HONEST_TILINGS
-    moe._mgpu_block_sizes, moe._expert_matmul_blocks = mgpu, triton
+    A Hopper variant's block_n and grid_block_n apply where they divide the shape, else the
+    tuned table's.
+    """
     if variant in TRITON_TILINGS:
-        moe._expert_matmul_blocks = lambda k, n, dtype: TRITON_TILINGS[variant]
+        return lambda k, n, dtype: TRITON_TILINGS[variant]
     tiling = MGPU_TILINGS.get(variant)
-    if tiling is not None:
-        block_m, block_n, block_k, steps, grid_block_n = tiling
+    if tiling is None:
+        return None
+    block_m, block_n, block_k, steps, grid_block_n = tiling
 
-        def sizes(k, n, dtype):
-            chosen = mgpu(k, n, dtype)
-            block = block_n if n % block_n == 0 else chosen["block_n"]
-            return {
-                "block_m": block_m,
-                "block_n": block,
-                "block_k": block_k,
-                "max_concurrent_steps": steps,
-                "grid_block_n": grid_block_n if n % (grid_block_n * block) == 0 else 1,
-            }
+    def table(k, n, dtype):
+        block = block_n if n % block_n == 0 else hopper_tiling(k, n, dtype).block_n
+        grid = grid_block_n if n % (grid_block_n * block) == 0 else 1
+        return HopperTiling(block_m, block, block_k, steps, grid)
 
-        moe._mgpu_block_sizes = sizes
+    return table
 
 
 def distinct_experts(x, router) -> int:
@@ -170,14 +172,25 @@ def distinct_experts(x, router) -> int:
 
 
 def part1(
-    copy_tb_s: float, matmul_tflop_s: float, tokens_list, only: tuple[str, ...] = ()
+    copy_tb_s: float,
+    matmul_tflop_s: float,
+    tokens_list,
+    only: tuple[str, ...] = (),
+    smoke: bool = False,
 ) -> list[tuple]:
+    """The layer per grouped matmul variant. `smoke`: on CPU, the Triton tilings interpreted,
+    the GPU-only variants left out, every variant by the wall clock."""
     router, gate_up, down = layer_weights()
     table = []
+    triton = (
+        moe.GroupedMatmulImpl.PALLAS_INTERPRET if smoke else moe.GroupedMatmulImpl.PALLAS_TRITON
+    )
     variants = [("ragged_dot (XLA)", moe.GroupedMatmulImpl.RAGGED_DOT)]
-    variants += [(name, moe.GroupedMatmulImpl.PALLAS_GPU) for name in MGPU_TILINGS]
-    variants += [(name, moe.GroupedMatmulImpl.PALLAS_TRITON) for name in TRITON_TILINGS]
-    variants += [("GPU_BY_SIZE (model default)", moe.GroupedMatmulImpl.GPU_BY_SIZE)]
+    if not smoke:
+        variants += [(name, moe.GroupedMatmulImpl.PALLAS_GPU) for name in MGPU_TILINGS]
+    variants += [(name, triton) for name in TRITON_TILINGS]
+    if not smoke:
+        variants += [("GPU_BY_SIZE (model default)", moe.GroupedMatmulImpl.GPU_BY_SIZE)]
     variants += [("dense per-expert", moe.GroupedMatmulImpl.DENSE)]
     if only:
         variants = [
@@ -191,12 +204,11 @@ def part1(
         reference = layer_fn(moe.GroupedMatmulImpl.RAGGED_DOT, "")(*sets[0], router, gate_up, down)
         # The model default branches (lax.switch) from here up, which CUPTI does not see into:
         # every variant by the wall clock, side by side.
-        wall = tokens * TOP_K > moe.TRITON_MAX_ROUTED_ROWS
+        wall = smoke or tokens * TOP_K > TRITON_MAX_ROUTED_ROWS
         base_ms = None
         for name, impl in variants:
             if impl is moe.GroupedMatmulImpl.DENSE and tokens > 64:
                 continue  # every token through all 128 experts: 4.9 PFLOP at 4096 tokens
-            with_tiling(name)
             fn = layer_fn(impl, name)
             try:
                 err = relative_error(fn(*sets[0], router, gate_up, down), reference)
@@ -218,12 +230,11 @@ def part1(
             print(f"  {row}")
             table.append(row)
         print(f"  tokens {tokens}: {experts:.1f} distinct experts, {weight_bytes / 1e6:.0f} MB")
-    with_tiling("")
     return table
 
 
 @functools.cache
-def finalize_chain(mesh, fused: bool, loop: bool):
+def finalize_chain(mesh, fused: bool, loop: bool, impl: Impl = Impl.PALLAS_GPU):
     axis = "tp" if mesh.size > 1 else None
 
     def body(outputs, weights, residual, norm_weight):
@@ -242,7 +253,7 @@ def finalize_chain(mesh, fused: bool, loop: bool):
                     residual,
                     norm_weight,
                     axis_name="tp",
-                    impl=Impl.PALLAS_GPU,
+                    impl=impl,
                 )
             else:
                 normed, residual = moe_finalize_add_rms_norm_reference(
@@ -255,8 +266,9 @@ def finalize_chain(mesh, fused: bool, loop: bool):
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
 
 
-def part2(rows_list, devices: int) -> list[tuple]:
-    """TP `devices` (1: no sum owed, as after an all-to-all dispatch)."""
+def part2(rows_list, devices: int, impl: Impl = Impl.PALLAS_GPU) -> list[tuple]:
+    """TP `devices` (1: no sum owed, as after an all-to-all dispatch), the fused kernel through
+    `impl`."""
     mesh = jax.sharding.Mesh(jax.devices()[:devices], ("tp",))
     sharding = jax.sharding.NamedSharding(mesh, P("tp"))
     table = []
@@ -269,10 +281,10 @@ def part2(rows_list, devices: int) -> list[tuple]:
         operands = jax.device_put((outputs, weights, residual, norm_weight), sharding)
         try:
             err = relative_error(
-                finalize_chain(mesh, True, False)(*operands),
+                finalize_chain(mesh, True, False, impl)(*operands),
                 finalize_chain(mesh, False, False)(*operands),
             )
-            fused_us = wall_ms(finalize_chain(mesh, True, True), operands) * 1e3 / BOUNDARIES
+            fused_us = wall_ms(finalize_chain(mesh, True, True, impl), operands) * 1e3 / BOUNDARIES
         except Exception as error:
             print(f"  fused finalize @ {rows}: {type(error).__name__}: {str(error)[:600]}")
             err = fused_us = float("nan")
@@ -322,19 +334,9 @@ def part3(tokens: int, matmul_tflop_s: float) -> list[tuple]:
     @functools.partial(jax.jit, static_argnames=("tiling", "width"))
     def matmul(rows, weights, sizes, tiling=None, width=None):
         if tiling is None:
-            out = moe._grouped_matmul(rows, weights, group_sizes=sizes, impl=impl)
+            out = grouped_matmul(rows, weights, sizes, impl=impl)
         else:
-            block_m, block_n, block_k, steps, grid_block_n = tiling
-            out = moe._ragged_dot_mgpu.ragged_dot(
-                rows,
-                weights,
-                group_sizes=sizes,
-                block_m=block_m,
-                block_n=block_n,
-                block_k=block_k,
-                max_concurrent_steps=steps,
-                grid_block_n=grid_block_n,
-            )
+            out = hopper_ragged_dot(rows, weights, sizes, tiling=HopperTiling(*tiling))
         return out if width is None else jax.nn.silu(out[:, :width]) * out[:, width:]
 
     g = matmul(rows, gate, sizes)
@@ -425,6 +427,30 @@ def part3(tokens: int, matmul_tflop_s: float) -> list[tuple]:
     return table
 
 
+def use_smoke_shapes() -> None:
+    """Shrinks this script's layer to CPU size (`--smoke`: a check that the script runs)."""
+    global EXPERTS, TOP_K, HIDDEN, WIDTH, BOUNDARIES
+    EXPERTS, TOP_K, HIDDEN, WIDTH, BOUNDARIES = 8, 2, 256, 128, 2
+
+
+def smoke(tokens_list) -> None:
+    """Parts 1 and 2 at the smoke shapes on CPU, timed by the wall clock (ceilings of 1), and
+    the Hopper variants' tilings for the layer's two matmul shapes (their kernel needs a GPU)."""
+    for name in MGPU_TILINGS:
+        table = tiling_table(name) or hopper_tiling
+        print(
+            f"  {name}: {[table(k, n, DTYPE) for k, n in ((HIDDEN, 2 * WIDTH), (WIDTH, HIDDEN))]}"
+        )
+    print_table(
+        ("tokens", "grouped matmul", "us", "tokens/s", "x ragged_dot", "HBM", "FLOP", "rel err"),
+        part1(1.0, 1.0, tokens_list, smoke=True),
+    )
+    print_table(
+        ("TP", "rows", "top-k", "hidden", "fused us", "unfused us", "speedup", "rel err"),
+        part2((8,), 1, Impl.PALLAS_GPU_INTERPRET),
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=TOKENS)
@@ -432,9 +458,14 @@ def main() -> None:
     parser.add_argument("--finalize-tp", type=int, nargs="*", default=(1, 2))
     parser.add_argument("--only", nargs="*", default=(), help="variant names containing these")
     parser.add_argument("--breakdown", action="store_true", help="part 3 only (4096 tokens)")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (parts 1, 2)")
     args = parser.parse_args()
-    torch_tb_s = torch_copy_tb_s()
     print(header("bench_moe"))
+    if args.smoke:
+        use_smoke_shapes()
+        smoke(args.tokens if args.tokens != TOKENS else (8, 64))
+        return
+    torch_tb_s = torch_copy_tb_s()
     copy_tb_s, matmul_tflop_s = ceilings()
     print(
         f"ceilings: XLA elementwise copy {copy_tb_s:.2f} TB/s, PyTorch memcpy {torch_tb_s:.2f} "

@@ -29,7 +29,6 @@ from models.build import build_model
 from models.layers.attention import AttentionImpl, KVCache
 from models.rows import pack_sequences
 from models.serving.runtime import ShardedCausalLM
-from models.serving.sampling import GREEDY
 
 from .bench_e2e import LLAMA3_8B, _decode_inputs, auto_mesh, baseline_params, make_baseline
 
@@ -126,9 +125,8 @@ def main() -> None:
             tokens, base[0] = prefill_step(params, ids, base[0])
             return tokens
 
-        program = runner._program(runner._prefill_program, GREEDY)
         hlo = {
-            "project": program.lower(runner.state, rows, batch, held[0], last_rows, key),
+            "project": runner.lower_prefill(rows, batch, held[0], last_rows, key),
             "baseline": prefill_step.lower(params, ids, base[0]),
         }
     else:
@@ -147,9 +145,8 @@ def main() -> None:
             result, base[0] = decode(params, tokens, positions, base[0], steps)
             return result
 
-        program = runner._program(runner._decode_program, GREEDY, steps)
         hlo = {
-            "project": program.lower(runner.state, rows, batch, held[0], key, jnp.int32(steps)),
+            "project": runner.lower_decode(rows, batch, held[0], key, steps, capacity=steps),
             "baseline": decode.lower(params, tokens, positions, base[0], steps),
         }
     for name, lowered in hlo.items():

@@ -17,11 +17,3 @@ def zeros_varying_like(result: jax.ShapeDtypeStruct) -> jax.Array:
     value = jax.numpy.zeros(result.shape, result.dtype)
     axes = varying_axes(result)
     return lax.pcast(value, axes, to="varying") if axes else value
-
-
-def checks_vma(axis_name: str) -> bool:
-    """Whether the enclosing `shard_map` tracks varying mesh axes (`check_vma=True`).
-
-    Pallas kernels cannot run there; a fusion candidate asks before it commits.
-    """
-    return bool(varying_axes(lax.axis_index(axis_name)))

@@ -65,7 +65,8 @@ class ShardedModule:
           call: What each rank runs.
           in_specs: `PartitionSpec` trees of `args` (or prefixes of them).
           out_specs: `PartitionSpec` tree of the result.
-          check_vma: `shard_map`'s varying-axes check (Pallas fusion candidates need it off).
+          check_vma: `shard_map`'s varying-axes check (the Pallas kernels keep it: each declares
+            how its outputs vary).
           donate_argnums: Indices into `args` whose buffers the program may reuse.
         """
         graphdef = self._graphdef

@@ -1,5 +1,8 @@
-"""Fused Pallas kernels for layer boundaries: add + RMSNorm, all-reduce + add + RMSNorm, and the
-MoE finalize + all-reduce + add + RMSNorm."""
+"""Pallas kernels for layer boundaries and MoE experts: add + RMSNorm, all-reduce + add +
+RMSNorm, the MoE finalize + all-reduce + add + RMSNorm, and the experts' grouped matmuls.
+
+Each op has a reference (its spec), kernels, and a public wrapper that picks the backend, types
+its outputs for `shard_map`'s `check_vma` (`axes`) and differentiates as its reference does."""
 
 from .add_rms_norm import add_rms_norm as add_rms_norm
 from .add_rms_norm import add_rms_norm_reference as add_rms_norm_reference
@@ -12,6 +15,9 @@ from .all_reduce_add_rms_norm import (
 from .all_reduce_add_rms_norm import (
     all_reduce_add_rms_norm_supported as all_reduce_add_rms_norm_supported,
 )
+from .grouped_matmul import GroupedMatmulImpl as GroupedMatmulImpl
+from .grouped_matmul import grouped_matmul as grouped_matmul
+from .grouped_matmul import grouped_matmul_reference as grouped_matmul_reference
 from .impl import Impl as Impl
 from .moe_finalize_add_rms_norm import moe_finalize_add_rms_norm as moe_finalize_add_rms_norm
 from .moe_finalize_add_rms_norm import (

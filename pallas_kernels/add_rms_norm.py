@@ -17,9 +17,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
-from . import _compat
+from . import _compat, axes
 from ._common import MAX_HIDDEN_GPU, check_inputs, gpu_vector_size, inverse_rms, weight_factor
-from .impl import SUPPORTED_DTYPES, Impl, check_impl, platform_kernel
+from .impl import INTERPRETERS, SUPPORTED_DTYPES, Impl, check_impl, platform_kernel
+from .vjp import with_reference_vjp
 
 # ---------------------------------------------------------------------------------------------
 # Reference
@@ -259,7 +260,9 @@ def add_rms_norm(
 
     Returns:
       `(normed, new_residual)`, both shaped like `x`, in `x.dtype`; `new_residual` is `x` itself
-      when `residual` is None.
+      when `residual` is None. Differentiable: the gradients are the reference's (its VJP runs
+      backward). Inside `shard_map` the outputs vary over the mesh axes the reference's would,
+      so `check_vma=True` holds around the kernel.
 
     Raises:
       TypeError: Bad dtypes or a non-`Impl` impl.
@@ -285,6 +288,24 @@ def add_rms_norm(
     if impl is Impl.XLA or rows == 0:
         return add_rms_norm_reference(x, residual, weight, eps=eps, gemma=gemma)
 
+    kernel = functools.partial(_add_rms_norm_kernels, eps=eps, gemma=gemma, impl=impl)
+    reference = functools.partial(add_rms_norm_reference, eps=eps, gemma=gemma)
+    if impl in INTERPRETERS:
+        kernel = axes.interpreted(kernel, reference)
+    return with_reference_vjp(kernel, reference)(x, residual, weight)
+
+
+def _add_rms_norm_kernels(
+    x: jax.Array,
+    residual: jax.Array | None,
+    weight: jax.Array,
+    *,
+    eps: float,
+    gemma: bool,
+    impl: Impl,
+) -> tuple[jax.Array, jax.Array]:
+    """`add_rms_norm`'s forward through the Pallas kernel of `impl`."""
+    rows, hidden = math.prod(x.shape[:-1]), x.shape[-1]
     x_rows = x.reshape(rows, hidden)
     residual_rows = None if residual is None else residual.reshape(rows, hidden)
     if impl in (Impl.PALLAS_GPU, Impl.PALLAS_GPU_INTERPRET):
@@ -324,10 +345,12 @@ def mosaic_gpu_add_rms_norm(
       interpret: None to compile for the GPU, or Mosaic GPU interpret parameters to run on CPU.
 
     Returns:
-      `(normed,)`, or `(normed, new_residual)` when a residual is given.
+      `(normed,)`, or `(normed, new_residual)` when a residual is given, varying over the mesh
+      axes `add_rms_norm_reference`'s outputs would.
     """
     rows, hidden = x.shape
     has_residual = residual is not None
+    varying = axes.reference_varying(add_rms_norm_reference, x, residual, weight, eps=eps)
     kernel = functools.partial(
         _add_rms_norm_gpu_kernel,
         rows=rows,
@@ -351,7 +374,9 @@ def mosaic_gpu_add_rms_norm(
         ),
         interpret=interpret,
     )
-    return tuple(call(x, residual, weight) if has_residual else call(x, weight))
+    outs = call(x, residual, weight) if has_residual else call(x, weight)
+    # Mosaic GPU types its outputs invariant; they vary as the reference's do.
+    return tuple(map(axes.mark_varying, outs, varying))
 
 
 def _pallas_call_add_rms_norm(
@@ -369,7 +394,8 @@ def _pallas_call_add_rms_norm(
     weight_block = pl.BlockSpec((1, blocks.block_hidden), lambda i: (0, 0))
     has_residual = residual is not None
     operands = (x, residual) if has_residual else (x,)
-    out = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    varying = axes.reference_varying(add_rms_norm_reference, x, residual, weight, eps=eps)
+    out_shape = tuple(axes.output_type(x.shape, x.dtype, v) for v in varying[: len(operands)])
     match impl:
         case Impl.PALLAS_TRITON:
             compiler_params = pltriton.CompilerParams(num_warps=blocks.num_warps)
@@ -381,7 +407,7 @@ def _pallas_call_add_rms_norm(
         functools.partial(
             _add_rms_norm_kernel, hidden=hidden, eps=eps, gemma=gemma, has_residual=has_residual
         ),
-        out_shape=(out, out) if has_residual else (out,),
+        out_shape=out_shape,
         grid=(pl.cdiv(rows, blocks.block_rows),),
         in_specs=[row_block] * len(operands) + [weight_block],
         out_specs=(row_block, row_block) if has_residual else (row_block,),

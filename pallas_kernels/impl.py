@@ -34,6 +34,10 @@ class Impl(enum.Enum):
     PALLAS_GPU_INTERPRET = enum.auto()
 
 
+INTERPRETERS = frozenset({Impl.PALLAS_INTERPRET, Impl.PALLAS_GPU_INTERPRET})
+"""The backends that run a kernel in a Pallas interpreter (tests, any platform)."""
+
+
 def platform_kernel(platform: str) -> Impl:
     """Returns the Pallas backend native to `platform`, or `Impl.XLA` where there is none.
 

@@ -10,10 +10,9 @@ import jax
 import pallas_kernels as pk
 
 from .. import ops
-from .._compat import checks_vma
 from ..designs.add_norm import AddNormRead
 from ..designs.norm import RMSNorm
-from ..layout import TokenAxis, Topology
+from ..layout import Topology
 from .base import FusionProvider, FusionRequest
 
 
@@ -41,8 +40,7 @@ def _plain_update_and_read(request: FusionRequest) -> bool:
 class AllReduceAddRmsNorm:
     """Completes the sum, adds the residual and normalizes in one kernel.
 
-    Declines without a sum to complete, for a non-plain update or read, under a `shard_map`
-    with `check_vma=True` (Pallas needs it off), and wherever
+    Declines without a sum to complete, for a non-plain update or read, and wherever
     `pallas_kernels.all_reduce_add_rms_norm_supported` says the kernel does not take or does not
     pay off for the shape.
 
@@ -66,7 +64,7 @@ class AllReduceAddRmsNorm:
             num_devices=request.num_devices,
             impl=self.impl,
         )
-        if not supported or checks_vma(request.axis_names[0]):
+        if not supported:
             return None
         norm = request.norm
         return pk.all_reduce_add_rms_norm(
@@ -85,19 +83,16 @@ class AddRmsNorm:
     """Adds the contribution to the residual and normalizes in one Pallas kernel.
 
     A sum still owed is completed first by the built-in all-reduce, so the kernel replaces only
-    XLA's add + norm. Declines for a non-plain update or read, inside a `shard_map` with
-    `check_vma=True` (`vma_axis` names one of its axes; None outside `shard_map`), and wherever
+    XLA's add + norm. Declines for a non-plain update or read, and wherever
     `pallas_kernels.add_rms_norm_supported` declines (CPU, unsupported shapes or dtypes).
 
     Attributes:
       platform: The platform the stack was bound for.
       impl: The kernel backend; None picks the platform's.
-      vma_axis: A mesh axis of the enclosing `shard_map`, or None without one.
     """
 
     platform: str
     impl: pk.Impl | None = None
-    vma_axis: str | None = None
 
     def __call__(self, request: FusionRequest) -> tuple[jax.Array, jax.Array] | None:
         if not _plain_add_norm(request):
@@ -110,7 +105,7 @@ class AddRmsNorm:
             dtype=request.value.dtype,
             impl=self.impl,
         )
-        if not supported or (self.vma_axis is not None and checks_vma(self.vma_axis)):
+        if not supported:
             return None
         value = ops.run(ops.all_reduce(request.sum_axes), request.value)
         norm = request.norm
@@ -130,20 +125,16 @@ class MoeFinalizeAddRmsNorm:
 
     Applies only to a request carrying a `DeferredFinalize` (`request.finalize`) whose outputs
     are on the residual's rows in the residual's dtype, with a plain update and an add + RMSNorm
-    read. Declines inside a `shard_map` with `check_vma=True` (`vma_axis` names one of its axes;
-    the sum's own axes are checked when one is owed), and wherever
-    `pallas_kernels.moe_finalize_add_rms_norm_supported` declines (CPU for the platform default,
-    shapes or device counts its kernels don't take).
+    read. Declines wherever `pallas_kernels.moe_finalize_add_rms_norm_supported` declines (CPU
+    for the platform default, shapes or device counts its kernels don't take).
 
     Attributes:
       platform: The platform the stack was bound for.
       impl: The kernel backend; None picks the platform's.
-      vma_axis: A mesh axis of the enclosing `shard_map`, or None without one.
     """
 
     platform: str
     impl: pk.Impl | None = None
-    vma_axis: str | None = None
 
     def __call__(self, request: FusionRequest) -> tuple[jax.Array, jax.Array] | None:
         if not request.finalize or not _plain_update_and_read(request):
@@ -164,8 +155,7 @@ class MoeFinalizeAddRmsNorm:
             num_devices=request.num_devices,
             impl=self.impl,
         )
-        vma_axis = request.axis_names[0] if request.sum_axes else self.vma_axis
-        if not supported or (vma_axis is not None and checks_vma(vma_axis)):
+        if not supported:
             return None
         norm = request.norm
         return pk.moe_finalize_add_rms_norm(
@@ -195,16 +185,16 @@ def platform_fusions(
     read (`defer_finalize`, `terminal_finalize`), where `MoeFinalizeAddRmsNorm` comes first.
     Off by default: on 2 x H200 the fused finalize kernel was 3-4x slower than the unfused path
     at TP 2 and gained 1.11x only from 2048 rows without a sum (benchmarks/RESULTS.md run 9),
-    so with `impl=None` it declines on GPU except there. Run the model's `shard_map` with
-    `check_vma=False`, or every candidate declines.
+    so with `impl=None` it declines on GPU except there. The kernels declare how their outputs
+    vary, so the model's `shard_map` keeps `check_vma=True`. `topology` picks nothing: each
+    candidate reads the axes a request owes a sum over from the request.
     """
+    del topology
     platform = platform or jax.default_backend()
-    axes = topology.active(TokenAxis)
-    vma_axis = axes[0].mesh_name if axes else None
-    candidates = (AllReduceAddRmsNorm(platform, impl), AddRmsNorm(platform, impl, vma_axis))
+    candidates = (AllReduceAddRmsNorm(platform, impl), AddRmsNorm(platform, impl))
     if not moe_finalize:
         return FusionProvider(attn_input=candidates, ffn_input=candidates)
-    candidates = (MoeFinalizeAddRmsNorm(platform, impl, vma_axis), *candidates)
+    candidates = (MoeFinalizeAddRmsNorm(platform, impl), *candidates)
     return FusionProvider(
         attn_input=candidates,
         ffn_input=candidates,

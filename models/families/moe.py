@@ -13,12 +13,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 import boundary_jax as bj
+from pallas_kernels.grouped_matmul import default_grouped_matmul_impl
 
 from ..config import DecoderConfig
 from ..layers.attention import AttentionImpl
 from ..layers.hyper_connections import HyperConnections
 from ..layers.mlp import SwiGLU
-from ..layers.moe import GroupedMatmulImpl, default_grouped_matmul_impl
+from ..layers.moe import GroupedMatmulImpl
 from ..layers.moe_ffn import MoeFfn
 from .decoder import CausalLM, DecoderLayer, Remat
 from .designs import StageDesigns

@@ -28,13 +28,13 @@ ranks cuts the same features out of both.
 Grouped matmuls (`GroupedMatmulImpl`): the (token, choice) rows are sorted by expert, so each
 local expert's rows are contiguous, and the three projections run as ragged matmuls over the
 groups, or, padded to a capacity, as batched matmuls (`PADDED_BATCHED`). `DENSE` runs every row
-through every local expert and masks: the test reference.
+through every local expert and masks: the test reference. The grouped matmuls themselves (the
+Pallas kernels, their tuned tilings, the choice by size) are `pallas_kernels.grouped_matmul`'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 
 import jax
@@ -44,67 +44,16 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 import boundary_jax as bj
-from pallas_kernels.expert_matmul import (
-    ExpertMatmulBlocks,
-    expert_matmul,
-    expert_matmul_supported,
+from pallas_kernels.grouped_matmul import (
+    TRITON_MAX_ROUTED_ROWS,
+    GroupedMatmulImpl,
+    Tiling,
+    TilingTable,
+    grouped_matmul,
 )
-
-try:  # JAX's Hopper kernel; it imports on any platform but runs only on NVIDIA Hopper GPUs.
-    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu as _ragged_dot_mgpu
-except ImportError:  # pragma: no cover - depends on the JAX build
-    _ragged_dot_mgpu = None
 
 PartitionEntry = str | tuple[str, ...] | None
 """One entry of a `PartitionSpec`: mesh axis name(s) chosen by the caller, or None."""
-
-
-class GroupedMatmulImpl(enum.Enum):
-    """How the per-expert matmuls of the routed rows are computed.
-
-    Attributes:
-      DENSE: Every row through every local expert (`einsum`), then masked to its own expert:
-        the reference the other two are tested against. E times the FLOPs; small shapes only.
-      RAGGED_DOT: `jax.lax.ragged_dot` over the rows sorted by expert. The default on CPU and
-        TPU. On GPU, XLA materializes it densely (measured 35.7 ms for 32768 routed rows of a
-        128-expert layer on an H200, against 0.77 ms for PALLAS_GPU).
-      PALLAS_GPU: JAX's Hopper Pallas kernel
-        `jax.experimental.pallas.ops.gpu.ragged_dot_mgpu.ragged_dot` (Mosaic GPU, bf16/f16,
-        NVIDIA Hopper and newer only; never run on CPU). It visits every expert, empty ones
-        too, so it reads all the weights whatever the routing: made for prefill.
-      PALLAS_TRITON: `pallas_kernels.expert_matmul` through the Pallas Triton lowering (NVIDIA
-        GPUs): one program per (expert with rows, column block), reading only the chosen
-        experts' weights: made for decode.
-      PADDED_BATCHED: The routed rows copied expert-major into [local experts, C, hidden],
-        C the smallest of `capacity_buckets` that holds the busiest expert's rows, and the
-        three projections as XLA batched matmuls (cuBLAS on GPU), which run near the matmul
-        peak where the grouped kernels do not; the first bucket pads about a quarter more
-        rows than the even share. Where an expert gets more rows than the largest bucket, the
-        layer runs RAGGED_DOT (PALLAS_GPU under GPU_BY_SIZE) instead, so no row is dropped.
-      GPU_BY_SIZE: By the (static) routed row count: PALLAS_TRITON up to
-        `TRITON_MAX_ROUTED_ROWS` rows, else PADDED_BATCHED falling back to PALLAS_GPU; RAGGED_DOT
-        for shapes the chosen kernel's tiles do not divide. On an H200 (Qwen3-30B-A3B layer,
-        benchmarks/RESULTS.md runs 9 and 15) PALLAS_TRITON read the chosen experts' weights at
-        75-86% of the copy bandwidth at 64-512 routed rows where PALLAS_GPU reached 23-64%;
-        both took ~0.5 ms at 2048 rows; at 32768 rows the layer took 1.20 ms with PALLAS_GPU
-        and 0.87 ms with PADDED_BATCHED (wall clock, run 16, finalized inside the branch).
-    """
-
-    DENSE = enum.auto()
-    RAGGED_DOT = enum.auto()
-    PALLAS_GPU = enum.auto()
-    PALLAS_TRITON = enum.auto()
-    PADDED_BATCHED = enum.auto()
-    GPU_BY_SIZE = enum.auto()
-
-
-PALLAS = frozenset(
-    {GroupedMatmulImpl.PALLAS_GPU, GroupedMatmulImpl.PALLAS_TRITON, GroupedMatmulImpl.GPU_BY_SIZE}
-)
-"""The implementations that run Pallas kernels (inside `shard_map` only with `check_vma=False`)."""
-
-TRITON_MAX_ROUTED_ROWS = 2048
-"""The most routed rows `GPU_BY_SIZE` gives the Triton kernel (the measured crossover)."""
 
 CAPACITY_FACTORS = (1.25, 1.5)
 """`PADDED_BATCHED`'s capacities as multiples of the even share, smallest first."""
@@ -123,25 +72,6 @@ def capacity_buckets(even_share: float, rows: int) -> tuple[int, ...]:
         step = 64 if want > 64 else 8
         buckets.append(min(rows, step * int(np.ceil(want / step))))
     return tuple(sorted(set(buckets)))
-
-
-def default_grouped_matmul_impl(
-    platform: str, dtype: jnp.dtype = jnp.bfloat16
-) -> GroupedMatmulImpl:
-    """The grouped matmul implementation for a JAX platform name ("cpu", "tpu", "gpu", "cuda")
-    and the activations' dtype.
-
-    A 16-bit model on GPU gets `GPU_BY_SIZE` (the Triton kernel at decode sizes, JAX's Hopper
-    kernel above) when JAX ships the Hopper kernel, else `PALLAS_TRITON`; everything else
-    (float32 models too: the Pallas kernels multiply in 16 bits) `RAGGED_DOT`. Decide this once,
-    when the model is built (for example from `jax.default_backend()`).
-    """
-    sixteen_bit = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    if platform in ("gpu", "cuda") and sixteen_bit:
-        if _ragged_dot_mgpu is None:
-            return GroupedMatmulImpl.PALLAS_TRITON
-        return GroupedMatmulImpl.GPU_BY_SIZE
-    return GroupedMatmulImpl.RAGGED_DOT
 
 
 @functools.partial(
@@ -233,6 +163,7 @@ def expert_outputs(
     expert_offset: int | jax.Array = 0,
     impl: GroupedMatmulImpl = GroupedMatmulImpl.RAGGED_DOT,
     even_share: float | None = None,
+    tiling: Tiling | TilingTable | None = None,
 ) -> jax.Array:
     """Each (token, choice)'s expert output from the experts this rank holds, unweighted.
 
@@ -250,6 +181,8 @@ def expert_outputs(
         capacities of `PADDED_BATCHED` (`capacity_buckets`); e.g. `T * k / num_experts` when
         every rank sees all T tokens. None: `T * k / local_experts` (this rank holds every
         expert).
+      tiling: The Pallas grouped matmuls' tiling, as `pallas_kernels.grouped_matmul` takes it
+        (a table by shape serves both projections); None for the tuned tables.
 
     Returns:
       [T, k, hidden] in `x.dtype`: row (t, j) is `down(silu(gate(x_t)) * up(x_t))` of expert
@@ -257,7 +190,7 @@ def expert_outputs(
       otherwise. The sum over the ranks that split the experts and the width completes it.
     """
     return _routed_outputs(
-        x, routing, gate_up, down, expert_offset, impl, even_share, lambda outputs: outputs
+        x, routing, gate_up, down, expert_offset, impl, even_share, tiling, lambda out: out
     )
 
 
@@ -272,6 +205,7 @@ def finalized_expert_outputs(
     impl: GroupedMatmulImpl = GroupedMatmulImpl.RAGGED_DOT,
     even_share: float | None = None,
     dtype: jnp.dtype | None = None,
+    tiling: Tiling | TilingTable | None = None,
 ) -> jax.Array:
     """`finalize(MoeOutput(expert_outputs(...), routing, shared), dtype)`, combined where the
     expert outputs are made: for a MoE that finalizes on the spot rather than handing the
@@ -292,10 +226,12 @@ def finalized_expert_outputs(
     def combine(outputs: jax.Array) -> jax.Array:
         return finalize(MoeOutput(outputs, routing, shared), dtype)
 
-    return _routed_outputs(x, routing, gate_up, down, expert_offset, impl, even_share, combine)
+    return _routed_outputs(
+        x, routing, gate_up, down, expert_offset, impl, even_share, tiling, combine
+    )
 
 
-def _routed_outputs(x, routing, gate_up, down, expert_offset, impl, even_share, epilogue):
+def _routed_outputs(x, routing, gate_up, down, expert_offset, impl, even_share, tiling, epilogue):
     """`epilogue` of `expert_outputs`'s [T, k, hidden], applied inside PADDED_BATCHED's branch."""
     local, hidden, width = _check_expert_weights(x, gate_up, down)
     tokens, top_k = routing.experts.shape
@@ -318,14 +254,14 @@ def _routed_outputs(x, routing, gate_up, down, expert_offset, impl, even_share, 
     # Sort the (token, choice) rows by local expert; rows of experts held elsewhere go last, as
     # group `local`, which no matmul covers (ragged_dot leaves such rows zero; masked anyway).
     order, positions, sizes = bj.group_order(jnp.where(held, flat, local), local + 1)
-    sorted_rows = _SortedRows(order, positions, sizes[:local], jnp.where(held, flat, 0), top_k)
+    sorted_rows = SortedRows(order, positions, sizes[:local], jnp.where(held, flat, 0), top_k)
     weights = (gate_up.reshape(local, hidden, 2 * width), down)  # gate | up as one matmul
 
     def grouped() -> jax.Array:
-        return finish(_grouped_expert_outputs(x, sorted_rows, weights, fallback))
+        return finish(grouped_expert_outputs(x, sorted_rows, weights, fallback, tiling))
 
     def padded(capacity: int) -> jax.Array:
-        return finish(_padded_expert_outputs(x, sorted_rows, weights, capacity))
+        return finish(padded_expert_outputs(x, sorted_rows, weights, capacity))
 
     if impl is not GroupedMatmulImpl.PADDED_BATCHED:
         return grouped()
@@ -668,7 +604,7 @@ def _dense_expert_outputs(x, flat, held, gate_up, down) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class _SortedRows:
+class SortedRows:
     """The (token, choice) rows of one rank ordered by local expert (`bj.group_order`).
 
     Attributes:
@@ -687,20 +623,29 @@ class _SortedRows:
     top_k: int
 
 
-def _grouped_expert_outputs(x, rows: _SortedRows, weights, impl) -> jax.Array:
-    """[T*k, hidden] in (token, choice) order, through grouped matmuls over the sorted rows;
-    rows held elsewhere come back unspecified (zero for RAGGED_DOT)."""
+def grouped_expert_outputs(
+    x: jax.Array,
+    rows: SortedRows,
+    weights: tuple[jax.Array, jax.Array],
+    impl: GroupedMatmulImpl,
+    tiling: Tiling | TilingTable | None = None,
+) -> jax.Array:
+    """[T*k, hidden] in (token, choice) order, through grouped matmuls over the sorted rows
+    (`weights`: gate | up [local, hidden, 2 x width] and down); rows held elsewhere come back
+    unspecified (zero for RAGGED_DOT). One branch of `expert_outputs`."""
     gate_up, down = weights
     sorted_x = jnp.take(x, rows.order // rows.top_k, axis=0)
-    matmul = functools.partial(_grouped_matmul, group_sizes=rows.sizes, impl=impl)
+    matmul = functools.partial(grouped_matmul, group_sizes=rows.sizes, impl=impl, tiling=tiling)
     hidden_rows = _swiglu(matmul(sorted_x, gate_up))
     return jnp.take(matmul(hidden_rows, down), rows.positions, axis=0)
 
 
-def _padded_expert_outputs(x, rows: _SortedRows, weights, capacity: int) -> jax.Array:
-    """As `_grouped_expert_outputs`, through batched matmuls over [local experts, `capacity`,
+def padded_expert_outputs(
+    x: jax.Array, rows: SortedRows, weights: tuple[jax.Array, jax.Array], capacity: int
+) -> jax.Array:
+    """As `grouped_expert_outputs`, through batched matmuls over [local experts, `capacity`,
     hidden]: expert e's rows in its first `sizes[e]` places (each at most `capacity`), the
-    rest padding that no row reads back."""
+    rest padding that no row reads back. One branch of `expert_outputs` (PADDED_BATCHED)."""
     gate_up, down = weights
     local, hidden, _ = gate_up.shape
     routed = rows.order.shape[0]
@@ -727,87 +672,3 @@ def _swiglu(gate_up: jax.Array) -> jax.Array:
     """[..., 2 x width] gate | up matmul output -> [..., width] `silu(gate) * up`."""
     gate, up = jnp.split(gate_up, 2, axis=-1)
     return jax.nn.silu(gate) * up
-
-
-def _grouped_matmul(
-    rows: jax.Array, weights: jax.Array, *, group_sizes: jax.Array, impl: GroupedMatmulImpl
-) -> jax.Array:
-    """[M, K] rows sorted by group x [G, K, N] -> [M, N]; rows past sum(group_sizes) unspecified
-    (zero for RAGGED_DOT)."""
-    if impl is GroupedMatmulImpl.GPU_BY_SIZE:
-        impl = _by_size(rows.shape[0], rows.shape[1], weights.shape[2], rows.dtype)
-    if impl is GroupedMatmulImpl.RAGGED_DOT:
-        return jax.lax.ragged_dot(
-            rows, weights.astype(rows.dtype), group_sizes, precision=jax.lax.Precision.HIGHEST
-        )
-    if impl is GroupedMatmulImpl.PALLAS_GPU:
-        if _ragged_dot_mgpu is None:
-            raise NotImplementedError(
-                "GroupedMatmulImpl.PALLAS_GPU needs jax.experimental.pallas.ops.gpu."
-                "ragged_dot_mgpu, which this JAX lacks; use GroupedMatmulImpl.RAGGED_DOT"
-            )
-        return _ragged_dot_mgpu.ragged_dot(
-            rows,
-            weights.astype(rows.dtype),
-            group_sizes=group_sizes,
-            **_mgpu_block_sizes(rows.shape[1], weights.shape[2], rows.dtype),
-        )
-    if impl is GroupedMatmulImpl.PALLAS_TRITON:
-        blocks = _expert_matmul_blocks(rows.shape[1], weights.shape[2], rows.dtype)
-        return expert_matmul(rows, weights.astype(rows.dtype), group_sizes, blocks=blocks)
-    raise ValueError(f"no grouped matmul for {impl=}")
-
-
-def _by_size(m: int, k: int, n: int, dtype) -> GroupedMatmulImpl:
-    """`GPU_BY_SIZE`'s pick for [m, k] rows x [G, k, n] weights: the Triton kernel up to
-    `TRITON_MAX_ROUTED_ROWS` rows, JAX's Hopper kernel above; `RAGGED_DOT` where the picked
-    kernel's tiles do not divide the shape (tiny test models)."""
-    if m <= TRITON_MAX_ROUTED_ROWS:
-        if expert_matmul_supported(k, n, dtype, ExpertMatmulBlocks()):
-            return GroupedMatmulImpl.PALLAS_TRITON
-    elif _ragged_dot_mgpu is not None and n % 64 == 0 and k % 16 == 0:
-        return GroupedMatmulImpl.PALLAS_GPU
-    return GroupedMatmulImpl.RAGGED_DOT
-
-
-def _expert_matmul_blocks(k: int, n: int, dtype) -> ExpertMatmulBlocks:
-    """The tiling of `expert_matmul` (the default, checked to divide the shape)."""
-    blocks = ExpertMatmulBlocks()
-    if not expert_matmul_supported(k, n, dtype, blocks):
-        raise NotImplementedError(
-            f"GroupedMatmulImpl.PALLAS_TRITON needs k % {blocks.block_k} == 0 and "
-            f"n % {blocks.block_n} == 0; got {k=}, {n=}. Use GroupedMatmulImpl.RAGGED_DOT"
-        )
-    return blocks
-
-
-def _mgpu_block_sizes(k: int, n: int, dtype) -> dict[str, int]:
-    """Tile sizes for the Hopper kernel: 4 pipelined steps and 4 column blocks per grid step
-    where they divide; 64 x 256 tiles where 4 of them divide n, else 128 rows by the largest of
-    192/128/64 dividing n; block_k the largest of 64/32/16 dividing k.
-
-    Swept on an H200 (benchmarks/RESULTS.md runs 9 and 12, Qwen3-30B-A3B layer, 32768 routed
-    rows): 128 x 192 x 64 took the layer from 2.88 ms (64 x 128 x 64, 2 steps) to 1.21 ms, and
-    128 x 256 was 4x slower; on the down projection (n 2048, k 768) 64 x 256 tiles took 386 us
-    against 426 us for 128 x 128 (fewer rows wasted where a tile straddles two experts).
-    """
-    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        raise NotImplementedError(
-            f"GroupedMatmulImpl.PALLAS_GPU runs bf16/f16 matmuls; got {dtype=}. Cast the "
-            "activations and weights, or use GroupedMatmulImpl.RAGGED_DOT"
-        )
-    block_m, block_n = (64, 256) if n % 1024 == 0 else (128, None)
-    block_n = block_n or next((b for b in (192, 128, 64) if n % b == 0), None)
-    block_k = next((b for b in (64, 32, 16) if k % b == 0), None)
-    if block_n is None or block_k is None:
-        raise NotImplementedError(
-            f"GroupedMatmulImpl.PALLAS_GPU needs n % 64 == 0 and k % 16 == 0; got {k=}, {n=}. "
-            "Use GroupedMatmulImpl.RAGGED_DOT for these shapes"
-        )
-    return {
-        "block_m": block_m,
-        "block_n": block_n,
-        "block_k": block_k,
-        "max_concurrent_steps": 4,
-        "grid_block_n": 4 if n % (4 * block_n) == 0 else 1,
-    }

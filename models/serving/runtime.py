@@ -21,9 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import boundary_jax as bj
 
 from ..families.decoder import CausalLM
-from ..families.moe import MoeCausalLM
 from ..layers.attention import KVCache
-from ..layers.moe import PALLAS
 from ..rows import PackedBatch, RowsPhase, TokenRows, decode_rows, pack_sequences
 from .sampling import GREEDY, Sampling, sample_tokens
 
@@ -85,9 +83,8 @@ class ShardedCausalLM:
       topology: The model's parallel topology.
       config: The model's architecture.
       input_scattered: Run batches input-scattered (residual on attention-TP slices).
-      check_vma: `shard_map`'s varying-axes check: on unless the model's stack binds fusion
-        candidates or its experts run Pallas grouped matmuls (Pallas kernels run only with it
-        off).
+      check_vma: `shard_map`'s varying-axes check; on by default, Pallas kernels (fusion
+        candidates, expert matmuls) included: each declares how its outputs vary.
     """
 
     def __init__(
@@ -96,7 +93,7 @@ class ShardedCausalLM:
         mesh: Mesh,
         *,
         input_scattered: bool = False,
-        check_vma: bool | None = None,
+        check_vma: bool = True,
     ):
         mesh_topology = bj.Topology.from_mesh(mesh, moe_ep=model.topology.moe_ep)
         if mesh_topology != model.topology:
@@ -107,9 +104,6 @@ class ShardedCausalLM:
         self.topology = model.topology
         self.config = model.config
         self.input_scattered = input_scattered
-        if check_vma is None:
-            pallas_experts = isinstance(model, MoeCausalLM) and model.grouped_matmul in PALLAS
-            check_vma = model.fusions == bj.fusions.NO_FUSIONS and not pallas_experts
         self.check_vma = check_vma
         self.dtype = model.final_norm.weight[...].dtype
         self._graphdef = nnx.split(model)[0]
@@ -322,6 +316,41 @@ class ShardedCausalLM:
         """
         program = self._program(self._decode_program, sampling, capacity)
         return program(self._state, rows, batch, caches, key, jnp.asarray(steps, jnp.int32))
+
+    def lower_prefill(
+        self,
+        rows: TokenRows,
+        batch: bj.BatchFacts,
+        caches: tuple[KVCache, ...],
+        last_rows: jax.Array,
+        key: jax.Array,
+        *,
+        sampling: Sampling = GREEDY,
+    ):
+        """The lowered (not yet compiled) `prefill` program for these placed inputs."""
+        program = self._program(self._prefill_program, sampling)
+        return program.lower(self._state, rows, batch, caches, last_rows, key)
+
+    def lower_decode(
+        self,
+        rows: TokenRows,
+        batch: bj.BatchFacts,
+        caches: tuple[KVCache, ...],
+        key: jax.Array,
+        steps: int | jax.Array,
+        *,
+        capacity: int,
+        sampling: Sampling = GREEDY,
+    ):
+        """The lowered (not yet compiled) `decode` program for these placed inputs."""
+        program = self._program(self._decode_program, sampling, capacity)
+        return program.lower(self._state, rows, batch, caches, key, jnp.asarray(steps, jnp.int32))
+
+    def compiled_shapes(self) -> dict[tuple, int]:
+        """Per program built so far (forward, prefill, decode, captured), how many input shapes
+        it has compiled for: what a server watches to see nearby requests share programs."""
+        programs = {("forward",): self._forward, **self._programs}
+        return {name: program._cache_size() for name, program in programs.items()}
 
     def _program(self, make: Callable, sampling: Sampling, capacity: int = 0) -> Callable:
         """The program `make(sampling, capacity)` builds, built once per runner."""

@@ -26,9 +26,7 @@ import boundary_jax as bj
 
 from ..checkpoints import hf_name_map
 from ..families.decoder import CausalLM
-from ..families.moe import MoeCausalLM
 from ..layers.attention import AttentionImpl
-from ..layers.moe import PALLAS
 from ..rows import PackedBatch, TokenRows, pack_sequences
 
 
@@ -180,22 +178,11 @@ class Trainer:
             raise ValueError(
                 f"the model is bound on {model.topology} but the mesh is {mesh_topology}"
             )
-        if model.fusions != bj.fusions.NO_FUSIONS:
-            raise ValueError(
-                "training runs the sharded forward with check_vma=True, where fusion kernels "
-                f"cannot run; build the model without fusions (got {model.fusions})"
-            )
         if model.attention is AttentionImpl.CUDNN:
             raise NotImplementedError(
                 "training with cuDNN attention is not supported: on an H200 its train step "
                 "compiled to a 1 TiB program (benchmarks/RESULTS.md run 10). Build the model "
                 "with attention=AttentionImpl.XLA"
-            )
-        if isinstance(model, MoeCausalLM) and model.grouped_matmul in PALLAS:
-            raise ValueError(
-                "training runs the sharded forward with check_vma=True, where Pallas expert "
-                f"kernels cannot run; got grouped_matmul={model.grouped_matmul}. Build the MoE "
-                "with grouped_matmul=GroupedMatmulImpl.RAGGED_DOT"
             )
         self.mesh = mesh
         self.topology = model.topology

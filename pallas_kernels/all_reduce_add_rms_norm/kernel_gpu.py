@@ -12,8 +12,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from .. import axes
 from .._common import inverse_rms, weight_factor
-from ._axes import AxisName, device_id
+from ..axes import AxisName, device_id
+from .reference import all_reduce_add_rms_norm_reference
 
 _PROGRAMS = "programs"
 
@@ -103,5 +105,9 @@ def gpu_all_reduce_add_rms_norm(
         ),
     )
     operands = (x, residual, weight) if has_residual else (x, weight)
-    normed, new_residual = call(*operands)
+    # Mosaic GPU types its outputs invariant; they vary as the reference's do.
+    varying = axes.reference_varying(
+        all_reduce_add_rms_norm_reference, x, residual, weight, axis_name=axis_name
+    )
+    normed, new_residual = map(axes.mark_varying, call(*operands), varying)
     return normed, new_residual

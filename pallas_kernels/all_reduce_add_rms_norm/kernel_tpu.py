@@ -12,8 +12,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from .. import axes
 from .._common import inverse_rms, weight_factor
-from ._axes import AxisName, device_id
+from ..axes import AxisName, device_id
+from .reference import all_reduce_add_rms_norm_reference
 
 
 def _add_norm(
@@ -215,7 +217,9 @@ def tpu_all_reduce_add_rms_norm(
         ]
     operands = (x, residual) if has_residual else (x,)
     vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
-    out = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    varying = axes.reference_varying(
+        all_reduce_add_rms_norm_reference, x, residual, weight, axis_name=axis_name
+    )
     call = pl.pallas_call(
         functools.partial(
             body,
@@ -225,7 +229,7 @@ def tpu_all_reduce_add_rms_norm(
             gemma=gemma,
             has_residual=has_residual,
         ),
-        out_shape=(out, out),
+        out_shape=tuple(axes.output_type(x.shape, x.dtype, v) for v in varying),
         in_specs=[vmem] * (len(operands) + 1),
         out_specs=(vmem, vmem),
         scratch_shapes=scratch_shapes,

@@ -11,10 +11,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from .. import axes
 from .._common import MAX_HIDDEN_GPU, check_inputs, gpu_vector_size
 from ..add_rms_norm import add_rms_norm
-from ..impl import SUPPORTED_DTYPES, Impl, check_impl, platform_kernel
-from ._axes import AxisName
+from ..axes import AxisName
+from ..impl import INTERPRETERS, SUPPORTED_DTYPES, Impl, check_impl, platform_kernel
+from ..vjp import with_reference_vjp
 from .kernel_gpu import gpu_all_reduce_add_rms_norm
 from .kernel_tpu import tpu_all_reduce_add_rms_norm
 from .reference import all_reduce_add_rms_norm_reference
@@ -152,7 +154,8 @@ def all_reduce_add_rms_norm(
 ) -> tuple[jax.Array, jax.Array]:
     """Completes the sum of `x` over `axis_name`, adds it to `residual` and RMS-normalizes.
 
-    Call inside `jax.shard_map(..., check_vma=False)` (Pallas kernels need it). Every device gets
+    Call inside `jax.shard_map` (`check_vma` on or off: the outputs vary over the mesh axes the
+    reference's do, invariant over `axis_name`). Every device gets
     the same completed sum, adds it in float32 to its own `residual` and normalizes with its own
     `weight` (replicated in a tensor-parallel boundary, so all outputs agree). The one-shot
     kernels keep the sum in float32 up to the add; the ring rounds partial and completed sums to
@@ -174,7 +177,8 @@ def all_reduce_add_rms_norm(
       algorithm: Force one-shot or ring; None picks by size.
 
     Returns:
-      `(normed, new_residual)`, both shaped like `x`, in `x.dtype`.
+      `(normed, new_residual)`, both shaped like `x`, in `x.dtype`. Differentiable: the
+      gradients are the reference's (its VJP, `psum` transposed, runs backward).
 
     Raises:
       TypeError, ValueError: As for `add_rms_norm`.
@@ -214,7 +218,37 @@ def all_reduce_add_rms_norm(
             x, residual, weight, axis_name=axis_name, eps=eps, gemma=gemma
         )
 
-    algorithm = algorithm or _choose_algorithm(impl, rows, hidden, x.dtype)
+    kernel = functools.partial(
+        _fused_kernels,
+        axis_name=axis_name,
+        num_devices=num_devices,
+        eps=eps,
+        gemma=gemma,
+        impl=impl,
+        algorithm=algorithm or _choose_algorithm(impl, rows, hidden, x.dtype),
+    )
+    reference = functools.partial(
+        all_reduce_add_rms_norm_reference, axis_name=axis_name, eps=eps, gemma=gemma
+    )
+    if impl in INTERPRETERS:
+        kernel = axes.interpreted(kernel, reference)
+    return with_reference_vjp(kernel, reference)(x, residual, weight)
+
+
+def _fused_kernels(
+    x: jax.Array,
+    residual: jax.Array | None,
+    weight: jax.Array,
+    *,
+    axis_name: AxisName,
+    num_devices: int,
+    eps: float,
+    gemma: bool,
+    impl: Impl,
+    algorithm: AllReduceAlgorithm,
+) -> tuple[jax.Array, jax.Array]:
+    """`all_reduce_add_rms_norm`'s forward through the fused kernel of `impl`."""
+    rows, hidden = math.prod(x.shape[:-1]), x.shape[-1]
     x_rows = x.reshape(rows, hidden)
     residual_rows = None if residual is None else residual.reshape(rows, hidden)
     if impl is Impl.PALLAS_GPU:

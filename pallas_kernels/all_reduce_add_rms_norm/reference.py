@@ -4,7 +4,7 @@ import jax
 from jax import lax
 
 from ..add_rms_norm import add_rms_norm_reference
-from ._axes import AxisName
+from ..axes import AxisName
 
 
 def all_reduce_add_rms_norm_reference(

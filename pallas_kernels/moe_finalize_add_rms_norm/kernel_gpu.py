@@ -15,8 +15,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from .. import axes
 from .._common import inverse_rms, weight_factor
-from ..all_reduce_add_rms_norm._axes import AxisName, device_id
+from ..axes import AxisName, device_id
+from .reference import moe_finalize_add_rms_norm_reference
 
 _PROGRAMS = "programs"
 
@@ -132,5 +134,14 @@ def gpu_moe_finalize_add_rms_norm(
         interpret=interpret,
     )
     operands = (outputs, weights, residual) if has_residual else (outputs, weights)
-    normed, new_residual = call(*operands, norm_weight)
+    # Mosaic GPU types its outputs invariant; they vary as the reference's do.
+    varying = axes.reference_varying(
+        moe_finalize_add_rms_norm_reference,
+        outputs,
+        weights,
+        residual,
+        norm_weight,
+        axis_name=axis_name,
+    )
+    normed, new_residual = map(axes.mark_varying, call(*operands, norm_weight), varying)
     return normed, new_residual

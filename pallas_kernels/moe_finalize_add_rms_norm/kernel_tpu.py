@@ -15,8 +15,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from .. import axes
 from .._common import inverse_rms, weight_factor
-from ..all_reduce_add_rms_norm._axes import AxisName, device_id
+from ..axes import AxisName, device_id
+from .reference import moe_finalize_add_rms_norm_reference
 
 
 def _combine(outputs_ref, weights_ref) -> jax.Array:
@@ -113,10 +115,12 @@ def blocked_moe_finalize_add_rms_norm(
         *([row_block] if has_residual else []),
         pl.BlockSpec((1, hidden), lambda i: (0, 0)),
     ]
-    out = jax.ShapeDtypeStruct((rows, hidden), outputs.dtype)
+    varying = axes.reference_varying(
+        moe_finalize_add_rms_norm_reference, outputs, weights, residual, norm_weight
+    )
     call = pl.pallas_call(
         functools.partial(_block_kernel, eps=eps, gemma=gemma, has_residual=has_residual),
-        out_shape=(out, out),
+        out_shape=tuple(axes.output_type((rows, hidden), outputs.dtype, v) for v in varying),
         grid=(pl.cdiv(rows, block_rows),),
         in_specs=in_specs,
         out_specs=(row_block, row_block),
@@ -150,7 +154,14 @@ def tpu_moe_finalize_all_reduce_add_rms_norm(
     has_residual = residual is not None
     operands = (outputs, weights, residual) if has_residual else (outputs, weights)
     vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
-    out = jax.ShapeDtypeStruct((rows, hidden), outputs.dtype)
+    varying = axes.reference_varying(
+        moe_finalize_add_rms_norm_reference,
+        outputs,
+        weights,
+        residual,
+        norm_weight,
+        axis_name=axis_name,
+    )
     call = pl.pallas_call(
         functools.partial(
             _one_shot_kernel,
@@ -160,7 +171,7 @@ def tpu_moe_finalize_all_reduce_add_rms_norm(
             gemma=gemma,
             has_residual=has_residual,
         ),
-        out_shape=(out, out),
+        out_shape=tuple(axes.output_type((rows, hidden), outputs.dtype, v) for v in varying),
         in_specs=[vmem] * (len(operands) + 1),
         out_specs=(vmem, vmem),
         scratch_shapes=[

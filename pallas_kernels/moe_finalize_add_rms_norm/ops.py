@@ -8,10 +8,11 @@ import numpy as np
 from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
-from .. import _compat
+from .. import _compat, axes
 from .._common import MAX_HIDDEN_GPU, check_inputs, gpu_vector_size
-from ..all_reduce_add_rms_norm._axes import AxisName
-from ..impl import SUPPORTED_DTYPES, Impl, check_impl, platform_kernel
+from ..axes import AxisName
+from ..impl import INTERPRETERS, SUPPORTED_DTYPES, Impl, check_impl, platform_kernel
+from ..vjp import with_reference_vjp
 from .kernel_gpu import gpu_moe_finalize_add_rms_norm
 from .kernel_tpu import blocked_moe_finalize_add_rms_norm, tpu_moe_finalize_all_reduce_add_rms_norm
 from .reference import moe_finalize_add_rms_norm_reference
@@ -124,7 +125,8 @@ def moe_finalize_add_rms_norm(
 
     The sparse FFN's deferred finalize (its top-k combine, a shared expert carried as one more
     choice of weight one), the sum it owes over `axis_name`, the residual add and the RMSNorm in
-    one kernel. With `axis_name`, call inside `jax.shard_map(..., check_vma=False)`. The combine
+    one kernel. With `axis_name`, call inside `jax.shard_map` (with `check_vma` on or off: the
+    outputs vary over the mesh axes the reference's do, so not over `axis_name`). The combine
     and the sum stay in float32 up to the add; `moe_finalize_add_rms_norm_reference` (the
     unfused path, which rounds the combine and the sum to the outputs' dtype) is the spec.
 
@@ -145,7 +147,8 @@ def moe_finalize_add_rms_norm(
         interpreter (one device).
 
     Returns:
-      `(normed, new_residual)`, [rows, hidden] each, in `expert_outputs.dtype`.
+      `(normed, new_residual)`, [rows, hidden] each, in `expert_outputs.dtype`. Differentiable:
+      the gradients are the reference's (its VJP runs backward).
 
     Raises:
       TypeError, ValueError: Bad dtypes or shapes (as `add_rms_norm`), or weights not
@@ -191,6 +194,36 @@ def moe_finalize_add_rms_norm(
             eps=eps,
             gemma=gemma,
         )
+    kernel = functools.partial(
+        _fused_kernels,
+        axis_name=axis_name,
+        num_devices=num_devices,
+        eps=eps,
+        gemma=gemma,
+        impl=impl,
+    )
+    reference = functools.partial(
+        moe_finalize_add_rms_norm_reference, axis_name=axis_name, eps=eps, gemma=gemma
+    )
+    if impl in INTERPRETERS:
+        kernel = axes.interpreted(kernel, reference)
+    return with_reference_vjp(kernel, reference)(expert_outputs, weights, residual, norm_weight)
+
+
+def _fused_kernels(
+    expert_outputs: jax.Array,
+    weights: jax.Array,
+    residual: jax.Array | None,
+    norm_weight: jax.Array,
+    *,
+    axis_name: AxisName | None,
+    num_devices: int,
+    eps: float,
+    gemma: bool,
+    impl: Impl,
+) -> tuple[jax.Array, jax.Array]:
+    """`moe_finalize_add_rms_norm`'s forward through the fused kernel of `impl`."""
+    rows, top_k, hidden = expert_outputs.shape
     if impl in (Impl.PALLAS_GPU, Impl.PALLAS_GPU_INTERPRET):
         programs = rows
         if num_devices > 1:

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..add_rms_norm import add_rms_norm_reference
-from ..all_reduce_add_rms_norm._axes import AxisName
+from ..axes import AxisName
 
 
 def finalize_reference(expert_outputs: jax.Array, weights: jax.Array) -> jax.Array:

@@ -37,6 +37,8 @@ def run_sharded(
     args: tuple,
     in_specs: tuple,
     out_specs: Any,
+    *,
+    check_vma: bool = True,
 ) -> Any:
     """Runs `body(module, *args)` inside a jitted `shard_map` over `mesh`.
 
@@ -50,7 +52,13 @@ def run_sharded(
         return body(nnx.merge(graphdef, state), *args)
 
     fn = jax.jit(
-        jax.shard_map(inner, mesh=mesh, in_specs=(state_specs, *in_specs), out_specs=out_specs)
+        jax.shard_map(
+            inner,
+            mesh=mesh,
+            in_specs=(state_specs, *in_specs),
+            out_specs=out_specs,
+            check_vma=check_vma,
+        )
     )
     place = lambda tree, specs: jax.device_put(  # noqa: E731
         tree, jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)

@@ -15,6 +15,8 @@ from jax.sharding import PartitionSpec as P
 import boundary_jax as bj
 from models.layers import moe
 from models.layers.moe import GroupedMatmulImpl, MoeOutput, Routing
+from pallas_kernels.grouped_matmul import grouped_matmul_reference
+from pallas_kernels.grouped_matmul import ops as grouped_matmul_ops
 
 from . import make_mesh, run_sharded
 
@@ -358,8 +360,50 @@ def test_module_under_shard_map(dp, tp, shared):
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=1e-5)
 
 
+def test_pallas_experts_keep_the_varying_axes_check():
+    """With the Pallas expert kernel bound (the Triton body, interpreted) shard_map keeps
+    check_vma on: experts split over TP and summed over it equal the float64 layer; the same
+    split experts treated as whole (their output returned as complete, the sum over the expert
+    ranks forgotten) fail to trace, where with the check off they run, wrong."""
+    module = moe.SparseMoe(
+        128,
+        8,
+        64,
+        top_k=2,
+        renormalize=True,
+        expert_entry=EXPERT_AXIS,
+        impl=GroupedMatmulImpl.PALLAS_INTERPRET,
+        rngs=nnx.Rngs(4),
+    )
+    x = jax.random.normal(jax.random.key(1), (TOKENS, 128), jnp.float32)
+    mesh = make_mesh(1, 2)
+
+    def partial(module, x):
+        offset = lax.axis_index(EXPERT_AXIS) * module.gate_up_proj.shape[0]
+        return module.finalized(x, expert_offset=offset)
+
+    def summed(module, x):
+        return lax.psum(partial(module, x), EXPERT_AXIS)
+
+    want = moe.moe_reference(
+        np.asarray(x),
+        np.asarray(module.router[...]),
+        np.asarray(module.gate_up_proj[...]),
+        np.asarray(module.down_proj[...]),
+        top_k=2,
+        renormalize=True,
+    )
+    got = run_sharded(module, mesh, summed, (x,), (P(),), P())
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="replicat"):
+        run_sharded(module, mesh, partial, (x,), (P(),), P())
+    unchecked = run_sharded(module, mesh, partial, (x,), (P(),), P(), check_vma=False)
+    assert np.abs(np.asarray(unchecked) - want).max() > 1e-2
+
+
 def test_rejects_bad_shapes_and_settings():
-    """Mismatched expert weights, top_k out of range and unsupported kernel inputs fail clearly."""
+    """Mismatched expert weights and top_k out of range fail clearly (the kernels' own inputs:
+    tests/pallas_kernels/test_grouped_matmul.py)."""
     layer = make_layer(8)
     x = jnp.asarray(layer.x, jnp.float32)
     routing = jit_route(x, jnp.asarray(layer.router, jnp.float32), top_k=2, renormalize=True)
@@ -374,13 +418,6 @@ def test_rejects_bad_shapes_and_settings():
         moe.route(x, jnp.asarray(layer.router).T, top_k=2, renormalize=True)
     with pytest.raises(ValueError, match="needs a shared expert"):
         moe.SparseMoe(16, 8, 8, top_k=2, renormalize=True, shared_gated=True, rngs=nnx.Rngs(0))
-    with pytest.raises(NotImplementedError, match="bf16/f16"):
-        moe._mgpu_block_sizes(64, 128, jnp.float32)
-    with pytest.raises(NotImplementedError, match="n % 64 == 0"):
-        moe._mgpu_block_sizes(64, 48, jnp.bfloat16)
-    assert moe._mgpu_block_sizes(2048, 768, jnp.bfloat16)["block_n"] == 192
-    down = moe._mgpu_block_sizes(768, 2048, jnp.bfloat16)
-    assert (down["block_m"], down["block_n"], down["grid_block_n"]) == (64, 256, 4)
 
 
 def test_capacity_buckets():
@@ -413,7 +450,7 @@ def test_padded_batched_takes_the_first_bucket_that_fits(monkeypatch, busiest_lo
     layer = make_layer(8)
     weights, chosen = skewed_routing(busiest_load)
     assert np.bincount(chosen.reshape(-1)).max() == busiest_load
-    padded, grouped = moe._padded_expert_outputs, moe._grouped_expert_outputs
+    padded, grouped = moe.padded_expert_outputs, moe.grouped_expert_outputs
 
     def poisoned(name, real):
         def call(*args):
@@ -424,10 +461,10 @@ def test_padded_batched_takes_the_first_bucket_that_fits(monkeypatch, busiest_lo
 
     monkeypatch.setattr(
         moe,
-        "_padded_expert_outputs",
+        "padded_expert_outputs",
         lambda x, rows, w, capacity: poisoned(f"padded {capacity}", padded)(x, rows, w, capacity),
     )
-    monkeypatch.setattr(moe, "_grouped_expert_outputs", poisoned("grouped", grouped))
+    monkeypatch.setattr(moe, "grouped_expert_outputs", poisoned("grouped", grouped))
     with jax.enable_x64(True):
         got = moe.expert_outputs(
             jnp.asarray(layer.x),
@@ -467,18 +504,43 @@ def test_finalized_expert_outputs_equal_the_weighted_loop(impl, busiest_load, of
     assert np.abs(unweighted - want).max() > 1e-2  # the weights matter
 
 
-def test_default_impl_per_platform():
-    """CPU and TPU use lax.ragged_dot; GPU picks by size between the Triton kernel and the
-    Hopper kernel when JAX has the latter."""
-    assert moe.default_grouped_matmul_impl("cpu") is GroupedMatmulImpl.RAGGED_DOT
-    assert moe.default_grouped_matmul_impl("tpu") is GroupedMatmulImpl.RAGGED_DOT
-    want = (
-        GroupedMatmulImpl.PALLAS_TRITON
-        if moe._ragged_dot_mgpu is None
-        else GroupedMatmulImpl.GPU_BY_SIZE
-    )
-    assert moe.default_grouped_matmul_impl("gpu") is want
-    assert moe.default_grouped_matmul_impl("gpu", jnp.float32) is GroupedMatmulImpl.RAGGED_DOT
+def test_gpu_by_size_pads_prefill_layers_and_falls_back_to_the_hopper_kernel(monkeypatch):
+    """A layer of more than TRITON_MAX_ROUTED_ROWS routed rows runs PADDED_BATCHED, with the
+    Hopper kernel past its buckets; a decode-sized layer runs the Triton kernel (the kernels
+    stood in for by ragged_dot, recording which ran)."""
+    ran = []
+
+    def triton(rows, weights, group_sizes, *, tiling, interpret):
+        ran.append("triton")
+        return grouped_matmul_reference(rows, weights, group_sizes)
+
+    def hopper(rows, weights, group_sizes, *, tiling):
+        ran.append("hopper")
+        return grouped_matmul_reference(rows, weights, group_sizes)
+
+    padded = moe.padded_expert_outputs
+
+    def record_padded(x, rows, weights, capacity):
+        ran.append(f"padded {capacity}")
+        return padded(x, rows, weights, capacity)
+
+    monkeypatch.setattr(grouped_matmul_ops, "expert_matmul", triton)
+    monkeypatch.setattr(grouped_matmul_ops, "hopper_ragged_dot", hopper)
+    monkeypatch.setattr(grouped_matmul_ops, "HOPPER_AVAILABLE", True)
+    monkeypatch.setattr(moe, "padded_expert_outputs", record_padded)
+    rng = np.random.default_rng(0)
+    gate_up = jnp.asarray(rng.standard_normal((4, 128, 2, 128)) / 11, jnp.bfloat16)
+    down = jnp.asarray(rng.standard_normal((4, 128, 128)) / 11, jnp.bfloat16)
+    for tokens in (4, moe.TRITON_MAX_ROUTED_ROWS // 2 + 4):  # top-2: 8 and 2056 rows
+        x = jnp.asarray(rng.standard_normal((tokens, 128)), jnp.bfloat16)
+        chosen = np.stack([rng.permutation(4)[:2] for _ in range(tokens)]).astype(np.int32)
+        routing = moe.Routing(jnp.full((tokens, 2), 0.5), jnp.asarray(chosen))
+        got = moe.expert_outputs(x, routing, gate_up, down, impl=GroupedMatmulImpl.GPU_BY_SIZE)
+        want = moe.expert_outputs(x, routing, gate_up, down, impl=GroupedMatmulImpl.RAGGED_DOT)
+        chex.assert_trees_all_close(got.astype(jnp.float32), want.astype(jnp.float32), atol=5e-2)
+    # 2056 rows over 4 experts: an even share of 514, buckets of 1.25 and 1.5 times it.
+    # Two grouped matmuls per path: gate | up as one, then down.
+    assert ran == ["triton"] * 2 + ["padded 704", "padded 832"] + ["hopper"] * 2
 
 
 @pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="the Hopper kernel runs on GPU only")

@@ -233,7 +233,7 @@ def test_padded_batched_experts_match_float64_reference(monkeypatch, dp, tp, ep,
     """PADDED_BATCHED inside the layer: every dispatch sizes the buckets by the even share of
     the whole layer (32 tokens x top-3 over 8 experts: 12 rows each expert sees), they hold
     every expert's rows (the grouped fallback is poisoned), and the output equals float64."""
-    real_grouped, real_buckets = moe._grouped_expert_outputs, moe.capacity_buckets
+    real_grouped, real_buckets = moe.grouped_expert_outputs, moe.capacity_buckets
     shares = []
 
     def buckets(share, rows):
@@ -242,7 +242,7 @@ def test_padded_batched_experts_match_float64_reference(monkeypatch, dp, tp, ep,
 
     monkeypatch.setattr(moe, "capacity_buckets", buckets)
     monkeypatch.setattr(
-        moe, "_grouped_expert_outputs", lambda *args: jnp.full_like(real_grouped(*args), jnp.nan)
+        moe, "grouped_expert_outputs", lambda *args: jnp.full_like(real_grouped(*args), jnp.nan)
     )
     module, mesh = layer_case(dp, tp, ep, dispatch, impl=GroupedMatmulImpl.PADDED_BATCHED)
     want = layer_reference(module, np.asarray(TOKENS_IN))

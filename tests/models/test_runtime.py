@@ -10,6 +10,8 @@ import boundary_jax as bj
 from boundary_jax.fusions import AddRmsNorm, FusionProvider
 from models.build import build_model
 from models.config import PRESETS
+from models.families import Qwen3MoeForCausalLM
+from models.layers.moe import GroupedMatmulImpl
 from models.rows import pack_sequences
 from models.serving import runtime
 from models.serving.runtime import ShardedCausalLM, bucket, cache_length
@@ -48,15 +50,23 @@ def test_build_on_a_mesh_creates_sharded_weights_equal_to_the_plain_build(
     assert table.addressable_shards[0].data.shape[0] == table.shape[0] // 4
 
 
-def test_check_vma_is_on_unless_fusions_are_bound():
-    """The varying-axes check stays on by default; a stack with fusion candidates turns it off."""
+def test_check_vma_stays_on_with_pallas_kernels_bound():
+    """The varying-axes check stays on by default, also with fusion candidates bound and with
+    Pallas expert kernels: each kernel declares how its outputs vary."""
     topology = bj.Topology(attn_tp=2)
     mesh = bj.make_mesh(topology)
     config = PRESETS["tiny-mistral"]
     assert ShardedCausalLM(build_model(config, topology), mesh).check_vma
-    norm = AddRmsNorm("cpu", None, "attn_tp")
+    norm = AddRmsNorm("cpu", None)
     fused = FusionProvider(attn_input=(norm,), ffn_input=(norm,))
-    assert not ShardedCausalLM(build_model(config, topology, fusions=fused), mesh).check_vma
+    assert ShardedCausalLM(build_model(config, topology, fusions=fused), mesh).check_vma
+    pallas = Qwen3MoeForCausalLM(
+        PRESETS["tiny-qwen3-moe"],
+        topology,
+        grouped_matmul=GroupedMatmulImpl.PALLAS_TRITON,
+        rngs=nnx.Rngs(0),
+    )
+    assert ShardedCausalLM(pallas, mesh).check_vma
 
 
 def test_buckets_are_fixed_sizes():
@@ -70,9 +80,9 @@ def test_buckets_are_fixed_sizes():
 def test_generate_shares_programs_across_nearby_request_shapes(runner):
     """Prompts of other lengths and counts within one bucket compile no new program."""
     runner.generate(PROMPTS, 3)
-    sizes = {name: program._cache_size() for name, program in runner._programs.items()}
+    sizes = runner.compiled_shapes()
     runner.generate([[4, 4, 4, 4], [1, 2]], 2)
-    assert {name: p._cache_size() for name, p in runner._programs.items()} == sizes
+    assert runner.compiled_shapes() == sizes
 
 
 def test_placed_prefill_then_decode_equals_generate(runner):

@@ -8,7 +8,6 @@ which at a few routed rows per expert costs the whole weight tensor. Runs throug
 Triton lowering (NVIDIA GPUs) or the Pallas interpreter (any platform, for tests).
 """
 
-import dataclasses
 import functools
 
 import jax
@@ -17,81 +16,52 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-
-@dataclasses.dataclass(frozen=True)
-class ExpertMatmulBlocks:
-    """Tiling of `expert_matmul`.
-
-    Attributes:
-      block_rows: Rows of one expert multiplied together (at least 16 for the tensor cores).
-      block_n: Output columns per program.
-      block_k: Contraction depth per pipelined step.
-      num_warps: Triton warps per program.
-      num_stages: Triton software-pipelining depth of the contraction loop.
-    """
-
-    block_rows: int = 16
-    block_n: int = 128
-    block_k: int = 64
-    num_warps: int = 4
-    num_stages: int = 4
-
-
-def expert_matmul_reference(
-    rows: jax.Array, weights: jax.Array, group_sizes: jax.Array
-) -> jax.Array:
-    """`jax.lax.ragged_dot` in float32 accumulation, rows past the groups zero: the spec."""
-    return lax.ragged_dot(rows, weights, group_sizes, preferred_element_type=jnp.float32).astype(
-        rows.dtype
-    )
+from .. import axes
+from ..vjp import with_reference_vjp
+from .reference import grouped_matmul_reference
+from .tuned_block_sizes import TritonTiling, triton_tiling
 
 
 def _expert_matmul_kernel(
-    active_ref, offsets_ref, rows_ref, weights_ref, out_ref, *, num_experts, blocks, depth
+    active_ref, offsets_ref, rows_ref, weights_ref, out_ref, *, num_experts, tiling, depth
 ):
     slot, column = pl.program_id(0), pl.program_id(1)
     expert = active_ref[slot]
-    columns = pl.ds(pl.multiple_of(column * blocks.block_n, blocks.block_n), blocks.block_n)
+    columns = pl.ds(pl.multiple_of(column * tiling.block_n, tiling.block_n), tiling.block_n)
 
     @pl.when(expert < num_experts)
     def _():
         start, end = offsets_ref[expert], offsets_ref[expert + 1]
 
         def row_block(index, carry):
-            first = start + index * blocks.block_rows
-            row_ids = first + lax.broadcasted_iota(jnp.int32, (blocks.block_rows, 1), 0)
+            first = start + index * tiling.block_rows
+            row_ids = first + lax.broadcasted_iota(jnp.int32, (tiling.block_rows, 1), 0)
             valid = row_ids < end
-            row_slice = pl.ds(first, blocks.block_rows)
+            row_slice = pl.ds(first, tiling.block_rows)
 
             def step(k, acc):
                 depth_slice = pl.ds(
-                    pl.multiple_of(k * blocks.block_k, blocks.block_k), blocks.block_k
+                    pl.multiple_of(k * tiling.block_k, tiling.block_k), tiling.block_k
                 )
                 x = pltriton.load(rows_ref.at[row_slice, depth_slice], mask=valid, other=0)
                 w = weights_ref[expert, depth_slice, columns]
                 return acc + jnp.dot(x, w, preferred_element_type=jnp.float32)
 
-            zeros = jnp.zeros((blocks.block_rows, blocks.block_n), jnp.float32)
-            acc = lax.fori_loop(0, depth // blocks.block_k, step, zeros)
+            zeros = jnp.zeros((tiling.block_rows, tiling.block_n), jnp.float32)
+            acc = lax.fori_loop(0, depth // tiling.block_k, step, zeros)
             pltriton.store(out_ref.at[row_slice, columns], acc.astype(out_ref.dtype), mask=valid)
             return carry
 
-        lax.fori_loop(0, pl.cdiv(end - start, blocks.block_rows), row_block, 0)
+        lax.fori_loop(0, pl.cdiv(end - start, tiling.block_rows), row_block, 0)
 
 
-def expert_matmul_supported(k: int, n: int, dtype, blocks: ExpertMatmulBlocks) -> bool:
-    """Whether the tiling divides the shape (`k % block_k == 0`, `n % block_n == 0`)."""
-    del dtype
-    return k % blocks.block_k == 0 and n % blocks.block_n == 0
-
-
-@functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
+@functools.partial(jax.jit, static_argnames=("tiling", "interpret"))
 def expert_matmul(
     rows: jax.Array,  # [M, K], sorted by group
     weights: jax.Array,  # [G, K, N]
     group_sizes: jax.Array,  # [G] int32
     *,
-    blocks: ExpertMatmulBlocks = ExpertMatmulBlocks(),
+    tiling: TritonTiling | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """`[M, K] x [G, K, N] -> [M, N]`: each row times its group's weights, float32 accumulation.
@@ -100,11 +70,12 @@ def expert_matmul(
       rows: Rows sorted by group: group g's rows follow group g - 1's.
       weights: One [K, N] matrix per group, `rows.dtype`.
       group_sizes: Rows per group; rows past their sum are not written (unspecified).
-      blocks: The tiling.
+      tiling: The tiling; None for `triton_tiling`'s (the tuned default).
       interpret: Run in the Pallas interpreter (CPU tests) instead of compiling for Triton.
 
     Returns:
-      [M, N] in `rows.dtype`.
+      [M, N] in `rows.dtype`. Differentiable: the gradients are `grouped_matmul_reference`'s.
+      Inside `shard_map` it varies over the mesh axes the reference's output would.
 
     Raises:
       ValueError: Mismatched shapes or a tiling that does not divide them.
@@ -116,20 +87,34 @@ def expert_matmul(
             f"expert_matmul takes rows [M, K], weights [G, K, N] of rows' dtype and group_sizes "
             f"[G]; got {rows.shape=}, {weights.shape=}, {weights.dtype=}, {group_sizes.shape=}"
         )
-    if not expert_matmul_supported(k, n, rows.dtype, blocks):
-        raise ValueError(f"{blocks} does not divide K={k}, N={n}")
+    tiling = tiling or triton_tiling(k, n, rows.dtype)
+    if not tiling.divides(k, n):
+        raise ValueError(f"{tiling} does not divide K={k}, N={n}")
+    kernel = functools.partial(_expert_matmul_call, tiling=tiling, interpret=interpret)
+    if interpret:
+        kernel = axes.interpreted(kernel, grouped_matmul_reference)
+    return with_reference_vjp(kernel, grouped_matmul_reference)(rows, weights, group_sizes)
+
+
+def _expert_matmul_call(
+    rows: jax.Array, weights: jax.Array, group_sizes: jax.Array, *, tiling, interpret
+) -> jax.Array:
+    """The Triton kernel's launch: its grid over the groups that have rows."""
+    m, k = rows.shape
+    groups, _, n = weights.shape
     slots = min(m, groups)  # at most this many groups have rows
     group_sizes = group_sizes.astype(jnp.int32)
     (active,) = jnp.nonzero(group_sizes > 0, size=slots, fill_value=groups)
     offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(group_sizes)])
     # Padding rows keep every block's window inside the arrays (masked lanes touch no data).
-    padded = jnp.pad(rows, ((0, blocks.block_rows), (0, 0)))
+    padded = jnp.pad(rows, ((0, tiling.block_rows), (0, 0)))
+    (varying,) = axes.reference_varying(grouped_matmul_reference, rows, weights, group_sizes)
     call = pl.pallas_call(
-        functools.partial(_expert_matmul_kernel, num_experts=groups, blocks=blocks, depth=k),
-        out_shape=jax.ShapeDtypeStruct((m + blocks.block_rows, n), rows.dtype),
-        grid=(slots, n // blocks.block_n),
+        functools.partial(_expert_matmul_kernel, num_experts=groups, tiling=tiling, depth=k),
+        out_shape=axes.output_type((m + tiling.block_rows, n), rows.dtype, varying),
+        grid=(slots, n // tiling.block_n),
         compiler_params=pltriton.CompilerParams(
-            num_warps=blocks.num_warps, num_stages=blocks.num_stages
+            num_warps=tiling.num_warps, num_stages=tiling.num_stages
         ),
         interpret=interpret,
     )

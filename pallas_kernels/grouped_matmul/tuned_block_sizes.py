@@ -1,0 +1,105 @@
+"""Tilings of the grouped matmul kernels, and the tuned tables that pick them by shape."""
+
+import dataclasses
+
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonTiling:
+    """Tiling of the Triton expert matmul (`expert_matmul`).
+
+    Attributes:
+      block_rows: Rows of one expert multiplied together (at least 16 for the tensor cores).
+      block_n: Output columns per program.
+      block_k: Contraction depth per pipelined step.
+      num_warps: Triton warps per program.
+      num_stages: Triton software-pipelining depth of the contraction loop.
+    """
+
+    block_rows: int = 16
+    block_n: int = 128
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def divides(self, k: int, n: int) -> bool:
+        """Whether the tiling divides [*, k] x [*, k, n] (`k % block_k`, `n % block_n` zero)."""
+        return k % self.block_k == 0 and n % self.block_n == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class HopperTiling:
+    """Tiling of JAX's Hopper grouped matmul (`hopper_ragged_dot`), as its `ragged_dot` takes it.
+
+    Attributes:
+      block_m: Rows per tile.
+      block_n: Output columns per tile.
+      block_k: Contraction depth per pipelined step.
+      max_concurrent_steps: Pipelined steps in flight.
+      grid_block_n: Column tiles per grid step.
+    """
+
+    block_m: int
+    block_n: int
+    block_k: int
+    max_concurrent_steps: int
+    grid_block_n: int
+
+
+def triton_tiling(k: int, n: int, dtype) -> TritonTiling:
+    """The Triton kernel's tiling for [*, k] x [*, k, n]: the default (16 rows, 128 columns,
+    64 deep) where it divides the shape, else the largest of 64/32/16 columns and 32/16 deep
+    that do (small models: tests), at least 16 either way (the tensor cores' smallest tile).
+
+    The default held 75-86% of the copy bandwidth on an H200 (benchmarks/RESULTS.md run 15);
+    `GroupedMatmulImpl.GPU_BY_SIZE` picks this kernel only where the default divides.
+
+    Raises:
+      NotImplementedError: No tile of at least 16 divides the shape.
+    """
+    del dtype
+    default = TritonTiling()
+    block_n = next((b for b in (default.block_n, 64, 32, 16) if n % b == 0), None)
+    block_k = next((b for b in (default.block_k, 32, 16) if k % b == 0), None)
+    if block_n is None or block_k is None:
+        raise NotImplementedError(
+            f"GroupedMatmulImpl.PALLAS_TRITON needs k % 16 == 0 and n % 16 == 0; got {k=}, "
+            f"{n=}. Use GroupedMatmulImpl.RAGGED_DOT"
+        )
+    return dataclasses.replace(default, block_n=block_n, block_k=block_k)
+
+
+def hopper_tiling(k: int, n: int, dtype) -> HopperTiling:
+    """The Hopper kernel's tiling for [*, k] x [*, k, n]: 4 pipelined steps and 4 column
+    blocks per grid step where they divide; 64 x 256 tiles where 4 of them divide n, else 128
+    rows by the largest of 192/128/64 dividing n; block_k the largest of 64/32/16 dividing k.
+
+    Swept on an H200 (benchmarks/RESULTS.md runs 9 and 12, Qwen3-30B-A3B layer, 32768 routed
+    rows): 128 x 192 x 64 took the layer from 2.88 ms (64 x 128 x 64, 2 steps) to 1.21 ms, and
+    128 x 256 was 4x slower; on the down projection (n 2048, k 768) 64 x 256 tiles took 386 us
+    against 426 us for 128 x 128 (fewer rows wasted where a tile straddles two experts).
+
+    Raises:
+      NotImplementedError: A dtype other than bf16/f16, or a shape no tile divides.
+    """
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise NotImplementedError(
+            f"GroupedMatmulImpl.PALLAS_GPU runs bf16/f16 matmuls; got {dtype=}. Cast the "
+            "activations and weights, or use GroupedMatmulImpl.RAGGED_DOT"
+        )
+    block_m, block_n = (64, 256) if n % 1024 == 0 else (128, None)
+    block_n = block_n or next((b for b in (192, 128, 64) if n % b == 0), None)
+    block_k = next((b for b in (64, 32, 16) if k % b == 0), None)
+    if block_n is None or block_k is None:
+        raise NotImplementedError(
+            f"GroupedMatmulImpl.PALLAS_GPU needs n % 64 == 0 and k % 16 == 0; got {k=}, {n=}. "
+            "Use GroupedMatmulImpl.RAGGED_DOT for these shapes"
+        )
+    return HopperTiling(
+        block_m=block_m,
+        block_n=block_n,
+        block_k=block_k,
+        max_concurrent_steps=4,
+        grid_block_n=4 if n % (4 * block_n) == 0 else 1,
+    )
