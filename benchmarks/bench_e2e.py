@@ -95,12 +95,12 @@ def _layer_weights(flat: dict, prefix: tuple) -> dict:
     get = lambda *name: flat[(*prefix, *name)]  # noqa: E731
     kv, gate_up = get("attn", "kv_proj", "kernel"), get("mlp", "gate_up_proj", "kernel")
     return {
-        "attn_norm": get("attn_boundary", "norm", "weight"),
+        "attn_norm": get("input_norm", "weight"),
         "wq": get("attn", "q_proj", "kernel"),
         "wk": split_part(kv, 0),
         "wv": split_part(kv, 1),
         "wo": get("attn", "o_proj", "kernel"),
-        "ffn_norm": get("ffn_boundary", "norm", "weight"),
+        "ffn_norm": get("post_attn_norm", "weight"),
         "wg": split_part(gate_up, 0),
         "wu": split_part(gate_up, 1),
         "wd": get("mlp", "down_proj", "kernel"),
