@@ -164,10 +164,12 @@ def test_gemma_scales_by_one_plus_weight():
     ids=["rank", "residual-shape", "residual-dtype", "weight", "int", "eps", "impl-type", "gpu"],
 )
 def test_invalid_calls_raise_clear_errors(call, error, match):
-    """Bad shapes, dtypes, eps or backends fail at trace time with a message naming the rule."""
-    x, residual, weight = make_inputs((4, 128), jnp.bfloat16)
-    with pytest.raises(error, match=match):
-        call(x, residual, weight)
+    """Bad shapes, dtypes, eps or backends fail at trace time with a message naming the rule
+    (on the CPU, where the GPU kernel cannot run)."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        x, residual, weight = make_inputs((4, 128), jnp.bfloat16)
+        with pytest.raises(error, match=match):
+            call(x, residual, weight)
 
 
 @pytest.mark.parametrize(
