@@ -212,13 +212,13 @@ def transport(tensors: dict, topology: bj.Topology) -> dict:
 KEY = jax.random.key(21)
 
 
-def make_batch(model: Hetero, variant: bj.BatchVariant, counts) -> bj.BatchFacts:
+def make_batch(model: Hetero, variant: bj.BatchVariant, counts, rows: int = ROWS) -> bj.BatchFacts:
     make = {
         bj.BatchVariant.ORDINARY: bj.BatchFacts.ordinary,
         bj.BatchVariant.INPUT_SCATTERED: bj.BatchFacts.input_scattered,
         bj.BatchVariant.UNPADDED: bj.BatchFacts.unpadded,
     }[variant]
-    return make(model.topology, counts, rows=ROWS)
+    return make(model.topology, counts, rows=rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,12 +240,12 @@ class Built:
 
     def run(self, x, counts, variant):
         """The output rows for stack input `x` and per-DP-rank token `counts`."""
-        batch = make_batch(self.model, variant, counts)
+        batch = make_batch(self.model, variant, counts, x.shape[0] // self.model.dp)
         return self.program(variant)(self.state, self.place(x), batch)
 
     def report(self, x, counts, variant) -> CollectiveReport:
         """The collectives the compiled program runs."""
-        batch = make_batch(self.model, variant, counts)
+        batch = make_batch(self.model, variant, counts, x.shape[0] // self.model.dp)
         lowered = self.program(variant).lower(self.state, self.place(x), batch)
         return parse_hlo(lowered.compile().as_text())
 
