@@ -130,4 +130,3 @@ def test_every_cut_binds_consistently(dp, tp, policy, record_property):
             _check_cut(uncut, sender, receiver, cut, model)
     print(f"\n{scenarios} cuts checked on dp={dp} tp={tp} {policy.value} ({rejected} rejected)")
     record_property("cuts", scenarios)
-    assert 0 < rejected < scenarios / 2, "the sweep binds most stacks and rejects some"
