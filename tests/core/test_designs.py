@@ -159,7 +159,7 @@ def test_a_nonlinear_update_is_kept_out_of_fused_kernels_and_snapshots():
     request = bj.fusions.FusionRequest(
         value, value, bj.RMSNorm(HIDDEN), update, designs.AddNormRead(), (), 1
     )
-    assert bj.fusions.AddRmsNorm("cpu", impl=None, vma_axis=None)(request) is None
+    assert bj.fusions.AddRmsNorm("cpu", impl=None)(request) is None
     model = Hetero((K.ATTN, K.FFN), 1, 1, design=post_norm)
     stack = HeteroStack(model, range(2), KEY, jnp.float32)
     stream = residual.start(bj.BatchFacts.ordinary(model.topology))
