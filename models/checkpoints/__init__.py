@@ -2,6 +2,8 @@
 device reading only its shards), and saving."""
 
 from .load import CONFIG_FILE as CONFIG_FILE
+from .load import INDEX_FILE as INDEX_FILE
+from .load import SINGLE_FILE as SINGLE_FILE
 from .load import load_config as load_config
 from .load import load_params as load_params
 from .load import load_tensor as load_tensor

@@ -17,6 +17,7 @@ from safetensors.numpy import load_file, save_file
 import boundary_jax as bj
 from models import checkpoints as checkpoint
 from models.build import load_model
+from models.checkpoints import load as checkpoint_load
 from models.checkpoints import hf_name_map, load_config, load_params
 from models.config import DecoderConfig
 from models.layers.attention import Attention
@@ -161,14 +162,14 @@ def test_bf16_checkpoint_loads_as_float32(tmp_path):
 def test_devices_read_only_their_blocks(monkeypatch):
     """Sharded tensors are read block by block: no read of a split tensor covers all of it."""
     reads = []
-    original = checkpoint._Checkpoint.read
+    original = checkpoint_load._Checkpoint.read
 
     def recording_read(self, name, index):
         block = original(self, name, index)
         reads.append((name, block.size))
         return block
 
-    monkeypatch.setattr(checkpoint._Checkpoint, "read", recording_read)
+    monkeypatch.setattr(checkpoint_load._Checkpoint, "read", recording_read)
     mesh = make_mesh(1, 4)
     directory = GOLDEN / "qwen3"
     load_params(directory, abstract_params(directory, mesh), mesh, jnp.float32)

@@ -15,6 +15,7 @@ from safetensors.numpy import load_file, save_file
 
 import boundary_jax as bj
 from models import checkpoints as checkpoint
+from models.checkpoints import load as checkpoint_load
 from models.checkpoints import HFTensor, hf_name_map, load_config, load_params, load_tensor
 from models.config import DecoderConfig
 from models.layers import moe
@@ -99,14 +100,14 @@ def test_devices_read_only_their_experts(monkeypatch):
     """With 16 experts over 4 ranks and the width over 2, every read is one expert's half-width
     block: no device reads an expert outside its block, nor a whole expert it splits."""
     reads = []
-    original = checkpoint._Checkpoint.read
+    original = checkpoint_load._Checkpoint.read
 
     def recording_read(self, name, index):
         block = original(self, name, index)
         reads.append((name, block.shape))
         return block
 
-    monkeypatch.setattr(checkpoint._Checkpoint, "read", recording_read)
+    monkeypatch.setattr(checkpoint_load._Checkpoint, "read", recording_read)
     pattern = "model.layers.0.mlp.experts.{expert}.{part}_proj.weight"
     source = HFTensor(pattern, transpose=True, experts=16, parts=("gate", "up"), part_axis=2)
     mesh, spec = make_mesh(2, 4), P(TP, None, None, DP)

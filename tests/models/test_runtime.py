@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 import boundary_jax as bj
+import models.build
 from boundary_jax.fusions import AddRmsNorm, FusionProvider
 from models.build import build_model
 from models.config import PRESETS
@@ -33,7 +34,7 @@ def test_build_on_a_mesh_creates_sharded_weights_equal_to_the_plain_build(
 ):
     """build_model(mesh=) gives the same values as the one-device build, already sharded,
     whether one initializer creates all the layers or each its own."""
-    monkeypatch.setattr(runtime, "LAYERS_PER_INIT_PART", layers_per_part)
+    monkeypatch.setattr(models.build, "LAYERS_PER_INIT_PART", layers_per_part)
     config = PRESETS["tiny-qwen3"]
     topology = bj.Topology(attn_tp=4)
     mesh = bj.make_mesh(topology)

@@ -23,6 +23,7 @@ from safetensors.numpy import load_file
 import boundary_jax as bj
 from boundary_jax.report import parse_hlo
 from models import checkpoints as checkpoint
+from models.checkpoints import load as checkpoint_load
 from models.build import build_model, load_model
 from models.checkpoints import hf_name_map, save_checkpoint
 from models.cli.plan import PLAN_SEQUENCES, plan_report
@@ -282,14 +283,14 @@ def test_trained_scanned_model_round_trips_through_a_checkpoint(
     assert error < 1e-5, (tensor, error)
 
     reads = []
-    original = checkpoint._Checkpoint.read
+    original = checkpoint_load._Checkpoint.read
 
     def recording_read(self, tensor_name, index):
         block = original(self, tensor_name, index)
         reads.append((tensor_name, block.size))
         return block
 
-    monkeypatch.setattr(checkpoint._Checkpoint, "read", recording_read)
+    monkeypatch.setattr(checkpoint_load._Checkpoint, "read", recording_read)
     dp, tp, scattered = LAYOUTS[layout]
     mesh = bj.make_mesh(bj.Topology(attn_dp=dp, attn_tp=tp))
     loaded = load_model(tmp_path / "True", mesh, scan_layers=True)
