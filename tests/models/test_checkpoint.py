@@ -17,8 +17,8 @@ from safetensors.numpy import load_file, save_file
 import boundary_jax as bj
 from models import checkpoints as checkpoint
 from models.build import load_model
-from models.checkpoints import load as checkpoint_load
 from models.checkpoints import hf_name_map, load_config, load_params
+from models.checkpoints import load as checkpoint_load
 from models.config import DecoderConfig
 from models.layers.attention import Attention
 from models.layers.linear import ParallelLMHead, VocabParallelEmbedding

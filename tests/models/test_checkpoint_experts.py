@@ -15,8 +15,8 @@ from safetensors.numpy import load_file, save_file
 
 import boundary_jax as bj
 from models import checkpoints as checkpoint
-from models.checkpoints import load as checkpoint_load
 from models.checkpoints import HFTensor, hf_name_map, load_config, load_params, load_tensor
+from models.checkpoints import load as checkpoint_load
 from models.config import DecoderConfig
 from models.layers import moe
 from models.layers.attention import Attention

@@ -14,7 +14,6 @@ from models.config import PRESETS
 from models.families import Qwen3MoeForCausalLM
 from models.layers.moe import GroupedMatmulImpl
 from models.rows import pack_sequences
-from models.serving import runtime
 from models.serving.runtime import ShardedCausalLM, bucket, cache_length
 from models.serving.sampling import Sampling
 

@@ -23,9 +23,9 @@ from safetensors.numpy import load_file
 import boundary_jax as bj
 from boundary_jax.report import parse_hlo
 from models import checkpoints as checkpoint
-from models.checkpoints import load as checkpoint_load
 from models.build import build_model, load_model
 from models.checkpoints import hf_name_map, save_checkpoint
+from models.checkpoints import load as checkpoint_load
 from models.cli.plan import PLAN_SEQUENCES, plan_report
 from models.config import PRESETS, DecoderConfig, read_hf_config
 from models.families.decoder import Remat
