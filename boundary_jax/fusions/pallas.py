@@ -112,7 +112,7 @@ class AddRmsNorm:
         )
         if not supported or (self.vma_axis is not None and checks_vma(self.vma_axis)):
             return None
-        value = ops.run(ops.all_reduce(request.sum_axes), request.value)
+        value = ops.run(ops.all_reduce(request.sum_axes, request.topology), request.value)
         norm = request.norm
         return pk.add_rms_norm(
             value,
@@ -199,8 +199,8 @@ def platform_fusions(
     `check_vma=False`, or every candidate declines.
     """
     platform = platform or jax.default_backend()
-    axes = topology.active(TokenAxis)
-    vma_axis = axes[0].mesh_name if axes else None
+    axes = topology.mesh_names(topology.active(TokenAxis))
+    vma_axis = axes[0] if axes else None
     candidates = (AllReduceAddRmsNorm(platform, impl), AddRmsNorm(platform, impl, vma_axis))
     if not moe_finalize:
         return FusionProvider(attn_input=candidates, ffn_input=candidates)

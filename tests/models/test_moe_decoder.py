@@ -189,8 +189,8 @@ def run_layer(module: MoeFfn, mesh, x: jax.Array, *, defer: bool) -> np.ndarray:
             out = out.complete()
         if own:
             return out
-        axes = topology.sum_axes(bj.SumGroup.MOE_OUTPUT)
-        return jax.lax.psum(out, bj.Topology.mesh_names(axes)) if axes else out
+        names = topology.group_names(bj.SumGroup.MOE_OUTPUT)
+        return jax.lax.psum(out, names) if names else out
 
     return np.asarray(run_sharded(module, mesh, body, (x,), (rows,), rows))
 
