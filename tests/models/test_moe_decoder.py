@@ -425,7 +425,8 @@ MIDDLE_SPARSE_LAYER = _documented_moe_rows()
 @pytest.mark.parametrize("layout", list(MIDDLE_SPARSE_LAYER), ids=str)
 def test_middle_sparse_layer_collectives(layout):
     """A middle layer of a 4-layer Mixtral runs exactly the collectives docs/collectives.md
-    documents for it (gather and all-to-all, finalize deferred or not)."""
+    documents for it (gather and all-to-all, finalize deferred or not), each all-to-all over the
+    expert-parallel ranks (also where they are part of a mesh axis)."""
     assert len(MIDDLE_SPARSE_LAYER) >= 10
     config = dataclasses.replace(load_config(GOLDEN / "mixtral"), num_layers=4)
     topology = bj.Topology(attn_dp=layout.dp, attn_tp=layout.tp, moe_ep=layout.ep)
@@ -436,7 +437,10 @@ def test_middle_sparse_layer_collectives(layout):
         fusions=DEFER if layout.defer else bj.fusions.NO_FUSIONS,
     )
     run = ShardedCausalLM(model, make_mesh(topology), input_scattered=layout.scattered)
-    assert collective_report(run).sequence(1) == MIDDLE_SPARSE_LAYER[layout]
+    report = collective_report(run)
+    assert report.sequence(1) == MIDDLE_SPARSE_LAYER[layout]
+    exchanges = [c for c in report.collectives if c.layer == 1 and c.kind == "all-to-all"]
+    assert all(c.group_size == layout.ep for c in exchanges)
 
 
 # --------------------------------------------------------------------------------------------
