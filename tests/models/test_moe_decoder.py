@@ -77,14 +77,6 @@ CASES = (
             ("qwen3_moe", Layout(2, 4, ep=2, dispatch=ALL_TO_ALL, defer=True)),
         )
     ]
-    + [  # moe_ep splitting a mesh axis (attention TP 4 as attn_tp_ep 2 x attn_tp 2): a golden each
-        pytest.param(name, layout, id=f"{name}-{layout}", marks=pytest.mark.xdist_group(name))
-        for name, layout in (
-            ("mixtral", Layout(1, 4, ep=2)),
-            ("qwen3_moe", Layout(1, 4, ep=2, dispatch=ALL_TO_ALL)),
-            ("qwen2_moe", Layout(2, 4, ep=4)),
-        )
-    ]
 )
 
 
