@@ -48,7 +48,7 @@ class TokenAxis(enum.Enum):
         return self.value.value
 
     @property
-    def expert_part(self) -> MeshAxis:
+    def expert_mesh_axis(self) -> MeshAxis:
         """The mesh axis of this axis's expert-parallel part, where `moe_ep` splits it."""
         return _EXPERT_PART[self]
 
@@ -127,7 +127,7 @@ class Topology:
     every divisor `moe_ep` of the full TP group. Each token axis is factored into an
     expert-parallel part and a width part, greedily from the outermost: the part of an axis of
     size `n` is `gcd(moe_ep left, n)`. A token axis whose part is strictly between 1 and `n` is
-    two mesh axes, outer first: its part (`TokenAxis.expert_part`, e.g. `attn_tp_ep`) and the
+    two mesh axes, outer first: its part (`TokenAxis.expert_mesh_axis`, e.g. `attn_tp_ep`) and the
     rest (keeping the axis's name). A collective over that token axis names both (`mesh_names`),
     so its ranks keep their order; the MoE groups are sets of mesh axes (`group_names`).
 
@@ -214,9 +214,9 @@ class Topology:
         def size(axis: MeshAxis) -> int:
             return int(sizes.get(axis.value, 1))
 
-        tokens = {a.name.lower(): size(a.value) * size(a.expert_part) for a in TokenAxis}
+        tokens = {a.name.lower(): size(a.value) * size(a.expert_mesh_axis) for a in TokenAxis}
         topology = cls(**tokens, pp=size(MeshAxis.PP), moe_ep=moe_ep)
-        if any(size(axis.expert_part) > 1 for axis in TokenAxis):
+        if any(size(axis.expert_mesh_axis) > 1 for axis in TokenAxis):
             topology._check_mesh_shape(sizes)
         return topology
 
@@ -283,7 +283,10 @@ class Topology:
         """`(mesh axis name, size, in the MOE_EP group)` of the mesh axes of `axis`, outer first."""
         size, part = self.size(axis), self.expert_part(axis)
         if 1 < part < size:
-            return ((axis.expert_part.value, part, True), (axis.mesh_name, size // part, False))
+            return (
+                (axis.expert_mesh_axis.value, part, True),
+                (axis.mesh_name, size // part, False),
+            )
         return ((axis.mesh_name, size, part > 1),)
 
     def mesh_names(self, axes: Iterable[TokenAxis]) -> tuple[str, ...]:

@@ -69,7 +69,7 @@ def test_expert_parallel_size_factors_the_token_axes(dp, tp, ep, shape, experts,
     for axis, size in ((A.ATTN_DP, dp), (A.ATTN_TP, tp)):
         names = topology.mesh_names((axis,))
         assert math.prod(mesh_shape[name] for name in names) == size
-        assert names[-1] == axis.mesh_name and names[0] in (axis.mesh_name, axis.expert_part)
+        assert names[-1] == axis.mesh_name and names[0] in (axis.mesh_name, axis.expert_mesh_axis)
     assert topology.group_names(bj.SumGroup.TP) == tuple(n for n in mesh_shape if n in shape)
     entry = topology.shard_entry(bj.SumGroup.MOE_EP)
     assert entry == (None if not experts else experts[0] if len(experts) == 1 else experts)
