@@ -265,8 +265,8 @@ class Topology:
         """
         if group in (SumGroup.MOE_EP, SumGroup.MOE_TP):
             raise ValueError(
-                f"{group} is a group of mesh axes, which may split a token axis; got "
-                f"{group=}. Use Topology.group_names / group_size / shard_entry for it"
+                f"sum_axes takes a group of whole token axes; got {group=}, a group of mesh axes "
+                "that may split one. Use Topology.group_names / group_size / shard_entry for it"
             )
         return self.active(_SUM_GROUP_AXES[group])
 
