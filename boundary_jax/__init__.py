@@ -37,6 +37,7 @@ from .ops import shard_index as shard_index
 from .ops import sharded_rms_norm as sharded_rms_norm
 from .ops import sharded_rms_norms as sharded_rms_norms
 from .ops import total_over_rows as total_over_rows
+from .ops import vocab_parallel_argmax as vocab_parallel_argmax
 from .ops import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
 from .placement import Placement as Placement
 from .plan import ExitKind as ExitKind

@@ -114,7 +114,7 @@ class BatchFacts:
         if self.token_counts is None:
             return None
         dp = self.topology.active((TokenAxis.ATTN_DP,))
-        index = jax.lax.axis_index(Topology.mesh_names(dp)) if dp else 0
+        index = jax.lax.axis_index(self.topology.mesh_names(dp)) if dp else 0
         return jnp.arange(rows) < self.token_counts[index]
 
     def has_tokens(self) -> jax.Array | bool:
@@ -122,5 +122,5 @@ class BatchFacts:
         if self.token_counts is None:
             return True
         dp = self.topology.active((TokenAxis.ATTN_DP,))
-        index = jax.lax.axis_index(Topology.mesh_names(dp)) if dp else 0
+        index = jax.lax.axis_index(self.topology.mesh_names(dp)) if dp else 0
         return self.token_counts[index] > 0

@@ -36,7 +36,9 @@ from .rows import compute_owed
 
 def owed_work(placement: Placement, residual: Layout, topology: Topology) -> OwedWork:
     """The owed-work record of a value on `placement` whose residual is on `residual` rows."""
-    in_place = ((Finalize(),) if placement.finalize else ()) + ops.all_reduce(placement.owed)
+    in_place = ((Finalize(),) if placement.finalize else ()) + ops.all_reduce(
+        placement.owed, topology
+    )
     then = None if placement.complete else owed_work(placement.completed(), residual, topology)
     return OwedWork(placement, in_place, ops.complete_onto(placement, residual, topology), then)
 
@@ -118,7 +120,9 @@ def exit_options(
         if rest and not leaving:
             options.append(option(ExitKind.DP_REDUCE_SCATTER, steps, Placement(residual, rest)))
         else:
-            options.append(completed(ExitKind.DP_REDUCE_SCATTER, steps + ops.all_reduce(rest)))
+            options.append(
+                completed(ExitKind.DP_REDUCE_SCATTER, steps + ops.all_reduce(rest, topology))
+            )
     if stack.policy.allows_rs and residual != compute and not compute.sharded:
         scattered = Layout(owed)
         if scattered.sharded[: len(residual.sharded)] == residual.sharded:
@@ -127,7 +131,7 @@ def exit_options(
     if compute == residual and not leaving:
         options.append(option(ExitKind.LEAVE_TO_NEXT_INPUT, (), value))
     else:
-        steps = ops.all_reduce(owed) + ops.relayout(compute, residual, topology)
+        steps = ops.all_reduce(owed, topology) + ops.relayout(compute, residual, topology)
         options.append(completed(ExitKind.ALL_REDUCE, steps))
     return tuple(options)
 

@@ -68,7 +68,7 @@ class _Checker:
             )
         if entry.handoff is not None:
             self.expect(
-                entry.complete + ops.all_reduce(entry.fused_sum),
+                entry.complete + ops.all_reduce(entry.fused_sum, self.topology),
                 entry.handoff,
                 residual,
                 f"the completion of {entry.handoff} at {what}",

@@ -15,11 +15,19 @@ from jax.sharding import PartitionSpec
 
 
 class MeshAxis(enum.StrEnum):
-    """The named mesh axes boundary-jax understands, outermost first."""
+    """The named mesh axes boundary-jax understands, outermost first.
+
+    A `*_EP` axis is the expert-parallel part of the token axis that follows it: present only
+    where the expert-parallel size splits that axis (`Topology`), the axis after it then holds
+    the rest.
+    """
 
     PP = "pp"
+    ATTN_DP_EP = "attn_dp_ep"
     ATTN_DP = "attn_dp"
+    ATTN_CP_EP = "attn_cp_ep"
     ATTN_CP = "attn_cp"
+    ATTN_TP_EP = "attn_tp_ep"
     ATTN_TP = "attn_tp"
 
 
@@ -36,10 +44,21 @@ class TokenAxis(enum.Enum):
 
     @property
     def mesh_name(self) -> str:
+        """The name of the mesh axis this token axis is, or, where it is split, its inner part."""
         return self.value.value
+
+    @property
+    def expert_mesh_axis(self) -> MeshAxis:
+        """The mesh axis of this axis's expert-parallel part, where `moe_ep` splits it."""
+        return _EXPERT_PART[self]
 
 
 _TOKEN_AXIS_ORDER = {axis: i for i, axis in enumerate(TokenAxis)}
+_EXPERT_PART = {
+    TokenAxis.ATTN_DP: MeshAxis.ATTN_DP_EP,
+    TokenAxis.ATTN_CP: MeshAxis.ATTN_CP_EP,
+    TokenAxis.ATTN_TP: MeshAxis.ATTN_TP_EP,
+}
 
 
 def canonical(axes: Iterable[TokenAxis]) -> tuple[TokenAxis, ...]:
@@ -104,16 +123,20 @@ class Topology:
 
     A sparse FFN's experts are split over the expert-parallel group (`SumGroup.MOE_EP`, `moe_ep`
     ranks) and each expert's width over the rest of the full TP group (`SumGroup.MOE_TP`,
-    `moe_tp = tp_size / moe_ep` ranks), EP outermost: `moe_ep x moe_tp = attn_dp x attn_cp x
-    attn_tp`. Each group is made of whole mesh axes: the EP group is the outermost active axes
-    of the full TP group whose sizes multiply to `moe_ep`.
+    `moe_tp = tp_size / moe_ep` ranks): `moe_ep x moe_tp = attn_dp x attn_cp x attn_tp`, for
+    every divisor `moe_ep` of the full TP group. Each token axis is factored into an
+    expert-parallel part and a width part, greedily from the outermost: the part of an axis of
+    size `n` is `gcd(moe_ep left, n)`. A token axis whose part is strictly between 1 and `n` is
+    two mesh axes, outer first: its part (`TokenAxis.expert_mesh_axis`, e.g. `attn_tp_ep`) and the
+    rest (keeping the axis's name). A collective over that token axis names both (`mesh_names`),
+    so its ranks keep their order; the MoE groups are sets of mesh axes (`group_names`).
 
     Attributes:
       attn_dp: Attention data-parallel size.
       attn_cp: Attention context-parallel size.
       attn_tp: Attention tensor-parallel size.
       pp: Pipeline-parallel size.
-      moe_ep: Expert-parallel size (not a mesh axis: a grouping of the full TP group's axes).
+      moe_ep: Expert-parallel size (not a token axis: a grouping of the full TP group's ranks).
     """
 
     attn_dp: int = 1
@@ -133,19 +156,6 @@ class Topology:
                 f"{self.tp_size}); got {self.moe_ep=}. Choose moe_ep among "
                 f"{[d for d in range(1, self.tp_size + 1) if self.tp_size % d == 0]}"
             )
-        self._moe_ep_axes()  # raises for an EP group that would split a mesh axis
-
-    def _moe_ep_axes(self) -> tuple[TokenAxis, ...]:
-        axes = self.active(_SUM_GROUP_AXES[SumGroup.TP])
-        for count in range(len(axes) + 1):
-            if math.prod(self.size(axis) for axis in axes[:count]) == self.moe_ep:
-                return axes[:count]
-        sizes = {axis.mesh_name: self.size(axis) for axis in axes}
-        raise NotImplementedError(
-            f"the expert-parallel group is made of whole mesh axes, outermost first; "
-            f"{self.moe_ep=} is no product of the leading axes of {sizes}. Choose moe_ep among "
-            f"{[math.prod(list(sizes.values())[:n]) for n in range(len(sizes) + 1)]}"
-        )
 
     @property
     def moe_tp(self) -> int:
@@ -169,15 +179,30 @@ class Topology:
     def from_mesh(cls, mesh, *, moe_ep: int = 1) -> Topology:
         """Reads the sizes of the `MeshAxis` axes of `mesh` (a `jax.sharding.Mesh`).
 
+        The mesh must have the axes `moe_ep` factors its token axes into (`mesh_shape`, as
+        `boundary_jax.make_mesh` builds them; size-one axes may be absent).
+
         Raises:
-          ValueError: The mesh has an axis boundary-jax does not know, or `moe_ep` does not
-            divide its full TP group.
+          ValueError: The mesh has an axis boundary-jax does not know, `moe_ep` does not
+            divide its full TP group, or its axes are not those `moe_ep` factors them into.
         """
-        return cls.from_axis_sizes(dict(mesh.shape), moe_ep=moe_ep)
+        sizes = dict(mesh.shape)
+        topology = cls.from_axis_sizes(sizes, moe_ep=moe_ep)
+        topology._check_mesh_shape(sizes)
+        return topology
 
     @classmethod
     def from_axis_sizes(cls, sizes: Mapping[str, int], *, moe_ep: int = 1) -> Topology:
-        """Builds a topology from `{mesh axis name: size}`; absent axes have size one."""
+        """Builds a topology from `{mesh axis name: size}`; absent axes have size one.
+
+        A token axis is the product of its axis and its expert-parallel part
+        (`{"attn_tp_ep": 2, "attn_tp": 2}` is attention TP 4). Where `sizes` names an
+        expert-parallel part, the factoring must be that of `moe_ep`.
+
+        Raises:
+          ValueError: An axis boundary-jax does not know, `moe_ep` not dividing the full TP
+            group, or expert-parallel parts that another `moe_ep` would make.
+        """
         known = {axis.value for axis in MeshAxis}
         unknown = sorted(set(sizes) - known)
         if unknown:
@@ -185,8 +210,25 @@ class Topology:
                 f"mesh axes must be among {sorted(known)}; got unknown axes {unknown}. "
                 "Name the mesh axes with boundary_jax.MeshAxis values."
             )
-        axes = {axis.name.lower(): int(sizes.get(axis.value, 1)) for axis in MeshAxis}
-        return cls(**axes, moe_ep=moe_ep)
+
+        def size(axis: MeshAxis) -> int:
+            return int(sizes.get(axis.value, 1))
+
+        tokens = {a.name.lower(): size(a.value) * size(a.expert_mesh_axis) for a in TokenAxis}
+        topology = cls(**tokens, pp=size(MeshAxis.PP), moe_ep=moe_ep)
+        if any(size(axis.expert_mesh_axis) > 1 for axis in TokenAxis):
+            topology._check_mesh_shape(sizes)
+        return topology
+
+    def _check_mesh_shape(self, sizes: Mapping[str, int]) -> None:
+        given = {name: int(size) for name, size in sizes.items() if int(size) > 1}
+        want = {name: size for name, size in self.mesh_shape().items() if size > 1}
+        if given != want:
+            raise ValueError(
+                f"moe_ep={self.moe_ep} factors the mesh axes as {want}; got a mesh of {given}. "
+                "Build the mesh with boundary_jax.make_mesh(topology), or pass the moe_ep it "
+                "was made for"
+            )
 
     @property
     def tp_size(self) -> int:
@@ -217,39 +259,88 @@ class Topology:
     def sum_axes(self, group: SumGroup) -> tuple[TokenAxis, ...]:
         """The token axes a sum over `group` runs across, size-one axes dropped.
 
-        `MOE_EP` and `MOE_TP` are the expert-parallel and expert-width parts of the full TP
-        group (see the class docstring)."""
-        if group is SumGroup.MOE_EP:
-            return self._moe_ep_axes()
-        if group is SumGroup.MOE_TP:
-            ep = self._moe_ep_axes()
-            return tuple(a for a in self.active(_SUM_GROUP_AXES[SumGroup.TP]) if a not in ep)
+        Raises:
+          ValueError: `group` is `MOE_EP` or `MOE_TP`, groups of mesh axes that may split a
+            token axis (`group_names`, `group_size`).
+        """
+        if group in (SumGroup.MOE_EP, SumGroup.MOE_TP):
+            raise ValueError(
+                f"sum_axes takes a group of whole token axes; got {group=}, a group of mesh axes "
+                "that may split one. Use Topology.group_names / group_size / shard_entry for it"
+            )
         return self.active(_SUM_GROUP_AXES[group])
 
-    @staticmethod
-    def mesh_names(axes: Iterable[TokenAxis]) -> tuple[str, ...]:
-        """Mesh axis names of `axes`, for collectives."""
-        return tuple(axis.mesh_name for axis in canonical(axes))
+    def expert_part(self, axis: TokenAxis) -> int:
+        """The expert-parallel part of `axis`: its ranks in the `MOE_EP` group (see the class
+        docstring); the rest of its ranks are in `MOE_TP`."""
+        parts, left = {}, self.moe_ep
+        for token in TokenAxis:  # outermost first
+            parts[token] = math.gcd(left, self.size(token))
+            left //= parts[token]
+        return parts[axis]
+
+    def _parts(self, axis: TokenAxis) -> tuple[tuple[str, int, bool], ...]:
+        """`(mesh axis name, size, in the MOE_EP group)` of the mesh axes of `axis`, outer first."""
+        size, part = self.size(axis), self.expert_part(axis)
+        if 1 < part < size:
+            return (
+                (axis.expert_mesh_axis.value, part, True),
+                (axis.mesh_name, size // part, False),
+            )
+        return ((axis.mesh_name, size, part > 1),)
+
+    def mesh_names(self, axes: Iterable[TokenAxis]) -> tuple[str, ...]:
+        """Mesh axis names of `axes` (a split axis: both its mesh axes, outer first), for
+        collectives over them."""
+        return tuple(name for axis in canonical(axes) for name, _, _ in self._parts(axis))
+
+    def group_names(self, group: SumGroup) -> tuple[str, ...]:
+        """Mesh axis names of the ranks of `group`, outermost first, size-one axes dropped: for
+        a collective over `group` or this rank's index in it."""
+        if group not in (SumGroup.MOE_EP, SumGroup.MOE_TP):
+            return self.mesh_names(self.sum_axes(group))
+        expert = group is SumGroup.MOE_EP
+        return tuple(
+            name
+            for axis in self.active(_SUM_GROUP_AXES[SumGroup.TP])
+            for name, size, in_ep in self._parts(axis)
+            if in_ep is expert and size > 1
+        )
+
+    def group_size(self, group: SumGroup) -> int:
+        """Number of ranks in `group`."""
+        if group is SumGroup.MOE_EP:
+            return self.moe_ep
+        if group is SumGroup.MOE_TP:
+            return self.moe_tp
+        return self.size(self.sum_axes(group))
 
     def spec_entry(self, axes: Iterable[TokenAxis]) -> str | tuple[str, ...] | None:
         """The `PartitionSpec` entry of one dimension split over `axes` (size-one dropped)."""
-        names = self.mesh_names(self.active(axes))
-        if not names:
-            return None
-        return names[0] if len(names) == 1 else names
+        return _entry(self.mesh_names(self.active(axes)))
 
     def shard_entry(self, group: SumGroup) -> str | tuple[str, ...] | None:
         """The `PartitionSpec` entry of a weight dimension split over the ranks of `group`
         (`SumGroup.MOE_EP`: the expert axis of stacked experts; `MOE_TP`: their width)."""
-        return self.spec_entry(self.sum_axes(group))
+        return _entry(self.group_names(group))
 
     def row_spec(self, layout: Layout, *trailing) -> PartitionSpec:
         """The `PartitionSpec` of a [rows, ...] array whose rows follow `layout`."""
         return PartitionSpec(self.spec_entry(layout.sharded), *trailing)
 
     def mesh_shape(self) -> dict[str, int]:
-        """`{mesh axis name: size}` for every axis, outermost first, size-one axes included."""
-        return {axis.value: getattr(self, axis.name.lower()) for axis in MeshAxis}
+        """`{mesh axis name: size}`, outermost first: every token axis and the pipeline axis,
+        size-one axes included, and the expert-parallel part of each axis `moe_ep` splits."""
+        shape = {MeshAxis.PP.value: self.pp}
+        for axis in TokenAxis:
+            shape.update((name, size) for name, size, _ in self._parts(axis))
+        return shape
+
+
+def _entry(names: tuple[str, ...]) -> str | tuple[str, ...] | None:
+    if not names:
+        return None
+    return names[0] if len(names) == 1 else names
 
 
 _SUM_GROUP_AXES = {

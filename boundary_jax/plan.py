@@ -154,13 +154,13 @@ class EntryPath:
     transport: bool = False
     capture_move: tuple[Step, ...] = ()
 
-    def unfused(self) -> EntryPath:
+    def unfused(self, topology: Topology) -> EntryPath:
         """This path with the fused sum completed among the unfused steps (for a capture of the
         updated residual, which needs the sum complete before the update)."""
         if not self.fused_sum:
             return self
         return dataclasses.replace(
-            self, complete=self.complete + all_reduce(self.fused_sum), fused_sum=()
+            self, complete=self.complete + all_reduce(self.fused_sum, topology), fused_sum=()
         )
 
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 import jax
 
 from . import ops
-from .layout import BatchVariant
+from .layout import BatchVariant, Topology
 from .ops import AllGather, AllReduce, Finalize, ReduceScatter, Step, TakeBlock
 from .plan import StagePath, StagePlan
 
@@ -166,10 +166,11 @@ def _start_bytes(kind: str, shape: str, size: int) -> int:
 
 
 def describe_steps(steps: tuple[Step, ...]) -> str:
-    """`steps` in words, e.g. "reduce-scatter over attn_dp x attn_tp, all-gather over attn_tp"."""
+    """`steps` in words, e.g. "reduce-scatter over attn_dp x attn_tp, all-gather over attn_tp"
+    (each step's mesh axes: a token axis the expert-parallel size splits names both parts)."""
 
-    def over(axes):
-        return " x ".join(axis.mesh_name for axis in axes)
+    def over(step):
+        return " x ".join(step.topology.mesh_names(step.axes))
 
     words = {
         AllReduce: "all-reduce",
@@ -181,13 +182,14 @@ def describe_steps(steps: tuple[Step, ...]) -> str:
     def word(step: Step) -> str:
         if isinstance(step, Finalize):
             return "finalize"
-        return f"{words[type(step)]} over {over(step.axes)}"
+        return f"{words[type(step)]} over {over(step)}"
 
     return ", ".join(word(step) for step in steps) or "nothing"
 
 
-def describe_path(path: StagePath) -> dict[str, object]:
-    """A JSON-friendly account of one bound path: what each entry and exit option runs."""
+def describe_path(path: StagePath, topology: Topology) -> dict[str, object]:
+    """A JSON-friendly account of one bound path on `topology`: what each entry and exit
+    option runs."""
     entries = []
     for entry in path.entries:
         if entry.initial:
@@ -202,7 +204,7 @@ def describe_path(path: StagePath) -> dict[str, object]:
                 "primary": entry.primary,
                 "from": source,
                 "completes": describe_steps(completion),
-                "fused_with_add_norm": describe_steps(ops.all_reduce(entry.fused_sum)),
+                "fused_with_add_norm": describe_steps(ops.all_reduce(entry.fused_sum, topology)),
                 "reads_on_rows": str(path.residual_layout),
                 "moves_input": describe_steps(entry.move_input),
             }
@@ -235,7 +237,7 @@ def describe_stages(
     """`describe_path` of each `(layer, stage name, plan)` for `variant`, with its layer and
     name: a model's whole bound stack in JSON-friendly form."""
     return [
-        {"layer": layer, "stage": name, **describe_path(plan.path(variant))}
+        {"layer": layer, "stage": name, **describe_path(plan.path(variant), plan.topology)}
         for layer, name, plan in stages
     ]
 

@@ -28,7 +28,7 @@ class FusionRequest:
       update: The producer's residual update.
       read: The consumer's residual read.
       sum_axes: Token axes the value still owes a sum over (empty: already complete).
-      num_devices: Ranks along `sum_axes`.
+      topology: The topology the stage is bound on: it names the mesh axes of `sum_axes`.
     """
 
     value: jax.Array | DeferredFinalize
@@ -37,12 +37,17 @@ class FusionRequest:
     update: ResidualUpdate
     read: ResidualReadout
     sum_axes: tuple[TokenAxis, ...]
-    num_devices: int
+    topology: Topology
+
+    @property
+    def num_devices(self) -> int:
+        """Ranks along `sum_axes`."""
+        return self.topology.size(self.sum_axes)
 
     @property
     def axis_names(self) -> tuple[str, ...]:
         """Mesh axis names of `sum_axes`, for a kernel's collective."""
-        return Topology.mesh_names(self.sum_axes)
+        return self.topology.mesh_names(self.sum_axes)
 
     @property
     def finalize(self) -> bool:

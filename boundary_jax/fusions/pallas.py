@@ -107,7 +107,7 @@ class AddRmsNorm:
         )
         if not supported:
             return None
-        value = ops.run(ops.all_reduce(request.sum_axes), request.value)
+        value = ops.run(ops.all_reduce(request.sum_axes, request.topology), request.value)
         norm = request.norm
         return pk.add_rms_norm(
             value,

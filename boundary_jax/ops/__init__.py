@@ -31,4 +31,5 @@ from .tensor import shard_index as shard_index
 from .tensor import sharded_rms_norm as sharded_rms_norm
 from .tensor import sharded_rms_norms as sharded_rms_norms
 from .tensor import total_over_rows as total_over_rows
+from .tensor import vocab_parallel_argmax as vocab_parallel_argmax
 from .tensor import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy

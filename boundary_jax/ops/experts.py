@@ -10,8 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..layout import SumGroup, TokenAxis, Topology
-from .steps import AllGather, ReduceScatter
+from ..layout import SumGroup, Topology
 
 
 def group_order(groups: jax.Array, num_groups: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -99,7 +98,7 @@ def dispatch_to_experts(
       tags: [N] int32 carried with each row (e.g. the chosen expert's id on its rank).
       destination: [N] int32 expert-parallel rank (`ops.shard_index(topology, MOE_EP)` order)
         each row goes to, in [0, moe_ep).
-      topology: Its `SumGroup.MOE_EP` axes are the group exchanged over.
+      topology: Its `SumGroup.MOE_EP` mesh axes are the group exchanged over.
       max_rows_per_rank: The most rows of `rows` that may name one destination.
       capacity: Rows per (source, destination) block; None for `max_rows_per_rank`.
 
@@ -124,17 +123,20 @@ def dispatch_to_experts(
             f"or at least {max_rows_per_rank}"
         )
     ranks = topology.moe_ep
-    axes = topology.sum_axes(SumGroup.MOE_EP)
+    experts = topology.group_names(SumGroup.MOE_EP)
     # A row's position among the rows sent to the same rank, in row order.
     onehot = destination[:, None] == jnp.arange(ranks, dtype=destination.dtype)[None, :]
     position = jnp.sum(jnp.cumsum(onehot, axis=0) * onehot, axis=1) - 1
     slots = (destination * capacity + position).astype(jnp.int32)
     send = jnp.zeros((ranks * capacity, rows.shape[1]), rows.dtype).at[slots].set(rows)
     send_tags = jnp.full((ranks * capacity,), -1, jnp.int32).at[slots].set(tags.astype(jnp.int32))
-    received, received_tags = _exchange(send, axes), _exchange(send_tags, axes)
-    width = topology.sum_axes(SumGroup.MOE_TP)
+    received, received_tags = _exchange(send, experts), _exchange(send_tags, experts)
+    width = topology.group_names(SumGroup.MOE_TP)
     if width:
-        received, received_tags = AllGather(width)(received), AllGather(width)(received_tags)
+        received, received_tags = (
+            lax.all_gather(x, width, axis=0, tiled=True, to="invarying")
+            for x in (received, received_tags)
+        )
     return Dispatched(received, received_tags, slots, capacity)
 
 
@@ -155,15 +157,16 @@ def combine_from_experts(outputs: jax.Array, dispatched: Dispatched, topology: T
             f"combine_from_experts takes one answer per received row ({dispatched.rows.shape[0]}); "
             f"got {outputs.shape=}"
         )
-    width = topology.sum_axes(SumGroup.MOE_TP)
+    width = topology.group_names(SumGroup.MOE_TP)
     if width:
-        outputs = ReduceScatter(width, topology.moe_tp)(outputs)
-    returned = _exchange(outputs, topology.sum_axes(SumGroup.MOE_EP))
+        outputs = lax.psum_scatter(outputs, width, scatter_dimension=0, tiled=True)
+    returned = _exchange(outputs, topology.group_names(SumGroup.MOE_EP))
     return jnp.take(returned, dispatched.slots, axis=0)
 
 
-def _exchange(x: jax.Array, axes: tuple[TokenAxis, ...]) -> jax.Array:
-    """Block r of `x`'s rows goes to rank r; block s of the result came from rank s."""
-    if not axes:
+def _exchange(x: jax.Array, names: tuple[str, ...]) -> jax.Array:
+    """Block r of `x`'s rows goes to rank r of the mesh axes `names`; block s of the result
+    came from rank s."""
+    if not names:
         return x
-    return lax.all_to_all(x, Topology.mesh_names(axes), split_axis=0, concat_axis=0, tiled=True)
+    return lax.all_to_all(x, names, split_axis=0, concat_axis=0, tiled=True)

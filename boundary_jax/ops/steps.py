@@ -4,6 +4,8 @@ Each movement is a frozen step with two faces: `after(placement)` says, at bind 
 step does to a contribution's rows and owed sum (and rejects an invalid use), and `__call__`
 runs it inside `jax.shard_map`. A bound path is a tuple of steps whose composition the binder
 has checked, so every owed sum completes exactly once and lands on the rows the consumer reads.
+A step moves rows over token axes and holds the `Topology` that names their mesh axes (a token
+axis the expert-parallel size splits is two of them).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class AllReduce:
     """Completes the sum over `axes` in place (`lax.psum`)."""
 
     axes: tuple[TokenAxis, ...]
+    topology: Topology = dataclasses.field(repr=False)
 
     def after(self, placement: Placement) -> Placement:
         _require_finalized(placement, f"all-reduce over {self.axes}")
@@ -57,7 +60,7 @@ class AllReduce:
         return Placement(placement.layout, canonical(set(placement.owed) - set(self.axes)))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return lax.psum(x, Topology.mesh_names(self.axes))
+        return lax.psum(x, self.topology.mesh_names(self.axes))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +68,12 @@ class ReduceScatter:
     """Completes the sum over `axes` and keeps this rank's block of rows (`lax.psum_scatter`)."""
 
     axes: tuple[TokenAxis, ...]
-    parts: int
+    topology: Topology = dataclasses.field(repr=False)
+
+    @property
+    def parts(self) -> int:
+        """The blocks the rows are split into: the ranks along `axes`."""
+        return self.topology.size(self.axes)
 
     def after(self, placement: Placement) -> Placement:
         _require_finalized(placement, f"reduce-scatter over {self.axes}")
@@ -76,7 +84,8 @@ class ReduceScatter:
 
     def __call__(self, x: jax.Array) -> jax.Array:
         _check_rows(x, self.parts, "a reduce-scatter")
-        return lax.psum_scatter(x, Topology.mesh_names(self.axes), scatter_dimension=0, tiled=True)
+        names = self.topology.mesh_names(self.axes)
+        return lax.psum_scatter(x, names, scatter_dimension=0, tiled=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +93,7 @@ class AllGather:
     """Concatenates the row blocks of `axes` (`lax.all_gather`); every member holds the result."""
 
     axes: tuple[TokenAxis, ...]
+    topology: Topology = dataclasses.field(repr=False)
 
     def after(self, placement: Placement) -> Placement:
         if not placement.complete:
@@ -94,7 +104,8 @@ class AllGather:
         return Placement(Layout(sharded[: len(sharded) - len(self.axes)]))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return lax.all_gather(x, Topology.mesh_names(self.axes), axis=0, tiled=True, to="invarying")
+        names = self.topology.mesh_names(self.axes)
+        return lax.all_gather(x, names, axis=0, tiled=True, to="invarying")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +113,12 @@ class TakeBlock:
     """Keeps this rank's block of rows over `axes`: a local slice, no communication."""
 
     axes: tuple[TokenAxis, ...]
-    parts: int
+    topology: Topology = dataclasses.field(repr=False)
+
+    @property
+    def parts(self) -> int:
+        """The blocks the rows are split into: the ranks along `axes`."""
+        return self.topology.size(self.axes)
 
     def after(self, placement: Placement) -> Placement:
         _require_finalized(placement, f"block slice over {self.axes}")
@@ -111,7 +127,7 @@ class TakeBlock:
     def __call__(self, x: jax.Array) -> jax.Array:
         _check_rows(x, self.parts, "a block slice")
         rows = x.shape[0] // self.parts
-        index = lax.axis_index(Topology.mesh_names(self.axes))
+        index = lax.axis_index(self.topology.mesh_names(self.axes))
         return lax.dynamic_slice_in_dim(x, index * rows, rows, axis=0)
 
 
@@ -145,21 +161,21 @@ def run(steps: Sequence[Step], x: jax.Array) -> jax.Array:
     return x
 
 
-def all_reduce(axes: Sequence[TokenAxis]) -> tuple[Step, ...]:
+def all_reduce(axes: Sequence[TokenAxis], topology: Topology) -> tuple[Step, ...]:
     """An all-reduce over `axes`, or nothing when `axes` is empty."""
-    return (AllReduce(tuple(axes)),) if axes else ()
+    return (AllReduce(tuple(axes), topology),) if axes else ()
 
 
 def reduce_scatter(axes: Sequence[TokenAxis], topology: Topology) -> tuple[Step, ...]:
-    return (ReduceScatter(tuple(axes), topology.size(axes)),) if axes else ()
+    return (ReduceScatter(tuple(axes), topology),) if axes else ()
 
 
-def all_gather(axes: Sequence[TokenAxis]) -> tuple[Step, ...]:
-    return (AllGather(tuple(axes)),) if axes else ()
+def all_gather(axes: Sequence[TokenAxis], topology: Topology) -> tuple[Step, ...]:
+    return (AllGather(tuple(axes), topology),) if axes else ()
 
 
 def take_block(axes: Sequence[TokenAxis], topology: Topology) -> tuple[Step, ...]:
-    return (TakeBlock(tuple(axes), topology.size(axes)),) if axes else ()
+    return (TakeBlock(tuple(axes), topology),) if axes else ()
 
 
 def relayout(source: Layout, target: Layout, topology: Topology) -> tuple[Step, ...]:
@@ -170,7 +186,8 @@ def relayout(source: Layout, target: Layout, topology: Topology) -> tuple[Step, 
         and source.sharded[common] == target.sharded[common]
     ):
         common += 1
-    return all_gather(source.sharded[common:]) + take_block(target.sharded[common:], topology)
+    gather = all_gather(source.sharded[common:], topology)
+    return gather + take_block(target.sharded[common:], topology)
 
 
 def complete_onto(placement: Placement, target: Layout, topology: Topology) -> tuple[Step, ...]:
@@ -188,5 +205,5 @@ def complete_onto(placement: Placement, target: Layout, topology: Topology) -> t
         scatter = tuple(a for a in extra if a in placement.owed)
         if scatter == extra and scatter:
             rest = canonical(set(placement.owed) - set(scatter))
-            return reduce_scatter(scatter, topology) + all_reduce(rest)
-    return all_reduce(placement.owed) + relayout(placement.layout, target, topology)
+            return reduce_scatter(scatter, topology) + all_reduce(rest, topology)
+    return all_reduce(placement.owed, topology) + relayout(placement.layout, target, topology)

@@ -1,5 +1,6 @@
-"""Model-facing sharded tensor operations: shard indices, gathers over the last dimension, norms
-and losses over split columns, totals over rows. Models call these instead of naming mesh axes."""
+"""Model-facing sharded tensor operations: shard indices, gathers over the last dimension, norms,
+losses and argmaxes over split columns, totals over rows. Models call these instead of naming
+mesh axes."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ def shard_index(topology: Topology, group: SumGroup) -> jax.Array | int:
     For models that split a weight over `group` (`Topology.shard_entry(group)`) and need to
     know which slice they hold, e.g. a vocab-parallel embedding's row offset.
     """
-    axes = topology.sum_axes(group)
-    return lax.axis_index(Topology.mesh_names(axes)) if axes else 0
+    names = topology.group_names(group)
+    return lax.axis_index(names) if names else 0
 
 
 def gather_last_dim(x: jax.Array, topology: Topology, group: SumGroup) -> jax.Array:
@@ -27,10 +28,10 @@ def gather_last_dim(x: jax.Array, topology: Topology, group: SumGroup) -> jax.Ar
 
     For outputs split column-wise over `group`, e.g. vocab-parallel logits.
     """
-    axes = topology.sum_axes(group)
-    if not axes:
+    names = topology.group_names(group)
+    if not names:
         return x
-    return lax.all_gather(x, Topology.mesh_names(axes), axis=x.ndim - 1, tiled=True, to="invarying")
+    return lax.all_gather(x, names, axis=x.ndim - 1, tiled=True, to="invarying")
 
 
 def sharded_rms_norm(
@@ -70,13 +71,13 @@ def sharded_rms_norms(
             "sharded_rms_norms takes as many weights as inputs, the inputs over the same rows; "
             f"got inputs {[x.shape for x in xs]} and weights {[w.shape for w in weights]}"
         )
-    axes = topology.sum_axes(group)
+    names = topology.group_names(group)
     acc = functools.reduce(jnp.promote_types, [x.dtype for x in xs], jnp.dtype(jnp.float32))
     wide = [x.astype(acc) for x in xs]
     squares = jnp.concatenate([jnp.sum(w * w, axis=-1, keepdims=True) for w in wide], axis=-1)
-    if axes:
-        squares = lax.psum(squares, Topology.mesh_names(axes))
-    ranks = topology.size(axes)
+    if names:
+        squares = lax.psum(squares, names)
+    ranks = topology.group_size(group)
     out = []
     for index, (x, value, weight) in enumerate(zip(xs, wide, weights, strict=True)):
         mean = squares[..., index : index + 1] / (x.shape[-1] * ranks)
@@ -116,7 +117,7 @@ def vocab_parallel_cross_entropy(
             "vocab_parallel_cross_entropy takes logits [rows, columns] and labels [rows]; got "
             f"{logits.shape=}, {labels.shape=}"
         )
-    axes = Topology.mesh_names(topology.sum_axes(group))
+    axes = topology.group_names(group)
     logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
     columns = logits.shape[1]
     ids = shard_index(topology, group) * columns + jnp.arange(columns)
@@ -134,6 +135,40 @@ def vocab_parallel_cross_entropy(
     return jnp.where(valid, jnp.log(exps) + peak - target, 0)
 
 
+def vocab_parallel_argmax(
+    logits: jax.Array, topology: Topology, group: SumGroup, *, vocab_size: int
+) -> jax.Array:
+    """Each row's id of its largest logit, of logits whose vocabulary columns are split over
+    `group`, without gathering them: each rank takes the argmax of its own columns and only the
+    [rows] maxima and their ids cross the group. Ties go to the lowest id, as with `argmax` of
+    the gathered logits.
+
+    Args:
+      logits: [rows, columns] this rank's block of vocabulary columns (as for
+        `vocab_parallel_cross_entropy`); columns at ids >= `vocab_size` never win.
+      topology: The parallel topology the columns are split for.
+      group: The group the columns are split over (a vocab-parallel LM head: attention TP).
+      vocab_size: Number of real ids.
+
+    Returns:
+      int32 [rows] token ids, alike on every rank of `group`.
+    """
+    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+    columns = logits.shape[-1]
+    first = shard_index(topology, group) * columns
+    ids = first + jnp.arange(columns)
+    logits = jnp.where(ids < vocab_size, logits, -jnp.inf)
+    best = jnp.max(logits, axis=-1)
+    token = (first + jnp.argmax(logits, axis=-1)).astype(jnp.int32)
+    names = topology.group_names(group)
+    if not names:
+        return token
+    best = lax.all_gather(best, names, axis=0, to="invarying")  # [ranks, rows]
+    token = lax.all_gather(token, names, axis=0, to="invarying")
+    rank = jnp.argmax(best, axis=0)  # the first rank with the maximum: the lowest id
+    return jnp.take_along_axis(token, rank[None], axis=0)[0]
+
+
 def total_over_rows(values: jax.Array, topology: Topology) -> jax.Array:
     """The sum of per-row `values` over every row of the batch: a scalar alike on every rank.
 
@@ -142,5 +177,5 @@ def total_over_rows(values: jax.Array, topology: Topology) -> jax.Array:
     completed over attention DP only, so no row counts twice.
     """
     total = jnp.sum(values)
-    axes = Topology.mesh_names(topology.attention_rows().sharded)
+    axes = topology.mesh_names(topology.attention_rows().sharded)
     return lax.psum(total, axes) if axes else total

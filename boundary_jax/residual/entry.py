@@ -43,13 +43,13 @@ def run_entry(
     capture of the updated residual needs it complete); an add + norm kernel may still run.
     """
     if not fuse_sum:
-        entry = entry.unfused()
+        entry = entry.unfused(topology)
     residual = ops.run(entry.residual_move, residual)
     if pending is not None and entry.residual_move:
         pending = _moved_state(pending, entry.residual_move)
     if entry.read_after_move:
         if pending is not None:
-            residual = pending.apply(residual, _completed(entry, pending))
+            residual = pending.apply(residual, _completed(entry, pending, topology))
         compute_input, _, state = read.read(ops.run(entry.move_input, residual), norm)
         if state is not None:
             raise NotImplementedError(_NEEDS_EARLY_READ)
@@ -97,7 +97,7 @@ def _offer(entry, pending, value, residual, read, norm, candidates, topology):
         pending.update.resolve(),
         read,
         entry.fused_sum,
-        topology.size(entry.fused_sum),
+        topology,
     )
     return next((r for r in (c(request) for c in candidates) if r is not None), None)
 
@@ -107,7 +107,7 @@ def _update_and_read(entry, pending, value, transform, residual, read, norm, can
         fused = _offer(entry, pending, value, residual, read, norm, candidates, topology)
         if fused is not None:
             return (*fused, None)
-    value = ops.run(ops.all_reduce(entry.fused_sum), value)
+    value = ops.run(ops.all_reduce(entry.fused_sum, topology), value)
     if transform is not None:
         value = transform(value)
     return read.update_and_read(
@@ -115,6 +115,6 @@ def _update_and_read(entry, pending, value, transform, residual, read, norm, can
     )
 
 
-def _completed(entry, pending: Contribution) -> jax.Array:
-    value, transform = pending.advance(entry.complete + ops.all_reduce(entry.fused_sum))
+def _completed(entry, pending: Contribution, topology: Topology) -> jax.Array:
+    value, transform = pending.advance(entry.complete + ops.all_reduce(entry.fused_sum, topology))
     return value if transform is None else transform(value)

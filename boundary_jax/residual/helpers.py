@@ -190,17 +190,19 @@ class FinalizeRequest:
       residual: The residual on the same rows.
       norm: The final norm.
       sum_axes: Token axes the finalized value still owes a sum over.
+      topology: The topology the stack is bound on: it names the mesh axes of `sum_axes`.
     """
 
     handoff: DeferredFinalize
     residual: jax.Array
     norm: Norm | None
     sum_axes: tuple[TokenAxis, ...]
+    topology: Topology
 
     @property
     def axis_names(self) -> tuple[str, ...]:
         """Mesh axis names of `sum_axes`, for a kernel's collective."""
-        return Topology.mesh_names(self.sum_axes)
+        return self.topology.mesh_names(self.sum_axes)
 
 
 def final_norm(
@@ -244,7 +246,13 @@ def _final_read(output, stream, norm, skip_empty, finalize_norm, *, capture: boo
     def read():
         fused = pending is not None and pending.placement.finalize and finalize_norm is not None
         if fused and not entry.move_input:
-            request = FinalizeRequest(pending.value, stream.residual, norm, pending.placement.owed)
+            request = FinalizeRequest(
+                pending.value,
+                stream.residual,
+                norm,
+                pending.placement.owed,
+                stream.batch.topology,
+            )
             return finalize_norm(request), None
         normed, residual, _ = run_entry(
             entry,

@@ -103,7 +103,7 @@ def _status(console, message: str):
 
 def _build(args, console):
     """(model, mesh) for --checkpoint or --preset on --mesh."""
-    topology = bj.Topology.from_axis_sizes(args.mesh, moe_ep=args.moe_ep)
+    topology = _topology(args)
     mesh = bj.make_mesh(topology)
     dtype = jnp.dtype(args.dtype)
     # Training runs XLA's attention (cuDNN's backward is not supported); the rest pick theirs.
@@ -153,6 +153,19 @@ def _build(args, console):
                 scan_layers=args.scan_layers,
             )
     return model, mesh
+
+
+def _topology(args) -> bj.Topology:
+    """The topology of --mesh and --moe-ep, checked against the experts of the model's config."""
+    moe = _source_config(args).moe
+    mesh = ",".join(f"{name}={size}" for name, size in args.mesh.items()) or "(none: one device)"
+    try:
+        topology = bj.Topology.from_axis_sizes(args.mesh, moe_ep=args.moe_ep)
+        if moe is not None:
+            topology.experts_per_rank(moe.num_experts)
+    except ValueError as error:
+        raise InputError(f"--moe-ep {args.moe_ep} with --mesh {mesh}: {error}") from None
+    return topology
 
 
 def _source_config(args) -> DecoderConfig:

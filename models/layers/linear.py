@@ -11,13 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax import lax
 
 from boundary_jax import (
     SumGroup,
     Topology,
     gather_last_dim,
     shard_index,
+    vocab_parallel_argmax,
     vocab_parallel_cross_entropy,
 )
 
@@ -26,7 +26,7 @@ from ..config import padded_vocab
 
 def group_size(topology: Topology, group: SumGroup | None) -> int:
     """Number of ranks a weight split over `group` is divided among (1 for None)."""
-    return 1 if group is None else topology.size(topology.sum_axes(group))
+    return 1 if group is None else topology.group_size(group)
 
 
 def sharded_param(value: jax.Array, spec: tuple[str | tuple[str, ...] | None, ...]) -> nnx.Param:
@@ -263,17 +263,6 @@ class ParallelLMHead(nnx.Module):
         tied = self.kernel is None
         weight = self.tied_embedding.embedding[...].T if tied else self.kernel[...]
         logits = (x @ weight).astype(jnp.float32)
-        columns = logits.shape[-1]
-        first = shard_index(self.topology, SumGroup.ATTN_TP) * columns
-        ids = first + jnp.arange(columns)
-        logits = jnp.where(ids < self.vocab_size, logits, -jnp.inf)
-        best = jnp.max(logits, axis=-1)
-        token = (first + jnp.argmax(logits, axis=-1)).astype(jnp.int32)
-        axes = self.topology.sum_axes(SumGroup.ATTN_TP)
-        if not axes:
-            return token
-        names = Topology.mesh_names(axes)
-        best = lax.all_gather(best, names, axis=0, to="invarying")  # [ranks, T]
-        token = lax.all_gather(token, names, axis=0, to="invarying")
-        rank = jnp.argmax(best, axis=0)  # first rank with the maximum: the lowest id
-        return jnp.take_along_axis(token, rank[None], axis=0)[0]
+        return vocab_parallel_argmax(
+            logits, self.topology, SumGroup.ATTN_TP, vocab_size=self.vocab_size
+        )

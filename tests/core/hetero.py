@@ -205,7 +205,7 @@ def transport(tensors: dict, topology: bj.Topology) -> dict:
     """The simulated pipeline transport: each attention-TP rank sends its slice of every tensor,
     and the receiver gathers the slices back (inside `shard_map`)."""
     tp = topology.active((bj.TokenAxis.ATTN_TP,))
-    slice_, gather = bj.ops.take_block(tp, topology), bj.ops.all_gather(tp)
+    slice_, gather = bj.ops.take_block(tp, topology), bj.ops.all_gather(tp, topology)
     return jax.tree.map(lambda t: bj.ops.run(gather, bj.ops.run(slice_, t)), tensors)
 
 

@@ -89,7 +89,9 @@ def _check_cut(uncut, sender, receiver, cut, model):
             assert option.leave.sends_written == writes
             leave = option.leave.entry(option.handoff)
             residual = bj.Placement(leave.residual_from)
-            landed = ops.simulate(leave.complete + ops.all_reduce(leave.fused_sum), leave.handoff)
+            landed = ops.simulate(
+                leave.complete + ops.all_reduce(leave.fused_sum, topology), leave.handoff
+            )
             assert landed == residual, "to_pp completes every owed item"
             moved = ops.simulate(leave.move_input, residual)
             assert moved == bj.Placement(attention), "the handoff is on the attention's rows"

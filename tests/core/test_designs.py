@@ -157,7 +157,7 @@ def test_a_nonlinear_update_is_kept_out_of_fused_kernels_and_snapshots():
     assert not update.plain
     value = jnp.ones((8, HIDDEN))
     request = bj.fusions.FusionRequest(
-        value, value, bj.RMSNorm(HIDDEN), update, designs.AddNormRead(), (), 1
+        value, value, bj.RMSNorm(HIDDEN), update, designs.AddNormRead(), (), bj.Topology()
     )
     assert bj.fusions.AddRmsNorm("cpu", impl=None)(request) is None
     model = Hetero((K.ATTN, K.FFN), 1, 1, design=post_norm)

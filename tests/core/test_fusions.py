@@ -112,7 +112,7 @@ def test_stacks_bind_no_candidates_unless_asked_and_platform_kernels_decline_on_
         bj.designs.PlainAdd(),
         bj.designs.AddNormRead(),
         (bj.TokenAxis.ATTN_TP,),
-        2,
+        setup.topology,
     )
     assert all(candidate(request) is None for candidate in candidates)
 

@@ -122,8 +122,8 @@ def test_a_sum_before_a_finalize_is_rejected():
     """No sum or row move runs on an unfinalized value: the steps refuse at binding."""
     owed = bj.Placement(bj.Layout(), (bj.TokenAxis.ATTN_TP,), finalize=True)
     for step in (
-        ops.AllReduce((bj.TokenAxis.ATTN_TP,)),
-        ops.ReduceScatter((bj.TokenAxis.ATTN_TP,), 2),
+        ops.AllReduce((bj.TokenAxis.ATTN_TP,), bj.Topology(attn_tp=2)),
+        ops.ReduceScatter((bj.TokenAxis.ATTN_TP,), bj.Topology(attn_tp=2)),
     ):
         with pytest.raises(bj.PlanError, match="unfinalized"):
             ops.simulate((step, ops.Finalize()), owed)
@@ -133,7 +133,7 @@ def test_a_sum_before_a_finalize_is_rejected():
 MUTANTS = {
     "skip": {
         ops.AllReduce: lambda original, step, x: x,
-        ops.ReduceScatter: lambda original, step, x: ops.TakeBlock(step.axes, step.parts)(x),
+        ops.ReduceScatter: lambda original, step, x: ops.TakeBlock(step.axes, step.topology)(x),
         ops.AllGather: lambda original, step, x: jnp.concatenate(
             [x] * (original(step, x).shape[0] // x.shape[0])
         ),

@@ -71,7 +71,7 @@ MUTANTS = {
     "double an all-reduce": (ops.AllReduce, lambda original, step, x: 2 * original(step, x)),
     "skip a reduce-scatter's sum": (
         ops.ReduceScatter,
-        lambda original, step, x: ops.TakeBlock(step.axes, step.parts)(x),
+        lambda original, step, x: ops.TakeBlock(step.axes, step.topology)(x),
     ),
     "double a reduce-scatter": (ops.ReduceScatter, lambda original, step, x: 2 * original(step, x)),
 }

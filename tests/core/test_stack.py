@@ -1,7 +1,11 @@
 """Topology, layouts, declarations and stack binding: every decision made before tracing."""
 
+import itertools
+import math
+
 import flax.nnx
 import jax
+import numpy as np
 import pytest
 
 import boundary_jax as bj
@@ -33,6 +37,72 @@ def test_topology_rejects_unknown_axes():
     """A mesh axis boundary-jax does not know is rejected by name."""
     with pytest.raises(ValueError, match=r"unknown axes \['tp'\]"):
         bj.Topology.from_axis_sizes({"tp": 4})
+
+
+D, DE, T, TE = "attn_dp", "attn_dp_ep", "attn_tp", "attn_tp_ep"
+FACTORINGS = [
+    # (dp, tp, moe_ep): the mesh axes of size > 1, the MOE_EP mesh axes, the MOE_TP mesh axes
+    (1, 8, 1, {T: 8}, (), (T,)),
+    (1, 4, 2, {TE: 2, T: 2}, (TE,), (T,)),
+    (1, 8, 4, {TE: 4, T: 2}, (TE,), (T,)),
+    (2, 4, 2, {D: 2, T: 4}, (D,), (T,)),
+    (2, 4, 4, {D: 2, TE: 2, T: 2}, (D, TE), (T,)),
+    (2, 4, 8, {D: 2, T: 4}, (D, T), ()),
+    (4, 2, 2, {DE: 2, D: 2, T: 2}, (DE,), (D, T)),
+    (6, 4, 4, {DE: 2, D: 3, TE: 2, T: 2}, (DE, TE), (D, T)),  # EP not a block of the TP group
+]
+
+
+@pytest.mark.parametrize("dp,tp,ep,shape,experts,width", FACTORINGS)
+def test_expert_parallel_size_factors_the_token_axes(dp, tp, ep, shape, experts, width):
+    """Each token axis gives gcd(moe_ep left, its size) ranks to the expert-parallel group,
+    outermost first; an axis split strictly is two mesh axes (its part outer), which collectives
+    over the token axis name together. Every rank has its own (expert, width) position."""
+    topology = bj.Topology(attn_dp=dp, attn_tp=tp, moe_ep=ep)
+    mesh_shape = topology.mesh_shape()
+    assert {name: size for name, size in mesh_shape.items() if size > 1} == shape
+    assert list(mesh_shape) == [a.value for a in bj.MeshAxis if a.value in mesh_shape]
+    assert topology.group_names(bj.SumGroup.MOE_EP) == experts
+    assert topology.group_names(bj.SumGroup.MOE_TP) == width
+    assert topology.group_size(bj.SumGroup.MOE_EP) == ep
+    assert topology.group_size(bj.SumGroup.MOE_TP) == dp * tp // ep
+    for axis, size in ((A.ATTN_DP, dp), (A.ATTN_TP, tp)):
+        names = topology.mesh_names((axis,))
+        assert math.prod(mesh_shape[name] for name in names) == size
+        assert names[-1] == axis.mesh_name and names[0] in (axis.mesh_name, axis.expert_mesh_axis)
+    assert topology.group_names(bj.SumGroup.TP) == tuple(n for n in mesh_shape if n in shape)
+    entry = topology.shard_entry(bj.SumGroup.MOE_EP)
+    assert entry == (None if not experts else experts[0] if len(experts) == 1 else experts)
+    coordinates = list(itertools.product(*(range(size) for size in shape.values())))
+    position = {name: i for i, name in enumerate(shape)}
+
+    def index(coordinate, names):
+        if not names:
+            return 0
+        at = [coordinate[position[name]] for name in names]
+        return int(np.ravel_multi_index(at, [shape[name] for name in names]))
+
+    ranks = {(index(c, experts), index(c, width)) for c in coordinates}
+    assert len(ranks) == dp * tp and {e for e, _ in ranks} == set(range(ep))
+
+
+def test_a_split_mesh_reads_back_and_a_mismatched_one_is_rejected():
+    """make_mesh builds the factored axes and from_mesh reads them back; whole-axis sizes are
+    read with any moe_ep, while a mesh or sizes naming another factoring are rejected."""
+    topology = bj.Topology(attn_dp=2, attn_tp=4, moe_ep=4)
+    mesh = bj.make_mesh(topology)
+    assert dict(mesh.shape) == topology.mesh_shape()
+    assert bj.Topology.from_mesh(mesh, moe_ep=4) == topology
+    assert bj.Topology.from_axis_sizes(topology.mesh_shape(), moe_ep=4) == topology
+    assert bj.Topology.from_axis_sizes({"attn_dp": 2, "attn_tp": 4}, moe_ep=4) == topology
+    with pytest.raises(ValueError, match=r"make_mesh\(topology\)"):
+        bj.Topology.from_mesh(make_mesh(2, 4), moe_ep=4)
+    with pytest.raises(ValueError, match="factors the mesh axes as"):
+        bj.Topology.from_mesh(mesh)
+    with pytest.raises(ValueError, match="factors the mesh axes as"):
+        bj.Topology.from_axis_sizes({"attn_tp_ep": 2, "attn_tp": 2}, moe_ep=4)
+    with pytest.raises(ValueError, match="group_names"):
+        topology.sum_axes(bj.SumGroup.MOE_EP)
 
 
 def test_layouts_drop_size_one_axes():

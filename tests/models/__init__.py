@@ -26,8 +26,8 @@ def row_spec(topology: bj.Topology, *trailing) -> PartitionSpec:
 
 def sum_over(x: jax.Array, topology: bj.Topology, group: bj.SumGroup) -> jax.Array:
     """The test-side completion of a partial sum over `group` (models never sum)."""
-    axes = topology.sum_axes(group)
-    return lax.psum(x, bj.Topology.mesh_names(axes)) if axes else x
+    names = topology.group_names(group)
+    return lax.psum(x, names) if names else x
 
 
 def run_sharded(

@@ -11,6 +11,8 @@ import pytest
 import boundary_jax as bj
 from models.cli.main import main
 from tests.core.test_collectives import expected_layers
+from tests.models.test_moe_decoder import MIDDLE_SPARSE_LAYER
+from tests.models.test_moe_decoder import Layout as MoeLayout
 
 GOLDEN = pathlib.Path(__file__).parents[1] / "golden"
 P = bj.ReductionPolicy
@@ -91,18 +93,28 @@ def test_generate_prints_the_greedy_ids_as_its_last_line(capsys):
 
 
 @pytest.mark.parametrize(
-    "name,command,extra",
+    "name,command,mesh,extra",
     [
-        ("qwen2_moe", "forward", ["--moe-ep", "4"]),
-        ("qwen2_moe", "generate", ["--moe-ep", "4", "--moe-dispatch", "all-to-all"]),
-        ("qwen2", "generate", []),
+        ("qwen2_moe", "forward", "attn_tp=4", ["--moe-ep", "4"]),
+        ("qwen2_moe", "generate", "attn_tp=4", ["--moe-ep", "4", "--moe-dispatch", "all-to-all"]),
+        ("qwen2", "generate", "attn_tp=4", []),
+    ]
+    + [  # --moe-ep splitting a mesh axis: attn_tp 4 as attn_tp_ep 2 x attn_tp 2
+        (name, command, mesh, extra)
+        for name, mesh, extra in (
+            ("qwen3_moe", "attn_tp=4", ["--moe-ep", "2", "--moe-dispatch", "all-to-all"]),
+            ("mixtral", "attn_tp=4", ["--moe-ep", "2"]),
+            ("qwen2_moe", "attn_dp=2,attn_tp=4", ["--moe-ep", "4"]),
+        )
+        for command in ("forward", "generate")
     ],
 )
-def test_checkpoint_runs_with_expert_parallelism(tmp_path, capsys, name, command, extra):
-    """forward and generate take MoE checkpoints with --moe-ep/--moe-dispatch (and dense Qwen2,
-    with q/k/v biases): HF's logits (within 1e-4) and greedy tokens."""
+def test_checkpoint_runs_with_expert_parallelism(tmp_path, capsys, name, command, mesh, extra):
+    """forward and generate take MoE checkpoints with --moe-ep/--moe-dispatch, any expert-parallel
+    size dividing the TP group (and dense Qwen2, with q/k/v biases): HF's logits (within 1e-4)
+    and greedy tokens."""
     checkpoint, reference = _golden(name)
-    args = [command, "--checkpoint", str(checkpoint), "--mesh", "attn_tp=4", *extra]
+    args = [command, "--checkpoint", str(checkpoint), "--mesh", mesh, *extra]
     prompts = str(checkpoint / "prompts.json")
     if command == "forward":
         out = tmp_path / "logits.npy"
@@ -135,6 +147,19 @@ def test_plan_json_reports_a_middle_sparse_layer(capsys, dispatch, per_layer, sc
     assert report["moe_dispatch"] == dispatch
     counts = {kind: n for kind, n in report["collectives_per_layer"].items() if n}
     assert counts == per_layer
+
+
+def test_plan_json_of_an_expert_parallel_group_splitting_a_mesh_axis(capsys):
+    """plan --json with --moe-ep 2 on attn_tp=4 reports the split mesh (attn_tp_ep x attn_tp)
+    and the middle sparse layer's collectives as docs/collectives.md documents them."""
+    args = ["plan", "--preset", "tiny-qwen3-moe", "--mesh", "attn_tp=4", "--moe-ep", "2"]
+    assert main([*args, "--moe-dispatch", "all-to-all", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["mesh"] == {"pp": 1, "attn_dp": 1, "attn_cp": 1, "attn_tp_ep": 2, "attn_tp": 2}
+    assert report["moe_ep"] == 2
+    layout = MoeLayout(1, 4, ep=2, dispatch=bj.MoeDispatch.ALL_TO_ALL)
+    middle = report["collectives_by_layer"][report["middle_layer"]]["sequence"]
+    assert tuple(middle) == MIDDLE_SPARSE_LAYER[layout]
 
 
 @pytest.mark.parametrize(
@@ -287,6 +312,10 @@ BAD_INPUT = {
     "expert-parallel size not dividing the TP group": (
         lambda tmp: ["plan", "--preset", "tiny-qwen3-moe", "--mesh", "attn_tp=4", "--moe-ep", "3"],
         "moe_ep must divide the full TP group",
+    ),
+    "expert-parallel size not dividing the experts": (
+        lambda tmp: ["plan", "--preset", "tiny-qwen3-moe", "--mesh", "attn_tp=6", "--moe-ep", "6"],
+        "--moe-ep 6 with --mesh attn_tp=6: moe_ep must divide the number of experts",
     ),
     "MoE options for a dense model": (
         lambda tmp: ["plan", "--preset", "tiny-qwen3", "--mesh", "attn_tp=4", "--moe-ep", "4"],

@@ -88,7 +88,7 @@ def golden(name: str) -> tuple[list[list[int]], dict[str, np.ndarray]]:
 
 @functools.cache
 def runner(name: str, layout: Layout) -> ShardedCausalLM:
-    mesh = make_mesh(bj.Topology(attn_dp=layout.dp, attn_tp=layout.tp))
+    mesh = make_mesh(bj.Topology(attn_dp=layout.dp, attn_tp=layout.tp, moe_ep=layout.ep))
     model = load_model(
         GOLDEN / name,
         mesh,
@@ -173,7 +173,7 @@ def layer_case(
         impl=impl,
         rngs=nnx.Rngs(5),
     )
-    return module, make_mesh(bj.Topology(attn_dp=dp, attn_tp=tp))
+    return module, make_mesh(topology)
 
 
 def run_layer(module: MoeFfn, mesh, x: jax.Array, *, defer: bool) -> np.ndarray:
@@ -189,8 +189,8 @@ def run_layer(module: MoeFfn, mesh, x: jax.Array, *, defer: bool) -> np.ndarray:
             out = out.complete()
         if own:
             return out
-        axes = topology.sum_axes(bj.SumGroup.MOE_OUTPUT)
-        return jax.lax.psum(out, bj.Topology.mesh_names(axes)) if axes else out
+        names = topology.group_names(bj.SumGroup.MOE_OUTPUT)
+        return jax.lax.psum(out, names) if names else out
 
     return np.asarray(run_sharded(module, mesh, body, (x,), (rows,), rows))
 
@@ -222,6 +222,26 @@ def test_moe_ffn_matches_float64_reference(dp, tp, ep, dispatch, defer):
     module, mesh = layer_case(dp, tp, ep, dispatch)
     want = layer_reference(module, np.asarray(TOKENS_IN))
     got = run_layer(module, mesh, TOKENS_IN, defer=defer)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.max(np.abs(want)))
+
+
+EVERY_EP = [  # every divisor of the full TP group on each 8-device mesh, not in LAYER_MESHES
+    (dp, tp, ep, dispatch)
+    for dp, tp in ((1, 8), (2, 4), (4, 2))
+    for ep in (1, 2, 4, 8)
+    for dispatch in (GATHER, ALL_TO_ALL)
+    if (dp, tp, ep, dispatch) not in LAYER_MESHES
+]
+
+
+@pytest.mark.parametrize("dp,tp,ep,dispatch", EVERY_EP)
+def test_every_expert_parallel_size_matches_float64_reference(dp, tp, ep, dispatch):
+    """Any moe_ep dividing the full TP group, also one that splits a mesh axis into an
+    expert-parallel part and a width part (moe_ep 2 or 4 on TP 8, 4 on DP 2 x TP 4, 2 on DP 4 x
+    TP 2): the completed output equals the float64 layer."""
+    module, mesh = layer_case(dp, tp, ep, dispatch)
+    want = layer_reference(module, np.asarray(TOKENS_IN))
+    got = run_layer(module, mesh, TOKENS_IN, defer=False)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.max(np.abs(want)))
 
 
@@ -397,7 +417,8 @@ MIDDLE_SPARSE_LAYER = _documented_moe_rows()
 @pytest.mark.parametrize("layout", list(MIDDLE_SPARSE_LAYER), ids=str)
 def test_middle_sparse_layer_collectives(layout):
     """A middle layer of a 4-layer Mixtral runs exactly the collectives docs/collectives.md
-    documents for it (gather and all-to-all, finalize deferred or not)."""
+    documents for it (gather and all-to-all, finalize deferred or not), each all-to-all over the
+    expert-parallel ranks (also where they are part of a mesh axis)."""
     assert len(MIDDLE_SPARSE_LAYER) >= 10
     config = dataclasses.replace(load_config(GOLDEN / "mixtral"), num_layers=4)
     topology = bj.Topology(attn_dp=layout.dp, attn_tp=layout.tp, moe_ep=layout.ep)
@@ -408,7 +429,10 @@ def test_middle_sparse_layer_collectives(layout):
         fusions=DEFER if layout.defer else bj.fusions.NO_FUSIONS,
     )
     run = ShardedCausalLM(model, make_mesh(topology), input_scattered=layout.scattered)
-    assert collective_report(run).sequence(1) == MIDDLE_SPARSE_LAYER[layout]
+    report = collective_report(run)
+    assert report.sequence(1) == MIDDLE_SPARSE_LAYER[layout]
+    exchanges = [c for c in report.collectives if c.layer == 1 and c.kind == "all-to-all"]
+    assert all(c.group_size == layout.ep for c in exchanges)
 
 
 # --------------------------------------------------------------------------------------------
@@ -421,9 +445,12 @@ def test_ep_size_must_divide_the_tp_group():
         bj.Topology(attn_tp=4, moe_ep=3)
 
 
-def test_ep_group_splitting_a_mesh_axis_is_rejected():
-    with pytest.raises(NotImplementedError, match="whole mesh axes"):
-        bj.Topology(attn_tp=4, moe_ep=2)
+def test_mesh_without_the_expert_parallel_axes_is_rejected():
+    """moe_ep 2 on attention TP 4 needs the mesh make_mesh builds (attn_tp_ep x attn_tp): a mesh
+    of one attn_tp axis is rejected where a model meets it, naming the fix."""
+    mesh = make_mesh(bj.Topology(attn_tp=4))
+    with pytest.raises(ValueError, match=r"make_mesh\(topology\)"):
+        load_model(GOLDEN / "mixtral", mesh, moe_ep=2)
 
 
 def test_ep_size_must_divide_the_experts():
