@@ -121,6 +121,7 @@ class MoeCausalLM(CausalLM):
                 config.intermediate_size,
                 topology=self.topology,
                 dtype=dtype,
+                init_std=config.initializer_range,
                 rngs=rngs,
             )
         return MoeFfn(
@@ -131,5 +132,6 @@ class MoeCausalLM(CausalLM):
             capacity=self.moe_capacity,
             impl=self.grouped_matmul,
             dtype=dtype,
+            init_std=config.initializer_range,
             rngs=rngs,
         )

@@ -22,7 +22,7 @@ import boundary_jax as bj
 
 from ..families.decoder import CausalLM
 from ..families.moe import MoeCausalLM
-from ..layers.attention import KVCache
+from ..layers.kv_cache import KVCache
 from ..layers.moe import PALLAS
 from ..rows import PackedBatch, RowsPhase, TokenRows, decode_rows, pack_sequences
 from .sampling import GREEDY, Sampling, sample_tokens
