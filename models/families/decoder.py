@@ -269,7 +269,7 @@ class CausalLM(nnx.Module):
         """
         del layer_index
         stages = self.design.facts() if stages is None else stages
-        return bj.declare_attn(**stages.attn), bj.declare_ffn(**stages.ffn)
+        return stages.attn.declare_attn(), stages.ffn.declare_ffn()
 
     def layer_design(self) -> LayerDesign:
         """Where every layer's norms sit: the family's residual design, or pre-norm behind

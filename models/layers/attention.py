@@ -388,10 +388,13 @@ class Attention(nnx.Module):
         position = jnp.where(
             valid, positions, jnp.arange(positions.shape[0], dtype=positions.dtype)
         )
-        write = {"mode": "drop", "unique_indices": True}
         return KVCache(
-            k=cache.k.at[slot, position].set(k.astype(cache.k.dtype), **write),
-            v=cache.v.at[slot, position].set(v.astype(cache.v.dtype), **write),
+            k=cache.k.at[slot, position].set(
+                k.astype(cache.k.dtype), mode="drop", unique_indices=True
+            ),
+            v=cache.v.at[slot, position].set(
+                v.astype(cache.v.dtype), mode="drop", unique_indices=True
+            ),
         )
 
 
