@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from boundary_jax.initializers import Initializer, initializer_of
 
@@ -163,7 +163,7 @@ def sharded_initializer(
             unit_keys = keys[start : start + len(members)]
             start += len(members)
             batch = jax.vmap(functools.partial(_draw, unit))(unit_keys)
-            batch = jax.sharding.reshard(batch, NamedSharding(mesh, PartitionSpec(None, *spec)))
+            batch = _laid_out(batch, NamedSharding(mesh, PartitionSpec(None, *spec)))
             batch = jax.lax.optimization_barrier(batch)
             for position, (index, _) in enumerate(members):
                 values[index].append(batch[position])
@@ -174,6 +174,14 @@ def sharded_initializer(
 
     shardings = [NamedSharding(mesh, draw.spec) for draw in draws]
     return jax.jit(initialize, out_shardings=shardings)
+
+
+def _laid_out(value: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """`value` split as `sharding` says: `reshard` on a mesh of explicit axes (as
+    `boundary_jax.make_mesh` makes), a sharding constraint on automatic ones."""
+    if all(kind is AxisType.Explicit for kind in sharding.mesh.axis_types):
+        return jax.sharding.reshard(value, sharding)
+    return jax.lax.with_sharding_constraint(value, sharding)
 
 
 def _draw(unit: Unit, key: jax.Array) -> jax.Array:

@@ -59,7 +59,7 @@ class ColumnParallelLinear(nnx.Module):
     Attributes:
       kernel: [in_features, out_features] global, local [in_features, out_features / ranks];
         with parts, [in_features, parts, out_features] split on the last axis. Drawn from
-        N(0, init_std^2) (`weight_init`: init_std None is 1/in_features).
+        N(0, init_std^2) (`weight_init`; None: std 1/sqrt(in_features)).
       bias: [out_features] (with parts, [parts, out_features]) split as the kernel's columns;
         None without a bias. Drawn like the kernel (not zeros, as Hugging Face does), so a
         dropped or mis-sharded bias shows in tests.

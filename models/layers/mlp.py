@@ -23,13 +23,13 @@ class SwiGLU(nnx.Module):
     SiLU (SwiGLU) unless the `activation` says otherwise (Gemma's GeGLU: GELU, tanh form).
 
     Full TP spans attention DP x CP x TP, so the input rows must be the same on every rank of
-    the group (the boundary gathers attention-DP rows before the FFN).
+    the group (the boundary gathers attention-DP rows before the FFN). Both projections are
+    drawn from N(0, init_std^2) (`linear.weight_init`; None: std 1/sqrt(fan_in)).
 
     Attributes:
       gate_up_proj: [hidden, 2, intermediate]: the gate and up projections stacked (one matmul),
         columns split over `SumGroup.TP`.
       down_proj: [intermediate, hidden], rows split over `SumGroup.TP`.
-      Both drawn from N(0, init_std^2) (None: 1/fan_in, `linear.weight_init`).
       activation: The gate's activation.
     """
 

@@ -457,7 +457,7 @@ class SharedExpert(nnx.Module):
       down_proj: [width, hidden] global, rows split over `width_entry`.
       expert_gate: [hidden, 1], whole on every rank (Qwen2-MoE's `shared_expert_gate`), or None.
 
-    Every weight is drawn from N(0, init_std^2) (None: N(0, 1/fan_in)).
+    Every weight is drawn from N(0, init_std^2) (None: std 1/sqrt(fan_in)).
     """
 
     def __init__(
@@ -508,7 +508,7 @@ class SparseMoe(nnx.Module):
       renormalize: Whether the router renormalises its top-k weights.
       impl: The grouped matmul implementation.
 
-    Every weight is drawn from N(0, init_std^2) (None: N(0, 1/fan_in)).
+    Every weight is drawn from N(0, init_std^2) (None: std 1/sqrt(fan_in)).
     """
 
     def __init__(
@@ -647,8 +647,8 @@ def _param(
     std: float | None,
     fan_in: int | None = None,
 ) -> nnx.Param:
-    """N(0, std^2) weights (std None: 1/fan_in, fan_in by default the second-to-last axis),
-    split as `spec` says."""
+    """N(0, std^2) weights (std None: 1/sqrt(fan_in), fan_in by default the second-to-last
+    axis), split as `spec` says."""
     fan_in = shape[-2] if fan_in is None else fan_in
     init = Normal(1 / np.sqrt(fan_in) if std is None else std)
     return param(init, shape, dtype, rngs=rngs, sharding=spec)
