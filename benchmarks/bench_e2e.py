@@ -47,7 +47,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 import boundary_jax as bj
 from models.build import build_model
 from models.config import DecoderConfig
-from models.layers.attention import AttentionImpl, KVCache, decode_attention_cudnn
+from models.layers.attention import AttentionImpl
+from models.layers.cudnn_attention import decode_attention_cudnn
+from models.layers.kv_cache import KVCache
 from models.layers.rope import apply_rope, rope_inv_freq
 from models.rows import RowsPhase, TokenRows, pack_sequences
 from models.serving.runtime import ShardedCausalLM

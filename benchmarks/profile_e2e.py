@@ -26,7 +26,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import boundary_jax as bj
 from models.build import build_model
-from models.layers.attention import AttentionImpl, KVCache
+from models.layers.attention import AttentionImpl
+from models.layers.kv_cache import KVCache
 from models.rows import pack_sequences
 from models.serving.runtime import ShardedCausalLM
 

@@ -8,6 +8,7 @@ and run each layer as `prepare` -> compute -> `finish`, threading the `ResidualS
 
 from . import designs as designs
 from . import fusions as fusions
+from . import initializers as initializers
 from . import report as report
 from . import residual as residual
 from .batch import BatchFacts as BatchFacts

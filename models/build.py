@@ -3,20 +3,21 @@ Hugging Face checkpoint with each device reading only its shards."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 import boundary_jax as bj
 
 from .checkpoints import load_config, load_params
 from .config import DecoderConfig
 from .families import CausalLM, MoeCausalLM, Remat, model_class
+from .initialization import initialize_params
 from .layers.attention import AttentionImpl
 from .layers.hyper_connections import HyperConnections
 
@@ -28,18 +29,37 @@ def _platform(mesh: Mesh | None) -> str:
 def _construct(
     config: DecoderConfig,
     topology: bj.Topology,
+    *,
     moe_dispatch: bj.MoeDispatch | None,
-    **options,
+    reduction: bj.ReductionPolicy,
+    fusions: bj.fusions.FusionProvider,
+    dtype: jnp.dtype,
+    attention: AttentionImpl,
+    remat: Remat,
+    hyper_connections: HyperConnections | None,
+    scan_layers: bool,
+    rngs: nnx.Rngs,
 ) -> CausalLM:
     cls = model_class(config)
     if issubclass(cls, MoeCausalLM):
-        return cls(config, topology, moe_dispatch=moe_dispatch or bj.MoeDispatch.GATHER, **options)
-    if moe_dispatch is not None or topology.moe_ep != 1:
+        cls = functools.partial(cls, moe_dispatch=moe_dispatch or bj.MoeDispatch.GATHER)
+    elif moe_dispatch is not None or topology.moe_ep != 1:
         raise ValueError(
             f"{config.architecture.value} has no experts; got {moe_dispatch=} and "
             f"moe_ep={topology.moe_ep}. Leave the MoE options unset"
         )
-    return cls(config, topology, **options)
+    return cls(
+        config,
+        topology,
+        reduction=reduction,
+        fusions=fusions,
+        dtype=dtype,
+        attention=attention,
+        remat=remat,
+        hyper_connections=hyper_connections,
+        scan_layers=scan_layers,
+        rngs=rngs,
+    )
 
 
 def build_model(
@@ -57,19 +77,26 @@ def build_model(
     hyper_connections: HyperConnections | None = None,
     scan_layers: bool = False,
 ) -> CausalLM:
-    """A model of `config` with random weights (every shard different).
+    """A model of `config` with random weights, drawn as the family initializes them (Hugging
+    Face: normal(0, `config.initializer_range`) projections, embeddings and experts; norms ones,
+    Gemma's `1 + w` norms zeros).
+
+    The model is built abstractly, then every parameter is drawn from its own key (the seed
+    folded with a hash of the parameter's path; `models.initialization`) at its global shape,
+    on a mesh by one jitted initializer straight into its shards: a seed gives the same values
+    on every mesh and without one, scanned or not.
 
     Args:
       fusions: The stack's fusion provider (default: none, the built-in path).
       moe_dispatch: For an MoE config, the sparse layers' dispatch (None:
         `MoeDispatch.GATHER`); `topology.moe_ep` gives their expert parallelism. A dense config
         takes neither.
+      seed: The random seed.
       attention: The attention kernel; None picks `AttentionImpl.for_platform` of `mesh` (or
         of the default backend).
-      mesh: None builds every weight whole on the default device; a mesh builds the model
-        abstractly and creates each weight straight into its shards (no unsharded copy), at
-        the cost of compiling the initializer (seconds; worth it for large models). The
-        values are the same either way.
+      mesh: None builds every weight whole on the default device; a mesh creates each weight
+        straight into its shards (no unsharded copy), at the cost of compiling the
+        initializer (seconds). The values are the same either way.
       remat: What each layer keeps for the backward pass (training).
       hyper_connections: Build every boundary with MHC hyper-connections (random MHC weights);
         None: the plain pre-norm add + RMSNorm.
@@ -79,12 +106,11 @@ def build_model(
     """
     if attention is None:
         attention = AttentionImpl.for_platform(_platform(mesh))
-
-    def make() -> CausalLM:
-        return _construct(
+    abstract = nnx.eval_shape(
+        lambda: _construct(
             config,
             topology,
-            moe_dispatch,
+            moe_dispatch=moe_dispatch,
             reduction=reduction,
             fusions=fusions,
             dtype=dtype,
@@ -92,45 +118,12 @@ def build_model(
             remat=remat,
             hyper_connections=hyper_connections,
             scan_layers=scan_layers,
-            rngs=nnx.Rngs(seed),
+            rngs=nnx.Rngs(0),
         )
-
-    if mesh is None:
-        return make()
-    graphdef, abstract_state = nnx.split(nnx.eval_shape(make))
-    shardings = jax.tree.map(
-        lambda spec: NamedSharding(mesh, spec), nnx.get_partition_spec(abstract_state)
     )
-    return nnx.merge(graphdef, _initialize_in_parts(make, abstract_state, shardings))
-
-
-LAYERS_PER_INIT_PART = 4
-"""Layers whose weights one compiled initializer creates (`build_model` with a mesh)."""
-
-
-def _initialize_in_parts(make: Callable[[], nnx.Module], abstract_state, shardings):
-    """The state `make()` builds, created straight into `shardings` by one jitted initializer
-    per `LAYERS_PER_INIT_PART` layers (a scanned run's stack goes with its first layer) and
-    one for the rest. Each traces the whole `make` and keeps its part; XLA drops the other
-    parts' random draws. One initializer for the whole model compiles in time that grows
-    faster than its size on GPU (RESULTS run 15: 11 s at 8 layers, 60 s at 16, minutes at 32):
-    XLA merges every layer's draws into the same few kernels."""
-    paths = [path for path, _ in nnx.to_flat_state(abstract_state)]
-    placement = dict(nnx.to_flat_state(shardings))
-    parts: dict[tuple, list[tuple]] = {}
-    for path in paths:
-        part = ("layers", path[1] // LAYERS_PER_INIT_PART) if path[0] == "layers" else ()
-        parts.setdefault(part, []).append(path)
-    created = {}
-    for members in parts.values():
-
-        def initialize(members=members):
-            made = dict(nnx.to_flat_state(nnx.split(make())[1]))
-            return [made[path] for path in members]
-
-        values = jax.jit(initialize, out_shardings=[placement[p] for p in members])()
-        created.update(zip(members, values, strict=True))
-    return nnx.from_flat_state([(path, created[path]) for path in paths])
+    graphdef, abstract_state = nnx.split(abstract)
+    blocks = config.layer_blocks(scan_layers)
+    return nnx.merge(graphdef, initialize_params(abstract_state, blocks, seed=seed, mesh=mesh))
 
 
 def load_model(
@@ -164,12 +157,13 @@ def load_model(
         lambda: _construct(
             config,
             topology,
-            moe_dispatch,
+            moe_dispatch=moe_dispatch,
             reduction=reduction,
             fusions=fusions,
             dtype=dtype,
             attention=attention,
             remat=remat,
+            hyper_connections=None,
             scan_layers=scan_layers,
             rngs=nnx.Rngs(0),
         )

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ..initializers import Constant, Normal, param
 from .norm import accumulation_dtype
 from .protocols import Norm
 
@@ -58,12 +59,11 @@ class MhcRead(nnx.Module):
     ):
         width = (2 + hc_mult) * hc_mult
         self.hc_mult = hc_mult
-        self.projection = nnx.Param(
-            jax.random.normal(rngs.params(), (width, hc_mult * hidden), param_dtype)
-            / (hc_mult * hidden) ** 0.5
+        self.projection = param(
+            Normal((hc_mult * hidden) ** -0.5), (width, hc_mult * hidden), param_dtype, rngs=rngs
         )
-        self.base = nnx.Param(jnp.zeros((width,), param_dtype))
-        self.scale = nnx.Param(jnp.ones((3,), param_dtype))
+        self.base = param(Constant(0.0), (width,), param_dtype)
+        self.scale = param(Constant(1.0), (3,), param_dtype)
         self.sinkhorn_iters = sinkhorn_iters
         self.eps = eps
         self.norm_eps = norm_eps
@@ -147,12 +147,11 @@ class MhcHead(nnx.Module):
         rngs: nnx.Rngs,
     ):
         self.hc_mult = hc_mult
-        self.projection = nnx.Param(
-            jax.random.normal(rngs.params(), (hc_mult, hc_mult * hidden), param_dtype)
-            / (hc_mult * hidden) ** 0.5
+        self.projection = param(
+            Normal((hc_mult * hidden) ** -0.5), (hc_mult, hc_mult * hidden), param_dtype, rngs=rngs
         )
-        self.base = nnx.Param(jnp.zeros((hc_mult,), param_dtype))
-        self.scale = nnx.Param(jnp.ones((1,), param_dtype))
+        self.base = param(Constant(0.0), (hc_mult,), param_dtype)
+        self.scale = param(Constant(1.0), (1,), param_dtype)
         self.norm = norm
         self.eps = eps
         self.norm_eps = norm_eps

@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ..initializers import Constant, param
+
 
 def accumulation_dtype(dtype) -> jnp.dtype:
     """FP32, or the input's dtype where that is wider (float64 stays float64)."""
@@ -44,7 +46,8 @@ class RMSNorm(nnx.Module):
     """A replicated RMSNorm layer; boundaries read its `weight`, `eps` and `gemma` to fuse it.
 
     Attributes:
-      weight: [dim] scale, replicated on every rank.
+      weight: [dim] scale, replicated on every rank: ones (zeros with `gemma`), as Hugging
+        Face initializes a norm.
       eps: Added to the mean square before the reciprocal square root.
       gemma: Scale by `1 + weight` (Gemma-style) instead of `weight`.
     """
@@ -57,8 +60,7 @@ class RMSNorm(nnx.Module):
         gemma: bool = False,
         param_dtype: jnp.dtype = jnp.float32,
     ):
-        initial = jnp.zeros if gemma else jnp.ones
-        self.weight = nnx.Param(initial((dim,), param_dtype))
+        self.weight = param(Constant(0.0 if gemma else 1.0), (dim,), param_dtype)
         self.eps = eps
         self.gemma = gemma
 

@@ -8,12 +8,14 @@ from .types import MOE_ARCHITECTURES as MOE_ARCHITECTURES
 from .types import Activation as Activation
 from .types import Architecture as Architecture
 from .types import AttentionKind as AttentionKind
+from .types import AttentionSpec as AttentionSpec
 from .types import DecoderConfig as DecoderConfig
 from .types import LayerAttention as LayerAttention
 from .types import LayerBlock as LayerBlock
 from .types import LinearRopeScaling as LinearRopeScaling
 from .types import Llama3RopeScaling as Llama3RopeScaling
 from .types import MoeConfig as MoeConfig
+from .types import QkNorm as QkNorm
 from .types import ResidualDesign as ResidualDesign
 from .types import RopeScaling as RopeScaling
 from .types import YarnRopeScaling as YarnRopeScaling

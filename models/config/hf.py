@@ -88,6 +88,7 @@ def read_hf_config(config: Mapping[str, Any]) -> DecoderConfig:
             float(_required(config, "query_pre_attn_scalar")) if gemma else None
         ),
         activation=activation,
+        initializer_range=float(config.get("initializer_range", 0.02)),
     )
 
 
@@ -349,6 +350,7 @@ def write_hf_config(config: DecoderConfig) -> dict[str, Any]:
         "head_dim": config.head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": config.rms_norm_eps,
+        "initializer_range": config.initializer_range,
         "rope_parameters": rope,
         "tie_word_embeddings": config.tie_word_embeddings,
         "max_position_embeddings": config.max_position_embeddings,

@@ -273,6 +273,54 @@ class LayerAttention:
     rope_scaling: RopeScaling | None = None
 
 
+class QkNorm(enum.Enum):
+    """Where the RMSNorm of the queries and keys (before RoPE) runs.
+
+    PER_HEAD: over each head, one [head_dim] weight (Qwen3, EXAONE 4.0, Gemma 3).
+    WHOLE_PROJECTION: over all heads of the q or k projection, one weight per column (OLMo 2).
+    """
+
+    PER_HEAD = "per-head"
+    WHOLE_PROJECTION = "whole-projection"
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """What one layer's self-attention uses (`DecoderConfig.attention_spec`): static, hashable.
+
+    Attributes:
+      hidden_size: Width of the rows the projections read and write.
+      num_heads: Query heads.
+      num_kv_heads: Key/value heads; query head j uses kv head j // (num_heads // num_kv_heads).
+      head_dim: Width of one head.
+      sliding_window: A row at position p attends to positions p - sliding_window < q <= p;
+        None for full causal attention.
+      rope_theta: RoPE base; None for no rotary embedding.
+      rope_scaling: Frequency scaling of the RoPE, or None.
+      qk_norm: Where the q/k RMSNorms run, or None for none.
+      norm_eps: The q/k norms' epsilon.
+      gemma_norms: The q/k norms scale by `1 + weight` (Gemma).
+      scale: The factor of the attention scores (`head_dim ** -0.5`, or Gemma 3's
+        `query_pre_attn_scalar ** -0.5`).
+      qkv_bias: The q, k and v projections add a bias (Qwen2); o has none.
+      init_std: The standard deviation the projections are drawn with (HF `initializer_range`).
+    """
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    sliding_window: int | None
+    rope_theta: float | None
+    rope_scaling: RopeScaling | None
+    qk_norm: QkNorm | None
+    norm_eps: float
+    gemma_norms: bool
+    scale: float
+    qkv_bias: bool
+    init_std: float
+
+
 @dataclasses.dataclass(frozen=True)
 class DecoderConfig:
     """The architecture of a decoder (Qwen3, Llama, Mistral, Qwen2 and the MoE ones): static and
@@ -308,6 +356,8 @@ class DecoderConfig:
       query_pre_attn_scalar: Attention scores are scaled by its inverse square root (Gemma 3);
         None: by `head_dim ** -0.5`.
       activation: The gated MLP's activation (SiLU: SwiGLU; GELU tanh: Gemma's GeGLU).
+      initializer_range: The standard deviation of a fresh model's projections, embeddings and
+        experts (HF `initializer_range`; norms start at ones, Gemma's `1 + w` norms at zeros).
     """
 
     architecture: Architecture
@@ -333,6 +383,7 @@ class DecoderConfig:
     qk_norm_whole: bool = False
     query_pre_attn_scalar: float | None = None
     activation: Activation = Activation.SILU
+    initializer_range: float = 0.02
 
     def __post_init__(self):
         for name in (
@@ -392,6 +443,8 @@ class DecoderConfig:
             raise ValueError(
                 f"query_pre_attn_scalar must be positive or None; got {self.query_pre_attn_scalar}"
             )
+        if not self.initializer_range > 0:
+            raise ValueError(f"initializer_range must be positive; got {self.initializer_range}")
 
     @property
     def residual_design(self) -> ResidualDesign:
@@ -426,6 +479,30 @@ class DecoderConfig:
         if self.nope_full_layers:
             return LayerAttention(None, None)
         return LayerAttention(None, self.rope_theta, self.rope_scaling)
+
+    def attention_spec(self, layer: int) -> AttentionSpec:
+        """What layer `layer`'s self-attention uses: heads, its window and RoPE, q/k norms,
+        score scale, biases and initializer."""
+        attention = self.layer_attention(layer)
+        qk_norm = None
+        if self.qk_norm:
+            qk_norm = QkNorm.WHOLE_PROJECTION if self.qk_norm_whole else QkNorm.PER_HEAD
+        scalar = self.head_dim if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar
+        return AttentionSpec(
+            hidden_size=self.hidden_size,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            sliding_window=attention.sliding_window,
+            rope_theta=attention.rope_theta,
+            rope_scaling=attention.rope_scaling,
+            qk_norm=qk_norm,
+            norm_eps=self.rms_norm_eps,
+            gemma_norms=self.gemma_norms,
+            scale=scalar**-0.5,
+            qkv_bias=self.qkv_bias,
+            init_std=self.initializer_range,
+        )
 
     def layer_blocks(self, scan_layers: bool) -> tuple[LayerBlock, ...]:
         """The blocks a model of this config holds its layers in, in order: one unscanned layer

@@ -20,8 +20,9 @@ import boundary_jax as bj
 from boundary_jax import residual
 
 from ..config import Architecture, DecoderConfig, ResidualDesign
-from ..layers.attention import Attention, AttentionImpl, KVCache
+from ..layers.attention import Attention, AttentionImpl
 from ..layers.hyper_connections import HyperConnections
+from ..layers.kv_cache import KVCache
 from ..layers.linear import ParallelLMHead, VocabParallelEmbedding
 from ..layers.mlp import SwiGLU
 from ..rows import TokenRows
@@ -217,6 +218,7 @@ class CausalLM(nnx.Module):
             scale=config.embedding_scale,
             topology=topology,
             dtype=dtype,
+            init_std=config.initializer_range,
             rngs=rngs,
         )
         with bj.layer_stack(
@@ -253,6 +255,7 @@ class CausalLM(nnx.Module):
             tied_embedding=self.embed if config.tie_word_embeddings else None,
             topology=topology,
             dtype=dtype,
+            init_std=config.initializer_range,
             rngs=rngs,
         )
 
@@ -266,7 +269,7 @@ class CausalLM(nnx.Module):
         """
         del layer_index
         stages = self.design.facts() if stages is None else stages
-        return bj.declare_attn(**stages.attn), bj.declare_ffn(**stages.ffn)
+        return stages.attn.declare_attn(), stages.ffn.declare_ffn()
 
     def layer_design(self) -> LayerDesign:
         """Where every layer's norms sit: the family's residual design, or pre-norm behind
@@ -291,6 +294,7 @@ class CausalLM(nnx.Module):
             activation=config.activation,
             topology=self.topology,
             dtype=dtype,
+            init_std=config.initializer_range,
             rngs=rngs,
         )
 
@@ -298,11 +302,10 @@ class CausalLM(nnx.Module):
         """Decoder layer `index` (inside the open layer stack), with this model's attention
         kernel and residual design."""
         attn = Attention(
-            self.config,
+            self.config.attention_spec(index),
             topology=self.topology,
             dtype=dtype,
             impl=self.attention,
-            layer_index=index,
             rngs=rngs,
         )
         return self.layer_class(

@@ -17,7 +17,7 @@ says the same as capabilities only, for binding a neighbouring stage another pip
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable
 from typing import Protocol
 
 import jax.numpy as jnp
@@ -28,8 +28,39 @@ from boundary_jax import designs
 
 from ..layers.hyper_connections import HyperConnections
 
-Declared = Mapping[str, object]
-"""A stage's `declare_attn` / `declare_ffn` keywords: its `read`, `update`, `output_transform`."""
+
+@dataclasses.dataclass(frozen=True)
+class StageResidual:
+    """How one stage meets the residual: what its `declare_attn` / `declare_ffn` takes for it.
+
+    Attributes:
+      read: The residual read into the stage's input (or its capabilities, `DesignFacts`).
+      update: How the stage's output joins the residual (or its capabilities).
+      output_transform: Applied to the complete output before the update (a module, or a
+        function standing for one in a capabilities-only declaration), or None.
+    """
+
+    read: designs.ResidualReadout | designs.DesignFacts = designs.AddNormRead()
+    update: designs.ResidualUpdate | designs.DesignFacts = designs.PlainAdd()
+    output_transform: Callable | None = None
+
+    def declare_attn(self) -> bj.StageDeclaration:
+        """The attention stage's declaration."""
+        return bj.declare_attn(
+            read=self.read, update=self.update, output_transform=self.output_transform
+        )
+
+    def declare_ffn(
+        self, *, sparse: bool = False, moe_dispatch: bj.MoeDispatch = bj.MoeDispatch.GATHER
+    ) -> bj.StageDeclaration:
+        """The FFN stage's declaration: dense, or sparse with its dispatch."""
+        return bj.declare_ffn(
+            read=self.read,
+            update=self.update,
+            output_transform=self.output_transform,
+            sparse=sparse,
+            moe_dispatch=moe_dispatch,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,14 +70,14 @@ class StageDesigns:
     Attributes:
       attn_norm: The attention stage's input norm (None: it reads the residual as is).
       ffn_norm: The FFN stage's input norm (None: it reads the residual as is).
-      attn: The attention stage's declaration keywords.
-      ffn: The FFN stage's declaration keywords.
+      attn: How the attention stage meets the residual.
+      ffn: How the FFN stage meets the residual.
     """
 
     attn_norm: designs.Norm | None
     ffn_norm: designs.Norm | None
-    attn: Declared
-    ffn: Declared
+    attn: StageResidual
+    ffn: StageResidual
 
 
 class LayerDesign(Protocol):
@@ -84,10 +115,12 @@ class PreNorm:
         del rngs
         layer.input_norm = self.norm.rms_norm(dtype)
         layer.post_attn_norm = self.norm.rms_norm(dtype)
-        return StageDesigns(layer.input_norm, layer.post_attn_norm, {}, {})
+        return StageDesigns(
+            layer.input_norm, layer.post_attn_norm, StageResidual(), StageResidual()
+        )
 
     def facts(self) -> StageDesigns:
-        return StageDesigns(None, None, {}, {})
+        return StageDesigns(None, None, StageResidual(), StageResidual())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,12 +136,15 @@ class PostNorm:
         layer.post_attn_norm = self._update(dtype)
         layer.post_ffn_norm = self._update(dtype)
         return StageDesigns(
-            None, None, {"update": layer.post_attn_norm}, {"update": layer.post_ffn_norm}
+            None,
+            None,
+            StageResidual(update=layer.post_attn_norm),
+            StageResidual(update=layer.post_ffn_norm),
         )
 
     def facts(self) -> StageDesigns:
         update = designs.PostNormUpdate
-        facts = {"update": designs.DesignFacts(update.__name__, plain=update.plain)}
+        facts = StageResidual(update=designs.DesignFacts(update.__name__, plain=update.plain))
         return StageDesigns(None, None, facts, facts)
 
     def _update(self, dtype: jnp.dtype) -> designs.PostNormUpdate:
@@ -136,13 +172,13 @@ class Sandwich:
         return StageDesigns(
             layer.input_norm,
             layer.pre_ffn_norm,
-            {"output_transform": layer.post_attn_norm},
-            {"output_transform": layer.post_ffn_norm},
+            StageResidual(output_transform=layer.post_attn_norm),
+            StageResidual(output_transform=layer.post_ffn_norm),
         )
 
     def facts(self) -> StageDesigns:
         # Binding reads only that a transform exists; the function stands for the output norm.
-        transform = {"output_transform": designs.rms_norm}
+        transform = StageResidual(output_transform=designs.rms_norm)
         return StageDesigns(None, None, transform, transform)
 
 
@@ -165,10 +201,11 @@ class HyperConnected:
         return StageDesigns(
             layer.input_norm,
             layer.post_attn_norm,
-            {"read": layer.attn_mhc_read, "update": layer.attn_mhc_update},
-            {"read": layer.ffn_mhc_read, "update": layer.ffn_mhc_update},
+            StageResidual(read=layer.attn_mhc_read, update=layer.attn_mhc_update),
+            StageResidual(read=layer.ffn_mhc_read, update=layer.ffn_mhc_update),
         )
 
     def facts(self) -> StageDesigns:
-        facts = self.hyper_connections.design_facts()
+        read, update = self.hyper_connections.design_facts()
+        facts = StageResidual(read=read, update=update)
         return StageDesigns(None, None, facts, facts)

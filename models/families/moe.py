@@ -34,10 +34,10 @@ def moe_stage_facts(
     """Layer `layer_index`'s stages: attention, then a sparse FFN dispatched as `dispatch` where
     the config makes the layer sparse, else a dense FFN over the full TP group; `stages` gives
     each stage's residual read, update and output transform (as for `CausalLM.stage_facts`)."""
-    attn, ffn = stages.attn, stages.ffn
+    attn = stages.attn.declare_attn()
     if config.sparse_layers[layer_index]:
-        return bj.declare_attn(**attn), bj.declare_ffn(sparse=True, moe_dispatch=dispatch, **ffn)
-    return bj.declare_attn(**attn), bj.declare_ffn(**ffn)
+        return attn, stages.ffn.declare_ffn(sparse=True, moe_dispatch=dispatch)
+    return attn, stages.ffn.declare_ffn()
 
 
 class MoeDecoderLayer(DecoderLayer):
@@ -122,6 +122,7 @@ class MoeCausalLM(CausalLM):
                 config.intermediate_size,
                 topology=self.topology,
                 dtype=dtype,
+                init_std=config.initializer_range,
                 rngs=rngs,
             )
         return MoeFfn(
@@ -132,5 +133,6 @@ class MoeCausalLM(CausalLM):
             capacity=self.moe_capacity,
             impl=self.grouped_matmul,
             dtype=dtype,
+            init_std=config.initializer_range,
             rngs=rngs,
         )

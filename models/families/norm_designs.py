@@ -18,11 +18,15 @@ sums of squares inside attention (`bj.sharded_rms_norms`) under attention TP.
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+from flax import nnx
+
 import boundary_jax as bj
 
 from ..config import Architecture, DecoderConfig
+from ..layers.attention import AttentionImpl
 from ..layers.hyper_connections import HyperConnections
-from .decoder import CausalLM
+from .decoder import CausalLM, Remat
 
 
 class NormDesignCausalLM(CausalLM):
@@ -35,8 +39,14 @@ class NormDesignCausalLM(CausalLM):
         config: DecoderConfig,
         topology: bj.Topology,
         *,
+        reduction: bj.ReductionPolicy = bj.ReductionPolicy.AUTO,
+        fusions: bj.fusions.FusionProvider = bj.fusions.NO_FUSIONS,
+        dtype: jnp.dtype = jnp.float32,
+        attention: AttentionImpl = AttentionImpl.XLA,
+        remat: Remat = Remat.NONE,
         hyper_connections: HyperConnections | None = None,
-        **options,
+        scan_layers: bool = False,
+        rngs: nnx.Rngs,
     ):
         if hyper_connections is not None:
             raise NotImplementedError(
@@ -44,4 +54,14 @@ class NormDesignCausalLM(CausalLM):
                 "); MHC hyper-connections replace it and are built for the pre-norm families "
                 "only. Leave hyper_connections unset"
             )
-        super().__init__(config, topology, **options)
+        super().__init__(
+            config,
+            topology,
+            reduction=reduction,
+            fusions=fusions,
+            dtype=dtype,
+            attention=attention,
+            remat=remat,
+            scan_layers=scan_layers,
+            rngs=rngs,
+        )

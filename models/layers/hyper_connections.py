@@ -44,18 +44,14 @@ class HyperConnections:
         if not self.eps > 0:
             raise ValueError(f"HyperConnections.eps must be positive; got {self.eps!r}")
 
-    def design_facts(self) -> dict[str, designs.DesignFacts]:
-        """A stage's `read` and `update` declaration keywords as capabilities only: what a
-        neighbouring stage binds against, without building the read's weights."""
-        return {
-            "read": designs.DesignFacts(
-                designs.MhcRead.__name__,
-                reads_before_dp_gather=designs.MhcRead.reads_before_dp_gather,
-            ),
-            "update": designs.DesignFacts(
-                designs.MhcUpdate.__name__, plain=designs.MhcUpdate.plain
-            ),
-        }
+    def design_facts(self) -> tuple[designs.DesignFacts, designs.DesignFacts]:
+        """A stage's read and update as capabilities only: what a neighbouring stage binds
+        against, without building the read's weights."""
+        read = designs.DesignFacts(
+            designs.MhcRead.__name__,
+            reads_before_dp_gather=designs.MhcRead.reads_before_dp_gather,
+        )
+        return read, designs.DesignFacts(designs.MhcUpdate.__name__, plain=designs.MhcUpdate.plain)
 
     def read(
         self, hidden: int, *, norm_eps: float, dtype: jnp.dtype, rngs: nnx.Rngs

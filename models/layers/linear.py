@@ -20,6 +20,7 @@ from boundary_jax import (
     vocab_parallel_argmax,
     vocab_parallel_cross_entropy,
 )
+from boundary_jax.initializers import Normal, ZeroPadded, param
 
 from ..config import padded_vocab
 
@@ -29,14 +30,10 @@ def group_size(topology: Topology, group: SumGroup | None) -> int:
     return 1 if group is None else topology.group_size(group)
 
 
-def sharded_param(value: jax.Array, spec: tuple[str | tuple[str, ...] | None, ...]) -> nnx.Param:
-    """A parameter holding the global `value`, split over the mesh as `spec` says."""
-    return nnx.Param(value, out_sharding=spec, eager_sharding=False)
-
-
-def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Array:
-    """N(0, 1/fan_in) weights, drawn in float32 so every dtype gets the same values."""
-    return (jax.random.normal(rngs.params(), shape, jnp.float32) / np.sqrt(shape[0])).astype(dtype)
+def weight_init(std: float | None, fan_in: int) -> Normal:
+    """N(0, std^2) weights; std None: N(0, 1/fan_in). A model passes its family's std (Hugging
+    Face's `initializer_range`); the 1/fan_in default keeps a layer's outputs of order one."""
+    return Normal(1 / np.sqrt(fan_in) if std is None else std)
 
 
 def _split_entry(topology: Topology, group: SumGroup | None, size: int, what: str):
@@ -61,9 +58,11 @@ class ColumnParallelLinear(nnx.Module):
 
     Attributes:
       kernel: [in_features, out_features] global, local [in_features, out_features / ranks];
-        with parts, [in_features, parts, out_features] split on the last axis.
+        with parts, [in_features, parts, out_features] split on the last axis. Drawn from
+        N(0, init_std^2) (`weight_init`; None: std 1/sqrt(in_features)).
       bias: [out_features] (with parts, [parts, out_features]) split as the kernel's columns;
-        None without a bias.
+        None without a bias. Drawn like the kernel (not zeros, as Hugging Face does), so a
+        dropped or mis-sharded bias shows in tests.
       group: The group the output features are split over; None keeps the kernel replicated.
     """
 
@@ -77,19 +76,28 @@ class ColumnParallelLinear(nnx.Module):
         parts: int | None = None,
         bias: bool = False,
         dtype: jnp.dtype = jnp.float32,
+        init_std: float | None = None,
         rngs: nnx.Rngs,
     ):
         entry = _split_entry(topology, group, out_features, "out_features")
         stacked = () if parts is None else (parts,)
-        self.kernel = sharded_param(
-            _normal(rngs, (in_features, *stacked, out_features), dtype),
-            (None, *(None for _ in stacked), entry),
+        init = weight_init(init_std, in_features)
+        self.kernel = param(
+            init,
+            (in_features, *stacked, out_features),
+            dtype,
+            rngs=rngs,
+            sharding=(None, *(None for _ in stacked), entry),
         )
-        # N(0, 1/4) (Hugging Face draws zeros): a dropped or mis-sharded bias shows.
+        # Drawn like the kernel where Hugging Face draws zeros: a dropped or mis-sharded bias
+        # changes the output, so the tests see it.
         self.bias = (
-            sharded_param(
-                (0.5 * jax.random.normal(rngs.params(), (*stacked, out_features))).astype(dtype),
-                (*(None for _ in stacked), entry),
+            param(
+                init,
+                (*stacked, out_features),
+                dtype,
+                rngs=rngs,
+                sharding=(*(None for _ in stacked), entry),
             )
             if bias
             else None
@@ -115,6 +123,7 @@ class RowParallelLinear(nnx.Module):
 
     Attributes:
       kernel: [in_features, out_features] global; local [in_features / ranks, out_features].
+        Drawn from N(0, init_std^2) (`weight_init`).
       group: The group the input features are split over; the output owes a sum over it.
     """
 
@@ -126,11 +135,16 @@ class RowParallelLinear(nnx.Module):
         group: SumGroup,
         topology: Topology,
         dtype: jnp.dtype = jnp.float32,
+        init_std: float | None = None,
         rngs: nnx.Rngs,
     ):
         entry = _split_entry(topology, group, in_features, "in_features")
-        self.kernel = sharded_param(
-            _normal(rngs, (in_features, out_features), dtype), (entry, None)
+        self.kernel = param(
+            weight_init(init_std, in_features),
+            (in_features, out_features),
+            dtype,
+            rngs=rngs,
+            sharding=(entry, None),
         )
         self.group = group
 
@@ -147,7 +161,8 @@ class VocabParallelEmbedding(nnx.Module):
     so the sum over attention TP (owed to the first boundary) is the full embedding.
 
     Attributes:
-      embedding: [padded vocab, hidden] global; local [padded vocab / attn_tp, hidden].
+      embedding: [padded vocab, hidden] global; local [padded vocab / attn_tp, hidden]. Drawn
+        from N(0, init_std^2) (a model passes its family's `initializer_range`).
       vocab_size: Number of real token ids.
       topology: The parallel topology the table is split for.
       scale: A factor the embeddings are multiplied by, rounded to the table's dtype first (as
@@ -162,13 +177,18 @@ class VocabParallelEmbedding(nnx.Module):
         topology: Topology,
         dtype: jnp.dtype = jnp.float32,
         scale: float | None = None,
+        init_std: float = 1.0,
         rngs: nnx.Rngs,
     ):
         rows = padded_vocab(vocab_size, group_size(topology, SumGroup.ATTN_TP))
         # Drawn at the real vocabulary size, so a seed gives the same table on every mesh.
-        table = jax.random.normal(rngs.params(), (vocab_size, hidden_size), jnp.float32)
-        table = jnp.pad(table, ((0, rows - vocab_size), (0, 0))).astype(dtype)
-        self.embedding = sharded_param(table, (topology.shard_entry(SumGroup.ATTN_TP), None))
+        self.embedding = param(
+            ZeroPadded(Normal(init_std), (vocab_size, hidden_size)),
+            (rows, hidden_size),
+            dtype,
+            rngs=rngs,
+            sharding=(topology.shard_entry(SumGroup.ATTN_TP), None),
+        )
         self.vocab_size = vocab_size
         self.topology = topology
         self.scale = scale
@@ -194,7 +214,8 @@ class ParallelLMHead(nnx.Module):
 
     Attributes:
       kernel: [hidden, padded vocab] global (padding columns zero), split over attention TP;
-        None when the head is tied to an embedding.
+        None when the head is tied to an embedding. Drawn from N(0, init_std^2)
+        (`weight_init`).
       tied_embedding: The embedding whose table (transposed) is the head's weight, or None.
       vocab_size: Number of real token ids; the logits have this many columns.
       topology: The parallel topology the columns are split for.
@@ -207,15 +228,19 @@ class ParallelLMHead(nnx.Module):
         *,
         topology: Topology,
         dtype: jnp.dtype = jnp.float32,
+        init_std: float | None = None,
         rngs: nnx.Rngs,
         tied_embedding: VocabParallelEmbedding | None = None,
     ):
         columns = padded_vocab(vocab_size, group_size(topology, SumGroup.ATTN_TP))
         if tied_embedding is None:
-            kernel = _normal(rngs, (hidden_size, vocab_size), jnp.float32)
-            kernel = jnp.pad(kernel, ((0, 0), (0, columns - vocab_size)))
-            entry = topology.shard_entry(SumGroup.ATTN_TP)
-            self.kernel = sharded_param(kernel.astype(dtype), (None, entry))
+            self.kernel = param(
+                ZeroPadded(weight_init(init_std, hidden_size), (hidden_size, vocab_size)),
+                (hidden_size, columns),
+                dtype,
+                rngs=rngs,
+                sharding=(None, topology.shard_entry(SumGroup.ATTN_TP)),
+            )
         else:
             table_shape = tied_embedding.embedding.shape
             if tied_embedding.vocab_size != vocab_size or table_shape != (columns, hidden_size):

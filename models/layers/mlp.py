@@ -23,7 +23,8 @@ class SwiGLU(nnx.Module):
     SiLU (SwiGLU) unless the `activation` says otherwise (Gemma's GeGLU: GELU, tanh form).
 
     Full TP spans attention DP x CP x TP, so the input rows must be the same on every rank of
-    the group (the boundary gathers attention-DP rows before the FFN).
+    the group (the boundary gathers attention-DP rows before the FFN). Both projections are
+    drawn from N(0, init_std^2) (`linear.weight_init`; None: std 1/sqrt(fan_in)).
 
     Attributes:
       gate_up_proj: [hidden, 2, intermediate]: the gate and up projections stacked (one matmul),
@@ -40,6 +41,7 @@ class SwiGLU(nnx.Module):
         topology: Topology,
         dtype: jnp.dtype = jnp.float32,
         activation: Activation = Activation.SILU,
+        init_std: float | None = None,
         rngs: nnx.Rngs,
     ):
         tp = group_size(topology, SumGroup.TP)
@@ -48,9 +50,25 @@ class SwiGLU(nnx.Module):
                 f"intermediate_size ({intermediate_size}) must be a multiple of the full TP size "
                 f"({tp} = attn_dp x attn_cp x attn_tp); choose a mesh whose TP size divides it"
             )
-        common = {"group": SumGroup.TP, "topology": topology, "dtype": dtype, "rngs": rngs}
-        self.gate_up_proj = ColumnParallelLinear(hidden_size, intermediate_size, parts=2, **common)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, **common)
+        self.gate_up_proj = ColumnParallelLinear(
+            hidden_size,
+            intermediate_size,
+            group=SumGroup.TP,
+            topology=topology,
+            parts=2,
+            dtype=dtype,
+            init_std=init_std,
+            rngs=rngs,
+        )
+        self.down_proj = RowParallelLinear(
+            intermediate_size,
+            hidden_size,
+            group=SumGroup.TP,
+            topology=topology,
+            dtype=dtype,
+            init_std=init_std,
+            rngs=rngs,
+        )
         self.activation = activation
 
     def __call__(self, x: jax.Array) -> jax.Array:

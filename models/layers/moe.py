@@ -41,9 +41,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import PartitionSpec
 
 import boundary_jax as bj
+from boundary_jax.initializers import Normal, param
 from pallas_kernels.grouped_matmul import (
     TRITON_MAX_ROUTED_ROWS,
     GroupedMatmulImpl,
@@ -392,6 +392,8 @@ class SharedExpert(nnx.Module):
       up_proj: As `gate_proj`.
       down_proj: [width, hidden] global, rows split over `width_entry`.
       expert_gate: [hidden, 1], whole on every rank (Qwen2-MoE's `shared_expert_gate`), or None.
+
+    Every weight is drawn from N(0, init_std^2) (None: std 1/sqrt(fan_in)).
     """
 
     def __init__(
@@ -402,12 +404,16 @@ class SharedExpert(nnx.Module):
         gated: bool,
         width_entry: PartitionEntry = None,
         dtype: jnp.dtype = jnp.float32,
+        init_std: float | None = None,
         rngs: nnx.Rngs,
     ):
-        self.gate_proj = _param(rngs, (hidden_size, width), (None, width_entry), dtype)
-        self.up_proj = _param(rngs, (hidden_size, width), (None, width_entry), dtype)
-        self.down_proj = _param(rngs, (width, hidden_size), (width_entry, None), dtype)
-        self.expert_gate = _param(rngs, (hidden_size, 1), (None, None), dtype) if gated else None
+        std = init_std
+        self.gate_proj = _param(rngs, (hidden_size, width), (None, width_entry), dtype, std=std)
+        self.up_proj = _param(rngs, (hidden_size, width), (None, width_entry), dtype, std=std)
+        self.down_proj = _param(rngs, (width, hidden_size), (width_entry, None), dtype, std=std)
+        self.expert_gate = (
+            _param(rngs, (hidden_size, 1), (None, None), dtype, std=std) if gated else None
+        )
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """[T, hidden] -> [T, hidden], this rank's share (see `shared_expert`)."""
@@ -437,6 +443,8 @@ class SparseMoe(nnx.Module):
       top_k: Experts per token.
       renormalize: Whether the router renormalises its top-k weights.
       impl: The grouped matmul implementation.
+
+    Every weight is drawn from N(0, init_std^2) (None: std 1/sqrt(fan_in)).
     """
 
     def __init__(
@@ -454,22 +462,29 @@ class SparseMoe(nnx.Module):
         shared_width_entry: PartitionEntry = None,
         impl: GroupedMatmulImpl = GroupedMatmulImpl.RAGGED_DOT,
         dtype: jnp.dtype = jnp.float32,
+        init_std: float | None = None,
         rngs: nnx.Rngs,
     ):
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be in [1, num_experts]; got {top_k=}, {num_experts=}")
         if shared_gated and shared_width is None:
             raise ValueError("shared_gated=True needs a shared expert; got shared_width=None")
-        self.router = _param(rngs, (hidden_size, num_experts), (None, None), dtype)
+        std = init_std
+        self.router = _param(rngs, (hidden_size, num_experts), (None, None), dtype, std=std)
         self.gate_up_proj = _param(
             rngs,
             (num_experts, hidden_size, 2, expert_width),
             (expert_entry, None, None, width_entry),
             dtype,
+            std=std,
             fan_in=hidden_size,
         )
         self.down_proj = _param(
-            rngs, (num_experts, expert_width, hidden_size), (expert_entry, width_entry, None), dtype
+            rngs,
+            (num_experts, expert_width, hidden_size),
+            (expert_entry, width_entry, None),
+            dtype,
+            std=std,
         )
         self.shared_expert = (
             None
@@ -480,6 +495,7 @@ class SparseMoe(nnx.Module):
                 gated=shared_gated,
                 width_entry=shared_width_entry,
                 dtype=dtype,
+                init_std=init_std,
                 rngs=rngs,
             )
         )
@@ -559,12 +575,19 @@ class SparseMoe(nnx.Module):
 
 
 def _param(
-    rngs: nnx.Rngs, shape: tuple[int, ...], spec: tuple, dtype, *, fan_in: int | None = None
+    rngs: nnx.Rngs,
+    shape: tuple[int, ...],
+    spec: tuple,
+    dtype,
+    *,
+    std: float | None,
+    fan_in: int | None = None,
 ) -> nnx.Param:
-    """N(0, 1/fan_in) weights (fan_in by default the second-to-last axis), split as `spec` says."""
+    """N(0, std^2) weights (std None: 1/sqrt(fan_in), fan_in by default the second-to-last
+    axis), split as `spec` says."""
     fan_in = shape[-2] if fan_in is None else fan_in
-    value = jax.random.normal(rngs.params(), shape, jnp.float32) / np.sqrt(fan_in)
-    return nnx.Param(value.astype(dtype), out_sharding=PartitionSpec(*spec), eager_sharding=False)
+    init = Normal(1 / np.sqrt(fan_in) if std is None else std)
+    return param(init, shape, dtype, rngs=rngs, sharding=spec)
 
 
 def _accumulation_dtype(dtype) -> jnp.dtype:

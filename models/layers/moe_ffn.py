@@ -53,6 +53,7 @@ class MoeFfn(SparseMoe):
         capacity: int | None = None,
         impl: GroupedMatmulImpl = GroupedMatmulImpl.RAGGED_DOT,
         dtype: jnp.dtype = jnp.float32,
+        init_std: float | None = None,
         rngs: nnx.Rngs,
     ):
         topology.experts_per_rank(moe.num_experts)  # raises for an EP size not dividing them
@@ -81,6 +82,7 @@ class MoeFfn(SparseMoe):
             shared_width_entry=topology.shard_entry(bj.SumGroup.TP) if split_shared else None,
             impl=impl,
             dtype=dtype,
+            init_std=init_std,
             rngs=rngs,
         )
         self.topology = topology

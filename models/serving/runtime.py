@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import boundary_jax as bj
 
 from ..families.decoder import CausalLM
-from ..layers.attention import KVCache
+from ..layers.kv_cache import KVCache
 from ..rows import PackedBatch, RowsPhase, TokenRows, decode_rows, pack_sequences
 from .sampling import GREEDY, Sampling, sample_tokens
 

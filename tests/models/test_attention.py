@@ -16,13 +16,18 @@ from safetensors.numpy import load_file
 
 import boundary_jax as bj
 from models.config import PRESETS, DecoderConfig, Llama3RopeScaling, read_hf_config
-from models.layers.attention import Attention, AttentionImpl, HeadSplit, KVCache
+from models.layers.attention import Attention, AttentionImpl
+from models.layers.kv_cache import HeadSplit, KVCache
 from models.rows import RowsPhase
 
 from . import MESHES, make_mesh, randomize_norms, row_spec, run_sharded, sum_over, unsharded_copy
 
 GOLDEN = Path(__file__).parents[1] / "golden"
-BASE = dataclasses.replace(PRESETS["tiny-qwen3"], hidden_size=32, head_dim=8)
+# Weights of order 1/sqrt(fan_in) (not the presets' 0.02), so outputs are of order one and the
+# absolute tolerances below stay tight.
+BASE = dataclasses.replace(
+    PRESETS["tiny-qwen3"], hidden_size=32, head_dim=8, initializer_range=32**-0.5
+)
 CONFIGS = {
     "qwen3-kv2": BASE,
     "window3-kv4": dataclasses.replace(BASE, num_kv_heads=4, qk_norm=False, sliding_window=3),
@@ -57,14 +62,16 @@ def packed_rows(dp: int) -> tuple[jax.Array, jax.Array]:
 
 
 def build(config: DecoderConfig, topology: bj.Topology, dtype=jnp.float32) -> Attention:
-    attn = Attention(config, topology=topology, dtype=dtype, rngs=nnx.Rngs(0))
+    attn = Attention(config.attention_spec(0), topology=topology, dtype=dtype, rngs=nnx.Rngs(0))
     randomize_norms(attn, seed=1)
     return attn
 
 
 def reference_blocks(attn, config, h, positions, segments, dp):
     """The one-device Attention applied to each DP rank's rows separately."""
-    reference = unsharded_copy(attn, lambda t: Attention(config, topology=t, rngs=nnx.Rngs(9)))
+    reference = unsharded_copy(
+        attn, lambda t: Attention(config.attention_spec(0), topology=t, rngs=nnx.Rngs(9))
+    )
     block = jax.jit(lambda *rows: reference(*rows)[0])
     blocks = [
         block(*(a.reshape(dp, ROWS, *a.shape[1:])[r] for a in (h, positions, segments)))
@@ -132,7 +139,9 @@ def test_qkv_biases_split_with_their_heads_and_count(tp, sharded):
     assert specs.kv_proj.bias.get_value() == P(None, entry if sharded else None)
     h = jax.random.normal(jax.random.key(2), (ROWS, config.hidden_size), jnp.float32)
     positions, segments = packed_rows(1)
-    one = unsharded_copy(attn, lambda t: Attention(config, topology=t, rngs=nnx.Rngs(9)))
+    one = unsharded_copy(
+        attn, lambda t: Attention(config.attention_spec(0), topology=t, rngs=nnx.Rngs(9))
+    )
     biased = one(h, positions, segments)[0]
     for proj, part in ((one.q_proj, ...), (one.kv_proj, 0), (one.kv_proj, 1)):
         kept = proj.bias[...]
@@ -204,7 +213,9 @@ def test_sliding_window_sees_last_window_positions():
     windowed = CONFIGS["window3-kv4"]
     full = dataclasses.replace(windowed, sliding_window=None)
     attn = build(windowed, bj.Topology())
-    unwindowed = unsharded_copy(attn, lambda t: Attention(full, topology=t, rngs=nnx.Rngs(9)))
+    unwindowed = unsharded_copy(
+        attn, lambda t: Attention(full.attention_spec(0), topology=t, rngs=nnx.Rngs(9))
+    )
     h = jax.random.normal(jax.random.key(7), (7, windowed.hidden_size), jnp.float32)
     positions, segments = jnp.arange(7, dtype=jnp.int32), jnp.zeros(7, jnp.int32)
     got = attn(h, positions, segments)[0][-1]
@@ -315,12 +326,12 @@ def test_cache_prefill_and_decode_equal_packed(dp, tp, name):
 def test_rejects_unsplittable_heads():
     """Heads that cannot split over attention TP, and context parallelism, fail at build."""
     with pytest.raises(ValueError, match=r"num_heads \(8\) must be a multiple .* \(3\)"):
-        Attention(BASE, topology=bj.Topology(attn_tp=3), rngs=nnx.Rngs(0))
+        Attention(BASE.attention_spec(0), topology=bj.Topology(attn_tp=3), rngs=nnx.Rngs(0))
     config = dataclasses.replace(BASE, num_heads=6, num_kv_heads=3, head_dim=8)
     with pytest.raises(ValueError, match=r"num_kv_heads \(3\) and the attention-TP size \(2\)"):
-        Attention(config, topology=bj.Topology(attn_tp=2), rngs=nnx.Rngs(0))
+        Attention(config.attention_spec(0), topology=bj.Topology(attn_tp=2), rngs=nnx.Rngs(0))
     with pytest.raises(NotImplementedError, match="context-parallel"):
-        Attention(BASE, topology=bj.Topology(attn_cp=2), rngs=nnx.Rngs(0))
+        Attention(BASE.attention_spec(0), topology=bj.Topology(attn_cp=2), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="slots"):
         KVCache.create(BASE, bj.Topology(attn_dp=2), slots=3, max_len=4)
 
@@ -376,7 +387,7 @@ def test_matches_hf_qwen3_layer0(dp, tp):
         for i in range(len(reference["lengths"]))
     ]
     topology = bj.Topology(attn_dp=dp, attn_tp=tp)
-    attn = Attention(config, topology=topology, rngs=nnx.Rngs(0))
+    attn = Attention(config.attention_spec(0), topology=topology, rngs=nnx.Rngs(0))
     layer = "model.layers.0.self_attn"
     for name in ("q_proj", "o_proj"):
         getattr(attn, name).kernel[...] = weights[f"{layer}.{name}.weight"].T
@@ -437,7 +448,13 @@ def test_cudnn_equals_reference_in_prefill_and_decode(dp, tp):
     step_seg = jnp.array([0, 1, -1, 3] * dp, jnp.int32)
     outs = {}
     for impl in (AttentionImpl.XLA, AttentionImpl.CUDNN):
-        attn = Attention(config, topology=topology, dtype=jnp.bfloat16, impl=impl, rngs=nnx.Rngs(0))
+        attn = Attention(
+            config.attention_spec(0),
+            topology=topology,
+            dtype=jnp.bfloat16,
+            impl=impl,
+            rngs=nnx.Rngs(0),
+        )
         cache = KVCache.create(config, topology, slots=dp * 4, max_len=80, mesh=mesh)
         cache = jax.tree.map(lambda a: a.astype(jnp.bfloat16), cache)
 

@@ -35,7 +35,7 @@ class TinyLayer(nnx.Module):
         eps = config.rms_norm_eps
         self.input_norm = bj.RMSNorm(config.hidden_size, eps=eps, param_dtype=dtype)
         self.post_attn_norm = bj.RMSNorm(config.hidden_size, eps=eps, param_dtype=dtype)
-        self.attn = Attention(config, topology=topology, dtype=dtype, rngs=rngs)
+        self.attn = Attention(config.attention_spec(0), topology=topology, dtype=dtype, rngs=rngs)
         self.mlp = SwiGLU(
             config.hidden_size, config.intermediate_size, topology=topology, dtype=dtype, rngs=rngs
         )

@@ -176,7 +176,7 @@ class TinyMoeLayer(nnx.Module):
         eps, hidden = config.rms_norm_eps, config.hidden_size
         self.input_norm = bj.RMSNorm(hidden, eps=eps)
         self.post_attn_norm = bj.RMSNorm(hidden, eps=eps)
-        self.attn = Attention(config, topology=topology, rngs=rngs)
+        self.attn = Attention(config.attention_spec(0), topology=topology, rngs=rngs)
         if sparse:
             moe = config.moe
             self.mlp = SparseMoe(

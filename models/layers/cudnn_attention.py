@@ -1,0 +1,113 @@
+"""cuDNN fused attention (GPU): packed variable-length causal prefill and decode over a cache."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .kv_cache import KVCache
+
+
+def prefill_attention_cudnn(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array,
+    *,
+    max_segments: int,
+    scale: float,
+) -> jax.Array:
+    """Causal attention within each segment of packed rows, through cuDNN's ragged layout.
+
+    q is [T, heads, D], k/v [T, kv, D]. Each segment must be contiguous with positions 0, 1,
+    ... (causality is by row order); padding rows (-1) get unspecified values the caller masks.
+    Segment ids must be < `max_segments` (static): cuDNN schedules work for every segment
+    entry, so a tight bound (the cache slots) keeps empty entries cheap. cuDNN skips the score
+    blocks between segments, so packing costs no T x T work.
+    """
+    # Private but stable since JAX 0.4.3x: the public wrapper takes no segment offsets.
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    rows = segment_ids.shape[0]
+    segments = max_segments
+    index = jnp.arange(rows, dtype=jnp.int32)
+    seg = jnp.where(segment_ids >= 0, segment_ids, segments)
+    lengths = jax.ops.segment_sum(jnp.ones(rows, jnp.int32), seg, segments + 1)[:segments]
+    first = jax.ops.segment_min(index, seg, segments + 1)[:segments]
+    # cuDNN wants the segments in row order, the real ones first, the rest -1.
+    first = jnp.where(lengths > 0, first, rows)
+    order = jnp.argsort(first)
+    first, lengths = first[order], lengths[order]
+    offsets = jnp.where(lengths > 0, first, -1)
+    offsets = jnp.concatenate([offsets, jnp.full((1,), -1, jnp.int32)])[None]
+    seqlen = jnp.where(lengths > 0, lengths, -1)[None]
+    out = cudnn.dot_product_attention(
+        q[None],
+        k[None].astype(q.dtype),
+        v[None].astype(q.dtype),
+        q_seqlen=seqlen,
+        kv_seqlen=seqlen,
+        q_offsets=offsets,
+        kv_offsets=offsets,
+        scale=scale,
+        mask_type=cudnn.MaskType.PADDING_CAUSAL,
+    )
+    return out[0]
+
+
+def decode_cache_cudnn(
+    q: jax.Array, cache: KVCache, positions: jax.Array, scale: float
+) -> jax.Array:
+    """Row i's query [heads, D] over slot i's cached keys 0..positions[i], through cuDNN.
+
+    The cache is read in place ([slots, max_len, kv, D] is cuDNN's BSNH layout); an idle row
+    reads its slot's first key.
+    """
+    lengths = jnp.clip(positions + 1, 1, cache.k.shape[1]).astype(jnp.int32)
+    return decode_attention_cudnn(
+        q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), lengths, scale=scale
+    )
+
+
+def decode_attention_cudnn(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    lengths: jax.Array,
+    *,
+    grouped: bool = False,
+    scale: float | None = None,
+) -> jax.Array:
+    """One query row per slot over its cache: [B, heads, D] x [B, S, kv, D] -> [B, heads, D].
+
+    Slot b attends to keys 0..lengths[b]-1 (lengths >= 1); scores are scaled by `scale` (None:
+    `D ** -0.5`). With `grouped` (the default), the
+    query heads that share a kv head become that many query rows of one kv head: cuDNN then
+    reads each slot's keys once per kv head, instead of once per query head.
+    """
+    batch, heads, head_dim = q.shape
+    kv = k_cache.shape[2]
+    scale = head_dim**-0.5 if scale is None else scale
+    if not grouped:
+        out = jax.nn.dot_product_attention(
+            q[:, None],
+            k_cache,
+            v_cache,
+            scale=scale,
+            query_seq_lengths=jnp.ones_like(lengths),
+            key_value_seq_lengths=lengths,
+            implementation="cudnn",
+        )
+        return out[:, 0]
+    group = heads // kv
+    rows = q.reshape(batch, kv, group, head_dim).transpose(0, 2, 1, 3)  # [B, group, kv, D]
+    out = jax.nn.dot_product_attention(
+        rows,
+        k_cache,
+        v_cache,
+        scale=scale,
+        query_seq_lengths=jnp.full_like(lengths, group),
+        key_value_seq_lengths=lengths,
+        implementation="cudnn",
+    )
+    return out.transpose(0, 2, 1, 3).reshape(batch, heads, head_dim)

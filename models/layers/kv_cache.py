@@ -1,0 +1,148 @@
+"""The static-shape KV cache of an attention layer, and how its heads divide over attention TP."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from boundary_jax import SumGroup, TokenAxis, Topology
+
+from ..config import AttentionSpec, DecoderConfig
+from .linear import group_size
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadSplit:
+    """How the query and kv heads of one attention layer divide over attention TP.
+
+    Query heads split evenly. Kv heads split too when their number is a multiple of the
+    attention-TP size; otherwise (fewer kv heads than ranks, each shared by
+    `attn_tp // num_kv_heads` ranks) the k/v projections stay replicated and each rank computes
+    only the one kv head its query heads use.
+
+    Attributes:
+      num_heads: Query heads of the layer.
+      num_kv_heads: Key/value heads of the layer.
+      attn_tp: Attention-TP size.
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    attn_tp: int
+
+    def __post_init__(self):
+        if self.num_heads % self.attn_tp:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of the attention-TP size "
+                f"({self.attn_tp}); use an attention-TP size that divides the query heads"
+            )
+        if self.num_kv_heads % self.attn_tp and self.attn_tp % self.num_kv_heads:
+            raise ValueError(
+                f"num_kv_heads ({self.num_kv_heads}) and the attention-TP size ({self.attn_tp}) "
+                "must divide one another: kv heads are either split over the ranks or each "
+                "shared by a whole number of ranks"
+            )
+
+    @property
+    def kv_sharded(self) -> bool:
+        """Whether the k/v projections (and kv heads) are split over attention TP."""
+        return self.num_kv_heads % self.attn_tp == 0
+
+    @property
+    def local_heads(self) -> int:
+        return self.num_heads // self.attn_tp
+
+    @property
+    def local_kv_heads(self) -> int:
+        return self.num_kv_heads // self.attn_tp if self.kv_sharded else 1
+
+    @property
+    def cache_heads(self) -> int:
+        """Kv-head extent of the global cache: the kv heads, or one per rank when shared."""
+        return self.local_kv_heads * self.attn_tp
+
+    @classmethod
+    def of(cls, heads: DecoderConfig | AttentionSpec, topology: Topology) -> HeadSplit:
+        """The split of `heads`' query and kv heads over `topology`'s attention TP."""
+        return cls(heads.num_heads, heads.num_kv_heads, group_size(topology, SumGroup.ATTN_TP))
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Static-shape key/value cache of one attention layer: a registered pytree.
+
+    Globally [slots, max_len, cache heads, head_dim], with slots split over attention DP and
+    heads over attention TP (`partition_spec`). Inside `shard_map` a rank holds
+    [slots / attn_dp, max_len, local kv heads, head_dim]; slot s holds sequence
+    `segment_ids == s` of that attention-DP rank, at index [s, position]. Where kv heads are
+    shared by several ranks (`HeadSplit.kv_sharded` is False) the global cache has one head per
+    attention-TP rank, each a copy of the kv head that rank uses.
+
+    Attributes:
+      k: Keys after q/k norm and RoPE.
+      v: Values.
+    """
+
+    k: jax.Array
+    v: jax.Array
+
+    @staticmethod
+    def global_shape(
+        config: DecoderConfig, topology: Topology, *, slots: int, max_len: int
+    ) -> tuple[int, int, int, int]:
+        """The [slots, max_len, cache heads, head_dim] shape of `k` and `v` outside shard_map.
+
+        Raises:
+          ValueError: `slots` is not a multiple of the attention-DP size.
+        """
+        if slots % topology.attn_dp:
+            raise ValueError(
+                f"KV cache slots ({slots}) must split evenly over attention DP "
+                f"({topology.attn_dp}); got {slots=}"
+            )
+        heads = HeadSplit.of(config, topology)
+        return (slots, max_len, heads.cache_heads, config.head_dim)
+
+    @staticmethod
+    def partition_spec(topology: Topology) -> PartitionSpec:
+        """Slots over attention DP, heads over attention TP."""
+        dp = topology.spec_entry((TokenAxis.ATTN_DP,))
+        return PartitionSpec(dp, None, topology.shard_entry(SumGroup.ATTN_TP), None)
+
+    @classmethod
+    def specs(cls, topology: Topology, *, stacked: bool = False) -> KVCache:
+        """The cache's `PartitionSpec` tree, for `shard_map` in/out specs; `stacked`: of the
+        stacked caches of a scanned run of layers (a leading, unsplit layer axis)."""
+        spec = cls.partition_spec(topology)
+        if stacked:
+            spec = PartitionSpec(None, *spec)
+        return cls(k=spec, v=spec)
+
+    @classmethod
+    def create(
+        cls,
+        config: DecoderConfig,
+        topology: Topology,
+        *,
+        slots: int,
+        max_len: int,
+        dtype: jnp.dtype = jnp.float32,
+        mesh: Mesh | None = None,
+        layers: int | None = None,
+    ) -> KVCache:
+        """A zero cache of the global shape; on `mesh`, each device allocates only its shard.
+        `layers`: the stacked caches of a scanned run of that many layers, on a leading axis
+        (None: one layer's)."""
+        shape = cls.global_shape(config, topology, slots=slots, max_len=max_len)
+        spec = cls.specs(topology, stacked=layers is not None).k
+        if layers is not None:
+            shape = (layers, *shape)
+        device = None if mesh is None else NamedSharding(mesh, spec)
+        return cls(
+            k=jnp.zeros(shape, dtype, device=device), v=jnp.zeros(shape, dtype, device=device)
+        )
