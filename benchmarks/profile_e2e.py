@@ -149,7 +149,9 @@ def main() -> None:
 
         program = runner._program(runner._decode_program, GREEDY, steps)
         hlo = {
-            "project": program.lower(runner.state, rows, batch, held[0], key, jnp.int32(steps)),
+            "project": program.lower(
+                runner.state, rows, batch, held[0], key, jnp.int32(steps), jnp.int32(0)
+            ),
             "baseline": decode.lower(params, tokens, positions, base[0], steps),
         }
     for name, lowered in hlo.items():
