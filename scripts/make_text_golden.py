@@ -20,6 +20,7 @@ Writes ``tests/golden/text/``:
   (stopping at the generation config's eos ids, eos included) and their text
   (``decode(..., skip_special_tokens=True)``), and the smallest top-1 / top-2 logit gap over the
   greedy steps.
+* ``reference.npz``: ``logits``, float32 [6, 256], of the first prompt's ids run alone.
 
 So that a greedy run meets an end-of-sequence token, ``<|im_end|>``'s LM-head row is set to a
 multiple of the row of the token the first prompt would otherwise generate at step
@@ -253,6 +254,8 @@ def main() -> int:
         "cases": cases,
     }
     (OUT / "text_reference.json").write_text(json.dumps(reference, indent=2) + "\n")
+    logits = base.logits_alone(reloaded, cases["stops"]["input_ids"])
+    base.save_npz_deterministic(OUT / "reference.npz", {"logits": logits})
     for name, case in cases.items():
         ids, gap = len(case["generated_ids"]), case["min_top2_gap"]
         print(f"{name}: {case['text']!r} ({ids} ids, smallest gap {gap:.3f})")
