@@ -11,6 +11,7 @@ and on 8 simulated CPU devices otherwise; the reference runs on one CPU device (
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import time
 
@@ -94,10 +95,22 @@ class DemoDevices:
     @classmethod
     def of_machine(cls) -> DemoDevices:
         """The default backend's devices as accelerators (none when it is the CPU) and the CPU
-        backend's (`jax_num_cpu_devices` set before the backends start)."""
+        backend's (`jax_num_cpu_devices` set before the backends start).
+
+        Raises:
+          ValueError: JAX runs without its CPU backend (`JAX_PLATFORMS` leaves it out).
+        """
         default = tuple(jax.devices())
         accelerators = () if default[0].platform == "cpu" else default
-        return cls(accelerators, tuple(jax.devices("cpu")))
+        try:
+            cpus = tuple(jax.devices("cpu"))
+        except RuntimeError:
+            raise ValueError(
+                "the demo runs the layouts the accelerators cannot hold on simulated CPU devices, "
+                f"and JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS')!r} leaves out the CPU; add "
+                "it (e.g. JAX_PLATFORMS=cuda,cpu)"
+            ) from None
+        return cls(accelerators, cpus)
 
     def layouts(self, base: tuple[Layout, ...]) -> tuple[Layout, ...]:
         """`base`, after (on a machine with accelerators) one device and TP over all of them
