@@ -13,6 +13,7 @@ import contextlib
 import math
 import os
 import re
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -263,7 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return interrupted.exit_code
     except KeyboardInterrupt:
         print("boundary-jax: interrupted by SIGINT", file=sys.stderr)
-        return 128 + 2
+        return 128 + signal.SIGINT
     except BrokenPipeError:
         # The reader left: send the rest of stdout nowhere, so flushing at exit cannot fail.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
