@@ -82,9 +82,12 @@ def load_config(checkpoint_dir: str | Path) -> DecoderConfig:
     try:
         return read_hf_config(read_hf_config_file(checkpoint_dir))
     except ValueError as error:
-        if str(path) in str(error):
+        message = str(error)
+        if str(path) in message:
             raise
-        raise ValueError(f"{path}: {error}") from None
+        if message.startswith(CONFIG_FILE):  # "config.json has no ...": say which one
+            raise ValueError(f"{path}{message.removeprefix(CONFIG_FILE)}") from None
+        raise ValueError(f"{path}: {message}") from None
 
 
 def check_checkpoint_files(checkpoint_dir: str | Path) -> None:
