@@ -276,12 +276,27 @@ def run_demo(
             row = run_layout(config, layout, placed, prompts, expected, middle, console)
             rows.append(row)
             out.print(_layout_table(row))
+    out.print(summary_table(rows, devices_column=bool(devices.accelerators)))
+    bad = [row for row in rows if row["max_abs_logit_diff"] > 1e-4 * row["logit_scale"]]
+    verdict = "match" if not bad else f"DIFFER ({', '.join(r['layout'] for r in bad)})"
+    worst = max(row["max_abs_logit_diff"] / row["logit_scale"] for row in rows)
+    out.print(
+        f"all {len(rows)} layouts {verdict} their model's single-device logits (worst "
+        f"{worst:.1e} relative to the largest logit)"
+    )
+    return rows
+
+
+def summary_table(rows: list[dict], *, devices_column: bool) -> Table:
+    """The demo's closing table: a row per layout run; `devices_column` adds where each ran
+    (on a machine with accelerators; on a CPU-only one every layout runs on the CPU)."""
     middles = " / ".join(sorted({str(row["middle_layer"]) for row in rows}))
     summary = Table(
         title=f"summary (collectives of layer {middles}, sparse in the MoE model; bytes for "
         f"{batch_description()})"
     )
-    columns = ("model", "layout", "devices", "max |diff|", "AR", "RS", "AG", "A2A", "bytes")
+    where = ("devices",) if devices_column else ()
+    columns = ("model", "layout", *where, "max |diff|", "AR", "RS", "AG", "A2A", "bytes")
     for column in (*columns, "compile", "step"):
         left = column in ("model", "layout", "devices")
         summary.add_column(column, justify="left" if left else "right")
@@ -290,7 +305,7 @@ def run_demo(
         summary.add_row(
             row["model"].removesuffix("ForCausalLM"),
             row["layout"],
-            row["devices"],
+            *(row["devices"] for _ in where),
             f"{row['max_abs_logit_diff']:.1e}",
             str(counts["all-reduce"]),
             str(counts["reduce-scatter"]),
@@ -300,12 +315,4 @@ def run_demo(
             f"{row['compile_s']:.2f} s",
             f"{row['step_ms']:.1f} ms",
         )
-    out.print(summary)
-    bad = [row for row in rows if row["max_abs_logit_diff"] > 1e-4 * row["logit_scale"]]
-    verdict = "match" if not bad else f"DIFFER ({', '.join(r['layout'] for r in bad)})"
-    worst = max(row["max_abs_logit_diff"] / row["logit_scale"] for row in rows)
-    out.print(
-        f"all {len(rows)} layouts {verdict} their model's single-device logits (worst "
-        f"{worst:.1e} relative to the largest logit)"
-    )
-    return rows
+    return summary

@@ -16,6 +16,7 @@ from models.cli.demo import (
     demo_config,
     demo_prompts,
     run_layout,
+    summary_table,
 )
 from models.serving.runtime import ShardedCausalLM
 
@@ -64,7 +65,8 @@ def test_machines_of_several_accelerators_use_those_that_fit():
 
 def test_a_layout_runs_on_the_devices_it_is_given():
     """run_layout places the model on the given device (a pretend accelerator) and matches the
-    single-device logits."""
+    single-device logits; the summary says where each layout ran when the machine has
+    accelerators (and, on a CPU-only machine, keeps its columns)."""
     config = demo_config("tiny-qwen3", 2)
     prompts = demo_prompts(config.vocab_size)
     single = bj.Topology()
@@ -76,3 +78,7 @@ def test_a_layout_runs_on_the_devices_it_is_given():
     assert placed == (CPUS[-1],)
     assert row["devices"] == "1 cpu" and row["device_ids"] == [CPUS[-1].id]
     assert row["max_abs_logit_diff"] <= 1e-5 * float(np.max(np.abs(expected)))
+    headers = [column.header for column in summary_table([row], devices_column=True).columns]
+    assert headers[:3] == ["model", "layout", "devices"]
+    assert list(summary_table([row], devices_column=True).columns[2].cells) == ["1 cpu"]
+    assert "devices" not in [c.header for c in summary_table([row], devices_column=False).columns]
