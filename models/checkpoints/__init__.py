@@ -4,9 +4,15 @@ device reading only its shards), and saving."""
 from .load import CONFIG_FILE as CONFIG_FILE
 from .load import INDEX_FILE as INDEX_FILE
 from .load import SINGLE_FILE as SINGLE_FILE
+from .load import check_checkpoint_files as check_checkpoint_files
 from .load import load_config as load_config
 from .load import load_params as load_params
 from .load import load_tensor as load_tensor
+from .load import read_hf_config_file as read_hf_config_file
+from .load import read_json as read_json
 from .names import HFTensor as HFTensor
 from .names import hf_name_map as hf_name_map
+from .save import check_destination as check_destination
+from .save import replace_directory as replace_directory
 from .save import save_checkpoint as save_checkpoint
+from .save import stage_checkpoint as stage_checkpoint

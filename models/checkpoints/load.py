@@ -22,12 +22,13 @@ import functools
 import json
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from ..config import DecoderConfig, read_hf_config
 from .names import IGNORED_SUFFIXES, HFTensor, hf_name_map
@@ -37,12 +38,69 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 
-def load_config(checkpoint_dir: str | Path) -> DecoderConfig:
-    """The `DecoderConfig` of the checkpoint directory's `config.json`."""
+def read_json(path: str | Path) -> Any:
+    """The value a JSON file holds.
+
+    Raises:
+      FileNotFoundError: No file at `path`.
+      ValueError: The file is not valid UTF-8 JSON (the message names the file and the spot).
+    """
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"no file {file}")
+    try:
+        return json.loads(file.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{file} is not valid JSON: {error}") from None
+
+
+def read_hf_config_file(checkpoint_dir: str | Path) -> dict[str, Any]:
+    """The checkpoint directory's `config.json` as a dict.
+
+    Raises:
+      FileNotFoundError: The directory has no `config.json`.
+      ValueError: It is not a JSON object.
+    """
     path = Path(checkpoint_dir) / CONFIG_FILE
     if not path.is_file():
         raise FileNotFoundError(f"no {CONFIG_FILE} in checkpoint directory {checkpoint_dir}")
-    return read_hf_config(json.loads(path.read_text()))
+    config = read_json(path)
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} must hold a JSON object; got {type(config).__name__}")
+    return config
+
+
+def load_config(checkpoint_dir: str | Path) -> DecoderConfig:
+    """The `DecoderConfig` of the checkpoint directory's `config.json`.
+
+    Raises:
+      FileNotFoundError: The directory has no `config.json`.
+      ValueError: It is not JSON, or describes a decoder the models here do not build (the
+        message names the file).
+    """
+    path = Path(checkpoint_dir) / CONFIG_FILE
+    try:
+        return read_hf_config(read_hf_config_file(checkpoint_dir))
+    except ValueError as error:
+        message = str(error)
+        if str(path) in message:
+            raise
+        if message.startswith(CONFIG_FILE):  # "config.json has no ...": say which one
+            raise ValueError(f"{path}{message.removeprefix(CONFIG_FILE)}") from None
+        raise ValueError(f"{path}: {message}") from None
+
+
+def check_checkpoint_files(checkpoint_dir: str | Path) -> None:
+    """Checks, before any weight is read, that the checkpoint's weights files are all there
+    and readable: the index (if any) is JSON naming existing files, and every safetensors
+    file's header parses (a truncated or corrupt file fails here, in a fraction of a second).
+
+    Raises:
+      FileNotFoundError: The directory has neither weights layout, or a named file is missing.
+      ValueError: The index or a safetensors file is corrupt (the message names the file).
+    """
+    with _Checkpoint(Path(checkpoint_dir)) as checkpoint:
+        checkpoint.open_all()
 
 
 def load_params(
@@ -281,7 +339,12 @@ class _Checkpoint(contextlib.AbstractContextManager):
         self._handles: dict[str, object] = {}
         index = directory / INDEX_FILE
         if index.is_file():
-            weight_map: Mapping[str, str] = json.loads(index.read_text())["weight_map"]
+            weight_map = read_json(index)
+            weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+            if not isinstance(weight_map, Mapping) or not all(
+                isinstance(file, str) for file in weight_map.values()
+            ):
+                raise ValueError(f"{index} must hold a 'weight_map' of tensor names to files")
             self._file_of = dict(weight_map)
         elif (directory / SINGLE_FILE).is_file():
             self._file_of = {name: SINGLE_FILE for name in self._open(SINGLE_FILE).keys()}  # noqa: SIM118
@@ -304,6 +367,11 @@ class _Checkpoint(contextlib.AbstractContextManager):
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         return self._open(self._file_of[name]).get_slice(name)[index]
 
+    def open_all(self) -> None:
+        """Opens every weights file (reading each header only)."""
+        for file in sorted(set(self._file_of.values())):
+            self._open(file)
+
     def _open(self, file: str):
         if file not in self._handles:
             path = self._directory / file
@@ -311,7 +379,11 @@ class _Checkpoint(contextlib.AbstractContextManager):
                 raise FileNotFoundError(
                     f"checkpoint file {path} (named in {INDEX_FILE}) is missing"
                 )
-            self._handles[file] = self._files.enter_context(safe_open(str(path), framework="numpy"))
+            try:
+                handle = safe_open(str(path), framework="numpy")
+            except SafetensorError as error:
+                raise ValueError(f"{path} is not a readable safetensors file: {error}") from None
+            self._handles[file] = self._files.enter_context(handle)
         return self._handles[file]
 
     def __exit__(self, *exc_info):

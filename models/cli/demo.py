@@ -1,11 +1,17 @@
 """The main job: a small dense decoder and a small MoE decoder with random weights under several
 layouts (the MoE one also with its experts split over expert parallelism, gathered or sent
 all-to-all), each checked against one device, with the collectives each layout runs and its
-compile and step times."""
+compile and step times.
+
+It runs on any machine: each layout goes on the machine's accelerators where it fits (on a
+machine with accelerators, also on one of them, and on all of them where they divide the heads)
+and on 8 simulated CPU devices otherwise; the reference runs on one CPU device (float32 exactly).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import time
 
@@ -19,8 +25,9 @@ from boundary_jax.report import KINDS
 
 from ..build import build_model
 from ..config import PRESETS, DecoderConfig
+from ..layers.attention import AttentionImpl
 from ..serving.runtime import ShardedCausalLM
-from .plan import collective_report, middle_layer, middle_sparse_layer
+from .plan import batch_description, collective_report, middle_layer, middle_sparse_layer
 
 PRESET = "tiny-qwen3"
 MOE_PRESET = "tiny-qwen3-moe"
@@ -46,6 +53,11 @@ class Layout:
     moe_ep: int = 1
     moe_dispatch: bj.MoeDispatch | None = None
 
+    @property
+    def size(self) -> int:
+        """Devices the layout's mesh holds."""
+        return self.attn_dp * self.attn_tp
+
 
 LAYOUTS = (
     Layout("TP 8", 1, 8),
@@ -63,6 +75,78 @@ MOE_LAYOUTS = tuple(dataclasses.replace(layout, moe_dispatch=GATHER) for layout 
 """The MoE model's layouts: the dense ones (experts whole on every rank, their width split over
 the TP group) and expert parallelism in both dispatch modes (with EP 2 all-to-all, each
 expert's width split over attention TP 4)."""
+SIMULATED_CPUS = 8
+"""CPU devices the demo simulates for the layouts the machine's accelerators cannot hold."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoDevices:
+    """The devices the demo runs on.
+
+    Attributes:
+      accelerators: The machine's accelerators (GPUs, TPUs); none on a CPU-only machine.
+      cpus: The (simulated) CPU devices: the layouts the accelerators cannot hold run there,
+        and the single-device reference on the first.
+    """
+
+    accelerators: tuple[jax.Device, ...]
+    cpus: tuple[jax.Device, ...]
+
+    @classmethod
+    def of_machine(cls) -> DemoDevices:
+        """The default backend's devices as accelerators (none when it is the CPU) and the CPU
+        backend's (`jax_num_cpu_devices` set before the backends start).
+
+        Raises:
+          ValueError: JAX runs without its CPU backend (`JAX_PLATFORMS` leaves it out).
+        """
+        default = tuple(jax.devices())
+        accelerators = () if default[0].platform == "cpu" else default
+        try:
+            cpus = tuple(jax.devices("cpu"))
+        except RuntimeError:
+            raise ValueError(
+                "the demo runs the layouts the accelerators cannot hold on simulated CPU devices, "
+                f"and JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS')!r} leaves out the CPU; add "
+                "it (e.g. JAX_PLATFORMS=cuda,cpu)"
+            ) from None
+        return cls(accelerators, cpus)
+
+    def layouts(self, base: tuple[Layout, ...]) -> tuple[Layout, ...]:
+        """`base`, after (on a machine with accelerators) one device and TP over all of them
+        where that is between 2 and 8 ranks dividing the models' 8 heads; an MoE model's (its
+        `base` has a dispatch) gather their experts."""
+        count = len(self.accelerators)
+        if not count:
+            return base
+        dispatch = base[0].moe_dispatch
+        extra = [Layout("1 device", 1, 1, moe_dispatch=dispatch)]
+        if 1 < count < 8 and 8 % count == 0:
+            extra.append(Layout(f"TP {count}", 1, count, moe_dispatch=dispatch))
+        return (*extra, *base)
+
+    def for_layout(self, layout: Layout) -> tuple[jax.Device, ...]:
+        """The accelerators where the layout fits on them, else the CPU devices."""
+        pool = self.accelerators if len(self.accelerators) >= layout.size else self.cpus
+        if len(pool) < layout.size:
+            raise ValueError(
+                f"the layout {layout.name!r} needs {layout.size} devices; the demo has "
+                f"{len(self.accelerators)} accelerators and {len(self.cpus)} CPU devices"
+            )
+        return pool[: layout.size]
+
+    def describe(self) -> str:
+        """The machine's devices in words."""
+        cpus = f"{len(self.cpus)} simulated cpu devices"
+        if not self.accelerators:
+            return cpus
+        first = self.accelerators[0]
+        return f"{len(self.accelerators)} {first.platform} ({first.device_kind}) and {cpus}"
+
+
+def devices_label(devices: tuple[jax.Device, ...]) -> str:
+    """`8 cpu` or `1 gpu`: how many devices of which platform."""
+    return f"{len(devices)} {devices[0].platform}"
 
 
 def demo_config(preset: str, layers: int) -> DecoderConfig:
@@ -91,17 +175,28 @@ def _step_time(runner: ShardedCausalLM, packed, repeats: int = 10) -> float:
     return float(np.median(times))
 
 
-def _run_layout(
-    config: DecoderConfig, layout: Layout, prompts, expected: np.ndarray, middle: int, console
+def run_layout(
+    config: DecoderConfig,
+    layout: Layout,
+    devices: tuple[jax.Device, ...],
+    prompts: list[list[int]],
+    expected: np.ndarray,
+    middle: int,
+    console: Console,
 ) -> dict:
-    """One layout of one model: built, compiled, checked against `expected`, timed."""
+    """One layout of one model on `devices`: built, compiled, checked against `expected`,
+    timed."""
     topology = bj.Topology(attn_dp=layout.attn_dp, attn_tp=layout.attn_tp, moe_ep=layout.moe_ep)
-    with console.status(f"{layout.name}: building and compiling"):
+    with console.status(f"{layout.name}: building and compiling"), jax.default_device(devices[0]):
         model = build_model(
-            config, topology, reduction=layout.policy, moe_dispatch=layout.moe_dispatch
+            config,
+            topology,
+            reduction=layout.policy,
+            moe_dispatch=layout.moe_dispatch,
+            attention=AttentionImpl.for_platform(devices[0].platform),
         )
         runner = ShardedCausalLM(
-            model, bj.make_mesh(topology), input_scattered=layout.input_scattered
+            model, bj.make_mesh(topology, devices), input_scattered=layout.input_scattered
         )
         start = time.perf_counter()
         report = collective_report(runner)
@@ -113,6 +208,8 @@ def _run_layout(
     return {
         "model": config.architecture.value,
         "layout": layout.name,
+        "devices": devices_label(tuple(runner.mesh.devices.flat)),
+        "device_ids": [device.id for device in runner.mesh.devices.flat],
         "mesh": f"attn_dp={layout.attn_dp}, attn_tp={layout.attn_tp}, moe_ep={layout.moe_ep}",
         "policy": model.layers[0].ffn_boundary.plan.policy.value,
         "max_abs_logit_diff": float(np.max(np.abs(logits - expected))),
@@ -126,28 +223,41 @@ def _run_layout(
 
 
 def _layout_table(row: dict) -> Table:
-    table = Table(title=f"{row['model']}, {row['layout']}: {row['mesh']}, policy {row['policy']}")
+    title = f"{row['model']}, {row['layout']} on {row['devices']}: {row['mesh']}"
+    table = Table(title=f"{title}, policy {row['policy']}")
     table.add_column("measure")
     table.add_column("value", justify="right")
     table.add_row("max |logit diff| vs 1 device", f"{row['max_abs_logit_diff']:.2e}")
     for kind in KINDS:
         table.add_row(f"{kind} in layer {row['middle_layer']}", str(row["collectives"][kind]))
-    table.add_row(f"collective bytes in layer {row['middle_layer']}", f"{row['bytes']:,}")
+    table.add_row(
+        f"collective bytes in layer {row['middle_layer']} ({batch_description()})",
+        f"{row['bytes']:,}",
+    )
     table.add_row("compile", f"{row['compile_s']:.2f} s")
     table.add_row("step (median of 10)", f"{row['step_ms']:.2f} ms")
     return table
 
 
-def run_demo(*, layers: int = 4, console: Console | None = None) -> list[dict]:
+def run_demo(
+    *, layers: int = 4, console: Console | None = None, devices: DemoDevices | None = None
+) -> list[dict]:
     """Runs every layout of both models, prints one table per layout and a summary; returns
-    the rows."""
-    console = console or Console(stderr=True)
+    the rows.
+
+    Args:
+      layers: Decoder layers of both models.
+      console: Where progress goes (default: stderr).
+      devices: Where the layouts run (default: `DemoDevices.of_machine()`).
+    """
+    console = console or Console(stderr=True, log_path=False)
+    devices = devices or DemoDevices.of_machine()
     out = Console(width=None if sys.stdout.isatty() else 120)
     runs = ((PRESET, LAYOUTS), (MOE_PRESET, MOE_LAYOUTS))
     out.print(
         f"[bold]boundary-jax demo[/]: {PRESET} and {MOE_PRESET} ({layers} layers, random "
-        f"weights), {len(demo_prompts(PRESETS[PRESET].vocab_size))} ragged prompts, "
-        f"{len(jax.devices())} simulated {jax.default_backend()} devices"
+        f"weights), {len(demo_prompts(PRESETS[PRESET].vocab_size))} ragged prompts, on "
+        f"{devices.describe()}"
     )
     rows = []
     for preset, layouts in runs:
@@ -155,24 +265,47 @@ def run_demo(*, layers: int = 4, console: Console | None = None) -> list[dict]:
         prompts = demo_prompts(config.vocab_size)
         single = bj.Topology()
         with console.status(f"{preset}: single-device reference"):
-            reference = ShardedCausalLM(build_model(config, single), bj.make_mesh(single))
-            expected = reference.forward(prompts)
+            with jax.default_device(devices.cpus[0]):
+                model = build_model(config, single, attention=AttentionImpl.XLA)
+            mesh = bj.make_mesh(single, devices.cpus[:1])
+            expected = ShardedCausalLM(model, mesh).forward(prompts)
         middle = middle_sparse_layer(config.sparse_layers)
         middle = middle_layer(layers) if middle is None else middle
-        for layout in layouts:
-            row = _run_layout(config, layout, prompts, expected, middle, console)
+        for layout in devices.layouts(layouts):
+            placed = devices.for_layout(layout)
+            row = run_layout(config, layout, placed, prompts, expected, middle, console)
             rows.append(row)
             out.print(_layout_table(row))
+    out.print(summary_table(rows, devices_column=bool(devices.accelerators)))
+    bad = [row for row in rows if row["max_abs_logit_diff"] > 1e-4 * row["logit_scale"]]
+    verdict = "match" if not bad else f"DIFFER ({', '.join(r['layout'] for r in bad)})"
+    worst = max(row["max_abs_logit_diff"] / row["logit_scale"] for row in rows)
+    out.print(
+        f"all {len(rows)} layouts {verdict} their model's single-device logits (worst "
+        f"{worst:.1e} relative to the largest logit)"
+    )
+    return rows
+
+
+def summary_table(rows: list[dict], *, devices_column: bool) -> Table:
+    """The demo's closing table: a row per layout run; `devices_column` adds where each ran
+    (on a machine with accelerators; on a CPU-only one every layout runs on the CPU)."""
     middles = " / ".join(sorted({str(row["middle_layer"]) for row in rows}))
-    summary = Table(title=f"summary (collectives of layer {middles}; sparse in the MoE model)")
-    columns = ("model", "layout", "max |diff|", "AR", "RS", "AG", "A2A", "bytes", "compile")
-    for column in (*columns, "step"):
-        summary.add_column(column, justify="left" if column in ("model", "layout") else "right")
+    summary = Table(
+        title=f"summary (collectives of layer {middles}, sparse in the MoE model; bytes for "
+        f"{batch_description()})"
+    )
+    where = ("devices",) if devices_column else ()
+    columns = ("model", "layout", *where, "max |diff|", "AR", "RS", "AG", "A2A", "bytes")
+    for column in (*columns, "compile", "step"):
+        left = column in ("model", "layout", "devices")
+        summary.add_column(column, justify="left" if left else "right")
     for row in rows:
         counts = row["collectives"]
         summary.add_row(
             row["model"].removesuffix("ForCausalLM"),
             row["layout"],
+            *(row["devices"] for _ in where),
             f"{row['max_abs_logit_diff']:.1e}",
             str(counts["all-reduce"]),
             str(counts["reduce-scatter"]),
@@ -182,12 +315,4 @@ def run_demo(*, layers: int = 4, console: Console | None = None) -> list[dict]:
             f"{row['compile_s']:.2f} s",
             f"{row['step_ms']:.1f} ms",
         )
-    out.print(summary)
-    bad = [row for row in rows if row["max_abs_logit_diff"] > 1e-4 * row["logit_scale"]]
-    verdict = "match" if not bad else f"DIFFER ({', '.join(r['layout'] for r in bad)})"
-    worst = max(row["max_abs_logit_diff"] / row["logit_scale"] for row in rows)
-    out.print(
-        f"all {len(rows)} layouts {verdict} their model's single-device logits (worst "
-        f"{worst:.1e} relative to the largest logit)"
-    )
-    return rows
+    return summary

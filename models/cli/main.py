@@ -1,450 +1,203 @@
 """The `boundary-jax` command line: demo, forward, generate, train and plan.
 
-Bad input ends with a one-line error naming the problem and exit code 2.
+Every option and input file is checked before a model is built or loaded. Bad input (an option,
+a file, a path, a mesh the machine cannot hold, a model that runs out of memory) ends with one
+line on stderr, `boundary-jax: error: ...`, and exit code 2; SIGINT and SIGTERM end with one
+line and exit code 128 + the signal's number.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
-import shutil
+import os
+import re
+import signal
 import sys
-import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import jax
-import jax.numpy as jnp
-import numpy as np
-from rich.console import Console
+from safetensors import SafetensorError
 
 import boundary_jax as bj
 
-from ..build import build_model, load_model
-from ..checkpoints import load_config, save_checkpoint
-from ..config import PRESETS, DecoderConfig
+from ..config import PRESETS
 from ..families.decoder import Remat
-from ..layers.attention import AttentionImpl
-from ..layers.hyper_connections import HyperConnections
-from ..serving.runtime import ShardedCausalLM
-from ..serving.sampling import Sampling
-from ..training.trainer import TrainConfig, Trainer
+from . import commands, options
 from .demo import run_demo
-from .plan import plan_report, print_plan
+from .interrupts import Interrupted, signals_interrupt
+from .options import InputError
+from .train import train
 
 EXIT_BAD_INPUT = 2
-TOKENIZER_FILE = "tokenizer.json"
+EXIT_BROKEN_PIPE = 141
+"""128 + SIGPIPE: what a shell reports for a writer whose reader left (`plan --json | head`)."""
 
 
-class InputError(ValueError):
-    """A problem with what the user passed: reported in one line, exit code 2."""
+class UsageError(Exception):
+    """An option argparse refused."""
 
 
-def _parse_mesh(text: str) -> dict[str, int]:
-    sizes = {}
-    for item in text.split(","):
-        name, _, value = item.partition("=")
-        name = name.strip()
-        if name not in {axis.value for axis in bj.MeshAxis} or not value.strip().isdigit():
-            raise argparse.ArgumentTypeError(
-                f"--mesh takes name=size pairs over {[a.value for a in bj.MeshAxis]}, e.g. "
-                f"attn_dp=2,attn_tp=4; got {text!r}"
-            )
-        sizes[name] = int(value)
-    if any(size < 1 for size in sizes.values()):
-        raise argparse.ArgumentTypeError(f"mesh sizes must be positive; got {text!r}")
-    return sizes
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors end the command in one line, like every other error."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message} (see {self.prog} --help)")
 
 
-def _policy(text: str):
-    try:
-        return bj.ReductionPolicy.parse(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+def _demo(args: argparse.Namespace) -> None:
+    run_demo(layers=args.layers, console=commands.console())
 
 
-def _read_ids(path: str, vocab_size: int) -> list[list[int]]:
-    file = Path(path)
-    if not file.is_file():
-        raise InputError(f"no token-id file at {path}")
-    try:
-        ids = json.loads(file.read_text())
-    except json.JSONDecodeError as error:
-        raise InputError(f"{path} is not JSON: {error}") from None
-    valid = (
-        isinstance(ids, list)
-        and ids
-        and all(isinstance(s, list) and s for s in ids)
-        and all(isinstance(t, int) and not isinstance(t, bool) for s in ids for t in s)
+def _model_args(command: argparse.ArgumentParser) -> None:
+    source = command.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", help="a Hugging Face checkpoint directory")
+    source.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        metavar="NAME",
+        help=f"a built-in configuration with random weights: {', '.join(sorted(PRESETS))}",
     )
-    if not valid:
-        raise InputError(f"{path} must hold a non-empty JSON list of non-empty lists of ints")
-    bad = [t for s in ids for t in s if not 0 <= t < vocab_size]
-    if bad:
-        raise InputError(
-            f"{path} has token ids outside the vocabulary [0, {vocab_size}): {sorted(set(bad))[:5]}"
-        )
-    return ids
-
-
-def _console():
-    return Console(stderr=True)
-
-
-@contextlib.contextmanager
-def _status(console, message: str):
-    with console.status(message):
-        start = time.perf_counter()
-        yield
-    console.log(f"{message} done in {time.perf_counter() - start:.1f}s")
-
-
-def _build(args, console):
-    """(model, mesh) for --checkpoint or --preset on --mesh."""
-    topology = _topology(args)
-    mesh = bj.make_mesh(topology)
-    dtype = jnp.dtype(args.dtype)
-    # Training runs XLA's attention (cuDNN's backward is not supported); the rest pick theirs.
-    attention = AttentionImpl.XLA if args.command == "train" else None
-    hyper_connections = None
-    if args.hc_mult is not None:
-        if args.checkpoint:
-            raise InputError(
-                "--hc-mult builds MHC layers with random weights, and a Hugging Face checkpoint "
-                "holds no MHC weights; use it with --preset"
-            )
-        try:
-            hyper_connections = HyperConnections(hc_mult=args.hc_mult)
-        except ValueError as error:
-            raise InputError(f"--hc-mult: {error}") from None
-    if args.preset:
-        if args.preset not in PRESETS:
-            raise InputError(f"unknown preset {args.preset!r}; choose one of {sorted(PRESETS)}")
-        with _status(console, f"building {args.preset} with random weights"):
-            model = build_model(
-                PRESETS[args.preset],
-                topology,
-                reduction=args.policy,
-                moe_dispatch=args.moe_dispatch,
-                dtype=dtype,
-                seed=getattr(args, "seed", 0),
-                remat=getattr(args, "remat", Remat.NONE),
-                attention=attention,
-                hyper_connections=hyper_connections,
-                scan_layers=args.scan_layers,
-            )
-    else:
-        directory = Path(args.checkpoint)
-        if not directory.is_dir():
-            raise InputError(f"no checkpoint directory at {args.checkpoint}")
-        load_config(directory)
-        with _status(console, f"loading {directory} onto {topology}"):
-            model = load_model(
-                directory,
-                mesh,
-                reduction=args.policy,
-                moe_ep=args.moe_ep,
-                moe_dispatch=args.moe_dispatch,
-                dtype=dtype,
-                remat=getattr(args, "remat", Remat.NONE),
-                attention=attention,
-                scan_layers=args.scan_layers,
-            )
-    return model, mesh
-
-
-def _topology(args) -> bj.Topology:
-    """The topology of --mesh and --moe-ep, checked against the experts of the model's config."""
-    moe = _source_config(args).moe
-    mesh = ",".join(f"{name}={size}" for name, size in args.mesh.items()) or "(none: one device)"
-    try:
-        topology = bj.Topology.from_axis_sizes(args.mesh, moe_ep=args.moe_ep)
-        if moe is not None:
-            topology.experts_per_rank(moe.num_experts)
-    except ValueError as error:
-        raise InputError(f"--moe-ep {args.moe_ep} with --mesh {mesh}: {error}") from None
-    return topology
-
-
-def _source_config(args) -> DecoderConfig:
-    """The config of --preset or --checkpoint, read before building anything."""
-    if getattr(args, "preset", None):
-        if args.preset not in PRESETS:
-            raise InputError(f"unknown preset {args.preset!r}; choose one of {sorted(PRESETS)}")
-        return PRESETS[args.preset]
-    if not Path(args.checkpoint).is_dir():
-        raise InputError(f"no checkpoint directory at {args.checkpoint}")
-    return load_config(args.checkpoint)
-
-
-def _load(args, console) -> ShardedCausalLM:
-    """The runner of `_build`'s model."""
-    model, mesh = _build(args, console)
-    return ShardedCausalLM(model, mesh, input_scattered=args.input_scattered)
-
-
-def _forward(args) -> None:
-    console = _console()
-    runner = _load(args, console)
-    sequences = _read_ids(args.input_ids, runner.config.vocab_size)
-    layers = args.capture_layers
-    if layers is not None:
-        count = runner.config.num_layers
-        bad = sorted({i for i in layers if not 0 <= i <= count})
-        if bad:
-            raise InputError(
-                f"--capture-layers takes indices in [0, {count}] (i < {count}: the residual "
-                f"entering layer i; {count}: the residual the final norm reads); got {bad}"
-            )
-    with _status(console, f"forward of {len(sequences)} sequences"):
-        if layers is None:
-            logits = runner.forward(sequences)
-        else:
-            logits, hidden = runner.forward_captured(sequences, layers)
-    np.save(args.out, logits.astype(np.float32))
-    console.log(f"wrote logits {list(logits.shape)} to {args.out}")
-    if layers is not None:
-        path = captures_path(args.out)
-        np.savez(path, **{f"layer_{i}": hidden[n].astype(np.float32) for n, i in enumerate(layers)})
-        console.log(f"wrote hidden states of layers {layers} to {path}")
-
-
-def captures_path(logits_path: str | Path) -> Path:
-    """Where `forward --capture-layers` writes the captured hidden states: beside the logits,
-    `<logits name without .npy>.hidden_states.npz` (one `layer_<i>` array per capture)."""
-    path = Path(logits_path)
-    stem = path.name[: -len(".npy")] if path.name.endswith(".npy") else path.name
-    return path.with_name(f"{stem}.hidden_states.npz")
-
-
-def _capture_layers(text: str) -> list[int]:
-    items = [item.strip() for item in text.split(",")]
-    if not items or not all(item.isdigit() for item in items):
-        raise argparse.ArgumentTypeError(
-            f"--capture-layers takes comma-separated layer indices, e.g. 2,5; got {text!r}"
-        )
-    return [int(item) for item in items]
-
-
-def _generate(args) -> None:
-    console = _console()
-    runner = _load(args, console)
-    prompts = _read_ids(args.prompt_ids, runner.config.vocab_size)
-    if args.max_new_tokens < 1:
-        raise InputError(f"--max-new-tokens must be at least 1; got {args.max_new_tokens}")
-    try:
-        sampling = Sampling(args.temperature, top_k=args.top_k, top_p=args.top_p)
-    except ValueError as error:
-        raise InputError(str(error)) from None
-    with _status(console, f"generating {args.max_new_tokens} tokens for {len(prompts)} prompts"):
-        tokens = runner.generate(prompts, args.max_new_tokens, sampling=sampling, seed=args.seed)
-    print(json.dumps(tokens.tolist()))
-
-
-def _plan(args) -> None:
-    console = _console()
-    runner = _load(args, console)
-    with _status(console, "compiling the sharded forward"):
-        report = plan_report(runner)
-    if args.json:
-        print(json.dumps(report))
-        return
-    print_plan(report)
-
-
-def _read_text(path: str) -> list[bytes]:
-    """The bytes of a text file, or of every file under a directory (sorted by path)."""
-    source = Path(path)
-    if source.is_file():
-        files = [source]
-    elif source.is_dir():
-        files = sorted(p for p in source.rglob("*") if p.is_file())
-    else:
-        raise InputError(f"no text file or directory at {path}")
-    texts = [file.read_bytes() for file in files]
-    if not any(texts):
-        raise InputError(f"no text in {path}: it is empty (or a directory of empty files)")
-    return texts
-
-
-def _tokenize(texts: list[bytes], args, vocab_size: int) -> np.ndarray:
-    """One int32 token stream: the checkpoint's tokenizer.json when it has one, else bytes."""
-    tokenizer_file = Path(args.checkpoint or "") / TOKENIZER_FILE
-    if args.checkpoint and tokenizer_file.is_file():
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            raise InputError(
-                f"{tokenizer_file} needs the `tokenizers` package (pip install tokenizers); "
-                "it is not installed"
-            ) from None
-        tokenizer = Tokenizer.from_file(str(tokenizer_file))
-        text = [t.decode("utf-8", errors="replace") for t in texts]
-        ids = [i for encoding in tokenizer.encode_batch(text) for i in encoding.ids]
-        return np.asarray(ids, np.int32)
-    if vocab_size < 256:
-        raise InputError(
-            f"byte-level tokens need a vocabulary of at least 256 ids; the model has {vocab_size}"
-        )
-    return np.frombuffer(b"".join(texts), np.uint8).astype(np.int32)
-
-
-def _train(args) -> None:
-    console = _console()
-    if args.steps < 1:
-        raise InputError(f"--steps must be at least 1; got {args.steps}")
-    if args.hc_mult is not None:
-        raise InputError(
-            "train writes a Hugging Face checkpoint, which holds no MHC weights; --hc-mult "
-            "models train through models.training.Trainer instead"
-        )
-    if args.batch_tokens < 2:
-        raise InputError(f"--batch-tokens must be at least 2; got {args.batch_tokens}")
-    texts = _read_text(args.text)
-    tokens = _tokenize(texts, args, _source_config(args).vocab_size)
-    model, mesh = _build(args, console)
-    config = model.config
-    length = min(args.seq_len, config.max_position_embeddings, args.batch_tokens, len(tokens))
-    if length < 2:
-        raise InputError(f"{args.text} holds {len(tokens)} token(s); training needs at least 2")
-    sequences = args.batch_tokens // length
-    schedule = TrainConfig(
-        learning_rate=args.lr,
-        total_steps=args.steps,
-        warmup_steps=min(args.warmup, args.steps - 1),
+    command.add_argument(
+        "--mesh",
+        type=options.parse_mesh,
+        default={},
+        help="mesh axis sizes, e.g. attn_dp=2,attn_tp=4 (default: one device)",
     )
-    trainer = Trainer(model, mesh, schedule.optimizer(), input_scattered=args.input_scattered)
-    del model
-    rng = np.random.default_rng(args.seed)
-    losses, timed_tokens, timed_seconds = [], 0, 0.0
-    for step in range(args.steps):
-        starts = rng.integers(0, len(tokens) - length + 1, sequences)
-        batch = trainer.pack([tokens[s : s + length] for s in starts], max_sequence_rows=length)
-        start = time.perf_counter()
-        loss = trainer.step(batch)["loss"]
-        seconds = time.perf_counter() - start
-        losses.append(loss)
-        if step > 0 or args.steps == 1:  # the first step also compiles
-            timed_tokens, timed_seconds = timed_tokens + batch.tokens, timed_seconds + seconds
-        if step == 0 or (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-            speed = timed_tokens / timed_seconds if timed_seconds else 0.0
-            console.log(f"step {step + 1}/{args.steps}  loss {loss:.4f}  {speed:,.0f} tokens/s")
-    with _status(console, f"writing {args.out}"):
-        save_checkpoint(config, trainer.state.params, args.out, scan_layers=args.scan_layers)
-        if args.checkpoint and (Path(args.checkpoint) / TOKENIZER_FILE).is_file():
-            shutil.copy(Path(args.checkpoint) / TOKENIZER_FILE, Path(args.out) / TOKENIZER_FILE)
-    summary = {
-        "steps": args.steps,
-        "loss_first": losses[0],
-        "loss_last": losses[-1],
-        "tokens_per_s": timed_tokens / timed_seconds if timed_seconds else 0.0,
-        "tokens_per_step": batch.tokens,
-        "out": str(args.out),
-    }
-    print(json.dumps(summary))
+    command.add_argument(
+        "--devices",
+        type=options.positive_int,
+        help="simulated CPU devices without an accelerator (default: the mesh's size)",
+    )
+    command.add_argument(
+        "--policy", type=options.policy, default="auto", help="ar|rs|rsv|rs+rsv|auto"
+    )
+    command.add_argument("--input-scattered", action="store_true")
+    command.add_argument(
+        "--moe-ep",
+        type=options.positive_int,
+        default=1,
+        help="MoE models: expert-parallel size (default 1)",
+    )
+    command.add_argument(
+        "--moe-dispatch",
+        type=bj.MoeDispatch,
+        choices=tuple(bj.MoeDispatch),
+        metavar="{gather,all-to-all}",
+        help="MoE models: where the experts get their tokens (default gather)",
+    )
+    command.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    command.add_argument(
+        "--matmul-precision",
+        type=options.matmul_precision,
+        metavar="{default,high,highest}",
+        help="the matmuls' precision (default: highest for float32, so a GPU computes true "
+        "float32 rather than TF32; default for bfloat16)",
+    )
+    command.add_argument(
+        "--hc-mult",
+        type=options.positive_int,
+        help="presets: build every boundary with MHC hyper-connections of this many residual "
+        "streams (random MHC weights)",
+    )
+    command.add_argument(
+        "--scan-layers",
+        action="store_true",
+        help="stack each run of identical layers between the first and the last once and run "
+        "it as one lax.scan (compiles one layer body per run; default: unrolled)",
+    )
 
 
-def _demo(args) -> None:
-    run_demo(layers=args.layers, console=_console())
+def _input_args(command: argparse.ArgumentParser, ids_option: str) -> None:
+    inputs = command.add_mutually_exclusive_group(required=True)
+    inputs.add_argument(ids_option, help="a JSON file: a list of token-id lists")
+    inputs.add_argument(
+        "--prompt",
+        action="append",
+        help="a text prompt (repeat for several), encoded with the "
+        "checkpoint's tokenizer.json (UTF-8 bytes without one)",
+    )
+    inputs.add_argument("--prompt-file", help="a text file: one prompt per non-empty line")
+    command.add_argument(
+        "--chat", action="store_true", help="apply the checkpoint's chat template to each prompt"
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="boundary-jax",
         description="Run decoders built on layer boundaries, sharded over a JAX mesh.",
     )
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands_ = parser.add_subparsers(dest="command", required=True)
 
-    demo = commands.add_parser(
-        "demo", help="the embedded demo: a small model under several layouts on 8 CPU devices"
+    demo = commands_.add_parser(
+        "demo",
+        help="the embedded demo: small models under several layouts, on the machine's devices "
+        "and on 8 simulated CPU devices",
     )
-    demo.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
+    demo.add_argument("--layers", type=options.positive_int, default=4, help="decoder layers")
     demo.set_defaults(run=_demo, mesh={"attn_dp": 8})
 
-    def model_args(command):
-        source = command.add_mutually_exclusive_group(required=True)
-        source.add_argument("--checkpoint", help="a Hugging Face checkpoint directory")
-        source.add_argument("--preset", help="a built-in configuration with random weights")
-        command.add_argument(
-            "--mesh", type=_parse_mesh, default={}, help="e.g. attn_dp=2,attn_tp=4 (default 1)"
-        )
-        command.add_argument(
-            "--devices", type=int, help="simulated CPU devices without an accelerator"
-        )
-        command.add_argument("--policy", type=_policy, default="auto", help="ar|rs|rsv|rs+rsv|auto")
-        command.add_argument("--input-scattered", action="store_true")
-        command.add_argument(
-            "--moe-ep",
-            type=int,
-            default=1,
-            help="MoE checkpoints: expert-parallel size, dividing the full TP group (default 1)",
-        )
-        command.add_argument(
-            "--moe-dispatch",
-            type=bj.MoeDispatch,
-            choices=tuple(bj.MoeDispatch),
-            metavar="{gather,all-to-all}",
-            help="MoE checkpoints: where the experts get their tokens (default gather)",
-        )
-        command.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-        command.add_argument(
-            "--hc-mult",
-            type=int,
-            help="presets: build every boundary with MHC hyper-connections of this many "
-            "residual streams (random MHC weights)",
-        )
-        command.add_argument(
-            "--scan-layers",
-            action="store_true",
-            help="stack each run of identical layers between the first and the last once and "
-            "run it as one lax.scan (compiles one layer body per run; default: unrolled)",
-        )
-
-    forward = commands.add_parser("forward", help="logits of token-id sequences")
-    model_args(forward)
-    forward.add_argument("--input-ids", required=True, help="JSON list of token-id lists")
+    forward = commands_.add_parser("forward", help="logits of token-id sequences or text")
+    _model_args(forward)
+    _input_args(forward, "--input-ids")
     forward.add_argument("--out", required=True, help="where to write the logits (.npy)")
     forward.add_argument(
         "--capture-layers",
-        type=_capture_layers,
+        type=options.capture_layers,
         help="e.g. 2,5: also write the hidden states entering these layers (the layer count: "
         "the residual the final norm reads) to <out>.hidden_states.npz",
     )
-    forward.set_defaults(run=_forward)
+    forward.set_defaults(run=commands.forward)
 
-    generate = commands.add_parser(
-        "generate", help="continuation of token-id prompts (greedy, or sampled on the device)"
+    generate = commands_.add_parser(
+        "generate", help="continuation of token-id or text prompts (greedy or sampled)"
     )
-    model_args(generate)
-    generate.add_argument("--prompt-ids", required=True, help="JSON list of token-id lists")
-    generate.add_argument("--max-new-tokens", type=int, required=True)
-    generate.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
-    generate.add_argument("--top-k", type=int, default=None)
-    generate.add_argument("--top-p", type=float, default=None)
+    _model_args(generate)
+    _input_args(generate, "--prompt-ids")
+    generate.add_argument("--max-new-tokens", type=options.positive_int, required=True)
+    generate.add_argument(
+        "--temperature", type=options.non_negative_float, default=0.0, help="0 (default): greedy"
+    )
+    generate.add_argument("--top-k", type=options.positive_int, default=None)
+    generate.add_argument("--top-p", type=options.probability, default=None)
     generate.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling")
-    generate.set_defaults(run=_generate)
+    generate.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="generate --max-new-tokens for every prompt, past end-of-sequence ids",
+    )
+    generate.add_argument(
+        "--json",
+        action="store_true",
+        help="text prompts: print one JSON list of {prompt, text, ids, stopped_at_eos}",
+    )
+    generate.set_defaults(run=commands.generate)
 
-    train = commands.add_parser(
+    train_ = commands_.add_parser(
         "train", help="train on text (next-token loss, AdamW) and write a checkpoint directory"
     )
-    model_args(train)
-    train.add_argument("--text", required=True, help="a text file or a directory of text files")
-    train.add_argument("--steps", type=int, required=True, help="optimizer steps")
-    train.add_argument(
-        "--batch-tokens", type=int, default=1024, help="tokens per step (default 1024)"
+    _model_args(train_)
+    train_.add_argument("--text", required=True, help="a text file or a directory of text files")
+    train_.add_argument("--steps", type=options.positive_int, required=True, help="optimizer steps")
+    train_.add_argument(
+        "--batch-tokens", type=options.positive_int, default=1024, help="tokens per step"
     )
-    train.add_argument(
+    train_.add_argument(
         "--seq-len",
-        type=int,
+        type=options.positive_int,
         default=128,
         help="tokens per sequence (default 128, at most the model's context)",
     )
-    train.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
-    train.add_argument("--warmup", type=int, default=10, help="warmup steps (default 10)")
-    train.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches")
-    train.add_argument(
+    train_.add_argument(
+        "--lr", type=options.positive_float, default=3e-3, help="peak learning rate"
+    )
+    train_.add_argument(
+        "--warmup", type=options.non_negative_int, default=10, help="warmup steps (default 10)"
+    )
+    train_.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches")
+    train_.add_argument(
         "--remat",
         type=Remat,
         choices=tuple(Remat),
@@ -452,32 +205,76 @@ def _parser() -> argparse.ArgumentParser:
         metavar="{none,full,dots}",
         help="what each layer keeps for the backward pass (default none: everything)",
     )
-    train.add_argument("--log-every", type=int, default=10, help="progress every N steps")
-    train.add_argument("--out", required=True, help="where to write the trained checkpoint")
-    train.set_defaults(run=_train)
+    train_.add_argument(
+        "--log-every", type=options.positive_int, default=10, help="progress every N steps"
+    )
+    train_.add_argument(
+        "--save-every",
+        type=options.positive_int,
+        help="also write the checkpoint every N steps (an interrupted run keeps the last)",
+    )
+    train_.add_argument("--out", required=True, help="where to write the trained checkpoint")
+    train_.add_argument(
+        "--overwrite", action="store_true", help="replace an --out directory that holds files"
+    )
+    train_.set_defaults(run=train)
 
-    plan = commands.add_parser(
+    plan = commands_.add_parser(
         "plan", help="each stage's bound plan and the collectives the compiled forward runs"
     )
-    model_args(plan)
+    _model_args(plan)
     plan.add_argument("--json", action="store_true", help="print one JSON object")
-    plan.set_defaults(run=_plan)
+    plan.set_defaults(run=commands.plan)
     return parser
+
+
+def _one_line(error: BaseException) -> str:
+    """The error's first line, in the words of the options (`self.x=3` reads `x=3`)."""
+    lines = str(error).strip().splitlines()
+    message = lines[0].rstrip(". ") if lines else type(error).__name__
+    return re.sub(r"\bself\.", "", message)
+
+
+def _out_of_memory(error: BaseException) -> bool:
+    return isinstance(error, MemoryError) or "RESOURCE_EXHAUSTED" in str(error)
+
+
+def _fail(message: str) -> int:
+    print(f"boundary-jax: error: {message}", file=sys.stderr)
+    return EXIT_BAD_INPUT
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `boundary-jax` command."""
-    args = _parser().parse_args(argv)
-    devices = getattr(args, "devices", None) or math.prod(args.mesh.values()) or 1
-    if args.command == "demo":
-        devices = 8
+    try:
+        args = _parser().parse_args(argv)
+    except UsageError as error:
+        return _fail(str(error))
+    devices = 8 if args.command == "demo" else args.devices or math.prod(args.mesh.values())
     if devices > jax.config.jax_num_cpu_devices:
         with contextlib.suppress(RuntimeError):  # backends already up (e.g. called in-process)
             jax.config.update("jax_num_cpu_devices", devices)
     try:
-        args.run(args)
-    except (InputError, ValueError, FileNotFoundError, NotImplementedError) as error:
-        message = str(error).splitlines()[0] if str(error) else type(error).__name__
-        print(f"boundary-jax: error: {message}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        with signals_interrupt():
+            args.run(args)
+            sys.stdout.flush()
+    except Interrupted as interrupted:
+        note = f" {interrupted.note}" if interrupted.note else ""
+        print(f"boundary-jax: interrupted by {interrupted.name}{note}", file=sys.stderr)
+        return interrupted.exit_code
+    except KeyboardInterrupt:
+        print("boundary-jax: interrupted by SIGINT", file=sys.stderr)
+        return 128 + signal.SIGINT
+    except BrokenPipeError:
+        # The reader left: send the rest of stdout nowhere, so flushing at exit cannot fail.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+    except (InputError, ValueError, NotImplementedError, OSError, SafetensorError) as error:
+        if isinstance(error, OSError) and error.filename is not None and error.strerror:
+            return _fail(f"{error.filename}: {error.strerror}")
+        return _fail(_one_line(error))
+    except Exception as error:
+        if not _out_of_memory(error):
+            raise
+        return _fail(f"out of memory: {_one_line(error)}. Use a smaller batch or more devices")
     return 0

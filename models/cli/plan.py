@@ -16,6 +16,12 @@ from ..serving.runtime import ShardedCausalLM
 
 # A batch with ragged sequences, so every boundary runs on padded blocks.
 PLAN_SEQUENCES = ([1] * 13, [2] * 5, [3] * 9, [4] * 2)
+PLAN_TOKENS = sum(len(sequence) for sequence in PLAN_SEQUENCES)
+
+
+def batch_description() -> str:
+    """The batch whose collectives `collective_report` measures, in words."""
+    return f"{PLAN_TOKENS} tokens in {len(PLAN_SEQUENCES)} sequences"
 
 
 def collective_report(runner: ShardedCausalLM) -> bj.CollectiveReport:
@@ -42,7 +48,8 @@ def plan_report(runner: ShardedCausalLM) -> dict[str, Any]:
 
     `collectives_per_layer` and `bytes_per_layer` are those of `middle_layer` (of an MoE
     decoder, a middle sparse layer; bytes: the sum of each collective's full buffer, see
-    `boundary_jax.report`). In a model built with `scan_layers`, each layer of a scanned run
+    `boundary_jax.report`), for a forward of `PLAN_SEQUENCES` (`batch_tokens` tokens in
+    `batch_sequences` sequences). In a model built with `scan_layers`, each layer of a scanned run
     reports its run's plans and the collectives of the run's scan body (once per layer).
     """
     model = runner.model
@@ -67,6 +74,8 @@ def plan_report(runner: ShardedCausalLM) -> dict[str, Any]:
         "scan_layers": model.scan_layers,
         "policy": stages[0][2].policy.value,
         "batch": variant.value,
+        "batch_tokens": PLAN_TOKENS,
+        "batch_sequences": len(PLAN_SEQUENCES),
         "stages": bj.report.describe_stages(stages, variant),
         "middle_layer": middle,
         "collectives_per_layer": report.counts(middle),
@@ -104,7 +113,8 @@ def print_plan(report: dict[str, Any], console: Console | None = None) -> None:
             f"{option['exit']}: {option['runs']}",
         )
     console.print(table)
-    counts = Table(title="collectives per layer (compiled HLO)")
+    batch = f"{report['batch_tokens']} tokens in {report['batch_sequences']} sequences"
+    counts = Table(title=f"collectives per layer (compiled HLO; bytes for a batch of {batch})")
     counts.add_column("layer")
     for kind in KINDS:
         counts.add_column(kind)

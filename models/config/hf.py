@@ -329,18 +329,24 @@ _MODEL_TYPES = {
     Architecture.QWEN3_MOE: "qwen3_moe",
     Architecture.MIXTRAL: "mixtral",
     Architecture.QWEN2_MOE: "qwen2_moe",
+    Architecture.EXAONE4: "exaone4",
+    Architecture.OLMO2: "olmo2",
+    Architecture.GEMMA3: "gemma3_text",
 }
 
 
 def write_hf_config(config: DecoderConfig) -> dict[str, Any]:
-    """The Hugging Face `config.json` (as a dict) of `config`, in transformers 5's format;
-    `read_hf_config` reads it back to `config`."""
-    rope: dict[str, Any] = {"rope_theta": config.rope_theta, "rope_type": "default"}
-    if config.rope_scaling is not None:
-        rope |= dataclasses.asdict(config.rope_scaling) | {"rope_type": "llama3"}
+    """The Hugging Face `config.json` (as a dict) of `config`, in transformers 5's format, for
+    every architecture `read_hf_config` reads; `read_hf_config` reads it back to `config`.
+
+    Raises:
+      ValueError: `config` has no Hugging Face form (a combination its architecture's
+        config.json cannot say, e.g. a sliding window on Llama).
+    """
+    architecture = config.architecture
     out: dict[str, Any] = {
-        "architectures": [config.architecture.value],
-        "model_type": _MODEL_TYPES[config.architecture],
+        "architectures": [architecture.value],
+        "model_type": _MODEL_TYPES[architecture],
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
@@ -348,27 +354,73 @@ def write_hf_config(config: DecoderConfig) -> dict[str, Any]:
         "num_attention_heads": config.num_heads,
         "num_key_value_heads": config.num_kv_heads,
         "head_dim": config.head_dim,
-        "hidden_act": "silu",
         "rms_norm_eps": config.rms_norm_eps,
         "initializer_range": config.initializer_range,
-        "rope_parameters": rope,
+        "rope_parameters": _rope_parameters(config.rope_theta, config.rope_scaling),
         "tie_word_embeddings": config.tie_word_embeddings,
         "max_position_embeddings": config.max_position_embeddings,
-        "sliding_window": config.sliding_window,
-        "use_sliding_window": config.sliding_window is not None,
         "attention_bias": False,
         "bos_token_id": None,
         "eos_token_id": None,
         "pad_token_id": None,
         "dtype": "float32",
+        **_attention_keys(config),
     }
-    if config.architecture in (Architecture.QWEN2, Architecture.QWEN2_MOE):
-        out["attention_bias"] = config.qkv_bias
+    if architecture is Architecture.GEMMA3:
+        out |= {
+            "hidden_activation": config.activation.value,
+            "query_pre_attn_scalar": _integral(config.query_pre_attn_scalar),
+            "final_logit_softcapping": None,
+            "attn_logit_softcapping": None,
+            "rope_parameters": {
+                AttentionKind.FULL.value: out["rope_parameters"],
+                AttentionKind.SLIDING.value: _rope_parameters(config.rope_local_theta, None),
+            },
+        }
+    else:
+        out["hidden_act"] = config.activation.value
+    if architecture is Architecture.QWEN2_MOE:  # Qwen2 always has q/k/v biases, and no key
         out["qkv_bias"] = config.qkv_bias
+    out |= _moe_keys(config)
+    if read_hf_config(out) != config:
+        raise ValueError(
+            f"{architecture.value}'s config.json cannot say this configuration (it would read "
+            f"back as another): {config}"
+        )
+    return out
+
+
+def _integral(value: float) -> int | float:
+    """`value` as an int where it is one (transformers types `query_pre_attn_scalar` int)."""
+    return int(value) if float(value).is_integer() else value
+
+
+def _rope_parameters(theta: float | None, scaling: RopeScaling | None) -> dict[str, Any]:
+    rope: dict[str, Any] = {"rope_theta": theta, "rope_type": "default"}
+    if isinstance(scaling, Llama3RopeScaling):
+        rope |= dataclasses.asdict(scaling) | {"rope_type": "llama3"}
+    elif isinstance(scaling, LinearRopeScaling):
+        rope |= {"factor": scaling.factor, "rope_type": "linear"}
+    return rope
+
+
+def _attention_keys(config: DecoderConfig) -> dict[str, Any]:
+    """The window keys: `sliding_window`, and `layer_types` where the family reads them."""
+    window = config.sliding_window
+    if window is None:
+        return {"sliding_window": None, "use_sliding_window": False}
+    keys: dict[str, Any] = {"sliding_window": window, "use_sliding_window": True}
+    if config.architecture not in (Architecture.MISTRAL, Architecture.MIXTRAL):
+        kinds = [config.layer_kind(layer).value for layer in range(config.num_layers)]
+        keys["layer_types"] = kinds
+    return keys
+
+
+def _moe_keys(config: DecoderConfig) -> dict[str, Any]:
     moe = config.moe
     if moe is None:
-        return out
-    out |= {"num_experts_per_tok": moe.top_k, "num_local_experts": moe.num_experts}
+        return {}
+    out: dict[str, Any] = {"num_experts_per_tok": moe.top_k, "num_local_experts": moe.num_experts}
     if config.architecture is Architecture.MIXTRAL:
         return out
     out |= {

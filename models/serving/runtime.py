@@ -9,7 +9,7 @@ so requests of nearby shapes share one compiled program.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +22,7 @@ import boundary_jax as bj
 
 from ..families.decoder import CausalLM
 from ..layers.kv_cache import KVCache
+from ..precision import matmul_precision_scope, resolve_matmul_precision
 from ..rows import PackedBatch, RowsPhase, TokenRows, decode_rows, pack_sequences
 from .sampling import GREEDY, Sampling, sample_tokens
 
@@ -85,6 +86,9 @@ class ShardedCausalLM:
       input_scattered: Run batches input-scattered (residual on attention-TP slices).
       check_vma: `shard_map`'s varying-axes check; on by default, Pallas kernels (fusion
         candidates, expert matmuls) included: each declares how its outputs vary.
+      matmul_precision: The precision every program traces its matmuls with (given None,
+        `resolve_matmul_precision`'s: `HIGHEST` for a float32 model, true float32 where a GPU's
+        default is TF32; `DEFAULT` for other dtypes).
     """
 
     def __init__(
@@ -94,6 +98,7 @@ class ShardedCausalLM:
         *,
         input_scattered: bool = False,
         check_vma: bool = True,
+        matmul_precision: lax.Precision | None = None,
     ):
         mesh_topology = bj.Topology.from_mesh(mesh, moe_ep=model.topology.moe_ep)
         if mesh_topology != model.topology:
@@ -106,6 +111,7 @@ class ShardedCausalLM:
         self.input_scattered = input_scattered
         self.check_vma = check_vma
         self.dtype = model.final_norm.weight[...].dtype
+        self.matmul_precision = resolve_matmul_precision(matmul_precision, self.dtype)
         self._graphdef = nnx.split(model)[0]
         self._sharded = bj.ShardedModule(model, mesh)
         self._state = self._sharded.state
@@ -121,13 +127,23 @@ class ShardedCausalLM:
         self._cache_specs = tuple(
             KVCache.specs(model.topology, stacked=block.scanned) for block in self._blocks
         )
-        self._forward = self._sharded.program(
+        self._forward = self._program_of(
             lambda model, rows, batch: model(rows, batch)[0],
             in_specs=(rows, self._batch_spec),
             out_specs=self._logits_spec,
             check_vma=check_vma,
         )
         self._programs: dict[tuple, Callable] = {}
+
+    def _program_of(self, call: Callable, **options) -> Callable:
+        """`ShardedModule.program` of `call`, traced under the runner's matmul precision."""
+        precision = self.matmul_precision
+
+        def traced(*args):
+            with matmul_precision_scope(precision):
+                return call(*args)
+
+        return self._sharded.program(traced, **options)
 
     @property
     def model(self) -> CausalLM:
@@ -252,7 +268,7 @@ class ShardedCausalLM:
                 hidden, captures = model.hidden_captured(rows_, batch, capture_layers)
                 return model.lm_head(hidden).astype(jnp.float32), captures
 
-            self._programs[name] = self._sharded.program(
+            self._programs[name] = self._program_of(
                 body,
                 in_specs=(rows, self._batch_spec),
                 out_specs=(self._logits_spec, PartitionSpec(None, rows[0], None)),
@@ -297,6 +313,7 @@ class ShardedCausalLM:
         *,
         capacity: int,
         sampling: Sampling = GREEDY,
+        first_step: int | jax.Array = 0,
     ) -> tuple[jax.Array, tuple[KVCache, ...]]:
         """Runs `steps` decode steps in one program; the caches are donated.
 
@@ -310,12 +327,16 @@ class ShardedCausalLM:
             runs the same program).
           capacity: Static size of the returned token buffer.
           sampling: How each token is drawn.
+          first_step: The index of this call's first step in the whole decode (a traced
+            value): step i draws with `fold_in(key, first_step + i)`, so a decode run in
+            several calls samples what one call would.
 
         Returns:
           (int32 [capacity, attn_dp * slots per rank] tokens, rows past `steps` zero; caches).
         """
         program = self._program(self._decode_program, sampling, capacity)
-        return program(self._state, rows, batch, caches, key, jnp.asarray(steps, jnp.int32))
+        steps, first_step = jnp.asarray(steps, jnp.int32), jnp.asarray(first_step, jnp.int32)
+        return program(self._state, rows, batch, caches, key, steps, first_step)
 
     def lower_prefill(
         self,
@@ -374,7 +395,7 @@ class ShardedCausalLM:
             )
             return jnp.where(last_rows >= 0, tokens, 0), caches
 
-        return self._sharded.program(
+        return self._program_of(
             body,
             in_specs=(
                 rows,
@@ -391,7 +412,7 @@ class ShardedCausalLM:
     def _decode_program(self, sampling: Sampling, capacity: int) -> Callable:
         rows = self._rows
 
-        def body(model, rows_, batch, caches, key, steps):
+        def body(model, rows_, batch, caches, key, steps, first_step):
             key = self._rank_key(key)
             active = rows_.segment_ids >= 0
             # Built from the rows, so the buffer varies over the same mesh axes as the tokens.
@@ -400,8 +421,9 @@ class ShardedCausalLM:
             def step(index, carry):
                 ids, positions, caches, out = carry
                 current = TokenRows(ids, positions, rows_.segment_ids, RowsPhase.DECODE)
+                step_key = jax.random.fold_in(key, first_step + index)
                 tokens, caches = _next_tokens(
-                    model, current, batch, caches, None, jax.random.fold_in(key, index), sampling
+                    model, current, batch, caches, None, step_key, sampling
                 )
                 tokens = jnp.where(active, tokens, 0)
                 out = lax.dynamic_update_index_in_dim(out, tokens, index, axis=0)
@@ -411,12 +433,13 @@ class ShardedCausalLM:
             _, _, caches, out = lax.fori_loop(0, jnp.minimum(steps, capacity), step, carry)
             return out, caches
 
-        return self._sharded.program(
+        return self._program_of(
             body,
             in_specs=(
                 rows,
                 self._batch_spec,
                 self._cache_specs,
+                PartitionSpec(),
                 PartitionSpec(),
                 PartitionSpec(),
             ),
@@ -439,6 +462,47 @@ class ShardedCausalLM:
         and samples the first token; one decode program samples the rest on the device. Only
         the token ids come back to the host, once.
         """
+        packed, chunks = self._token_chunks(
+            prompts, max_new_tokens, sampling=sampling, seed=seed, chunk=max_new_tokens
+        )
+        tokens = jnp.concatenate(list(chunks))
+        return np.asarray(jax.device_get(tokens))[:, packed.slot_order()].T.astype(np.int32)
+
+    def generate_stream(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        *,
+        chunk: int,
+        sampling: Sampling = GREEDY,
+        seed: int = 0,
+    ) -> Iterator[np.ndarray]:
+        """`generate`'s tokens as they come: yields int32 [prompts, n] arrays, first the
+        prefill's token (n = 1), then `chunk` decode steps at a time (one decode program run
+        per chunk); together they equal `generate`'s, sampled ones too. Stop early by
+        leaving the loop (e.g. once every prompt has met an end-of-sequence id).
+        """
+        if chunk < 1:
+            raise ValueError(f"chunk must be at least 1 decode step; got {chunk=}")
+        packed, chunks = self._token_chunks(
+            prompts, max_new_tokens, sampling=sampling, seed=seed, chunk=chunk
+        )
+        order = packed.slot_order()
+        for tokens in chunks:
+            yield np.asarray(jax.device_get(tokens))[:, order].T.astype(np.int32)
+
+    def _token_chunks(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        *,
+        sampling: Sampling,
+        seed: int,
+        chunk: int,
+    ) -> tuple[PackedBatch, Iterator[jax.Array]]:
+        """The packed prompts, and the device arrays [n, slots] of new tokens in slot order: the
+        prefill's (n = 1), then at most `chunk` decode steps per array. Checks the request
+        before anything runs."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1; got {max_new_tokens}")
         packed = self.pack(prompts, bucketed=True)
@@ -448,27 +512,43 @@ class ShardedCausalLM:
             raise ValueError(
                 f"prompt + new tokens ({longest}) exceed max_position_embeddings ({limit})"
             )
+        return packed, self._run_chunks(packed, longest, max_new_tokens, sampling, seed, chunk)
+
+    def _run_chunks(
+        self,
+        packed: PackedBatch,
+        longest: int,
+        max_new_tokens: int,
+        sampling: Sampling,
+        seed: int,
+        chunk: int,
+    ) -> Iterator[jax.Array]:
+        limit = self.config.max_position_embeddings
         caches = self.new_caches(packed.decode_rows_per_rank, cache_length(longest, limit))
         prefill_key, decode_key = jax.random.split(jax.random.key(seed))
         last_rows = self.place_array(packed.last_row_index())
-        first, caches = self.prefill(
+        tokens, caches = self.prefill(
             *self.place(packed), caches, last_rows, prefill_key, sampling=sampling
         )
+        yield tokens[None]
         steps = max_new_tokens - 1
-        tokens = first[None]
-        if steps:
-            lengths = np.asarray(packed.lengths, np.int32)
-            host_rows = decode_rows(packed, np.zeros_like(lengths), lengths)
-            rows, batch = self.place(host_rows)
-            rows = TokenRows(first, rows.positions, rows.segment_ids, RowsPhase.DECODE)
-            rest, caches = self.decode(
-                rows,
+        if not steps:
+            return
+        lengths = np.asarray(packed.lengths, np.int32)
+        rows, batch = self.place(decode_rows(packed, np.zeros_like(lengths), lengths))
+        capacity = bucket(max(min(chunk, steps), MIN_STEPS))
+        for done in range(0, steps, chunk):
+            count = min(chunk, steps - done)
+            current = TokenRows(tokens, rows.positions + done, rows.segment_ids, RowsPhase.DECODE)
+            out, caches = self.decode(
+                current,
                 batch,
                 caches,
                 decode_key,
-                steps,
-                capacity=bucket(max(steps, MIN_STEPS)),
+                count,
+                capacity=capacity,
                 sampling=sampling,
+                first_step=done,
             )
-            tokens = jnp.concatenate([tokens, rest[:steps]])
-        return np.asarray(jax.device_get(tokens))[:, packed.slot_order()].T.astype(np.int32)
+            tokens = out[count - 1]
+            yield out[:count]

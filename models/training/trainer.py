@@ -27,6 +27,7 @@ import boundary_jax as bj
 from ..checkpoints import hf_name_map
 from ..families.decoder import CausalLM
 from ..layers.attention import AttentionImpl
+from ..precision import matmul_precision_scope, resolve_matmul_precision
 from ..rows import PackedBatch, TokenRows, pack_sequences
 
 
@@ -163,6 +164,8 @@ class Trainer:
       input_scattered: Train on input-scattered batches (residual on attention-TP slices).
       optimizer: The optax transformation.
       state: The current `TrainState`.
+      matmul_precision: The precision the loss (and so its gradient) traces its matmuls with
+        (given None, `resolve_matmul_precision`'s: `HIGHEST` for a float32 model).
     """
 
     def __init__(
@@ -172,6 +175,7 @@ class Trainer:
         optimizer: optax.GradientTransformation,
         *,
         input_scattered: bool = False,
+        matmul_precision: jax.lax.Precision | None = None,
     ):
         mesh_topology = bj.Topology.from_mesh(mesh, moe_ep=model.topology.moe_ep)
         if mesh_topology != model.topology:
@@ -189,6 +193,8 @@ class Trainer:
         self.config = model.config
         self.input_scattered = input_scattered
         self.optimizer = optimizer
+        dtype = model.final_norm.weight[...].dtype
+        self.matmul_precision = resolve_matmul_precision(matmul_precision, dtype)
         self._graphdef, params = nnx.split(model)
         self._params = FlatParams(params)
         self._padded = {
@@ -270,10 +276,12 @@ class Trainer:
         """The mean next-token loss of `batch` under `params` (global arrays placed like
         `state.params`): the sharded forward and loss, one `shard_map`; differentiable."""
         graphdef, rows, layout = self._graphdef, self._rows, self._params
+        precision = self.matmul_precision
 
         def body(params, batch):
             model = nnx.merge(graphdef, layout.unflatten(params))
-            return model.loss(batch.rows, batch.batch, batch.labels)
+            with matmul_precision_scope(precision):
+                return model.loss(batch.rows, batch.batch, batch.labels)
 
         batch_spec = TrainBatch(
             rows,

@@ -10,6 +10,7 @@ import pytest
 
 import boundary_jax as bj
 from models.cli.main import main
+from models.config import PRESETS
 from tests.core.test_collectives import expected_layers
 from tests.models.test_moe_decoder import MIDDLE_SPARSE_LAYER
 from tests.models.test_moe_decoder import Layout as MoeLayout
@@ -198,6 +199,7 @@ def test_plan_json_counts_equal_the_documented_table(capsys, mesh, policy, scatt
     args = ["plan", "--preset", "tiny-qwen3", "--mesh", mesh, "--policy", policy.value, "--json"]
     assert main(args + (["--input-scattered"] if scattered else [])) == 0
     report = json.loads(capsys.readouterr().out)
+    assert (report["batch_tokens"], report["batch_sequences"]) == (29, 4)  # what bytes are for
     sizes = dict(item.split("=") for item in mesh.split(","))
     dp, tp = int(sizes.get("attn_dp", 1)), int(sizes.get("attn_tp", 1))
     layers = len(report["collectives_by_layer"])
@@ -219,6 +221,7 @@ def test_plan_prints_tables(capsys):
     assert main(["plan", "--preset", "tiny-mistral", "--mesh", "attn_dp=2,attn_tp=2"]) == 0
     out = capsys.readouterr().out
     assert "bound stage plans" in out and "collectives per layer" in out
+    assert "bytes for a batch of 29 tokens in 4 sequences" in out
 
 
 def _bad_config(tmp_path):
@@ -265,7 +268,7 @@ BAD_INPUT = {
             "--out",
             "y",
         ],
-        "num_heads \\(8\\) must be a multiple",
+        "--mesh attn_tp=3: the model's 8 attention heads do not split over 3 ranks",
     ),
     "mesh larger than the devices": (
         lambda tmp: ["plan", "--preset", "tiny-qwen3", "--mesh", "attn_dp=4,attn_tp=4"],
@@ -295,7 +298,7 @@ BAD_INPUT = {
             "--top-k",
             "5",
         ],
-        "need a temperature",
+        "need --temperature > 0",
     ),
     "ids outside the vocabulary": (
         lambda tmp: [
@@ -375,7 +378,7 @@ BAD_INPUT = {
             "--out",
             str(tmp / "o.npy"),
         ],
-        "is not JSON",
+        "ids.json is not valid JSON",
     ),
 }
 
@@ -443,3 +446,13 @@ def test_norm_family_checkpoints_run_forward_generate_and_plan(tmp_path, capsys)
     assert {kind: n for kind, n in report["collectives_per_layer"].items() if n} == {
         "all-reduce": 3
     }
+
+
+def test_help_lists_the_presets(capsys, monkeypatch):
+    """Each command's --help names every preset --preset takes."""
+    monkeypatch.setenv("COLUMNS", "1000")  # no line wraps inside a preset's name
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--help"])
+    assert exit_.value.code == 0
+    help_text = capsys.readouterr().out
+    assert all(name in help_text for name in PRESETS), help_text

@@ -93,6 +93,45 @@ def test_sampled_generation_is_reproducible_by_seed(runner):
     assert any(not np.array_equal(first, other) for other in others)
 
 
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_streamed_generation_equals_generate(runner, chunk):
+    """generate_stream yields the prefill's token, then `chunk` decode steps at a time, and
+    they join to generate's tokens, greedy and sampled (each step draws with its own key)."""
+    for sampling in (Sampling(), Sampling(1.0, top_k=20, top_p=0.9)):
+        want = runner.generate(PROMPTS, 6, sampling=sampling, seed=1)
+        pieces = list(runner.generate_stream(PROMPTS, 6, chunk=chunk, sampling=sampling, seed=1))
+        assert [piece.shape[1] for piece in pieces] == [1] + [chunk] * (5 // chunk) + (
+            [5 % chunk] if 5 % chunk else []
+        )
+        np.testing.assert_array_equal(np.concatenate(pieces, axis=1), want)
+
+
+def _precisions(lowered) -> set[str]:
+    """The precision of every dot in a lowered program's StableHLO."""
+    dots = [line for line in lowered.as_text().splitlines() if "stablehlo.dot_general" in line]
+    assert dots
+    return {
+        line.split("precision = [")[1].split("]")[0] if "precision = [" in line else "DEFAULT"
+        for line in dots
+    }
+
+
+def test_float32_programs_multiply_in_float32(runner):
+    """A float32 runner traces every matmul at HIGHEST (true float32 where a GPU defaults to
+    TF32); asked for DEFAULT, it leaves them to the platform; a bfloat16 runner defaults to
+    the platform's precision."""
+    assert runner.matmul_precision is jax.lax.Precision.HIGHEST
+    assert _precisions(runner.lower_forward(PROMPTS)) == {"HIGHEST, HIGHEST"}
+    topology = bj.Topology()
+    mesh = bj.make_mesh(topology)
+    model = build_model(PRESETS["tiny-mistral"], topology)
+    fast = ShardedCausalLM(model, mesh, matmul_precision=jax.lax.Precision.DEFAULT)
+    assert "HIGHEST" not in str(_precisions(fast.lower_forward(PROMPTS)))
+    half = ShardedCausalLM(build_model(PRESETS["tiny-mistral"], topology, dtype=jnp.bfloat16), mesh)
+    assert half.matmul_precision is jax.lax.Precision.DEFAULT
+    assert "HIGHEST" not in str(_precisions(half.lower_forward(PROMPTS)))
+
+
 def test_runner_holds_no_unsharded_weights(runner):
     """Every parameter the runner keeps is split over the mesh as its spec says."""
     for _, variable in nnx.to_flat_state(runner.state):

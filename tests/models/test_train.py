@@ -319,3 +319,14 @@ def test_a_step_with_the_pallas_kernels_bound_equals_the_step_without():
     # Every input owes a TP sum here, so the plain add + RMSNorm candidate declines throughout
     # (it runs under check_vma in tests/core/test_fusions.py).
     assert set(taken) == {"AllReduceAddRmsNorm", "MoeFinalizeAddRmsNorm"}, taken
+
+
+def test_a_float32_step_multiplies_in_float32():
+    """A float32 trainer traces its loss and gradient matmuls at HIGHEST (true float32 where a
+    GPU defaults to TF32); the gradient's transposed dots keep the forward's precision."""
+    trainer = make_trainer("dense", SINGLE)
+    assert trainer.matmul_precision is jax.lax.Precision.HIGHEST
+    batch = trainer.pack(SEQUENCES[:2])
+    lowered = jax.jit(jax.grad(trainer.sharded_loss)).lower(trainer.state.params, batch)
+    dots = [line for line in lowered.as_text().splitlines() if "stablehlo.dot_general" in line]
+    assert dots and all("precision = [HIGHEST, HIGHEST]" in line for line in dots)

@@ -1,0 +1,379 @@
+"""The commands that run a model: forward, generate and plan, and what they share (reading the
+model's source and inputs, checking them, building the model)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import BinaryIO, TextIO
+
+import jax.numpy as jnp
+import numpy as np
+from rich.console import Console
+
+import boundary_jax as bj
+
+from ..build import build_model, load_model
+from ..checkpoints import check_checkpoint_files, load_config, read_json
+from ..config import PRESETS, DecoderConfig
+from ..families.decoder import CausalLM, Remat
+from ..layers.attention import AttentionImpl
+from ..layers.hyper_connections import HyperConnections
+from ..serving.runtime import ShardedCausalLM
+from ..serving.sampling import Sampling
+from ..serving.text import TextCodec, TextStream, eos_token_ids, text_codec
+from . import options
+from .options import InputError
+from .plan import plan_report, print_plan
+
+DECODE_CHUNK = 16
+"""Decode steps per device program while generation may stop at an end-of-sequence id."""
+
+
+def console() -> Console:
+    """Progress and log lines on stderr, without the source location."""
+    return Console(stderr=True, log_path=False)
+
+
+@contextlib.contextmanager
+def status(out: Console, message: str) -> Iterator[None]:
+    """A spinner while the block runs, then one log line with its time."""
+    with out.status(message):
+        start = time.perf_counter()
+        yield
+    out.log(f"{message} done in {time.perf_counter() - start:.1f}s")
+
+
+# -- the model's source -----------------------------------------------------------------------
+
+
+def checkpoint_dir(args: argparse.Namespace) -> Path | None:
+    """`--checkpoint` as a directory (None for `--preset`)."""
+    if args.checkpoint is None:
+        return None
+    directory = Path(args.checkpoint)
+    if not directory.is_dir():
+        raise InputError(f"no checkpoint directory at {args.checkpoint}")
+    return directory
+
+
+def source_config(args: argparse.Namespace) -> DecoderConfig:
+    """The config of `--preset` or `--checkpoint` (whose weights files are checked too), read
+    and checked against the options and the machine before anything is built."""
+    directory = checkpoint_dir(args)
+    config = PRESETS[args.preset] if directory is None else load_config(directory)
+    if directory is not None:
+        check_checkpoint_files(directory)
+    options.topology(args, None if config.moe is None else config.moe.num_experts)
+    options.check_devices(args)
+    options.check_model(args, config)
+    return config
+
+
+def codec(args: argparse.Namespace, config: DecoderConfig) -> TextCodec:
+    """How the model reads and writes text."""
+    return text_codec(checkpoint_dir(args), config.vocab_size)
+
+
+def build(
+    args: argparse.Namespace, out: Console, *, attention: AttentionImpl | None = None
+) -> tuple[CausalLM, bj.Topology]:
+    """The model of `--checkpoint` or `--preset` on `--mesh` (after `source_config`)."""
+    topology = options.topology(args)
+    dtype = jnp.dtype(args.dtype)
+    remat = getattr(args, "remat", Remat.NONE)
+    directory = checkpoint_dir(args)
+    if directory is not None:
+        mesh = bj.make_mesh(topology)
+        with status(out, f"loading {directory} onto {topology}"):
+            model = load_model(
+                directory,
+                mesh,
+                reduction=args.policy,
+                moe_ep=args.moe_ep,
+                moe_dispatch=args.moe_dispatch,
+                dtype=dtype,
+                remat=remat,
+                attention=attention,
+                scan_layers=args.scan_layers,
+            )
+        return model, topology
+    hyper = None if args.hc_mult is None else _hyper_connections(args.hc_mult)
+    with status(out, f"building {args.preset} with random weights"):
+        model = build_model(
+            PRESETS[args.preset],
+            topology,
+            reduction=args.policy,
+            moe_dispatch=args.moe_dispatch,
+            dtype=dtype,
+            seed=getattr(args, "seed", 0),
+            remat=remat,
+            attention=attention,
+            hyper_connections=hyper,
+            scan_layers=args.scan_layers,
+        )
+    return model, topology
+
+
+def _hyper_connections(hc_mult: int) -> HyperConnections:
+    try:
+        return HyperConnections(hc_mult=hc_mult)
+    except ValueError as error:
+        raise InputError(f"--hc-mult {hc_mult}: {error}") from None
+
+
+def runner(args: argparse.Namespace, out: Console) -> ShardedCausalLM:
+    """The model of `build`, placed on its mesh."""
+    model, topology = build(args, out)
+    return ShardedCausalLM(
+        model,
+        bj.make_mesh(topology),
+        input_scattered=args.input_scattered,
+        matmul_precision=args.matmul_precision,
+    )
+
+
+# -- inputs -----------------------------------------------------------------------------------
+
+
+def read_ids(option: str, path: str, vocab_size: int) -> list[list[int]]:
+    """A JSON file of token-id lists (ragged), each id in the vocabulary."""
+    file = Path(path)
+    if not file.is_file():
+        raise InputError(f"{option}: no token-id file at {path}")
+    ids = read_json(file)
+    valid = (
+        isinstance(ids, list)
+        and ids
+        and all(isinstance(s, list) and s for s in ids)
+        and all(isinstance(t, int) and not isinstance(t, bool) for s in ids for t in s)
+    )
+    if not valid:
+        raise InputError(f"{path} must hold a non-empty JSON list of non-empty lists of ints")
+    check_vocabulary(path, ids, vocab_size)
+    return ids
+
+
+def check_vocabulary(source: str, ids: list[list[int]], vocab_size: int) -> None:
+    """Every id of `ids` (from `source`) lies in [0, vocab_size)."""
+    bad = sorted({t for s in ids for t in s if not 0 <= t < vocab_size})
+    if bad:
+        raise InputError(
+            f"{source} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
+        )
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    """The text prompts of `--prompt` (each one) or `--prompt-file` (one per non-empty line)."""
+    if args.prompt is not None:
+        return list(args.prompt)
+    file = Path(args.prompt_file)
+    if not file.is_file():
+        raise InputError(f"--prompt-file: no file at {args.prompt_file}")
+    try:
+        lines = file.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as error:
+        raise InputError(f"--prompt-file {file} is not UTF-8 text: {error}") from None
+    prompts = [line for line in lines if line.strip()]
+    if not prompts:
+        raise InputError(f"--prompt-file {file} holds no prompt (one per non-empty line)")
+    return prompts
+
+
+def encode_prompts(
+    args: argparse.Namespace, ids_option: str, config: DecoderConfig
+) -> tuple[list[list[int]], list[str] | None, TextCodec | None]:
+    """The token ids of the input (a token-id file, or text prompts encoded, with the chat
+    template under `--chat`), the text prompts (None for ids) and the codec used."""
+    ids_path = getattr(args, ids_option.removeprefix("--").replace("-", "_"))
+    if ids_path is not None:
+        if args.chat:
+            raise InputError(f"--chat applies a chat template to text; {ids_option} are ids")
+        return read_ids(ids_option, ids_path, config.vocab_size), None, None
+    prompts = read_prompts(args)
+    text = codec(args, config)
+    encode = text.encode_chat if args.chat else text.encode
+    sequences = [encode(prompt) for prompt in prompts]
+    empty = [prompt for prompt, ids in zip(prompts, sequences, strict=True) if not ids]
+    if empty:
+        raise InputError(f"the prompt {empty[0]!r} encodes to no token ids")
+    check_vocabulary(f"the encoded prompts ({text.description})", sequences, config.vocab_size)
+    return sequences, prompts, text
+
+
+def check_context(sequences: list[list[int]], extra: int, config: DecoderConfig) -> None:
+    """The longest sequence, plus `extra` new tokens, fits the model's context."""
+    longest = max(len(s) for s in sequences)
+    limit = config.max_position_embeddings
+    if longest + extra > limit:
+        more = f" + {extra} new tokens" if extra else ""
+        raise InputError(
+            f"the longest input has {longest} tokens{more}; the model's context is {limit} "
+            "(max_position_embeddings)"
+        )
+
+
+def write_atomically(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
+    """Calls `write(file)` on a temporary file beside `path`, then renames it to `path` (so
+    `path` never holds a partial file)."""
+    target = Path(path).absolute()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.partial-")
+    try:
+        with os.fdopen(handle, "wb") as file:
+            write(file)
+        os.replace(temporary, target)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+# -- the commands -----------------------------------------------------------------------------
+
+
+def forward(args: argparse.Namespace) -> None:
+    """`forward`: float32 logits of token-id sequences or text prompts to `--out`."""
+    out = console()
+    config = source_config(args)
+    sequences, _, text = encode_prompts(args, "--input-ids", config)
+    check_context(sequences, 0, config)
+    layers = args.capture_layers
+    count = config.num_layers
+    if layers is not None:
+        bad = sorted({i for i in layers if not 0 <= i <= count})
+        if bad:
+            raise InputError(
+                f"--capture-layers takes indices in [0, {count}] (i < {count}: the residual "
+                f"entering layer i; {count}: the residual the final norm reads); got {bad}"
+            )
+        if args.hc_mult is not None:
+            raise InputError(
+                "--capture-layers: captures of a decoder with hyper-connections are not "
+                "supported (its residual is --hc-mult streams)"
+            )
+    options.check_output_file("--out", args.out)
+    if layers is not None:
+        options.check_output_file("--out", captures_path(args.out))
+    if text is not None:
+        out.log(f"{len(sequences)} prompts encoded with {text.description}")
+    model = runner(args, out)
+    with status(out, f"forward of {len(sequences)} sequences"):
+        if layers is None:
+            logits = model.forward(sequences)
+        else:
+            logits, hidden = model.forward_captured(sequences, layers)
+    write_atomically(args.out, lambda file: np.save(file, logits.astype(np.float32)))
+    out.log(f"wrote logits {list(logits.shape)} to {args.out}")
+    if layers is not None:
+        path = captures_path(args.out)
+        arrays = {f"layer_{i}": hidden[n].astype(np.float32) for n, i in enumerate(layers)}
+        write_atomically(path, lambda file: np.savez(file, **arrays))
+        out.log(f"wrote hidden states of layers {layers} to {path}")
+
+
+def captures_path(logits_path: str | Path) -> Path:
+    """Where `forward --capture-layers` writes the captured hidden states: beside the logits,
+    `<logits name without .npy>.hidden_states.npz` (one `layer_<i>` array per capture)."""
+    path = Path(logits_path)
+    stem = path.name[: -len(".npy")] if path.name.endswith(".npy") else path.name
+    return path.with_name(f"{stem}.hidden_states.npz")
+
+
+def generate(args: argparse.Namespace) -> None:
+    """`generate`: continuations of token-id or text prompts, stopping at the checkpoint's
+    end-of-sequence ids; text streams to a terminal as it comes."""
+    stdout = sys.stdout
+    out = console()
+    config = source_config(args)
+    sequences, prompts, text = encode_prompts(args, "--prompt-ids", config)
+    check_context(sequences, args.max_new_tokens, config)
+    if args.temperature == 0 and (args.top_k is not None or args.top_p is not None):
+        raise InputError("--top-k and --top-p need --temperature > 0 (0, the default, is greedy)")
+    sampling = Sampling(args.temperature, top_k=args.top_k, top_p=args.top_p)
+    eos = () if args.ignore_eos else eos_token_ids(checkpoint_dir(args))
+    stream = text is not None and len(sequences) == 1 and not args.json and stdout.isatty()
+    if text is not None:
+        out.log(f"{len(sequences)} prompts encoded with {text.description}")
+    out.log(f"stopping at end-of-sequence ids {list(eos)}" if eos else "no end-of-sequence ids")
+    model = runner(args, out)
+    chunk = 1 if stream else DECODE_CHUNK if eos else args.max_new_tokens
+    start = time.perf_counter()
+    tokens = _generate_tokens(model, sequences, args, sampling, eos, chunk, text, stdout, stream)
+    count = sum(len(t) for t in tokens)
+    seconds = time.perf_counter() - start
+    out.log(f"generated {count} tokens in {seconds:.1f}s (compiling included)")
+    if text is None:
+        print(json.dumps(tokens), file=stdout)
+    elif args.json:
+        rows = [
+            {
+                "prompt": p,
+                "text": text.decode(t),
+                "ids": t,
+                "stopped_at_eos": bool(t) and t[-1] in eos,
+            }
+            for p, t in zip(prompts, tokens, strict=True)
+        ]
+        print(json.dumps(rows, ensure_ascii=False), file=stdout)
+    elif not stream:
+        for ids in tokens:
+            print(text.decode(ids), file=stdout)
+
+
+def _generate_tokens(
+    model: ShardedCausalLM,
+    sequences: list[list[int]],
+    args: argparse.Namespace,
+    sampling: Sampling,
+    eos: tuple[int, ...],
+    chunk: int,
+    text: TextCodec | None,
+    stdout: TextIO,
+    stream: bool,
+) -> list[list[int]]:
+    """Each prompt's new ids, up to and including its first end-of-sequence id; with `stream`
+    the (one) prompt's text is written to `stdout` as its ids come."""
+    tokens: list[list[int]] = [[] for _ in sequences]
+    done = [False] * len(sequences)
+    shown = TextStream(text) if stream else None
+    pushed = 0
+    chunks = model.generate_stream(
+        sequences, args.max_new_tokens, chunk=chunk, sampling=sampling, seed=args.seed
+    )
+    for new in chunks:
+        for index, row in enumerate(new.tolist()):
+            for token in row:
+                if done[index]:
+                    break
+                tokens[index].append(token)
+                done[index] = token in eos
+        if shown is not None:
+            stdout.write(shown.push(tokens[0][pushed:]))
+            stdout.flush()
+            pushed = len(tokens[0])
+        if all(done):
+            break
+    if shown is not None:
+        stdout.write(shown.finish() + "\n")
+        stdout.flush()
+    return tokens
+
+
+def plan(args: argparse.Namespace) -> None:
+    """`plan`: the bound stage plans and the compiled forward's collectives."""
+    out = console()
+    source_config(args)
+    model = runner(args, out)
+    with status(out, "compiling the sharded forward"):
+        report = plan_report(model)
+    if args.json:
+        print(json.dumps(report))
+        return
+    print_plan(report)

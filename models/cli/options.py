@@ -1,0 +1,243 @@
+"""The command line's options: parsing each value, and checking them together against the
+model's config and the machine before anything is built, in the words the user typed."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import tempfile
+from pathlib import Path
+
+import jax
+from jax import lax
+
+import boundary_jax as bj
+
+from ..config import DecoderConfig
+
+
+class InputError(ValueError):
+    """A problem with what the user passed: reported in one line, exit code 2."""
+
+
+NOT_BUILT_AXES = {
+    bj.MeshAxis.PP.value: "pipeline parallelism has no runtime yet (its binding is built and "
+    "tested with a simulated transport)",
+    bj.MeshAxis.ATTN_CP.value: "context parallelism is not built yet",
+}
+"""Mesh axes the command line rejects at a size above one, and why."""
+MATMUL_PRECISIONS = ("default", "high", "highest")
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """`--mesh`: comma-separated `name=size` pairs over the mesh axes that run today."""
+    names = [axis.value for axis in bj.MeshAxis]
+    sizes: dict[str, int] = {}
+    for item in text.split(","):
+        name, _, value = (part.strip() for part in item.partition("="))
+        if name not in names or not value.isdigit():
+            raise argparse.ArgumentTypeError(
+                f"takes name=size pairs over {names}, e.g. attn_dp=2,attn_tp=4; got {text!r}"
+            )
+        if name in sizes:
+            raise argparse.ArgumentTypeError(f"names {name} twice; got {text!r}")
+        sizes[name] = int(value)
+        if sizes[name] < 1:
+            raise argparse.ArgumentTypeError(f"sizes must be positive; got {text!r}")
+        if name in NOT_BUILT_AXES and sizes[name] > 1:
+            raise argparse.ArgumentTypeError(
+                f"{name}={sizes[name]}: {NOT_BUILT_AXES[name]}; split the model over attn_dp "
+                "and attn_tp"
+            )
+    return sizes
+
+
+def mesh_text(sizes: dict[str, int]) -> str:
+    """`--mesh` as the user would type it (`1` for no axis)."""
+    return ",".join(f"{name}={size}" for name, size in sizes.items()) or "1"
+
+
+def policy(text: str) -> bj.ReductionPolicy:
+    """`--policy`: a reduction policy by name."""
+    try:
+        return bj.ReductionPolicy.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def positive_int(text: str) -> int:
+    """An int >= 1 (so no option divides by zero)."""
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1; got {text}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An int >= 0."""
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0; got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite float > 0 (`nan` and `inf` are refused)."""
+    value = _float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0; got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite float >= 0."""
+    value = _float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0; got {text}")
+    return value
+
+
+def probability(text: str) -> float:
+    """A float in (0, 1]."""
+    value = _float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1]; got {text}")
+    return value
+
+
+def matmul_precision(text: str) -> lax.Precision:
+    """`--matmul-precision`: default, high or highest."""
+    if text not in MATMUL_PRECISIONS:
+        raise argparse.ArgumentTypeError(f"must be one of {list(MATMUL_PRECISIONS)}; got {text!r}")
+    return lax.Precision[text.upper()]
+
+
+def capture_layers(text: str) -> list[int]:
+    """`--capture-layers`: comma-separated layer indices."""
+    items = [item.strip() for item in text.split(",")]
+    if not all(item.isdigit() for item in items):
+        raise argparse.ArgumentTypeError(
+            f"takes comma-separated layer indices, e.g. 2,5; got {text!r}"
+        )
+    return [int(item) for item in items]
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer; got {text!r}") from None
+
+
+def _float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number; got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number; got {text}")
+    return value
+
+
+def topology(args: argparse.Namespace, num_experts: int | None = None) -> bj.Topology:
+    """The topology of `--mesh` and `--moe-ep`, checked against the model's `num_experts`
+    (None: no experts), its errors in the options' words."""
+    try:
+        topology = bj.Topology.from_axis_sizes(args.mesh, moe_ep=args.moe_ep)
+        if num_experts is not None:
+            topology.experts_per_rank(num_experts)
+        return topology
+    except ValueError as error:
+        raise InputError(
+            f"--moe-ep {args.moe_ep} on --mesh {mesh_text(args.mesh)}: {error}"
+        ) from None
+
+
+def check_devices(args: argparse.Namespace) -> list[jax.Device]:
+    """The devices the mesh goes on: the default backend's, which must hold `--mesh`."""
+    needed = math.prod(args.mesh.values())
+    if args.devices is not None and args.devices < needed:
+        raise InputError(
+            f"--devices {args.devices} is fewer than the {needed} --mesh {mesh_text(args.mesh)} "
+            "needs"
+        )
+    devices = jax.devices()
+    if len(devices) < needed:
+        platform = devices[0].platform
+        hint = (
+            f"; --devices {needed} simulates them"
+            if platform == "cpu"
+            else f"; JAX_PLATFORMS=cpu with --devices {needed} simulates them on the CPU"
+        )
+        raise InputError(
+            f"--mesh {mesh_text(args.mesh)} needs {needed} devices; this machine has "
+            f"{len(devices)} {platform} device{'s' * (len(devices) != 1)}{hint}"
+        )
+    return devices
+
+
+def check_model(args: argparse.Namespace, config: DecoderConfig) -> None:
+    """What the model's config and the options must agree on, checked before building."""
+    tp = args.mesh.get(bj.MeshAxis.ATTN_TP.value, 1)
+    heads, kv_heads = config.num_heads, config.num_kv_heads
+    if heads % tp:
+        divisors = [n for n in range(1, heads + 1) if heads % n == 0]
+        raise InputError(
+            f"--mesh attn_tp={tp}: the model's {heads} attention heads do not split over {tp} "
+            f"ranks; choose attn_tp among {divisors}"
+        )
+    if kv_heads % tp and tp % kv_heads:
+        raise InputError(
+            f"--mesh attn_tp={tp}: the model's {kv_heads} kv heads neither split over {tp} ranks "
+            "nor are each shared by a whole number of them"
+        )
+    if args.input_scattered and tp == 1:
+        raise InputError(
+            "--input-scattered splits the residual over attention TP; it needs --mesh attn_tp > 1"
+        )
+    experts = config.moe is not None
+    if not experts and (args.moe_ep != 1 or args.moe_dispatch is not None):
+        raise InputError(
+            f"{config.architecture.value} has no experts; --moe-ep and --moe-dispatch are for "
+            "MoE models"
+        )
+    if args.hc_mult is not None and args.checkpoint:
+        raise InputError(
+            "--hc-mult builds MHC layers with random weights, and a Hugging Face checkpoint holds "
+            "no MHC weights; use it with --preset"
+        )
+
+
+def check_output_file(option: str, path: str | Path) -> None:
+    """A file the command will write: not a directory, in a directory it can write in."""
+    file = Path(path)
+    if file.is_dir():
+        raise InputError(f"{option} {file} is a directory; give a file name")
+    writable_parent(option, file)
+
+
+def check_output_directory(option: str, path: str | Path, *, overwrite: bool) -> None:
+    """A checkpoint directory the command will write: absent or empty (or `--overwrite`), in a
+    directory it can write in."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"{option} {out} is a file; a checkpoint is a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise InputError(f"{option} {out} already holds files; pass --overwrite to replace them")
+    writable_parent(option, out)
+
+
+def writable_parent(option: str, path: Path) -> None:
+    """The nearest existing directory above `path` takes new files (tried, not guessed)."""
+    ancestor = path.absolute().parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise InputError(f"{option} {path}: {ancestor} is a file, not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=ancestor):
+            pass
+    except OSError as error:
+        raise InputError(
+            f"{option} {path}: cannot write in {ancestor} ({error.strerror})"
+        ) from None

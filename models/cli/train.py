@@ -1,0 +1,193 @@
+"""`boundary-jax train`: next-token training on text, written as a Hugging Face checkpoint.
+
+Every input and output path is checked before the model is built. The checkpoint is written
+into a temporary directory beside `--out` and renamed into place, so `--out` never holds a
+partial checkpoint; a run from `--checkpoint` keeps that checkpoint's `config.json` (its token
+ids and other keys), tokenizer files and `generation_config.json`. The first non-finite loss
+stops the run with nothing more written; SIGINT and SIGTERM stop it with one line, keeping the
+last complete `--save-every` checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import boundary_jax as bj
+
+from ..checkpoints import read_hf_config_file, replace_directory, stage_checkpoint
+from ..layers.attention import AttentionImpl
+from ..serving.text import TEXT_FILES, TextCodec
+from ..training.trainer import TrainConfig, Trainer
+from . import commands, options
+from .interrupts import Interrupted, signals_deferred
+from .options import InputError
+
+
+def read_text(path: str) -> list[bytes]:
+    """The bytes of a text file, or of every file under a directory (sorted by path)."""
+    source = Path(path)
+    if source.is_file():
+        files = [source]
+    elif source.is_dir():
+        files = sorted(p for p in source.rglob("*") if p.is_file())
+    else:
+        raise InputError(f"--text: no text file or directory at {path}")
+    texts = [file.read_bytes() for file in files]
+    if not any(texts):
+        raise InputError(f"--text: no text in {path}: it is empty (or a directory of empty files)")
+    return texts
+
+
+def tokenize(texts: list[bytes], codec: TextCodec) -> np.ndarray:
+    """One int32 token stream of the texts (each encoded alone, then joined)."""
+    ids = [i for text in texts for i in codec.encode(text.decode("utf-8", errors="replace"))]
+    return np.asarray(ids, np.int32)
+
+
+def train(args: argparse.Namespace) -> None:
+    """`train`: see the module docstring."""
+    out = commands.console()
+    if args.hc_mult is not None:
+        raise InputError(
+            "train writes a Hugging Face checkpoint, which holds no MHC weights; --hc-mult "
+            "models train through models.training.Trainer instead"
+        )
+    config = commands.source_config(args)
+    options.check_output_directory("--out", args.out, overwrite=args.overwrite)
+    codec = commands.codec(args, config)
+    tokens = tokenize(read_text(args.text), codec)
+    length = min(args.seq_len, config.max_position_embeddings, args.batch_tokens, len(tokens))
+    if length < 2:
+        raise InputError(f"--text {args.text} holds {len(tokens)} token(s); training needs 2")
+    source = commands.checkpoint_dir(args)
+    hf_config = None if source is None else read_hf_config_file(source)
+    keep = [] if source is None else [source / n for n in TEXT_FILES if (source / n).is_file()]
+    out.log(f"{len(tokens):,} tokens of text encoded with {codec.description}")
+    # Training runs XLA's attention (cuDNN's backward is not supported).
+    model, topology = commands.build(args, out, attention=AttentionImpl.XLA)
+    schedule = TrainConfig(
+        learning_rate=args.lr,
+        total_steps=args.steps,
+        warmup_steps=min(args.warmup, args.steps - 1),
+    )
+    trainer = Trainer(
+        model,
+        bj.make_mesh(topology),
+        schedule.optimizer(),
+        input_scattered=args.input_scattered,
+        matmul_precision=args.matmul_precision,
+    )
+    del model
+    run = _Run(args, trainer, tokens, length, hf_config, keep)
+    summary = run.train(out)
+    print(json.dumps(summary, allow_nan=False))
+
+
+class _Run:
+    """One training run: its steps, its saves and what an interruption leaves."""
+
+    def __init__(self, args, trainer: Trainer, tokens, length, hf_config, keep):
+        self.args = args
+        self.trainer = trainer
+        self.tokens = tokens
+        self.length = length
+        self.hf_config = hf_config
+        self.keep = keep
+        self.saved_step = 0
+        self.step = 0
+
+    def train(self, out) -> dict:
+        """Runs every step and writes the checkpoint; returns the summary."""
+        try:
+            return self._steps(out)
+        except Interrupted as interrupted:
+            raise Interrupted(interrupted.signum, self._note()) from None
+
+    def _note(self) -> str:
+        where = f"at step {self.step + 1}/{self.args.steps}"
+        if self.saved_step:
+            return f"{where}; {self.args.out} holds the checkpoint of step {self.saved_step}"
+        return f"{where}; nothing was written to {self.args.out}"
+
+    def _steps(self, out) -> dict:
+        args, trainer = self.args, self.trainer
+        rng = np.random.default_rng(args.seed)
+        sequences = args.batch_tokens // self.length
+        losses, timed_tokens, timed_seconds = [], 0, 0.0
+        for index in range(args.steps):
+            self.step = index
+            starts = rng.integers(0, len(self.tokens) - self.length + 1, sequences)
+            windows = [self.tokens[s : s + self.length] for s in starts]
+            batch = trainer.pack(windows, max_sequence_rows=self.length)
+            start = time.perf_counter()
+            loss = trainer.step(batch)["loss"]
+            seconds = time.perf_counter() - start
+            number = self.step + 1
+            if not math.isfinite(loss):
+                raise InputError(
+                    f"step {number}/{args.steps}: the loss is {loss}; stopped, {self._kept()}. "
+                    f"Lower --lr (now {args.lr:g})"
+                )
+            losses.append(loss)
+            if index > 0 or args.steps == 1:  # the first step also compiles
+                timed_tokens, timed_seconds = timed_tokens + batch.tokens, timed_seconds + seconds
+            if index == 0:
+                out.log(
+                    f"step 1/{args.steps}  loss {loss:.4f}  (compiled and ran in {seconds:.1f}s)"
+                )
+            elif number % args.log_every == 0 or number == args.steps:
+                speed = timed_tokens / timed_seconds
+                out.log(f"step {number}/{args.steps}  loss {loss:.4f}  {speed:,.0f} tokens/s")
+            if args.save_every and number % args.save_every == 0 and number < args.steps:
+                self._save(out, number)
+        self._save(out, args.steps)
+        return {
+            "steps": args.steps,
+            "loss_first": losses[0],
+            "loss_last": losses[-1],
+            "tokens_per_s": timed_tokens / timed_seconds if timed_seconds else 0.0,
+            "tokens_per_step": batch.tokens,
+            "out": str(args.out),
+        }
+
+    def _kept(self) -> str:
+        if self.saved_step:
+            return f"{self.args.out} keeps the checkpoint of step {self.saved_step}"
+        return f"nothing was written to {self.args.out}"
+
+    def _save(self, out, step: int) -> None:
+        """Writes the parameters after `step` steps to `--out`, if they are all finite."""
+        params = self.trainer.state.params
+        finite = jax.jit(lambda p: jnp.all(jnp.stack([jnp.isfinite(v).all() for v in p.values()])))
+        if not bool(finite(params)):
+            raise InputError(
+                f"step {step}/{self.args.steps}: the parameters are not finite; stopped, "
+                f"{self._kept()}. Lower --lr (now {self.args.lr:g})"
+            )
+        staged = None
+        try:
+            with commands.status(out, f"writing the checkpoint of step {step} to {self.args.out}"):
+                staged = stage_checkpoint(
+                    self.trainer.config,
+                    params,
+                    self.args.out,
+                    scan_layers=self.args.scan_layers,
+                    hf_config=self.hf_config,
+                    copy_files=self.keep,
+                )
+                with signals_deferred():
+                    overwrite = self.args.overwrite or self.saved_step > 0
+                    replace_directory(staged, self.args.out, overwrite=overwrite)
+                    staged, self.saved_step = None, step
+        finally:
+            if staged is not None:  # interrupted between writing and renaming
+                shutil.rmtree(staged, ignore_errors=True)
