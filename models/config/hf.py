@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from .hf_hybrid import read_nemotron_h, write_nemotron_h
 from .types import (
     MOE_ARCHITECTURES,
     Activation,
@@ -33,11 +34,13 @@ def read_hf_config(config: Mapping[str, Any]) -> DecoderConfig:
     entry per layer type); both spellings of the expert count (`num_experts`, as the Qwen
     hub checkpoints, and `num_local_experts`, as Mixtral and transformers 5's Qwen3-MoE
     write it); and per-layer attention from `layer_types` (or the family's default pattern).
+    A `NemotronHForCausalLM` config is read by `hf_hybrid.read_nemotron_h`.
 
     Raises:
       ValueError: The architecture, RoPE type, activation, biases, layer pattern or a
         Gemma 3 option (softcapping, bidirectional attention) is not supported, or a
         required key is missing.
+      NotImplementedError: A Nemotron-H option the hybrid model does not compute.
     """
     architectures = config.get("architectures") or []
     supported = [a.value for a in Architecture]
@@ -47,6 +50,8 @@ def read_hf_config(config: Mapping[str, Any]) -> DecoderConfig:
             f"architectures={architectures!r}"
         )
     architecture = Architecture(architectures[0])
+    if architecture is Architecture.NEMOTRON_H:
+        return read_nemotron_h(config)
     for key in ("attention_bias", "mlp_bias"):
         if config.get(key, False):
             raise ValueError(
@@ -334,6 +339,8 @@ _MODEL_TYPES = {
 def write_hf_config(config: DecoderConfig) -> dict[str, Any]:
     """The Hugging Face `config.json` (as a dict) of `config`, in transformers 5's format;
     `read_hf_config` reads it back to `config`."""
+    if config.hybrid is not None:
+        return write_nemotron_h(config)
     rope: dict[str, Any] = {"rope_theta": config.rope_theta, "rope_type": "default"}
     if config.rope_scaling is not None:
         rope |= dataclasses.asdict(config.rope_scaling) | {"rope_type": "llama3"}
