@@ -29,7 +29,16 @@ from flax import nnx
 import boundary_jax as bj
 
 from ..config import MoeConfig
-from .moe import GroupedMatmulImpl, MoeOutput, Routing, SparseMoe, expert_outputs, finalize, route
+from .moe import (
+    GroupedMatmulImpl,
+    MoeOutput,
+    Routing,
+    SparseMoe,
+    deferred_finalize,
+    expert_outputs,
+    finalize,
+    route,
+)
 
 
 class MoeFfn(SparseMoe):
@@ -104,14 +113,7 @@ class MoeFfn(SparseMoe):
             if not defer:  # combined where the experts run (SparseMoe.finalized)
                 return self.finalized(x, expert_offset=offset, count_shared=count_shared)
             output = super().__call__(x, expert_offset=offset, count_shared=count_shared)
-        shared = output.shared
-        if not defer:
-            return finalize(output)
-        outputs, weights = output.expert_outputs, output.routing.weights
-        if shared is not None:  # the shared expert as one more choice of weight one
-            outputs = jnp.concatenate([outputs, shared[:, None]], axis=1)
-            weights = jnp.concatenate([weights, jnp.ones_like(weights[:, :1])], axis=1)
-        return bj.DeferredFinalize(outputs, weights)
+        return deferred_finalize(output) if defer else finalize(output)
 
     def _own_rows(self, x: jax.Array) -> MoeOutput:
         """Routes this rank's own rows, sends each choice to its expert's rank and back."""
