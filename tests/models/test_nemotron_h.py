@@ -20,6 +20,7 @@ from boundary_jax.report import parse_hlo
 from models.build import build_model, load_model
 from models.checkpoints import hf_name_map, load_config, save_checkpoint
 from models.checkpoints import load as checkpoint_load
+from models.cli.main import main
 from models.config import read_hf_config, write_hf_config
 from models.families import NemotronHForCausalLM, model_class
 from models.layers.deepseek_moe_ffn import DeepseekMoeFfn
@@ -335,3 +336,46 @@ def test_a_compute_mutant_moves_the_logits(monkeypatch, mutant):
     run = ShardedCausalLM(load_model(GOLDEN / name, mesh, moe_ep=ep), mesh)
     prompts, reference = golden(name)
     assert relative_error(run.forward(prompts), reference["logits"]) > 1e-2
+
+
+# --------------------------------------------------------------------------------------------
+# The command line
+# --------------------------------------------------------------------------------------------
+
+
+def test_plan_names_each_mixer_exit(capsys):
+    """`plan --preset tiny-nemotron-h --json` lists one stage per layer; under attention DP
+    the Mamba2 mixer before the attention mixer completes its sum at its exit, the attention
+    mixer leaves its sum to the MLP's input."""
+    args = ["plan", "--preset", "tiny-nemotron-h", "--mesh", "attn_dp=2,attn_tp=2", "--json"]
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out.splitlines()[-1])
+    stages = [(s["layer"], s["stage"], s["exit_options"][0]["exit"]) for s in report["stages"]]
+    completes, leaves = bj.ExitKind.ALL_REDUCE.value, bj.ExitKind.LEAVE_TO_NEXT_INPUT.value
+    assert stages[:2] == [(0, "linear_attention", completes), (1, "full_attention", leaves)]
+    assert [s[1] for s in stages[2:]] == ["mlp", "moe"]
+    assert report["architecture"] == "NemotronHForCausalLM"
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        pytest.param("forward", marks=pytest.mark.xdist_group(MOE)),
+        pytest.param("generate", marks=(pytest.mark.xdist_group(MOE), pytest.mark.slow)),
+    ],
+)
+def test_the_command_line_runs_a_checkpoint(tmp_path, capsys, command):
+    """`forward` writes HF's logits and `generate` prints HF's greedy tokens for the MoE golden
+    checkpoint, its experts split over expert parallelism."""
+    _, reference = golden(MOE)
+    source = ["--checkpoint", str(GOLDEN / MOE), "--mesh", "attn_dp=2,attn_tp=2", "--moe-ep", "2"]
+    prompts = str(GOLDEN / MOE / "prompts.json")
+    if command == "forward":
+        out = tmp_path / "logits.npy"
+        assert main(["forward", *source, "--input-ids", prompts, "--out", str(out)]) == 0
+        assert relative_error(np.load(out), reference["logits"]) <= 1e-4
+        return
+    steps = str(reference["generated"].shape[1])
+    assert main(["generate", *source, "--prompt-ids", prompts, "--max-new-tokens", steps]) == 0
+    tokens = json.loads(capsys.readouterr().out.splitlines()[-1])
+    np.testing.assert_array_equal(tokens, reference["generated"])
