@@ -29,12 +29,13 @@ from jax.sharding import Mesh
 import boundary_jax as bj
 
 from ..config import Architecture, DecoderConfig, HybridLayer
+from ..layers.activations import ExpertActivation
 from ..layers.attention import Attention, AttentionImpl, KVCache
 from ..layers.deepseek_moe import DeepseekRouting, ExpertScoring, GroupScore
 from ..layers.deepseek_moe_ffn import DeepseekMoeFfn
 from ..layers.hyper_connections import HyperConnections
 from ..layers.mamba2 import Mamba2Cache, Mamba2Mixer
-from ..layers.moe import ExpertActivation, GroupedMatmulImpl
+from ..layers.moe import GroupedMatmulImpl
 from ..layers.relu2_mlp import Relu2Mlp
 from ..rows import TokenRows
 from .decoder import Remat

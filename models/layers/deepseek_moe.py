@@ -38,8 +38,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from .activations import ExpertActivation
 from .moe import (
-    ExpertActivation,
     GroupedMatmulImpl,
     MoeOutput,
     PartitionEntry,

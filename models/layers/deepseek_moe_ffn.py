@@ -20,8 +20,10 @@ from flax import nnx
 
 import boundary_jax as bj
 
+from .activations import ExpertActivation
 from .deepseek_moe import DeepseekMoe, DeepseekRouting
-from .moe import ExpertActivation, GroupedMatmulImpl, deferred_finalize
+from .moe import GroupedMatmulImpl
+from .moe_ffn import deferred_finalize
 
 
 class DeepseekMoeFfn(DeepseekMoe):

@@ -37,7 +37,6 @@ Pallas kernels, their tuned tilings, the choice by size) are `pallas_kernels.gro
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 
 import jax
@@ -55,32 +54,10 @@ from pallas_kernels.grouped_matmul import (
     grouped_matmul,
 )
 
+from .activations import ExpertActivation
+
 PartitionEntry = str | tuple[str, ...] | None
 """One entry of a `PartitionSpec`: mesh axis name(s) chosen by the caller, or None."""
-
-
-class ExpertActivation(enum.Enum):
-    """What an expert (or a shared expert) computes between its projections.
-
-    SWIGLU: `silu(gate(x)) * up(x)`; its gate and up projections are two stacked parts.
-    RELU2: `relu(up(x))^2`; its up projection is the one part (Nemotron-H).
-    """
-
-    SWIGLU = "swiglu"
-    RELU2 = "relu2"
-
-    @property
-    def parts(self) -> int:
-        """The projections stacked in the expert's first weight: gate and up, or up alone."""
-        return 2 if self is ExpertActivation.SWIGLU else 1
-
-    def apply(self, projected: jax.Array) -> jax.Array:
-        """[..., parts x width] first-projection output -> [..., width] activation."""
-        if self is ExpertActivation.RELU2:
-            return jnp.square(jax.nn.relu(projected))
-        gate, up = jnp.split(projected, 2, axis=-1)
-        return jax.nn.silu(gate) * up
-
 
 CAPACITY_FACTORS = (1.25, 1.5)
 """`PADDED_BATCHED`'s capacities as multiples of the even share, smallest first."""
@@ -373,16 +350,6 @@ def finalize(output: MoeOutput, dtype: jnp.dtype | None = None) -> jax.Array:
     if output.shared is not None:
         combined = combined + output.shared.astype(accumulate)
     return combined.astype(outputs.dtype if dtype is None else dtype)
-
-
-def deferred_finalize(output: MoeOutput) -> bj.DeferredFinalize:
-    """The finalize of `output` handed on to the boundary: the shared expert (if any) becomes
-    one more choice of weight one, so `DeferredFinalize.complete()` equals `finalize(output)`."""
-    outputs, weights = output.expert_outputs, output.routing.weights
-    if output.shared is not None:
-        outputs = jnp.concatenate([outputs, output.shared[:, None]], axis=1)
-        weights = jnp.concatenate([weights, jnp.ones_like(weights[:, :1])], axis=1)
-    return bj.DeferredFinalize(outputs, weights)
 
 
 def moe_reference(

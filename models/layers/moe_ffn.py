@@ -29,16 +29,17 @@ from flax import nnx
 import boundary_jax as bj
 
 from ..config import MoeConfig
-from .moe import (
-    GroupedMatmulImpl,
-    MoeOutput,
-    Routing,
-    SparseMoe,
-    deferred_finalize,
-    expert_outputs,
-    finalize,
-    route,
-)
+from .moe import GroupedMatmulImpl, MoeOutput, Routing, SparseMoe, expert_outputs, finalize, route
+
+
+def deferred_finalize(output: MoeOutput) -> bj.DeferredFinalize:
+    """The finalize of `output` handed on to the boundary: the shared expert (if any) becomes
+    one more choice of weight one, so `DeferredFinalize.complete()` equals `finalize(output)`."""
+    outputs, weights = output.expert_outputs, output.routing.weights
+    if output.shared is not None:
+        outputs = jnp.concatenate([outputs, output.shared[:, None]], axis=1)
+        weights = jnp.concatenate([weights, jnp.ones_like(weights[:, :1])], axis=1)
+    return bj.DeferredFinalize(outputs, weights)
 
 
 class MoeFfn(SparseMoe):

@@ -9,8 +9,8 @@ from flax import nnx
 
 from boundary_jax import SumGroup, Topology
 
+from .activations import ExpertActivation
 from .linear import ColumnParallelLinear, RowParallelLinear, group_size
-from .moe import ExpertActivation
 
 
 class Relu2Mlp(nnx.Module):

@@ -27,6 +27,7 @@ from models.layers.deepseek_moe_ffn import DeepseekMoeFfn
 from models.layers.hyper_connections import HyperConnections
 from models.layers.ssd import gated_rms_norm
 from models.serving.runtime import ShardedCausalLM
+from tests.models import test_mamba2
 from tests.models.test_decoder import golden
 
 GOLDEN = pathlib.Path(__file__).parents[1] / "golden"
@@ -379,3 +380,17 @@ def test_the_command_line_runs_a_checkpoint(tmp_path, capsys, command):
     assert main(["generate", *source, "--prompt-ids", prompts, "--max-new-tokens", steps]) == 0
     tokens = json.loads(capsys.readouterr().out.splitlines()[-1])
     np.testing.assert_array_equal(tokens, reference["generated"])
+
+
+def test_a_decode_step_not_carrying_the_conv_state_is_caught(monkeypatch):
+    """A Mamba2 decode step that leaves each slot's conv state where it was (the prefill's)
+    no longer equals the longer prefill (the mixer's own prefill-then-decode check fails)."""
+    honest = models.layers.mamba2.causal_conv1d_step
+
+    def stale(state, x, weight, bias, valid):
+        out, _ = honest(state, x, weight, bias, valid)
+        return out, state
+
+    monkeypatch.setattr(models.layers.mamba2, "causal_conv1d_step", stale)
+    with pytest.raises(AssertionError):
+        test_mamba2.test_prefill_then_decode_equals_a_longer_prefill()
