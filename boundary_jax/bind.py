@@ -105,6 +105,9 @@ def exit_options(
         return (*deferred, move)
 
     if declaration.kind is StageKind.ATTN:
+        # The guide's MixerExit: before an FFN the sum goes to the FFN's input (under attention
+        # DP too); before another mixer only without attention DP; at the stack's end the exit
+        # completes it.
         carries = not leaving and (consumer.kind is StageKind.FFN or topology.attn_dp == 1)
         complete = completed(ExitKind.ALL_REDUCE, ops.complete_onto(value, residual, topology))
         if carries:

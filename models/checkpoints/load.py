@@ -12,7 +12,9 @@ a device whose shard covers experts [a, b) (and a slice of their width) reads on
 and only that slice of each. A model built with `scan_layers` stacks a run of layers' parameters
 on a leading layer axis; each is read layer by layer, each device reading its shard of each.
 Projections that one matmul computes together (k and v; gate and up) are one parameter with a
-parts axis, each part read from its own tensor.
+parts axis, each part read from its own tensor. A tensor that feeds several parameters (a Mamba2
+mixer's fused `in_proj`: z, x, B, C and dt) is read by row ranges (`HFTensor.rows`), each device
+reading only its rows of its range.
 """
 
 from __future__ import annotations
@@ -257,6 +259,15 @@ def _fitted_shape(
             f"the experts of {source.name} (parameter {path}) differ in shape: {shapes}"
         )
     one = next(iter(shapes.values()))
+    if source.rows is not None:
+        start, stop = source.rows
+        if stop > one[0]:
+            raise ValueError(
+                f"parameter {path} reads rows [{start}, {stop}) of checkpoint tensor "
+                f"{source.name}, which has {one[0]}; build the model from the checkpoint's "
+                "config.json"
+            )
+        one = (stop - start, *one[1:])
     one_logical = one[::-1] if source.transpose else one
     if source.experts is None:
         stored, logical = one, one_logical
@@ -312,22 +323,25 @@ def _read_block(
         blocks = [_read_block(checkpoint, p, cut(shape), cut(logical), dtype, inner) for p in parts]
         values = np.stack(blocks, axis=axis)
     elif source.experts is None:
-        values = _read_tensor(checkpoint, source.name, source.transpose, reads)
+        values = _read_tensor(checkpoint, source.name, source, reads)
     else:  # axis 0 picks the experts; each expert's tensor gives the rest of the block
         names = source.tensor_names()[reads[0]]
-        values = np.stack(
-            [_read_tensor(checkpoint, name, source.transpose, reads[1:]) for name in names]
-        )
+        values = np.stack([_read_tensor(checkpoint, name, source, reads[1:]) for name in names])
     block[tuple(slice(0, part.stop - part.start) for part in reads)] = values.astype(dtype)
     return block
 
 
 def _read_tensor(
-    checkpoint: _Checkpoint, name: str, transpose: bool, reads: tuple[slice, ...]
+    checkpoint: _Checkpoint, name: str, source: HFTensor, reads: tuple[slice, ...]
 ) -> np.ndarray:
-    """The block `reads` (in the parameter's layout) of one stored tensor."""
-    stored = checkpoint.read(name, reads[::-1] if transpose else reads)
-    return stored.T if transpose else stored
+    """The block `reads` (in the parameter's layout) of one stored tensor, read as `source`
+    says: transposed, and within its row range."""
+    index = reads[::-1] if source.transpose else reads
+    if source.rows is not None:  # the range's rows, offset into the stored tensor
+        first = source.rows[0]
+        index = (slice(first + index[0].start, first + index[0].stop), *index[1:])
+    stored = checkpoint.read(name, index)
+    return stored.T if source.transpose else stored
 
 
 class _Checkpoint(contextlib.AbstractContextManager):

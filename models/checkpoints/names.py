@@ -3,15 +3,16 @@ family, in one room.
 
 `hf_name_map(config)` maps every parameter path of a decoder (`layers.3.input_norm.weight`) to its
 `HFTensor`: the safetensors name (`model.layers.3.input_layernorm.weight`), whether it is an
-`nn.Linear` weight read transposed, the vocab padding, and the stacks one parameter holds (the
-experts of a layer, the parts one matmul computes together, the layers of a scanned run).
+`nn.Linear` weight read transposed, the vocab padding, the stacks one parameter holds (the
+experts of a layer, the parts one matmul computes together, the layers of a scanned run), and
+the rows it takes of a tensor that feeds several parameters (Nemotron-H's fused Mamba2 in_proj).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from ..config import Architecture, DecoderConfig, ResidualDesign
+from ..config import Architecture, DecoderConfig, HybridLayer, Mamba2Spec, ResidualDesign
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +39,11 @@ class HFTensor:
         "self_attn.{part}_proj.weight": one layer's parameter axis `part_axis` runs over them,
         and each part may itself be a stack of experts. None for one tensor.
       part_axis: The axis of one layer's parameter that `parts` stack on.
+      rows: The parameter is rows [start, stop) of the stored tensor's first axis (an
+        `nn.Linear` weight's output features, before the transpose), e.g. one projection of a
+        fused one; None for the whole tensor. Each device reads only its rows of those.
+      part_rows: For stacked parts cut from ONE tensor (`name` without a `{part}` field), each
+        part's `rows`; `parts` then only names them. None for parts of their own tensors.
     """
 
     name: str
@@ -47,6 +53,8 @@ class HFTensor:
     layers: tuple[int, ...] | None = None
     parts: tuple[str, ...] | None = None
     part_axis: int | None = None
+    rows: tuple[int, int] | None = None
+    part_rows: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self):
         stacked = "{expert}" in self.name
@@ -68,14 +76,29 @@ class HFTensor:
                 f"and no padded axis; got name={self.name!r}, layers={self.layers!r}, "
                 f"padded_axis={self.padded_axis!r}"
             )
-        if ("{part}" in self.name) != (self.parts is not None) or (self.parts is None) != (
+        named_parts = self.parts is not None and self.part_rows is None
+        if ("{part}" in self.name) != named_parts or (self.parts is None) != (
             self.part_axis is None
         ):
             raise ValueError(
-                "a stacked-parts HFTensor needs a {part} field in its name, parts=(name, ...) "
-                f"and part_axis; got name={self.name!r}, parts={self.parts!r}, "
-                f"part_axis={self.part_axis!r}"
+                "a stacked-parts HFTensor needs a {part} field in its name (or part_rows of one "
+                f"tensor), parts=(name, ...) and part_axis; got name={self.name!r}, "
+                f"parts={self.parts!r}, part_axis={self.part_axis!r}, "
+                f"part_rows={self.part_rows!r}"
             )
+        if self.part_rows is not None and (
+            self.parts is None or len(self.part_rows) != len(self.parts)
+        ):
+            raise ValueError(
+                f"part_rows gives one row range per part; got parts={self.parts!r}, "
+                f"part_rows={self.part_rows!r}"
+            )
+        for start, stop in (self.part_rows or ()) + ((self.rows,) if self.rows else ()):
+            if not 0 <= start < stop or self.padded_axis is not None:
+                raise ValueError(
+                    f"rows are a non-empty range [start, stop) of an unpadded tensor; got "
+                    f"{(start, stop)} with padded_axis={self.padded_axis!r}"
+                )
         if self.parts is not None and self.padded_axis is not None:
             raise ValueError(f"stacked parts take no padded axis; got {self.padded_axis=}")
 
@@ -90,6 +113,11 @@ class HFTensor:
 
     def stacked_parts(self) -> tuple[HFTensor, ...]:
         """Per part of one layer's stacked-parts parameter, the source of its part."""
+        if self.part_rows is not None:
+            return tuple(
+                dataclasses.replace(self, parts=None, part_axis=None, part_rows=None, rows=rows)
+                for rows in self.part_rows
+            )
         return tuple(
             dataclasses.replace(
                 self, name=self.name.replace("{part}", part), parts=None, part_axis=None
@@ -182,6 +210,93 @@ def _sparse_ffn_tensors(config: DecoderConfig) -> dict[str, HFTensor]:
     return tensors
 
 
+def _mamba2_tensors(spec: Mamba2Spec) -> dict[str, HFTensor]:
+    """A `Mamba2Mixer` held as the layer's `mixer`: its parameters cut by row ranges from one
+    `NemotronHMamba2Mixer`'s fused `in_proj` and `conv1d` (`Mamba2Spec.in_proj_rows`,
+    `conv_rows`), with layer-relative tensor names."""
+    in_proj, conv = spec.in_proj_rows, spec.conv_rows
+
+    def cut(name: str, ranges: dict, parts: tuple[str, ...], axis: int, transpose: bool):
+        rows = tuple(ranges[part] for part in parts)
+        return HFTensor(name, transpose=transpose, parts=parts, part_axis=axis, part_rows=rows)
+
+    fused, kernel = "mixer.in_proj.weight", "mixer.conv1d.weight"
+    tensors = {
+        "mixer.in_proj_zx.kernel": cut(fused, in_proj, ("z", "x"), 1, True),
+        "mixer.in_proj_bc.kernel": cut(fused, in_proj, ("B", "C"), 1, True),
+        "mixer.in_proj_dt.kernel": HFTensor(fused, transpose=True, rows=in_proj["dt"]),
+        "mixer.conv_x.weight": HFTensor(kernel, rows=conv["x"]),
+        "mixer.conv_bc.weight": cut(kernel, conv, ("B", "C"), 0, False),
+        "mixer.dt_bias": HFTensor("mixer.dt_bias"),
+        "mixer.a_log": HFTensor("mixer.A_log"),
+        "mixer.d": HFTensor("mixer.D"),
+        "mixer.norm_weight": HFTensor("mixer.norm.weight"),
+        "mixer.out_proj.kernel": HFTensor("mixer.out_proj.weight", transpose=True),
+    }
+    if spec.conv_bias:
+        bias = "mixer.conv1d.bias"
+        tensors["mixer.conv_x.bias"] = HFTensor(bias, rows=conv["x"])
+        tensors["mixer.conv_bc.bias"] = cut(bias, conv, ("B", "C"), 0, False)
+    return tensors
+
+
+def _hybrid_layer_tensors(config: DecoderConfig, kind: HybridLayer) -> dict[str, HFTensor]:
+    """One Nemotron-H layer's parameters (its `norm` and its stage's `mixer`), with
+    layer-relative tensor names."""
+    norm = {"norm.weight": HFTensor("norm.weight")}
+    if kind is HybridLayer.MAMBA2:
+        return norm | _mamba2_tensors(config.hybrid.mamba)
+    if kind is HybridLayer.ATTENTION:
+        return norm | {
+            "mixer.q_proj.kernel": HFTensor("mixer.q_proj.weight", transpose=True),
+            "mixer.kv_proj.kernel": HFTensor(
+                "mixer.{part}_proj.weight", transpose=True, parts=_KV_PARTS, part_axis=1
+            ),
+            "mixer.o_proj.kernel": HFTensor("mixer.o_proj.weight", transpose=True),
+        }
+    if kind is HybridLayer.MLP:
+        return norm | {
+            f"mixer.{proj}_proj.kernel": HFTensor(f"mixer.{proj}_proj.weight", transpose=True)
+            for proj in ("up", "down")
+        }
+    experts = config.hybrid.moe.num_experts
+    return norm | {
+        "mixer.router": HFTensor("mixer.gate.weight", transpose=True),
+        "mixer.e_score_correction_bias": HFTensor("mixer.gate.e_score_correction_bias"),
+        "mixer.gate_up_proj": HFTensor(  # relu^2 experts: the up projection is the one part
+            "mixer.experts.{expert}.{part}_proj.weight",
+            transpose=True,
+            experts=experts,
+            parts=("up",),
+            part_axis=2,
+        ),
+        "mixer.down_proj": HFTensor(
+            "mixer.experts.{expert}.down_proj.weight", transpose=True, experts=experts
+        ),
+        "mixer.shared_experts.up_proj": HFTensor(
+            "mixer.shared_experts.up_proj.weight", transpose=True
+        ),
+        "mixer.shared_experts.down_proj": HFTensor(
+            "mixer.shared_experts.down_proj.weight", transpose=True
+        ),
+    }
+
+
+def _hybrid_name_map(config: DecoderConfig) -> dict[str, HFTensor]:
+    """`hf_name_map` of a Nemotron-H config (tensors under `backbone.`, as transformers saves
+    them): `layers.{i}.norm.weight` and the stage's parameters under `layers.{i}.mixer`."""
+    names = {"embed.embedding": HFTensor("backbone.embeddings.weight", padded_axis=0)}
+    for index, kind in enumerate(config.hybrid.layers):
+        for path, tensor in _hybrid_layer_tensors(config, kind).items():
+            names[f"layers.{index}.{path}"] = dataclasses.replace(
+                tensor, name=f"backbone.layers.{index}.{tensor.name}"
+            )
+    names["final_norm.weight"] = HFTensor("backbone.norm_f.weight")
+    if not config.tie_word_embeddings:
+        names["lm_head.kernel"] = HFTensor("lm_head.weight", transpose=True, padded_axis=1)
+    return names
+
+
 def hf_name_map(config: DecoderConfig, *, scan_layers: bool = False) -> dict[str, HFTensor]:
     """`{module path: HFTensor}` for every parameter of a decoder described by `config`, built
     with or without `scan_layers`.
@@ -208,7 +323,14 @@ def hf_name_map(config: DecoderConfig, *, scan_layers: bool = False) -> dict[str
     The paths above are those of an unscanned model. With `scan_layers`, `layers.{b}` is block
     b of `config.layer_blocks(True)`: an unscanned layer has its paths, and a scanned run has
     `layers.{b}.layer.<path>` with the run's layers stacked on axis 0 (`HFTensor.layers`).
+
+    A Nemotron-H (hybrid) config has `layers.{i}.norm.weight` and its one stage's parameters
+    under `layers.{i}.mixer` (a Mamba2 mixer's cut by row ranges from the fused `in_proj` and
+    `conv1d`; an MoE's relu^2 experts with their up projection as the one stacked part).
     """
+    if config.hybrid is not None:
+        config.layer_blocks(scan_layers)  # raises for a scanned hybrid stack
+        return _hybrid_name_map(config)
     names = {"embed.embedding": HFTensor("model.embed_tokens.weight", padded_axis=0)}
     dense = (
         _NORM_TENSORS[config.residual_design]

@@ -155,17 +155,35 @@ def _config_json(config: DecoderConfig, hf_config: Mapping[str, Any] | None) -> 
 def _tensors(config: DecoderConfig, params: Mapping[str, jax.Array], sources) -> dict:
     """The Hugging Face tensors of `params`, float32, on the host."""
     tensors: dict[str, np.ndarray] = {}
+    pieces: dict[str, list[tuple[tuple[int, int], np.ndarray]]] = {}  # row ranges of one tensor
     for path, source in sources.items():
         value = np.asarray(jax.device_get(params[path]), np.float32)
         if source.padded_axis is not None:  # drop the vocab padding
             value = np.take(value, np.arange(config.vocab_size), axis=source.padded_axis)
         layer_values = [value] if source.layers is None else list(value)
         for layer_source, layer_value in zip(source.layer_parts(), layer_values, strict=True):
-            parts = [layer_value]
+            parts, part_sources = [layer_value], [layer_source]
             if source.parts is not None:
                 parts = list(np.moveaxis(layer_value, source.part_axis, 0))
+                part_sources = list(layer_source.stacked_parts())
             if source.experts is not None:  # each part, a stack of experts
                 parts = [expert for part in parts for expert in part]
-            for name, part in zip(layer_source.tensor_names(), parts, strict=True):
-                tensors[name] = np.ascontiguousarray(part.T if source.transpose else part)
+                part_sources = [p for p in part_sources for _ in range(source.experts)]
+            names = layer_source.tensor_names()
+            for name, part, part_source in zip(names, parts, part_sources, strict=True):
+                value = np.ascontiguousarray(part.T if source.transpose else part)
+                if part_source.rows is None:
+                    tensors[name] = value
+                else:
+                    pieces.setdefault(name, []).append((part_source.rows, value))
+    for name, blocks in pieces.items():
+        blocks.sort(key=lambda block: block[0])
+        stops = [0] + [stop for (_, stop), _ in blocks]
+        if [start for (start, _), _ in blocks] != stops[:-1]:
+            ranges = [rows for rows, _ in blocks]
+            raise ValueError(
+                f"the parameters cut from {name} cover rows {ranges}, not one range from 0 "
+                "without gaps; their HFTensor row ranges must tile the tensor"
+            )
+        tensors[name] = np.concatenate([value for _, value in blocks])
     return tensors

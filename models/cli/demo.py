@@ -1,7 +1,7 @@
-"""The main job: a small dense decoder and a small MoE decoder with random weights under several
-layouts (the MoE one also with its experts split over expert parallelism, gathered or sent
-all-to-all), each checked against one device, with the collectives each layout runs and its
-compile and step times.
+"""The main job: a small dense decoder, a small MoE decoder and a small hybrid (Nemotron-H)
+stack with random weights under several layouts (the MoE ones also with their experts split
+over expert parallelism, gathered or sent all-to-all), each checked against one device, with
+the collectives each layout runs and its compile and step times.
 
 It runs on any machine: each layout goes on the machine's accelerators where it fits (on a
 machine with accelerators, also on one of them, and on all of them where they divide the heads)
@@ -24,13 +24,14 @@ import boundary_jax as bj
 from boundary_jax.report import KINDS
 
 from ..build import build_model
-from ..config import PRESETS, DecoderConfig
+from ..config import PRESETS, DecoderConfig, HybridConfig, HybridLayer
 from ..layers.attention import AttentionImpl
 from ..serving.runtime import ShardedCausalLM
 from .plan import batch_description, collective_report, middle_layer, middle_sparse_layer
 
 PRESET = "tiny-qwen3"
 MOE_PRESET = "tiny-qwen3-moe"
+HYBRID_PRESET = "tiny-nemotron-h"
 P = bj.ReductionPolicy
 GATHER, ALL_TO_ALL = bj.MoeDispatch.GATHER, bj.MoeDispatch.ALL_TO_ALL
 
@@ -75,6 +76,15 @@ MOE_LAYOUTS = tuple(dataclasses.replace(layout, moe_dispatch=GATHER) for layout 
 """The MoE model's layouts: the dense ones (experts whole on every rank, their width split over
 the TP group) and expert parallelism in both dispatch modes (with EP 2 all-to-all, each
 expert's width split over attention TP 4)."""
+HYBRID_LAYOUTS = tuple(
+    dataclasses.replace(layout, moe_dispatch=GATHER) for layout in LAYOUTS[:3]
+) + (
+    Layout("TP 8, EP 8 gather", 1, 8, moe_ep=8, moe_dispatch=GATHER),
+    Layout("attention DP 2 x TP 4, EP 2 gather", 2, 4, moe_ep=2, moe_dispatch=GATHER),
+)
+"""The hybrid model's layouts: its mixers do not gather their input, so neither input-scattered
+rows nor an FFN on its own rows (attention DP 8's dense FFN, an all-to-all MoE) can precede
+one; its MoE layers run on gathered rows, their experts whole or split over EP."""
 SIMULATED_CPUS = 8
 """CPU devices the demo simulates for the layouts the machine's accelerators cannot hold."""
 
@@ -150,8 +160,17 @@ def devices_label(devices: tuple[jax.Device, ...]) -> str:
 
 
 def demo_config(preset: str, layers: int) -> DecoderConfig:
-    """`preset` with `layers` decoder layers (its dense-only layers kept where they exist)."""
+    """`preset` with `layers` decoder layers (its dense-only layers kept where they exist; a
+    hybrid stack's pattern repeated or cut to `layers`)."""
     config = PRESETS[preset]
+    hybrid = config.hybrid
+    if hybrid is not None:
+        kinds = (hybrid.layers * layers)[:layers]
+        mamba = hybrid.mamba if HybridLayer.MAMBA2 in kinds else None
+        moe = hybrid.moe if HybridLayer.MOE in kinds else None
+        return dataclasses.replace(
+            config, num_layers=layers, hybrid=HybridConfig(kinds, mamba, moe)
+        )
     moe = config.moe
     if moe is not None:
         dense = tuple(layer for layer in moe.mlp_only_layers if layer < layers)
@@ -211,7 +230,7 @@ def run_layout(
         "devices": devices_label(tuple(runner.mesh.devices.flat)),
         "device_ids": [device.id for device in runner.mesh.devices.flat],
         "mesh": f"attn_dp={layout.attn_dp}, attn_tp={layout.attn_tp}, moe_ep={layout.moe_ep}",
-        "policy": model.layers[0].ffn_boundary.plan.policy.value,
+        "policy": model.layers[0].stages()[-1][1].plan.policy.value,
         "max_abs_logit_diff": float(np.max(np.abs(logits - expected))),
         "logit_scale": float(np.max(np.abs(expected))),
         "middle_layer": middle,
@@ -253,11 +272,11 @@ def run_demo(
     console = console or Console(stderr=True, log_path=False)
     devices = devices or DemoDevices.of_machine()
     out = Console(width=None if sys.stdout.isatty() else 120)
-    runs = ((PRESET, LAYOUTS), (MOE_PRESET, MOE_LAYOUTS))
+    runs = ((PRESET, LAYOUTS), (MOE_PRESET, MOE_LAYOUTS), (HYBRID_PRESET, HYBRID_LAYOUTS))
     out.print(
-        f"[bold]boundary-jax demo[/]: {PRESET} and {MOE_PRESET} ({layers} layers, random "
-        f"weights), {len(demo_prompts(PRESETS[PRESET].vocab_size))} ragged prompts, on "
-        f"{devices.describe()}"
+        f"[bold]boundary-jax demo[/]: {PRESET}, {MOE_PRESET} and {HYBRID_PRESET} "
+        f"({layers} layers, random weights), "
+        f"{len(demo_prompts(PRESETS[PRESET].vocab_size))} ragged prompts, on {devices.describe()}"
     )
     rows = []
     for preset, layouts in runs:

@@ -3,6 +3,11 @@ writer, and the named presets."""
 
 from .hf import read_hf_config as read_hf_config
 from .hf import write_hf_config as write_hf_config
+from .hybrid import HybridConfig as HybridConfig
+from .hybrid import HybridLayer as HybridLayer
+from .hybrid import HybridMoeConfig as HybridMoeConfig
+from .hybrid import Mamba2Spec as Mamba2Spec
+from .hybrid import parse_pattern as parse_pattern
 from .presets import PRESETS as PRESETS
 from .types import MOE_ARCHITECTURES as MOE_ARCHITECTURES
 from .types import Activation as Activation

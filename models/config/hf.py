@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from .hf_hybrid import read_nemotron_h, write_nemotron_h
 from .types import (
     MOE_ARCHITECTURES,
     Activation,
@@ -33,11 +34,13 @@ def read_hf_config(config: Mapping[str, Any]) -> DecoderConfig:
     entry per layer type); both spellings of the expert count (`num_experts`, as the Qwen
     hub checkpoints, and `num_local_experts`, as Mixtral and transformers 5's Qwen3-MoE
     write it); and per-layer attention from `layer_types` (or the family's default pattern).
+    A `NemotronHForCausalLM` config is read by `hf_hybrid.read_nemotron_h`.
 
     Raises:
       ValueError: The architecture, RoPE type, activation, biases, layer pattern or a
         Gemma 3 option (softcapping, bidirectional attention) is not supported, or a
         required key is missing.
+      NotImplementedError: A Nemotron-H option the hybrid model does not compute.
     """
     architectures = config.get("architectures") or []
     supported = [a.value for a in Architecture]
@@ -47,6 +50,8 @@ def read_hf_config(config: Mapping[str, Any]) -> DecoderConfig:
             f"architectures={architectures!r}"
         )
     architecture = Architecture(architectures[0])
+    if architecture is Architecture.NEMOTRON_H:
+        return read_nemotron_h(config)
     for key in ("attention_bias", "mlp_bias"):
         if config.get(key, False):
             raise ValueError(
@@ -343,6 +348,8 @@ def write_hf_config(config: DecoderConfig) -> dict[str, Any]:
       ValueError: `config` has no Hugging Face form (a combination its architecture's
         config.json cannot say, e.g. a sliding window on Llama).
     """
+    if config.hybrid is not None:
+        return write_nemotron_h(config)
     architecture = config.architecture
     out: dict[str, Any] = {
         "architectures": [architecture.value],

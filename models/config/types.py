@@ -1,8 +1,9 @@
 """Frozen decoder configurations: presets and a reader for Hugging Face `config.json` files.
 
 Dense decoders (Qwen3, Llama, Mistral, Qwen2), post-norm and sandwich-norm decoders (EXAONE 4.0,
-OLMo 2, Gemma 3 text) and mixture-of-experts decoders (Qwen3-MoE, Mixtral, Qwen2-MoE) read into
-one `DecoderConfig`; the sparse FFN's facts sit in its `moe` field, and what differs between the
+OLMo 2, Gemma 3 text), mixture-of-experts decoders (Qwen3-MoE, Mixtral, Qwen2-MoE) and hybrid
+stacks of single-stage layers (Nemotron-H) read into one `DecoderConfig`; the sparse FFN's facts
+sit in its `moe` field, a hybrid stack's in its `hybrid` field, and what differs between the
 attention of one layer and another (window, RoPE) is `DecoderConfig.layer_attention`.
 """
 
@@ -12,6 +13,8 @@ import dataclasses
 import enum
 import math
 from typing import NamedTuple
+
+from .hybrid import HybridConfig, HybridLayer
 
 
 class Architecture(enum.StrEnum):
@@ -27,6 +30,7 @@ class Architecture(enum.StrEnum):
     EXAONE4 = "Exaone4ForCausalLM"
     OLMO2 = "Olmo2ForCausalLM"
     GEMMA3 = "Gemma3ForCausalLM"
+    NEMOTRON_H = "NemotronHForCausalLM"
 
 
 MOE_ARCHITECTURES = (Architecture.QWEN3_MOE, Architecture.MIXTRAL, Architecture.QWEN2_MOE)
@@ -358,6 +362,9 @@ class DecoderConfig:
       activation: The gated MLP's activation (SiLU: SwiGLU; GELU tanh: Gemma's GeGLU).
       initializer_range: The standard deviation of a fresh model's projections, embeddings and
         experts (HF `initializer_range`; norms start at ones, Gemma's `1 + w` norms at zeros).
+      hybrid: A hybrid stack's layer pattern and the facts of its Mamba2 and MoE layers (Nemotron-H:
+        one stage per layer; `intermediate_size` is the relu^2 MLP's width, and attention
+        applies no positional encoding), or None for a decoder of attention + FFN layers.
     """
 
     architecture: Architecture
@@ -384,6 +391,7 @@ class DecoderConfig:
     query_pre_attn_scalar: float | None = None
     activation: Activation = Activation.SILU
     initializer_range: float = 0.02
+    hybrid: HybridConfig | None = None
 
     def __post_init__(self):
         for name in (
@@ -445,6 +453,33 @@ class DecoderConfig:
             )
         if not self.initializer_range > 0:
             raise ValueError(f"initializer_range must be positive; got {self.initializer_range}")
+        self._check_hybrid()
+
+    def _check_hybrid(self) -> None:
+        hybrid = self.hybrid
+        if (hybrid is not None) != (self.architecture is Architecture.NEMOTRON_H):
+            raise ValueError(
+                f"{self.architecture.value} {'needs' if hybrid is None else 'takes no'} hybrid "
+                f"layer settings; got hybrid={hybrid!r}. Hybrid stacks are NemotronHForCausalLM"
+            )
+        if hybrid is None:
+            return
+        if len(hybrid.layers) != self.num_layers:
+            raise ValueError(
+                f"the hybrid pattern {hybrid.pattern!r} names {len(hybrid.layers)} layers; "
+                f"num_layers is {self.num_layers}"
+            )
+        if hybrid.mamba is not None and hybrid.mamba.hidden_size != self.hidden_size:
+            raise ValueError(
+                f"the Mamba2 mixers' hidden_size ({hybrid.mamba.hidden_size}) must be the "
+                f"model's ({self.hidden_size})"
+            )
+        if not self.nope_full_layers or self.sliding_window is not None:
+            raise ValueError(
+                "a hybrid stack's attention applies no positional encoding over the whole "
+                f"sequence: it needs nope_full_layers=True and no sliding window; got "
+                f"{self.nope_full_layers=}, {self.sliding_window=}"
+            )
 
     @property
     def residual_design(self) -> ResidualDesign:
@@ -512,6 +547,11 @@ class DecoderConfig:
         (window, RoPE) changes, and after a change of FFN (a layer's attention input binds to
         what the previous FFN's exit hands on)."""
         count = self.num_layers
+        if scan_layers and self.hybrid is not None:
+            raise NotImplementedError(
+                f"scanned runs of a hybrid stack ({self.hybrid.pattern!r}) are not supported: "
+                "build it without scan_layers"
+            )
         if not scan_layers or count < 3:
             return tuple(LayerBlock(range(i, i + 1), False) for i in range(count))
         blocks = [LayerBlock(range(0, 1), False)]
@@ -529,7 +569,10 @@ class DecoderConfig:
 
     @property
     def sparse_layers(self) -> tuple[bool, ...]:
-        """Per layer, whether its FFN is the sparse (MoE) one; all False for a dense decoder."""
+        """Per layer, whether its FFN is the sparse (MoE) one; all False for a dense decoder. A
+        hybrid stack's MoE layers are its sparse layers."""
+        if self.hybrid is not None:
+            return tuple(layer is HybridLayer.MOE for layer in self.hybrid.layers)
         return tuple(
             self.moe is not None and self.moe.is_sparse(layer) for layer in range(self.num_layers)
         )

@@ -2,7 +2,8 @@
 config's class.
 
 `decoder.CausalLM` is the pre-norm dense decoder every family builds on; `moe.MoeCausalLM` adds
-sparse FFNs, `norm_designs.NormDesignCausalLM` the post-norm and sandwich-norm residual designs.
+sparse FFNs, `norm_designs.NormDesignCausalLM` the post-norm and sandwich-norm residual designs;
+`nemotron_h.NemotronHForCausalLM` builds hybrid stacks of single-stage layers on `MoeCausalLM`.
 """
 
 from ..config import Architecture, DecoderConfig
@@ -14,6 +15,7 @@ from .gemma3 import Gemma3ForCausalLM as Gemma3ForCausalLM
 from .llama import LlamaForCausalLM as LlamaForCausalLM
 from .mixtral import MixtralForCausalLM as MixtralForCausalLM
 from .moe import MoeCausalLM as MoeCausalLM
+from .nemotron_h import NemotronHForCausalLM as NemotronHForCausalLM
 from .olmo2 import Olmo2ForCausalLM as Olmo2ForCausalLM
 from .qwen2 import Qwen2ForCausalLM as Qwen2ForCausalLM
 from .qwen2_moe import Qwen2MoeForCausalLM as Qwen2MoeForCausalLM
@@ -30,6 +32,7 @@ FAMILIES: tuple[type[CausalLM], ...] = (
     Exaone4ForCausalLM,
     Olmo2ForCausalLM,
     Gemma3ForCausalLM,
+    NemotronHForCausalLM,
 )
 """Every decoder class; each names the `Architecture`s it builds."""
 

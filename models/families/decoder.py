@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 import boundary_jax as bj
 from boundary_jax import residual
@@ -399,6 +400,32 @@ class CausalLM(nnx.Module):
             picked = jnp.take(hidden, jnp.clip(last_rows, 0, hidden.shape[0] - 1), axis=0)
             hidden = jnp.where((last_rows >= 0)[:, None], picked, 0)
         return hidden, None if caches is None else tuple(updated)
+
+    def cache_specs(self) -> tuple:
+        """Per block of `layers`, its decode cache's `PartitionSpec` tree (`new_caches`)."""
+        return tuple(
+            KVCache.specs(self.topology, stacked=block.scanned)
+            for block in self.config.layer_blocks(self.scan_layers)
+        )
+
+    def new_caches(
+        self, *, slots: int, max_len: int, dtype: jnp.dtype, mesh: Mesh | None = None
+    ) -> tuple[KVCache, ...]:
+        """Zero decode caches for `slots` sequences (over all attention-DP ranks) of `max_len`
+        positions: one KV cache per block of `layers`, a scanned run's stacked on a leading
+        layer axis; on `mesh`, each device allocates only its shard."""
+        return tuple(
+            KVCache.create(
+                self.config,
+                self.topology,
+                slots=slots,
+                max_len=max_len,
+                dtype=dtype,
+                mesh=mesh,
+                layers=len(block.layers) if block.scanned else None,
+            )
+            for block in self.config.layer_blocks(self.scan_layers)
+        )
 
     def blocks(self) -> list[tuple[range, nnx.Module]]:
         """Each block of `layers` with the model layers it holds (`config.layer_blocks`)."""

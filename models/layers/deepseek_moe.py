@@ -20,6 +20,9 @@ dtype (the router's weight stays float32 in transformers):
 
 The shared experts are one dense SwiGLU of width `n_shared_experts * moe_intermediate_size`,
 every token through it, ungated.
+
+Nemotron-H's MoE (transformers' `NemotronHTopkRouter`) is the V3 rule with relu^2 experts and a
+relu^2 shared expert of its own width (`ExpertActivation.RELU2`).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from .activations import ExpertActivation
 from .moe import (
     GroupedMatmulImpl,
     MoeOutput,
@@ -229,7 +233,8 @@ def _keep_best_groups(choice: jax.Array, rule: DeepseekRouting) -> jax.Array:
 
 class DeepseekMoe(nnx.Module):
     """DeepSeek's router + routed experts + shared experts of one rank; returns an unfinalized
-    output, as `models.moe.SparseMoe` does (same expert parameters and layout).
+    output, as `models.moe.SparseMoe` does (same expert parameters and layout; with RELU2
+    experts, the up projection alone).
 
     Attributes:
       router: [hidden, num_experts] float32 (transformers keeps it so), replicated; HF
@@ -237,13 +242,16 @@ class DeepseekMoe(nnx.Module):
       e_score_correction_bias: [num_experts] float32, replicated (HF
         `mlp.gate.e_score_correction_bias`); None without a correction bias. It only picks
         experts, so it gets no gradient; a trainer must leave it out of weight decay.
-      gate_up_proj: [num_experts, hidden, 2, width] each expert's gate and up projections,
-        split over `expert_entry` (axis 0) and `width_entry` (axis 3).
+      gate_up_proj: [num_experts, hidden, 2, width] each expert's gate and up projections
+        ([num_experts, hidden, 1, width]: the up projection alone, for RELU2 experts), split
+        over `expert_entry` (axis 0) and `width_entry` (axis 3).
       down_proj: [num_experts, width, hidden], split over `expert_entry` and `width_entry`.
-      shared_experts: A `SharedExpert` of width `n_shared_experts * width`, ungated, its width
-        split over `shared_width_entry`; None without shared experts.
+      shared_experts: A `SharedExpert` of width `shared_width` (DeepSeek: `n_shared_experts *
+        width`), ungated, its width split over `shared_width_entry`; None without shared
+        experts.
       rule: The routing rule.
       impl: The grouped matmul implementation.
+      activation: What the routed and shared experts compute between their projections.
     """
 
     def __init__(
@@ -252,11 +260,12 @@ class DeepseekMoe(nnx.Module):
         expert_width: int,
         rule: DeepseekRouting,
         *,
-        num_shared_experts: int,
+        shared_width: int | None,
         expert_entry: PartitionEntry = None,
         width_entry: PartitionEntry = None,
         shared_width_entry: PartitionEntry = None,
         impl: GroupedMatmulImpl = GroupedMatmulImpl.RAGGED_DOT,
+        activation: ExpertActivation = ExpertActivation.SWIGLU,
         dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs,
     ):
@@ -273,7 +282,7 @@ class DeepseekMoe(nnx.Module):
         )
         self.gate_up_proj = _param(
             rngs,
-            (experts, hidden_size, 2, expert_width),
+            (experts, hidden_size, activation.parts, expert_width),
             (expert_entry, None, None, width_entry),
             dtype,
             hidden_size,
@@ -288,17 +297,19 @@ class DeepseekMoe(nnx.Module):
         self.shared_experts = (
             SharedExpert(
                 hidden_size,
-                num_shared_experts * expert_width,
+                shared_width,
                 gated=False,
                 width_entry=shared_width_entry,
+                activation=activation,
                 dtype=dtype,
                 rngs=rngs,
             )
-            if num_shared_experts
+            if shared_width
             else None
         )
         self.rule = rule
         self.impl = impl
+        self.activation = activation
 
     def route(self, x: jax.Array) -> Routing:
         """[T, hidden] complete rows -> their `Routing` (alike on every rank)."""
@@ -360,6 +371,7 @@ class DeepseekMoe(nnx.Module):
             "expert_offset": expert_offset,
             "impl": self.impl,
             "even_share": x.shape[0] * self.rule.top_k / self.rule.num_experts,
+            "activation": self.activation,
         }
 
 

@@ -29,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from boundary_jax import SumGroup, TokenAxis, Topology, shard_index
 
+from ..config import Mamba2Spec
 from ..rows import RowsPhase
 from .linear import ColumnParallelLinear, RowParallelLinear, group_size, project, sharded_param
 from .ssd import (
@@ -42,95 +43,6 @@ from .ssd import (
     ssd_step,
     time_step,
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class Mamba2Spec:
-    """The shapes and constants of one Mamba2 mixer.
-
-    Attributes:
-      hidden_size: Model width (in_proj input, out_proj output).
-      num_heads: SSM heads (Hugging Face `mamba_num_heads`).
-      head_dim: Channels per head (`mamba_head_dim`).
-      n_groups: Groups of B/C rows; head h uses group h // (num_heads // n_groups).
-      state_size: SSM state per head channel (`ssm_state_size`).
-      conv_kernel: Width of the causal depthwise convolution.
-      chunk_size: Rows per chunk of the prefill's chunked scan.
-      eps: Epsilon of the gated group RMSNorm (`layer_norm_epsilon`).
-      time_step_limit: (min, max) the time step is clipped to after the softplus.
-      conv_bias: Whether the convolution has a bias (`use_conv_bias`).
-    """
-
-    hidden_size: int
-    num_heads: int
-    head_dim: int
-    n_groups: int
-    state_size: int
-    conv_kernel: int = 4
-    chunk_size: int = 128
-    eps: float = 1e-5
-    time_step_limit: tuple[float, float] = (0.0, math.inf)
-    conv_bias: bool = True
-
-    def __post_init__(self):
-        sizes = {
-            name: getattr(self, name)
-            for name in ("hidden_size", "num_heads", "head_dim", "n_groups", "state_size")
-        }
-        sizes |= {"conv_kernel": self.conv_kernel, "chunk_size": self.chunk_size}
-        if min(sizes.values()) < 1:
-            raise ValueError(f"Mamba2 sizes must be positive; got {sizes}")
-        if self.num_heads % self.n_groups:
-            raise ValueError(
-                f"num_heads ({self.num_heads}) must be a multiple of n_groups "
-                f"({self.n_groups}): each group serves a whole number of heads"
-            )
-        low, high = self.time_step_limit
-        if not 0 <= low <= high:
-            raise ValueError(
-                f"time_step_limit must be (min, max), 0 <= min <= max; got {low, high}"
-            )
-
-    @property
-    def intermediate_size(self) -> int:
-        """Channels of x, z and y: num_heads * head_dim."""
-        return self.num_heads * self.head_dim
-
-    @classmethod
-    def from_hf_config(cls, config: Mapping) -> Mamba2Spec:
-        """The spec of a Hugging Face `NemotronHConfig` (its config.json as a dict).
-
-        Reads the legacy key names too (`mamba_n_groups`, `mamba_d_conv`, `mamba_dt_min`,
-        `mamba_conv_bias`, `mamba_chunk_size`, taking precedence as in `NemotronHConfig`) and
-        that class's defaults for absent keys. Hugging Face's mixer clips the time step to
-        (time_step_min, inf); the config's own `time_step_limit` key is read by neither.
-
-        Raises:
-          NotImplementedError: The config asks for projection biases (`use_bias`) or an
-            activation other than SiLU.
-        """
-        if config.get("use_bias", False):
-            raise NotImplementedError("Mamba2 in_proj / out_proj biases are not supported")
-        if config.get("mamba_hidden_act", "silu") != "silu":
-            raise NotImplementedError(
-                f"Mamba2 activation must be silu; got {config['mamba_hidden_act']!r}"
-            )
-
-        def read(key: str, legacy: str, default):
-            return config.get(legacy, config.get(key, default))
-
-        return cls(
-            hidden_size=config["hidden_size"],
-            num_heads=config.get("mamba_num_heads", 128),
-            head_dim=config.get("mamba_head_dim", 64),
-            n_groups=read("n_groups", "mamba_n_groups", 8),
-            state_size=config.get("ssm_state_size", 128),
-            conv_kernel=read("conv_kernel", "mamba_d_conv", 4),
-            chunk_size=read("chunk_size", "mamba_chunk_size", 128),
-            eps=config.get("layer_norm_epsilon", 1e-5),
-            time_step_limit=(read("time_step_min", "mamba_dt_min", 1e-3), math.inf),
-            conv_bias=read("use_conv_bias", "mamba_conv_bias", True),
-        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,14 +99,15 @@ def hf_mixer_params(tensors: Mapping[str, np.ndarray], spec: Mamba2Spec) -> dict
     """The global parameter values of a `Mamba2Mixer`, by dotted path, from one Hugging Face
     `NemotronHMamba2Mixer`'s tensors (named relative to the mixer: "in_proj.weight", ...).
 
-    `in_proj.weight` rows [0, I) are z, [I, 2I) x, [2I, 2I + GN) B, [2I + GN, 2I + 2GN) C and
-    the last H rows dt (I intermediate size, G groups, N state size, H heads); `conv1d` rows
-    [0, I) are x's channels, the rest B's then C's. Linear weights [out, in] become [in, out].
+    `in_proj.weight` rows are z, x, B, C, dt (`Mamba2Spec.in_proj_rows`) and `conv1d` channels
+    x, B, C (`Mamba2Spec.conv_rows`); linear weights [out, in] become [in, out], the conv
+    kernel keeps its [channels, 1, K] layout. (A checkpoint is read by `models.checkpoints`,
+    each device reading its rows; this is the whole-tensor form, for tests.)
 
     Raises:
       ValueError: A tensor is missing or has another shape than `spec` gives.
     """
-    inner, width, kernel = spec.intermediate_size, spec.n_groups * spec.state_size, spec.conv_kernel
+    inner, width, kernel = spec.intermediate_size, spec.bc_width, spec.conv_kernel
     hidden, heads = spec.hidden_size, spec.num_heads
     expected = {
         "in_proj.weight": (2 * inner + 2 * width + heads, hidden),
@@ -208,16 +121,17 @@ def hf_mixer_params(tensors: Mapping[str, np.ndarray], spec: Mamba2Spec) -> dict
     got = {name: tuple(np.shape(tensors[name])) if name in tensors else None for name in expected}
     if got != expected:
         raise ValueError(f"Mamba2 mixer tensors must have shapes {expected}; got {got}")
-    in_proj = np.asarray(tensors["in_proj.weight"]).T  # [hidden, rows]
-    conv = np.asarray(tensors["conv1d.weight"])[:, 0].T  # [K, channels]
+    in_proj, conv = np.asarray(tensors["in_proj.weight"]), np.asarray(tensors["conv1d.weight"])
+
+    def rows(value: np.ndarray, ranges: dict, *names: str) -> np.ndarray:
+        return np.stack([value[slice(*ranges[name])] for name in names])
+
     params = {
-        "in_proj_zx.kernel": in_proj[:, : 2 * inner].reshape(hidden, 2, inner),
-        "in_proj_bc.kernel": in_proj[:, 2 * inner : 2 * inner + 2 * width].reshape(
-            hidden, 2, width
-        ),
-        "in_proj_dt.kernel": in_proj[:, 2 * inner + 2 * width :],
-        "conv_x.weight": conv[:, :inner],
-        "conv_bc.weight": conv[:, inner:].reshape(kernel, 2, width),
+        "in_proj_zx.kernel": rows(in_proj, spec.in_proj_rows, "z", "x").transpose(2, 0, 1),
+        "in_proj_bc.kernel": rows(in_proj, spec.in_proj_rows, "B", "C").transpose(2, 0, 1),
+        "in_proj_dt.kernel": in_proj[slice(*spec.in_proj_rows["dt"])].T,
+        "conv_x.weight": conv[slice(*spec.conv_rows["x"])],
+        "conv_bc.weight": rows(conv, spec.conv_rows, "B", "C"),
         "dt_bias": np.asarray(tensors["dt_bias"]),
         "a_log": np.asarray(tensors["A_log"]),
         "d": np.asarray(tensors["D"]),
@@ -226,7 +140,10 @@ def hf_mixer_params(tensors: Mapping[str, np.ndarray], spec: Mamba2Spec) -> dict
     }
     if spec.conv_bias:
         bias = np.asarray(tensors["conv1d.bias"])
-        params |= {"conv_x.bias": bias[:inner], "conv_bc.bias": bias[inner:].reshape(2, width)}
+        params |= {
+            "conv_x.bias": bias[slice(*spec.conv_rows["x"])],
+            "conv_bc.bias": rows(bias, spec.conv_rows, "B", "C"),
+        }
     return params
 
 
@@ -304,11 +221,12 @@ class Mamba2Cache:
 
 
 class DepthwiseConvWeights(nnx.Module):
-    """The kernel and bias of a depthwise conv over channels split like a column projection.
+    """The kernel and bias of a depthwise conv, in PyTorch's `Conv1d` layout, over channels split
+    like a column projection.
 
     Attributes:
-      weight: [K, channels] (with parts, [K, parts, channels]), channels split over `group`
-        (replicated for None). N(0, 1/K).
+      weight: [channels, 1, K] (with parts, [parts, channels, 1, K]), channels split over
+        `group` (replicated for None). N(0, 1/K).
       bias: [channels] (with parts, [parts, channels]) split alike, N(0, 1/4); or None.
     """
 
@@ -326,13 +244,13 @@ class DepthwiseConvWeights(nnx.Module):
     ):
         entry = None if group is None else topology.shard_entry(group)
         stacked = () if parts is None else (parts,)
+        lead = tuple(None for _ in stacked)
         shape = (*stacked, channels)
-        weight = jax.random.normal(rngs.params(), (kernel, *shape), jnp.float32) / kernel**0.5
-        self.weight = sharded_param(weight.astype(dtype), (None, *(None for _ in stacked), entry))
+        weight = jax.random.normal(rngs.params(), (*shape, 1, kernel), jnp.float32) / kernel**0.5
+        self.weight = sharded_param(weight.astype(dtype), (*lead, entry, None, None))
         self.bias = (
             sharded_param(
-                (0.5 * jax.random.normal(rngs.params(), shape)).astype(dtype),
-                (*(None for _ in stacked), entry),
+                (0.5 * jax.random.normal(rngs.params(), shape)).astype(dtype), (*lead, entry)
             )
             if bias
             else None
@@ -346,15 +264,16 @@ class Mamba2Mixer(nnx.Module):
     Hugging Face's `in_proj.weight` [2I + 2GN + H, hidden] (I = intermediate size, G groups,
     N state size, H heads) is, by rows: z [0, I), x [I, 2I), B [2I, 2I + GN), C [2I + GN,
     2I + 2GN), dt [2I + 2GN, ...); its `conv1d.weight` [I + 2GN, 1, K] (and bias) covers x, B,
-    C. Here they are split by what divides over the ranks, transposed to [in, out]:
+    C. Here they are split by what divides over the ranks (a checkpoint loads each from its row
+    ranges, `Mamba2Spec.in_proj_rows` and `conv_rows`), projections transposed to [in, out]:
 
     Attributes:
       in_proj_zx: [hidden, 2, I]: z and x; columns (channels) split over attention TP.
       in_proj_bc: [hidden, 2, G * N]: B and C; split over attention TP, or replicated where
         groups are shared by ranks (each rank then uses its group's columns).
       in_proj_dt: [hidden, H], split over attention TP.
-      conv_x: The conv kernel [K, I] (and bias [I]) of x's channels, split like in_proj_zx.
-      conv_bc: The conv kernel [K, 2, G * N] (and bias [2, G * N]) of B's and C's channels,
+      conv_x: The conv kernel [I, 1, K] (and bias [I]) of x's channels, split like in_proj_zx.
+      conv_bc: The conv kernel [2, G * N, 1, K] (and bias [2, G * N]) of B's and C's channels,
         split or replicated like in_proj_bc.
       dt_bias: [H] added to dt before the softplus.
       a_log: [H]: the state decay rate is -exp(a_log) (Hugging Face's `A_log`).
@@ -508,9 +427,10 @@ class Mamba2Mixer(nnx.Module):
 
     def _conv_weights(self) -> tuple[jax.Array, jax.Array | None]:
         """This rank's [K, local conv channels] kernel and bias, channels ordered x, B, C."""
-        kernel = self.spec.conv_kernel
-        bc_weight = self._group_columns(self.conv_bc.weight[...], axis=2).reshape(kernel, -1)
-        weight = jnp.concatenate([self.conv_x.weight[...], bc_weight], axis=-1)
+        x_weight = self.conv_x.weight[...][:, 0].T  # [K, local I]
+        bc_weight = self._group_columns(self.conv_bc.weight[...], axis=1)[:, :, 0]
+        bc_weight = bc_weight.reshape(-1, self.spec.conv_kernel).T  # [K, B's then C's]
+        weight = jnp.concatenate([x_weight, bc_weight], axis=-1)
         if self.conv_x.bias is None:
             return weight, None
         bc_bias = self._group_columns(self.conv_bc.bias[...], axis=1).reshape(-1)

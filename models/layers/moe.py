@@ -19,11 +19,13 @@ The math, as Hugging Face transformers 5 computes it (Mixtral, Qwen3-MoE, Qwen2-
     weights /= sum(weights)   if renormalize          # Mixtral; Qwen3-MoE's norm_topk_prob
     y[t] = sum_j weights[t, j] * expert[experts[t, j]](x[t])
            + sigmoid(x[t] @ shared_gate) * shared_expert(x[t])    # Qwen2-MoE
-    expert_e(x) = (silu(x @ gate_e) * (x @ up_e)) @ down_e
+    expert_e(x) = (silu(x @ gate_e) * (x @ up_e)) @ down_e      (ExpertActivation.SWIGLU)
+    expert_e(x) = relu(x @ up_e)^2 @ down_e                    (RELU2: Nemotron-H, no gate)
 
 Each expert's gate and up projections are stored stacked, `gate_up` [experts, hidden, 2, width],
 so both are one matmul of 2 x width columns (the rows are read once), and a width slice over
-ranks cuts the same features out of both.
+ranks cuts the same features out of both; an ungated (relu^2) expert stores its up projection
+alone, `gate_up` [experts, hidden, 1, width].
 
 Grouped matmuls (`GroupedMatmulImpl`): the (token, choice) rows are sorted by expert, so each
 local expert's rows are contiguous, and the three projections run as ragged matmuls over the
@@ -51,6 +53,8 @@ from pallas_kernels.grouped_matmul import (
     TilingTable,
     grouped_matmul,
 )
+
+from .activations import ExpertActivation
 
 PartitionEntry = str | tuple[str, ...] | None
 """One entry of a `PartitionSpec`: mesh axis name(s) chosen by the caller, or None."""
@@ -164,6 +168,7 @@ def expert_outputs(
     impl: GroupedMatmulImpl = GroupedMatmulImpl.RAGGED_DOT,
     even_share: float | None = None,
     tiling: Tiling | TilingTable | None = None,
+    activation: ExpertActivation = ExpertActivation.SWIGLU,
 ) -> jax.Array:
     """Each (token, choice)'s expert output from the experts this rank holds, unweighted.
 
@@ -173,6 +178,7 @@ def expert_outputs(
       gate_up: [local_experts, hidden, 2, width] this rank's experts' gate (`[:, :, 0]`) and up
         (`[:, :, 1]`) projections, for global experts `expert_offset + 0 .. expert_offset +
         local_experts - 1`; `width` may be a slice of the expert's intermediate features.
+        [local_experts, hidden, 1, width] (the up projection alone) for a RELU2 `activation`.
       down: [local_experts, width, hidden] the down projections (same slice, as rows).
       expert_offset: Global id of this rank's first expert; a Python int or a traced int32
         scalar (for example `axis_index * local_experts`, computed by the caller).
@@ -183,15 +189,16 @@ def expert_outputs(
         expert).
       tiling: The Pallas grouped matmuls' tiling, as `pallas_kernels.grouped_matmul` takes it
         (a table by shape serves both projections); None for the tuned tables.
+      activation: What each expert computes between its projections.
 
     Returns:
-      [T, k, hidden] in `x.dtype`: row (t, j) is `down(silu(gate(x_t)) * up(x_t))` of expert
+      [T, k, hidden] in `x.dtype`: row (t, j) is `down(silu(gate(x_t)) * up(x_t))` (or
+      `down(relu(up(x_t))^2)`) of expert
       `routing.experts[t, j]` over this rank's width slice if this rank holds that expert, zero
       otherwise. The sum over the ranks that split the experts and the width completes it.
     """
-    return _routed_outputs(
-        x, routing, gate_up, down, expert_offset, impl, even_share, tiling, lambda out: out
-    )
+    settings = (expert_offset, impl, even_share, tiling, activation)
+    return _routed_outputs(x, routing, gate_up, down, *settings, lambda out: out)
 
 
 def finalized_expert_outputs(
@@ -206,6 +213,7 @@ def finalized_expert_outputs(
     even_share: float | None = None,
     dtype: jnp.dtype | None = None,
     tiling: Tiling | TilingTable | None = None,
+    activation: ExpertActivation = ExpertActivation.SWIGLU,
 ) -> jax.Array:
     """`finalize(MoeOutput(expert_outputs(...), routing, shared), dtype)`, combined where the
     expert outputs are made: for a MoE that finalizes on the spot rather than handing the
@@ -226,19 +234,20 @@ def finalized_expert_outputs(
     def combine(outputs: jax.Array) -> jax.Array:
         return finalize(MoeOutput(outputs, routing, shared), dtype)
 
-    return _routed_outputs(
-        x, routing, gate_up, down, expert_offset, impl, even_share, tiling, combine
-    )
+    settings = (expert_offset, impl, even_share, tiling, activation)
+    return _routed_outputs(x, routing, gate_up, down, *settings, combine)
 
 
-def _routed_outputs(x, routing, gate_up, down, expert_offset, impl, even_share, tiling, epilogue):
+def _routed_outputs(
+    x, routing, gate_up, down, expert_offset, impl, even_share, tiling, activation, epilogue
+):
     """`epilogue` of `expert_outputs`'s [T, k, hidden], applied inside PADDED_BATCHED's branch."""
-    local, hidden, width = _check_expert_weights(x, gate_up, down)
+    local, hidden, width = _check_expert_weights(x, gate_up, down, activation)
     tokens, top_k = routing.experts.shape
     flat = routing.experts.reshape(-1) - expert_offset  # [T*k] local expert ids
     held = (flat >= 0) & (flat < local)
     if impl is GroupedMatmulImpl.DENSE:
-        dense = _dense_expert_outputs(x, flat, held, gate_up, down)
+        dense = _dense_expert_outputs(x, flat, held, gate_up, down, activation)
         return epilogue(dense.reshape(tokens, top_k, hidden))
 
     def finish(rows: jax.Array) -> jax.Array:  # [T*k, hidden], held elsewhere unspecified
@@ -255,13 +264,15 @@ def _routed_outputs(x, routing, gate_up, down, expert_offset, impl, even_share, 
     # group `local`, which no matmul covers (ragged_dot leaves such rows zero; masked anyway).
     order, positions, sizes = bj.group_order(jnp.where(held, flat, local), local + 1)
     sorted_rows = SortedRows(order, positions, sizes[:local], jnp.where(held, flat, 0), top_k)
-    weights = (gate_up.reshape(local, hidden, 2 * width), down)  # gate | up as one matmul
+    parts = activation.parts
+    weights = (gate_up.reshape(local, hidden, parts * width), down)  # gate | up as one matmul
 
     def grouped() -> jax.Array:
-        return finish(grouped_expert_outputs(x, sorted_rows, weights, fallback, tiling))
+        rows = grouped_expert_outputs(x, sorted_rows, weights, fallback, tiling, activation)
+        return finish(rows)
 
     def padded(capacity: int) -> jax.Array:
-        return finish(padded_expert_outputs(x, sorted_rows, weights, capacity))
+        return finish(padded_expert_outputs(x, sorted_rows, weights, capacity, activation))
 
     if impl is not GroupedMatmulImpl.PADDED_BATCHED:
         return grouped()
@@ -275,17 +286,19 @@ def _routed_outputs(x, routing, gate_up, down, expert_offset, impl, even_share, 
 
 def shared_expert(
     x: jax.Array,
-    gate: jax.Array,
+    gate: jax.Array | None,
     up: jax.Array,
     down: jax.Array,
     expert_gate: jax.Array | None = None,
 ) -> jax.Array:
-    """This rank's share of a shared expert: `down(silu(gate(x)) * up(x))`, optionally gated.
+    """This rank's share of a shared expert: `down(silu(gate(x)) * up(x))`, or without a gate
+    projection `down(relu(up(x))^2)`; optionally sigmoid-gated.
 
     Args:
       x: [T, hidden] complete token rows.
-      gate: [hidden, width] the gate projection; `width` may be a slice of the intermediate
-        features, in which case the output is this rank's partial sum.
+      gate: [hidden, width] the gate projection (None: the ungated relu^2 expert); `width` may
+        be a slice of the intermediate features, in which case the output is this rank's
+        partial sum.
       up: [hidden, width] the up projection, same slice.
       down: [width, hidden] the down projection, same slice.
       expert_gate: [hidden, 1] Qwen2-MoE's `shared_expert_gate`, whole on every rank: the output
@@ -297,7 +310,10 @@ def shared_expert(
       expert computed whole on every rank of a group must be counted once by the caller (added
       on one rank only).
     """
-    out = (jax.nn.silu(x @ gate) * (x @ up)) @ down
+    if gate is None:
+        out = ExpertActivation.RELU2.apply(x @ up) @ down
+    else:
+        out = (jax.nn.silu(x @ gate) * (x @ up)) @ down
     if expert_gate is not None:
         out = jax.nn.sigmoid(x @ expert_gate) * out
     return out
@@ -385,10 +401,12 @@ def moe_reference(
 
 
 class SharedExpert(nnx.Module):
-    """A SwiGLU every token goes through, width optionally split, optionally sigmoid-gated.
+    """A SwiGLU (or relu^2 MLP) every token goes through, width optionally split, optionally
+    sigmoid-gated.
 
     Attributes:
-      gate_proj: [hidden, width] global, columns split over `width_entry`.
+      gate_proj: [hidden, width] global, columns split over `width_entry`; None for a RELU2
+        activation.
       up_proj: As `gate_proj`.
       down_proj: [width, hidden] global, rows split over `width_entry`.
       expert_gate: [hidden, 1], whole on every rank (Qwen2-MoE's `shared_expert_gate`), or None.
@@ -403,12 +421,18 @@ class SharedExpert(nnx.Module):
         *,
         gated: bool,
         width_entry: PartitionEntry = None,
+        activation: ExpertActivation = ExpertActivation.SWIGLU,
         dtype: jnp.dtype = jnp.float32,
         init_std: float | None = None,
         rngs: nnx.Rngs,
     ):
         std = init_std
-        self.gate_proj = _param(rngs, (hidden_size, width), (None, width_entry), dtype, std=std)
+        swiglu = activation is ExpertActivation.SWIGLU
+        self.gate_proj = (
+            _param(rngs, (hidden_size, width), (None, width_entry), dtype, std=std)
+            if swiglu
+            else None
+        )
         self.up_proj = _param(rngs, (hidden_size, width), (None, width_entry), dtype, std=std)
         self.down_proj = _param(rngs, (width, hidden_size), (width_entry, None), dtype, std=std)
         self.expert_gate = (
@@ -418,9 +442,8 @@ class SharedExpert(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """[T, hidden] -> [T, hidden], this rank's share (see `shared_expert`)."""
         expert_gate = None if self.expert_gate is None else self.expert_gate[...]
-        return shared_expert(
-            x, self.gate_proj[...], self.up_proj[...], self.down_proj[...], expert_gate
-        )
+        gate = None if self.gate_proj is None else self.gate_proj[...]
+        return shared_expert(x, gate, self.up_proj[...], self.down_proj[...], expert_gate)
 
 
 class SparseMoe(nnx.Module):
@@ -599,26 +622,27 @@ def _check_rank(array: jax.Array, rank: int, what: str) -> None:
         raise ValueError(f"{what} must have rank {rank}; got shape {array.shape}")
 
 
-def _check_expert_weights(x, gate_up, down) -> tuple[int, int, int]:
+def _check_expert_weights(x, gate_up, down, activation) -> tuple[int, int, int]:
     _check_rank(x, 2, "x [T, hidden]")
-    _check_rank(gate_up, 4, "gate_up [local_experts, hidden, 2, width]")
+    want = activation.parts
+    _check_rank(gate_up, 4, f"gate_up [local_experts, hidden, {want}, width]")
     local, hidden, parts, width = gate_up.shape
-    if parts != 2 or down.shape != (local, width, hidden) or x.shape[1] != hidden:
+    if parts != want or down.shape != (local, width, hidden) or x.shape[1] != hidden:
         raise ValueError(
-            "expert weights must be gate_up [local_experts, hidden, 2, width] and down "
+            f"{activation.value} expert weights must be gate_up [local_experts, hidden, {want}, "
+            "width] and down "
             f"[local_experts, width, hidden] with hidden = x.shape[1]; got {gate_up.shape=}, "
             f"{down.shape=}, {x.shape=}"
         )
     return local, hidden, width
 
 
-def _dense_expert_outputs(x, flat, held, gate_up, down) -> jax.Array:
+def _dense_expert_outputs(x, flat, held, gate_up, down, activation) -> jax.Array:
     """[T*k, hidden]: every token through every local expert, then each row's own expert."""
     hp = jax.lax.Precision.HIGHEST
-    gate, up = jnp.einsum("th,lhpi->ptli", x, gate_up, precision=hp)
-    all_out = jnp.einsum(
-        "tli,lih->tlh", jax.nn.silu(gate) * up, down, precision=hp
-    )  # [T, L, hidden]
+    projected = jnp.einsum("th,lhpi->tlpi", x, gate_up, precision=hp)
+    hidden_rows = activation.apply(projected.reshape(*projected.shape[:2], -1))
+    all_out = jnp.einsum("tli,lih->tlh", hidden_rows, down, precision=hp)  # [T, L, hidden]
     local = gate_up.shape[0]
     top_k = flat.shape[0] // x.shape[0]
     mask = (flat[:, None] == jnp.arange(local)[None, :]) & held[:, None]  # [T*k, L]
@@ -652,19 +676,24 @@ def grouped_expert_outputs(
     weights: tuple[jax.Array, jax.Array],
     impl: GroupedMatmulImpl,
     tiling: Tiling | TilingTable | None = None,
+    activation: ExpertActivation = ExpertActivation.SWIGLU,
 ) -> jax.Array:
     """[T*k, hidden] in (token, choice) order, through grouped matmuls over the sorted rows
-    (`weights`: gate | up [local, hidden, 2 x width] and down); rows held elsewhere come back
-    unspecified (zero for RAGGED_DOT). One branch of `expert_outputs`."""
+    (`weights`: gate | up [local, hidden, parts x width] and down); rows held elsewhere come
+    back unspecified (zero for RAGGED_DOT). One branch of `expert_outputs`."""
     gate_up, down = weights
     sorted_x = jnp.take(x, rows.order // rows.top_k, axis=0)
     matmul = functools.partial(grouped_matmul, group_sizes=rows.sizes, impl=impl, tiling=tiling)
-    hidden_rows = _swiglu(matmul(sorted_x, gate_up))
+    hidden_rows = activation.apply(matmul(sorted_x, gate_up))
     return jnp.take(matmul(hidden_rows, down), rows.positions, axis=0)
 
 
 def padded_expert_outputs(
-    x: jax.Array, rows: SortedRows, weights: tuple[jax.Array, jax.Array], capacity: int
+    x: jax.Array,
+    rows: SortedRows,
+    weights: tuple[jax.Array, jax.Array],
+    capacity: int,
+    activation: ExpertActivation = ExpertActivation.SWIGLU,
 ) -> jax.Array:
     """As `grouped_expert_outputs`, through batched matmuls over [local experts, `capacity`,
     hidden]: expert e's rows in its first `sizes[e]` places (each at most `capacity`), the
@@ -686,12 +715,6 @@ def padded_expert_outputs(
     # Full precision keeps float32 models exact; 16-bit matmuls take XLA's default.
     full = jnp.finfo(x.dtype).bits > 16
     batched = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST if full else None)
-    hidden_rows = _swiglu(batched("eck,ekn->ecn", padded, gate_up.astype(x.dtype)))
+    hidden_rows = activation.apply(batched("eck,ekn->ecn", padded, gate_up.astype(x.dtype)))
     out = batched("ecw,ewh->ech", hidden_rows, down.astype(x.dtype))
     return jnp.take(out.reshape(local * capacity, hidden), slot, axis=0)
-
-
-def _swiglu(gate_up: jax.Array) -> jax.Array:
-    """[..., 2 x width] gate | up matmul output -> [..., width] `silu(gate) * up`."""
-    gate, up = jnp.split(gate_up, 2, axis=-1)
-    return jax.nn.silu(gate) * up

@@ -32,6 +32,16 @@ from ..config import MoeConfig
 from .moe import GroupedMatmulImpl, MoeOutput, Routing, SparseMoe, expert_outputs, finalize, route
 
 
+def deferred_finalize(output: MoeOutput) -> bj.DeferredFinalize:
+    """The finalize of `output` handed on to the boundary: the shared expert (if any) becomes
+    one more choice of weight one, so `DeferredFinalize.complete()` equals `finalize(output)`."""
+    outputs, weights = output.expert_outputs, output.routing.weights
+    if output.shared is not None:
+        outputs = jnp.concatenate([outputs, output.shared[:, None]], axis=1)
+        weights = jnp.concatenate([weights, jnp.ones_like(weights[:, :1])], axis=1)
+    return bj.DeferredFinalize(outputs, weights)
+
+
 class MoeFfn(SparseMoe):
     """One rank's sparse FFN on `topology`, returning what its stage's exit takes.
 
@@ -106,14 +116,7 @@ class MoeFfn(SparseMoe):
             if not defer:  # combined where the experts run (SparseMoe.finalized)
                 return self.finalized(x, expert_offset=offset, count_shared=count_shared)
             output = super().__call__(x, expert_offset=offset, count_shared=count_shared)
-        shared = output.shared
-        if not defer:
-            return finalize(output)
-        outputs, weights = output.expert_outputs, output.routing.weights
-        if shared is not None:  # the shared expert as one more choice of weight one
-            outputs = jnp.concatenate([outputs, shared[:, None]], axis=1)
-            weights = jnp.concatenate([weights, jnp.ones_like(weights[:, :1])], axis=1)
-        return bj.DeferredFinalize(outputs, weights)
+        return deferred_finalize(output) if defer else finalize(output)
 
     def _own_rows(self, x: jax.Array) -> MoeOutput:
         """Routes this rank's own rows, sends each choice to its expert's rank and back."""

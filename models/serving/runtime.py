@@ -122,11 +122,8 @@ class ShardedCausalLM:
         )
         self._batch_spec = bj.BatchFacts(self._variant, model.topology, PartitionSpec())
         self._logits_spec = PartitionSpec(rows[0], None)
-        self._blocks = model.config.layer_blocks(model.scan_layers)
         self.scan_layers = model.scan_layers
-        self._cache_specs = tuple(
-            KVCache.specs(model.topology, stacked=block.scanned) for block in self._blocks
-        )
+        self._cache_specs = model.cache_specs()
         self._forward = self._program_of(
             lambda model, rows, batch: model(rows, batch)[0],
             in_specs=(rows, self._batch_spec),
@@ -187,20 +184,15 @@ class ShardedCausalLM:
         return bj.BatchFacts(self._variant, self.topology, counts)
 
     def new_caches(self, slots_per_rank: int, max_len: int) -> tuple[KVCache, ...]:
-        """Zero KV caches of `slots_per_rank` slots per DP rank, sharded: one per block of the
-        model's layers (`DecoderConfig.layer_blocks`), a scanned run's stacked on a leading
-        layer axis."""
-        return tuple(
-            KVCache.create(
-                self.config,
-                self.topology,
-                slots=slots_per_rank * self.topology.attn_dp,
-                max_len=max_len,
-                dtype=self.dtype,
-                mesh=self.mesh,
-                layers=len(block.layers) if block.scanned else None,
-            )
-            for block in self._blocks
+        """Zero decode caches of `slots_per_rank` slots per DP rank, sharded, as the model
+        lays them out (`CausalLM.new_caches`): one KV cache per block of the model's layers
+        (`DecoderConfig.layer_blocks`), a scanned run's stacked on a leading layer axis; a
+        hybrid stack's per layer (a Mamba2 layer's conv and SSM state, none for an FFN)."""
+        return self.model.new_caches(
+            slots=slots_per_rank * self.topology.attn_dp,
+            max_len=max_len,
+            dtype=self.dtype,
+            mesh=self.mesh,
         )
 
     # -- forward --------------------------------------------------------------------------

@@ -43,6 +43,7 @@ class Kind(enum.Enum):
 
     ATTN = "attention that always leaves its sum"
     MIXER = "mixer whose exit may leave its sum"
+    HYBRID_MIXER = "mixer whose exit may leave its sum, on inputs it does not gather (Nemotron-H)"
     FFN = "dense FFN over the full TP group"
     FFN_DP = "dense FFN fully data-parallel"
     MOE = "sparse FFN with a deferred finalize"
@@ -60,6 +61,10 @@ def declare(kind: Kind, design: dict | None = None) -> bj.StageDeclaration:
             return bj.declare_attn(**extra)
         case Kind.MIXER:
             return bj.declare_attn(reduction=bj.ProducerReduction.EXIT_SCOPED, **extra)
+        case Kind.HYBRID_MIXER:
+            return bj.declare_attn(
+                reduction=bj.ProducerReduction.EXIT_SCOPED, gathers_attn_tp_input=False, **extra
+            )
         case Kind.FFN:
             return bj.declare_ffn(**extra)
         case Kind.FFN_DP:
@@ -99,7 +104,7 @@ class Stage(nnx.Module):
         self.read, self.update = design.get("read"), design.get("update")
         (self.boundary,) = bj.append_stages((declare(kind, design), self.norm), owner=self)
         match kind:
-            case Kind.ATTN | Kind.MIXER:
+            case Kind.ATTN | Kind.MIXER | Kind.HYBRID_MIXER:
                 self.compute = StandInAttention(topology, k2, dtype)
             case Kind.FFN:
                 self.compute = StandInFfn(topology, k2, dtype)
@@ -293,3 +298,62 @@ def build(
         return jax.device_put(input_shares(x, model.tp), NamedSharding(mesh, in_rows))
 
     return Built(model, list(stacks), sharded.state, place, program)
+
+
+@dataclasses.dataclass(frozen=True)
+class BuiltMany:
+    """Several uncut stand-in models of one topology and policy, run side by side in one
+    compiled program (each stack with its own residual stream, on the same input).
+
+    Attributes:
+      models: The models, in output order.
+      stacks: One stack per model.
+      state: Their parameters placed on the mesh.
+      place: Places a stack input `x` [dp * rows, HIDDEN] as per-rank shares.
+      program: The jitted `f(state, placed_x, batch)` -> [models, dp * rows, HIDDEN].
+    """
+
+    models: tuple[Hetero, ...]
+    stacks: list
+    state: object
+    place: Callable
+    program: Callable
+
+    def run(self, x, counts) -> jax.Array:
+        """Every model's output rows for stack input `x` and per-DP-rank token `counts`."""
+        batch = make_batch(self.models[0], bj.BatchVariant.ORDINARY, counts)
+        return self.program(self.state, self.place(x), batch)
+
+
+def build_many(models: tuple[Hetero, ...]) -> BuiltMany:
+    """The models of one topology and policy (ordinary batches) compiled as one program."""
+    first = models[0]
+    if any(
+        (m.dp, m.tp, m.policy, m.fusions) != (first.dp, first.tp, first.policy, first.fusions)
+        for m in models
+    ):
+        raise ValueError("build_many runs models of one topology, policy and fusion provider")
+    with jax.enable_x64(True):
+        stacks = nnx.List([HeteroStack(model, range(len(model.kinds)), KEY) for model in models])
+    topology = first.topology
+
+    def body(stacks, x, batch):
+        outputs = []
+        for index, stack in enumerate(stacks):
+            with jax.named_scope(f"stack_{index}"):
+                stream = residual.start(batch)
+                out, stream = stack.run(x, stream)
+                outputs.append(residual.final_norm(out, stream, stack.final_norm, skip_empty=True))
+        return jnp.stack(outputs)
+
+    mesh = make_mesh(first.dp, first.tp)
+    sharded = bj.ShardedModule(stacks, mesh)
+    dp = topology.spec_entry((bj.TokenAxis.ATTN_DP,))
+    in_rows = P(dp, topology.spec_entry((bj.TokenAxis.ATTN_TP,)))
+    spec = bj.BatchFacts(bj.BatchVariant.ORDINARY, topology, P())
+    program = sharded.program(body, in_specs=(in_rows, spec), out_specs=P(None, dp, None))
+
+    def place(x):
+        return jax.device_put(input_shares(x, first.tp), NamedSharding(mesh, in_rows))
+
+    return BuiltMany(tuple(models), list(stacks), sharded.state, place, program)

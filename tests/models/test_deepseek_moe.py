@@ -159,7 +159,7 @@ def hf_moe(name: str, expert_entry=None, width_entry=None) -> DeepseekMoe:
         config["hidden_size"],
         config["moe_intermediate_size"],
         DeepseekRouting.from_hf(config),
-        num_shared_experts=config["n_shared_experts"],
+        shared_width=config["n_shared_experts"] * config["moe_intermediate_size"],
         expert_entry=expert_entry,
         width_entry=width_entry,
         shared_width_entry=width_entry,

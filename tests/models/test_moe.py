@@ -462,7 +462,9 @@ def test_padded_batched_takes_the_first_bucket_that_fits(monkeypatch, busiest_lo
     monkeypatch.setattr(
         moe,
         "padded_expert_outputs",
-        lambda x, rows, w, capacity: poisoned(f"padded {capacity}", padded)(x, rows, w, capacity),
+        lambda x, rows, w, capacity, *rest: poisoned(f"padded {capacity}", padded)(
+            x, rows, w, capacity, *rest
+        ),
     )
     monkeypatch.setattr(moe, "grouped_expert_outputs", poisoned("grouped", grouped))
     with jax.enable_x64(True):
@@ -520,9 +522,9 @@ def test_gpu_by_size_pads_prefill_layers_and_falls_back_to_the_hopper_kernel(mon
 
     padded = moe.padded_expert_outputs
 
-    def record_padded(x, rows, weights, capacity):
+    def record_padded(x, rows, weights, capacity, *rest):
         ran.append(f"padded {capacity}")
-        return padded(x, rows, weights, capacity)
+        return padded(x, rows, weights, capacity, *rest)
 
     monkeypatch.setattr(grouped_matmul_ops, "expert_matmul", triton)
     monkeypatch.setattr(grouped_matmul_ops, "hopper_ragged_dot", hopper)

@@ -1,0 +1,31 @@
+"""What an expert (or a shared expert, or an ungated MLP) computes between its projections."""
+
+from __future__ import annotations
+
+import enum
+
+import jax
+import jax.numpy as jnp
+
+
+class ExpertActivation(enum.Enum):
+    """What an expert (or a shared expert, or an ungated MLP) computes between its projections.
+
+    SWIGLU: `silu(gate(x)) * up(x)`; its gate and up projections are two stacked parts.
+    RELU2: `relu(up(x))^2`; its up projection is the one part (Nemotron-H).
+    """
+
+    SWIGLU = "swiglu"
+    RELU2 = "relu2"
+
+    @property
+    def parts(self) -> int:
+        """The projections stacked in the expert's first weight: gate and up, or up alone."""
+        return 2 if self is ExpertActivation.SWIGLU else 1
+
+    def apply(self, projected: jax.Array) -> jax.Array:
+        """[..., parts x width] first-projection output -> [..., width] activation."""
+        if self is ExpertActivation.RELU2:
+            return jnp.square(jax.nn.relu(projected))
+        gate, up = jnp.split(projected, 2, axis=-1)
+        return jax.nn.silu(gate) * up
