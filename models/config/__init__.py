@@ -1,9 +1,14 @@
 """Decoder configurations: the frozen config types, the Hugging Face `config.json` reader and
 writer, and the named presets."""
 
+from .deepseek import DeepseekRouting as DeepseekRouting
+from .deepseek import ExpertScoring as ExpertScoring
+from .deepseek import GroupScore as GroupScore
+from .deepseek import MlaConfig as MlaConfig
 from .hf import read_hf_config as read_hf_config
 from .hf import write_hf_config as write_hf_config
 from .presets import PRESETS as PRESETS
+from .types import MLA_ARCHITECTURES as MLA_ARCHITECTURES
 from .types import MOE_ARCHITECTURES as MOE_ARCHITECTURES
 from .types import Activation as Activation
 from .types import Architecture as Architecture

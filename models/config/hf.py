@@ -12,7 +12,9 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from .deepseek import read_deepseek_config, write_deepseek_config
 from .types import (
+    MLA_ARCHITECTURES,
     MOE_ARCHITECTURES,
     Activation,
     Architecture,
@@ -33,6 +35,7 @@ def read_hf_config(config: Mapping[str, Any]) -> DecoderConfig:
     entry per layer type); both spellings of the expert count (`num_experts`, as the Qwen
     hub checkpoints, and `num_local_experts`, as Mixtral and transformers 5's Qwen3-MoE
     write it); and per-layer attention from `layer_types` (or the family's default pattern).
+    DeepSeek-V2 / V3 configs are read by `config.deepseek.read_deepseek_config`.
 
     Raises:
       ValueError: The architecture, RoPE type, activation, biases, layer pattern or a
@@ -47,6 +50,8 @@ def read_hf_config(config: Mapping[str, Any]) -> DecoderConfig:
             f"architectures={architectures!r}"
         )
     architecture = Architecture(architectures[0])
+    if architecture in MLA_ARCHITECTURES:
+        return read_deepseek_config(config)
     for key in ("attention_bias", "mlp_bias"):
         if config.get(key, False):
             raise ValueError(
@@ -334,6 +339,8 @@ _MODEL_TYPES = {
 def write_hf_config(config: DecoderConfig) -> dict[str, Any]:
     """The Hugging Face `config.json` (as a dict) of `config`, in transformers 5's format;
     `read_hf_config` reads it back to `config`."""
+    if config.mla is not None:
+        return write_deepseek_config(config)
     rope: dict[str, Any] = {"rope_theta": config.rope_theta, "rope_type": "default"}
     if config.rope_scaling is not None:
         rope |= dataclasses.asdict(config.rope_scaling) | {"rope_type": "llama3"}

@@ -24,17 +24,15 @@ every token through it, ungated.
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-from collections.abc import Mapping
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from ..config import DeepseekRouting as DeepseekRouting
+from ..config import ExpertScoring as ExpertScoring
+from ..config import GroupScore as GroupScore
 from .moe import (
     GroupedMatmulImpl,
     MoeOutput,
@@ -44,125 +42,6 @@ from .moe import (
     expert_outputs,
     finalized_expert_outputs,
 )
-
-
-class ExpertScoring(enum.Enum):
-    """How router logits become expert scores.
-
-    SOFTMAX: over all experts (DeepSeek-V2).
-    SIGMOID: each expert on its own (DeepSeek-V3).
-    """
-
-    SOFTMAX = "softmax"
-    SIGMOID = "sigmoid"
-
-
-class GroupScore(enum.Enum):
-    """How a group of experts is scored for the grouped top-k.
-
-    MAX: its best expert's choice score (DeepSeek-V2's `group_limited_greedy`).
-    TOP2_SUM: the sum of its two best choice scores (DeepSeek-V3).
-    """
-
-    MAX = "max"
-    TOP2_SUM = "top2-sum"
-
-
-@dataclasses.dataclass(frozen=True)
-class DeepseekRouting:
-    """DeepSeek's routing rule: static and hashable.
-
-    Attributes:
-      num_experts: Routed experts (HF `n_routed_experts`).
-      top_k: Experts per token (HF `num_experts_per_tok`).
-      scoring: Softmax (V2) or sigmoid (V3) scores.
-      num_groups: Equal groups the experts form (HF `n_group`); 1: no grouped selection.
-      topk_groups: Groups whose experts a token may choose (HF `topk_group`).
-      group_score: How a group is scored.
-      correction_bias: The choice adds `e_score_correction_bias` to the scores (V3); the
-        weights never do.
-      renormalize: The k weights are divided by their sum (+ 1e-20) (V3's `norm_topk_prob`).
-      scaling_factor: The weights' factor (HF `routed_scaling_factor`).
-    """
-
-    num_experts: int
-    top_k: int
-    scoring: ExpertScoring
-    num_groups: int = 1
-    topk_groups: int = 1
-    group_score: GroupScore = GroupScore.MAX
-    correction_bias: bool = False
-    renormalize: bool = False
-    scaling_factor: float = 1.0
-
-    def __post_init__(self):
-        for name in ("num_experts", "top_k", "num_groups", "topk_groups"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"DeepseekRouting.{name} must be a positive int; got {value!r}")
-        if self.num_experts % self.num_groups or self.topk_groups > self.num_groups:
-            raise ValueError(
-                "the experts must form num_groups equal groups, of which topk_groups are kept; "
-                f"got {self.num_experts=}, {self.num_groups=}, {self.topk_groups=}"
-            )
-        per_group = self.num_experts // self.num_groups
-        if self.top_k > self.topk_groups * per_group:
-            raise ValueError(
-                f"top_k ({self.top_k}) must not exceed the experts of the kept groups "
-                f"({self.topk_groups} x {per_group})"
-            )
-        if self.group_score is GroupScore.TOP2_SUM and self.num_groups > 1 and per_group < 2:
-            raise ValueError(
-                f"a group scored by its best two experts needs two; got {per_group} per group"
-            )
-
-    @classmethod
-    def from_hf(cls, config: Mapping[str, Any]) -> DeepseekRouting:
-        """Reads the router of a DeepSeek-V2 / V3 `config.json` (as a dict), as transformers 5
-        runs it.
-
-        Raises:
-          ValueError: Another model type, or a rule transformers does not run (V2's
-            `norm_topk_prob`, which transformers ignores but DeepSeek's code honours; a
-            `topk_method` or `scoring_func` other than these).
-        """
-        model_type = config.get("model_type")
-        experts, top_k = config["n_routed_experts"], config["num_experts_per_tok"]
-        scaling = float(config.get("routed_scaling_factor", 1.0))
-        if model_type == "deepseek_v2":
-            if config.get("norm_topk_prob"):
-                raise ValueError(
-                    "deepseek_v2 with norm_topk_prob=true: transformers ignores it, DeepSeek's "
-                    "code renormalizes instead of scaling; refusing to guess"
-                )
-            method = config.get("topk_method", "greedy")
-            if method == "greedy":
-                return cls(experts, top_k, ExpertScoring.SOFTMAX, scaling_factor=scaling)
-            if method == "group_limited_greedy":
-                return cls(
-                    experts,
-                    top_k,
-                    ExpertScoring.SOFTMAX,
-                    num_groups=config["n_group"],
-                    topk_groups=config["topk_group"],
-                    scaling_factor=scaling,
-                )
-            raise ValueError(f"deepseek_v2 topk_method {method!r} is not supported")
-        if model_type == "deepseek_v3":
-            if config.get("scoring_func", "sigmoid") != "sigmoid":
-                raise ValueError(f"deepseek_v3 scores by sigmoid; got {config['scoring_func']!r}")
-            return cls(
-                experts,
-                top_k,
-                ExpertScoring.SIGMOID,
-                num_groups=config.get("n_group") or 1,
-                topk_groups=config.get("topk_group") or 1,
-                group_score=GroupScore.TOP2_SUM,
-                correction_bias=True,
-                renormalize=bool(config.get("norm_topk_prob", True)),
-                scaling_factor=scaling,
-            )
-        raise ValueError(f"DeepseekRouting.from_hf reads deepseek_v2 / v3 configs; {model_type=}")
 
 
 def deepseek_route(
