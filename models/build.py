@@ -16,7 +16,7 @@ import boundary_jax as bj
 
 from .checkpoints import load_config, load_params
 from .config import DecoderConfig
-from .families import CausalLM, MoeCausalLM, Remat, model_class
+from .families import CausalLM, DeepseekCausalLM, MoeCausalLM, Remat, model_class
 from .layers.attention import AttentionImpl
 from .layers.hyper_connections import HyperConnections
 
@@ -29,9 +29,17 @@ def _construct(
     config: DecoderConfig,
     topology: bj.Topology,
     moe_dispatch: bj.MoeDispatch | None,
+    dense_ffn_dp: bool = False,
     **options,
 ) -> CausalLM:
     cls = model_class(config)
+    if issubclass(cls, DeepseekCausalLM):
+        options["dense_ffn_dp"] = dense_ffn_dp
+    elif dense_ffn_dp:
+        raise ValueError(
+            f"dense_ffn_dp (a fully data-parallel dense FFN) is a DeepSeek option; got a "
+            f"{config.architecture.value} config. Leave it unset"
+        )
     if issubclass(cls, MoeCausalLM):
         return cls(config, topology, moe_dispatch=moe_dispatch or bj.MoeDispatch.GATHER, **options)
     if moe_dispatch is not None or topology.moe_ep != 1:
@@ -56,6 +64,7 @@ def build_model(
     remat: Remat = Remat.NONE,
     hyper_connections: HyperConnections | None = None,
     scan_layers: bool = False,
+    dense_ffn_dp: bool = False,
 ) -> CausalLM:
     """A model of `config` with random weights (every shard different).
 
@@ -76,6 +85,8 @@ def build_model(
       scan_layers: Stack the parameters of each run of identical layers between the stack
         entry and the terminal layer once, here, and run the run as one `lax.scan`
         (`DecoderConfig.layer_blocks`); the values are those of the unscanned model.
+      dense_ffn_dp: DeepSeek: the dense layers' FFN fully data-parallel (whole weights on
+        every rank, run on its own rows; `declare_ffn(dense_tp_size=1)`).
     """
     if attention is None:
         attention = AttentionImpl.for_platform(_platform(mesh))
@@ -85,6 +96,7 @@ def build_model(
             config,
             topology,
             moe_dispatch,
+            dense_ffn_dp,
             reduction=reduction,
             fusions=fusions,
             dtype=dtype,
@@ -145,6 +157,7 @@ def load_model(
     attention: AttentionImpl | None = None,
     remat: Remat = Remat.NONE,
     scan_layers: bool = False,
+    dense_ffn_dp: bool = False,
 ) -> CausalLM:
     """A model loaded from a Hugging Face checkpoint directory, each device reading its shard.
 
@@ -154,7 +167,8 @@ def load_model(
     `moe_dispatch` (None: `MoeDispatch.GATHER`). `attention` None picks
     `AttentionImpl.for_platform`; `remat` says what each layer keeps for a backward pass.
     With `scan_layers` (see `build_model`) a stacked parameter is read layer by layer, each
-    device still reading only its shard of each layer's tensor.
+    device still reading only its shard of each layer's tensor. `dense_ffn_dp`: as
+    `build_model`'s (DeepSeek checkpoints).
     """
     config = load_config(checkpoint_dir)
     topology = bj.Topology.from_mesh(mesh, moe_ep=moe_ep)
@@ -165,6 +179,7 @@ def load_model(
             config,
             topology,
             moe_dispatch,
+            dense_ffn_dp,
             reduction=reduction,
             fusions=fusions,
             dtype=dtype,

@@ -12,7 +12,8 @@ a device whose shard covers experts [a, b) (and a slice of their width) reads on
 and only that slice of each. A model built with `scan_layers` stacks a run of layers' parameters
 on a leading layer axis; each is read layer by layer, each device reading its shard of each.
 Projections that one matmul computes together (k and v; gate and up) are one parameter with a
-parts axis, each part read from its own tensor.
+parts axis, each part read from its own tensor. A DeepSeek checkpoint's multi-token-prediction
+layers (past `num_hidden_layers`) are skipped with a one-line notice.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -30,8 +32,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from safetensors import safe_open
 
 from ..config import DecoderConfig, read_hf_config
-from .names import IGNORED_SUFFIXES, HFTensor, hf_name_map
+from .names import IGNORED_SUFFIXES, HFTensor, hf_name_map, mtp_layer
 
+_LOG = logging.getLogger(__name__)
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -74,7 +77,8 @@ def load_params(
       ValueError: A parameter has no tensor in the map or checkpoint, a tensor's shape does not
         fit its parameter, or the checkpoint holds tensors the model has no parameter for.
     """
-    sources = hf_name_map(load_config(checkpoint_dir), scan_layers=scan_layers)
+    config = load_config(checkpoint_dir)
+    sources = hf_name_map(config, scan_layers=scan_layers)
     leaves = nnx.to_flat_state(abstract_state)
     specs = dict(nnx.to_flat_state(nnx.get_partition_spec(abstract_state)))
     paths = {_dotted(path) for path, _ in leaves}
@@ -92,11 +96,23 @@ def load_params(
         )
     with _Checkpoint(Path(checkpoint_dir)) as checkpoint:
         used = {name for path in paths for name in sources[path].tensor_names()}
+        mtp = sorted(
+            {layer for name in checkpoint.names if (layer := mtp_layer(name, config)) is not None}
+        )
+        if mtp:
+            _LOG.warning(
+                "%s: ignoring multi-token-prediction layer(s) %s (model.layers.%d.* ...): the "
+                "causal LM does not run them",
+                checkpoint_dir,
+                mtp,
+                mtp[0],
+            )
         unused = sorted(
             name
             for name in checkpoint.names
             if name not in used
             and not name.endswith(IGNORED_SUFFIXES)
+            and mtp_layer(name, config) is None
             and (name != "lm_head.weight" or "lm_head.kernel" in sources)
         )
         if unused:

@@ -1,7 +1,8 @@
-"""The main job: a small dense decoder and a small MoE decoder with random weights under several
-layouts (the MoE one also with its experts split over expert parallelism, gathered or sent
-all-to-all), each checked against one device, with the collectives each layout runs and its
-compile and step times."""
+"""The main job: a small dense decoder, a small MoE decoder and a small DeepSeek-V3-style decoder
+(latent attention, DeepSeek's MoE) with random weights under several layouts (the MoE ones also
+with their experts split over expert parallelism, gathered or sent all-to-all; the DeepSeek one
+also with its dense layer fully data-parallel), each checked against one device, with the
+collectives each layout runs and its compile and step times."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from .plan import collective_report, middle_layer, middle_sparse_layer
 
 PRESET = "tiny-qwen3"
 MOE_PRESET = "tiny-qwen3-moe"
+MLA_PRESET = "tiny-deepseek-v3"
 P = bj.ReductionPolicy
 GATHER, ALL_TO_ALL = bj.MoeDispatch.GATHER, bj.MoeDispatch.ALL_TO_ALL
 
@@ -36,6 +38,7 @@ class Layout:
       moe_ep: Expert-parallel size of an MoE model's sparse layers (1: every rank holds every
         expert, a slice of its width).
       moe_dispatch: Where the experts get their tokens; None for the dense model.
+      dense_ffn_dp: The DeepSeek model's dense layer runs fully data-parallel.
     """
 
     name: str
@@ -45,6 +48,7 @@ class Layout:
     policy: bj.ReductionPolicy = P.AUTO
     moe_ep: int = 1
     moe_dispatch: bj.MoeDispatch | None = None
+    dense_ffn_dp: bool = False
 
 
 LAYOUTS = (
@@ -63,6 +67,15 @@ MOE_LAYOUTS = tuple(dataclasses.replace(layout, moe_dispatch=GATHER) for layout 
 """The MoE model's layouts: the dense ones (experts whole on every rank, their width split over
 the TP group) and expert parallelism in both dispatch modes (with EP 2 all-to-all, each
 expert's width split over attention TP 4)."""
+MLA_LAYOUTS = (
+    Layout("TP 8", 1, 8, moe_dispatch=GATHER),
+    Layout("attention DP 2 x TP 4, dense FFN DP", 2, 4, moe_dispatch=GATHER, dense_ffn_dp=True),
+    Layout("input-scattered TP 4", 1, 4, input_scattered=True, moe_dispatch=GATHER),
+    Layout("TP 8, EP 8 gather", 1, 8, moe_ep=8, moe_dispatch=GATHER),
+    Layout("attention DP 2 x TP 4, EP 8 all-to-all", 2, 4, moe_ep=8, moe_dispatch=ALL_TO_ALL),
+)
+"""The DeepSeek model's layouts: heads over attention TP, its dense layer over the TP group or
+fully data-parallel, its experts whole or over EP."""
 
 
 def demo_config(preset: str, layers: int) -> DecoderConfig:
@@ -98,7 +111,11 @@ def _run_layout(
     topology = bj.Topology(attn_dp=layout.attn_dp, attn_tp=layout.attn_tp, moe_ep=layout.moe_ep)
     with console.status(f"{layout.name}: building and compiling"):
         model = build_model(
-            config, topology, reduction=layout.policy, moe_dispatch=layout.moe_dispatch
+            config,
+            topology,
+            reduction=layout.policy,
+            moe_dispatch=layout.moe_dispatch,
+            dense_ffn_dp=layout.dense_ffn_dp,
         )
         runner = ShardedCausalLM(
             model, bj.make_mesh(topology), input_scattered=layout.input_scattered
@@ -139,14 +156,14 @@ def _layout_table(row: dict) -> Table:
 
 
 def run_demo(*, layers: int = 4, console: Console | None = None) -> list[dict]:
-    """Runs every layout of both models, prints one table per layout and a summary; returns
-    the rows."""
+    """Runs every layout of the three models, prints one table per layout and a summary;
+    returns the rows."""
     console = console or Console(stderr=True)
     out = Console(width=None if sys.stdout.isatty() else 120)
-    runs = ((PRESET, LAYOUTS), (MOE_PRESET, MOE_LAYOUTS))
+    runs = ((PRESET, LAYOUTS), (MOE_PRESET, MOE_LAYOUTS), (MLA_PRESET, MLA_LAYOUTS))
     out.print(
-        f"[bold]boundary-jax demo[/]: {PRESET} and {MOE_PRESET} ({layers} layers, random "
-        f"weights), {len(demo_prompts(PRESETS[PRESET].vocab_size))} ragged prompts, "
+        f"[bold]boundary-jax demo[/]: {PRESET}, {MOE_PRESET} and {MLA_PRESET} ({layers} layers, "
+        f"random weights), {len(demo_prompts(PRESETS[PRESET].vocab_size))} ragged prompts, "
         f"{len(jax.devices())} simulated {jax.default_backend()} devices"
     )
     rows = []
@@ -164,7 +181,7 @@ def run_demo(*, layers: int = 4, console: Console | None = None) -> list[dict]:
             rows.append(row)
             out.print(_layout_table(row))
     middles = " / ".join(sorted({str(row["middle_layer"]) for row in rows}))
-    summary = Table(title=f"summary (collectives of layer {middles}; sparse in the MoE model)")
+    summary = Table(title=f"summary (collectives of layer {middles}; sparse in the MoE models)")
     columns = ("model", "layout", "max |diff|", "AR", "RS", "AG", "A2A", "bytes", "compile")
     for column in (*columns, "step"):
         summary.add_column(column, justify="left" if column in ("model", "layout") else "right")

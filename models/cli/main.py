@@ -134,6 +134,7 @@ def _build(args, console):
                 attention=attention,
                 hyper_connections=hyper_connections,
                 scan_layers=args.scan_layers,
+                dense_ffn_dp=args.dense_ffn_dp,
             )
     else:
         directory = Path(args.checkpoint)
@@ -151,6 +152,7 @@ def _build(args, console):
                 remat=getattr(args, "remat", Remat.NONE),
                 attention=attention,
                 scan_layers=args.scan_layers,
+                dense_ffn_dp=args.dense_ffn_dp,
             )
     return model, mesh
 
@@ -374,6 +376,12 @@ def _parser() -> argparse.ArgumentParser:
             choices=tuple(bj.MoeDispatch),
             metavar="{gather,all-to-all}",
             help="MoE checkpoints: where the experts get their tokens (default gather)",
+        )
+        command.add_argument(
+            "--dense-ffn-dp",
+            action="store_true",
+            help="DeepSeek: run the dense layers' FFN fully data-parallel (whole weights on "
+            "every rank, on its own rows) instead of split over the TP group",
         )
         command.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
         command.add_argument(

@@ -10,6 +10,7 @@ it as its own modules and declares its stages with the model's `stage_facts`.
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable, Sequence
 
 import jax
@@ -20,7 +21,7 @@ import boundary_jax as bj
 from boundary_jax import residual
 
 from ..config import Architecture, DecoderConfig, ResidualDesign
-from ..layers.attention import Attention, AttentionImpl, KVCache
+from ..layers.attention import Attention, AttentionImpl, HeadSplit, KVCache
 from ..layers.hyper_connections import HyperConnections
 from ..layers.linear import ParallelLMHead, VocabParallelEmbedding
 from ..layers.mlp import SwiGLU
@@ -313,6 +314,23 @@ class CausalLM(nnx.Module):
             dtype=dtype,
             rngs=rngs,
         )
+
+    def cache_specs(self, *, stacked: bool = False) -> KVCache:
+        """The `PartitionSpec` tree of one block's decode cache (`stacked`: a scanned run's,
+        with a leading layer axis), for `shard_map` in and out specs."""
+        return KVCache.specs(self.topology, stacked=stacked)
+
+    def cache_factory(self) -> Callable[..., KVCache]:
+        """Makes one block's zero decode cache from the model's static facts alone (it holds no
+        reference to the model): `factory(slots=, max_len=, dtype=, mesh=, layers=)`, as
+        `KVCache.create` takes them."""
+        return functools.partial(KVCache.create, self.config, self.topology)
+
+    def cache_bytes_per_token(self, dtype: jnp.dtype) -> int:
+        """Bytes one token takes in one layer's decode cache on one device (its kv heads' keys
+        and values)."""
+        heads = HeadSplit.of(self.config, self.topology)
+        return 2 * heads.local_kv_heads * self.config.head_dim * jnp.dtype(dtype).itemsize
 
     @property
     def final_read(self) -> Callable[[jax.Array], jax.Array]:

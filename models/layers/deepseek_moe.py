@@ -1,5 +1,5 @@
 """DeepSeek's MoE router (V2 softmax / V3 sigmoid with a correction bias, grouped top-k) and the
-sparse FFN of one rank built on it.
+sparse FFNs built on it: one rank's (`DeepseekMoe`) and one on a topology (`DeepseekMoeFfn`).
 
 The router returns a `models.moe.Routing`, so the expert compute, the finalize and the
 expert-parallel dispatch of `models.moe` serve DeepSeek unchanged. The math, as transformers 5
@@ -30,18 +30,15 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+import boundary_jax as bj
+
 from ..config import DeepseekRouting as DeepseekRouting
 from ..config import ExpertScoring as ExpertScoring
 from ..config import GroupScore as GroupScore
-from .moe import (
-    GroupedMatmulImpl,
-    MoeOutput,
-    PartitionEntry,
-    Routing,
-    SharedExpert,
-    expert_outputs,
-    finalized_expert_outputs,
-)
+from ..config import MoeConfig
+from .buffer import Buffer
+from .moe import GroupedMatmulImpl, PartitionEntry, Routing, SparseMoe
+from .moe_ffn import MoeFfn
 
 
 def deepseek_route(
@@ -106,23 +103,19 @@ def _keep_best_groups(choice: jax.Array, rule: DeepseekRouting) -> jax.Array:
     return jnp.where(allowed[:, :, None], grouped, -jnp.inf).reshape(choice.shape)
 
 
-class DeepseekMoe(nnx.Module):
+class DeepseekMoe(SparseMoe):
     """DeepSeek's router + routed experts + shared experts of one rank; returns an unfinalized
-    output, as `models.moe.SparseMoe` does (same expert parameters and layout).
+    output, as `SparseMoe` does (the same experts and layout, DeepSeek's router).
 
-    Attributes:
+    Attributes (besides `SparseMoe`'s, whose `shared_expert` is the shared experts: a
+    `SharedExpert` of width `num_shared_experts * expert_width`, ungated, its width split over
+    `shared_width_entry`, or None):
       router: [hidden, num_experts] float32 (transformers keeps it so), replicated; HF
         `mlp.gate.weight` transposed.
-      e_score_correction_bias: [num_experts] float32, replicated (HF
+      e_score_correction_bias: A `Buffer` [num_experts] float32, replicated (HF
         `mlp.gate.e_score_correction_bias`); None without a correction bias. It only picks
-        experts, so it gets no gradient; a trainer must leave it out of weight decay.
-      gate_up_proj: [num_experts, hidden, 2, width] each expert's gate and up projections,
-        split over `expert_entry` (axis 0) and `width_entry` (axis 3).
-      down_proj: [num_experts, width, hidden], split over `expert_entry` and `width_entry`.
-      shared_experts: A `SharedExpert` of width `n_shared_experts * width`, ungated, its width
-        split over `shared_width_entry`; None without shared experts.
+        experts, so it gets no gradient and training leaves it as it is.
       rule: The routing rule.
-      impl: The grouped matmul implementation.
     """
 
     def __init__(
@@ -139,110 +132,90 @@ class DeepseekMoe(nnx.Module):
         dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs,
     ):
-        experts = rule.num_experts
-        self.router = _param(rngs, (hidden_size, experts), (None, None), jnp.float32, hidden_size)
-        self.e_score_correction_bias = (
-            nnx.Param(
-                0.1 * jax.random.normal(rngs.params(), (experts,), jnp.float32),
-                out_sharding=PartitionSpec(None),
-                eager_sharding=False,
-            )
-            if rule.correction_bias
-            else None
-        )
-        self.gate_up_proj = _param(
-            rngs,
-            (experts, hidden_size, 2, expert_width),
-            (expert_entry, None, None, width_entry),
-            dtype,
+        super().__init__(
             hidden_size,
-        )
-        self.down_proj = _param(
-            rngs,
-            (experts, expert_width, hidden_size),
-            (expert_entry, width_entry, None),
-            dtype,
+            rule.num_experts,
             expert_width,
+            top_k=rule.top_k,
+            renormalize=rule.renormalize,
+            shared_width=num_shared_experts * expert_width or None,
+            expert_entry=expert_entry,
+            width_entry=width_entry,
+            shared_width_entry=shared_width_entry,
+            impl=impl,
+            dtype=dtype,
+            rngs=rngs,
         )
-        self.shared_experts = (
-            SharedExpert(
-                hidden_size,
-                num_shared_experts * expert_width,
-                gated=False,
-                width_entry=shared_width_entry,
-                dtype=dtype,
-                rngs=rngs,
-            )
-            if num_shared_experts
-            else None
-        )
+        self.router, self.e_score_correction_bias = deepseek_router(hidden_size, rule, rngs=rngs)
         self.rule = rule
-        self.impl = impl
 
     def route(self, x: jax.Array) -> Routing:
-        """[T, hidden] complete rows -> their `Routing` (alike on every rank)."""
-        bias = self.e_score_correction_bias
-        return deepseek_route(x, self.router[...], None if bias is None else bias[...], self.rule)
+        """[T, hidden] complete rows -> their DeepSeek `Routing` (alike on every rank)."""
+        return deepseek_route(x, self.router[...], _value(self.e_score_correction_bias), self.rule)
 
-    def __call__(
+
+class DeepseekMoeFfn(MoeFfn):
+    """DeepSeek's sparse FFN on a topology: `MoeFfn`'s experts, shared experts and dispatch
+    (gathered rows or all-to-all, experts over EP, their width over the rest), routed by
+    DeepSeek's router (`moe.routing`).
+
+    Attributes (besides `MoeFfn`'s): `router`, `e_score_correction_bias` and `rule`, as
+    `DeepseekMoe`'s.
+    """
+
+    def __init__(
         self,
-        x: jax.Array,
+        hidden_size: int,
+        moe: MoeConfig,
+        topology: bj.Topology,
         *,
-        expert_offset: int | jax.Array = 0,
-        count_shared: bool | jax.Array = True,
-    ) -> MoeOutput:
-        """[T, hidden] complete rows -> this rank's `MoeOutput` (unfinalized, owing the sum).
-
-        Args:
-          x: [T, hidden] token rows, the same on every rank that splits these experts.
-          expert_offset: Global id of this rank's first local expert (0 when the experts are
-            not split), computed by the caller.
-          count_shared: Whether this rank adds its shared-experts output (a traced bool where
-            the rank decides it, e.g. the first rank of a group that holds them whole).
-        """
-        routing = self.route(x)
-        outputs = expert_outputs(
-            x,
-            routing,
-            self.gate_up_proj[...],
-            self.down_proj[...],
-            **self._settings(x, expert_offset),
+        dispatch: bj.MoeDispatch = bj.MoeDispatch.GATHER,
+        capacity: int | None = None,
+        impl: GroupedMatmulImpl = GroupedMatmulImpl.RAGGED_DOT,
+        dtype: jnp.dtype = jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        if moe.routing is None:
+            raise ValueError(
+                "DeepseekMoeFfn routes by DeepSeek's rule; got a MoeConfig without routing. "
+                "Use MoeFfn for a softmax top-k router"
+            )
+        super().__init__(
+            hidden_size,
+            moe,
+            topology,
+            dispatch=dispatch,
+            capacity=capacity,
+            impl=impl,
+            dtype=dtype,
+            rngs=rngs,
         )
-        return MoeOutput(outputs, routing, self._shared(x, count_shared))
-
-    def finalized(
-        self,
-        x: jax.Array,
-        *,
-        expert_offset: int | jax.Array = 0,
-        count_shared: bool | jax.Array = True,
-    ) -> jax.Array:
-        """[T, hidden] complete rows -> this rank's finalized share, owing the sum (the
-        combine made inside the expert computation, `finalized_expert_outputs`)."""
-        return finalized_expert_outputs(
-            x,
-            self.route(x),
-            self.gate_up_proj[...],
-            self.down_proj[...],
-            shared=self._shared(x, count_shared),
-            **self._settings(x, expert_offset),
+        self.router, self.e_score_correction_bias = deepseek_router(
+            hidden_size, moe.routing, rngs=rngs
         )
+        self.rule = moe.routing
 
-    def _shared(self, x: jax.Array, count_shared: bool | jax.Array) -> jax.Array | None:
-        if self.shared_experts is None:
-            return None
-        shared = self.shared_experts(x)
-        return jnp.where(count_shared, shared, jnp.zeros_like(shared))
-
-    def _settings(self, x: jax.Array, expert_offset: int | jax.Array) -> dict:
-        return {
-            "expert_offset": expert_offset,
-            "impl": self.impl,
-            "even_share": x.shape[0] * self.rule.top_k / self.rule.num_experts,
-        }
+    def route(self, x: jax.Array) -> Routing:
+        """[T, hidden] complete rows -> their DeepSeek `Routing` (alike on every rank)."""
+        return deepseek_route(x, self.router[...], _value(self.e_score_correction_bias), self.rule)
 
 
-def _param(rngs: nnx.Rngs, shape: tuple[int, ...], spec: tuple, dtype, fan_in: int) -> nnx.Param:
-    """N(0, 1/fan_in) weights, split as `spec` says."""
-    value = jax.random.normal(rngs.params(), shape, jnp.float32) / np.sqrt(fan_in)
-    return nnx.Param(value.astype(dtype), out_sharding=PartitionSpec(*spec), eager_sharding=False)
+def deepseek_router(
+    hidden_size: int, rule: DeepseekRouting, *, rngs: nnx.Rngs
+) -> tuple[nnx.Param, Buffer | None]:
+    """A DeepSeek router's replicated float32 parameters: the kernel [hidden, num_experts],
+    N(0, 1/hidden), and where the rule has one the correction bias [num_experts], N(0, 0.01)
+    (transformers starts it at zero; random values make a bias used wrongly visible)."""
+    experts = rule.num_experts
+    kernel = jax.random.normal(rngs.params(), (hidden_size, experts), jnp.float32)
+    router = nnx.Param(
+        kernel / np.sqrt(hidden_size), out_sharding=PartitionSpec(None, None), eager_sharding=False
+    )
+    if not rule.correction_bias:
+        return router, None
+    bias = 0.1 * jax.random.normal(rngs.params(), (experts,), jnp.float32)
+    return router, Buffer(bias, out_sharding=PartitionSpec(None), eager_sharding=False)
+
+
+def _value(variable: nnx.Variable | None) -> jax.Array | None:
+    return None if variable is None else variable[...]

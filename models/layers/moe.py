@@ -503,7 +503,7 @@ class SparseMoe(nnx.Module):
           count_shared: Whether this rank adds its shared-expert output (a traced bool where
             the rank decides it, e.g. the first rank of a group that holds it whole).
         """
-        routing = route(x, self.router[...], top_k=self.top_k, renormalize=self.renormalize)
+        routing = self.route(x)
         outputs = expert_outputs(
             x,
             routing,
@@ -527,15 +527,19 @@ class SparseMoe(nnx.Module):
         Args:
           x, expert_offset, count_shared: As for `__call__`.
         """
-        routing = route(x, self.router[...], top_k=self.top_k, renormalize=self.renormalize)
         return finalized_expert_outputs(
             x,
-            routing,
+            self.route(x),
             self.gate_up_proj[...],
             self.down_proj[...],
             shared=self._shared(x, count_shared),
             **self._settings(x, expert_offset),
         )
+
+    def route(self, x: jax.Array) -> Routing:
+        """[T, hidden] complete rows -> their `Routing` (alike on every rank): the softmax
+        top-k of `route`; a subclass with another router overrides it."""
+        return route(x, self.router[...], top_k=self.top_k, renormalize=self.renormalize)
 
     def _shared(self, x: jax.Array, count_shared: bool | jax.Array) -> jax.Array | None:
         """The shared expert's share of rows `x`, zero on a rank that does not count it."""

@@ -29,7 +29,7 @@ from flax import nnx
 import boundary_jax as bj
 
 from ..config import MoeConfig
-from .moe import GroupedMatmulImpl, MoeOutput, Routing, SparseMoe, expert_outputs, finalize, route
+from .moe import GroupedMatmulImpl, MoeOutput, Routing, SparseMoe, expert_outputs, finalize
 
 
 class MoeFfn(SparseMoe):
@@ -115,7 +115,7 @@ class MoeFfn(SparseMoe):
 
     def _own_rows(self, x: jax.Array) -> MoeOutput:
         """Routes this rank's own rows, sends each choice to its expert's rank and back."""
-        routing = route(x, self.router[...], top_k=self.top_k, renormalize=self.renormalize)
+        routing = self.route(x)
         tokens, top_k = routing.experts.shape
         local = self.gate_up_proj.shape[0]
         chosen = routing.experts.reshape(-1)

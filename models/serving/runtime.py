@@ -119,8 +119,9 @@ class ShardedCausalLM:
         self._blocks = model.config.layer_blocks(model.scan_layers)
         self.scan_layers = model.scan_layers
         self._cache_specs = tuple(
-            KVCache.specs(model.topology, stacked=block.scanned) for block in self._blocks
+            model.cache_specs(stacked=block.scanned) for block in self._blocks
         )
+        self._new_cache = model.cache_factory()
         self._forward = self._sharded.program(
             lambda model, rows, batch: model(rows, batch)[0],
             in_specs=(rows, self._batch_spec),
@@ -171,13 +172,11 @@ class ShardedCausalLM:
         return bj.BatchFacts(self._variant, self.topology, counts)
 
     def new_caches(self, slots_per_rank: int, max_len: int) -> tuple[KVCache, ...]:
-        """Zero KV caches of `slots_per_rank` slots per DP rank, sharded: one per block of the
-        model's layers (`DecoderConfig.layer_blocks`), a scanned run's stacked on a leading
-        layer axis."""
+        """Zero decode caches (the model's kind: `KVCache`, or DeepSeek's `LatentCache`) of
+        `slots_per_rank` slots per DP rank, sharded: one per block of the model's layers
+        (`DecoderConfig.layer_blocks`), a scanned run's stacked on a leading layer axis."""
         return tuple(
-            KVCache.create(
-                self.config,
-                self.topology,
+            self._new_cache(
                 slots=slots_per_rank * self.topology.attn_dp,
                 max_len=max_len,
                 dtype=self.dtype,

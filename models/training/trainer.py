@@ -27,6 +27,7 @@ import boundary_jax as bj
 from ..checkpoints import hf_name_map
 from ..families.decoder import CausalLM
 from ..layers.attention import AttentionImpl
+from ..layers.buffer import Buffer
 from ..rows import PackedBatch, TokenRows, pack_sequences
 
 
@@ -156,12 +157,18 @@ class Trainer:
     reference: the trainer keeps the graph and the placed state only, and the step donates
     (reuses) the parameter and optimizer buffers.
 
+    The model's `Buffer`s (DeepSeek-V3's `e_score_correction_bias`) are not trained: the
+    optimizer gives them zero updates (no step, no weight decay), as Hugging Face leaves its
+    buffers out of the parameters.
+
     Attributes:
       mesh: The mesh; its axes are boundary-jax's `MeshAxis` names.
       topology: The model's parallel topology.
       config: The model's architecture.
       input_scattered: Train on input-scattered batches (residual on attention-TP slices).
-      optimizer: The optax transformation.
+      optimizer: The optax transformation the step runs: the one given, on every parameter but
+        the buffers (`frozen`), which it leaves as they are.
+      frozen: The paths of the model's buffers.
       state: The current `TrainState`.
     """
 
@@ -188,9 +195,21 @@ class Trainer:
         self.topology = model.topology
         self.config = model.config
         self.input_scattered = input_scattered
-        self.optimizer = optimizer
         self._graphdef, params = nnx.split(model)
         self._params = FlatParams(params)
+        self.frozen = frozenset(
+            ".".join(str(key) for key in path)
+            for path, variable in nnx.to_flat_state(params)
+            if isinstance(variable, Buffer)
+        )
+        if self.frozen:
+            labels = {
+                path: "frozen" if path in self.frozen else "trained" for path in self._params.paths
+            }
+            optimizer = optax.multi_transform(
+                {"trained": optimizer, "frozen": optax.set_to_zero()}, labels
+            )
+        self.optimizer = optimizer
         self._padded = {
             path: source.padded_axis
             for path, source in hf_name_map(model.config, scan_layers=model.scan_layers).items()
