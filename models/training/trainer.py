@@ -157,8 +157,8 @@ class Trainer:
     reference: the trainer keeps the graph and the placed state only, and the step donates
     (reuses) the parameter and optimizer buffers.
 
-    The model's `Buffer`s (DeepSeek-V3's `e_score_correction_bias`) are not trained: the
-    optimizer gives them zero updates (no step, no weight decay), as Hugging Face leaves its
+    The model's `Buffer`s (DeepSeek-V3's `e_score_correction_bias`) are not trained: the step
+    drops the optimizer's updates of them (no step, no weight decay), as Hugging Face leaves its
     buffers out of the parameters.
 
     Attributes:
@@ -166,9 +166,8 @@ class Trainer:
       topology: The model's parallel topology.
       config: The model's architecture.
       input_scattered: Train on input-scattered batches (residual on attention-TP slices).
-      optimizer: The optax transformation the step runs: the one given, on every parameter but
-        the buffers (`frozen`), which it leaves as they are.
-      frozen: The paths of the model's buffers.
+      optimizer: The optax transformation.
+      frozen: The paths of the model's buffers, which the step leaves as they are.
       state: The current `TrainState`.
     """
 
@@ -202,13 +201,6 @@ class Trainer:
             for path, variable in nnx.to_flat_state(params)
             if isinstance(variable, Buffer)
         )
-        if self.frozen:
-            labels = {
-                path: "frozen" if path in self.frozen else "trained" for path in self._params.paths
-            }
-            optimizer = optax.multi_transform(
-                {"trained": optimizer, "frozen": optax.set_to_zero()}, labels
-            )
         self.optimizer = optimizer
         self._padded = {
             path: source.padded_axis
@@ -312,6 +304,10 @@ class Trainer:
     ) -> tuple[TrainState, dict[str, jax.Array]]:
         loss, grads = jax.value_and_grad(self.sharded_loss)(state.params, batch)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+        updates = {
+            path: jnp.zeros_like(update) if path in self.frozen else update
+            for path, update in updates.items()
+        }
         params = optax.apply_updates(state.params, updates)
         grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
         metrics = {"loss": loss, "grad_norm": grad_norm}
