@@ -194,6 +194,7 @@ class Trainer:
         self.topology = model.topology
         self.config = model.config
         self.input_scattered = input_scattered
+        self.optimizer = optimizer
         self._graphdef, params = nnx.split(model)
         self._params = FlatParams(params)
         self.frozen = frozenset(
@@ -201,7 +202,6 @@ class Trainer:
             for path, variable in nnx.to_flat_state(params)
             if isinstance(variable, Buffer)
         )
-        self.optimizer = optimizer
         self._padded = {
             path: source.padded_axis
             for path, source in hf_name_map(model.config, scan_layers=model.scan_layers).items()
