@@ -373,7 +373,7 @@ def write_deepseek_config(config: DecoderConfig) -> dict[str, Any]:
     rope: dict[str, Any] = {"rope_theta": mla.rope_theta, "rope_type": "default"}
     scaling = mla.rope_scaling
     if isinstance(scaling, YarnRopeScaling):
-        rope |= {
+        yarn = {
             "rope_type": "yarn",
             "factor": scaling.factor,
             "original_max_position_embeddings": scaling.original_max_position_embeddings,
@@ -384,6 +384,7 @@ def write_deepseek_config(config: DecoderConfig) -> dict[str, Any]:
             "attention_factor": scaling.explicit_attention_factor,
             "truncate": scaling.truncate,
         }
+        rope |= {key: value for key, value in yarn.items() if value is not None}
     elif isinstance(scaling, LinearRopeScaling):
         rope |= {"rope_type": "linear", "factor": scaling.factor}
     elif scaling is not None:
