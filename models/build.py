@@ -3,7 +3,6 @@ Hugging Face checkpoint with each device reading only its shards."""
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import jax
@@ -16,7 +15,7 @@ import boundary_jax as bj
 
 from .checkpoints import load_config, load_params
 from .config import DecoderConfig
-from .families import CausalLM, MoeCausalLM, Remat, model_class
+from .families import CausalLM, DeepseekCausalLM, MoeCausalLM, Remat, model_class
 from .initialization import initialize_params
 from .layers.attention import AttentionImpl
 from .layers.hyper_connections import HyperConnections
@@ -39,10 +38,19 @@ def _construct(
     hyper_connections: HyperConnections | None,
     scan_layers: bool,
     rngs: nnx.Rngs,
+    dense_ffn_dp: bool,
 ) -> CausalLM:
     cls = model_class(config)
+    extra: dict = {}
+    if issubclass(cls, DeepseekCausalLM):
+        extra["dense_ffn_dp"] = dense_ffn_dp
+    elif dense_ffn_dp:
+        raise ValueError(
+            f"dense_ffn_dp (a fully data-parallel dense FFN) is a DeepSeek option; got a "
+            f"{config.architecture.value} config. Leave it unset"
+        )
     if issubclass(cls, MoeCausalLM):
-        cls = functools.partial(cls, moe_dispatch=moe_dispatch or bj.MoeDispatch.GATHER)
+        extra["moe_dispatch"] = moe_dispatch or bj.MoeDispatch.GATHER
     elif moe_dispatch is not None or topology.moe_ep != 1:
         raise ValueError(
             f"{config.architecture.value} has no experts; got {moe_dispatch=} and "
@@ -59,6 +67,7 @@ def _construct(
         hyper_connections=hyper_connections,
         scan_layers=scan_layers,
         rngs=rngs,
+        **extra,
     )
 
 
@@ -76,6 +85,7 @@ def build_model(
     remat: Remat = Remat.NONE,
     hyper_connections: HyperConnections | None = None,
     scan_layers: bool = False,
+    dense_ffn_dp: bool = False,
 ) -> CausalLM:
     """A model of `config` with random weights, drawn as the family initializes them (Hugging
     Face: normal(0, `config.initializer_range`) projections, embeddings and experts; norms ones,
@@ -103,6 +113,8 @@ def build_model(
       scan_layers: Stack the parameters of each run of identical layers between the stack
         entry and the terminal layer once, here, and run the run as one `lax.scan`
         (`DecoderConfig.layer_blocks`); the values are those of the unscanned model.
+      dense_ffn_dp: DeepSeek: the dense layers' FFN fully data-parallel (whole weights on
+        every rank, run on its own rows; `declare_ffn(dense_tp_size=1)`).
     """
     if attention is None:
         attention = AttentionImpl.for_platform(_platform(mesh))
@@ -111,6 +123,7 @@ def build_model(
             config,
             topology,
             moe_dispatch=moe_dispatch,
+            dense_ffn_dp=dense_ffn_dp,
             reduction=reduction,
             fusions=fusions,
             dtype=dtype,
@@ -138,6 +151,7 @@ def load_model(
     attention: AttentionImpl | None = None,
     remat: Remat = Remat.NONE,
     scan_layers: bool = False,
+    dense_ffn_dp: bool = False,
 ) -> CausalLM:
     """A model loaded from a Hugging Face checkpoint directory, each device reading its shard.
 
@@ -147,7 +161,8 @@ def load_model(
     `moe_dispatch` (None: `MoeDispatch.GATHER`). `attention` None picks
     `AttentionImpl.for_platform`; `remat` says what each layer keeps for a backward pass.
     With `scan_layers` (see `build_model`) a stacked parameter is read layer by layer, each
-    device still reading only its shard of each layer's tensor.
+    device still reading only its shard of each layer's tensor. `dense_ffn_dp`: as
+    `build_model`'s (DeepSeek checkpoints).
     """
     config = load_config(checkpoint_dir)
     topology = bj.Topology.from_mesh(mesh, moe_ep=moe_ep)
@@ -158,6 +173,7 @@ def load_model(
             config,
             topology,
             moe_dispatch=moe_dispatch,
+            dense_ffn_dp=dense_ffn_dp,
             reduction=reduction,
             fusions=fusions,
             dtype=dtype,

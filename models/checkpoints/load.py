@@ -14,7 +14,8 @@ on a leading layer axis; each is read layer by layer, each device reading its sh
 Projections that one matmul computes together (k and v; gate and up) are one parameter with a
 parts axis, each part read from its own tensor. A tensor that feeds several parameters (a Mamba2
 mixer's fused `in_proj`: z, x, B, C and dt) is read by row ranges (`HFTensor.rows`), each device
-reading only its rows of its range.
+reading only its rows of its range. A DeepSeek checkpoint's multi-token-prediction
+layers (past `num_hidden_layers`) are skipped with a one-line notice.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -33,8 +35,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from safetensors import SafetensorError, safe_open
 
 from ..config import DecoderConfig, read_hf_config
-from .names import IGNORED_SUFFIXES, HFTensor, hf_name_map
+from .names import IGNORED_SUFFIXES, HFTensor, hf_name_map, mtp_layer
 
+_LOG = logging.getLogger(__name__)
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -134,7 +137,8 @@ def load_params(
       ValueError: A parameter has no tensor in the map or checkpoint, a tensor's shape does not
         fit its parameter, or the checkpoint holds tensors the model has no parameter for.
     """
-    sources = hf_name_map(load_config(checkpoint_dir), scan_layers=scan_layers)
+    config = load_config(checkpoint_dir)
+    sources = hf_name_map(config, scan_layers=scan_layers)
     leaves = nnx.to_flat_state(abstract_state)
     specs = dict(nnx.to_flat_state(nnx.get_partition_spec(abstract_state)))
     paths = {_dotted(path) for path, _ in leaves}
@@ -152,11 +156,23 @@ def load_params(
         )
     with _Checkpoint(Path(checkpoint_dir)) as checkpoint:
         used = {name for path in paths for name in sources[path].tensor_names()}
+        mtp = sorted(
+            {layer for name in checkpoint.names if (layer := mtp_layer(name, config)) is not None}
+        )
+        if mtp:
+            _LOG.warning(
+                "%s: ignoring multi-token-prediction layer(s) %s (model.layers.%d.* ...): the "
+                "causal LM does not run them",
+                checkpoint_dir,
+                mtp,
+                mtp[0],
+            )
         unused = sorted(
             name
             for name in checkpoint.names
             if name not in used
             and not name.endswith(IGNORED_SUFFIXES)
+            and mtp_layer(name, config) is None
             and (name != "lm_head.weight" or "lm_head.kernel" in sources)
         )
         if unused:

@@ -11,8 +11,16 @@ the rows it takes of a tensor that feeds several parameters (Nemotron-H's fused 
 from __future__ import annotations
 
 import dataclasses
+import re
 
-from ..config import Architecture, DecoderConfig, HybridLayer, Mamba2Spec, ResidualDesign
+from ..config import (
+    Architecture,
+    DecoderConfig,
+    HybridLayer,
+    Mamba2Spec,
+    MlaConfig,
+    ResidualDesign,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,12 +182,37 @@ _QKV_BIAS_TENSORS = {
     "attn.kv_proj.bias": HFTensor("self_attn.{part}_proj.bias", parts=_KV_PARTS, part_axis=0),
 }
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # a buffer some older checkpoints store
+_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def mtp_layer(name: str, config: DecoderConfig) -> int | None:
+    """The layer index of a DeepSeek checkpoint tensor that belongs to a multi-token-prediction
+    layer (`model.layers.{i}.*` with i >= num_layers, as DeepSeek-V3's `model.layers.61.*`),
+    which the causal LM does not run; None for any other tensor (or another family)."""
+    if config.mla is None:
+        return None
+    found = _LAYER_INDEX.match(name)
+    layer = None if found is None else int(found.group(1))
+    return layer if layer is not None and layer >= config.num_layers else None
+
+
+def _mla_tensors(mla: MlaConfig) -> dict[str, HFTensor]:
+    """Multi-head latent attention's parameters (`models.layers.mla`), layer-relative."""
+    projections = ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+    projections += ["q_proj"] if mla.q_lora_rank is None else ["q_a_proj", "q_b_proj"]
+    norms = ["kv_a_layernorm"] + ([] if mla.q_lora_rank is None else ["q_a_layernorm"])
+    tensors = {
+        f"attn.{name}.kernel": HFTensor(f"self_attn.{name}.weight", transpose=True)
+        for name in projections
+    }
+    return tensors | {f"attn.{name}.weight": HFTensor(f"self_attn.{name}.weight") for name in norms}
 
 
 def _sparse_ffn_tensors(config: DecoderConfig) -> dict[str, HFTensor]:
     """The sparse FFN's parameters (paths relative to the layer) for
     `models.layers.moe.SparseMoe` held as the layer's `mlp`, with layer-relative tensor names."""
     moe = config.moe
+    shared = "shared_experts" if moe.routing is not None else "shared_expert"  # DeepSeek's
     if config.architecture is Architecture.MIXTRAL:
         prefix, names = "block_sparse_moe.", {"gate": "w1", "up": "w3", "down": "w2"}
     else:
@@ -198,10 +231,12 @@ def _sparse_ffn_tensors(config: DecoderConfig) -> dict[str, HFTensor]:
             experts + names["down"] + ".weight", transpose=True, experts=moe.num_experts
         ),
     }
+    if moe.routing is not None and moe.routing.correction_bias:
+        tensors["mlp.e_score_correction_bias"] = HFTensor(f"{prefix}gate.e_score_correction_bias")
     if moe.shared_expert_intermediate_size is not None:
         for part in ("gate", "up", "down"):
             tensors[f"mlp.shared_expert.{part}_proj"] = HFTensor(
-                f"mlp.shared_expert.{part}_proj.weight", transpose=True
+                f"mlp.{shared}.{part}_proj.weight", transpose=True
             )
         if moe.shared_expert_gate:
             tensors["mlp.shared_expert.expert_gate"] = HFTensor(
@@ -273,10 +308,10 @@ def _hybrid_layer_tensors(config: DecoderConfig, kind: HybridLayer) -> dict[str,
         "mixer.down_proj": HFTensor(
             "mixer.experts.{expert}.down_proj.weight", transpose=True, experts=experts
         ),
-        "mixer.shared_experts.up_proj": HFTensor(
+        "mixer.shared_expert.up_proj": HFTensor(
             "mixer.shared_experts.up_proj.weight", transpose=True
         ),
-        "mixer.shared_experts.down_proj": HFTensor(
+        "mixer.shared_expert.down_proj": HFTensor(
             "mixer.shared_experts.down_proj.weight", transpose=True
         ),
     }
@@ -320,6 +355,13 @@ def hf_name_map(config: DecoderConfig, *, scan_layers: bool = False) -> dict[str
     expert `mlp.shared_expert.{gate,up,down}_proj` and `mlp.shared_expert.expert_gate`
     [hidden, 1].
 
+    A DeepSeek decoder (`config.mla`) has latent attention's `layers.{i}.attn.<name>.kernel`
+    for `q_proj` (or `q_a_proj` and `q_b_proj` with q LoRA), `kv_a_proj_with_mqa`,
+    `kv_b_proj` and `o_proj`, and `layers.{i}.attn.kv_a_layernorm.weight` (and
+    `q_a_layernorm.weight`), from `self_attn.<name>.weight`; its sparse layers' shared experts
+    come from `mlp.shared_experts.*`, and the V3 router's correction bias
+    `layers.{i}.mlp.e_score_correction_bias` from `mlp.gate.e_score_correction_bias`.
+
     The paths above are those of an unscanned model. With `scan_layers`, `layers.{b}` is block
     b of `config.layer_blocks(True)`: an unscanned layer has its paths, and a scanned run has
     `layers.{b}.layer.<path>` with the run's layers stacked on axis 0 (`HFTensor.layers`).
@@ -338,6 +380,9 @@ def hf_name_map(config: DecoderConfig, *, scan_layers: bool = False) -> dict[str
         | (_QK_NORM_TENSORS if config.qk_norm else {})
         | (_QKV_BIAS_TENSORS if config.qkv_bias else {})
     )
+    if config.mla is not None:
+        dense = {k: v for k, v in dense.items() if not k.startswith("attn.")}
+        dense |= _mla_tensors(config.mla)
     sparse = {k: v for k, v in dense.items() if not k.startswith("mlp.")}
     if config.moe is not None:
         sparse |= _sparse_ffn_tensors(config)

@@ -1,7 +1,9 @@
-"""The main job: a small dense decoder, a small MoE decoder and a small hybrid (Nemotron-H)
-stack with random weights under several layouts (the MoE ones also with their experts split
-over expert parallelism, gathered or sent all-to-all), each checked against one device, with
-the collectives each layout runs and its compile and step times.
+"""The main job: a small dense decoder, a small MoE decoder, a small hybrid (Nemotron-H)
+stack and a small DeepSeek-V3-style decoder (latent attention, DeepSeek's MoE) with random
+weights under several layouts (the MoE ones also with their experts split over expert
+parallelism, gathered or sent all-to-all; the DeepSeek one also with its dense layer fully
+data-parallel), each checked against one device, with the collectives each layout runs and
+its compile and step times.
 
 It runs on any machine: each layout goes on the machine's accelerators where it fits (on a
 machine with accelerators, also on one of them, and on all of them where they divide the heads)
@@ -32,6 +34,7 @@ from .plan import batch_description, collective_report, middle_layer, middle_spa
 PRESET = "tiny-qwen3"
 MOE_PRESET = "tiny-qwen3-moe"
 HYBRID_PRESET = "tiny-nemotron-h"
+MLA_PRESET = "tiny-deepseek-v3"
 P = bj.ReductionPolicy
 GATHER, ALL_TO_ALL = bj.MoeDispatch.GATHER, bj.MoeDispatch.ALL_TO_ALL
 
@@ -44,6 +47,7 @@ class Layout:
       moe_ep: Expert-parallel size of an MoE model's sparse layers (1: every rank holds every
         expert, a slice of its width).
       moe_dispatch: Where the experts get their tokens; None for the dense model.
+      dense_ffn_dp: The DeepSeek model's dense layer runs fully data-parallel.
     """
 
     name: str
@@ -53,6 +57,7 @@ class Layout:
     policy: bj.ReductionPolicy = P.AUTO
     moe_ep: int = 1
     moe_dispatch: bj.MoeDispatch | None = None
+    dense_ffn_dp: bool = False
 
     @property
     def size(self) -> int:
@@ -85,6 +90,15 @@ HYBRID_LAYOUTS = tuple(
 """The hybrid model's layouts: its mixers do not gather their input, so neither input-scattered
 rows nor an FFN on its own rows (attention DP 8's dense FFN, an all-to-all MoE) can precede
 one; its MoE layers run on gathered rows, their experts whole or split over EP."""
+MLA_LAYOUTS = (
+    Layout("TP 8", 1, 8, moe_dispatch=GATHER),
+    Layout("attention DP 2 x TP 4, dense FFN DP", 2, 4, moe_dispatch=GATHER, dense_ffn_dp=True),
+    Layout("input-scattered TP 4", 1, 4, input_scattered=True, moe_dispatch=GATHER),
+    Layout("TP 8, EP 8 gather", 1, 8, moe_ep=8, moe_dispatch=GATHER),
+    Layout("attention DP 2 x TP 4, EP 8 all-to-all", 2, 4, moe_ep=8, moe_dispatch=ALL_TO_ALL),
+)
+"""The DeepSeek model's layouts: heads over attention TP, its dense layer over the TP group or
+fully data-parallel, its experts whole or over EP."""
 SIMULATED_CPUS = 8
 """CPU devices the demo simulates for the layouts the machine's accelerators cannot hold."""
 
@@ -213,6 +227,7 @@ def run_layout(
             reduction=layout.policy,
             moe_dispatch=layout.moe_dispatch,
             attention=AttentionImpl.for_platform(devices[0].platform),
+            dense_ffn_dp=layout.dense_ffn_dp,
         )
         runner = ShardedCausalLM(
             model, bj.make_mesh(topology, devices), input_scattered=layout.input_scattered
@@ -261,20 +276,25 @@ def _layout_table(row: dict) -> Table:
 def run_demo(
     *, layers: int = 4, console: Console | None = None, devices: DemoDevices | None = None
 ) -> list[dict]:
-    """Runs every layout of both models, prints one table per layout and a summary; returns
+    """Runs every layout of each model, prints one table per layout and a summary; returns
     the rows.
 
     Args:
-      layers: Decoder layers of both models.
+      layers: Decoder layers of each model.
       console: Where progress goes (default: stderr).
       devices: Where the layouts run (default: `DemoDevices.of_machine()`).
     """
     console = console or Console(stderr=True, log_path=False)
     devices = devices or DemoDevices.of_machine()
     out = Console(width=None if sys.stdout.isatty() else 120)
-    runs = ((PRESET, LAYOUTS), (MOE_PRESET, MOE_LAYOUTS), (HYBRID_PRESET, HYBRID_LAYOUTS))
+    runs = (
+        (PRESET, LAYOUTS),
+        (MOE_PRESET, MOE_LAYOUTS),
+        (HYBRID_PRESET, HYBRID_LAYOUTS),
+        (MLA_PRESET, MLA_LAYOUTS),
+    )
     out.print(
-        f"[bold]boundary-jax demo[/]: {PRESET}, {MOE_PRESET} and {HYBRID_PRESET} "
+        f"[bold]boundary-jax demo[/]: {PRESET}, {MOE_PRESET}, {HYBRID_PRESET} and {MLA_PRESET} "
         f"({layers} layers, random weights), "
         f"{len(demo_prompts(PRESETS[PRESET].vocab_size))} ragged prompts, on {devices.describe()}"
     )
@@ -311,7 +331,7 @@ def summary_table(rows: list[dict], *, devices_column: bool) -> Table:
     (on a machine with accelerators; on a CPU-only one every layout runs on the CPU)."""
     middles = " / ".join(sorted({str(row["middle_layer"]) for row in rows}))
     summary = Table(
-        title=f"summary (collectives of layer {middles}, sparse in the MoE model; bytes for "
+        title=f"summary (collectives of layer {middles}, sparse in the MoE models; bytes for "
         f"{batch_description()})"
     )
     where = ("devices",) if devices_column else ()

@@ -87,6 +87,12 @@ def _model_args(command: argparse.ArgumentParser) -> None:
         metavar="{gather,all-to-all}",
         help="MoE models: where the experts get their tokens (default gather)",
     )
+    command.add_argument(
+        "--dense-ffn-dp",
+        action="store_true",
+        help="DeepSeek: run the dense layers' FFN fully data-parallel (whole weights on every "
+        "rank, on its own rows) instead of split over the TP group",
+    )
     command.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     command.add_argument(
         "--matmul-precision",

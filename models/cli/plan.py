@@ -51,6 +51,8 @@ def plan_report(runner: ShardedCausalLM) -> dict[str, Any]:
     `boundary_jax.report`), for a forward of `PLAN_SEQUENCES` (`batch_tokens` tokens in
     `batch_sequences` sequences). In a model built with `scan_layers`, each layer of a scanned run
     reports its run's plans and the collectives of the run's scan body (once per layer).
+    `decode_cache` gives the decode cache's kind (`KVCache`, or DeepSeek's `LatentCache`) and
+    the bytes one token takes in it on one device, per layer and over all layers.
     """
     model = runner.model
     variant = (
@@ -66,6 +68,7 @@ def plan_report(runner: ShardedCausalLM) -> dict[str, Any]:
     middle = middle_sparse_layer(model.config.sparse_layers)
     if middle is None:
         middle = middle_layer(count)
+    per_layer = model.cache_bytes_per_token(runner.dtype)
     return {
         "architecture": model.config.architecture.value,
         "mesh": runner.topology.mesh_shape(),
@@ -76,6 +79,13 @@ def plan_report(runner: ShardedCausalLM) -> dict[str, Any]:
         "batch": variant.value,
         "batch_tokens": PLAN_TOKENS,
         "batch_sequences": len(PLAN_SEQUENCES),
+        "decode_cache": {
+            "kind": ", ".join(
+                sorted({type(spec).__name__ for spec in model.cache_specs() if spec is not None})
+            ),
+            "bytes_per_token_per_layer": per_layer,
+            "bytes_per_token": per_layer * count,
+        },
         "stages": bj.report.describe_stages(stages, variant),
         "middle_layer": middle,
         "collectives_per_layer": report.counts(middle),
@@ -90,6 +100,11 @@ def print_plan(report: dict[str, Any], console: Console | None = None) -> None:
     console.print(
         f"[bold]{report['architecture']}[/] on mesh {report['mesh']}, policy {report['policy']}, "
         f"{report['batch']} batch"
+    )
+    cache = report["decode_cache"]
+    console.print(
+        f"decode cache: {cache['kind']}, {cache['bytes_per_token_per_layer']:,} bytes per token "
+        f"per layer on each device ({cache['bytes_per_token']:,} over all layers)"
     )
     table = Table(title="bound stage plans")
     for column in (

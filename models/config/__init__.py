@@ -1,6 +1,10 @@
 """Decoder configurations: the frozen config types, the Hugging Face `config.json` reader and
 writer, and the named presets."""
 
+from .deepseek import DeepseekRouting as DeepseekRouting
+from .deepseek import ExpertScoring as ExpertScoring
+from .deepseek import GroupScore as GroupScore
+from .deepseek import MlaConfig as MlaConfig
 from .hf import read_hf_config as read_hf_config
 from .hf import write_hf_config as write_hf_config
 from .hybrid import HybridConfig as HybridConfig
@@ -9,6 +13,7 @@ from .hybrid import HybridMoeConfig as HybridMoeConfig
 from .hybrid import Mamba2Spec as Mamba2Spec
 from .hybrid import parse_pattern as parse_pattern
 from .presets import PRESETS as PRESETS
+from .types import MLA_ARCHITECTURES as MLA_ARCHITECTURES
 from .types import MOE_ARCHITECTURES as MOE_ARCHITECTURES
 from .types import Activation as Activation
 from .types import Architecture as Architecture

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from .deepseek import DeepseekRouting, ExpertScoring, GroupScore, MlaConfig
 from .hf_hybrid import NO_ROPE_THETA
 from .hybrid import HybridConfig, HybridMoeConfig, Mamba2Spec, parse_pattern
-from .types import Architecture, DecoderConfig, Llama3RopeScaling, MoeConfig
+from .types import Architecture, DecoderConfig, Llama3RopeScaling, MoeConfig, YarnRopeScaling
 
 PRESETS: dict[str, DecoderConfig] = {
     "tiny-qwen3": DecoderConfig(
@@ -117,4 +118,58 @@ PRESETS["tiny-nemotron-h"] = DecoderConfig(
             scaling_factor=2.5,
         ),
     ),
+)
+# DeepSeek-V3-style: latent attention with q LoRA and YaRN, one dense layer then three sparse
+# ones (8 experts in 4 groups of which 2 are kept, top-2 by sigmoid scores and a correction bias,
+# one shared expert).
+_TINY_MLA = MlaConfig(
+    hidden_size=64,
+    num_heads=8,
+    q_lora_rank=32,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    rope_theta=1e4,
+    rope_scaling=YarnRopeScaling(
+        factor=4.0, original_max_position_embeddings=32, mscale=1.0, mscale_all_dim=1.0
+    ),
+)
+_TINY_ROUTING = DeepseekRouting(
+    num_experts=8,
+    top_k=2,
+    scoring=ExpertScoring.SIGMOID,
+    num_groups=4,
+    topk_groups=2,
+    group_score=GroupScore.TOP2_SUM,
+    correction_bias=True,
+    renormalize=True,
+    scaling_factor=2.5,
+)
+PRESETS["tiny-deepseek-v3"] = DecoderConfig(
+    architecture=Architecture.DEEPSEEK_V3,
+    vocab_size=256,
+    hidden_size=_TINY_MLA.hidden_size,
+    intermediate_size=128,
+    num_layers=4,
+    num_heads=_TINY_MLA.num_heads,
+    num_kv_heads=_TINY_MLA.num_heads,
+    head_dim=_TINY_MLA.qk_head_dim,
+    rms_norm_eps=1e-6,
+    rope_theta=_TINY_MLA.rope_theta,
+    rope_scaling=_TINY_MLA.rope_scaling,
+    qk_norm=False,
+    tie_word_embeddings=False,
+    sliding_window=None,
+    max_position_embeddings=128,
+    moe=MoeConfig(
+        num_experts=_TINY_ROUTING.num_experts,
+        top_k=_TINY_ROUTING.top_k,
+        expert_intermediate_size=32,
+        renormalize=_TINY_ROUTING.renormalize,
+        shared_expert_intermediate_size=32,
+        mlp_only_layers=(0,),
+        routing=_TINY_ROUTING,
+    ),
+    mla=_TINY_MLA,
 )

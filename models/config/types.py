@@ -12,7 +12,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from .deepseek import DeepseekRouting, MlaConfig
 
 from .hybrid import HybridConfig, HybridLayer
 
@@ -31,9 +34,18 @@ class Architecture(enum.StrEnum):
     OLMO2 = "Olmo2ForCausalLM"
     GEMMA3 = "Gemma3ForCausalLM"
     NEMOTRON_H = "NemotronHForCausalLM"
+    DEEPSEEK_V2 = "DeepseekV2ForCausalLM"
+    DEEPSEEK_V3 = "DeepseekV3ForCausalLM"
 
 
-MOE_ARCHITECTURES = (Architecture.QWEN3_MOE, Architecture.MIXTRAL, Architecture.QWEN2_MOE)
+MLA_ARCHITECTURES = (Architecture.DEEPSEEK_V2, Architecture.DEEPSEEK_V3)
+"""The architectures whose attention is multi-head latent attention (`DecoderConfig.mla`)."""
+MOE_ARCHITECTURES = (
+    Architecture.QWEN3_MOE,
+    Architecture.MIXTRAL,
+    Architecture.QWEN2_MOE,
+    *MLA_ARCHITECTURES,
+)
 
 
 class ResidualDesign(enum.Enum):
@@ -90,6 +102,9 @@ class MoeConfig:
       mlp_only_layers: Layers whose FFN is dense (HF `mlp_only_layers`).
       decoder_sparse_step: Layer i is sparse when (i + 1) % decoder_sparse_step == 0 and it is
         not in `mlp_only_layers`; the others run the dense FFN of width `intermediate_size`.
+      routing: DeepSeek's router (`config.deepseek.DeepseekRouting`: grouped top-k, scaled
+        weights, a correction bias) in place of the plain softmax top-k; its experts, top-k
+        and renormalization are the fields above.
     """
 
     num_experts: int
@@ -100,6 +115,7 @@ class MoeConfig:
     shared_expert_gate: bool = False
     mlp_only_layers: tuple[int, ...] = ()
     decoder_sparse_step: int = 1
+    routing: DeepseekRouting | None = None
 
     def __post_init__(self):
         for name in ("num_experts", "top_k", "expert_intermediate_size", "decoder_sparse_step"):
@@ -128,6 +144,18 @@ class MoeConfig:
                 "mlp_only_layers must be a tuple of layer indices (hashable); got "
                 f"{self.mlp_only_layers!r}"
             )
+        rule = self.routing
+        if rule is not None and (rule.num_experts, rule.top_k, rule.renormalize) != (
+            self.num_experts,
+            self.top_k,
+            self.renormalize,
+        ):
+            raise ValueError(
+                "the routing rule must route the MoE's experts, top-k and renormalization; got "
+                f"{rule=} for {self.num_experts=}, {self.top_k=}, {self.renormalize=}"
+            )
+        if rule is not None and self.shared_expert_gate:
+            raise ValueError("DeepSeek's shared experts are ungated; got shared_expert_gate=True")
 
     def is_sparse(self, layer: int) -> bool:
         """Whether decoder layer `layer` (0-based) runs the sparse FFN, by HF's rule."""
@@ -365,6 +393,10 @@ class DecoderConfig:
       hybrid: A hybrid stack's layer pattern and the facts of its Mamba2 and MoE layers (Nemotron-H:
         one stage per layer; `intermediate_size` is the relu^2 MLP's width, and attention
         applies no positional encoding), or None for a decoder of attention + FFN layers.
+      mla: The multi-head latent attention of every layer (DeepSeek-V2 / V3,
+        `config.deepseek.MlaConfig`), or None for grouped-query attention; with it, `num_heads`
+        is its heads, `num_kv_heads` the same, `head_dim` its query/key width and the RoPE
+        its RoPE.
     """
 
     architecture: Architecture
@@ -392,6 +424,7 @@ class DecoderConfig:
     activation: Activation = Activation.SILU
     initializer_range: float = 0.02
     hybrid: HybridConfig | None = None
+    mla: MlaConfig | None = None
 
     def __post_init__(self):
         for name in (
@@ -454,6 +487,7 @@ class DecoderConfig:
         if not self.initializer_range > 0:
             raise ValueError(f"initializer_range must be positive; got {self.initializer_range}")
         self._check_hybrid()
+        self._check_mla()
 
     def _check_hybrid(self) -> None:
         hybrid = self.hybrid
@@ -479,6 +513,41 @@ class DecoderConfig:
                 "a hybrid stack's attention applies no positional encoding over the whole "
                 f"sequence: it needs nope_full_layers=True and no sliding window; got "
                 f"{self.nope_full_layers=}, {self.sliding_window=}"
+            )
+
+    def _check_mla(self) -> None:
+        """DeepSeek's facts agree: MLA and DeepSeek routing exactly on its architectures, the
+        attention's shapes and RoPE those of the decoder, dense layers first."""
+        mla, deepseek = self.mla, self.architecture in MLA_ARCHITECTURES
+        if (mla is not None) != deepseek or (
+            deepseek and (self.moe is None or self.moe.routing is None)
+        ):
+            raise ValueError(
+                f"{self.architecture.value}: multi-head latent attention (mla) and DeepSeek "
+                f"routing (moe.routing) are exactly the {[a.value for a in MLA_ARCHITECTURES]} "
+                f"facts; got mla={mla!r}, moe={self.moe!r}"
+            )
+        if self.moe is not None and self.moe.routing is not None and not deepseek:
+            raise ValueError(f"{self.architecture.value} takes no DeepSeek routing rule")
+        if mla is None:
+            return
+        shapes = (mla.hidden_size, mla.num_heads, mla.num_heads, mla.qk_head_dim)
+        rope = (mla.rope_theta, mla.rope_scaling)
+        if shapes != (self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim) or (
+            rope != (self.rope_theta, self.rope_scaling)
+        ):
+            raise ValueError(
+                "the latent attention's hidden size, heads, head width and RoPE must be the "
+                f"decoder's (num_kv_heads = num_heads, head_dim = nope + rope); got {mla=} in "
+                f"a config of hidden_size={self.hidden_size}, num_heads={self.num_heads}, "
+                f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
+            )
+        dense = self.moe.mlp_only_layers
+        if dense != tuple(range(len(dense))) or self.moe.decoder_sparse_step != 1:
+            raise ValueError(
+                "DeepSeek's dense layers are the first first_k_dense_replace ones, the rest "
+                f"sparse; got mlp_only_layers={dense}, "
+                f"decoder_sparse_step={self.moe.decoder_sparse_step}"
             )
 
     @property

@@ -2,7 +2,8 @@
 config's class.
 
 `decoder.CausalLM` is the pre-norm dense decoder every family builds on; `moe.MoeCausalLM` adds
-sparse FFNs, `norm_designs.NormDesignCausalLM` the post-norm and sandwich-norm residual designs;
+sparse FFNs, `norm_designs.NormDesignCausalLM` the post-norm and sandwich-norm residual designs,
+`deepseek.DeepseekCausalLM` latent attention and DeepSeek's MoE;
 `nemotron_h.NemotronHForCausalLM` builds hybrid stacks of single-stage layers on `MoeCausalLM`.
 """
 
@@ -10,6 +11,9 @@ from ..config import Architecture, DecoderConfig
 from .decoder import CausalLM as CausalLM
 from .decoder import DecoderLayer as DecoderLayer
 from .decoder import Remat as Remat
+from .deepseek import DeepseekCausalLM as DeepseekCausalLM
+from .deepseek import DeepseekV2ForCausalLM as DeepseekV2ForCausalLM
+from .deepseek import DeepseekV3ForCausalLM as DeepseekV3ForCausalLM
 from .exaone4 import Exaone4ForCausalLM as Exaone4ForCausalLM
 from .gemma3 import Gemma3ForCausalLM as Gemma3ForCausalLM
 from .llama import LlamaForCausalLM as LlamaForCausalLM
@@ -33,6 +37,8 @@ FAMILIES: tuple[type[CausalLM], ...] = (
     Olmo2ForCausalLM,
     Gemma3ForCausalLM,
     NemotronHForCausalLM,
+    DeepseekV2ForCausalLM,
+    DeepseekV3ForCausalLM,
 )
 """Every decoder class; each names the `Architecture`s it builds."""
 

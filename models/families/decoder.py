@@ -21,7 +21,7 @@ import boundary_jax as bj
 from boundary_jax import residual
 
 from ..config import Architecture, DecoderConfig, ResidualDesign
-from ..layers.attention import Attention, AttentionImpl
+from ..layers.attention import Attention, AttentionImpl, HeadSplit
 from ..layers.hyper_connections import HyperConnections
 from ..layers.kv_cache import KVCache
 from ..layers.linear import ParallelLMHead, VocabParallelEmbedding
@@ -318,6 +318,32 @@ class CausalLM(nnx.Module):
             rngs=rngs,
         )
 
+    def block_cache_specs(self, *, stacked: bool = False) -> KVCache:
+        """The `PartitionSpec` tree of one block's decode cache (`stacked`: a scanned run's,
+        with a leading layer axis); a family with another cache overrides it and `block_cache`."""
+        return KVCache.specs(self.topology, stacked=stacked)
+
+    def block_cache(
+        self, *, slots: int, max_len: int, dtype: jnp.dtype, mesh: Mesh | None, layers: int | None
+    ) -> KVCache:
+        """One block's zero decode cache (`layers`: a scanned run's, stacked), as
+        `KVCache.create` makes it."""
+        return KVCache.create(
+            self.config,
+            self.topology,
+            slots=slots,
+            max_len=max_len,
+            dtype=dtype,
+            mesh=mesh,
+            layers=layers,
+        )
+
+    def cache_bytes_per_token(self, dtype: jnp.dtype) -> int:
+        """Bytes one token takes in one layer's decode cache on one device (its kv heads' keys
+        and values)."""
+        heads = HeadSplit.of(self.config, self.topology)
+        return 2 * heads.local_kv_heads * self.config.head_dim * jnp.dtype(dtype).itemsize
+
     @property
     def final_read(self) -> Callable[[jax.Array], jax.Array]:
         """The norm the stack's final read applies: the `RMSNorm` itself without
@@ -404,7 +430,7 @@ class CausalLM(nnx.Module):
     def cache_specs(self) -> tuple:
         """Per block of `layers`, its decode cache's `PartitionSpec` tree (`new_caches`)."""
         return tuple(
-            KVCache.specs(self.topology, stacked=block.scanned)
+            self.block_cache_specs(stacked=block.scanned)
             for block in self.config.layer_blocks(self.scan_layers)
         )
 
@@ -415,9 +441,7 @@ class CausalLM(nnx.Module):
         positions: one KV cache per block of `layers`, a scanned run's stacked on a leading
         layer axis; on `mesh`, each device allocates only its shard."""
         return tuple(
-            KVCache.create(
-                self.config,
-                self.topology,
+            self.block_cache(
                 slots=slots,
                 max_len=max_len,
                 dtype=dtype,

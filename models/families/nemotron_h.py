@@ -28,11 +28,10 @@ from jax.sharding import Mesh
 
 import boundary_jax as bj
 
-from ..config import Architecture, DecoderConfig, HybridLayer
+from ..config import Architecture, DecoderConfig, HybridLayer, MoeConfig
 from ..layers.activations import ExpertActivation
 from ..layers.attention import Attention, AttentionImpl, KVCache
-from ..layers.deepseek_moe import DeepseekRouting, ExpertScoring, GroupScore
-from ..layers.deepseek_moe_ffn import DeepseekMoeFfn
+from ..layers.deepseek_moe import DeepseekMoeFfn, DeepseekRouting, ExpertScoring, GroupScore
 from ..layers.hyper_connections import HyperConnections
 from ..layers.mamba2 import Mamba2Cache, Mamba2Mixer
 from ..layers.moe import GroupedMatmulImpl
@@ -136,6 +135,12 @@ class NemotronHForCausalLM(MoeCausalLM):
             raise NotImplementedError(
                 "Nemotron-H with MHC hyper-connections is not supported; build it without"
             )
+        if moe_dispatch is not bj.MoeDispatch.GATHER:
+            raise NotImplementedError(
+                f"Nemotron-H's MoE layers run on gathered rows (MoeDispatch.GATHER); got "
+                f"{moe_dispatch}. Its mixers do not gather their input, so no FFN on its own "
+                "rows can precede one"
+            )
         if config.hybrid is not None and config.hybrid.moe is None and topology.moe_ep != 1:
             raise ValueError(
                 f"the hybrid pattern {config.hybrid.pattern!r} has no MoE layer; got "
@@ -201,12 +206,18 @@ class NemotronHForCausalLM(MoeCausalLM):
                     renormalize=moe.renormalize,
                     scaling_factor=moe.scaling_factor,
                 )
+                experts = MoeConfig(
+                    num_experts=moe.num_experts,
+                    top_k=moe.top_k,
+                    expert_intermediate_size=moe.expert_intermediate_size,
+                    renormalize=moe.renormalize,
+                    shared_expert_intermediate_size=moe.shared_expert_intermediate_size,
+                    routing=rule,
+                )
                 mixer = DeepseekMoeFfn(
                     config.hidden_size,
-                    moe.expert_intermediate_size,
-                    rule,
+                    experts,
                     topology,
-                    shared_width=moe.shared_expert_intermediate_size,
                     dispatch=self.moe_dispatch,
                     activation=ExpertActivation.RELU2,
                     impl=self.grouped_matmul,

@@ -230,13 +230,15 @@ class Attention(nnx.Module):
                 # cuDNN leaves rows outside every segment unwritten.
                 out = jnp.where(valid[:, None, None], out, 0)
             else:
-                out = self._attend_packed(
+                out = attend_packed(
                     self._grouped(q),
                     k.astype(q.dtype),
                     v,
                     positions,
                     segment_ids,
-                    max_sequence_rows,
+                    scale=self.scale,
+                    max_sequence_rows=max_sequence_rows,
+                    sliding_window=self.spec.sliding_window,
                 )
         else:
             # Row i is slot i: write each row's key at its position, then read the cache as is.
@@ -246,9 +248,10 @@ class Attention(nnx.Module):
                 out = decode_cache_cudnn(q, cache, positions, self.scale)
             else:
                 key_positions = jnp.arange(cache.k.shape[1], dtype=positions.dtype)
-                mask = self._visible(positions, key_positions) & valid[:, None]
+                visible = causal_visibility(positions, key_positions, self.spec.sliding_window)
+                mask = visible & valid[:, None]
                 keys, values = cache.k.astype(q.dtype), cache.v.astype(v.dtype)
-                out = _attend(self._grouped(q), keys, values, mask, "tskd", self.scale)
+                out = attend(self._grouped(q), keys, values, mask, "tskd", self.scale)
         # The jnp paths give padding rows zero weights. A cuDNN decode row of an idle slot
         # reads its slot's first key (finite values): masking it would cost a kernel per layer
         # and step, and the batch's token counts (or the caller) ignore that row.
@@ -309,63 +312,6 @@ class Attention(nnx.Module):
         kv = project(h, kernel, bias).reshape(h.shape[0], 2, self.heads.local_kv_heads, head_dim)
         return kv[:, 0], kv[:, 1]
 
-    def _attend_packed(
-        self,
-        q: jax.Array,
-        k: jax.Array,
-        v: jax.Array,
-        positions: jax.Array,
-        segment_ids: jax.Array,
-        max_sequence_rows: int | None,
-    ) -> jax.Array:
-        """Prefill attention among packed rows, [T, kv, group, D].
-
-        Rows of a sequence are contiguous, so a row's keys lie at most `reach - 1` rows back,
-        where `reach` is the longer bound of the sequence length and the sliding window. When
-        that reach is static and well short of T, queries go in blocks of `block` rows and each
-        block attends to the `width` key blocks ending at its own, so scores cost
-        T x width * block instead of T x T (forward and backward).
-        """
-        rows = q.shape[0]
-        bounds = [b for b in (max_sequence_rows, self.spec.sliding_window) if b is not None]
-        reach = min(bounds) if bounds else rows
-        block = min(PREFILL_KEY_BLOCK, 1 << max(reach - 1, 1).bit_length())
-        width = -(-(reach - 1) // block) + 1
-        if width * block >= rows:
-            mask = segment_ids[:, None] == segment_ids[None, :]
-            mask &= self._visible(positions, positions) & (segment_ids >= 0)[:, None]
-            return _attend(q, k, v, mask, "skd", self.scale)
-        blocks = -(-rows // block)
-        pad = blocks * block - rows
-
-        def blocked(x: jax.Array, fill: int) -> jax.Array:
-            x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
-            return x.reshape(blocks, block, *x.shape[1:])
-
-        def windows(x: jax.Array, fill: int) -> jax.Array:
-            """[blocks, block, ...] -> [blocks, width * block, ...]: key blocks i-width+1..i."""
-            before = jnp.full((width - 1, *x.shape[1:]), fill, x.dtype)
-            x = jnp.concatenate([before, x])
-            stacked = jnp.stack([x[j : j + blocks] for j in range(width)], axis=1)
-            return stacked.reshape(blocks, width * block, *x.shape[2:])
-
-        segments, where = blocked(segment_ids, -1), blocked(positions, 0)
-        mask = segments[:, :, None] == windows(segments, -1)[:, None, :]
-        mask &= self._visible(where, windows(where, 0)) & (segments >= 0)[:, :, None]
-        out = _attend_blocks(
-            blocked(q, 0), windows(blocked(k, 0), 0), windows(blocked(v, 0), 0), mask, self.scale
-        )
-        return out.reshape(blocks * block, *q.shape[1:])[:rows]
-
-    def _visible(self, query_positions: jax.Array, key_positions: jax.Array) -> jax.Array:
-        """[..., T, S] causal (and sliding-window) visibility of key positions [..., S] from
-        query positions [..., T]."""
-        distance = query_positions[..., :, None] - key_positions[..., None, :]
-        visible = distance >= 0
-        if self.spec.sliding_window is not None:
-            visible &= distance < self.spec.sliding_window
-        return visible
-
     def _write(
         self,
         cache: KVCache,
@@ -398,12 +344,93 @@ class Attention(nnx.Module):
         )
 
 
-def _acc(dtype: jnp.dtype) -> jnp.dtype:
-    """FP32 accumulation, or the input's dtype where that is wider."""
+def causal_visibility(
+    query_positions: jax.Array, key_positions: jax.Array, sliding_window: int | None = None
+) -> jax.Array:
+    """[..., T, S] causal (and sliding-window) visibility of key positions [..., S] from query
+    positions [..., T]: `0 <= query - key (< sliding_window)`."""
+    distance = query_positions[..., :, None] - key_positions[..., None, :]
+    visible = distance >= 0
+    if sliding_window is not None:
+        visible &= distance < sliding_window
+    return visible
+
+
+def attend_packed(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array,
+    *,
+    scale: float,
+    max_sequence_rows: int | None = None,
+    sliding_window: int | None = None,
+) -> jax.Array:
+    """Causal attention within each sequence of packed rows (the `jnp` prefill of `Attention`
+    and of `models.layers.mla`); v's head width may differ from q's.
+
+    Rows of a sequence are contiguous, so a row's keys lie at most `reach - 1` rows back, where
+    `reach` is the shorter of the bounds `max_sequence_rows` and `sliding_window`. When that
+    reach is static and well short of T, queries go in blocks of `block` rows and each block
+    attends to the `width` key blocks ending at its own, so scores cost T x width * block
+    instead of T x T (forward and backward).
+
+    Args:
+      q: [T, kv, group, D] queries, grouped by the kv head they use.
+      k: [T, kv, D] keys.
+      v: [T, kv, Dv] values.
+      positions: [T] position of each row in its sequence; rows of a sequence contiguous.
+      segment_ids: [T] sequence of each row; -1 for padding (zero output).
+      scale: Factor of the scores.
+      max_sequence_rows: Static bound on a sequence's rows, or None.
+      sliding_window: A row attends to the `sliding_window` positions ending at its own; None
+        for full causal attention.
+
+    Returns:
+      [T, kv, group, Dv].
+    """
+    rows = q.shape[0]
+    bounds = [b for b in (max_sequence_rows, sliding_window) if b is not None]
+    reach = min(bounds) if bounds else rows
+    block = min(PREFILL_KEY_BLOCK, 1 << max(reach - 1, 1).bit_length())
+    width = -(-(reach - 1) // block) + 1
+    if width * block >= rows:
+        mask = segment_ids[:, None] == segment_ids[None, :]
+        mask &= causal_visibility(positions, positions, sliding_window)
+        mask &= (segment_ids >= 0)[:, None]
+        return attend(q, k, v, mask, "skd", scale)
+    blocks = -(-rows // block)
+    pad = blocks * block - rows
+
+    def blocked(x: jax.Array, fill: int) -> jax.Array:
+        x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
+        return x.reshape(blocks, block, *x.shape[1:])
+
+    def windows(x: jax.Array, fill: int) -> jax.Array:
+        """[blocks, block, ...] -> [blocks, width * block, ...]: key blocks i-width+1..i."""
+        before = jnp.full((width - 1, *x.shape[1:]), fill, x.dtype)
+        x = jnp.concatenate([before, x])
+        stacked = jnp.stack([x[j : j + blocks] for j in range(width)], axis=1)
+        return stacked.reshape(blocks, width * block, *x.shape[2:])
+
+    segments, where = blocked(segment_ids, -1), blocked(positions, 0)
+    mask = segments[:, :, None] == windows(segments, -1)[:, None, :]
+    mask &= causal_visibility(where, windows(where, 0), sliding_window)
+    mask &= (segments >= 0)[:, :, None]
+    out = attend_blocks(
+        blocked(q, 0), windows(blocked(k, 0), 0), windows(blocked(v, 0), 0), mask, scale
+    )
+    return out.reshape(blocks * block, *out.shape[2:])[:rows]
+
+
+def accumulation_dtype(dtype: jnp.dtype) -> jnp.dtype:
+    """FP32 accumulation, or the input's dtype where that is wider: the dtype of attention
+    scores and weighted sums here (and in `models.layers.mla`)."""
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def _attend(
+def attend(
     q: jax.Array,
     keys: jax.Array,
     values: jax.Array,
@@ -416,7 +443,7 @@ def _attend(
     q is [T, kv, group, D]; keys/values are [S, kv, D] (`key_axes` "skd") or one set per row,
     [T, S, kv, D] ("tskd"); mask is [T, S]. Returns [T, kv, group, D].
     """
-    acc = _acc(q.dtype)
+    acc = accumulation_dtype(q.dtype)
     scores = jnp.einsum(f"tkgd,{key_axes}->tkgs", q, keys, preferred_element_type=acc)
     probs = _masked_softmax(scores * scale, mask)
     return jnp.einsum(
@@ -424,12 +451,12 @@ def _attend(
     )
 
 
-def _attend_blocks(
+def attend_blocks(
     q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array, scale: float
 ) -> jax.Array:
-    """`_attend` per query block: q [N, B, kv, group, D] against that block's keys and values
+    """`attend` per query block: q [N, B, kv, group, D] against that block's keys and values
     [N, S, kv, D] under mask [N, B, S]. Returns [N, B, kv, group, D]."""
-    acc = _acc(q.dtype)
+    acc = accumulation_dtype(q.dtype)
     scores = jnp.einsum("nbkgd,nskd->nbkgs", q, keys, preferred_element_type=acc)
     probs = _masked_softmax(scores * scale, mask)
     return jnp.einsum(

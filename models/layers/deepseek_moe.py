@@ -1,5 +1,5 @@
 """DeepSeek's MoE router (V2 softmax / V3 sigmoid with a correction bias, grouped top-k) and the
-sparse FFN of one rank built on it.
+sparse FFNs built on it: one rank's (`DeepseekMoe`) and one on a topology (`DeepseekMoeFfn`).
 
 The router returns a `models.moe.Routing`, so the expert compute, the finalize and the
 expert-parallel dispatch of `models.moe` serve DeepSeek unchanged. The math, as transformers 5
@@ -27,146 +27,22 @@ relu^2 shared expert of its own width (`ExpertActivation.RELU2`).
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-from collections.abc import Mapping
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import PartitionSpec
 
+import boundary_jax as bj
+from boundary_jax.initializers import Normal, param
+
+from ..config import DeepseekRouting as DeepseekRouting
+from ..config import ExpertScoring as ExpertScoring
+from ..config import GroupScore as GroupScore
+from ..config import MoeConfig
 from .activations import ExpertActivation
-from .moe import (
-    GroupedMatmulImpl,
-    MoeOutput,
-    PartitionEntry,
-    Routing,
-    SharedExpert,
-    expert_outputs,
-    finalized_expert_outputs,
-)
-
-
-class ExpertScoring(enum.Enum):
-    """How router logits become expert scores.
-
-    SOFTMAX: over all experts (DeepSeek-V2).
-    SIGMOID: each expert on its own (DeepSeek-V3).
-    """
-
-    SOFTMAX = "softmax"
-    SIGMOID = "sigmoid"
-
-
-class GroupScore(enum.Enum):
-    """How a group of experts is scored for the grouped top-k.
-
-    MAX: its best expert's choice score (DeepSeek-V2's `group_limited_greedy`).
-    TOP2_SUM: the sum of its two best choice scores (DeepSeek-V3).
-    """
-
-    MAX = "max"
-    TOP2_SUM = "top2-sum"
-
-
-@dataclasses.dataclass(frozen=True)
-class DeepseekRouting:
-    """DeepSeek's routing rule: static and hashable.
-
-    Attributes:
-      num_experts: Routed experts (HF `n_routed_experts`).
-      top_k: Experts per token (HF `num_experts_per_tok`).
-      scoring: Softmax (V2) or sigmoid (V3) scores.
-      num_groups: Equal groups the experts form (HF `n_group`); 1: no grouped selection.
-      topk_groups: Groups whose experts a token may choose (HF `topk_group`).
-      group_score: How a group is scored.
-      correction_bias: The choice adds `e_score_correction_bias` to the scores (V3); the
-        weights never do.
-      renormalize: The k weights are divided by their sum (+ 1e-20) (V3's `norm_topk_prob`).
-      scaling_factor: The weights' factor (HF `routed_scaling_factor`).
-    """
-
-    num_experts: int
-    top_k: int
-    scoring: ExpertScoring
-    num_groups: int = 1
-    topk_groups: int = 1
-    group_score: GroupScore = GroupScore.MAX
-    correction_bias: bool = False
-    renormalize: bool = False
-    scaling_factor: float = 1.0
-
-    def __post_init__(self):
-        for name in ("num_experts", "top_k", "num_groups", "topk_groups"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"DeepseekRouting.{name} must be a positive int; got {value!r}")
-        if self.num_experts % self.num_groups or self.topk_groups > self.num_groups:
-            raise ValueError(
-                "the experts must form num_groups equal groups, of which topk_groups are kept; "
-                f"got {self.num_experts=}, {self.num_groups=}, {self.topk_groups=}"
-            )
-        per_group = self.num_experts // self.num_groups
-        if self.top_k > self.topk_groups * per_group:
-            raise ValueError(
-                f"top_k ({self.top_k}) must not exceed the experts of the kept groups "
-                f"({self.topk_groups} x {per_group})"
-            )
-        if self.group_score is GroupScore.TOP2_SUM and self.num_groups > 1 and per_group < 2:
-            raise ValueError(
-                f"a group scored by its best two experts needs two; got {per_group} per group"
-            )
-
-    @classmethod
-    def from_hf(cls, config: Mapping[str, Any]) -> DeepseekRouting:
-        """Reads the router of a DeepSeek-V2 / V3 `config.json` (as a dict), as transformers 5
-        runs it.
-
-        Raises:
-          ValueError: Another model type, or a rule transformers does not run (V2's
-            `norm_topk_prob`, which transformers ignores but DeepSeek's code honours; a
-            `topk_method` or `scoring_func` other than these).
-        """
-        model_type = config.get("model_type")
-        experts, top_k = config["n_routed_experts"], config["num_experts_per_tok"]
-        scaling = float(config.get("routed_scaling_factor", 1.0))
-        if model_type == "deepseek_v2":
-            if config.get("norm_topk_prob"):
-                raise ValueError(
-                    "deepseek_v2 with norm_topk_prob=true: transformers ignores it, DeepSeek's "
-                    "code renormalizes instead of scaling; refusing to guess"
-                )
-            method = config.get("topk_method", "greedy")
-            if method == "greedy":
-                return cls(experts, top_k, ExpertScoring.SOFTMAX, scaling_factor=scaling)
-            if method == "group_limited_greedy":
-                return cls(
-                    experts,
-                    top_k,
-                    ExpertScoring.SOFTMAX,
-                    num_groups=config["n_group"],
-                    topk_groups=config["topk_group"],
-                    scaling_factor=scaling,
-                )
-            raise ValueError(f"deepseek_v2 topk_method {method!r} is not supported")
-        if model_type == "deepseek_v3":
-            if config.get("scoring_func", "sigmoid") != "sigmoid":
-                raise ValueError(f"deepseek_v3 scores by sigmoid; got {config['scoring_func']!r}")
-            return cls(
-                experts,
-                top_k,
-                ExpertScoring.SIGMOID,
-                num_groups=config.get("n_group") or 1,
-                topk_groups=config.get("topk_group") or 1,
-                group_score=GroupScore.TOP2_SUM,
-                correction_bias=True,
-                renormalize=bool(config.get("norm_topk_prob", True)),
-                scaling_factor=scaling,
-            )
-        raise ValueError(f"DeepseekRouting.from_hf reads deepseek_v2 / v3 configs; {model_type=}")
+from .buffer import Buffer
+from .moe import GroupedMatmulImpl, PartitionEntry, Routing, SparseMoe
+from .moe_ffn import MoeFfn
 
 
 def deepseek_route(
@@ -231,27 +107,19 @@ def _keep_best_groups(choice: jax.Array, rule: DeepseekRouting) -> jax.Array:
     return jnp.where(allowed[:, :, None], grouped, -jnp.inf).reshape(choice.shape)
 
 
-class DeepseekMoe(nnx.Module):
+class DeepseekMoe(SparseMoe):
     """DeepSeek's router + routed experts + shared experts of one rank; returns an unfinalized
-    output, as `models.moe.SparseMoe` does (same expert parameters and layout; with RELU2
-    experts, the up projection alone).
+    output, as `SparseMoe` does (the same experts and layout, DeepSeek's router).
 
-    Attributes:
+    Attributes (besides `SparseMoe`'s, whose `shared_expert` is the shared experts: a
+    `SharedExpert` of width `shared_width` (DeepSeek: `n_shared_experts * expert_width`),
+    ungated, its width split over `shared_width_entry`, or None):
       router: [hidden, num_experts] float32 (transformers keeps it so), replicated; HF
         `mlp.gate.weight` transposed.
-      e_score_correction_bias: [num_experts] float32, replicated (HF
+      e_score_correction_bias: A `Buffer` [num_experts] float32, replicated (HF
         `mlp.gate.e_score_correction_bias`); None without a correction bias. It only picks
-        experts, so it gets no gradient; a trainer must leave it out of weight decay.
-      gate_up_proj: [num_experts, hidden, 2, width] each expert's gate and up projections
-        ([num_experts, hidden, 1, width]: the up projection alone, for RELU2 experts), split
-        over `expert_entry` (axis 0) and `width_entry` (axis 3).
-      down_proj: [num_experts, width, hidden], split over `expert_entry` and `width_entry`.
-      shared_experts: A `SharedExpert` of width `shared_width` (DeepSeek: `n_shared_experts *
-        width`), ungated, its width split over `shared_width_entry`; None without shared
-        experts.
+        experts, so it gets no gradient and training leaves it as it is.
       rule: The routing rule.
-      impl: The grouped matmul implementation.
-      activation: What the routed and shared experts compute between their projections.
     """
 
     def __init__(
@@ -269,113 +137,97 @@ class DeepseekMoe(nnx.Module):
         dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs,
     ):
-        experts = rule.num_experts
-        self.router = _param(rngs, (hidden_size, experts), (None, None), jnp.float32, hidden_size)
-        self.e_score_correction_bias = (
-            nnx.Param(
-                0.1 * jax.random.normal(rngs.params(), (experts,), jnp.float32),
-                out_sharding=PartitionSpec(None),
-                eager_sharding=False,
-            )
-            if rule.correction_bias
-            else None
-        )
-        self.gate_up_proj = _param(
-            rngs,
-            (experts, hidden_size, activation.parts, expert_width),
-            (expert_entry, None, None, width_entry),
-            dtype,
+        super().__init__(
             hidden_size,
-        )
-        self.down_proj = _param(
-            rngs,
-            (experts, expert_width, hidden_size),
-            (expert_entry, width_entry, None),
-            dtype,
+            rule.num_experts,
             expert_width,
+            top_k=rule.top_k,
+            renormalize=rule.renormalize,
+            shared_width=shared_width or None,
+            expert_entry=expert_entry,
+            width_entry=width_entry,
+            shared_width_entry=shared_width_entry,
+            impl=impl,
+            activation=activation,
+            dtype=dtype,
+            rngs=rngs,
         )
-        self.shared_experts = (
-            SharedExpert(
-                hidden_size,
-                shared_width,
-                gated=False,
-                width_entry=shared_width_entry,
-                activation=activation,
-                dtype=dtype,
-                rngs=rngs,
-            )
-            if shared_width
-            else None
-        )
+        self.router, self.e_score_correction_bias = deepseek_router(hidden_size, rule, rngs=rngs)
         self.rule = rule
-        self.impl = impl
-        self.activation = activation
 
     def route(self, x: jax.Array) -> Routing:
-        """[T, hidden] complete rows -> their `Routing` (alike on every rank)."""
-        bias = self.e_score_correction_bias
-        return deepseek_route(x, self.router[...], None if bias is None else bias[...], self.rule)
+        """[T, hidden] complete rows -> their DeepSeek `Routing` (alike on every rank)."""
+        return deepseek_route(x, self.router[...], _value(self.e_score_correction_bias), self.rule)
 
-    def __call__(
+
+class DeepseekMoeFfn(MoeFfn):
+    """DeepSeek's sparse FFN on a topology: `MoeFfn`'s experts, shared experts and dispatch
+    (gathered rows or all-to-all, experts over EP, their width over the rest), routed by
+    DeepSeek's router (`moe.routing`).
+
+    Attributes (besides `MoeFfn`'s): `router`, `e_score_correction_bias` and `rule`, as
+    `DeepseekMoe`'s.
+    """
+
+    def __init__(
         self,
-        x: jax.Array,
+        hidden_size: int,
+        moe: MoeConfig,
+        topology: bj.Topology,
         *,
-        expert_offset: int | jax.Array = 0,
-        count_shared: bool | jax.Array = True,
-    ) -> MoeOutput:
-        """[T, hidden] complete rows -> this rank's `MoeOutput` (unfinalized, owing the sum).
-
-        Args:
-          x: [T, hidden] token rows, the same on every rank that splits these experts.
-          expert_offset: Global id of this rank's first local expert (0 when the experts are
-            not split), computed by the caller.
-          count_shared: Whether this rank adds its shared-experts output (a traced bool where
-            the rank decides it, e.g. the first rank of a group that holds them whole).
-        """
-        routing = self.route(x)
-        outputs = expert_outputs(
-            x,
-            routing,
-            self.gate_up_proj[...],
-            self.down_proj[...],
-            **self._settings(x, expert_offset),
+        dispatch: bj.MoeDispatch = bj.MoeDispatch.GATHER,
+        capacity: int | None = None,
+        impl: GroupedMatmulImpl = GroupedMatmulImpl.RAGGED_DOT,
+        activation: ExpertActivation = ExpertActivation.SWIGLU,
+        dtype: jnp.dtype = jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        if moe.routing is None:
+            raise ValueError(
+                "DeepseekMoeFfn routes by DeepSeek's rule; got a MoeConfig without routing. "
+                "Use MoeFfn for a softmax top-k router"
+            )
+        super().__init__(
+            hidden_size,
+            moe,
+            topology,
+            dispatch=dispatch,
+            capacity=capacity,
+            impl=impl,
+            activation=activation,
+            dtype=dtype,
+            rngs=rngs,
         )
-        return MoeOutput(outputs, routing, self._shared(x, count_shared))
-
-    def finalized(
-        self,
-        x: jax.Array,
-        *,
-        expert_offset: int | jax.Array = 0,
-        count_shared: bool | jax.Array = True,
-    ) -> jax.Array:
-        """[T, hidden] complete rows -> this rank's finalized share, owing the sum (the
-        combine made inside the expert computation, `finalized_expert_outputs`)."""
-        return finalized_expert_outputs(
-            x,
-            self.route(x),
-            self.gate_up_proj[...],
-            self.down_proj[...],
-            shared=self._shared(x, count_shared),
-            **self._settings(x, expert_offset),
+        self.router, self.e_score_correction_bias = deepseek_router(
+            hidden_size, moe.routing, rngs=rngs
         )
+        self.rule = moe.routing
 
-    def _shared(self, x: jax.Array, count_shared: bool | jax.Array) -> jax.Array | None:
-        if self.shared_experts is None:
-            return None
-        shared = self.shared_experts(x)
-        return jnp.where(count_shared, shared, jnp.zeros_like(shared))
-
-    def _settings(self, x: jax.Array, expert_offset: int | jax.Array) -> dict:
-        return {
-            "expert_offset": expert_offset,
-            "impl": self.impl,
-            "even_share": x.shape[0] * self.rule.top_k / self.rule.num_experts,
-            "activation": self.activation,
-        }
+    def route(self, x: jax.Array) -> Routing:
+        """[T, hidden] complete rows -> their DeepSeek `Routing` (alike on every rank)."""
+        return deepseek_route(x, self.router[...], _value(self.e_score_correction_bias), self.rule)
 
 
-def _param(rngs: nnx.Rngs, shape: tuple[int, ...], spec: tuple, dtype, fan_in: int) -> nnx.Param:
-    """N(0, 1/fan_in) weights, split as `spec` says."""
-    value = jax.random.normal(rngs.params(), shape, jnp.float32) / np.sqrt(fan_in)
-    return nnx.Param(value.astype(dtype), out_sharding=PartitionSpec(*spec), eager_sharding=False)
+def deepseek_router(
+    hidden_size: int, rule: DeepseekRouting, *, rngs: nnx.Rngs
+) -> tuple[nnx.Param, Buffer | None]:
+    """A DeepSeek router's replicated float32 parameters: the kernel [hidden, num_experts],
+    N(0, 1/hidden), and where the rule has one the correction bias [num_experts], N(0, 0.01)
+    (transformers starts it at zero; random values make a bias used wrongly visible)."""
+    experts = rule.num_experts
+    router = param(
+        Normal(1 / np.sqrt(hidden_size)),
+        (hidden_size, experts),
+        jnp.float32,
+        rngs=rngs,
+        sharding=(None, None),
+    )
+    if not rule.correction_bias:
+        return router, None
+    init = Normal(0.1)
+    bias = init(rngs.params(), (experts,), jnp.float32)
+    return router, Buffer(bias, initializer=init, out_sharding=(None,), eager_sharding=False)
+
+
+def _value(variable: nnx.Variable | None) -> jax.Array | None:
+    return None if variable is None else variable[...]

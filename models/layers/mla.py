@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -42,165 +40,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from boundary_jax import RMSNorm, SumGroup, TokenAxis, Topology
 
-from ..config import LinearRopeScaling, Llama3RopeScaling, RopeScaling, YarnRopeScaling
+from ..config import MlaConfig as MlaConfig
 from ..rows import RowsPhase
-from .attention import PREFILL_KEY_BLOCK, _acc, _attend, _attend_blocks
+from .attention import accumulation_dtype, attend, attend_packed
 from .linear import ColumnParallelLinear, RowParallelLinear, group_size
 from .rope import apply_rope, rope_inv_freq
 
 LATENT_NORM_EPS = 1e-6
 """Epsilon of q_a_layernorm and kv_a_layernorm: transformers (and DeepSeek's own code) build
 them with the RMSNorm default, not `rms_norm_eps`."""
-
-
-@dataclasses.dataclass(frozen=True)
-class MlaConfig:
-    """The shapes and RoPE of one multi-head latent attention layer: static and hashable.
-
-    Attributes:
-      hidden_size: Width of the input rows and of the output.
-      num_heads: Attention heads (HF `num_attention_heads`).
-      q_lora_rank: Width of the query latent (q_a -> norm -> q_b), or None for a plain q_proj.
-      kv_lora_rank: Width of the kv latent `c`.
-      qk_nope_head_dim: Per-head query/key dimensions without position.
-      qk_rope_head_dim: Per-head rotated query dimensions; the one rotated key is shared.
-      v_head_dim: Per-head value dimensions.
-      rope_theta: RoPE base.
-      rope_scaling: YaRN (DeepSeek's), linear or llama3 scaling, or None.
-      rope_interleaved: The rope dimensions come in interleaved pairs (DeepSeek-V2 always;
-        V3 unless `rope_interleave` is false); else NeoX halves.
-    """
-
-    hidden_size: int
-    num_heads: int
-    q_lora_rank: int | None
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    rope_theta: float
-    rope_scaling: YarnRopeScaling | RopeScaling | None = None
-    rope_interleaved: bool = True
-
-    def __post_init__(self):
-        for name in (
-            "hidden_size",
-            "num_heads",
-            "kv_lora_rank",
-            "qk_nope_head_dim",
-            "qk_rope_head_dim",
-            "v_head_dim",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"MlaConfig.{name} must be a positive int; got {value!r}")
-        if self.q_lora_rank is not None and self.q_lora_rank < 1:
-            raise ValueError(f"q_lora_rank must be positive or None; got {self.q_lora_rank!r}")
-        if self.qk_rope_head_dim % 2:
-            raise ValueError(
-                f"RoPE rotates pairs of dimensions; qk_rope_head_dim must be even, got "
-                f"{self.qk_rope_head_dim}"
-            )
-
-    @property
-    def qk_head_dim(self) -> int:
-        """Per-head query/key width: nope + rope."""
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
-    def latent_width(self) -> int:
-        """Cached values per token and layer: the kv latent and the rotated key."""
-        return self.kv_lora_rank + self.qk_rope_head_dim
-
-    @property
-    def softmax_scale(self) -> float:
-        """`qk_head_dim ** -0.5`, times DeepSeek's `yarn_mscale(factor, mscale_all_dim) ** 2`
-        under YaRN scaling."""
-        scale = self.qk_head_dim**-0.5
-        if isinstance(self.rope_scaling, YarnRopeScaling):
-            scale *= self.rope_scaling.softmax_scale_factor
-        return scale
-
-    @property
-    def rope_attention_factor(self) -> float:
-        """The factor of RoPE's cos and sin (YaRN's `attention_factor`; 1 otherwise)."""
-        if isinstance(self.rope_scaling, YarnRopeScaling):
-            return self.rope_scaling.attention_factor
-        return 1.0
-
-    @classmethod
-    def from_hf(cls, config: Mapping[str, Any]) -> MlaConfig:
-        """Reads the attention of a DeepSeek-V2 / V3 `config.json` (as a dict).
-
-        Accepts the legacy `rope_theta` + `rope_scaling` and transformers 5's
-        `rope_parameters`; YaRN's `factor` defaults, as in transformers, to
-        `max_position_embeddings / original_max_position_embeddings`.
-
-        Raises:
-          ValueError: Another model type, attention biases, kv heads other than the query
-            heads, or an unsupported RoPE type.
-        """
-        model_type = config.get("model_type")
-        if model_type not in ("deepseek_v2", "deepseek_v3"):
-            raise ValueError(
-                f"MlaConfig.from_hf reads deepseek_v2 / deepseek_v3 configs; got {model_type=}"
-            )
-        if config.get("attention_bias"):
-            raise ValueError("attention_bias=true is not supported (no DeepSeek checkpoint has it)")
-        heads = config["num_attention_heads"]
-        if config.get("num_key_value_heads") not in (None, heads):
-            raise ValueError(
-                "MLA expands every head's key and value from the latent; num_key_value_heads "
-                f"must equal num_attention_heads ({heads}); got {config['num_key_value_heads']}"
-            )
-        interleaved = model_type == "deepseek_v2" or config.get("rope_interleave", True)
-        theta, scaling = _read_rope(config)
-        return cls(
-            hidden_size=config["hidden_size"],
-            num_heads=heads,
-            q_lora_rank=config.get("q_lora_rank"),
-            kv_lora_rank=config["kv_lora_rank"],
-            qk_nope_head_dim=config["qk_nope_head_dim"],
-            qk_rope_head_dim=config["qk_rope_head_dim"],
-            v_head_dim=config["v_head_dim"],
-            rope_theta=theta,
-            rope_scaling=scaling,
-            rope_interleaved=bool(interleaved),
-        )
-
-
-def _read_rope(config: Mapping[str, Any]) -> tuple[float, YarnRopeScaling | RopeScaling | None]:
-    parameters = config.get("rope_parameters") or {}
-    scaling = config.get("rope_scaling") or parameters
-    theta = parameters.get("rope_theta", config.get("rope_theta"))
-    if theta is None:
-        raise ValueError("the config names no rope_theta (top level or in rope_parameters)")
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-        return float(theta), None
-    if kind == "linear":
-        return float(theta), LinearRopeScaling(float(scaling["factor"]))
-    if kind == "llama3":
-        return float(theta), Llama3RopeScaling(
-            float(scaling["factor"]),
-            float(scaling["low_freq_factor"]),
-            float(scaling["high_freq_factor"]),
-            int(scaling["original_max_position_embeddings"]),
-        )
-    if kind == "yarn":
-        original = int(scaling["original_max_position_embeddings"])
-        factor = scaling.get("factor") or config["max_position_embeddings"] / original
-        return float(theta), YarnRopeScaling(
-            factor=float(factor),
-            original_max_position_embeddings=original,
-            beta_fast=float(scaling.get("beta_fast") or 32),
-            beta_slow=float(scaling.get("beta_slow") or 1),
-            mscale=scaling.get("mscale"),
-            mscale_all_dim=scaling.get("mscale_all_dim"),
-            explicit_attention_factor=scaling.get("attention_factor"),
-            truncate=bool(scaling.get("truncate", True)),
-        )
-    raise ValueError(f"RoPE type {kind!r} is not supported; use default, linear, llama3 or yarn")
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["latent"], meta_fields=[])
@@ -459,7 +307,7 @@ class MultiHeadLatentAttention(nnx.Module):
 
     def _absorbed(self, q_nope, q_rope, cache, positions, valid) -> jax.Array:
         """Decode over the latent cache, one row per slot. Returns [T, heads, v]."""
-        acc = _acc(q_nope.dtype)
+        acc = accumulation_dtype(q_nope.dtype)
         w_uk, w_uv = self._kv_b()
         q_latent = jnp.einsum("thd,chd->thc", q_nope, w_uk, preferred_element_type=acc)
         q = jnp.concatenate([q_latent.astype(q_nope.dtype), q_rope], axis=-1)
@@ -467,66 +315,9 @@ class MultiHeadLatentAttention(nnx.Module):
         key_positions = jnp.arange(keys.shape[1], dtype=positions.dtype)
         mask = (key_positions[None, :] <= positions[:, None]) & valid[:, None]
         values = keys[..., : self.config.kv_lora_rank]
-        out = _attend(q[:, None], keys, values, mask, "tskd", self.config.softmax_scale)
+        out = attend(q[:, None], keys, values, mask, "tskd", self.config.softmax_scale)
         out = out[:, 0].astype(q_nope.dtype)  # [T, heads, kv_lora_rank]
         return jnp.einsum("thc,chv->thv", out, w_uv, preferred_element_type=acc)
-
-
-def attend_packed(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    positions: jax.Array,
-    segment_ids: jax.Array,
-    *,
-    scale: float,
-    max_sequence_rows: int | None = None,
-) -> jax.Array:
-    """Causal attention within each sequence of packed rows; v's head width may differ from q's.
-
-    Args:
-      q: [T, kv, group, D] queries, grouped by the kv head they use.
-      k: [T, kv, D] keys.
-      v: [T, kv, Dv] values.
-      positions: [T] position of each row in its sequence; rows of a sequence contiguous.
-      segment_ids: [T] sequence of each row; -1 for padding (zero output).
-      scale: Factor of the scores.
-      max_sequence_rows: Static bound on a sequence's rows: queries then go in blocks, each
-        attending only to the key blocks within that reach (T x reach scores, not T x T).
-
-    Returns:
-      [T, kv, group, Dv].
-    """
-    rows = q.shape[0]
-    reach = rows if max_sequence_rows is None else max_sequence_rows
-    block = min(PREFILL_KEY_BLOCK, 1 << max(reach - 1, 1).bit_length())
-    width = -(-(reach - 1) // block) + 1
-    if width * block >= rows:
-        mask = segment_ids[:, None] == segment_ids[None, :]
-        mask &= positions[:, None] >= positions[None, :]
-        mask &= (segment_ids >= 0)[:, None]
-        return _attend(q, k, v, mask, "skd", scale)
-    blocks = -(-rows // block)
-    pad = blocks * block - rows
-
-    def blocked(x: jax.Array, fill: int) -> jax.Array:
-        x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
-        return x.reshape(blocks, block, *x.shape[1:])
-
-    def windows(x: jax.Array, fill: int) -> jax.Array:
-        """[blocks, block, ...] -> [blocks, width * block, ...]: key blocks i-width+1..i."""
-        x = jnp.concatenate([jnp.full((width - 1, *x.shape[1:]), fill, x.dtype), x])
-        stacked = jnp.stack([x[j : j + blocks] for j in range(width)], axis=1)
-        return stacked.reshape(blocks, width * block, *x.shape[2:])
-
-    segments, where = blocked(segment_ids, -1), blocked(positions, 0)
-    mask = segments[:, :, None] == windows(segments, -1)[:, None, :]
-    mask &= where[:, :, None] >= windows(where, 0)[:, None, :]
-    mask &= (segments >= 0)[:, :, None]
-    out = _attend_blocks(
-        blocked(q, 0), windows(blocked(k, 0), 0), windows(blocked(v, 0), 0), mask, scale
-    )
-    return out.reshape(blocks * block, *out.shape[2:])[:rows]
 
 
 def _write(

@@ -458,7 +458,8 @@ class SparseMoe(nnx.Module):
     Attributes:
       router: [hidden, num_experts], replicated.
       gate_up_proj: [num_experts, hidden, 2, width] global, each expert's gate and up
-        projections stacked on axis 2; split over `expert_entry` (axis 0) and `width_entry`
+        projections stacked on axis 2 ([num_experts, hidden, 1, width], the up projection
+        alone, for RELU2 experts); split over `expert_entry` (axis 0) and `width_entry`
         (axis 3).
       down_proj: [num_experts, width, hidden] global; split over `expert_entry` (axis 0) and
         `width_entry` (axis 1).
@@ -466,6 +467,7 @@ class SparseMoe(nnx.Module):
       top_k: Experts per token.
       renormalize: Whether the router renormalises its top-k weights.
       impl: The grouped matmul implementation.
+      activation: What the routed and shared experts compute between their projections.
 
     Every weight is drawn from N(0, init_std^2) (None: std 1/sqrt(fan_in)).
     """
@@ -484,6 +486,7 @@ class SparseMoe(nnx.Module):
         width_entry: PartitionEntry = None,
         shared_width_entry: PartitionEntry = None,
         impl: GroupedMatmulImpl = GroupedMatmulImpl.RAGGED_DOT,
+        activation: ExpertActivation = ExpertActivation.SWIGLU,
         dtype: jnp.dtype = jnp.float32,
         init_std: float | None = None,
         rngs: nnx.Rngs,
@@ -496,7 +499,7 @@ class SparseMoe(nnx.Module):
         self.router = _param(rngs, (hidden_size, num_experts), (None, None), dtype, std=std)
         self.gate_up_proj = _param(
             rngs,
-            (num_experts, hidden_size, 2, expert_width),
+            (num_experts, hidden_size, activation.parts, expert_width),
             (expert_entry, None, None, width_entry),
             dtype,
             std=std,
@@ -517,6 +520,7 @@ class SparseMoe(nnx.Module):
                 shared_width,
                 gated=shared_gated,
                 width_entry=shared_width_entry,
+                activation=activation,
                 dtype=dtype,
                 init_std=init_std,
                 rngs=rngs,
@@ -525,6 +529,7 @@ class SparseMoe(nnx.Module):
         self.top_k = top_k
         self.renormalize = renormalize
         self.impl = impl
+        self.activation = activation
 
     def __call__(
         self,
@@ -542,7 +547,7 @@ class SparseMoe(nnx.Module):
           count_shared: Whether this rank adds its shared-expert output (a traced bool where
             the rank decides it, e.g. the first rank of a group that holds it whole).
         """
-        routing = route(x, self.router[...], top_k=self.top_k, renormalize=self.renormalize)
+        routing = self.route(x)
         outputs = expert_outputs(
             x,
             routing,
@@ -566,15 +571,19 @@ class SparseMoe(nnx.Module):
         Args:
           x, expert_offset, count_shared: As for `__call__`.
         """
-        routing = route(x, self.router[...], top_k=self.top_k, renormalize=self.renormalize)
         return finalized_expert_outputs(
             x,
-            routing,
+            self.route(x),
             self.gate_up_proj[...],
             self.down_proj[...],
             shared=self._shared(x, count_shared),
             **self._settings(x, expert_offset),
         )
+
+    def route(self, x: jax.Array) -> Routing:
+        """[T, hidden] complete rows -> their `Routing` (alike on every rank): the softmax
+        top-k of `route`; a subclass with another router overrides it."""
+        return route(x, self.router[...], top_k=self.top_k, renormalize=self.renormalize)
 
     def _shared(self, x: jax.Array, count_shared: bool | jax.Array) -> jax.Array | None:
         """The shared expert's share of rows `x`, zero on a rank that does not count it."""
@@ -589,6 +598,7 @@ class SparseMoe(nnx.Module):
             "expert_offset": expert_offset,
             "impl": self.impl,
             "even_share": x.shape[0] * self.top_k / self.router.shape[1],
+            "activation": self.activation,
         }
 
 

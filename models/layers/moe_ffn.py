@@ -29,7 +29,8 @@ from flax import nnx
 import boundary_jax as bj
 
 from ..config import MoeConfig
-from .moe import GroupedMatmulImpl, MoeOutput, Routing, SparseMoe, expert_outputs, finalize, route
+from .activations import ExpertActivation
+from .moe import GroupedMatmulImpl, MoeOutput, Routing, SparseMoe, expert_outputs, finalize
 
 
 def deferred_finalize(output: MoeOutput) -> bj.DeferredFinalize:
@@ -62,6 +63,7 @@ class MoeFfn(SparseMoe):
         dispatch: bj.MoeDispatch = bj.MoeDispatch.GATHER,
         capacity: int | None = None,
         impl: GroupedMatmulImpl = GroupedMatmulImpl.RAGGED_DOT,
+        activation: ExpertActivation = ExpertActivation.SWIGLU,
         dtype: jnp.dtype = jnp.float32,
         init_std: float | None = None,
         rngs: nnx.Rngs,
@@ -91,6 +93,7 @@ class MoeFfn(SparseMoe):
             width_entry=width_entry,
             shared_width_entry=topology.shard_entry(bj.SumGroup.TP) if split_shared else None,
             impl=impl,
+            activation=activation,
             dtype=dtype,
             init_std=init_std,
             rngs=rngs,
@@ -120,7 +123,7 @@ class MoeFfn(SparseMoe):
 
     def _own_rows(self, x: jax.Array) -> MoeOutput:
         """Routes this rank's own rows, sends each choice to its expert's rank and back."""
-        routing = route(x, self.router[...], top_k=self.top_k, renormalize=self.renormalize)
+        routing = self.route(x)
         tokens, top_k = routing.experts.shape
         local = self.gate_up_proj.shape[0]
         chosen = routing.experts.reshape(-1)
@@ -142,6 +145,7 @@ class MoeFfn(SparseMoe):
             # Each EP rank sends T * k rows, spread evenly over all experts; the width group's
             # ranks gather theirs.
             even_share=tokens * top_k * self.topology.moe_tp / local,
+            activation=self.activation,
         )[:, 0]
         returned = bj.ops.combine_from_experts(answers, dispatched, self.topology)
         shared = None if self.shared_expert is None else self.shared_expert(x)

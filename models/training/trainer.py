@@ -27,6 +27,7 @@ import boundary_jax as bj
 from ..checkpoints import hf_name_map
 from ..families.decoder import CausalLM
 from ..layers.attention import AttentionImpl
+from ..layers.buffer import Buffer
 from ..precision import matmul_precision_scope, resolve_matmul_precision
 from ..rows import PackedBatch, TokenRows, pack_sequences
 
@@ -157,12 +158,17 @@ class Trainer:
     reference: the trainer keeps the graph and the placed state only, and the step donates
     (reuses) the parameter and optimizer buffers.
 
+    The model's `Buffer`s (DeepSeek-V3's `e_score_correction_bias`) are not trained: the step
+    drops the optimizer's updates of them (no step, no weight decay), as Hugging Face leaves its
+    buffers out of the parameters.
+
     Attributes:
       mesh: The mesh; its axes are boundary-jax's `MeshAxis` names.
       topology: The model's parallel topology.
       config: The model's architecture.
       input_scattered: Train on input-scattered batches (residual on attention-TP slices).
       optimizer: The optax transformation.
+      frozen: The paths of the model's buffers, which the step leaves as they are.
       state: The current `TrainState`.
       matmul_precision: The precision the loss (and so its gradient) traces its matmuls with
         (given None, `resolve_matmul_precision`'s: `HIGHEST` for a float32 model).
@@ -197,6 +203,11 @@ class Trainer:
         self.matmul_precision = resolve_matmul_precision(matmul_precision, dtype)
         self._graphdef, params = nnx.split(model)
         self._params = FlatParams(params)
+        self.frozen = frozenset(
+            ".".join(str(key) for key in path)
+            for path, variable in nnx.to_flat_state(params)
+            if isinstance(variable, Buffer)
+        )
         self._padded = {
             path: source.padded_axis
             for path, source in hf_name_map(model.config, scan_layers=model.scan_layers).items()
@@ -301,6 +312,10 @@ class Trainer:
     ) -> tuple[TrainState, dict[str, jax.Array]]:
         loss, grads = jax.value_and_grad(self.sharded_loss)(state.params, batch)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+        updates = {
+            path: jnp.zeros_like(update) if path in self.frozen else update
+            for path, update in updates.items()
+        }
         params = optax.apply_updates(state.params, updates)
         grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
         metrics = {"loss": loss, "grad_norm": grad_norm}

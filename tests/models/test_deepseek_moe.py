@@ -175,7 +175,7 @@ def hf_moe(name: str, expert_entry=None, width_entry=None) -> DeepseekMoe:
     if module.e_score_correction_bias is not None:
         module.e_score_correction_bias[...] = weights[prefix + "gate.e_score_correction_bias"]
     for proj in ("gate", "up", "down"):
-        shared = getattr(module.shared_experts, f"{proj}_proj")
+        shared = getattr(module.shared_expert, f"{proj}_proj")
         shared[...] = weights[f"{prefix}shared_experts.{proj}_proj.weight"].T
     return module
 

@@ -23,7 +23,7 @@ from models.checkpoints import load as checkpoint_load
 from models.cli.main import main
 from models.config import read_hf_config, write_hf_config
 from models.families import NemotronHForCausalLM, model_class
-from models.layers.deepseek_moe_ffn import DeepseekMoeFfn
+from models.layers.deepseek_moe import DeepseekMoeFfn
 from models.layers.hyper_connections import HyperConnections
 from models.layers.ssd import gated_rms_norm
 from models.serving.runtime import ShardedCausalLM

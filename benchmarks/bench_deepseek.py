@@ -1,0 +1,479 @@
+"""A DeepSeek-V2-Lite-shaped model end to end: boundary-jax against one `jax.jit` with GSPMD, and
+the roofline.
+
+The model is DeepSeek-V2-Lite's shape (27 layers, hidden 2048, 16 heads of latent attention with
+kv_lora_rank 512 and a 64-wide rope key, no q LoRA; layer 0 a dense SwiGLU of width 10944, the
+other 26 an MoE of 64 routed experts of width 1408, top-6 by softmax, and 2 shared experts; vocab
+102400), bf16, random weights. The baseline is the same model written as one jitted function
+over global arrays with the project's weights (the same buffers), XLA's GSPMD placing anything
+that needs placing: expanded latent attention over a [sequences, length] batch in prefill,
+absorbed attention over the same latent cache in decode, and the project's own router and
+grouped expert matmuls (`deepseek_route`, `finalized_expert_outputs`), so "project / GSPMD"
+isolates what the boundaries and packed rows cost or gain. Before timing, the last-row prefill
+logits of the baseline are compared with the project's forward.
+
+Cases: decode of 8 and 64 sequences over a 4096-token latent cache (a jitted loop of `STEPS`
+greedy steps; time per step), and prefill of 4096 tokens (8 x 512 and 1 x 4096) writing the
+cache and sampling each last row. Roofline: decode, the bytes a step must read per GPU (every
+dense weight, the experts the step's tokens route to, in expectation under even routing, the LM
+head, and the latent cache up to each sequence's position) over the HBM bandwidth (4.8 TB/s);
+prefill, its matmul and causal attention FLOPs over the dense bf16 peak (990 TFLOP/s).
+
+Run on the GPU machine from the repository root (one H200):
+  python3 -m benchmarks.bench_deepseek
+  python3 -m benchmarks.bench_deepseek --smoke   # a tiny config: the CPU check
+"""
+
+# ruff: noqa: B023 (each timed closure runs within its own loop iteration)
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
+
+import boundary_jax as bj
+from models.build import build_model
+from models.config import DecoderConfig, read_hf_config
+from models.families import DeepseekCausalLM
+from models.layers.deepseek_moe import deepseek_route
+from models.layers.mla import LATENT_NORM_EPS
+from models.layers.moe import finalized_expert_outputs, shared_expert
+from models.layers.rope import apply_rope, rope_inv_freq
+from models.rows import RowsPhase, TokenRows, pack_sequences
+from models.serving.runtime import ShardedCausalLM
+
+from .bench_e2e import HBM_BYTES_PER_S, PEAK_FLOPS, auto_mesh
+from .common import header, print_table
+
+STEPS = 32
+CACHE = 4096
+DEEPSEEK_V2_LITE = {
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "model_type": "deepseek_v2",
+    "vocab_size": 102400,
+    "hidden_size": 2048,
+    "intermediate_size": 10944,
+    "moe_intermediate_size": 1408,
+    "num_hidden_layers": 27,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "n_shared_experts": 2,
+    "n_routed_experts": 64,
+    "num_experts_per_tok": 6,
+    "routed_scaling_factor": 1.0,
+    "topk_method": "greedy",
+    "n_group": 1,
+    "topk_group": 1,
+    "norm_topk_prob": False,
+    "first_k_dense_replace": 1,
+    "kv_lora_rank": 512,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 163840,
+    "rope_theta": 10000,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 40,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 0.707,
+        "mscale_all_dim": 0.707,
+    },
+    "tie_word_embeddings": False,
+}
+"""DeepSeek-V2-Lite's `config.json` (the keys the reader takes)."""
+SMOKE = DEEPSEEK_V2_LITE | {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+}
+"""A tiny model of the same structure, for a CPU check of the script."""
+
+
+# -- the GSPMD baseline: the same model over global arrays, one jax.jit ----------------------
+
+
+def _rewrap(x: jax.Array, mesh: jax.sharding.Mesh) -> jax.Array:
+    """`x` viewed with the same spec on `mesh` (its device buffers, not a copy)."""
+    sharding = NamedSharding(mesh, x.sharding.spec)
+    shards = [shard.data for shard in x.addressable_shards]
+    return jax.make_array_from_single_device_arrays(x.shape, sharding, shards)
+
+
+def baseline_params(runner: ShardedCausalLM, mesh: jax.sharding.Mesh) -> dict:
+    """The project's placed weights on the Auto-axes `mesh`, by layer and role."""
+    flat = {path: _rewrap(v[...], mesh) for path, v in nnx.to_flat_state(runner.state)}
+    layers = []
+    for index in range(runner.config.num_layers):
+        layer = {
+            "/".join(str(key) for key in path[2:]): value
+            for path, value in flat.items()
+            if path[:2] == ("layers", index)
+        }
+        layers.append(layer)
+    return {
+        "embed": flat[("embed", "embedding")],
+        "layers": layers,
+        "final_norm": flat[("final_norm", "weight")],
+        "lm_head": flat[("lm_head", "kernel")],
+    }
+
+
+def _rms(x, weight, eps):
+    xf = x.astype(jnp.float32)
+    normed = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (normed * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def make_baseline(config: DecoderConfig, impl):
+    """(last-row logits of prefill, prefill, decode), jitted over global arrays; the caches
+    ([sequences, cache, kv_lora_rank + rope] per layer) are donated."""
+    mla, moe = config.mla, config.moe
+    nope, rope, rank = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.kv_lora_rank
+    heads, eps = mla.num_heads, config.rms_norm_eps
+    inv_freq = rope_inv_freq(rope, mla.rope_theta, mla.rope_scaling)
+    neox = np.concatenate([np.arange(0, rope, 2), np.arange(1, rope, 2)])  # interleaved pairs
+
+    def rotate(x, positions):  # [R, heads, rope]
+        return apply_rope(
+            x[..., neox], positions, inv_freq, attention_factor=mla.rope_attention_factor
+        )
+
+    def queries(layer, h, positions):
+        if mla.q_lora_rank is None:
+            q = h @ layer["attn/q_proj/kernel"]
+        else:
+            q_latent = h @ layer["attn/q_a_proj/kernel"]
+            q_latent = _rms(q_latent, layer["attn/q_a_layernorm/weight"], LATENT_NORM_EPS)
+            q = q_latent @ layer["attn/q_b_proj/kernel"]
+        q = q.reshape(h.shape[0], heads, nope + rope)
+        return q[..., :nope], rotate(q[..., nope:], positions)
+
+    def latent(layer, h, positions):
+        compressed = h @ layer["attn/kv_a_proj_with_mqa/kernel"]
+        c = _rms(compressed[:, :rank], layer["attn/kv_a_layernorm/weight"], LATENT_NORM_EPS)
+        k_rope = rotate(compressed[:, None, rank:], positions)[:, 0]
+        return jnp.concatenate([c, k_rope.astype(c.dtype)], axis=-1)
+
+    def ffn(layer, x):
+        h = _rms(x, layer["post_attn_norm/weight"], eps)
+        if "mlp/router" not in layer:
+            gate_up = h @ layer["mlp/gate_up_proj/kernel"].reshape(h.shape[1], -1)
+            gate, up = jnp.split(gate_up, 2, axis=-1)
+            return x + (jax.nn.silu(gate) * up) @ layer["mlp/down_proj/kernel"]
+        bias = layer.get("mlp/e_score_correction_bias")
+        routing = deepseek_route(h, layer["mlp/router"], bias, moe.routing)
+        shared = shared_expert(
+            h,
+            layer["mlp/shared_expert/gate_proj"],
+            layer["mlp/shared_expert/up_proj"],
+            layer["mlp/shared_expert/down_proj"],
+        )
+        out = finalized_expert_outputs(
+            h, routing, layer["mlp/gate_up_proj"], layer["mlp/down_proj"], shared=shared, impl=impl
+        )
+        return x + out
+
+    def logits(params, x):
+        x = _rms(x, params["final_norm"], eps)
+        return (x @ params["lm_head"])[..., : config.vocab_size].astype(jnp.float32)
+
+    def prefill(params, ids, caches):
+        batch, length = ids.shape
+        positions = jnp.tile(jnp.arange(length, dtype=jnp.int32), batch)
+        causal = jnp.tril(jnp.ones((length, length), bool))
+        x = params["embed"][ids.reshape(-1)]
+        updated = []
+        for index, layer in enumerate(params["layers"]):
+            h = _rms(x, layer["input_norm/weight"], eps)
+            q_nope, q_rope = queries(layer, h, positions)
+            lat = latent(layer, h, positions)
+            if caches is not None:
+                cache = lax.dynamic_update_slice(
+                    caches[index],
+                    lat.reshape(batch, length, -1).astype(caches[index].dtype),
+                    (0, 0, 0),
+                )
+                updated.append(cache)
+            kv = (lat[:, :rank] @ layer["attn/kv_b_proj/kernel"]).reshape(batch, length, heads, -1)
+            k_rope = lat[:, rank:].reshape(batch, length, 1, rope)
+            k_rope = jnp.broadcast_to(k_rope, (batch, length, heads, rope))
+            k = jnp.concatenate([kv[..., :nope], k_rope], axis=-1)
+            q = jnp.concatenate([q_nope, q_rope], axis=-1).reshape(batch, length, heads, -1)
+            scores = jnp.einsum("bqhd,bshd->bhqs", q, k, preferred_element_type=jnp.float32)
+            scores = jnp.where(causal, scores * mla.softmax_scale, -jnp.inf)
+            probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+            out = jnp.einsum("bhqs,bshd->bqhd", probs, kv[..., nope:])
+            x = x + out.reshape(batch * length, -1) @ layer["attn/o_proj/kernel"]
+            x = ffn(layer, x)
+        last = logits(params, x.reshape(batch, length, -1)[:, -1])
+        return jnp.argmax(last, axis=-1).astype(jnp.int32), last, updated
+
+    @jax.jit
+    def logits_of_prefill(params, ids):
+        return prefill(params, ids, None)[1]
+
+    def prefill_step(params, ids, caches):
+        tokens, _, caches = prefill(params, ids, caches)
+        return tokens, caches
+
+    def decode(params, tokens, positions, caches, steps):
+        rows = jnp.arange(tokens.shape[0])
+        visible_at = jnp.arange(caches[0].shape[1])
+
+        def step(_, carry):
+            tokens, positions, caches = carry
+            x = params["embed"][tokens]
+            updated = []
+            for index, layer in enumerate(params["layers"]):
+                h = _rms(x, layer["input_norm/weight"], eps)
+                q_nope, q_rope = queries(layer, h, positions)
+                cache = (
+                    caches[index]
+                    .at[rows, positions]
+                    .set(latent(layer, h, positions).astype(caches[index].dtype))
+                )
+                updated.append(cache)
+                w_kv = layer["attn/kv_b_proj/kernel"].reshape(rank, heads, -1)
+                q_latent = jnp.einsum("bhd,chd->bhc", q_nope, w_kv[..., :nope])
+                q = jnp.concatenate([q_latent, q_rope], axis=-1)
+                scores = jnp.einsum("bhc,bsc->bhs", q, cache, preferred_element_type=jnp.float32)
+                visible = visible_at[None, :] <= positions[:, None]
+                scores = jnp.where(visible[:, None, :], scores * mla.softmax_scale, -jnp.inf)
+                probs = jax.nn.softmax(scores, axis=-1).astype(cache.dtype)
+                out = jnp.einsum("bhs,bsc->bhc", probs, cache[..., :rank])
+                out = jnp.einsum("bhc,chv->bhv", out, w_kv[..., nope:])
+                x = x + out.reshape(x.shape[0], -1) @ layer["attn/o_proj/kernel"]
+                x = ffn(layer, x)
+            tokens = jnp.argmax(logits(params, x), axis=-1).astype(jnp.int32)
+            return tokens, positions + 1, updated
+
+        tokens, _, caches = lax.fori_loop(0, steps, step, (tokens, positions, list(caches)))
+        return tokens, caches
+
+    return (
+        logits_of_prefill,
+        jax.jit(prefill_step, donate_argnums=(2,)),
+        jax.jit(decode, static_argnums=4, donate_argnums=3),
+    )
+
+
+# -- the roofline ----------------------------------------------------------------------------
+
+
+def _dense_weights(config: DecoderConfig) -> tuple[int, int, int]:
+    """Per layer: (attention weights, dense FFN weights, one expert's weights), in elements."""
+    mla, h = config.mla, config.hidden_size
+    q = h * mla.num_heads * mla.qk_head_dim
+    if mla.q_lora_rank is not None:
+        q = h * mla.q_lora_rank + mla.q_lora_rank * mla.num_heads * mla.qk_head_dim
+    attn = (
+        q
+        + h * mla.latent_width
+        + mla.kv_lora_rank * mla.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+        + mla.num_heads * mla.v_head_dim * h
+    )
+    return attn, 3 * h * config.intermediate_size, 3 * h * config.moe.expert_intermediate_size
+
+
+def decode_bytes(config: DecoderConfig, sequences: int, context: float) -> float:
+    """Bytes one decode step must read (bf16): attention and dense weights, the shared experts,
+    the routed experts its tokens reach (expected under even routing), the router, the LM head
+    and the latent cache up to `context` positions."""
+    moe, h = config.moe, config.hidden_size
+    attn, dense, expert = _dense_weights(config)
+    reached = moe.num_experts * (1 - (1 - moe.top_k / moe.num_experts) ** sequences)
+    shared = 3 * h * (moe.shared_expert_intermediate_size or 0)
+    sparse = sum(config.sparse_layers)
+    elements = config.num_layers * attn + (config.num_layers - sparse) * dense
+    elements += sparse * (reached * expert + shared + h * moe.num_experts)
+    elements += h * config.vocab_size
+    cache = sequences * context * config.mla.latent_width * config.num_layers
+    return 2 * (elements + cache)
+
+
+def prefill_flops(config: DecoderConfig, sequences: int, length: int) -> float:
+    """Matmul and causal attention FLOPs of a prefill (the LM head on each last row only)."""
+    mla, moe, h = config.mla, config.moe, config.hidden_size
+    attn, dense, expert = _dense_weights(config)
+    tokens = sequences * length
+    sparse = sum(config.sparse_layers)
+    shared = 3 * h * (moe.shared_expert_intermediate_size or 0)
+    per_token = config.num_layers * attn + (config.num_layers - sparse) * dense
+    per_token += sparse * (moe.top_k * expert + shared + h * moe.num_experts)
+    pairs = sequences * length * (length + 1) / 2
+    scores = 2 * mla.num_heads * (mla.qk_head_dim + mla.v_head_dim) * pairs
+    return (
+        2 * tokens * per_token + scores * config.num_layers + 2 * sequences * h * config.vocab_size
+    )
+
+
+# -- the cases -------------------------------------------------------------------------------
+
+
+def _median_ms(call, repeats: int = 5) -> float:
+    """Median wall time of `call()` (which returns something to block on), after 2 warm-ups."""
+    for _ in range(2):
+        jax.block_until_ready(call())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(call())
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _decode_rows(runner: ShardedCausalLM, sequences: int, start: int):
+    ids = np.zeros(sequences, np.int32)
+    rows = TokenRows(
+        runner.place_array(ids),
+        runner.place_array(np.full(sequences, start, np.int32)),
+        runner.place_array(np.arange(sequences, dtype=np.int32)),
+        RowsPhase.DECODE,
+    )
+    return rows, runner.place_batch(np.full(1, sequences, np.int32))
+
+
+def run(config: DecoderConfig, *, cache: int, prefills, decodes, steps: int) -> list[tuple]:
+    topology = bj.Topology()
+    mesh = bj.make_mesh(topology)
+    model = build_model(config, topology, dtype=jnp.bfloat16, mesh=mesh)
+    assert isinstance(model, DeepseekCausalLM)
+    impl = model.grouped_matmul
+    runner = ShardedCausalLM(model, mesh)
+    del model
+    gspmd = auto_mesh(mesh)
+    params = baseline_params(runner, gspmd)
+    logits_of, prefill_step, decode = make_baseline(config, impl)
+    replicated = NamedSharding(gspmd, PartitionSpec())
+    key = jax.device_put(jax.random.key(0), NamedSharding(mesh, PartitionSpec()))
+    rng = np.random.default_rng(0)
+    results = []
+
+    def zero_caches(sequences):
+        shape = (sequences, cache, config.mla.latent_width)
+        return [jnp.zeros(shape, jnp.bfloat16, device=replicated) for _ in params["layers"]]
+
+    for sequences, length in prefills:
+        prompts = rng.integers(0, config.vocab_size, (sequences, length)).astype(np.int32)
+        packed = pack_sequences(list(prompts), topology, max_sequence_rows=length)
+        rows, batch = runner.place(packed)
+        last_rows = runner.place_array(packed.last_row_index())
+        want = np.asarray(runner.forward_placed(rows, batch))[packed.last_row_index()]
+        ids = jax.device_put(prompts, replicated)
+        got = np.asarray(logits_of(params, ids))
+        error = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+        holder = [runner.new_caches(packed.decode_rows_per_rank, cache)]
+
+        def project():
+            tokens, holder[0] = runner.prefill(rows, batch, holder[0], last_rows, key)
+            return tokens
+
+        project_ms = _median_ms(project)
+        holder[0] = zero_caches(sequences)
+
+        def baseline():
+            tokens, holder[0] = prefill_step(params, ids, holder[0])
+            return tokens
+
+        baseline_ms = _median_ms(baseline)
+        del holder[0]
+        roof = prefill_flops(config, sequences, length) / PEAK_FLOPS * 1e3
+        results.append(
+            (
+                f"prefill {sequences} x {length}",
+                project_ms,
+                baseline_ms,
+                baseline_ms / project_ms,
+                f"{100 * roof / project_ms:.0f}% FLOP",
+                f"{error:.1e}",
+            )
+        )
+        print(results[-1], flush=True)
+
+    for sequences in decodes:
+        start = cache - steps - 1
+        rows, batch = _decode_rows(runner, sequences, start)
+        holder = [runner.new_caches(sequences, cache)]
+
+        def project():
+            out, holder[0] = runner.decode(rows, batch, holder[0], key, steps, capacity=steps)
+            return out
+
+        project_ms = _median_ms(project) / steps
+        holder[0] = zero_caches(sequences)
+        tokens = jax.device_put(np.zeros(sequences, np.int32), replicated)
+        positions = jax.device_put(np.full(sequences, start, np.int32), replicated)
+
+        def baseline():
+            out, holder[0] = decode(params, tokens, positions, holder[0], steps)
+            return out
+
+        baseline_ms = _median_ms(baseline) / steps
+        del holder[0]
+        roof = decode_bytes(config, sequences, start + steps / 2) / HBM_BYTES_PER_S * 1e3
+        results.append(
+            (
+                f"decode {sequences} @ {cache}",
+                project_ms,
+                baseline_ms,
+                baseline_ms / project_ms,
+                f"{100 * roof / project_ms:.0f}% HBM",
+                "-",
+            )
+        )
+        print(results[-1], flush=True)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--smoke", action="store_true", help="a tiny config (CPU check)")
+    parser.add_argument("--layers", type=int, default=None, help="fewer layers than 27")
+    args = parser.parse_args()
+    print(header("bench_deepseek"))
+    config = read_hf_config(SMOKE if args.smoke else DEEPSEEK_V2_LITE)
+    if args.layers is not None:
+        config = dataclasses.replace(config, num_layers=args.layers)
+    if args.smoke:
+        results = run(config, cache=64, prefills=((2, 16), (1, 32)), decodes=(2, 8), steps=4)
+    else:
+        results = run(
+            config, cache=CACHE, prefills=((8, 512), (1, 4096)), decodes=(8, 64), steps=STEPS
+        )
+    gc.collect()
+    print(
+        f"\n## DeepSeek-V2-Lite shape ({config.num_layers} layers), bf16, one device: project vs "
+        "one-jit GSPMD (ms; ratio: GSPMD / project)"
+    )
+    print_table(
+        ("case", "project ms", "GSPMD ms", "speedup", "project roofline", "logit err"), results
+    )
+
+
+if __name__ == "__main__":
+    main()
