@@ -108,13 +108,20 @@ LAYERS_PER_INIT_PART = 4
 """Layers whose weights one compiled initializer creates (`build_model` with a mesh)."""
 
 
-def _initialize_in_parts(make: Callable[[], nnx.Module], abstract_state, shardings):
+def _initialize_in_parts(
+    make: Callable[[], nnx.Module],
+    abstract_state,
+    shardings,
+    source: Callable[[tuple], tuple] | None = None,
+):
     """The state `make()` builds, created straight into `shardings` by one jitted initializer
     per `LAYERS_PER_INIT_PART` layers (a scanned run's stack goes with its first layer) and
     one for the rest. Each traces the whole `make` and keeps its part; XLA drops the other
     parts' random draws. One initializer for the whole model compiles in time that grows
     faster than its size on GPU (RESULTS run 15: 11 s at 8 layers, 60 s at 16, minutes at 32):
-    XLA merges every layer's draws into the same few kernels."""
+    XLA merges every layer's draws into the same few kernels. `source(path)` names the path of
+    `make()`'s state a path of `abstract_state` takes its value from (a pipeline stage's
+    `layers.0` is a later layer of the whole model); None: the same path."""
     paths = [path for path, _ in nnx.to_flat_state(abstract_state)]
     placement = dict(nnx.to_flat_state(shardings))
     parts: dict[tuple, list[tuple]] = {}
@@ -126,7 +133,7 @@ def _initialize_in_parts(make: Callable[[], nnx.Module], abstract_state, shardin
 
         def initialize(members=members):
             made = dict(nnx.to_flat_state(nnx.split(make())[1]))
-            return [made[path] for path in members]
+            return [made[path if source is None else source(path)] for path in members]
 
         values = jax.jit(initialize, out_shardings=[placement[p] for p in members])()
         created.update(zip(members, values, strict=True))
