@@ -25,13 +25,16 @@ import boundary_jax as bj
 from ..build import build_model, load_model
 from ..checkpoints import load_config, save_checkpoint
 from ..config import PRESETS, DecoderConfig
+from ..distributed import JoinError, ProcessGroup, agree, is_first_process
 from ..families.decoder import Remat
 from ..layers.attention import AttentionImpl
 from ..layers.hyper_connections import HyperConnections
+from ..pipeline import PipelineCausalLM, PipelineSplit, build_pipeline, load_pipeline
 from ..serving.runtime import ShardedCausalLM
 from ..serving.sampling import Sampling
 from ..training.trainer import TrainConfig, Trainer
 from .demo import run_demo
+from .launch import launch
 from .plan import plan_report, print_plan
 
 EXIT_BAD_INPUT = 2
@@ -90,7 +93,16 @@ def _read_ids(path: str, vocab_size: int) -> list[list[int]]:
 
 
 def _console():
-    return Console(stderr=True)
+    return Console(stderr=True, quiet=not is_first_process())
+
+
+def _pp_split(text: str) -> tuple[int, ...]:
+    items = [item.strip() for item in text.split(",")]
+    if not all(item.isdigit() for item in items):
+        raise argparse.ArgumentTypeError(
+            f"--pp-split takes the layers of each pipeline stage, e.g. 10,14,8; got {text!r}"
+        )
+    return tuple(int(item) for item in items)
 
 
 @contextlib.contextmanager
@@ -101,10 +113,25 @@ def _status(console, message: str):
     console.log(f"{message} done in {time.perf_counter() - start:.1f}s")
 
 
+def _check_checkpoint(args) -> None:
+    """Every process has the --checkpoint directory, or every process stops with an error."""
+    if not args.checkpoint:
+        return
+    config = Path(args.checkpoint) / "config.json"
+    agree(None if config.is_file() else f"no checkpoint at {args.checkpoint} ({config} is missing)")
+
+
 def _build(args, console):
     """(model, mesh) for --checkpoint or --preset on --mesh."""
     topology = bj.Topology.from_axis_sizes(args.mesh, moe_ep=args.moe_ep)
+    if topology.pp > 1 or args.pp_split is not None:
+        raise InputError(
+            f"{args.command} runs one program; --mesh pp=... and --pp-split are for forward, "
+            "generate and plan (training under pipeline parallelism is models.pipeline."
+            "PipelineTrainer)"
+        )
     mesh = bj.make_mesh(topology)
+    _check_checkpoint(args)
     dtype = jnp.dtype(args.dtype)
     # Training runs XLA's attention (cuDNN's backward is not supported); the rest pick theirs.
     attention = AttentionImpl.XLA if args.command == "train" else None
@@ -166,10 +193,40 @@ def _source_config(args) -> DecoderConfig:
     return load_config(args.checkpoint)
 
 
-def _load(args, console) -> ShardedCausalLM:
-    """The runner of `_build`'s model."""
-    model, mesh = _build(args, console)
-    return ShardedCausalLM(model, mesh, input_scattered=args.input_scattered)
+def _load(args, console) -> ShardedCausalLM | PipelineCausalLM:
+    """The runner of `_build`'s model, or of the pipeline stages under --mesh pp=N."""
+    topology = bj.Topology.from_axis_sizes(args.mesh, moe_ep=args.moe_ep)
+    if topology.pp == 1 and args.pp_split is None:
+        model, mesh = _build(args, console)
+        return ShardedCausalLM(model, mesh, input_scattered=args.input_scattered)
+    config = _source_config(args)
+    split = None
+    if args.pp_split is not None:
+        if len(args.pp_split) != topology.pp:
+            raise InputError(
+                f"--pp-split gives {len(args.pp_split)} stages but --mesh has pp={topology.pp}"
+            )
+        split = PipelineSplit.of_sizes(args.pp_split, config.num_layers)
+    if args.hc_mult is not None or args.scan_layers:
+        raise InputError("--hc-mult and --scan-layers are not built under --mesh pp=...")
+    mesh = bj.make_mesh(topology)
+    options = dict(
+        split=split,
+        reduction=args.policy,
+        moe_dispatch=args.moe_dispatch,
+        dtype=jnp.dtype(args.dtype),
+    )
+    if args.preset:
+        with _status(console, f"building {args.preset} in {topology.pp} pipeline stages"):
+            seed = getattr(args, "seed", 0)
+            stages = build_pipeline(config, topology, mesh, seed=seed, **options)
+    else:
+        _check_checkpoint(args)
+        with _status(console, f"loading {args.checkpoint} onto {topology}"):
+            stages = load_pipeline(args.checkpoint, mesh, moe_ep=args.moe_ep, **options)
+    return PipelineCausalLM(
+        stages, mesh, microbatches=args.microbatches, input_scattered=args.input_scattered
+    )
 
 
 def _forward(args) -> None:
@@ -190,6 +247,8 @@ def _forward(args) -> None:
             logits = runner.forward(sequences)
         else:
             logits, hidden = runner.forward_captured(sequences, layers)
+    if not is_first_process():
+        return
     np.save(args.out, logits.astype(np.float32))
     console.log(f"wrote logits {list(logits.shape)} to {args.out}")
     if layers is not None:
@@ -227,7 +286,8 @@ def _generate(args) -> None:
         raise InputError(str(error)) from None
     with _status(console, f"generating {args.max_new_tokens} tokens for {len(prompts)} prompts"):
         tokens = runner.generate(prompts, args.max_new_tokens, sampling=sampling, seed=args.seed)
-    print(json.dumps(tokens.tolist()))
+    if is_first_process():
+        print(json.dumps(tokens.tolist()))
 
 
 def _plan(args) -> None:
@@ -235,6 +295,8 @@ def _plan(args) -> None:
     runner = _load(args, console)
     with _status(console, "compiling the sharded forward"):
         report = plan_report(runner)
+    if not is_first_process():
+        return
     if args.json:
         print(json.dumps(report))
         return
@@ -383,6 +445,18 @@ def _parser() -> argparse.ArgumentParser:
             "residual streams (random MHC weights)",
         )
         command.add_argument(
+            "--pp-split",
+            type=_pp_split,
+            help="under --mesh pp=N: the layers of each pipeline stage, e.g. 10,14,8 "
+            "(default: an even split)",
+        )
+        command.add_argument(
+            "--microbatches",
+            type=int,
+            default=None,
+            help="under --mesh pp=N: prefill microbatches of the GPipe schedule (default N)",
+        )
+        command.add_argument(
             "--scan-layers",
             action="store_true",
             help="stack each run of identical layers between the first and the last once and "
@@ -449,22 +523,58 @@ def _parser() -> argparse.ArgumentParser:
     model_args(plan)
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.set_defaults(run=_plan)
+
+    processes = commands.add_parser(
+        "launch",
+        help="run a command in several local processes under jax.distributed "
+        "(e.g. launch --processes 2 -- forward --preset ... --mesh pp=2,attn_tp=2 ...)",
+    )
+    processes.add_argument("--processes", type=int, required=True, help="how many processes")
+    processes.add_argument("--port", type=int, help="the coordinator's port (default: a free one)")
+    processes.add_argument(
+        "--join-timeout",
+        type=float,
+        default=60.0,
+        help="seconds the processes wait for each other to join (default 60)",
+    )
+    processes.add_argument(
+        "launched", nargs=argparse.REMAINDER, help="-- then the command every process runs"
+    )
+    processes.set_defaults(run=_launch, mesh={})
     return parser
 
 
+def _launch(args) -> int:
+    command = args.launched[1:] if args.launched[:1] == ["--"] else args.launched
+    return launch(args.processes, command, port=args.port, join_timeout=args.join_timeout)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `boundary-jax` command."""
+    """Entry point of the `boundary-jax` command.
+
+    Under the environment of `models.distributed.ProcessGroup` (as `launch` sets it), the
+    process joins its group first and holds its share of the mesh's CPU devices.
+    """
     args = _parser().parse_args(argv)
     devices = getattr(args, "devices", None) or math.prod(args.mesh.values()) or 1
     if args.command == "demo":
         devices = 8
-    if devices > jax.config.jax_num_cpu_devices:
-        with contextlib.suppress(RuntimeError):  # backends already up (e.g. called in-process)
-            jax.config.update("jax_num_cpu_devices", devices)
     try:
-        args.run(args)
-    except (InputError, ValueError, FileNotFoundError, NotImplementedError) as error:
+        group = ProcessGroup.from_environment()
+        if group is not None:
+            if devices % group.num_processes:
+                raise InputError(
+                    f"the mesh's {devices} devices do not split over {group.num_processes} "
+                    "processes; give each process the same number"
+                )
+            devices //= group.num_processes
+        if devices > jax.config.jax_num_cpu_devices:
+            with contextlib.suppress(RuntimeError):  # backends already up (called in-process)
+                jax.config.update("jax_num_cpu_devices", devices)
+        if group is not None:
+            group.join()
+        return args.run(args) or 0
+    except (InputError, ValueError, FileNotFoundError, NotImplementedError, JoinError) as error:
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
         print(f"boundary-jax: error: {message}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    return 0

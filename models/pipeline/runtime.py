@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import boundary_jax as bj
 from boundary_jax import residual
@@ -84,7 +84,15 @@ class Stage:
         self._check_vma = check_vma
         self._graphdef, state = nnx.split(model)
         self._specs = nnx.get_partition_spec(state)
-        self._state = bj.place(state, mesh, self._specs) if self.held else state
+        if self.held:
+            self._state = bj.place(state, mesh, self._specs)
+        else:
+            shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), self._specs)
+            self._state = jax.tree.map(
+                lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                state,
+                shardings,
+            )
         self._programs: dict[tuple, Callable] = {}
         self._shapes: dict[tuple, Tree] = {}
         self.rows = rows_spec(mesh)
@@ -152,7 +160,15 @@ class Stage:
                 for _ in self.cache_specs
             )
 
-        return create() if self.held else jax.eval_shape(create)
+        if self.held:
+            return create()
+        return jax.tree.map(
+            lambda x, spec: jax.ShapeDtypeStruct(
+                x.shape, x.dtype, sharding=NamedSharding(self.mesh, spec)
+            ),
+            jax.eval_shape(create),
+            self.cache_specs,
+        )
 
 
 def _shape(value) -> tuple:

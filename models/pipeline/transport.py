@@ -58,9 +58,9 @@ def place_rows(tree: Any, mesh: Mesh, *, rows: bool = True) -> Any:
     """Host arrays placed on `mesh`, rows-leading (or replicated, `rows=False`); their
     `jax.ShapeDtypeStruct`s on a process that holds none of its devices. Every process passes
     the same values; each builds only its own devices' shards."""
-    if not holds(mesh):
-        return jax.tree.map(lambda value: _shape_of(np.asarray(value)), tree)
     sharding = NamedSharding(mesh, rows_spec(mesh) if rows else PartitionSpec())
+    if not holds(mesh):
+        return jax.tree.map(lambda value: _shape_of(np.asarray(value), sharding), tree)
 
     def put(value):
         value = np.asarray(value)
@@ -120,13 +120,12 @@ class _GroupArrays:
         (its `jax.ShapeDtypeStruct` on a process that holds none of the stage's devices)."""
         mesh = self.meshes[stage]
         shape = (value.shape[0] // len(self.meshes), *value.shape[1:])
+        sharding = NamedSharding(mesh, self.spec)
         if not holds(mesh):
-            return jax.ShapeDtypeStruct(shape, value.dtype)
+            return jax.ShapeDtypeStruct(shape, value.dtype, sharding=sharding)
         devices = set(mesh.devices.flat)
         buffers = [shard.data for shard in value.addressable_shards if shard.device in devices]
-        return jax.make_array_from_single_device_arrays(
-            shape, NamedSharding(mesh, self.spec), buffers
-        )
+        return jax.make_array_from_single_device_arrays(shape, sharding, buffers)
 
     def _zero(self, device, shape, dtype) -> jax.Array:
         key = (device, tuple(shape), np.dtype(dtype))
@@ -192,7 +191,8 @@ class Transfer:
         """
         leaves, structure = jax.tree.flatten(tree)
         if not self.involved:
-            return jax.tree.unflatten(structure, [_shape_of(leaf) for leaf in leaves])
+            sharding = NamedSharding(self.target, self._group.spec)
+            return jax.tree.unflatten(structure, [_shape_of(leaf, sharding) for leaf in leaves])
         assembled = [self._group.assemble(leaf, 0) for leaf in leaves]
         moved = jax.tree.leaves(self._program(jax.tree.unflatten(structure, assembled)))
         return jax.tree.unflatten(structure, [self._group.take(leaf, 1) for leaf in moved])
@@ -226,5 +226,5 @@ class Collect:
         return np.asarray(gathered.addressable_data(0))
 
 
-def _shape_of(value: jax.Array | jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(value.shape, value.dtype)
+def _shape_of(value, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
