@@ -16,6 +16,7 @@ same code runs on one process or on many.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -175,6 +176,21 @@ def _shape(value) -> tuple:
     return (tuple(value.shape), str(value.dtype))
 
 
+@dataclasses.dataclass(frozen=True)
+class PlacedMicrobatches:
+    """A batch's microbatches, their rows and batch facts placed on every stage.
+
+    Attributes:
+      parts: The microbatches.
+      placed: `placed[stage][microbatch]` is `(rows, batch facts)` on that stage's devices.
+      lengths: The length of each sequence of the whole batch.
+    """
+
+    parts: tuple[Microbatch, ...]
+    placed: tuple[tuple[tuple[TokenRows, bj.BatchFacts], ...], ...]
+    lengths: tuple[int, ...]
+
+
 class PipelineCausalLM:
     """A `CausalLM` split into pipeline stages, each on its own device group: forward, prefill
     (GPipe microbatches) and decode through every stage, and generation.
@@ -321,22 +337,32 @@ class PipelineCausalLM:
     def forward(self, sequences: Sequence[Sequence[int]]) -> np.ndarray:
         """float32 logits [sequences, longest, vocab] of ragged token-id lists, zero past ends
         (as `ShardedCausalLM.forward`), the microbatches run on the GPipe schedule."""
+        batch = self.place(sequences)
+        logits = self.forward_placed(batch)
+        out = np.zeros((len(sequences), max(batch.lengths), self.config.vocab_size), np.float32)
+        for part, values in zip(batch.parts, logits, strict=True):
+            rows = part.packed.unpack(self._collect(values, len(self.stages) - 1))
+            out[list(part.sequences), : rows.shape[1]] = rows
+        return out
+
+    def place(self, sequences: Sequence[Sequence[int]]) -> PlacedMicrobatches:
+        """The sequences packed, split into microbatches and placed on every stage."""
         packed = self.pack(sequences)
         parts = self._microbatches(packed, bucketed=False)
-        placed = [
-            [stage.place(part.packed, self._variant) for part in parts] for stage in self.stages
-        ]
-        programs = [self._forward_program(stage) for stage in self.stages]
-        results = self._schedule(
-            len(parts),
-            lambda s, m, inputs: self.stages[s].run(programs[s], inputs, *placed[s][m]),
+        placed = tuple(
+            tuple(stage.place(part.packed, self._variant) for part in parts)
+            for stage in self.stages
         )
-        out = np.zeros((len(sequences), max(packed.lengths), self.config.vocab_size), np.float32)
-        for part, logits in zip(parts, results, strict=True):
-            rows = self._collect(logits, len(self.stages) - 1)
-            values = part.packed.unpack(rows)
-            out[list(part.sequences), : values.shape[1]] = values
-        return out
+        return PlacedMicrobatches(parts, placed, packed.lengths)
+
+    def forward_placed(self, batch: PlacedMicrobatches) -> list[jax.Array]:
+        """The last stage's float32 logits [attn_dp * rows_per_rank, vocab] of each placed
+        microbatch (on its devices), run on the GPipe schedule."""
+        programs = [self._forward_program(stage) for stage in self.stages]
+        return self._schedule(
+            len(batch.parts),
+            lambda s, m, inputs: self.stages[s].run(programs[s], inputs, *batch.placed[s][m]),
+        )
 
     def _schedule(self, microbatches: int, run: Callable[[int, int, Tree], Tree]) -> list[Tree]:
         """Runs `run(stage, microbatch, inputs)` on the GPipe schedule, handing each stage's
