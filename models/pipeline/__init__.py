@@ -15,6 +15,8 @@ from .schedule import bubble as bubble
 from .schedule import gpipe_ticks as gpipe_ticks
 from .schedule import split_microbatches as split_microbatches
 from .split import PipelineSplit as PipelineSplit
+from .training import PipelineTrainBatch as PipelineTrainBatch
+from .training import PipelineTrainer as PipelineTrainer
 from .transport import Collect as Collect
 from .transport import Transfer as Transfer
 from .transport import stage_meshes as stage_meshes

@@ -103,6 +103,32 @@ class Stage:
     def model(self) -> CausalLM:
         return nnx.merge(self._graphdef, self._state)
 
+    @property
+    def state(self) -> nnx.State:
+        """The stage's placed state (shapes only where this process does not hold it)."""
+        return self._state
+
+    @property
+    def specs(self) -> nnx.State:
+        """The `PartitionSpec` of every leaf of `state`."""
+        return self._specs
+
+    def sharded(self, body: Callable, in_specs: tuple, out_specs: Tree) -> Callable:
+        """`f(state, *args)`: `body(model, *args)` inside `shard_map` on this stage's devices
+        (not jitted: a caller may differentiate it first)."""
+        graphdef = self._graphdef
+
+        def run(state, *args):
+            return body(nnx.merge(graphdef, state), *args)
+
+        return jax.shard_map(
+            run,
+            mesh=self.mesh,
+            in_specs=(self._specs, *in_specs),
+            out_specs=out_specs,
+            check_vma=self._check_vma,
+        )
+
     def program(
         self,
         name: tuple,
@@ -111,34 +137,31 @@ class Stage:
         out_specs: Tree,
         donate: tuple[int, ...] = (),
     ) -> Callable:
-        """The jitted `shard_map` program `body(model, *args)` on this stage's devices, built
-        once per name."""
+        """The jitted `sharded(body, ...)` program, built once per name; `donate` indexes
+        `args`."""
         if name not in self._programs:
-            graphdef = self._graphdef
-
-            def run(state, *args):
-                return body(nnx.merge(graphdef, state), *args)
-
             self._programs[name] = jax.jit(
-                jax.shard_map(
-                    run,
-                    mesh=self.mesh,
-                    in_specs=(self._specs, *in_specs),
-                    out_specs=out_specs,
-                    check_vma=self._check_vma,
-                ),
+                self.sharded(body, in_specs, out_specs),
                 donate_argnums=tuple(1 + i for i in donate),
             )
         return self._programs[name]
 
-    def run(self, program: Callable, *args) -> Tree:
-        """`program` on `args`; where this process does not hold the stage, the shapes of what
-        it would return (traced once per argument shapes)."""
+    def cached(self, name: tuple, make: Callable[[], Callable]) -> Callable:
+        """The program `make()` builds, built once per name."""
+        if name not in self._programs:
+            self._programs[name] = make()
+        return self._programs[name]
+
+    def run(self, program: Callable, *args, state: nnx.State | None = None) -> Tree:
+        """`program(state, *args)` (by default the stage's own state); where this process does
+        not hold the stage, the shapes of what it would return (traced once per argument
+        shapes)."""
+        state = self._state if state is None else state
         if self.held:
-            return program(self._state, *args)
+            return program(state, *args)
         key = (program, jax.tree.structure(args), tuple(_shape(x) for x in jax.tree.leaves(args)))
         if key not in self._shapes:
-            self._shapes[key] = jax.eval_shape(program, self._state, *args)
+            self._shapes[key] = jax.eval_shape(program, state, *args)
         return self._shapes[key]
 
     def lower(self, program: Callable, *args):
