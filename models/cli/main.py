@@ -30,12 +30,13 @@ from ..families.decoder import Remat
 from ..layers.attention import AttentionImpl
 from ..layers.hyper_connections import HyperConnections
 from ..pipeline import PipelineCausalLM, PipelineSplit, build_pipeline, load_pipeline
+from ..pipeline.report import pipeline_plan_report
 from ..serving.runtime import ShardedCausalLM
 from ..serving.sampling import Sampling
 from ..training.trainer import TrainConfig, Trainer
 from .demo import run_demo
 from .launch import launch
-from .plan import plan_report, print_plan
+from .plan import PLAN_SEQUENCES, plan_report, print_pipeline_plan, print_plan
 
 EXIT_BAD_INPUT = 2
 TOKENIZER_FILE = "tokenizer.json"
@@ -293,14 +294,15 @@ def _generate(args) -> None:
 def _plan(args) -> None:
     console = _console()
     runner = _load(args, console)
+    pipelined = isinstance(runner, PipelineCausalLM)
     with _status(console, "compiling the sharded forward"):
-        report = plan_report(runner)
+        report = pipeline_plan_report(runner, PLAN_SEQUENCES) if pipelined else plan_report(runner)
     if not is_first_process():
         return
     if args.json:
         print(json.dumps(report))
         return
-    print_plan(report)
+    (print_pipeline_plan if pipelined else print_plan)(report)
 
 
 def _read_text(path: str) -> list[bytes]:

@@ -295,7 +295,10 @@ class PipelineCausalLM:
 
     # -- stage programs -------------------------------------------------------------------
 
-    def _forward_program(self, stage: Stage) -> Callable:
+    def forward_program(self, stage: Stage) -> Callable:
+        """Stage `stage`'s forward: `(state, inputs, rows, batch)` to its handoff, or on the last
+        stage to float32 logits of every row."""
+
         def body(model, inputs, rows, batch):
             x, stream = _enter(model, inputs, rows.ids, batch)
             x, stream, _ = model.run_layers(x, stream, rows)
@@ -381,7 +384,7 @@ class PipelineCausalLM:
     def forward_placed(self, batch: PlacedMicrobatches) -> list[jax.Array]:
         """The last stage's float32 logits [attn_dp * rows_per_rank, vocab] of each placed
         microbatch (on its devices), run on the GPipe schedule."""
-        programs = [self._forward_program(stage) for stage in self.stages]
+        programs = [self.forward_program(stage) for stage in self.stages]
         return self._schedule(
             len(batch.parts),
             lambda s, m, inputs: self.stages[s].run(programs[s], inputs, *batch.placed[s][m]),
