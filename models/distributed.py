@@ -24,6 +24,7 @@ import os
 import socket
 import time
 from collections.abc import Mapping
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -215,6 +216,15 @@ def agree(problem: str | None) -> None:
     if where:
         own = f"; on this process: {problem}" if problem else ""
         raise FileNotFoundError(f"processes {where} cannot go on{own}")
+
+
+def require_everywhere(path: Path, what: str) -> None:
+    """Every process has the file `path`, or every process raises (see `agree`).
+
+    Raises:
+      FileNotFoundError: Some process lacks `path`.
+    """
+    agree(None if Path(path).is_file() else f"no {what}: {path} is missing")
 
 
 def is_first_process() -> bool:

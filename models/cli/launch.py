@@ -54,6 +54,7 @@ def launch(
     port: int | None = None,
     join_timeout: float = DEFAULT_JOIN_TIMEOUT,
     python: str = sys.executable,
+    module: str = "models.cli",
 ) -> int:
     """Runs `boundary-jax <command>` in `processes` local processes of one group.
 
@@ -63,6 +64,8 @@ def launch(
       port: The coordinator's port (the roll call takes the next one); None picks free ones.
       join_timeout: Seconds the processes wait for each other to join.
       python: The interpreter the processes run.
+      module: What they run (`python -m module *command`): the command line by default; any
+        program that joins its `ProcessGroup.from_environment()`.
 
     Returns:
       0 when every process succeeded, else the first failing process's exit code.
@@ -81,7 +84,7 @@ def launch(
     for index in range(processes):
         group = ProcessGroup(coordinator, processes, index, join_timeout)
         child = subprocess.Popen(
-            [python, "-m", "models.cli", *command],
+            [python, "-m", module, *command],
             env={**os.environ, **group.environment()},
             stdout=subprocess.PIPE,
         )

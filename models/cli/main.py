@@ -25,7 +25,7 @@ import boundary_jax as bj
 from ..build import build_model, load_model
 from ..checkpoints import load_config, save_checkpoint
 from ..config import PRESETS, DecoderConfig
-from ..distributed import JoinError, ProcessGroup, agree, is_first_process
+from ..distributed import JoinError, ProcessGroup, is_first_process, require_everywhere
 from ..families.decoder import Remat
 from ..layers.attention import AttentionImpl
 from ..layers.hyper_connections import HyperConnections
@@ -116,10 +116,8 @@ def _status(console, message: str):
 
 def _check_checkpoint(args) -> None:
     """Every process has the --checkpoint directory, or every process stops with an error."""
-    if not args.checkpoint:
-        return
-    config = Path(args.checkpoint) / "config.json"
-    agree(None if config.is_file() else f"no checkpoint at {args.checkpoint} ({config} is missing)")
+    if args.checkpoint:
+        require_everywhere(Path(args.checkpoint) / "config.json", "checkpoint")
 
 
 def _build(args, console):
