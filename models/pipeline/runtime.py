@@ -32,13 +32,14 @@ from boundary_jax import residual
 
 from ..families.decoder import CausalLM
 from ..layers.attention import KVCache
-from ..rows import PackedBatch, RowsPhase, TokenRows, decode_rows, pack_sequences
+from ..rows import PackedBatch, RowsPhase, TokenRows, decode_rows
 from ..serving.runtime import (
     MIN_ROWS,
     MIN_STEPS,
     bucket,
     cache_length,
     head_tokens,
+    pack_bucketed,
     rank_key,
 )
 from ..serving.sampling import GREEDY, Sampling
@@ -49,9 +50,12 @@ from .transport import Collect, Transfer, holds, place_rows, rows_spec, stage_me
 Tree = Any
 
 
-def _enter(model: CausalLM, inputs: Tree, ids: jax.Array, batch: bj.BatchFacts):
-    """The stack entry of a stage: the embedding of `ids` on stage 0, else the stream the
-    previous stage's `to_pp` sent (`inputs`)."""
+def enter_stage(
+    model: CausalLM, inputs: Tree, ids: jax.Array, batch: bj.BatchFacts
+) -> tuple[jax.Array | bj.OwedOutput, bj.ResidualStream]:
+    """A stage's stack entry, inside its `shard_map`: the embedding of `ids` and a fresh stream
+    on stage 0, else the stream the previous stage's `to_pp` sent (`inputs`), rebuilt by the
+    receiving boundary's `from_pp`."""
     if model.holds_first:
         return model.embed(ids), residual.start(batch)
     _, receiver = model.layer_structure(model.layer_range.start).stages()[0]
@@ -101,6 +105,7 @@ class Stage:
 
     @property
     def model(self) -> CausalLM:
+        """The stage's model over its placed state (abstract where this process lacks it)."""
         return nnx.merge(self._graphdef, self._state)
 
     @property
@@ -164,10 +169,6 @@ class Stage:
             self._shapes[key] = jax.eval_shape(program, state, *args)
         return self._shapes[key]
 
-    def lower(self, program: Callable, *args):
-        """`program` lowered for `args` (this process must hold the stage)."""
-        return program.lower(self._state, *args)
-
     def place(self, packed: PackedBatch, variant: bj.BatchVariant) -> tuple[TokenRows, Tree]:
         """A packed batch's rows and batch facts on this stage's devices."""
         counts = place_rows(np.asarray(packed.token_counts, np.int32), self.mesh, rows=False)
@@ -229,7 +230,9 @@ class PipelineCausalLM:
       split: The layers of each stage.
       microbatches: How many microbatches a batch's sequences are split into.
       input_scattered: Run batches input-scattered (residual on attention-TP slices).
+      variant: The batch variant every stage runs.
       stages: The `Stage`s.
+      sends: `sends[s]` hands stage s's output to stage s + 1.
     """
 
     def __init__(
@@ -259,10 +262,10 @@ class PipelineCausalLM:
             Stage(index, model, stage_mesh, check_vma=check_vma)
             for index, (model, stage_mesh) in enumerate(zip(stages, meshes, strict=True))
         )
-        self._variant = (
+        self.variant = (
             bj.BatchVariant.INPUT_SCATTERED if input_scattered else bj.BatchVariant.ORDINARY
         )
-        self._sends = tuple(Transfer(a, b) for a, b in zip(meshes[:-1], meshes[1:], strict=True))
+        self.sends = tuple(Transfer(a, b) for a, b in zip(meshes[:-1], meshes[1:], strict=True))
         self._loop = Transfer(meshes[-1], meshes[0]) if len(meshes) > 1 else None
         self._collect = Collect(meshes)
 
@@ -275,16 +278,7 @@ class PipelineCausalLM:
 
     def pack(self, sequences: Sequence[Sequence[int]], *, bucketed: bool = False) -> PackedBatch:
         """Packs sequences onto the DP ranks as `ShardedCausalLM.pack` does."""
-        exact = pack_sequences(sequences, self.topology)
-        if not bucketed:
-            return exact
-        tp = self.topology.attn_tp
-        return pack_sequences(
-            sequences,
-            self.topology,
-            rows_per_rank=bucket(max(exact.rows_per_rank, MIN_ROWS), tp),
-            slots_per_rank=bucket(exact.decode_rows_per_rank, tp),
-        )
+        return pack_bucketed(sequences, self.topology, bucketed=bucketed)
 
     def _microbatches(self, packed: PackedBatch, *, bucketed: bool) -> tuple[Microbatch, ...]:
         parts = split_microbatches(packed, self.microbatches, self.topology)
@@ -300,19 +294,19 @@ class PipelineCausalLM:
         stage to float32 logits of every row."""
 
         def body(model, inputs, rows, batch):
-            x, stream = _enter(model, inputs, rows.ids, batch)
+            x, stream = enter_stage(model, inputs, rows.ids, batch)
             x, stream, _ = model.run_layers(x, stream, rows)
             if not stage.last:
                 return residual.to_pp(x, stream)
             return model.lm_head(model.read_out(x, stream)).astype(jnp.float32)
 
         out = PartitionSpec(*stage.rows, None) if stage.last else stage.rows
-        spec = bj.BatchFacts(self._variant, stage.topology, PartitionSpec())
+        spec = bj.BatchFacts(self.variant, stage.topology, PartitionSpec())
         return stage.program(("forward",), body, (stage.rows, stage.rows, spec), out)
 
     def _prefill_program(self, stage: Stage, sampling: Sampling) -> Callable:
         def body(model, inputs, rows, batch, caches, last_rows, key, tokens):
-            x, stream = _enter(model, inputs, rows.ids, batch)
+            x, stream = enter_stage(model, inputs, rows.ids, batch)
             x, stream, caches = model.run_layers(x, stream, rows, caches)
             if not stage.last:
                 return residual.to_pp(x, stream), caches
@@ -321,7 +315,7 @@ class PipelineCausalLM:
             drawn = head_tokens(model, hidden, key, sampling)
             return jnp.where(last_rows >= 0, drawn, tokens), caches
 
-        spec = bj.BatchFacts(self._variant, stage.topology, PartitionSpec())
+        spec = bj.BatchFacts(self.variant, stage.topology, PartitionSpec())
         rows, caches, one = stage.rows, stage.cache_specs, PartitionSpec()
         return stage.program(
             ("prefill", sampling),
@@ -336,7 +330,7 @@ class PipelineCausalLM:
             active = rows.segment_ids >= 0
             ids = jnp.where(active, inputs, 0) if stage.first else rows.ids
             current = TokenRows(ids, rows.positions + index, rows.segment_ids, RowsPhase.DECODE)
-            x, stream = _enter(model, inputs, current.ids, batch)
+            x, stream = enter_stage(model, inputs, current.ids, batch)
             x, stream, caches = model.run_layers(x, stream, current, caches)
             if not stage.last:
                 return residual.to_pp(x, stream), caches, index + 1
@@ -348,7 +342,7 @@ class PipelineCausalLM:
             out = lax.dynamic_update_index_in_dim(out, tokens, index, axis=1)
             return (tokens, out), caches, index + 1
 
-        spec = bj.BatchFacts(self._variant, stage.topology, PartitionSpec())
+        spec = bj.BatchFacts(self.variant, stage.topology, PartitionSpec())
         rows, caches, one = stage.rows, stage.cache_specs, PartitionSpec()
         return stage.program(
             ("decode", sampling),
@@ -376,8 +370,7 @@ class PipelineCausalLM:
         packed = self.pack(sequences)
         parts = self._microbatches(packed, bucketed=False)
         placed = tuple(
-            tuple(stage.place(part.packed, self._variant) for part in parts)
-            for stage in self.stages
+            tuple(stage.place(part.packed, self.variant) for part in parts) for stage in self.stages
         )
         return PlacedMicrobatches(parts, placed, packed.lengths)
 
@@ -402,7 +395,7 @@ class PipelineCausalLM:
                 if stage == last:
                     results[microbatch] = out
                 else:
-                    handoffs[(stage + 1, microbatch)] = self._sends[stage](out)
+                    handoffs[(stage + 1, microbatch)] = self.sends[stage](out)
         return results
 
     # -- generation -----------------------------------------------------------------------
@@ -455,7 +448,7 @@ class PipelineCausalLM:
         def run(s, m, inputs):
             stage, part = self.stages[s], parts[m].packed
             last_rows = place_rows(part.last_row_index(), stage.mesh)
-            args = (inputs, *stage.place(part, self._variant), caches[s], last_rows, keys[s])
+            args = (inputs, *stage.place(part, self.variant), caches[s], last_rows, keys[s])
             out, caches[s] = stage.run(programs[s], *args, tokens[0] if stage.last else ())
             if stage.last:
                 tokens[0] = out
@@ -469,7 +462,7 @@ class PipelineCausalLM:
         returns the tokens [slots, capacity] (slot-major), on the last stage."""
         lengths = np.asarray(packed.lengths, np.int32)
         host = decode_rows(packed, np.zeros_like(lengths), lengths)
-        placed = [stage.place(host, self._variant) for stage in self.stages]
+        placed = [stage.place(host, self.variant) for stage in self.stages]
         keys = [place_rows(jax.random.key_data(key), s.mesh, rows=False) for s in self.stages]
         counters = [place_rows(np.int32(0), stage.mesh, rows=False) for stage in self.stages]
         slots, capacity = len(packed.last_row_index()), bucket(max(steps, MIN_STEPS))
@@ -486,5 +479,5 @@ class PipelineCausalLM:
                 if stage.last:
                     tokens, out = handoff
                 else:
-                    inputs = self._sends[index](handoff)
+                    inputs = self.sends[index](handoff)
         return out

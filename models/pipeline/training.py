@@ -31,7 +31,7 @@ from boundary_jax import residual
 from ..families.decoder import CausalLM
 from ..rows import pack_sequences
 from ..training.trainer import TrainConfig, next_token_labels
-from .runtime import PipelineCausalLM, Stage, _enter
+from .runtime import PipelineCausalLM, Stage, enter_stage
 from .schedule import Microbatch, gpipe_ticks, split_microbatches
 from .transport import Transfer, place_rows
 
@@ -114,7 +114,7 @@ class PipelineTrainer:
         packed = pack_sequences(sequences, runner.topology, max_sequence_rows=max_sequence_rows)
         parts = split_microbatches(packed, runner.microbatches, runner.topology)
         placed = tuple(
-            tuple(stage.place(part.packed, runner._variant) for part in parts)
+            tuple(stage.place(part.packed, runner.variant) for part in parts)
             for stage in runner.stages
         )
         last = runner.stages[-1].mesh
@@ -147,10 +147,10 @@ class PipelineTrainer:
         """`f(state, inputs, rows, batch, labels)`: the stage's handoff, or on the last stage
         its microbatch's loss summed over labelled rows (a replicated scalar)."""
         runner = self.runner
-        spec = bj.BatchFacts(runner._variant, stage.topology, PartitionSpec())
+        spec = bj.BatchFacts(runner.variant, stage.topology, PartitionSpec())
 
         def body(model, inputs, rows, batch, labels):
-            x, stream = _enter(model, inputs, rows.ids, batch)
+            x, stream = enter_stage(model, inputs, rows.ids, batch)
             x, stream, _ = model.run_layers(x, stream, rows)
             if not stage.last:
                 return residual.to_pp(x, stream)
@@ -220,7 +220,7 @@ class PipelineTrainer:
                 if index == last:
                     losses.append(out)
                 else:
-                    inputs[(index + 1, microbatch)] = self.runner._sends[index](out)
+                    inputs[(index + 1, microbatch)] = self.runner.sends[index](out)
         scale = place_rows(np.float32(1.0 / max(batch.tokens, 1)), stages[-1].mesh, rows=False)
         grads = [
             stage.run(self._zeros_program(stage), state=params)

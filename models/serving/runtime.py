@@ -47,6 +47,23 @@ def cache_length(tokens: int, limit: int) -> int:
     return min(next((n for n in CACHE_LENGTHS if n >= tokens), tokens), limit)
 
 
+def pack_bucketed(
+    sequences: Sequence[Sequence[int]], topology: bj.Topology, *, bucketed: bool = False
+) -> PackedBatch:
+    """Packs sequences onto the DP ranks; `bucketed` rounds the prefill rows and the cache slots
+    per rank up to powers of two (see `bucket`), so that batches share programs."""
+    exact = pack_sequences(sequences, topology)
+    if not bucketed:
+        return exact
+    tp = topology.attn_tp
+    return pack_sequences(
+        sequences,
+        topology,
+        rows_per_rank=bucket(max(exact.rows_per_rank, MIN_ROWS), tp),
+        slots_per_rank=bucket(exact.decode_rows_per_rank, tp),
+    )
+
+
 def _next_tokens(
     model: CausalLM,
     rows: TokenRows,
@@ -166,18 +183,8 @@ class ShardedCausalLM:
     # -- placing inputs -------------------------------------------------------------------
 
     def pack(self, sequences: Sequence[Sequence[int]], *, bucketed: bool = False) -> PackedBatch:
-        """Packs sequences onto the DP ranks; `bucketed` rounds the prefill rows and the cache
-        slots per rank up to powers of two (see `bucket`), so that batches share programs."""
-        if not bucketed:
-            return pack_sequences(sequences, self.topology)
-        exact = pack_sequences(sequences, self.topology)
-        tp = self.topology.attn_tp
-        return pack_sequences(
-            sequences,
-            self.topology,
-            rows_per_rank=bucket(max(exact.rows_per_rank, MIN_ROWS), tp),
-            slots_per_rank=bucket(exact.decode_rows_per_rank, tp),
-        )
+        """Packs sequences onto the DP ranks (`pack_bucketed`)."""
+        return pack_bucketed(sequences, self.topology, bucketed=bucketed)
 
     def place_array(self, values: np.ndarray | jax.Array, *, rows: bool = True) -> jax.Array:
         """An array placed on the mesh: split over attention DP along axis 0, or replicated."""

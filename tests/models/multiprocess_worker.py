@@ -2,29 +2,26 @@
 
     python -m tests.models.multiprocess_worker LAYOUT OUT
 
-It joins its group (`ProcessGroup.from_environment`), loads the golden Llama checkpoint as a
-two-stage pipeline over every process's CPU devices (each process reading only its devices'
-blocks), runs a forward and a greedy generation, and process 0 writes the logits, the tokens and
-every process's checkpoint bytes read to OUT (.npz) and prints the tokens (the others print
-nothing). LAYOUT:
+It joins its group (`ProcessGroup.from_environment`), checks that a checkpoint missing on
+process 1 stops every process (each records that it raised), loads the golden Llama checkpoint
+as a two-stage pipeline over every process's CPU devices (each process reading only its devices'
+blocks), runs a forward and a greedy generation, and process 0 writes the logits, the tokens,
+every process's checkpoint bytes read and whether each raised to OUT (.npz) and prints the tokens
+(the others print nothing). LAYOUT:
 
   twisted  2 processes x 2 devices, pp=2 x attn_tp=2: each stage's TP group spans both
            processes and each TP rank's handoff crosses from one process to the other;
   stages   4 processes x 2 devices, pp=2 x attn_tp=4: each stage's TP group spans two
            processes, the handoff crosses to the other two;
-  missing  2 processes: process 1's checkpoint directory does not exist (it must fail on every
-           process with an error, not hang);
-  die      2 processes: process 1 exits with code 3 before joining.
+  die      2 processes: process 1 exits with code 3 before joining (nothing else runs).
+
+JAX and the models are imported after that, so a process that dies costs no import.
 """
 
 import json
+import os
 import pathlib
 import sys
-
-import jax
-import numpy as np
-
-from models.distributed import ProcessGroup, is_first_process, require_everywhere
 
 GOLDEN = pathlib.Path(__file__).parents[1] / "golden" / "llama"
 LOCAL_DEVICES = 2
@@ -32,30 +29,35 @@ NEW_TOKENS = 6
 
 
 def main(layout: str, out: str) -> int:
-    group = ProcessGroup.from_environment()
-    if layout == "die" and group.process_id == 1:
+    if layout == "die" and os.environ["BOUNDARY_JAX_PROCESS_ID"] == "1":
         return 3
+    import jax
+
+    from models.distributed import ProcessGroup
+
+    group = ProcessGroup.from_environment()
     jax.config.update("jax_num_cpu_devices", LOCAL_DEVICES)
     group.join()
-    checkpoint = GOLDEN
-    if layout == "missing":
-        checkpoint = GOLDEN if group.process_id == 0 else GOLDEN.with_name("absent")
-    try:
-        require_everywhere(checkpoint / "config.json", "checkpoint")
-    except FileNotFoundError as error:
-        print(f"worker {group.process_id}: {error}", file=sys.stderr)
-        return 2
-    return run(layout, out)
+    return run(layout, out, group.process_id)
 
 
-def run(layout: str, out: str) -> int:
+def run(layout: str, out: str, process: int) -> int:
+    import jax
+    import numpy as np
     from jax.experimental import multihost_utils
     from jax.sharding import AxisType, Mesh
 
     import boundary_jax as bj
     from models.checkpoints import load
+    from models.distributed import is_first_process, require_everywhere
     from models.pipeline import PipelineCausalLM, PipelineSplit, load_pipeline
 
+    absent = GOLDEN.with_name("absent") if process == 1 else GOLDEN
+    try:
+        require_everywhere(absent / "config.json", "checkpoint")
+        raised = ""
+    except FileNotFoundError as error:
+        raised = str(error)
     read = [0]
     original = load._read_tensor
 
@@ -78,9 +80,12 @@ def run(layout: str, out: str) -> int:
     prompts = json.loads((GOLDEN / "prompts.json").read_text())
     logits = runner.forward(prompts)
     tokens = runner.generate(prompts, NEW_TOKENS)
-    reads = np.asarray(multihost_utils.process_allgather(np.asarray([read[0]]))).reshape(-1)
+    local = np.asarray([read[0], int(raised.startswith("processes [1] cannot go on"))])
+    gathered = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, 2)
     if is_first_process():
-        np.savez(out, logits=logits, tokens=tokens, read_bytes=reads)
+        np.savez(
+            out, logits=logits, tokens=tokens, read_bytes=gathered[:, 0], raised=gathered[:, 1]
+        )
         print(json.dumps(tokens.tolist()))
     return 0
 
