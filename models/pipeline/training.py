@@ -29,6 +29,7 @@ import boundary_jax as bj
 from boundary_jax import residual
 
 from ..families.decoder import CausalLM
+from ..layers.attention import AttentionImpl
 from ..rows import pack_sequences
 from ..training.trainer import TrainConfig, next_token_labels
 from .runtime import PipelineCausalLM, Stage, enter_stage
@@ -57,8 +58,7 @@ class PipelineTrainer:
     """A pipeline's stages on their device groups, with a GPipe train step (module docstring).
 
     Attributes:
-      runner: The stages and their handoffs (`PipelineCausalLM`, whose forward programs the
-        step reuses).
+      runner: The stages, their devices and handoffs (a `PipelineCausalLM`).
       train: The optimizer's configuration.
       params: Per stage, its parameters (shapes only on a process that does not hold it).
       opt_state: Per stage, its AdamW state.
@@ -75,6 +75,11 @@ class PipelineTrainer:
         input_scattered: bool = False,
     ):
         config = stages[0].config
+        if any(model.attention is AttentionImpl.CUDNN for model in stages):
+            raise NotImplementedError(
+                "training with cuDNN attention is not supported (see Trainer); build the stages "
+                "with attention=AttentionImpl.XLA"
+            )
         if config.tie_word_embeddings and len(stages) > 1:
             raise NotImplementedError(
                 "training a pipeline whose first and last stages share tied embeddings is not "
