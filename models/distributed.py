@@ -137,7 +137,15 @@ class ProcessGroup:
     def _call_roll(self, deadline: float) -> None:
         """Process 0: waits until every other process has reported, then releases them."""
         joined: dict[int, socket.socket] = {}
-        with socket.create_server(self._roll_call, reuse_port=False) as server:
+        try:
+            server = socket.create_server(self._roll_call)
+        except OSError as error:
+            host, port = self._roll_call
+            raise JoinError(
+                f"process 0 cannot listen on {host}:{port} for the roll call ({error}); give "
+                f"{COORDINATOR} a port whose next port is free too"
+            ) from None
+        with server:
             try:
                 while len(joined) < self.num_processes - 1:
                     server.settimeout(max(deadline - time.monotonic(), 0.001))
@@ -153,7 +161,7 @@ class ProcessGroup:
                             f"{JOIN_TIMEOUT}"
                         ) from None
                     connection.settimeout(max(deadline - time.monotonic(), 0.001))
-                    sender = int(connection.recv(16).decode() or -1)
+                    sender = _read_id(connection)
                     if sender in joined or not 0 < sender < self.num_processes:
                         connection.close()
                         raise JoinError(
@@ -196,6 +204,14 @@ class ProcessGroup:
                     f"process {self.process_id}: the other processes of {self.num_processes} did "
                     f"not all join {self.coordinator} within {self.join_timeout:g} s"
                 )
+
+
+def _read_id(connection: socket.socket) -> int:
+    """The process id a joining process sent, or -1 for anything else."""
+    try:
+        return int(connection.recv(16).decode())
+    except (TimeoutError, ValueError, UnicodeDecodeError):
+        return -1
 
 
 def agree(problem: str | None) -> None:

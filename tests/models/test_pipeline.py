@@ -181,6 +181,25 @@ def test_plan_reports_each_stage_its_layers_collectives_and_handoff_bytes():
     assert last["handoff"] is None
 
 
+def test_stages_draw_the_weights_of_the_one_program_model():
+    """build_pipeline creates each stage's weights in its shards on its devices, equal to the
+    weights build_model draws for the same layers (the embedding and head included)."""
+    config = dataclasses.replace(PRESETS["tiny-qwen3"], num_layers=2)
+    topology = bj.Topology(pp=2, attn_tp=TP)
+    stages = build_pipeline(config, topology, bj.make_mesh(topology))
+    want = dict(nnx.to_flat_state(nnx.state(build_model(config, bj.Topology(attn_tp=TP)))))
+    devices = bj.make_mesh(topology).devices
+    seen = set()
+    for index, stage in enumerate(stages):
+        for path, value in nnx.to_flat_state(nnx.state(stage)):
+            model_path = ("layers", path[1] + stage.layer_range.start, *path[2:])
+            model_path = model_path if path[0] == "layers" else path
+            np.testing.assert_array_equal(np.asarray(value[...]), np.asarray(want[model_path][...]))
+            assert value[...].devices() == set(devices[index].flat)
+            seen.add(model_path)
+    assert seen == set(want)
+
+
 def test_the_gpipe_schedule_runs_each_microbatch_through_the_stages_in_order():
     """Stage s runs microbatch m at tick s + m; every pair runs once."""
     ticks = gpipe_ticks(3, 4)
