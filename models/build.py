@@ -38,7 +38,8 @@ def _construct(
     hyper_connections: HyperConnections | None,
     scan_layers: bool,
     rngs: nnx.Rngs,
-    dense_ffn_dp: bool,
+    dense_ffn_dp: bool = False,
+    layer_range: range | None = None,
 ) -> CausalLM:
     cls = model_class(config)
     extra: dict = {}
@@ -49,6 +50,8 @@ def _construct(
             f"dense_ffn_dp (a fully data-parallel dense FFN) is a DeepSeek option; got a "
             f"{config.architecture.value} config. Leave it unset"
         )
+    if layer_range is not None:
+        extra["layer_range"] = layer_range
     if issubclass(cls, MoeCausalLM):
         extra["moe_dispatch"] = moe_dispatch or bj.MoeDispatch.GATHER
     elif moe_dispatch is not None or topology.moe_ep != 1:

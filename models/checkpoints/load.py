@@ -115,6 +115,7 @@ def load_params(
     dtype: np.dtype,
     *,
     scan_layers: bool = False,
+    layers: range | None = None,
 ) -> nnx.State:
     """Fills an abstract parameter state from a checkpoint, each device reading only its shard.
 
@@ -128,6 +129,10 @@ def load_params(
       dtype: The dtype of every loaded parameter (the checkpoint's values are cast).
       scan_layers: The model was built with `scan_layers` (its paths are `hf_name_map`'s with
         it).
+      layers: The model layers the state holds when it is a pipeline stage's (its `layers.j`
+        is model layer `layers.start + j`; it holds the embedding, final norm and LM head only
+        where the stage does): its layers' tensors must all be there, and the checkpoint's
+        other tensors are the other stages'. None: the whole model.
 
     Returns:
       `abstract_state` with every leaf replaced by a global array sharded as its metadata says.
@@ -139,6 +144,8 @@ def load_params(
     """
     config = load_config(checkpoint_dir)
     sources = hf_name_map(config, scan_layers=scan_layers)
+    if layers is not None:
+        sources = _stage_sources(sources, layers)
     leaves = nnx.to_flat_state(abstract_state)
     specs = dict(nnx.to_flat_state(nnx.get_partition_spec(abstract_state)))
     paths = {_dotted(path) for path, _ in leaves}
@@ -148,7 +155,9 @@ def load_params(
             f"model parameters {unmapped} have no Hugging Face tensor; expected the module paths "
             "of models.checkpoints.hf_name_map"
         )
-    absent = sorted(sources.keys() - paths)
+    absent = sorted(
+        path for path in sources.keys() - paths if layers is None or path.startswith("layers.")
+    )
     if absent:
         raise ValueError(
             f"the checkpoint's config needs parameters {absent}, which the model lacks; build "
@@ -174,6 +183,7 @@ def load_params(
             and not name.endswith(IGNORED_SUFFIXES)
             and mtp_layer(name, config) is None
             and (name != "lm_head.weight" or "lm_head.kernel" in sources)
+            and layers is None  # a stage's: the other stages read the rest
         )
         if unused:
             raise ValueError(
@@ -228,6 +238,21 @@ def load_tensor(
         return _make_array(
             checkpoint, source, tuple(shape), logical, NamedSharding(mesh, spec), dtype
         )
+
+
+def _stage_sources(sources: Mapping[str, HFTensor], layers: range) -> dict[str, HFTensor]:
+    """`sources` under a pipeline stage's paths: model layer `layers.start + j` is its
+    `layers.j`; the layers it does not hold are left out."""
+    staged = {}
+    for path, source in sources.items():
+        head, _, rest = path.partition(".")
+        if head != "layers":
+            staged[path] = source
+            continue
+        index, _, tail = rest.partition(".")
+        if int(index) in layers:
+            staged[f"layers.{int(index) - layers.start}.{tail}"] = source
+    return staged
 
 
 def _make_array(checkpoint, source, shape, logical, sharding, dtype) -> jax.Array:

@@ -94,18 +94,46 @@ def plan_report(runner: ShardedCausalLM) -> dict[str, Any]:
     }
 
 
-def print_plan(report: dict[str, Any], console: Console | None = None) -> None:
-    """Prints `plan_report` as tables."""
+def print_pipeline_plan(report: dict[str, Any], console: Console | None = None) -> None:
+    """Prints `models.pipeline.report.pipeline_plan_report`: the schedule, then each stage's
+    plans, collectives and handoff as `print_plan` does."""
     console = console or Console(width=None if sys.stdout.isatty() else 120)
     console.print(
-        f"[bold]{report['architecture']}[/] on mesh {report['mesh']}, policy {report['policy']}, "
-        f"{report['batch']} batch"
+        f"[bold]{report['architecture']}[/] in {len(report['pipeline_stages'])} pipeline stages "
+        f"(layers {report['split']}) on mesh {report['mesh']}, {report['microbatches']} "
+        f"microbatches, GPipe bubble {report['bubble']:.0%}"
     )
-    cache = report["decode_cache"]
-    console.print(
-        f"decode cache: {cache['kind']}, {cache['bytes_per_token_per_layer']:,} bytes per token "
-        f"per layer on each device ({cache['bytes_per_token']:,} over all layers)"
-    )
+    for stage in report["pipeline_stages"]:
+        handoff = stage["handoff"]
+        sends = (
+            "the final norm and LM head"
+            if handoff is None
+            else f"hands on {handoff['tensors']}: {handoff['bytes_per_token']} bytes per token, "
+            f"{handoff['bytes_per_token_per_attn_tp_rank']} per attention-TP rank"
+        )
+        console.print(f"[bold]stage {stage['stage']}[/]: layers {stage['layers']}, then {sends}")
+        print_plan(
+            {**report, **stage, "collectives_by_layer": stage["collectives_by_layer"] or []},
+            console,
+            title=False,
+        )
+
+
+def print_plan(
+    report: dict[str, Any], console: Console | None = None, *, title: bool = True
+) -> None:
+    """Prints `plan_report` as tables (`title`: with the model and mesh line)."""
+    console = console or Console(width=None if sys.stdout.isatty() else 120)
+    if title:
+        console.print(
+            f"[bold]{report['architecture']}[/] on mesh {report['mesh']}, policy "
+            f"{report['policy']}, {report['batch']} batch"
+        )
+        cache = report["decode_cache"]
+        console.print(
+            f"decode cache: {cache['kind']}, {cache['bytes_per_token_per_layer']:,} bytes per "
+            f"token per layer on each device ({cache['bytes_per_token']:,} over all layers)"
+        )
     table = Table(title="bound stage plans")
     for column in (
         "layer",

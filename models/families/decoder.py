@@ -175,6 +175,10 @@ class CausalLM(nnx.Module):
         pre-norm add + RMSNorm.
       hyper_head: With hyper-connections, the head collapsing the streams before `final_norm`.
       param_dtype: The dtype of every parameter.
+      layer_range: The model layers this module holds: all of them, or a pipeline stage's
+        share [a, b) (`models.pipeline`). A stage holds the embedding only when it holds layer
+        0 (or the last layer, under tied embeddings, for its LM head), and `final_norm`,
+        `hyper_head` and `lm_head` only when it holds the last layer; the others are None.
     """
 
     layer_class: type[DecoderLayer] = DecoderLayer
@@ -197,6 +201,7 @@ class CausalLM(nnx.Module):
         remat: Remat = Remat.NONE,
         hyper_connections: HyperConnections | None = None,
         scan_layers: bool = False,
+        layer_range: range | None = None,
         rngs: nnx.Rngs,
     ):
         if config.architecture not in self.architectures:
@@ -212,15 +217,21 @@ class CausalLM(nnx.Module):
         self.scan_layers = scan_layers
         self.hyper_connections = hyper_connections
         self.param_dtype = dtype
+        self.layer_range = _layer_range(config, layer_range, scan_layers)
+        first, last = self.holds_first, self.holds_last
         self.design = self.layer_design()
-        self.embed = VocabParallelEmbedding(
-            config.vocab_size,
-            config.hidden_size,
-            scale=config.embedding_scale,
-            topology=topology,
-            dtype=dtype,
-            init_std=config.initializer_range,
-            rngs=rngs,
+        self.embed = (
+            VocabParallelEmbedding(
+                config.vocab_size,
+                config.hidden_size,
+                scale=config.embedding_scale,
+                topology=topology,
+                dtype=dtype,
+                init_std=config.initializer_range,
+                rngs=rngs,
+            )
+            if first or (last and config.tie_word_embeddings)
+            else None
         )
         with bj.layer_stack(
             topology,
@@ -230,35 +241,65 @@ class CausalLM(nnx.Module):
             fusions=fusions,
             stage_facts=self.stage_facts,
             num_layers=config.num_layers,
+            layers=self.layer_range,
         ):
-            layers = [self.make_layer(i, dtype=dtype, rngs=rngs) for i in range(config.num_layers)]
+            layers = {i: self.make_layer(i, dtype=dtype, rngs=rngs) for i in self.layer_range}
         self.layers = nnx.List(
             [
-                bj.StackedLayers(layers[block.start : block.stop], start=block.start)
+                bj.StackedLayers([layers[i] for i in block], start=block.start)
                 if scanned
                 else layers[block.start]
-                for block, scanned in config.layer_blocks(scan_layers)
+                for block, scanned in self._layer_blocks()
             ]
         )
-        self.final_norm = bj.RMSNorm(
-            config.hidden_size, eps=config.rms_norm_eps, gemma=config.gemma_norms, param_dtype=dtype
+        self.final_norm = (
+            bj.RMSNorm(
+                config.hidden_size,
+                eps=config.rms_norm_eps,
+                gemma=config.gemma_norms,
+                param_dtype=dtype,
+            )
+            if last
+            else None
         )
         self.hyper_head = (
-            None
-            if hyper_connections is None
-            else hyper_connections.head(
+            hyper_connections.head(
                 config.hidden_size, norm_eps=config.rms_norm_eps, dtype=dtype, rngs=rngs
             )
+            if last and hyper_connections is not None
+            else None
         )
-        self.lm_head = ParallelLMHead(
-            config.hidden_size,
-            config.vocab_size,
-            tied_embedding=self.embed if config.tie_word_embeddings else None,
-            topology=topology,
-            dtype=dtype,
-            init_std=config.initializer_range,
-            rngs=rngs,
+        self.lm_head = (
+            ParallelLMHead(
+                config.hidden_size,
+                config.vocab_size,
+                tied_embedding=self.embed if config.tie_word_embeddings else None,
+                topology=topology,
+                dtype=dtype,
+                init_std=config.initializer_range,
+                rngs=rngs,
+            )
+            if last
+            else None
         )
+
+    @property
+    def holds_first(self) -> bool:
+        """This module holds layer 0: its stack starts from the embedding."""
+        return self.layer_range.start == 0
+
+    @property
+    def holds_last(self) -> bool:
+        """This module holds the last layer: its stack leaves through the final norm."""
+        return self.layer_range.stop == self.config.num_layers
+
+    def _layer_blocks(self) -> list[tuple[range, bool]]:
+        """`config.layer_blocks` of the layers this module holds."""
+        return [
+            (block, scanned)
+            for block, scanned in self.config.layer_blocks(self.scan_layers)
+            if block.start in self.layer_range
+        ]
 
     def stage_facts(
         self, layer_index: int, stages: StageDesigns | None = None
@@ -406,8 +447,22 @@ class CausalLM(nnx.Module):
         """The final-norm output [rows or R, hidden] that `__call__` feeds to the LM head
         (same arguments), and the updated caches; for callers that apply the head themselves
         (e.g. `lm_head.greedy`)."""
-        stream = residual.start(batch)
-        x = self.embed(rows.ids)
+        self._require_whole("hidden")
+        x, stream, caches = self.run_layers(
+            self.embed(rows.ids), residual.start(batch), rows, caches
+        )
+        return self.read_out(x, stream, last_rows), caches
+
+    def run_layers(
+        self,
+        x: jax.Array | bj.OwedOutput,
+        stream: bj.ResidualStream,
+        rows: TokenRows,
+        caches: tuple[KVCache, ...] | None = None,
+    ) -> tuple[bj.OwedOutput, bj.ResidualStream, tuple[KVCache, ...] | None]:
+        """Every layer this module holds, in order, from the stack input (or what a pipeline
+        receive rebuilt) to the last layer's output: `(handle, stream, caches)`; `caches` as
+        for `hidden`, one per block of `layers`."""
         updated = []
         for index, (layers, block) in enumerate(self.blocks()):
             cache = None if caches is None else caches[index]
@@ -420,12 +475,22 @@ class CausalLM(nnx.Module):
                     else:
                         x, stream, cache = block(x, stream, rows, cache)
             updated.append(cache)
+        return x, stream, None if caches is None else tuple(updated)
+
+    def read_out(
+        self,
+        x: bj.OwedOutput,
+        stream: bj.ResidualStream,
+        last_rows: jax.Array | None = None,
+    ) -> jax.Array:
+        """The final-norm output of the last layer's `(x, stream)`: every row's, or the rows of
+        `last_rows` (as for `hidden`)."""
         hidden = residual.final_norm(x, stream, self.final_read, skip_empty=True)
         if last_rows is not None:
             # The LM head is the largest matmul of a decode step: run it on the rows asked for.
             picked = jnp.take(hidden, jnp.clip(last_rows, 0, hidden.shape[0] - 1), axis=0)
             hidden = jnp.where((last_rows >= 0)[:, None], picked, 0)
-        return hidden, None if caches is None else tuple(updated)
+        return hidden
 
     def cache_specs(self) -> tuple:
         """Per block of `layers`, its decode cache's `PartitionSpec` tree (`new_caches`)."""
@@ -453,8 +518,16 @@ class CausalLM(nnx.Module):
 
     def blocks(self) -> list[tuple[range, nnx.Module]]:
         """Each block of `layers` with the model layers it holds (`config.layer_blocks`)."""
-        ranges = [block.layers for block in self.config.layer_blocks(self.scan_layers)]
+        ranges = [block for block, _ in self._layer_blocks()]
         return list(zip(ranges, self.layers, strict=True))
+
+    def _require_whole(self, what: str) -> None:
+        if len(self.layer_range) != self.config.num_layers:
+            raise ValueError(
+                f"{what}() runs a whole model; this module holds the layers {self.layer_range} "
+                f"of {self.config.num_layers} (a pipeline stage). Run the stages with "
+                "models.pipeline.PipelineCausalLM"
+            )
 
     def layer_structure(self, index: int) -> nnx.Module:
         """The module that runs layer `index`, for its structure (bound plans, options): the
@@ -463,7 +536,7 @@ class CausalLM(nnx.Module):
         for layers, block in self.blocks():
             if index in layers:
                 return block.layer if isinstance(block, bj.StackedLayers) else block
-        raise ValueError(f"layer must be in [0, {self.config.num_layers}); got {index}")
+        raise ValueError(f"layer must be in {self.layer_range}; got {index}")
 
     def _scan_run(
         self,
@@ -533,6 +606,7 @@ class CausalLM(nnx.Module):
           NotImplementedError: The model has hyper-connections (its residual is `hc_mult`
             streams per row, and the stack input is not).
         """
+        self._require_whole("hidden_captured")
         count = self.config.num_layers
         capture_layers = tuple(capture_layers)
         bad = [i for i in capture_layers if not isinstance(i, int) or not 0 <= i <= count]
@@ -574,3 +648,20 @@ class CausalLM(nnx.Module):
         if mask is not None:
             stacked = jnp.where(mask[None, :, None], stacked, jnp.zeros((), stacked.dtype))
         return hidden, stacked
+
+
+def _layer_range(config: DecoderConfig, layers: range | None, scan_layers: bool) -> range:
+    """The layers a `CausalLM` holds, checked: all of them by default."""
+    count = config.num_layers
+    if layers is None:
+        return range(count)
+    if layers.step != 1 or not 0 <= layers.start < layers.stop <= count:
+        raise ValueError(
+            f"layer_range must be a non-empty range [a, b) within [0, {count}); got {layers}"
+        )
+    if scan_layers and len(layers) != count:
+        raise NotImplementedError(
+            f"scan_layers is not built for a pipeline stage's share of the layers ({layers} of "
+            f"{count}); build the stages unscanned"
+        )
+    return layers

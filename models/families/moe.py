@@ -87,6 +87,7 @@ class MoeCausalLM(CausalLM):
         remat: Remat = Remat.NONE,
         hyper_connections: HyperConnections | None = None,
         scan_layers: bool = False,
+        layer_range: range | None = None,
         rngs: nnx.Rngs,
     ):
         self.moe_dispatch = moe_dispatch
@@ -104,6 +105,7 @@ class MoeCausalLM(CausalLM):
             remat=remat,
             hyper_connections=hyper_connections,
             scan_layers=scan_layers,
+            layer_range=layer_range,
             rngs=rngs,
         )
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import lax
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import boundary_jax as bj
@@ -47,6 +48,23 @@ def cache_length(tokens: int, limit: int) -> int:
     return min(next((n for n in CACHE_LENGTHS if n >= tokens), tokens), limit)
 
 
+def pack_bucketed(
+    sequences: Sequence[Sequence[int]], topology: bj.Topology, *, bucketed: bool = False
+) -> PackedBatch:
+    """Packs sequences onto the DP ranks; `bucketed` rounds the prefill rows and the cache slots
+    per rank up to powers of two (see `bucket`), so that batches share programs."""
+    exact = pack_sequences(sequences, topology)
+    if not bucketed:
+        return exact
+    tp = topology.attn_tp
+    return pack_sequences(
+        sequences,
+        topology,
+        rows_per_rank=bucket(max(exact.rows_per_rank, MIN_ROWS), tp),
+        slots_per_rank=bucket(exact.decode_rows_per_rank, tp),
+    )
+
+
 def _next_tokens(
     model: CausalLM,
     rows: TokenRows,
@@ -56,16 +74,39 @@ def _next_tokens(
     key: jax.Array,
     sampling: Sampling,
 ) -> tuple[jax.Array, tuple[KVCache, ...]]:
-    """The next token per row (or per `last_rows` entry), and the updated caches.
+    """The next token per row (or per `last_rows` entry), and the updated caches
+    (`head_tokens` of the model's final-norm output)."""
+    hidden, caches = model.hidden(rows, batch, caches, last_rows)
+    return head_tokens(model, hidden, key, sampling), caches
+
+
+def head_tokens(
+    model: CausalLM, hidden: jax.Array, key: jax.Array, sampling: Sampling
+) -> jax.Array:
+    """The token each row of final-norm output `hidden` samples through the LM head.
 
     Greedy decoding takes the argmax of each rank's vocab shard, so full logits never cross
-    attention TP; sampling gathers the logits of the chosen rows only.
+    attention TP; sampling gathers the logits of the rows given only.
     """
-    hidden, caches = model.hidden(rows, batch, caches, last_rows)
     if sampling.greedy:
-        return model.lm_head.greedy(hidden), caches
+        return model.lm_head.greedy(hidden)
     logits = model.lm_head(hidden).astype(jnp.float32)
-    return sample_tokens(logits, key, sampling), caches
+    return sample_tokens(logits, key, sampling)
+
+
+def rank_key(key: jax.Array, topology: bj.Topology) -> jax.Array:
+    """`key` folded with the attention-DP rank (inside `shard_map`), so that ranks draw
+    independently."""
+    entry = topology.spec_entry((bj.TokenAxis.ATTN_DP,))
+    return key if entry is None else jax.random.fold_in(key, lax.axis_index(entry))
+
+
+def fetch(value: jax.Array) -> np.ndarray:
+    """The whole of a global array on this host: read back directly where this process holds
+    every shard, gathered from the other processes otherwise (all of them must call it)."""
+    if value.is_fully_addressable:
+        return np.asarray(jax.device_get(value))
+    return np.asarray(multihost_utils.process_allgather(value, tiled=True))
 
 
 class ShardedCausalLM:
@@ -155,18 +196,8 @@ class ShardedCausalLM:
     # -- placing inputs -------------------------------------------------------------------
 
     def pack(self, sequences: Sequence[Sequence[int]], *, bucketed: bool = False) -> PackedBatch:
-        """Packs sequences onto the DP ranks; `bucketed` rounds the prefill rows and the cache
-        slots per rank up to powers of two (see `bucket`), so that batches share programs."""
-        if not bucketed:
-            return pack_sequences(sequences, self.topology)
-        exact = pack_sequences(sequences, self.topology)
-        tp = self.topology.attn_tp
-        return pack_sequences(
-            sequences,
-            self.topology,
-            rows_per_rank=bucket(max(exact.rows_per_rank, MIN_ROWS), tp),
-            slots_per_rank=bucket(exact.decode_rows_per_rank, tp),
-        )
+        """Packs sequences onto the DP ranks (`pack_bucketed`)."""
+        return pack_bucketed(sequences, self.topology, bucketed=bucketed)
 
     def place_array(self, values: np.ndarray | jax.Array, *, rows: bool = True) -> jax.Array:
         """An array placed on the mesh: split over attention DP along axis 0, or replicated."""
@@ -208,7 +239,7 @@ class ShardedCausalLM:
     def forward(self, sequences: Sequence[Sequence[int]]) -> np.ndarray:
         """float32 logits [sequences, longest, vocab] of ragged token-id lists, zero past ends."""
         packed = self.pack(sequences)
-        return packed.unpack(jax.device_get(self.forward_rows(packed)))
+        return packed.unpack(fetch(self.forward_rows(packed)))
 
     def lower_forward(self, sequences: Sequence[Sequence[int]]):
         """The lowered (not yet compiled) sharded forward for these sequences' shapes."""
@@ -373,9 +404,7 @@ class ShardedCausalLM:
         return self._programs[name]
 
     def _rank_key(self, key: jax.Array) -> jax.Array:
-        """`key` folded with the DP rank, so that ranks draw independently."""
-        entry = self.topology.spec_entry((bj.TokenAxis.ATTN_DP,))
-        return key if entry is None else jax.random.fold_in(key, lax.axis_index(entry))
+        return rank_key(key, self.topology)
 
     def _prefill_program(self, sampling: Sampling, capacity: int) -> Callable:
         del capacity
@@ -458,7 +487,7 @@ class ShardedCausalLM:
             prompts, max_new_tokens, sampling=sampling, seed=seed, chunk=max_new_tokens
         )
         tokens = jnp.concatenate(list(chunks))
-        return np.asarray(jax.device_get(tokens))[:, packed.slot_order()].T.astype(np.int32)
+        return fetch(tokens)[:, packed.slot_order()].T.astype(np.int32)
 
     def generate_stream(
         self,
@@ -481,7 +510,7 @@ class ShardedCausalLM:
         )
         order = packed.slot_order()
         for tokens in chunks:
-            yield np.asarray(jax.device_get(tokens))[:, order].T.astype(np.int32)
+            yield fetch(tokens)[:, order].T.astype(np.int32)
 
     def _token_chunks(
         self,

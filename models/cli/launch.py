@@ -1,0 +1,142 @@
+"""`boundary-jax launch`: one command run by several local processes under `jax.distributed`.
+
+Each process gets the environment of `models.distributed.ProcessGroup` (a coordinator on
+127.0.0.1, the process count and its index) and runs `python -m models.cli <command>`; its
+devices are its share of the mesh (CPU devices: the mesh's size over the processes). The
+launcher waits for them all; when one fails, it stops the others and returns that process's
+exit code, so a process that dies or never joins ends the run instead of hanging it.
+
+Only process 0's standard output comes through (results are printed there), without the lines
+the CPU collectives library (gloo) prints as its devices connect; every process's standard
+error does.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import IO
+
+from ..distributed import DEFAULT_JOIN_TIMEOUT, ProcessGroup
+
+HOST = "127.0.0.1"
+STOP_GRACE = 5.0
+"""Seconds a stopped process gets to exit before it is killed."""
+GLOO_MARKS = (b"[Gloo] ", b"connected peer ranks")
+"""Pieces of the CPU collectives library's connection messages (which two devices' threads may
+print into each other's line)."""
+
+
+def free_port_pair(host: str = HOST) -> int:
+    """A port p such that p and p + 1 (the coordinator and its roll call) are free now."""
+    for _ in range(100):
+        with socket.socket() as first:
+            first.bind((host, 0))
+            port = first.getsockname()[1]
+            with socket.socket() as second:
+                try:
+                    second.bind((host, port + 1))
+                except OSError:
+                    continue
+        return port
+    raise OSError(f"found no two consecutive free ports on {host}")
+
+
+def launch(
+    processes: int,
+    command: Sequence[str],
+    *,
+    port: int | None = None,
+    join_timeout: float = DEFAULT_JOIN_TIMEOUT,
+    python: str = sys.executable,
+    module: str = "models.cli",
+) -> int:
+    """Runs `boundary-jax <command>` in `processes` local processes of one group.
+
+    Args:
+      processes: How many processes.
+      command: The command line after `boundary-jax` (e.g. `["forward", "--preset", ...]`).
+      port: The coordinator's port (the roll call takes the next one); None picks free ones.
+      join_timeout: Seconds the processes wait for each other to join.
+      python: The interpreter the processes run.
+      module: What they run (`python -m module *command`): the command line by default; any
+        program that joins its `ProcessGroup.from_environment()`.
+
+    Returns:
+      0 when every process succeeded, else the first failing process's exit code.
+
+    Raises:
+      ValueError: `processes` is not positive or `command` is empty.
+    """
+    if processes < 1:
+        raise ValueError(f"--processes must be at least 1; got {processes}")
+    if not command:
+        raise ValueError(
+            "launch needs a command after --, e.g. launch --processes 2 -- forward ..."
+        )
+    coordinator = f"{HOST}:{free_port_pair() if port is None else port}"
+    children, readers = [], []
+    for index in range(processes):
+        group = ProcessGroup(coordinator, processes, index, join_timeout)
+        child = subprocess.Popen(
+            [python, "-m", module, *command],
+            env={**os.environ, **group.environment()},
+            stdout=subprocess.PIPE,
+        )
+        reader = threading.Thread(target=_forward, args=(child.stdout, index == 0), daemon=True)
+        reader.start()
+        children.append(child)
+        readers.append(reader)
+    try:
+        return _wait(children)
+    finally:
+        _stop(children)
+        for reader in readers:
+            reader.join()
+
+
+def _forward(stream: IO[bytes], shown: bool) -> None:
+    """Copies a child's standard output to ours (`shown`) or drops it, line by line."""
+    for line in stream:
+        if shown and not any(mark in line for mark in GLOO_MARKS):
+            sys.stdout.buffer.write(line)
+            sys.stdout.buffer.flush()
+    stream.close()
+
+
+def _wait(children: list[subprocess.Popen]) -> int:
+    """Waits for every child; at the first failure, reports it and returns its code."""
+    while True:
+        codes = [child.poll() for child in children]
+        failed = [(index, code) for index, code in enumerate(codes) if code not in (None, 0)]
+        if failed:
+            index, code = failed[0]
+            running = [i for i, c in enumerate(codes) if c is None]
+            print(
+                f"boundary-jax launch: process {index} exited with code {code}"
+                + (f"; stopping processes {running}" if running else ""),
+                file=sys.stderr,
+            )
+            return code
+        if all(code == 0 for code in codes):
+            return 0
+        time.sleep(0.05)
+
+
+def _stop(children: list[subprocess.Popen]) -> None:
+    """Stops the children still running: terminate, then kill after `STOP_GRACE`."""
+    running = [child for child in children if child.poll() is None]
+    for child in running:
+        child.terminate()
+    deadline = time.monotonic() + STOP_GRACE
+    for child in running:
+        try:
+            child.wait(max(deadline - time.monotonic(), 0))
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()

@@ -1,0 +1,483 @@
+"""Running a decoder split into pipeline stages: one jitted program per stage on its own devices,
+activations handed on between them, a GPipe schedule of prefill microbatches, and decode one
+step at a time through every stage.
+
+Stage s is a `CausalLM` holding its share of the layers (`CausalLM.layer_range`), bound against
+its neighbours' declarations, on the devices at `pp` index s of the mesh (attention DP x TP, and
+expert parallelism, inside it). Its program enters the stack from the embedding (stage 0) or by
+`StageBoundary.from_pp` of what the previous stage sent, runs its layers, and leaves by
+`residual.to_pp` (every owed sum completed first) or, on the last stage, through the final norm
+and the LM head. `transport.Transfer` carries each handoff device to device.
+
+Every process runs the same schedule and calls the programs of the stages (and transfers) whose
+devices it holds, in the same order; a stage it does not hold is followed by shape alone, so the
+same code runs on one process or on many.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import boundary_jax as bj
+from boundary_jax import residual
+
+from ..families.decoder import CausalLM
+from ..layers.attention import KVCache
+from ..rows import PackedBatch, RowsPhase, TokenRows, decode_rows
+from ..serving.runtime import (
+    MIN_ROWS,
+    MIN_STEPS,
+    bucket,
+    cache_length,
+    head_tokens,
+    pack_bucketed,
+    rank_key,
+)
+from ..serving.sampling import GREEDY, Sampling
+from .schedule import Microbatch, bubble, gpipe_ticks, split_microbatches
+from .split import PipelineSplit
+from .transport import Collect, Transfer, holds, place_rows, rows_spec, stage_meshes
+
+Tree = Any
+
+
+def enter_stage(
+    model: CausalLM, inputs: Tree, ids: jax.Array, batch: bj.BatchFacts
+) -> tuple[jax.Array | bj.OwedOutput, bj.ResidualStream]:
+    """A stage's stack entry, inside its `shard_map`: the embedding of `ids` and a fresh stream
+    on stage 0, else the stream the previous stage's `to_pp` sent (`inputs`), rebuilt by the
+    receiving boundary's `from_pp`."""
+    if model.holds_first:
+        return model.embed(ids), residual.start(batch)
+    _, receiver = model.layer_structure(model.layer_range.start).stages()[0]
+    return receiver.from_pp(inputs, batch)
+
+
+class Stage:
+    """One pipeline stage: its model's graph, its mesh, its placed state where this process
+    holds its devices, and its programs.
+
+    Attributes:
+      index: The stage's position in the pipeline.
+      layers: The model layers it holds.
+      mesh: Its devices (the pipeline mesh's at `pp` index `index`).
+      held: This process holds some of its devices (and runs its programs).
+      model: The stage's model over its placed state (abstract where not held).
+    """
+
+    def __init__(self, index: int, model: CausalLM, mesh: Mesh, *, check_vma: bool):
+        if bj.Topology.from_mesh(mesh, moe_ep=model.topology.moe_ep) != model.topology:
+            raise ValueError(
+                f"stage {index} is bound on {model.topology} but its mesh is "
+                f"{bj.Topology.from_mesh(mesh, moe_ep=model.topology.moe_ep)}"
+            )
+        self.index = index
+        self.layers = model.layer_range
+        self.mesh = mesh
+        self.held = holds(mesh)
+        self.topology = model.topology
+        self.first, self.last = model.holds_first, model.holds_last
+        self._check_vma = check_vma
+        self._graphdef, state = nnx.split(model)
+        self._specs = nnx.get_partition_spec(state)
+        if self.held:
+            self._state = bj.place(state, mesh, self._specs)
+        else:
+            shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), self._specs)
+            self._state = jax.tree.map(
+                lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                state,
+                shardings,
+            )
+        self._programs: dict[tuple, Callable] = {}
+        self._shapes: dict[tuple, Tree] = {}
+        self.rows = rows_spec(mesh)
+        self.cache_specs = tuple(KVCache.specs(self.topology) for _ in model.blocks())
+
+    @property
+    def model(self) -> CausalLM:
+        """The stage's model over its placed state (abstract where this process lacks it)."""
+        return nnx.merge(self._graphdef, self._state)
+
+    @property
+    def state(self) -> nnx.State:
+        """The stage's placed state (shapes only where this process does not hold it)."""
+        return self._state
+
+    @property
+    def specs(self) -> nnx.State:
+        """The `PartitionSpec` of every leaf of `state`."""
+        return self._specs
+
+    def sharded(self, body: Callable, in_specs: tuple, out_specs: Tree) -> Callable:
+        """`f(state, *args)`: `body(model, *args)` inside `shard_map` on this stage's devices
+        (not jitted: a caller may differentiate it first)."""
+        graphdef = self._graphdef
+
+        def run(state, *args):
+            return body(nnx.merge(graphdef, state), *args)
+
+        return jax.shard_map(
+            run,
+            mesh=self.mesh,
+            in_specs=(self._specs, *in_specs),
+            out_specs=out_specs,
+            check_vma=self._check_vma,
+        )
+
+    def program(
+        self,
+        name: tuple,
+        body: Callable,
+        in_specs: tuple,
+        out_specs: Tree,
+        donate: tuple[int, ...] = (),
+    ) -> Callable:
+        """The jitted `sharded(body, ...)` program, built once per name; `donate` indexes
+        `args`."""
+        if name not in self._programs:
+            self._programs[name] = jax.jit(
+                self.sharded(body, in_specs, out_specs),
+                donate_argnums=tuple(1 + i for i in donate),
+            )
+        return self._programs[name]
+
+    def cached(self, name: tuple, make: Callable[[], Callable]) -> Callable:
+        """The program `make()` builds, built once per name."""
+        if name not in self._programs:
+            self._programs[name] = make()
+        return self._programs[name]
+
+    def run(self, program: Callable, *args, state: nnx.State | None = None) -> Tree:
+        """`program(state, *args)` (by default the stage's own state); where this process does
+        not hold the stage, the shapes of what it would return (traced once per argument
+        shapes)."""
+        state = self._state if state is None else state
+        if self.held:
+            return program(state, *args)
+        key = (program, jax.tree.structure(args), tuple(_shape(x) for x in jax.tree.leaves(args)))
+        if key not in self._shapes:
+            self._shapes[key] = jax.eval_shape(program, state, *args)
+        return self._shapes[key]
+
+    def place(self, packed: PackedBatch, variant: bj.BatchVariant) -> tuple[TokenRows, Tree]:
+        """A packed batch's rows and batch facts on this stage's devices."""
+        counts = place_rows(np.asarray(packed.token_counts, np.int32), self.mesh, rows=False)
+        return place_rows(packed.rows, self.mesh), bj.BatchFacts(variant, self.topology, counts)
+
+    def new_caches(self, config, slots: int, max_len: int, dtype) -> tuple[KVCache, ...]:
+        """Zero KV caches of this stage's layers, one per block, `slots` slots in all."""
+
+        def create():
+            return tuple(
+                KVCache.create(
+                    config, self.topology, slots=slots, max_len=max_len, dtype=dtype, mesh=self.mesh
+                )
+                for _ in self.cache_specs
+            )
+
+        if self.held:
+            return create()
+        return jax.tree.map(
+            lambda x, spec: jax.ShapeDtypeStruct(
+                x.shape, x.dtype, sharding=NamedSharding(self.mesh, spec)
+            ),
+            jax.eval_shape(create),
+            self.cache_specs,
+        )
+
+
+def _shape(value) -> tuple:
+    return (tuple(value.shape), str(value.dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacedMicrobatches:
+    """A batch's microbatches, their rows and batch facts placed on every stage.
+
+    Attributes:
+      parts: The microbatches.
+      placed: `placed[stage][microbatch]` is `(rows, batch facts)` on that stage's devices.
+      lengths: The length of each sequence of the whole batch.
+    """
+
+    parts: tuple[Microbatch, ...]
+    placed: tuple[tuple[tuple[TokenRows, bj.BatchFacts], ...], ...]
+    lengths: tuple[int, ...]
+
+
+class PipelineCausalLM:
+    """A `CausalLM` split into pipeline stages, each on its own device group: forward, prefill
+    (GPipe microbatches) and decode through every stage, and generation.
+
+    The stages' devices are the pipeline mesh's at each `pp` index; each stage runs attention
+    DP x TP (and expert parallelism) inside. Results (logits, tokens) come back to every
+    process.
+
+    Attributes:
+      mesh: The pipeline mesh; its axes are boundary-jax's `MeshAxis` names, `pp` outermost.
+      topology: The parallel topology (`pp` stages of the stage meshes' sizes).
+      config: The model's architecture.
+      split: The layers of each stage.
+      microbatches: How many microbatches a batch's sequences are split into.
+      input_scattered: Run batches input-scattered (residual on attention-TP slices).
+      variant: The batch variant every stage runs.
+      stages: The `Stage`s.
+      sends: `sends[s]` hands stage s's output to stage s + 1.
+    """
+
+    def __init__(
+        self,
+        stages: Sequence[CausalLM],
+        mesh: Mesh,
+        *,
+        microbatches: int | None = None,
+        input_scattered: bool = False,
+        check_vma: bool = True,
+    ):
+        meshes = stage_meshes(mesh)
+        if len(meshes) != len(stages):
+            raise ValueError(
+                f"the mesh has pp={len(meshes)} stage groups; got {len(stages)} stage models"
+            )
+        self.split = PipelineSplit(tuple(model.layer_range for model in stages))
+        self.mesh = mesh
+        self.config = stages[0].config
+        self.topology = bj.Topology.from_mesh(mesh, moe_ep=stages[0].topology.moe_ep)
+        self.microbatches = len(stages) if microbatches is None else microbatches
+        if self.microbatches < 1:
+            raise ValueError(f"microbatches must be at least 1; got {microbatches}")
+        self.input_scattered = input_scattered
+        self.dtype = stages[0].param_dtype
+        self.stages = tuple(
+            Stage(index, model, stage_mesh, check_vma=check_vma)
+            for index, (model, stage_mesh) in enumerate(zip(stages, meshes, strict=True))
+        )
+        self.variant = (
+            bj.BatchVariant.INPUT_SCATTERED if input_scattered else bj.BatchVariant.ORDINARY
+        )
+        self.sends = tuple(Transfer(a, b) for a, b in zip(meshes[:-1], meshes[1:], strict=True))
+        self._loop = Transfer(meshes[-1], meshes[0]) if len(meshes) > 1 else None
+        self._collect = Collect(meshes)
+
+    @property
+    def bubble(self) -> float:
+        """The idle fraction of each stage in a prefill of `microbatches` microbatches."""
+        return bubble(len(self.stages), self.microbatches)
+
+    # -- packing --------------------------------------------------------------------------
+
+    def pack(self, sequences: Sequence[Sequence[int]], *, bucketed: bool = False) -> PackedBatch:
+        """Packs sequences onto the DP ranks as `ShardedCausalLM.pack` does."""
+        return pack_bucketed(sequences, self.topology, bucketed=bucketed)
+
+    def _microbatches(self, packed: PackedBatch, *, bucketed: bool) -> tuple[Microbatch, ...]:
+        parts = split_microbatches(packed, self.microbatches, self.topology)
+        if not bucketed:
+            return parts
+        rows = bucket(max(parts[0].packed.rows_per_rank, MIN_ROWS), self.topology.attn_tp)
+        return split_microbatches(packed, self.microbatches, self.topology, rows_per_rank=rows)
+
+    # -- stage programs -------------------------------------------------------------------
+
+    def forward_program(self, stage: Stage) -> Callable:
+        """Stage `stage`'s forward: `(state, inputs, rows, batch)` to its handoff, or on the last
+        stage to float32 logits of every row."""
+
+        def body(model, inputs, rows, batch):
+            x, stream = enter_stage(model, inputs, rows.ids, batch)
+            x, stream, _ = model.run_layers(x, stream, rows)
+            if not stage.last:
+                return residual.to_pp(x, stream)
+            return model.lm_head(model.read_out(x, stream)).astype(jnp.float32)
+
+        out = PartitionSpec(*stage.rows, None) if stage.last else stage.rows
+        spec = bj.BatchFacts(self.variant, stage.topology, PartitionSpec())
+        return stage.program(("forward",), body, (stage.rows, stage.rows, spec), out)
+
+    def _prefill_program(self, stage: Stage, sampling: Sampling) -> Callable:
+        def body(model, inputs, rows, batch, caches, last_rows, key, tokens):
+            x, stream = enter_stage(model, inputs, rows.ids, batch)
+            x, stream, caches = model.run_layers(x, stream, rows, caches)
+            if not stage.last:
+                return residual.to_pp(x, stream), caches
+            hidden = model.read_out(x, stream, last_rows)
+            key = rank_key(jax.random.wrap_key_data(key), stage.topology)
+            drawn = head_tokens(model, hidden, key, sampling)
+            return jnp.where(last_rows >= 0, drawn, tokens), caches
+
+        spec = bj.BatchFacts(self.variant, stage.topology, PartitionSpec())
+        rows, caches, one = stage.rows, stage.cache_specs, PartitionSpec()
+        return stage.program(
+            ("prefill", sampling),
+            body,
+            (rows, rows, spec, caches, rows, PartitionSpec(), rows if stage.last else one),
+            (rows, caches),
+            donate=(3, 6),
+        )
+
+    def _decode_program(self, stage: Stage, sampling: Sampling) -> Callable:
+        def body(model, inputs, rows, batch, caches, key, index, out):
+            active = rows.segment_ids >= 0
+            ids = jnp.where(active, inputs, 0) if stage.first else rows.ids
+            current = TokenRows(ids, rows.positions + index, rows.segment_ids, RowsPhase.DECODE)
+            x, stream = enter_stage(model, inputs, current.ids, batch)
+            x, stream, caches = model.run_layers(x, stream, current, caches)
+            if not stage.last:
+                return residual.to_pp(x, stream), caches, index + 1
+            key = rank_key(jax.random.wrap_key_data(key), stage.topology)
+            key = jax.random.fold_in(key, index)
+            tokens = jnp.where(
+                active, head_tokens(model, model.read_out(x, stream), key, sampling), 0
+            )
+            out = lax.dynamic_update_index_in_dim(out, tokens, index, axis=1)
+            return (tokens, out), caches, index + 1
+
+        spec = bj.BatchFacts(self.variant, stage.topology, PartitionSpec())
+        rows, caches, one = stage.rows, stage.cache_specs, PartitionSpec()
+        return stage.program(
+            ("decode", sampling),
+            body,
+            (rows, rows, spec, caches, one, one, rows if stage.last else one),
+            ((rows, rows) if stage.last else rows, caches, one),
+            donate=(3, 5, 6),
+        )
+
+    # -- forward --------------------------------------------------------------------------
+
+    def forward(self, sequences: Sequence[Sequence[int]]) -> np.ndarray:
+        """float32 logits [sequences, longest, vocab] of ragged token-id lists, zero past ends
+        (as `ShardedCausalLM.forward`), the microbatches run on the GPipe schedule."""
+        batch = self.place(sequences)
+        logits = self.forward_placed(batch)
+        out = np.zeros((len(sequences), max(batch.lengths), self.config.vocab_size), np.float32)
+        for part, values in zip(batch.parts, logits, strict=True):
+            rows = part.packed.unpack(self._collect(values, len(self.stages) - 1))
+            out[list(part.sequences), : rows.shape[1]] = rows
+        return out
+
+    def place(self, sequences: Sequence[Sequence[int]]) -> PlacedMicrobatches:
+        """The sequences packed, split into microbatches and placed on every stage."""
+        packed = self.pack(sequences)
+        parts = self._microbatches(packed, bucketed=False)
+        placed = tuple(
+            tuple(stage.place(part.packed, self.variant) for part in parts) for stage in self.stages
+        )
+        return PlacedMicrobatches(parts, placed, packed.lengths)
+
+    def forward_placed(self, batch: PlacedMicrobatches) -> list[jax.Array]:
+        """The last stage's float32 logits [attn_dp * rows_per_rank, vocab] of each placed
+        microbatch (on its devices), run on the GPipe schedule."""
+        programs = [self.forward_program(stage) for stage in self.stages]
+        return self._schedule(
+            len(batch.parts),
+            lambda s, m, inputs: self.stages[s].run(programs[s], inputs, *batch.placed[s][m]),
+        )
+
+    def _schedule(self, microbatches: int, run: Callable[[int, int, Tree], Tree]) -> list[Tree]:
+        """Runs `run(stage, microbatch, inputs)` on the GPipe schedule, handing each stage's
+        output to the next; returns the last stage's output per microbatch."""
+        handoffs: dict[tuple[int, int], Tree] = {}
+        results: list[Tree] = [None] * microbatches
+        last = len(self.stages) - 1
+        for tick in gpipe_ticks(len(self.stages), microbatches):
+            for stage, microbatch in tick:
+                out = run(stage, microbatch, handoffs.pop((stage, microbatch), {}))
+                if stage == last:
+                    results[microbatch] = out
+                else:
+                    handoffs[(stage + 1, microbatch)] = self.sends[stage](out)
+        return results
+
+    # -- generation -----------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        *,
+        sampling: Sampling = GREEDY,
+        seed: int = 0,
+    ) -> np.ndarray:
+        """Continuation of each prompt: int32 [prompts, max_new_tokens], the tokens
+        `ShardedCausalLM.generate` draws for the same prompts, sampling and seed.
+
+        The prompts' microbatches fill every stage's KV caches on the GPipe schedule, the last
+        stage sampling each slot's first token; each further token runs one decode step through
+        every stage, the last stage's tokens handed back to the first.
+        """
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1; got {max_new_tokens}")
+        packed = self.pack(prompts, bucketed=True)
+        longest = max(packed.lengths) + max_new_tokens
+        limit = self.config.max_position_embeddings
+        if longest > limit:
+            raise ValueError(
+                f"prompt + new tokens ({longest}) exceed max_position_embeddings ({limit})"
+            )
+        slots = packed.decode_rows_per_rank * self.topology.attn_dp
+        length = cache_length(longest, limit)
+        caches = [stage.new_caches(self.config, slots, length, self.dtype) for stage in self.stages]
+        prefill_key, decode_key = jax.random.split(jax.random.key(seed))
+        first = self._prefill(packed, caches, prefill_key, sampling)
+        steps = max_new_tokens - 1
+        tokens = [self._collect(first, len(self.stages) - 1)[None]]
+        if steps:
+            rest = self._decode(packed, caches, first, decode_key, steps, sampling)
+            tokens.append(self._collect(rest, len(self.stages) - 1).T[:steps])
+        return np.concatenate(tokens)[:, packed.slot_order()].T.astype(np.int32)
+
+    def _prefill(self, packed: PackedBatch, caches: list, key: jax.Array, sampling: Sampling):
+        """Fills `caches` (in place) with every microbatch; returns the first token per slot,
+        on the last stage."""
+        parts = self._microbatches(packed, bucketed=True)
+        keys = [place_rows(jax.random.key_data(key), s.mesh, rows=False) for s in self.stages]
+        programs = [self._prefill_program(stage, sampling) for stage in self.stages]
+        slots = len(packed.last_row_index())
+        tokens = [place_rows(np.zeros(slots, np.int32), self.stages[-1].mesh)]
+
+        def run(s, m, inputs):
+            stage, part = self.stages[s], parts[m].packed
+            last_rows = place_rows(part.last_row_index(), stage.mesh)
+            args = (inputs, *stage.place(part, self.variant), caches[s], last_rows, keys[s])
+            out, caches[s] = stage.run(programs[s], *args, tokens[0] if stage.last else ())
+            if stage.last:
+                tokens[0] = out
+            return out
+
+        self._schedule(len(parts), run)
+        return tokens[0]
+
+    def _decode(self, packed, caches: list, first, key: jax.Array, steps: int, sampling):
+        """`steps` decode steps through every stage from the first tokens (on the last stage);
+        returns the tokens [slots, capacity] (slot-major), on the last stage."""
+        lengths = np.asarray(packed.lengths, np.int32)
+        host = decode_rows(packed, np.zeros_like(lengths), lengths)
+        placed = [stage.place(host, self.variant) for stage in self.stages]
+        keys = [place_rows(jax.random.key_data(key), s.mesh, rows=False) for s in self.stages]
+        counters = [place_rows(np.int32(0), stage.mesh, rows=False) for stage in self.stages]
+        slots, capacity = len(packed.last_row_index()), bucket(max(steps, MIN_STEPS))
+        out = place_rows(np.zeros((slots, capacity), np.int32), self.stages[-1].mesh)
+        programs = [self._decode_program(stage, sampling) for stage in self.stages]
+        tokens = first
+        for _ in range(steps):
+            inputs = tokens if self._loop is None else self._loop(tokens)
+            for index, stage in enumerate(self.stages):
+                args = (inputs, *placed[index], caches[index], keys[index], counters[index])
+                handoff, caches[index], counters[index] = stage.run(
+                    programs[index], *args, out if stage.last else ()
+                )
+                if stage.last:
+                    tokens, out = handoff
+                else:
+                    inputs = self.sends[index](handoff)
+        return out

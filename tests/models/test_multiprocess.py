@@ -1,0 +1,119 @@
+"""The same model over 2 and 4 local processes under `jax.distributed` (tensor parallelism and the
+pipeline across processes, each process reading only its devices' checkpoint blocks) equals one
+process; processes that fail to join, die or lack the checkpoint end the run with an error."""
+
+import functools
+import json
+import pathlib
+import socket
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+import boundary_jax as bj
+from models.build import load_model
+from models.cli.launch import free_port_pair, launch
+from models.distributed import JoinError, ProcessGroup
+from models.serving.runtime import ShardedCausalLM
+from tests.models.multiprocess_worker import GOLDEN, NEW_TOKENS
+
+ROOT = pathlib.Path(__file__).parents[2]
+WORKER = "tests.models.multiprocess_worker"
+
+
+@functools.cache
+def one_process() -> tuple[np.ndarray, np.ndarray]:
+    """Logits and greedy tokens of the golden checkpoint in this one process (attention TP 2)."""
+    topology = bj.Topology(attn_tp=2)
+    mesh = bj.make_mesh(topology)
+    runner = ShardedCausalLM(load_model(GOLDEN, mesh), mesh)
+    prompts = json.loads((GOLDEN / "prompts.json").read_text())
+    return runner.forward(prompts), runner.generate(prompts, NEW_TOKENS)
+
+
+def checkpoint_bytes() -> int:
+    total = 0
+    for file in GOLDEN.glob("*.safetensors"):
+        with safe_open(str(file), framework="numpy") as tensors:
+            total += sum(tensors.get_tensor(name).nbytes for name in tensors.keys())  # noqa: SIM118
+    return total
+
+
+def _launch(monkeypatch, processes: int, layout: str, out: pathlib.Path, **options) -> int:
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    return launch(processes, [layout, str(out)], module=WORKER, **options)
+
+
+@pytest.mark.parametrize(
+    "processes,layout,share",
+    [(2, "twisted", 0.55), (4, "stages", 0.4)],
+    ids=["2-processes-tp-and-pp-across", "4-processes-tp-within-pp-across"],
+)
+def test_processes_give_the_one_process_logits_and_tokens(
+    monkeypatch, capfd, tmp_path, processes, layout, share
+):
+    """A two-stage pipeline over 2 processes (each stage's TP group and each handoff crossing
+    them) and over 4 (each stage on two processes) gives one process's logits (within 1e-5 of
+    the largest) and greedy tokens, which are transformers'; only process 0 prints, each
+    process reads only its devices' blocks of the checkpoint, and a checkpoint missing on one
+    process raised on every process."""
+    out = tmp_path / "result.npz"
+    assert _launch(monkeypatch, processes, layout, out) == 0
+    printed = [line for line in capfd.readouterr().out.splitlines() if line.strip()]
+    result = np.load(out)
+    logits, tokens = one_process()
+    reference = np.load(GOLDEN / "reference.npz")
+    assert np.max(np.abs(result["logits"] - logits)) <= 1e-5 * np.max(np.abs(logits))
+    np.testing.assert_array_equal(result["tokens"], tokens)
+    np.testing.assert_array_equal(result["tokens"], reference["generated"])
+    assert printed == [json.dumps(tokens.tolist())]
+    # Before loading, process 1 was given a checkpoint that is not there: every process raised.
+    assert np.all(result["raised"] == 1)
+    read = result["read_bytes"]
+    assert len(read) == processes and np.all(read > 0)
+    assert np.all(read < share * checkpoint_bytes()), read
+
+
+def test_a_process_that_dies_before_joining_ends_the_launch(monkeypatch, capfd, tmp_path):
+    """The launcher stops the other processes and returns the failing one's exit code."""
+    assert _launch(monkeypatch, 2, "die", tmp_path / "none.npz", join_timeout=60) == 3
+    assert "process 1 exited with code 3; stopping processes [0]" in capfd.readouterr().err
+
+
+def test_a_process_that_never_joins_is_an_error_after_the_timeout():
+    """The roll call fails after the join timeout on either side, naming who is missing, before
+    JAX's coordination service is started (which would abort the process)."""
+    coordinator = f"127.0.0.1:{free_port_pair()}"
+    with pytest.raises(JoinError, match=r"processes \[1, 2\] of 3 did not join"):
+        ProcessGroup(coordinator, 3, 0, join_timeout=0.5).join()
+    with pytest.raises(JoinError, match="process 2: process 0 did not answer"):
+        ProcessGroup(coordinator, 3, 2, join_timeout=0.5).join()
+
+
+def test_the_process_group_is_read_from_the_environment():
+    """The four variables describe a group; a partial or malformed set is refused."""
+    environ = {
+        "BOUNDARY_JAX_COORDINATOR": "10.0.0.1:8476",
+        "BOUNDARY_JAX_NUM_PROCESSES": "4",
+        "BOUNDARY_JAX_PROCESS_ID": "3",
+    }
+    group = ProcessGroup.from_environment(environ)
+    assert group == ProcessGroup("10.0.0.1:8476", 4, 3)
+    assert ProcessGroup.from_environment(group.environment()) == group
+    assert ProcessGroup.from_environment({}) is None
+    with pytest.raises(ValueError, match="PROCESS_ID'] must be set"):
+        ProcessGroup.from_environment(
+            {"BOUNDARY_JAX_COORDINATOR": "h:1"} | {"BOUNDARY_JAX_NUM_PROCESSES": "2"}
+        )
+    with pytest.raises(ValueError, match=r"must be in \[0, BOUNDARY_JAX_NUM_PROCESSES\)"):
+        ProcessGroup.from_environment({**environ, "BOUNDARY_JAX_PROCESS_ID": "4"})
+    with pytest.raises(ValueError, match="host:port"):
+        ProcessGroup.from_environment({**environ, "BOUNDARY_JAX_COORDINATOR": "10.0.0.1"})
+
+
+def test_free_port_pair_gives_two_free_ports():
+    port = free_port_pair()
+    for candidate in (port, port + 1):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", candidate))
