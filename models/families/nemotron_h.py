@@ -178,11 +178,10 @@ class NemotronHForCausalLM(MoeCausalLM):
                 mixer = Mamba2Mixer(config.hybrid.mamba, topology=topology, dtype=dtype, rngs=rngs)
             case HybridLayer.ATTENTION:
                 mixer = Attention(
-                    config,
+                    config.attention_spec(index),
                     topology=topology,
                     dtype=dtype,
                     impl=self.attention,
-                    layer_index=index,
                     rngs=rngs,
                 )
             case HybridLayer.MLP:

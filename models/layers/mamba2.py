@@ -28,10 +28,11 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from boundary_jax import SumGroup, TokenAxis, Topology, shard_index
+from boundary_jax.initializers import Normal, param
 
 from ..config import Mamba2Spec
 from ..rows import RowsPhase
-from .linear import ColumnParallelLinear, RowParallelLinear, group_size, project, sharded_param
+from .linear import ColumnParallelLinear, RowParallelLinear, group_size, project
 from .ssd import (
     accumulation_dtype,
     causal_conv1d,
@@ -220,6 +221,42 @@ class Mamba2Cache:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class NormalAround:
+    """N(mean, std^2) values (a norm weight or skip scale near its Hugging Face value)."""
+
+    mean: float
+    std: float
+
+    def __call__(self, key: jax.Array | None, shape: tuple[int, ...], dtype) -> jax.Array:
+        return (self.mean + Normal(self.std)(key, shape, jnp.float32)).astype(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class LogUniform:
+    """log(u), u uniform in [low, high): Mamba2's `A_log`."""
+
+    low: float
+    high: float
+
+    def __call__(self, key: jax.Array | None, shape: tuple[int, ...], dtype) -> jax.Array:
+        rate = jax.random.uniform(key, shape, jnp.float32, minval=self.low, maxval=self.high)
+        return jnp.log(rate).astype(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class TimeStepBias:
+    """Mamba2's `dt_bias`: the inverse softplus of a time step drawn log-uniform in [low, high)."""
+
+    low: float
+    high: float
+
+    def __call__(self, key: jax.Array | None, shape: tuple[int, ...], dtype) -> jax.Array:
+        bounds = {"minval": math.log(self.low), "maxval": math.log(self.high)}
+        step = jnp.exp(jax.random.uniform(key, shape, jnp.float32, **bounds))
+        return (step + jnp.log(-jnp.expm1(-step))).astype(dtype)
+
+
 class DepthwiseConvWeights(nnx.Module):
     """The kernel and bias of a depthwise conv, in PyTorch's `Conv1d` layout, over channels split
     like a column projection.
@@ -246,14 +283,15 @@ class DepthwiseConvWeights(nnx.Module):
         stacked = () if parts is None else (parts,)
         lead = tuple(None for _ in stacked)
         shape = (*stacked, channels)
-        weight = jax.random.normal(rngs.params(), (*shape, 1, kernel), jnp.float32) / kernel**0.5
-        self.weight = sharded_param(weight.astype(dtype), (*lead, entry, None, None))
+        self.weight = param(
+            Normal(kernel**-0.5),
+            (*shape, 1, kernel),
+            dtype,
+            rngs=rngs,
+            sharding=(*lead, entry, None, None),
+        )
         self.bias = (
-            sharded_param(
-                (0.5 * jax.random.normal(rngs.params(), shape)).astype(dtype), (*lead, entry)
-            )
-            if bias
-            else None
+            param(Normal(0.5), shape, dtype, rngs=rngs, sharding=(*lead, entry)) if bias else None
         )
 
 
@@ -316,17 +354,12 @@ class Mamba2Mixer(nnx.Module):
         entry = (topology.shard_entry(heads),)
         # Hugging Face's initialization, drawn per head (and norm weights around 1), so that a
         # rank holding another rank's slice changes the output.
-        low, high = math.log(1e-3), math.log(1e-1)
-        step = jnp.exp(
-            jax.random.uniform(rngs.params(), (spec.num_heads,), minval=low, maxval=high)
-        )
-        self.dt_bias = sharded_param((step + jnp.log(-jnp.expm1(-step))).astype(dtype), entry)
-        rate = jax.random.uniform(rngs.params(), (spec.num_heads,), minval=1.0, maxval=16.0)
-        self.a_log = sharded_param(jnp.log(rate).astype(dtype), entry)
-        d = 1 + 0.5 * jax.random.normal(rngs.params(), (spec.num_heads,))
-        self.d = sharded_param(d.astype(dtype), entry)
-        norm = 1 + 0.2 * jax.random.normal(rngs.params(), (inner,))
-        self.norm_weight = sharded_param(norm.astype(dtype), entry)
+        heads_shape = (spec.num_heads,)
+        sharded = {"rngs": rngs, "sharding": entry}
+        self.dt_bias = param(TimeStepBias(1e-3, 1e-1), heads_shape, dtype, **sharded)
+        self.a_log = param(LogUniform(1.0, 16.0), heads_shape, dtype, **sharded)
+        self.d = param(NormalAround(1.0, 0.5), heads_shape, dtype, **sharded)
+        self.norm_weight = param(NormalAround(1.0, 0.2), (inner,), dtype, **sharded)
         self.out_proj = RowParallelLinear(inner, hidden, group=heads, **common)
         self.spec = spec
         self.split = split
