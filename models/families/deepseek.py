@@ -97,7 +97,7 @@ class DeepseekCausalLM(MoeCausalLM):
         `dense_ffn_dp`)."""
         stages = self.design.facts() if stages is None else stages
         if self.dense_ffn_dp and not self.config.sparse_layers[layer_index]:
-            return bj.declare_attn(**stages.attn), bj.declare_ffn(dense_tp_size=1, **stages.ffn)
+            return stages.attn.declare_attn(), stages.ffn.declare_ffn(dense_tp_size=1)
         return moe_stage_facts(self.config, self.moe_dispatch, layer_index, stages)
 
     def make_mlp(self, index: int, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> nnx.Module:

@@ -51,15 +51,21 @@ class StageResidual:
         )
 
     def declare_ffn(
-        self, *, sparse: bool = False, moe_dispatch: bj.MoeDispatch = bj.MoeDispatch.GATHER
+        self,
+        *,
+        sparse: bool = False,
+        moe_dispatch: bj.MoeDispatch = bj.MoeDispatch.GATHER,
+        dense_tp_size: int | None = None,
     ) -> bj.StageDeclaration:
-        """The FFN stage's declaration: dense, or sparse with its dispatch."""
+        """The FFN stage's declaration: dense (over `dense_tp_size` ranks; None: the full TP
+        group), or sparse with its dispatch."""
         return bj.declare_ffn(
             read=self.read,
             update=self.update,
             output_transform=self.output_transform,
             sparse=sparse,
             moe_dispatch=moe_dispatch,
+            dense_tp_size=dense_tp_size,
         )
 
 

@@ -27,7 +27,7 @@ from flax import nnx
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from boundary_jax import SumGroup, TokenAxis, Topology, shard_index
+from boundary_jax import SumGroup, TokenAxis, Topology, ops, shard_index
 from boundary_jax.initializers import Normal, param
 
 from ..config import Mamba2Spec
@@ -490,8 +490,8 @@ class Mamba2Mixer(nnx.Module):
         gated = y.astype(acc) * jax.nn.silu(z.astype(acc))
         mine = jnp.arange(spec.n_groups) == self._group_index()  # [G]
         squares = jnp.where(mine[None], jnp.sum(gated * gated, axis=-1, keepdims=True), 0)
-        names = Topology.mesh_names(self.topology.sum_axes(SumGroup.ATTN_TP))
-        squares = lax.psum(squares, names)[:, self._group_index()]  # [T]
+        over_tp = ops.all_reduce(self.topology.sum_axes(SumGroup.ATTN_TP), self.topology)
+        squares = ops.run(over_tp, squares)[:, self._group_index()]  # [T]
         normed = gated * lax.rsqrt(squares / group_width + spec.eps)[:, None]
         return weight[None] * normed.astype(y.dtype)
 

@@ -257,7 +257,7 @@ class SummedDenseFfn(DeepseekV3ForCausalLM):
     def stage_facts(self, layer_index, stages=None):
         attn, ffn = super().stage_facts(layer_index, stages)
         if ffn.dense_tp_size == 1:
-            ffn = bj.declare_ffn(**(self.design.facts() if stages is None else stages).ffn)
+            ffn = (self.design.facts() if stages is None else stages).ffn.declare_ffn()
         return attn, ffn
 
 
