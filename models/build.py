@@ -15,9 +15,11 @@ from jax.sharding import Mesh, NamedSharding
 import boundary_jax as bj
 
 from .checkpoints import load_config, load_params
+from .checkpoints.fp8 import stored_fp8
 from .config import DecoderConfig
 from .families import CausalLM, MoeCausalLM, Remat, model_class
 from .layers.attention import AttentionImpl
+from .layers.fp8_linear import Fp8Quantization
 from .layers.hyper_connections import HyperConnections
 
 
@@ -56,6 +58,7 @@ def build_model(
     remat: Remat = Remat.NONE,
     hyper_connections: HyperConnections | None = None,
     scan_layers: bool = False,
+    quantization: Fp8Quantization | None = None,
 ) -> CausalLM:
     """A model of `config` with random weights (every shard different).
 
@@ -76,6 +79,8 @@ def build_model(
       scan_layers: Stack the parameters of each run of identical layers between the stack
         entry and the terminal layer once, here, and run the run as one `lax.scan`
         (`DecoderConfig.layer_blocks`); the values are those of the unscanned model.
+      quantization: FP8 projection weights (random blocks quantized as drawn) and FP8 inputs
+        into them; None: every weight in `dtype`.
     """
     if attention is None:
         attention = AttentionImpl.for_platform(_platform(mesh))
@@ -92,6 +97,7 @@ def build_model(
             remat=remat,
             hyper_connections=hyper_connections,
             scan_layers=scan_layers,
+            quantization=quantization,
             rngs=nnx.Rngs(seed),
         )
 
@@ -145,6 +151,7 @@ def load_model(
     attention: AttentionImpl | None = None,
     remat: Remat = Remat.NONE,
     scan_layers: bool = False,
+    quantization: Fp8Quantization | None = None,
 ) -> CausalLM:
     """A model loaded from a Hugging Face checkpoint directory, each device reading its shard.
 
@@ -155,11 +162,18 @@ def load_model(
     `AttentionImpl.for_platform`; `remat` says what each layer keeps for a backward pass.
     With `scan_layers` (see `build_model`) a stacked parameter is read layer by layer, each
     device still reading only its shard of each layer's tensor.
+
+    A fine-grained FP8 checkpoint (`quantization_config` with `quant_method: fp8`) loads as an
+    FP8 model (`quantization` None: `Fp8Quantization.for_platform`); `quantization` given
+    quantizes any other checkpoint on load, each device its own blocks (`checkpoints.fp8`).
     """
     config = load_config(checkpoint_dir)
+    platform = _platform(mesh)
+    if quantization is None and stored_fp8(checkpoint_dir):
+        quantization = Fp8Quantization.for_platform(platform)
     topology = bj.Topology.from_mesh(mesh, moe_ep=moe_ep)
     if attention is None:
-        attention = AttentionImpl.for_platform(_platform(mesh))
+        attention = AttentionImpl.for_platform(platform)
     abstract = nnx.eval_shape(
         lambda: _construct(
             config,
@@ -171,11 +185,17 @@ def load_model(
             attention=attention,
             remat=remat,
             scan_layers=scan_layers,
+            quantization=quantization,
             rngs=nnx.Rngs(0),
         )
     )
     graphdef, abstract_state = nnx.split(abstract)
     params = load_params(
-        checkpoint_dir, abstract_state, mesh, np.dtype(dtype), scan_layers=scan_layers
+        checkpoint_dir,
+        abstract_state,
+        mesh,
+        np.dtype(dtype),
+        scan_layers=scan_layers,
+        quantization=quantization,
     )
     return nnx.merge(graphdef, params)

@@ -21,8 +21,9 @@ from boundary_jax import residual
 
 from ..config import Architecture, DecoderConfig, ResidualDesign
 from ..layers.attention import Attention, AttentionImpl, KVCache
+from ..layers.fp8_linear import Fp8Linears, Fp8Quantization
 from ..layers.hyper_connections import HyperConnections
-from ..layers.linear import ParallelLMHead, VocabParallelEmbedding
+from ..layers.linear import DENSE_LINEARS, Linears, ParallelLMHead, VocabParallelEmbedding
 from ..layers.mlp import SwiGLU
 from ..rows import TokenRows
 from .designs import (
@@ -34,6 +35,7 @@ from .designs import (
     Sandwich,
     StageDesigns,
 )
+from .quantized import quantized_reads
 
 Declare = Callable[[StageDesigns], tuple[bj.StageDeclaration, ...]]
 """A layer's stage declarations, from what its residual design built (`CausalLM.stage_facts`)."""
@@ -172,7 +174,10 @@ class CausalLM(nnx.Module):
       hyper_connections: The MHC residual design of every boundary, or None for the plain
         pre-norm add + RMSNorm.
       hyper_head: With hyper-connections, the head collapsing the streams before `final_norm`.
-      param_dtype: The dtype of every parameter.
+      param_dtype: The dtype of every parameter (FP8 weights and their scales excepted).
+      quantization: FP8 projection weights and FP8 inputs into them (`Fp8Quantization`), or
+        None for every weight in `param_dtype`.
+      linears: What makes the layers' projections (dense, or FP8 with `quantization`).
     """
 
     layer_class: type[DecoderLayer] = DecoderLayer
@@ -195,6 +200,7 @@ class CausalLM(nnx.Module):
         remat: Remat = Remat.NONE,
         hyper_connections: HyperConnections | None = None,
         scan_layers: bool = False,
+        quantization: Fp8Quantization | None = None,
         rngs: nnx.Rngs,
     ):
         if config.architecture not in self.architectures:
@@ -210,6 +216,8 @@ class CausalLM(nnx.Module):
         self.scan_layers = scan_layers
         self.hyper_connections = hyper_connections
         self.param_dtype = dtype
+        self.quantization = quantization
+        self.linears: Linears = DENSE_LINEARS if quantization is None else Fp8Linears(quantization)
         self.design = self.layer_design()
         self.embed = VocabParallelEmbedding(
             config.vocab_size,
@@ -265,8 +273,15 @@ class CausalLM(nnx.Module):
         their capabilities only, which is what the stack binds a neighbour against.
         """
         del layer_index
-        stages = self.design.facts() if stages is None else stages
+        stages = self.quantized(self.design.facts() if stages is None else stages)
         return bj.declare_attn(**stages.attn), bj.declare_ffn(**stages.ffn)
+
+    def quantized(self, stages: StageDesigns, *, ffn: bool = True) -> StageDesigns:
+        """`stages` with quantized reads (`quantized_reads`) where the model is FP8: the
+        attention's, and with `ffn` the FFN's; as they are otherwise."""
+        if self.quantization is None:
+            return stages
+        return quantized_reads(stages, self.quantization, ffn=ffn)
 
     def layer_design(self) -> LayerDesign:
         """Where every layer's norms sit: the family's residual design, or pre-norm behind
@@ -291,6 +306,7 @@ class CausalLM(nnx.Module):
             activation=config.activation,
             topology=self.topology,
             dtype=dtype,
+            linears=self.linears,
             rngs=rngs,
         )
 
@@ -303,6 +319,7 @@ class CausalLM(nnx.Module):
             dtype=dtype,
             impl=self.attention,
             layer_index=index,
+            linears=self.linears,
             rngs=rngs,
         )
         return self.layer_class(

@@ -29,7 +29,7 @@ from flax import nnx
 import boundary_jax as bj
 
 from ..config import MoeConfig
-from .moe import GroupedMatmulImpl, MoeOutput, Routing, SparseMoe, expert_outputs, finalize, route
+from .moe import GroupedMatmulImpl, MoeOutput, Routing, SparseMoe, finalize, route
 
 
 class MoeFfn(SparseMoe):
@@ -128,12 +128,9 @@ class MoeFfn(SparseMoe):
             capacity=self.capacity,
         )
         received = dispatched.rows.shape[0]
-        answers = expert_outputs(  # each received row is one choice of its tagged local expert
+        answers = self.routed(  # each received row is one choice of its tagged local expert
             dispatched.rows,
             Routing(jnp.ones((received, 1), jnp.float32), dispatched.tags[:, None]),
-            self.gate_up_proj[...],
-            self.down_proj[...],
-            impl=self.impl,
             # Each EP rank sends T * k rows, spread evenly over all experts; the width group's
             # ranks gather theirs.
             even_share=tokens * top_k * self.topology.moe_tp / local,
