@@ -4,15 +4,23 @@ produce it (`add_rms_norm_quantize`) and those that read it (`fp8_matmul`).
 A row is cut into groups of `group` consecutive features. A group's scale is its largest
 magnitude / 448 (the largest finite e4m3 value) in float32; its values are the features divided
 by the scale, rounded to the nearest float8_e4m3fn. `values * scale` gives the features back.
+
+The scale is computed as the maximum times float32(1 / 448): XLA turns a division by a constant
+into that product (it differs from the division by one rounding in about half the cases), so
+writing it so makes numpy (checkpoints), XLA and the kernels agree bit for bit.
 """
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 FP8_MAX = 448.0
 """The largest finite float8_e4m3fn value."""
 
 FP8_DTYPE = jnp.float8_e4m3fn
+
+INVERSE_FP8_MAX = float(np.float32(1 / FP8_MAX))
+"""float32(1 / 448): a group's scale is its maximum times this."""
 
 
 def quantize_token_groups_reference(
@@ -42,7 +50,7 @@ def quantize_token_groups_reference(
         )
     acc = jnp.promote_types(x.dtype, jnp.float32)
     groups = x.reshape(*x.shape[:-1], features // group, group).astype(acc)
-    scales = (jnp.max(jnp.abs(groups), axis=-1) / FP8_MAX).astype(jnp.float32)
+    scales = (jnp.max(jnp.abs(groups), axis=-1) * INVERSE_FP8_MAX).astype(jnp.float32)
     values = _scaled_values(groups, scales[..., None].astype(acc))
     return values.reshape(x.shape), scales
 
@@ -92,7 +100,7 @@ def quantize_blocks_reference(
         )
     acc = jnp.promote_types(w.dtype, jnp.float32)
     squares = w.reshape(*lead, n // block, block, k // block, block).astype(acc)
-    scales = (jnp.max(jnp.abs(squares), axis=(-3, -1)) / FP8_MAX).astype(jnp.float32)
+    scales = (jnp.max(jnp.abs(squares), axis=(-3, -1)) * INVERSE_FP8_MAX).astype(jnp.float32)
     values = _scaled_values(squares, scales[..., :, None, :, None].astype(acc))
     return values.reshape(w.shape), scales
 

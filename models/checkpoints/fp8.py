@@ -232,11 +232,11 @@ def _check_aligned(index: tuple[slice, ...], shape: tuple[int, ...], role: Fp8Ro
 
 
 def quantize_blocks(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """`pallas_kernels.quantize.quantize_blocks_reference` in numpy: [..., n, k] -> (float8
-    values [..., n, k], float32 scales [..., n / 128, k / 128])."""
+    """`pallas_kernels.quantize.quantize_blocks_reference` in numpy, bit for bit: [..., n, k] ->
+    (float8 values [..., n, k], float32 scales [..., n / 128, k / 128])."""
     *lead, n, k = w.shape
     squares = np.asarray(w, np.float32).reshape(*lead, n // BLOCK, BLOCK, k // BLOCK, BLOCK)
-    scales = np.max(np.abs(squares), axis=(-3, -1)) / FP8_MAX
+    scales = np.max(np.abs(squares), axis=(-3, -1)) * np.float32(1 / FP8_MAX)
     divisor = np.where(scales > 0, scales, np.float32(1))[..., :, None, :, None]
     values = np.clip(squares / divisor, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
     return values.reshape(w.shape), scales.astype(np.float32)

@@ -27,6 +27,7 @@ from ..checkpoints import load_config, save_checkpoint
 from ..config import PRESETS, DecoderConfig
 from ..families.decoder import Remat
 from ..layers.attention import AttentionImpl
+from ..layers.fp8_linear import Fp8Quantization
 from ..layers.hyper_connections import HyperConnections
 from ..serving.runtime import ShardedCausalLM
 from ..serving.sampling import Sampling
@@ -108,6 +109,9 @@ def _build(args, console):
     dtype = jnp.dtype(args.dtype)
     # Training runs XLA's attention (cuDNN's backward is not supported); the rest pick theirs.
     attention = AttentionImpl.XLA if args.command == "train" else None
+    quantization = None
+    if getattr(args, "quantize", None) == "fp8":
+        quantization = Fp8Quantization.for_platform(mesh.devices.flat[0].platform)
     hyper_connections = None
     if args.hc_mult is not None:
         if args.checkpoint:
@@ -134,6 +138,7 @@ def _build(args, console):
                 attention=attention,
                 hyper_connections=hyper_connections,
                 scan_layers=args.scan_layers,
+                quantization=quantization,
             )
     else:
         directory = Path(args.checkpoint)
@@ -151,6 +156,7 @@ def _build(args, console):
                 remat=getattr(args, "remat", Remat.NONE),
                 attention=attention,
                 scan_layers=args.scan_layers,
+                quantization=quantization,
             )
     return model, mesh
 
@@ -389,8 +395,17 @@ def _parser() -> argparse.ArgumentParser:
             "run it as one lax.scan (compiles one layer body per run; default: unrolled)",
         )
 
+    def quantize_arg(command):
+        command.add_argument(
+            "--quantize",
+            choices=("fp8",),
+            help="fp8: FP8 projection weights (128 x 128 blocks, quantized on load unless the "
+            "checkpoint is FP8 already, which loads as FP8 without it) and FP8 inputs into them",
+        )
+
     forward = commands.add_parser("forward", help="logits of token-id sequences")
     model_args(forward)
+    quantize_arg(forward)
     forward.add_argument("--input-ids", required=True, help="JSON list of token-id lists")
     forward.add_argument("--out", required=True, help="where to write the logits (.npy)")
     forward.add_argument(
@@ -405,6 +420,7 @@ def _parser() -> argparse.ArgumentParser:
         "generate", help="continuation of token-id prompts (greedy, or sampled on the device)"
     )
     model_args(generate)
+    quantize_arg(generate)
     generate.add_argument("--prompt-ids", required=True, help="JSON list of token-id lists")
     generate.add_argument("--max-new-tokens", type=int, required=True)
     generate.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
@@ -447,6 +463,7 @@ def _parser() -> argparse.ArgumentParser:
         "plan", help="each stage's bound plan and the collectives the compiled forward runs"
     )
     model_args(plan)
+    quantize_arg(plan)
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.set_defaults(run=_plan)
     return parser

@@ -93,7 +93,6 @@ PRESETS["tiny-qwen3-fp8"] = dataclasses.replace(
 PRESETS["tiny-qwen3-moe-fp8"] = dataclasses.replace(
     PRESETS["tiny-qwen3-fp8"],
     architecture=Architecture.QWEN3_MOE,
-    num_layers=3,
     tie_word_embeddings=False,
     moe=MoeConfig(
         num_experts=8,
