@@ -14,6 +14,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -52,7 +53,11 @@ def _fp8_matmul_kernel(
             partial = pl.run_scoped(block, plgpu.ACC((tile_m, tile_n), jnp.float32))
             row_scales = plgpu.load(x_scales_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(1))
             column_scales = plgpu.load(w_scales_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
-            return total + partial * row_scales[:, None] * column_scales[None, :]
+            shape = (tile_m, tile_n)
+            scales = lax.broadcast_in_dim(row_scales, shape, [0]) * lax.broadcast_in_dim(
+                column_scales, shape, [1]
+            )
+            return total + partial * scales
 
         zeros = plgpu.layout_cast(jnp.full((tile_m, tile_n), 0, jnp.float32), plgpu.Layout.WGMMA)
         total = plgpu.emit_pipeline(

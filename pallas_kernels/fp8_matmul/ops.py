@@ -51,7 +51,7 @@ class Fp8MatmulImpl(enum.Enum):
 TRITON_MAX_ROWS = 128
 """The most rows `GPU_BY_SIZE` gives the decode kernel: past them the weight tile's reuse
 across rows, which the wgmma kernel has and the decode kernel does not, starts to count (a
-guess until measured: `benchmarks/bench_gemm.py --fp8` sweeps the crossover)."""
+guess until measured: `benchmarks/bench_fp8.py --parts matmul` sweeps the crossover)."""
 
 Fp8Tiling = TritonFp8Tiling | MosaicFp8Tiling
 

@@ -2,7 +2,7 @@
 
 Not yet measured on a GPU: the defaults follow the bf16 kernels' measured tilings (the Triton
 expert matmul, JAX's Hopper matmul) and enough programs to cover an H200's 132 SMs twice.
-`benchmarks/bench_gemm.py --fp8` sweeps them; record what wins here.
+`benchmarks/bench_fp8.py --parts matmul` sweeps them; record what wins here.
 """
 
 import dataclasses

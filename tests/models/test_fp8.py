@@ -18,6 +18,7 @@ import boundary_jax as bj
 from models.build import build_model, load_model
 from models.checkpoints import save_checkpoint
 from models.checkpoints.fp8 import FP8_CONFIG, read_stored_fp8, write_fp8_checkpoint
+from models.cli.main import main
 from models.config import PRESETS
 from models.layers.fp8_linear import Fp8Quantization, Fp8Weights
 from models.layers.hyper_connections import HyperConnections
@@ -37,6 +38,7 @@ MESHES = {
 # Dense TP 4 runs in float32 below; the float64 reference itself runs on TP 1.
 CASES = [("dense", "TP 1"), ("dense", "DP 2 x TP 2"), ("moe", "TP 4")]
 CASES += [("moe", "DP 2 x TP 2"), ("moe", "EP 4")]
+FP8_FORMAT = Fp8Quantization().activations
 SEQUENCES = ([3, 1, 4, 1, 5, 9, 2], [6, 5, 3], [5, 8, 9, 7, 9])
 
 
@@ -187,3 +189,29 @@ def test_mhc_reads_cannot_quantize():
                 quantization=Fp8Quantization(),
             )
         )
+
+
+def test_plan_quantizes_on_load_and_reports_bytes_per_device(root, capsys):
+    """`plan --quantize fp8` on a float32 checkpoint: the stages read FP8 input and each device
+    holds its share of one byte per projection weight, a float32 scale per block and the
+    unquantized rest."""
+    source, _ = checkpoints("dense", root)
+    args = ["plan", "--checkpoint", source, "--quantize", "fp8", "--mesh", "attn_tp=2"]
+    assert main([*args, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert {stage["input_format"] for stage in report["stages"]} == {FP8_FORMAT.name}
+    abstract = nnx.eval_shape(
+        lambda: build_model(
+            PRESETS["tiny-qwen3-fp8"], bj.Topology(attn_tp=2), quantization=Fp8Quantization()
+        )
+    )
+    state = nnx.state(abstract, nnx.Param)
+    specs = dict(nnx.to_flat_state(nnx.get_partition_spec(state)))
+    want = 0
+    for path, variable in nnx.to_flat_state(state):
+        split = any(entry is not None for entry in specs[path].get_value())
+        want += variable.size * variable.dtype.itemsize // (2 if split else 1)
+    assert report["weight_bytes_per_device"] == [want, want]
+    # Per layer: q, k|v, o, gate|up, down in FP8 (458,752 bytes per rank) and their scales.
+    assert abstract.layers[0].attn.q_proj.weight.dtype == jnp.float8_e4m3fn
+    assert want < 1.1e6
