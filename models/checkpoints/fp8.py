@@ -29,12 +29,13 @@ import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
+from pallas_kernels.quantize import FP8_MAX, INVERSE_FP8_MAX
+
 from ..config import read_hf_config
 from ..layers.fp8_linear import Fp8Quantization, Fp8Weights
 from .names import HFTensor, hf_name_map
 
 BLOCK = 128
-FP8_MAX = np.float32(448.0)
 FP8_DTYPE = np.dtype(ml_dtypes.float8_e4m3fn)
 STORED_FP8 = {"F8_E4M3": FP8_DTYPE}
 """Safetensors dtype codes of FP8 tensors, which the safetensors numpy reader cannot slice."""
@@ -236,7 +237,7 @@ def quantize_blocks(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     (float8 values [..., n, k], float32 scales [..., n / 128, k / 128])."""
     *lead, n, k = w.shape
     squares = np.asarray(w, np.float32).reshape(*lead, n // BLOCK, BLOCK, k // BLOCK, BLOCK)
-    scales = np.max(np.abs(squares), axis=(-3, -1)) * np.float32(1 / FP8_MAX)
+    scales = np.max(np.abs(squares), axis=(-3, -1)) * np.float32(INVERSE_FP8_MAX)
     divisor = np.where(scales > 0, scales, np.float32(1))[..., :, None, :, None]
     values = np.clip(squares / divisor, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
     return values.reshape(w.shape), scales.astype(np.float32)

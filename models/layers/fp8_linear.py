@@ -153,9 +153,10 @@ class Fp8Linear(nnx.Module):
         rngs: nnx.Rngs,
     ):
         ranks = group_size(topology, group)
-        split_size = out_features if split is Split.COLUMNS else in_features
-        check_blocks(split_size, ranks, split.value)
-        check_blocks(in_features if split is Split.COLUMNS else out_features, 1, "the other side")
+        whole = Split.ROWS if split is Split.COLUMNS else Split.COLUMNS
+        sizes = {Split.COLUMNS: out_features, Split.ROWS: in_features}
+        check_blocks(sizes[split], ranks, split.value)
+        check_blocks(sizes[whole], 1, whole.value)
         entry = None if group is None else topology.shard_entry(group)
         stacked = () if parts is None else (parts,)
         lead = tuple(None for _ in stacked)
