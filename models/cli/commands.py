@@ -103,6 +103,7 @@ def build(
                 remat=remat,
                 attention=attention,
                 scan_layers=args.scan_layers,
+                quantization=options.quantization(args),
             )
         return model, topology
     hyper = None if args.hc_mult is None else _hyper_connections(args.hc_mult)
@@ -118,6 +119,7 @@ def build(
             attention=attention,
             hyper_connections=hyper,
             scan_layers=args.scan_layers,
+            quantization=options.quantization(args),
         )
     return model, topology
 
