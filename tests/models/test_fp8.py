@@ -20,7 +20,7 @@ from models.checkpoints import save_checkpoint
 from models.checkpoints.fp8 import FP8_CONFIG, read_stored_fp8, write_fp8_checkpoint
 from models.cli.main import main
 from models.config import PRESETS
-from models.layers.fp8_linear import Fp8Quantization, Fp8Weights
+from models.layers.fp8_linear import VALUE_SPREAD, Fp8Quantization, Fp8Weights
 from models.layers.hyper_connections import HyperConnections
 from models.serving.runtime import ShardedCausalLM
 
@@ -175,6 +175,44 @@ def test_fp8_checkpoint_layout(root):
     assert layout["model.embed_tokens.weight"][0] == "F32"
     assert layout["model.layers.0.mlp.gate.weight"][0] == "F32"
     assert not any(name.startswith("model.layers.0.mlp.gate.weight_") for name in layout)
+
+
+def test_random_fp8_weights_are_drawn_from_the_abstract_state():
+    """build_model draws FP8 values and their block scales through the one initializer: the
+    same on a mesh as without one, the scales varying by block, and a DEQUANTIZED model of the
+    seed holds exactly the FP8 model's values times their scales."""
+    config = PRESETS["tiny-qwen3-moe-fp8"]
+    topology = bj.Topology(attn_tp=2)
+    fp8 = Fp8Quantization()
+    plain = _flat_params(build_model(config, topology, quantization=fp8))
+    placed = _flat_params(
+        build_model(config, topology, quantization=fp8, mesh=bj.make_mesh(topology))
+    )
+    chex.assert_trees_all_equal(placed, plain)
+    dequantized = _flat_params(
+        build_model(config, topology, quantization=Fp8Quantization(Fp8Weights.DEQUANTIZED))
+    )
+    std = config.initializer_range
+    for values_path, scales_path in (
+        ("layers.0.attn.kv_proj.weight", "layers.0.attn.kv_proj.weight_scale_inv"),
+        ("layers.0.mlp.gate_up_proj", "layers.0.mlp.gate_up_proj_scale_inv"),
+        ("layers.1.mlp.down_proj.weight", "layers.1.mlp.down_proj.weight_scale_inv"),
+    ):
+        values, scales = plain[values_path], plain[scales_path]
+        assert values.dtype == jnp.float8_e4m3fn and scales.dtype == jnp.float32
+        assert set(np.unique(np.asarray(scales) * VALUE_SPREAD / std).round(6)) == {0.5, 1, 2}
+        blocks = np.asarray(scales).repeat(128, axis=-2).repeat(128, axis=-1)
+        want = np.asarray(values, np.float32) * blocks
+        np.testing.assert_array_equal(np.asarray(dequantized[values_path]), want)
+    assert "layers.0.attn.q_proj.weight_scale_inv" not in dequantized
+    assert plain["embed.embedding"].dtype == jnp.float32  # the embedding stays unquantized
+
+
+def test_families_without_fp8_projections_refuse_quantization():
+    """DeepSeek's latent attention (like Nemotron-H's mixers) makes its projections without
+    `linears`: an FP8 build is refused when it starts, naming the fix."""
+    with pytest.raises(NotImplementedError, match="Build it without quantization"):
+        build_model(PRESETS["tiny-deepseek-v3"], bj.Topology(), quantization=Fp8Quantization())
 
 
 def test_mhc_reads_cannot_quantize():
