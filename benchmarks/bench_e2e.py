@@ -25,6 +25,7 @@ decode is measured unrolled.
 Run on the GPU machine from the repository root:
   python3 -m benchmarks.bench_e2e --layers 8 --tp 1 2
   python3 -m benchmarks.bench_e2e --layers 32 --tp 2 --scan
+  python3 -m benchmarks.bench_e2e --layers 32 --quantize fp8   # bf16 vs FP8 (bench_fp8)
 """
 
 # ruff: noqa: B023 (each timed closure runs within its own loop iteration)
@@ -584,7 +585,19 @@ def main() -> None:
         default=None,
         help="only these cases, e.g. 'prefill 4096' 'decode 64 @ 1024' (default: all)",
     )
+    parser.add_argument(
+        "--quantize",
+        choices=("fp8",),
+        help="fp8: the project's bf16 step against its FP8 step (benchmarks.bench_fp8, e2e)",
+    )
     args = parser.parse_args()
+    if args.quantize == "fp8":
+        from . import bench_fp8  # it imports this module's helpers
+
+        fp8_args = ["--parts", "e2e", "--layers", str(args.layers[0])]
+        fp8_args += ["--smoke"] if args.smoke else []
+        bench_fp8.main(fp8_args + (["--cases", *args.cases] if args.cases else []))
+        return
     print(header("bench_e2e"))
     if args.kernels:
         attention_kernels()

@@ -4,6 +4,7 @@ fused finalize + all-reduce + add + RMSNorm against the unfused path on two GPUs
 Run from the repository root on a machine with one or two GPUs:
     python3 -m benchmarks.bench_moe
     python3 -m benchmarks.bench_moe --smoke    # CPU: tiny shapes, the Triton kernel interpreted
+    python3 -m benchmarks.bench_moe --fp8      # bf16 against FP8 experts (benchmarks.bench_fp8)
 
 Part 1 (one GPU): the layer as the model runs it when it finalizes on the spot (router, top-k,
 the gate|up and down grouped matmuls, the combine; `SparseMoe.finalized`) at 8, 64 and 4096
@@ -41,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import boundary_jax as bj
+from benchmarks import bench_fp8
 from benchmarks.common import header, kernel_ms, print_table, relative_error, wall_ms
 from models.layers import moe
 from pallas_kernels import Impl, moe_finalize_add_rms_norm, moe_finalize_add_rms_norm_reference
@@ -459,7 +461,13 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=(), help="variant names containing these")
     parser.add_argument("--breakdown", action="store_true", help="part 3 only (4096 tokens)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (parts 1, 2)")
+    parser.add_argument(
+        "--fp8", action="store_true", help="the layer with bf16 against FP8 experts (bench_fp8)"
+    )
     args = parser.parse_args()
+    if args.fp8:
+        bench_fp8.main(["--parts", "moe", *(["--smoke"] if args.smoke else [])])
+        return
     print(header("bench_moe"))
     if args.smoke:
         use_smoke_shapes()

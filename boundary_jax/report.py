@@ -235,11 +235,23 @@ def describe_stages(
     stages: Iterable[tuple[int, str, StagePlan]], variant: BatchVariant
 ) -> list[dict[str, object]]:
     """`describe_path` of each `(layer, stage name, plan)` for `variant`, with its layer and
-    name: a model's whole bound stack in JSON-friendly form."""
+    name (and `input_format` where the stage reads quantized input): a model's whole bound
+    stack in JSON-friendly form."""
     return [
-        {"layer": layer, "stage": name, **describe_path(plan.path(variant), plan.topology)}
+        {
+            "layer": layer,
+            "stage": name,
+            **_input_format(plan),
+            **describe_path(plan.path(variant), plan.topology),
+        }
         for layer, name, plan in stages
     ]
+
+
+def _input_format(plan: StagePlan) -> dict[str, str]:
+    """The stage's quantized input format, where its read declares one."""
+    form = plan.declaration.read.input_format
+    return {} if form is None else {"input_format": form.name}
 
 
 def describe_collectives(report: CollectiveReport, num_layers: int) -> dict[str, object]:

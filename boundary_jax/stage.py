@@ -237,7 +237,7 @@ class StageBoundary(nnx.Module):
             residual, state = value, None
         else:
             compute_input, residual, state = self.read.init_residual(value, self.norm)
-            compute_input = ops.run(entry.move_input, compute_input)
+            compute_input = ops.move_rows(entry.move_input, compute_input)
         _, stream = stream.written(residual, path.residual_rows, state, prepared_by=self.call_site)
         return compute_input, stream, (value, entry)
 

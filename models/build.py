@@ -14,10 +14,12 @@ from jax.sharding import Mesh
 import boundary_jax as bj
 
 from .checkpoints import load_config, load_params
+from .checkpoints.fp8 import stored_fp8
 from .config import DecoderConfig
 from .families import CausalLM, DeepseekCausalLM, MoeCausalLM, Remat, model_class
 from .initialization import initialize_params
 from .layers.attention import AttentionImpl
+from .layers.fp8_linear import Fp8Quantization
 from .layers.hyper_connections import HyperConnections
 
 
@@ -40,9 +42,18 @@ def _construct(
     rngs: nnx.Rngs,
     dense_ffn_dp: bool = False,
     layer_range: range | None = None,
+    quantization: Fp8Quantization | None = None,
 ) -> CausalLM:
     cls = model_class(config)
     extra: dict = {}
+    if quantization is not None:
+        if not cls.quantizable:
+            raise NotImplementedError(
+                f"FP8 quantization is built for the families whose projections take `linears` "
+                f"(dense and Qwen-style MoE decoders); {cls.__name__} builds its layers "
+                "otherwise. Build it without quantization"
+            )
+        extra["quantization"] = quantization
     if issubclass(cls, DeepseekCausalLM):
         extra["dense_ffn_dp"] = dense_ffn_dp
     elif dense_ffn_dp:
@@ -89,6 +100,7 @@ def build_model(
     hyper_connections: HyperConnections | None = None,
     scan_layers: bool = False,
     dense_ffn_dp: bool = False,
+    quantization: Fp8Quantization | None = None,
 ) -> CausalLM:
     """A model of `config` with random weights, drawn as the family initializes them (Hugging
     Face: normal(0, `config.initializer_range`) projections, embeddings and experts; norms ones,
@@ -118,6 +130,8 @@ def build_model(
         (`DecoderConfig.layer_blocks`); the values are those of the unscanned model.
       dense_ffn_dp: DeepSeek: the dense layers' FFN fully data-parallel (whole weights on
         every rank, run on its own rows; `declare_ffn(dense_tp_size=1)`).
+      quantization: FP8 projection weights (random blocks quantized as drawn) and FP8 inputs
+        into them; None: every weight in `dtype`.
     """
     if attention is None:
         attention = AttentionImpl.for_platform(_platform(mesh))
@@ -134,6 +148,7 @@ def build_model(
             remat=remat,
             hyper_connections=hyper_connections,
             scan_layers=scan_layers,
+            quantization=quantization,
             rngs=nnx.Rngs(0),
         )
     )
@@ -155,6 +170,7 @@ def load_model(
     remat: Remat = Remat.NONE,
     scan_layers: bool = False,
     dense_ffn_dp: bool = False,
+    quantization: Fp8Quantization | None = None,
 ) -> CausalLM:
     """A model loaded from a Hugging Face checkpoint directory, each device reading its shard.
 
@@ -166,11 +182,18 @@ def load_model(
     With `scan_layers` (see `build_model`) a stacked parameter is read layer by layer, each
     device still reading only its shard of each layer's tensor. `dense_ffn_dp`: as
     `build_model`'s (DeepSeek checkpoints).
+
+    A fine-grained FP8 checkpoint (`quantization_config` with `quant_method: fp8`) loads as an
+    FP8 model (`quantization` None: `Fp8Quantization.for_platform`); `quantization` given
+    quantizes any other checkpoint on load, each device its own blocks (`checkpoints.fp8`).
     """
     config = load_config(checkpoint_dir)
+    platform = _platform(mesh)
+    if quantization is None and stored_fp8(checkpoint_dir):
+        quantization = Fp8Quantization.for_platform(platform)
     topology = bj.Topology.from_mesh(mesh, moe_ep=moe_ep)
     if attention is None:
-        attention = AttentionImpl.for_platform(_platform(mesh))
+        attention = AttentionImpl.for_platform(platform)
     abstract = nnx.eval_shape(
         lambda: _construct(
             config,
@@ -184,11 +207,17 @@ def load_model(
             remat=remat,
             hyper_connections=None,
             scan_layers=scan_layers,
+            quantization=quantization,
             rngs=nnx.Rngs(0),
         )
     )
     graphdef, abstract_state = nnx.split(abstract)
     params = load_params(
-        checkpoint_dir, abstract_state, mesh, np.dtype(dtype), scan_layers=scan_layers
+        checkpoint_dir,
+        abstract_state,
+        mesh,
+        np.dtype(dtype),
+        scan_layers=scan_layers,
+        quantization=quantization,
     )
     return nnx.merge(graphdef, params)

@@ -1,5 +1,6 @@
-"""Pallas kernels for layer boundaries and MoE experts: add + RMSNorm, all-reduce + add +
-RMSNorm, the MoE finalize + all-reduce + add + RMSNorm, and the experts' grouped matmuls.
+"""Pallas kernels for layer boundaries, MoE experts and FP8 weights: add + RMSNorm (also with
+FP8 quantization), all-reduce + add + RMSNorm, the MoE finalize + all-reduce + add + RMSNorm,
+the experts' grouped matmuls, and block-scaled FP8 matmuls.
 
 Each op has a reference (its spec), kernels, and a public wrapper that picks the backend, types
 its outputs for `shard_map`'s `check_vma` (`axes`) and differentiates as its reference does."""
@@ -7,6 +8,13 @@ its outputs for `shard_map`'s `check_vma` (`axes`) and differentiates as its ref
 from .add_rms_norm import add_rms_norm as add_rms_norm
 from .add_rms_norm import add_rms_norm_reference as add_rms_norm_reference
 from .add_rms_norm import add_rms_norm_supported as add_rms_norm_supported
+from .add_rms_norm_quantize import add_rms_norm_quantize as add_rms_norm_quantize
+from .add_rms_norm_quantize import (
+    add_rms_norm_quantize_reference as add_rms_norm_quantize_reference,
+)
+from .add_rms_norm_quantize import (
+    add_rms_norm_quantize_supported as add_rms_norm_quantize_supported,
+)
 from .all_reduce_add_rms_norm import AllReduceAlgorithm as AllReduceAlgorithm
 from .all_reduce_add_rms_norm import all_reduce_add_rms_norm as all_reduce_add_rms_norm
 from .all_reduce_add_rms_norm import (

@@ -17,3 +17,6 @@ from .protocols import DesignFacts as DesignFacts
 from .protocols import Norm as Norm
 from .protocols import ResidualReadout as ResidualReadout
 from .protocols import ResidualUpdate as ResidualUpdate
+from .quantized import Fp8TokenGroups as Fp8TokenGroups
+from .quantized import Quantized as Quantized
+from .quantized import quantize_token_groups as quantize_token_groups

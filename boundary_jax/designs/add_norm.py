@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from .norm import RMSNorm, accumulation_dtype, add_rms_norm
 from .protocols import Norm, ReadState, ResidualUpdate
+from .quantized import Fp8TokenGroups, Quantized
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,18 +27,34 @@ class PlainAdd:
 class AddNormRead:
     """Reads `norm(residual)`; after a plain update, fuses the add and the norm in FP32.
 
+    With `quantize`, the stage's input is the normalized rows quantized in that format (a
+    `Quantized`): the norm's output in the residual's dtype, then quantized, while the residual
+    keeps its dtype and the add its FP32 accumulation.
+
     Attributes:
       reads_before_dp_gather: Normalize on the source rows before an attention-DP gather (the
-        cheaper order; set False to gather the residual and normalize the gathered rows).
+        cheaper order; set False to gather the residual and normalize the gathered rows). A
+        quantized input gathered over attention DP moves its FP8 values and scales.
+      quantize: The input format the consumer takes, or None for the residual's dtype.
     """
 
     reads_before_dp_gather: bool = True
+    quantize: Fp8TokenGroups | None = None
 
-    def init_residual(self, x: jax.Array, norm: Norm | None) -> tuple[jax.Array, jax.Array, None]:
+    @property
+    def input_format(self) -> Fp8TokenGroups | None:
+        """The format of the input this read hands its stage (None: the residual's dtype)."""
+        return self.quantize
+
+    def init_residual(
+        self, x: jax.Array, norm: Norm | None
+    ) -> tuple[jax.Array | Quantized, jax.Array, None]:
         return self.read(x, norm)
 
-    def read(self, residual: jax.Array, norm: Norm | None) -> tuple[jax.Array, jax.Array, None]:
-        return (residual if norm is None else norm(residual)), residual, None
+    def read(
+        self, residual: jax.Array, norm: Norm | None
+    ) -> tuple[jax.Array | Quantized, jax.Array, None]:
+        return self._formatted(residual if norm is None else norm(residual)), residual, None
 
     def update_and_read(
         self,
@@ -46,11 +63,14 @@ class AddNormRead:
         residual: jax.Array,
         norm: Norm | None,
         state: ReadState = None,
-    ) -> tuple[jax.Array, jax.Array, None]:
+    ) -> tuple[jax.Array | Quantized, jax.Array, None]:
         if update.plain and isinstance(norm, RMSNorm):
             norm.check_width(residual)
             normed, summed = add_rms_norm(
                 value, residual, norm.weight[...], eps=norm.eps, gemma=norm.gemma
             )
-            return normed, summed, None
+            return self._formatted(normed), summed, None
         return self.read(update.apply(residual, value, state), norm)
+
+    def _formatted(self, normed: jax.Array) -> jax.Array | Quantized:
+        return normed if self.quantize is None else self.quantize.quantize(normed)

@@ -14,6 +14,8 @@ from typing import Any, Protocol
 
 import jax
 
+from .quantized import Fp8TokenGroups
+
 Norm = Callable[[jax.Array], jax.Array]
 ReadState = Any  # a pytree of [rows, ...] arrays a read hands to the same stage's update, or None
 
@@ -37,14 +39,19 @@ class ResidualReadout(Protocol):
     """How a consumer turns the residual into its compute input.
 
     Each call returns `(compute_input, residual, state)`: `state` is handed to the same stage's
-    update when its output joins the residual (None when the design keeps none).
+    update when its output joins the residual (None when the design keeps none). The compute
+    input is an array in the residual's dtype, or a `Quantized` where the read declares an
+    `input_format`.
 
     Attributes:
       reads_before_dp_gather: The read runs on the source rows, before an attention-DP gather
         moves its result; otherwise the residual is gathered and read on the gathered rows.
+      input_format: The quantized format of the compute input, or None for the residual's
+        dtype.
     """
 
     reads_before_dp_gather: bool
+    input_format: Fp8TokenGroups | None
 
     def init_residual(
         self, x: jax.Array, norm: Norm | None
@@ -80,11 +87,13 @@ class DesignFacts:
       design: The design's class name, for plans and messages.
       plain: For an update: it is `residual + value`.
       reads_before_dp_gather: For a read: it runs on the source rows before a DP gather.
+      input_format: For a read: the quantized format it hands its stage, or None.
     """
 
     design: str
     plain: bool = False
     reads_before_dp_gather: bool = True
+    input_format: Fp8TokenGroups | None = None
 
 
 def update_facts(update: ResidualUpdate) -> DesignFacts:
@@ -95,5 +104,7 @@ def update_facts(update: ResidualUpdate) -> DesignFacts:
 def read_facts(read: ResidualReadout) -> DesignFacts:
     """The capabilities a residual read declares."""
     return DesignFacts(
-        type(read).__name__, reads_before_dp_gather=bool(read.reads_before_dp_gather)
+        type(read).__name__,
+        reads_before_dp_gather=bool(read.reads_before_dp_gather),
+        input_format=read.input_format,
     )

@@ -10,6 +10,7 @@ from .base import FusionProvider as FusionProvider
 from .base import FusionRequest as FusionRequest
 from .base import InputFusion as InputFusion
 from .pallas import AddRmsNorm as AddRmsNorm
+from .pallas import AddRmsNormQuantize as AddRmsNormQuantize
 from .pallas import AllReduceAddRmsNorm as AllReduceAddRmsNorm
 from .pallas import MoeFinalizeAddRmsNorm as MoeFinalizeAddRmsNorm
 from .pallas import platform_fusions as platform_fusions

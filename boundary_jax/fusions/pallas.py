@@ -1,5 +1,6 @@
-"""Candidates backed by `pallas_kernels`: fused all-reduce + add + RMSNorm, add + RMSNorm, and
-the MoE finalize + all-reduce + add + RMSNorm."""
+"""Candidates backed by `pallas_kernels`: fused all-reduce + add + RMSNorm, add + RMSNorm, add +
+RMSNorm + FP8 quantization (a quantized read), and the MoE finalize + all-reduce + add +
+RMSNorm."""
 
 from __future__ import annotations
 
@@ -12,27 +13,34 @@ import pallas_kernels as pk
 from .. import ops
 from ..designs.add_norm import AddNormRead
 from ..designs.norm import RMSNorm
+from ..designs.quantized import Fp8TokenGroups, Quantized
 from ..layout import Topology
 from .base import FusionProvider, FusionRequest
 
 
-def _plain_add_norm(request: FusionRequest) -> bool:
+def _plain_add_norm(request: FusionRequest, input_format: type | None = None) -> bool:
     """A plain update and add + RMSNorm read of an array already finalized, on the residual's
-    rows."""
+    rows, whose read hands its stage an input of `input_format`'s type (None: unquantized)."""
     return (
         not request.finalize
-        and _plain_update_and_read(request)
+        and _plain_update_and_read(request, input_format)
         and request.value.ndim == 2
         and request.value.dtype == request.residual.dtype
         and request.value.shape == request.residual.shape
     )
 
 
-def _plain_update_and_read(request: FusionRequest) -> bool:
+def _plain_update_and_read(request: FusionRequest, input_format: type | None = None) -> bool:
+    read = request.read
     return (
         request.update.plain
-        and isinstance(request.read, AddNormRead)
+        and isinstance(read, AddNormRead)
         and isinstance(request.norm, RMSNorm)
+        and (
+            read.input_format is None
+            if input_format is None
+            else isinstance(read.input_format, input_format)
+        )
     )
 
 
@@ -120,6 +128,54 @@ class AddRmsNorm:
 
 
 @dataclasses.dataclass(frozen=True)
+class AddRmsNormQuantize:
+    """A quantized read in one Pallas kernel: adds the contribution to the residual, normalizes
+    and quantizes the stage's input to FP8 per token group.
+
+    Takes only a plain update with an add + RMSNorm read declaring an `Fp8TokenGroups` input
+    format; a sum still owed is completed first by the built-in all-reduce. Declines for a
+    nonlinear update (an MHC or post-norm update: the read then applies it, normalizes and
+    quantizes unfused), another read, and wherever `pallas_kernels.add_rms_norm_quantize_supported`
+    declines (CPU for the platform default).
+
+    Attributes:
+      platform: The platform the stack was bound for.
+      impl: The kernel backend; None picks the platform's.
+    """
+
+    platform: str
+    impl: pk.Impl | None = None
+
+    def __call__(self, request: FusionRequest) -> tuple[Quantized, jax.Array] | None:
+        if not _plain_add_norm(request, Fp8TokenGroups):
+            return None
+        rows, hidden = request.value.shape
+        group = request.read.input_format.group
+        supported = pk.add_rms_norm_quantize_supported(
+            platform=self.platform,
+            rows=rows,
+            hidden=hidden,
+            dtype=request.value.dtype,
+            group=group,
+            impl=self.impl,
+        )
+        if not supported:
+            return None
+        value = ops.run(ops.all_reduce(request.sum_axes, request.topology), request.value)
+        norm = request.norm
+        values, scales, residual = pk.add_rms_norm_quantize(
+            value,
+            request.residual,
+            norm.weight[...],
+            eps=norm.eps,
+            gemma=norm.gemma,
+            group=group,
+            impl=self.impl,
+        )
+        return Quantized(values, scales), residual
+
+
+@dataclasses.dataclass(frozen=True)
 class MoeFinalizeAddRmsNorm:
     """Takes a sparse FFN's deferred finalize: combine, sum, add and normalize in one kernel.
 
@@ -179,8 +235,10 @@ def platform_fusions(
 ) -> FusionProvider:
     """The Pallas candidates for `platform` (default: where JAX runs now), to opt into.
 
-    The fused all-reduce + add + norm comes first, then psum + the Pallas add + norm. Each
-    declines where its kernel does not take the shape or does not pay off (everywhere on CPU).
+    The fused all-reduce + add + norm comes first, then psum + the Pallas add + norm, then
+    psum + the Pallas add + norm + quantize (which alone takes a read with a quantized input
+    format). Each declines where its kernel does not take the shape or does not pay off
+    (everywhere on CPU).
     With `moe_finalize`, sparse FFNs also hand their finalize to the next input and to the final
     read (`defer_finalize`, `terminal_finalize`), where `MoeFinalizeAddRmsNorm` comes first.
     Off by default: on 2 x H200 the fused finalize kernel was 3-4x slower than the unfused path
@@ -191,7 +249,11 @@ def platform_fusions(
     """
     del topology
     platform = platform or jax.default_backend()
-    candidates = (AllReduceAddRmsNorm(platform, impl), AddRmsNorm(platform, impl))
+    candidates = (
+        AllReduceAddRmsNorm(platform, impl),
+        AddRmsNorm(platform, impl),
+        AddRmsNormQuantize(platform, impl),
+    )
     if not moe_finalize:
         return FusionProvider(attn_input=candidates, ffn_input=candidates)
     candidates = (MoeFinalizeAddRmsNorm(platform, impl), *candidates)

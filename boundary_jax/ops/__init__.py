@@ -21,6 +21,7 @@ from .steps import TakeBlock as TakeBlock
 from .steps import all_gather as all_gather
 from .steps import all_reduce as all_reduce
 from .steps import complete_onto as complete_onto
+from .steps import move_rows as move_rows
 from .steps import reduce_scatter as reduce_scatter
 from .steps import relayout as relayout
 from .steps import run as run

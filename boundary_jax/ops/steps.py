@@ -161,6 +161,12 @@ def run(steps: Sequence[Step], x: jax.Array) -> jax.Array:
     return x
 
 
+def move_rows(steps: Sequence[Step], rows):
+    """Runs row movements (gathers, block slices) on every leaf of a pytree of [rows, ...]
+    arrays alike: a quantized input's values and scales move together."""
+    return jax.tree.map(lambda leaf: run(steps, leaf), rows)
+
+
 def all_reduce(axes: Sequence[TokenAxis], topology: Topology) -> tuple[Step, ...]:
     """An all-reduce over `axes`, or nothing when `axes` is empty."""
     return (AllReduce(tuple(axes), topology),) if axes else ()

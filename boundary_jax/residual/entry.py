@@ -66,12 +66,12 @@ def run_entry(
             compute_input, residual, state = _update_and_read(
                 entry, pending, value, transform, residual, read, norm, candidates, topology
             )
-    return ops.run(entry.move_input, compute_input), residual, state
+    return ops.move_rows(entry.move_input, compute_input), residual, state
 
 
 def _moved_state(pending: Contribution, steps) -> Contribution:
     """The producer's read state follows the residual onto this stage's rows."""
-    state = jax.tree.map(lambda leaf: ops.run(steps, leaf), pending.update_state)
+    state = ops.move_rows(steps, pending.update_state)
     return dataclasses.replace(pending, update_state=state)
 
 

@@ -35,6 +35,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from safetensors import SafetensorError, safe_open
 
 from ..config import DecoderConfig, read_hf_config
+from ..layers.fp8_linear import Fp8Quantization
+from .fp8 import FP8_DTYPE, STORED_FP8, Fp8Source, fp8_sources, read_stored_fp8, stored_fp8
 from .names import IGNORED_SUFFIXES, HFTensor, hf_name_map, mtp_layer
 
 _LOG = logging.getLogger(__name__)
@@ -116,6 +118,7 @@ def load_params(
     *,
     scan_layers: bool = False,
     layers: range | None = None,
+    quantization: Fp8Quantization | None = None,
 ) -> nnx.State:
     """Fills an abstract parameter state from a checkpoint, each device reading only its shard.
 
@@ -126,13 +129,16 @@ def load_params(
         `nnx.split(abstract_model, nnx.Param, ...)[1]`), with global shapes and `out_sharding`
         metadata naming the mesh axes.
       mesh: The mesh the arrays are placed on.
-      dtype: The dtype of every loaded parameter (the checkpoint's values are cast).
+      dtype: The dtype of every loaded parameter (the checkpoint's values are cast), except
+        FP8 values and scales, which keep their float8_e4m3fn and float32.
       scan_layers: The model was built with `scan_layers` (its paths are `hf_name_map`'s with
         it).
       layers: The model layers the state holds when it is a pipeline stage's (its `layers.j`
         is model layer `layers.start + j`; it holds the embedding, final norm and LM head only
         where the stage does): its layers' tensors must all be there, and the checkpoint's
         other tensors are the other stages'. None: the whole model.
+      quantization: The model was built with FP8 projections (`models.checkpoints.fp8`): read
+        from a fine-grained FP8 checkpoint, or quantized on load from another.
 
     Returns:
       `abstract_state` with every leaf replaced by a global array sharded as its metadata says.
@@ -140,12 +146,21 @@ def load_params(
     Raises:
       FileNotFoundError: The directory lacks the config or weights files.
       ValueError: A parameter has no tensor in the map or checkpoint, a tensor's shape does not
-        fit its parameter, or the checkpoint holds tensors the model has no parameter for.
+        fit its parameter, the checkpoint holds tensors the model has no parameter for, or it
+        is an FP8 checkpoint and the model is not FP8.
     """
     config = load_config(checkpoint_dir)
     sources = hf_name_map(config, scan_layers=scan_layers)
     if layers is not None:
         sources = _stage_sources(sources, layers)
+    fp8 = stored_fp8(checkpoint_dir)
+    if quantization is not None:
+        sources = fp8_sources(sources, quantization, stored=fp8)
+    elif fp8:
+        raise ValueError(
+            f"{checkpoint_dir} holds FP8 weights; build the model with an Fp8Quantization "
+            "(load_model does for an FP8 checkpoint)"
+        )
     leaves = nnx.to_flat_state(abstract_state)
     specs = dict(nnx.to_flat_state(nnx.get_partition_spec(abstract_state)))
     paths = {_dotted(path) for path, _ in leaves}
@@ -202,7 +217,7 @@ def load_params(
                 variable.shape,
                 stored_shapes[path],
                 NamedSharding(mesh, specs[path].get_value()),
-                dtype,
+                _loaded_dtype(_dotted(path), variable, dtype),
             )
             loaded.append((path, variable.replace(value=value)))
     return nnx.from_flat_state(loaded)
@@ -260,17 +275,26 @@ def _make_array(checkpoint, source, shape, logical, sharding, dtype) -> jax.Arra
     return jax.make_array_from_callback(shape, sharding, read)
 
 
+def _loaded_dtype(path: str, variable, dtype: np.dtype) -> np.dtype:
+    """FP8 values and their scales keep their dtypes; every other parameter takes `dtype`."""
+    if variable.dtype == FP8_DTYPE or path.endswith("_scale_inv"):
+        return np.dtype(variable.dtype)
+    return dtype
+
+
 def _dotted(path: tuple) -> str:
     return ".".join(str(part) for part in path)
 
 
 def _fitted_shape(
-    checkpoint: _Checkpoint, source: HFTensor, path: str, shape: tuple[int, ...]
+    checkpoint: _Checkpoint, source: HFTensor | Fp8Source, path: str, shape: tuple[int, ...]
 ) -> tuple[int, ...]:
     """The stored tensor's shape in the parameter's layout, checked to fit `shape`.
 
     For stacked experts, "stored" is (experts, *one expert's shape), and only the expert's own
     axes are transposed; for stacked layers, (layers, *one layer's)."""
+    if isinstance(source, Fp8Source):
+        return source.fitted_shape(checkpoint, path, shape, _fitted_shape)
     if source.layers is not None:
         parts = source.layer_parts()
         if shape[:1] != (len(parts),):
@@ -333,7 +357,7 @@ def _fitted_shape(
 
 def _read_block(
     checkpoint: _Checkpoint,
-    source: HFTensor,
+    source: HFTensor | Fp8Source,
     shape: tuple[int, ...],
     logical: tuple[int, ...],
     dtype: np.dtype,
@@ -341,6 +365,8 @@ def _read_block(
 ) -> np.ndarray:
     """One device's block of a parameter of global `shape`; `logical` is the stored tensor's
     shape in the parameter's layout (smaller along a padded axis)."""
+    if isinstance(source, Fp8Source):
+        return source.read_block(checkpoint, shape, logical, dtype, index, _read_block)
     wanted = [part.indices(size) for part, size in zip(index, shape, strict=True)]
     block = np.zeros(tuple(stop - start for start, stop, _ in wanted), dtype)
     # Clip to the stored extent: rows or columns past it are vocab padding, left zero.
@@ -420,7 +446,10 @@ class _Checkpoint(contextlib.AbstractContextManager):
         return tuple(self._open(self._file_of[name]).get_slice(name).get_shape())
 
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
-        return self._open(self._file_of[name]).get_slice(name)[index]
+        tensor = self._open(self._file_of[name]).get_slice(name)
+        if tensor.get_dtype() in STORED_FP8:  # the safetensors numpy reader cannot slice FP8
+            return read_stored_fp8(self._directory / self._file_of[name], name, index)
+        return tensor[index]
 
     def open_all(self) -> None:
         """Opens every weights file (reading each header only)."""

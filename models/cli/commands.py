@@ -104,6 +104,7 @@ def build(
                 attention=attention,
                 scan_layers=args.scan_layers,
                 dense_ffn_dp=args.dense_ffn_dp,
+                quantization=options.quantization(args),
             )
         return model, topology
     hyper = None if args.hc_mult is None else _hyper_connections(args.hc_mult)
@@ -120,6 +121,7 @@ def build(
             hyper_connections=hyper,
             scan_layers=args.scan_layers,
             dense_ffn_dp=args.dense_ffn_dp,
+            quantization=options.quantization(args),
         )
     return model, topology
 

@@ -115,6 +115,15 @@ def _model_args(command: argparse.ArgumentParser) -> None:
     )
 
 
+def _quantize_arg(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--quantize",
+        choices=options.QUANTIZATIONS,
+        help="fp8: FP8 projection weights (128 x 128 blocks, quantized on load unless the "
+        "checkpoint is FP8 already, which loads as FP8 without it) and FP8 inputs into them",
+    )
+
+
 def _input_args(command: argparse.ArgumentParser, ids_option: str) -> None:
     inputs = command.add_mutually_exclusive_group(required=True)
     inputs.add_argument(ids_option, help="a JSON file: a list of token-id lists")
@@ -147,6 +156,7 @@ def _parser() -> argparse.ArgumentParser:
 
     forward = commands_.add_parser("forward", help="logits of token-id sequences or text")
     _model_args(forward)
+    _quantize_arg(forward)
     _input_args(forward, "--input-ids")
     forward.add_argument("--out", required=True, help="where to write the logits (.npy)")
     forward.add_argument(
@@ -161,6 +171,7 @@ def _parser() -> argparse.ArgumentParser:
         "generate", help="continuation of token-id or text prompts (greedy or sampled)"
     )
     _model_args(generate)
+    _quantize_arg(generate)
     _input_args(generate, "--prompt-ids")
     generate.add_argument("--max-new-tokens", type=options.positive_int, required=True)
     generate.add_argument(
@@ -229,6 +240,7 @@ def _parser() -> argparse.ArgumentParser:
         "plan", help="each stage's bound plan and the collectives the compiled forward runs"
     )
     _model_args(plan)
+    _quantize_arg(plan)
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.set_defaults(run=commands.plan)
     return parser

@@ -14,6 +14,7 @@ from jax import lax
 import boundary_jax as bj
 
 from ..config import DecoderConfig
+from ..layers.fp8_linear import Fp8Quantization
 
 
 class InputError(ValueError):
@@ -27,6 +28,8 @@ NOT_BUILT_AXES = {
 }
 """Mesh axes the command line rejects at a size above one, and why."""
 MATMUL_PRECISIONS = ("default", "high", "highest")
+QUANTIZATIONS = ("fp8",)
+"""The values of `--quantize`."""
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -149,8 +152,16 @@ def topology(args: argparse.Namespace, num_experts: int | None = None) -> bj.Top
         return topology
     except ValueError as error:
         raise InputError(
-            f"--moe-ep {args.moe_ep} on --mesh {mesh_text(args.mesh)}: {error}"
+            f"--moe-ep {args.moe_ep} with --mesh {mesh_text(args.mesh)}: {error}"
         ) from None
+
+
+def quantization(args: argparse.Namespace) -> Fp8Quantization | None:
+    """`--quantize fp8`: FP8 projections whose products run as the default backend runs them
+    fastest; None without it (or on a command that has no `--quantize`, such as train)."""
+    if getattr(args, "quantize", None) != "fp8":
+        return None
+    return Fp8Quantization.for_platform(jax.default_backend())
 
 
 def check_devices(args: argparse.Namespace) -> list[jax.Device]:
@@ -200,6 +211,11 @@ def check_model(args: argparse.Namespace, config: DecoderConfig) -> None:
         raise InputError(
             f"{config.architecture.value} has no experts; --moe-ep and --moe-dispatch are for "
             "MoE models"
+        )
+    if args.hc_mult is not None and getattr(args, "quantize", None) is not None:
+        raise InputError(
+            f"--quantize {args.quantize} quantizes add + norm reads, and --hc-mult's MHC reads mix "
+            "their streams before the norm, so they have no quantized form; use one of them"
         )
     if args.hc_mult is not None and args.checkpoint:
         raise InputError(

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any
 
+import jax
 from rich.console import Console
 from rich.table import Table
 
@@ -43,8 +45,19 @@ def middle_sparse_layer(sparse_layers: tuple[bool, ...]) -> int | None:
     return min(inner, key=lambda i: abs(i - middle)) if inner else None
 
 
+def weight_bytes_per_device(runner: ShardedCausalLM) -> list[int]:
+    """The bytes of the model's parameters each device of the mesh holds (its shards of every
+    parameter; FP8 values count one byte, their scales four), in the mesh's device order."""
+    totals = dict.fromkeys(runner.mesh.devices.flat, 0)
+    for leaf in jax.tree.leaves(runner.state):
+        for shard in leaf.addressable_shards:
+            totals[shard.device] += math.prod(shard.data.shape) * leaf.dtype.itemsize
+    return list(totals.values())
+
+
 def plan_report(runner: ShardedCausalLM) -> dict[str, Any]:
-    """Every stage's bound plan for the runner's batch variant, and measured collectives.
+    """Every stage's bound plan for the runner's batch variant, measured collectives, and the
+    parameter bytes each device holds (`weight_bytes_per_device`).
 
     `collectives_per_layer` and `bytes_per_layer` are those of `middle_layer` (of an MoE
     decoder, a middle sparse layer; bytes: the sum of each collective's full buffer, see
@@ -90,6 +103,7 @@ def plan_report(runner: ShardedCausalLM) -> dict[str, Any]:
         "middle_layer": middle,
         "collectives_per_layer": report.counts(middle),
         "bytes_per_layer": report.bytes(middle),
+        "weight_bytes_per_device": weight_bytes_per_device(runner),
         **bj.report.describe_collectives(report, count),
     }
 
@@ -133,6 +147,11 @@ def print_plan(
         console.print(
             f"decode cache: {cache['kind']}, {cache['bytes_per_token_per_layer']:,} bytes per "
             f"token per layer on each device ({cache['bytes_per_token']:,} over all layers)"
+        )
+        weights = report["weight_bytes_per_device"]
+        console.print(
+            f"parameter bytes per device: {min(weights):,}"
+            + (f" to {max(weights):,}" if max(weights) != min(weights) else "")
         )
     table = Table(title="bound stage plans")
     for column in (

@@ -173,3 +173,25 @@ PRESETS["tiny-deepseek-v3"] = DecoderConfig(
     ),
     mla=_TINY_MLA,
 )
+# Widths of whole 128 x 128 blocks at up to 4 ranks per split, for FP8 weights (`--quantize fp8`).
+PRESETS["tiny-qwen3-fp8"] = dataclasses.replace(
+    PRESETS["tiny-qwen3"],
+    hidden_size=256,
+    intermediate_size=512,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=4,
+    head_dim=128,
+)
+PRESETS["tiny-qwen3-moe-fp8"] = dataclasses.replace(
+    PRESETS["tiny-qwen3-fp8"],
+    architecture=Architecture.QWEN3_MOE,
+    tie_word_embeddings=False,
+    moe=MoeConfig(
+        num_experts=8,
+        top_k=2,
+        expert_intermediate_size=512,
+        renormalize=True,
+        mlp_only_layers=(1,),
+    ),
+)

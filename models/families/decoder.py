@@ -22,9 +22,10 @@ from boundary_jax import residual
 
 from ..config import Architecture, DecoderConfig, ResidualDesign
 from ..layers.attention import Attention, AttentionImpl, HeadSplit
+from ..layers.fp8_linear import Fp8Linears, Fp8Quantization
 from ..layers.hyper_connections import HyperConnections
 from ..layers.kv_cache import KVCache
-from ..layers.linear import ParallelLMHead, VocabParallelEmbedding
+from ..layers.linear import DENSE_LINEARS, Linears, ParallelLMHead, VocabParallelEmbedding
 from ..layers.mlp import SwiGLU
 from ..rows import TokenRows
 from .designs import (
@@ -36,6 +37,7 @@ from .designs import (
     Sandwich,
     StageDesigns,
 )
+from .quantized import quantized_reads
 
 Declare = Callable[[StageDesigns], tuple[bj.StageDeclaration, ...]]
 """A layer's stage declarations, from what its residual design built (`CausalLM.stage_facts`)."""
@@ -174,7 +176,10 @@ class CausalLM(nnx.Module):
       hyper_connections: The MHC residual design of every boundary, or None for the plain
         pre-norm add + RMSNorm.
       hyper_head: With hyper-connections, the head collapsing the streams before `final_norm`.
-      param_dtype: The dtype of every parameter.
+      param_dtype: The dtype of every parameter (FP8 weights and their scales excepted).
+      quantization: FP8 projection weights and FP8 inputs into them (`Fp8Quantization`), or
+        None for every weight in `param_dtype`.
+      linears: What makes the layers' projections (dense, or FP8 with `quantization`).
       layer_range: The model layers this module holds: all of them, or a pipeline stage's
         share [a, b) (`models.pipeline`). A stage holds the embedding only when it holds layer
         0 (or the last layer, under tied embeddings, for its LM head), and `final_norm`,
@@ -188,6 +193,9 @@ class CausalLM(nnx.Module):
         Architecture.MISTRAL,
         Architecture.QWEN2,
     )
+    quantizable: bool = True
+    """The family builds with `quantization` (FP8): its projections come from `linears` and its
+    stages read through add + norm reads."""
 
     def __init__(
         self,
@@ -202,6 +210,7 @@ class CausalLM(nnx.Module):
         hyper_connections: HyperConnections | None = None,
         scan_layers: bool = False,
         layer_range: range | None = None,
+        quantization: Fp8Quantization | None = None,
         rngs: nnx.Rngs,
     ):
         if config.architecture not in self.architectures:
@@ -217,6 +226,8 @@ class CausalLM(nnx.Module):
         self.scan_layers = scan_layers
         self.hyper_connections = hyper_connections
         self.param_dtype = dtype
+        self.quantization = quantization
+        self.linears: Linears = DENSE_LINEARS if quantization is None else Fp8Linears(quantization)
         self.layer_range = _layer_range(config, layer_range, scan_layers)
         first, last = self.holds_first, self.holds_last
         self.design = self.layer_design()
@@ -310,8 +321,15 @@ class CausalLM(nnx.Module):
         their capabilities only, which is what the stack binds a neighbour against.
         """
         del layer_index
-        stages = self.design.facts() if stages is None else stages
+        stages = self.quantized(self.design.facts() if stages is None else stages)
         return stages.attn.declare_attn(), stages.ffn.declare_ffn()
+
+    def quantized(self, stages: StageDesigns, *, ffn: bool = True) -> StageDesigns:
+        """`stages` with quantized reads (`quantized_reads`) where the model is FP8: the
+        attention's, and with `ffn` the FFN's; as they are otherwise."""
+        if self.quantization is None:
+            return stages
+        return quantized_reads(stages, self.quantization, ffn=ffn)
 
     def layer_design(self) -> LayerDesign:
         """Where every layer's norms sit: the family's residual design, or pre-norm behind
@@ -337,6 +355,7 @@ class CausalLM(nnx.Module):
             topology=self.topology,
             dtype=dtype,
             init_std=config.initializer_range,
+            linears=self.linears,
             rngs=rngs,
         )
 
@@ -348,6 +367,7 @@ class CausalLM(nnx.Module):
             topology=self.topology,
             dtype=dtype,
             impl=self.attention,
+            linears=self.linears,
             rngs=rngs,
         )
         return self.layer_class(

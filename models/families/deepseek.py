@@ -54,6 +54,7 @@ class DeepseekCausalLM(MoeCausalLM):
     """
 
     architectures = ()
+    quantizable = False  # FP8 projections are not built for its layers
 
     def __init__(
         self,

@@ -17,6 +17,8 @@ from pallas_kernels.grouped_matmul import default_grouped_matmul_impl
 
 from ..config import DecoderConfig
 from ..layers.attention import AttentionImpl
+from ..layers.fp8_linear import Fp8Quantization
+from ..layers.fp8_moe import Fp8MoeFfn
 from ..layers.hyper_connections import HyperConnections
 from ..layers.mlp import SwiGLU
 from ..layers.moe import GroupedMatmulImpl
@@ -88,6 +90,7 @@ class MoeCausalLM(CausalLM):
         hyper_connections: HyperConnections | None = None,
         scan_layers: bool = False,
         layer_range: range | None = None,
+        quantization: Fp8Quantization | None = None,
         rngs: nnx.Rngs,
     ):
         self.moe_dispatch = moe_dispatch
@@ -106,6 +109,7 @@ class MoeCausalLM(CausalLM):
             hyper_connections=hyper_connections,
             scan_layers=scan_layers,
             layer_range=layer_range,
+            quantization=quantization,
             rngs=rngs,
         )
 
@@ -113,6 +117,8 @@ class MoeCausalLM(CausalLM):
         self, layer_index: int, stages: StageDesigns | None = None
     ) -> tuple[bj.StageDeclaration, ...]:
         stages = self.design.facts() if stages is None else stages
+        # A sparse FFN's router reads its input unquantized; its experts quantize their rows.
+        stages = self.quantized(stages, ffn=not self.config.sparse_layers[layer_index])
         return moe_stage_facts(self.config, self.moe_dispatch, layer_index, stages)
 
     def make_mlp(self, index: int, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> nnx.Module:
@@ -123,6 +129,19 @@ class MoeCausalLM(CausalLM):
                 config.hidden_size,
                 config.intermediate_size,
                 topology=self.topology,
+                dtype=dtype,
+                init_std=config.initializer_range,
+                linears=self.linears,
+                rngs=rngs,
+            )
+        if self.quantization is not None:
+            return Fp8MoeFfn(
+                config.hidden_size,
+                config.moe,
+                self.topology,
+                quantization=self.quantization,
+                dispatch=self.moe_dispatch,
+                capacity=self.moe_capacity,
                 dtype=dtype,
                 init_std=config.initializer_range,
                 rngs=rngs,

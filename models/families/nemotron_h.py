@@ -113,6 +113,7 @@ class NemotronHForCausalLM(MoeCausalLM):
     """
 
     architectures = (Architecture.NEMOTRON_H,)
+    quantizable = False  # FP8 projections are not built for its layers
 
     def __init__(
         self,

@@ -33,6 +33,7 @@ class NormDesignCausalLM(CausalLM):
     """A dense decoder whose layers are post-norm or sandwich-norm (see the module docstring)."""
 
     architectures = (Architecture.EXAONE4, Architecture.OLMO2, Architecture.GEMMA3)
+    quantizable = False  # FP8 is not built for post- and sandwich-norm layers
 
     def __init__(
         self,

@@ -22,13 +22,14 @@ from flax import nnx
 from jax import lax
 
 from boundary_jax import RMSNorm, SumGroup, Topology, shard_index, sharded_rms_norms
+from boundary_jax.designs import Quantized
 from boundary_jax.initializers import Constant, param
 
 from ..config import AttentionSpec, QkNorm
 from ..rows import RowsPhase
 from .cudnn_attention import decode_cache_cudnn, prefill_attention_cudnn
 from .kv_cache import HeadSplit, KVCache
-from .linear import ColumnParallelLinear, RowParallelLinear, project
+from .linear import DENSE_LINEARS, Linears
 from .rope import apply_rope, rope_inv_freq
 
 PREFILL_KEY_BLOCK = 64
@@ -90,6 +91,9 @@ class Attention(nnx.Module):
         (`DecoderConfig.attention_spec`).
       topology: The parallel topology.
       impl: The attention kernel (`AttentionImpl`).
+
+    The projections come from `linears` (dense by default; `fp8_linear.Fp8Linears` makes them
+    FP8 block weights, [out, in] as Hugging Face stores them, that take FP8 input).
     """
 
     def __init__(
@@ -99,6 +103,7 @@ class Attention(nnx.Module):
         topology: Topology,
         dtype: jnp.dtype = jnp.float32,
         impl: AttentionImpl = AttentionImpl.XLA,
+        linears: Linears = DENSE_LINEARS,
         rngs: nnx.Rngs,
     ):
         if topology.attn_cp > 1:
@@ -109,7 +114,7 @@ class Attention(nnx.Module):
         kv_group = SumGroup.ATTN_TP if heads.kv_sharded else None
         hidden, head_dim = spec.hidden_size, spec.head_dim
         q_width, kv_width = spec.num_heads * head_dim, spec.num_kv_heads * head_dim
-        self.q_proj = ColumnParallelLinear(
+        self.q_proj = linears.column(
             hidden,
             q_width,
             group=SumGroup.ATTN_TP,
@@ -119,7 +124,7 @@ class Attention(nnx.Module):
             init_std=spec.init_std,
             rngs=rngs,
         )
-        self.kv_proj = ColumnParallelLinear(
+        self.kv_proj = linears.column(
             hidden,
             kv_width,
             group=kv_group,
@@ -130,7 +135,7 @@ class Attention(nnx.Module):
             init_std=spec.init_std,
             rngs=rngs,
         )
-        self.o_proj = RowParallelLinear(
+        self.o_proj = linears.row(
             q_width,
             hidden,
             group=SumGroup.ATTN_TP,
@@ -160,7 +165,7 @@ class Attention(nnx.Module):
 
     def __call__(
         self,
-        h: jax.Array,
+        h: jax.Array | Quantized,
         positions: jax.Array,
         segment_ids: jax.Array,
         cache: KVCache | None = None,
@@ -171,7 +176,8 @@ class Attention(nnx.Module):
         """Attends each row to its sequence; with a cache, also stores this call's keys/values.
 
         Args:
-          h: [T, hidden] normalized input rows, complete and alike on every attention-TP rank.
+          h: [T, hidden] normalized input rows, complete and alike on every attention-TP rank
+            (or their FP8 `Quantized` form, for FP8 projections).
           positions: [T] int32 position of each row within its sequence.
           segment_ids: [T] int32 sequence (cache slot) of each row; -1 marks padding.
           cache: None to attend over these rows alone; else this rank's local cache.
@@ -255,7 +261,7 @@ class Attention(nnx.Module):
         # The jnp paths give padding rows zero weights. A cuDNN decode row of an idle slot
         # reads its slot's first key (finite values): masking it would cost a kernel per layer
         # and step, and the batch's token counts (or the caller) ignore that row.
-        out = out.astype(h.dtype).reshape(rows, self.heads.local_heads * head_dim)
+        out = out.astype(q.dtype).reshape(rows, self.heads.local_heads * head_dim)
         return self.o_proj(out), cache
 
     @property
@@ -297,19 +303,17 @@ class Attention(nnx.Module):
             and self.spec.head_dim <= 128
         )
 
-    def _project_kv(self, h: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def _project_kv(self, h: jax.Array | Quantized) -> tuple[jax.Array, jax.Array]:
         """k and v, [T, local kv heads, head_dim] each; a shared kv head is cut from the
         replicated kernel (and bias)."""
         head_dim = self.spec.head_dim
-        kernel = self.kv_proj.kernel[...]
-        bias = None if self.kv_proj.bias is None else self.kv_proj.bias[...]
-        if not self.heads.kv_sharded:
+        if self.heads.kv_sharded:
+            kv = self.kv_proj(h)
+        else:
             ranks_per_head = self.heads.attn_tp // self.heads.num_kv_heads
             head = shard_index(self.topology, SumGroup.ATTN_TP) // ranks_per_head
-            kernel = lax.dynamic_slice_in_dim(kernel, head * head_dim, head_dim, axis=2)
-            if bias is not None:
-                bias = lax.dynamic_slice_in_dim(bias, head * head_dim, head_dim, axis=1)
-        kv = project(h, kernel, bias).reshape(h.shape[0], 2, self.heads.local_kv_heads, head_dim)
+            kv = self.kv_proj.columns(h, head * head_dim, head_dim)
+        kv = kv.reshape(h.shape[0], 2, self.heads.local_kv_heads, head_dim)
         return kv[:, 0], kv[:, 1]
 
     def _write(

@@ -7,10 +7,14 @@ A layer whose output is a partial sum returns it unreduced: the caller's boundar
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Protocol
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax import lax
 
 from boundary_jax import (
     SumGroup,
@@ -109,6 +113,15 @@ class ColumnParallelLinear(nnx.Module):
         local out_features]); complete, nothing owed."""
         return project(x, self.kernel[...], None if self.bias is None else self.bias[...])
 
+    def columns(self, x: jax.Array, start: jax.Array, size: int) -> jax.Array:
+        """Only this rank's output columns [start, start + size) of each part (`start` may be
+        traced): e.g. the one kv head a rank computes where the kv heads are shared."""
+        kernel = lax.dynamic_slice_in_dim(self.kernel[...], start, size, axis=-1)
+        bias = None
+        if self.bias is not None:
+            bias = lax.dynamic_slice_in_dim(self.bias[...], start, size, axis=-1)
+        return project(x, kernel, bias)
+
 
 def project(x: jax.Array, kernel: jax.Array, bias: jax.Array | None) -> jax.Array:
     """`x @ kernel + bias` for a local [in, out] kernel, or one matmul over a stacked [in, parts,
@@ -151,6 +164,98 @@ class RowParallelLinear(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """This rank's [T, local in_features] -> [T, out_features] partial, unreduced over group."""
         return x @ self.kernel[...]
+
+
+class Linears(Protocol):
+    """Makes a layer's tensor-parallel projections (`DenseLinears`, `fp8_linear.Fp8Linears`).
+
+    `column` returns a module whose call gives the complete output features of its rank (with
+    `columns(x, start, size)` for a slice of them); `row` one whose call gives a partial sum.
+    """
+
+    def column(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        group: SumGroup | None,
+        topology: Topology,
+        parts: int | None = None,
+        bias: bool = False,
+        dtype: jnp.dtype = jnp.float32,
+        init_std: float | None = None,
+        rngs: nnx.Rngs,
+    ) -> nnx.Module: ...
+
+    def row(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        group: SumGroup,
+        topology: Topology,
+        dtype: jnp.dtype = jnp.float32,
+        init_std: float | None = None,
+        rngs: nnx.Rngs,
+    ) -> nnx.Module: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseLinears:
+    """Makes a layer's tensor-parallel projections in the model's dtype; a model passes another
+    maker with the same calls (`fp8_linear.Fp8Linears`) to quantize them."""
+
+    def column(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        group: SumGroup | None,
+        topology: Topology,
+        parts: int | None = None,
+        bias: bool = False,
+        dtype: jnp.dtype = jnp.float32,
+        init_std: float | None = None,
+        rngs: nnx.Rngs,
+    ) -> ColumnParallelLinear:
+        """A `ColumnParallelLinear`."""
+        return ColumnParallelLinear(
+            in_features,
+            out_features,
+            group=group,
+            topology=topology,
+            parts=parts,
+            bias=bias,
+            dtype=dtype,
+            init_std=init_std,
+            rngs=rngs,
+        )
+
+    def row(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        group: SumGroup,
+        topology: Topology,
+        dtype: jnp.dtype = jnp.float32,
+        init_std: float | None = None,
+        rngs: nnx.Rngs,
+    ) -> RowParallelLinear:
+        """A `RowParallelLinear`."""
+        return RowParallelLinear(
+            in_features,
+            out_features,
+            group=group,
+            topology=topology,
+            dtype=dtype,
+            init_std=init_std,
+            rngs=rngs,
+        )
+
+
+DENSE_LINEARS = DenseLinears()
+"""The default projections: dense, in the model's dtype."""
 
 
 class VocabParallelEmbedding(nnx.Module):

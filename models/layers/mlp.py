@@ -8,9 +8,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from boundary_jax import SumGroup, Topology
+from boundary_jax.designs import Quantized
 
 from ..config import Activation
-from .linear import ColumnParallelLinear, RowParallelLinear, group_size
+from .linear import DENSE_LINEARS, Linears, group_size
 
 _ACTIVATIONS = {
     Activation.SILU: jax.nn.silu,
@@ -31,6 +32,8 @@ class SwiGLU(nnx.Module):
         columns split over `SumGroup.TP`.
       down_proj: [intermediate, hidden], rows split over `SumGroup.TP`.
       activation: The gate's activation.
+
+    The projections come from `linears` (dense by default; FP8 with `fp8_linear.Fp8Linears`).
     """
 
     def __init__(
@@ -42,6 +45,7 @@ class SwiGLU(nnx.Module):
         dtype: jnp.dtype = jnp.float32,
         activation: Activation = Activation.SILU,
         init_std: float | None = None,
+        linears: Linears = DENSE_LINEARS,
         rngs: nnx.Rngs,
     ):
         tp = group_size(topology, SumGroup.TP)
@@ -50,7 +54,7 @@ class SwiGLU(nnx.Module):
                 f"intermediate_size ({intermediate_size}) must be a multiple of the full TP size "
                 f"({tp} = attn_dp x attn_cp x attn_tp); choose a mesh whose TP size divides it"
             )
-        self.gate_up_proj = ColumnParallelLinear(
+        self.gate_up_proj = linears.column(
             hidden_size,
             intermediate_size,
             group=SumGroup.TP,
@@ -60,7 +64,7 @@ class SwiGLU(nnx.Module):
             init_std=init_std,
             rngs=rngs,
         )
-        self.down_proj = RowParallelLinear(
+        self.down_proj = linears.row(
             intermediate_size,
             hidden_size,
             group=SumGroup.TP,
@@ -71,8 +75,9 @@ class SwiGLU(nnx.Module):
         )
         self.activation = activation
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """[T, hidden] complete rows -> [T, hidden] partial, owing a sum over full TP."""
+    def __call__(self, x: jax.Array | Quantized) -> jax.Array:
+        """[T, hidden] complete rows (or their FP8 `Quantized` form, for FP8 projections) ->
+        [T, hidden] partial, owing a sum over full TP."""
         act = _ACTIVATIONS[self.activation]
         gate_up = self.gate_up_proj(x)
         return self.down_proj(act(gate_up[:, 0]) * gate_up[:, 1])

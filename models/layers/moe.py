@@ -495,22 +495,17 @@ class SparseMoe(nnx.Module):
             raise ValueError(f"top_k must be in [1, num_experts]; got {top_k=}, {num_experts=}")
         if shared_gated and shared_width is None:
             raise ValueError("shared_gated=True needs a shared expert; got shared_width=None")
-        std = init_std
-        self.router = _param(rngs, (hidden_size, num_experts), (None, None), dtype, std=std)
-        self.gate_up_proj = _param(
-            rngs,
-            (num_experts, hidden_size, activation.parts, expert_width),
-            (expert_entry, None, None, width_entry),
-            dtype,
-            std=std,
-            fan_in=hidden_size,
-        )
-        self.down_proj = _param(
-            rngs,
-            (num_experts, expert_width, hidden_size),
-            (expert_entry, width_entry, None),
-            dtype,
-            std=std,
+        self.router = _param(rngs, (hidden_size, num_experts), (None, None), dtype, std=init_std)
+        self.init_experts(
+            num_experts,
+            hidden_size,
+            expert_width,
+            expert_entry=expert_entry,
+            width_entry=width_entry,
+            activation=activation,
+            dtype=dtype,
+            init_std=init_std,
+            rngs=rngs,
         )
         self.shared_expert = (
             None
@@ -548,13 +543,7 @@ class SparseMoe(nnx.Module):
             the rank decides it, e.g. the first rank of a group that holds it whole).
         """
         routing = self.route(x)
-        outputs = expert_outputs(
-            x,
-            routing,
-            self.gate_up_proj[...],
-            self.down_proj[...],
-            **self._settings(x, expert_offset),
-        )
+        outputs = self.routed(x, routing, **self._settings(x, expert_offset))
         return MoeOutput(outputs, routing, self._shared(x, count_shared))
 
     def finalized(
@@ -571,12 +560,11 @@ class SparseMoe(nnx.Module):
         Args:
           x, expert_offset, count_shared: As for `__call__`.
         """
-        return finalized_expert_outputs(
+        return self.routed(
             x,
             self.route(x),
-            self.gate_up_proj[...],
-            self.down_proj[...],
             shared=self._shared(x, count_shared),
+            combine=True,
             **self._settings(x, expert_offset),
         )
 
@@ -584,6 +572,68 @@ class SparseMoe(nnx.Module):
         """[T, hidden] complete rows -> their `Routing` (alike on every rank): the softmax
         top-k of `route`; a subclass with another router overrides it."""
         return route(x, self.router[...], top_k=self.top_k, renormalize=self.renormalize)
+
+    def init_experts(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        expert_width: int,
+        *,
+        expert_entry: PartitionEntry,
+        width_entry: PartitionEntry,
+        activation: ExpertActivation,
+        dtype: jnp.dtype,
+        init_std: float | None,
+        rngs: nnx.Rngs,
+    ) -> None:
+        """Makes the routed experts' weights (`gate_up_proj`, `down_proj`, split as the entries
+        say, drawn from N(0, init_std^2)); a subclass holding them in another form (FP8 blocks)
+        overrides it with `routed`."""
+        self.gate_up_proj = _param(
+            rngs,
+            (num_experts, hidden_size, activation.parts, expert_width),
+            (expert_entry, None, None, width_entry),
+            dtype,
+            std=init_std,
+            fan_in=hidden_size,
+        )
+        self.down_proj = _param(
+            rngs,
+            (num_experts, expert_width, hidden_size),
+            (expert_entry, width_entry, None),
+            dtype,
+            std=init_std,
+        )
+
+    def routed(
+        self,
+        x: jax.Array,
+        routing: Routing,
+        *,
+        expert_offset: int | jax.Array = 0,
+        even_share: float | None = None,
+        shared: jax.Array | None = None,
+        combine: bool = False,
+    ) -> jax.Array:
+        """This rank's experts applied to rows `x` as `routing` chose them: `expert_outputs`
+        [T, k, hidden], or with `combine` their finalize with `shared` added
+        (`finalized_expert_outputs`, [T, hidden]).
+
+        Args:
+          x, routing, expert_offset, even_share: As for `expert_outputs`.
+          shared: With `combine`, this rank's shared-expert share, or None.
+          combine: Return the finalized [T, hidden] rather than the per-choice outputs.
+        """
+        weights = (self.gate_up_proj[...], self.down_proj[...])
+        settings = {
+            "expert_offset": expert_offset,
+            "impl": self.impl,
+            "even_share": even_share,
+            "activation": self.activation,
+        }
+        if combine:
+            return finalized_expert_outputs(x, routing, *weights, shared=shared, **settings)
+        return expert_outputs(x, routing, *weights, **settings)
 
     def _shared(self, x: jax.Array, count_shared: bool | jax.Array) -> jax.Array | None:
         """The shared expert's share of rows `x`, zero on a rank that does not count it."""
@@ -593,12 +643,10 @@ class SparseMoe(nnx.Module):
         return jnp.where(count_shared, shared, jnp.zeros_like(shared))
 
     def _settings(self, x: jax.Array, expert_offset: int | jax.Array) -> dict:
-        """The grouped-matmul keywords of `expert_outputs` for rows `x` of every rank's tokens."""
+        """The `routed` keywords for rows `x` of every rank's tokens."""
         return {
             "expert_offset": expert_offset,
-            "impl": self.impl,
             "even_share": x.shape[0] * self.top_k / self.router.shape[1],
-            "activation": self.activation,
         }
 
 

@@ -30,7 +30,7 @@ import boundary_jax as bj
 
 from ..config import MoeConfig
 from .activations import ExpertActivation
-from .moe import GroupedMatmulImpl, MoeOutput, Routing, SparseMoe, expert_outputs, finalize
+from .moe import GroupedMatmulImpl, MoeOutput, Routing, SparseMoe, finalize
 
 
 def deferred_finalize(output: MoeOutput) -> bj.DeferredFinalize:
@@ -136,16 +136,12 @@ class MoeFfn(SparseMoe):
             capacity=self.capacity,
         )
         received = dispatched.rows.shape[0]
-        answers = expert_outputs(  # each received row is one choice of its tagged local expert
+        answers = self.routed(  # each received row is one choice of its tagged local expert
             dispatched.rows,
             Routing(jnp.ones((received, 1), jnp.float32), dispatched.tags[:, None]),
-            self.gate_up_proj[...],
-            self.down_proj[...],
-            impl=self.impl,
             # Each EP rank sends T * k rows, spread evenly over all experts; the width group's
             # ranks gather theirs.
             even_share=tokens * top_k * self.topology.moe_tp / local,
-            activation=self.activation,
         )[:, 0]
         returned = bj.ops.combine_from_experts(answers, dispatched, self.topology)
         shared = None if self.shared_expert is None else self.shared_expert(x)

@@ -25,6 +25,7 @@ class GatedRead(nnx.Module):
     """A read that normalizes and hands its update a per-row gate, sigmoid(residual @ w)."""
 
     reads_before_dp_gather = True
+    input_format = None
 
     def __init__(self, key):
         self.w = nnx.Param(jax.random.normal(key, (HIDDEN, 1), jnp.float64) / HIDDEN**0.5)

@@ -1,0 +1,390 @@
+"""FP8 weights on one H200: the whole Llama-3-8B-shaped model, the Qwen3-30B-A3B MoE layer and the
+block-scaled matmuls, each against the project's bf16 counterpart measured in the same run.
+
+Part "e2e" (also `bench_e2e --quantize fp8`): the project model with bf16 weights (its default
+step, no fusions) and the same model with FP8 projection weights (`Fp8Quantization.for_platform`:
+the Triton decode kernel up to 128 rows, the Mosaic GPU wgmma kernel above; quantized reads fused
+into add + RMSNorm + quantize with `--fp8-fusions auto`): decode 8 and 64 sequences at a 1024-token
+cache (a jitted loop of `STEPS` greedy steps, time per step) and prefill 4096 tokens (8 x 512).
+Rooflines: decode, the bytes a step reads (FP8: one byte per projection weight, its block scales,
+the bf16 LM head and KV cache) over 4.8 TB/s; prefill, the FLOPs over 990 (bf16) or 1979 (FP8)
+TFLOP/s. Targets (issue 25): decode >= 1.6x bf16 and >= 70% of the FP8 bytes' roofline; prefill
+>= 1.3x. The FP8 prefill's last-row logits are checked against the same FP8 weights through
+XLA's reference matmuls (the bf16 and FP8 models' random weights differ: the FP8 ones are
+drawn in Hugging Face's [out, in] layout).
+
+Part "moe" (also `bench_moe --fp8`): the MoE layer as the model runs it (`MoeFfn.finalized` with
+the model default grouped matmuls, against `Fp8MoeFfn`: the Triton FP8 expert kernel at decode
+sizes) at 8 and 64 tokens (CUPTI) and 4096 (wall clock), checked against the same FP8 layer
+through XLA's reference. Target: decode >= 1.5x bf16.
+
+Part "matmul": one [4096 -> 14336] projection at 8 / 64 / 512 / 4096 rows: bf16 `jnp.dot`, the FP8
+weight dequantized by XLA in the program (the issue's 0.38-0.94x), and the FP8 kernels over a few
+tilings (their `tiling` argument), each checked against XLA's FP8 reference, for tuning
+`pallas_kernels/fp8_matmul/tuned_block_sizes.py`.
+
+    python3 -m benchmarks.bench_fp8                     # every part, on the GPU machine
+    python3 -m benchmarks.bench_fp8 --parts moe matmul
+    python3 -m benchmarks.bench_fp8 --smoke             # CPU: tiny shapes, XLA / interpreted
+"""
+
+# ruff: noqa: B023 (each timed closure runs within its own loop iteration)
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import boundary_jax as bj
+from models.build import build_model
+from models.config import DecoderConfig, MoeConfig
+from models.layers.attention import AttentionImpl
+from models.layers.fp8_linear import Fp8Quantization
+from models.layers.fp8_moe import Fp8MoeFfn
+from models.layers.moe_ffn import MoeFfn
+from models.rows import pack_sequences
+from models.serving.runtime import ShardedCausalLM
+from pallas_kernels.fp8_matmul import (
+    Fp8MatmulImpl,
+    MosaicFp8Tiling,
+    TritonFp8Tiling,
+    fp8_matmul,
+)
+from pallas_kernels.grouped_matmul import default_grouped_matmul_impl
+from pallas_kernels.quantize import quantize_blocks_reference, quantize_token_groups_reference
+
+from .bench_e2e import (
+    HBM_BYTES_PER_S,
+    PEAK_FLOPS,
+    STEPS,
+    _decode_inputs,
+    _median_ms,
+    kv_bytes_per_gpu,
+    prefill_flops_per_gpu,
+    weight_bytes_per_gpu,
+)
+from .common import LLAMA3_8B, header, kernel_ms, print_table, relative_error
+
+FP8_PEAK_FLOPS = 2 * PEAK_FLOPS
+SMOKE = False  # set by --smoke: tiny shapes, XLA and interpreted kernels on CPU
+
+
+def fp8_weight_bytes_per_gpu(config: DecoderConfig, tp: int) -> float:
+    """Bytes of the weights an FP8 decode step reads per GPU: one per projection weight plus a
+    float32 scale per 128 x 128 block, the LM head in bf16."""
+    h, d = config.hidden_size, config.head_dim
+    attn = h * d * (2 * config.num_heads + 2 * config.num_kv_heads)
+    mlp = 3 * h * config.intermediate_size
+    projections = config.num_layers * (attn + mlp) * (1 + 4 / 128**2)
+    return (projections + 2 * h * config.vocab_size) / tp
+
+
+def timed_ms(fn, arg_sets, *, wall: bool = False) -> float:
+    """`common.kernel_ms`; in a smoke run one call after a warm-up (the kernels interpreted)."""
+    if not SMOKE:
+        return kernel_ms(fn, arg_sets, repeats=20, wall=wall)
+    jax.block_until_ready(fn(*arg_sets[0]))
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*arg_sets[0]))
+    return (time.perf_counter() - start) * 1e3
+
+
+def quantization() -> Fp8Quantization:
+    if SMOKE:
+        return Fp8Quantization()  # XLA: the reference runs anywhere
+    return Fp8Quantization.for_platform(jax.default_backend())
+
+
+# -- part e2e ----------------------------------------------------------------------------------
+
+
+def e2e(config: DecoderConfig, fp8_fusions: str, cases: list[str] | None) -> list[tuple]:
+    """bf16 and FP8 project steps of `config` at TP 1; rows of the results table."""
+    wanted = lambda case: cases is None or case in cases  # noqa: E731
+    topology = bj.Topology()
+    mesh = bj.make_mesh(topology)
+    attention = AttentionImpl.for_platform(jax.default_backend())
+    runners = {}
+    for name, quantized in (("bf16", None), ("fp8", quantization())):
+        fused = name == "fp8" and fp8_fusions == "auto"
+        model = build_model(
+            config,
+            topology,
+            dtype=jnp.bfloat16,
+            attention=attention,
+            mesh=mesh,
+            quantization=quantized,
+            fusions=bj.fusions.platform_fusions(topology) if fused else bj.fusions.NO_FUSIONS,
+        )
+        runners[name] = ShardedCausalLM(model, mesh)
+        del model
+        gc.collect()
+    # The FP8 weights again through XLA's reference matmuls (a graph over the same state): the
+    # check of the kernels' prefill logits.
+    reference = nnx.eval_shape(
+        lambda: build_model(
+            config,
+            topology,
+            dtype=jnp.bfloat16,
+            attention=attention,
+            quantization=Fp8Quantization(),
+        )
+    )
+    checking = ShardedCausalLM(nnx.merge(nnx.graphdef(reference), runners["fp8"].state), mesh)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    key = jax.device_put(jax.random.key(0), replicated)
+    results = []
+    bytes_of = {"bf16": weight_bytes_per_gpu, "fp8": fp8_weight_bytes_per_gpu}
+    for sequences in (8, 64):
+        cache_len = 1024
+        case = f"decode {sequences} @ {cache_len}"
+        if not wanted(case):
+            continue
+        start = cache_len - STEPS - 1
+        times, roofs = {}, {}
+        for name, runner in runners.items():
+            rows, batch = _decode_inputs(runner, sequences, start)
+            caches = [runner.new_caches(sequences, cache_len)]
+
+            def decode():
+                out, caches[0] = runner.decode(rows, batch, caches[0], key, STEPS, capacity=STEPS)
+                return out
+
+            times[name] = _median_ms(decode, repeats=5) / STEPS
+            del caches[0]
+            nbytes = bytes_of[name](config, 1) + kv_bytes_per_gpu(
+                config, 1, sequences, start + STEPS / 2
+            )
+            roofs[name] = nbytes / HBM_BYTES_PER_S * 1e3 / times[name]
+        results.append(_row(config, case, times, roofs, "HBM"))
+        print(results[-1], flush=True)
+    if wanted("prefill 4096"):
+        rng = np.random.default_rng(0)
+        prompts = list(rng.integers(0, config.vocab_size, (8, 512)).astype(np.int32))
+        times, roofs, logits = {}, {}, {}
+        for name, runner in (*runners.items(), ("xla", checking)):
+            packed = pack_sequences(prompts, topology, max_sequence_rows=512)
+            rows, batch = runner.place(packed)
+            logits[name] = runner.forward_placed(rows, batch)[packed.last_row_index()]
+            if name == "xla":
+                break
+            last_rows = runner.place_array(packed.last_row_index())
+            caches = [runner.new_caches(packed.decode_rows_per_rank, 512)]
+
+            def prefill():
+                tokens, caches[0] = runner.prefill(rows, batch, caches[0], last_rows, key)
+                return tokens
+
+            times[name] = _median_ms(prefill)
+            del caches[0]
+            peak = FP8_PEAK_FLOPS if name == "fp8" else PEAK_FLOPS
+            roofs[name] = prefill_flops_per_gpu(config, 1, 8, 512) / peak * 1e3 / times[name]
+        error = relative_error(logits["fp8"], logits["xla"])
+        results.append(_row(config, "prefill 4096", times, roofs, "FLOP", error))
+        print(results[-1], flush=True)
+    return results
+
+
+def _row(config, case, times, roofs, unit, error=None) -> tuple:
+    return (
+        f"{config.num_layers}L",
+        case,
+        times["bf16"],
+        times["fp8"],
+        times["bf16"] / times["fp8"],
+        f"{100 * roofs['bf16']:.0f}% / {100 * roofs['fp8']:.0f}% {unit}",
+        "-" if error is None else f"{error:.2e}",
+    )
+
+
+# -- part moe ----------------------------------------------------------------------------------
+
+MOE = dict(hidden=2048, experts=128, top_k=8, width=768)  # Qwen3-30B-A3B
+
+
+def moe_layers() -> dict[str, tuple]:
+    """The bf16 and FP8 layers (graph, state) on one device, same shapes and routing (their
+    experts differ: the FP8 ones are drawn in Hugging Face's [out, in] layout), and the FP8
+    layer again through XLA's reference (the same FP8 weights: the kernels' check)."""
+    hidden, experts, top_k, width = MOE["hidden"], MOE["experts"], MOE["top_k"], MOE["width"]
+    config = MoeConfig(
+        num_experts=experts, top_k=top_k, expert_intermediate_size=width, renormalize=True
+    )
+    topology = bj.Topology()
+    bf16 = MoeFfn(
+        hidden,
+        config,
+        topology,
+        impl=default_grouped_matmul_impl(jax.default_backend(), jnp.bfloat16),
+        dtype=jnp.bfloat16,
+        rngs=nnx.Rngs(0),
+    )
+    layers = {"bf16": nnx.split(bf16)}
+    for name, quantized in (("fp8", quantization()), ("fp8 xla", Fp8Quantization())):
+        fp8 = Fp8MoeFfn(
+            hidden, config, topology, quantization=quantized, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)
+        )
+        layers[name] = nnx.split(fp8)
+    return layers
+
+
+def moe(tokens_list) -> list[tuple]:
+    layers = moe_layers()
+    results = []
+    hidden, width = MOE["hidden"], MOE["width"]
+    for tokens in tokens_list:
+        sets = [
+            (jax.random.normal(jax.random.key(100 + i), (tokens, hidden)).astype(jnp.bfloat16),)
+            for i in range(4)
+        ]
+        wall = SMOKE or tokens > 256
+        times, outs = {}, {}
+        graph, state = layers["bf16"]
+        routing = nnx.merge(graph, state).router[...]
+        chosen = np.mean([_distinct(s[0], routing) for s in sets])
+        for name, (graph, state) in layers.items():
+            fn = jax.jit(lambda state, x, graph=graph: nnx.merge(graph, state).finalized(x))
+            outs[name] = fn(state, *sets[0])
+            if name != "fp8 xla":
+                times[name] = timed_ms(fn, [(state, *s) for s in sets], wall=wall)
+        roofs = {
+            name: chosen * 3 * hidden * width * size / times[name] / 1e9 / (HBM_BYTES_PER_S / 1e12)
+            for name, size in (("bf16", 2), ("fp8", 1 + 4 / 128**2))
+        }
+        results.append(
+            (
+                "MoE layer" + (" [wall clock]" if wall else ""),
+                f"{tokens} tokens",
+                times["bf16"],
+                times["fp8"],
+                times["bf16"] / times["fp8"],
+                f"{100 * roofs['bf16']:.0f}% / {100 * roofs['fp8']:.0f}% HBM",
+                f"{relative_error(outs['fp8'], outs['fp8 xla']):.2e}",
+            )
+        )
+        print(results[-1], flush=True)
+    return results
+
+
+def _distinct(x, router) -> int:
+    logits = np.asarray(x.astype(jnp.float32) @ router.astype(jnp.float32))
+    return int(np.unique(np.argsort(-logits, axis=-1)[:, : MOE["top_k"]]).size)
+
+
+# -- part matmul -------------------------------------------------------------------------------
+
+TRITON_SWEEP = (
+    TritonFp8Tiling(block_n=64, split_k=1),
+    TritonFp8Tiling(block_n=128, split_k=1, num_warps=8),
+    TritonFp8Tiling(block_n=64, split_k=2),
+    TritonFp8Tiling(block_n=32, split_k=1),
+)
+MOSAIC_SWEEP = (
+    MosaicFp8Tiling(tile_m=128, tile_n=128, max_concurrent_steps=4, grid_block_n=4),
+    MosaicFp8Tiling(tile_m=128, tile_n=256, max_concurrent_steps=3, grid_block_n=2),
+    MosaicFp8Tiling(tile_m=64, tile_n=256, max_concurrent_steps=4, grid_block_n=4),
+    MosaicFp8Tiling(tile_m=128, tile_n=192, max_concurrent_steps=4, grid_block_n=1),
+)
+
+
+def matmul(k: int, n: int, rows_list) -> list[tuple]:
+    kw, kx = jax.random.split(jax.random.key(0))
+    w = jax.random.normal(kw, (n, k), jnp.float32) / np.sqrt(k)
+    w_values, w_scales = quantize_blocks_reference(w)
+    w_bf16 = w.T.astype(jnp.bfloat16)
+    del w
+    triton = Fp8MatmulImpl.PALLAS_INTERPRET if SMOKE else Fp8MatmulImpl.PALLAS_TRITON
+    mosaic = Fp8MatmulImpl.PALLAS_GPU_INTERPRET if SMOKE else Fp8MatmulImpl.PALLAS_GPU
+    results = []
+    for rows in rows_list:
+        x = jax.random.normal(kx, (rows, k)).astype(jnp.bfloat16)
+        x_values, x_scales = quantize_token_groups_reference(x)
+        base = timed_ms(jax.jit(jnp.dot), [(x, w_bf16)])
+        want = fp8_matmul(x_values, x_scales, w_values, w_scales, out_dtype=jnp.float32)
+        variants = [("bf16 jnp.dot", None, None), ("fp8 XLA dequantized", Fp8MatmulImpl.XLA, None)]
+        sweeps = (TRITON_SWEEP[:1], MOSAIC_SWEEP[:1]) if SMOKE else (TRITON_SWEEP, MOSAIC_SWEEP)
+        if rows <= 512:  # the decode kernel re-reads the weights per 64 rows
+            variants += [(f"fp8 triton {t}", triton, t) for t in sweeps[0]]
+        variants += [(f"fp8 mosaic {t}", mosaic, t) for t in sweeps[1] if n % t.tile_n == 0]
+        for name, impl, tiling in variants[1:]:
+            fn = jax.jit(
+                lambda *a, impl=impl, tiling=tiling: fp8_matmul(
+                    *a, out_dtype=jnp.bfloat16, impl=impl, tiling=tiling
+                )
+            )
+            args = (x_values, x_scales, w_values, w_scales)
+            try:
+                error = relative_error(fn(*args), want)
+                ms = timed_ms(fn, [args])
+            except Exception as failure:  # one failing tiling must not end the run
+                print(f"  {name} @ {rows}: {type(failure).__name__}: {str(failure)[:400]}")
+                continue
+            tb_s = (w_values.nbytes + w_scales.nbytes) / ms / 1e9
+            tflop_s = 2 * rows * k * n / ms / 1e9
+            results.append((rows, name, ms * 1e3, base / ms, tb_s, tflop_s, error))
+            print(results[-1], flush=True)
+        results.append((rows, variants[0][0], base * 1e3, 1.0, 2 * k * n / base / 1e9, 0.0, 0.0))
+    return results
+
+
+# -- main --------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> None:
+    global SMOKE
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", nargs="+", choices=("e2e", "moe", "matmul"), default=None)
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--fp8-fusions", choices=("none", "auto"), default="auto")
+    parser.add_argument("--cases", nargs="+", default=None, help="e.g. 'decode 64 @ 1024'")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU")
+    args = parser.parse_args(argv)
+    SMOKE = args.smoke
+    parts = args.parts or ("e2e", "moe", "matmul")
+    print(header("bench_fp8"))
+    config = dataclasses.replace(LLAMA3_8B, num_layers=args.layers)
+    tokens, shape, rows = (8, 64, 4096), (4096, 14336), (8, 64, 512, 4096)
+    if SMOKE:
+        config = dataclasses.replace(
+            config, vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2,
+            num_heads=4, num_kv_heads=2, head_dim=128,
+        )  # fmt: skip
+        MOE.update(hidden=256, experts=8, top_k=2, width=256)
+        tokens, shape, rows = (8,), (256, 256), (8, 128)
+    if "e2e" in parts:
+        print("\n## Llama-3-8B shape, TP 1: bf16 vs FP8 project steps (ms; ratio = speedup)")
+        print_table(
+            (
+                "model",
+                "case",
+                "bf16 ms",
+                "fp8 ms",
+                "fp8 speedup",
+                "roofline bf16 / fp8",
+                "fp8 logits vs XLA fp8",
+            ),
+            e2e(config, args.fp8_fusions, args.cases),
+        )
+    if "moe" in parts:
+        print(f"\n## MoE layer {MOE}, 1 GPU: bf16 vs FP8 experts (ms)")
+        print_table(
+            ("layer", "case", "bf16 ms", "fp8 ms", "fp8 speedup", "roofline", "fp8 vs XLA fp8"),
+            moe(tokens),
+        )
+    if "matmul" in parts:
+        print(f"\n## one projection [{shape[0]} -> {shape[1]}], bf16 out (us)")
+        print_table(
+            ("rows", "variant", "us", "x bf16", "weight TB/s", "TFLOP/s", "rel err vs XLA fp8"),
+            matmul(*shape, rows),
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""Tilings of the FP8 matmul kernels, and the tables that pick them by shape.
+
+Not yet measured on a GPU: the defaults follow the bf16 kernels' measured tilings (the Triton
+expert matmul, JAX's Hopper matmul) and enough programs to cover an H200's 132 SMs twice.
+`benchmarks/bench_fp8.py --parts matmul` sweeps them; record what wins here.
+"""
+
+import dataclasses
+
+from jax.experimental import pallas as pl
+
+SCALE_BLOCK = 128
+"""Features per scale along the contraction, and rows per weight scale (the Hugging Face
+fine-grained FP8 block): every kernel steps its contraction one scale block at a time."""
+
+TARGET_PROGRAMS = 264
+"""Programs the decode kernel aims for: two per SM of an H200."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonFp8Tiling:
+    """Tiling of the Triton decode kernel (`fp8_matmul_triton`).
+
+    Attributes:
+      block_m: Rows per program (at least 16 for the tensor cores); None: the rows rounded up
+        to a power of two, at most 64.
+      block_n: Output columns per program; divides `SCALE_BLOCK`.
+      split_k: Programs the contraction is split over (their float32 partials summed after).
+      num_warps: Triton warps per program.
+      num_stages: Triton software-pipelining depth of the contraction loop.
+    """
+
+    block_m: int | None = None
+    block_n: int = 64
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def __post_init__(self):
+        if SCALE_BLOCK % self.block_n or self.block_n < 16:
+            raise ValueError(f"block_n must divide {SCALE_BLOCK} and be >= 16; got {self}")
+        if self.block_m is not None and (self.block_m < 16 or self.block_m & (self.block_m - 1)):
+            raise ValueError(f"block_m must be a power of two >= 16; got {self}")
+        if self.split_k < 1:
+            raise ValueError(f"split_k must be >= 1; got {self}")
+
+    def rows_per_program(self, m: int) -> int:
+        """`block_m`, or for None the rows rounded up to a power of two in [16, 64]."""
+        if self.block_m is not None:
+            return self.block_m
+        return min(64, max(16, pl.next_power_of_2(m)))
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicFp8Tiling:
+    """Tiling of the Mosaic GPU prefill kernel (`fp8_matmul_mosaic`).
+
+    Attributes:
+      tile_m: Rows per output tile (a multiple of 64: one warpgroup's wgmma).
+      tile_n: Columns per output tile (a multiple of 8, at most 256).
+      max_concurrent_steps: Contraction steps whose copies are in flight.
+      grid_block_n: Column tiles visited together (`plgpu.planar_snake`), for L2 reuse.
+    """
+
+    tile_m: int = 128
+    tile_n: int = 128
+    max_concurrent_steps: int = 4
+    grid_block_n: int = 4
+
+    def __post_init__(self):
+        if self.tile_m % 64 or self.tile_n % 8 or not 8 <= self.tile_n <= 256:
+            raise ValueError(f"tile_m must be a multiple of 64 and tile_n of 8 (<= 256); {self}")
+
+
+def triton_fp8_tiling(m: int, k: int, n: int) -> TritonFp8Tiling:
+    """The decode kernel's tiling for [m, k] x [n, k]: 64 columns per program, the contraction
+    split over the fewest programs (a power of two dividing its scale blocks, at most 8) that
+    bring the programs to `TARGET_PROGRAMS`."""
+    tiling = TritonFp8Tiling()
+    programs = (n // tiling.block_n) * pl.cdiv(m, tiling.rows_per_program(m))
+    split = 1
+    while (
+        programs * split < TARGET_PROGRAMS and split < 8 and (k // SCALE_BLOCK) % (2 * split) == 0
+    ):
+        split *= 2
+    return dataclasses.replace(tiling, split_k=split)
+
+
+def mosaic_fp8_tiling(m: int, k: int, n: int) -> MosaicFp8Tiling:
+    """The prefill kernel's tiling for [m, k] x [n, k]: 128 x 128 tiles, 4 steps in flight, 4
+    column tiles per grid step where they divide (fewer otherwise)."""
+    del m, k
+    tiling = MosaicFp8Tiling()
+    tiles = n // tiling.tile_n
+    block = next(b for b in (4, 2, 1) if tiles % b == 0)
+    return dataclasses.replace(tiling, grid_block_n=block)

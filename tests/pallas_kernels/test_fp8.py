@@ -1,0 +1,277 @@
+"""FP8 kernels: the fused add + RMSNorm + quantize and the block-scaled matmuls equal their
+references; the format and the sums are what the checkpoints and the H200 kernels assume."""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from pallas_kernels import (
+    Impl,
+    _compat,
+    add_rms_norm_quantize,
+    add_rms_norm_quantize_reference,
+    add_rms_norm_quantize_supported,
+)
+from pallas_kernels.fp8_matmul import (
+    Fp8GroupedImpl,
+    Fp8MatmulImpl,
+    MosaicFp8Tiling,
+    TritonFp8Tiling,
+    fp8_grouped_matmul,
+    fp8_grouped_matmul_reference,
+    fp8_matmul,
+    fp8_matmul_reference,
+    triton_fp8_tiling,
+)
+from pallas_kernels.quantize import (
+    FP8_MAX,
+    dequantize_blocks_reference,
+    dequantize_token_groups_reference,
+    quantize_blocks_reference,
+    quantize_token_groups_reference,
+)
+from tests.meshes import make_mesh
+
+GPU_INTERPRET = pytest.mark.skipif(
+    _compat.gpu_interpret_params() is None, reason="this JAX has no Mosaic GPU interpreter"
+)
+
+
+def fp8_steps(values: np.ndarray) -> np.ndarray:
+    """The spacing of float8_e4m3fn at each value (3 mantissa bits; subnormals below 2^-6)."""
+    magnitude = np.maximum(np.abs(values.astype(np.float32)), 2.0**-6)
+    return 2.0 ** (np.floor(np.log2(magnitude)) - 3)
+
+
+# --------------------------------------------------------------------------------------------
+# The format
+
+
+def test_token_group_format():
+    """Each group's scale is its max |x| / 448 (as max x float32(1/448), what XLA computes);
+    values * scale give x back to half a step; a group of zeros stays zero."""
+    x = jax.random.normal(jax.random.key(0), (3, 384)) * jnp.array([1e-3, 1.0, 40.0])[:, None]
+    x = x.at[1, 128:256].set(0.0)
+    values, scales = quantize_token_groups_reference(x)
+    want = np.abs(np.asarray(x)).reshape(3, 3, 128).max(-1) * np.float32(1 / 448)
+    np.testing.assert_array_equal(np.asarray(scales), want.astype(np.float32))
+    assert np.abs(np.asarray(values, np.float32)).max() == FP8_MAX
+    back = np.asarray(dequantize_token_groups_reference(values, scales))
+    half_step = fp8_steps(np.asarray(values)) / 2 * np.repeat(np.asarray(scales), 128, axis=1)
+    assert np.all(np.abs(back - np.asarray(x)) <= half_step * (1 + 1e-6))
+    assert np.all(back[1, 128:256] == 0)
+
+
+def test_block_format():
+    """A weight's scale covers a 128 x 128 square: dequantized, each weight is within half an
+    FP8 step of itself."""
+    w = jax.random.normal(jax.random.key(1), (256, 384)) * jnp.arange(1, 257)[:, None]
+    values, scales = quantize_blocks_reference(w)
+    assert values.dtype == jnp.float8_e4m3fn and scales.shape == (2, 3)
+    square = np.abs(np.asarray(w)[128:, 256:]).max() * np.float32(1 / 448)
+    assert np.asarray(scales)[1, 2] == np.float32(square)
+    back = np.asarray(dequantize_blocks_reference(values, scales))
+    per_weight = np.repeat(np.repeat(np.asarray(scales), 128, axis=0), 128, axis=1)
+    half_step = fp8_steps(np.asarray(values)) / 2 * per_weight
+    assert np.all(np.abs(back - np.asarray(w)) <= half_step * (1 + 1e-6))
+
+
+# --------------------------------------------------------------------------------------------
+# Fused add + RMSNorm + quantize
+
+
+def make_inputs(shape, dtype, seed=0):
+    kx, kr, kw = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(kx, shape).astype(dtype)
+    residual = (3 * jax.random.normal(kr, shape)).astype(dtype)
+    weight = 1 + jax.random.normal(kw, shape[-1:])
+    return x, residual, weight
+
+
+def separately(x, residual, weight):
+    """Add, norm and quantize as three steps (the boundary's unfused read)."""
+    from boundary_jax.designs import add_rms_norm, quantize_token_groups
+
+    normed, summed = add_rms_norm(x, residual, weight, eps=1e-6)
+    quantized = quantize_token_groups(normed)
+    return quantized.values, quantized.scales, summed
+
+
+@functools.cache
+def fused_bf16():
+    """The kernel's outputs for bf16 inputs with a ragged last block of rows, and the inputs."""
+    x, residual, weight = make_inputs((19, 384), jnp.bfloat16)
+    outputs = add_rms_norm_quantize(x, residual, weight, impl=Impl.PALLAS_INTERPRET)
+    return outputs, (x, residual, weight)
+
+
+def test_fused_read_equals_add_norm_quantize():
+    """The kernel's scales equal the separate steps' bit for bit, its values within one FP8
+    step (here: equal), and its new residual is the float32 sum rounded."""
+    (values, scales, summed), inputs = fused_bf16()
+    want_values, want_scales, want_summed = separately(*inputs)
+    np.testing.assert_array_equal(np.asarray(scales), np.asarray(want_scales))
+    np.testing.assert_array_equal(np.asarray(summed), np.asarray(want_summed))
+    got, want = np.asarray(values, np.float32), np.asarray(want_values, np.float32)
+    assert np.all(np.abs(got - want) <= fp8_steps(want))
+    chex.assert_trees_all_equal((values, scales, summed), add_rms_norm_quantize_reference(*inputs))
+
+
+def test_the_sum_is_accumulated_in_float32():
+    """Rounding the sum to bf16 before the norm, as a kernel without float32 accumulation
+    would, changes the scales: the bit-for-bit check above would fail."""
+    (_, scales, _), (x, residual, weight) = fused_bf16()
+    rounded_first = (x.astype(jnp.float32) + residual.astype(jnp.float32)).astype(jnp.bfloat16)
+    _, wrong_scales, _ = separately(rounded_first, jnp.zeros_like(x), weight)
+    assert np.sum(np.asarray(scales) != np.asarray(wrong_scales)) > 5
+
+
+def test_fused_read_float32_within_one_rounding():
+    """In float32 the norm's reduction order may move a scale by one rounding, no more."""
+    x, residual, weight = make_inputs((9, 256), jnp.float32, seed=2)
+    values, scales, summed = add_rms_norm_quantize(x, residual, weight, impl=Impl.PALLAS_INTERPRET)
+    want_values, want_scales, want_summed = separately(x, residual, weight)
+    np.testing.assert_allclose(np.asarray(scales), np.asarray(want_scales), rtol=2.0**-22)
+    np.testing.assert_array_equal(np.asarray(summed), np.asarray(want_summed))
+    got, want = np.asarray(values, np.float32), np.asarray(want_values, np.float32)
+    assert np.all(np.abs(got - want) <= fp8_steps(want))
+
+
+def test_fused_read_support_and_errors():
+    """No kernel on CPU by default; a group must divide the rows; an explicit backend that
+    cannot run raises."""
+    assert not add_rms_norm_quantize_supported(
+        platform="cpu", rows=8, hidden=256, dtype=jnp.bfloat16
+    )
+    assert add_rms_norm_quantize_supported(platform="gpu", rows=8, hidden=4096, dtype=jnp.bfloat16)
+    assert not add_rms_norm_quantize_supported(
+        platform="gpu", rows=8, hidden=4000, dtype=jnp.bfloat16
+    )
+    x, residual, weight = make_inputs((4, 200), jnp.float32)
+    with pytest.raises(ValueError, match="multiple of group=128"):
+        add_rms_norm_quantize(x, residual, weight)
+    x, residual, weight = make_inputs((4, 256), jnp.float32)
+    with pytest.raises(NotImplementedError, match="add_rms_norm_quantize_supported"):
+        add_rms_norm_quantize(x, residual, weight, impl=Impl.PALLAS_TRITON)
+
+
+# --------------------------------------------------------------------------------------------
+# Block-scaled matmuls
+
+
+@functools.cache
+def operands(m=20, k=256, n=128, seed=0):
+    kx, kw = jax.random.split(jax.random.key(seed))
+    x = jax.random.normal(kx, (m, k)) * jnp.linspace(0.5, 4.0, m)[:, None]
+    w = jax.random.normal(kw, (n, k)) * jnp.linspace(0.1, 3.0, n)[:, None]
+    return (*quantize_token_groups_reference(x), *quantize_blocks_reference(w))
+
+
+def test_reference_is_the_dequantized_product():
+    """The reference is the product of the dequantized operands, to float32 rounding."""
+    x_values, x_scales, w_values, w_scales = operands()
+    got = np.asarray(fp8_matmul_reference(*operands(), out_dtype=jnp.float32))
+    x = np.asarray(dequantize_token_groups_reference(x_values, x_scales), np.float64)
+    w = np.asarray(dequantize_blocks_reference(w_values, w_scales), np.float64)
+    np.testing.assert_allclose(got, x @ w.T, atol=1e-6 * np.abs(x @ w.T).max())
+
+
+@pytest.mark.parametrize(
+    "tiling",
+    [TritonFp8Tiling(block_n=64), TritonFp8Tiling(block_m=16, block_n=128, split_k=2)],
+    ids=["one split", "split k"],
+)
+def test_triton_decode_kernel_matches_reference(tiling):
+    """The decode kernel (interpreted), with and without a split contraction and over several
+    row blocks, equals the reference to float32 rounding."""
+    want = np.asarray(fp8_matmul_reference(*operands(), out_dtype=jnp.float32))
+    got = fp8_matmul(
+        *operands(), out_dtype=jnp.float32, impl=Fp8MatmulImpl.PALLAS_INTERPRET, tiling=tiling
+    )
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-6 * np.abs(want).max())
+
+
+@GPU_INTERPRET
+def test_mosaic_prefill_kernel_matches_reference():
+    """The wgmma kernel (in the Mosaic GPU interpreter), rows padded to whole tiles, bf16 out."""
+    want = fp8_matmul_reference(*operands(), out_dtype=jnp.bfloat16)
+    got = fp8_matmul(
+        *operands(),
+        out_dtype=jnp.bfloat16,
+        impl=Fp8MatmulImpl.PALLAS_GPU_INTERPRET,
+        tiling=MosaicFp8Tiling(tile_m=64, tile_n=64, grid_block_n=2),
+    )
+    chex.assert_trees_all_close(got, want, rtol=2.0**-7, atol=2.0**-7 * float(jnp.abs(want).max()))
+
+
+def test_grouped_kernel_matches_reference():
+    """The experts' kernel reads only the groups with rows (an empty one included) and equals
+    the reference on the rows the groups hold."""
+    m, k, n = 13, 128, 128
+    kx, kw = jax.random.split(jax.random.key(4))
+    x_values, x_scales = quantize_token_groups_reference(jax.random.normal(kx, (m, k)))
+    w = jax.random.normal(kw, (3, n, k)) * jnp.array([1.0, 5.0, 0.2])[:, None, None]
+    w_values, w_scales = quantize_blocks_reference(w)
+    sizes = jnp.array([4, 0, 6], jnp.int32)
+    args = (x_values, x_scales, w_values, w_scales, sizes)
+    want = np.asarray(fp8_grouped_matmul_reference(*args, out_dtype=jnp.float32))
+    got = fp8_grouped_matmul(*args, out_dtype=jnp.float32, impl=Fp8GroupedImpl.PALLAS_INTERPRET)
+    np.testing.assert_allclose(np.asarray(got)[:10], want[:10], atol=1e-6 * np.abs(want).max())
+    assert np.all(want[10:] == 0)
+
+
+def test_kernel_types_its_output_inside_shard_map():
+    """Under check_vma the interpreted decode kernel takes each rank's own weight shard (every
+    shard different) and its output varies as the reference's."""
+    x_values, x_scales, w_values, w_scales = operands(m=8, k=256, n=256, seed=5)
+    mesh = make_mesh(1, 2)
+
+    def body(x_values, x_scales, w_values, w_scales):
+        return fp8_matmul(
+            x_values, x_scales, w_values, w_scales,
+            out_dtype=jnp.float32, impl=Fp8MatmulImpl.PALLAS_INTERPRET,
+        )  # fmt: skip
+
+    specs = (P(), P(), P("attn_tp", None), P("attn_tp", None))
+    placed = [
+        jax.device_put(a, NamedSharding(mesh, s))
+        for a, s in zip((x_values, x_scales, w_values, w_scales), specs, strict=True)
+    ]
+    run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(None, "attn_tp")))
+    want = fp8_matmul_reference(x_values, x_scales, w_values, w_scales, out_dtype=jnp.float32)
+    chex.assert_trees_all_close(run(*placed), want, atol=1e-6 * float(jnp.abs(want).max()))
+
+
+def test_shapes_and_tilings_are_checked():
+    """Shapes off the 128 blocks, unquantized operands and a tiling for the other kernel fail
+    with what came in."""
+    x_values, x_scales, w_values, w_scales = operands()
+    with pytest.raises(ValueError, match="multiples of 128"):
+        fp8_matmul(x_values, x_scales, w_values[:, :200], w_scales, out_dtype=jnp.float32)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fp8_matmul(
+            x_values.astype(jnp.float32), x_scales, w_values, w_scales, out_dtype=jnp.float32
+        )
+    with pytest.raises(TypeError, match="TritonFp8Tiling"):
+        fp8_matmul(
+            *operands(),
+            out_dtype=jnp.float32,
+            impl=Fp8MatmulImpl.PALLAS_INTERPRET,
+            tiling=MosaicFp8Tiling(),
+        )
+    with pytest.raises(ValueError, match="block_n must divide"):
+        TritonFp8Tiling(block_n=192)
+
+
+def test_decode_tiling_table_fills_the_gpu():
+    """The default decode tiling splits the contraction until the programs cover an H200
+    twice: none for a wide gate/up projection, the most (8) for the narrow down and kv ones."""
+    assert triton_fp8_tiling(8, 4096, 28672).split_k == 1
+    assert triton_fp8_tiling(8, 14336, 4096).split_k == 8
+    assert triton_fp8_tiling(64, 4096, 2048).split_k == 8
