@@ -152,7 +152,7 @@ def topology(args: argparse.Namespace, num_experts: int | None = None) -> bj.Top
         return topology
     except ValueError as error:
         raise InputError(
-            f"--moe-ep {args.moe_ep} with --mesh {mesh_text(args.mesh)}: {error}"
+            f"--moe-ep {args.moe_ep} on --mesh {mesh_text(args.mesh)}: {error}"
         ) from None
 
 
