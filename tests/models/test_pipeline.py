@@ -192,8 +192,10 @@ def test_stages_draw_the_weights_of_the_one_program_model():
     seen = set()
     for index, stage in enumerate(stages):
         for path, value in nnx.to_flat_state(nnx.state(stage)):
-            model_path = ("layers", path[1] + stage.layer_range.start, *path[2:])
-            model_path = model_path if path[0] == "layers" else path
+            if path[0] == "layers":
+                model_path = ("layers", path[1] + stage.layer_range.start, *path[2:])
+            else:
+                model_path = path
             np.testing.assert_array_equal(np.asarray(value[...]), np.asarray(want[model_path][...]))
             assert value[...].devices() == set(devices[index].flat)
             seen.add(model_path)
