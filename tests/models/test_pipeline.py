@@ -1,11 +1,12 @@
 """The pipeline runtime on simulated CPU meshes: every family split into 2, 3 and 4 stages equals
-the one-program model; training, the plan report and bad input."""
+the one-program model; generation, training, the plan report and bad input."""
 
 import dataclasses
 import functools
 import json
 import pathlib
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -26,6 +27,7 @@ from models.pipeline import (
 )
 from models.pipeline.report import pipeline_plan_report
 from models.serving.runtime import ShardedCausalLM
+from models.serving.sampling import Sampling
 from models.training.trainer import TrainConfig, Trainer
 
 GOLDEN = pathlib.Path(__file__).parents[1] / "golden"
@@ -157,6 +159,45 @@ def test_generation_through_the_stages_equals_the_one_program_model():
     topology = _topology("dense")
     want = ShardedCausalLM(whole("dense"), bj.make_mesh(topology)).generate(PROMPTS, 3)
     np.testing.assert_array_equal(pipeline("dense", 4).generate(PROMPTS, 3), want)
+
+
+@pytest.mark.xdist_group("dense")
+def test_generation_streams_the_one_program_tokens_in_chunks():
+    """generate_stream through two stages (two prefill microbatches) yields the prefill's token,
+    then `chunk` decode steps at a time; together they are the tokens the one-program model
+    samples for the same seed, and `generate`'s."""
+    sampling = Sampling(1.0, top_k=20)
+    one = ShardedCausalLM(whole("dense"), bj.make_mesh(_topology("dense")))
+    want = one.generate(PROMPTS, 6, sampling=sampling, seed=1)
+    runner = pipeline("dense", 2)
+    pieces = list(runner.generate_stream(PROMPTS, 6, chunk=2, sampling=sampling, seed=1))
+    assert [piece.shape[1] for piece in pieces] == [1, 2, 2, 1]
+    np.testing.assert_array_equal(np.concatenate(pieces, axis=1), want)
+    np.testing.assert_array_equal(runner.generate(PROMPTS, 6, sampling=sampling, seed=1), want)
+
+
+def _dot_precisions(lowered) -> set[str]:
+    dots = [line for line in lowered.as_text().splitlines() if "stablehlo.dot_general" in line]
+    assert dots
+    return {line.split("precision = [")[1].split("]")[0] for line in dots}
+
+
+@pytest.mark.xdist_group("dense")
+def test_stage_programs_multiply_in_float32():
+    """A float32 pipeline traces its stages' matmuls at HIGHEST (true float32 where a GPU
+    defaults to TF32), as the one-program runner does; asked for HIGH, at HIGH."""
+    runner = pipeline("dense", 2)
+    high = PipelineCausalLM(
+        [stage.model for stage in runner.stages],
+        runner.mesh,
+        matmul_precision=jax.lax.Precision.HIGH,
+    )
+    for piped, want in ((runner, "HIGHEST, HIGHEST"), (high, "HIGH, HIGH")):
+        stage = piped.stages[0]
+        rows, facts = piped.place(PROMPTS).placed[0][0]
+        lowered = piped.forward_program(stage).lower(stage.state, {}, rows, facts)
+        dots = [line for line in lowered.as_text().splitlines() if "dot_general" in line]
+        assert dots and all(f"precision = [{want}]" in line for line in dots)
 
 
 @pytest.mark.xdist_group("dense")
