@@ -1,8 +1,9 @@
 """The pipeline runtime on simulated CPU meshes: every family split into 2, 3 and 4 stages equals
-the one-program model; generation, training, the plan report and bad input."""
+the one-program model; generation, training, the plan report, the command line and bad input."""
 
 import dataclasses
 import functools
+import io
 import json
 import pathlib
 
@@ -10,10 +11,12 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from rich.console import Console
 
 import boundary_jax as bj
 from models.build import build_model
 from models.cli.main import main
+from models.cli.plan import print_pipeline_plan
 from models.config import PRESETS, read_hf_config
 from models.layers.hyper_connections import HyperConnections
 from models.pipeline import (
@@ -337,4 +340,64 @@ def test_the_command_line_refuses_a_bad_split(tmp_path, capsys, extra, message):
     ids.write_text("[[1, 2, 3]]")
     args = ["forward", "--preset", "tiny-qwen3", "--input-ids", str(ids)]
     assert main([*args, "--out", str(tmp_path / "x.npy"), *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+# -- the command line -----------------------------------------------------------------------
+
+LLAMA = GOLDEN / "llama"
+PIPELINE_OPTIONS = ["--mesh", "pp=2,attn_tp=2", "--pp-split", "1,2", "--microbatches", "2"]
+
+
+def _last_line(capsys) -> str:
+    return capsys.readouterr().out.strip().splitlines()[-1]
+
+
+def test_the_command_line_runs_a_checkpoint_in_pipeline_stages(tmp_path, capsys):
+    """forward, generate and plan under --mesh pp=2 (an uneven split, two microbatches) load a
+    checkpoint into two stages: transformers' logits (within 1e-4, input-scattered) and greedy
+    tokens; the plan names each stage's layers and the microbatch its collectives are of."""
+    reference = np.load(LLAMA / "reference.npz")
+    prompts = str(LLAMA / "prompts.json")
+    source = ["--checkpoint", str(LLAMA), *PIPELINE_OPTIONS]
+    out = tmp_path / "logits.npy"
+    forward = ["forward", *source, "--input-scattered", "--input-ids", prompts, "--out", str(out)]
+    assert main(forward) == 0
+    logits, want = np.load(out), reference["logits"]
+    assert logits.shape == want.shape
+    assert np.max(np.abs(logits - want)) <= 1e-4 * np.max(np.abs(want))
+    assert main(["generate", *source, "--prompt-ids", prompts, "--max-new-tokens", "6"]) == 0
+    assert json.loads(_last_line(capsys)) == reference["generated"].tolist()
+    assert main(["plan", *source, "--json"]) == 0
+    report = json.loads(_last_line(capsys))
+    assert report["split"] == [1, 2] and report["microbatches"] == 2
+    assert [stage["layers"] for stage in report["pipeline_stages"]] == [[0, 1], [1, 3]]
+    # The plan's batch, 13 + 5 + 9 + 2 tokens, in two microbatches: the first holds 13 + 9.
+    assert (report["batch_tokens"], report["batch_sequences"]) == (22, 2)
+    console = Console(file=io.StringIO(), width=200)
+    print_pipeline_plan(report, console)
+    printed = console.file.getvalue()
+    assert "stage 1: layers [1, 3], then the final norm and LM head" in printed
+    assert "bytes for a batch of 22 tokens in 2 sequences" in printed
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (
+            ["train", "--text", str(GOLDEN / "text" / "config.json"), "--steps", "1"],
+            "train runs one program; --mesh pp=2 (pipeline stages) is for forward",
+        ),
+        (["plan", "--scan-layers"], "pipeline stages run their layers unrolled"),
+        (["plan", "--preset", "tiny-deepseek-v3"], "DeepseekV3ForCausalLM (latent attention)"),
+    ],
+)
+def test_the_command_line_refuses_what_pipeline_stages_do_not_build(
+    tmp_path, capsys, args, message
+):
+    """train, --scan-layers and latent-attention models under --mesh pp=2 end with one line."""
+    command, *rest = args
+    preset = [] if "--preset" in rest else ["--preset", "tiny-qwen3"]
+    out = ["--out", str(tmp_path / "o")] if command == "train" else []
+    assert main([command, *preset, *rest, "--mesh", "pp=2", *out]) == 2
     assert message in capsys.readouterr().err
