@@ -1,5 +1,10 @@
 """The commands that run a model: forward, generate and plan, and what they share (reading the
-model's source and inputs, checking them, building the model)."""
+model's source and inputs, checking them, building the model: one program on the mesh, or
+pipeline stages under `--mesh pp=N`).
+
+Under several processes (`boundary-jax launch`, `models.distributed`) every process runs the
+command on the same inputs; only the first writes files and prints results, and the others'
+progress lines are silent."""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO, TextIO
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from rich.console import Console
@@ -23,23 +29,26 @@ import boundary_jax as bj
 from ..build import build_model, load_model
 from ..checkpoints import check_checkpoint_files, load_config, read_json
 from ..config import PRESETS, DecoderConfig
+from ..distributed import is_first_process, require_everywhere
 from ..families.decoder import CausalLM, Remat
 from ..layers.attention import AttentionImpl
 from ..layers.hyper_connections import HyperConnections
+from ..pipeline import PipelineCausalLM, PipelineSplit, build_pipeline, load_pipeline
 from ..serving.runtime import ShardedCausalLM
 from ..serving.sampling import Sampling
 from ..serving.text import TextCodec, TextStream, eos_token_ids, text_codec
 from . import options
 from .options import InputError
-from .plan import plan_report, print_plan
+from .plan import pipeline_plan, plan_report, print_pipeline_plan, print_plan
 
 DECODE_CHUNK = 16
 """Decode steps per device program while generation may stop at an end-of-sequence id."""
 
 
 def console() -> Console:
-    """Progress and log lines on stderr, without the source location."""
-    return Console(stderr=True, log_path=False)
+    """Progress and log lines on stderr, without the source location (silent on every process
+    but the first)."""
+    return Console(stderr=True, log_path=False, quiet=not is_first_process())
 
 
 @contextlib.contextmanager
@@ -67,6 +76,10 @@ def checkpoint_dir(args: argparse.Namespace) -> Path | None:
 def source_config(args: argparse.Namespace) -> DecoderConfig:
     """The config of `--preset` or `--checkpoint` (whose weights files are checked too), read
     and checked against the options and the machine before anything is built."""
+    if args.checkpoint is not None and jax.process_count() > 1:
+        # Every process stops here when one lacks the checkpoint, rather than waiting forever
+        # in a collective the failing one never joins.
+        require_everywhere(Path(args.checkpoint) / "config.json", "checkpoint")
     directory = checkpoint_dir(args)
     config = PRESETS[args.preset] if directory is None else load_config(directory)
     if directory is not None:
@@ -74,6 +87,7 @@ def source_config(args: argparse.Namespace) -> DecoderConfig:
     options.topology(args, None if config.moe is None else config.moe.num_experts)
     options.check_devices(args)
     options.check_model(args, config)
+    options.check_pipeline(args, config)
     return config
 
 
@@ -133,8 +147,59 @@ def _hyper_connections(hc_mult: int) -> HyperConnections:
         raise InputError(f"--hc-mult {hc_mult}: {error}") from None
 
 
-def runner(args: argparse.Namespace, out: Console) -> ShardedCausalLM:
-    """The model of `build`, placed on its mesh."""
+def build_stages(
+    args: argparse.Namespace, out: Console, split: PipelineSplit
+) -> tuple[tuple[CausalLM, ...], bj.Topology]:
+    """The pipeline stages (`split`'s layers each) of `--checkpoint` or `--preset` on `--mesh`
+    (after `source_config`); each process builds or reads only its own devices' weights."""
+    topology = options.topology(args)
+    mesh = bj.make_mesh(topology)
+    dtype = jnp.dtype(args.dtype)
+    stages = f"{topology.pp} pipeline stages (layers {list(split.sizes)})"
+    directory = checkpoint_dir(args)
+    if directory is not None:
+        with status(out, f"loading {directory} onto {topology} in {stages}"):
+            models = load_pipeline(
+                directory,
+                mesh,
+                split=split,
+                reduction=args.policy,
+                moe_ep=args.moe_ep,
+                moe_dispatch=args.moe_dispatch,
+                dtype=dtype,
+            )
+        return models, topology
+    hyper = None if args.hc_mult is None else _hyper_connections(args.hc_mult)
+    with status(out, f"building {args.preset} with random weights in {stages}"):
+        models = build_pipeline(
+            PRESETS[args.preset],
+            topology,
+            mesh,
+            split=split,
+            reduction=args.policy,
+            moe_dispatch=args.moe_dispatch,
+            dtype=dtype,
+            seed=getattr(args, "seed", 0),
+            hyper_connections=hyper,
+        )
+    return models, topology
+
+
+def runner(
+    args: argparse.Namespace, out: Console, config: DecoderConfig
+) -> ShardedCausalLM | PipelineCausalLM:
+    """The model of `build` placed on its mesh, or under `--mesh pp=N` (or `--pp-split`) the
+    stages of `build_stages` on theirs (`config`: `source_config`'s)."""
+    split = options.check_pipeline(args, config)
+    if split is not None:
+        stages, topology = build_stages(args, out, split)
+        return PipelineCausalLM(
+            stages,
+            bj.make_mesh(topology),
+            microbatches=args.microbatches,
+            input_scattered=args.input_scattered,
+            matmul_precision=args.matmul_precision,
+        )
     model, topology = build(args, out)
     return ShardedCausalLM(
         model,
@@ -262,17 +327,20 @@ def forward(args: argparse.Namespace) -> None:
                 "--capture-layers: captures of a decoder with hyper-connections are not "
                 "supported (its residual is --hc-mult streams)"
             )
-    options.check_output_file("--out", args.out)
-    if layers is not None:
-        options.check_output_file("--out", captures_path(args.out))
+    if is_first_process():
+        options.check_output_file("--out", args.out)
+        if layers is not None:
+            options.check_output_file("--out", captures_path(args.out))
     if text is not None:
         out.log(f"{len(sequences)} prompts encoded with {text.description}")
-    model = runner(args, out)
+    model = runner(args, out, config)
     with status(out, f"forward of {len(sequences)} sequences"):
         if layers is None:
             logits = model.forward(sequences)
         else:
             logits, hidden = model.forward_captured(sequences, layers)
+    if not is_first_process():
+        return
     write_atomically(args.out, lambda file: np.save(file, logits.astype(np.float32)))
     out.log(f"wrote logits {list(logits.shape)} to {args.out}")
     if layers is not None:
@@ -302,17 +370,22 @@ def generate(args: argparse.Namespace) -> None:
         raise InputError("--top-k and --top-p need --temperature > 0 (0, the default, is greedy)")
     sampling = Sampling(args.temperature, top_k=args.top_k, top_p=args.top_p)
     eos = () if args.ignore_eos else eos_token_ids(checkpoint_dir(args))
-    stream = text is not None and len(sequences) == 1 and not args.json and stdout.isatty()
+    first = is_first_process()
+    stream = (
+        text is not None and len(sequences) == 1 and not args.json and first and stdout.isatty()
+    )
     if text is not None:
         out.log(f"{len(sequences)} prompts encoded with {text.description}")
     out.log(f"stopping at end-of-sequence ids {list(eos)}" if eos else "no end-of-sequence ids")
-    model = runner(args, out)
+    model = runner(args, out, config)
     chunk = 1 if stream else DECODE_CHUNK if eos else args.max_new_tokens
     start = time.perf_counter()
     tokens = _generate_tokens(model, sequences, args, sampling, eos, chunk, text, stdout, stream)
     count = sum(len(t) for t in tokens)
     seconds = time.perf_counter() - start
     out.log(f"generated {count} tokens in {seconds:.1f}s (compiling included)")
+    if not first:
+        return
     if text is None:
         print(json.dumps(tokens), file=stdout)
     elif args.json:
@@ -332,7 +405,7 @@ def generate(args: argparse.Namespace) -> None:
 
 
 def _generate_tokens(
-    model: ShardedCausalLM,
+    model: ShardedCausalLM | PipelineCausalLM,
     sequences: list[list[int]],
     args: argparse.Namespace,
     sampling: Sampling,
@@ -343,7 +416,8 @@ def _generate_tokens(
     stream: bool,
 ) -> list[list[int]]:
     """Each prompt's new ids, up to and including its first end-of-sequence id; with `stream`
-    the (one) prompt's text is written to `stdout` as its ids come."""
+    the (one) prompt's text is written to `stdout` as its ids come. Every process stops at the
+    same chunk (each sees the same ids)."""
     tokens: list[list[int]] = [[] for _ in sequences]
     done = [False] * len(sequences)
     shown = TextStream(text) if stream else None
@@ -371,13 +445,18 @@ def _generate_tokens(
 
 
 def plan(args: argparse.Namespace) -> None:
-    """`plan`: the bound stage plans and the compiled forward's collectives."""
+    """`plan`: the bound stage plans and the compiled forward's collectives (of each pipeline
+    stage under `--mesh pp=N`, with its handoff and the schedule's bubble)."""
     out = console()
-    source_config(args)
-    model = runner(args, out)
-    with status(out, "compiling the sharded forward"):
-        report = plan_report(model)
+    model = runner(args, out, source_config(args))
+    pipelined = isinstance(model, PipelineCausalLM)
+    with status(
+        out, "compiling each stage's forward" if pipelined else "compiling the sharded forward"
+    ):
+        report = pipeline_plan(model) if pipelined else plan_report(model)
+    if not is_first_process():
+        return
     if args.json:
         print(json.dumps(report))
         return
-    print_plan(report)
+    (print_pipeline_plan if pipelined else print_plan)(report)

@@ -77,7 +77,8 @@ def launch(
         raise ValueError(f"--processes must be at least 1; got {processes}")
     if not command:
         raise ValueError(
-            "launch needs a command after --, e.g. launch --processes 2 -- forward ..."
+            "launch needs the command every process runs after --, e.g. launch --processes 2 "
+            "-- plan --preset tiny-qwen3 --mesh pp=2"
         )
     coordinator = f"{HOST}:{free_port_pair() if port is None else port}"
     children, readers = [], []

@@ -1,9 +1,12 @@
-"""The `boundary-jax` command line: demo, forward, generate, train and plan.
+"""The `boundary-jax` command line: demo, forward, generate, train, plan and launch.
 
 Every option and input file is checked before a model is built or loaded. Bad input (an option,
-a file, a path, a mesh the machine cannot hold, a model that runs out of memory) ends with one
-line on stderr, `boundary-jax: error: ...`, and exit code 2; SIGINT and SIGTERM end with one
-line and exit code 128 + the signal's number.
+a file, a path, a mesh the machine cannot hold, a model that runs out of memory, processes that
+do not all join their group) ends with one line on stderr, `boundary-jax: error: ...`, and exit
+code 2; SIGINT and SIGTERM end with one line and exit code 128 + the signal's number.
+
+Under the environment of `models.distributed.ProcessGroup` (as `launch` sets it), the process
+joins its group first and holds its share of the mesh's CPU devices.
 """
 
 from __future__ import annotations
@@ -23,10 +26,12 @@ from safetensors import SafetensorError
 import boundary_jax as bj
 
 from ..config import PRESETS
+from ..distributed import DEFAULT_JOIN_TIMEOUT, JoinError, ProcessGroup
 from ..families.decoder import Remat
 from . import commands, options
 from .demo import run_demo
 from .interrupts import Interrupted, signals_interrupt
+from .launch import launch
 from .options import InputError
 from .train import train
 
@@ -124,6 +129,26 @@ def _quantize_arg(command: argparse.ArgumentParser) -> None:
     )
 
 
+def _pipeline_args(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--pp-split",
+        type=options.pp_split,
+        help="under --mesh pp=N: the layers of each pipeline stage, e.g. 10,14,8 (default: an "
+        "even split)",
+    )
+    command.add_argument(
+        "--microbatches",
+        type=options.positive_int,
+        help="under --mesh pp=N: the microbatches a batch is split into on the GPipe schedule "
+        "(default N)",
+    )
+
+
+def _launch(args: argparse.Namespace) -> int:
+    command = args.launched[1:] if args.launched[:1] == ["--"] else args.launched
+    return launch(args.processes, command, port=args.port, join_timeout=args.join_timeout)
+
+
 def _input_args(command: argparse.ArgumentParser, ids_option: str) -> None:
     inputs = command.add_mutually_exclusive_group(required=True)
     inputs.add_argument(ids_option, help="a JSON file: a list of token-id lists")
@@ -157,6 +182,7 @@ def _parser() -> argparse.ArgumentParser:
     forward = commands_.add_parser("forward", help="logits of token-id sequences or text")
     _model_args(forward)
     _quantize_arg(forward)
+    _pipeline_args(forward)
     _input_args(forward, "--input-ids")
     forward.add_argument("--out", required=True, help="where to write the logits (.npy)")
     forward.add_argument(
@@ -172,6 +198,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     _model_args(generate)
     _quantize_arg(generate)
+    _pipeline_args(generate)
     _input_args(generate, "--prompt-ids")
     generate.add_argument("--max-new-tokens", type=options.positive_int, required=True)
     generate.add_argument(
@@ -241,8 +268,32 @@ def _parser() -> argparse.ArgumentParser:
     )
     _model_args(plan)
     _quantize_arg(plan)
+    _pipeline_args(plan)
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.set_defaults(run=commands.plan)
+
+    processes = commands_.add_parser(
+        "launch",
+        help="run a command in several local processes under jax.distributed (e.g. launch "
+        "--processes 2 -- forward --preset ... --mesh pp=2,attn_tp=2 ...)",
+    )
+    processes.add_argument(
+        "--processes", type=options.positive_int, required=True, help="how many processes"
+    )
+    processes.add_argument(
+        "--port", type=options.positive_int, help="the coordinator's port (default: a free one)"
+    )
+    processes.add_argument(
+        "--join-timeout",
+        type=options.positive_float,
+        default=DEFAULT_JOIN_TIMEOUT,
+        help="seconds the processes wait for each other to join (default "
+        f"{DEFAULT_JOIN_TIMEOUT:g})",
+    )
+    processes.add_argument(
+        "launched", nargs=argparse.REMAINDER, help="-- then the command every process runs"
+    )
+    processes.set_defaults(run=_launch, mesh={}, devices=None)
     return parser
 
 
@@ -263,18 +314,31 @@ def _fail(message: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `boundary-jax` command."""
+    """Entry point of the `boundary-jax` command (see the module docstring)."""
     try:
         args = _parser().parse_args(argv)
     except UsageError as error:
         return _fail(str(error))
+    try:
+        group = ProcessGroup.from_environment()
+    except ValueError as error:
+        return _fail(_one_line(error))
     devices = 8 if args.command == "demo" else args.devices or math.prod(args.mesh.values())
+    if group is not None:
+        if devices % group.num_processes:
+            return _fail(
+                f"the {devices} devices of --mesh {options.mesh_text(args.mesh)} do not split "
+                f"over {group.num_processes} processes; give each process the same number"
+            )
+        devices //= group.num_processes
     if devices > jax.config.jax_num_cpu_devices:
         with contextlib.suppress(RuntimeError):  # backends already up (e.g. called in-process)
             jax.config.update("jax_num_cpu_devices", devices)
     try:
         with signals_interrupt():
-            args.run(args)
+            if group is not None:
+                group.join()
+            code = args.run(args)
             sys.stdout.flush()
     except Interrupted as interrupted:
         note = f" {interrupted.note}" if interrupted.note else ""
@@ -287,7 +351,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The reader left: send the rest of stdout nowhere, so flushing at exit cannot fail.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
-    except (InputError, ValueError, NotImplementedError, OSError, SafetensorError) as error:
+    except (
+        InputError,
+        ValueError,
+        NotImplementedError,
+        OSError,
+        SafetensorError,
+        JoinError,
+    ) as error:
         if isinstance(error, OSError) and error.filename is not None and error.strerror:
             return _fail(f"{error.filename}: {error.strerror}")
         return _fail(_one_line(error))
@@ -295,4 +366,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not _out_of_memory(error):
             raise
         return _fail(f"out of memory: {_one_line(error)}. Use a smaller batch or more devices")
-    return 0
+    return code or 0

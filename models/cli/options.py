@@ -15,17 +15,14 @@ import boundary_jax as bj
 
 from ..config import DecoderConfig
 from ..layers.fp8_linear import Fp8Quantization
+from ..pipeline import PipelineSplit
 
 
 class InputError(ValueError):
     """A problem with what the user passed: reported in one line, exit code 2."""
 
 
-NOT_BUILT_AXES = {
-    bj.MeshAxis.PP.value: "pipeline parallelism has no runtime yet (its binding is built and "
-    "tested with a simulated transport)",
-    bj.MeshAxis.ATTN_CP.value: "context parallelism is not built yet",
-}
+NOT_BUILT_AXES = {bj.MeshAxis.ATTN_CP.value: "context parallelism is not built yet"}
 """Mesh axes the command line rejects at a size above one, and why."""
 MATMUL_PRECISIONS = ("default", "high", "highest")
 QUANTIZATIONS = ("fp8",)
@@ -49,8 +46,8 @@ def parse_mesh(text: str) -> dict[str, int]:
             raise argparse.ArgumentTypeError(f"sizes must be positive; got {text!r}")
         if name in NOT_BUILT_AXES and sizes[name] > 1:
             raise argparse.ArgumentTypeError(
-                f"{name}={sizes[name]}: {NOT_BUILT_AXES[name]}; split the model over attn_dp "
-                "and attn_tp"
+                f"{name}={sizes[name]}: {NOT_BUILT_AXES[name]}; split the model over attn_dp, "
+                "attn_tp and pp"
             )
     return sizes
 
@@ -123,6 +120,16 @@ def capture_layers(text: str) -> list[int]:
             f"takes comma-separated layer indices, e.g. 2,5; got {text!r}"
         )
     return [int(item) for item in items]
+
+
+def pp_split(text: str) -> tuple[int, ...]:
+    """`--pp-split`: the layers of each pipeline stage, comma-separated."""
+    items = [item.strip() for item in text.split(",")]
+    if not all(item.isdigit() for item in items):
+        raise argparse.ArgumentTypeError(
+            f"takes the layers of each pipeline stage, e.g. 10,14,8; got {text!r}"
+        )
+    return tuple(int(item) for item in items)
 
 
 def _int(text: str) -> int:
@@ -222,6 +229,51 @@ def check_model(args: argparse.Namespace, config: DecoderConfig) -> None:
             "--hc-mult builds MHC layers with random weights, and a Hugging Face checkpoint holds "
             "no MHC weights; use it with --preset"
         )
+
+
+def pipelined(args: argparse.Namespace) -> bool:
+    """The model runs as pipeline stages: under `--mesh pp=N` (N > 1) or `--pp-split`."""
+    pp = args.mesh.get(bj.MeshAxis.PP.value, 1)
+    return pp > 1 or getattr(args, "pp_split", None) is not None
+
+
+def check_pipeline(args: argparse.Namespace, config: DecoderConfig) -> PipelineSplit | None:
+    """The layers of each pipeline stage under `--mesh pp=N` or `--pp-split` (None without
+    them), checked against the model, with the options the pipeline stages do not build."""
+    if not pipelined(args):
+        if getattr(args, "microbatches", None) is not None:
+            raise InputError(
+                "--microbatches splits a batch over pipeline stages; it needs --mesh pp=N with "
+                "N > 1 (or --pp-split)"
+            )
+        return None
+    pp = args.mesh.get(bj.MeshAxis.PP.value, 1)
+    where = f"--mesh {mesh_text(args.mesh)}"
+    if config.mla is not None or config.hybrid is not None:
+        kind = "latent attention" if config.mla is not None else "Mamba2 layers"
+        raise InputError(
+            f"{where}: {config.architecture.value} ({kind}) is not built as pipeline stages (they "
+            "keep the KV caches of standard attention); run it with pp=1"
+        )
+    if args.scan_layers:
+        raise InputError(f"{where}: pipeline stages run their layers unrolled; drop --scan-layers")
+    if getattr(args, "quantize", None) is not None:
+        raise InputError(f"{where}: --quantize is not built for pipeline stages; use pp=1")
+    if getattr(args, "capture_layers", None) is not None:
+        raise InputError(f"{where}: --capture-layers is not built for pipeline stages; use pp=1")
+    if args.pp_split is not None and len(args.pp_split) != pp:
+        raise InputError(f"--pp-split gives {len(args.pp_split)} stages but --mesh has pp={pp}")
+    try:
+        if args.pp_split is None:
+            return PipelineSplit.even(config.num_layers, pp)
+        return PipelineSplit.of_sizes(args.pp_split, config.num_layers)
+    except ValueError as error:
+        option = where if args.pp_split is None else f"--pp-split {_sizes_text(args.pp_split)}"
+        raise InputError(f"{option}: {error}") from None
+
+
+def _sizes_text(sizes: tuple[int, ...]) -> str:
+    return ",".join(str(size) for size in sizes)
 
 
 def check_output_file(option: str, path: str | Path) -> None:

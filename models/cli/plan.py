@@ -14,6 +14,8 @@ import boundary_jax as bj
 from boundary_jax.report import KINDS, parse_hlo
 
 from ..families.moe import MoeCausalLM
+from ..pipeline import PipelineCausalLM, split_microbatches
+from ..pipeline.report import pipeline_plan_report
 from ..serving.runtime import ShardedCausalLM
 
 # A batch with ragged sequences, so every boundary runs on padded blocks.
@@ -105,6 +107,19 @@ def plan_report(runner: ShardedCausalLM) -> dict[str, Any]:
         "bytes_per_layer": report.bytes(middle),
         "weight_bytes_per_device": weight_bytes_per_device(runner),
         **bj.report.describe_collectives(report, count),
+    }
+
+
+def pipeline_plan(runner: PipelineCausalLM) -> dict[str, Any]:
+    """`models.pipeline.report.pipeline_plan_report` of `PLAN_SEQUENCES`, with `batch_tokens`
+    and `batch_sequences` those of the microbatch whose compiled programs it measured (the
+    first)."""
+    packed = runner.pack(PLAN_SEQUENCES)
+    first = split_microbatches(packed, runner.microbatches, runner.topology)[0].sequences
+    return {
+        **pipeline_plan_report(runner, PLAN_SEQUENCES),
+        "batch_tokens": sum(len(PLAN_SEQUENCES[index]) for index in first),
+        "batch_sequences": len(first),
     }
 
 

@@ -56,6 +56,12 @@ def tokenize(texts: list[bytes], codec: TextCodec) -> np.ndarray:
 def train(args: argparse.Namespace) -> None:
     """`train`: see the module docstring."""
     out = commands.console()
+    if options.pipelined(args):
+        raise InputError(
+            f"train runs one program; --mesh {options.mesh_text(args.mesh)} (pipeline stages) is "
+            "for forward, generate and plan (train pipeline stages through "
+            "models.pipeline.PipelineTrainer)"
+        )
     if args.hc_mult is not None:
         raise InputError(
             "train writes a Hugging Face checkpoint, which holds no MHC weights; --hc-mult "

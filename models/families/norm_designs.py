@@ -47,6 +47,7 @@ class NormDesignCausalLM(CausalLM):
         remat: Remat = Remat.NONE,
         hyper_connections: HyperConnections | None = None,
         scan_layers: bool = False,
+        layer_range: range | None = None,
         rngs: nnx.Rngs,
     ):
         if hyper_connections is not None:
@@ -64,5 +65,6 @@ class NormDesignCausalLM(CausalLM):
             attention=attention,
             remat=remat,
             scan_layers=scan_layers,
+            layer_range=layer_range,
             rngs=rngs,
         )

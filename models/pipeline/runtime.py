@@ -17,7 +17,7 @@ same code runs on one process or on many.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -32,6 +32,7 @@ from boundary_jax import residual
 
 from ..families.decoder import CausalLM
 from ..layers.attention import KVCache
+from ..precision import matmul_precision_scope, resolve_matmul_precision
 from ..rows import PackedBatch, RowsPhase, TokenRows, decode_rows
 from ..serving.runtime import (
     MIN_ROWS,
@@ -72,9 +73,18 @@ class Stage:
       mesh: Its devices (the pipeline mesh's at `pp` index `index`).
       held: This process holds some of its devices (and runs its programs).
       model: The stage's model over its placed state (abstract where not held).
+      matmul_precision: The precision its programs trace their matmuls with.
     """
 
-    def __init__(self, index: int, model: CausalLM, mesh: Mesh, *, check_vma: bool):
+    def __init__(
+        self,
+        index: int,
+        model: CausalLM,
+        mesh: Mesh,
+        *,
+        check_vma: bool,
+        matmul_precision: lax.Precision = lax.Precision.DEFAULT,
+    ):
         if bj.Topology.from_mesh(mesh, moe_ep=model.topology.moe_ep) != model.topology:
             raise ValueError(
                 f"stage {index} is bound on {model.topology} but its mesh is "
@@ -87,6 +97,7 @@ class Stage:
         self.topology = model.topology
         self.first, self.last = model.holds_first, model.holds_last
         self._check_vma = check_vma
+        self.matmul_precision = matmul_precision
         self._graphdef, state = nnx.split(model)
         self._specs = nnx.get_partition_spec(state)
         if self.held:
@@ -120,11 +131,12 @@ class Stage:
 
     def sharded(self, body: Callable, in_specs: tuple, out_specs: Tree) -> Callable:
         """`f(state, *args)`: `body(model, *args)` inside `shard_map` on this stage's devices
-        (not jitted: a caller may differentiate it first)."""
-        graphdef = self._graphdef
+        (not jitted: a caller may differentiate it first), traced at `matmul_precision`."""
+        graphdef, precision = self._graphdef, self.matmul_precision
 
         def run(state, *args):
-            return body(nnx.merge(graphdef, state), *args)
+            with matmul_precision_scope(precision):
+                return body(nnx.merge(graphdef, state), *args)
 
         return jax.shard_map(
             run,
@@ -230,6 +242,9 @@ class PipelineCausalLM:
       split: The layers of each stage.
       microbatches: How many microbatches a batch's sequences are split into.
       input_scattered: Run batches input-scattered (residual on attention-TP slices).
+      matmul_precision: The precision every stage's programs trace their matmuls with (given
+        None, `resolve_matmul_precision`'s: `HIGHEST` for a float32 model, as
+        `ShardedCausalLM`).
       variant: The batch variant every stage runs.
       stages: The `Stage`s.
       sends: `sends[s]` hands stage s's output to stage s + 1.
@@ -243,6 +258,7 @@ class PipelineCausalLM:
         microbatches: int | None = None,
         input_scattered: bool = False,
         check_vma: bool = True,
+        matmul_precision: lax.Precision | None = None,
     ):
         meshes = stage_meshes(mesh)
         if len(meshes) != len(stages):
@@ -258,8 +274,15 @@ class PipelineCausalLM:
             raise ValueError(f"microbatches must be at least 1; got {microbatches}")
         self.input_scattered = input_scattered
         self.dtype = stages[0].param_dtype
+        self.matmul_precision = resolve_matmul_precision(matmul_precision, self.dtype)
         self.stages = tuple(
-            Stage(index, model, stage_mesh, check_vma=check_vma)
+            Stage(
+                index,
+                model,
+                stage_mesh,
+                check_vma=check_vma,
+                matmul_precision=self.matmul_precision,
+            )
             for index, (model, stage_mesh) in enumerate(zip(stages, meshes, strict=True))
         )
         self.variant = (
@@ -413,8 +436,31 @@ class PipelineCausalLM:
 
         The prompts' microbatches fill every stage's KV caches on the GPipe schedule, the last
         stage sampling each slot's first token; each further token runs one decode step through
-        every stage, the last stage's tokens handed back to the first.
+        every stage, the last stage's tokens handed back to the first. The tokens come back to
+        the host once, at the end.
         """
+        chunks = self.generate_stream(
+            prompts, max_new_tokens, chunk=max_new_tokens, sampling=sampling, seed=seed
+        )
+        return np.concatenate(list(chunks), axis=1)
+
+    def generate_stream(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        *,
+        chunk: int,
+        sampling: Sampling = GREEDY,
+        seed: int = 0,
+    ) -> Iterator[np.ndarray]:
+        """`generate`'s tokens as they come, as `ShardedCausalLM.generate_stream`: yields int32
+        [prompts, n] arrays, first the prefill's token (n = 1), then `chunk` decode steps at a
+        time; together they equal `generate`'s. Stop early by leaving the loop; under several
+        processes, every process must leave it at the same point (each gets the same tokens).
+        Checks the request before anything runs.
+        """
+        if chunk < 1:
+            raise ValueError(f"chunk must be at least 1 decode step; got {chunk=}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1; got {max_new_tokens}")
         packed = self.pack(prompts, bucketed=True)
@@ -424,17 +470,28 @@ class PipelineCausalLM:
             raise ValueError(
                 f"prompt + new tokens ({longest}) exceed max_position_embeddings ({limit})"
             )
+        return self._token_chunks(packed, longest, max_new_tokens, sampling, seed, chunk)
+
+    def _token_chunks(
+        self,
+        packed: PackedBatch,
+        longest: int,
+        max_new_tokens: int,
+        sampling: Sampling,
+        seed: int,
+        chunk: int,
+    ) -> Iterator[np.ndarray]:
         slots = packed.decode_rows_per_rank * self.topology.attn_dp
-        length = cache_length(longest, limit)
+        length = cache_length(longest, self.config.max_position_embeddings)
         caches = [stage.new_caches(self.config, slots, length, self.dtype) for stage in self.stages]
         prefill_key, decode_key = jax.random.split(jax.random.key(seed))
         first = self._prefill(packed, caches, prefill_key, sampling)
+        order = packed.slot_order()
+        yield self._collect(first, len(self.stages) - 1)[order, None].astype(np.int32)
         steps = max_new_tokens - 1
-        tokens = [self._collect(first, len(self.stages) - 1)[None]]
         if steps:
-            rest = self._decode(packed, caches, first, decode_key, steps, sampling)
-            tokens.append(self._collect(rest, len(self.stages) - 1).T[:steps])
-        return np.concatenate(tokens)[:, packed.slot_order()].T.astype(np.int32)
+            for tokens in self._decode(packed, caches, first, decode_key, steps, sampling, chunk):
+                yield tokens[order].astype(np.int32)
 
     def _prefill(self, packed: PackedBatch, caches: list, key: jax.Array, sampling: Sampling):
         """Fills `caches` (in place) with every microbatch; returns the first token per slot,
@@ -457,9 +514,12 @@ class PipelineCausalLM:
         self._schedule(len(parts), run)
         return tokens[0]
 
-    def _decode(self, packed, caches: list, first, key: jax.Array, steps: int, sampling):
+    def _decode(
+        self, packed, caches: list, first, key: jax.Array, steps: int, sampling, chunk: int
+    ) -> Iterator[np.ndarray]:
         """`steps` decode steps through every stage from the first tokens (on the last stage);
-        returns the tokens [slots, capacity] (slot-major), on the last stage."""
+        yields the tokens of every `chunk` steps (and of the last ones), [slots, n] (slot-major),
+        on every process."""
         lengths = np.asarray(packed.lengths, np.int32)
         host = decode_rows(packed, np.zeros_like(lengths), lengths)
         placed = [stage.place(host, self.variant) for stage in self.stages]
@@ -468,8 +528,8 @@ class PipelineCausalLM:
         slots, capacity = len(packed.last_row_index()), bucket(max(steps, MIN_STEPS))
         out = place_rows(np.zeros((slots, capacity), np.int32), self.stages[-1].mesh)
         programs = [self._decode_program(stage, sampling) for stage in self.stages]
-        tokens = first
-        for _ in range(steps):
+        tokens, done = first, 0
+        for step in range(1, steps + 1):
             inputs = tokens if self._loop is None else self._loop(tokens)
             for index, stage in enumerate(self.stages):
                 args = (inputs, *placed[index], caches[index], keys[index], counters[index])
@@ -480,4 +540,6 @@ class PipelineCausalLM:
                     tokens, out = handoff
                 else:
                     inputs = self.sends[index](handoff)
-        return out
+            if step % chunk == 0 or step == steps:
+                yield self._collect(out, len(self.stages) - 1)[:, done:step]
+                done = step

@@ -156,7 +156,7 @@ class Transfer:
         self._tp = topology.active((bj.TokenAxis.ATTN_TP,))
         self._tp_size = topology.attn_tp
         self._slice = bj.ops.take_block(self._tp, topology)
-        self._gather = bj.ops.all_gather(self._tp)
+        self._gather = bj.ops.all_gather(self._tp, topology)
         self._program = jax.jit(
             jax.shard_map(
                 self._move,
@@ -207,10 +207,11 @@ class Collect:
 
     def __init__(self, meshes: tuple[Mesh, ...]):
         self._group = _GroupArrays(meshes)
+        gather = bj.ops.all_gather((bj.TokenAxis.ATTN_DP,), bj.Topology.from_mesh(self._group.mesh))
         self._program = jax.jit(
             jax.shard_map(
                 lambda x: bj.ops.run(
-                    bj.ops.all_gather((bj.TokenAxis.ATTN_DP,)),
+                    gather,
                     lax.psum(x, bj.MeshAxis.PP.value),
                 ),
                 mesh=self._group.mesh,

@@ -73,7 +73,8 @@ def run(layout: str, out: str, process: int) -> int:
         grid = [[a0, b0], [b1, a1]]
     else:
         grid = [devices[:4], devices[4:]]
-    names = tuple(axis.value for axis in bj.MeshAxis)
+    # The axes make_mesh lays out for pp x attn_tp (no expert-parallel split of an axis).
+    names = tuple(bj.Topology(pp=2, attn_tp=len(grid[0])).mesh_shape())
     mesh = Mesh(np.asarray(grid).reshape(2, 1, 1, -1), names, axis_types=(AxisType.Explicit,) * 4)
     stages = load_pipeline(GOLDEN, mesh, split=PipelineSplit.of_sizes((1, 2), 3))
     runner = PipelineCausalLM(stages, mesh, microbatches=2)

@@ -45,6 +45,7 @@ def test_bad_input_is_refused_in_one_line_before_any_model_is_built(
         raise AssertionError(f"{case.name}: the model was built before the input was refused")
 
     monkeypatch.setattr(commands, "build", build)
+    monkeypatch.setattr(commands, "build_stages", build)
     assert main(bad_inputs.arguments(case, fixtures)) == case.code
     err = capsys.readouterr().err.strip().splitlines()
     assert "Traceback" not in "\n".join(err)

@@ -318,7 +318,7 @@ BAD_INPUT = {
     ),
     "expert-parallel size not dividing the experts": (
         lambda tmp: ["plan", "--preset", "tiny-qwen3-moe", "--mesh", "attn_tp=6", "--moe-ep", "6"],
-        "--moe-ep 6 with --mesh attn_tp=6: moe_ep must divide the number of experts",
+        "--moe-ep 6 on --mesh attn_tp=6: moe_ep must divide the number of experts",
     ),
     "MoE options for a dense model": (
         lambda tmp: ["plan", "--preset", "tiny-qwen3", "--mesh", "attn_tp=4", "--moe-ep", "4"],

@@ -14,6 +14,7 @@ from safetensors import safe_open
 import boundary_jax as bj
 from models.build import load_model
 from models.cli.launch import free_port_pair, launch
+from models.cli.main import main
 from models.distributed import JoinError, ProcessGroup
 from models.serving.runtime import ShardedCausalLM
 from tests.models.multiprocess_worker import GOLDEN, NEW_TOKENS
@@ -117,3 +118,36 @@ def test_free_port_pair_gives_two_free_ports():
     for candidate in (port, port + 1):
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", candidate))
+
+
+class _Group:
+    """A process group of two whose join fails (the command line's view of one)."""
+
+    num_processes = 2
+
+    def join(self):
+        raise JoinError("processes [1] of 2 did not join 127.0.0.1:1 within 1 s; raise it\nmore")
+
+
+def test_the_command_line_reports_a_group_it_cannot_join_in_one_line(monkeypatch, capsys):
+    """Malformed group variables, a mesh whose devices do not split over the processes and a
+    failed join each end the command with one error line and exit code 2."""
+    args = ["plan", "--preset", "tiny-qwen3", "--mesh", "pp=2"]
+    monkeypatch.setenv("BOUNDARY_JAX_COORDINATOR", "nohost")
+    monkeypatch.setenv("BOUNDARY_JAX_NUM_PROCESSES", "2")
+    monkeypatch.setenv("BOUNDARY_JAX_PROCESS_ID", "0")
+    assert main(args) == 2
+    assert capsys.readouterr().err == (
+        "boundary-jax: error: bad process group variables: BOUNDARY_JAX_COORDINATOR is host:port "
+        "(e.g. 127.0.0.1:8476); got 'nohost'\n"
+    )
+    monkeypatch.setattr(ProcessGroup, "from_environment", staticmethod(_Group))
+    assert main(["plan", "--preset", "tiny-qwen3", "--mesh", "attn_tp=3"]) == 2
+    assert capsys.readouterr().err == (
+        "boundary-jax: error: the 3 devices of --mesh attn_tp=3 do not split over 2 processes; "
+        "give each process the same number\n"
+    )
+    assert main(args) == 2
+    assert capsys.readouterr().err == (
+        "boundary-jax: error: processes [1] of 2 did not join 127.0.0.1:1 within 1 s; raise it\n"
+    )

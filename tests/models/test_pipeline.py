@@ -1,18 +1,22 @@
 """The pipeline runtime on simulated CPU meshes: every family split into 2, 3 and 4 stages equals
-the one-program model; training, the plan report and bad input."""
+the one-program model; generation, training, the plan report, the command line and bad input."""
 
 import dataclasses
 import functools
+import io
 import json
 import pathlib
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
+from rich.console import Console
 
 import boundary_jax as bj
 from models.build import build_model
 from models.cli.main import main
+from models.cli.plan import print_pipeline_plan
 from models.config import PRESETS, read_hf_config
 from models.layers.hyper_connections import HyperConnections
 from models.pipeline import (
@@ -26,6 +30,7 @@ from models.pipeline import (
 )
 from models.pipeline.report import pipeline_plan_report
 from models.serving.runtime import ShardedCausalLM
+from models.serving.sampling import Sampling
 from models.training.trainer import TrainConfig, Trainer
 
 GOLDEN = pathlib.Path(__file__).parents[1] / "golden"
@@ -160,6 +165,45 @@ def test_generation_through_the_stages_equals_the_one_program_model():
 
 
 @pytest.mark.xdist_group("dense")
+def test_generation_streams_the_one_program_tokens_in_chunks():
+    """generate_stream through two stages (two prefill microbatches) yields the prefill's token,
+    then `chunk` decode steps at a time; together they are the tokens the one-program model
+    samples for the same seed, and `generate`'s."""
+    sampling = Sampling(1.0, top_k=20)
+    one = ShardedCausalLM(whole("dense"), bj.make_mesh(_topology("dense")))
+    want = one.generate(PROMPTS, 6, sampling=sampling, seed=1)
+    runner = pipeline("dense", 2)
+    pieces = list(runner.generate_stream(PROMPTS, 6, chunk=2, sampling=sampling, seed=1))
+    assert [piece.shape[1] for piece in pieces] == [1, 2, 2, 1]
+    np.testing.assert_array_equal(np.concatenate(pieces, axis=1), want)
+    np.testing.assert_array_equal(runner.generate(PROMPTS, 6, sampling=sampling, seed=1), want)
+
+
+def _dot_precisions(lowered) -> set[str]:
+    dots = [line for line in lowered.as_text().splitlines() if "stablehlo.dot_general" in line]
+    assert dots
+    return {line.split("precision = [")[1].split("]")[0] for line in dots}
+
+
+@pytest.mark.xdist_group("dense")
+def test_stage_programs_multiply_in_float32():
+    """A float32 pipeline traces its stages' matmuls at HIGHEST (true float32 where a GPU
+    defaults to TF32), as the one-program runner does; asked for HIGH, at HIGH."""
+    runner = pipeline("dense", 2)
+    high = PipelineCausalLM(
+        [stage.model for stage in runner.stages],
+        runner.mesh,
+        matmul_precision=jax.lax.Precision.HIGH,
+    )
+    for piped, want in ((runner, "HIGHEST, HIGHEST"), (high, "HIGH, HIGH")):
+        stage = piped.stages[0]
+        rows, facts = piped.place(PROMPTS).placed[0][0]
+        lowered = piped.forward_program(stage).lower(stage.state, {}, rows, facts)
+        dots = [line for line in lowered.as_text().splitlines() if "dot_general" in line]
+        assert dots and all(f"precision = [{want}]" in line for line in dots)
+
+
+@pytest.mark.xdist_group("dense")
 def test_plan_reports_each_stage_its_layers_collectives_and_handoff_bytes():
     """The plan of a pipeline names each stage's layers, the collectives of its compiled program
     per layer, and what it hands on per token (residual and completed output, hidden floats
@@ -192,8 +236,10 @@ def test_stages_draw_the_weights_of_the_one_program_model():
     seen = set()
     for index, stage in enumerate(stages):
         for path, value in nnx.to_flat_state(nnx.state(stage)):
-            model_path = ("layers", path[1] + stage.layer_range.start, *path[2:])
-            model_path = model_path if path[0] == "layers" else path
+            if path[0] == "layers":
+                model_path = ("layers", path[1] + stage.layer_range.start, *path[2:])
+            else:
+                model_path = path
             np.testing.assert_array_equal(np.asarray(value[...]), np.asarray(want[model_path][...]))
             assert value[...].devices() == set(devices[index].flat)
             seen.add(model_path)
@@ -294,4 +340,64 @@ def test_the_command_line_refuses_a_bad_split(tmp_path, capsys, extra, message):
     ids.write_text("[[1, 2, 3]]")
     args = ["forward", "--preset", "tiny-qwen3", "--input-ids", str(ids)]
     assert main([*args, "--out", str(tmp_path / "x.npy"), *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+# -- the command line -----------------------------------------------------------------------
+
+LLAMA = GOLDEN / "llama"
+PIPELINE_OPTIONS = ["--mesh", "pp=2,attn_tp=2", "--pp-split", "1,2", "--microbatches", "2"]
+
+
+def _last_line(capsys) -> str:
+    return capsys.readouterr().out.strip().splitlines()[-1]
+
+
+def test_the_command_line_runs_a_checkpoint_in_pipeline_stages(tmp_path, capsys):
+    """forward, generate and plan under --mesh pp=2 (an uneven split, two microbatches) load a
+    checkpoint into two stages: transformers' logits (within 1e-4, input-scattered) and greedy
+    tokens; the plan names each stage's layers and the microbatch its collectives are of."""
+    reference = np.load(LLAMA / "reference.npz")
+    prompts = str(LLAMA / "prompts.json")
+    source = ["--checkpoint", str(LLAMA), *PIPELINE_OPTIONS]
+    out = tmp_path / "logits.npy"
+    forward = ["forward", *source, "--input-scattered", "--input-ids", prompts, "--out", str(out)]
+    assert main(forward) == 0
+    logits, want = np.load(out), reference["logits"]
+    assert logits.shape == want.shape
+    assert np.max(np.abs(logits - want)) <= 1e-4 * np.max(np.abs(want))
+    assert main(["generate", *source, "--prompt-ids", prompts, "--max-new-tokens", "6"]) == 0
+    assert json.loads(_last_line(capsys)) == reference["generated"].tolist()
+    assert main(["plan", *source, "--json"]) == 0
+    report = json.loads(_last_line(capsys))
+    assert report["split"] == [1, 2] and report["microbatches"] == 2
+    assert [stage["layers"] for stage in report["pipeline_stages"]] == [[0, 1], [1, 3]]
+    # The plan's batch, 13 + 5 + 9 + 2 tokens, in two microbatches: the first holds 13 + 9.
+    assert (report["batch_tokens"], report["batch_sequences"]) == (22, 2)
+    console = Console(file=io.StringIO(), width=200)
+    print_pipeline_plan(report, console)
+    printed = console.file.getvalue()
+    assert "stage 1: layers [1, 3], then the final norm and LM head" in printed
+    assert "bytes for a batch of 22 tokens in 2 sequences" in printed
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (
+            ["train", "--text", str(GOLDEN / "text" / "config.json"), "--steps", "1"],
+            "train runs one program; --mesh pp=2 (pipeline stages) is for forward",
+        ),
+        (["plan", "--scan-layers"], "pipeline stages run their layers unrolled"),
+        (["plan", "--preset", "tiny-deepseek-v3"], "DeepseekV3ForCausalLM (latent attention)"),
+    ],
+)
+def test_the_command_line_refuses_what_pipeline_stages_do_not_build(
+    tmp_path, capsys, args, message
+):
+    """train, --scan-layers and latent-attention models under --mesh pp=2 end with one line."""
+    command, *rest = args
+    preset = [] if "--preset" in rest else ["--preset", "tiny-qwen3"]
+    out = ["--out", str(tmp_path / "o")] if command == "train" else []
+    assert main([command, *preset, *rest, "--mesh", "pp=2", *out]) == 2
     assert message in capsys.readouterr().err

@@ -27,6 +27,8 @@ TEXT = pathlib.Path(__file__).parents[1] / "golden" / "text"
 REFERENCE = json.loads((TEXT / "text_reference.json").read_text())
 CASES = REFERENCE["cases"]
 NEW = str(REFERENCE["max_new_tokens"])
+# One program, and two pipeline stages (one layer each, a microbatch per prompt).
+MESHES = pytest.mark.parametrize("mesh", [[], ["--mesh", "pp=2"]], ids=["one-program", "pp2"])
 
 
 def _last_line(capsys) -> str:
@@ -50,11 +52,12 @@ def test_tokenizer_and_chat_template_match_transformers():
         codec.render_chat([{"role": "tool", "content": "x"}])
 
 
-def test_generate_prints_transformers_text_and_stops_at_eos(capsys):
+@MESHES
+def test_generate_prints_transformers_text_and_stops_at_eos(capsys, mesh):
     """generate --prompt (twice) gives each continuation, transformers' greedy ids and text: the
     first stops at <|im_end|> (generation_config.json's eos), the second runs to
-    --max-new-tokens."""
-    args = ["generate", "--checkpoint", str(TEXT), "--max-new-tokens", NEW, "--json"]
+    --max-new-tokens; in one program and in pipeline stages."""
+    args = ["generate", "--checkpoint", str(TEXT), *mesh, "--max-new-tokens", NEW, "--json"]
     prompts = ["--prompt", CASES["stops"]["prompt"], "--prompt", CASES["runs"]["prompt"]]
     assert main([*args, *prompts]) == 0
     rows = json.loads(_last_line(capsys))
@@ -89,15 +92,17 @@ class _Terminal(io.StringIO):
         return super().write(text)
 
 
-def test_generate_streams_text_to_a_terminal(monkeypatch, tmp_path):
+@MESHES
+def test_generate_streams_text_to_a_terminal(monkeypatch, tmp_path, mesh):
     """On a terminal, one prompt's text comes piece by piece as its tokens do (one decode step
-    per program), and reads as transformers' text; the prompt comes from --prompt-file."""
+    per program, or per pass through the pipeline stages), and reads as transformers' text; the
+    prompt comes from --prompt-file."""
     case = CASES["runs"]
     prompts = tmp_path / "prompts.txt"
     prompts.write_text(f"\n{case['prompt']}\n\n")
     terminal = _Terminal()
     monkeypatch.setattr(sys, "stdout", terminal)
-    args = ["generate", "--checkpoint", str(TEXT), "--max-new-tokens", NEW]
+    args = ["generate", "--checkpoint", str(TEXT), *mesh, "--max-new-tokens", NEW]
     assert main([*args, "--prompt-file", str(prompts)]) == 0
     pieces = [piece for piece in terminal.writes if piece]
     assert len(pieces) >= len(case["generated_ids"]) - 2  # a piece per token, give or take
