@@ -84,7 +84,7 @@ def source_config(args: argparse.Namespace) -> DecoderConfig:
     config = PRESETS[args.preset] if directory is None else load_config(directory)
     if directory is not None:
         check_checkpoint_files(directory)
-    options.topology(args, None if config.moe is None else config.moe.num_experts)
+    options.topology(args, config.num_experts)
     options.check_devices(args)
     options.check_model(args, config)
     options.check_pipeline(args, config)

@@ -213,7 +213,7 @@ def check_model(args: argparse.Namespace, config: DecoderConfig) -> None:
         raise InputError(
             "--input-scattered splits the residual over attention TP; it needs --mesh attn_tp > 1"
         )
-    experts = config.moe is not None
+    experts = config.num_experts is not None
     if not experts and (args.moe_ep != 1 or args.moe_dispatch is not None):
         raise InputError(
             f"{config.architecture.value} has no experts; --moe-ep and --moe-dispatch are for "

@@ -646,6 +646,14 @@ class DecoderConfig:
             self.moe is not None and self.moe.is_sparse(layer) for layer in range(self.num_layers)
         )
 
+    @property
+    def num_experts(self) -> int | None:
+        """Routed experts of each sparse layer (a hybrid stack's MoE layers' included), or None
+        for a model without experts."""
+        if self.hybrid is not None:
+            return None if self.hybrid.moe is None else self.hybrid.moe.num_experts
+        return None if self.moe is None else self.moe.num_experts
+
 
 def padded_vocab(vocab: int, shards: int) -> int:
     """`vocab` rounded up to a multiple of `shards`, so a vocab-parallel table splits evenly."""

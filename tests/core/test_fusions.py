@@ -103,7 +103,11 @@ def test_stacks_bind_no_candidates_unless_asked_and_platform_kernels_decline_on_
     model = StandInDecoder(setup, jax.random.key(0), jnp.float32)
     assert model.layers[1].attn_boundary.plan.input_fusions == ()
     candidates = platform_fusions(setup.topology, platform="cpu").attn_input
-    assert [type(c).__name__ for c in candidates] == ["AllReduceAddRmsNorm", "AddRmsNorm"]
+    assert [type(c).__name__ for c in candidates] == [
+        "AllReduceAddRmsNorm",
+        "AddRmsNorm",
+        "AddRmsNormQuantize",
+    ]
     value = jnp.ones((8, HIDDEN))
     request = bj.fusions.FusionRequest(
         value,

@@ -7,6 +7,7 @@ import pytest
 import boundary_jax as bj
 from boundary_jax import residual
 from boundary_jax.report import parse_hlo
+from boundary_jax.rows import stage_rows
 
 from .standin import (
     HIDDEN,
@@ -57,7 +58,7 @@ def _close(got, want, valid=None):
 def test_snapshot_and_fold_give_the_updated_residual(dp, tp, policy, scattered):
     """snapshot() and fold()+take_output() both equal the residual after layer 0."""
     setup = Setup(dp=dp, tp=tp, layers=2, policy=policy)
-    rows = bj.bind.stage_rows(
+    rows = stage_rows(
         (bj.declare_attn(), bj.declare_ffn()),
         make_batch(setup, scattered, None).variant,
         setup.topology,

@@ -271,7 +271,8 @@ def test_hf_tensor_validates_stacking():
     with pytest.raises(ValueError, match="no padded axis"):
         HFTensor("x.{expert}.w", experts=2, padded_axis=0)
     assert json.dumps(HFTensor("x.{expert}.w", experts=2).tensor_names()) == '["x.0.w", "x.1.w"]'
-    with pytest.raises(ValueError, match="a {part} field in its name, parts=.* and part_axis"):
+    named = r"a {part} field in its name \(or part_rows of one tensor\), parts=.* and part_axis"
+    with pytest.raises(ValueError, match=named):
         HFTensor("x.{part}.w", parts=("k", "v"))
     with pytest.raises(ValueError, match="a {part} field in its name"):
         HFTensor("x.k.w", parts=("k", "v"), part_axis=1)

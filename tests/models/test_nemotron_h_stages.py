@@ -290,7 +290,7 @@ def ffn_sums_before_a_mixer(monkeypatch):
         mixer_next = outgoing.kind is bj.EdgeKind.NEXT_STAGE and _is_mixer(outgoing.consumer)
         leaves = option.kind is E.LEAVE_TO_NEXT_INPUT
         if declaration.kind is bj.StageKind.FFN and mixer_next and leaves:
-            steps = bj.ops.all_reduce(option.output.owed)
+            steps = bj.ops.all_reduce(option.output.owed, stack.topology)
             return _handing_on(option, option.handoff, rows, stack, steps)
         return option
 

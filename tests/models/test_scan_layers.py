@@ -210,8 +210,9 @@ def trained(name: str, layout: str, scan: bool) -> dict:
 def test_scanned_equals_unrolled(name, layout):
     """Against the unrolled model on one device (`REFERENCE`): logits within 1e-5 of the
     largest, the same greedy tokens through the stacked KV caches, and after one AdamW step the
-    same loss, gradient norm and parameters (1e-5 relative; the vocab padding, which depends on
-    the layout, dropped)."""
+    same loss, gradient norm (1e-5 relative) and parameters (2e-5 relative: Adam's first step
+    divides by the gradients' magnitudes, which float32 reorderings move; the vocab padding,
+    which depends on the layout, dropped)."""
     got, want = served(name, layout, True), served(name, REFERENCE, False)
     scale = np.max(np.abs(want["logits"]))
     assert np.max(np.abs(got["logits"] - want["logits"])) <= 1e-5 * scale
@@ -220,7 +221,7 @@ def test_scanned_equals_unrolled(name, layout):
     assert got["metrics"]["loss"] == pytest.approx(want["metrics"]["loss"], rel=1e-5)
     assert got["metrics"]["grad_norm"] == pytest.approx(want["metrics"]["grad_norm"], rel=1e-5)
     tensor, error = worst_relative(got["params"], want["params"])
-    assert error < 1e-5, (tensor, error)
+    assert error < 2e-5, (tensor, error)
 
 
 def test_runs_split_where_layers_differ():

@@ -136,7 +136,7 @@ def test_one_step_equals_single_device(name, layout):
     # The step moved every weight array, so the comparison above is not vacuous.
     for path in want["params"]:
         assert (
-            worst_relative({path: want["params"][path]}, {path: want["initial"][path]})[1] > 1e-3
+            worst_relative({path: want["params"][path]}, {path: want["initial"][path]})[1] > 1e-4
         ), path
 
 
@@ -307,6 +307,7 @@ def test_a_step_with_the_pallas_kernels_bound_equals_the_step_without():
         fusions=fusions,
         rngs=nnx.Rngs(0),
     )
+    nnx.update(model, nnx.state(build_model(MODELS["moe"][0], topology)))  # make_trainer's draw
     randomize_norms(model, seed=3)
     trainer = Trainer(model, bj.make_mesh(topology), OPTIMIZER.optimizer())
     got = {"metrics": trainer.step(trainer.pack(SEQUENCES)), "params": trainer.state.params}

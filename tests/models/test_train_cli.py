@@ -77,7 +77,7 @@ def test_train_lowers_the_loss_and_reports_one_json_line(trained):
     assert _strict_json(lines[-1]) == summary
     assert {"steps", "loss_first", "loss_last", "tokens_per_s"} <= summary.keys()
     assert summary["steps"] == 30 and summary["tokens_per_s"] > 0
-    assert summary["loss_last"] < 0.5 * summary["loss_first"], summary
+    assert summary["loss_last"] < 0.6 * summary["loss_first"], summary
     assert len(lines) == 1  # progress goes to stderr
     first = next(line for line in log.splitlines() if "step 1/30" in line)
     assert "compiled and ran in" in first and "tokens/s" not in first
@@ -97,7 +97,7 @@ def test_forward_and_generate_load_the_trained_checkpoint(trained, tmp_path, cap
     args = ["forward", "--checkpoint", str(out), "--mesh", "attn_tp=4"]
     assert main([*args, "--input-ids", str(prompts), "--out", str(logits_file)]) == 0
     loss = cross_entropy(np.load(logits_file)[0], ids)
-    assert loss < 0.5 * summary["loss_first"]
+    assert loss < 0.6 * summary["loss_first"]
     assert loss == pytest.approx(summary["loss_last"], rel=0.5)
     prompts.write_text(json.dumps([ids[:8]]))
     args = ["generate", "--checkpoint", str(out), "--prompt-ids", str(prompts), "--scan-layers"]
@@ -118,7 +118,7 @@ def test_train_continues_from_a_checkpoint_it_wrote(trained, tmp_path, capsys):
     args += ["--steps", "2", "--batch-tokens", "128", "--seq-len", "64", "--lr", "1e-4"]
     assert main([*args, "--out", str(again), "--overwrite"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert result["loss_first"] < 0.5 * summary["loss_first"]
+    assert result["loss_first"] < 0.6 * summary["loss_first"]
     assert sorted(p.name for p in again.iterdir()) == ["config.json", "model.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["again", "text.txt"]
 
