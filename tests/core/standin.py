@@ -26,7 +26,6 @@ ATTN_WIDTH = 16
 FFN_WIDTH = 32
 ROWS = 8  # padded rows per attention-DP rank, unless a Setup says otherwise
 
-CONFIGS = ((1, 1), (1, 2), (1, 4), (1, 8), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (8, 1))
 POLICIES = tuple(bj.ReductionPolicy)
 
 

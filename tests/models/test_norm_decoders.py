@@ -29,8 +29,16 @@ LAYOUTS = (
     ("DP 2 x TP 2", 2, 2, False),
     ("input-scattered TP 4", 1, 4, True),
 )
+# Every family on DP 2 x TP 2 and input-scattered TP 4 (the layouts that move rows) by default;
+# one device and TP 4 under -m slow, except for the first family.
 CASES = [
-    pytest.param(name, *layout[1:], id=f"{name}-{layout[0]}", marks=pytest.mark.xdist_group(name))
+    pytest.param(
+        name,
+        *layout[1:],
+        id=f"{name}-{layout[0]}",
+        marks=[pytest.mark.xdist_group(name)]
+        + ([pytest.mark.slow] if name != FAMILIES[0] and layout[0] in ("TP 1", "TP 4") else []),
+    )
     for name in FAMILIES
     for layout in LAYOUTS
 ]
