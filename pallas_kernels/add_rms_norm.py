@@ -17,7 +17,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
-from . import _compat, axes
+from . import axes, compat
 from ._common import MAX_HIDDEN_GPU, check_inputs, gpu_vector_size, inverse_rms, weight_factor
 from .impl import INTERPRETERS, SUPPORTED_DTYPES, Impl, check_impl, platform_kernel
 from .vjp import with_reference_vjp
@@ -223,7 +223,7 @@ def add_rms_norm_supported(
         case Impl.PALLAS_GPU:
             return platform in ("gpu", "cuda") and _gpu_kernel_fits(hidden, dtype)
         case Impl.PALLAS_GPU_INTERPRET:
-            return _compat.gpu_interpret_params() is not None and _gpu_kernel_fits(hidden, dtype)
+            return compat.gpu_interpret_params() is not None and _gpu_kernel_fits(hidden, dtype)
         case Impl.PALLAS_TRITON:
             return platform in ("gpu", "cuda") and hidden <= MAX_HIDDEN_GPU
         case Impl.PALLAS_TPU:
@@ -316,7 +316,7 @@ def _add_rms_norm_kernels(
             eps=eps,
             gemma=gemma,
             launch=gpu_launch(rows, hidden, x.dtype),
-            interpret=None if impl is Impl.PALLAS_GPU else _compat.gpu_interpret_params(),
+            interpret=None if impl is Impl.PALLAS_GPU else compat.gpu_interpret_params(),
         )
     else:
         outs = _pallas_call_add_rms_norm(

@@ -15,7 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("pallas_kernels", "boundary_jax", "models", "benchmarks")
 """Lowest first: a package imports only from packages before it."""
 FLOORS = (
-    ("_compat", "layout", "initializers"),
+    ("layout", "initializers"),
     ("placement", "policy", "batch"),
     ("designs",),
     ("finalize",),

@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.compat import zeros_varying_like
+
 from .. import ops
-from .._compat import zeros_varying_like
 from ..batch import BatchFacts
 from ..declare import EdgeKind
 from ..designs.add_norm import PlainAdd

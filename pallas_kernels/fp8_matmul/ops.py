@@ -6,7 +6,7 @@ import enum
 import jax
 import jax.numpy as jnp
 
-from .. import _compat, axes
+from .. import axes, compat
 from ..grouped_matmul import TRITON_MAX_ROUTED_ROWS, GroupedMatmulImpl, grouped_matmul
 from ..quantize import dequantize_blocks_reference, dequantize_token_groups_reference
 from .kernel_grouped_triton import fp8_expert_matmul
@@ -121,7 +121,7 @@ def fp8_matmul(
             chosen = _tiling(tiling, MosaicFp8Tiling, mosaic_fp8_tiling, m, k, n)
             interpret = None
             if impl is Fp8MatmulImpl.PALLAS_GPU_INTERPRET:
-                interpret = _compat.gpu_interpret_params()
+                interpret = compat.gpu_interpret_params()
                 if interpret is None:
                     raise NotImplementedError(
                         "Fp8MatmulImpl.PALLAS_GPU_INTERPRET needs JAX's Mosaic GPU "

@@ -8,7 +8,7 @@ import numpy as np
 from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
-from .. import _compat, axes
+from .. import axes, compat
 from .._common import MAX_HIDDEN_GPU, check_inputs, gpu_vector_size
 from ..axes import AxisName
 from ..impl import INTERPRETERS, SUPPORTED_DTYPES, Impl, check_impl, platform_kernel
@@ -88,7 +88,7 @@ def moe_finalize_add_rms_norm_supported(
             on_gpu = (
                 platform in ("gpu", "cuda")
                 if impl is Impl.PALLAS_GPU
-                else (_compat.gpu_interpret_params() is not None and num_devices == 1)
+                else (compat.gpu_interpret_params() is not None and num_devices == 1)
             )
             return (
                 on_gpu
@@ -239,7 +239,7 @@ def _fused_kernels(
             gemma=gemma,
             num_programs=programs,
             vector_size=gpu_vector_size(hidden, expert_outputs.dtype),
-            interpret=None if impl is Impl.PALLAS_GPU else _compat.gpu_interpret_params(),
+            interpret=None if impl is Impl.PALLAS_GPU else compat.gpu_interpret_params(),
         )
     if num_devices == 1:
         return blocked_moe_finalize_add_rms_norm(

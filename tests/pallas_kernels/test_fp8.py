@@ -13,10 +13,10 @@ from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import (
     Impl,
-    _compat,
     add_rms_norm_quantize,
     add_rms_norm_quantize_reference,
     add_rms_norm_quantize_supported,
+    compat,
 )
 from pallas_kernels.fp8_matmul import (
     Fp8GroupedImpl,
@@ -39,7 +39,7 @@ from pallas_kernels.quantize import (
 from tests.meshes import make_mesh
 
 GPU_INTERPRET = pytest.mark.skipif(
-    _compat.gpu_interpret_params() is None, reason="this JAX has no Mosaic GPU interpreter"
+    compat.gpu_interpret_params() is None, reason="this JAX has no Mosaic GPU interpreter"
 )
 
 

@@ -10,10 +10,10 @@ import pytest
 
 from pallas_kernels import (
     Impl,
-    _compat,
     add_rms_norm,
     add_rms_norm_reference,
     add_rms_norm_supported,
+    compat,
 )
 from pallas_kernels.add_rms_norm import GpuLaunch, mosaic_gpu_add_rms_norm
 
@@ -21,7 +21,7 @@ from pallas_kernels.add_rms_norm import GpuLaunch, mosaic_gpu_add_rms_norm
 TOL = {jnp.float32: 1e-6, jnp.bfloat16: 2.0**-7, jnp.float16: 2.0**-10}
 
 GPU_INTERPRET = pytest.mark.skipif(
-    _compat.gpu_interpret_params() is None, reason="this JAX has no Mosaic GPU interpreter"
+    compat.gpu_interpret_params() is None, reason="this JAX has no Mosaic GPU interpreter"
 )
 
 
@@ -102,7 +102,7 @@ def test_gpu_kernel_multi_row_steps_cover_every_row(rows_per_step):
         eps=1e-6,
         gemma=False,
         launch=launch,
-        interpret=_compat.gpu_interpret_params(),
+        interpret=compat.gpu_interpret_params(),
     )
     assert_close(got, reference(x, residual, weight), jnp.float32)
 

@@ -16,9 +16,9 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import (
     AllReduceAlgorithm,
     Impl,
-    _compat,
     all_reduce_add_rms_norm,
     all_reduce_add_rms_norm_supported,
+    compat,
 )
 from pallas_kernels.all_reduce_add_rms_norm.kernel_gpu import gpu_all_reduce_add_rms_norm
 from pallas_kernels.all_reduce_add_rms_norm.kernel_tpu import tpu_all_reduce_add_rms_norm
@@ -146,7 +146,7 @@ def test_tpu_kernel_has_no_races(algorithm):
     spec = P("tp")
     run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
     got = jax.block_until_ready(run(x, residual, weight))
-    assert not _compat.tpu_interpret_races_found()
+    assert not compat.tpu_interpret_races_found()
     want = sharded(mesh, "tp", with_residual=True, impl=Impl.XLA)(x, residual, weight)
     assert_close(got, want, jnp.float32)
 

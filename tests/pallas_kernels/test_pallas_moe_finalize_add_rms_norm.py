@@ -17,7 +17,7 @@ import pytest
 
 from pallas_kernels import (
     Impl,
-    _compat,
+    compat,
     moe_finalize_add_rms_norm,
     moe_finalize_add_rms_norm_reference,
     moe_finalize_add_rms_norm_supported,
@@ -91,7 +91,7 @@ def test_one_rank_matches_float64(impl, dtype):
     assert_close(got, (want[0][0], want[1][0]), dtype)
 
 
-@pytest.mark.skipif(_compat.gpu_interpret_params() is None, reason="no Mosaic GPU interpreter")
+@pytest.mark.skipif(compat.gpu_interpret_params() is None, reason="no Mosaic GPU interpreter")
 def test_gpu_kernel_interpreted_on_one_rank():
     """The Mosaic GPU body (its combine, add and norm; no peers) in the Mosaic GPU interpreter."""
     outputs, weights, residual, norm_weight = inputs(1, 5, 3, 256, jnp.float32, seed=2)

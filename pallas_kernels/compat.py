@@ -1,7 +1,10 @@
-"""The few JAX API differences between 0.11.2 (the GPU machine) and 0.12 (CPU CI), in one place."""
+"""The few JAX API differences between 0.11.2 (the GPU machine) and 0.12 (CPU CI), in one place
+for every package of the project (`boundary_jax` imports its guards from here)."""
 
 from typing import Any
 
+import jax
+from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 
@@ -25,3 +28,18 @@ def tpu_interpret_races_found() -> bool:
 
     races = interpret_pallas_call.races
     return races is not None and races.races_found
+
+
+def varying_axes(value) -> tuple[str, ...]:
+    """Mesh axes over which `value` (or a `ShapeDtypeStruct`) varies inside `shard_map`."""
+    aval = value if isinstance(value, jax.ShapeDtypeStruct) else jax.typeof(value)
+    manual = getattr(aval, "manual_axis_type", None)
+    axes = manual.varying if manual is not None else getattr(aval, "vma", frozenset())
+    return tuple(sorted(axes))
+
+
+def zeros_varying_like(result: jax.ShapeDtypeStruct) -> jax.Array:
+    """Zeros of `result`'s shape and dtype, varying over the same mesh axes."""
+    value = jax.numpy.zeros(result.shape, result.dtype)
+    axes = varying_axes(result)
+    return lax.pcast(value, axes, to="varying") if axes else value
