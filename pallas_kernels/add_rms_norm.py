@@ -28,13 +28,15 @@ from .vjp import with_reference_vjp
 
 def add_rms_norm_reference(
     x: jax.Array,  # [..., hidden]
-    residual: jax.Array | None,  # [..., hidden], x's dtype
+    residual: jax.Array | None,  # [..., hidden]
     weight: jax.Array,  # [hidden]
     *,
     eps: float = 1e-6,
     gemma: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-    """The specification of `add_rms_norm`, in plain `jnp` with float32 accumulation.
+    """The one specification of add + RMSNorm (the kernels' and `boundary_jax`'s), in plain
+    `jnp`, accumulating in float32 (or in the inputs' dtype where that is wider, so float64
+    stays float64).
 
     Args:
       x: The stage output to add.
@@ -44,16 +46,20 @@ def add_rms_norm_reference(
       gemma: Scale by `1 + weight` instead of `weight`.
 
     Returns:
-      `(normed, new_residual)`: the float32 sum `x + residual` normalized, scaled and cast to
-      `x.dtype`, and that sum rounded to `x.dtype` (`x` itself when `residual` is None).
+      `(normed, new_residual)`: the accumulated sum `x + residual` normalized, scaled and cast
+      to `x.dtype`, and that sum rounded to `residual.dtype` (`x` itself when `residual` is
+      None): a bf16 stream loses no precision between the add and the norm.
     """
-    summed = x.astype(jnp.float32)
+    dtype = x.dtype if residual is None else jnp.promote_types(x.dtype, residual.dtype)
+    acc = jnp.promote_types(dtype, jnp.float32)
+    summed = x.astype(acc)
     if residual is not None:
-        summed = summed + residual.astype(jnp.float32)
+        summed = summed + residual.astype(acc)
     mean_square = jnp.mean(summed * summed, axis=-1, keepdims=True)
-    scale = weight_factor(weight, gemma=gemma).reshape((1,) * (x.ndim - 1) + weight.shape)
+    scale = weight.astype(acc).reshape((1,) * (x.ndim - 1) + weight.shape)
+    scale = 1.0 + scale if gemma else scale
     normed = (summed * lax.rsqrt(mean_square + eps) * scale).astype(x.dtype)
-    return normed, (x if residual is None else summed.astype(x.dtype))
+    return normed, (x if residual is None else summed.astype(residual.dtype))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels import add_rms_norm_reference
+
 from ..initializers import Constant, param
 
 
@@ -15,31 +17,18 @@ def accumulation_dtype(dtype) -> jnp.dtype:
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, *, eps: float, gemma: bool = False) -> jax.Array:
-    """RMSNorm of `x` over its last dimension, computed in FP32 and cast back to `x.dtype`."""
-    acc = accumulation_dtype(x.dtype)
-    return _normalize(x.astype(acc), weight, eps=eps, gemma=gemma).astype(x.dtype)
+    """RMSNorm of `x` over its last dimension, computed in FP32 and cast back to `x.dtype`
+    (`pallas_kernels.add_rms_norm_reference` without a residual)."""
+    return add_rms_norm_reference(x, None, weight, eps=eps, gemma=gemma)[0]
 
 
 def add_rms_norm(
     x: jax.Array, residual: jax.Array, weight: jax.Array, *, eps: float, gemma: bool = False
 ) -> tuple[jax.Array, jax.Array]:
-    """Fused add + RMSNorm: `(norm(x + residual), x + residual)` with the sum kept in FP32.
-
-    The new residual is the FP32 sum rounded to `residual.dtype`; the normalized output is taken
-    from the unrounded sum, so a bf16 stream loses no precision between the add and the norm.
-    """
-    acc = accumulation_dtype(jnp.promote_types(x.dtype, residual.dtype))
-    summed = x.astype(acc) + residual.astype(acc)
-    normed = _normalize(summed, weight, eps=eps, gemma=gemma)
-    return normed.astype(x.dtype), summed.astype(residual.dtype)
-
-
-def _normalize(summed: jax.Array, weight: jax.Array, *, eps: float, gemma: bool) -> jax.Array:
-    scale = weight.astype(summed.dtype).reshape((1,) * (summed.ndim - 1) + weight.shape)
-    if gemma:
-        scale = 1.0 + scale
-    inverse = jax.lax.rsqrt(jnp.mean(summed * summed, axis=-1, keepdims=True) + eps)
-    return summed * inverse * scale
+    """Fused add + RMSNorm: `(norm(x + residual), x + residual)`, as the one specification
+    `pallas_kernels.add_rms_norm_reference` gives it (FP32 accumulation; the new residual
+    rounded to `residual.dtype`, the norm taken from the unrounded sum)."""
+    return add_rms_norm_reference(x, residual, weight, eps=eps, gemma=gemma)
 
 
 class RMSNorm(nnx.Module):

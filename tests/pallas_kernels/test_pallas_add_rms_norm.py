@@ -76,6 +76,21 @@ def test_interpret_kernel_matches_reference(case):
     assert_close(got, reference(x, residual, weight, gemma=gemma), dtype)
 
 
+@pytest.mark.parametrize("gemma", [False, True], ids=["plain", "gemma"])
+def test_interpret_kernel_applies_eps_as_the_reference(gemma):
+    """A large eps and an all-zero row: the kernel adds eps where the reference does (a kernel
+    that dropped it, or added it after the square root, would be off by far more than 1e-6;
+    the zero row is eps's alone and must stay finite and zero)."""
+    x, residual, weight = make_inputs((6, 256), jnp.float32, seed=4)
+    x, residual = x.at[2].set(0.0), residual.at[2].set(0.0)
+    got = add_rms_norm(x, residual, weight, eps=0.5, gemma=gemma, impl=Impl.PALLAS_INTERPRET)
+    want = reference(x, residual, weight, eps=0.5, gemma=gemma)
+    assert_close(got, want, jnp.float32)
+    without = reference(x, residual, weight, eps=1e-6, gemma=gemma)[0]
+    assert np.max(np.abs(np.asarray(want[0]) - np.asarray(without))) > 1e-2
+    np.testing.assert_array_equal(np.asarray(got[0][2]), 0.0)
+
+
 @GPU_INTERPRET
 @pytest.mark.parametrize(
     "case", [c for c in CASES if c[0][-1] % 128 == 0 and c[0][-1] <= 2048], ids=case_id
