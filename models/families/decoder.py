@@ -1,5 +1,8 @@
 """Qwen3, Llama (also Mistral-style) and Qwen2 decoders built only from stage boundaries.
 
+(Over 600 lines: `CausalLM` is the base of every family; its construction, pipeline-stage
+hooks, decode caches and the forward variants the runtimes call stay on one class.)
+
 Each layer appends an attention stage and an FFN stage to the model's layer stack; the model
 enters the stack with the vocab-parallel embedding's partial sum and leaves it through the final
 norm. Compute never sums: every sum a stage owes is completed by a boundary. Where the norms sit

@@ -1,5 +1,8 @@
 """The mixture-of-experts FFN of one rank: router, grouped expert matmuls, deferred finalize.
 
+(Over 600 lines: the router, the grouped-matmul paths with their dense fallback, the finalize
+and `SparseMoe` share private helpers; split apart they would import each other's internals.)
+
 Everything here is the compute of ONE rank and owns no communication: no collective and no mesh
 axis name. A rank holds a contiguous block of the experts, `[expert_offset, expert_offset +
 local_experts)`, and of each of those experts possibly only a slice of the width (the
