@@ -83,7 +83,7 @@ CASES = [
     pytest.param(
         "moe", Layout(2, 2, ep=2, dispatch=ALL_TO_ALL), id="moe-DP2xTP2-EP2-all-to-all-width"
     ),
-    pytest.param("mhc", Layout(2, 2), id="mhc-DP2xTP2"),
+    pytest.param("mhc", Layout(2, 2), id="mhc-DP2xTP2", marks=SLOW),
     pytest.param("mhc", Layout(1, 4, scattered=True), id="mhc-TP4-scattered", marks=SLOW),
 ]
 
