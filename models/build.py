@@ -23,11 +23,12 @@ from .layers.fp8_linear import Fp8Quantization
 from .layers.hyper_connections import HyperConnections
 
 
-def _platform(mesh: Mesh | None) -> str:
+def mesh_platform(mesh: Mesh | None) -> str:
+    """The platform a model built for `mesh` runs on (the default backend without one)."""
     return jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
 
 
-def _construct(
+def construct_model(
     config: DecoderConfig,
     topology: bj.Topology,
     *,
@@ -134,9 +135,9 @@ def build_model(
         into them; None: every weight in `dtype`.
     """
     if attention is None:
-        attention = AttentionImpl.for_platform(_platform(mesh))
+        attention = AttentionImpl.for_platform(mesh_platform(mesh))
     abstract = nnx.eval_shape(
-        lambda: _construct(
+        lambda: construct_model(
             config,
             topology,
             moe_dispatch=moe_dispatch,
@@ -188,14 +189,14 @@ def load_model(
     quantizes any other checkpoint on load, each device its own blocks (`checkpoints.fp8`).
     """
     config = load_config(checkpoint_dir)
-    platform = _platform(mesh)
+    platform = mesh_platform(mesh)
     if quantization is None and stored_fp8(checkpoint_dir):
         quantization = Fp8Quantization.for_platform(platform)
     topology = bj.Topology.from_mesh(mesh, moe_ep=moe_ep)
     if attention is None:
         attention = AttentionImpl.for_platform(platform)
     abstract = nnx.eval_shape(
-        lambda: _construct(
+        lambda: construct_model(
             config,
             topology,
             moe_dispatch=moe_dispatch,

@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 
 import boundary_jax as bj
 
-from ..build import _construct, _platform
+from ..build import construct_model, mesh_platform
 from ..checkpoints import load_config, load_params
 from ..config import DecoderConfig, LayerBlock
 from ..families import CausalLM, Remat
@@ -105,7 +105,7 @@ def build_pipeline(
     split = pipeline_split(config, _mesh_topology(mesh, topology), split)
     stage_topology = _stage_topology(topology)
     if attention is None:
-        attention = AttentionImpl.for_platform(_platform(mesh))
+        attention = AttentionImpl.for_platform(mesh_platform(mesh))
     options = dict(
         reduction=reduction,
         fusions=fusions,
@@ -120,7 +120,7 @@ def build_pipeline(
     for layers, stage_mesh in zip(split.stages, stage_meshes(mesh), strict=True):
 
         def make(layers=layers) -> CausalLM:
-            return _construct(
+            return construct_model(
                 config,
                 stage_topology,
                 moe_dispatch=moe_dispatch,
@@ -183,11 +183,11 @@ def load_pipeline(
     topology = bj.Topology.from_mesh(mesh, moe_ep=moe_ep)
     split = pipeline_split(config, topology, split)
     if attention is None:
-        attention = AttentionImpl.for_platform(_platform(mesh))
+        attention = AttentionImpl.for_platform(mesh_platform(mesh))
     stages = []
     for layers, stage_mesh in zip(split.stages, stage_meshes(mesh), strict=True):
         abstract = nnx.eval_shape(
-            lambda layers=layers: _construct(
+            lambda layers=layers: construct_model(
                 config,
                 _stage_topology(topology),
                 moe_dispatch=moe_dispatch,
