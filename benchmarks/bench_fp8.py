@@ -282,9 +282,11 @@ def _distinct(x, router) -> int:
 
 TRITON_SWEEP = (
     TritonFp8Tiling(block_n=64, split_k=1),
-    TritonFp8Tiling(block_n=128, split_k=1, num_warps=8),
-    TritonFp8Tiling(block_n=64, split_k=2),
-    TritonFp8Tiling(block_n=32, split_k=1),
+    TritonFp8Tiling(block_n=64, split_k=1, num_stages=8),
+    TritonFp8Tiling(block_n=128, split_k=1, num_warps=4),
+    TritonFp8Tiling(block_n=128, split_k=2, num_warps=8, num_stages=6),
+    TritonFp8Tiling(block_n=64, split_k=4),
+    TritonFp8Tiling(block_n=32, split_k=2, num_warps=2),
 )
 MOSAIC_SWEEP = (
     MosaicFp8Tiling(tile_m=128, tile_n=128, max_concurrent_steps=4, grid_block_n=4),
@@ -308,7 +310,11 @@ def matmul(k: int, n: int, rows_list) -> list[tuple]:
         x_values, x_scales = quantize_token_groups_reference(x)
         base = timed_ms(jax.jit(jnp.dot), [(x, w_bf16)])
         want = fp8_matmul(x_values, x_scales, w_values, w_scales, out_dtype=jnp.float32)
-        variants = [("bf16 jnp.dot", None, None), ("fp8 XLA dequantized", Fp8MatmulImpl.XLA, None)]
+        variants = [
+            ("bf16 jnp.dot", None, None),
+            ("fp8 XLA reference (float32)", Fp8MatmulImpl.XLA, None),
+            ("fp8 dequantized to bf16", Fp8MatmulImpl.DEQUANTIZED_BF16, None),
+        ]
         sweeps = (TRITON_SWEEP[:1], MOSAIC_SWEEP[:1]) if SMOKE else (TRITON_SWEEP, MOSAIC_SWEEP)
         if rows <= 512:  # the decode kernel re-reads the weights per 64 rows
             variants += [(f"fp8 triton {t}", triton, t) for t in sweeps[0]]

@@ -54,16 +54,18 @@ def _fp8_grouped_kernel(
 
             def step(depth_block, acc):
                 depth = pl.ds(pl.multiple_of(depth_block * SCALE_BLOCK, SCALE_BLOCK), SCALE_BLOCK)
-                x = pltriton.load(x_values_ref.at[rows, depth], mask=valid, other=0)
+                # Triton cannot fill an FP8 load: the rows past the group are zeroed in bf16.
+                x = pltriton.load(x_values_ref.at[rows, depth], mask=valid).astype(jnp.bfloat16)
+                x = jnp.where(valid, x, jnp.zeros_like(x))
                 w = w_values_ref[group, columns, depth]
                 partial = lax.dot_general(
-                    x.astype(jnp.bfloat16),
+                    x,
                     w.astype(jnp.bfloat16),
                     (((1,), (1,)), ((), ())),
                     preferred_element_type=jnp.float32,
                 )
                 x_scale = pltriton.load(
-                    x_scales_ref.at[rows, pl.ds(depth_block, 1)], mask=valid, other=0
+                    x_scales_ref.at[rows, pl.ds(depth_block, 1)], mask=valid, other=0.0
                 )
                 w_scale = w_scales_ref[group, scale_row, depth_block]
                 return acc + partial * (x_scale * w_scale)

@@ -34,7 +34,6 @@ def _fp8_matmul_kernel(
     block_m: int,
     block_n: int,
     steps: int,
-    split: bool,
 ):
     column, row_block, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     columns = pl.ds(pl.multiple_of(column * block_n, block_n), block_n)
@@ -54,8 +53,7 @@ def _fp8_matmul_kernel(
         return acc + partial * (x_scale * w_scale)
 
     acc = lax.fori_loop(0, steps, step, jnp.zeros((block_m, block_n), jnp.float32))
-    target = out_ref.at[part] if split else out_ref
-    target[rows, columns] = acc.astype(target.dtype)
+    out_ref[part, rows, columns] = acc.astype(out_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "tiling", "interpret"))
@@ -95,20 +93,20 @@ def fp8_matmul_triton(
         w_values,
         w_scales,
     )
-    out_shape = (tiling.split_k, padded, n) if split else (padded, n)
     kernel = functools.partial(
-        _fp8_matmul_kernel, block_m=block_m, block_n=tiling.block_n, steps=steps, split=split
+        _fp8_matmul_kernel, block_m=block_m, block_n=tiling.block_n, steps=steps
     )
     call = pl.pallas_call(
         kernel,
-        out_shape=axes.output_type(out_shape, jnp.float32 if split else out_dtype, varying),
+        out_shape=axes.output_type(
+            (tiling.split_k, padded, n), jnp.float32 if split else out_dtype, varying
+        ),
         grid=(n // tiling.block_n, padded // block_m, tiling.split_k),
         compiler_params=pltriton.CompilerParams(
             num_warps=tiling.num_warps, num_stages=tiling.num_stages
         ),
         interpret=interpret,
     )
-    out = call(x_values, x_scales, w_values, w_scales)
-    if split:
-        out = jnp.sum(out, axis=0).astype(out_dtype)
+    parts = call(x_values, x_scales, w_values, w_scales)
+    out = jnp.sum(parts, axis=0).astype(out_dtype) if split else parts[0]
     return out[:m]

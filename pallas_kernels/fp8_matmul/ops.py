@@ -36,7 +36,11 @@ class Fp8MatmulImpl(enum.Enum):
       PALLAS_GPU: `fp8_matmul_mosaic`, the prefill kernel: FP8 wgmma through Mosaic GPU
         (Hopper), scales applied per 128-deep step in registers.
       PALLAS_GPU_INTERPRET: PALLAS_GPU's body in the Mosaic GPU interpreter (CPU, JAX >= 0.12).
-      GPU_BY_SIZE: PALLAS_TRITON up to `TRITON_MAX_ROWS` rows, PALLAS_GPU above
+      DEQUANTIZED_BF16: both operands dequantized to bf16 in the program and XLA's bf16 matmul
+        with float32 sums (one bf16 rounding of each dequantized value): prefill, where the
+        FLOPs and not the weights' bytes bound the step, on a GPU whose block-scaled FP8 kernel
+        is slower than its bf16 matmul (`benchmarks/RESULTS.md`, run 18).
+      GPU_BY_SIZE: PALLAS_TRITON up to `TRITON_MAX_ROWS` rows, DEQUANTIZED_BF16 above
         (`fp8_matmul_by_size`).
     """
 
@@ -45,13 +49,14 @@ class Fp8MatmulImpl(enum.Enum):
     PALLAS_INTERPRET = enum.auto()
     PALLAS_GPU = enum.auto()
     PALLAS_GPU_INTERPRET = enum.auto()
+    DEQUANTIZED_BF16 = enum.auto()
     GPU_BY_SIZE = enum.auto()
 
 
 TRITON_MAX_ROWS = 128
-"""The most rows `GPU_BY_SIZE` gives the decode kernel: past them the weight tile's reuse
-across rows, which the wgmma kernel has and the decode kernel does not, starts to count (a
-guess until measured: `benchmarks/bench_fp8.py --parts matmul` sweeps the crossover)."""
+"""The most rows `GPU_BY_SIZE` gives the decode kernel. On one H200 (a [4096 -> 14336]
+projection, `benchmarks/RESULTS.md` run 18) the decode kernel took 61 us at 64 rows against 111 us
+for DEQUANTIZED_BF16, and 331-364 us at 512 rows against 171 us."""
 
 Fp8Tiling = TritonFp8Tiling | MosaicFp8Tiling
 
@@ -64,7 +69,7 @@ def default_fp8_matmul_impl(platform: str) -> Fp8MatmulImpl:
 
 def fp8_matmul_by_size(m: int) -> Fp8MatmulImpl:
     """`GPU_BY_SIZE`'s pick for `m` rows."""
-    return Fp8MatmulImpl.PALLAS_TRITON if m <= TRITON_MAX_ROWS else Fp8MatmulImpl.PALLAS_GPU
+    return Fp8MatmulImpl.PALLAS_TRITON if m <= TRITON_MAX_ROWS else Fp8MatmulImpl.DEQUANTIZED_BF16
 
 
 def fp8_matmul(
@@ -108,6 +113,11 @@ def fp8_matmul(
     match impl:
         case Fp8MatmulImpl.XLA:
             return fp8_matmul_reference(*args, out_dtype=out_dtype)
+        case Fp8MatmulImpl.DEQUANTIZED_BF16:
+            rows = dequantize_token_groups_reference(x_values, x_scales, jnp.bfloat16)
+            weight = dequantize_blocks_reference(w_values, w_scales, jnp.bfloat16)
+            out = jnp.einsum("mk,nk->mn", rows, weight, preferred_element_type=jnp.float32)
+            return out.astype(out_dtype)
         case Fp8MatmulImpl.PALLAS_TRITON | Fp8MatmulImpl.PALLAS_INTERPRET:
             chosen = _tiling(tiling, TritonFp8Tiling, triton_fp8_tiling, m, k, n)
             interpret = impl is Fp8MatmulImpl.PALLAS_INTERPRET

@@ -19,6 +19,7 @@ from pallas_kernels import (
     compat,
 )
 from pallas_kernels.fp8_matmul import (
+    TRITON_MAX_ROWS,
     Fp8GroupedImpl,
     Fp8MatmulImpl,
     MosaicFp8Tiling,
@@ -26,6 +27,7 @@ from pallas_kernels.fp8_matmul import (
     fp8_grouped_matmul,
     fp8_grouped_matmul_reference,
     fp8_matmul,
+    fp8_matmul_by_size,
     fp8_matmul_reference,
     triton_fp8_tiling,
 )
@@ -158,7 +160,7 @@ def test_fused_read_support_and_errors():
         add_rms_norm_quantize(x, residual, weight)
     x, residual, weight = make_inputs((4, 256), jnp.float32)
     with pytest.raises(NotImplementedError, match="add_rms_norm_quantize_supported"):
-        add_rms_norm_quantize(x, residual, weight, impl=Impl.PALLAS_TRITON)
+        add_rms_norm_quantize(x, residual, weight, impl=Impl.PALLAS_TPU)
 
 
 # --------------------------------------------------------------------------------------------
@@ -182,6 +184,17 @@ def test_reference_is_the_dequantized_product():
     np.testing.assert_allclose(got, x @ w.T, atol=1e-6 * np.abs(x @ w.T).max())
 
 
+def test_dequantized_bf16_matmul_is_the_reference_to_bf16_rounding():
+    """The prefill path (operands dequantized to bf16, float32 sums) differs from the reference
+    only by one bf16 rounding of each operand, and picks it above the decode kernel's rows."""
+    want = np.asarray(fp8_matmul_reference(*operands(), out_dtype=jnp.float32))
+    got = fp8_matmul(*operands(), out_dtype=jnp.float32, impl=Fp8MatmulImpl.DEQUANTIZED_BF16)
+    error = np.abs(np.asarray(got) - want).max() / np.abs(want).max()
+    assert 0 < error < 2.0**-7
+    assert fp8_matmul_by_size(TRITON_MAX_ROWS) is Fp8MatmulImpl.PALLAS_TRITON
+    assert fp8_matmul_by_size(TRITON_MAX_ROWS + 1) is Fp8MatmulImpl.DEQUANTIZED_BF16
+
+
 @pytest.mark.parametrize(
     "tiling",
     [TritonFp8Tiling(block_n=64), TritonFp8Tiling(block_m=16, block_n=128, split_k=2)],
@@ -195,6 +208,42 @@ def test_triton_decode_kernel_matches_reference(tiling):
         *operands(), out_dtype=jnp.float32, impl=Fp8MatmulImpl.PALLAS_INTERPRET, tiling=tiling
     )
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-6 * np.abs(want).max())
+
+
+ON_GPU = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+
+
+@ON_GPU
+@pytest.mark.parametrize(
+    "impl, tiling",
+    [
+        (Fp8MatmulImpl.PALLAS_TRITON, TritonFp8Tiling(block_n=64)),
+        (Fp8MatmulImpl.PALLAS_TRITON, TritonFp8Tiling(block_m=16, block_n=128, split_k=2)),
+        (Fp8MatmulImpl.PALLAS_GPU, MosaicFp8Tiling(tile_m=64, tile_n=64, grid_block_n=2)),
+    ],
+    ids=["triton", "triton split k", "mosaic"],
+)
+def test_compiled_gpu_kernels_match_reference(impl, tiling):
+    """The kernels as the GPU compiles them (the interpreter accepts indexing that the Triton and
+    Mosaic lowerings refuse), bf16 out."""
+    want = fp8_matmul_reference(*operands(k=512, n=256), out_dtype=jnp.bfloat16)
+    got = fp8_matmul(*operands(k=512, n=256), out_dtype=jnp.bfloat16, impl=impl, tiling=tiling)
+    chex.assert_trees_all_close(got, want, rtol=2.0**-7, atol=2.0**-7 * float(jnp.abs(want).max()))
+
+
+@ON_GPU
+def test_compiled_grouped_kernel_matches_reference():
+    """The experts' Triton kernel as the GPU compiles it, an empty group included."""
+    x_values, x_scales = quantize_token_groups_reference(
+        jax.random.normal(jax.random.key(1), (13, 256))
+    )
+    w_values, w_scales = quantize_blocks_reference(
+        jax.random.normal(jax.random.key(2), (3, 128, 256))
+    )
+    args = (x_values, x_scales, w_values, w_scales, jnp.array([4, 0, 6], jnp.int32))
+    want = np.asarray(fp8_grouped_matmul_reference(*args, out_dtype=jnp.float32))
+    got = fp8_grouped_matmul(*args, out_dtype=jnp.float32, impl=Fp8GroupedImpl.PALLAS_TRITON)
+    np.testing.assert_allclose(np.asarray(got)[:10], want[:10], atol=1e-5 * np.abs(want).max())
 
 
 @GPU_INTERPRET
