@@ -4,7 +4,7 @@ stacked at build and run by one `lax.scan`. Against the unrolled model with the 
 one device: the same logits, greedy tokens through the KV caches, loss, gradients and updated
 parameters (the scanned trainer recomputes each layer: `Remat.FULL`), on every layout, for an
 MoE model whose dense layer splits its runs and Gemma 3 whose sliding and global layers split
-theirs (a dense model, whose layers bind as theirs do, on one layout); one while loop per run
+theirs (a dense model, whose layers bind as theirs do, on two layouts); one while loop per run
 in the compiled forward, the same collectives per layer; a scanned checkpoint round trip, each
 device reading only its shard of each layer."""
 
@@ -77,17 +77,17 @@ unrolled reference on the scanned model's own mesh: a scanned layout that comput
 else differs from it (the layouts' rounding differs by about 1e-6, a tenth of the tolerance),
 and it cannot agree by sharing a wrong collective with an unrolled model on its mesh."""
 # Each case compiles four scanned programs (forward, prefill, decode, train step); each model's
-# unrolled reference compiles four more, once. Gemma 3 on TP4-scattered runs by default (its
-# scanned runs bind the dense model's paths, and the MoE model's dense layers'); the rest are
-# slow.
-FAST = {("gemma3", "TP4-scattered")}
-# The dense model runs on TP4 alone. On every layout its layers bind exactly the stage paths
-# that Gemma 3's scanned runs [1, 3) and [3, 5) bind (dense-FFN layers, scanned two at a time)
-# and the MoE model's layers 3 and 4 bind (the same Qwen3 attention and SwiGLU classes), so
-# gemma3-* and moe-* run its scanned paths on TP1, DP2xTP2 and TP4-scattered; what only the
-# dense model runs (its own model class) is the same on every layout, and dense-TP4 runs it
-# (under -m slow; by default its scanned model trains and round-trips through a checkpoint).
-DENSE_LAYOUTS = ("TP4",)
+# unrolled reference compiles four more, once. By default the dense model runs on TP4-scattered,
+# the layout its round-trip and while-loop tests below share (so its scanned and reference
+# programs compile once for all three); Gemma 3's and the MoE model's runs are covered by default
+# by their golden parity and the MoE while-loop test, and their full layout matrix is slow.
+FAST = {("dense", "TP4-scattered")}
+# The dense model runs on TP4 and TP4-scattered. On every layout its layers bind exactly the
+# stage paths that Gemma 3's scanned runs [1, 3) and [3, 5) bind (dense-FFN layers, scanned two
+# at a time) and the MoE model's layers 3 and 4 bind (the same Qwen3 attention and SwiGLU
+# classes), so gemma3-* and moe-* run its scanned paths on TP1 and DP2xTP2 under -m slow.
+DENSE_LAYOUTS = ("TP4", "TP4-scattered")
+DEFAULT_DENSE = "TP4-scattered"
 SCAN_GROUP = pytest.mark.xdist_group("scan")
 """On the tests that share the cached references, runners and trainers below: one xdist worker
 (`--dist loadgroup`) runs them all, so none is built twice."""
@@ -243,7 +243,7 @@ def test_runs_split_where_layers_differ():
 
 
 @SCAN_GROUP
-@pytest.mark.parametrize("name,layout", [("dense", "TP4"), ("moe", "DP2xTP2")])
+@pytest.mark.parametrize("name,layout", [("dense", DEFAULT_DENSE), ("moe", "DP2xTP2")])
 def test_one_while_loop_per_run_and_the_same_collectives_per_layer(name, layout):
     """The scanned forward compiles one more while loop per run of two layers or more than the
     unrolled one (the layers really scan; XLA inlines a loop of one trip), and the plan
@@ -267,7 +267,7 @@ def test_one_while_loop_per_run_and_the_same_collectives_per_layer(name, layout)
 
 @SCAN_GROUP
 @pytest.mark.parametrize(
-    "name,layout", [("dense", "TP4"), pytest.param("moe", "DP2xTP2", marks=SLOW)]
+    "name,layout", [("dense", DEFAULT_DENSE), pytest.param("moe", "DP2xTP2", marks=SLOW)]
 )
 def test_trained_scanned_model_round_trips_through_a_checkpoint(
     tmp_path, monkeypatch, name, layout
