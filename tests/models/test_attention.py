@@ -80,8 +80,29 @@ def reference_blocks(attn, config, h, positions, segments, dp):
     return jnp.concatenate(blocks)
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-@pytest.mark.parametrize("dp,tp", MESHES)
+SLOW = pytest.mark.slow
+# Each config on two meshes by default, every sharded mesh at least once, its kv heads split or
+# shared by ranks: qwen3-kv2 TP 2 and DP 2 x TP 2, window3-kv4 TP 4 (one kv head a rank) and
+# TP 8 (shared), llama3-kv8 TP 4 and 8, qwen2-bias-kv2 TP 4 (shared heads and biases) and DP 2 x
+# TP 2, whole-qk-norm-kv2 TP 8 (a mean over every rank's heads) and DP 2 x TP 2; the rest slow.
+PARTIALS_DEFAULT = {
+    "qwen3-kv2": {(1, 2), (2, 2)},
+    "window3-kv4": {(1, 4), (1, 8)},
+    "llama3-kv8": {(1, 4), (1, 8)},
+    "qwen2-bias-kv2": {(1, 4), (2, 2)},
+    "whole-qk-norm-kv2": {(1, 8), (2, 2)},
+}
+
+
+@pytest.mark.parametrize(
+    "dp,tp,name",
+    [
+        pytest.param(*mesh, name, id=f"{mesh[0]}-{mesh[1]}-{name}", marks=() if default else SLOW)
+        for mesh in MESHES
+        for name in sorted(CONFIGS)
+        for default in [mesh in PARTIALS_DEFAULT[name]]
+    ],
+)
 def test_partials_sum_to_unsharded(dp, tp, name):
     """Summed over attention TP the o_proj partials equal one-device attention on each DP rank."""
     config = CONFIGS[name]
@@ -260,8 +281,20 @@ def as_arrays(rows_per_rank, token_h):
     return jnp.array(positions, jnp.int32), jnp.array(segments, jnp.int32), jnp.stack(h)
 
 
-@pytest.mark.parametrize("name", ["qwen3-kv2", "window3-kv4"])
-@pytest.mark.parametrize("dp,tp", MESHES)
+# By default qwen3-kv2 on TP 8 (its 2 kv heads shared by ranks), window3-kv4 on TP 4 (one kv
+# head a rank) and DP 2 x TP 2 (each DP rank its own slots); the rest under -m slow.
+CACHE_DEFAULT = {("qwen3-kv2", 1, 8), ("window3-kv4", 1, 4), ("window3-kv4", 2, 2)}
+
+
+@pytest.mark.parametrize(
+    "dp,tp,name",
+    [
+        pytest.param(*mesh, name, id=f"{mesh[0]}-{mesh[1]}-{name}", marks=() if default else SLOW)
+        for mesh in MESHES
+        for name in ("qwen3-kv2", "window3-kv4")
+        for default in [(name, *mesh) in CACHE_DEFAULT]
+    ],
+)
 def test_cache_prefill_and_decode_equal_packed(dp, tp, name):
     """Prefill then 3 one-token decode steps through the cache equal one packed forward."""
     config = CONFIGS[name]
@@ -375,7 +408,10 @@ def qwen3_layer0_reference(weights, config, ids):
     return h, out @ w[p + "self_attn.o_proj.weight"].T
 
 
-@pytest.mark.parametrize("dp,tp", [(1, 1), (1, 2), (1, 4), (2, 2)])
+# TP 4 and DP 2 x TP 2 by default; one device and TP 2 under -m slow.
+@pytest.mark.parametrize(
+    "dp,tp", [pytest.param(1, 1, marks=SLOW), pytest.param(1, 2, marks=SLOW), (1, 4), (2, 2)]
+)
 def test_matches_hf_qwen3_layer0(dp, tp):
     """Packed prompts through our Attention with the golden layer-0 weights equal HF's math."""
     raw = json.loads((GOLDEN / "qwen3" / "config.json").read_text())
@@ -498,14 +534,16 @@ def bounded_rows(config):
     return h, positions, segments
 
 
+# By default the sliding window at bound 9 (key blocks within reach of a window) and at 33 (the
+# T x T scores); the full-attention config and the bound 12 under -m slow.
 @pytest.mark.parametrize(
     "name,bound",
     [
-        pytest.param("qwen3-kv2", 9, marks=pytest.mark.slow),
-        pytest.param("qwen3-kv2", 12, marks=pytest.mark.slow),
-        ("qwen3-kv2", 33),
+        pytest.param("qwen3-kv2", 9, marks=SLOW),
+        pytest.param("qwen3-kv2", 12, marks=SLOW),
+        pytest.param("qwen3-kv2", 33, marks=SLOW),
         ("window3-kv4", 9),
-        ("window3-kv4", 12),
+        pytest.param("window3-kv4", 12, marks=SLOW),
         ("window3-kv4", 33),
     ],
 )

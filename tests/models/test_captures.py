@@ -35,6 +35,14 @@ CASES = [
     ("llama", 1, 4, False, True),
     ("llama", 2, 2, False, False),
 ]
+# By default Qwen3 scanned on DP 2 x TP 2 and jitted input-scattered TP 4, Llama (its untied head)
+# scanned on TP 4: each layout kind, both stack forms and both families once; the rest slow.
+DEFAULT_CASES = {
+    ("qwen3", 2, 2, False, True),
+    ("qwen3", 1, 4, True, False),
+    ("llama", 1, 4, False, True),
+}
+SLOW = pytest.mark.slow
 
 
 def _id(case) -> str:
@@ -58,7 +66,9 @@ def runner(name: str, dp: int, tp: int, scattered: bool, scan: bool = False) -> 
     return ShardedCausalLM(model, mesh, input_scattered=scattered)
 
 
-@pytest.mark.parametrize("case", CASES, ids=_id)
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, id=_id(c), marks=() if c in DEFAULT_CASES else SLOW) for c in CASES]
+)
 def test_captured_hidden_states_equal_transformers(case):
     """Every capture index, asked in a shuffled order with a repeat, equals transformers'
     `output_hidden_states` (index = layer count: the residual before the final norm) within
@@ -76,7 +86,8 @@ def test_captured_hidden_states_equal_transformers(case):
     assert np.max(np.abs(logits - want_logits)) <= 1e-4 * np.max(np.abs(want_logits))
 
 
-@pytest.mark.parametrize("dp,tp,scattered", [(2, 2, False), (1, 4, True)])
+# Input-scattered TP 4 by default (its runner the cost test below builds); DP 2 x TP 2 slow.
+@pytest.mark.parametrize("dp,tp,scattered", [pytest.param(2, 2, False, marks=SLOW), (1, 4, True)])
 def test_a_capture_leaves_the_logits_unchanged(dp, tp, scattered):
     """The logits computed beside the captures are exactly the plain forward's."""
     prompts, *_ = golden("qwen3")
@@ -112,7 +123,11 @@ def _documented_capture_costs() -> dict[str, dict[str, tuple[str, ...]]]:
 CAPTURE_COSTS = _documented_capture_costs()
 
 
-@pytest.mark.parametrize("dp,tp,scattered", [(1, 4, False), (2, 2, False), (1, 4, True)])
+# One configuration per batch row of the table by default: ordinary on DP 2 x TP 2,
+# input-scattered TP 4; ordinary TP 4 under -m slow.
+@pytest.mark.parametrize(
+    "dp,tp,scattered", [pytest.param(1, 4, False, marks=SLOW), (2, 2, False), (1, 4, True)]
+)
 def test_a_capture_costs_what_the_collectives_table_says(dp, tp, scattered):
     """Per layer the capturing forward runs the plain forward's collectives plus what
     docs/collectives.md says a captured layer costs (one all-gather where the residual is on
@@ -218,9 +233,17 @@ def deepstack_reference(scale: float) -> np.ndarray:
     return deepstack_program(1, 1, False, True)(EXTRA * np.float32(scale))
 
 
+# DP 2 x TP 2 and input-scattered TP 4 by default (the rows split both ways); TP alone slow.
 @pytest.mark.parametrize(
     "dp,tp,scattered",
-    [(1, 1, False), (1, 2, False), (1, 4, False), (1, 8, False), (2, 2, False), (1, 4, True)],
+    [
+        pytest.param(1, 1, False, marks=SLOW),
+        pytest.param(1, 2, False, marks=SLOW),
+        pytest.param(1, 4, False, marks=SLOW),
+        pytest.param(1, 8, False, marks=SLOW),
+        (2, 2, False),
+        (1, 4, True),
+    ],
 )
 def test_a_deepstack_contribution_is_added_once_on_every_mesh(dp, tp, scattered):
     """Extra per-token features added to the first layers' outputs through add_to_output equal

@@ -22,6 +22,12 @@ ROWS = 6
 VOCAB = 250
 HIDDEN = 16
 GROUPS = [bj.SumGroup.ATTN_TP, bj.SumGroup.TP, None]
+# Attention TP 4 and DP 2 x TP 2 by default (TP alone, and the full TP group spanning DP); one
+# device, TP 2 and TP 8 under -m slow.
+LAYER_MESHES = [
+    pytest.param(*mesh, marks=() if mesh in ((1, 4), (2, 2)) else pytest.mark.slow)
+    for mesh in MESHES
+]
 
 
 def inputs(shape, seed=0):
@@ -29,7 +35,7 @@ def inputs(shape, seed=0):
 
 
 @pytest.mark.parametrize("group", GROUPS, ids=lambda g: g.name if g else "replicated")
-@pytest.mark.parametrize("dp,tp", MESHES)
+@pytest.mark.parametrize("dp,tp", LAYER_MESHES)
 def test_column_parallel_columns_concatenate(dp, tp, group):
     """Each rank's output columns, concatenated over the group, equal x @ kernel."""
     topology = bj.Topology(attn_dp=dp, attn_tp=tp)
@@ -41,7 +47,7 @@ def test_column_parallel_columns_concatenate(dp, tp, group):
 
 
 @pytest.mark.parametrize("group", GROUPS[:2], ids=lambda g: g.name)
-@pytest.mark.parametrize("dp,tp", MESHES)
+@pytest.mark.parametrize("dp,tp", LAYER_MESHES)
 def test_row_parallel_partials_sum_to_full(dp, tp, group):
     """The rank partials, summed over the group by the caller, equal x @ kernel."""
     topology = bj.Topology(attn_dp=dp, attn_tp=tp)
@@ -65,7 +71,7 @@ def token_ids(dp):
     return jnp.asarray(ids.reshape(-1), jnp.int32)
 
 
-@pytest.mark.parametrize("dp,tp", MESHES)
+@pytest.mark.parametrize("dp,tp", LAYER_MESHES)
 def test_embedding_partials_sum_to_lookup(dp, tp):
     """Summed over attention TP the partials are the table rows; out-of-vocab ids give zeros."""
     topology = bj.Topology(attn_dp=dp, attn_tp=tp)
@@ -99,7 +105,7 @@ def test_vocab_250_over_8_shards():
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["own-kernel", "tied"])
-@pytest.mark.parametrize("dp,tp", MESHES)
+@pytest.mark.parametrize("dp,tp", LAYER_MESHES)
 def test_lm_head_gathers_real_vocab(dp, tp, tied):
     """Logits are x @ W over the real vocab; values in padding columns never reach the output."""
     topology = bj.Topology(attn_dp=dp, attn_tp=tp)
@@ -143,7 +149,8 @@ def test_rejects_uneven_split_and_mismatched_tie():
         ParallelLMHead(2 * HIDDEN, VOCAB, topology=topology, rngs=nnx.Rngs(0), tied_embedding=embed)
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
+# TP 2 and 4 by default; one device under -m slow.
+@pytest.mark.parametrize("tp", [pytest.param(1, marks=pytest.mark.slow), 2, 4])
 def test_lm_head_greedy_equals_argmax_of_gathered_logits(tp):
     """The sharded greedy head picks argmax of the full logits, never a padding column."""
     from models.layers.linear import ParallelLMHead

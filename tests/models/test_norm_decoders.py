@@ -29,15 +29,17 @@ LAYOUTS = (
     ("DP 2 x TP 2", 2, 2, False),
     ("input-scattered TP 4", 1, 4, True),
 )
-# Every family on DP 2 x TP 2 and input-scattered TP 4 (the layouts that move rows) by default;
-# one device and TP 4 under -m slow, except for the first family.
+# Each family once by default, the three together covering the layouts that split attention:
+# EXAONE 4 on TP 4, OLMo 2 on DP 2 x TP 2, Gemma 3 input-scattered TP 4 (the layouts themselves
+# run for every family of tests/models/test_decoder.py); the other layouts under -m slow.
+DEFAULT_LAYOUT = {"exaone4": "TP 4", "olmo2": "DP 2 x TP 2", "gemma3": "input-scattered TP 4"}
 CASES = [
     pytest.param(
         name,
         *layout[1:],
         id=f"{name}-{layout[0]}",
         marks=[pytest.mark.xdist_group(name)]
-        + ([pytest.mark.slow] if name != FAMILIES[0] and layout[0] in ("TP 1", "TP 4") else []),
+        + ([pytest.mark.slow] if layout[0] != DEFAULT_LAYOUT[name] else []),
     )
     for name in FAMILIES
     for layout in LAYOUTS
@@ -161,11 +163,23 @@ def four_layer_config(name: str) -> DecoderConfig:
     return read_hf_config(raw)
 
 
+# Each configuration once and each family once by default: OLMo 2 holds the ar row (see below)
+# and input-scattered TP 4, EXAONE 4 TP 4, Gemma 3 DP 2 x TP 2; the rest under -m slow.
+DEFAULT_CONFIGURATION = {
+    "exaone4": {(1, 4, False, P.AUTO)},
+    "olmo2": {(2, 2, False, P.AR), (1, 4, True, P.AUTO)},
+    "gemma3": {(2, 2, False, P.AUTO)},
+}
+
+
 @pytest.mark.parametrize(
     "name,dp,tp,scattered,policy",
     [
         pytest.param(
-            name, *c, id=f"{name}-dp{c[0]}-tp{c[1]}{'-scattered' if c[2] else ''}-{c[3].value}"
+            name,
+            *c,
+            id=f"{name}-dp{c[0]}-tp{c[1]}{'-scattered' if c[2] else ''}-{c[3].value}",
+            marks=[] if c in DEFAULT_CONFIGURATION[name] else [pytest.mark.slow],
         )
         for name in FAMILIES
         for c in CONFIGURATIONS
@@ -200,7 +214,11 @@ def test_each_layer_runs_the_pre_norm_collectives(name, dp, tp, scattered, polic
         assert report.sequence(index) == want, f"layer {index}"
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+# bfloat16 by default through OLMo 2 (post-norm updates) and Gemma 3 (output transforms, the
+# embedding scale); EXAONE 4 (post-norm as OLMo 2) under -m slow.
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=[pytest.mark.slow] if n == "exaone4" else []) for n in FAMILIES]
+)
 def test_bfloat16_load_stays_close_to_transformers_bfloat16(name):
     """A bfloat16 load (post-norm updates and output transforms in bf16, Gemma's embedding
     scale rounded to bf16) stays within bf16 rounding (5% of the largest logit) of HF in bf16."""

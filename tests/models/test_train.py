@@ -63,15 +63,21 @@ class Layout:
 
 SINGLE = Layout(1, 1)
 SLOW = pytest.mark.slow
+# By default one dense and one MoE layout that together cover DP x TP, input-scattered rows and
+# EP all-to-all at the largest EP (4) (the Pallas test below steps the MoE gathered on TP 2); the
+# other layouts (TP alone, EP gather, EP 2 all-to-all with each expert's width split, MHC) under
+# -m slow.
 CASES = [
-    pytest.param("dense", Layout(1, 2), id="dense-TP2"),
+    pytest.param("dense", Layout(1, 2), id="dense-TP2", marks=SLOW),
     pytest.param("dense", Layout(1, 4), id="dense-TP4", marks=SLOW),
     pytest.param("dense", Layout(1, 8), id="dense-TP8", marks=SLOW),
     pytest.param("dense", Layout(4, 2), id="dense-DP4xTP2", marks=SLOW),
     pytest.param("dense", Layout(2, 2, scattered=True), id="dense-DP2xTP2-scattered"),
     pytest.param("dense", Layout(1, 4, scattered=True), id="dense-TP4-scattered", marks=SLOW),
     pytest.param("moe", Layout(1, 4, ep=4, dispatch=GATHER), id="moe-TP4-EP4-gather", marks=SLOW),
-    pytest.param("moe", Layout(2, 2, ep=2, dispatch=GATHER), id="moe-DP2xTP2-EP2-gather"),
+    pytest.param(
+        "moe", Layout(2, 2, ep=2, dispatch=GATHER), id="moe-DP2xTP2-EP2-gather", marks=SLOW
+    ),
     pytest.param(
         "moe", Layout(1, 4, ep=4, dispatch=ALL_TO_ALL), id="moe-TP4-EP4-all-to-all", marks=SLOW
     ),
@@ -81,7 +87,10 @@ CASES = [
         id="moe-DP2xTP2-EP4-all-to-all-scattered",
     ),
     pytest.param(
-        "moe", Layout(2, 2, ep=2, dispatch=ALL_TO_ALL), id="moe-DP2xTP2-EP2-all-to-all-width"
+        "moe",
+        Layout(2, 2, ep=2, dispatch=ALL_TO_ALL),
+        id="moe-DP2xTP2-EP2-all-to-all-width",
+        marks=SLOW,
     ),
     pytest.param("mhc", Layout(2, 2), id="mhc-DP2xTP2", marks=SLOW),
     pytest.param("mhc", Layout(1, 4, scattered=True), id="mhc-TP4-scattered", marks=SLOW),
