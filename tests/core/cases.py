@@ -78,11 +78,16 @@ def compiled(setup: Setup, scattered: bool) -> Case:
 
 # Binding sees a mesh only through which token axes are active and how their sizes compare (the
 # sizes themselves enter as the parts of reduce-scatters and slices), and a stack only through
-# its first, middle and last layers: so one mesh per such class (TP alone, DP alone) plus the
-# three DP x TP shapes, and depths 1 (the first layer is the last) and 3 (first, middle, last:
-# every edge a deeper stack has), cover every binding; each policy and batch variant on each.
+# its first, middle and last layers: so one mesh per such class (none, TP alone, DP alone) plus
+# the three DP x TP shapes (DP below, equal to and above TP), and depths 1 (the first layer is
+# the last) and 3 (first, middle, last: every edge a deeper stack has), cover every binding;
+# each policy and batch variant on each. By default depth 3 runs on every mesh (every entry and
+# exit column of the table, on every class of mesh, for each policy and batch) and depth 1 (the
+# first layer also the last) on DP 2 x TP 2 only, where both token axes are active; depth 1 on
+# the other meshes repeats those bindings and runs under -m slow.
 # Tests of one mesh share compiled programs (one xdist worker).
 SWEEP_MESHES = ((1, 1), (1, 4), (8, 1), (2, 2), (2, 4), (4, 2))
+DEPTH_ONE_MESH = (2, 2)
 SWEEP = [
     pytest.param(
         dp,
@@ -91,7 +96,8 @@ SWEEP = [
         policy,
         scattered,
         id=f"dp{dp}-tp{tp}-L{layers}-{policy.value}-{'scattered' if scattered else 'ordinary'}",
-        marks=pytest.mark.xdist_group(f"core-{dp}x{tp}"),
+        marks=[pytest.mark.xdist_group(f"core-{dp}x{tp}")]
+        + ([pytest.mark.slow] if layers == 1 and (dp, tp) != DEPTH_ONE_MESH else []),
     )
     for dp, tp in SWEEP_MESHES
     for layers in (1, 3)
