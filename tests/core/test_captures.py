@@ -76,8 +76,23 @@ def _programs(setup, scattered, scan):
     return plain, capturing, state, place, batch, model, counts
 
 
-@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan"])
-@pytest.mark.parametrize("dp,tp,policy,scattered", CONFIGS)
+# Each configuration and each way of running the middle layers by default: TP 4 unrolled,
+# DP 2 x TP 2 rsv under scan, and the input-scattered residual (a gather per capture) both ways;
+# TP 4 under scan and DP 2 x TP 2 rsv unrolled run under -m slow.
+CAPTURE_SLOW = {(CONFIGS[0], True), (CONFIGS[1], False)}
+CAPTURE_CASES = [
+    pytest.param(
+        *config,
+        scan,
+        id=f"{config[0]}-{config[1]}-{config[2]}-{config[3]}-{'scan' if scan else 'unrolled'}",
+        marks=[pytest.mark.slow] if (config, scan) in CAPTURE_SLOW else [],
+    )
+    for config in CONFIGS
+    for scan in (False, True)
+]
+
+
+@pytest.mark.parametrize("dp,tp,policy,scattered,scan", CAPTURE_CASES)
 def test_captured_hidden_states_equal_the_reference_residuals(dp, tp, policy, scattered, scan):
     """Layer i's capture is the residual after i layers (the stack input for layer 0), the final
     capture the residual the final norm reads; the main output is unchanged."""

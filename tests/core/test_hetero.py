@@ -16,18 +16,35 @@ from .standin import ROWS, count_patterns
 
 K = Kind
 V = bj.BatchVariant
-# (kinds, dp, tp, variant): the defect shapes of the pipeline PR among them.
+SLOW = pytest.mark.slow
+# (kinds, dp, tp, variant, marks): the defect shapes of the pipeline PR among them. By default
+# four scenarios that between them hold every batch kind, every stage kind and both mesh
+# classes: an MoE and a mixer under DP x TP, a mixer opening the stack and following a mixer, an
+# MoE on input-scattered rows beside one on its own rows, an FFN on its own rows in an unpadded
+# batch.
+# The rest (FFNs on their own rows at cuts, which the defect tests below also cut) run under
+# -m slow.
 SCENARIOS = [
-    ((K.ATTN, K.FFN_DP, K.ATTN, K.FFN), 1, 4, V.ORDINARY),
-    ((K.ATTN, K.FFN_DP, K.ATTN, K.FFN), 2, 2, V.ORDINARY),
-    ((K.ATTN, K.MOE_OWN, K.ATTN, K.MOE), 1, 2, V.ORDINARY),
-    ((K.ATTN, K.MOE, K.MIXER, K.FFN), 2, 2, V.ORDINARY),
-    ((K.MIXER, K.FFN, K.MIXER, K.MIXER), 1, 4, V.ORDINARY),
-    ((K.ATTN, K.FFN, K.ATTN, K.FFN_DP), 2, 2, V.INPUT_SCATTERED),
-    ((K.ATTN, K.MOE, K.ATTN, K.MOE_OWN), 1, 4, V.INPUT_SCATTERED),
-    ((K.ATTN, K.FFN_DP, K.MIXER, K.MOE), 1, 4, V.UNPADDED),
+    ((K.ATTN, K.FFN_DP, K.ATTN, K.FFN), 1, 4, V.ORDINARY, SLOW),
+    ((K.ATTN, K.FFN_DP, K.ATTN, K.FFN), 2, 2, V.ORDINARY, SLOW),
+    ((K.ATTN, K.MOE_OWN, K.ATTN, K.MOE), 1, 2, V.ORDINARY, SLOW),
+    ((K.ATTN, K.MOE, K.MIXER, K.FFN), 2, 2, V.ORDINARY, ()),
+    ((K.MIXER, K.FFN, K.MIXER, K.MIXER), 1, 4, V.ORDINARY, ()),
+    ((K.ATTN, K.FFN, K.ATTN, K.FFN_DP), 2, 2, V.INPUT_SCATTERED, SLOW),
+    ((K.ATTN, K.MOE, K.ATTN, K.MOE_OWN), 1, 4, V.INPUT_SCATTERED, ()),
+    ((K.ATTN, K.FFN_DP, K.MIXER, K.MOE), 1, 4, V.UNPADDED, ()),
 ]
-IDS = [f"{'-'.join(k.name for k in s[0])}-dp{s[1]}-tp{s[2]}-{s[3].value}" for s in SCENARIOS]
+SCENARIO_PARAMS = [
+    pytest.param(
+        kinds,
+        dp,
+        tp,
+        variant,
+        id=f"{'-'.join(k.name for k in kinds)}-dp{dp}-tp{tp}-{variant.value}",
+        marks=marks,
+    )
+    for kinds, dp, tp, variant, marks in SCENARIOS
+]
 
 
 def _rows(variant: V) -> int:
@@ -54,7 +71,7 @@ def _want(stacks, x, counts, dp):
     return jnp.where(valid[:, None], reference(stacks, jnp.where(valid[:, None], x, 0), dp), 0)
 
 
-@pytest.mark.parametrize("kinds,dp,tp,variant", SCENARIOS, ids=IDS)
+@pytest.mark.parametrize("kinds,dp,tp,variant", SCENARIO_PARAMS)
 def test_every_cut_equals_the_uncut_stack_and_the_reference(kinds, dp, tp, variant):
     """Sender, to_pp, transport, from_pp and receiver equal the uncut run and the float64
     single-device reference, at every cut; FFNs on their own rows and deferred finalizes among

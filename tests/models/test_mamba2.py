@@ -220,7 +220,9 @@ def rank_block(value, rows: int, *, dp: int, rank: int) -> np.ndarray:
     return np.asarray(value).reshape(dp, rows, *np.shape(value)[1:])[rank]
 
 
-@pytest.mark.parametrize("dp,tp", [(2, 2), (1, 4)], ids=str)
+# TP 4 (each group shared by 2 of 4 ranks) runs by default; DP 2 x TP 2 (the groups split, DP
+# rows) runs under -m slow: the Nemotron-H golden parity runs that split under DP 2 x TP 2.
+@pytest.mark.parametrize("dp,tp", [pytest.param(2, 2, marks=pytest.mark.slow), (1, 4)], ids=str)
 def test_mixer_under_attention_tp_equals_one_device(dp, tp):
     """Summed over attention TP, the out_proj partials of a prefill and of a decode step equal
     the one-device mixer on each DP rank's rows, and the caches hold the same states (the 2
