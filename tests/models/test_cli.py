@@ -17,6 +17,7 @@ from tests.models.test_moe_decoder import Layout as MoeLayout
 
 GOLDEN = pathlib.Path(__file__).parents[1] / "golden"
 P = bj.ReductionPolicy
+SLOW = pytest.mark.slow
 
 
 def _golden(name):
@@ -93,15 +94,31 @@ def test_generate_prints_the_greedy_ids_as_its_last_line(capsys):
     assert json.loads(last) == reference["generated"].tolist()
 
 
+# By default MoE forward with each dispatch (gathered over EP 4; all-to-all and gathered with
+# EP 2 splitting attn_tp) and dense Qwen2's generate; under -m slow MoE generate through the CLI
+# (the same options reaching the runner whose greedy tokens tests/models/test_moe_decoder.py
+# checks) and the attn_dp mesh (attn_dp reaches forward in the ragged-sequences test above).
 @pytest.mark.parametrize(
     "name,command,mesh,extra",
     [
         ("qwen2_moe", "forward", "attn_tp=4", ["--moe-ep", "4"]),
-        ("qwen2_moe", "generate", "attn_tp=4", ["--moe-ep", "4", "--moe-dispatch", "all-to-all"]),
+        pytest.param(
+            "qwen2_moe",
+            "generate",
+            "attn_tp=4",
+            ["--moe-ep", "4", "--moe-dispatch", "all-to-all"],
+            marks=SLOW,
+        ),
         ("qwen2", "generate", "attn_tp=4", []),
     ]
     + [  # --moe-ep splitting a mesh axis: attn_tp 4 as attn_tp_ep 2 x attn_tp 2
-        (name, command, mesh, extra)
+        pytest.param(
+            name,
+            command,
+            mesh,
+            extra,
+            marks=[] if command == "forward" and "attn_dp" not in mesh else [SLOW],
+        )
         for name, mesh, extra in (
             ("qwen3_moe", "attn_tp=4", ["--moe-ep", "2", "--moe-dispatch", "all-to-all"]),
             ("mixtral", "attn_tp=4", ["--moe-ep", "2"]),
@@ -129,11 +146,16 @@ def test_checkpoint_runs_with_expert_parallelism(tmp_path, capsys, name, command
         assert json.loads(last) == reference["generated"].tolist()
 
 
-@pytest.mark.parametrize(
+@pytest.mark.parametrize(  # all-to-all's counts run by default on the Qwen2-MoE checkpoint below
     "dispatch,per_layer,scan",
     [
         ("gather", {"all-reduce": 2}, True),
-        ("all-to-all", {"all-gather": 1, "reduce-scatter": 1, "all-to-all": 3}, False),
+        pytest.param(
+            "all-to-all",
+            {"all-gather": 1, "reduce-scatter": 1, "all-to-all": 3},
+            False,
+            marks=SLOW,
+        ),
     ],
 )
 def test_plan_json_reports_a_middle_sparse_layer(capsys, dispatch, per_layer, scan):
@@ -183,11 +205,13 @@ def test_plan_json_of_a_qwen2_moe_checkpoint(capsys, dispatch, per_layer):
     assert counts == per_layer
 
 
+# By default each mesh kind once (TP, DP x TP, input-scattered TP, DP); the other policies on
+# DP x TP under -m slow (tests/core/test_collectives.py checks every policy on every mesh).
 PLANS = [
     ("attn_tp=8", P.AR, False),
     ("attn_dp=2,attn_tp=4", P.RS_RSV, False),
-    ("attn_dp=2,attn_tp=4", P.RS, False),
-    ("attn_dp=2,attn_tp=4", P.AR, False),
+    pytest.param("attn_dp=2,attn_tp=4", P.RS, False, marks=SLOW),
+    pytest.param("attn_dp=2,attn_tp=4", P.AR, False, marks=SLOW),
     ("attn_tp=4", P.RS_RSV, True),
     ("attn_dp=8", P.AUTO, False),
 ]

@@ -35,9 +35,12 @@ MESHES = {
     "DP 2 x TP 2": (2, 2, 1, None),
     "EP 4": (1, 4, 4, A2A),  # MoE: 2 experts per rank, rows sent all-to-all
 }
-# Dense TP 4 runs in float32 below; the float64 reference itself runs on TP 1.
+# Dense TP 4 runs in float32 below; the float64 reference itself runs on TP 1. By default each
+# mesh once over the two families (MoE DP 2 x TP 2 repeats dense DP 2 x TP 2's attention and
+# MoE TP 4's experts: under -m slow).
 CASES = [("dense", "TP 1"), ("dense", "DP 2 x TP 2"), ("moe", "TP 4")]
 CASES += [("moe", "DP 2 x TP 2"), ("moe", "EP 4")]
+SLOW_CASES = {("moe", "DP 2 x TP 2")}
 FP8_FORMAT = Fp8Quantization().activations
 SEQUENCES = ([3, 1, 4, 1, 5, 9, 2], [6, 5, 3], [5, 8, 9, 7, 9])
 
@@ -80,7 +83,15 @@ def reference_logits(family: str, root: str) -> np.ndarray:
         return runner.forward(SEQUENCES)
 
 
-@pytest.mark.parametrize(("family", "mesh"), CASES, ids=[f"{f}-{m}" for f, m in CASES])
+@pytest.mark.parametrize(
+    ("family", "mesh"),
+    [
+        pytest.param(
+            *case, id="-".join(case), marks=[pytest.mark.slow] if case in SLOW_CASES else []
+        )
+        for case in CASES
+    ],
+)
 def test_fp8_model_equals_float64_on_dequantized_weights(family, mesh, root):
     """The FP8 checkpoint on this mesh (FP8 blocks and scales of every rank's own shard, FP8
     inputs into every projection and expert): logits within 1e-5 of the largest of the model

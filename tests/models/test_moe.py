@@ -22,6 +22,9 @@ from . import make_mesh, run_sharded
 
 HIDDEN, TOKENS = 16, 24
 GROUPED = (GroupedMatmulImpl.DENSE, GroupedMatmulImpl.RAGGED_DOT, GroupedMatmulImpl.PADDED_BATCHED)
+SLOW = pytest.mark.slow
+# Sweeps run DENSE (an einsum over every expert) under -m slow; the width-slice test runs it.
+SWEPT = [pytest.param(GroupedMatmulImpl.DENSE, marks=SLOW), *GROUPED[1:]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,18 +124,19 @@ def test_route_is_softmax_then_top_k(experts, top_k, renormalize):
 
 
 BLOCKS = [
-    # (experts, top_k, offset, local): the whole set, first/middle/last blocks, single experts.
+    # (experts, top_k, offset, local): the whole set, first/middle/last blocks, single experts;
+    # by default the whole set, a middle block, the last single expert and uneven sizes.
     (8, 2, 0, 8),
-    (8, 2, 0, 2),
+    pytest.param(8, 2, 0, 2, marks=SLOW),
     (8, 2, 4, 2),
-    (8, 2, 6, 2),
-    (16, 4, 4, 4),
+    pytest.param(8, 2, 6, 2, marks=SLOW),
+    pytest.param(16, 4, 4, 4, marks=SLOW),
     (16, 4, 15, 1),
     (6, 3, 2, 3),
 ]
 
 
-@pytest.mark.parametrize("impl", GROUPED, ids=lambda i: i.name)
+@pytest.mark.parametrize("impl", SWEPT, ids=lambda i: i.name)
 @pytest.mark.parametrize("experts,top_k,offset,local", BLOCKS)
 def test_block_outputs_equal_per_token_loop(experts, top_k, offset, local, impl):
     """Row (t, j) is expert experts[t, j] on token t when this block holds it, zero otherwise."""
@@ -181,11 +185,12 @@ def test_width_slices_sum_to_whole_expert(impl):
 
 
 SPLITS = [
-    # (experts, top_k, expert ranks, width ranks, renormalize, shared)
-    (8, 2, 4, 1, True, False),
+    # (experts, top_k, expert ranks, width ranks, renormalize, shared); by default experts over
+    # ranks alone, a shared expert with the width split, and uneven sizes without renormalizing.
+    pytest.param(8, 2, 4, 1, True, False, marks=SLOW),
     (8, 2, 2, 2, True, True),
     (16, 4, 8, 1, True, False),
-    (16, 4, 4, 2, False, True),
+    pytest.param(16, 4, 4, 2, False, True, marks=SLOW),
     (6, 3, 3, 2, False, False),
 ]
 
@@ -223,7 +228,7 @@ def rank_outputs(layer, routing, ranks, widths, impl, shared):
     return outputs
 
 
-@pytest.mark.parametrize("impl", GROUPED, ids=lambda i: i.name)
+@pytest.mark.parametrize("impl", SWEPT, ids=lambda i: i.name)
 @pytest.mark.parametrize("experts,top_k,ranks,widths,renormalize,shared", SPLITS)
 def test_rank_partials_sum_to_reference(experts, top_k, ranks, widths, renormalize, shared, impl):
     """Finalized partials summed over expert blocks and width slices equal the float64 loop,
@@ -303,8 +308,10 @@ def test_finalize_float32_and_bf16():
 EXPERT_AXIS, WIDTH_AXIS = bj.MeshAxis.ATTN_TP.value, bj.MeshAxis.ATTN_DP.value
 
 
-@pytest.mark.parametrize("shared", [False, True])
-@pytest.mark.parametrize("dp,tp", [(1, 1), (1, 4), (2, 4), (2, 2)])
+@pytest.mark.parametrize("shared", [False, True])  # one device and DP 2 x TP 4 under -m slow
+@pytest.mark.parametrize(
+    "dp,tp", [pytest.param(1, 1, marks=SLOW), (1, 4), pytest.param(2, 4, marks=SLOW), (2, 2)]
+)
 def test_module_under_shard_map(dp, tp, shared):
     """SparseMoe with experts split over one mesh axis and width over another, finalized and
     summed by the caller, equals the float64 reference of its global weights."""
@@ -479,9 +486,9 @@ def test_padded_batched_takes_the_first_bucket_that_fits(monkeypatch, busiest_lo
         np.testing.assert_allclose(np.asarray(got), want, atol=1e-12, rtol=1e-12)
 
 
-@pytest.mark.parametrize("impl", GROUPED, ids=lambda i: i.name)
+@pytest.mark.parametrize("impl", SWEPT, ids=lambda i: i.name)
 @pytest.mark.parametrize("busiest_load", [8, 16, 17], ids=["bucket 8", "bucket 16", "grouped"])
-@pytest.mark.parametrize("offset,local", [(0, 8), (0, 4)])
+@pytest.mark.parametrize("offset,local", [pytest.param(0, 8, marks=SLOW), (0, 4)])  # whole: slow
 def test_finalized_expert_outputs_equal_the_weighted_loop(impl, busiest_load, offset, local):
     """finalized_expert_outputs is the weighted sum of the block's per-choice outputs plus the
     shared share, through every PADDED_BATCHED branch (each bucket and the grouped fallback)."""

@@ -60,34 +60,42 @@ LAYOUTS = (
     Layout(8, 1, ep=8, dispatch=ALL_TO_ALL),
     Layout(1, 4, ep=4, dispatch=ALL_TO_ALL, scattered=True),
 )
-# Qwen3-MoE runs every layout by default; Mixtral and Qwen2-MoE, whose differences from it are
-# in the router and shared expert (the same on every layout), run one device and the layout that
-# moves the most (all-to-all from input-scattered rows) by default, the rest under -m slow.
-DEFAULT_LAYOUTS = (LAYOUTS[0], LAYOUTS[-1])
-CASES = (
-    [
-        pytest.param(
-            name,
-            layout,
-            id=f"{name}-{layout}",
-            marks=[pytest.mark.xdist_group(name)]
-            + ([] if name == "qwen3_moe" or layout in DEFAULT_LAYOUTS else [pytest.mark.slow]),
-        )
-        for name in ("qwen3_moe", "mixtral", "qwen2_moe")
-        for layout in LAYOUTS
-    ]
+# Every case below runs under -m slow. By default each golden checkpoint runs, on layouts that
+# together cover each kind: Qwen3-MoE on attention DP 8 with the largest EP
+# (all-to-all) and on DP 2 x TP 4 with EP 2 (each expert's width split over attention TP, the
+# finalize deferred), Qwen2-MoE's shared expert on input-scattered rows sent all-to-all over TP 4,
+# Mixtral's sliding windows on DP 2 x TP 2, plain Mixtral on one device. EP with gathered rows,
+# TP without EP and the other deferred layouts run layer by layer below (float64 reference and
+# compiled collectives) and in the shared-expert model test.
+DEFAULT_CASES = {
+    ("qwen3_moe", Layout(8, 1, ep=8, dispatch=ALL_TO_ALL)),
+    ("qwen3_moe", Layout(2, 4, ep=2, dispatch=ALL_TO_ALL, defer=True)),
+    ("qwen2_moe", Layout(1, 4, ep=4, dispatch=ALL_TO_ALL, scattered=True)),
+    ("mixtral_sliding", Layout(2, 2, ep=4, dispatch=ALL_TO_ALL)),
+    ("mixtral", Layout(1, 1)),
+}
+GOLDEN_CASES = (
+    [(name, layout) for name in ("qwen3_moe", "mixtral", "qwen2_moe") for layout in LAYOUTS]
     + [
-        pytest.param("mixtral_sliding", layout, id=f"mixtral_sliding-{layout}")
+        ("mixtral_sliding", layout)
         for layout in (Layout(1, 1), Layout(2, 2, ep=4, dispatch=ALL_TO_ALL))
     ]
     + [  # all-to-all with each expert's width split over attention TP (moe_tp > 1)
-        pytest.param(name, layout, id=f"{name}-{layout}", marks=pytest.mark.xdist_group(name))
-        for name, layout in (
-            ("qwen2_moe", Layout(2, 2, ep=2, dispatch=ALL_TO_ALL)),
-            ("qwen3_moe", Layout(2, 4, ep=2, dispatch=ALL_TO_ALL, defer=True)),
-        )
+        ("qwen2_moe", Layout(2, 2, ep=2, dispatch=ALL_TO_ALL)),
+        ("qwen3_moe", Layout(2, 4, ep=2, dispatch=ALL_TO_ALL, defer=True)),
     ]
 )
+assert set(GOLDEN_CASES) >= DEFAULT_CASES
+CASES = [
+    pytest.param(
+        name,
+        layout,
+        id=f"{name}-{layout}",
+        marks=[pytest.mark.xdist_group(name)]
+        + ([] if (name, layout) in DEFAULT_CASES else [pytest.mark.slow]),
+    )
+    for name, layout in GOLDEN_CASES
+]
 
 
 @functools.cache
@@ -224,8 +232,24 @@ def layer_reference(module: MoeFfn, x: np.ndarray) -> np.ndarray:
 TOKENS_IN = jax.random.normal(jax.random.key(2), (TOKENS, HIDDEN), jnp.float32)
 
 
-@pytest.mark.parametrize("defer", [False, True], ids=["finalized", "deferred"])
-@pytest.mark.parametrize("dp,tp,ep,dispatch", LAYER_MESHES)
+# Each mesh runs finalized and deferred under -m slow; by default each runs one of the two, in
+# turn down LAYER_MESHES (deferred on the even rows), so both dispatches run both finalizes.
+LAYER_CASES = [
+    pytest.param(
+        dp,
+        tp,
+        ep,
+        dispatch,
+        defer,
+        id=f"{dp}-{tp}-{ep}-{dispatch}-{'deferred' if defer else 'finalized'}",
+        marks=[] if defer == (index % 2 == 0) else [pytest.mark.slow],
+    )
+    for index, (dp, tp, ep, dispatch) in enumerate(LAYER_MESHES)
+    for defer in (False, True)
+]
+
+
+@pytest.mark.parametrize("dp,tp,ep,dispatch,defer", LAYER_CASES)
 def test_moe_ffn_matches_float64_reference(dp, tp, ep, dispatch, defer):
     """Experts over EP, width over moe_tp, tokens gathered or sent all-to-all: the completed
     output equals the float64 layer (each expert and each rank's shard has its own weights)."""
@@ -242,9 +266,30 @@ EVERY_EP = [  # every divisor of the full TP group on each 8-device mesh, not in
     for dispatch in (GATHER, ALL_TO_ALL)
     if (dp, tp, ep, dispatch) not in LAYER_MESHES
 ]
+# By default one dispatch for each size on each mesh (every size that splits a mesh axis among
+# them: 2 and 4 on TP 8, 4 on DP 2 x TP 4, 2 and 4 on DP 4 x TP 2), the other under -m slow.
+DEFAULT_EVERY_EP = {
+    (1, 8, 1, GATHER),
+    (1, 8, 2, ALL_TO_ALL),
+    (1, 8, 4, GATHER),
+    (1, 8, 8, ALL_TO_ALL),
+    (2, 4, 1, ALL_TO_ALL),
+    (2, 4, 4, ALL_TO_ALL),
+    (2, 4, 8, GATHER),
+    (4, 2, 2, GATHER),
+    (4, 2, 4, ALL_TO_ALL),
+    (4, 2, 8, GATHER),
+}
+assert set(EVERY_EP) >= DEFAULT_EVERY_EP
 
 
-@pytest.mark.parametrize("dp,tp,ep,dispatch", EVERY_EP)
+@pytest.mark.parametrize(
+    "dp,tp,ep,dispatch",
+    [
+        pytest.param(*case, marks=[] if case in DEFAULT_EVERY_EP else [pytest.mark.slow])
+        for case in EVERY_EP
+    ],
+)
 def test_every_expert_parallel_size_matches_float64_reference(dp, tp, ep, dispatch):
     """Any moe_ep dividing the full TP group, also one that splits a mesh axis into an
     expert-parallel part and a width part (moe_ep 2 or 4 on TP 8, 4 on DP 2 x TP 4, 2 on DP 4 x
@@ -255,9 +300,14 @@ def test_every_expert_parallel_size_matches_float64_reference(dp, tp, ep, dispat
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.max(np.abs(want)))
 
 
-@pytest.mark.parametrize(
+@pytest.mark.parametrize(  # gather, and all-to-all with the width split (moe_tp 2), by default
     "dp,tp,ep,dispatch",
-    [(1, 4, 4, GATHER), (2, 2, 2, GATHER), (2, 4, 2, ALL_TO_ALL), (2, 4, 8, ALL_TO_ALL)],
+    [
+        (1, 4, 4, GATHER),
+        pytest.param(2, 2, 2, GATHER, marks=pytest.mark.slow),
+        (2, 4, 2, ALL_TO_ALL),
+        pytest.param(2, 4, 8, ALL_TO_ALL, marks=pytest.mark.slow),
+    ],
 )
 def test_padded_batched_experts_match_float64_reference(monkeypatch, dp, tp, ep, dispatch):
     """PADDED_BATCHED inside the layer: every dispatch sizes the buckets by the even share of
@@ -422,9 +472,29 @@ def _documented_moe_rows() -> dict[Layout, tuple[str, ...]]:
 
 
 MIDDLE_SPARSE_LAYER = _documented_moe_rows()
+# Every row under -m slow; by default one row of each sequence the table documents (gathered
+# rows on TP, on DP x TP and on DP alone; all-to-all on DP alone, from input-scattered rows, and
+# with each expert's width split), which also run EP 2 splitting a mesh axis, the largest EP, and
+# a deferred finalize with each dispatch.
+DEFAULT_MIDDLE_SPARSE = {
+    Layout(1, 4, ep=2),
+    Layout(2, 2, ep=4, defer=True),
+    Layout(8, 1, ep=8),
+    Layout(8, 1, ep=8, dispatch=ALL_TO_ALL),
+    Layout(1, 4, ep=4, dispatch=ALL_TO_ALL, scattered=True),
+    Layout(2, 4, ep=2, dispatch=ALL_TO_ALL, defer=True),
+}
+assert set(MIDDLE_SPARSE_LAYER) >= DEFAULT_MIDDLE_SPARSE
 
 
-@pytest.mark.parametrize("layout", list(MIDDLE_SPARSE_LAYER), ids=str)
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param(layout, marks=[] if layout in DEFAULT_MIDDLE_SPARSE else [pytest.mark.slow])
+        for layout in MIDDLE_SPARSE_LAYER
+    ],
+    ids=str,
+)
 def test_middle_sparse_layer_collectives(layout):
     """A middle layer of a 4-layer Mixtral runs exactly the collectives docs/collectives.md
     documents for it (gather and all-to-all, finalize deferred or not), each all-to-all over the

@@ -27,8 +27,16 @@ TEXT = pathlib.Path(__file__).parents[1] / "golden" / "text"
 REFERENCE = json.loads((TEXT / "text_reference.json").read_text())
 CASES = REFERENCE["cases"]
 NEW = str(REFERENCE["max_new_tokens"])
-# One program, and two pipeline stages (one layer each, a microbatch per prompt).
-MESHES = pytest.mark.parametrize("mesh", [[], ["--mesh", "pp=2"]], ids=["one-program", "pp2"])
+# One program, and two pipeline stages (one layer each, a microbatch per prompt). By default
+# the pipeline stages: one program's text runs in the chat and forward tests below, and its
+# streamed tokens in tests/models/test_runtime.py; one program here under -m slow.
+MESHES = pytest.mark.parametrize(
+    "mesh",
+    [
+        pytest.param([], id="one-program", marks=pytest.mark.slow),
+        pytest.param(["--mesh", "pp=2"], id="pp2"),
+    ],
+)
 
 
 def _last_line(capsys) -> str:
