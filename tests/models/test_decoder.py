@@ -26,18 +26,24 @@ LAYOUTS = (
     ("DP 2 x TP 2", 2, 2, False),
     ("input-scattered TP 4", 1, 4, True),
 )
-# Qwen3 runs every layout by default; each other family runs one layout of its own (its golden
-# parity), the rest under -m slow: Llama DP 2 x TP 2 (its untied head and llama3 RoPE with rows
-# split over DP), Mistral on one device, Qwen2 TP 4 (its q/k/v biases split with their heads, its
-# 2 kv heads shared by ranks; the runner test_model_classes_check_their_architecture loads).
-DEFAULT_LAYOUT = {"llama": "DP 2 x TP 2", "mistral": "TP 1", "qwen2": "TP 4"}
+# Each family runs its own layouts by default, together every layout once, the rest under -m
+# slow: Qwen3 TP 8 and input-scattered TP 4, Llama DP 2 x TP 2 (its untied head and llama3 RoPE
+# with rows split over DP), Mistral on one device, Qwen2 TP 4 (its q/k/v biases split with their
+# heads, its 2 kv heads shared by ranks; the runner test_model_classes_check_their_architecture
+# loads).
+DEFAULT_LAYOUTS = {
+    "qwen3": {"TP 8", "input-scattered TP 4"},
+    "llama": {"DP 2 x TP 2"},
+    "mistral": {"TP 1"},
+    "qwen2": {"TP 4"},
+}
 CASES = [
     pytest.param(
         name,
         *layout[1:],
         id=f"{name}-{layout[0]}",
         marks=[pytest.mark.xdist_group(name)]
-        + ([pytest.mark.slow] if DEFAULT_LAYOUT.get(name, layout[0]) != layout[0] else []),
+        + ([] if layout[0] in DEFAULT_LAYOUTS[name] else [pytest.mark.slow]),
     )
     for name in (*NAMES, "qwen2")
     for layout in LAYOUTS

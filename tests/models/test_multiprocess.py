@@ -46,13 +46,16 @@ def _launch(monkeypatch, processes: int, layout: str, out: pathlib.Path, **optio
     return launch(processes, [layout, str(out)], module=WORKER, **options)
 
 
-# Four processes (each stage on two, so handoffs and the checkpoint reads cross processes) run by
-# default; two processes with each TP group also across them run under -m slow.
+# Two processes, each TP group and each stage handoff across them, run by default (the cheaper
+# launch, and the only one whose collectives cross processes); four processes (each stage on two,
+# so handoffs and the checkpoint reads cross processes) run under -m slow.
 @pytest.mark.parametrize(
     "processes,layout,share",
     [
-        pytest.param(2, "twisted", 0.55, id="2-processes-tp-and-pp-across", marks=pytest.mark.slow),
-        pytest.param(4, "stages", 0.4, id="4-processes-tp-within-pp-across"),
+        pytest.param(2, "twisted", 0.55, id="2-processes-tp-and-pp-across"),
+        pytest.param(
+            4, "stages", 0.4, id="4-processes-tp-within-pp-across", marks=pytest.mark.slow
+        ),
     ],
 )
 def test_processes_give_the_one_process_logits_and_tokens(
