@@ -1,13 +1,13 @@
-"""Grouped block-scaled FP8 matmul for decode-sized MoE steps: reads only the FP8 weights of
-experts that have rows, dequantizing in registers.
+"""Grouped block-scaled FP8 matmul for decode-sized MoE steps: reads only the FP8 weights of experts
+that have rows, dequantizing in registers.
 
-`out[r] = x[r] @ w[g(r)].T` for rows sorted by group (expert), each row quantized per token
-group and each expert's [N, K] weight per 128 x 128 block (`fp8_grouped_matmul_reference`).
-One program per (expert with rows, column block), as `grouped_matmul.expert_matmul` does for
-bf16: it walks the expert's rows `block_rows` at a time and, for each, streams the expert's
-[block_n, K] FP8 weight slice one scale block at a time, both operands converted to bf16 in
-registers (exact), float32 sums scaled per block. Runs through the Pallas Triton lowering
-(NVIDIA GPUs, compute capability >= 8.9) or the Pallas interpreter (any platform, tests).
+`out[r] = x[r] @ w[g(r)].T` for rows sorted by group (expert), each row quantized per token group
+and each expert's [N, K] weight per 128 x 128 block (`fp8_grouped_matmul_reference`). One program
+per (expert with rows, column block), as `grouped_matmul.expert_matmul` does for bf16: it walks the
+expert's rows `block_rows` at a time and, for each, streams the expert's [block_n, K] FP8 weight
+slice one scale block at a time, both operands converted to float16 in registers (exact, as in
+`fp8_matmul_triton`), float32 sums scaled per block. Runs through the Pallas Triton lowering (NVIDIA
+GPUs, compute capability >= 8.9) or the Pallas interpreter (any platform, tests).
 """
 
 import functools
@@ -54,13 +54,13 @@ def _fp8_grouped_kernel(
 
             def step(depth_block, acc):
                 depth = pl.ds(pl.multiple_of(depth_block * SCALE_BLOCK, SCALE_BLOCK), SCALE_BLOCK)
-                # Triton cannot fill an FP8 load: the rows past the group are zeroed in bf16.
-                x = pltriton.load(x_values_ref.at[rows, depth], mask=valid).astype(jnp.bfloat16)
+                # Triton cannot fill an FP8 load: the rows past the group are zeroed in float16.
+                x = pltriton.load(x_values_ref.at[rows, depth], mask=valid).astype(jnp.float16)
                 x = jnp.where(valid, x, jnp.zeros_like(x))
                 w = w_values_ref[group, columns, depth]
                 partial = lax.dot_general(
                     x,
-                    w.astype(jnp.bfloat16),
+                    w.astype(jnp.float16),
                     (((1,), (1,)), ((), ())),
                     preferred_element_type=jnp.float32,
                 )
