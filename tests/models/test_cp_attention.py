@@ -4,6 +4,7 @@ one device's `attend_packed`, forward and gradients, with mutants the comparison
 from __future__ import annotations
 
 import functools
+import re
 
 import chex
 import jax
@@ -87,13 +88,37 @@ def sharded(cp: int, mode: CpAttentionMode):
     def loss(q, k, v, positions, segments, cotangent):
         return jnp.sum(forward(q, k, v, positions, segments) * cotangent)
 
-    return on_mesh(forward, mesh, rows), on_mesh(jax.grad(loss, argnums=(0, 1, 2)), mesh, rows)
+    return OnMesh(forward, mesh, rows), OnMesh(jax.grad(loss, argnums=(0, 1, 2)), mesh, rows)
 
 
-def on_mesh(fn, mesh, rows):
+class OnMesh:
     """`fn` jitted, its arguments first split over the CP ranks by rows."""
-    jitted = jax.jit(fn)
-    return lambda *args: jitted(*bj.place(args, mesh, (rows,) * len(args)))
+
+    def __init__(self, fn, mesh, rows):
+        self.jitted, self.mesh, self.rows = jax.jit(fn), mesh, rows
+
+    def placed(self, args: tuple) -> tuple:
+        return bj.place(args, self.mesh, (self.rows,) * len(args))
+
+    def __call__(self, *args):
+        return self.jitted(*self.placed(args))
+
+    def lower(self, *args):
+        return self.jitted.lower(*self.placed(args))
+
+
+def cp_inputs(order, *packed: np.ndarray) -> list[np.ndarray]:
+    """Packed inputs in CP order, CP padding rows filled with random values (not zeros, which
+    would hide a padding key that leaks into a real row, or a padding query that is not
+    zeroed)."""
+    rng = np.random.default_rng(2)
+    padding = order.source.reshape(-1) < 0
+    out = []
+    for x in packed:
+        x = order.to_cp(x, 0)
+        x[padding] = rng.standard_normal(x[padding].shape, np.float32)
+        out.append(x)
+    return out
 
 
 def cotangent(rows: int) -> np.ndarray:
@@ -155,7 +180,7 @@ def test_cp_attention_equals_one_device(cp, mode):
     want = np.asarray(reference(q, k, v))
     order, positions, segments = cp_rows(cp)
     forward, _ = sharded(cp, mode)
-    got = np.asarray(forward(*(order.to_cp(x, 0) for x in (q, k, v)), positions, segments))
+    got = np.asarray(forward(*cp_inputs(order, q, k, v), positions, segments))
     chex.assert_trees_all_close(order.from_cp(got), want[: sum(LENGTHS)], atol=TOL, rtol=TOL)
     np.testing.assert_array_equal(got[segments < 0], 0)
     # Mutant: the inverse of the contiguous order (no zigzag) puts rows in the wrong places.
@@ -177,9 +202,7 @@ def test_cp_attention_gradients_equal_one_device(cp, mode):
         lambda q, k, v: jnp.sum(reference(q, k, v) * full_cotangent), argnums=(0, 1, 2)
     )(q, k, v)
     _, grad = sharded(cp, mode)
-    got = grad(
-        *(order.to_cp(x, 0) for x in (q, k, v)), positions, segments, cotangent(order.source.size)
-    )
+    got = grad(*cp_inputs(order, q, k, v), positions, segments, cotangent(order.source.size))
     for name, g, w in zip("qkv", got, want, strict=True):
         chex.assert_trees_all_close(
             order.from_cp(np.asarray(g)), np.asarray(w)[: sum(LENGTHS)], atol=TOL, rtol=TOL
@@ -207,7 +230,7 @@ def ring_missing_last_step(cp: int):
         return partial.result()
 
     mesh = bj.make_mesh(topology)
-    return on_mesh(jax.shard_map(body, mesh=mesh, in_specs=(rows,) * 5, out_specs=rows), mesh, rows)
+    return OnMesh(jax.shard_map(body, mesh=mesh, in_specs=(rows,) * 5, out_specs=rows), mesh, rows)
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -217,5 +240,25 @@ def test_ring_missing_a_step_is_caught(cp):
     q, k, v = packed_inputs()
     want = np.asarray(reference(q, k, v))[: sum(LENGTHS)]
     order, positions, segments = cp_rows(cp)
-    got = ring_missing_last_step(cp)(*(order.to_cp(x, 0) for x in (q, k, v)), positions, segments)
+    got = ring_missing_last_step(cp)(*cp_inputs(order, q, k, v), positions, segments)
     assert np.abs(order.from_cp(np.asarray(got)) - want).max() > 1e-2
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
+def test_each_mode_issues_its_collectives(mode):
+    """All-gather: K/V (with positions and segments) gathered once, no ring. Ring: C-1 steps of
+    sends (k, v, positions, segments), each step's send issued before that step's block of
+    attention, so the transfer can run under it; no all-gather."""
+    cp = 4
+    q, k, v = packed_inputs()
+    order, positions, segments = cp_rows(cp)
+    forward, _ = sharded(cp, mode)
+    text = forward.lower(*cp_inputs(order, q, k, v), positions, segments).as_text()
+    ops = re.findall(r"stablehlo\.(collective_permute|all_gather|dot_general)", text)
+    sends = ops.count("collective_permute")
+    if mode is CpAttentionMode.ALL_GATHER:
+        assert sends == 0 and ops.count("all_gather") >= 1, ops
+        return
+    assert "all_gather" not in ops and sends == 4 * (cp - 1), ops
+    steps = "".join({"collective_permute": "s", "dot_general": "d"}[op] for op in ops)
+    assert re.fullmatch(r"(s{4}d{2}){3}d{2}", steps), steps
