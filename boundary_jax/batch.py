@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from .layout import BatchVariant, TokenAxis, Topology
+from .layout import BatchVariant, Topology
 
 
 @functools.partial(
@@ -22,15 +22,15 @@ from .layout import BatchVariant, TokenAxis, Topology
 class BatchFacts:
     """What a forward's boundaries need to know about its batch.
 
-    Each attention-DP rank holds a static, padded block of token rows; `token_counts[r]` says how
-    many leading rows of DP rank r's block are real tokens (an idle rank has 0). Shapes stay
-    static under `jit`; only the counts are runtime values.
+    Each attention-DP rank (under context parallelism, each DP x CP rank) holds a static, padded
+    block of token rows; `token_counts[r]` says how many leading rows of block r are real tokens
+    (an idle rank has 0). Shapes stay static under `jit`; only the counts are runtime values.
 
     Attributes:
       variant: The batch variant; every stage must have a bound path for it.
       topology: The parallel topology the rows are laid out on.
-      token_counts: int32 [attn_dp] valid rows per DP rank, replicated; None when every row of
-        every block is a real token.
+      token_counts: int32 [attn_dp * attn_cp] valid rows per block, replicated; None when
+        every row of every block is a real token.
     """
 
     variant: BatchVariant
@@ -39,13 +39,11 @@ class BatchFacts:
 
     def __post_init__(self):
         counts = self.token_counts
-        if counts is not None and getattr(counts, "shape", None) not in (
-            None,
-            (self.topology.attn_dp,),
-        ):
+        blocks = self.topology.size(self.topology.attention_rows().sharded)
+        if counts is not None and getattr(counts, "shape", None) not in (None, (blocks,)):
             raise ValueError(
-                f"token_counts holds one count per attention-DP rank ({self.topology.attn_dp}); "
-                f"got shape {counts.shape}"
+                f"token_counts holds one count per block of attention rows (attention DP x CP "
+                f"= {blocks}); got shape {counts.shape}"
             )
 
     @classmethod
@@ -56,8 +54,8 @@ class BatchFacts:
 
         Args:
           topology: The parallel topology.
-          token_counts: [attn_dp] real tokens per DP rank's block, or None when every row is
-            a token.
+          token_counts: [attn_dp * attn_cp] real tokens per block of attention rows, or None
+            when every row is a token.
           rows: The rows of each DP rank's block; required with `token_counts`, which must lie
             in [0, rows].
 
@@ -113,14 +111,15 @@ class BatchFacts:
         """
         if self.token_counts is None:
             return None
-        dp = self.topology.active((TokenAxis.ATTN_DP,))
-        index = jax.lax.axis_index(self.topology.mesh_names(dp)) if dp else 0
-        return jnp.arange(rows) < self.token_counts[index]
+        return jnp.arange(rows) < self.token_counts[self._block_index()]
 
     def has_tokens(self) -> jax.Array | bool:
         """Whether this DP rank holds any real token (call inside `shard_map`)."""
         if self.token_counts is None:
             return True
-        dp = self.topology.active((TokenAxis.ATTN_DP,))
-        index = jax.lax.axis_index(self.topology.mesh_names(dp)) if dp else 0
-        return self.token_counts[index] > 0
+        return self.token_counts[self._block_index()] > 0
+
+    def _block_index(self) -> jax.Array | int:
+        """This rank's block of attention rows (its attention DP x CP rank), inside `shard_map`."""
+        names = self.topology.mesh_names(self.topology.attention_rows().sharded)
+        return jax.lax.axis_index(names) if names else 0

@@ -250,11 +250,12 @@ class Topology:
         return Layout(self.active(axes))
 
     def attention_rows(self) -> Layout:
-        """The attention's rows: each attention-DP rank's tokens, alike over attention TP.
+        """The attention's rows: each attention-DP rank's tokens (under context parallelism,
+        this attention-CP rank's zigzag share of them), alike over attention TP.
 
         Also the rows of the stack input (the embedding) and of the stack output.
         """
-        return self.layout(TokenAxis.ATTN_DP)
+        return self.layout(TokenAxis.ATTN_DP, TokenAxis.ATTN_CP)
 
     def sum_axes(self, group: SumGroup) -> tuple[TokenAxis, ...]:
         """The token axes a sum over `group` runs across, size-one axes dropped.

@@ -9,8 +9,9 @@ from .plan import StageRows
 
 
 def own_rows(topology: Topology) -> Layout:
-    """This rank's own rows: its attention-TP slice of its attention-DP rank's tokens."""
-    return topology.layout(TokenAxis.ATTN_DP, TokenAxis.ATTN_TP)
+    """This rank's own rows: its attention-TP slice of the attention's rows (its attention-DP
+    rank's tokens, or its attention-CP rank's share of them)."""
+    return topology.layout(TokenAxis.ATTN_DP, TokenAxis.ATTN_CP, TokenAxis.ATTN_TP)
 
 
 def _runs_on_own_rows(declaration: StageDeclaration, topology: Topology) -> bool:

@@ -19,6 +19,7 @@ from .config import DecoderConfig
 from .families import CausalLM, DeepseekCausalLM, MoeCausalLM, Remat, model_class
 from .initialization import initialize_params
 from .layers.attention import AttentionImpl
+from .layers.cp_attention import CpAttentionMode
 from .layers.fp8_linear import Fp8Quantization
 from .layers.hyper_connections import HyperConnections
 
@@ -44,9 +45,23 @@ def construct_model(
     dense_ffn_dp: bool = False,
     layer_range: range | None = None,
     quantization: Fp8Quantization | None = None,
+    cp_attention: CpAttentionMode = CpAttentionMode.ALL_GATHER,
 ) -> CausalLM:
     cls = model_class(config)
     extra: dict = {}
+    if topology.attn_cp > 1 and issubclass(cls, MoeCausalLM):
+        raise NotImplementedError(
+            f"context parallelism is built for dense decoders; {cls.__name__} has experts (or "
+            f"SSM mixers) and is not supported under it yet; got attn_cp={topology.attn_cp}. "
+            "Use a mesh with attn_cp=1"
+        )
+    if cp_attention is not CpAttentionMode.ALL_GATHER:
+        if cls.__init__ is not CausalLM.__init__:
+            raise NotImplementedError(
+                f"{cls.__name__} takes no cp_attention option yet (only the plain dense "
+                f"decoders do); got {cp_attention=}. Leave it at CpAttentionMode.ALL_GATHER"
+            )
+        extra["cp_attention"] = cp_attention
     if quantization is not None:
         if not cls.quantizable:
             raise NotImplementedError(
@@ -102,6 +117,7 @@ def build_model(
     scan_layers: bool = False,
     dense_ffn_dp: bool = False,
     quantization: Fp8Quantization | None = None,
+    cp_attention: CpAttentionMode = CpAttentionMode.ALL_GATHER,
 ) -> CausalLM:
     """A model of `config` with random weights, drawn as the family initializes them (Hugging
     Face: normal(0, `config.initializer_range`) projections, embeddings and experts; norms ones,
@@ -133,6 +149,8 @@ def build_model(
         every rank, run on its own rows; `declare_ffn(dense_tp_size=1)`).
       quantization: FP8 projection weights (random blocks quantized as drawn) and FP8 inputs
         into them; None: every weight in `dtype`.
+      cp_attention: How a prefill attends across attention-CP ranks, where `topology` has
+        `attn_cp > 1` (all-gather of K/V or the ring; dense decoders only).
     """
     if attention is None:
         attention = AttentionImpl.for_platform(mesh_platform(mesh))
@@ -150,6 +168,7 @@ def build_model(
             hyper_connections=hyper_connections,
             scan_layers=scan_layers,
             quantization=quantization,
+            cp_attention=cp_attention,
             rngs=nnx.Rngs(0),
         )
     )
@@ -172,6 +191,7 @@ def load_model(
     scan_layers: bool = False,
     dense_ffn_dp: bool = False,
     quantization: Fp8Quantization | None = None,
+    cp_attention: CpAttentionMode = CpAttentionMode.ALL_GATHER,
 ) -> CausalLM:
     """A model loaded from a Hugging Face checkpoint directory, each device reading its shard.
 
@@ -181,8 +201,8 @@ def load_model(
     `moe_dispatch` (None: `MoeDispatch.GATHER`). `attention` None picks
     `AttentionImpl.for_platform`; `remat` says what each layer keeps for a backward pass.
     With `scan_layers` (see `build_model`) a stacked parameter is read layer by layer, each
-    device still reading only its shard of each layer's tensor. `dense_ffn_dp`: as
-    `build_model`'s (DeepSeek checkpoints).
+    device still reading only its shard of each layer's tensor. `dense_ffn_dp` and
+    `cp_attention`: as `build_model`'s.
 
     A fine-grained FP8 checkpoint (`quantization_config` with `quant_method: fp8`) loads as an
     FP8 model (`quantization` None: `Fp8Quantization.for_platform`); `quantization` given
@@ -209,6 +229,7 @@ def load_model(
             hyper_connections=None,
             scan_layers=scan_layers,
             quantization=quantization,
+            cp_attention=cp_attention,
             rngs=nnx.Rngs(0),
         )
     )

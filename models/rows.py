@@ -2,6 +2,9 @@
 
 The forward runs on rows, not a [batch, seq] grid: each attention-DP rank holds a block of
 `rows_per_rank` rows, its sequences packed one after another from row 0, the rest padding.
+Under context parallelism (`attn_cp = C > 1`) a DP rank's block is C blocks of
+`rows_per_rank / C` rows, one per CP rank, each holding that rank's zigzag share of the packed
+sequences (`zigzag.zigzag_order`: chunks i and 2C-1-i of each) from row 0, the rest padding.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import jax
 import numpy as np
 
 import boundary_jax as bj
+
+from .zigzag import ZigzagOrder, zigzag_order
 
 
 class RowsPhase(enum.Enum):
@@ -62,7 +67,8 @@ class PackedBatch:
 
     Attributes:
       rows: The packed rows, [attn_dp * rows_per_rank].
-      token_counts: [attn_dp] real rows per DP rank (the rest of each block is padding).
+      token_counts: [attn_dp * attn_cp] real rows per (DP, CP) block (the rest of each block
+        is padding).
       rank: DP rank of each sequence.
       slot: Slot (segment id) of each sequence on its DP rank.
       start: First row of each sequence within its DP rank's block.
@@ -71,6 +77,8 @@ class PackedBatch:
       slots_per_rank: Static number of sequence slots per DP rank.
       decode_rows_per_rank: Block size of a one-row-per-slot decode step (slots rounded up to
         a multiple of attention TP).
+      zigzag: Under context parallelism, each DP rank's CP row order (`start` counts rows of
+        the packed order, before it); None without.
     """
 
     rows: TokenRows
@@ -82,33 +90,39 @@ class PackedBatch:
     rows_per_rank: int
     slots_per_rank: int
     decode_rows_per_rank: int
+    zigzag: tuple[ZigzagOrder, ...] | None = None
+
+    def _sequence_rows(self, index: int) -> np.ndarray:
+        """The rows (in the concatenated blocks) of sequence `index`, in its order."""
+        rank, start, length = self.rank[index], self.start[index], self.lengths[index]
+        packed = np.arange(start, start + length)
+        within = packed if self.zigzag is None else self.zigzag[rank].inverse[packed]
+        return rank * self.rows_per_rank + within
 
     def unpack(self, values: np.ndarray) -> np.ndarray:
         """[attn_dp * rows_per_rank, ...] row values -> [sequences, longest, ...], zero-padded."""
         values = np.asarray(values)
         out = np.zeros((len(self.lengths), max(self.lengths), *values.shape[1:]), values.dtype)
-        for index, (rank, start, length) in enumerate(
-            zip(self.rank, self.start, self.lengths, strict=True)
-        ):
-            first = rank * self.rows_per_rank + start
-            out[index, :length] = values[first : first + length]
+        for index, length in enumerate(self.lengths):
+            out[index, :length] = values[self._sequence_rows(index)]
         return out
 
     def last_rows(self, values: np.ndarray) -> np.ndarray:
         """The value at each sequence's last row: [sequences, ...]."""
         values = np.asarray(values)
-        rows = [
-            rank * self.rows_per_rank + start + length - 1
-            for rank, start, length in zip(self.rank, self.start, self.lengths, strict=True)
-        ]
-        return values[rows]
+        return values[[self._sequence_rows(i)[-1] for i in range(len(self.lengths))]]
 
     def last_row_index(self) -> np.ndarray:
         """int32 [attn_dp * decode_rows_per_rank]: per DP rank and slot, the row (within the
         rank's block) of that slot's sequence's last token; -1 for an empty slot.
 
         Fed to the model as `last_rows`, it yields one logits row per slot, in slot order.
+
+        Raises:
+          NotImplementedError: Under context parallelism (a sequence's last row is on one CP
+            rank; decode under CP is not built).
         """
+        _reject_cp(self, "last_row_index")
         dp = len(self.token_counts)
         index = np.full(dp * self.decode_rows_per_rank, -1, np.int32)
         for rank, slot, start, length in zip(
@@ -140,7 +154,9 @@ def pack_sequences(
     """Packs whole sequences onto attention-DP ranks, balancing their token counts.
 
     Longest sequences go first, each to the DP rank with the fewest tokens so far. Blocks are
-    padded to a common size that divides over attention TP (so input-scattered batches work).
+    padded to a common size that divides over attention TP (so input-scattered batches work);
+    under context parallelism each DP block is laid out in zigzag CP order (module docstring),
+    its CP blocks padded alike, and `token_counts` counts the real rows of each (DP, CP) block.
     `rows_per_rank` and `slots_per_rank` fix the prefill block and the decode block (cache
     slots per rank) to larger static sizes, so that batches of other sizes share one program.
     `max_sequence_rows` bounds every sequence's length (static, as `TokenRows` carries it), so
@@ -148,7 +164,8 @@ def pack_sequences(
 
     Raises:
       ValueError: A sequence is empty or longer than `max_sequence_rows`, or `rows_per_rank` /
-        `slots_per_rank` is too small or not a multiple of attention TP.
+        `slots_per_rank` is too small or not a multiple of attention TP (CP x TP for
+        `rows_per_rank`).
     """
     if not sequences or any(len(s) == 0 for s in sequences):
         raise ValueError("pack_sequences needs at least one sequence and no empty sequence")
@@ -163,12 +180,18 @@ def pack_sequences(
         rank = min(range(dp), key=lambda r: (load[r], len(members[r]), r))
         members[rank].append(index)
         load[rank] += len(sequences[index])
-    needed = _round_up(max(max(load), 1), topology.attn_tp)
+    cp, tp = topology.attn_cp, topology.attn_tp
+    lengths = [[len(sequences[i]) for i in sorted(indices)] for indices in members]
+    per_cp = [
+        zigzag_order(held, cp).rows_per_cp_rank if held and cp > 1 else total
+        for held, total in zip(lengths, load, strict=True)
+    ]
+    needed = cp * _round_up(max(max(per_cp), 1), tp)
     block = needed if rows_per_rank is None else rows_per_rank
-    if block < needed or block % topology.attn_tp:
+    if block < needed or block % (cp * tp):
         raise ValueError(
-            f"rows_per_rank must be a multiple of attention TP ({topology.attn_tp}) holding "
-            f"{max(load)} rows; got {rows_per_rank}"
+            f"rows_per_rank must be a multiple of attention CP x TP ({cp} x {tp}) holding "
+            f"{needed} rows; got {rows_per_rank}"
         )
     ids = np.zeros(dp * block, np.int32)
     positions = np.zeros(dp * block, np.int32)
@@ -184,6 +207,12 @@ def pack_sequences(
             segments[row : row + len(tokens)] = slot
             rank_of[index], slot_of[index], start_of[index] = rank, slot, offset
             offset += len(tokens)
+    counts = np.asarray(load, np.int32)
+    zigzag = None
+    if cp > 1:
+        ids, positions, segments, counts, zigzag = _zigzag_blocks(
+            (ids, positions, segments), lengths, cp, block
+        )
     slots = _round_up(max(len(m) for m in members), topology.attn_tp)
     if slots_per_rank is not None:
         if slots_per_rank < slots or slots_per_rank % topology.attn_tp:
@@ -194,7 +223,7 @@ def pack_sequences(
         slots = slots_per_rank
     return PackedBatch(
         rows=TokenRows(ids, positions, segments, max_sequence_rows=max_sequence_rows),
-        token_counts=np.asarray(load, np.int32),
+        token_counts=counts,
         rank=tuple(rank_of),
         slot=tuple(slot_of),
         start=tuple(start_of),
@@ -202,7 +231,31 @@ def pack_sequences(
         rows_per_rank=block,
         slots_per_rank=max(len(m) for m in members),
         decode_rows_per_rank=slots,
+        zigzag=zigzag,
     )
+
+
+def _zigzag_blocks(
+    packed: tuple[np.ndarray, np.ndarray, np.ndarray],
+    lengths: list[list[int]],
+    cp: int,
+    block: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, tuple[ZigzagOrder, ...]]:
+    """Packed DP blocks (ids, positions, segment ids) in zigzag CP order, with the real rows of
+    each (DP, CP) block and each DP rank's order (an idle DP rank's holds no sequence)."""
+    out = [np.empty_like(values) for values in packed]
+    counts, orders = [], []
+    for rank, held in enumerate(lengths):
+        if held:
+            order = zigzag_order(held, cp, rows_per_cp_rank=block // cp)
+        else:
+            order = ZigzagOrder(np.full((cp, block // cp), -1, np.int32), np.zeros(0, np.int32), ())
+        rows = slice(rank * block, (rank + 1) * block)
+        for values, target, fill in zip(packed, out, (0, 0, -1), strict=True):
+            target[rows] = order.to_cp(values[rows], fill)
+        counts.extend((order.source >= 0).sum(axis=1))
+        orders.append(order)
+    return (*out, np.asarray(counts, np.int32), tuple(orders))
 
 
 def decode_rows(packed: PackedBatch, tokens: np.ndarray, positions: np.ndarray) -> PackedBatch:
@@ -210,7 +263,11 @@ def decode_rows(packed: PackedBatch, tokens: np.ndarray, positions: np.ndarray) 
 
     The block per DP rank holds one row per slot (`decode_rows_per_rank`, the cache's slots per
     rank), so row i of a rank is cache slot i, as a DECODE call requires.
+
+    Raises:
+      NotImplementedError: `packed` is a context-parallel prefill (decode under CP is not built).
     """
+    _reject_cp(packed, "decode_rows")
     dp = len(packed.token_counts)
     block = packed.decode_rows_per_rank
     ids = np.zeros(dp * block, np.int32)
@@ -229,3 +286,12 @@ def decode_rows(packed: PackedBatch, tokens: np.ndarray, positions: np.ndarray) 
         lengths=(1,) * len(packed.lengths),
         rows_per_rank=block,
     )
+
+
+def _reject_cp(packed: PackedBatch, what: str) -> None:
+    if packed.zigzag is not None:
+        raise NotImplementedError(
+            f"{what} of a context-parallel prefill (attn_cp={packed.zigzag[0].cp}) is not "
+            "built: decode under context parallelism is not supported yet; serve on a mesh "
+            "with attn_cp=1"
+        )

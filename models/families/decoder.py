@@ -25,6 +25,7 @@ from boundary_jax import residual
 
 from ..config import Architecture, DecoderConfig, ResidualDesign
 from ..layers.attention import Attention, AttentionImpl, HeadSplit
+from ..layers.cp_attention import CpAttentionMode
 from ..layers.fp8_linear import Fp8Linears, Fp8Quantization
 from ..layers.hyper_connections import HyperConnections
 from ..layers.kv_cache import KVCache
@@ -174,6 +175,8 @@ class CausalLM(nnx.Module):
       lm_head: Vocab-parallel LM head (tied to `embed` when the config says so).
       fusions: The stack's fusion provider (`bj.fusions.NO_FUSIONS`: the built-in path).
       attention: The attention kernel of every layer.
+      cp_attention: How a prefill attends across attention-CP ranks (`CpAttentionMode`), on
+        a topology with `attn_cp > 1`.
       remat: What each layer keeps for the backward pass (`Remat`; per scanned layer too); a
         forward with KV caches (serving) never recomputes.
       hyper_connections: The MHC residual design of every boundary, or None for the plain
@@ -209,6 +212,7 @@ class CausalLM(nnx.Module):
         fusions: bj.fusions.FusionProvider = bj.fusions.NO_FUSIONS,
         dtype: jnp.dtype = jnp.float32,
         attention: AttentionImpl = AttentionImpl.XLA,
+        cp_attention: CpAttentionMode = CpAttentionMode.ALL_GATHER,
         remat: Remat = Remat.NONE,
         hyper_connections: HyperConnections | None = None,
         scan_layers: bool = False,
@@ -225,6 +229,7 @@ class CausalLM(nnx.Module):
         self.topology = topology
         self.fusions = fusions
         self.attention = attention
+        self.cp_attention = cp_attention
         self.remat = remat
         self.scan_layers = scan_layers
         self.hyper_connections = hyper_connections
@@ -370,6 +375,7 @@ class CausalLM(nnx.Module):
             topology=self.topology,
             dtype=dtype,
             impl=self.attention,
+            cp_mode=self.cp_attention,
             linears=self.linears,
             rngs=rngs,
         )

@@ -21,7 +21,7 @@ from jax import lax
 
 from boundary_jax import SumGroup, Topology
 
-from .attention import accumulation_dtype, attend, causal_visibility
+from .attend import accumulation_dtype, attend, causal_visibility
 
 
 class CpAttentionMode(enum.Enum):

@@ -42,7 +42,7 @@ from boundary_jax import RMSNorm, SumGroup, TokenAxis, Topology
 
 from ..config import MlaConfig as MlaConfig
 from ..rows import RowsPhase
-from .attention import accumulation_dtype, attend, attend_packed
+from .attend import accumulation_dtype, attend, attend_packed
 from .linear import ColumnParallelLinear, RowParallelLinear, group_size
 from .rope import apply_rope, rope_inv_freq
 

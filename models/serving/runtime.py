@@ -156,7 +156,7 @@ class ShardedCausalLM:
         self._graphdef = nnx.split(model)[0]
         self._sharded = bj.ShardedModule(model, mesh)
         self._state = self._sharded.state
-        rows = PartitionSpec(model.topology.spec_entry((bj.TokenAxis.ATTN_DP,)))
+        rows = model.topology.row_spec(model.topology.attention_rows())
         self._rows = rows
         self._variant = (
             bj.BatchVariant.INPUT_SCATTERED if input_scattered else bj.BatchVariant.ORDINARY
