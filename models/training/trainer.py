@@ -98,14 +98,26 @@ class TrainConfig:
 
 def next_token_labels(packed: PackedBatch) -> np.ndarray:
     """int32 [attn_dp * rows_per_rank]: each row's next token within its sequence; -1 on a
-    sequence's last row and on padding (nothing to predict there)."""
+    sequence's last row and on padding (nothing to predict there). Under context parallelism
+    the labels follow the rows' zigzag CP order."""
     rows = packed.rows
-    ids = np.asarray(rows.ids)
+    ids = np.asarray(rows.ids).reshape(-1, packed.rows_per_rank)
     segments = np.asarray(rows.segment_ids).reshape(-1, packed.rows_per_rank)
+    if packed.zigzag is None:
+        return _packed_labels(ids, segments).reshape(-1)
+    blocks = [
+        order.to_cp(_packed_labels(order.from_cp(i)[None], order.from_cp(s)[None])[0], -1)
+        for order, i, s in zip(packed.zigzag, ids, segments, strict=True)
+    ]
+    return np.concatenate(blocks)
+
+
+def _packed_labels(ids: np.ndarray, segments: np.ndarray) -> np.ndarray:
+    """[blocks, rows] next-token labels of blocks whose sequences lie contiguous in row order."""
     same = (segments[:, 1:] == segments[:, :-1]) & (segments[:, :-1] >= 0)
     labels = np.full(segments.shape, -1, np.int32)
-    labels[:, :-1] = np.where(same, ids.reshape(segments.shape)[:, 1:], -1)
-    return labels.reshape(-1)
+    labels[:, :-1] = np.where(same, ids[:, 1:], -1)
+    return labels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,7 +236,7 @@ class Trainer:
             state_shardings(optimizer, flat, self._param_shardings, self._sharding(None)),
             self._sharding(None),
         )
-        self._rows = PartitionSpec(self.topology.spec_entry((bj.TokenAxis.ATTN_DP,)))
+        self._rows = self.topology.row_spec(self.topology.attention_rows())
         self._variant = (
             bj.BatchVariant.INPUT_SCATTERED if input_scattered else bj.BatchVariant.ORDINARY
         )
