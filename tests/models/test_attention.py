@@ -357,14 +357,12 @@ def test_cache_prefill_and_decode_equal_packed(dp, tp, name):
 
 
 def test_rejects_unsplittable_heads():
-    """Heads that cannot split over attention TP, and context parallelism, fail at build."""
+    """Heads that cannot split over attention TP, and a cache not split over DP, fail at build."""
     with pytest.raises(ValueError, match=r"num_heads \(8\) must be a multiple .* \(3\)"):
         Attention(BASE.attention_spec(0), topology=bj.Topology(attn_tp=3), rngs=nnx.Rngs(0))
     config = dataclasses.replace(BASE, num_heads=6, num_kv_heads=3, head_dim=8)
     with pytest.raises(ValueError, match=r"num_kv_heads \(3\) and the attention-TP size \(2\)"):
         Attention(config.attention_spec(0), topology=bj.Topology(attn_tp=2), rngs=nnx.Rngs(0))
-    with pytest.raises(NotImplementedError, match="context-parallel"):
-        Attention(BASE.attention_spec(0), topology=bj.Topology(attn_cp=2), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="slots"):
         KVCache.create(BASE, bj.Topology(attn_dp=2), slots=3, max_len=4)
 

@@ -103,7 +103,7 @@ def test_cp_training_gradients_equal_one_device():
 def test_unsupported_cp_configurations_are_rejected_at_construction():
     """CP with attention TP, an MoE family under CP and the ring option on a family that does
     not take it fail while the model is built, naming the fix."""
-    with pytest.raises(NotImplementedError, match="attn_tp=1"):
+    with pytest.raises(NotImplementedError, match="attn_tp=1 and pp=1"):
         build_model(CONFIG, bj.Topology(attn_cp=2, attn_tp=2))
     with pytest.raises(NotImplementedError, match="attn_cp=1"):
         build_model(PRESETS["tiny-qwen3-moe"], bj.Topology(attn_cp=2))
