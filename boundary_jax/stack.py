@@ -208,8 +208,8 @@ def layer_stack(
 
     Raises:
       RuntimeError: Another layer stack is open.
-      NotImplementedError: The topology uses attention context parallelism with attention
-        TP or pipeline parallelism, or pipeline parallelism without `stage_facts`.
+      NotImplementedError: The topology uses attention context parallelism with pipeline
+        parallelism, or pipeline parallelism without `stage_facts`.
       ValueError: `layers` or `num_layers` without `stage_facts`, or a `layers` range outside
         the model.
       TypeError: `final_read` is not a frozen (hashable) read.
@@ -239,11 +239,10 @@ def layer_stack(
             "binds when it closes; build a second stack (a draft model's, a multi-token "
             "predictor's) after the first one closes"
         )
-    if topology.attn_cp > 1 and (topology.attn_tp > 1 or topology.pp > 1):
+    if topology.attn_cp > 1 and topology.pp > 1:
         raise NotImplementedError(
-            f"attention context parallelism with attention TP or pipeline parallelism is not "
-            f"supported yet; got {topology=}. Use attn_cp with attn_tp=1 and pp=1 (attention "
-            "DP may be any size)"
+            f"attention context parallelism with pipeline parallelism is not supported yet; got "
+            f"{topology=}. Use attn_cp with pp=1 (attention DP and TP may be any size)"
         )
     try:
         hash(final_read)
