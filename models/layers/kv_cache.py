@@ -99,7 +99,13 @@ class KVCache:
 
         Raises:
           ValueError: `slots` is not a multiple of the attention-DP size.
+          NotImplementedError: The topology has attention CP (decode under CP is not built).
         """
+        if topology.attn_cp > 1:
+            raise NotImplementedError(
+                f"KV caches under context parallelism (each CP rank's shard of every sequence) "
+                f"are not built; got attn_cp={topology.attn_cp}. Serve on a mesh with attn_cp=1"
+            )
         if slots % topology.attn_dp:
             raise ValueError(
                 f"KV cache slots ({slots}) must split evenly over attention DP "

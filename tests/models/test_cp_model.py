@@ -17,6 +17,7 @@ from boundary_jax import make_mesh
 from models.build import build_model
 from models.config import PRESETS
 from models.layers.cp_attention import CpAttentionMode
+from models.layers.kv_cache import KVCache
 from models.rows import decode_rows, pack_sequences
 from models.serving.runtime import ShardedCausalLM
 from models.training.trainer import Trainer, next_token_labels
@@ -119,7 +120,10 @@ def test_unsupported_cp_configurations_are_rejected_at_construction():
 
 
 def test_decode_under_cp_is_rejected():
-    """A CP prefill has no decode layout yet: its last-row index and decode rows raise."""
+    """A CP prefill has no decode layout yet: KV caches, its last-row index and decode rows
+    raise."""
+    with pytest.raises(NotImplementedError, match="attn_cp=1"):
+        KVCache.global_shape(CONFIG, bj.Topology(attn_cp=2), slots=2, max_len=8)
     packed = pack_sequences(prompts(), bj.Topology(attn_cp=2))
     with pytest.raises(NotImplementedError, match="attn_cp=1"):
         packed.last_row_index()
