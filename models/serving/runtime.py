@@ -60,7 +60,7 @@ def pack_bucketed(
     return pack_sequences(
         sequences,
         topology,
-        rows_per_rank=bucket(max(exact.rows_per_rank, MIN_ROWS), tp),
+        rows_per_rank=bucket(max(exact.rows_per_rank, MIN_ROWS), topology.attn_cp * tp),
         slots_per_rank=bucket(exact.decode_rows_per_rank, tp),
     )
 

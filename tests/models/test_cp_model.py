@@ -19,7 +19,7 @@ from models.config import PRESETS
 from models.layers.cp_attention import CpAttentionMode
 from models.layers.kv_cache import KVCache
 from models.rows import decode_rows, pack_sequences
-from models.serving.runtime import ShardedCausalLM
+from models.serving.runtime import ShardedCausalLM, pack_bucketed
 from models.training.trainer import Trainer, next_token_labels
 
 CONFIG = dataclasses.replace(PRESETS["tiny-qwen3"], num_layers=2)
@@ -86,6 +86,9 @@ def test_cp_packing_splits_each_dp_block_into_zigzag_cp_blocks():
     labels = packed.unpack(next_token_labels(packed))
     for index, tokens in enumerate(sequences):
         assert labels[index, : len(tokens)].tolist() == [*tokens[1:], -1]
+    bucketed = pack_bucketed(sequences, bj.Topology(attn_cp=4, attn_tp=2), bucketed=True)
+    assert bucketed.rows_per_rank % 8 == 0
+    np.testing.assert_array_equal(bucketed.unpack(bucketed.rows.ids), ids)
 
 
 @functools.cache
