@@ -14,7 +14,7 @@ import pytest
 from jax import lax
 
 import boundary_jax as bj
-from models.layers.attention import attend_packed
+from models.layers.attend import attend_packed
 from models.layers.cp_attention import (
     CpAttentionMode,
     SoftmaxPartial,
