@@ -34,6 +34,8 @@ MIN_ROWS = 16
 """The smallest prefill block per DP rank that `pack(bucketed=True)` uses."""
 MIN_STEPS = 16
 """The smallest decode token buffer (`capacity`) that `generate` uses."""
+DECODE_BLOCK = 16
+"""Decode steps per loop of static trip count (see `blocked_fori_loop`)."""
 
 
 def bucket(size: int, multiple: int = 1) -> int:
@@ -63,6 +65,23 @@ def pack_bucketed(
         rows_per_rank=bucket(max(exact.rows_per_rank, MIN_ROWS), topology.attn_cp * tp),
         slots_per_rank=bucket(exact.decode_rows_per_rank, tp),
     )
+
+
+def blocked_fori_loop(count: jax.Array, body: Callable, carry, block: int = DECODE_BLOCK):
+    """`lax.fori_loop(0, count, body, carry)` for a traced `count`, run as loops of `block`
+    steps (a static trip count) and then the remainder.
+
+    XLA:GPU copies a loop's condition to the host every iteration unless it knows the trip
+    count; a step then waits for the previous one before its kernels launch (on an H200, about
+    0.1 ms per Nemotron-H-8B decode step). Here that wait comes once per `block` steps.
+    """
+    blocks = count // block
+
+    def run_block(index, carry):
+        return lax.fori_loop(0, block, lambda i, carry: body(index * block + i, carry), carry)
+
+    carry = lax.fori_loop(0, blocks, run_block, carry)
+    return lax.fori_loop(blocks * block, count, body, carry)
 
 
 def _next_tokens(
@@ -451,7 +470,8 @@ class ShardedCausalLM:
                 return tokens, positions + 1, caches, out
 
             carry = (jnp.where(active, rows_.ids, 0), rows_.positions, caches, out)
-            _, _, caches, out = lax.fori_loop(0, jnp.minimum(steps, capacity), step, carry)
+            count = jnp.minimum(steps, capacity)
+            _, _, caches, out = blocked_fori_loop(count, step, carry, min(capacity, DECODE_BLOCK))
             return out, caches
 
         return self._program_of(

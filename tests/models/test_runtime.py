@@ -13,7 +13,7 @@ from models.config import PRESETS
 from models.families import Qwen3MoeForCausalLM
 from models.layers.moe import GroupedMatmulImpl
 from models.rows import pack_sequences
-from models.serving.runtime import ShardedCausalLM, bucket, cache_length
+from models.serving.runtime import ShardedCausalLM, blocked_fori_loop, bucket, cache_length
 from models.serving.sampling import Sampling
 
 PROMPTS = [[5, 7, 9, 11, 2], [3], [8, 8, 1]]
@@ -152,3 +152,18 @@ def test_rows_with_a_sequence_bound_give_the_same_logits(runner):
     ]
     bounded, unbounded = (np.asarray(runner.forward_rows(p)) for p in packed)
     np.testing.assert_allclose(bounded, unbounded, rtol=1e-5, atol=1e-5)
+
+
+def test_blocked_fori_loop_runs_each_index_once_in_order():
+    """Blocks of a static trip count, then the remainder: every index below the traced count
+    runs once and in order, none past it (counts below, at and past one block)."""
+
+    def body(i, carry):
+        return (carry[0] * 7 + i + 1) % 1_000_003, carry[1] + 1
+
+    run = jax.jit(lambda count: blocked_fori_loop(count, body, (0, 0), block=4))
+    for count in (0, 3, 4, 9, 12):
+        want = (0, 0)
+        for i in range(count):
+            want = body(i, want)
+        assert tuple(int(x) for x in run(jnp.int32(count))) == want
