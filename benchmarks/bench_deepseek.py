@@ -31,8 +31,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -53,10 +51,11 @@ from models.rows import RowsPhase, TokenRows, pack_sequences
 from models.serving.runtime import ShardedCausalLM
 
 from .bench_e2e import HBM_BYTES_PER_S, PEAK_FLOPS, auto_mesh
-from .common import header, print_table
+from .common import header, median_wall_ms, print_table, profile_into
 
 STEPS = 32
 CACHE = 4096
+KERNEL = "cudnn" if jax.default_backend() == "gpu" else "xla"
 DEEPSEEK_V2_LITE = {
     "architectures": ["DeepseekV2ForCausalLM"],
     "model_type": "deepseek_v2",
@@ -154,6 +153,7 @@ def make_baseline(config: DecoderConfig, impl):
     ([sequences, cache, kv_lora_rank + rope] per layer) are donated."""
     mla, moe = config.mla, config.moe
     nope, rope, rank = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.kv_lora_rank
+    v_dim = mla.v_head_dim
     heads, eps = mla.num_heads, config.rms_norm_eps
     inv_freq = rope_inv_freq(rope, mla.rope_theta, mla.rope_scaling)
     neox = np.concatenate([np.arange(0, rope, 2), np.arange(1, rope, 2)])  # interleaved pairs
@@ -205,7 +205,6 @@ def make_baseline(config: DecoderConfig, impl):
     def prefill(params, ids, caches):
         batch, length = ids.shape
         positions = jnp.tile(jnp.arange(length, dtype=jnp.int32), batch)
-        causal = jnp.tril(jnp.ones((length, length), bool))
         x = params["embed"][ids.reshape(-1)]
         updated = []
         for index, layer in enumerate(params["layers"]):
@@ -224,10 +223,16 @@ def make_baseline(config: DecoderConfig, impl):
             k_rope = jnp.broadcast_to(k_rope, (batch, length, heads, rope))
             k = jnp.concatenate([kv[..., :nope], k_rope], axis=-1)
             q = jnp.concatenate([q_nope, q_rope], axis=-1).reshape(batch, length, heads, -1)
-            scores = jnp.einsum("bqhd,bshd->bhqs", q, k, preferred_element_type=jnp.float32)
-            scores = jnp.where(causal, scores * mla.softmax_scale, -jnp.inf)
-            probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-            out = jnp.einsum("bhqs,bshd->bqhd", probs, kv[..., nope:])
+            # jax.nn.dot_product_attention wants one width: the value is zero-padded to it.
+            values = jnp.pad(kv[..., nope:], ((0, 0), (0, 0), (0, 0), (0, nope + rope - v_dim)))
+            out = jax.nn.dot_product_attention(
+                q.astype(k.dtype),
+                k,
+                values.astype(k.dtype),
+                scale=mla.softmax_scale,
+                is_causal=True,
+                implementation=KERNEL,
+            )[..., :v_dim]
             x = x + out.reshape(batch * length, -1) @ layer["attn/o_proj/kernel"]
             x = ffn(layer, x)
         last = logits(params, x.reshape(batch, length, -1)[:, -1])
@@ -335,18 +340,6 @@ def prefill_flops(config: DecoderConfig, sequences: int, length: int) -> float:
 # -- the cases -------------------------------------------------------------------------------
 
 
-def _median_ms(call, repeats: int = 5) -> float:
-    """Median wall time of `call()` (which returns something to block on), after 2 warm-ups."""
-    for _ in range(2):
-        jax.block_until_ready(call())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(call())
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
 def _decode_rows(runner: ShardedCausalLM, sequences: int, start: int):
     ids = np.zeros(sequences, np.int32)
     rows = TokenRows(
@@ -393,14 +386,14 @@ def run(config: DecoderConfig, *, cache: int, prefills, decodes, steps: int) -> 
             tokens, holder[0] = runner.prefill(rows, batch, holder[0], last_rows, key)
             return tokens
 
-        project_ms = _median_ms(project)
+        project_ms = median_wall_ms(project, 5, label=f"project prefill {sequences}x{length}")
         holder[0] = zero_caches(sequences)
 
         def baseline():
             tokens, holder[0] = prefill_step(params, ids, holder[0])
             return tokens
 
-        baseline_ms = _median_ms(baseline)
+        baseline_ms = median_wall_ms(baseline, 5, label=f"gspmd prefill {sequences}x{length}")
         del holder[0]
         roof = prefill_flops(config, sequences, length) / PEAK_FLOPS * 1e3
         results.append(
@@ -424,7 +417,7 @@ def run(config: DecoderConfig, *, cache: int, prefills, decodes, steps: int) -> 
             out, holder[0] = runner.decode(rows, batch, holder[0], key, steps, capacity=steps)
             return out
 
-        project_ms = _median_ms(project) / steps
+        project_ms = median_wall_ms(project, 5, label=f"project decode {sequences}") / steps
         holder[0] = zero_caches(sequences)
         tokens = jax.device_put(np.zeros(sequences, np.int32), replicated)
         positions = jax.device_put(np.full(sequences, start, np.int32), replicated)
@@ -433,7 +426,7 @@ def run(config: DecoderConfig, *, cache: int, prefills, decodes, steps: int) -> 
             out, holder[0] = decode(params, tokens, positions, holder[0], steps)
             return out
 
-        baseline_ms = _median_ms(baseline) / steps
+        baseline_ms = median_wall_ms(baseline, 5, label=f"gspmd decode {sequences}") / steps
         del holder[0]
         roof = decode_bytes(config, sequences, start + steps / 2) / HBM_BYTES_PER_S * 1e3
         results.append(
@@ -454,7 +447,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--smoke", action="store_true", help="a tiny config (CPU check)")
     parser.add_argument("--layers", type=int, default=None, help="fewer layers than 27")
+    parser.add_argument("--profile", default=None, help="trace each case here, print kernels")
     args = parser.parse_args()
+    if args.profile:
+        profile_into(args.profile)
     print(header("bench_deepseek"))
     config = read_hf_config(SMOKE if args.smoke else DEEPSEEK_V2_LITE)
     if args.layers is not None:

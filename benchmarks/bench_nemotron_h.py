@@ -31,8 +31,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -60,7 +58,14 @@ from models.serving.runtime import ShardedCausalLM
 
 from .bench_ssd import chunked_flops
 from .bench_ssd import inputs as ssd_inputs
-from .common import header, kernel_ms, print_table, relative_error
+from .common import (
+    header,
+    kernel_ms,
+    median_wall_ms,
+    print_table,
+    profile_into,
+    relative_error,
+)
 
 HBM_BYTES_PER_S = 4.8e12
 PEAK_FLOPS = 990e12
@@ -272,18 +277,6 @@ def decode_bytes(config: DecoderConfig, sequences: int, context: float) -> float
 # -- timing ----------------------------------------------------------------------------------
 
 
-def _median_ms(call, repeats: int = 7) -> float:
-    """Median wall time of `call()` (which returns something to block on), after 2 warm-ups."""
-    for _ in range(2):
-        jax.block_until_ready(call())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(call())
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
 def _decode_rows(runner: ShardedCausalLM, sequences: int, start: int) -> tuple[TokenRows, ...]:
     ids = np.zeros(sequences, np.int32)
     positions = np.full(sequences, start, np.int32)
@@ -328,7 +321,7 @@ def run(config: DecoderConfig, sequences: int, length: int, decoding: int, cache
         tokens, caches[0] = runner.prefill(rows, batch, caches[0], last_rows, key)
         return tokens
 
-    project_ms = _median_ms(project_prefill)
+    project_ms = median_wall_ms(project_prefill, label="project prefill")
     del caches[0]
     holder = [baseline_caches(slots, length)]
 
@@ -336,7 +329,7 @@ def run(config: DecoderConfig, sequences: int, length: int, decoding: int, cache
         tokens, holder[0] = prefill(state, rows_, last_, holder[0])
         return tokens
 
-    jit_ms = _median_ms(baseline_prefill)
+    jit_ms = median_wall_ms(baseline_prefill, label="one-jit prefill")
     del holder[0]
     roof = prefill_flops(config, (length,) * sequences) / PEAK_FLOPS * 1e3
     results.append(
@@ -359,7 +352,7 @@ def run(config: DecoderConfig, sequences: int, length: int, decoding: int, cache
         out, caches[0] = runner.decode(rows, batch, caches[0], key, STEPS, capacity=STEPS)
         return out
 
-    project_ms = _median_ms(project_decode, repeats=5) / STEPS
+    project_ms = median_wall_ms(project_decode, 5, label="project decode") / STEPS
     del caches[0]
     holder = [baseline_caches(decoding, cache_len)]
     rows_ = to_auto(rows, mesh)
@@ -368,7 +361,7 @@ def run(config: DecoderConfig, sequences: int, length: int, decoding: int, cache
         out, holder[0] = decode(state, rows_, holder[0], STEPS)
         return out
 
-    jit_ms = _median_ms(baseline_decode, repeats=5) / STEPS
+    jit_ms = median_wall_ms(baseline_decode, 5, label="one-jit decode") / STEPS
     del holder[0]
     roof = decode_bytes(config, decoding, start + STEPS / 2) / HBM_BYTES_PER_S * 1e3
     results.append(
@@ -408,7 +401,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--pattern", default=PATTERN, help="the stack's layers, e.g. M-M-M*-M")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check)")
+    parser.add_argument("--profile", default=None, help="trace each case here, print kernels")
     args = parser.parse_args()
+    if args.profile:
+        profile_into(args.profile)
     config = nemotron_h_8b(args.pattern)
     sequences, length, decoding, cache_len, scan_lengths = 8, 512, 64, 1024, (2048, 1024, 700, 324)
     if args.smoke:

@@ -5,7 +5,12 @@ launches, without host dispatch. Where CUPTI is unavailable they fall back to wa
 many back-to-back calls, which includes dispatch; the header line says which clock was used.
 """
 
+import collections
 import datetime
+import glob
+import gzip
+import json
+import pathlib
 import statistics
 import subprocess
 import time
@@ -100,6 +105,69 @@ def wall_ms(fn: Callable, args: Sequence, *, warmup: int = 3, repeats: int = 30)
         start = time.perf_counter()
         jax.block_until_ready(fn(*args))
         times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def kernel_table(trace_dir: pathlib.Path, top: int = 25) -> dict[str, list[tuple[str, float, int]]]:
+    """Per GPU timeline kind ("Stream" kernels, "XLA Ops"): (name, total ms, count), largest
+    first, from the Perfetto trace of `jax.profiler.trace`."""
+    files = glob.glob(str(trace_dir / "**" / "*.json.gz"), recursive=True)
+    if not files:
+        return {}
+    with gzip.open(sorted(files)[-1]) as stream:
+        events = json.load(stream)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    processes, threads = {}, {}
+    for event in events:
+        if event.get("ph") == "M" and event.get("name") == "process_name":
+            processes[event["pid"]] = event["args"]["name"]
+        if event.get("ph") == "M" and event.get("name") == "thread_name":
+            threads[event["pid"], event["tid"]] = event["args"]["name"]
+    totals = collections.defaultdict(collections.Counter)
+    counts = collections.defaultdict(collections.Counter)
+    for event in events:
+        process = processes.get(event.get("pid"), "")
+        if event.get("ph") != "X" or "GPU" not in process:
+            continue
+        thread = threads.get((event["pid"], event.get("tid")), "")
+        kind = "XLA Ops" if "XLA Op" in thread else ("Stream" if "Stream" in thread else thread)
+        name = event["name"][:90]
+        totals[kind][name] += event.get("dur", 0) / 1e3
+        counts[kind][name] += 1
+    return {
+        kind: [(name, ms, counts[kind][name]) for name, ms in totals[kind].most_common(top)]
+        for kind in totals
+    }
+
+
+_PROFILE_DIR: list[pathlib.Path] = []
+
+
+def profile_into(directory: str | pathlib.Path) -> None:
+    """Makes `median_wall_ms` also trace each labelled case into `directory` and print its
+    largest GPU kernels (what `--profile DIR` of a model benchmark turns on)."""
+    _PROFILE_DIR[:] = [pathlib.Path(directory)]
+
+
+def median_wall_ms(call: Callable, repeats: int = 7, *, label: str = "") -> float:
+    """Median wall time in ms of `call()` (which returns something to block on), after 2
+    warm-ups; under `profile_into`, then 3 more calls traced and their kernel table printed."""
+    for _ in range(2):
+        jax.block_until_ready(call())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(call())
+        times.append((time.perf_counter() - start) * 1e3)
+    if _PROFILE_DIR and label:
+        trace_dir = _PROFILE_DIR[0] / label.replace(" ", "_").replace("@", "at")
+        with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+            for _ in range(3):
+                jax.block_until_ready(call())
+        for kind, table in kernel_table(trace_dir).items():
+            print(f"\n### {label}: {kind}, per call")
+            for kernel, ms, count in table:
+                print(f"{ms / 3:9.3f} ms  x{count // 3:<5} {kernel}")
     return statistics.median(times)
 
 

@@ -12,11 +12,7 @@ Run on the GPU machine:
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
-import glob
-import gzip
-import json
 import pathlib
 
 import jax
@@ -32,38 +28,7 @@ from models.rows import pack_sequences
 from models.serving.runtime import ShardedCausalLM
 
 from .bench_e2e import LLAMA3_8B, _decode_inputs, auto_mesh, baseline_params, make_baseline
-
-
-def kernel_table(trace_dir: pathlib.Path, top: int = 25) -> dict[str, list[tuple[str, float, int]]]:
-    """Per GPU timeline kind ("Stream" kernels, "XLA Ops"): (name, total ms, count), largest
-    first, from the Perfetto trace of `jax.profiler.trace`."""
-    files = glob.glob(str(trace_dir / "**" / "*.json.gz"), recursive=True)
-    if not files:
-        return {}
-    with gzip.open(sorted(files)[-1]) as stream:
-        events = json.load(stream)
-    events = events["traceEvents"] if isinstance(events, dict) else events
-    processes, threads = {}, {}
-    for event in events:
-        if event.get("ph") == "M" and event.get("name") == "process_name":
-            processes[event["pid"]] = event["args"]["name"]
-        if event.get("ph") == "M" and event.get("name") == "thread_name":
-            threads[event["pid"], event["tid"]] = event["args"]["name"]
-    totals = collections.defaultdict(collections.Counter)
-    counts = collections.defaultdict(collections.Counter)
-    for event in events:
-        process = processes.get(event.get("pid"), "")
-        if event.get("ph") != "X" or "GPU" not in process:
-            continue
-        thread = threads.get((event["pid"], event.get("tid")), "")
-        kind = "XLA Ops" if "XLA Op" in thread else ("Stream" if "Stream" in thread else thread)
-        name = event["name"][:90]
-        totals[kind][name] += event.get("dur", 0) / 1e3
-        counts[kind][name] += 1
-    return {
-        kind: [(name, ms, counts[kind][name]) for name, ms in totals[kind].most_common(top)]
-        for kind in totals
-    }
+from .common import kernel_table
 
 
 def main() -> None:

@@ -127,7 +127,7 @@ class DeepseekCausalLM(MoeCausalLM):
     def make_layer(self, index: int, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> nnx.Module:
         """Decoder layer `index`: latent attention and its FFN (inside the open layer stack)."""
         attn = MultiHeadLatentAttention(
-            self.config.mla, topology=self.topology, dtype=dtype, rngs=rngs
+            self.config.mla, topology=self.topology, dtype=dtype, impl=self.attention, rngs=rngs
         )
         return self.layer_class(
             attn,

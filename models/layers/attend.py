@@ -117,6 +117,24 @@ def attend(
     )
 
 
+def attend_latent(
+    q: jax.Array, latents: jax.Array, mask: jax.Array, scale: float, value_width: int
+) -> jax.Array:
+    """`attend` for one shared key per position whose value is its first `value_width` columns
+    (MLA's absorbed decode over its latent cache): q [T, heads, C], latents [T, S, C] (one set
+    per row), mask [T, S]. Returns [T, heads, value_width].
+
+    The weights multiply the whole latent rows and the output keeps the first columns, so the
+    cache is read as it is, never copied into a value slice."""
+    acc = accumulation_dtype(q.dtype)
+    scores = jnp.einsum("thc,tsc->ths", q, latents, preferred_element_type=acc)
+    probs = _masked_softmax(scores[:, None] * scale, mask)[:, 0]
+    out = jnp.einsum(
+        "ths,tsc->thc", probs.astype(latents.dtype), latents, preferred_element_type=acc
+    )
+    return out[..., :value_width]
+
+
 def attend_blocks(
     q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array, scale: float
 ) -> jax.Array:

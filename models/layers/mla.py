@@ -42,7 +42,9 @@ from boundary_jax import RMSNorm, SumGroup, TokenAxis, Topology
 
 from ..config import MlaConfig as MlaConfig
 from ..rows import RowsPhase
-from .attend import accumulation_dtype, attend, attend_packed
+from .attend import accumulation_dtype, attend_latent, attend_packed
+from .attention import AttentionImpl
+from .cudnn_attention import prefill_attention_cudnn
 from .linear import ColumnParallelLinear, RowParallelLinear, group_size
 from .rope import apply_rope, rope_inv_freq
 
@@ -140,6 +142,9 @@ class MultiHeadLatentAttention(nnx.Module):
       o_proj: [heads * v_head_dim, hidden], rows split over attention TP.
       config: The layer's shapes and RoPE.
       local_heads: Heads this attention-TP rank computes.
+      impl: The prefill attention kernel: CUDNN takes 16-bit prefills (value zero-padded to
+        the key's width), XLA the rest and every decode (the absorbed query, kv_lora_rank +
+        rope wide, is past cuDNN's 256).
     """
 
     def __init__(
@@ -148,6 +153,7 @@ class MultiHeadLatentAttention(nnx.Module):
         *,
         topology: Topology,
         dtype: jnp.dtype = jnp.float32,
+        impl: AttentionImpl = AttentionImpl.XLA,
         rngs: nnx.Rngs,
     ):
         if topology.attn_cp > 1:
@@ -182,6 +188,7 @@ class MultiHeadLatentAttention(nnx.Module):
         self.o_proj = RowParallelLinear(heads * config.v_head_dim, hidden, **split)
         self.config = config
         self.local_heads = heads // ranks
+        self.impl = impl
 
     def __call__(
         self,
@@ -241,7 +248,10 @@ class MultiHeadLatentAttention(nnx.Module):
         if phase is RowsPhase.PREFILL:
             if cache is not None:
                 cache = _write(cache, latent, positions, segment_ids)
-            out = self._expanded(q_nope, q_rope, latent, positions, segment_ids, max_sequence_rows)
+            bound = rows if cache is None else cache.latent.shape[0]
+            out = self._expanded(
+                q_nope, q_rope, latent, positions, segment_ids, max_sequence_rows, bound
+            )
         else:
             slot_of_row = jnp.where(valid, jnp.arange(rows, dtype=segment_ids.dtype), -1)
             cache = _write(cache, latent, positions, slot_of_row)
@@ -283,9 +293,11 @@ class MultiHeadLatentAttention(nnx.Module):
         nope = self.config.qk_nope_head_dim
         return kernel[..., :nope], kernel[..., nope:]
 
-    def _expanded(self, q_nope, q_rope, latent, positions, segment_ids, max_sequence_rows):
+    def _expanded(
+        self, q_nope, q_rope, latent, positions, segment_ids, max_sequence_rows, max_segments
+    ):
         """Prefill among packed rows: every head's key and value expanded from the latents.
-        Returns [T, heads, v]."""
+        Returns [T, heads, v]. `max_segments` (static) bounds the segment ids (cuDNN's)."""
         rows, heads = q_nope.shape[:2]
         rank = self.config.kv_lora_rank
         c, k_rope = latent[:, :rank], latent[:, rank:]
@@ -294,6 +306,21 @@ class MultiHeadLatentAttention(nnx.Module):
         k_rope = jnp.broadcast_to(k_rope[:, None, :], (rows, heads, k_rope.shape[-1]))
         k = jnp.concatenate([kv[..., :nope], k_rope], axis=-1)
         q = jnp.concatenate([q_nope, q_rope], axis=-1)
+        if self._takes_cudnn(q.dtype):
+            # The value zero-padded to the key's width: cuDNN's own MLA form (value narrower
+            # than the key) gave wrong packed outputs on the H200 (cuDNN 9.19, JAX 0.11.2).
+            width, v_dim = q.shape[-1], self.config.v_head_dim
+            values = jnp.pad(kv[..., nope:], ((0, 0), (0, 0), (0, width - v_dim)))
+            out = prefill_attention_cudnn(
+                q,
+                k.astype(q.dtype),
+                values.astype(q.dtype),
+                segment_ids,
+                max_segments=max_segments,
+                scale=self.config.softmax_scale,
+            )
+            # cuDNN leaves rows outside every segment unwritten.
+            return jnp.where((segment_ids >= 0)[:, None, None], out[..., :v_dim], 0)
         out = attend_packed(
             q[:, :, None, :],
             k,
@@ -305,18 +332,30 @@ class MultiHeadLatentAttention(nnx.Module):
         )
         return out[:, :, 0]
 
+    def _takes_cudnn(self, dtype: jnp.dtype) -> bool:
+        """Whether cuDNN computes the prefill attention: 16-bit inputs, a query/key width up
+        to 256 and a multiple of 8, and a value no wider (it is padded to the key's width)."""
+        width = self.config.qk_head_dim
+        return (
+            self.impl is AttentionImpl.CUDNN
+            and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            and width % 8 == 0
+            and width <= 256
+            and self.config.v_head_dim <= width
+        )
+
     def _absorbed(self, q_nope, q_rope, cache, positions, valid) -> jax.Array:
         """Decode over the latent cache, one row per slot. Returns [T, heads, v]."""
         acc = accumulation_dtype(q_nope.dtype)
         w_uk, w_uv = self._kv_b()
         q_latent = jnp.einsum("thd,chd->thc", q_nope, w_uk, preferred_element_type=acc)
         q = jnp.concatenate([q_latent.astype(q_nope.dtype), q_rope], axis=-1)
-        keys = cache.latent.astype(q.dtype)[:, :, None, :]  # [T, S, 1, latent]: one kv head
-        key_positions = jnp.arange(keys.shape[1], dtype=positions.dtype)
+        latents = cache.latent.astype(q.dtype)
+        key_positions = jnp.arange(latents.shape[1], dtype=positions.dtype)
         mask = (key_positions[None, :] <= positions[:, None]) & valid[:, None]
-        values = keys[..., : self.config.kv_lora_rank]
-        out = attend(q[:, None], keys, values, mask, "tskd", self.config.softmax_scale)
-        out = out[:, 0].astype(q_nope.dtype)  # [T, heads, kv_lora_rank]
+        rank = self.config.kv_lora_rank
+        out = attend_latent(q, latents, mask, self.config.softmax_scale, rank)
+        out = out.astype(q_nope.dtype)  # [T, heads, kv_lora_rank]
         return jnp.einsum("thc,chv->thv", out, w_uv, preferred_element_type=acc)
 
 

@@ -16,6 +16,7 @@ from safetensors.numpy import load_file
 
 import boundary_jax as bj
 from models.config import YarnRopeScaling
+from models.layers.attention import AttentionImpl
 from models.layers.mla import LatentCache, MlaConfig, MultiHeadLatentAttention
 from models.layers.rope import rope_inv_freq
 from models.rows import RowsPhase
@@ -339,3 +340,24 @@ def test_bounded_prefill_equals_unbounded():
     got = jax.jit(lambda h: attn(h, positions, segments, max_sequence_rows=9)[0])(h)
     np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)
     assert np.all(np.asarray(got)[-4:] == 0)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs a GPU")
+def test_cudnn_prefill_equals_xla_in_bfloat16():
+    """cuDNN's MLA prefill (query/key 192 wide, value 128, DeepSeek-V2's widths) over packed
+    sequences and padding equals the jnp reference within bf16 rounding; padding rows are 0."""
+    config = dataclasses.replace(
+        TINY, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128
+    )
+    outputs = []
+    for impl in (AttentionImpl.XLA, AttentionImpl.CUDNN):
+        attn = MultiHeadLatentAttention(
+            config, topology=bj.Topology(), dtype=jnp.bfloat16, impl=impl, rngs=nnx.Rngs(3)
+        )
+        h = jax.random.normal(jax.random.key(8), (40, config.hidden_size), jnp.bfloat16)
+        positions = jnp.concatenate([jnp.arange(23), jnp.arange(13), jnp.zeros(4, int)])
+        segments = jnp.concatenate([jnp.zeros(23, int), jnp.ones(13, int), -jnp.ones(4, int)])
+        out, _ = jax.jit(attn)(h, positions.astype(jnp.int32), segments.astype(jnp.int32))
+        outputs.append(np.asarray(out, np.float32))
+    np.testing.assert_allclose(outputs[1], outputs[0], atol=3e-2, rtol=3e-2)
+    np.testing.assert_array_equal(outputs[1][36:], 0)
