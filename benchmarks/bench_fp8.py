@@ -287,6 +287,11 @@ TRITON_SWEEP = (
     TritonFp8Tiling(block_n=128, split_k=2, num_warps=8, num_stages=6),
     TritonFp8Tiling(block_n=64, split_k=4),
     TritonFp8Tiling(block_n=32, split_k=2, num_warps=2),
+    TritonFp8Tiling(block_n=64, split_k=1, fp8_dot=True),
+    TritonFp8Tiling(block_n=128, split_k=1, num_warps=8, fp8_dot=True),
+    TritonFp8Tiling(block_m=16, block_n=64, split_k=2, fp8_dot=True),
+    TritonFp8Tiling(block_m=32, block_n=128, split_k=1, num_warps=4, fp8_dot=True),
+    TritonFp8Tiling(block_m=16, block_n=64, split_k=1),
 )
 MOSAIC_SWEEP = (
     MosaicFp8Tiling(tile_m=128, tile_n=128, max_concurrent_steps=4, grid_block_n=4),

@@ -1,13 +1,14 @@
 """Grouped block-scaled FP8 matmul for decode-sized MoE steps: reads only the FP8 weights of experts
-that have rows, dequantizing in registers.
+that have rows, scaling in registers.
 
 `out[r] = x[r] @ w[g(r)].T` for rows sorted by group (expert), each row quantized per token group
 and each expert's [N, K] weight per 128 x 128 block (`fp8_grouped_matmul_reference`). One program
 per (expert with rows, column block), as `grouped_matmul.expert_matmul` does for bf16: it walks the
 expert's rows `block_rows` at a time and, for each, streams the expert's [block_n, K] FP8 weight
-slice one scale block at a time, both operands converted to float16 in registers (exact, as in
-`fp8_matmul_triton`), float32 sums scaled per block. Runs through the Pallas Triton lowering (NVIDIA
-GPUs, compute capability >= 8.9) or the Pallas interpreter (any platform, tests).
+slice one scale block at a time, both operands multiplied as FP8 on the tensor cores (or converted
+to float16 first, as `fp8_matmul_triton` can), float32 sums scaled per block. Runs through the
+Pallas Triton lowering (NVIDIA GPUs, compute capability >= 8.9) or the Pallas interpreter (any
+platform, tests).
 """
 
 import functools
@@ -36,6 +37,7 @@ def _fp8_grouped_kernel(
     block_rows: int,
     block_n: int,
     depth_blocks: int,
+    operand_dtype: jnp.dtype,
 ):
     slot, column = pl.program_id(0), pl.program_id(1)
     group = active_ref[slot]
@@ -54,15 +56,12 @@ def _fp8_grouped_kernel(
 
             def step(depth_block, acc):
                 depth = pl.ds(pl.multiple_of(depth_block * SCALE_BLOCK, SCALE_BLOCK), SCALE_BLOCK)
-                # Triton cannot fill an FP8 load: the rows past the group are zeroed in float16.
-                x = pltriton.load(x_values_ref.at[rows, depth], mask=valid).astype(jnp.float16)
-                x = jnp.where(valid, x, jnp.zeros_like(x))
-                w = w_values_ref[group, columns, depth]
+                # Rows past the group are finite FP8 (the next group's, or the zero padding):
+                # their scale loads as 0 and they are not stored.
+                x = x_values_ref[rows, depth].astype(operand_dtype)
+                w = w_values_ref[group, columns, depth].astype(operand_dtype)
                 partial = lax.dot_general(
-                    x,
-                    w.astype(jnp.float16),
-                    (((1,), (1,)), ((), ())),
-                    preferred_element_type=jnp.float32,
+                    x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
                 )
                 x_scale = pltriton.load(
                     x_scales_ref.at[rows, pl.ds(depth_block, 1)], mask=valid, other=0.0
@@ -102,7 +101,7 @@ def fp8_expert_matmul(
       group_sizes: Rows per group; rows past their sum are not written (unspecified).
       out_dtype: The result's dtype.
       tiling: `block_m` rows of a group multiplied together (None: 16), `block_n` columns per
-        program, Triton warps and stages; `split_k` must be 1.
+        program, Triton warps and stages, `fp8_dot`; `split_k` must be 1.
       interpret: Run in the Pallas interpreter (CPU tests) instead of compiling for Triton.
 
     Returns:
@@ -164,6 +163,7 @@ def _expert_call(
         block_rows=block_rows,
         block_n=tiling.block_n,
         depth_blocks=k // SCALE_BLOCK,
+        operand_dtype=x_values.dtype if tiling.fp8_dot else jnp.float16,
     )
     call = pl.pallas_call(
         kernel,

@@ -1,15 +1,15 @@
-"""Block-scaled FP8 matmul for decode: reads the FP8 weights once, dequantizes in registers.
+"""Block-scaled FP8 matmul for decode: reads the FP8 weights once, scales in registers.
 
 `out = x @ w.T` for rows quantized per token group and a weight quantized per 128 x 128 block
 (`fp8_matmul_reference`). One program per (column block, row block, contraction split): it streams
 its [block_n, K / split_k] slice of the FP8 weight one scale block (128 features) at a time,
-converts the FP8 values of both operands to float16 in registers (exact: every e4m3 value is a
-float16, and Hopper converts e4m3 pairs to float16 in one instruction where bf16 takes a detour
-through float32), multiplies on the tensor cores with float32 sums, and scales each block's partial
-by its row's and its weight block's scales before adding it up. At decode sizes the weights are
-almost all the bytes a step reads, so reading them in FP8 is the speed. Runs through the Pallas
-Triton lowering (NVIDIA GPUs, compute capability >= 8.9 for FP8) or the Pallas interpreter (any
-platform, for tests).
+multiplies both operands' FP8 values on the tensor cores with float32 sums (or, with
+`fp8_dot=False`, converts them to float16 in registers first: exact, every e4m3 value is a float16),
+and scales each block's partial by its row's and its weight block's scales before adding it up, so
+the tensor cores' reduced-precision FP8 sums never run past 128 features. At decode sizes the
+weights are almost all the bytes a step reads, so reading them in FP8 is the speed. Runs through the
+Pallas Triton lowering (NVIDIA GPUs, compute capability >= 8.9 for FP8) or the Pallas interpreter
+(any platform, for tests).
 """
 
 import functools
@@ -35,6 +35,7 @@ def _fp8_matmul_kernel(
     block_m: int,
     block_n: int,
     steps: int,
+    operand_dtype: jnp.dtype,
 ):
     column, row_block, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     columns = pl.ds(pl.multiple_of(column * block_n, block_n), block_n)
@@ -44,8 +45,8 @@ def _fp8_matmul_kernel(
     def step(index, acc):
         depth_block = part * steps + index
         depth = pl.ds(pl.multiple_of(depth_block * SCALE_BLOCK, SCALE_BLOCK), SCALE_BLOCK)
-        x = x_values_ref[rows, depth].astype(jnp.float16)
-        w = w_values_ref[columns, depth].astype(jnp.float16)
+        x = x_values_ref[rows, depth].astype(operand_dtype)
+        w = w_values_ref[columns, depth].astype(operand_dtype)
         partial = lax.dot_general(
             x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )
@@ -95,7 +96,11 @@ def fp8_matmul_triton(
         w_scales,
     )
     kernel = functools.partial(
-        _fp8_matmul_kernel, block_m=block_m, block_n=tiling.block_n, steps=steps
+        _fp8_matmul_kernel,
+        block_m=block_m,
+        block_n=tiling.block_n,
+        steps=steps,
+        operand_dtype=x_values.dtype if tiling.fp8_dot else jnp.float16,
     )
     call = pl.pallas_call(
         kernel,

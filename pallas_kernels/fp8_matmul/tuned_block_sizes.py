@@ -5,7 +5,9 @@ matmul) and enough programs to cover an H200's 132 SMs twice. Measured on one H2
 (`benchmarks/bench_fp8.py --parts matmul`, `benchmarks/RESULTS.md` run 18): with the operands
 converted to bf16 no swept Triton tiling read the FP8 weights faster than 1.35 TB/s at 8 rows
 (the default: 1.22 TB/s); converted to float16 instead, the default tiling reads them at 2.70 TB/s
-(21.8 us for [4096 -> 14336], 1.40x bf16's `jnp.dot`). No Mosaic tiling passes 184 TFLOP/s.
+(21.8 us for [4096 -> 14336], 1.40x bf16's `jnp.dot`). Run 19: multiplied as FP8 on the tensor
+cores, the default reads them at 2.63 TB/s at 8 rows and 1.67 TB/s at 64 (35.1 us, 1.01x bf16's
+`jnp.dot`, against 41.2 us through float16). No Mosaic tiling passes 184 TFLOP/s.
 """
 
 import dataclasses
@@ -31,6 +33,9 @@ class TritonFp8Tiling:
       split_k: Programs the contraction is split over (their float32 partials summed after).
       num_warps: Triton warps per program.
       num_stages: Triton software-pipelining depth of the contraction loop.
+      fp8_dot: Multiply the FP8 operands on the FP8 tensor cores (each scale block's float32
+        partial scaled before it is added), else convert them to float16 first (as fast at 8
+        rows, 1.17x slower at 64, 1.34x at 512 on an H200: `benchmarks/RESULTS.md` run 19).
     """
 
     block_m: int | None = None
@@ -38,6 +43,7 @@ class TritonFp8Tiling:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
+    fp8_dot: bool = True
 
     def __post_init__(self):
         if SCALE_BLOCK % self.block_n or self.block_n < 16:

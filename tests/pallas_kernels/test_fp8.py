@@ -197,8 +197,12 @@ def test_dequantized_bf16_matmul_is_the_reference_to_bf16_rounding():
 
 @pytest.mark.parametrize(
     "tiling",
-    [TritonFp8Tiling(block_n=64), TritonFp8Tiling(block_m=16, block_n=128, split_k=2)],
-    ids=["one split", "split k"],
+    [
+        TritonFp8Tiling(block_n=64),
+        TritonFp8Tiling(block_m=16, block_n=128, split_k=2),
+        TritonFp8Tiling(block_m=16, block_n=64, split_k=2, fp8_dot=True),
+    ],
+    ids=["one split", "split k", "fp8 dot"],
 )
 def test_triton_decode_kernel_matches_reference(tiling):
     """The decode kernel (interpreted), with and without a split contraction and over several
@@ -219,9 +223,10 @@ ON_GPU = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU"
     [
         (Fp8MatmulImpl.PALLAS_TRITON, TritonFp8Tiling(block_n=64)),
         (Fp8MatmulImpl.PALLAS_TRITON, TritonFp8Tiling(block_m=16, block_n=128, split_k=2)),
+        (Fp8MatmulImpl.PALLAS_TRITON, TritonFp8Tiling(block_m=16, split_k=2, fp8_dot=True)),
         (Fp8MatmulImpl.PALLAS_GPU, MosaicFp8Tiling(tile_m=64, tile_n=64, grid_block_n=2)),
     ],
-    ids=["triton", "triton split k", "mosaic"],
+    ids=["triton", "triton split k", "triton fp8 dot", "mosaic"],
 )
 def test_compiled_gpu_kernels_match_reference(impl, tiling):
     """The kernels as the GPU compiles them (the interpreter accepts indexing that the Triton and
