@@ -3,9 +3,9 @@ residual stream, run layer by layer in one program with one microbatch's collect
 other's compute (`boundary_jax.adapters.overlap`).
 
 Each DP rank's block of rows is two halves: microbatch 0's sequences packed from the block's
-first row, microbatch 1's from its middle row. A decode block is one row per cache slot, so
-microbatch 0 holds the first half of each rank's slots and microbatch 1 the second; both
-microbatches thread the same KV caches in turn.
+first row, microbatch 1's from its middle row. Each microbatch has KV caches of its own (half
+of each rank's cache slots, numbered from 0 in each), so the microbatches share no state; a
+decode block is one row per slot, microbatch 0's slots first.
 
 The phases of one microbatch alternate between communication and compute: the stack entry
 (completing the embedding's sum), then per layer the attention, its exit with the FFN's entry,
@@ -20,7 +20,6 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 import boundary_jax as bj
 from boundary_jax import residual
@@ -28,7 +27,7 @@ from boundary_jax.adapters import complete_now, overlap_phases, split_stream
 
 from .families.decoder import CausalLM, DecoderLayer, pick_rows
 from .layers.kv_cache import KVCache
-from .rows import PackedBatch, RowsPhase, TokenRows, pack_sequences
+from .rows import PackedBatch, TokenRows, pack_sequences
 
 MICROBATCHES = 2
 
@@ -69,9 +68,9 @@ def two_batch_hidden(
     model: CausalLM,
     rows: TokenRows,
     batches: tuple[bj.BatchFacts, bj.BatchFacts],
-    caches: tuple[KVCache, ...] | None = None,
+    caches: tuple[tuple[KVCache, ...], tuple[KVCache, ...]] | None = None,
     last_rows: jax.Array | None = None,
-) -> tuple[jax.Array, tuple[KVCache, ...] | None]:
+) -> tuple[jax.Array, tuple[tuple[KVCache, ...], tuple[KVCache, ...]] | None]:
     """`CausalLM.hidden` of a batch packed as two microbatches, under two-batch overlap.
 
     Call inside `shard_map`, as `hidden`.
@@ -81,11 +80,12 @@ def two_batch_hidden(
       rows: This DP rank's block: microbatch 0's rows, then microbatch 1's (halves).
       batches: Each microbatch's batch facts (its real rows per DP rank, from its half's first
         row).
-      caches: As for `hidden`: one KV cache per layer, or None.
+      caches: None, or each microbatch's own KV caches (as for `hidden`: one per layer), its
+        cache slots numbered from 0 as its rows' segment ids are.
       last_rows: As for `hidden`, row indices within the whole block.
 
     Returns:
-      As `hidden`: the final-norm output [rows or R, hidden] and the caches.
+      As `hidden`: the final-norm output [rows or R, hidden], and the caches (a pair).
     """
     check_two_batch_overlap(model)
     layers = [block for _, block in model.blocks()]
@@ -95,69 +95,64 @@ def two_batch_hidden(
         jax.tree.map(lambda values: values[:middle], rows),
         jax.tree.map(lambda values: values[middle:], rows),
     )
-    states = tuple((x, stream, half) for (x, stream), half in zip(split, halves, strict=True))
-    (first, second), caches = overlap_phases(_phases(model, layers), states, caches, scope=_scope)
+    own = (None, None) if caches is None else caches
+    states = tuple(
+        (x, stream, half, cache)
+        for (x, stream), half, cache in zip(split, halves, own, strict=True)
+    )
+    first, second = overlap_phases(_phases(model, layers), states, scope=_scope)
     hidden = jnp.concatenate([first[0], second[0]])
+    caches = None if caches is None else (first[1], second[1])
     return pick_rows(hidden, last_rows), caches
 
 
 def _phases(model: CausalLM, layers: list[DecoderLayer]) -> list:
     """The phases of one microbatch, alternating communication and compute. A state is
-    `(value, stream, rows)`: the stack input, compute input or output, or layer output handle;
-    the microbatch's stream; its rows."""
+    `(value, stream, rows, caches)`: the stack input, compute input or output, or layer output
+    handle; the microbatch's stream, rows and caches (or None); the last phase leaves
+    `(hidden, caches)`."""
 
-    def enter(state, caches):
-        x, stream, rows = state
+    def enter(state):
+        x, stream, rows, caches = state
         h, stream = layers[0].attn_boundary.prepare(x, stream)
-        return (h, stream, rows), caches
+        return h, stream, rows, caches
 
     def attention(index):
-        def phase(state, caches):
-            h, stream, rows = state
+        def phase(state):
+            h, stream, rows, caches = state
             if caches is None:
                 y, _ = layers[index].attend(h, rows, None)
-                return (y, stream, rows), caches
-            cache = caches[index]
-            if rows.phase is RowsPhase.DECODE:
-                # A decode row i reads slot i: give the microbatch its half of the slots.
-                first = stream.token.index * h.shape[0]
-                y, half = layers[index].attend(h, rows, _slots(cache, first, h.shape[0]))
-                cache = jax.tree.map(
-                    lambda whole, part: lax.dynamic_update_slice_in_dim(whole, part, first, 0),
-                    cache,
-                    half,
-                )
-            else:
-                y, cache = layers[index].attend(h, rows, cache)
-            return (y, stream, rows), (*caches[:index], cache, *caches[index + 1 :])
+                return y, stream, rows, caches
+            y, cache = layers[index].attend(h, rows, caches[index])
+            return y, stream, rows, (*caches[:index], cache, *caches[index + 1 :])
 
         return phase
 
     def attention_exit(index):
-        def phase(state, caches):
-            y, stream, rows = state
+        def phase(state):
+            y, stream, rows, caches = state
             layer = layers[index]
             x, stream = layer.attn_boundary.finish(y, stream)
             h, stream = layer.ffn_boundary.prepare(x, stream)
-            return (h, stream, rows), caches
+            return h, stream, rows, caches
 
         return phase
 
     def ffn(index):
-        def phase(state, caches):
-            h, stream, rows = state
-            return (layers[index].ffn_compute(h), stream, rows), caches
+        def phase(state):
+            h, stream, rows, caches = state
+            return layers[index].ffn_compute(h), stream, rows, caches
 
         return phase
 
     def ffn_exit(index):
-        def phase(state, caches):
-            y, stream, rows = state
+        def phase(state):
+            y, stream, rows, caches = state
             x, stream = complete_now(layers[index].ffn_boundary, y, stream)
             if index + 1 < len(layers):
                 h, stream = layers[index + 1].attn_boundary.prepare(x, stream)
-                return (h, stream, rows), caches
-            return (model.read_out(x, stream),), caches
+                return h, stream, rows, caches
+            return model.read_out(x, stream), caches
 
         return phase
 
@@ -165,11 +160,6 @@ def _phases(model: CausalLM, layers: list[DecoderLayer]) -> list:
     for index in range(len(layers)):
         phases += [attention(index), attention_exit(index), ffn(index), ffn_exit(index)]
     return phases
-
-
-def _slots(cache: KVCache, first: int, count: int) -> KVCache:
-    """Slots [first, first + count) of a layer's cache."""
-    return jax.tree.map(lambda values: lax.slice_in_dim(values, first, first + count), cache)
 
 
 PARTS = ("attention", "attention_exit", "ffn", "ffn_exit")
@@ -216,10 +206,11 @@ def pack_two_batches(
     `pack_sequences` does, one after the other in each rank's block.
 
     Each rank's block is `2 * rows_per_half` rows: microbatch 0's packed rows, then microbatch
-    1's; its decode block is `2 * slots_per_half` slots, microbatch 1's slots after microbatch
-    0's. `microbatch_counts` holds each microbatch's real rows per rank; `token_counts` their sum.
-    `rank`, `slot` and `start` index the whole block, so `unpack`, `last_row_index` and
-    `slot_order` read it as any packed batch.
+    1's, each numbering its cache slots (segment ids) from 0 in its own caches; its decode
+    block is `2 * slots_per_half` rows, microbatch 1's slots after microbatch 0's (`slot`
+    counts them so). `microbatch_counts` holds each microbatch's real rows per rank,
+    `token_counts` their sum. `rank`, `slot` and `start` index the whole block, so `unpack`,
+    `last_row_index` and `slot_order` read it as any packed batch.
 
     Raises:
       ValueError: Fewer than two sequences, or `rows_per_half` / `slots_per_half` too small or
@@ -244,12 +235,7 @@ def pack_two_batches(
     dp = topology.attn_dp
     blocks = []
     for values in ("ids", "positions", "segment_ids"):
-        halves = []
-        for side, packed in enumerate(packs):
-            half = np.asarray(getattr(packed.rows, values)).reshape(dp, rows)
-            if values == "segment_ids":
-                half = np.where(half >= 0, half + side * slots, half)
-            halves.append(half)
+        halves = [np.asarray(getattr(p.rows, values)).reshape(dp, rows) for p in packs]
         blocks.append(np.concatenate(halves, axis=1).reshape(-1))
     rank, slot, start = [0] * len(sequences), [0] * len(sequences), [0] * len(sequences)
     for side, (group, packed) in enumerate(zip(groups, packs, strict=True)):

@@ -284,7 +284,9 @@ def decode_rows(packed: PackedBatch, tokens: np.ndarray, positions: np.ndarray) 
         ids[row], rows_pos[row], segments[row] = tokens[index], positions[index], slot
         counts[rank] += 1
         if packed.microbatch_counts is not None:
-            halves[slot // (block // 2), rank] += 1
+            # Two microbatches: each numbers the slots of its own caches from 0.
+            side, segments[row] = divmod(slot, block // 2)
+            halves[side, rank] += 1
     return dataclasses.replace(
         packed,
         rows=TokenRows(ids, rows_pos, segments, RowsPhase.DECODE),

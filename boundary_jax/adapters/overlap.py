@@ -37,9 +37,8 @@ from ..stage import StageBoundary
 OWED_ACROSS_YIELD = "an owed sum left across a yield point"
 MICROBATCHES = 2
 
-Phase = Callable[[Any, Any], tuple[Any, Any]]
-"""One phase of a microbatch: `(state, shared) -> (state, shared)`; `shared` is what both
-microbatches thread in turn (e.g. KV caches whose slots they divide)."""
+Phase = Callable[[Any], Any]
+"""One phase of a microbatch: its state in, its state out."""
 
 
 class MicrobatchToken(StreamToken):
@@ -293,27 +292,25 @@ def yield_point(first: Any, second: Any) -> tuple[Any, Any]:
 def overlap_phases(
     phases: Sequence[Phase],
     states: tuple[Any, Any],
-    shared: Any = None,
     *,
     scope: Callable[[int, int], str] | None = None,
-) -> tuple[tuple[Any, Any], Any]:
+) -> tuple[Any, Any]:
     """Runs `phases` on two microbatches, the second one phase behind the first, with a
     `yield_point` after every step.
 
     Step t runs phase t of microbatch 0, then phase t - 1 of microbatch 1: where the phases
     alternate between communication (a boundary's exit and the next entry) and compute, one
-    microbatch communicates while the other computes. `shared` is threaded through each step's
-    phases in that order (microbatch 0 reaches phase t first).
+    microbatch communicates while the other computes. The microbatches share no state: each
+    phase takes and returns one microbatch's.
 
     Args:
       phases: The phases every microbatch runs, in order.
       states: The two microbatches' initial states (e.g. from `split_stream`).
-      shared: State both thread in turn; None for none.
       scope: Names the `jax.named_scope` of (microbatch, phase), for reading the schedule;
         None: `microbatch_<m>`.
 
     Returns:
-      `((state_0, state_1), shared)` after every phase.
+      `(state_0, state_1)` after every phase.
     """
     if scope is None:
         scope = _default_scope
@@ -322,13 +319,13 @@ def overlap_phases(
     for step in range(count + 1):
         if step < count:
             with jax.named_scope(scope(0, step)):
-                first, shared = phases[step](first, shared)
+                first = phases[step](first)
         if step > 0:
             with jax.named_scope(scope(1, step - 1)):
-                second, shared = phases[step - 1](second, shared)
+                second = phases[step - 1](second)
         if step < count:
             first, second = yield_point(first, second)
-    return (first, second), shared
+    return first, second
 
 
 def _default_scope(microbatch: int, phase: int) -> str:

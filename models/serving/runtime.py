@@ -185,7 +185,8 @@ class ShardedCausalLM:
         self._batch_spec = (batch_spec, batch_spec) if two_batch_overlap else batch_spec
         self._logits_spec = PartitionSpec(rows[0], None)
         self.scan_layers = model.scan_layers
-        self._cache_specs = model.cache_specs()
+        specs = model.cache_specs()
+        self._cache_specs = (specs, specs) if two_batch_overlap else specs
         tbo = two_batch_overlap
         self._forward = self._program_of(
             lambda model, rows, batch: model.lm_head(
@@ -259,13 +260,19 @@ class ShardedCausalLM:
         """Zero decode caches of `slots_per_rank` slots per DP rank, sharded, as the model
         lays them out (`CausalLM.new_caches`): one KV cache per block of the model's layers
         (`DecoderConfig.layer_blocks`), a scanned run's stacked on a leading layer axis; a
-        hybrid stack's per layer (a Mamba2 layer's conv and SSM state, none for an FFN)."""
-        return self.model.new_caches(
-            slots=slots_per_rank * self.topology.attn_dp,
-            max_len=max_len,
-            dtype=self.dtype,
-            mesh=self.mesh,
+        hybrid stack's per layer (a Mamba2 layer's conv and SSM state, none for an FFN).
+        Under two-batch overlap, a pair: each microbatch's caches of half the slots."""
+        parts = 2 if self.two_batch_overlap else 1
+        caches = tuple(
+            self.model.new_caches(
+                slots=slots_per_rank // parts * self.topology.attn_dp,
+                max_len=max_len,
+                dtype=self.dtype,
+                mesh=self.mesh,
+            )
+            for _ in range(parts)
         )
+        return caches if self.two_batch_overlap else caches[0]
 
     # -- forward --------------------------------------------------------------------------
 
