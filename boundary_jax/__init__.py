@@ -6,6 +6,7 @@ and run each layer as `prepare` -> compute -> `finish`, threading the `ResidualS
 `designs.MhcRead`, ...) say how a stage's output joins the residual and how its input reads it.
 """
 
+from . import adapters as adapters
 from . import designs as designs
 from . import fusions as fusions
 from . import initializers as initializers

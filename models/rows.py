@@ -79,6 +79,9 @@ class PackedBatch:
         a multiple of attention TP).
       zigzag: Under context parallelism, each DP rank's CP row order (`start` counts rows of
         the packed order, before it); None without.
+      microbatch_counts: Packed as two microbatches (`models.overlap.pack_two_batches`):
+        [2, attn_dp] real rows of each microbatch per DP rank, from its half of the block's
+        first row; None otherwise.
     """
 
     rows: TokenRows
@@ -91,6 +94,7 @@ class PackedBatch:
     slots_per_rank: int
     decode_rows_per_rank: int
     zigzag: tuple[ZigzagOrder, ...] | None = None
+    microbatch_counts: np.ndarray | None = None
 
     def _sequence_rows(self, index: int) -> np.ndarray:
         """The rows (in the concatenated blocks) of sequence `index`, in its order."""
@@ -274,14 +278,20 @@ def decode_rows(packed: PackedBatch, tokens: np.ndarray, positions: np.ndarray) 
     rows_pos = np.zeros(dp * block, np.int32)
     segments = np.full(dp * block, -1, np.int32)
     counts = np.zeros(dp, np.int32)
+    halves = np.zeros((2, dp), np.int32)
     for index, (rank, slot) in enumerate(zip(packed.rank, packed.slot, strict=True)):
         row = rank * block + slot
         ids[row], rows_pos[row], segments[row] = tokens[index], positions[index], slot
         counts[rank] += 1
+        if packed.microbatch_counts is not None:
+            # Two microbatches: each numbers the slots of its own caches from 0.
+            side, segments[row] = divmod(slot, block // 2)
+            halves[side, rank] += 1
     return dataclasses.replace(
         packed,
         rows=TokenRows(ids, rows_pos, segments, RowsPhase.DECODE),
         token_counts=counts,
+        microbatch_counts=None if packed.microbatch_counts is None else halves,
         start=packed.slot,
         lengths=(1,) * len(packed.lengths),
         rows_per_rank=block,

@@ -28,6 +28,7 @@ FLOORS = (
     ("residual",),
     ("stage",),
     ("stack",),
+    ("adapters",),
     ("scan", "sharding", "report"),
 )
 """The floors of `boundary_jax`, lowest first; a unit is a module or a subpackage."""

@@ -191,7 +191,13 @@ def runner(
     """The model of `build` placed on its mesh, or under `--mesh pp=N` (or `--pp-split`) the
     stages of `build_stages` on theirs (`config`: `source_config`'s)."""
     split = options.check_pipeline(args, config)
+    overlap = getattr(args, "two_batch_overlap", False)
     if split is not None:
+        if overlap:
+            raise InputError(
+                "--two-batch-overlap runs a whole model; pipeline stages already overlap their "
+                "microbatches. Drop one of them"
+            )
         stages, topology = build_stages(args, out, split)
         return PipelineCausalLM(
             stages,
@@ -206,6 +212,7 @@ def runner(
         bj.make_mesh(topology),
         input_scattered=args.input_scattered,
         matmul_precision=args.matmul_precision,
+        two_batch_overlap=overlap,
     )
 
 

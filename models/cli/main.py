@@ -129,6 +129,16 @@ def _quantize_arg(command: argparse.ArgumentParser) -> None:
     )
 
 
+def _overlap_arg(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--two-batch-overlap",
+        action="store_true",
+        help="run each batch as two microbatches, one's collectives beside the other's compute "
+        "(needs at least two sequences; not with pipeline stages, attn_cp > 1, --scan-layers "
+        "or --capture-layers)",
+    )
+
+
 def _pipeline_args(command: argparse.ArgumentParser) -> None:
     command.add_argument(
         "--pp-split",
@@ -183,6 +193,7 @@ def _parser() -> argparse.ArgumentParser:
     _model_args(forward)
     _quantize_arg(forward)
     _pipeline_args(forward)
+    _overlap_arg(forward)
     _input_args(forward, "--input-ids")
     forward.add_argument("--out", required=True, help="where to write the logits (.npy)")
     forward.add_argument(
@@ -199,6 +210,7 @@ def _parser() -> argparse.ArgumentParser:
     _model_args(generate)
     _quantize_arg(generate)
     _pipeline_args(generate)
+    _overlap_arg(generate)
     _input_args(generate, "--prompt-ids")
     generate.add_argument("--max-new-tokens", type=options.positive_int, required=True)
     generate.add_argument(

@@ -138,7 +138,17 @@ class DecoderLayer(nnx.Module):
     ) -> tuple[bj.OwedOutput, bj.ResidualStream, KVCache | None]:
         """The layer after its attention input: attention and its exit, the FFN's input, the
         FFN and its exit."""
-        y, cache = self.attn(
+        y, cache = self.attend(h, rows, cache)
+        x, stream = self.attn_boundary.finish(y, stream)
+        h, stream = self.ffn_boundary.prepare(x, stream)
+        x, stream = self.run_ffn(h, stream)
+        return x, stream, cache
+
+    def attend(
+        self, h: jax.Array, rows: TokenRows, cache: KVCache | None
+    ) -> tuple[jax.Array, KVCache | None]:
+        """The attention's compute: its o_proj partial on `h`'s rows, and the updated cache."""
+        return self.attn(
             h,
             rows.positions,
             rows.segment_ids,
@@ -146,16 +156,17 @@ class DecoderLayer(nnx.Module):
             phase=rows.phase,
             max_sequence_rows=rows.max_sequence_rows,
         )
-        x, stream = self.attn_boundary.finish(y, stream)
-        h, stream = self.ffn_boundary.prepare(x, stream)
-        x, stream = self.run_ffn(h, stream)
-        return x, stream, cache
 
     def run_ffn(
         self, h: jax.Array, stream: bj.ResidualStream
     ) -> tuple[bj.OwedOutput, bj.ResidualStream]:
         """The FFN's compute and exit; a layer whose FFN may hand on a finalize overrides it."""
         return self.ffn_boundary.finish(self.mlp(h), stream)
+
+    def ffn_compute(self, h: jax.Array) -> jax.Array:
+        """The FFN's compute alone, its output finalized (for an exit run apart from compute,
+        as two-batch overlap's `complete_now`)."""
+        return self.mlp(h)
 
 
 class CausalLM(nnx.Module):
@@ -515,11 +526,7 @@ class CausalLM(nnx.Module):
         """The final-norm output of the last layer's `(x, stream)`: every row's, or the rows of
         `last_rows` (as for `hidden`)."""
         hidden = residual.final_norm(x, stream, self.final_read, skip_empty=True)
-        if last_rows is not None:
-            # The LM head is the largest matmul of a decode step: run it on the rows asked for.
-            picked = jnp.take(hidden, jnp.clip(last_rows, 0, hidden.shape[0] - 1), axis=0)
-            hidden = jnp.where((last_rows >= 0)[:, None], picked, 0)
-        return hidden
+        return pick_rows(hidden, last_rows)
 
     def cache_specs(self) -> tuple:
         """Per block of `layers`, its decode cache's `PartitionSpec` tree (`new_caches`)."""
@@ -677,6 +684,15 @@ class CausalLM(nnx.Module):
         if mask is not None:
             stacked = jnp.where(mask[None, :, None], stacked, jnp.zeros((), stacked.dtype))
         return hidden, stacked
+
+
+def pick_rows(hidden: jax.Array, last_rows: jax.Array | None) -> jax.Array:
+    """The rows of `hidden` that `last_rows` names (zero for -1), or every row for None."""
+    if last_rows is None:
+        return hidden
+    # The LM head is the largest matmul of a decode step: run it on the rows asked for.
+    picked = jnp.take(hidden, jnp.clip(last_rows, 0, hidden.shape[0] - 1), axis=0)
+    return jnp.where((last_rows >= 0)[:, None], picked, 0)
 
 
 def _layer_range(config: DecoderConfig, layers: range | None, scan_layers: bool) -> range:

@@ -54,6 +54,11 @@ class MoeDecoderLayer(DecoderLayer):
         exit = self.ffn_boundary.exit(stream)
         return exit.finish(self.mlp(h, defer=exit.defer_moe_finalize), stream)
 
+    def ffn_compute(self, h: jax.Array) -> jax.Array:
+        if not isinstance(self.mlp, MoeFfn):
+            return super().ffn_compute(h)
+        return self.mlp(h, defer=False)
+
 
 class MoeCausalLM(CausalLM):
     """An MoE decoder LM: `CausalLM` whose sparse layers run `MoeFfn`.

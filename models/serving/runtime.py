@@ -23,6 +23,7 @@ import boundary_jax as bj
 
 from ..families.decoder import CausalLM
 from ..layers.kv_cache import KVCache
+from ..overlap import check_two_batch_overlap, microbatch_facts, pack_two_batches, two_batch_hidden
 from ..precision import matmul_precision_scope, resolve_matmul_precision
 from ..rows import PackedBatch, RowsPhase, TokenRows, decode_rows, pack_sequences
 from .sampling import GREEDY, Sampling, sample_tokens
@@ -84,6 +85,14 @@ def blocked_fori_loop(count: jax.Array, body: Callable, carry, block: int = DECO
     return lax.fori_loop(blocks * block, count, body, carry)
 
 
+def _hidden(model: CausalLM, rows: TokenRows, batch, caches=None, last_rows=None, *, tbo: bool):
+    """`model.hidden`, or under two-batch overlap (`batch` a pair of microbatch facts)
+    `two_batch_hidden`."""
+    if tbo:
+        return two_batch_hidden(model, rows, batch, caches, last_rows)
+    return model.hidden(rows, batch, caches, last_rows)
+
+
 def _next_tokens(
     model: CausalLM,
     rows: TokenRows,
@@ -92,10 +101,12 @@ def _next_tokens(
     last_rows: jax.Array | None,
     key: jax.Array,
     sampling: Sampling,
+    *,
+    tbo: bool = False,
 ) -> tuple[jax.Array, tuple[KVCache, ...]]:
     """The next token per row (or per `last_rows` entry), and the updated caches
     (`head_tokens` of the model's final-norm output)."""
-    hidden, caches = model.hidden(rows, batch, caches, last_rows)
+    hidden, caches = _hidden(model, rows, batch, caches, last_rows, tbo=tbo)
     return head_tokens(model, hidden, key, sampling), caches
 
 
@@ -149,6 +160,11 @@ class ShardedCausalLM:
       matmul_precision: The precision every program traces its matmuls with (given None,
         `resolve_matmul_precision`'s: `HIGHEST` for a float32 model, true float32 where a GPU's
         default is TF32; `DEFAULT` for other dtypes).
+      two_batch_overlap: Run forward, prefill and decode as two microbatches, one's
+        collectives beside the other's compute (`models.overlap`): `pack` splits the
+        sequences into two microbatches (a batch needs at least two), `place` gives each its
+        batch facts. Off by default; not built with pipeline stages, context parallelism,
+        scanned layers, captures or single-stage (hybrid) layers.
     """
 
     def __init__(
@@ -159,7 +175,10 @@ class ShardedCausalLM:
         input_scattered: bool = False,
         check_vma: bool = True,
         matmul_precision: lax.Precision | None = None,
+        two_batch_overlap: bool = False,
     ):
+        if two_batch_overlap:
+            check_two_batch_overlap(model)
         mesh_topology = bj.Topology.from_mesh(mesh, moe_ep=model.topology.moe_ep)
         if mesh_topology != model.topology:
             raise ValueError(
@@ -169,6 +188,7 @@ class ShardedCausalLM:
         self.topology = model.topology
         self.config = model.config
         self.input_scattered = input_scattered
+        self.two_batch_overlap = two_batch_overlap
         self.check_vma = check_vma
         self.dtype = model.final_norm.weight[...].dtype
         self.matmul_precision = resolve_matmul_precision(matmul_precision, self.dtype)
@@ -180,12 +200,17 @@ class ShardedCausalLM:
         self._variant = (
             bj.BatchVariant.INPUT_SCATTERED if input_scattered else bj.BatchVariant.ORDINARY
         )
-        self._batch_spec = bj.BatchFacts(self._variant, model.topology, PartitionSpec())
+        batch_spec = bj.BatchFacts(self._variant, model.topology, PartitionSpec())
+        self._batch_spec = (batch_spec, batch_spec) if two_batch_overlap else batch_spec
         self._logits_spec = PartitionSpec(rows[0], None)
         self.scan_layers = model.scan_layers
-        self._cache_specs = model.cache_specs()
+        specs = model.cache_specs()
+        self._cache_specs = (specs, specs) if two_batch_overlap else specs
+        tbo = two_batch_overlap
         self._forward = self._program_of(
-            lambda model, rows, batch: model(rows, batch)[0],
+            lambda model, rows, batch: model.lm_head(
+                _hidden(model, rows, batch, tbo=tbo)[0]
+            ).astype(jnp.float32),
             in_specs=(rows, self._batch_spec),
             out_specs=self._logits_spec,
             check_vma=check_vma,
@@ -215,8 +240,21 @@ class ShardedCausalLM:
     # -- placing inputs -------------------------------------------------------------------
 
     def pack(self, sequences: Sequence[Sequence[int]], *, bucketed: bool = False) -> PackedBatch:
-        """Packs sequences onto the DP ranks (`pack_bucketed`)."""
-        return pack_bucketed(sequences, self.topology, bucketed=bucketed)
+        """Packs sequences onto the DP ranks (`pack_bucketed`); under two-batch overlap as two
+        microbatches (`pack_two_batches`), `bucketed` rounding each half as `pack_bucketed`
+        rounds a block."""
+        if not self.two_batch_overlap:
+            return pack_bucketed(sequences, self.topology, bucketed=bucketed)
+        exact = pack_two_batches(sequences, self.topology)
+        if not bucketed:
+            return exact
+        tp = self.topology.attn_tp
+        return pack_two_batches(
+            sequences,
+            self.topology,
+            rows_per_half=bucket(max(exact.rows_per_rank // 2, MIN_ROWS // 2), tp),
+            slots_per_half=bucket(exact.decode_rows_per_rank // 2, tp),
+        )
 
     def place_array(self, values: np.ndarray | jax.Array, *, rows: bool = True) -> jax.Array:
         """An array placed on the mesh: split over attention DP along axis 0, or replicated."""
@@ -224,8 +262,12 @@ class ShardedCausalLM:
         return jax.device_put(values, NamedSharding(self.mesh, spec))
 
     def place(self, packed: PackedBatch) -> tuple[TokenRows, bj.BatchFacts]:
-        """The packed rows and their batch facts, placed on the mesh."""
+        """The packed rows and their batch facts, placed on the mesh (under two-batch overlap,
+        a pair: each microbatch's)."""
         rows = jax.device_put(packed.rows, NamedSharding(self.mesh, self._rows))
+        if self.two_batch_overlap:
+            place = lambda counts: self.place_array(counts, rows=False)  # noqa: E731
+            return rows, microbatch_facts(packed, self._variant, self.topology, place)
         return rows, self.place_batch(packed.token_counts)
 
     def place_batch(self, token_counts: np.ndarray) -> bj.BatchFacts:
@@ -237,13 +279,19 @@ class ShardedCausalLM:
         """Zero decode caches of `slots_per_rank` slots per DP rank, sharded, as the model
         lays them out (`CausalLM.new_caches`): one KV cache per block of the model's layers
         (`DecoderConfig.layer_blocks`), a scanned run's stacked on a leading layer axis; a
-        hybrid stack's per layer (a Mamba2 layer's conv and SSM state, none for an FFN)."""
-        return self.model.new_caches(
-            slots=slots_per_rank * self.topology.attn_dp,
-            max_len=max_len,
-            dtype=self.dtype,
-            mesh=self.mesh,
+        hybrid stack's per layer (a Mamba2 layer's conv and SSM state, none for an FFN).
+        Under two-batch overlap, a pair: each microbatch's caches of half the slots."""
+        parts = 2 if self.two_batch_overlap else 1
+        caches = tuple(
+            self.model.new_caches(
+                slots=slots_per_rank // parts * self.topology.attn_dp,
+                max_len=max_len,
+                dtype=self.dtype,
+                mesh=self.mesh,
+            )
+            for _ in range(parts)
         )
+        return caches if self.two_batch_overlap else caches[0]
 
     # -- forward --------------------------------------------------------------------------
 
@@ -287,6 +335,7 @@ class ShardedCausalLM:
           (float32 logits [sequences, longest, vocab], hidden states [len(capture_layers),
           sequences, longest, hidden] in the model's dtype; both zero past each sequence's end).
         """
+        self._reject_overlap("forward_captured")
         packed = self.pack(sequences)
         program = self._captured_program(tuple(capture_layers))
         logits, hidden = jax.device_get(program(self._state, *self.place(packed)))
@@ -298,8 +347,16 @@ class ShardedCausalLM:
         capture_layers: Sequence[int],
     ):
         """The lowered (not yet compiled) `forward_captured` program for these shapes."""
+        self._reject_overlap("lower_forward_captured")
         program = self._captured_program(tuple(capture_layers))
         return program.lower(self._state, *self.place(self.pack(sequences)))
+
+    def _reject_overlap(self, what: str) -> None:
+        if self.two_batch_overlap:
+            raise NotImplementedError(
+                f"{what} is not built under two-batch overlap; run it on a runner without "
+                "two_batch_overlap"
+            )
 
     def _captured_program(self, capture_layers: tuple[int, ...]) -> Callable:
         name = ("captured", capture_layers)
@@ -431,7 +488,14 @@ class ShardedCausalLM:
 
         def body(model, rows_, batch, caches, last_rows, key):
             tokens, caches = _next_tokens(
-                model, rows_, batch, caches, last_rows, self._rank_key(key), sampling
+                model,
+                rows_,
+                batch,
+                caches,
+                last_rows,
+                self._rank_key(key),
+                sampling,
+                tbo=self.two_batch_overlap,
             )
             return jnp.where(last_rows >= 0, tokens, 0), caches
 
@@ -463,7 +527,14 @@ class ShardedCausalLM:
                 current = TokenRows(ids, positions, rows_.segment_ids, RowsPhase.DECODE)
                 step_key = jax.random.fold_in(key, first_step + index)
                 tokens, caches = _next_tokens(
-                    model, current, batch, caches, None, step_key, sampling
+                    model,
+                    current,
+                    batch,
+                    caches,
+                    None,
+                    step_key,
+                    sampling,
+                    tbo=self.two_batch_overlap,
                 )
                 tokens = jnp.where(active, tokens, 0)
                 out = lax.dynamic_update_index_in_dim(out, tokens, index, axis=0)

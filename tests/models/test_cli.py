@@ -73,6 +73,19 @@ def test_forward_writes_captured_hidden_states_beside_the_logits(tmp_path):
     assert np.load(out).shape == (4, 12, 250)
 
 
+def test_generate_under_two_batch_overlap_gives_the_greedy_ids(capsys):
+    """--two-batch-overlap's prefill and decode give HF's greedy tokens; with pipeline stages
+    it is rejected."""
+    checkpoint, reference = _golden("qwen3")
+    args = ["generate", "--checkpoint", str(checkpoint), "--two-batch-overlap"]
+    args += ["--prompt-ids", str(checkpoint / "prompts.json"), "--max-new-tokens", "6"]
+    assert main([*args, "--mesh", "attn_tp=2"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert json.loads(last) == reference["generated"].tolist()
+    assert main([*args, "--mesh", "pp=3"]) != 0
+    assert "pipeline stages already overlap" in capsys.readouterr().err
+
+
 def test_generate_prints_the_greedy_ids_as_its_last_line(capsys):
     """generate's last stdout line is one JSON list of lists: HF's greedy tokens."""
     checkpoint, reference = _golden("qwen3")
