@@ -34,16 +34,8 @@ from ..families.decoder import CausalLM
 from ..layers.attention import KVCache
 from ..precision import matmul_precision_scope, resolve_matmul_precision
 from ..rows import PackedBatch, RowsPhase, TokenRows, decode_rows
-from ..serving.runtime import (
-    MIN_ROWS,
-    MIN_STEPS,
-    bucket,
-    cache_length,
-    head_tokens,
-    pack_bucketed,
-    rank_key,
-)
-from ..serving.sampling import GREEDY, Sampling
+from ..serving.buckets import MIN_ROWS, MIN_STEPS, bucket, cache_length, pack_bucketed
+from ..serving.sampling import GREEDY, Sampling, head_tokens, rank_key
 from .schedule import Microbatch, bubble, gpipe_ticks, split_microbatches
 from .split import PipelineSplit
 from .transport import Collect, Transfer, holds, place_rows, rows_spec, stage_meshes

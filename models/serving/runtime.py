@@ -25,64 +25,17 @@ from ..families.decoder import CausalLM
 from ..layers.kv_cache import KVCache
 from ..overlap import check_two_batch_overlap, microbatch_facts, pack_two_batches, two_batch_hidden
 from ..precision import matmul_precision_scope, resolve_matmul_precision
-from ..rows import PackedBatch, RowsPhase, TokenRows, decode_rows, pack_sequences
-from .sampling import GREEDY, Sampling, sample_tokens
-
-CACHE_LENGTHS = tuple(2**i for i in range(7, 18))
-"""Cache lengths a request's prompt + new tokens are rounded up to (capped at the model's
-max_position_embeddings)."""
-MIN_ROWS = 16
-"""The smallest prefill block per DP rank that `pack(bucketed=True)` uses."""
-MIN_STEPS = 16
-"""The smallest decode token buffer (`capacity`) that `generate` uses."""
-DECODE_BLOCK = 16
-"""Decode steps per loop of static trip count (see `blocked_fori_loop`)."""
-
-
-def bucket(size: int, multiple: int = 1) -> int:
-    """The power of two >= `size` (and >= `multiple`), rounded up to a multiple of `multiple`."""
-    power = 1 << max(size - 1, 0).bit_length()
-    power = max(power, multiple)
-    return -(-power // multiple) * multiple
-
-
-def cache_length(tokens: int, limit: int) -> int:
-    """The cache bucket for `tokens` positions: the smallest of CACHE_LENGTHS, at most `limit`."""
-    return min(next((n for n in CACHE_LENGTHS if n >= tokens), tokens), limit)
-
-
-def pack_bucketed(
-    sequences: Sequence[Sequence[int]], topology: bj.Topology, *, bucketed: bool = False
-) -> PackedBatch:
-    """Packs sequences onto the DP ranks; `bucketed` rounds the prefill rows and the cache slots
-    per rank up to powers of two (see `bucket`), so that batches share programs."""
-    exact = pack_sequences(sequences, topology)
-    if not bucketed:
-        return exact
-    tp = topology.attn_tp
-    return pack_sequences(
-        sequences,
-        topology,
-        rows_per_rank=bucket(max(exact.rows_per_rank, MIN_ROWS), topology.attn_cp * tp),
-        slots_per_rank=bucket(exact.decode_rows_per_rank, tp),
-    )
-
-
-def blocked_fori_loop(count: jax.Array, body: Callable, carry, block: int = DECODE_BLOCK):
-    """`lax.fori_loop(0, count, body, carry)` for a traced `count`, run as loops of `block`
-    steps (a static trip count) and then the remainder.
-
-    XLA:GPU copies a loop's condition to the host every iteration unless it knows the trip
-    count; a step then waits for the previous one before its kernels launch (on an H200, about
-    0.1 ms per Nemotron-H-8B decode step). Here that wait comes once per `block` steps.
-    """
-    blocks = count // block
-
-    def run_block(index, carry):
-        return lax.fori_loop(0, block, lambda i, carry: body(index * block + i, carry), carry)
-
-    carry = lax.fori_loop(0, blocks, run_block, carry)
-    return lax.fori_loop(blocks * block, count, body, carry)
+from ..rows import PackedBatch, RowsPhase, TokenRows, decode_rows
+from .buckets import (
+    DECODE_BLOCK,
+    MIN_ROWS,
+    MIN_STEPS,
+    blocked_fori_loop,
+    bucket,
+    cache_length,
+    pack_bucketed,
+)
+from .sampling import GREEDY, Sampling, head_tokens, rank_key
 
 
 def _hidden(model: CausalLM, rows: TokenRows, batch, caches=None, last_rows=None, *, tbo: bool):
@@ -108,27 +61,6 @@ def _next_tokens(
     (`head_tokens` of the model's final-norm output)."""
     hidden, caches = _hidden(model, rows, batch, caches, last_rows, tbo=tbo)
     return head_tokens(model, hidden, key, sampling), caches
-
-
-def head_tokens(
-    model: CausalLM, hidden: jax.Array, key: jax.Array, sampling: Sampling
-) -> jax.Array:
-    """The token each row of final-norm output `hidden` samples through the LM head.
-
-    Greedy decoding takes the argmax of each rank's vocab shard, so full logits never cross
-    attention TP; sampling gathers the logits of the rows given only.
-    """
-    if sampling.greedy:
-        return model.lm_head.greedy(hidden)
-    logits = model.lm_head(hidden).astype(jnp.float32)
-    return sample_tokens(logits, key, sampling)
-
-
-def rank_key(key: jax.Array, topology: bj.Topology) -> jax.Array:
-    """`key` folded with the attention-DP rank (inside `shard_map`), so that ranks draw
-    independently."""
-    entry = topology.spec_entry((bj.TokenAxis.ATTN_DP,))
-    return key if entry is None else jax.random.fold_in(key, lax.axis_index(entry))
 
 
 def fetch(value: jax.Array) -> np.ndarray:

@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+
+import boundary_jax as bj
+
+if TYPE_CHECKING:
+    from ..families.decoder import CausalLM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,3 +72,24 @@ def sample_tokens(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.
         values = jnp.where(before < sampling.top_p, values, -jnp.inf)
     choice = jax.random.categorical(key, values, axis=-1)
     return jnp.take_along_axis(ids, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+def head_tokens(
+    model: CausalLM, hidden: jax.Array, key: jax.Array, sampling: Sampling
+) -> jax.Array:
+    """The token each row of final-norm output `hidden` samples through the LM head.
+
+    Greedy decoding takes the argmax of each rank's vocab shard, so full logits never cross
+    attention TP; sampling gathers the logits of the rows given only.
+    """
+    if sampling.greedy:
+        return model.lm_head.greedy(hidden)
+    logits = model.lm_head(hidden).astype(jnp.float32)
+    return sample_tokens(logits, key, sampling)
+
+
+def rank_key(key: jax.Array, topology: bj.Topology) -> jax.Array:
+    """`key` folded with the attention-DP rank (inside `shard_map`), so that ranks draw
+    independently."""
+    entry = topology.spec_entry((bj.TokenAxis.ATTN_DP,))
+    return key if entry is None else jax.random.fold_in(key, lax.axis_index(entry))

@@ -19,7 +19,8 @@ from models.config import PRESETS
 from models.layers.cp_attention import CpAttentionMode
 from models.layers.kv_cache import KVCache
 from models.rows import decode_rows, pack_sequences
-from models.serving.runtime import ShardedCausalLM, pack_bucketed
+from models.serving.buckets import pack_bucketed
+from models.serving.runtime import ShardedCausalLM
 from models.training.trainer import Trainer, next_token_labels
 
 CONFIG = dataclasses.replace(PRESETS["tiny-qwen3"], num_layers=2)

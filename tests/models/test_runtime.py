@@ -13,7 +13,8 @@ from models.config import PRESETS
 from models.families import Qwen3MoeForCausalLM
 from models.layers.moe import GroupedMatmulImpl
 from models.rows import pack_sequences
-from models.serving.runtime import ShardedCausalLM, blocked_fori_loop, bucket, cache_length
+from models.serving.buckets import blocked_fori_loop, bucket, cache_length
+from models.serving.runtime import ShardedCausalLM
 from models.serving.sampling import Sampling
 
 PROMPTS = [[5, 7, 9, 11, 2], [3], [8, 8, 1]]
