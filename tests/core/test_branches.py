@@ -115,7 +115,7 @@ def test_gradients_equal_one_device(layers, dp, tp, policy):
         )(plain)
     got_flat, want_flat = dict(nnx.to_flat_state(got)), dict(nnx.to_flat_state(want))
     assert set(got_flat) == set(want_flat)
-    assert any("branch_compute_2" in map(str, path) for path in want_flat)
+    assert any("branch_compute_1" in map(str, path) for path in want_flat)
     for path, leaf in want_flat.items():
         value = np.asarray(jax.device_get(got_flat[path][...]))
         np.testing.assert_allclose(value, leaf[...], rtol=1e-9, atol=1e-12, err_msg=str(path))
@@ -327,3 +327,21 @@ def test_an_input_scattered_batch_is_rejected_with_the_reason():
     stream = residual.start(bj.BatchFacts.input_scattered(bj.Topology(attn_tp=2), None, rows=4))
     with pytest.raises(NotImplementedError, match="active INPUT_SCATTERED batch.*branch transport"):
         first.prepare(jnp.zeros((4, HIDDEN)), stream)
+
+
+def test_the_plan_shows_fork_and_merge_edges_and_where_the_branch_sum_completes():
+    """describe_stages names a branch's fork and merge edges, the moves at the fork and where
+    its last output's sum completes."""
+    with jax.enable_x64(True):
+        part = _plans(DEFERRING).stacks[0].layers[0].parts[0]
+    stages = [(0, "attention", part.boundary.plan)] + [
+        (0, f"branch {i}", b.plan) for i, b in enumerate(part.branch)
+    ]
+    source, first, last = bj.report.describe_stages(stages, bj.BatchVariant.ORDINARY)
+    assert "fork" not in source and "merge" not in source
+    assert first["fork"]["edge"] == bj.EdgeKind.BRANCH_FORK.value
+    assert first["entries"] == [] and "merge" not in first
+    assert last["merge"]["edge"] == bj.EdgeKind.BRANCH_MERGE.value
+    (completes,) = last["merge"]["branch_sum_completes"]
+    assert completes["sum"].startswith("added unsummed to the source's output at the merge")
+    assert "all-reduce over attn_tp" in completes["sum"]
