@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import boundary_jax as bj
 from boundary_jax import ops, residual
@@ -16,7 +18,17 @@ from boundary_jax.adapters import branch as branch_adapter
 
 from .branching import Branched, BranchStack, Part, build, built, reference
 from .hetero import Kind
-from .standin import HIDDEN, ROWS, TanhUpdate, count_patterns, make_mesh
+from .standin import (
+    HIDDEN,
+    ROWS,
+    StandInAttention,
+    StandInFfn,
+    TanhUpdate,
+    _norm,
+    count_patterns,
+    input_shares,
+    make_mesh,
+)
 
 A, F, M = Kind.ATTN, Kind.FFN, Kind.MOE
 AR, RS_RSV = bj.ReductionPolicy.AR, bj.ReductionPolicy.RS_RSV
@@ -345,3 +357,99 @@ def test_the_plan_shows_fork_and_merge_edges_and_where_the_branch_sum_completes(
     (completes,) = last["merge"]["branch_sum_completes"]
     assert completes["sum"].startswith("added unsummed to the source's output at the merge")
     assert "all-reduce over attn_tp" in completes["sum"]
+
+
+class Nested(nnx.Module):
+    """Attention, then an FFN with a branch [attention, FFN] whose attention is itself the
+    source of a branch [FFN] (merged into the first branch before its FFN)."""
+
+    def __init__(self, topology: bj.Topology, key):
+        keys = iter(jax.random.split(key, 12))
+        self.norm_a, self.norm_f, self.norm_f1 = (_norm(next(keys), jnp.float64) for _ in range(3))
+        attn = lambda: StandInAttention(topology, next(keys), jnp.float64)  # noqa: E731
+        ffn = lambda: StandInFfn(topology, next(keys), jnp.float64)  # noqa: E731
+        self.attn, self.ffn, self.attn1, self.ffn1, self.ffn2 = attn(), ffn(), attn(), ffn(), ffn()
+        self.final_norm = _norm(next(keys), jnp.float64)
+        with bj.layer_stack(topology, input_sum=bj.SumGroup.ATTN_TP):
+            self.a, self.f = bj.append_stages(
+                (bj.declare_attn(), self.norm_a), (bj.declare_ffn(), self.norm_f), owner=self
+            )
+            self.a1, self.f1 = bj.append_stages(
+                (bj.declare_attn(), self.norm_f),
+                (bj.declare_ffn(), self.norm_f1),
+                owner=self,
+                prepared_from=self.f,
+            )
+            (self.f2,) = bj.append_stages(
+                (bj.declare_ffn(), self.norm_f), owner=self, prepared_from=self.a1.declaration
+            )
+
+    def __call__(self, x, batch):
+        h, stream = self.a.prepare(x, residual.start(batch))
+        x, stream = self.a.finish(self.attn(h), stream)
+        h, stream = self.f.prepare(x, stream)
+        g, stream, branch = bj.branch_input(self.a1, self.f, h, stream)
+        x, stream = self.f.finish(self.ffn(h), stream)
+        k, branch, nested = bj.branch_input(self.f2, self.a1, g, branch)
+        y, branch = self.a1.finish(self.attn1(g), branch)
+        z, nested = self.f2.finish(self.ffn2(k), nested)
+        z, nested = bj.branch_output(self.f2, z, nested)
+        y, branch = bj.merge_branch(y, branch, z, nested)
+        g, branch = self.f1.prepare(y, branch)
+        y, branch = self.f1.finish(self.ffn1(g), branch)
+        y, branch = bj.branch_output(self.f1, y, branch)
+        x, stream = bj.merge_branch(x, stream, y, branch)
+        return residual.final_norm(x, stream, self.final_norm)
+
+    def reference(self, x):
+        rows = x + self.attn(self.norm_a(x))
+        h = self.norm_f(rows)
+        branch = rows + self.attn1(h) + self.ffn2(h)
+        branch = branch + self.ffn1(self.norm_f1(branch))
+        return self.final_norm(branch + self.ffn(h))
+
+
+def test_a_branch_from_a_branch_stage_equals_one_device():
+    """A branch whose source is a stage of another branch merges into that branch's stream."""
+    topology = bj.Topology(attn_tp=2)
+    with jax.enable_x64(True):
+        model = Nested(topology, jax.random.key(4))
+        x = jax.random.normal(jax.random.key(5), (ROWS, HIDDEN), jnp.float64)
+        sharded = bj.ShardedModule(model, make_mesh(1, 2))
+        spec = bj.BatchFacts(bj.BatchVariant.ORDINARY, topology, P())
+        run = sharded.program(
+            lambda m, x, b: m(x, b), in_specs=(P(None, "attn_tp"), spec), out_specs=P()
+        )
+        placed = jax.device_put(
+            input_shares(x, 2), NamedSharding(make_mesh(1, 2), P(None, "attn_tp"))
+        )
+        got = run(sharded.state, placed, bj.BatchFacts.ordinary(topology))
+        assert _error(got, model.reference(x)) < 1e-12
+
+
+def test_scanned_layers_with_branches_equal_the_unrolled_stack():
+    """Layers with branches scan (lax.scan over stacked parameters): the open branches close
+    inside each layer, so the carry keeps its form."""
+    model = Branched(LONGCAT * 2, 1, 2)
+    with jax.enable_x64(True):
+        run = built(model)
+        x, counts = _inputs(1)
+        stack = run.stacks[0]
+
+        def body(stacks, x, batch):
+            (stack,) = stacks
+            stream = residual.start(batch)
+            out, stream = stack.layers[0](x, stream)
+            layers = bj.StackedLayers(list(stack.layers)[1:-1], start=1)
+            (out, stream), _ = layers.scan(
+                lambda layer, carry, _: (layer(*carry), None), (out, stream)
+            )
+            out, stream = stack.layers[-1](out, stream)
+            return residual.final_norm(out, stream, stack.final_norm, skip_empty=True)
+
+        sharded = bj.ShardedModule(nnx.List([stack]), make_mesh(1, 2))
+        spec = bj.BatchFacts(bj.BatchVariant.ORDINARY, model.topology, P())
+        in_rows = P(None, "attn_tp")
+        scanned = sharded.program(body, in_specs=(in_rows, spec), out_specs=P())
+        got = scanned(sharded.state, run.place(x), run.batch(x, counts))
+        assert _error(got, run.run(x, counts)) < 1e-12
