@@ -458,3 +458,15 @@ def test_scanned_layers_with_branches_equal_the_unrolled_stack():
         scanned = sharded.program(body, in_specs=(in_rows, spec), out_specs=P())
         got = scanned(sharded.state, run.place(x), run.batch(x, counts))
         assert _error(got, run.run(x, counts)) < 1e-12
+
+
+def test_an_unpadded_batch_runs_through_branches():
+    """Rows that do not divide over attention TP (the unpadded variant, where an FFN on its own
+    rows stays on the attention's rows) run through branches and equal one device."""
+    model = Branched(LONGCAT_OWN, 1, 2)
+    with jax.enable_x64(True):
+        run = built(model)
+        x = jax.random.normal(jax.random.key(5), (ROWS + 1, HIDDEN), jnp.float64)
+        counts = np.array([ROWS])
+        got = run.run(x, counts, bj.BatchVariant.UNPADDED)
+        assert _error(got, reference(run.stacks, x, 1, counts)) < 1e-12
