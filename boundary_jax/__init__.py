@@ -12,6 +12,9 @@ from . import fusions as fusions
 from . import initializers as initializers
 from . import report as report
 from . import residual as residual
+from .adapters import branch_input as branch_input
+from .adapters import branch_output as branch_output
+from .adapters import merge_branch as merge_branch
 from .batch import BatchFacts as BatchFacts
 from .declare import Edge as Edge
 from .declare import EdgeKind as EdgeKind

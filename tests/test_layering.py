@@ -27,8 +27,8 @@ FLOORS = (
     ("bind", "check"),
     ("residual",),
     ("stage",),
-    ("stack",),
     ("adapters",),
+    ("stack",),
     ("scan", "sharding", "report"),
 )
 """The floors of `boundary_jax`, lowest first; a unit is a module or a subpackage."""

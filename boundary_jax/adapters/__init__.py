@@ -1,6 +1,10 @@
-"""Adapters for layer exits and entries a plain sequential `prepare` / `finish` cannot express:
-two-batch overlap (`overlap`). They wrap bound plans; `stage.py` knows nothing of them."""
+"""Adapters: layer entries and exits that a plain prepare -> compute -> finish cannot express,
+running plans that binding made: branches (`branch`) and two-batch overlap (`overlap`).
+`stage.py` knows nothing of them."""
 
+from .branch import branch_input as branch_input
+from .branch import branch_output as branch_output
+from .branch import merge_branch as merge_branch
 from .overlap import MicrobatchToken as MicrobatchToken
 from .overlap import complete_now as complete_now
 from .overlap import merge_streams as merge_streams
