@@ -218,6 +218,10 @@ class DeepseekRouting:
         weights never do.
       renormalize: The k weights are divided by their sum (+ 1e-20) (V3's `norm_topk_prob`).
       scaling_factor: The weights' factor (HF `routed_scaling_factor`).
+      zero_experts: Zero-computation (identity) experts after the routed ones (LongCat-Flash's
+        `zero_expert_num`): the router scores `num_experts + zero_experts` experts, and a
+        choice of an id >= `num_experts` returns its input times its weight, with no weights
+        and no matmul. Not combined with grouped selection.
     """
 
     num_experts: int
@@ -229,18 +233,34 @@ class DeepseekRouting:
     correction_bias: bool = False
     renormalize: bool = False
     scaling_factor: float = 1.0
+    zero_experts: int = 0
 
     def __post_init__(self):
         for name in ("num_experts", "top_k", "num_groups", "topk_groups"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"DeepseekRouting.{name} must be a positive int; got {value!r}")
+        if not isinstance(self.zero_experts, int) or self.zero_experts < 0:
+            raise ValueError(
+                "DeepseekRouting.zero_experts must be a non-negative int; got "
+                f"{self.zero_experts!r}"
+            )
+        if self.zero_experts and self.num_groups > 1:
+            raise NotImplementedError(
+                "zero-computation experts with grouped selection are not supported (no model "
+                f"has both); got {self.zero_experts=}, {self.num_groups=}"
+            )
+        if self.top_k > self.total_experts:
+            raise ValueError(
+                f"top_k ({self.top_k}) must not exceed the experts the router scores "
+                f"({self.total_experts})"
+            )
         if self.num_experts % self.num_groups or self.topk_groups > self.num_groups:
             raise ValueError(
                 "the experts must form num_groups equal groups, of which topk_groups are kept; "
                 f"got {self.num_experts=}, {self.num_groups=}, {self.topk_groups=}"
             )
-        per_group = self.num_experts // self.num_groups
+        per_group = self.total_experts // self.num_groups
         if self.top_k > self.topk_groups * per_group:
             raise ValueError(
                 f"top_k ({self.top_k}) must not exceed the experts of the kept groups "
@@ -250,6 +270,11 @@ class DeepseekRouting:
             raise ValueError(
                 f"a group scored by its best two experts needs two; got {per_group} per group"
             )
+
+    @property
+    def total_experts(self) -> int:
+        """The experts the router scores: the routed ones, then the zero-computation ones."""
+        return self.num_experts + self.zero_experts
 
     @classmethod
     def from_hf(cls, config: Mapping[str, Any]) -> DeepseekRouting:

@@ -160,6 +160,12 @@ class MoeConfig:
         if rule is not None and self.shared_expert_gate:
             raise ValueError("DeepSeek's shared experts are ungated; got shared_expert_gate=True")
 
+    @property
+    def zero_experts(self) -> int:
+        """Zero-computation (identity) experts the router scores after the routed ones
+        (`routing.zero_experts`; LongCat-Flash), 0 for a MoE without them."""
+        return 0 if self.routing is None else self.routing.zero_experts
+
     def is_sparse(self, layer: int) -> bool:
         """Whether decoder layer `layer` (0-based) runs the sparse FFN, by HF's rule."""
         return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
