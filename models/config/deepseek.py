@@ -47,6 +47,9 @@ class MlaConfig:
       rope_scaling: YaRN (DeepSeek's), linear or llama3 scaling, or None.
       rope_interleaved: The rope dimensions come in interleaved pairs (DeepSeek-V2 always;
         V3 unless `rope_interleave` is false); else NeoX halves.
+      lora_scaled: LongCat-Flash's scales: the queries (both parts) times
+        `q_lora_scale = sqrt(hidden_size / q_lora_rank)` and the normed kv latent times
+        `kv_lora_scale = sqrt(hidden_size / kv_lora_rank)` (before it is cached). Needs q LoRA.
     """
 
     hidden_size: int
@@ -59,6 +62,7 @@ class MlaConfig:
     rope_theta: float
     rope_scaling: RopeScaling | None = None
     rope_interleaved: bool = True
+    lora_scaled: bool = False
 
     def __post_init__(self):
         for name in (
@@ -79,6 +83,22 @@ class MlaConfig:
                 f"RoPE rotates pairs of dimensions; qk_rope_head_dim must be even, got "
                 f"{self.qk_rope_head_dim}"
             )
+        if self.lora_scaled and self.q_lora_rank is None:
+            raise ValueError(
+                "lora_scaled (LongCat-Flash's query and latent scales) needs q LoRA; got "
+                "q_lora_rank=None"
+            )
+
+    @property
+    def q_lora_scale(self) -> float:
+        """The queries' factor: `sqrt(hidden_size / q_lora_rank)` when `lora_scaled`, else 1."""
+        return (self.hidden_size / self.q_lora_rank) ** 0.5 if self.lora_scaled else 1.0
+
+    @property
+    def kv_lora_scale(self) -> float:
+        """The normed kv latent's factor: `sqrt(hidden_size / kv_lora_rank)` when
+        `lora_scaled`, else 1."""
+        return (self.hidden_size / self.kv_lora_rank) ** 0.5 if self.lora_scaled else 1.0
 
     @property
     def qk_head_dim(self) -> int:
@@ -395,25 +415,6 @@ def write_deepseek_config(config: DecoderConfig) -> dict[str, Any]:
     format, with no multi-token-prediction layer; `read_deepseek_config` reads it back."""
     mla, moe = config.mla, config.moe
     routing = moe.routing
-    rope: dict[str, Any] = {"rope_theta": mla.rope_theta, "rope_type": "default"}
-    scaling = mla.rope_scaling
-    if isinstance(scaling, YarnRopeScaling):
-        yarn = {
-            "rope_type": "yarn",
-            "factor": scaling.factor,
-            "original_max_position_embeddings": scaling.original_max_position_embeddings,
-            "beta_fast": scaling.beta_fast,
-            "beta_slow": scaling.beta_slow,
-            "mscale": scaling.mscale,
-            "mscale_all_dim": scaling.mscale_all_dim,
-            "attention_factor": scaling.explicit_attention_factor,
-            "truncate": scaling.truncate,
-        }
-        rope |= {key: value for key, value in yarn.items() if value is not None}
-    elif isinstance(scaling, LinearRopeScaling):
-        rope |= {"rope_type": "linear", "factor": scaling.factor}
-    elif scaling is not None:
-        rope |= dataclasses.asdict(scaling) | {"rope_type": "llama3"}
     shared = moe.shared_expert_intermediate_size or 0
     v2 = config.architecture is Architecture.DEEPSEEK_V2
     out: dict[str, Any] = {
@@ -432,7 +433,7 @@ def write_deepseek_config(config: DecoderConfig) -> dict[str, Any]:
         "v_head_dim": mla.v_head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": config.rms_norm_eps,
-        "rope_parameters": rope,
+        "rope_parameters": mla_rope_parameters(mla),
         "tie_word_embeddings": config.tie_word_embeddings,
         "max_position_embeddings": config.max_position_embeddings,
         "attention_bias": False,
@@ -455,3 +456,27 @@ def write_deepseek_config(config: DecoderConfig) -> dict[str, Any]:
     else:
         out |= {"rope_interleave": mla.rope_interleaved, "num_nextn_predict_layers": 0}
     return out
+
+
+def mla_rope_parameters(mla: MlaConfig) -> dict[str, Any]:
+    """transformers 5's `rope_parameters` of a latent attention's RoPE."""
+    rope: dict[str, Any] = {"rope_theta": mla.rope_theta, "rope_type": "default"}
+    scaling = mla.rope_scaling
+    if isinstance(scaling, YarnRopeScaling):
+        yarn = {
+            "rope_type": "yarn",
+            "factor": scaling.factor,
+            "original_max_position_embeddings": scaling.original_max_position_embeddings,
+            "beta_fast": scaling.beta_fast,
+            "beta_slow": scaling.beta_slow,
+            "mscale": scaling.mscale,
+            "mscale_all_dim": scaling.mscale_all_dim,
+            "attention_factor": scaling.explicit_attention_factor,
+            "truncate": scaling.truncate,
+        }
+        rope |= {key: value for key, value in yarn.items() if value is not None}
+    elif isinstance(scaling, LinearRopeScaling):
+        rope |= {"rope_type": "linear", "factor": scaling.factor}
+    elif scaling is not None:
+        rope |= dataclasses.asdict(scaling) | {"rope_type": "llama3"}
+    return rope
