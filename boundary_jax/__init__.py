@@ -6,11 +6,15 @@ and run each layer as `prepare` -> compute -> `finish`, threading the `ResidualS
 `designs.MhcRead`, ...) say how a stage's output joins the residual and how its input reads it.
 """
 
+from . import adapters as adapters
 from . import designs as designs
 from . import fusions as fusions
 from . import initializers as initializers
 from . import report as report
 from . import residual as residual
+from .adapters import branch_input as branch_input
+from .adapters import branch_output as branch_output
+from .adapters import merge_branch as merge_branch
 from .batch import BatchFacts as BatchFacts
 from .declare import Edge as Edge
 from .declare import EdgeKind as EdgeKind

@@ -20,6 +20,8 @@ from .layout import BatchVariant, Layout, TokenAxis, Topology
 from .ops import AllGather, AllReduce, Finalize, Step
 from .placement import Placement
 from .plan import (
+    BranchFork,
+    BranchMerge,
     EntryPath,
     ExitKind,
     ExitOption,
@@ -53,7 +55,7 @@ def _defers_finalize(
 ) -> bool:
     if not declaration.sparse or fusions is None:
         return False
-    if outgoing.kind is EdgeKind.STACK_EXIT:
+    if outgoing.leaves_stack:
         return fusions.terminal_finalize
     return fusions.defer_finalize
 
@@ -77,7 +79,7 @@ def exit_options(
     owed = compute_owed(declaration, topology)
     compute, residual = rows.compute, rows.residual
     value = Placement(compute, owed)
-    leaving = outgoing.kind is EdgeKind.STACK_EXIT
+    leaving = outgoing.leaves_stack
     attention = topology.attention_rows()
     fold_to = attention if leaving and residual != attention else None
     consumer = outgoing.consumer
@@ -236,6 +238,66 @@ def _entry(
     )
 
 
+def bind_fork(source: StageRows, own: StageRows, topology: Topology) -> BranchFork:
+    """How a branch's first stage (on `own` rows) starts from its source's prepared input (the
+    source on `source` rows): the residual and the compute input move as they are, complete."""
+    return BranchFork(
+        source.residual,
+        ops.relayout(source.residual, own.residual, topology),
+        source.compute,
+        ops.relayout(source.compute, own.compute, topology),
+    )
+
+
+def bind_merge(
+    declaration: StageDeclaration,
+    exits: tuple[ExitOption, ...],
+    residual: Layout,
+    source: StageDeclaration,
+    into: StagePath,
+    topology: Topology,
+) -> BranchMerge:
+    """How a branch's last stage (`declaration`, exiting by `exits` with its residual on
+    `residual` rows) merges into its source's output (`source`, bound as `into`).
+
+    A handoff defers to the merge where the source hands on the same placement, neither owes a
+    finalize and both are plain adds without an output transform: the values add unsummed and
+    the source's one completion completes both. Every other handoff completes at
+    `branch_output`, onto the branch's residual rows.
+
+    Raises:
+      NotImplementedError: The source's update is not a plain add, or the source's exit folds
+        its output into the residual (the merge needs it pending).
+    """
+    if not source.update.plain:
+        raise NotImplementedError(
+            f"a branch merges by taking its residual (which holds the one it forked from) in "
+            f"place of its source's, so the source's update must be a plain add; got "
+            f"{source.update.design}"
+        )
+    if any(option.fold_to is not None for option in into.exits):
+        raise NotImplementedError(
+            "a branch into a source that folds its output into the residual at the stack's end "
+            f"(its residual on {into.residual_layout}, not the attention's rows) is not "
+            "supported: end the stack with a stage after the branch's source"
+        )
+    plain = declaration.update.plain and not declaration.has_output_transform
+    targets = {o.handoff for o in into.exits} if not source.has_output_transform and plain else ()
+    defers = tuple(
+        sorted(
+            {o.handoff for o in exits if o.fold_to is None and not o.handoff.finalize}
+            & set(targets),
+            key=str,
+        )
+    )
+    leaving = {residual} | {o.fold_to.layout for o in exits if o.fold_to is not None}
+    moves = tuple(
+        (rows, ops.relayout(rows, into.residual_layout, topology))
+        for rows in sorted(leaving, key=str)
+    )
+    return BranchMerge(into.residual_layout, moves, defers)
+
+
 def bind_stage(
     declaration: StageDeclaration,
     incoming: Edge,
@@ -244,17 +306,21 @@ def bind_stage(
     rows: dict[BatchVariant, tuple[StageRows | None, StageRows]],
     fusions: FusionProvider | None = None,
     producer_fusions: FusionProvider | None = None,
+    merge_into: StagePlan | None = None,
 ) -> StagePlan:
     """Binds one stage between the edge it is entered through and the edge it leaves by.
 
     Args:
       declaration: The stage, with its place set.
-      incoming: The edge from its producer (or the stack input).
+      incoming: The edge from its producer (or the stack input); at a branch fork, from the
+        source whose prepared input the stage starts from.
       outgoing: The edge to its consumer (or the final read).
       stack: The stack's facts.
-      rows: Per variant, the rows of (the producer, this stage); None for the stack input.
+      rows: Per variant, the rows of (the producer, this stage); None for the stack input. At a
+        branch fork, the producer is the source.
       fusions: This stage's provider (None: the stack's).
       producer_fusions: The producer's provider (None: the stack's).
+      merge_into: For a branch's last stage, its source's bound plan.
 
     Raises:
       NotImplementedError: The stage needs a path boundary-jax does not implement.
@@ -291,7 +357,11 @@ def bind_stage(
         entries: list[EntryPath] = []
         primary = None
         handoffs = {Placement(residual)}
-        if incoming.kind is EdgeKind.STACK_ENTRY:
+        fork = None
+        if incoming.kind is EdgeKind.BRANCH_FORK:
+            fork = bind_fork(producer_rows, own, topology)
+            handoffs, sources = set(), ()
+        elif incoming.kind is EdgeKind.STACK_ENTRY:
             group = incoming.producer.sum_group
             owed_axes = () if group is None else topology.sum_axes(group)
             entries.append(entry(Placement(attention, owed_axes), attention, initial=True))
@@ -326,13 +396,21 @@ def bind_stage(
             )
             for e in entries
         ]
+        exits = exit_options(declaration, outgoing, variant, stack, own, fusions)
+        merge = None
+        if outgoing.kind is EdgeKind.BRANCH_MERGE:
+            source = merge_into.declaration
+            into = merge_into.path(variant)
+            merge = bind_merge(declaration, exits, residual, source, into, topology)
         path = StagePath(
             variant,
             residual_rows(residual, topology),
             compute,
             compute_owed(declaration, topology),
             tuple(entries),
-            exit_options(declaration, outgoing, variant, stack, own, fusions),
+            exits,
+            fork,
+            merge,
         )
         paths.append(path)
     candidates = fusions.attn_input if declaration.kind is StageKind.ATTN else fusions.ffn_input
@@ -343,4 +421,5 @@ def bind_stage(
         tuple(paths),
         input_fusions=tuple(candidates),
         fusions=fusions,
+        rejected=stack.rejected,
     )

@@ -48,6 +48,38 @@ class _Checker:
             self.entry(entry, self.residual, "the entry", compute=Placement(path.compute_layout))
         for option in path.exits:
             self.exit(option)
+        if path.fork is not None:
+            self.fork(path)
+        if path.merge is not None:
+            self.merge(path)
+
+    def fork(self, path: StagePath) -> None:
+        fork = path.fork
+        self.expect(
+            fork.residual_move,
+            Placement(fork.source_residual),
+            self.residual,
+            "the residual's fork at branch_input",
+        )
+        self.expect(
+            fork.input_move,
+            Placement(fork.source_compute),
+            Placement(path.compute_layout),
+            "the move of the source's prepared input at branch_input",
+        )
+
+    def merge(self, path: StagePath) -> None:
+        merge = path.merge
+        into = Placement(merge.into)
+        for rows, steps in merge.residual_moves:
+            self.expect(steps, Placement(rows), into, "the branch residual's move at the merge")
+        handoffs = {option.handoff for option in path.exits}
+        for placement in merge.defers:
+            if placement.finalize or placement not in handoffs:
+                raise PlanError(
+                    f"the merge defers a branch output {placement}, which the branch's exit "
+                    "does not hand on unfinalized"
+                )
 
     def rows(self, rows: ResidualRows, what: str) -> None:
         want = Placement(rows.layout)

@@ -38,6 +38,8 @@ class EdgeKind(enum.Enum):
     STACK_EXIT = "stack exit into the final read"
     PIPELINE_SEND = "pipeline send"
     PIPELINE_RECEIVE = "pipeline receive"
+    BRANCH_FORK = "branch fork from a source's prepared input"
+    BRANCH_MERGE = "branch merge into the source's output"
 
 
 class ProducerReduction(enum.Enum):
@@ -188,9 +190,12 @@ class Edge:
     Attributes:
       kind: What joins them.
       producer: The stack input at a stack entry; otherwise the producing stage's facts (across
-        a pipeline receive, the previous rank's last stage, from `stage_facts`).
+        a pipeline receive, the previous rank's last stage, from `stage_facts`; at a branch
+        fork, the source whose prepared input the branch starts from).
       consumer: The final read at a stack exit; otherwise the consuming stage's facts (across a
-        pipeline send, the next rank's first stage, from `stage_facts`).
+        pipeline send, the next rank's first stage, from `stage_facts`). At a branch merge, the
+        consumer of the source's output the branch merges into (the final read where the source
+        ends the stack).
     """
 
     kind: EdgeKind
@@ -199,17 +204,22 @@ class Edge:
 
     def __post_init__(self):
         entry = self.kind is EdgeKind.STACK_ENTRY
-        final = self.kind is EdgeKind.STACK_EXIT
         if isinstance(self.producer, StackInput) != entry:
             raise TypeError(
                 f"only a stack entry's producer is the StackInput; got a {self.kind.value} edge "
                 f"from {type(self.producer).__name__}"
             )
-        if isinstance(self.consumer, FinalRead) != final:
+        final = isinstance(self.consumer, FinalRead)
+        if final != (self.kind is EdgeKind.STACK_EXIT) and self.kind is not EdgeKind.BRANCH_MERGE:
             raise TypeError(
-                f"only a stack exit's consumer is the FinalRead; got a {self.kind.value} edge "
-                f"into {type(self.consumer).__name__}"
+                f"only a stack exit's (or a branch merge's) consumer is the FinalRead; got a "
+                f"{self.kind.value} edge into {type(self.consumer).__name__}"
             )
+
+    @property
+    def leaves_stack(self) -> bool:
+        """The edge's consumer is the stack's final read: whatever crosses it completes now."""
+        return isinstance(self.consumer, FinalRead)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,6 +243,16 @@ class StackPlace:
     def terminal(self) -> bool:
         """The stage ends the model's layer stack (its consumer is the final read)."""
         return self.outgoing.kind is EdgeKind.STACK_EXIT
+
+    @property
+    def forks(self) -> bool:
+        """The stage opens a branch: it starts from its source's prepared input."""
+        return self.incoming.kind is EdgeKind.BRANCH_FORK
+
+    @property
+    def merges(self) -> bool:
+        """The stage closes a branch: its output merges into its source's output."""
+        return self.outgoing.kind is EdgeKind.BRANCH_MERGE
 
 
 def declare_attn(

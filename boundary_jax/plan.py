@@ -43,6 +43,8 @@ class StackFacts:
       fusions: The provider of stages without their own, also assumed for neighbours that another
         pipeline rank builds.
       final_read: The read the stack leaves through (`residual.final_norm` applies it).
+      rejected: Batch variants the topology would support but the stack does not bind, each
+        with the reason (named when such a batch runs).
     """
 
     topology: Topology
@@ -50,6 +52,7 @@ class StackFacts:
     variants: tuple[BatchVariant, ...]
     fusions: FusionProvider
     final_read: ResidualReadout
+    rejected: tuple[tuple[BatchVariant, str], ...] = ()
 
     def __post_init__(self):
         if self.policy is ReductionPolicy.AUTO:
@@ -243,6 +246,61 @@ class ExitOption:
 
 
 @dataclasses.dataclass(frozen=True)
+class BranchFork:
+    """How a branch's first stage starts from its source's prepared input (`branch_input`).
+
+    The source's read has run: its compute input and the residual it wrote are taken as they
+    are (the branch's first norm is never applied), and moved onto the branch's rows.
+
+    Attributes:
+      source_residual: Rows of the residual the source wrote.
+      residual_move: Its move onto the branch's residual rows (the fork of the stream).
+      source_compute: Rows of the source's compute input.
+      input_move: Its move onto the branch's first compute rows.
+    """
+
+    source_residual: Layout
+    residual_move: tuple[Step, ...]
+    source_compute: Layout
+    input_move: tuple[Step, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class BranchMerge:
+    """How a branch's last output joins its source's output (`branch_output`, `merge_branch`).
+
+    The branch's residual already holds the residual it forked from, so the merged stream's
+    residual is the branch's (with the branch's output folded in), and the source's output stays
+    pending on it: the next input completes and adds it as if no branch had run.
+
+    Attributes:
+      into: Rows of the source's residual, where the merged residual is.
+      residual_moves: For each rows the branch's residual may leave on, its move onto `into`.
+      defers: The branch's handoffs that the merge adds, unsummed, to a source output owing the
+        same work on the same rows: its one completion completes both. Any other handoff
+        completes onto the branch's residual rows at `branch_output`.
+    """
+
+    into: Layout
+    residual_moves: tuple[tuple[Layout, tuple[Step, ...]], ...]
+    defers: tuple[Placement, ...] = ()
+
+    def residual_move(self, rows: Layout) -> tuple[Step, ...]:
+        """The bound move of a branch residual on `rows` onto `into`.
+
+        Raises:
+          RuntimeError: No move is bound from those rows (a binding bug).
+        """
+        for source, steps in self.residual_moves:
+            if source == rows:
+                return steps
+        raise RuntimeError(
+            f"no merge move is bound for a branch residual on {rows}; this is a binding bug: "
+            "report it with the stack's declarations"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class StagePath:
     """Everything one batch variant of one stage runs.
 
@@ -251,8 +309,11 @@ class StagePath:
       residual_rows: Rows of the residual while this stage runs, with the bound move onto them.
       compute_layout: Rows of the compute input and output.
       owed: Token axes over which compute leaves its output unreduced.
-      entries: One entry path per stream kind this stage may receive.
+      entries: One entry path per stream kind this stage may receive (none for a branch's
+        first stage, entered through `fork`).
       exits: Exit options in preference order; the last always applies.
+      fork: For a branch's first stage, how it starts from its source's prepared input.
+      merge: For a branch's last stage, how its output merges into its source's.
     """
 
     variant: BatchVariant
@@ -261,6 +322,8 @@ class StagePath:
     owed: tuple[TokenAxis, ...]
     entries: tuple[EntryPath, ...]
     exits: tuple[ExitOption, ...]
+    fork: BranchFork | None = None
+    merge: BranchMerge | None = None
 
     @property
     def residual_layout(self) -> Layout:
@@ -298,6 +361,7 @@ class StagePlan:
         built-in path.
       fusions: The provider this stage binds with (asked per batch whether the exit may defer a
         finalize).
+      rejected: Batch variants its stack does not bind, each with the reason.
     """
 
     declaration: StageDeclaration
@@ -306,6 +370,7 @@ class StagePlan:
     paths: tuple[StagePath, ...]
     input_fusions: tuple[InputFusion, ...] = ()
     fusions: FusionProvider = dataclasses.field(default=FusionProvider(), compare=False)
+    rejected: tuple[tuple[BatchVariant, str], ...] = ()
 
     def path(self, variant: BatchVariant) -> StagePath:
         """The path bound for `variant`.
@@ -317,10 +382,12 @@ class StagePlan:
             if path.variant is variant:
                 return path
         supported = ", ".join(p.variant.value for p in self.paths)
+        reason = dict(self.rejected).get(variant)
         raise NotImplementedError(
             f"no stage boundary path for the active {variant.value} batch (this "
-            f"{self.declaration.kind.value} stage supports: {supported}); reject the "
-            "configuration before building the model"
+            f"{self.declaration.kind.value} stage supports: {supported}"
+            + (f"; {reason}" if reason else "")
+            + "); reject the configuration before building the model"
         )
 
 

@@ -88,6 +88,31 @@ def stage_rows(
     """
     attention = topology.attention_rows()
     current = own_rows(topology) if variant is BatchVariant.INPUT_SCATTERED else attention
+    return _follow(declarations, current, variant, topology)
+
+
+def branch_rows(
+    source: StageRows,
+    declarations: tuple[StageDeclaration, ...],
+    variant: BatchVariant,
+    topology: Topology,
+) -> tuple[StageRows, ...]:
+    """The rows of a branch's stages, in order: the residual forks on the rows the source keeps
+    it on, then moves as in the stack (`stage_rows`).
+
+    Raises:
+      NotImplementedError: As `stage_rows`.
+    """
+    return _follow(declarations, source.residual, variant, topology)
+
+
+def _follow(
+    declarations: tuple[StageDeclaration, ...],
+    current: Layout,
+    variant: BatchVariant,
+    topology: Topology,
+) -> tuple[StageRows, ...]:
+    attention = topology.attention_rows()
     rows = []
     for index, declaration in enumerate(declarations):
         compute = compute_layout(declaration, topology, variant)

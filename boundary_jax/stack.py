@@ -33,7 +33,7 @@ from .fusions import NO_FUSIONS, FusionProvider
 from .layout import BatchVariant, SumGroup, Topology
 from .plan import StackFacts, StageRows
 from .policy import ReductionPolicy, resolve_reduction_policy
-from .rows import compute_layout, stage_rows, supported_variants
+from .rows import branch_rows, compute_layout, stage_rows, supported_variants
 from .stage import Owned, StageBoundary
 
 _STAGE_OPTIONS: dict[StageKind, frozenset[str]] = {
@@ -42,6 +42,26 @@ _STAGE_OPTIONS: dict[StageKind, frozenset[str]] = {
 }
 
 StageFacts = Callable[[int], tuple[StageDeclaration, ...]]
+
+BRANCH_ROWS = (
+    "a stack with branches binds ordinary token rows only (branch transport does not support "
+    "input-scattered or sequence-parallel rows)"
+)
+
+
+@dataclasses.dataclass
+class Branch:
+    """Stages appended with `prepared_from`: a side path that starts from `source`'s prepared
+    input and merges back into its output; it neither extends the stack nor waits for a
+    consumer.
+
+    Attributes:
+      source: The stage whose prepared input the branch starts from.
+      stages: The branch's stages, in order.
+    """
+
+    source: StageBoundary
+    stages: tuple[StageBoundary, ...]
 
 
 @dataclasses.dataclass
@@ -58,6 +78,7 @@ class LayerStack:
       layers: The model layers this stack holds (with `stage_facts`), or None for all.
       num_layers: The model's layer count (with `stage_facts`).
       boundaries: The stages appended so far, in stack order.
+      branches: The branches appended so far (their stages are not in `boundaries`).
     """
 
     topology: Topology
@@ -69,6 +90,24 @@ class LayerStack:
     layers: range | None = None
     num_layers: int | None = None
     boundaries: list[StageBoundary] = dataclasses.field(default_factory=list)
+    branches: list[Branch] = dataclasses.field(default_factory=list)
+
+    def source(self, prepared_from: StageBoundary | StageDeclaration) -> StageBoundary:
+        """The appended stage `prepared_from` names (its boundary, or that boundary's
+        declaration).
+
+        Raises:
+          ValueError: No stage appended to this stack so far is `prepared_from`.
+        """
+        stages = [*self.boundaries, *(b for branch in self.branches for b in branch.stages)]
+        for boundary in stages:
+            if boundary is prepared_from or boundary.declaration is prepared_from:
+                return boundary
+        raise ValueError(
+            "prepared_from names the stage whose prepared input a branch starts from: a boundary "
+            "appended earlier in this open layer stack, or its .declaration; got "
+            f"{type(prepared_from).__name__}"
+        )
 
     def model_stages(self) -> tuple[tuple[StageDeclaration, ...], int]:
         """The facts of every stage of the model, and the index of this stack's first stage.
@@ -98,12 +137,21 @@ class LayerStack:
     def bind(self) -> None:
         """Binds every stage once the edges on both its sides are known."""
         stages, offset = self.model_stages()
+        variants = supported_variants(stages, self.topology)
+        rejected = ()
+        if self.branches:
+            if self.topology.attn_cp > 1:
+                raise NotImplementedError(
+                    f"branches under attention context parallelism are not supported (branch "
+                    f"transport moves ordinary token rows only); got {self.topology=}. Build the "
+                    f"model with attn_cp=1 (the branch appended at "
+                    f"{self.branches[0].stages[0].call_site})"
+                )
+            scattered = BatchVariant.INPUT_SCATTERED
+            rejected = ((scattered, BRANCH_ROWS),) if scattered in variants else ()
+            variants = tuple(v for v in variants if v is not scattered)
         facts = StackFacts(
-            self.topology,
-            self.policy,
-            supported_variants(stages, self.topology),
-            self.fusions,
-            self.final_read,
+            self.topology, self.policy, variants, self.fusions, self.final_read, rejected
         )
         for boundary in self.boundaries:
             try:
@@ -122,6 +170,7 @@ class LayerStack:
                 )
                 raise
         final = FinalRead(read_facts(self.final_read))
+        bound_rows: dict[int, dict[BatchVariant, StageRows]] = {}
         last = len(self.boundaries) - 1
         for local, boundary in enumerate(self.boundaries):
             index = offset + local
@@ -144,6 +193,7 @@ class LayerStack:
                 for variant in facts.variants
             }
             producer = self.boundaries[local - 1].fusions if local else None
+            bound_rows[id(boundary)] = {v: rows[v][index] for v in facts.variants}
             try:
                 _check_next_sparse(declaration, stages[index + 1 :])
                 plan = bind_stage(
@@ -160,6 +210,70 @@ class LayerStack:
                 error.add_note(f"while binding the stage appended at {boundary.call_site}")
                 raise
             boundary.bind(plan)
+        for branch in self.branches:
+            _bind_branch(branch, facts, bound_rows)
+
+
+def _bind_branch(
+    branch: Branch, facts: StackFacts, bound_rows: dict[int, dict[BatchVariant, StageRows]]
+) -> None:
+    """Binds a branch's stages: the first entered through a fork from its source's prepared
+    input, the last leaving by a merge into its source's output (whose consumer it binds
+    against)."""
+    source = branch.source
+    source_facts = source.declaration.facts()
+    consumer = source.declaration.place.outgoing.consumer
+    declarations = tuple(b.declaration for b in branch.stages)
+    first = branch.stages[0]
+    try:
+        if declarations[0].read.input_format != source_facts.read.input_format:
+            raise ValueError(
+                f"a branch's first stage takes its source's prepared input as it is, so its read "
+                f"must hand the same input format: the source's is "
+                f"{source_facts.read.input_format}, the branch's "
+                f"{declarations[0].read.input_format}"
+            )
+        rows = {
+            variant: branch_rows(
+                bound_rows[id(source)][variant], declarations, variant, facts.topology
+            )
+            for variant in facts.variants
+        }
+    except (ValueError, NotImplementedError) as error:
+        error.add_note(f"while binding the branch appended at {first.call_site}")
+        raise
+    last = len(declarations) - 1
+    for index, boundary in enumerate(branch.stages):
+        declaration = declarations[index]
+        if index == 0:
+            incoming = Edge(EdgeKind.BRANCH_FORK, source_facts, declaration)
+            producer, before = source.fusions, {v: bound_rows[id(source)][v] for v in rows}
+        else:
+            incoming = Edge(EdgeKind.NEXT_STAGE, declarations[index - 1], declaration)
+            producer = branch.stages[index - 1].fusions
+            before = {v: rows[v][index - 1] for v in rows}
+        if index == last:
+            outgoing = Edge(EdgeKind.BRANCH_MERGE, declaration, consumer)
+        else:
+            outgoing = Edge(EdgeKind.NEXT_STAGE, declaration, declarations[index + 1])
+        try:
+            compute_layout(declaration, facts.topology, BatchVariant.ORDINARY)
+            plan = bind_stage(
+                dataclasses.replace(declaration, place=StackPlace(incoming, outgoing)),
+                incoming,
+                outgoing,
+                facts,
+                {v: (before[v], rows[v][index]) for v in rows},
+                boundary.fusions,
+                producer,
+                merge_into=source.plan if index == last else None,
+            )
+            check_plan(plan)
+        except Exception as error:
+            error.add_note(f"while binding the branch stage appended at {boundary.call_site}")
+            raise
+        boundary.bind(plan)
+        bound_rows[id(boundary)] = {v: rows[v][index] for v in rows}
 
 
 _open_stacks: contextvars.ContextVar[tuple[LayerStack, ...]] = contextvars.ContextVar(
@@ -275,11 +389,19 @@ def append_stages(
     *items: tuple[StageDeclaration, Norm | None]
     | tuple[StageDeclaration, Norm | None, Mapping[str, object]],
     owner: nnx.Module | None = None,
+    prepared_from: StageBoundary | StageDeclaration | None = None,
 ) -> tuple[StageBoundary, ...]:
     """Appends stages to the innermost open layer stack, in order.
 
     Each item is `(declaration, norm)` or `(declaration, norm, options)`. The stage appended
     before the first item is its producer; the boundaries bind when the stack closes.
+
+    With `prepared_from`, the items are a branch: a side path starting from the input the named
+    stage (the source) has already prepared, merged back into the source's output by the model
+    (`adapters.branch_input`, `branch_output`, `merge_branch`). A branch neither extends the
+    stack nor waits for a consumer: the next append still follows the source, and the model's
+    `stage_facts` does not list branch stages. The first item's norm is never applied (the
+    source's read has run); pass the source's norm there.
 
     A norm, read, update or output transform that is an `nnx.Module` belongs to the layer, not
     to the boundary: assign it to an attribute of the layer first and pass the layer as
@@ -289,6 +411,8 @@ def append_stages(
       items: The stages, in order.
       owner: The layer appending them (`self` in its `__init__`); needed when a design is a
         module.
+      prepared_from: The source of a branch: a boundary appended earlier to this stack, or its
+        `.declaration`.
 
     Returns:
       One `StageBoundary` per item.
@@ -344,7 +468,21 @@ def append_stages(
                 declaration.facts(), designs, call_site, fusions, owner if uses_owner else None
             )
         )
-    stacks[-1].boundaries.extend(boundaries)
+    if prepared_from is None:
+        stacks[-1].boundaries.extend(boundaries)
+    elif boundaries:
+        source = stacks[-1].source(prepared_from)
+        if any(branch.source is source for branch in stacks[-1].branches):
+            raise ValueError(
+                f"the stage appended at {source.call_site} is already the source of a branch; a "
+                "stage is the source of one branch (append the second's stages to the first, or "
+                "fork it from one of the first branch's stages)"
+            )
+        stacks[-1].branches.append(Branch(source, tuple(boundaries)))
+    else:
+        raise ValueError(
+            "a branch (append_stages(..., prepared_from=...)) needs at least one stage"
+        )
     return tuple(boundaries)
 
 

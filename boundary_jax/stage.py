@@ -42,6 +42,8 @@ from .residual.stream import (
     require_stream,
 )
 
+PREPARED_BRANCH = "a prepared branch must enter through branch_input, not prepare"
+
 
 @dataclasses.dataclass(frozen=True)
 class Owned:
@@ -186,6 +188,12 @@ class StageBoundary(nnx.Module):
 
     def _prepare(self, x: Any, stream: ResidualStream, *, capture: bool):
         stream = require_stream(stream)
+        if self.plan is not None and self.plan.declaration.place.forks:
+            raise RuntimeError(
+                f"{PREPARED_BRANCH} (the stage appended at {self.call_site} starts from its "
+                "source's prepared input: adapters.branch_input(stage, source, input, stream))"
+            )
+        stream.require_merged(f"prepare() of the stage appended at {self.call_site}")
         if stream.prepared_by is not None:
             raise RuntimeError(
                 f"prepare() of the stage appended at {self.call_site} on a stream that the stage "

@@ -27,6 +27,7 @@ FLOORS = (
     ("bind", "check"),
     ("residual",),
     ("stage",),
+    ("adapters",),
     ("stack",),
     ("scan", "sharding", "report"),
 )

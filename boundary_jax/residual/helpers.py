@@ -94,7 +94,7 @@ def take_output(output: OwedOutput, stream: ResidualStream) -> jax.Array:
     stream = _checked(output, stream)
     if stream.state is not StreamState.WRITTEN:
         raise RuntimeError(f"{WRITE_FIRST} ({stream!r})")
-    return ops.run(_leave(stream).entry(None).move_input, stream.residual)
+    return ops.run(_leave(stream, None, "take_output()").entry(None).move_input, stream.residual)
 
 
 def next_pass(
@@ -318,6 +318,10 @@ _WAYS_OUT = {
         "a stage that is not the stack's last: run every layer of the stack first (take_output "
         "may leave anywhere, once the stream is written)"
     ),
+    EdgeKind.BRANCH_MERGE: (
+        "a branch's last stage: a branch's stream merges back into the stream it forked from "
+        "through branch_output() and merge_branch()"
+    ),
 }
 
 
@@ -325,6 +329,12 @@ def _leave(stream: ResidualStream, kind: EdgeKind | None = None, helper: str = "
     """The bound way out of a stream that a stage has exited (by `kind`, when given)."""
     if stream.state is StreamState.INITIAL:
         raise RuntimeError(f"{WRITE_FIRST} ({stream!r})")
+    stream.require_merged(helper or "leaving the stack")
+    if stream.forked_from is not None:
+        raise RuntimeError(
+            f"{helper or 'leaving the stack'} on a branch's stream: it merges back into the "
+            "stream it forked from through branch_output() and merge_branch()"
+        )
     if stream.leave is None:
         raise RuntimeError(
             f"leaving the stack needs a stream a stage has exited; run a stage's finish() first "

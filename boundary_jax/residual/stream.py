@@ -21,7 +21,7 @@ from ..finalize import DeferredFinalize
 from ..layout import Layout
 from ..ops import ReduceScatter, Step
 from ..placement import Placement
-from ..plan import Leave, OwedWork, ResidualRows
+from ..plan import BranchMerge, Leave, OwedWork, ResidualRows
 
 START_FIRST = "start the layer stack before entering a stage"
 NOT_THIS_STREAM = (
@@ -29,6 +29,7 @@ NOT_THIS_STREAM = (
     "accessors"
 )
 WRITE_FIRST = "write the residual update before taking the final output"
+NEVER_MERGED = "a branch was never merged"
 
 
 class StreamState(enum.Enum):
@@ -205,10 +206,44 @@ jax.tree_util.register_pytree_node(
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class OpenBranch:
+    """A branch forked from a stream and not merged back yet.
+
+    Attributes:
+      token: The branch stream's identity (compared by `is`).
+      entered_at: The `append_stages` call site of the branch's first stage.
+    """
+
+    token: StreamToken
+    entered_at: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ForkedFrom:
+    """What a branch stream knows of the stream it forked from.
+
+    Attributes:
+      token: The parent stream's identity (compared by `is`).
+      source: The `append_stages` call site of the source stage.
+      merge: Set by `branch_output`: how the branch's output merges (its last stage's bound
+        merge).
+    """
+
+    token: StreamToken
+    source: str
+    merge: BranchMerge | None = None
+
+    @property
+    def output_taken(self) -> bool:
+        """`branch_output` has run: the branch's output is ready to merge."""
+        return self.merge is not None
+
+
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["residual", "pending", "batch", "read_state"],
-    meta_fields=["token", "rows", "leave", "prepared_by"],
+    meta_fields=["token", "rows", "leave", "prepared_by", "branches", "forked_from"],
 )
 @dataclasses.dataclass(frozen=True)
 class ResidualStream:
@@ -225,6 +260,8 @@ class ResidualStream:
         `to_pp` run after it. None before the first exit.
       prepared_by: The `append_stages` call site of the stage whose `prepare` wrote this stream
         and whose compute and exit are still to run; None otherwise.
+      branches: The branches forked from this stream and not merged back yet.
+      forked_from: For a branch's stream, the stream it forked from; None otherwise.
     """
 
     residual: jax.Array | None
@@ -235,6 +272,8 @@ class ResidualStream:
     rows: ResidualRows | None
     leave: Leave | None = None
     prepared_by: str | None = None
+    branches: tuple[OpenBranch, ...] = ()
+    forked_from: ForkedFrom | None = None
 
     @classmethod
     def initial(cls, batch: BatchFacts) -> ResidualStream:
@@ -260,6 +299,19 @@ class ResidualStream:
         """Rejects anything but this stream's own handle (a trace-time identity check)."""
         if not isinstance(output, OwedOutput) or output.token is not self.token:
             raise ValueError(f"{NOT_THIS_STREAM} (got {_describe(output)}, {self!r})")
+
+    def require_merged(self, what: str) -> None:
+        """Rejects a stream with a branch still open: `what` would leave the branch behind.
+
+        Raises:
+          RuntimeError: A branch forked from this stream has not merged back.
+        """
+        if self.branches:
+            sites = ", ".join(branch.entered_at for branch in self.branches)
+            raise RuntimeError(
+                f"{NEVER_MERGED} before {what}: the branch entered at {sites} must merge back "
+                "through branch_output() and merge_branch() after its source's finish()"
+            )
 
     def with_pending(
         self, contribution: Contribution, leave: Leave | None = None

@@ -1,0 +1,228 @@
+"""Stand-in stacks with branches: each layer is one stage of the stack, optionally with a branch
+that starts from that stage's prepared input and merges back into its output.
+
+A branch's first stage computes on the source's prepared input (its own norm never applies);
+each later stage reads the branch's residual, which forked from the source's; the merged output
+is the branch's residual plus the source's output. Every weight is random and sharded, and
+depends only on the layer's index, so a cut stack holds the same weights as the uncut one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import boundary_jax as bj
+from boundary_jax import residual
+
+from .hetero import DEFERS, Kind, StandInMoe, declare, make_batch, transport
+from .standin import StandInAttention, StandInFfn, _norm, input_shares, make_mesh
+
+KEY = jax.random.key(31)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """One layer: its stage and the kinds of the branch forked from its prepared input."""
+
+    kind: Kind
+    branch: tuple[Kind, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Branched:
+    """A stand-in model of one-stage layers with branches, on a topology and policy."""
+
+    layers: tuple[Layer, ...]
+    dp: int
+    tp: int
+    policy: bj.ReductionPolicy = bj.ReductionPolicy.RS_RSV
+    fusions: bj.fusions.FusionProvider = DEFERS
+
+    @property
+    def topology(self) -> bj.Topology:
+        return bj.Topology(attn_dp=self.dp, attn_tp=self.tp)
+
+    def stage_facts(self, index: int) -> tuple[bj.StageDeclaration, ...]:
+        return (declare(self.layers[index].kind),)
+
+
+def _compute(kind: Kind, topology: bj.Topology, key, dtype) -> nnx.Module:
+    match kind:
+        case Kind.ATTN | Kind.MIXER | Kind.HYBRID_MIXER:
+            return StandInAttention(topology, key, dtype)
+        case Kind.FFN:
+            return StandInFfn(topology, key, dtype)
+        case Kind.FFN_DP:
+            return StandInFfn(bj.Topology(), key, dtype)
+        case Kind.MOE | Kind.MOE_OWN:
+            return StandInMoe(topology, key, dtype, sharded=kind is Kind.MOE)
+
+
+def _run(kind: Kind, compute, h, exit):
+    if kind in (Kind.MOE, Kind.MOE_OWN):
+        return compute(h, exit.defer_moe_finalize)
+    return compute(h)
+
+
+def _reference(kind: Kind, compute, h):
+    return compute(h, False) if kind in (Kind.MOE, Kind.MOE_OWN) else compute(h)
+
+
+class BranchLayer(nnx.Module):
+    """One stage, and the branch from its prepared input when the layer has one."""
+
+    def __init__(self, layer: Layer, topology: bj.Topology, key, dtype):
+        keys = jax.random.split(key, 2 + 2 * len(layer.branch))
+        self.layer = layer
+        self.norm = _norm(keys[0], dtype)
+        self.compute = _compute(layer.kind, topology, keys[1], dtype)
+        (self.boundary,) = bj.append_stages((declare(layer.kind), self.norm), owner=self)
+        items = []
+        for index, kind in enumerate(layer.branch):
+            # The first stage's norm never applies: pass the source's, as LongCat does.
+            norm = self.norm if index == 0 else _norm(keys[2 + 2 * index], dtype)
+            setattr(self, f"branch_norm_{index}", norm)
+            setattr(
+                self,
+                f"branch_compute_{index}",
+                _compute(kind, topology, keys[3 + 2 * index], dtype),
+            )
+            items.append((declare(kind), norm))
+        self.branch = nnx.List(
+            bj.append_stages(*items, owner=self, prepared_from=self.boundary) if items else []
+        )
+
+    def branch_part(self, index: int):
+        return getattr(self, f"branch_norm_{index}"), getattr(self, f"branch_compute_{index}")
+
+    def __call__(self, x, stream):
+        h, stream = self.boundary.prepare(x, stream)
+        if self.layer.branch:
+            g, stream, branch = bj.branch_input(self.branch[0], self.boundary, h, stream)
+        exit = self.boundary.exit(stream)
+        out, stream = exit.finish(_run(self.layer.kind, self.compute, h, exit), stream)
+        if not self.layer.branch:
+            return out, stream
+        kinds = self.layer.branch
+        exit = self.branch[0].exit(branch)
+        y, branch = exit.finish(_run(kinds[0], self.branch_part(0)[1], g, exit), branch)
+        for index in range(1, len(kinds)):
+            g, branch = self.branch[index].prepare(y, branch)
+            exit = self.branch[index].exit(branch)
+            y, branch = exit.finish(_run(kinds[index], self.branch_part(index)[1], g, exit), branch)
+        y, branch = bj.branch_output(self.branch[-1], y, branch)
+        return bj.merge_branch(out, stream, y, branch)
+
+    def reference(self, rows: jax.Array) -> jax.Array:
+        """The layer on one device's whole block of rows."""
+        h = self.norm(rows)
+        out = _reference(self.layer.kind, self.compute, h)
+        if not self.layer.branch:
+            return rows + out
+        branch = rows
+        for index, kind in enumerate(self.layer.branch):
+            norm, compute = self.branch_part(index)
+            branch = branch + _reference(kind, compute, h if index == 0 else norm(branch))
+        return branch + out
+
+
+class BranchStack(nnx.Module):
+    """Layers [a, b) of a `Branched` model."""
+
+    def __init__(self, model: Branched, layers: range, key, dtype=jnp.float64):
+        with bj.layer_stack(
+            model.topology,
+            reduction=model.policy,
+            input_sum=bj.SumGroup.ATTN_TP,
+            fusions=model.fusions,
+            stage_facts=model.stage_facts,
+            num_layers=len(model.layers),
+            layers=layers,
+        ):
+            self.layers = nnx.List(
+                [
+                    BranchLayer(model.layers[i], model.topology, jax.random.fold_in(key, i), dtype)
+                    for i in layers
+                ]
+            )
+        self.final_norm = _norm(jax.random.fold_in(key, 1000), dtype)
+
+    def run(self, x, stream):
+        for index, layer in enumerate(self.layers):
+            with jax.named_scope(f"layer_{index}"):
+                x, stream = layer(x, stream)
+        return x, stream
+
+
+def reference(stacks: list[BranchStack], x: jax.Array, dp: int) -> jax.Array:
+    """The model on one device: each DP block through every layer, then the final norm."""
+    outputs = []
+    for block in x.reshape(dp, -1, x.shape[-1]):
+        for stack in stacks:
+            for layer in stack.layers:
+                block = layer.reference(block)
+        outputs.append(stacks[-1].final_norm(block))
+    return jnp.concatenate(outputs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Built:
+    """A sharded stand-in model with branches: its stacks, placed state and jitted program."""
+
+    model: Branched
+    stacks: list
+    state: object
+    place: Callable
+    program: Callable
+
+    def run(self, x, counts, state=None):
+        batch = make_batch(
+            self.model, bj.BatchVariant.ORDINARY, counts, x.shape[0] // self.model.dp
+        )
+        return self.program(self.state if state is None else state, self.place(x), batch)
+
+
+def build(model: Branched, cut: int | None = None, *, check_vma: bool = True) -> Built:
+    """The jitted sharded forward of `model`, cut before layer `cut` (None: uncut)."""
+    n = len(model.layers)
+    parts = [range(n)] if cut is None else [range(cut), range(cut, n)]
+    with jax.enable_x64(True):
+        stacks = nnx.List([BranchStack(model, part, KEY) for part in parts])
+    topology = model.topology
+
+    def body(stacks, x, batch):
+        stream = residual.start(batch)
+        out, stream = stacks[0].run(x, stream)
+        if cut is not None:
+            tensors = transport(residual.to_pp(out, stream), topology)
+            out, stream = stacks[1].layers[0].boundary.from_pp(tensors, batch)
+            out, stream = stacks[1].run(out, stream)
+        return residual.final_norm(out, stream, stacks[-1].final_norm, skip_empty=True)
+
+    mesh = make_mesh(model.dp, model.tp)
+    sharded = bj.ShardedModule(stacks, mesh)
+    dp = topology.spec_entry((bj.TokenAxis.ATTN_DP,))
+    in_rows = P(dp, topology.spec_entry((bj.TokenAxis.ATTN_TP,)))
+    spec = bj.BatchFacts(bj.BatchVariant.ORDINARY, topology, P())
+    program = sharded.program(
+        body, in_specs=(in_rows, spec), out_specs=P(dp, None), check_vma=check_vma
+    )
+
+    def place(x):
+        return jax.device_put(input_shares(x, model.tp), NamedSharding(mesh, in_rows))
+
+    return Built(model, list(stacks), sharded.state, place, program)
+
+
+@functools.cache
+def built(model: Branched, cut: int | None = None) -> Built:
+    """`build`, once per model and cut."""
+    return build(model, cut)
