@@ -12,10 +12,13 @@ import pytest
 from safetensors import safe_open
 
 import boundary_jax as bj
-from models.build import load_model
+from models.build import build_model, load_model
 from models.checkpoints import load_config
 from models.checkpoints.names import hf_name_map, longcat_skipped
-from models.config import Architecture, read_hf_config, write_hf_config
+from models.cli.main import main
+from models.config import PRESETS, Architecture, MlaConfig, read_hf_config, write_hf_config
+from models.families.longcat import LongcatDecoderLayer
+from models.layers import moe
 from models.serving.runtime import ShardedCausalLM
 
 GOLDEN = Path(__file__).parents[1] / "golden" / "longcat_flash"
@@ -122,7 +125,7 @@ LAYOUTS = (
     Layout(1, 1),
     Layout(1, 4),
     Layout(2, 2),
-    Layout(1, 4, ep=4, dispatch=ALL_TO_ALL),
+    Layout(4, 1, ep=4, dispatch=ALL_TO_ALL),
     Layout(2, 2, ep=4),
 )
 """TP 1, TP 4, attention DP 2 x TP 2, and EP 4 in both dispatch modes (all-to-all from each
@@ -183,3 +186,94 @@ def test_generate_over_the_latent_caches_matches_transformers():
     prompts, reference = golden()
     tokens = runner(Layout(2, 2)).generate(prompts, reference["generated"].shape[1])
     np.testing.assert_array_equal(tokens, reference["generated"])
+
+
+def test_generate_on_the_command_line_matches_transformers(capsys):
+    """`generate` with the golden checkpoint on TP 4 with EP 4 prints HF's greedy tokens."""
+    _, reference = golden()
+    args = ["generate", "--checkpoint", str(GOLDEN), "--mesh", "attn_tp=4", "--moe-ep", "4"]
+    args += ["--prompt-ids", str(GOLDEN / "prompts.json"), "--max-new-tokens", "6"]
+    assert main(args) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert json.loads(last) == reference["generated"].tolist()
+
+
+def test_plan_shows_the_branch_and_the_two_latent_caches(capsys):
+    """`plan --json` lists each layer's main chain and its branch: the branch's first stage
+    forks from the MoE's gathered input, moving nothing, its last merges onto the attention's
+    rows; the decode cache is two latents per layer."""
+    args = ["plan", "--preset", "tiny-longcat-flash", "--mesh", "attn_dp=2,attn_tp=2"]
+    assert main([*args, "--moe-ep", "4", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    mla = PRESETS["tiny-longcat-flash"].mla
+    per_layer = 2 * (mla.kv_lora_rank + mla.qk_rope_head_dim) * 4
+    assert report["decode_cache"] == {
+        "kind": "LongcatCache",
+        "bytes_per_token_per_layer": per_layer,
+        "bytes_per_token": 2 * per_layer,
+    }
+    names = ["attention", "moe", "branch ffn 0", "branch attention", "branch ffn 1"]
+    assert [(s["layer"], s["stage"]) for s in report["stages"]] == [
+        (layer, name) for layer in (0, 1) for name in names
+    ]
+    by_name = {s["stage"]: s for s in report["stages"] if s["layer"] == 1}
+    assert by_name["branch ffn 0"]["entries"] == []
+    assert by_name["branch ffn 0"]["fork"] == {
+        "from_residual": "{ATTN_DP}",
+        "moves_residual": "nothing",
+        "from_input": "{all rows}",
+        "moves_input": "nothing",
+    }
+    assert by_name["branch ffn 1"]["merge"]["into_residual"] == "{ATTN_DP}"
+    assert not {"fork", "merge"} & (by_name["moe"].keys() | by_name["branch attention"].keys())
+
+
+# --------------------------------------------------------------------------------------------
+# Mutants and what is not built
+# --------------------------------------------------------------------------------------------
+
+
+def mutant_error() -> float:
+    """HF error of a fresh TP 1 program of the loaded golden model (so a monkeypatched module
+    is traced anew)."""
+    layout = Layout(1, 1)
+    run = ShardedCausalLM(runner(layout).model, layout.mesh())
+    return relative_error(run.forward(golden()[0]), golden()[1]["logits"])
+
+
+@pytest.mark.parametrize("mutant", ["no-lora-scales", "zero-experts-output-zero", "renormed"])
+def test_mutants_are_caught(monkeypatch, mutant):
+    """LongCat's LoRA scales dropped, zero-computation experts returning zero, or the dense
+    branch normalizing the MoE's input again, each moves the logits away from HF's."""
+    if mutant == "no-lora-scales":
+        for scale in ("q_lora_scale", "kv_lora_scale"):
+            monkeypatch.setattr(MlaConfig, scale, property(lambda self: 1.0))
+    elif mutant == "zero-experts-output-zero":
+        monkeypatch.setattr(moe, "zero_expert_output", lambda x, routing, num_experts: 0 * x)
+    else:
+        dense = LongcatDecoderLayer.run_stages
+
+        def renormed(self, h, stream, rows, cache):
+            call = type(self.mlps_0).__call__
+            monkeypatch.setattr(
+                type(self.mlps_0), "__call__", lambda m, g: call(m, self.post_attn_norm_0(g))
+            )
+            return dense(self, h, stream, rows, cache)
+
+        monkeypatch.setattr(LongcatDecoderLayer, "run_stages", renormed)
+    assert mutant_error() > 1e-2
+
+
+def test_what_is_not_built_is_rejected():
+    """All-to-all under attention TP > 1 (the last MoE would fold before the merge), scanned
+    layers and an input-scattered batch fail with the reason."""
+    config = load_config(GOLDEN)
+    topology = bj.Topology(attn_tp=2, moe_ep=2)
+    with pytest.raises(NotImplementedError, match="attention TP 1"):
+        build_model(config, topology, moe_dispatch=ALL_TO_ALL)
+    with pytest.raises(NotImplementedError, match="scan_layers"):
+        build_model(config, bj.Topology(), scan_layers=True)
+    layout = Layout(1, 4)
+    scattered = ShardedCausalLM(runner(layout).model, layout.mesh(), input_scattered=True)
+    with pytest.raises(Exception, match="INPUT_SCATTERED"):
+        scattered.forward(golden()[0])
