@@ -113,9 +113,11 @@ class Layout:
     tp: int
     ep: int = 1
     dispatch: bj.MoeDispatch = GATHER
+    defer: bool = False
 
     def __str__(self) -> str:
-        return f"DP{self.dp}xTP{self.tp}-EP{self.ep}-{self.dispatch.value}"
+        name = f"DP{self.dp}xTP{self.tp}-EP{self.ep}-{self.dispatch.value}"
+        return name + "-deferred" * self.defer
 
     def mesh(self) -> jax.sharding.Mesh:
         return bj.make_mesh(bj.Topology(attn_dp=self.dp, attn_tp=self.tp))
@@ -123,13 +125,14 @@ class Layout:
 
 LAYOUTS = (
     Layout(1, 1),
-    Layout(1, 4),
+    Layout(1, 4, defer=True),
     Layout(2, 2),
     Layout(4, 1, ep=4, dispatch=ALL_TO_ALL),
     Layout(2, 2, ep=4),
 )
-"""TP 1, TP 4, attention DP 2 x TP 2, and EP 4 in both dispatch modes (all-to-all from each
-TP 4 rank's own rows, gathered rows under attention DP 2 x TP 2)."""
+"""TP 1, TP 4 (the MoE's finalize handed to the fusion provider, so the merge meets a
+deferred finalize), attention DP 2 x TP 2, and EP 4 in both dispatch modes (all-to-all from
+each attention-DP 4 rank's own rows, gathered rows under attention DP 2 x TP 2)."""
 
 
 @functools.cache
@@ -141,7 +144,14 @@ def golden() -> tuple[list[list[int]], dict[str, np.ndarray]]:
 @functools.cache
 def runner(layout: Layout) -> ShardedCausalLM:
     mesh = layout.mesh()
-    model = load_model(GOLDEN, mesh, moe_ep=layout.ep, moe_dispatch=layout.dispatch)
+    fusions = bj.fusions.FusionProvider(defer_finalize=True) if layout.defer else None
+    model = load_model(
+        GOLDEN,
+        mesh,
+        moe_ep=layout.ep,
+        moe_dispatch=layout.dispatch,
+        fusions=fusions or bj.fusions.NO_FUSIONS,
+    )
     return ShardedCausalLM(model, mesh)
 
 
@@ -273,7 +283,7 @@ def test_what_is_not_built_is_rejected():
         build_model(config, topology, moe_dispatch=ALL_TO_ALL)
     with pytest.raises(NotImplementedError, match="scan_layers"):
         build_model(config, bj.Topology(), scan_layers=True)
-    layout = Layout(1, 4)
+    layout = Layout(1, 4, defer=True)
     scattered = ShardedCausalLM(runner(layout).model, layout.mesh(), input_scattered=True)
     with pytest.raises(Exception, match="INPUT_SCATTERED"):
         scattered.forward(golden()[0])
