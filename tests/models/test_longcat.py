@@ -198,6 +198,20 @@ def test_generate_over_the_latent_caches_matches_transformers():
     np.testing.assert_array_equal(tokens, reference["generated"])
 
 
+def test_captured_hidden_states_match_transformers():
+    """`forward_captured` under attention DP 2 x TP 2 gives transformers' hidden states: the
+    residual entering each layer (after the previous layer's merge) and the one the final norm
+    reads, within 1e-4 of the largest."""
+    prompts, reference = golden()
+    with np.load(GOLDEN / "hidden_states.npz") as captured:
+        want = captured["hidden_states"]
+    layers = [2, 0, 1]
+    logits, hidden = runner(Layout(2, 2)).forward_captured(prompts, layers)
+    for got, layer in zip(hidden, layers, strict=True):
+        assert relative_error(got, want[layer]) <= 1e-4, layer
+    assert relative_error(logits, reference["logits"]) <= 1e-4
+
+
 def test_generate_on_the_command_line_matches_transformers(capsys):
     """`generate` with the golden checkpoint on TP 4 with EP 4 prints HF's greedy tokens."""
     _, reference = golden()
