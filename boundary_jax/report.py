@@ -19,9 +19,10 @@ from collections.abc import Callable, Iterable
 import jax
 
 from . import ops
+from .declare import EdgeKind
 from .layout import BatchVariant, Topology
 from .ops import AllGather, AllReduce, Finalize, ReduceScatter, Step, TakeBlock
-from .plan import StagePath, StagePlan
+from .plan import BranchFork, StagePath, StagePlan
 
 KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
 
@@ -222,12 +223,54 @@ def describe_path(path: StagePath, topology: Topology) -> dict[str, object]:
         }
         for option in path.exits
     ]
-    return {
+    described = {
         "variant": path.variant.value,
         "residual_rows": str(path.residual_layout),
         "compute_rows": str(path.compute_layout),
         "entries": entries,
         "exit_options": exits,
+    }
+    if path.fork is not None:
+        described["fork"] = _describe_fork(path.fork)
+    if path.merge is not None:
+        described["merge"] = _describe_merge(path)
+    return described
+
+
+def _describe_fork(fork: BranchFork) -> dict[str, object]:
+    """A branch's first stage: what `branch_input` moves from its source."""
+    return {
+        "edge": EdgeKind.BRANCH_FORK.value,
+        "source_input_rows": str(fork.source_compute),
+        "moves_input": describe_steps(fork.input_move),
+        "source_residual_rows": str(fork.source_residual),
+        "forks_residual": describe_steps(fork.residual_move),
+    }
+
+
+def _describe_merge(path: StagePath) -> dict[str, object]:
+    """A branch's last stage: where the sum its output owes completes, per exit option, and how
+    its residual joins its source's."""
+    merge = path.merge
+    completes = []
+    for option in path.exits:
+        steps = describe_steps(option.work.onto_residual)
+        if option.handoff in merge.defers:
+            where = (
+                "added unsummed to the source's output at the merge, where the source hands on "
+                "the same work: the source's consumer completes both (otherwise at merge_branch: "
+                f"{steps})"
+            )
+        else:
+            where = f"at branch_output: {steps}"
+        completes.append({"exit": option.kind.value, "hands_on": str(option.handoff), "sum": where})
+    return {
+        "edge": EdgeKind.BRANCH_MERGE.value,
+        "into_residual_rows": str(merge.into),
+        "moves_residual": {
+            str(rows): describe_steps(steps) for rows, steps in merge.residual_moves
+        },
+        "branch_sum_completes": completes,
     }
 
 

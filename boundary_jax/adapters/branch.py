@@ -230,9 +230,12 @@ def merge_branch(
     if deferred is not None and not _adds(deferred, pending, merge.defers):
         branch_output, branch = residual_helpers.fold(branch_output, branch)
         deferred = None
-    residual = ops.run(merge.residual_move(branch.residual_layout), branch.residual)
-    if deferred is not None:
-        pending = pending.moved(pending.work, pending.value + deferred.value, pending.transform)
+    residual, pending = _combine(
+        stream.residual,
+        ops.run(merge.residual_move(branch.residual_layout), branch.residual),
+        pending,
+        deferred,
+    )
     merged = dataclasses.replace(
         stream,
         residual=residual,
@@ -250,4 +253,25 @@ def _adds(deferred: Contribution, pending: Contribution, defers) -> bool:
         and deferred.placement == pending.placement
         and isinstance(pending.value, jax.Array)
         and pending.transform is None
+    )
+
+
+def _combine(
+    residual: jax.Array,
+    branch_residual: jax.Array,
+    pending: Contribution,
+    deferred: Contribution | None,
+) -> tuple[jax.Array, Contribution]:
+    """The merged residual and pending output: the branch's residual (which holds the stream's
+    `residual` it forked from, so it takes its place) and the source's output, plus the branch's
+    deferred output owing the same work (completed once, with the source's)."""
+    if branch_residual.shape != residual.shape:
+        raise RuntimeError(
+            f"the branch's residual {branch_residual.shape} is not on the stream's residual rows "
+            f"{residual.shape}; this is a binding bug: report it with the stack's declarations"
+        )
+    if deferred is None:
+        return branch_residual, pending
+    return branch_residual, pending.moved(
+        pending.work, pending.value + deferred.value, pending.transform
     )

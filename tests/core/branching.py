@@ -15,12 +15,14 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import boundary_jax as bj
 from boundary_jax import residual
+from boundary_jax.report import CollectiveReport, parse_hlo
 
 from .hetero import DEFERS, Kind, StandInMoe, declare, make_batch, transport
 from .standin import StandInAttention, StandInFfn, _norm, input_shares, make_mesh
@@ -29,8 +31,8 @@ KEY = jax.random.key(31)
 
 
 @dataclasses.dataclass(frozen=True)
-class Layer:
-    """One layer: its stage and the kinds of the branch forked from its prepared input."""
+class Part:
+    """One stage of a layer and the kinds of the branch forked from its prepared input."""
 
     kind: Kind
     branch: tuple[Kind, ...] = ()
@@ -38,9 +40,9 @@ class Layer:
 
 @dataclasses.dataclass(frozen=True)
 class Branched:
-    """A stand-in model of one-stage layers with branches, on a topology and policy."""
+    """A stand-in model: per layer its parts, on a topology and policy."""
 
-    layers: tuple[Layer, ...]
+    layers: tuple[tuple[Part, ...], ...]
     dp: int
     tp: int
     policy: bj.ReductionPolicy = bj.ReductionPolicy.RS_RSV
@@ -51,7 +53,7 @@ class Branched:
         return bj.Topology(attn_dp=self.dp, attn_tp=self.tp)
 
     def stage_facts(self, index: int) -> tuple[bj.StageDeclaration, ...]:
-        return (declare(self.layers[index].kind),)
+        return tuple(declare(part.kind) for part in self.layers[index])
 
 
 def _compute(kind: Kind, topology: bj.Topology, key, dtype) -> nnx.Module:
@@ -76,17 +78,17 @@ def _reference(kind: Kind, compute, h):
     return compute(h, False) if kind in (Kind.MOE, Kind.MOE_OWN) else compute(h)
 
 
-class BranchLayer(nnx.Module):
-    """One stage, and the branch from its prepared input when the layer has one."""
+class BranchPart(nnx.Module):
+    """One stage, and the branch from its prepared input when the part has one."""
 
-    def __init__(self, layer: Layer, topology: bj.Topology, key, dtype):
-        keys = jax.random.split(key, 2 + 2 * len(layer.branch))
-        self.layer = layer
+    def __init__(self, part: Part, topology: bj.Topology, key, dtype):
+        keys = jax.random.split(key, 2 + 2 * len(part.branch))
+        self.part = part
         self.norm = _norm(keys[0], dtype)
-        self.compute = _compute(layer.kind, topology, keys[1], dtype)
-        (self.boundary,) = bj.append_stages((declare(layer.kind), self.norm), owner=self)
+        self.compute = _compute(part.kind, topology, keys[1], dtype)
+        (self.boundary,) = bj.append_stages((declare(part.kind), self.norm), owner=self)
         items = []
-        for index, kind in enumerate(layer.branch):
+        for index, kind in enumerate(part.branch):
             # The first stage's norm never applies: pass the source's, as LongCat does.
             norm = self.norm if index == 0 else _norm(keys[2 + 2 * index], dtype)
             setattr(self, f"branch_norm_{index}", norm)
@@ -105,13 +107,13 @@ class BranchLayer(nnx.Module):
 
     def __call__(self, x, stream):
         h, stream = self.boundary.prepare(x, stream)
-        if self.layer.branch:
+        if self.part.branch:
             g, stream, branch = bj.branch_input(self.branch[0], self.boundary, h, stream)
         exit = self.boundary.exit(stream)
-        out, stream = exit.finish(_run(self.layer.kind, self.compute, h, exit), stream)
-        if not self.layer.branch:
+        out, stream = exit.finish(_run(self.part.kind, self.compute, h, exit), stream)
+        if not self.part.branch:
             return out, stream
-        kinds = self.layer.branch
+        kinds = self.part.branch
         exit = self.branch[0].exit(branch)
         y, branch = exit.finish(_run(kinds[0], self.branch_part(0)[1], g, exit), branch)
         for index in range(1, len(kinds)):
@@ -122,16 +124,38 @@ class BranchLayer(nnx.Module):
         return bj.merge_branch(out, stream, y, branch)
 
     def reference(self, rows: jax.Array) -> jax.Array:
-        """The layer on one device's whole block of rows."""
+        """The stage and its branch on one device's whole block of rows."""
         h = self.norm(rows)
-        out = _reference(self.layer.kind, self.compute, h)
-        if not self.layer.branch:
+        out = _reference(self.part.kind, self.compute, h)
+        if not self.part.branch:
             return rows + out
         branch = rows
-        for index, kind in enumerate(self.layer.branch):
+        for index, kind in enumerate(self.part.branch):
             norm, compute = self.branch_part(index)
             branch = branch + _reference(kind, compute, h if index == 0 else norm(branch))
         return branch + out
+
+
+class BranchLayer(nnx.Module):
+    """One layer: its parts in order."""
+
+    def __init__(self, parts: tuple[Part, ...], topology: bj.Topology, key, dtype):
+        self.parts = nnx.List(
+            [
+                BranchPart(part, topology, jax.random.fold_in(key, index), dtype)
+                for index, part in enumerate(parts)
+            ]
+        )
+
+    def __call__(self, x, stream):
+        for part in self.parts:
+            x, stream = part(x, stream)
+        return x, stream
+
+    def reference(self, rows: jax.Array) -> jax.Array:
+        for part in self.parts:
+            rows = part.reference(rows)
+        return rows
 
 
 class BranchStack(nnx.Module):
@@ -162,15 +186,17 @@ class BranchStack(nnx.Module):
         return x, stream
 
 
-def reference(stacks: list[BranchStack], x: jax.Array, dp: int) -> jax.Array:
-    """The model on one device: each DP block through every layer, then the final norm."""
+def reference(stacks: list[BranchStack], x: jax.Array, dp: int, counts) -> jax.Array:
+    """The model on one device: each DP block's valid rows through every layer, then the final
+    norm; rows past a block's count are zero."""
+    valid = (np.arange(x.shape[0] // dp)[None, :] < np.asarray(counts)[:, None]).reshape(-1)
     outputs = []
-    for block in x.reshape(dp, -1, x.shape[-1]):
+    for block in jnp.where(valid[:, None], x, 0).reshape(dp, -1, x.shape[-1]):
         for stack in stacks:
             for layer in stack.layers:
                 block = layer.reference(block)
         outputs.append(stacks[-1].final_norm(block))
-    return jnp.concatenate(outputs)
+    return jnp.where(valid[:, None], jnp.concatenate(outputs), 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,11 +209,17 @@ class Built:
     place: Callable
     program: Callable
 
-    def run(self, x, counts, state=None):
-        batch = make_batch(
-            self.model, bj.BatchVariant.ORDINARY, counts, x.shape[0] // self.model.dp
-        )
-        return self.program(self.state if state is None else state, self.place(x), batch)
+    def batch(self, x, counts) -> bj.BatchFacts:
+        return make_batch(self.model, bj.BatchVariant.ORDINARY, counts, x.shape[0] // self.model.dp)
+
+    def run(self, x, counts):
+        """The output rows for stack input `x` and per-DP-rank token `counts`."""
+        return self.program(self.state, self.place(x), self.batch(x, counts))
+
+    def report(self, x, counts) -> CollectiveReport:
+        """The collectives the compiled program runs."""
+        lowered = self.program.lower(self.state, self.place(x), self.batch(x, counts))
+        return parse_hlo(lowered.compile().as_text())
 
 
 def build(model: Branched, cut: int | None = None, *, check_vma: bool = True) -> Built:
@@ -203,7 +235,7 @@ def build(model: Branched, cut: int | None = None, *, check_vma: bool = True) ->
         out, stream = stacks[0].run(x, stream)
         if cut is not None:
             tensors = transport(residual.to_pp(out, stream), topology)
-            out, stream = stacks[1].layers[0].boundary.from_pp(tensors, batch)
+            out, stream = stacks[1].layers[0].parts[0].boundary.from_pp(tensors, batch)
             out, stream = stacks[1].run(out, stream)
         return residual.final_norm(out, stream, stacks[-1].final_norm, skip_empty=True)
 

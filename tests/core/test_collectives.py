@@ -10,6 +10,8 @@ import pytest
 import boundary_jax as bj
 from boundary_jax.report import parse_hlo
 
+from .branching import Branched, Part
+from .branching import build as build_branched
 from .cases import SWEEP, compiled
 from .hetero import Hetero, Kind, build
 from .standin import HIDDEN, ROWS, Setup
@@ -156,5 +158,60 @@ def test_heterogeneous_stacks_run_the_documented_collectives(row):
         return tuple(NAMES[kind] for kind in cell.split() if kind != "–")
 
     for index in range(len(kinds)):
+        assert report.sequence(index) == names(row[f"layer {index}"]), f"layer {index}"
+    assert report.sequence(None) == names(row["final read"])
+
+
+BRANCH_LAYERS = {
+    "attn, moe [ffn, attn, ffn]": (
+        Part(Kind.ATTN),
+        Part(Kind.MOE, (Kind.FFN, Kind.ATTN, Kind.FFN)),
+    ),
+    "attn [ffn], ffn [attn, ffn]": (
+        Part(Kind.ATTN, (Kind.FFN,)),
+        Part(Kind.FFN, (Kind.ATTN, Kind.FFN)),
+    ),
+}
+
+
+def _branch_rows():
+    text = TABLE.read_text().split("## Branches", 1)[1].split("\n## ", 1)[0]
+    lines = [line for line in text.splitlines() if line.startswith("| ")]
+    header = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    rows = [
+        dict(zip(header, (c.strip() for c in line.strip("|").split("|")), strict=True))
+        for line in lines[2:]
+    ]
+    return [
+        pytest.param(
+            row,
+            id=f"{row['layer']}-{row['dp']}x{row['tp']}-{row['policy']}-{row['finalize']}",
+            marks=() if index < 3 else pytest.mark.slow,
+        )
+        for index, row in enumerate(rows)
+    ]
+
+
+@pytest.mark.parametrize("row", _branch_rows())
+def test_branch_stacks_run_the_documented_collectives(row):
+    """Stacks with branches run exactly the table's collectives: a branch's sum deferred to its
+    source's completion where the merge allows, completed once before it otherwise."""
+    defer = row["finalize"] == "handed on"
+    layer = BRANCH_LAYERS[row["layer"]]
+    model = Branched(
+        (layer, layer),
+        int(row["dp"]),
+        int(row["tp"]),
+        bj.ReductionPolicy.parse(row["policy"]),
+        bj.fusions.FusionProvider(defer_finalize=defer, terminal_finalize=defer),
+    )
+    with jax.enable_x64(True):
+        x = jax.random.normal(jax.random.key(5), (model.dp * ROWS, HIDDEN), jnp.float64)
+        report = build_branched(model).report(x, np.full(model.dp, ROWS))
+
+    def names(cell):
+        return tuple(NAMES[kind] for kind in cell.split() if kind != "–")
+
+    for index in range(2):
         assert report.sequence(index) == names(row[f"layer {index}"]), f"layer {index}"
     assert report.sequence(None) == names(row["final read"])
