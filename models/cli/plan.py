@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 import boundary_jax as bj
-from boundary_jax.report import KINDS, describe_steps, parse_hlo
+from boundary_jax.report import KINDS, parse_hlo
 
 from ..families.moe import MoeCausalLM
 from ..pipeline import PipelineCausalLM, split_microbatches
@@ -69,7 +69,7 @@ def plan_report(runner: ShardedCausalLM) -> dict[str, Any]:
     `decode_cache` gives the decode cache's kind (`KVCache`, or DeepSeek's `LatentCache`) and
     the bytes one token takes in it on one device, per layer and over all layers. A branch's
     first stage reports its `fork` (from its source's prepared input) in place of entries, and
-    its last stage its `merge` (`branch_edges`).
+    its last stage its `merge` (`boundary_jax.report.describe_path`).
     """
     model = runner.model
     variant = (
@@ -103,40 +103,13 @@ def plan_report(runner: ShardedCausalLM) -> dict[str, Any]:
             "bytes_per_token_per_layer": per_layer,
             "bytes_per_token": per_layer * count,
         },
-        "stages": [
-            description | branch_edges(plan.path(variant))
-            for description, (_, _, plan) in zip(
-                bj.report.describe_stages(stages, variant), stages, strict=True
-            )
-        ],
+        "stages": bj.report.describe_stages(stages, variant),
         "middle_layer": middle,
         "collectives_per_layer": report.counts(middle),
         "bytes_per_layer": report.bytes(middle),
         "weight_bytes_per_device": weight_bytes_per_device(runner),
         **bj.report.describe_collectives(report, count),
     }
-
-
-def branch_edges(path) -> dict[str, Any]:
-    """A branch stage's fork and merge edges in JSON-friendly form: the first stage's `fork`
-    (the rows of its source's residual and compute input, and what moves them onto the
-    branch's), the last stage's `merge` (the rows of the merged residual, and the branch
-    handoffs the merge adds unsummed to its source's output, so that one completion completes
-    both; any other completes at `branch_output`); {} for a stage of the main chain."""
-    edges: dict[str, Any] = {}
-    if path.fork is not None:
-        edges["fork"] = {
-            "from_residual": str(path.fork.source_residual),
-            "moves_residual": describe_steps(path.fork.residual_move),
-            "from_input": str(path.fork.source_compute),
-            "moves_input": describe_steps(path.fork.input_move),
-        }
-    if path.merge is not None:
-        edges["merge"] = {
-            "into_residual": str(path.merge.into),
-            "adds_unsummed": [str(placement) for placement in path.merge.defers],
-        }
-    return edges
 
 
 def pipeline_plan(runner: PipelineCausalLM) -> dict[str, Any]:
@@ -211,10 +184,10 @@ def print_plan(
         option = stage["exit_options"][0]
         exit = f"{option['exit']}: {option['runs']}"
         if "merge" in stage:
-            exit += f"; merges onto {stage['merge']['into_residual']}"
-        if "fork" in stage:  # a branch's first stage: no entry, the source's input
+            exit += f"; merges onto {stage['merge']['into_residual_rows']}"
+        if "fork" in stage:  # a branch's first stage: no entry, its source's prepared input
             fork = stage["fork"]
-            row = (f"fork from {fork['from_input']}: nothing", "-", fork["moves_input"])
+            row = (f"fork from {fork['source_input_rows']}: nothing", "-", fork["moves_input"])
         else:
             entry = next(e for e in stage["entries"] if e["primary"])
             row = (

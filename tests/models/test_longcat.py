@@ -243,13 +243,10 @@ def test_plan_shows_the_branch_and_the_two_latent_caches(capsys):
     ]
     by_name = {s["stage"]: s for s in report["stages"] if s["layer"] == 1}
     assert by_name["branch ffn 0"]["entries"] == []
-    assert by_name["branch ffn 0"]["fork"] == {
-        "from_residual": "{ATTN_DP}",
-        "moves_residual": "nothing",
-        "from_input": "{all rows}",
-        "moves_input": "nothing",
-    }
-    assert by_name["branch ffn 1"]["merge"]["into_residual"] == "{ATTN_DP}"
+    fork = by_name["branch ffn 0"]["fork"]
+    assert (fork["source_input_rows"], fork["moves_input"]) == ("{all rows}", "nothing")
+    assert (fork["source_residual_rows"], fork["forks_residual"]) == ("{ATTN_DP}", "nothing")
+    assert by_name["branch ffn 1"]["merge"]["into_residual_rows"] == "{ATTN_DP}"
     assert not {"fork", "merge"} & (by_name["moe"].keys() | by_name["branch attention"].keys())
 
 
