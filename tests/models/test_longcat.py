@@ -54,6 +54,45 @@ def test_config_from_hf():
     assert read_hf_config(legacy) == config  # transformers' num_hidden_layers is 2 x layers
 
 
+HUB_STYLE = {  # LongCat-Flash-Chat's shapes, in the hub file's spelling (legacy rope_theta)
+    "architectures": ["LongcatFlashForCausalLM"],
+    "model_type": "longcat_flash",
+    "attention_method": "MLA",
+    "zero_expert_type": "identity",
+    "hidden_size": 6144,
+    "ffn_hidden_size": 12288,
+    "moe_topk": 12,
+    "expert_ffn_hidden_size": 2048,
+    "n_routed_experts": 512,
+    "zero_expert_num": 256,
+    "num_layers": 28,
+    "vocab_size": 131072,
+    "max_position_embeddings": 131072,
+    "num_attention_heads": 64,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+    "routed_scaling_factor": 6.0,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000000.0,
+    "mla_scale_q_lora": True,
+    "mla_scale_kv_lora": True,
+    "router_bias": False,
+}
+
+
+def test_config_from_hub_style_file():
+    """A file in the hub's spelling (top-level rope_theta, no head_dim: transformers' default
+    64 is the rope part) reads with LongCat-Flash-Chat's shapes."""
+    config = read_hf_config(HUB_STYLE)
+    assert (config.num_layers, config.head_dim, config.rope_theta) == (28, 192, 1e7)
+    assert config.rope_scaling is None and config.mla.lora_scaled
+    assert (config.moe.num_experts, config.moe.zero_experts, config.moe.top_k) == (512, 256, 12)
+    assert read_hf_config(write_hf_config(config)) == config
+
+
 @pytest.mark.parametrize(
     "change,match",
     [
