@@ -52,6 +52,8 @@ def test_config_from_hf():
     assert read_hf_config(write_hf_config(config)) == config
     legacy = {k: v for k, v in HF_CONFIG.items() if k != "num_layers"} | {"num_hidden_layers": 4}
     assert read_hf_config(legacy) == config  # transformers' num_hidden_layers is 2 x layers
+    preset = PRESETS["tiny-longcat-flash"]
+    assert read_hf_config(write_hf_config(preset)) == preset and preset.moe.zero_experts == 4
 
 
 HUB_STYLE = {  # LongCat-Flash-Chat's shapes, in the hub file's spelling (legacy rope_theta)
@@ -266,10 +268,10 @@ def test_plan_shows_the_branch_and_the_two_latent_caches(capsys):
     """`plan --json` lists each layer's main chain and its branch: the branch's first stage
     forks from the MoE's gathered input, moving nothing, its last merges onto the attention's
     rows; the decode cache is two latents per layer."""
-    args = ["plan", "--preset", "tiny-longcat-flash", "--mesh", "attn_dp=2,attn_tp=2"]
+    args = ["plan", "--checkpoint", str(GOLDEN), "--mesh", "attn_dp=2,attn_tp=2"]
     assert main([*args, "--moe-ep", "4", "--json"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    mla = PRESETS["tiny-longcat-flash"].mla
+    mla = load_config(GOLDEN).mla
     per_layer = 2 * (mla.kv_lora_rank + mla.qk_rope_head_dim) * 4
     assert report["decode_cache"] == {
         "kind": "LongcatCache",
