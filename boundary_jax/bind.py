@@ -17,7 +17,7 @@ from . import ops
 from .declare import Edge, EdgeKind, ProducerReduction, StageDeclaration, StageKind
 from .fusions import FusionProvider
 from .layout import BatchVariant, Layout, TokenAxis, Topology
-from .ops import AllGather, AllReduce, Finalize, Step
+from .ops import AllGather, AllReduce, Finalize, PlanError, Step
 from .placement import Placement
 from .plan import (
     BranchFork,
@@ -67,8 +67,15 @@ def exit_options(
     stack: StackFacts,
     rows: StageRows,
     fusions: FusionProvider | None,
+    *,
+    fold: bool = True,
 ) -> tuple[ExitOption, ...]:
     """The exit options of `declaration` leaving by `outgoing`, best first.
+
+    At a stack exit whose residual is not on the attention's rows, a completing option folds
+    the output into the residual and moves it there, unless `fold` is False (a branch's source,
+    whose output must stay pending for the merge; the final read then completes, updates and
+    moves it). A branch merging into the final read never folds: `branch_output` does.
 
     A pipeline send binds exactly as the uncut stack (its consumer is the next rank's first
     stage); `to_pp` then completes what the chosen option leaves. A stack exit completes the
@@ -81,7 +88,8 @@ def exit_options(
     value = Placement(compute, owed)
     leaving = outgoing.leaves_stack
     attention = topology.attention_rows()
-    fold_to = attention if leaving and residual != attention else None
+    stack_exit = outgoing.kind is EdgeKind.STACK_EXIT
+    fold_to = attention if fold and stack_exit and residual != attention else None
     consumer = outgoing.consumer
 
     def option(kind, steps, handoff, fold=None) -> ExitOption:
@@ -266,8 +274,8 @@ def bind_merge(
     `branch_output`, onto the branch's residual rows.
 
     Raises:
-      NotImplementedError: The source's update is not a plain add, or the source's exit folds
-        its output into the residual (the merge needs it pending).
+      NotImplementedError: The source's update is not a plain add.
+      PlanError: The source's exit folds its output into the residual (a binding bug).
     """
     if not source.update.plain:
         raise NotImplementedError(
@@ -276,10 +284,9 @@ def bind_merge(
             f"{source.update.design}"
         )
     if any(option.fold_to is not None for option in into.exits):
-        raise NotImplementedError(
-            "a branch into a source that folds its output into the residual at the stack's end "
-            f"(its residual on {into.residual_layout}, not the attention's rows) is not "
-            "supported: end the stack with a stage after the branch's source"
+        raise PlanError(
+            "a branch's source folds its output into the residual at its exit, but the merge "
+            "needs it pending; this is a binding bug: report it with the stack's declarations"
         )
     plain = declaration.update.plain and not declaration.has_output_transform
     targets = {o.handoff for o in into.exits} if not source.has_output_transform and plain else ()
@@ -307,6 +314,7 @@ def bind_stage(
     fusions: FusionProvider | None = None,
     producer_fusions: FusionProvider | None = None,
     merge_into: StagePlan | None = None,
+    branch_source: bool = False,
 ) -> StagePlan:
     """Binds one stage between the edge it is entered through and the edge it leaves by.
 
@@ -321,6 +329,7 @@ def bind_stage(
       fusions: This stage's provider (None: the stack's).
       producer_fusions: The producer's provider (None: the stack's).
       merge_into: For a branch's last stage, its source's bound plan.
+      branch_source: The stage is a branch's source: its output stays pending at a stack exit.
 
     Raises:
       NotImplementedError: The stage needs a path boundary-jax does not implement.
@@ -396,7 +405,9 @@ def bind_stage(
             )
             for e in entries
         ]
-        exits = exit_options(declaration, outgoing, variant, stack, own, fusions)
+        exits = exit_options(
+            declaration, outgoing, variant, stack, own, fusions, fold=not branch_source
+        )
         merge = None
         if outgoing.kind is EdgeKind.BRANCH_MERGE:
             source = merge_into.declaration

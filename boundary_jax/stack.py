@@ -204,6 +204,7 @@ class LayerStack:
                     stage_rows_of,
                     boundary.fusions,
                     producer,
+                    branch_source=any(branch.source is boundary for branch in self.branches),
                 )
                 check_plan(plan)
             except Exception as error:

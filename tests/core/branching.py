@@ -207,14 +207,19 @@ class Built:
     stacks: list
     state: object
     place: Callable
-    program: Callable
+    programs: Callable
 
-    def batch(self, x, counts) -> bj.BatchFacts:
-        return make_batch(self.model, bj.BatchVariant.ORDINARY, counts, x.shape[0] // self.model.dp)
+    @property
+    def program(self) -> Callable:
+        """The jitted `f(state, placed_x, batch)` for ordinary batches."""
+        return self.programs(bj.BatchVariant.ORDINARY)
 
-    def run(self, x, counts):
+    def batch(self, x, counts, variant=bj.BatchVariant.ORDINARY) -> bj.BatchFacts:
+        return make_batch(self.model, variant, counts, x.shape[0] // self.model.dp)
+
+    def run(self, x, counts, variant=bj.BatchVariant.ORDINARY):
         """The output rows for stack input `x` and per-DP-rank token `counts`."""
-        return self.program(self.state, self.place(x), self.batch(x, counts))
+        return self.programs(variant)(self.state, self.place(x), self.batch(x, counts, variant))
 
     def report(self, x, counts) -> CollectiveReport:
         """The collectives the compiled program runs."""
@@ -243,15 +248,18 @@ def build(model: Branched, cut: int | None = None, *, check_vma: bool = True) ->
     sharded = bj.ShardedModule(stacks, mesh)
     dp = topology.spec_entry((bj.TokenAxis.ATTN_DP,))
     in_rows = P(dp, topology.spec_entry((bj.TokenAxis.ATTN_TP,)))
-    spec = bj.BatchFacts(bj.BatchVariant.ORDINARY, topology, P())
-    program = sharded.program(
-        body, in_specs=(in_rows, spec), out_specs=P(dp, None), check_vma=check_vma
-    )
+
+    @functools.cache
+    def programs(variant: bj.BatchVariant):
+        spec = bj.BatchFacts(variant, topology, P())
+        return sharded.program(
+            body, in_specs=(in_rows, spec), out_specs=P(dp, None), check_vma=check_vma
+        )
 
     def place(x):
         return jax.device_put(input_shares(x, model.tp), NamedSharding(mesh, in_rows))
 
-    return Built(model, list(stacks), sharded.state, place, program)
+    return Built(model, list(stacks), sharded.state, place, programs)
 
 
 @functools.cache

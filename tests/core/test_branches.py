@@ -37,6 +37,9 @@ SLOW = pytest.mark.slow
 # LongCat-Flash's layer: attention, then a MoE with a dense FFN, attention and FFN branched from
 # its prepared input; in two layers the last branch merges into the final read.
 LONGCAT = ((Part(A), Part(M, (F, A, F))),) * 2
+# The same with the MoE on its own rows (all-to-all dispatch): the residual moves onto
+# attention-TP slices and the branch forks there.
+LONGCAT_OWN = ((Part(A), Part(Kind.MOE_OWN, (F, A, F))),) * 2
 # Two branches a layer: one from the attention's prepared input, one from the FFN's.
 TWO = ((Part(A, (F,)), Part(F, (A, F))),) * 2
 # One stage a layer, so a pipeline cut falls just before the branch's source and just after its
@@ -52,6 +55,8 @@ CASES = [
         ("longcat", LONGCAT, 1, 4, AR, ()),
         ("longcat", LONGCAT, 2, 2, RS_RSV, ()),
         ("two", TWO, 2, 2, AR, ()),
+        ("longcat-own-rows", LONGCAT_OWN, 2, 2, RS_RSV, ()),
+        ("longcat-own-rows", LONGCAT_OWN, 1, 4, AR, SLOW),
         ("longcat", LONGCAT, 1, 2, AR, SLOW),
         ("longcat", LONGCAT, 1, 2, RS_RSV, SLOW),
         ("two", TWO, 1, 2, AR, SLOW),
@@ -453,3 +458,15 @@ def test_scanned_layers_with_branches_equal_the_unrolled_stack():
         scanned = sharded.program(body, in_specs=(in_rows, spec), out_specs=P())
         got = scanned(sharded.state, run.place(x), run.batch(x, counts))
         assert _error(got, run.run(x, counts)) < 1e-12
+
+
+def test_an_unpadded_batch_runs_through_branches():
+    """Rows that do not divide over attention TP (the unpadded variant, where an FFN on its own
+    rows stays on the attention's rows) run through branches and equal one device."""
+    model = Branched(LONGCAT_OWN, 1, 2)
+    with jax.enable_x64(True):
+        run = built(model)
+        x = jax.random.normal(jax.random.key(5), (ROWS + 1, HIDDEN), jnp.float64)
+        counts = np.array([ROWS])
+        got = run.run(x, counts, bj.BatchVariant.UNPADDED)
+        assert _error(got, reference(run.stacks, x, 1, counts)) < 1e-12
