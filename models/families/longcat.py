@@ -204,9 +204,7 @@ class LongcatFlashForCausalLM(MoeCausalLM):
     input (`LongcatDecoderLayer`). Every layer is sparse.
 
     Not built (each rejected when the model is built): hyper-connections, scanned runs of
-    layers, pipeline stages, FP8, and the all-to-all dispatch under attention TP > 1 (the last
-    MoE would fold its output before the merge); a stack with branches binds no
-    input-scattered path.
+    layers, pipeline stages and FP8; a stack with branches binds no input-scattered path.
     """
 
     architectures = (Architecture.LONGCAT_FLASH,)
@@ -239,13 +237,6 @@ class LongcatFlashForCausalLM(MoeCausalLM):
         if asked:
             raise NotImplementedError(
                 f"LongcatFlashForCausalLM is not built with {asked}; build it without them"
-            )
-        if moe_dispatch is bj.MoeDispatch.ALL_TO_ALL and topology.attn_tp > 1:
-            raise NotImplementedError(
-                "LongCat-Flash's last MoE, sent all-to-all from each rank's attention-TP slice, "
-                "folds its output into the residual before the final norm, and a branch cannot "
-                f"merge into a folded output; got attn_tp={topology.attn_tp} with {moe_dispatch}. "
-                "Use the gather dispatch, or all-to-all with attention TP 1 (attention DP)"
             )
         super().__init__(
             config,

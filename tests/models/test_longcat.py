@@ -169,12 +169,13 @@ LAYOUTS = (
     Layout(1, 1),
     Layout(1, 4, defer=True),
     Layout(2, 2),
-    Layout(4, 1, ep=4, dispatch=ALL_TO_ALL),
+    Layout(1, 4, ep=4, dispatch=ALL_TO_ALL),
     Layout(2, 2, ep=4),
 )
 """TP 1, TP 4 (the MoE's finalize handed to the fusion provider, so the merge meets a
 deferred finalize), attention DP 2 x TP 2, and EP 4 in both dispatch modes (all-to-all from
-each attention-DP 4 rank's own rows, gathered rows under attention DP 2 x TP 2)."""
+each TP 4 rank's own rows, its last MoE merging into the final read; gathered rows under
+attention DP 2 x TP 2)."""
 
 
 @functools.cache
@@ -255,9 +256,11 @@ def test_captured_hidden_states_match_transformers():
 
 
 def test_generate_on_the_command_line_matches_transformers(capsys):
-    """`generate` with the golden checkpoint on TP 4 with EP 4 prints HF's greedy tokens."""
+    """`generate` with the golden checkpoint on attention DP 2 x TP 2 with EP 4 all-to-all
+    prints HF's greedy tokens."""
     _, reference = golden()
-    args = ["generate", "--checkpoint", str(GOLDEN), "--mesh", "attn_tp=4", "--moe-ep", "4"]
+    args = ["generate", "--checkpoint", str(GOLDEN), "--mesh", "attn_dp=2,attn_tp=2"]
+    args += ["--moe-ep", "4", "--moe-dispatch", "all-to-all"]
     args += ["--prompt-ids", str(GOLDEN / "prompts.json"), "--max-new-tokens", "6"]
     assert main(args) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
@@ -328,12 +331,8 @@ def test_mutants_are_caught(monkeypatch, mutant):
 
 
 def test_what_is_not_built_is_rejected():
-    """All-to-all under attention TP > 1 (the last MoE would fold before the merge), scanned
-    layers and an input-scattered batch fail with the reason."""
+    """Scanned layers and an input-scattered batch fail with the reason."""
     config = load_config(GOLDEN)
-    topology = bj.Topology(attn_tp=2, moe_ep=2)
-    with pytest.raises(NotImplementedError, match="attention TP 1"):
-        build_model(config, topology, moe_dispatch=ALL_TO_ALL)
     with pytest.raises(NotImplementedError, match="scan_layers"):
         build_model(config, bj.Topology(), scan_layers=True)
     layout = Layout(1, 4, defer=True)
