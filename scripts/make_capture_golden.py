@@ -45,7 +45,11 @@ def hidden_states(name: str) -> dict[str, np.ndarray]:
         directory, dtype=torch.float32, attn_implementation="eager"
     ).eval()
     config = model.config
-    layers, hidden = config.num_hidden_layers, config.hidden_size
+    # LongCat-Flash's num_hidden_layers counts its two attentions per layer; its layers are
+    # num_layers (one hidden state each).
+    longcat = config.model_type == "longcat_flash"
+    layers = config.num_layers if longcat else config.num_hidden_layers
+    hidden = config.hidden_size
     longest = max(len(p) for p in prompts)
     states = np.zeros((layers + 1, len(prompts), longest, hidden), np.float32)
     normed = np.zeros((len(prompts), longest, hidden), np.float32)

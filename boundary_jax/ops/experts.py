@@ -66,7 +66,8 @@ class Dispatched:
       tags: [moe_tp * moe_ep * capacity] int32 the tag each row was sent with (e.g. its
         expert's local id on this rank); -1 in unused slots.
       slots: [sent rows] int32 where each row this rank sent sits in its destination's block
-        (destination * capacity + position); `combine_from_experts` reads the answers there.
+        (destination * capacity + position; past every block for a row not sent);
+        `combine_from_experts` reads the answers there.
       capacity: Rows each rank sends to each rank (static).
     """
 
@@ -97,7 +98,8 @@ def dispatch_to_experts(
       rows: [N, hidden] rows to send (e.g. one per (token, choice)).
       tags: [N] int32 carried with each row (e.g. the chosen expert's id on its rank).
       destination: [N] int32 expert-parallel rank (`ops.shard_index(topology, MOE_EP)` order)
-        each row goes to, in [0, moe_ep).
+        each row goes to, in [0, moe_ep); -1: the row is not sent (a choice of an expert no
+        rank holds, such as a zero-computation expert), and its answer comes back zero.
       topology: Its `SumGroup.MOE_EP` mesh axes are the group exchanged over.
       max_rows_per_rank: The most rows of `rows` that may name one destination.
       capacity: Rows per (source, destination) block; None for `max_rows_per_rank`.
@@ -127,9 +129,16 @@ def dispatch_to_experts(
     # A row's position among the rows sent to the same rank, in row order.
     onehot = destination[:, None] == jnp.arange(ranks, dtype=destination.dtype)[None, :]
     position = jnp.sum(jnp.cumsum(onehot, axis=0) * onehot, axis=1) - 1
-    slots = (destination * capacity + position).astype(jnp.int32)
-    send = jnp.zeros((ranks * capacity, rows.shape[1]), rows.dtype).at[slots].set(rows)
-    send_tags = jnp.full((ranks * capacity,), -1, jnp.int32).at[slots].set(tags.astype(jnp.int32))
+    # A row not sent gets the slot past the last block: dropped here, read back as zero.
+    slots = jnp.where(destination >= 0, destination * capacity + position, ranks * capacity).astype(
+        jnp.int32
+    )
+    send = jnp.zeros((ranks * capacity, rows.shape[1]), rows.dtype).at[slots].set(rows, mode="drop")
+    send_tags = (
+        jnp.full((ranks * capacity,), -1, jnp.int32)
+        .at[slots]
+        .set(tags.astype(jnp.int32), mode="drop")
+    )
     received, received_tags = _exchange(send, experts), _exchange(send_tags, experts)
     width = topology.group_names(SumGroup.MOE_TP)
     if width:
@@ -161,7 +170,7 @@ def combine_from_experts(outputs: jax.Array, dispatched: Dispatched, topology: T
     if width:
         outputs = lax.psum_scatter(outputs, width, scatter_dimension=0, tiled=True)
     returned = _exchange(outputs, topology.group_names(SumGroup.MOE_EP))
-    return jnp.take(returned, dispatched.slots, axis=0)
+    return jnp.take(returned, dispatched.slots, axis=0, mode="fill", fill_value=0)
 
 
 def _exchange(x: jax.Array, names: tuple[str, ...]) -> jax.Array:

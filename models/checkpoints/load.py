@@ -15,7 +15,9 @@ Projections that one matmul computes together (k and v; gate and up) are one par
 parts axis, each part read from its own tensor. A tensor that feeds several parameters (a Mamba2
 mixer's fused `in_proj`: z, x, B, C and dt) is read by row ranges (`HFTensor.rows`), each device
 reading only its rows of its range. A DeepSeek checkpoint's multi-token-prediction
-layers (past `num_hidden_layers`) are skipped with a one-line notice.
+layers (past `num_hidden_layers`) are skipped with a one-line notice, and so are a LongCat-Flash
+checkpoint's multi-token-prediction head and the weights `save_pretrained` writes for its
+zero-computation experts (`names.longcat_skipped`).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from safetensors import SafetensorError, safe_open
 from ..config import DecoderConfig, read_hf_config
 from ..layers.fp8_linear import Fp8Quantization
 from .fp8 import FP8_DTYPE, STORED_FP8, Fp8Source, fp8_sources, read_stored_fp8, stored_fp8
-from .names import IGNORED_SUFFIXES, HFTensor, hf_name_map, mtp_layer
+from .names import IGNORED_SUFFIXES, HFTensor, hf_name_map, longcat_skipped, mtp_layer
 
 _LOG = logging.getLogger(__name__)
 CONFIG_FILE = "config.json"
@@ -191,12 +193,22 @@ def load_params(
                 mtp,
                 mtp[0],
             )
+        skipped = sorted(name for name in checkpoint.names if longcat_skipped(name, config))
+        if skipped:
+            _LOG.warning(
+                "%s: ignoring %d tensors the causal LM never reads (zero-computation experts' "
+                "weights, the multi-token-prediction head), e.g. %s",
+                checkpoint_dir,
+                len(skipped),
+                skipped[0],
+            )
         unused = sorted(
             name
             for name in checkpoint.names
             if name not in used
             and not name.endswith(IGNORED_SUFFIXES)
             and mtp_layer(name, config) is None
+            and not longcat_skipped(name, config)
             and (name != "lm_head.weight" or "lm_head.kernel" in sources)
             and layers is None  # a stage's: the other stages read the rest
         )

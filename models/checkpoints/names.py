@@ -196,6 +196,24 @@ def mtp_layer(name: str, config: DecoderConfig) -> int | None:
     return layer if layer is not None and layer >= config.num_layers else None
 
 
+_LONGCAT_SKIPPED = re.compile(r"model\.(mtp\.|layers\.\d+\.mlp\.experts\.(\d+)\.)")
+
+
+def longcat_skipped(name: str, config: DecoderConfig) -> bool:
+    """Whether a LongCat-Flash checkpoint tensor is one the causal LM never reads: the
+    multi-token-prediction head (`model.mtp.*`, which transformers ignores too), or a weight of
+    a zero-computation expert (`mlp.experts.{e}.*` with e >= n_routed_experts: transformers 5
+    holds `gate_up_proj` for every expert and `save_pretrained` writes those rows). False for
+    any other tensor or family."""
+    if config.architecture is not Architecture.LONGCAT_FLASH:
+        return False
+    found = _LONGCAT_SKIPPED.match(name)
+    if found is None:
+        return False
+    expert = found.group(2)
+    return expert is None or int(expert) >= config.moe.num_experts
+
+
 def _mla_tensors(mla: MlaConfig) -> dict[str, HFTensor]:
     """Multi-head latent attention's parameters (`models.layers.mla`), layer-relative."""
     projections = ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
@@ -317,6 +335,40 @@ def _hybrid_layer_tensors(config: DecoderConfig, kind: HybridLayer) -> dict[str,
     }
 
 
+def _longcat_name_map(config: DecoderConfig) -> dict[str, HFTensor]:
+    """`hf_name_map` of a LongCat-Flash config (`models.families.longcat`): per layer, the
+    attentions `attn_{0,1}` and dense FFNs `mlps_{0,1}` from `self_attn.{0,1}` and
+    `mlps.{0,1}`, their norms `input_norm_{0,1}` and `post_attn_norm_{0,1}` from
+    `input_layernorm.{0,1}` and `post_attention_layernorm.{0,1}`, and the MoE `mlp` (its
+    router from `mlp.router.classifier.weight` and `mlp.router.e_score_correction_bias`)."""
+    moe = _sparse_ffn_tensors(config)
+    moe["mlp.router"] = HFTensor("mlp.router.classifier.weight", transpose=True)
+    moe["mlp.e_score_correction_bias"] = HFTensor("mlp.router.e_score_correction_bias")
+    layer = dict(moe)
+    for index in (0, 1):
+        for path, tensor in _mla_tensors(config.mla).items():
+            name = tensor.name.replace("self_attn.", f"self_attn.{index}.")
+            layer[path.replace("attn.", f"attn_{index}.")] = dataclasses.replace(tensor, name=name)
+        for path in ("gate_up_proj.kernel", "down_proj.kernel"):
+            tensor = _LAYER_TENSORS[f"mlp.{path}"]
+            name = tensor.name.replace("mlp.", f"mlps.{index}.")
+            layer[f"mlps_{index}.{path}"] = dataclasses.replace(tensor, name=name)
+        layer[f"input_norm_{index}.weight"] = HFTensor(f"input_layernorm.{index}.weight")
+        layer[f"post_attn_norm_{index}.weight"] = HFTensor(
+            f"post_attention_layernorm.{index}.weight"
+        )
+    names = {"embed.embedding": HFTensor("model.embed_tokens.weight", padded_axis=0)}
+    for i in range(config.num_layers):
+        for path, tensor in layer.items():
+            names[f"layers.{i}.{path}"] = dataclasses.replace(
+                tensor, name=f"model.layers.{i}.{tensor.name}"
+            )
+    names["final_norm.weight"] = HFTensor("model.norm.weight")
+    if not config.tie_word_embeddings:
+        names["lm_head.kernel"] = HFTensor("lm_head.weight", transpose=True, padded_axis=1)
+    return names
+
+
 def _hybrid_name_map(config: DecoderConfig) -> dict[str, HFTensor]:
     """`hf_name_map` of a Nemotron-H config (tensors under `backbone.`, as transformers saves
     them): `layers.{i}.norm.weight` and the stage's parameters under `layers.{i}.mixer`."""
@@ -366,6 +418,9 @@ def hf_name_map(config: DecoderConfig, *, scan_layers: bool = False) -> dict[str
     b of `config.layer_blocks(True)`: an unscanned layer has its paths, and a scanned run has
     `layers.{b}.layer.<path>` with the run's layers stacked on axis 0 (`HFTensor.layers`).
 
+    A LongCat-Flash config has per layer two latent attentions, two dense FFNs, their four
+    norms and one MoE (`_longcat_name_map`); it is never scanned.
+
     A Nemotron-H (hybrid) config has `layers.{i}.norm.weight` and its one stage's parameters
     under `layers.{i}.mixer` (a Mamba2 mixer's cut by row ranges from the fused `in_proj` and
     `conv1d`; an MoE's relu^2 experts with their up projection as the one stacked part).
@@ -373,6 +428,13 @@ def hf_name_map(config: DecoderConfig, *, scan_layers: bool = False) -> dict[str
     if config.hybrid is not None:
         config.layer_blocks(scan_layers)  # raises for a scanned hybrid stack
         return _hybrid_name_map(config)
+    if config.architecture is Architecture.LONGCAT_FLASH:
+        if scan_layers:
+            raise NotImplementedError(
+                "scanned runs of LongCat-Flash layers are not supported: build it without "
+                "scan_layers"
+            )
+        return _longcat_name_map(config)
     names = {"embed.embedding": HFTensor("model.embed_tokens.weight", padded_axis=0)}
     dense = (
         _NORM_TENSORS[config.residual_design]

@@ -67,7 +67,9 @@ def plan_report(runner: ShardedCausalLM) -> dict[str, Any]:
     `batch_sequences` sequences). In a model built with `scan_layers`, each layer of a scanned run
     reports its run's plans and the collectives of the run's scan body (once per layer).
     `decode_cache` gives the decode cache's kind (`KVCache`, or DeepSeek's `LatentCache`) and
-    the bytes one token takes in it on one device, per layer and over all layers.
+    the bytes one token takes in it on one device, per layer and over all layers. A branch's
+    first stage reports its `fork` (from its source's prepared input) in place of entries, and
+    its last stage its `merge` (`boundary_jax.report.describe_path`).
     """
     model = runner.model
     variant = (
@@ -179,16 +181,21 @@ def print_plan(
     ):
         table.add_column(column)
     for stage in report["stages"]:
-        entry = next(e for e in stage["entries"] if e["primary"])
         option = stage["exit_options"][0]
-        table.add_row(
-            str(stage["layer"]),
-            stage["stage"],
-            f"{entry['from']}: {entry['completes']}",
-            entry["fused_with_add_norm"],
-            entry["moves_input"],
-            f"{option['exit']}: {option['runs']}",
-        )
+        exit = f"{option['exit']}: {option['runs']}"
+        if "merge" in stage:
+            exit += f"; merges onto {stage['merge']['into_residual_rows']}"
+        if "fork" in stage:  # a branch's first stage: no entry, its source's prepared input
+            fork = stage["fork"]
+            row = (f"fork from {fork['source_input_rows']}: nothing", "-", fork["moves_input"])
+        else:
+            entry = next(e for e in stage["entries"] if e["primary"])
+            row = (
+                f"{entry['from']}: {entry['completes']}",
+                entry["fused_with_add_norm"],
+                entry["moves_input"],
+            )
+        table.add_row(str(stage["layer"]), stage["stage"], *row, exit)
     console.print(table)
     batch = f"{report['batch_tokens']} tokens in {report['batch_sequences']} sequences"
     counts = Table(title=f"collectives per layer (compiled HLO; bytes for a batch of {batch})")

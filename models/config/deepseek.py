@@ -47,6 +47,9 @@ class MlaConfig:
       rope_scaling: YaRN (DeepSeek's), linear or llama3 scaling, or None.
       rope_interleaved: The rope dimensions come in interleaved pairs (DeepSeek-V2 always;
         V3 unless `rope_interleave` is false); else NeoX halves.
+      lora_scaled: LongCat-Flash's scales: the queries (both parts) times
+        `q_lora_scale = sqrt(hidden_size / q_lora_rank)` and the normed kv latent times
+        `kv_lora_scale = sqrt(hidden_size / kv_lora_rank)` (before it is cached). Needs q LoRA.
     """
 
     hidden_size: int
@@ -59,6 +62,7 @@ class MlaConfig:
     rope_theta: float
     rope_scaling: RopeScaling | None = None
     rope_interleaved: bool = True
+    lora_scaled: bool = False
 
     def __post_init__(self):
         for name in (
@@ -79,6 +83,22 @@ class MlaConfig:
                 f"RoPE rotates pairs of dimensions; qk_rope_head_dim must be even, got "
                 f"{self.qk_rope_head_dim}"
             )
+        if self.lora_scaled and self.q_lora_rank is None:
+            raise ValueError(
+                "lora_scaled (LongCat-Flash's query and latent scales) needs q LoRA; got "
+                "q_lora_rank=None"
+            )
+
+    @property
+    def q_lora_scale(self) -> float:
+        """The queries' factor: `sqrt(hidden_size / q_lora_rank)` when `lora_scaled`, else 1."""
+        return (self.hidden_size / self.q_lora_rank) ** 0.5 if self.lora_scaled else 1.0
+
+    @property
+    def kv_lora_scale(self) -> float:
+        """The normed kv latent's factor: `sqrt(hidden_size / kv_lora_rank)` when
+        `lora_scaled`, else 1."""
+        return (self.hidden_size / self.kv_lora_rank) ** 0.5 if self.lora_scaled else 1.0
 
     @property
     def qk_head_dim(self) -> int:
@@ -218,6 +238,10 @@ class DeepseekRouting:
         weights never do.
       renormalize: The k weights are divided by their sum (+ 1e-20) (V3's `norm_topk_prob`).
       scaling_factor: The weights' factor (HF `routed_scaling_factor`).
+      zero_experts: Zero-computation (identity) experts after the routed ones (LongCat-Flash's
+        `zero_expert_num`): the router scores `num_experts + zero_experts` experts, and a
+        choice of an id >= `num_experts` returns its input times its weight, with no weights
+        and no matmul. Not combined with grouped selection.
     """
 
     num_experts: int
@@ -229,18 +253,34 @@ class DeepseekRouting:
     correction_bias: bool = False
     renormalize: bool = False
     scaling_factor: float = 1.0
+    zero_experts: int = 0
 
     def __post_init__(self):
         for name in ("num_experts", "top_k", "num_groups", "topk_groups"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"DeepseekRouting.{name} must be a positive int; got {value!r}")
+        if not isinstance(self.zero_experts, int) or self.zero_experts < 0:
+            raise ValueError(
+                "DeepseekRouting.zero_experts must be a non-negative int; got "
+                f"{self.zero_experts!r}"
+            )
+        if self.zero_experts and self.num_groups > 1:
+            raise NotImplementedError(
+                "zero-computation experts with grouped selection are not supported (no model "
+                f"has both); got {self.zero_experts=}, {self.num_groups=}"
+            )
+        if self.top_k > self.total_experts:
+            raise ValueError(
+                f"top_k ({self.top_k}) must not exceed the experts the router scores "
+                f"({self.total_experts})"
+            )
         if self.num_experts % self.num_groups or self.topk_groups > self.num_groups:
             raise ValueError(
                 "the experts must form num_groups equal groups, of which topk_groups are kept; "
                 f"got {self.num_experts=}, {self.num_groups=}, {self.topk_groups=}"
             )
-        per_group = self.num_experts // self.num_groups
+        per_group = self.total_experts // self.num_groups
         if self.top_k > self.topk_groups * per_group:
             raise ValueError(
                 f"top_k ({self.top_k}) must not exceed the experts of the kept groups "
@@ -250,6 +290,11 @@ class DeepseekRouting:
             raise ValueError(
                 f"a group scored by its best two experts needs two; got {per_group} per group"
             )
+
+    @property
+    def total_experts(self) -> int:
+        """The experts the router scores: the routed ones, then the zero-computation ones."""
+        return self.num_experts + self.zero_experts
 
     @classmethod
     def from_hf(cls, config: Mapping[str, Any]) -> DeepseekRouting:
@@ -370,25 +415,6 @@ def write_deepseek_config(config: DecoderConfig) -> dict[str, Any]:
     format, with no multi-token-prediction layer; `read_deepseek_config` reads it back."""
     mla, moe = config.mla, config.moe
     routing = moe.routing
-    rope: dict[str, Any] = {"rope_theta": mla.rope_theta, "rope_type": "default"}
-    scaling = mla.rope_scaling
-    if isinstance(scaling, YarnRopeScaling):
-        yarn = {
-            "rope_type": "yarn",
-            "factor": scaling.factor,
-            "original_max_position_embeddings": scaling.original_max_position_embeddings,
-            "beta_fast": scaling.beta_fast,
-            "beta_slow": scaling.beta_slow,
-            "mscale": scaling.mscale,
-            "mscale_all_dim": scaling.mscale_all_dim,
-            "attention_factor": scaling.explicit_attention_factor,
-            "truncate": scaling.truncate,
-        }
-        rope |= {key: value for key, value in yarn.items() if value is not None}
-    elif isinstance(scaling, LinearRopeScaling):
-        rope |= {"rope_type": "linear", "factor": scaling.factor}
-    elif scaling is not None:
-        rope |= dataclasses.asdict(scaling) | {"rope_type": "llama3"}
     shared = moe.shared_expert_intermediate_size or 0
     v2 = config.architecture is Architecture.DEEPSEEK_V2
     out: dict[str, Any] = {
@@ -407,7 +433,7 @@ def write_deepseek_config(config: DecoderConfig) -> dict[str, Any]:
         "v_head_dim": mla.v_head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": config.rms_norm_eps,
-        "rope_parameters": rope,
+        "rope_parameters": mla_rope_parameters(mla),
         "tie_word_embeddings": config.tie_word_embeddings,
         "max_position_embeddings": config.max_position_embeddings,
         "attention_bias": False,
@@ -430,3 +456,27 @@ def write_deepseek_config(config: DecoderConfig) -> dict[str, Any]:
     else:
         out |= {"rope_interleave": mla.rope_interleaved, "num_nextn_predict_layers": 0}
     return out
+
+
+def mla_rope_parameters(mla: MlaConfig) -> dict[str, Any]:
+    """transformers 5's `rope_parameters` of a latent attention's RoPE."""
+    rope: dict[str, Any] = {"rope_theta": mla.rope_theta, "rope_type": "default"}
+    scaling = mla.rope_scaling
+    if isinstance(scaling, YarnRopeScaling):
+        yarn = {
+            "rope_type": "yarn",
+            "factor": scaling.factor,
+            "original_max_position_embeddings": scaling.original_max_position_embeddings,
+            "beta_fast": scaling.beta_fast,
+            "beta_slow": scaling.beta_slow,
+            "mscale": scaling.mscale,
+            "mscale_all_dim": scaling.mscale_all_dim,
+            "attention_factor": scaling.explicit_attention_factor,
+            "truncate": scaling.truncate,
+        }
+        rope |= {key: value for key, value in yarn.items() if value is not None}
+    elif isinstance(scaling, LinearRopeScaling):
+        rope |= {"rope_type": "linear", "factor": scaling.factor}
+    elif scaling is not None:
+        rope |= dataclasses.asdict(scaling) | {"rope_type": "llama3"}
+    return rope

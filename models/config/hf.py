@@ -14,6 +14,7 @@ from typing import Any
 
 from .deepseek import read_deepseek_config, write_deepseek_config
 from .hf_hybrid import read_nemotron_h, write_nemotron_h
+from .longcat import read_longcat_config, write_longcat_config
 from .types import (
     MLA_ARCHITECTURES,
     MOE_ARCHITECTURES,
@@ -37,7 +38,8 @@ def read_hf_config(config: Mapping[str, Any]) -> DecoderConfig:
     hub checkpoints, and `num_local_experts`, as Mixtral and transformers 5's Qwen3-MoE
     write it); and per-layer attention from `layer_types` (or the family's default pattern).
     A `NemotronHForCausalLM` config is read by `hf_hybrid.read_nemotron_h`.
-    DeepSeek-V2 / V3 configs are read by `config.deepseek.read_deepseek_config`.
+    DeepSeek-V2 / V3 configs are read by `config.deepseek.read_deepseek_config`, LongCat-Flash
+    ones by `config.longcat.read_longcat_config`.
 
     Raises:
       ValueError: The architecture, RoPE type, activation, biases, layer pattern or a
@@ -55,6 +57,8 @@ def read_hf_config(config: Mapping[str, Any]) -> DecoderConfig:
     architecture = Architecture(architectures[0])
     if architecture is Architecture.NEMOTRON_H:
         return read_nemotron_h(config)
+    if architecture is Architecture.LONGCAT_FLASH:
+        return read_longcat_config(config)
     if architecture in MLA_ARCHITECTURES:
         return read_deepseek_config(config)
     for key in ("attention_bias", "mlp_bias"):
@@ -355,6 +359,8 @@ def write_hf_config(config: DecoderConfig) -> dict[str, Any]:
     """
     if config.hybrid is not None:
         return write_nemotron_h(config)
+    if config.architecture is Architecture.LONGCAT_FLASH:
+        return write_longcat_config(config)
     if config.mla is not None:
         return write_deepseek_config(config)
     architecture = config.architecture

@@ -173,6 +173,34 @@ PRESETS["tiny-deepseek-v3"] = DecoderConfig(
     ),
     mla=_TINY_MLA,
 )
+# LongCat-Flash-style: two layers, each two latent attentions with LongCat's LoRA scales, two dense
+# FFNs and a MoE of 8 routed and 4 zero-computation experts (top-3, softmax with a correction
+# bias, scaled by 6).
+_TINY_LONGCAT_MLA = dataclasses.replace(
+    _TINY_MLA, q_lora_rank=32, rope_scaling=None, lora_scaled=True
+)
+_TINY_LONGCAT_ROUTING = DeepseekRouting(
+    num_experts=8,
+    top_k=3,
+    scoring=ExpertScoring.SOFTMAX,
+    correction_bias=True,
+    scaling_factor=6.0,
+    zero_experts=4,
+)
+PRESETS["tiny-longcat-flash"] = dataclasses.replace(
+    PRESETS["tiny-deepseek-v3"],
+    architecture=Architecture.LONGCAT_FLASH,
+    num_layers=2,
+    rope_scaling=None,
+    moe=MoeConfig(
+        num_experts=_TINY_LONGCAT_ROUTING.num_experts,
+        top_k=_TINY_LONGCAT_ROUTING.top_k,
+        expert_intermediate_size=32,
+        renormalize=False,
+        routing=_TINY_LONGCAT_ROUTING,
+    ),
+    mla=_TINY_LONGCAT_MLA,
+)
 # Widths of whole 128 x 128 blocks at up to 4 ranks per split, for FP8 weights (`--quantize fp8`).
 PRESETS["tiny-qwen3-fp8"] = dataclasses.replace(
     PRESETS["tiny-qwen3"],

@@ -39,9 +39,14 @@ class Architecture(enum.StrEnum):
     NEMOTRON_H = "NemotronHForCausalLM"
     DEEPSEEK_V2 = "DeepseekV2ForCausalLM"
     DEEPSEEK_V3 = "DeepseekV3ForCausalLM"
+    LONGCAT_FLASH = "LongcatFlashForCausalLM"
 
 
-MLA_ARCHITECTURES = (Architecture.DEEPSEEK_V2, Architecture.DEEPSEEK_V3)
+MLA_ARCHITECTURES = (
+    Architecture.DEEPSEEK_V2,
+    Architecture.DEEPSEEK_V3,
+    Architecture.LONGCAT_FLASH,
+)
 """The architectures whose attention is multi-head latent attention (`DecoderConfig.mla`)."""
 MOE_ARCHITECTURES = (
     Architecture.QWEN3_MOE,
@@ -159,6 +164,12 @@ class MoeConfig:
             )
         if rule is not None and self.shared_expert_gate:
             raise ValueError("DeepSeek's shared experts are ungated; got shared_expert_gate=True")
+
+    @property
+    def zero_experts(self) -> int:
+        """Zero-computation (identity) experts the router scores after the routed ones
+        (`routing.zero_experts`; LongCat-Flash), 0 for a MoE without them."""
+        return 0 if self.routing is None else self.routing.zero_experts
 
     def is_sparse(self, layer: int) -> bool:
         """Whether decoder layer `layer` (0-based) runs the sparse FFN, by HF's rule."""
@@ -396,10 +407,11 @@ class DecoderConfig:
       hybrid: A hybrid stack's layer pattern and the facts of its Mamba2 and MoE layers (Nemotron-H:
         one stage per layer; `intermediate_size` is the relu^2 MLP's width, and attention
         applies no positional encoding), or None for a decoder of attention + FFN layers.
-      mla: The multi-head latent attention of every layer (DeepSeek-V2 / V3,
+      mla: The multi-head latent attention of every layer (DeepSeek-V2 / V3, LongCat-Flash,
         `config.deepseek.MlaConfig`), or None for grouped-query attention; with it, `num_heads`
         is its heads, `num_kv_heads` the same, `head_dim` its query/key width and the RoPE
-        its RoPE.
+        its RoPE. A LongCat-Flash layer holds two latent attentions, two dense FFNs of width
+        `intermediate_size` and one MoE (`models.families.longcat`).
     """
 
     architecture: Architecture

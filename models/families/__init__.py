@@ -3,7 +3,8 @@ config's class.
 
 `decoder.CausalLM` is the pre-norm dense decoder every family builds on; `moe.MoeCausalLM` adds
 sparse FFNs, `norm_designs.NormDesignCausalLM` the post-norm and sandwich-norm residual designs,
-`deepseek.DeepseekCausalLM` latent attention and DeepSeek's MoE;
+`deepseek.DeepseekCausalLM` latent attention and DeepSeek's MoE,
+`longcat.LongcatFlashForCausalLM` LongCat-Flash's layers with a branch of the MoE's input;
 `nemotron_h.NemotronHForCausalLM` builds hybrid stacks of single-stage layers on `MoeCausalLM`.
 """
 
@@ -17,6 +18,7 @@ from .deepseek import DeepseekV3ForCausalLM as DeepseekV3ForCausalLM
 from .exaone4 import Exaone4ForCausalLM as Exaone4ForCausalLM
 from .gemma3 import Gemma3ForCausalLM as Gemma3ForCausalLM
 from .llama import LlamaForCausalLM as LlamaForCausalLM
+from .longcat import LongcatFlashForCausalLM as LongcatFlashForCausalLM
 from .mixtral import MixtralForCausalLM as MixtralForCausalLM
 from .moe import MoeCausalLM as MoeCausalLM
 from .nemotron_h import NemotronHForCausalLM as NemotronHForCausalLM
@@ -39,6 +41,7 @@ FAMILIES: tuple[type[CausalLM], ...] = (
     NemotronHForCausalLM,
     DeepseekV2ForCausalLM,
     DeepseekV3ForCausalLM,
+    LongcatFlashForCausalLM,
 )
 """Every decoder class; each names the `Architecture`s it builds."""
 

@@ -21,6 +21,11 @@ dtype (the router's weight stays float32 in transformers):
 The shared experts are one dense SwiGLU of width `n_shared_experts * moe_intermediate_size`,
 every token through it, ungated.
 
+LongCat-Flash (`LongcatFlashTopkRouter`) is the softmax rule with the correction bias, no
+renormalization, and `zero_experts` zero-computation experts scored after the routed ones
+(`rule.total_experts` router columns): a choice of one of them is the identity times its weight
+(`models.layers.moe.zero_expert_output`), with no weights and no matmul.
+
 Nemotron-H's MoE (transformers' `NemotronHTopkRouter`) is the V3 rule with relu^2 experts and a
 relu^2 shared expert of its own width (`ExpertActivation.RELU2`).
 """
@@ -52,28 +57,31 @@ def deepseek_route(
 
     Args:
       x: [T, hidden] complete token rows.
-      router: [hidden, num_experts] the router's kernel, whole on every rank.
-      bias: [num_experts] `e_score_correction_bias` where `rule.correction_bias`, else None.
+      router: [hidden, total_experts] the router's kernel, whole on every rank (the routed
+        experts, then the rule's zero-computation experts).
+      bias: [total_experts] `e_score_correction_bias` where `rule.correction_bias`, else None.
       rule: The routing rule.
 
     Returns:
       The `Routing`: float32 weights (float64 for float64 `x`) taken from the unbiased scores,
       ordered by descending choice score (with a correction bias, not necessarily descending
-      weight), and int32 expert ids, [T, top_k] each.
+      weight), and int32 expert ids (>= `rule.num_experts` for a zero-computation expert),
+      [T, top_k] each.
 
     Raises:
       ValueError: Shapes that do not fit, or a bias given or missing against the rule.
     """
-    if x.ndim != 2 or router.shape != (x.shape[1], rule.num_experts):
+    experts = rule.total_experts
+    if x.ndim != 2 or router.shape != (x.shape[1], experts):
         raise ValueError(
-            f"router must be [hidden, num_experts={rule.num_experts}] for x [T, hidden]; got "
+            f"router must be [hidden, total_experts={experts}] for x [T, hidden]; got "
             f"{router.shape=}, {x.shape=}"
         )
     if (bias is not None) != rule.correction_bias or (
-        bias is not None and bias.shape != (rule.num_experts,)
+        bias is not None and bias.shape != (experts,)
     ):
         raise ValueError(
-            f"a [num_experts] correction bias is needed exactly when the rule has one "
+            f"a [total_experts={experts}] correction bias is needed exactly when the rule has one "
             f"({rule.correction_bias=}); got {None if bias is None else bias.shape}"
         )
     acc = jnp.promote_types(x.dtype, jnp.float32)
@@ -211,10 +219,10 @@ class DeepseekMoeFfn(MoeFfn):
 def deepseek_router(
     hidden_size: int, rule: DeepseekRouting, *, rngs: nnx.Rngs
 ) -> tuple[nnx.Param, Buffer | None]:
-    """A DeepSeek router's replicated float32 parameters: the kernel [hidden, num_experts],
-    N(0, 1/hidden), and where the rule has one the correction bias [num_experts], N(0, 0.01)
+    """A DeepSeek router's replicated float32 parameters: the kernel [hidden, total_experts],
+    N(0, 1/hidden), and where the rule has one the correction bias [total_experts], N(0, 0.01)
     (transformers starts it at zero; random values make a bias used wrongly visible)."""
-    experts = rule.num_experts
+    experts = rule.total_experts
     router = param(
         Normal(1 / np.sqrt(hidden_size)),
         (hidden_size, experts),

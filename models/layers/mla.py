@@ -11,6 +11,10 @@ The math, as transformers 5 computes it (`DeepseekV2Attention`, `DeepseekV3Atten
     scores = (q_nope . k_nope + q_rope . k_rope) * scale
     out = o_proj(softmax(scores) @ v)
 
+LongCat-Flash (`LongcatFlashMLA`, `MlaConfig.lora_scaled`) multiplies the queries (both parts)
+by `sqrt(hidden / q_lora_rank)` and the normed kv latent by `sqrt(hidden / kv_lora_rank)`; the
+scaled latent is what it caches.
+
 DeepSeek lays each head's rope dimensions out in interleaved pairs (x0, x1), (x2, x3), ...:
 transformers' V2 rotates them as complex numbers, V3 (`rope_interleave`, true by default)
 rotates the even / odd halves; both equal the NeoX rotation of `cat(x[0::2], x[1::2])`, which
@@ -265,15 +269,20 @@ class MultiHeadLatentAttention(nnx.Module):
             q = self.q_proj(h)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(h)))
+        if self.config.lora_scaled:
+            q = q * jnp.asarray(self.config.q_lora_scale, q.dtype)
         q = q.reshape(h.shape[0], self.local_heads, self.config.qk_head_dim)
         nope = self.config.qk_nope_head_dim
         return q[..., :nope], self._rope(q[..., nope:], positions)
 
     def _latent(self, h: jax.Array, positions: jax.Array) -> jax.Array:
-        """[T, kv_lora_rank + rope]: the normed kv latent, then the rotated shared key."""
+        """[T, kv_lora_rank + rope]: the normed (and scaled) kv latent, then the rotated
+        shared key."""
         compressed = self.kv_a_proj_with_mqa(h)
         rank = self.config.kv_lora_rank
         c = self.kv_a_layernorm(compressed[:, :rank])
+        if self.config.lora_scaled:
+            c = c * jnp.asarray(self.config.kv_lora_scale, c.dtype)
         k_rope = self._rope(compressed[:, None, rank:], positions)[:, 0]
         return jnp.concatenate([c, k_rope.astype(c.dtype)], axis=-1)
 

@@ -24,6 +24,12 @@ The math, as Hugging Face transformers 5 computes it (Mixtral, Qwen3-MoE, Qwen2-
            + sigmoid(x[t] @ shared_gate) * shared_expert(x[t])    # Qwen2-MoE
     expert_e(x) = (silu(x @ gate_e) * (x @ up_e)) @ down_e      (ExpertActivation.SWIGLU)
     expert_e(x) = relu(x @ up_e)^2 @ down_e                    (RELU2: Nemotron-H, no gate)
+    expert_e(x) = x    for e >= num_experts    (zero-computation experts: LongCat-Flash)
+
+A zero-computation expert has no weights: no rank holds it, so the grouped matmuls and the
+all-to-all skip its choices (their expert outputs are zero), and its part of the combine,
+`x * sum of its choices' weights` (`zero_expert_output`), joins the shared expert's slot,
+counted once like a shared expert every rank computes whole.
 
 Each expert's gate and up projections are stored stacked, `gate_up` [experts, hidden, 2, width],
 so both are one matmul of 2 x width columns (the rows are read once), and a width slice over
@@ -322,6 +328,25 @@ def shared_expert(
     return out
 
 
+def zero_expert_output(x: jax.Array, routing: Routing, num_experts: int) -> jax.Array:
+    """The zero-computation (identity) experts' part of the combine: each row times the sum of
+    its weights on choices of an expert id >= `num_experts`.
+
+    Args:
+      x: [T, hidden] the rows the experts read.
+      routing: Their routing (global ids; the routed experts are 0 .. num_experts - 1).
+      num_experts: The routed experts; every id past them is a zero-computation expert.
+
+    Returns:
+      [T, hidden] in `x.dtype` (the product taken in float32, float64 for float64 rows): a
+      complete value, to be counted once by the sum the MoE's output owes.
+    """
+    acc = _accumulation_dtype(x.dtype)
+    zero = routing.experts >= num_experts
+    weight = jnp.sum(jnp.where(zero, routing.weights.astype(acc), 0), axis=-1)
+    return (x.astype(acc) * weight[:, None]).astype(x.dtype)
+
+
 def finalize(output: MoeOutput, dtype: jnp.dtype | None = None) -> jax.Array:
     """The weighted combine of the k choices, plus the shared expert: [T, hidden].
 
@@ -471,6 +496,9 @@ class SparseMoe(nnx.Module):
       renormalize: Whether the router renormalises its top-k weights.
       impl: The grouped matmul implementation.
       activation: What the routed and shared experts compute between their projections.
+      num_experts: The routed experts (global).
+      zero_experts: Zero-computation (identity) experts the router scores after the routed
+        ones (`router` has `num_experts + zero_experts` columns); they hold no weights.
 
     Every weight is drawn from N(0, init_std^2) (None: std 1/sqrt(fan_in)).
     """
@@ -488,17 +516,22 @@ class SparseMoe(nnx.Module):
         expert_entry: PartitionEntry = None,
         width_entry: PartitionEntry = None,
         shared_width_entry: PartitionEntry = None,
+        zero_experts: int = 0,
         impl: GroupedMatmulImpl = GroupedMatmulImpl.RAGGED_DOT,
         activation: ExpertActivation = ExpertActivation.SWIGLU,
         dtype: jnp.dtype = jnp.float32,
         init_std: float | None = None,
         rngs: nnx.Rngs,
     ):
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"top_k must be in [1, num_experts]; got {top_k=}, {num_experts=}")
+        scored = num_experts + zero_experts
+        if not 1 <= top_k <= scored or zero_experts < 0:
+            raise ValueError(
+                "top_k must be in [1, num_experts + zero_experts] and zero_experts >= 0; got "
+                f"{top_k=}, {num_experts=}, {zero_experts=}"
+            )
         if shared_gated and shared_width is None:
             raise ValueError("shared_gated=True needs a shared expert; got shared_width=None")
-        self.router = _param(rngs, (hidden_size, num_experts), (None, None), dtype, std=init_std)
+        self.router = _param(rngs, (hidden_size, scored), (None, None), dtype, std=init_std)
         self.init_experts(
             num_experts,
             hidden_size,
@@ -528,6 +561,8 @@ class SparseMoe(nnx.Module):
         self.renormalize = renormalize
         self.impl = impl
         self.activation = activation
+        self.num_experts = num_experts
+        self.zero_experts = zero_experts
 
     def __call__(
         self,
@@ -535,6 +570,7 @@ class SparseMoe(nnx.Module):
         *,
         expert_offset: int | jax.Array = 0,
         count_shared: bool | jax.Array = True,
+        count_zero: bool | jax.Array = True,
     ) -> MoeOutput:
         """[T, hidden] complete rows -> this rank's `MoeOutput` (unfinalized, owing the sum).
 
@@ -544,10 +580,12 @@ class SparseMoe(nnx.Module):
             not split); the caller computes it, e.g. `axis_index * local_experts`.
           count_shared: Whether this rank adds its shared-expert output (a traced bool where
             the rank decides it, e.g. the first rank of a group that holds it whole).
+          count_zero: Whether this rank adds the zero-computation experts' part (every rank
+            computes it whole: one rank of the group the output is summed over adds it).
         """
         routing = self.route(x)
         outputs = self.routed(x, routing, **self._settings(x, expert_offset))
-        return MoeOutput(outputs, routing, self._shared(x, count_shared))
+        return MoeOutput(outputs, routing, self._shared(x, routing, count_shared, count_zero))
 
     def finalized(
         self,
@@ -555,18 +593,20 @@ class SparseMoe(nnx.Module):
         *,
         expert_offset: int | jax.Array = 0,
         count_shared: bool | jax.Array = True,
+        count_zero: bool | jax.Array = True,
     ) -> jax.Array:
         """[T, hidden] complete rows -> this rank's finalized share, owing the sum:
         `finalize(self(x, expert_offset=...))`, combined inside the expert computation
         (`finalized_expert_outputs`).
 
         Args:
-          x, expert_offset, count_shared: As for `__call__`.
+          x, expert_offset, count_shared, count_zero: As for `__call__`.
         """
+        routing = self.route(x)
         return self.routed(
             x,
-            self.route(x),
-            shared=self._shared(x, count_shared),
+            routing,
+            shared=self._shared(x, routing, count_shared, count_zero),
             combine=True,
             **self._settings(x, expert_offset),
         )
@@ -638,12 +678,24 @@ class SparseMoe(nnx.Module):
             return finalized_expert_outputs(x, routing, *weights, shared=shared, **settings)
         return expert_outputs(x, routing, *weights, **settings)
 
-    def _shared(self, x: jax.Array, count_shared: bool | jax.Array) -> jax.Array | None:
-        """The shared expert's share of rows `x`, zero on a rank that does not count it."""
-        if self.shared_expert is None:
-            return None
-        shared = self.shared_expert(x)
-        return jnp.where(count_shared, shared, jnp.zeros_like(shared))
+    def _shared(
+        self,
+        x: jax.Array,
+        routing: Routing,
+        count_shared: bool | jax.Array,
+        count_zero: bool | jax.Array,
+    ) -> jax.Array | None:
+        """What joins the combine beside the routed experts: the shared expert's share of rows
+        `x` and the zero-computation experts' part, each zero on a rank that does not count
+        it; None for a MoE with neither."""
+        parts = []
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            parts.append(jnp.where(count_shared, shared, jnp.zeros_like(shared)))
+        if self.zero_experts:
+            zero = zero_expert_output(x, routing, self.num_experts)
+            parts.append(jnp.where(count_zero, zero, jnp.zeros_like(zero)))
+        return sum(parts[1:], parts[0]) if parts else None
 
     def _settings(self, x: jax.Array, expert_offset: int | jax.Array) -> dict:
         """The `routed` keywords for rows `x` of every rank's tokens."""

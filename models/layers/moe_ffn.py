@@ -17,7 +17,9 @@ takes the stage's normalized input and the exit's `defer_moe_finalize`:
 A shared expert is split over the full TP group on gathered rows when its width divides it,
 otherwise computed whole on every rank and added on the first rank of the MoE output group only,
 so the boundary's one sum counts it once. On own rows it is whole and added on every rank: each
-rank's rows are its own.
+rank's rows are its own. Zero-computation (identity) experts (`MoeConfig.zero_experts`) are
+counted the same way as a whole shared expert: on gathered rows by the first rank of the MoE
+output group, on own rows by every rank; their choices are never sent all-to-all.
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ class MoeFfn(SparseMoe):
             expert_entry=topology.shard_entry(bj.SumGroup.MOE_EP),
             width_entry=width_entry,
             shared_width_entry=topology.shard_entry(bj.SumGroup.TP) if split_shared else None,
+            zero_experts=moe.zero_experts,
             impl=impl,
             activation=activation,
             dtype=dtype,
@@ -108,18 +111,21 @@ class MoeFfn(SparseMoe):
     def __call__(self, x: jax.Array, *, defer: bool) -> jax.Array | bj.DeferredFinalize:
         """[T, hidden] normalized rows -> this rank's output: finalized, or a `DeferredFinalize`
         when `defer` (the exit's `defer_moe_finalize`)."""
-        count_shared = True
-        if self.shared_on_first_rank:
-            count_shared = bj.ops.shard_index(self.topology, bj.SumGroup.MOE_OUTPUT) == 0
         if self.dispatch is bj.MoeDispatch.ALL_TO_ALL:
             output = self._own_rows(x)
-        else:
-            local = self.gate_up_proj.shape[0]
-            offset = bj.ops.shard_index(self.topology, bj.SumGroup.MOE_EP) * local
-            if not defer:  # combined where the experts run (SparseMoe.finalized)
-                return self.finalized(x, expert_offset=offset, count_shared=count_shared)
-            output = super().__call__(x, expert_offset=offset, count_shared=count_shared)
-        return deferred_finalize(output) if defer else finalize(output)
+            return deferred_finalize(output) if defer else finalize(output)
+        first = True
+        if self.topology.tp_size > 1:
+            first = bj.ops.shard_index(self.topology, bj.SumGroup.MOE_OUTPUT) == 0
+        counts = {
+            "count_shared": first if self.shared_on_first_rank else True,
+            "count_zero": first,
+        }
+        local = self.gate_up_proj.shape[0]
+        offset = bj.ops.shard_index(self.topology, bj.SumGroup.MOE_EP) * local
+        if not defer:  # combined where the experts run (SparseMoe.finalized)
+            return self.finalized(x, expert_offset=offset, **counts)
+        return deferred_finalize(super().__call__(x, expert_offset=offset, **counts))
 
     def _own_rows(self, x: jax.Array) -> MoeOutput:
         """Routes this rank's own rows, sends each choice to its expert's rank and back."""
@@ -130,7 +136,8 @@ class MoeFfn(SparseMoe):
         dispatched = bj.ops.dispatch_to_experts(
             jnp.repeat(x, top_k, axis=0),
             chosen % local,
-            chosen // local,
+            # A zero-computation expert's choice is not sent; its answer comes back zero.
+            jnp.where(chosen < self.num_experts, chosen // local, -1),
             self.topology,
             max_rows_per_rank=tokens * min(top_k, local),
             capacity=self.capacity,
@@ -144,5 +151,5 @@ class MoeFfn(SparseMoe):
             even_share=tokens * top_k * self.topology.moe_tp / local,
         )[:, 0]
         returned = bj.ops.combine_from_experts(answers, dispatched, self.topology)
-        shared = None if self.shared_expert is None else self.shared_expert(x)
+        shared = self._shared(x, routing, count_shared=True, count_zero=True)
         return MoeOutput(returned.reshape(tokens, top_k, -1), routing, shared)

@@ -216,10 +216,13 @@ TINY = MlaConfig(
 )
 
 
-def test_absorbed_decode_equals_expanded_in_float64():
+@pytest.mark.parametrize("lora_scaled", [False, True], ids=["deepseek", "longcat-scales"])
+def test_absorbed_decode_equals_expanded_in_float64(lora_scaled):
     """In float64, each absorbed decode step over the latent cache equals the expanded prefill
-    of the whole sequence to 1e-12 (the absorption is exact algebra, not an approximation)."""
-    attn = MultiHeadLatentAttention(TINY, topology=bj.Topology(), rngs=nnx.Rngs(5))
+    of the whole sequence to 1e-12 (the absorption is exact algebra, not an approximation);
+    with LongCat's LoRA scales the cache holds the scaled latent, and both forms read it."""
+    config = dataclasses.replace(TINY, lora_scaled=lora_scaled)
+    attn = MultiHeadLatentAttention(config, topology=bj.Topology(), rngs=nnx.Rngs(5))
     randomize_norms(attn, seed=6)
     graphdef, state = nnx.split(attn)
     with jax.enable_x64(True):
@@ -229,7 +232,7 @@ def test_absorbed_decode_equals_expanded_in_float64():
         h = jax.random.normal(jax.random.key(7), (prefill + steps, 24), jnp.float64)
         positions = jnp.arange(prefill + steps, dtype=jnp.int32)
         call = jax.jit(lambda *args: attn(*args[:4], phase=args[4]), static_argnums=4)
-        empty = LatentCache.create(TINY, bj.Topology(), slots=2, max_len=12, dtype=jnp.float64)
+        empty = LatentCache.create(config, bj.Topology(), slots=2, max_len=12, dtype=jnp.float64)
         want = call(h, positions, positions * 0, empty, RowsPhase.PREFILL)[0]
         # The same program: the rows past the prefill are padding.
         segments = jnp.where(positions < prefill, 0, -1).astype(jnp.int32)
