@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import boundary_jax as bj
 
 from ..families.decoder import CausalLM
+from ..layers.cp_attention import share_over_cp
 from ..layers.kv_cache import KVCache
 from ..precision import matmul_precision_scope, resolve_matmul_precision
 from ..rows import PackedBatch, RowsPhase, TokenRows, decode_rows, pack_sequences
@@ -414,7 +415,9 @@ class ShardedCausalLM:
             tokens, caches = _next_tokens(
                 model, rows_, batch, caches, last_rows, self._rank_key(key), sampling
             )
-            return jnp.where(last_rows >= 0, tokens, 0), caches
+            # Under CP a slot's last row is on one CP rank, and its token goes to all of them.
+            held = share_over_cp((last_rows >= 0).astype(jnp.int32), self.topology) > 0
+            return jnp.where(held, tokens, 0), caches
 
         return self._program_of(
             body,

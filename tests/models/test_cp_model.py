@@ -1,7 +1,7 @@
 """A dense decoder under attention context parallelism (alone, with attention DP, with attention
 TP) equals one device: the zigzag packing, CP attention in both modes and the (DP, CP, TP)
 gather of the full-TP dense FFN, forward logits and one training step's gradients; what CP does
-not support yet is rejected."""
+not support yet is rejected. Decode under CP: `test_cp_decode.py`."""
 
 from __future__ import annotations
 
@@ -17,8 +17,7 @@ from boundary_jax import make_mesh
 from models.build import build_model
 from models.config import PRESETS
 from models.layers.cp_attention import CpAttentionMode
-from models.layers.kv_cache import KVCache
-from models.rows import decode_rows, pack_sequences
+from models.rows import pack_sequences
 from models.serving.runtime import ShardedCausalLM, pack_bucketed
 from models.training.trainer import Trainer, next_token_labels
 
@@ -120,15 +119,3 @@ def test_unsupported_cp_configurations_are_rejected_at_construction():
         build_model(PRESETS["tiny-qwen3-moe"], bj.Topology(attn_cp=2))
     with pytest.raises(NotImplementedError, match="ALL_GATHER"):
         build_model(PRESETS["tiny-qwen3-moe"], bj.Topology(), cp_attention=CpAttentionMode.RING)
-
-
-def test_decode_under_cp_is_rejected():
-    """A CP prefill has no decode layout yet: KV caches, its last-row index and decode rows
-    raise."""
-    with pytest.raises(NotImplementedError, match="attn_cp=1"):
-        KVCache.global_shape(CONFIG, bj.Topology(attn_cp=2), slots=2, max_len=8)
-    packed = pack_sequences(prompts(), bj.Topology(attn_cp=2))
-    with pytest.raises(NotImplementedError, match="attn_cp=1"):
-        packed.last_row_index()
-    with pytest.raises(NotImplementedError, match="attn_cp=1"):
-        decode_rows(packed, np.zeros(len(LENGTHS), np.int32), np.asarray(LENGTHS))
