@@ -389,7 +389,8 @@ class ShardedCausalLM:
     ):
         """The lowered (not yet compiled) `decode` program for these placed inputs."""
         program = self._program(self._decode_program, sampling, capacity)
-        return program.lower(self._state, rows, batch, caches, key, jnp.asarray(steps, jnp.int32))
+        steps, first_step = jnp.asarray(steps, jnp.int32), jnp.asarray(0, jnp.int32)
+        return program.lower(self._state, rows, batch, caches, key, steps, first_step)
 
     def compiled_shapes(self) -> dict[tuple, int]:
         """Per program built so far (forward, prefill, decode, captured), how many input shapes
