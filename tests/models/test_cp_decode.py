@@ -22,7 +22,12 @@ from models.layers.kv_cache import KVCache
 from models.rows import decode_rows
 from models.serving.runtime import ShardedCausalLM, fetch
 
-CONFIG = dataclasses.replace(PRESETS["tiny-qwen3"], num_layers=1)
+CONFIGS = {
+    name: dataclasses.replace(PRESETS[name], num_layers=1)
+    for name in ("tiny-qwen3", "tiny-mistral")
+}
+"""tiny-mistral attends within a sliding window of 16 positions."""
+CONFIG = CONFIGS["tiny-qwen3"]
 LENGTHS = (13, 3, 22, 7)
 """Ragged prompts: one (3 tokens) shorter than 2C zigzag chunks at CP 2 and 4."""
 NEW_TOKENS = 6
@@ -36,17 +41,23 @@ def prompts() -> list[list[int]]:
 
 
 @functools.cache
-def runner(dp: int, cp: int, tp: int, mode: CpAttentionMode) -> ShardedCausalLM:
+def runner(
+    dp: int, cp: int, tp: int, mode: CpAttentionMode, preset: str = "tiny-qwen3"
+) -> ShardedCausalLM:
     topology = bj.Topology(attn_dp=dp, attn_cp=cp, attn_tp=tp)
     mesh = bj.make_mesh(topology)
-    return ShardedCausalLM(build_model(CONFIG, topology, cp_attention=mode, mesh=mesh), mesh)
+    model = build_model(CONFIGS[preset], topology, cp_attention=mode, mesh=mesh)
+    return ShardedCausalLM(model, mesh)
 
 
 @functools.cache
-def served(dp: int, cp: int, tp: int, mode: CpAttentionMode) -> tuple[np.ndarray, dict]:
+def served(
+    dp: int, cp: int, tp: int, mode: CpAttentionMode, preset: str = "tiny-qwen3"
+) -> tuple[np.ndarray, list]:
     """Greedy tokens [sequences, NEW_TOKENS] through the runtime's placed prefill and decode
-    programs, and every layer's cache after them: per sequence {position: (key, value)}."""
-    run = runner(dp, cp, tp, mode)
+    programs, and every layer's cache after them: per sequence {position: (key, value, CP
+    rank)}."""
+    run = runner(dp, cp, tp, mode, preset)
     packed = run.pack(prompts(), bucketed=True)
     caches = run.new_caches(packed.decode_rows_per_rank, 64)
     key = jax.random.key(0)
@@ -79,11 +90,13 @@ def served(dp: int, cp: int, tp: int, mode: CpAttentionMode) -> tuple[np.ndarray
 
 
 @functools.cache
-def stepped_logits(dp: int, cp: int, tp: int, mode: CpAttentionMode) -> np.ndarray:
+def stepped_logits(
+    dp: int, cp: int, tp: int, mode: CpAttentionMode, preset: str = "tiny-qwen3"
+) -> np.ndarray:
     """float32 logits [1 + decode steps, sequences, vocab] of the prefill's last rows, then of
     each decode step fed one device's greedy tokens (`model(rows, batch, caches, last_rows)`
     under the runner's mesh)."""
-    run = runner(dp, cp, tp, mode)
+    run = runner(dp, cp, tp, mode, preset)
     module = bj.ShardedModule(run.model, run.mesh)
     rows_spec = run.topology.row_spec(run.topology.attention_rows())
     logits_spec = PartitionSpec(rows_spec[0], None)
@@ -99,7 +112,7 @@ def stepped_logits(dp: int, cp: int, tp: int, mode: CpAttentionMode) -> np.ndarr
         in_specs=(rows_spec, facts, caches_spec),
         out_specs=(logits_spec, caches_spec),
     )
-    want_tokens = served(1, 1, 1, G)[0]
+    want_tokens = served(1, 1, 1, G, preset)[0]
     packed = run.pack(prompts(), bucketed=True)
     order = packed.slot_order()
     caches = run.new_caches(packed.decode_rows_per_rank, 64)
@@ -167,6 +180,15 @@ def test_cp_decode_logits_equal_one_device(dp, cp, tp, mode):
     got = stepped_logits(dp, cp, tp, mode)
     for step in range(len(want)):
         assert relative(got[step], want[step]) <= TOL, step
+
+
+@pytest.mark.slow
+def test_cp_decode_within_a_sliding_window_equals_one_device():
+    """tiny-mistral (a 16-position window; a prompt of 22 tokens) under CP 4 ring: each step's
+    logits equal one device's, so the decode masks the window by the cached positions."""
+    want = stepped_logits(1, 1, 1, G, "tiny-mistral")
+    got = stepped_logits(1, 4, 1, R, "tiny-mistral")
+    assert relative(got, want) <= TOL
 
 
 def test_cp_cache_is_split_over_cp_ranks():
