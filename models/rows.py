@@ -77,8 +77,9 @@ class PackedBatch:
       slots_per_rank: Static number of sequence slots per DP rank.
       decode_rows_per_rank: Block size of a one-row-per-slot decode step (slots rounded up to
         a multiple of attention TP).
-      zigzag: Under context parallelism, each DP rank's CP row order (`start` counts rows of
-        the packed order, before it); None without.
+      zigzag: Under context parallelism, each DP rank's CP row order of a prefill (`start`
+        counts rows of the packed order, before it); None without, and for decode rows.
+      attn_cp: The attention-CP size the rows are laid out for.
       microbatch_counts: Packed as two microbatches (`models.overlap.pack_two_batches`):
         [2, attn_dp] real rows of each microbatch per DP rank, from its half of the block's
         first row; None otherwise.
@@ -94,6 +95,7 @@ class PackedBatch:
     slots_per_rank: int
     decode_rows_per_rank: int
     zigzag: tuple[ZigzagOrder, ...] | None = None
+    attn_cp: int = 1
     microbatch_counts: np.ndarray | None = None
 
     def _sequence_rows(self, index: int) -> np.ndarray:
@@ -117,28 +119,31 @@ class PackedBatch:
         return values[[self._sequence_rows(i)[-1] for i in range(len(self.lengths))]]
 
     def last_row_index(self) -> np.ndarray:
-        """int32 [attn_dp * decode_rows_per_rank]: per DP rank and slot, the row (within the
-        rank's block) of that slot's sequence's last token; -1 for an empty slot.
+        """int32 [attn_dp * attn_cp * decode_rows_per_rank]: per (DP, CP) block of rows and
+        slot, the row (within that block) of the slot's sequence's last token; -1 for an empty
+        slot, and under context parallelism on the CP ranks that do not hold that row.
 
-        Fed to the model as `last_rows`, it yields one logits row per slot, in slot order.
-
-        Raises:
-          NotImplementedError: Under context parallelism (a sequence's last row is on one CP
-            rank; decode under CP is not built).
+        Fed to the model as `last_rows`, it yields one logits row per slot, in slot order (under
+        context parallelism alike on every CP rank of the DP rank: `CausalLM.read_out`).
         """
-        _reject_cp(self, "last_row_index")
-        dp = len(self.token_counts)
-        index = np.full(dp * self.decode_rows_per_rank, -1, np.int32)
-        for rank, slot, start, length in zip(
-            self.rank, self.slot, self.start, self.lengths, strict=True
-        ):
-            index[rank * self.decode_rows_per_rank + slot] = start + length - 1
+        cp = self.attn_cp
+        per_cp = self.rows_per_rank // cp
+        index = np.full(len(self.token_counts) * self.decode_rows_per_rank, -1, np.int32)
+        for sequence, (rank, slot) in enumerate(zip(self.rank, self.slot, strict=True)):
+            row = self._sequence_rows(sequence)[-1] - rank * self.rows_per_rank
+            block = rank * cp + row // per_cp
+            index[block * self.decode_rows_per_rank + slot] = row % per_cp
         return index
 
     def slot_order(self) -> np.ndarray:
-        """int32 [sequences]: where each sequence sits in a slot-ordered [attn_dp * slots] array."""
+        """int32 [sequences]: where each sequence sits in a slot-ordered [attn_dp * attn_cp *
+        slots] array (under context parallelism, in its DP rank's first CP block)."""
+        cp = self.attn_cp
         return np.asarray(
-            [r * self.decode_rows_per_rank + s for r, s in zip(self.rank, self.slot, strict=True)],
+            [
+                r * cp * self.decode_rows_per_rank + s
+                for r, s in zip(self.rank, self.slot, strict=True)
+            ],
             np.int32,
         )
 
@@ -236,6 +241,7 @@ def pack_sequences(
         slots_per_rank=max(len(m) for m in members),
         decode_rows_per_rank=slots,
         zigzag=zigzag,
+        attn_cp=cp,
     )
 
 
@@ -266,42 +272,43 @@ def decode_rows(packed: PackedBatch, tokens: np.ndarray, positions: np.ndarray) 
     """One row per sequence (its next token at its next position), in its prefill slot.
 
     The block per DP rank holds one row per slot (`decode_rows_per_rank`, the cache's slots per
-    rank), so row i of a rank is cache slot i, as a DECODE call requires.
-
-    Raises:
-      NotImplementedError: `packed` is a context-parallel prefill (decode under CP is not built).
+    rank), so row i of a rank is cache slot i, as a DECODE call requires. Under context
+    parallelism every CP rank of a DP rank holds the same block (each attends to its own shard
+    of the cache): the DP rank's block is that block once per CP rank, and `token_counts`
+    count each (DP, CP) block.
     """
-    _reject_cp(packed, "decode_rows")
-    dp = len(packed.token_counts)
+    cp = packed.attn_cp
+    dp = len(packed.token_counts) // cp
     block = packed.decode_rows_per_rank
-    ids = np.zeros(dp * block, np.int32)
-    rows_pos = np.zeros(dp * block, np.int32)
-    segments = np.full(dp * block, -1, np.int32)
+    ids = np.zeros((dp, block), np.int32)
+    rows_pos = np.zeros((dp, block), np.int32)
+    segments = np.full((dp, block), -1, np.int32)
     counts = np.zeros(dp, np.int32)
     halves = np.zeros((2, dp), np.int32)
     for index, (rank, slot) in enumerate(zip(packed.rank, packed.slot, strict=True)):
-        row = rank * block + slot
-        ids[row], rows_pos[row], segments[row] = tokens[index], positions[index], slot
+        ids[rank, slot], rows_pos[rank, slot], segments[rank, slot] = (
+            tokens[index],
+            positions[index],
+            slot,
+        )
         counts[rank] += 1
         if packed.microbatch_counts is not None:
             # Two microbatches: each numbers the slots of its own caches from 0.
-            side, segments[row] = divmod(slot, block // 2)
+            side, segments[rank, slot] = divmod(slot, block // 2)
             halves[side, rank] += 1
+
+    def per_cp_block(values: np.ndarray) -> np.ndarray:
+        return np.repeat(values[:, None], cp, axis=1).reshape(-1)
+
     return dataclasses.replace(
         packed,
-        rows=TokenRows(ids, rows_pos, segments, RowsPhase.DECODE),
-        token_counts=counts,
+        rows=TokenRows(
+            per_cp_block(ids), per_cp_block(rows_pos), per_cp_block(segments), RowsPhase.DECODE
+        ),
+        token_counts=np.repeat(counts, cp),
         microbatch_counts=None if packed.microbatch_counts is None else halves,
         start=packed.slot,
         lengths=(1,) * len(packed.lengths),
-        rows_per_rank=block,
+        rows_per_rank=cp * block,
+        zigzag=None,
     )
-
-
-def _reject_cp(packed: PackedBatch, what: str) -> None:
-    if packed.zigzag is not None:
-        raise NotImplementedError(
-            f"{what} of a context-parallel prefill (attn_cp={packed.zigzag[0].cp}) is not "
-            "built: decode under context parallelism is not supported yet; serve on a mesh "
-            "with attn_cp=1"
-        )

@@ -32,6 +32,7 @@ from ..config import PRESETS, DecoderConfig
 from ..distributed import is_first_process, require_everywhere
 from ..families.decoder import CausalLM, Remat
 from ..layers.attention import AttentionImpl
+from ..layers.cp_attention import CpAttentionMode
 from ..layers.hyper_connections import HyperConnections
 from ..pipeline import PipelineCausalLM, PipelineSplit, build_pipeline, load_pipeline
 from ..serving.runtime import ShardedCausalLM
@@ -119,6 +120,7 @@ def build(
                 scan_layers=args.scan_layers,
                 dense_ffn_dp=args.dense_ffn_dp,
                 quantization=options.quantization(args),
+                cp_attention=args.cp_attention or CpAttentionMode.ALL_GATHER,
             )
         return model, topology
     hyper = None if args.hc_mult is None else _hyper_connections(args.hc_mult)
@@ -136,6 +138,7 @@ def build(
             scan_layers=args.scan_layers,
             dense_ffn_dp=args.dense_ffn_dp,
             quantization=options.quantization(args),
+            cp_attention=args.cp_attention or CpAttentionMode.ALL_GATHER,
         )
     return model, topology
 

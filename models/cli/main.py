@@ -28,6 +28,7 @@ import boundary_jax as bj
 from ..config import PRESETS
 from ..distributed import DEFAULT_JOIN_TIMEOUT, JoinError, ProcessGroup
 from ..families.decoder import Remat
+from ..layers.cp_attention import CpAttentionMode
 from . import commands, options
 from .demo import run_demo
 from .interrupts import Interrupted, signals_interrupt
@@ -91,6 +92,14 @@ def _model_args(command: argparse.ArgumentParser) -> None:
         choices=tuple(bj.MoeDispatch),
         metavar="{gather,all-to-all}",
         help="MoE models: where the experts get their tokens (default gather)",
+    )
+    command.add_argument(
+        "--cp-attention",
+        type=CpAttentionMode,
+        choices=tuple(CpAttentionMode),
+        metavar="{all_gather,ring}",
+        help="under --mesh attn_cp=N: how a prefill's attention reaches the other CP ranks' "
+        "keys, one all-gather of K/V or a ppermute ring (default all_gather)",
     )
     command.add_argument(
         "--dense-ffn-dp",

@@ -22,15 +22,13 @@ class InputError(ValueError):
     """A problem with what the user passed: reported in one line, exit code 2."""
 
 
-NOT_BUILT_AXES = {bj.MeshAxis.ATTN_CP.value: "context parallelism is not built yet"}
-"""Mesh axes the command line rejects at a size above one, and why."""
 MATMUL_PRECISIONS = ("default", "high", "highest")
 QUANTIZATIONS = ("fp8",)
 """The values of `--quantize`."""
 
 
 def parse_mesh(text: str) -> dict[str, int]:
-    """`--mesh`: comma-separated `name=size` pairs over the mesh axes that run today."""
+    """`--mesh`: comma-separated `name=size` pairs over the mesh axes."""
     names = [axis.value for axis in bj.MeshAxis]
     sizes: dict[str, int] = {}
     for item in text.split(","):
@@ -44,11 +42,6 @@ def parse_mesh(text: str) -> dict[str, int]:
         sizes[name] = int(value)
         if sizes[name] < 1:
             raise argparse.ArgumentTypeError(f"sizes must be positive; got {text!r}")
-        if name in NOT_BUILT_AXES and sizes[name] > 1:
-            raise argparse.ArgumentTypeError(
-                f"{name}={sizes[name]}: {NOT_BUILT_AXES[name]}; split the model over attn_dp, "
-                "attn_tp and pp"
-            )
     return sizes
 
 
@@ -213,6 +206,7 @@ def check_model(args: argparse.Namespace, config: DecoderConfig) -> None:
         raise InputError(
             "--input-scattered splits the residual over attention TP; it needs --mesh attn_tp > 1"
         )
+    check_context_parallel(args, config)
     experts = config.num_experts is not None
     if not experts and (args.moe_ep != 1 or args.moe_dispatch is not None):
         raise InputError(
@@ -228,6 +222,31 @@ def check_model(args: argparse.Namespace, config: DecoderConfig) -> None:
         raise InputError(
             "--hc-mult builds MHC layers with random weights, and a Hugging Face checkpoint holds "
             "no MHC weights; use it with --preset"
+        )
+
+
+def check_context_parallel(args: argparse.Namespace, config: DecoderConfig) -> None:
+    """`--mesh attn_cp=N` (N > 1) runs dense decoders (forward, generate, train, plan; not as
+    pipeline stages); `--cp-attention` needs it."""
+    cp = args.mesh.get(bj.MeshAxis.ATTN_CP.value, 1)
+    if cp == 1:
+        if args.cp_attention is not None:
+            raise InputError(
+                f"--cp-attention {args.cp_attention.value} picks how a prefill's attention "
+                "reaches the other attention-CP ranks' keys; it needs --mesh attn_cp > 1"
+            )
+        return
+    kinds = (
+        (config.num_experts is not None, "experts"),
+        (config.mla is not None, "latent attention"),
+        (config.hybrid is not None, "Mamba2 layers"),
+    )
+    held = [kind for present, kind in kinds if present]
+    if held:
+        raise InputError(
+            f"--mesh attn_cp={cp}: context parallelism is built for dense decoders; "
+            f"{config.architecture.value} has {' and '.join(held)}; use attn_cp=1 (split it "
+            "over attn_dp, attn_tp and pp)"
         )
 
 
@@ -254,6 +273,10 @@ def check_pipeline(args: argparse.Namespace, config: DecoderConfig) -> PipelineS
         raise InputError(
             f"{where}: {config.architecture.value} ({kind}) is not built as pipeline stages (they "
             "keep the KV caches of standard attention); run it with pp=1"
+        )
+    if args.mesh.get(bj.MeshAxis.ATTN_CP.value, 1) > 1:
+        raise InputError(
+            f"{where}: context parallelism is not built for pipeline stages; use attn_cp with pp=1"
         )
     if args.scan_layers:
         raise InputError(f"{where}: pipeline stages run their layers unrolled; drop --scan-layers")

@@ -25,7 +25,7 @@ from boundary_jax import residual
 
 from ..config import Architecture, DecoderConfig, ResidualDesign
 from ..layers.attention import Attention, AttentionImpl, HeadSplit
-from ..layers.cp_attention import CpAttentionMode
+from ..layers.cp_attention import CpAttentionMode, share_over_cp
 from ..layers.fp8_linear import Fp8Linears, Fp8Quantization
 from ..layers.hyper_connections import HyperConnections
 from ..layers.kv_cache import KVCache
@@ -421,9 +421,12 @@ class CausalLM(nnx.Module):
 
     def cache_bytes_per_token(self, dtype: jnp.dtype) -> int:
         """Bytes one token takes in one layer's decode cache on one device (its kv heads' keys
-        and values)."""
+        and values; under attention CP a token is on one of the CP ranks, with its int32
+        position, so the average over them)."""
         heads = HeadSplit.of(self.config, self.topology)
-        return 2 * heads.local_kv_heads * self.config.head_dim * jnp.dtype(dtype).itemsize
+        token = 2 * heads.local_kv_heads * self.config.head_dim * jnp.dtype(dtype).itemsize
+        cp = self.topology.attn_cp
+        return token if cp == 1 else -(-(token + 4) // cp)
 
     @property
     def final_read(self) -> Callable[[jax.Array], jax.Array]:
@@ -524,9 +527,14 @@ class CausalLM(nnx.Module):
         last_rows: jax.Array | None = None,
     ) -> jax.Array:
         """The final-norm output of the last layer's `(x, stream)`: every row's, or the rows of
-        `last_rows` (as for `hidden`)."""
+        `last_rows` (as for `hidden`; under attention CP each picked row is on the CP rank that
+        holds it, -1 on the others, and the result is alike on every CP rank)."""
         hidden = residual.final_norm(x, stream, self.final_read, skip_empty=True)
-        return pick_rows(hidden, last_rows)
+        hidden = pick_rows(hidden, last_rows)
+        if last_rows is not None:
+            # Under CP each row lies on one CP rank; the decode after it runs alike on all.
+            hidden = share_over_cp(hidden, self.topology)
+        return hidden
 
     def cache_specs(self) -> tuple:
         """Per block of `layers`, its decode cache's `PartitionSpec` tree (`new_caches`)."""

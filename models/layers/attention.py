@@ -28,7 +28,13 @@ from boundary_jax.initializers import Constant, param
 from ..config import AttentionSpec, QkNorm
 from ..rows import RowsPhase
 from .attend import attend, attend_packed, causal_visibility
-from .cp_attention import CpAttentionMode, attend_context_parallel
+from .cp_attention import (
+    CpAttentionMode,
+    attend_context_parallel,
+    attend_cp_cache,
+    cp_decode_writes,
+    cp_prefill_cache_index,
+)
 from .cudnn_attention import decode_cache_cudnn, prefill_attention_cudnn
 from .kv_cache import HeadSplit, KVCache
 from .linear import DENSE_LINEARS, Linears
@@ -186,7 +192,9 @@ class Attention(nnx.Module):
             with a cache, are written into it in place. DECODE (needs a cache): row i is slot
             i's next token (segment id i, or -1 for an idle slot); it is written at its
             position and attends to cached positions 0..position. Positions >= max_len are
-            not stored.
+            not stored. Under attention CP a PREFILL's rows are this CP rank's zigzag share
+            (`pack_sequences`), and a DECODE step's rows are alike on every CP rank, whose
+            cache shards each hold some positions of every slot (`KVCache`).
           max_sequence_rows: Static: no PREFILL sequence has more rows (`TokenRows`). With it
             (or a sliding window) the `jnp` prefill attends block by block to the keys within
             reach instead of over all T x T row pairs.
@@ -225,26 +233,10 @@ class Attention(nnx.Module):
         valid = segment_ids >= 0
         cudnn = self._takes_cudnn(q.dtype)
         if self.topology.attn_cp > 1:
-            if phase is not RowsPhase.PREFILL or cache is not None:
-                raise NotImplementedError(
-                    f"context-parallel attention runs a prefill without a cache; got {phase=} "
-                    f"and a cache: {cache is not None}. Decode with attn_cp > 1 is not built: "
-                    "serve on a mesh with attn_cp=1"
-                )
-            out = attend_context_parallel(
-                self._grouped(q),
-                k.astype(q.dtype),
-                v,
-                positions,
-                segment_ids,
-                topology=self.topology,
-                mode=self.cp_mode,
-                scale=self.scale,
-                sliding_window=self.spec.sliding_window,
-            )
+            out, cache = self._context_parallel(q, k, v, positions, segment_ids, cache, phase)
         elif phase is RowsPhase.PREFILL:
             if cache is not None:
-                cache = self._write(cache, k, v, positions, segment_ids)
+                cache = self._write(cache, k, v, segment_ids, positions)
             if cudnn:
                 # Segment ids are cache slots, so the slots bound the segments per call.
                 bound = rows if cache is None else cache.k.shape[0]
@@ -267,7 +259,7 @@ class Attention(nnx.Module):
         else:
             # Row i is slot i: write each row's key at its position, then read the cache as is.
             slot_of_row = jnp.arange(rows, dtype=segment_ids.dtype)
-            cache = self._write(cache, k, v, positions, jnp.where(valid, slot_of_row, -1))
+            cache = self._write(cache, k, v, jnp.where(valid, slot_of_row, -1), positions)
             if cudnn:
                 out = decode_cache_cudnn(q, cache, positions, self.scale)
             else:
@@ -281,6 +273,64 @@ class Attention(nnx.Module):
         # and step, and the batch's token counts (or the caller) ignore that row.
         out = out.astype(q.dtype).reshape(rows, self.heads.local_heads * head_dim)
         return self.o_proj(out), cache
+
+    def _context_parallel(
+        self,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array,
+        cache: KVCache | None,
+        phase: RowsPhase,
+    ) -> tuple[jax.Array, KVCache | None]:
+        """Attention under attention CP: a PREFILL's rows are this CP rank's zigzag share (they
+        attend across the CP ranks as `cp_mode` says, and are written into this rank's cache
+        shard); a DECODE step's rows are alike on every CP rank, each appended on the CP rank
+        that owns its position, and attend to every rank's shard (`attend_cp_cache`)."""
+        spec = self.spec
+        if phase is RowsPhase.PREFILL:
+            if cache is not None:
+                slots = cache.k.shape[0]
+                # A slot prefilled again forgets what it held: the shard's rows are not
+                # indexed by position, so an old key could otherwise stay visible.
+                prefilled = jnp.where(segment_ids >= 0, segment_ids, slots)
+                fresh = jnp.zeros(slots, bool).at[prefilled].set(True, mode="drop")
+                cleared = jnp.where(fresh[:, None], -1, cache.positions)
+                cache = self._write(
+                    KVCache(cache.k, cache.v, cleared),
+                    k,
+                    v,
+                    segment_ids,
+                    cp_prefill_cache_index(segment_ids, slots),
+                    positions,
+                )
+            out = attend_context_parallel(
+                self._grouped(q),
+                k.astype(q.dtype),
+                v,
+                positions,
+                segment_ids,
+                topology=self.topology,
+                mode=self.cp_mode,
+                scale=self.scale,
+                sliding_window=spec.sliding_window,
+            )
+            return out, cache
+        slots, index = cp_decode_writes(positions, segment_ids, cache.positions, self.topology)
+        cache = self._write(cache, k, v, slots, index, positions)
+        out = attend_cp_cache(
+            self._grouped(q),
+            cache.k.astype(q.dtype),
+            cache.v.astype(v.dtype),
+            cache.positions,
+            positions,
+            segment_ids,
+            topology=self.topology,
+            scale=self.scale,
+            sliding_window=spec.sliding_window,
+        )
+        return out, cache
 
     @property
     def scale(self) -> float:
@@ -339,9 +389,13 @@ class Attention(nnx.Module):
         cache: KVCache,
         k: jax.Array,
         v: jax.Array,
-        positions: jax.Array,
         segment_ids: jax.Array,
+        index: jax.Array,
+        positions: jax.Array | None = None,
     ) -> KVCache:
+        """Row i's key and value into cache slot `segment_ids[i]` (-1: not written), at row
+        `index[i]` of the slot; under context parallelism its position goes with it
+        (`KVCache.positions`). Rows past the cache's end are not stored."""
         expected = (self.heads.local_kv_heads, self.spec.head_dim)
         if cache.k.shape[2:] != expected or cache.v.shape != cache.k.shape:
             raise ValueError(
@@ -353,14 +407,15 @@ class Attention(nnx.Module):
         # distinct (XLA may then scatter without atomics) and the out-of-range ones drop.
         valid = segment_ids >= 0
         slot = jnp.where(valid, segment_ids, cache.k.shape[0])
-        position = jnp.where(
-            valid, positions, jnp.arange(positions.shape[0], dtype=positions.dtype)
-        )
+        index = jnp.where(valid, index, jnp.arange(index.shape[0], dtype=index.dtype))
+
+        def put(values: jax.Array, new: jax.Array) -> jax.Array:
+            return values.at[slot, index].set(
+                new.astype(values.dtype), mode="drop", unique_indices=True
+            )
+
         return KVCache(
-            k=cache.k.at[slot, position].set(
-                k.astype(cache.k.dtype), mode="drop", unique_indices=True
-            ),
-            v=cache.v.at[slot, position].set(
-                v.astype(cache.v.dtype), mode="drop", unique_indices=True
-            ),
+            k=put(cache.k, k),
+            v=put(cache.v, v),
+            positions=None if cache.positions is None else put(cache.positions, positions),
         )

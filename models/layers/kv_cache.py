@@ -71,7 +71,9 @@ class HeadSplit:
         return cls(heads.num_heads, heads.num_kv_heads, group_size(topology, SumGroup.ATTN_TP))
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v"], meta_fields=[])
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["k", "v", "positions"], meta_fields=[]
+)
 @dataclasses.dataclass(frozen=True)
 class KVCache:
     """Static-shape key/value cache of one attention layer: a registered pytree.
@@ -83,51 +85,68 @@ class KVCache:
     shared by several ranks (`HeadSplit.kv_sharded` is False) the global cache has one head per
     attention-TP rank, each a copy of the kv head that rank uses.
 
+    Under context parallelism (`attn_cp = C > 1`) the second axis is split over attention CP
+    too: each CP rank holds `rows_per_cp_rank(max_len, C)` rows of every slot, the keys of the
+    positions it owns in any order, with each row's position in `positions` (-1: empty). A
+    prefill writes each CP rank's zigzag rows into that rank's rows; a decode token is appended
+    on CP rank `position % C` (`models.layers.cp_attention`).
+
     Attributes:
       k: Keys after q/k norm and RoPE.
       v: Values.
+      positions: Under context parallelism, int32 [slots, rows]: the position of the key in
+        each row, -1 for an empty row; None without (a row's index is its position).
     """
 
     k: jax.Array
     v: jax.Array
+    positions: jax.Array | None = None
+
+    @staticmethod
+    def rows_per_cp_rank(max_len: int, cp: int) -> int:
+        """Rows of each slot that one of `cp` CP ranks holds for `max_len` positions: its
+        zigzag share of a prompt (at most two rows over an even share) and every `cp`-th
+        position after it (at most one over), so `ceil(max_len / cp) + 2`."""
+        return -(-max_len // cp) + 2 if cp > 1 else max_len
 
     @staticmethod
     def global_shape(
         config: DecoderConfig, topology: Topology, *, slots: int, max_len: int
     ) -> tuple[int, int, int, int]:
-        """The [slots, max_len, cache heads, head_dim] shape of `k` and `v` outside shard_map.
+        """The [slots, rows, cache heads, head_dim] shape of `k` and `v` outside shard_map:
+        `rows` is `max_len`, or under context parallelism each CP rank's
+        `rows_per_cp_rank(max_len, attn_cp)` rows, CP rank by CP rank.
 
         Raises:
           ValueError: `slots` is not a multiple of the attention-DP size.
-          NotImplementedError: The topology has attention CP (decode under CP is not built).
         """
-        if topology.attn_cp > 1:
-            raise NotImplementedError(
-                f"KV caches under context parallelism (each CP rank's shard of every sequence) "
-                f"are not built; got attn_cp={topology.attn_cp}. Serve on a mesh with attn_cp=1"
-            )
         if slots % topology.attn_dp:
             raise ValueError(
                 f"KV cache slots ({slots}) must split evenly over attention DP "
                 f"({topology.attn_dp}); got {slots=}"
             )
         heads = HeadSplit.of(config, topology)
-        return (slots, max_len, heads.cache_heads, config.head_dim)
+        cp = topology.attn_cp
+        rows = cp * KVCache.rows_per_cp_rank(max_len, cp) if cp > 1 else max_len
+        return (slots, rows, heads.cache_heads, config.head_dim)
 
     @staticmethod
     def partition_spec(topology: Topology) -> PartitionSpec:
-        """Slots over attention DP, heads over attention TP."""
+        """Slots over attention DP, rows over attention CP, heads over attention TP."""
         dp = topology.spec_entry((TokenAxis.ATTN_DP,))
-        return PartitionSpec(dp, None, topology.shard_entry(SumGroup.ATTN_TP), None)
+        cp = topology.spec_entry((TokenAxis.ATTN_CP,))
+        return PartitionSpec(dp, cp, topology.shard_entry(SumGroup.ATTN_TP), None)
 
     @classmethod
     def specs(cls, topology: Topology, *, stacked: bool = False) -> KVCache:
         """The cache's `PartitionSpec` tree, for `shard_map` in/out specs; `stacked`: of the
         stacked caches of a scanned run of layers (a leading, unsplit layer axis)."""
         spec = cls.partition_spec(topology)
+        positions = PartitionSpec(*spec[:2]) if topology.attn_cp > 1 else None
         if stacked:
             spec = PartitionSpec(None, *spec)
-        return cls(k=spec, v=spec)
+            positions = None if positions is None else PartitionSpec(None, *positions)
+        return cls(k=spec, v=spec, positions=positions)
 
     @classmethod
     def create(
@@ -141,14 +160,23 @@ class KVCache:
         mesh: Mesh | None = None,
         layers: int | None = None,
     ) -> KVCache:
-        """A zero cache of the global shape; on `mesh`, each device allocates only its shard.
-        `layers`: the stacked caches of a scanned run of that many layers, on a leading axis
-        (None: one layer's)."""
+        """A zero cache of the global shape (under context parallelism with every row empty);
+        on `mesh`, each device allocates only its shard. `layers`: the stacked caches of a
+        scanned run of that many layers, on a leading axis (None: one layer's)."""
         shape = cls.global_shape(config, topology, slots=slots, max_len=max_len)
-        spec = cls.specs(topology, stacked=layers is not None).k
+        specs = cls.specs(topology, stacked=layers is not None)
         if layers is not None:
             shape = (layers, *shape)
-        device = None if mesh is None else NamedSharding(mesh, spec)
+
+        def placed(spec: PartitionSpec) -> NamedSharding | None:
+            return None if mesh is None else NamedSharding(mesh, spec)
+
+        positions = None
+        if specs.positions is not None:
+            positions = jnp.full(shape[:-2], -1, jnp.int32, device=placed(specs.positions))
+        device = placed(specs.k)
         return cls(
-            k=jnp.zeros(shape, dtype, device=device), v=jnp.zeros(shape, dtype, device=device)
+            k=jnp.zeros(shape, dtype, device=device),
+            v=jnp.zeros(shape, dtype, device=device),
+            positions=positions,
         )

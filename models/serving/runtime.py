@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import boundary_jax as bj
 
 from ..families.decoder import CausalLM
+from ..layers.cp_attention import share_over_cp
 from ..layers.kv_cache import KVCache
 from ..overlap import check_two_batch_overlap, microbatch_facts, pack_two_batches, two_batch_hidden
 from ..precision import matmul_precision_scope, resolve_matmul_precision
@@ -396,7 +397,8 @@ class ShardedCausalLM:
     ):
         """The lowered (not yet compiled) `decode` program for these placed inputs."""
         program = self._program(self._decode_program, sampling, capacity)
-        return program.lower(self._state, rows, batch, caches, key, jnp.asarray(steps, jnp.int32))
+        steps, first_step = jnp.asarray(steps, jnp.int32), jnp.asarray(0, jnp.int32)
+        return program.lower(self._state, rows, batch, caches, key, steps, first_step)
 
     def compiled_shapes(self) -> dict[tuple, int]:
         """Per program built so far (forward, prefill, decode, captured), how many input shapes
@@ -429,7 +431,9 @@ class ShardedCausalLM:
                 sampling,
                 tbo=self.two_batch_overlap,
             )
-            return jnp.where(last_rows >= 0, tokens, 0), caches
+            # Under CP a slot's last row is on one CP rank, and its token goes to all of them.
+            held = share_over_cp((last_rows >= 0).astype(jnp.int32), self.topology) > 0
+            return jnp.where(held, tokens, 0), caches
 
         return self._program_of(
             body,

@@ -107,6 +107,31 @@ def test_generate_prints_the_greedy_ids_as_its_last_line(capsys):
     assert json.loads(last) == reference["generated"].tolist()
 
 
+def test_generate_under_context_parallelism_gives_the_greedy_ids(capsys):
+    """generate under --mesh attn_cp=2,attn_tp=2 --cp-attention ring (a CP prefill, decode on
+    the cache's CP shards) prints HF's greedy tokens; plan reports the mesh."""
+    checkpoint, reference = _golden("qwen3")
+    mesh = ["--mesh", "attn_cp=2,attn_tp=2", "--cp-attention", "ring"]
+    source = ["--checkpoint", str(checkpoint)]
+    code = main(
+        [
+            "generate",
+            *source,
+            *mesh,
+            "--prompt-ids",
+            str(checkpoint / "prompts.json"),
+            "--max-new-tokens",
+            "6",
+        ]
+    )
+    assert code == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert json.loads(last) == reference["generated"].tolist()
+    assert main(["plan", "--preset", "tiny-qwen3", *mesh, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["mesh"] == {"pp": 1, "attn_dp": 1, "attn_cp": 2, "attn_tp": 2}
+
+
 # By default MoE forward with each dispatch (gathered over EP 4; all-to-all and gathered with
 # EP 2 splitting attn_tp) and dense Qwen2's generate; under -m slow MoE generate through the CLI
 # (the same options reaching the runner whose greedy tokens tests/models/test_moe_decoder.py

@@ -1,7 +1,7 @@
 """A dense decoder under attention context parallelism (alone, with attention DP, with attention
 TP) equals one device: the zigzag packing, CP attention in both modes and the (DP, CP, TP)
 gather of the full-TP dense FFN, forward logits and one training step's gradients; what CP does
-not support yet is rejected."""
+not support yet is rejected. Decode under CP: `test_cp_decode.py`."""
 
 from __future__ import annotations
 
@@ -17,10 +17,9 @@ from boundary_jax import make_mesh
 from models.build import build_model
 from models.config import PRESETS
 from models.layers.cp_attention import CpAttentionMode
-from models.layers.kv_cache import KVCache
-from models.rows import decode_rows, pack_sequences
+from models.rows import pack_sequences
 from models.serving.buckets import pack_bucketed
-from models.serving.runtime import ShardedCausalLM
+from models.serving.runtime import ShardedCausalLM, fetch
 from models.training.trainer import Trainer, next_token_labels
 
 CONFIG = dataclasses.replace(PRESETS["tiny-qwen3"], num_layers=2)
@@ -123,13 +122,28 @@ def test_unsupported_cp_configurations_are_rejected_at_construction():
         build_model(PRESETS["tiny-qwen3-moe"], bj.Topology(), cp_attention=CpAttentionMode.RING)
 
 
-def test_decode_under_cp_is_rejected():
-    """A CP prefill has no decode layout yet: KV caches, its last-row index and decode rows
-    raise."""
-    with pytest.raises(NotImplementedError, match="attn_cp=1"):
-        KVCache.global_shape(CONFIG, bj.Topology(attn_cp=2), slots=2, max_len=8)
-    packed = pack_sequences(prompts(), bj.Topology(attn_cp=2))
-    with pytest.raises(NotImplementedError, match="attn_cp=1"):
-        packed.last_row_index()
-    with pytest.raises(NotImplementedError, match="attn_cp=1"):
-        decode_rows(packed, np.zeros(len(LENGTHS), np.int32), np.asarray(LENGTHS))
+LONG_CONFIG = dataclasses.replace(
+    PRESETS["tiny-qwen3"], num_layers=1, num_heads=2, num_kv_heads=1, max_position_embeddings=4096
+)
+LONG_LENGTHS = (1531, 1024, 907, 512, 97, 25)
+"""Packed sequences of 4096 tokens in all."""
+
+
+@functools.cache
+def long_logits(cp: int, mode: CpAttentionMode) -> np.ndarray:
+    """[sequences, longest, vocab] logits of `LONG_LENGTHS` random sequences (one forward; one
+    device attends block by block within the longest sequence's reach, `max_sequence_rows`)."""
+    rng = np.random.default_rng(11)
+    sequences = [rng.integers(0, LONG_CONFIG.vocab_size, n).tolist() for n in LONG_LENGTHS]
+    topology = bj.Topology(attn_cp=cp)
+    model = build_model(LONG_CONFIG, topology, cp_attention=mode)
+    runner = ShardedCausalLM(model, make_mesh(topology))
+    packed = pack_sequences(sequences, topology, max_sequence_rows=max(LONG_LENGTHS))
+    return packed.unpack(fetch(runner.forward_rows(packed)))
+
+
+@pytest.mark.parametrize("mode", tuple(CpAttentionMode), ids=lambda m: m.value)
+def test_cp4_packed_4096_tokens_equal_one_device(mode):
+    """Six packed sequences of 4096 tokens in all under CP 4 equal one device within 1e-5."""
+    assert sum(LONG_LENGTHS) == 4096
+    assert relative(long_logits(4, mode), long_logits(1, CpAttentionMode.ALL_GATHER)) <= TOL
