@@ -246,3 +246,11 @@ def require_everywhere(path: Path, what: str) -> None:
 def is_first_process() -> bool:
     """This is process 0, which prints and writes results (the others compute the same)."""
     return jax.process_index() == 0
+
+
+def fetch(value: jax.Array) -> np.ndarray:
+    """The whole of a global array on this host: read back directly where this process holds
+    every shard, gathered from the other processes otherwise (all of them must call it)."""
+    if value.is_fully_addressable:
+        return np.asarray(jax.device_get(value))
+    return np.asarray(multihost_utils.process_allgather(value, tiled=True))

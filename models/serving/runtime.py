@@ -16,11 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import lax
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import boundary_jax as bj
 
+from ..distributed import fetch
 from ..families.decoder import CausalLM
 from ..layers.cp_attention import share_over_cp
 from ..layers.kv_cache import KVCache
@@ -62,14 +62,6 @@ def _next_tokens(
     (`head_tokens` of the model's final-norm output)."""
     hidden, caches = _hidden(model, rows, batch, caches, last_rows, tbo=tbo)
     return head_tokens(model, hidden, key, sampling), caches
-
-
-def fetch(value: jax.Array) -> np.ndarray:
-    """The whole of a global array on this host: read back directly where this process holds
-    every shard, gathered from the other processes otherwise (all of them must call it)."""
-    if value.is_fully_addressable:
-        return np.asarray(jax.device_get(value))
-    return np.asarray(multihost_utils.process_allgather(value, tiled=True))
 
 
 class ShardedCausalLM:

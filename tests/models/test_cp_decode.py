@@ -17,10 +17,11 @@ from jax.sharding import PartitionSpec
 import boundary_jax as bj
 from models.build import build_model
 from models.config import PRESETS
+from models.distributed import fetch
 from models.layers.cp_attention import CpAttentionMode
 from models.layers.kv_cache import KVCache
 from models.rows import decode_rows
-from models.serving.runtime import ShardedCausalLM, fetch
+from models.serving.runtime import ShardedCausalLM
 
 CONFIGS = {
     name: dataclasses.replace(PRESETS[name], num_layers=1)

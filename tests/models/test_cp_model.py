@@ -16,10 +16,11 @@ import boundary_jax as bj
 from boundary_jax import make_mesh
 from models.build import build_model
 from models.config import PRESETS
+from models.distributed import fetch
 from models.layers.cp_attention import CpAttentionMode
 from models.rows import pack_sequences
 from models.serving.buckets import pack_bucketed
-from models.serving.runtime import ShardedCausalLM, fetch
+from models.serving.runtime import ShardedCausalLM
 from models.training.trainer import Trainer, next_token_labels
 
 CONFIG = dataclasses.replace(PRESETS["tiny-qwen3"], num_layers=2)
