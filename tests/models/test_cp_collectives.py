@@ -94,7 +94,12 @@ def test_cp_programs_run_the_documented_collectives(key):
     reports = compiled(*key)
     for name in PROGRAMS:
         got = collections.Counter(reports[name].sequence(MIDDLE))
-        assert got == collections.Counter(DOCUMENTED[key][name]), name
+        want = collections.Counter(DOCUMENTED[key][name])
+        if name == "decode step":
+            # The decode program holds its step twice: in the blocks of static trip count and
+            # in the remainder loop (`blocked_fori_loop`).
+            want = want + want
+        assert got == want, name
 
 
 def test_the_table_covers_both_modes_under_cp_tp_and_dp():

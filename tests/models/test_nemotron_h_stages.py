@@ -243,8 +243,8 @@ def _rewrite_exits(monkeypatch, rewrite) -> None:
     rows, fusions, option)` in place of each of its exit options."""
     honest = binding.exit_options
 
-    def mutated(declaration, outgoing, variant, stack, rows, fusions):
-        options = honest(declaration, outgoing, variant, stack, rows, fusions)
+    def mutated(declaration, outgoing, variant, stack, rows, fusions, *, fold=True):
+        options = honest(declaration, outgoing, variant, stack, rows, fusions, fold=fold)
         return tuple(rewrite(declaration, outgoing, stack, rows, fusions, o) for o in options)
 
     monkeypatch.setattr(binding, "exit_options", mutated)
