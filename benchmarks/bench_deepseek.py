@@ -45,8 +45,9 @@ from models.config import DecoderConfig, read_hf_config
 from models.families import DeepseekCausalLM
 from models.layers.deepseek_moe import deepseek_route
 from models.layers.mla import LATENT_NORM_EPS
-from models.layers.moe import finalized_expert_outputs, shared_expert
+from models.layers.moe import shared_expert
 from models.layers.rope import apply_rope, rope_inv_freq
+from models.layers.routed_experts import finalized_expert_outputs
 from models.rows import RowsPhase, TokenRows, pack_sequences
 from models.serving.runtime import ShardedCausalLM
 

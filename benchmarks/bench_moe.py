@@ -44,7 +44,7 @@ import numpy as np
 import boundary_jax as bj
 from benchmarks import bench_fp8
 from benchmarks.common import header, kernel_ms, print_table, relative_error, wall_ms
-from models.layers import moe
+from models.layers import moe, moe_routing, routed_experts
 from pallas_kernels import Impl, moe_finalize_add_rms_norm, moe_finalize_add_rms_norm_reference
 from pallas_kernels.grouped_matmul import (
     TRITON_MAX_ROUTED_ROWS,
@@ -141,8 +141,10 @@ def layer_fn(impl: moe.GroupedMatmulImpl, variant: str):
     tiling = tiling_table(variant)
 
     def layer(x, router, gate_up, down):  # as `SparseMoe.finalized` runs it
-        routing = moe.route(x, router, top_k=TOP_K, renormalize=True)
-        return moe.finalized_expert_outputs(x, routing, gate_up, down, impl=impl, tiling=tiling)
+        routing = moe_routing.route(x, router, top_k=TOP_K, renormalize=True)
+        return routed_experts.finalized_expert_outputs(
+            x, routing, gate_up, down, impl=impl, tiling=tiling
+        )
 
     return jax.jit(layer)
 
@@ -169,7 +171,7 @@ def tiling_table(variant: str):
 
 
 def distinct_experts(x, router) -> int:
-    routing = moe.route(x, router, top_k=TOP_K, renormalize=True)
+    routing = moe_routing.route(x, router, top_k=TOP_K, renormalize=True)
     return int(np.unique(np.asarray(routing.experts)).size)
 
 
@@ -317,7 +319,9 @@ def part3(tokens: int, matmul_tflop_s: float) -> list[tuple]:
     impl = moe.GroupedMatmulImpl.GPU_BY_SIZE
     x = token_sets(tokens)[0][0]
     rows_n = tokens * TOP_K
-    routing = jax.jit(functools.partial(moe.route, top_k=TOP_K, renormalize=True))(x, router)
+    routing = jax.jit(functools.partial(moe_routing.route, top_k=TOP_K, renormalize=True))(
+        x, router
+    )
     group = routing.experts.reshape(-1)
     argsort = jax.jit(jnp.argsort)
     order = argsort(group)
@@ -345,19 +349,21 @@ def part3(tokens: int, matmul_tflop_s: float) -> list[tuple]:
     h = jax.nn.silu(g) * matmul(rows, up, sizes)
     out = matmul(h, down, sizes)
     un_sort = jax.jit(lambda out, inverse: jnp.take(out, inverse, axis=0))
-    finalize = jax.jit(lambda outputs, routing: moe.finalize(moe.MoeOutput(outputs, routing, None)))
+    finalize = jax.jit(
+        lambda outputs, routing: moe_routing.finalize(moe_routing.MoeOutput(outputs, routing, None))
+    )
     outputs = un_sort(out, inverse).reshape(tokens, TOP_K, HIDDEN)
     reference = layer_fn(impl, "")(x, router, gate_up, down)
     errors = {"pieces": relative_error(finalize(outputs, routing), reference)}
     hopper = layer_fn(moe.GroupedMatmulImpl.PALLAS_GPU, "")
     largest = int(jnp.max(sizes))
-    fits = [c for c in moe.capacity_buckets(rows_n / EXPERTS, rows_n) if c >= largest]
+    fits = [c for c in routed_experts.capacity_buckets(rows_n / EXPERTS, rows_n) if c >= largest]
     path = f"padded batched, C {fits[0]}" if fits else "past the buckets: Hopper kernel"
     mm_flops = rows_n * 2 * HIDDEN * WIDTH
     pieces = [
         (
             "route",
-            jax.jit(functools.partial(moe.route, top_k=TOP_K, renormalize=True)),
+            jax.jit(functools.partial(moe_routing.route, top_k=TOP_K, renormalize=True)),
             (x, router),
             0,
         ),

@@ -26,8 +26,9 @@ from pallas_kernels.fp8_matmul import SCALE_BLOCK, fp8_grouped_matmul
 from ..config import MoeConfig
 from .activations import ExpertActivation
 from .fp8_linear import Fp8Quantization, check_blocks, fp8_weight
-from .moe import GroupedMatmulImpl, MoeOutput, PartitionEntry, Routing, finalize
+from .moe import GroupedMatmulImpl, PartitionEntry
 from .moe_ffn import MoeFfn
+from .moe_routing import MoeOutput, Routing, finalize
 
 
 class Fp8MoeFfn(MoeFfn):

@@ -32,7 +32,8 @@ import boundary_jax as bj
 
 from ..config import MoeConfig
 from .activations import ExpertActivation
-from .moe import GroupedMatmulImpl, MoeOutput, Routing, SparseMoe, finalize
+from .moe import GroupedMatmulImpl, SparseMoe
+from .moe_routing import MoeOutput, Routing, finalize
 
 
 def deferred_finalize(output: MoeOutput) -> bj.DeferredFinalize:

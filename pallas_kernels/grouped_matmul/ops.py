@@ -18,8 +18,8 @@ class GroupedMatmulImpl(enum.Enum):
 
     `grouped_matmul` runs RAGGED_DOT, PALLAS_GPU, PALLAS_TRITON, PALLAS_INTERPRET and
     GPU_BY_SIZE on rows sorted by expert. DENSE and PADDED_BATCHED are strategies of the MoE
-    layer around it (`models.moe`), which sorts no rows (DENSE) or pads them to a capacity
-    (PADDED_BATCHED) and calls `grouped_matmul` only for its fallback.
+    layer around it (`models.layers.routed_experts`), which sorts no rows (DENSE) or pads them to
+    a capacity (PADDED_BATCHED) and calls `grouped_matmul` only for its fallback.
 
     Attributes:
       DENSE: Every row through every local expert (`einsum`), then masked to its own expert:
@@ -145,7 +145,7 @@ def grouped_matmul(
             return expert_matmul(rows, weights, group_sizes, tiling=chosen, interpret=interpret)
     raise ValueError(
         f"no grouped matmul for {impl=}: DENSE and PADDED_BATCHED are strategies of the MoE "
-        "layer (models.moe.expert_outputs); pass one of the grouped matmuls"
+        "layer (models.layers.routed_experts.expert_outputs); pass one of the grouped matmuls"
     )
 
 

@@ -18,7 +18,7 @@ from models import checkpoints as checkpoint
 from models.checkpoints import HFTensor, hf_name_map, load_config, load_params, load_tensor
 from models.checkpoints import load as checkpoint_load
 from models.config import DecoderConfig
-from models.layers import moe
+from models.layers import moe, moe_routing, routed_experts
 from models.layers.attention import Attention
 from models.layers.linear import ParallelLMHead, VocabParallelEmbedding
 from models.layers.mlp import SwiGLU
@@ -308,7 +308,7 @@ def hf_sparse_block(found: dict, prefix: str, x: np.ndarray, top_k: int, renorma
 
 
 def test_loaded_experts_feed_moe_functions():
-    """Golden Qwen2-MoE weights loaded by the name map, run by models.layers.moe (experts over 4
+    """Golden Qwen2-MoE weights loaded by the name map, run by the MoE functions (experts over 4
     ranks, summed here), equal the block computed the transformers way from the raw tensors."""
 
     config = load_config(GOLDEN / "qwen2_moe")
@@ -332,7 +332,7 @@ def test_loaded_experts_feed_moe_functions():
             shape = (*shape[:2], len(source.parts), *shape[2:])
         spec = P(TP) if source.experts is not None else P()
         loaded = load_tensor(GOLDEN / "qwen2_moe", source, shape, mesh, spec, jnp.float32)
-        # On the host from here: models.layers.moe runs inside shard_map, on local arrays.
+        # On the host from here: the MoE functions run inside shard_map, on local arrays.
         params[part] = np.asarray(loaded)
     x = np.random.default_rng(0).standard_normal((10, config.hidden_size)).astype(np.float32)
     moe_config = config.moe
@@ -340,9 +340,9 @@ def test_loaded_experts_feed_moe_functions():
 
     @jax.jit
     def block(x, params):
-        routing = moe.route(x, params["router"], top_k=moe_config.top_k, renormalize=False)
+        routing = moe_routing.route(x, params["router"], top_k=moe_config.top_k, renormalize=False)
         outputs = sum(
-            moe.expert_outputs(
+            routed_experts.expert_outputs(
                 x,
                 routing,
                 *(params[p][r * local : (r + 1) * local] for p in ("gate_up_proj", "down_proj")),
@@ -352,7 +352,9 @@ def test_loaded_experts_feed_moe_functions():
         )
         parts = ("gate_proj", "up_proj", "down_proj", "expert_gate")
         shared = moe.shared_expert(x, *(params[f"shared_expert.{p}"] for p in parts))
-        return moe.finalize(moe.MoeOutput(expert_outputs=outputs, routing=routing, shared=shared))
+        return moe_routing.finalize(
+            moe_routing.MoeOutput(expert_outputs=outputs, routing=routing, shared=shared)
+        )
 
     got = block(jnp.asarray(x), params)
     want = hf_sparse_block(found, "model.layers.2.mlp.", x.astype(np.float64), 2, False)

@@ -26,7 +26,7 @@ from models.cli.main import main
 from models.config import PRESETS, read_hf_config, write_hf_config
 from models.families import DeepseekV3ForCausalLM
 from models.layers.mla import LatentCache, MultiHeadLatentAttention
-from models.layers.moe import Routing
+from models.layers.moe_routing import Routing
 from models.serving.runtime import ShardedCausalLM
 from models.training.trainer import TrainConfig, Trainer
 

@@ -13,7 +13,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import boundary_jax as bj
-from models.layers import moe
+from models.layers import moe_routing
 from models.layers.deepseek_moe import (
     DeepseekMoe,
     DeepseekRouting,
@@ -66,7 +66,7 @@ def routing_reference(x, router, bias, rule: DeepseekRouting):
     return np.array(experts), np.array(weights)
 
 
-def by_expert(routing: moe.Routing) -> tuple[np.ndarray, np.ndarray]:
+def by_expert(routing: moe_routing.Routing) -> tuple[np.ndarray, np.ndarray]:
     """(experts, weights) of every token with its choices sorted by expert id."""
     experts, weights = np.asarray(routing.experts), np.asarray(routing.weights)
     order = np.argsort(experts, axis=-1)
@@ -195,7 +195,7 @@ def test_moe_matches_transformers(name, dp, tp):
         first = lax.axis_index(EXPERT_AXIS) == 0  # every width rank adds its share once
         offset = lax.axis_index(EXPERT_AXIS) * module.gate_up_proj.shape[0]
         output = module(x, expert_offset=offset, count_shared=first)
-        return lax.psum(moe.finalize(output), (EXPERT_AXIS, WIDTH_AXIS))
+        return lax.psum(moe_routing.finalize(output), (EXPERT_AXIS, WIDTH_AXIS))
 
     x = jnp.asarray(modules["moe_in_1"])
     got = run_sharded(module, make_mesh(dp, tp), body, (x,), (P(),), P())

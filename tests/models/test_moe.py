@@ -13,9 +13,10 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import boundary_jax as bj
-from models.layers import moe
-from models.layers.moe import GroupedMatmulImpl, MoeOutput, Routing
-from pallas_kernels.grouped_matmul import grouped_matmul_reference
+from models.layers import moe, moe_routing, routed_experts
+from models.layers.moe import GroupedMatmulImpl
+from models.layers.moe_routing import MoeOutput, Routing
+from pallas_kernels.grouped_matmul import TRITON_MAX_ROUTED_ROWS, grouped_matmul_reference
 from pallas_kernels.grouped_matmul import ops as grouped_matmul_ops
 
 from . import make_mesh, run_sharded
@@ -92,12 +93,12 @@ def numpy_routing(layer: Layer, top_k: int, renormalize: bool):
 
 @functools.partial(jax.jit, static_argnames=("top_k", "renormalize"))
 def jit_route(x, router, *, top_k, renormalize):
-    return moe.route(x, router, top_k=top_k, renormalize=renormalize)
+    return moe_routing.route(x, router, top_k=top_k, renormalize=renormalize)
 
 
 @functools.partial(jax.jit, static_argnames=("impl",))
 def jit_expert_outputs(x, routing, gate_up, down, offset, *, impl):
-    return moe.expert_outputs(x, routing, gate_up, down, expert_offset=offset, impl=impl)
+    return routed_experts.expert_outputs(x, routing, gate_up, down, expert_offset=offset, impl=impl)
 
 
 def routing_of(weights, experts) -> Routing:
@@ -247,10 +248,10 @@ def test_rank_partials_sum_to_reference(experts, top_k, ranks, widths, renormali
     with jax.enable_x64(True):
         routing = jit_route(layer.x, layer.router, **kwargs)
         outputs = rank_outputs(layer, routing, ranks, widths, impl, shared)
-        finalized_then_summed = sum(np.asarray(moe.finalize(o)) for o in outputs)
+        finalized_then_summed = sum(np.asarray(moe_routing.finalize(o)) for o in outputs)
         summed = jax.tree.map(lambda *leaves: sum(leaves), *outputs)
         summed = dataclasses.replace(summed, routing=routing)
-        summed_then_finalized = np.asarray(moe.finalize(summed))
+        summed_then_finalized = np.asarray(moe_routing.finalize(summed))
     np.testing.assert_allclose(finalized_then_summed, reference, atol=1e-12, rtol=1e-12)
     np.testing.assert_allclose(summed_then_finalized, reference, atol=1e-12, rtol=1e-12)
 
@@ -297,8 +298,8 @@ def test_finalize_float32_and_bf16():
     )
     assert out.dtype == jnp.bfloat16
     output = MoeOutput(expert_outputs=out, routing=routing, shared=None)
-    assert moe.finalize(output).dtype == jnp.bfloat16
-    got = moe.finalize(output, jnp.float32)
+    assert moe_routing.finalize(output).dtype == jnp.bfloat16
+    got = moe_routing.finalize(output, jnp.float32)
     want = moe.moe_reference(
         layer.x, layer.router, layer.gate_up, layer.down, top_k=2, renormalize=True
     )
@@ -340,7 +341,7 @@ def test_module_under_shard_map(dp, tp, shared):
         if output.shared is not None:  # the test owns the rule: count the shared expert once
             first = lax.axis_index(EXPERT_AXIS) == 0
             output = dataclasses.replace(output, shared=jnp.where(first, output.shared, 0.0))
-        return lax.psum(moe.finalize(output), (EXPERT_AXIS, WIDTH_AXIS))
+        return lax.psum(moe_routing.finalize(output), (EXPERT_AXIS, WIDTH_AXIS))
 
     got = run_sharded(module, make_mesh(dp, tp), body, (x,), (P(),), P())
     weights = {
@@ -416,13 +417,13 @@ def test_rejects_bad_shapes_and_settings():
     routing = jit_route(x, jnp.asarray(layer.router, jnp.float32), top_k=2, renormalize=True)
     gate_up = jnp.asarray(layer.gate_up, jnp.float32)
     with pytest.raises(ValueError, match="down \\[local_experts, width, hidden\\]"):
-        moe.expert_outputs(x, routing, gate_up, gate_up[:, :, 0])
+        routed_experts.expert_outputs(x, routing, gate_up, gate_up[:, :, 0])
     with pytest.raises(ValueError, match="gate_up \\[local_experts, hidden, 2, width\\]"):
-        moe.expert_outputs(x, routing, gate_up[:, :, 0], jnp.asarray(layer.down))
+        routed_experts.expert_outputs(x, routing, gate_up[:, :, 0], jnp.asarray(layer.down))
     with pytest.raises(ValueError, match="top_k must be in"):
-        moe.route(x, jnp.asarray(layer.router), top_k=9, renormalize=True)
+        moe_routing.route(x, jnp.asarray(layer.router), top_k=9, renormalize=True)
     with pytest.raises(ValueError, match="router must be"):
-        moe.route(x, jnp.asarray(layer.router).T, top_k=2, renormalize=True)
+        moe_routing.route(x, jnp.asarray(layer.router).T, top_k=2, renormalize=True)
     with pytest.raises(ValueError, match="needs a shared expert"):
         moe.SparseMoe(16, 8, 8, top_k=2, renormalize=True, shared_gated=True, rngs=nnx.Rngs(0))
 
@@ -430,10 +431,10 @@ def test_rejects_bad_shapes_and_settings():
 def test_capacity_buckets():
     """1.25 and 1.5 times the even share, in whole tiles (64 rows; 8 for small shares), never
     above the routed rows."""
-    assert moe.capacity_buckets(256, 32768) == (320, 384)  # Qwen3-30B-A3B, 4096 tokens
-    assert moe.capacity_buckets(6, 48) == (8, 16)
-    assert moe.capacity_buckets(24, 30) == (30,)
-    assert moe.capacity_buckets(0.25, 48) == (8,)
+    assert routed_experts.capacity_buckets(256, 32768) == (320, 384)  # Qwen3-30B-A3B, 4096 tokens
+    assert routed_experts.capacity_buckets(6, 48) == (8, 16)
+    assert routed_experts.capacity_buckets(24, 30) == (30,)
+    assert routed_experts.capacity_buckets(0.25, 48) == (8,)
 
 
 def skewed_routing(busiest_load: int, tokens: int = TOKENS, experts: int = 8):
@@ -457,7 +458,7 @@ def test_padded_batched_takes_the_first_bucket_that_fits(monkeypatch, busiest_lo
     layer = make_layer(8)
     weights, chosen = skewed_routing(busiest_load)
     assert np.bincount(chosen.reshape(-1)).max() == busiest_load
-    padded, grouped = moe.padded_expert_outputs, moe.grouped_expert_outputs
+    padded, grouped = routed_experts.padded_expert_outputs, routed_experts.grouped_expert_outputs
 
     def poisoned(name, real):
         def call(*args):
@@ -467,15 +468,15 @@ def test_padded_batched_takes_the_first_bucket_that_fits(monkeypatch, busiest_lo
         return call
 
     monkeypatch.setattr(
-        moe,
+        routed_experts,
         "padded_expert_outputs",
         lambda x, rows, w, capacity, *rest: poisoned(f"padded {capacity}", padded)(
             x, rows, w, capacity, *rest
         ),
     )
-    monkeypatch.setattr(moe, "grouped_expert_outputs", poisoned("grouped", grouped))
+    monkeypatch.setattr(routed_experts, "grouped_expert_outputs", poisoned("grouped", grouped))
     with jax.enable_x64(True):
-        got = moe.expert_outputs(
+        got = routed_experts.expert_outputs(
             jnp.asarray(layer.x),
             routing_of(weights, chosen),
             layer.gate_up,
@@ -498,7 +499,7 @@ def test_finalized_expert_outputs_equal_the_weighted_loop(impl, busiest_load, of
     shared = np.tanh(layer.x)  # any [T, hidden] share
     block = slice(offset, offset + local)
     with jax.enable_x64(True):
-        got = moe.finalized_expert_outputs(
+        got = routed_experts.finalized_expert_outputs(
             jnp.asarray(layer.x),
             routing_of(weights, chosen),
             layer.gate_up[block],
@@ -527,7 +528,7 @@ def test_gpu_by_size_pads_prefill_layers_and_falls_back_to_the_hopper_kernel(mon
         ran.append("hopper")
         return grouped_matmul_reference(rows, weights, group_sizes)
 
-    padded = moe.padded_expert_outputs
+    padded = routed_experts.padded_expert_outputs
 
     def record_padded(x, rows, weights, capacity, *rest):
         ran.append(f"padded {capacity}")
@@ -536,16 +537,20 @@ def test_gpu_by_size_pads_prefill_layers_and_falls_back_to_the_hopper_kernel(mon
     monkeypatch.setattr(grouped_matmul_ops, "expert_matmul", triton)
     monkeypatch.setattr(grouped_matmul_ops, "hopper_ragged_dot", hopper)
     monkeypatch.setattr(grouped_matmul_ops, "HOPPER_AVAILABLE", True)
-    monkeypatch.setattr(moe, "padded_expert_outputs", record_padded)
+    monkeypatch.setattr(routed_experts, "padded_expert_outputs", record_padded)
     rng = np.random.default_rng(0)
     gate_up = jnp.asarray(rng.standard_normal((4, 128, 2, 128)) / 11, jnp.bfloat16)
     down = jnp.asarray(rng.standard_normal((4, 128, 128)) / 11, jnp.bfloat16)
-    for tokens in (4, moe.TRITON_MAX_ROUTED_ROWS // 2 + 4):  # top-2: 8 and 2056 rows
+    for tokens in (4, TRITON_MAX_ROUTED_ROWS // 2 + 4):  # top-2: 8 and 2056 rows
         x = jnp.asarray(rng.standard_normal((tokens, 128)), jnp.bfloat16)
         chosen = np.stack([rng.permutation(4)[:2] for _ in range(tokens)]).astype(np.int32)
-        routing = moe.Routing(jnp.full((tokens, 2), 0.5), jnp.asarray(chosen))
-        got = moe.expert_outputs(x, routing, gate_up, down, impl=GroupedMatmulImpl.GPU_BY_SIZE)
-        want = moe.expert_outputs(x, routing, gate_up, down, impl=GroupedMatmulImpl.RAGGED_DOT)
+        routing = Routing(jnp.full((tokens, 2), 0.5), jnp.asarray(chosen))
+        got = routed_experts.expert_outputs(
+            x, routing, gate_up, down, impl=GroupedMatmulImpl.GPU_BY_SIZE
+        )
+        want = routed_experts.expert_outputs(
+            x, routing, gate_up, down, impl=GroupedMatmulImpl.RAGGED_DOT
+        )
         chex.assert_trees_all_close(got.astype(jnp.float32), want.astype(jnp.float32), atol=5e-2)
     # 2056 rows over 4 experts: an even share of 514, buckets of 1.25 and 1.5 times it.
     # Two grouped matmuls per path: gate | up as one, then down.
@@ -560,7 +565,7 @@ def test_pallas_gpu_matches_ragged_dot():  # pragma: no cover - GPU only
     router = jnp.asarray(rng.standard_normal((128, 16)), jnp.bfloat16)
     gate_up = jnp.asarray(rng.standard_normal((4, 128, 2, 128)) / 11, jnp.bfloat16)
     down = jnp.asarray(rng.standard_normal((4, 128, 128)) / 11, jnp.bfloat16)
-    routing = moe.route(x, router, top_k=4, renormalize=True)
+    routing = moe_routing.route(x, router, top_k=4, renormalize=True)
     outs = [
         jit_expert_outputs(x, routing, gate_up, down, jnp.int32(4), impl=impl)
         for impl in (GroupedMatmulImpl.RAGGED_DOT, GroupedMatmulImpl.PALLAS_GPU)

@@ -22,7 +22,7 @@ from models.checkpoints import load_config
 from models.cli.plan import collective_report
 from models.config import MoeConfig, read_hf_config
 from models.families import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
-from models.layers import moe
+from models.layers import moe, moe_routing, routed_experts
 from models.layers.moe import GroupedMatmulImpl
 from models.layers.moe_ffn import MoeFfn
 from models.serving.runtime import ShardedCausalLM
@@ -313,16 +313,21 @@ def test_padded_batched_experts_match_float64_reference(monkeypatch, dp, tp, ep,
     """PADDED_BATCHED inside the layer: every dispatch sizes the buckets by the even share of
     the whole layer (32 tokens x top-3 over 8 experts: 12 rows each expert sees), they hold
     every expert's rows (the grouped fallback is poisoned), and the output equals float64."""
-    real_grouped, real_buckets = moe.grouped_expert_outputs, moe.capacity_buckets
+    real_grouped, real_buckets = (
+        routed_experts.grouped_expert_outputs,
+        routed_experts.capacity_buckets,
+    )
     shares = []
 
     def buckets(share, rows):
         shares.append(share)
         return real_buckets(share, rows)
 
-    monkeypatch.setattr(moe, "capacity_buckets", buckets)
+    monkeypatch.setattr(routed_experts, "capacity_buckets", buckets)
     monkeypatch.setattr(
-        moe, "grouped_expert_outputs", lambda *args: jnp.full_like(real_grouped(*args), jnp.nan)
+        routed_experts,
+        "grouped_expert_outputs",
+        lambda *args: jnp.full_like(real_grouped(*args), jnp.nan),
     )
     module, mesh = layer_case(dp, tp, ep, dispatch, impl=GroupedMatmulImpl.PADDED_BATCHED)
     want = layer_reference(module, np.asarray(TOKENS_IN))
@@ -338,7 +343,7 @@ def test_moe_ffn_spreads_experts_over_ranks():
     assert nnx.get_partition_spec(nnx.state(module)).gate_up_proj.get_value() == P(
         ("attn_dp", "attn_tp"), None, None, None
     )
-    routing = moe.route(TOKENS_IN, module.router[...], top_k=3, renormalize=False)
+    routing = moe_routing.route(TOKENS_IN, module.router[...], top_k=3, renormalize=False)
     chosen = np.asarray(routing.experts)  # 8 experts over 8 ranks: expert e lives on rank e
     per_rank = [set(chosen[rank * 4 : rank * 4 + 4].ravel()) for rank in range(8)]
     assert set().union(*per_rank) == set(range(8))

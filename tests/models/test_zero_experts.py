@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 import boundary_jax as bj
 from boundary_jax import make_mesh
 from models.config import DeepseekRouting, ExpertScoring, MoeConfig
-from models.layers import moe
+from models.layers import moe, moe_routing, routed_experts
 from models.layers.deepseek_moe import DeepseekMoeFfn, deepseek_route
 
 from . import run_sharded
@@ -134,11 +134,11 @@ def test_zero_experts_hold_no_weights():
 def test_zero_expert_output_is_the_weighted_identity():
     """Only choices past the routed experts count, each times its weight."""
     x = jnp.arange(6.0).reshape(2, 3)
-    routing = moe.Routing(
+    routing = moe_routing.Routing(
         weights=jnp.array([[0.5, 0.25, 2.0], [1.0, 3.0, 0.125]]),
         experts=jnp.array([[8, 1, 11], [0, 2, 3]], jnp.int32),
     )
-    got = moe.zero_expert_output(x, routing, num_experts=8)
+    got = moe_routing.zero_expert_output(x, routing, num_experts=8)
     np.testing.assert_array_equal(got, np.array([[0.0, 2.5, 5.0], [0.0, 0.0, 0.0]]))
 
 
@@ -147,7 +147,7 @@ def test_all_zero_choices_send_nothing_and_cost_no_matmul(monkeypatch):
     (every received tag is -1), the grouped matmuls get no row, and the output is each token
     times its summed weights."""
     module, mesh = layer_case(1, 4, 4, ALL_TO_ALL)
-    dispatch, grouped = bj.ops.dispatch_to_experts, moe.grouped_expert_outputs
+    dispatch, grouped = bj.ops.dispatch_to_experts, routed_experts.grouped_expert_outputs
     seen = {}
 
     def recording_dispatch(*args, **options):
@@ -160,7 +160,7 @@ def test_all_zero_choices_send_nothing_and_cost_no_matmul(monkeypatch):
         return grouped(x, rows, *rest)
 
     monkeypatch.setattr(bj.ops, "dispatch_to_experts", recording_dispatch)
-    monkeypatch.setattr(moe, "grouped_expert_outputs", recording_grouped)
+    monkeypatch.setattr(routed_experts, "grouped_expert_outputs", recording_grouped)
     biased = nnx.clone(module)
     biased.e_score_correction_bias[...] = jnp.concatenate([jnp.zeros(EXPERTS), jnp.ones(ZERO)])
     topology = module.topology

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.layers import moe
+from models.layers import moe_routing, routed_experts
 from pallas_kernels.grouped_matmul import (
     HOPPER_AVAILABLE,
     TRITON_MAX_ROUTED_ROWS,
@@ -72,10 +72,12 @@ def test_pallas_triton_layer_matches_ragged_dot_on_gpu():  # pragma: no cover - 
     router = jnp.asarray(rng.standard_normal((256, 16)), jnp.bfloat16)
     gate_up = jnp.asarray(rng.standard_normal((16, 256, 2, 128)) / 16, jnp.bfloat16)
     down = jnp.asarray(rng.standard_normal((16, 128, 256)) / 11, jnp.bfloat16)
-    routing = moe.route(x, router, top_k=4, renormalize=True)
+    routing = moe_routing.route(x, router, top_k=4, renormalize=True)
     outs = [
-        jax.jit(moe.expert_outputs, static_argnames="impl")(x, routing, gate_up, down, impl=impl)
-        for impl in (moe.GroupedMatmulImpl.RAGGED_DOT, moe.GroupedMatmulImpl.PALLAS_TRITON)
+        jax.jit(routed_experts.expert_outputs, static_argnames="impl")(
+            x, routing, gate_up, down, impl=impl
+        )
+        for impl in (GroupedMatmulImpl.RAGGED_DOT, GroupedMatmulImpl.PALLAS_TRITON)
     ]
     want, got = (np.asarray(o, np.float32) for o in outs)
     assert np.max(np.abs(got - want)) <= 2e-2 * np.max(np.abs(want))

@@ -1,0 +1,299 @@
+"""The routed experts' matmuls of one rank, as pure functions: each (token, choice)'s output of
+the experts this rank holds (`expert_outputs`), or their combine computed on the spot
+(`finalized_expert_outputs`).
+
+A rank holds a contiguous block of the experts, `[expert_offset, expert_offset + local_experts)`,
+and of each of those experts possibly only a slice of the width (the intermediate features). It
+sees complete token rows `x` [T, hidden] and returns, per token and per top-k choice, the output of
+the chosen expert if this rank holds it and zero otherwise; the boundary completes the sum over
+the ranks. No collective and no mesh axis name here.
+
+    expert_e(x) = (silu(x @ gate_e) * (x @ up_e)) @ down_e      (ExpertActivation.SWIGLU)
+    expert_e(x) = relu(x @ up_e)^2 @ down_e                    (RELU2: Nemotron-H, no gate)
+
+Each expert's gate and up projections are stored stacked, `gate_up` [experts, hidden, 2, width],
+so both are one matmul of 2 x width columns (the rows are read once), and a width slice over
+ranks cuts the same features out of both; an ungated (relu^2) expert stores its up projection
+alone, `gate_up` [experts, hidden, 1, width]. Choices of experts no rank holds (the
+zero-computation experts) come out zero.
+
+Grouped matmuls (`GroupedMatmulImpl`): the (token, choice) rows are sorted by expert
+(`SortedRows`), so each local expert's rows are contiguous, and the three projections run as
+ragged matmuls over the groups (`grouped_expert_outputs`), or, padded to a capacity
+(`capacity_buckets`), as batched matmuls (`padded_expert_outputs`, `PADDED_BATCHED`). `DENSE` runs
+every row through every local expert and masks: the test reference. The grouped matmuls
+themselves (the Pallas kernels, their tuned tilings, the choice by size) are
+`pallas_kernels.grouped_matmul`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import boundary_jax as bj
+from pallas_kernels.grouped_matmul import (
+    TRITON_MAX_ROUTED_ROWS,
+    GroupedMatmulImpl,
+    Tiling,
+    TilingTable,
+    grouped_matmul,
+)
+
+from .activations import ExpertActivation
+from .moe_routing import MoeOutput, Routing, finalize
+
+CAPACITY_FACTORS = (1.25, 1.5)
+"""`PADDED_BATCHED`'s capacities as multiples of the even share, smallest first."""
+
+
+def capacity_buckets(even_share: float, rows: int) -> tuple[int, ...]:
+    """The static per-expert capacities `PADDED_BATCHED` picks from, smallest first.
+
+    Each is a `CAPACITY_FACTORS` multiple of `even_share` (the rows each local expert gets when
+    the routing is even) rounded up to a multiple of 64 rows (of 8 below 64, for small models),
+    and at most `rows` (the routed rows in all, which no expert can exceed).
+    """
+    buckets = []
+    for factor in CAPACITY_FACTORS:
+        want = max(1.0, factor * even_share)
+        step = 64 if want > 64 else 8
+        buckets.append(min(rows, step * int(np.ceil(want / step))))
+    return tuple(sorted(set(buckets)))
+
+
+def expert_outputs(
+    x: jax.Array,
+    routing: Routing,
+    gate_up: jax.Array,
+    down: jax.Array,
+    *,
+    expert_offset: int | jax.Array = 0,
+    impl: GroupedMatmulImpl = GroupedMatmulImpl.RAGGED_DOT,
+    even_share: float | None = None,
+    tiling: Tiling | TilingTable | None = None,
+    activation: ExpertActivation = ExpertActivation.SWIGLU,
+) -> jax.Array:
+    """Each (token, choice)'s expert output from the experts this rank holds, unweighted.
+
+    Args:
+      x: [T, hidden] complete token rows.
+      routing: Their routing (global expert ids).
+      gate_up: [local_experts, hidden, 2, width] this rank's experts' gate (`[:, :, 0]`) and up
+        (`[:, :, 1]`) projections, for global experts `expert_offset + 0 .. expert_offset +
+        local_experts - 1`; `width` may be a slice of the expert's intermediate features.
+        [local_experts, hidden, 1, width] (the up projection alone) for a RELU2 `activation`.
+      down: [local_experts, width, hidden] the down projections (same slice, as rows).
+      expert_offset: Global id of this rank's first expert; a Python int or a traced int32
+        scalar (for example `axis_index * local_experts`, computed by the caller).
+      impl: How the grouped matmuls run.
+      even_share: The rows each local expert gets when the routing is even, which sizes the
+        capacities of `PADDED_BATCHED` (`capacity_buckets`); e.g. `T * k / num_experts` when
+        every rank sees all T tokens. None: `T * k / local_experts` (this rank holds every
+        expert).
+      tiling: The Pallas grouped matmuls' tiling, as `pallas_kernels.grouped_matmul` takes it
+        (a table by shape serves both projections); None for the tuned tables.
+      activation: What each expert computes between its projections.
+
+    Returns:
+      [T, k, hidden] in `x.dtype`: row (t, j) is `down(silu(gate(x_t)) * up(x_t))` (or
+      `down(relu(up(x_t))^2)`) of expert
+      `routing.experts[t, j]` over this rank's width slice if this rank holds that expert, zero
+      otherwise. The sum over the ranks that split the experts and the width completes it.
+    """
+    settings = (expert_offset, impl, even_share, tiling, activation)
+    return _routed_outputs(x, routing, gate_up, down, *settings, lambda out: out)
+
+
+def finalized_expert_outputs(
+    x: jax.Array,
+    routing: Routing,
+    gate_up: jax.Array,
+    down: jax.Array,
+    *,
+    shared: jax.Array | None = None,
+    expert_offset: int | jax.Array = 0,
+    impl: GroupedMatmulImpl = GroupedMatmulImpl.RAGGED_DOT,
+    even_share: float | None = None,
+    dtype: jnp.dtype | None = None,
+    tiling: Tiling | TilingTable | None = None,
+    activation: ExpertActivation = ExpertActivation.SWIGLU,
+) -> jax.Array:
+    """`finalize(MoeOutput(expert_outputs(...), routing, shared), dtype)`, combined where the
+    expert outputs are made: for a MoE that finalizes on the spot rather than handing the
+    finalize on.
+
+    Under `PADDED_BATCHED` the combine runs inside the capacity branch, so the branch returns
+    [T, hidden] rather than the [T * k, hidden] per-choice rows, which XLA would otherwise write
+    out of the branch and read back (on an H200, 4096 tokens of a 128-expert top-8 layer: 877
+    against 971 us, benchmarks/RESULTS.md run 16).
+
+    Args: as `expert_outputs`, plus `shared` ([T, hidden] this rank's shared-expert share, or
+    None) and `dtype` (the result's; None keeps `x.dtype`).
+
+    Returns:
+      [T, hidden]: this rank's finalized share, owing the same sum as `expert_outputs`.
+    """
+
+    def combine(outputs: jax.Array) -> jax.Array:
+        return finalize(MoeOutput(outputs, routing, shared), dtype)
+
+    settings = (expert_offset, impl, even_share, tiling, activation)
+    return _routed_outputs(x, routing, gate_up, down, *settings, combine)
+
+
+def _routed_outputs(
+    x, routing, gate_up, down, expert_offset, impl, even_share, tiling, activation, epilogue
+):
+    """`epilogue` of `expert_outputs`'s [T, k, hidden], applied inside PADDED_BATCHED's branch."""
+    local, hidden, width = _check_expert_weights(x, gate_up, down, activation)
+    tokens, top_k = routing.experts.shape
+    flat = routing.experts.reshape(-1) - expert_offset  # [T*k] local expert ids
+    held = (flat >= 0) & (flat < local)
+    if impl is GroupedMatmulImpl.DENSE:
+        dense = _dense_expert_outputs(x, flat, held, gate_up, down, activation)
+        return epilogue(dense.reshape(tokens, top_k, hidden))
+
+    def finish(rows: jax.Array) -> jax.Array:  # [T*k, hidden], held elsewhere unspecified
+        rows = jnp.where(held[:, None], rows, jnp.zeros_like(rows))
+        return epilogue(rows.reshape(tokens, top_k, hidden))
+
+    # The grouped matmuls: the impl itself, or PADDED_BATCHED's fallback past its buckets.
+    fallback = impl
+    if impl is GroupedMatmulImpl.GPU_BY_SIZE and tokens * top_k > TRITON_MAX_ROUTED_ROWS:
+        impl = GroupedMatmulImpl.PADDED_BATCHED
+    elif impl is GroupedMatmulImpl.PADDED_BATCHED:
+        fallback = GroupedMatmulImpl.RAGGED_DOT
+    # Sort the (token, choice) rows by local expert; rows of experts held elsewhere go last, as
+    # group `local`, which no matmul covers (ragged_dot leaves such rows zero; masked anyway).
+    order, positions, sizes = bj.group_order(jnp.where(held, flat, local), local + 1)
+    sorted_rows = SortedRows(order, positions, sizes[:local], jnp.where(held, flat, 0), top_k)
+    parts = activation.parts
+    weights = (gate_up.reshape(local, hidden, parts * width), down)  # gate | up as one matmul
+
+    def grouped() -> jax.Array:
+        rows = grouped_expert_outputs(x, sorted_rows, weights, fallback, tiling, activation)
+        return finish(rows)
+
+    def padded(capacity: int) -> jax.Array:
+        return finish(padded_expert_outputs(x, sorted_rows, weights, capacity, activation))
+
+    if impl is not GroupedMatmulImpl.PADDED_BATCHED:
+        return grouped()
+    share = tokens * top_k / local if even_share is None else even_share
+    buckets = capacity_buckets(share, tokens * top_k)
+    branches = [functools.partial(padded, capacity) for capacity in buckets]
+    # The first bucket that holds the busiest expert; past the last, the grouped matmuls.
+    pick = jnp.sum(jnp.asarray(buckets, jnp.int32) < jnp.max(sorted_rows.sizes))
+    return jax.lax.switch(pick, [*branches, grouped])
+
+
+# --------------------------------------------------------------------------------------------
+# Internals: the weight checks and the branches of `_routed_outputs`
+# --------------------------------------------------------------------------------------------
+
+
+def _check_expert_weights(x, gate_up, down, activation) -> tuple[int, int, int]:
+    want = activation.parts
+    for array, rank, what in (
+        (x, 2, "x [T, hidden]"),
+        (gate_up, 4, f"gate_up [local_experts, hidden, {want}, width]"),
+    ):
+        if array.ndim != rank:
+            raise ValueError(f"{what} must have rank {rank}; got shape {array.shape}")
+    local, hidden, parts, width = gate_up.shape
+    if parts != want or down.shape != (local, width, hidden) or x.shape[1] != hidden:
+        raise ValueError(
+            f"{activation.value} expert weights must be gate_up [local_experts, hidden, {want}, "
+            "width] and down "
+            f"[local_experts, width, hidden] with hidden = x.shape[1]; got {gate_up.shape=}, "
+            f"{down.shape=}, {x.shape=}"
+        )
+    return local, hidden, width
+
+
+def _dense_expert_outputs(x, flat, held, gate_up, down, activation) -> jax.Array:
+    """[T*k, hidden]: every token through every local expert, then each row's own expert."""
+    hp = jax.lax.Precision.HIGHEST
+    projected = jnp.einsum("th,lhpi->tlpi", x, gate_up, precision=hp)
+    hidden_rows = activation.apply(projected.reshape(*projected.shape[:2], -1))
+    all_out = jnp.einsum("tli,lih->tlh", hidden_rows, down, precision=hp)  # [T, L, hidden]
+    local = gate_up.shape[0]
+    top_k = flat.shape[0] // x.shape[0]
+    mask = (flat[:, None] == jnp.arange(local)[None, :]) & held[:, None]  # [T*k, L]
+    per_row = jnp.repeat(all_out, top_k, axis=0)  # row t*k + j is token t
+    return jnp.einsum("rl,rlh->rh", mask.astype(all_out.dtype), per_row, precision=hp)
+
+
+@dataclasses.dataclass(frozen=True)
+class SortedRows:
+    """The (token, choice) rows of one rank ordered by local expert (`bj.group_order`).
+
+    Attributes:
+      order: [T*k] the row at each place of the sorted order.
+      positions: [T*k] each row's place (`order`'s inverse).
+      sizes: [local experts] rows per local expert; the rows of experts held elsewhere come
+        after all of them.
+      local_expert: [T*k] each row's local expert (0 for rows held elsewhere).
+      top_k: Rows per token.
+    """
+
+    order: jax.Array
+    positions: jax.Array
+    sizes: jax.Array
+    local_expert: jax.Array
+    top_k: int
+
+
+def grouped_expert_outputs(
+    x: jax.Array,
+    rows: SortedRows,
+    weights: tuple[jax.Array, jax.Array],
+    impl: GroupedMatmulImpl,
+    tiling: Tiling | TilingTable | None = None,
+    activation: ExpertActivation = ExpertActivation.SWIGLU,
+) -> jax.Array:
+    """[T*k, hidden] in (token, choice) order, through grouped matmuls over the sorted rows
+    (`weights`: gate | up [local, hidden, parts x width] and down); rows held elsewhere come
+    back unspecified (zero for RAGGED_DOT). One branch of `expert_outputs`."""
+    gate_up, down = weights
+    sorted_x = jnp.take(x, rows.order // rows.top_k, axis=0)
+    matmul = functools.partial(grouped_matmul, group_sizes=rows.sizes, impl=impl, tiling=tiling)
+    hidden_rows = activation.apply(matmul(sorted_x, gate_up))
+    return jnp.take(matmul(hidden_rows, down), rows.positions, axis=0)
+
+
+def padded_expert_outputs(
+    x: jax.Array,
+    rows: SortedRows,
+    weights: tuple[jax.Array, jax.Array],
+    capacity: int,
+    activation: ExpertActivation = ExpertActivation.SWIGLU,
+) -> jax.Array:
+    """As `grouped_expert_outputs`, through batched matmuls over [local experts, `capacity`,
+    hidden]: expert e's rows in its first `sizes[e]` places (each at most `capacity`), the
+    rest padding that no row reads back. One branch of `expert_outputs` (PADDED_BATCHED)."""
+    gate_up, down = weights
+    local, hidden, _ = gate_up.shape
+    routed = rows.order.shape[0]
+    starts = jnp.cumsum(rows.sizes) - rows.sizes
+    place = jnp.arange(capacity, dtype=starts.dtype)
+    sorted_place = jnp.minimum(starts[:, None] + place[None, :], routed - 1)  # [local, C]
+    source = jnp.take(rows.order, sorted_place.reshape(-1)) // rows.top_k
+    expert = rows.local_expert
+    slot = expert * capacity + rows.positions - jnp.take(starts, expert)
+    slot = jnp.clip(slot, 0, local * capacity - 1)  # rows held elsewhere: any slot
+    # Materialized: fused into the gathers below, XLA recomputed this per element (2 ms
+    # instead of 40 us for a 32768-row layer on an H200).
+    source, slot = jax.lax.optimization_barrier((source, slot))
+    padded = jnp.take(x, source, axis=0).reshape(local, capacity, hidden)
+    # Full precision keeps float32 models exact; 16-bit matmuls take XLA's default.
+    full = jnp.finfo(x.dtype).bits > 16
+    batched = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST if full else None)
+    hidden_rows = activation.apply(batched("eck,ekn->ecn", padded, gate_up.astype(x.dtype)))
+    out = batched("ecw,ewh->ech", hidden_rows, down.astype(x.dtype))
+    return jnp.take(out.reshape(local * capacity, hidden), slot, axis=0)
