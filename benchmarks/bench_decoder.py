@@ -21,9 +21,7 @@ Run from the repository root: `python3 -m benchmarks.bench_decoder [parity] [fus
 import dataclasses
 import json
 import pathlib
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +32,7 @@ from boundary_jax.fusions import AddRmsNorm, FusionProvider, platform_fusions
 from models.build import build_model, load_model
 from models.serving.runtime import ShardedCausalLM
 
-from .common import LLAMA3_8B, header
+from .common import LLAMA3_8B, header, median_wall_ms
 
 GOLDEN = pathlib.Path(__file__).parents[1] / "tests" / "golden"
 # Llama-3-8B layers with a 32k vocabulary, 2 layers deep.
@@ -66,16 +64,6 @@ def parity() -> None:
                 print(f"| {name} | {label} | {error:.1e} | {same} |")
 
 
-def _median_ms(fn, repeats: int = 20) -> float:
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
 def fusions() -> None:
     topology = bj.Topology(attn_tp=2)
     mesh = bj.make_mesh(topology)
@@ -105,8 +93,8 @@ def fusions() -> None:
         times, outputs = {}, {}
         for name, runner in runners.items():
             packed = runner.pack(sequences)
-            times[name] = _median_ms(
-                lambda runner=runner, packed=packed: runner.forward_rows(packed)
+            times[name] = median_wall_ms(
+                lambda runner=runner, packed=packed: runner.forward_rows(packed), 20
             )
             outputs[name] = np.asarray(jax.device_get(runner.forward_rows(packed)), np.float32)
         off, fused = list(variants)[0], list(variants)[-1]
@@ -140,7 +128,7 @@ def policies() -> None:
         for runner in runners.values():
             packed = runner.pack(sequences)
             cells.append(
-                _median_ms(lambda runner=runner, packed=packed: runner.forward_rows(packed))
+                median_wall_ms(lambda runner=runner, packed=packed: runner.forward_rows(packed), 20)
             )
         print(f"| {rows} | " + " | ".join(f"{ms:.3f} ms" for ms in cells) + " |")
 

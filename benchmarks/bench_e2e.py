@@ -35,8 +35,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -56,7 +54,7 @@ from models.rows import RowsPhase, TokenRows, pack_sequences
 from models.serving.runtime import ShardedCausalLM
 from pallas_kernels import Impl
 
-from .common import LLAMA3_8B, header, print_table
+from .common import LLAMA3_8B, header, median_wall_ms, print_table
 
 # On CPU (a smoke run of this script) cuDNN stands in as XLA's own attention.
 KERNEL = "cudnn" if jax.default_backend() == "gpu" else "xla"
@@ -279,18 +277,6 @@ def make_baseline(config: DecoderConfig, cudnn: bool, scan: bool = False):
 # -- timing and the roofline ---------------------------------------------------------------
 
 
-def _median_ms(call, repeats: int = 7) -> float:
-    """Median wall time of `call()` (which returns something to block on), after 2 warm-ups."""
-    for _ in range(2):
-        jax.block_until_ready(call())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(call())
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
 def weight_bytes_per_gpu(config: DecoderConfig, tp: int) -> float:
     """Bytes of the weights a decode step reads per GPU (bf16; the embedding reads few rows)."""
     h, d = config.hidden_size, config.head_dim
@@ -430,7 +416,7 @@ def run_config(
             tokens, caches[0] = runner.prefill(rows, batch, caches[0], last_rows, key)
             return tokens
 
-        times["project"] = _median_ms(project_prefill)
+        times["project"] = median_wall_ms(project_prefill)
         del caches[0]
         for name, (_, step, _) in baselines.items():
             holder = [zero_caches(sequences, length)]
@@ -439,7 +425,7 @@ def run_config(
                 tokens, holder[0] = step(params, ids, holder[0])
                 return tokens
 
-            times[name] = _median_ms(baseline_prefill)
+            times[name] = median_wall_ms(baseline_prefill)
             del holder[0]
         flops = prefill_flops_per_gpu(config, tp, sequences, length)
         roof = flops / PEAK_FLOPS * 1e3
@@ -471,7 +457,7 @@ def run_config(
                 out, caches[0] = runner.decode(rows, batch, caches[0], key, STEPS, capacity=STEPS)
                 return out
 
-            times["project"] = _median_ms(project_decode, repeats=5) / STEPS
+            times["project"] = median_wall_ms(project_decode, repeats=5) / STEPS
             del caches[0]
             tokens = jax.device_put(np.zeros(sequences, np.int32), replicated)
             positions = jax.device_put(np.full(sequences, start, np.int32), replicated)
@@ -482,7 +468,7 @@ def run_config(
                     out, holder[0] = decode(params, tokens, positions, holder[0], STEPS)
                     return out
 
-                times[name] = _median_ms(baseline_decode, repeats=5) / STEPS
+                times[name] = median_wall_ms(baseline_decode, repeats=5) / STEPS
                 del holder[0]
             context = start + STEPS / 2
             nbytes = weight_bytes_per_gpu(config, tp) + kv_bytes_per_gpu(
@@ -541,8 +527,8 @@ def generate_check(config: DecoderConfig, tp: int) -> None:
     new = 129
     for n in (1, new):
         runner.generate(prompts, n)  # compile
-    one = _median_ms(lambda: runner.generate(prompts, 1), repeats=3)
-    full = _median_ms(lambda: runner.generate(prompts, new), repeats=3)
+    one = median_wall_ms(lambda: runner.generate(prompts, 1), repeats=3)
+    full = median_wall_ms(lambda: runner.generate(prompts, new), repeats=3)
     per_token = (full - one) / (new - 1)
     rows, batch = _decode_inputs(runner, 64, 64)
     caches = [runner.new_caches(64, 256)]
@@ -553,7 +539,7 @@ def generate_check(config: DecoderConfig, tp: int) -> None:
         )
         return out
 
-    step = _median_ms(loop, repeats=3) / (new - 1)
+    step = median_wall_ms(loop, repeats=3) / (new - 1)
     print(
         f"\ngenerate(): 64 prompts of 64 tokens, {config.num_layers} layers TP {tp}: "
         f"{per_token:.3f} ms per new token (generate({new}) - generate(1)) / {new - 1}; "

@@ -65,12 +65,11 @@ from .bench_e2e import (
     PEAK_FLOPS,
     STEPS,
     _decode_inputs,
-    _median_ms,
     kv_bytes_per_gpu,
     prefill_flops_per_gpu,
     weight_bytes_per_gpu,
 )
-from .common import LLAMA3_8B, header, kernel_ms, print_table, relative_error
+from .common import LLAMA3_8B, header, kernel_ms, median_wall_ms, print_table, relative_error
 
 FP8_PEAK_FLOPS = 2 * PEAK_FLOPS
 SMOKE = False  # set by --smoke: tiny shapes, XLA and interpreted kernels on CPU
@@ -157,7 +156,7 @@ def e2e(config: DecoderConfig, fp8_fusions: str, cases: list[str] | None) -> lis
                 out, caches[0] = runner.decode(rows, batch, caches[0], key, STEPS, capacity=STEPS)
                 return out
 
-            times[name] = _median_ms(decode, repeats=5) / STEPS
+            times[name] = median_wall_ms(decode, repeats=5) / STEPS
             del caches[0]
             nbytes = bytes_of[name](config, 1) + kv_bytes_per_gpu(
                 config, 1, sequences, start + STEPS / 2
@@ -182,7 +181,7 @@ def e2e(config: DecoderConfig, fp8_fusions: str, cases: list[str] | None) -> lis
                 tokens, caches[0] = runner.prefill(rows, batch, caches[0], last_rows, key)
                 return tokens
 
-            times[name] = _median_ms(prefill)
+            times[name] = median_wall_ms(prefill)
             del caches[0]
             peak = FP8_PEAK_FLOPS if name == "fp8" else PEAK_FLOPS
             roofs[name] = prefill_flops_per_gpu(config, 1, 8, 512) / peak * 1e3 / times[name]

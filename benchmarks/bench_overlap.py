@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -35,21 +33,9 @@ import boundary_jax as bj
 from models.build import build_model
 from models.serving.runtime import ShardedCausalLM
 
-from .common import LLAMA3_8B, header
+from .common import LLAMA3_8B, header, median_wall_ms
 
 _SCOPE = re.compile(r"microbatch_(\d)/")
-
-
-def median_ms(call, repeats: int = 10) -> float:
-    """Median wall time of `call()` in ms, after 2 warm-ups."""
-    for _ in range(2):
-        jax.block_until_ready(call())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(call())
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def replay_collectives(report: bj.CollectiveReport, mesh, topology: bj.Topology, dtype):
@@ -139,10 +125,10 @@ def run(layers: int, dp: int, tp: int, sequences: int, tokens: int, smoke: bool)
     logits = {r: r.forward(prompts) for r in (one, tbo)}
     scale = float(np.max(np.abs(logits[one])))
     error = float(np.max(np.abs(logits[tbo] - logits[one]))) / scale
-    times = {r: median_ms(lambda r=r: r.forward_placed(*placed[r])) for r in (one, tbo)}
+    times = {r: median_wall_ms(lambda r=r: r.forward_placed(*placed[r]), 10) for r in (one, tbo)}
     compiled = one.lower_forward(prompts).compile()
     replay, count = replay_collectives(bj.parse_hlo(compiled.as_text()), mesh, topology, dtype)
-    comm = median_ms(replay)
+    comm = median_wall_ms(replay, 10)
     hidden = min(max((times[one] - times[tbo]) / comm, 0.0), 1.0) if comm > 0 else 0.0
     covered, pairs = overlapped_share(tbo.lower_forward(prompts).compile().as_text())
     print(
