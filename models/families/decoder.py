@@ -32,6 +32,7 @@ from ..layers.kv_cache import KVCache
 from ..layers.linear import DENSE_LINEARS, Linears, ParallelLMHead, VocabParallelEmbedding
 from ..layers.mlp import SwiGLU
 from ..rows import TokenRows
+from .attention_first import AttentionFirstLayer, attend_rows
 from .designs import (
     HyperConnected,
     LayerDesign,
@@ -67,7 +68,7 @@ class Remat(enum.Enum):
         return None
 
 
-class DecoderLayer(nnx.Module):
+class DecoderLayer(AttentionFirstLayer):
     """Attention + an FFN, joined to its neighbours by two stage boundaries; the norms around
     them are the layer's own modules, placed as the model's residual design says.
 
@@ -104,35 +105,6 @@ class DecoderLayer(nnx.Module):
         """The layer's stage boundaries by name, in stack order (for plan reports)."""
         return ("attention", self.attn_boundary), ("ffn", self.ffn_boundary)
 
-    def __call__(
-        self,
-        x: jax.Array | bj.OwedOutput,
-        stream: bj.ResidualStream,
-        rows: TokenRows,
-        cache: KVCache | None,
-    ) -> tuple[bj.OwedOutput, bj.ResidualStream, KVCache | None]:
-        h, stream = self.attn_boundary.prepare(x, stream)
-        return self.run_stages(h, stream, rows, cache)
-
-    def captured(
-        self,
-        x: jax.Array | bj.OwedOutput,
-        stream: bj.ResidualStream,
-        rows: TokenRows,
-        cache: KVCache | None,
-    ) -> tuple[bj.OwedOutput, bj.ResidualStream, KVCache | None, jax.Array]:
-        """`__call__`, also returning the residual stream entering this layer (an auxiliary
-        hidden state, as EAGLE-3 drafting reads it) on the attention's rows.
-
-        For layer i that is transformers' `output_hidden_states[i]`: the stack input (the
-        embedding output) for layer 0, else the residual after layer i - 1's FFN update. The
-        sum the previous stage owes completes unfused before the attention's add + norm (the
-        same collectives run); a residual on attention-TP slices is gathered for the capture.
-        """
-        h, stream, hidden = self.attn_boundary.prepare_captured(x, stream, gathered=True)
-        x, stream, cache = self.run_stages(h, stream, rows, cache)
-        return x, stream, cache, hidden
-
     def run_stages(
         self, h: jax.Array, stream: bj.ResidualStream, rows: TokenRows, cache: KVCache | None
     ) -> tuple[bj.OwedOutput, bj.ResidualStream, KVCache | None]:
@@ -148,14 +120,7 @@ class DecoderLayer(nnx.Module):
         self, h: jax.Array, rows: TokenRows, cache: KVCache | None
     ) -> tuple[jax.Array, KVCache | None]:
         """The attention's compute: its o_proj partial on `h`'s rows, and the updated cache."""
-        return self.attn(
-            h,
-            rows.positions,
-            rows.segment_ids,
-            cache,
-            phase=rows.phase,
-            max_sequence_rows=rows.max_sequence_rows,
-        )
+        return attend_rows(self.attn, h, rows, cache)
 
     def run_ffn(
         self, h: jax.Array, stream: bj.ResidualStream

@@ -43,6 +43,7 @@ from ..layers.mla import LatentCache, MultiHeadLatentAttention
 from ..layers.mlp import SwiGLU
 from ..layers.moe import GroupedMatmulImpl
 from ..rows import TokenRows
+from .attention_first import AttentionFirstLayer, attend_rows
 from .decoder import Remat
 from .designs import StageDesigns
 from .moe import MoeCausalLM
@@ -64,7 +65,7 @@ class LongcatCache:
     attn_1: LatentCache
 
 
-class LongcatDecoderLayer(nnx.Module):
+class LongcatDecoderLayer(AttentionFirstLayer):
     """Two latent attentions, two dense FFNs and one MoE: the attention and the MoE on the main
     chain, the dense FFN, attention and dense FFN a branch prepared from the MoE's input.
 
@@ -142,35 +143,12 @@ class LongcatDecoderLayer(nnx.Module):
             ("branch ffn 1", self.mlps_1_boundary),
         )
 
-    def __call__(
-        self,
-        x: jax.Array | bj.OwedOutput,
-        stream: bj.ResidualStream,
-        rows: TokenRows,
-        cache: LongcatCache | None,
-    ) -> tuple[bj.OwedOutput, bj.ResidualStream, LongcatCache | None]:
-        h, stream = self.attn_boundary.prepare(x, stream)
-        return self.run_stages(h, stream, rows, cache)
-
-    def captured(
-        self,
-        x: jax.Array | bj.OwedOutput,
-        stream: bj.ResidualStream,
-        rows: TokenRows,
-        cache: LongcatCache | None,
-    ) -> tuple[bj.OwedOutput, bj.ResidualStream, LongcatCache | None, jax.Array]:
-        """`__call__`, also returning the residual entering the layer on the attention's rows
-        (transformers' `output_hidden_states[i]`), as `DecoderLayer.captured`."""
-        h, stream, hidden = self.attn_boundary.prepare_captured(x, stream, gathered=True)
-        x, stream, cache = self.run_stages(h, stream, rows, cache)
-        return x, stream, cache, hidden
-
     def run_stages(
         self, h: jax.Array, stream: bj.ResidualStream, rows: TokenRows, cache: LongcatCache | None
     ) -> tuple[bj.OwedOutput, bj.ResidualStream, LongcatCache | None]:
         """The layer after its first attention's input: attention, the MoE's input, the branch
         forked from it, the MoE, the branch's stages, and the merge."""
-        y, cache_0 = self._attend(self.attn_0, h, rows, None if cache is None else cache.attn_0)
+        y, cache_0 = attend_rows(self.attn_0, h, rows, None if cache is None else cache.attn_0)
         x, stream = self.attn_boundary.finish(y, stream)
         h, stream = self.moe_boundary.prepare(x, stream)
         g, stream, branch = bj.branch_input(self.mlps_0_boundary, self.moe_boundary, h, stream)
@@ -178,24 +156,13 @@ class LongcatDecoderLayer(nnx.Module):
         x, stream = exit.finish(self.mlp(h, defer=exit.defer_moe_finalize), stream)
         y, branch = self.mlps_0_boundary.finish(self.mlps_0(g), branch)
         g, branch = self.attn_1_boundary.prepare(y, branch)
-        y, cache_1 = self._attend(self.attn_1, g, rows, None if cache is None else cache.attn_1)
+        y, cache_1 = attend_rows(self.attn_1, g, rows, None if cache is None else cache.attn_1)
         y, branch = self.attn_1_boundary.finish(y, branch)
         g, branch = self.mlps_1_boundary.prepare(y, branch)
         y, branch = self.mlps_1_boundary.finish(self.mlps_1(g), branch)
         y, branch = bj.branch_output(self.mlps_1_boundary, y, branch)
         x, stream = bj.merge_branch(x, stream, y, branch)
         return x, stream, None if cache is None else LongcatCache(cache_0, cache_1)
-
-    @staticmethod
-    def _attend(attn, h, rows: TokenRows, cache: LatentCache | None):
-        return attn(
-            h,
-            rows.positions,
-            rows.segment_ids,
-            cache,
-            phase=rows.phase,
-            max_sequence_rows=rows.max_sequence_rows,
-        )
 
 
 class LongcatFlashForCausalLM(MoeCausalLM):

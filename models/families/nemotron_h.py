@@ -37,6 +37,7 @@ from ..layers.mamba2 import Mamba2Cache, Mamba2Mixer
 from ..layers.moe import GroupedMatmulImpl
 from ..layers.relu2_mlp import Relu2Mlp
 from ..rows import TokenRows
+from .attention_first import attend_rows
 from .decoder import Remat
 from .designs import NormSpec, StageDesigns
 from .moe import MoeCausalLM
@@ -83,14 +84,7 @@ class SingleStageLayer(nnx.Module):
             case HybridLayer.MAMBA2:
                 y, cache = self.mixer(h, rows.positions, rows.segment_ids, cache, phase=rows.phase)
             case HybridLayer.ATTENTION:
-                y, cache = self.mixer(
-                    h,
-                    rows.positions,
-                    rows.segment_ids,
-                    cache,
-                    phase=rows.phase,
-                    max_sequence_rows=rows.max_sequence_rows,
-                )
+                y, cache = attend_rows(self.mixer, h, rows, cache)
             case HybridLayer.MLP:
                 y = self.mixer(h)
             case HybridLayer.MOE:
