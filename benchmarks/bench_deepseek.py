@@ -51,12 +51,11 @@ from models.layers.routed_experts import finalized_expert_outputs
 from models.rows import RowsPhase, TokenRows, pack_sequences
 from models.serving.runtime import ShardedCausalLM
 
-from .bench_e2e import HBM_BYTES_PER_S, PEAK_FLOPS, auto_mesh
+from .bench_e2e import HBM_BYTES_PER_S, KERNEL, PEAK_FLOPS, auto_mesh
 from .common import header, median_wall_ms, print_table, profile_into
 
 STEPS = 32
 CACHE = 4096
-KERNEL = "cudnn" if jax.default_backend() == "gpu" else "xla"
 DEEPSEEK_V2_LITE = {
     "architectures": ["DeepseekV2ForCausalLM"],
     "model_type": "deepseek_v2",

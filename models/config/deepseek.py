@@ -152,7 +152,7 @@ class MlaConfig:
                 f"must equal num_attention_heads ({heads}); got {config['num_key_value_heads']}"
             )
         interleaved = model_type == "deepseek_v2" or config.get("rope_interleave", True)
-        theta, scaling = _read_rope(config)
+        theta, scaling = read_deepseek_rope(config)
         return cls(
             hidden_size=config["hidden_size"],
             num_heads=heads,
@@ -167,7 +167,8 @@ class MlaConfig:
         )
 
 
-def _read_rope(config: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
+def read_deepseek_rope(config: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
+    """RoPE base and scaling of a DeepSeek-style config (top level or `rope_parameters`)."""
     parameters = config.get("rope_parameters") or {}
     scaling = config.get("rope_scaling") or parameters
     theta = parameters.get("rope_theta", config.get("rope_theta"))

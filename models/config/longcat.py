@@ -17,7 +17,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .deepseek import DeepseekRouting, ExpertScoring, MlaConfig, _read_rope, mla_rope_parameters
+from .deepseek import (
+    DeepseekRouting,
+    ExpertScoring,
+    MlaConfig,
+    mla_rope_parameters,
+    read_deepseek_rope,
+)
 from .types import Architecture, DecoderConfig, MoeConfig
 
 MODEL_TYPE = "longcat_flash"
@@ -69,7 +75,7 @@ def read_longcat_config(config: Mapping[str, Any]) -> DecoderConfig:
             "required to build the decoder"
         )
     _check_unsupported(config)
-    theta, scaling = _read_rope(config)
+    theta, scaling = read_deepseek_rope(config)
     heads = config["num_attention_heads"]
     if config.get("num_key_value_heads") not in (None, heads):
         raise ValueError(
