@@ -13,6 +13,11 @@ from .hybrid import HybridMoeConfig as HybridMoeConfig
 from .hybrid import Mamba2Spec as Mamba2Spec
 from .hybrid import parse_pattern as parse_pattern
 from .presets import PRESETS as PRESETS
+from .rope_scaling import LinearRopeScaling as LinearRopeScaling
+from .rope_scaling import Llama3RopeScaling as Llama3RopeScaling
+from .rope_scaling import RopeScaling as RopeScaling
+from .rope_scaling import YarnRopeScaling as YarnRopeScaling
+from .rope_scaling import yarn_mscale as yarn_mscale
 from .types import MLA_ARCHITECTURES as MLA_ARCHITECTURES
 from .types import MOE_ARCHITECTURES as MOE_ARCHITECTURES
 from .types import Activation as Activation
@@ -22,12 +27,7 @@ from .types import AttentionSpec as AttentionSpec
 from .types import DecoderConfig as DecoderConfig
 from .types import LayerAttention as LayerAttention
 from .types import LayerBlock as LayerBlock
-from .types import LinearRopeScaling as LinearRopeScaling
-from .types import Llama3RopeScaling as Llama3RopeScaling
 from .types import MoeConfig as MoeConfig
 from .types import QkNorm as QkNorm
 from .types import ResidualDesign as ResidualDesign
-from .types import RopeScaling as RopeScaling
-from .types import YarnRopeScaling as YarnRopeScaling
 from .types import padded_vocab as padded_vocab
-from .types import yarn_mscale as yarn_mscale

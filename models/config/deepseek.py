@@ -17,15 +17,8 @@ import enum
 from collections.abc import Mapping
 from typing import Any
 
-from .types import (
-    Architecture,
-    DecoderConfig,
-    LinearRopeScaling,
-    Llama3RopeScaling,
-    MoeConfig,
-    RopeScaling,
-    YarnRopeScaling,
-)
+from .rope_scaling import LinearRopeScaling, Llama3RopeScaling, RopeScaling, YarnRopeScaling
+from .types import Architecture, DecoderConfig, MoeConfig
 
 MODEL_TYPES = {Architecture.DEEPSEEK_V2: "deepseek_v2", Architecture.DEEPSEEK_V3: "deepseek_v3"}
 """The `model_type` of each DeepSeek architecture."""

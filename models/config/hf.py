@@ -15,6 +15,7 @@ from typing import Any
 from .deepseek import read_deepseek_config, write_deepseek_config
 from .hf_hybrid import read_nemotron_h, write_nemotron_h
 from .longcat import read_longcat_config, write_longcat_config
+from .rope_scaling import LinearRopeScaling, Llama3RopeScaling, RopeScaling
 from .types import (
     MLA_ARCHITECTURES,
     MOE_ARCHITECTURES,
@@ -22,10 +23,7 @@ from .types import (
     Architecture,
     AttentionKind,
     DecoderConfig,
-    LinearRopeScaling,
-    Llama3RopeScaling,
     MoeConfig,
-    RopeScaling,
 )
 
 

@@ -7,7 +7,8 @@ import dataclasses
 from .deepseek import DeepseekRouting, ExpertScoring, GroupScore, MlaConfig
 from .hf_hybrid import NO_ROPE_THETA
 from .hybrid import HybridConfig, HybridMoeConfig, Mamba2Spec, parse_pattern
-from .types import Architecture, DecoderConfig, Llama3RopeScaling, MoeConfig, YarnRopeScaling
+from .rope_scaling import Llama3RopeScaling, YarnRopeScaling
+from .types import Architecture, DecoderConfig, MoeConfig
 
 PRESETS: dict[str, DecoderConfig] = {
     "tiny-qwen3": DecoderConfig(
