@@ -117,9 +117,8 @@ class ShardedCausalLM:
         self.check_vma = check_vma
         self.dtype = model.final_norm.weight[...].dtype
         self.matmul_precision = resolve_matmul_precision(matmul_precision, self.dtype)
-        self._graphdef = nnx.split(model)[0]
         self._sharded = bj.ShardedModule(model, mesh)
-        self._state = self._sharded.state
+        self._leaves = self._sharded.leaves
         rows = model.topology.row_spec(model.topology.attention_rows())
         self._rows = rows
         self._variant = (
@@ -155,12 +154,12 @@ class ShardedCausalLM:
     @property
     def model(self) -> CausalLM:
         """The model over the placed (sharded) state; no copy is made."""
-        return nnx.merge(self._graphdef, self._state)
+        return self._sharded.module
 
     @property
     def state(self) -> nnx.State:
         """The placed parameters (global arrays sharded over the mesh)."""
-        return self._state
+        return self._sharded.state
 
     # -- placing inputs -------------------------------------------------------------------
 
@@ -222,11 +221,11 @@ class ShardedCausalLM:
 
     def forward_rows(self, packed: PackedBatch) -> jax.Array:
         """[attn_dp * rows_per_rank, vocab] logits of packed rows (attention within the batch)."""
-        return self._forward(self._state, *self.place(packed))
+        return self._forward(self._leaves, *self.place(packed))
 
     def forward_placed(self, rows: TokenRows, batch: bj.BatchFacts) -> jax.Array:
         """`forward_rows` on rows already placed by `place`."""
-        return self._forward(self._state, rows, batch)
+        return self._forward(self._leaves, rows, batch)
 
     def forward(self, sequences: Sequence[Sequence[int]]) -> np.ndarray:
         """float32 logits [sequences, longest, vocab] of ragged token-id lists, zero past ends."""
@@ -235,7 +234,7 @@ class ShardedCausalLM:
 
     def lower_forward(self, sequences: Sequence[Sequence[int]]):
         """The lowered (not yet compiled) sharded forward for these sequences' shapes."""
-        return self._forward.lower(self._state, *self.place(self.pack(sequences)))
+        return self._forward.lower(self._leaves, *self.place(self.pack(sequences)))
 
     def forward_captured(
         self,
@@ -263,7 +262,7 @@ class ShardedCausalLM:
         self._reject_overlap("forward_captured")
         packed = self.pack(sequences)
         program = self._captured_program(tuple(capture_layers))
-        logits, hidden = jax.device_get(program(self._state, *self.place(packed)))
+        logits, hidden = jax.device_get(program(self._leaves, *self.place(packed)))
         return packed.unpack(logits), np.moveaxis(packed.unpack(np.moveaxis(hidden, 0, 1)), 2, 0)
 
     def lower_forward_captured(
@@ -274,7 +273,7 @@ class ShardedCausalLM:
         """The lowered (not yet compiled) `forward_captured` program for these shapes."""
         self._reject_overlap("lower_forward_captured")
         program = self._captured_program(tuple(capture_layers))
-        return program.lower(self._state, *self.place(self.pack(sequences)))
+        return program.lower(self._leaves, *self.place(self.pack(sequences)))
 
     def _reject_overlap(self, what: str) -> None:
         if self.two_batch_overlap:
@@ -325,7 +324,7 @@ class ShardedCausalLM:
           (int32 [attn_dp * slots per rank] next token per slot, in slot order; the caches).
         """
         program = self._program(self._prefill_program, sampling)
-        return program(self._state, rows, batch, caches, last_rows, key)
+        return program(self._leaves, rows, batch, caches, last_rows, key)
 
     def decode(
         self,
@@ -360,7 +359,7 @@ class ShardedCausalLM:
         """
         program = self._program(self._decode_program, sampling, capacity)
         steps, first_step = jnp.asarray(steps, jnp.int32), jnp.asarray(first_step, jnp.int32)
-        return program(self._state, rows, batch, caches, key, steps, first_step)
+        return program(self._leaves, rows, batch, caches, key, steps, first_step)
 
     def lower_prefill(
         self,
@@ -374,7 +373,7 @@ class ShardedCausalLM:
     ):
         """The lowered (not yet compiled) `prefill` program for these placed inputs."""
         program = self._program(self._prefill_program, sampling)
-        return program.lower(self._state, rows, batch, caches, last_rows, key)
+        return program.lower(self._leaves, rows, batch, caches, last_rows, key)
 
     def lower_decode(
         self,
@@ -390,7 +389,7 @@ class ShardedCausalLM:
         """The lowered (not yet compiled) `decode` program for these placed inputs."""
         program = self._program(self._decode_program, sampling, capacity)
         steps, first_step = jnp.asarray(steps, jnp.int32), jnp.asarray(0, jnp.int32)
-        return program.lower(self._state, rows, batch, caches, key, steps, first_step)
+        return program.lower(self._leaves, rows, batch, caches, key, steps, first_step)
 
     def compiled_shapes(self) -> dict[tuple, int]:
         """Per program built so far (forward, prefill, decode, captured), how many input shapes

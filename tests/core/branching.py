@@ -201,17 +201,17 @@ def reference(stacks: list[BranchStack], x: jax.Array, dp: int, counts) -> jax.A
 
 @dataclasses.dataclass(frozen=True)
 class Built:
-    """A sharded stand-in model with branches: its stacks, placed state and jitted program."""
+    """A sharded stand-in model with branches: its stacks, sharded module and jitted program."""
 
     model: Branched
     stacks: list
-    state: object
+    sharded: bj.ShardedModule
     place: Callable
     programs: Callable
 
     @property
     def program(self) -> Callable:
-        """The jitted `f(state, placed_x, batch)` for ordinary batches."""
+        """The jitted `f(leaves, placed_x, batch)` for ordinary batches."""
         return self.programs(bj.BatchVariant.ORDINARY)
 
     def batch(self, x, counts, variant=bj.BatchVariant.ORDINARY) -> bj.BatchFacts:
@@ -219,11 +219,13 @@ class Built:
 
     def run(self, x, counts, variant=bj.BatchVariant.ORDINARY):
         """The output rows for stack input `x` and per-DP-rank token `counts`."""
-        return self.programs(variant)(self.state, self.place(x), self.batch(x, counts, variant))
+        return self.programs(variant)(
+            self.sharded.leaves, self.place(x), self.batch(x, counts, variant)
+        )
 
     def report(self, x, counts) -> CollectiveReport:
         """The collectives the compiled program runs."""
-        lowered = self.program.lower(self.state, self.place(x), self.batch(x, counts))
+        lowered = self.program.lower(self.sharded.leaves, self.place(x), self.batch(x, counts))
         return parse_hlo(lowered.compile().as_text())
 
 
@@ -259,7 +261,7 @@ def build(model: Branched, cut: int | None = None, *, check_vma: bool = True) ->
     def place(x):
         return jax.device_put(input_shares(x, model.tp), NamedSharding(mesh, in_rows))
 
-    return Built(model, list(stacks), sharded.state, place, programs)
+    return Built(model, list(stacks), sharded, place, programs)
 
 
 @functools.cache

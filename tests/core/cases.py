@@ -35,13 +35,13 @@ class Case:
     scattered: bool
     model: StandInDecoder
     fn: object
-    state: object
+    leaves: object
     place: object
     report: CollectiveReport
     reference: object
 
     def run(self, x, counts):
-        return self.fn(self.state, self.place(x), make_batch(self.setup, self.scattered, counts))
+        return self.fn(self.leaves, self.place(x), make_batch(self.setup, self.scattered, counts))
 
 
 def plan_key(model: StandInDecoder) -> tuple:
@@ -68,12 +68,12 @@ def compiled(setup: Setup, scattered: bool) -> Case:
     if key not in _compiled:
         with jax.enable_x64(True):
             batch = make_batch(setup, scattered, np.full(setup.dp, ROWS))
-            fn, state, place = sharded_forward(model, setup, batch)
+            fn, leaves, place = sharded_forward(model, setup, batch)
             x = np.zeros((setup.dp * ROWS, HIDDEN))
-            lowered = fn.lower(state, place(x), batch)
+            lowered = fn.lower(leaves, place(x), batch)
             report = parse_hlo(lowered.compile().as_text())
         want = jax.jit(functools.partial(reference, model, setup=setup))
-        _compiled[key] = Case(setup, scattered, model, fn, state, place, report, want)
+        _compiled[key] = Case(setup, scattered, model, fn, leaves, place, report, want)
     return _compiled[key]
 
 

@@ -232,26 +232,26 @@ class Built:
 
     Attributes:
       stacks: Its stacks (one, or the two sides of a cut).
-      state: Their parameters placed on the mesh.
+      sharded: Their parameters placed on the mesh.
       place: Places a stack input `x` [dp * rows, HIDDEN] as per-rank shares.
-      program: `program(variant)` is the jitted `f(state, placed_x, batch)`.
+      program: `program(variant)` is the jitted `f(leaves, placed_x, batch)`.
     """
 
     model: Hetero
     stacks: list
-    state: object
+    sharded: bj.ShardedModule
     place: Callable
     program: Callable
 
     def run(self, x, counts, variant):
         """The output rows for stack input `x` and per-DP-rank token `counts`."""
         batch = make_batch(self.model, variant, counts, x.shape[0] // self.model.dp)
-        return self.program(variant)(self.state, self.place(x), batch)
+        return self.program(variant)(self.sharded.leaves, self.place(x), batch)
 
     def report(self, x, counts, variant) -> CollectiveReport:
         """The collectives the compiled program runs."""
         batch = make_batch(self.model, variant, counts, x.shape[0] // self.model.dp)
-        lowered = self.program(variant).lower(self.state, self.place(x), batch)
+        lowered = self.program(variant).lower(self.sharded.leaves, self.place(x), batch)
         return parse_hlo(lowered.compile().as_text())
 
 
@@ -297,7 +297,7 @@ def build(
     def place(x):
         return jax.device_put(input_shares(x, model.tp), NamedSharding(mesh, in_rows))
 
-    return Built(model, list(stacks), sharded.state, place, program)
+    return Built(model, list(stacks), sharded, place, program)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,21 +308,21 @@ class BuiltMany:
     Attributes:
       models: The models, in output order.
       stacks: One stack per model.
-      state: Their parameters placed on the mesh.
+      sharded: Their parameters placed on the mesh.
       place: Places a stack input `x` [dp * rows, HIDDEN] as per-rank shares.
-      program: The jitted `f(state, placed_x, batch)` -> [models, dp * rows, HIDDEN].
+      program: The jitted `f(leaves, placed_x, batch)` -> [models, dp * rows, HIDDEN].
     """
 
     models: tuple[Hetero, ...]
     stacks: list
-    state: object
+    sharded: bj.ShardedModule
     place: Callable
     program: Callable
 
     def run(self, x, counts) -> jax.Array:
         """Every model's output rows for stack input `x` and per-DP-rank token `counts`."""
         batch = make_batch(self.models[0], bj.BatchVariant.ORDINARY, counts)
-        return self.program(self.state, self.place(x), batch)
+        return self.program(self.sharded.leaves, self.place(x), batch)
 
 
 def build_many(models: tuple[Hetero, ...]) -> BuiltMany:
@@ -356,4 +356,4 @@ def build_many(models: tuple[Hetero, ...]) -> BuiltMany:
     def place(x):
         return jax.device_put(input_shares(x, first.tp), NamedSharding(mesh, in_rows))
 
-    return BuiltMany(tuple(models), list(stacks), sharded.state, place, program)
+    return BuiltMany(tuple(models), list(stacks), sharded, place, program)

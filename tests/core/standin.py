@@ -211,8 +211,8 @@ def sharded_forward(
     body: Callable | None = None,
     out_layout: bj.Layout | None = None,
 ):
-    """A jitted sharded forward `f(state, x, batch)`, the state placed on the mesh, and a
-    function that places a stack input `x` [dp*rows, HIDDEN].
+    """A jitted sharded forward `f(leaves, x, batch)`, the state placed on the mesh (as the
+    `ShardedModule`'s leaves), and a function that places a stack input `x` [dp*rows, HIDDEN].
 
     `body(model, x, batch)` replaces the model's own forward; its output rows follow
     `out_layout` (default: the attention's rows).
@@ -230,12 +230,11 @@ def sharded_forward(
         out_specs=out_rows,
         check_vma=check_vma,
     )
-    placed = sharded.state
 
     def place(x):
         return jax.device_put(stack_input(setup, x), NamedSharding(mesh, in_rows))
 
-    return fn, placed, place
+    return fn, sharded.leaves, place
 
 
 def reference(model: StandInDecoder, x: jax.Array, setup: Setup, counts) -> jax.Array:

@@ -124,9 +124,10 @@ def test_gradients_equal_one_device(layers, dp, tp, policy):
         placed, batch = run.place(x), run.batch(x, counts)
         graphdef, plain = nnx.split(nnx.List(run.stacks))
         with jax.set_mesh(make_mesh(dp, tp)):
-            got = jax.jit(jax.grad(lambda s: jnp.sum(run.program(s, placed, batch) * weights)))(
-                run.state
+            grads = jax.jit(jax.grad(lambda s: jnp.sum(run.program(s, placed, batch) * weights)))(
+                run.sharded.leaves
             )
+            got = run.sharded.state_of(grads)
         want = jax.grad(
             lambda s: jnp.sum(reference(list(nnx.merge(graphdef, s)), x, dp, counts) * weights)
         )(plain)
@@ -428,7 +429,7 @@ def test_a_branch_from_a_branch_stage_equals_one_device():
         placed = jax.device_put(
             input_shares(x, 2), NamedSharding(make_mesh(1, 2), P(None, "attn_tp"))
         )
-        got = run(sharded.state, placed, bj.BatchFacts.ordinary(topology))
+        got = run(sharded.leaves, placed, bj.BatchFacts.ordinary(topology))
         assert _error(got, model.reference(x)) < 1e-12
 
 
@@ -456,7 +457,7 @@ def test_scanned_layers_with_branches_equal_the_unrolled_stack():
         spec = bj.BatchFacts(bj.BatchVariant.ORDINARY, model.topology, P())
         in_rows = P(None, "attn_tp")
         scanned = sharded.program(body, in_specs=(in_rows, spec), out_specs=P())
-        got = scanned(sharded.state, run.place(x), run.batch(x, counts))
+        got = scanned(sharded.leaves, run.place(x), run.batch(x, counts))
         assert _error(got, run.run(x, counts)) < 1e-12
 
 

@@ -58,13 +58,13 @@ def _captured(model, x, batch, scan: bool):
 
 
 def _programs(setup, scattered, scan):
-    """(plain forward, capturing forward, state, place, batch, model) in float64."""
+    """(plain forward, capturing forward, leaves, place, batch, model) in float64."""
     topology = setup.topology
     rows = topology.row_spec(topology.attention_rows(), None)
     model = StandInDecoder(setup, jax.random.key(3))
     counts = count_patterns(setup.dp)["even"]
     batch = make_batch(setup, scattered, counts)
-    plain, state, place = sharded_forward(model, setup, batch)
+    plain, leaves, place = sharded_forward(model, setup, batch)
     in_rows = PartitionSpec(
         topology.spec_entry((bj.TokenAxis.ATTN_DP,)), topology.spec_entry((bj.TokenAxis.ATTN_TP,))
     )
@@ -73,7 +73,7 @@ def _programs(setup, scattered, scan):
         in_specs=(in_rows, batch.spec()),
         out_specs=(rows, PartitionSpec(None, *rows)),
     )
-    return plain, capturing, state, place, batch, model, counts
+    return plain, capturing, leaves, place, batch, model, counts
 
 
 # Each configuration and each way of running the middle layers by default: TP 4 unrolled,
@@ -98,10 +98,10 @@ def test_captured_hidden_states_equal_the_reference_residuals(dp, tp, policy, sc
     capture the residual the final norm reads; the main output is unchanged."""
     setup = Setup(dp=dp, tp=tp, layers=LAYERS, policy=policy)
     with jax.enable_x64(True):
-        plain, capturing, state, place, batch, model, counts = _programs(setup, scattered, scan)
+        plain, capturing, leaves, place, batch, model, counts = _programs(setup, scattered, scan)
         x = jax.random.normal(jax.random.key(4), (dp * setup.rows, HIDDEN))
-        normed, hidden = capturing(state, place(x), batch)
-        assert float(jnp.max(jnp.abs(normed - plain(state, place(x), batch)))) < 1e-12
+        normed, hidden = capturing(leaves, place(x), batch)
+        assert float(jnp.max(jnp.abs(normed - plain(leaves, place(x), batch)))) < 1e-12
         for layers in range(LAYERS + 1):
             want = _blocks(model, x, setup, counts, layers)[0].reshape(-1, HIDDEN)
             error = float(jnp.max(jnp.abs(hidden[layers] - want)) / jnp.max(jnp.abs(want)))
@@ -114,10 +114,10 @@ def test_a_capture_adds_only_the_gather_of_a_scattered_residual(dp, tp, policy, 
     slices needs one all-gather per layer's capture to reach the attention's rows."""
     setup = Setup(dp=dp, tp=tp, layers=LAYERS, policy=policy)
     with jax.enable_x64(True):
-        plain, capturing, state, place, batch, _, _ = _programs(setup, scattered, False)
+        plain, capturing, leaves, place, batch, _, _ = _programs(setup, scattered, False)
         x = place(jnp.zeros((dp * setup.rows, HIDDEN)))
-        before = parse_hlo(plain.lower(state, x, batch).compile().as_text())
-        after = parse_hlo(capturing.lower(state, x, batch).compile().as_text())
+        before = parse_hlo(plain.lower(leaves, x, batch).compile().as_text())
+        after = parse_hlo(capturing.lower(leaves, x, batch).compile().as_text())
     gathers = 1 if scattered else 0
     for layer in range(LAYERS):
         want = dict(before.counts(layer))
@@ -147,9 +147,9 @@ def test_a_looped_stack_equals_its_layers_applied_per_pass(dp, tp, policy, scatt
         model = StandInDecoder(setup, jax.random.key(5))
         counts = count_patterns(dp)["even"]
         batch = make_batch(setup, scattered, counts)
-        fn, state, place = sharded_forward(model, setup, batch, body=looped)
+        fn, leaves, place = sharded_forward(model, setup, batch, body=looped)
         x = jax.random.normal(jax.random.key(6), (dp * setup.rows, HIDDEN))
-        got = fn(state, place(x), batch)
+        got = fn(leaves, place(x), batch)
         blocks = x.reshape(dp, setup.rows, HIDDEN)
         for _ in range(passes):
             for layer in model.layers:

@@ -89,13 +89,14 @@ KEY = jax.random.key(41)
 
 
 def _program(model: Hetero, cut, variant):
-    """`(f(state, x, counts), state, stacks, place)` of the sharded model, cut before `cut`."""
+    """`(f(leaves, x, counts), sharded module, stacks, place)` of the sharded model, cut before
+    `cut`."""
     built = build(model, cut, skip_empty=False)
 
-    def run(state, x, counts):
-        return built.program(variant)(state, x, make_batch(model, variant, counts))
+    def run(leaves, x, counts):
+        return built.program(variant)(leaves, x, make_batch(model, variant, counts))
 
-    return run, built.state, built.stacks, built.place
+    return run, built.sharded, built.stacks, built.place
 
 
 def _inputs(dp):
@@ -132,11 +133,11 @@ def test_a_design_with_parameters_equals_one_device_uncut_and_cut(
     model = Hetero(kinds, dp, tp, design=DESIGNS[design], final=FINALS.get(design))
     with jax.enable_x64(True):
         x, counts = _inputs(dp)
-        run, state, stacks, place = _program(model, None, variant)
+        run, sharded, stacks, place = _program(model, None, variant)
         want = reference(list(stacks), x, dp)
-        assert _error(run(state, place(x), counts), want) < 1e-12
-        run, state, _, place = _program(model, cut, variant)
-        assert _error(run(state, place(x), counts), want) < 1e-12
+        assert _error(run(sharded.leaves, place(x), counts), want) < 1e-12
+        run, sharded, _, place = _program(model, cut, variant)
+        assert _error(run(sharded.leaves, place(x), counts), want) < 1e-12
 
 
 # The gated design (a read and an update both with parameters) and the post-norm update cover a
@@ -153,11 +154,14 @@ def test_gradients_of_the_design_parameters_equal_one_device(design):
     )
     with jax.enable_x64(True):
         x, counts = _inputs(2)
-        run, state, stacks, place = _program(model, None, V.ORDINARY)
+        run, sharded, stacks, place = _program(model, None, V.ORDINARY)
         weights = jax.random.normal(jax.random.key(9), x.shape, jnp.float64)
         graphdef, plain = nnx.split(stacks)
         with jax.set_mesh(make_mesh(2, 2)):
-            got = jax.jit(jax.grad(lambda s: jnp.sum(run(s, place(x), counts) * weights)))(state)
+            grads = jax.jit(jax.grad(lambda s: jnp.sum(run(s, place(x), counts) * weights)))(
+                sharded.leaves
+            )
+        got = sharded.state_of(grads)
         want = jax.grad(lambda s: jnp.sum(reference(list(nnx.merge(graphdef, s)), x, 2) * weights))(
             plain
         )

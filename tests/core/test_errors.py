@@ -212,4 +212,4 @@ def test_a_program_returning_an_owed_output_is_rejected(single):
 
     program = sharded.program(forgets_the_final_norm, in_specs=(spec, batch.spec()), out_specs=spec)
     with pytest.raises(TypeError, match="returned an OwedOutput"):
-        program(sharded.state, _x(), batch)
+        program(sharded.leaves, _x(), batch)

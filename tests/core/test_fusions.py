@@ -57,10 +57,10 @@ def _run(setup, scattered, *, check_vma):
     model = StandInDecoder(setup, jax.random.key(0), jnp.float32)
     counts = count_patterns(setup.dp)["ragged"]
     batch = make_batch(setup, scattered, counts)
-    fn, state, place = sharded_forward(model, setup, batch, check_vma=check_vma)
+    fn, leaves, place = sharded_forward(model, setup, batch, check_vma=check_vma)
     x = jax.random.normal(jax.random.key(1), (setup.dp * setup.rows, HIDDEN))
     CALLS.clear()
-    got = fn(state, place(x), batch)
+    got = fn(leaves, place(x), batch)
     want = reference(model, x, setup, counts)
     return float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want))), list(CALLS)
 

@@ -49,9 +49,9 @@ def test_float32_stack_within_1e6(dp, tp, scattered):
     model = StandInDecoder(setup, jax.random.key(3), jnp.float32)
     counts = count_patterns(dp)["ragged"]
     batch = make_batch(setup, scattered, counts)
-    fn, state, place = sharded_forward(model, setup, batch)
+    fn, leaves, place = sharded_forward(model, setup, batch)
     x = jax.random.normal(jax.random.key(4), (dp * ROWS, HIDDEN), jnp.float32)
-    got = fn(state, place(x), batch)
+    got = fn(leaves, place(x), batch)
     assert _relative_error(got, reference(model, x, setup, counts)) < 1e-6
 
 
@@ -110,15 +110,15 @@ def test_a_mutant_that_skips_or_doubles_one_sum_is_caught(monkeypatch, mutant, c
         x = jax.random.normal(jax.random.key(6), (dp * ROWS, HIDDEN), jnp.float64)
         want = reference(model, x, setup, counts)
         calls = _mutated(monkeypatch, step_class, lambda original, step, x: original(step, x), 0)
-        fn, state, place = sharded_forward(model, setup, batch, check_vma=False)
-        fn.lower(state, place(x), batch)
+        fn, leaves, place = sharded_forward(model, setup, batch, check_vma=False)
+        fn.lower(leaves, place(x), batch)
         runs = len(calls)
         assert runs, f"the configuration must run a {step_class.__name__}"
         for at in range(runs):
             monkeypatch.undo()
             calls = _mutated(monkeypatch, step_class, mutate, at)
-            fn, state, place = sharded_forward(model, setup, batch, check_vma=False)
-            error = _relative_error(fn(state, place(x), batch), want)
+            fn, leaves, place = sharded_forward(model, setup, batch, check_vma=False)
+            error = _relative_error(fn(leaves, place(x), batch), want)
             assert len(calls) == runs
             assert error > 1e-3, f"mutating {step_class.__name__} call {at} of {runs} is not seen"
 

@@ -136,7 +136,7 @@ def _outputs(layout: str) -> tuple[np.ndarray, np.ndarray]:
         lambda model, x, batch: model(x, batch), in_specs=(shares, batch.spec()), out_specs=rows
     )
     placed = jax.device_put(input_shares(x, tp), NamedSharding(mesh, shares))
-    got = np.asarray(forward(sharded.state, placed, batch))
+    got = np.asarray(forward(sharded.leaves, placed, batch))
     want = []
     for block, count in zip(x.reshape(dp, ROWS, HIDDEN), counts, strict=True):
         block = jnp.where(jnp.arange(ROWS)[:, None] < count, block, 0)

@@ -32,9 +32,9 @@ def _run(setup, scattered, body=None, out_layout=None, counts_name="ragged", key
         model = StandInDecoder(setup, jax.random.key(key))
         counts = count_patterns(setup.dp, setup.rows)[counts_name]
         batch = make_batch(setup, scattered, counts)
-        fn, state, place = sharded_forward(model, setup, batch, body=body, out_layout=out_layout)
+        fn, leaves, place = sharded_forward(model, setup, batch, body=body, out_layout=out_layout)
         x = jax.random.normal(jax.random.key(key + 1), (setup.dp * setup.rows, HIDDEN))
-        return fn(state, place(x), batch), model, x, counts
+        return fn(leaves, place(x), batch), model, x, counts
 
 
 def _blocks(model, x, setup, counts, layers):
@@ -162,12 +162,12 @@ def test_rs_falls_back_to_all_reduce_when_rows_do_not_divide():
         model = StandInDecoder(setup, jax.random.key(0))
         counts = count_patterns(2, 3)["ragged"]
         batch = make_batch(setup, False, counts)
-        fn, state, place = sharded_forward(model, setup, batch)
+        fn, leaves, place = sharded_forward(model, setup, batch)
         x = jax.random.normal(jax.random.key(1), (6, HIDDEN))
         exits = model.layers[0].ffn_boundary.plan.path(batch.variant).exits
         assert [o.kind.name for o in exits] == ["REDUCE_SCATTER", "ALL_REDUCE"]
-        _close(fn(state, place(x), batch), reference(model, x, setup, counts))
-        report = parse_hlo(fn.lower(state, place(x), batch).compile().as_text())
+        _close(fn(leaves, place(x), batch), reference(model, x, setup, counts))
+        report = parse_hlo(fn.lower(leaves, place(x), batch).compile().as_text())
         assert "reduce-scatter" not in report.sequence()
 
 

@@ -36,19 +36,19 @@ def test_gradient_through_three_layers_equals_single_device(dp, tp, policy, scat
         model = StandInDecoder(setup, jax.random.key(11))
         counts = count_patterns(dp)["ragged"]
         batch = make_batch(setup, scattered, counts)
-        fn, state, place = sharded_forward(model, setup, batch)
+        fn, leaves, place = sharded_forward(model, setup, batch)
         x = jax.random.normal(jax.random.key(12), (dp * setup.rows, HIDDEN))
         weights = jax.random.normal(jax.random.key(13), (dp * setup.rows, HIDDEN))
         graphdef, plain_state = nnx.split(model)
 
-        def sharded_loss(state, x):
-            return jnp.sum(fn(state, x, batch) * weights)
+        def sharded_loss(leaves, x):
+            return jnp.sum(fn(leaves, x, batch) * weights)
 
         def reference_loss(state):
             return jnp.sum(reference(nnx.merge(graphdef, state), x, setup, counts) * weights)
 
         with jax.set_mesh(make_mesh(dp, tp)):
-            got = jax.jit(jax.grad(sharded_loss))(state, place(x))
+            got = jax.jit(jax.grad(sharded_loss))(leaves, place(x))
         want = jax.grad(reference_loss)(plain_state)
         got_leaves = [jax.device_get(leaf) for leaf in jax.tree.leaves(got)]
         want_leaves = jax.tree.leaves(want)
@@ -69,8 +69,8 @@ def test_scan_over_middle_layers_equals_the_unrolled_stack(dp, tp, policy, scatt
         for scan in (False, True):
             model = StandInDecoder(setup, jax.random.key(2))
             model.scan_middle = scan
-            fn, state, place = sharded_forward(model, setup, batch)
-            outputs.append(fn(state, place(x), batch))
+            fn, leaves, place = sharded_forward(model, setup, batch)
+            outputs.append(fn(leaves, place(x), batch))
         want = reference(model, x, setup, counts)
         unrolled, scanned = (jax.device_get(out) for out in outputs)
         assert float(jnp.max(jnp.abs(unrolled - scanned))) < 1e-13

@@ -208,7 +208,8 @@ def deepstack_program(dp: int, tp: int, scattered: bool, by_hand: bool):
     run = ShardedCausalLM(build_model(CONFIG, topology), mesh, input_scattered=scattered)
     rows = PartitionSpec(topology.spec_entry((bj.TokenAxis.ATTN_DP,)))
     extra_spec = PartitionSpec(None, rows[0], None)
-    program = bj.ShardedModule(run.model, mesh).program(
+    module = bj.ShardedModule(run.model, mesh)
+    program = module.program(
         _deepstack_body(by_hand),
         in_specs=(
             TokenRows(rows, rows, rows),
@@ -222,7 +223,7 @@ def deepstack_program(dp: int, tp: int, scattered: bool, by_hand: bool):
 
     def logits(table: np.ndarray) -> np.ndarray:
         extra = jax.device_put(_pack_values(packed, table), NamedSharding(mesh, extra_spec))
-        return packed.unpack(np.asarray(program(run.state, *placed, extra)))
+        return packed.unpack(np.asarray(program(module.leaves, *placed, extra)))
 
     return logits
 

@@ -118,13 +118,13 @@ def stepped_logits(
     order = packed.slot_order()
     caches = run.new_caches(packed.decode_rows_per_rank, 64)
     logits, caches = prefill(
-        run.state, *run.place(packed), caches, run.place_array(packed.last_row_index())
+        module.leaves, *run.place(packed), caches, run.place_array(packed.last_row_index())
     )
     steps = [fetch(logits)[order]]
     lengths = np.asarray(packed.lengths, np.int32)
     for step in range(NEW_TOKENS - 1):
         rows = decode_rows(packed, want_tokens[:, step], lengths + step)
-        logits, caches = decode(run.state, *run.place(rows), caches)
+        logits, caches = decode(module.leaves, *run.place(rows), caches)
         steps.append(fetch(logits)[order])
     return np.stack(steps)
 

@@ -113,7 +113,8 @@ def _gradients(dp: int, tp: int) -> dict:
     run = runner("qwen3", dp, tp, False)
     topology = run.topology
     rows = PartitionSpec(topology.spec_entry((bj.TokenAxis.ATTN_DP,)))
-    program = bj.ShardedModule(run.model, run.mesh).program(
+    module = bj.ShardedModule(run.model, run.mesh)
+    program = module.program(
         lambda model, rows_, batch: model(rows_, batch)[0],
         in_specs=(
             TokenRows(rows, rows, rows),
@@ -128,9 +129,12 @@ def _gradients(dp: int, tp: int) -> dict:
     placed_rows, batch = run.place(packed)
     with jax.set_mesh(run.mesh):
         grads = jax.jit(
-            jax.grad(lambda state: jnp.sum(program(state, placed_rows, batch) * weights))
-        )(run.state)
-    return {path: np.asarray(jax.device_get(v[...])) for path, v in nnx.to_flat_state(grads)}
+            jax.grad(lambda leaves: jnp.sum(program(leaves, placed_rows, batch) * weights))
+        )(module.leaves)
+    return {
+        path: np.asarray(jax.device_get(v[...]))
+        for path, v in nnx.to_flat_state(module.state_of(grads))
+    }
 
 
 @pytest.mark.slow
@@ -161,13 +165,14 @@ def test_snapshot_of_an_mhc_stream_raises_the_guides_message():
         out, stream, _ = model.layers[0](model.embed(rows_.ids), residual.start(batch), rows_, None)
         return residual.snapshot(out, stream)
 
-    program = bj.ShardedModule(run.model, run.mesh).program(
+    module = bj.ShardedModule(run.model, run.mesh)
+    program = module.program(
         body,
         in_specs=(TokenRows(rows, rows, rows), bj.BatchFacts(_variant(run), run.topology, rows)),
         out_specs=rows,
     )
     with pytest.raises(NotImplementedError, match="snapshot requires a plain residual update"):
-        program(run.state, *run.place(run.pack(PROMPTS)))
+        program(module.leaves, *run.place(run.pack(PROMPTS)))
 
 
 def _collectives(report, layer) -> list[tuple[str, int]]:

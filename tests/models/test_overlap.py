@@ -258,12 +258,13 @@ def trace(body, dp: int = 1, tp: int = 2) -> None:
     packed = tbo.pack(prompts())
     rows, batches = tbo.place(packed)
     spec = bj.BatchFacts(bj.BatchVariant.ORDINARY, tbo.topology, PartitionSpec())
-    program = bj.ShardedModule(tbo.model, tbo.mesh).program(
+    module = bj.ShardedModule(tbo.model, tbo.mesh)
+    program = module.program(
         lambda model, rows, batches: body(model, rows, batches) * 0,
         in_specs=(tbo.topology.row_spec(tbo.topology.attention_rows()), (spec, spec)),
         out_specs=PartitionSpec(),
     )
-    jax.eval_shape(program, tbo.state, rows, batches)
+    jax.eval_shape(program, module.leaves, rows, batches)
 
 
 def test_handoff_misuse_fails_while_tracing():
