@@ -71,14 +71,17 @@ def triton_tiling(k: int, n: int, dtype) -> TritonTiling:
 
 
 def hopper_tiling(k: int, n: int, dtype) -> HopperTiling:
-    """The Hopper kernel's tiling for [*, k] x [*, k, n]: 4 pipelined steps and 4 column
-    blocks per grid step where they divide; 64 x 256 tiles where 4 of them divide n, else 128
-    rows by the largest of 192/128/64 dividing n; block_k the largest of 64/32/16 dividing k.
+    """The Hopper kernel's tiling for [*, k] x [*, k, n]: 4 pipelined steps, 4 column blocks
+    per grid step where they divide (else 1); 64 x 256 tiles where 4 of them divide n, else
+    128 x 192 where 192 divides n, else 64 x 256 where 256 does, else 128 rows by the larger of
+    128/64 dividing n; block_k the largest of 64/32/16 dividing k.
 
-    Swept on an H200 (benchmarks/RESULTS.md runs 9 and 12, Qwen3-30B-A3B layer, 32768 routed
-    rows): 128 x 192 x 64 took the layer from 2.88 ms (64 x 128 x 64, 2 steps) to 1.21 ms, and
-    128 x 256 was 4x slower; on the down projection (n 2048, k 768) 64 x 256 tiles took 386 us
-    against 426 us for 128 x 128 (fewer rows wasted where a tile straddles two experts).
+    Swept on an H200 (benchmarks/RESULTS.md runs 9, 12 and 20): on the Qwen3-30B-A3B layer
+    (32768 routed rows) 128 x 192 x 64 took the layer from 2.88 ms (64 x 128 x 64, 2 steps) to
+    1.21 ms, and 128 x 256 was 4x slower; on its down projection (n 2048, k 768) 64 x 256 tiles
+    took 386 us against 426 us for 128 x 128 (fewer rows wasted where a tile straddles two
+    experts). On DeepSeek-V2-Lite's gate|up projection (n 2816, k 2048, 24576 routed rows) 64 x
+    256 tiles took 680 us against 794 us for 128 x 128, for even and skewed routing alike.
 
     Raises:
       NotImplementedError: A dtype other than bf16/f16, or a shape no tile divides.
@@ -88,8 +91,14 @@ def hopper_tiling(k: int, n: int, dtype) -> HopperTiling:
             f"GroupedMatmulImpl.PALLAS_GPU runs bf16/f16 matmuls; got {dtype=}. Cast the "
             "activations and weights, or use GroupedMatmulImpl.RAGGED_DOT"
         )
-    block_m, block_n = (64, 256) if n % 1024 == 0 else (128, None)
-    block_n = block_n or next((b for b in (192, 128, 64) if n % b == 0), None)
+    if n % 1024 == 0:
+        block_m, block_n = 64, 256
+    elif n % 192 == 0:
+        block_m, block_n = 128, 192
+    elif n % 256 == 0:
+        block_m, block_n = 64, 256
+    else:
+        block_m, block_n = 128, next((b for b in (128, 64) if n % b == 0), None)
     block_k = next((b for b in (64, 32, 16) if k % b == 0), None)
     if block_n is None or block_k is None:
         raise NotImplementedError(
