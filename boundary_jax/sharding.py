@@ -83,7 +83,8 @@ class ShardedModule:
     ) -> Callable[..., Any]:
         """A jitted `shard_map` program: `program(leaves, *args)` (`leaves` this module's or a
         tuple of the same structure) runs `call(module, *args)` on every rank, the module
-        holding that rank's parameter shards.
+        holding that rank's parameter shards. `program.lower(leaves, *args)` lowers it as
+        `jax.jit` does; `program.compiled_shapes()` counts the input shapes compiled so far.
 
         Args:
           call: What each rank runs.
@@ -106,13 +107,43 @@ class ShardedModule:
                 )
             return result
 
-        return jax.jit(
-            jax.shard_map(
-                body,
-                mesh=self.mesh,
-                in_specs=(self._leaf_specs, *in_specs),
-                out_specs=out_specs,
-                check_vma=check_vma,
-            ),
-            donate_argnums=tuple(1 + i for i in donate_argnums),
+        return _Program(
+            jax.jit(
+                jax.shard_map(
+                    body,
+                    mesh=self.mesh,
+                    in_specs=(self._leaf_specs, *in_specs),
+                    out_specs=out_specs,
+                    check_vma=check_vma,
+                ),
+                donate_argnums=tuple(1 + i for i in donate_argnums),
+            )
         )
+
+
+class _Program:
+    """A `ShardedModule` program: the jitted function, which rejects a state given in any form
+    but the flat tuple of `ShardedModule.leaves`."""
+
+    def __init__(self, jitted: Callable[..., Any]):
+        self._jitted = jitted
+
+    def __call__(self, leaves: tuple, *args: Any) -> Any:
+        return self._jitted(_checked(leaves), *args)
+
+    def lower(self, leaves: tuple, *args: Any):
+        """The lowered program for these arguments (`jax.jit(...).lower`)."""
+        return self._jitted.lower(_checked(leaves), *args)
+
+    def compiled_shapes(self) -> int:
+        """How many input shapes the program has compiled for so far."""
+        return self._jitted._cache_size()
+
+
+def _checked(leaves: Any) -> Any:
+    if not isinstance(leaves, (tuple, list)):
+        raise TypeError(
+            "a ShardedModule program takes the module's state as ShardedModule.leaves (a tuple "
+            f"of arrays), not a {type(leaves).__name__}"
+        )
+    return leaves

@@ -395,7 +395,7 @@ class ShardedCausalLM:
         """Per program built so far (forward, prefill, decode, captured), how many input shapes
         it has compiled for: what a server watches to see nearby requests share programs."""
         programs = {("forward",): self._forward, **self._programs}
-        return {name: program._cache_size() for name, program in programs.items()}
+        return {name: program.compiled_shapes() for name, program in programs.items()}
 
     def _program(self, make: Callable, sampling: Sampling, capacity: int = 0) -> Callable:
         """The program `make(sampling, capacity)` builds, built once per runner."""

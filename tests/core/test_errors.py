@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import boundary_jax as bj
 from boundary_jax import residual
@@ -213,3 +214,31 @@ def test_a_program_returning_an_owed_output_is_rejected(single):
     program = sharded.program(forgets_the_final_norm, in_specs=(spec, batch.spec()), out_specs=spec)
     with pytest.raises(TypeError, match="returned an OwedOutput"):
         program(sharded.leaves, _x(), batch)
+
+
+def test_a_program_takes_the_flat_leaves_and_refuses_an_nnx_state(single):
+    """A program takes `ShardedModule.leaves`, the same arrays its `state` and `module` views
+    hold (and `state_of` maps a tuple of them back); handed the `nnx.State` instead, it says
+    what it takes."""
+    setup, model = single
+    batch = _batch(setup)
+    sharded = bj.ShardedModule(model, bj.make_mesh(setup.topology))
+    spec = jax.sharding.PartitionSpec()
+    assert isinstance(sharded.leaves, tuple) and len(sharded.leaves) > 4
+    views = (jax.tree.leaves(sharded.state), jax.tree.leaves(nnx.state(sharded.module)))
+    for view in views:
+        assert all(a is b for a, b in zip(view, sharded.leaves, strict=True))
+    doubled = sharded.state_of(tuple(2 * leaf for leaf in sharded.leaves))
+    state = dict(nnx.to_flat_state(sharded.state))
+    for path, leaf in nnx.to_flat_state(doubled):
+        np.testing.assert_array_equal(np.asarray(leaf[...]), 2 * np.asarray(state[path][...]))
+    program = sharded.program(
+        lambda model, x, batch: model(x, batch), in_specs=(spec, batch.spec()), out_specs=spec
+    )
+    compiled = program.lower(sharded.leaves, _x(), batch).compile()
+    np.testing.assert_array_equal(
+        np.asarray(program(sharded.leaves, _x(), batch)),
+        np.asarray(compiled(sharded.leaves, _x(), batch)),
+    )
+    with pytest.raises(TypeError, match=r"takes the module's state as ShardedModule.leaves"):
+        program(sharded.state, _x(), batch)
