@@ -17,15 +17,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import boundary_jax as bj
 from boundary_jax import residual
 from boundary_jax.report import CollectiveReport, parse_hlo
 
-from .hetero import DEFERS, Kind, StandInMoe, declare, make_batch, transport
-from .standin import StandInAttention, StandInFfn, _norm, input_shares, make_mesh
+from .hetero import DEFERS, Kind, StandInMoe, declare, make_batch, sharded_stacks, transport
+from .standin import StandInAttention, StandInFfn, random_norm
 
 KEY = jax.random.key(31)
 
@@ -84,13 +82,13 @@ class BranchPart(nnx.Module):
     def __init__(self, part: Part, topology: bj.Topology, key, dtype):
         keys = jax.random.split(key, 2 + 2 * len(part.branch))
         self.part = part
-        self.norm = _norm(keys[0], dtype)
+        self.norm = random_norm(keys[0], dtype)
         self.compute = _compute(part.kind, topology, keys[1], dtype)
         (self.boundary,) = bj.append_stages((declare(part.kind), self.norm), owner=self)
         items = []
         for index, kind in enumerate(part.branch):
             # The first stage's norm never applies: pass the source's, as LongCat does.
-            norm = self.norm if index == 0 else _norm(keys[2 + 2 * index], dtype)
+            norm = self.norm if index == 0 else random_norm(keys[2 + 2 * index], dtype)
             setattr(self, f"branch_norm_{index}", norm)
             setattr(
                 self,
@@ -177,7 +175,7 @@ class BranchStack(nnx.Module):
                     for i in layers
                 ]
             )
-        self.final_norm = _norm(jax.random.fold_in(key, 1000), dtype)
+        self.final_norm = random_norm(jax.random.fold_in(key, 1000), dtype)
 
     def run(self, x, stream):
         for index, layer in enumerate(self.layers):
@@ -246,21 +244,7 @@ def build(model: Branched, cut: int | None = None, *, check_vma: bool = True) ->
             out, stream = stacks[1].run(out, stream)
         return residual.final_norm(out, stream, stacks[-1].final_norm, skip_empty=True)
 
-    mesh = make_mesh(model.dp, model.tp)
-    sharded = bj.ShardedModule(stacks, mesh)
-    dp = topology.spec_entry((bj.TokenAxis.ATTN_DP,))
-    in_rows = P(dp, topology.spec_entry((bj.TokenAxis.ATTN_TP,)))
-
-    @functools.cache
-    def programs(variant: bj.BatchVariant):
-        spec = bj.BatchFacts(variant, topology, P())
-        return sharded.program(
-            body, in_specs=(in_rows, spec), out_specs=P(dp, None), check_vma=check_vma
-        )
-
-    def place(x):
-        return jax.device_put(input_shares(x, model.tp), NamedSharding(mesh, in_rows))
-
+    sharded, place, programs = sharded_stacks(stacks, model, body, check_vma=check_vma)
     return Built(model, list(stacks), sharded, place, programs)
 
 

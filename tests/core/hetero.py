@@ -28,10 +28,10 @@ from .standin import (
     ROWS,
     StandInAttention,
     StandInFfn,
-    _norm,
     _param,
     input_shares,
     make_mesh,
+    random_norm,
 )
 
 TOP_K = 2
@@ -99,7 +99,7 @@ class Stage(nnx.Module):
     def __init__(self, kind: Kind, topology: bj.Topology, key, dtype, design: dict | None = None):
         k1, k2 = jax.random.split(key)
         self.kind = kind
-        self.norm = _norm(k1, dtype)
+        self.norm = random_norm(k1, dtype)
         design = design or {}
         self.read, self.update = design.get("read"), design.get("update")
         (self.boundary,) = bj.append_stages((declare(kind, design), self.norm), owner=self)
@@ -183,7 +183,7 @@ class HeteroStack(nnx.Module):
                     for i in layers
                 ]
             )
-        final = model.final or _norm
+        final = model.final or random_norm
         self.final_norm = final(jax.random.fold_in(key, 1000), dtype)
 
     def run(self, x, stream):
@@ -282,22 +282,34 @@ def build(
             out, stream, stacks[-1].final_norm, skip_empty=skip_empty, finalize_norm=finalize_norm
         )
 
+    sharded, place, program = sharded_stacks(stacks, model, body, check_vma=check_vma)
+    return Built(model, list(stacks), sharded, place, program)
+
+
+def sharded_stacks(
+    stacks: nnx.List, model, body: Callable, *, out_specs=None, check_vma: bool = True
+) -> tuple[bj.ShardedModule, Callable, Callable]:
+    """`stacks` sharded over `model`'s DP x TP mesh: the `ShardedModule`, a function placing a
+    stack input `x` [dp * rows, HIDDEN] as per-rank shares, and the jitted `body` program per
+    batch variant (built once each; output rows by DP rank unless `out_specs` says)."""
+    topology = model.topology
     mesh = make_mesh(model.dp, model.tp)
     sharded = bj.ShardedModule(stacks, mesh)
     dp = topology.spec_entry((bj.TokenAxis.ATTN_DP,))
     in_rows = P(dp, topology.spec_entry((bj.TokenAxis.ATTN_TP,)))
+    out_specs = P(dp, None) if out_specs is None else out_specs
 
     @functools.cache
-    def program(variant):
+    def program(variant: bj.BatchVariant) -> Callable:
         spec = bj.BatchFacts(variant, topology, P())
         return sharded.program(
-            body, in_specs=(in_rows, spec), out_specs=P(dp, None), check_vma=check_vma
+            body, in_specs=(in_rows, spec), out_specs=out_specs, check_vma=check_vma
         )
 
     def place(x):
         return jax.device_put(input_shares(x, model.tp), NamedSharding(mesh, in_rows))
 
-    return Built(model, list(stacks), sharded, place, program)
+    return sharded, place, program
 
 
 @dataclasses.dataclass(frozen=True)
@@ -346,14 +358,6 @@ def build_many(models: tuple[Hetero, ...]) -> BuiltMany:
                 outputs.append(residual.final_norm(out, stream, stack.final_norm, skip_empty=True))
         return jnp.stack(outputs)
 
-    mesh = make_mesh(first.dp, first.tp)
-    sharded = bj.ShardedModule(stacks, mesh)
     dp = topology.spec_entry((bj.TokenAxis.ATTN_DP,))
-    in_rows = P(dp, topology.spec_entry((bj.TokenAxis.ATTN_TP,)))
-    spec = bj.BatchFacts(bj.BatchVariant.ORDINARY, topology, P())
-    program = sharded.program(body, in_specs=(in_rows, spec), out_specs=P(None, dp, None))
-
-    def place(x):
-        return jax.device_put(input_shares(x, first.tp), NamedSharding(mesh, in_rows))
-
-    return BuiltMany(tuple(models), list(stacks), sharded, place, program)
+    sharded, place, program = sharded_stacks(stacks, first, body, out_specs=P(None, dp, None))
+    return BuiltMany(tuple(models), list(stacks), sharded, place, program(bj.BatchVariant.ORDINARY))

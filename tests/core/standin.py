@@ -88,7 +88,8 @@ def mix_rows(x: jax.Array) -> jax.Array:
     return jnp.cumsum(x, axis=0) / counts
 
 
-def _norm(key, dtype) -> bj.RMSNorm:
+def random_norm(key, dtype) -> bj.RMSNorm:
+    """An RMSNorm over HIDDEN with random weights around 1 (a skipped norm shows)."""
     norm = bj.RMSNorm(HIDDEN, eps=1e-6, param_dtype=dtype)
     norm.weight[...] = 1.0 + 0.3 * jax.random.normal(key, (HIDDEN,), dtype)
     return norm
@@ -119,8 +120,8 @@ class Setup:
 class StandInLayer(nnx.Module):
     def __init__(self, setup: Setup, key, dtype):
         k1, k2, k3, k4, k5 = jax.random.split(key, 5)
-        self.input_norm = _norm(k1, dtype)
-        self.post_attn_norm = _norm(k2, dtype)
+        self.input_norm = random_norm(k1, dtype)
+        self.post_attn_norm = random_norm(k2, dtype)
         self.attn = StandInAttention(setup.topology, k3, dtype)
         self.ffn = StandInFfn(setup.topology, k4, dtype)
         transforms = {None: None, "tanh": jnp.tanh, "halve": halve}
@@ -167,7 +168,7 @@ class StandInDecoder(nnx.Module):
             self.layers = nnx.List(
                 [StandInLayer(setup, keys[i], dtype) for i in range(setup.layers)]
             )
-        self.final_norm = _norm(keys[-1], dtype)
+        self.final_norm = random_norm(keys[-1], dtype)
         self.scan_middle = False
 
     def __call__(self, x: jax.Array, batch: bj.BatchFacts) -> jax.Array:

@@ -24,10 +24,10 @@ from .standin import (
     StandInAttention,
     StandInFfn,
     TanhUpdate,
-    _norm,
     count_patterns,
     input_shares,
     make_mesh,
+    random_norm,
 )
 
 A, F, M = Kind.ATTN, Kind.FFN, Kind.MOE
@@ -371,11 +371,13 @@ class Nested(nnx.Module):
 
     def __init__(self, topology: bj.Topology, key):
         keys = iter(jax.random.split(key, 12))
-        self.norm_a, self.norm_f, self.norm_f1 = (_norm(next(keys), jnp.float64) for _ in range(3))
+        self.norm_a, self.norm_f, self.norm_f1 = (
+            random_norm(next(keys), jnp.float64) for _ in range(3)
+        )
         attn = lambda: StandInAttention(topology, next(keys), jnp.float64)  # noqa: E731
         ffn = lambda: StandInFfn(topology, next(keys), jnp.float64)  # noqa: E731
         self.attn, self.ffn, self.attn1, self.ffn1, self.ffn2 = attn(), ffn(), attn(), ffn(), ffn()
-        self.final_norm = _norm(next(keys), jnp.float64)
+        self.final_norm = random_norm(next(keys), jnp.float64)
         with bj.layer_stack(topology, input_sum=bj.SumGroup.ATTN_TP):
             self.a, self.f = bj.append_stages(
                 (bj.declare_attn(), self.norm_a), (bj.declare_ffn(), self.norm_f), owner=self

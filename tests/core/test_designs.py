@@ -15,7 +15,7 @@ from boundary_jax import designs, residual
 from boundary_jax.plan import ResidualRows
 
 from .hetero import HIDDEN, Hetero, HeteroStack, Kind, build, make_batch, reference
-from .standin import ROWS, _norm, count_patterns, make_mesh
+from .standin import ROWS, count_patterns, make_mesh, random_norm
 
 K = Kind
 V = bj.BatchVariant
@@ -61,7 +61,7 @@ def gated(index: int) -> dict:
 def post_norm(index: int) -> dict:
     key = jax.random.fold_in(jax.random.key(32), index)
     update = designs.PostNormUpdate(HIDDEN, param_dtype=jnp.float64)
-    update.weight[...] = _norm(key, jnp.float64).weight[...]
+    update.weight[...] = random_norm(key, jnp.float64).weight[...]
     return {"update": update}
 
 
@@ -73,7 +73,7 @@ def mhc(index: int) -> dict:
 
 def mhc_head(key, dtype):
     return designs.MhcHead(
-        HIDDEN, HC_MULT, _norm(key, dtype), param_dtype=dtype, rngs=nnx.Rngs(key)
+        HIDDEN, HC_MULT, random_norm(key, dtype), param_dtype=dtype, rngs=nnx.Rngs(key)
     )
 
 

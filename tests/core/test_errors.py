@@ -218,8 +218,9 @@ def test_a_program_returning_an_owed_output_is_rejected(single):
 
 def test_a_program_takes_the_flat_leaves_and_refuses_an_nnx_state(single):
     """A program takes `ShardedModule.leaves`, the same arrays its `state` and `module` views
-    hold (and `state_of` maps a tuple of them back); handed the `nnx.State` instead, it says
-    what it takes."""
+    hold (and `state_of` maps a tuple of them back), and computes with the leaves it is given:
+    the model's own output on them, another on other leaves; handed the `nnx.State` instead,
+    it says what it takes."""
     setup, model = single
     batch = _batch(setup)
     sharded = bj.ShardedModule(model, bj.make_mesh(setup.topology))
@@ -235,10 +236,11 @@ def test_a_program_takes_the_flat_leaves_and_refuses_an_nnx_state(single):
     program = sharded.program(
         lambda model, x, batch: model(x, batch), in_specs=(spec, batch.spec()), out_specs=spec
     )
+    got = np.asarray(program(sharded.leaves, _x(), batch))
+    np.testing.assert_allclose(got, np.asarray(model(_x(), batch)), rtol=1e-5, atol=1e-5)
     compiled = program.lower(sharded.leaves, _x(), batch).compile()
-    np.testing.assert_array_equal(
-        np.asarray(program(sharded.leaves, _x(), batch)),
-        np.asarray(compiled(sharded.leaves, _x(), batch)),
-    )
+    np.testing.assert_array_equal(got, np.asarray(compiled(sharded.leaves, _x(), batch)))
+    scaled = tuple(leaf * 1.5 for leaf in sharded.leaves)
+    assert not np.allclose(np.asarray(program(scaled, _x(), batch)), got, atol=1e-3)
     with pytest.raises(TypeError, match=r"takes the module's state as ShardedModule.leaves"):
         program(sharded.state, _x(), batch)

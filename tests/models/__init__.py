@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +18,28 @@ from tests.meshes import make_mesh  # noqa: F401 (the tests import it from here)
 
 MESHES = ((1, 1), (1, 2), (1, 4), (2, 2), (1, 8))
 """(attn_dp, attn_tp) meshes every sharded layer test runs on."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeLayout:
+    """A parallel layout of an MoE decoder: attention DP x TP, expert parallelism and dispatch,
+    input-scattered batches, a deferred finalize, a fully data-parallel dense FFN."""
+
+    dp: int
+    tp: int
+    ep: int = 1
+    dispatch: bj.MoeDispatch = bj.MoeDispatch.GATHER
+    scattered: bool = False
+    defer: bool = False
+    dense_ffn_dp: bool = False
+
+    def __str__(self) -> str:
+        parts = [f"DP{self.dp}xTP{self.tp}", f"EP{self.ep}", self.dispatch.value]
+        parts += ["scattered"] * self.scattered + ["deferred"] * self.defer
+        return "-".join(parts + ["dense-DP"] * self.dense_ffn_dp)
+
+    def mesh(self) -> jax.sharding.Mesh:
+        return bj.make_mesh(bj.Topology(attn_dp=self.dp, attn_tp=self.tp))
 
 
 def row_spec(topology: bj.Topology, *trailing) -> PartitionSpec:

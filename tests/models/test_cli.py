@@ -12,8 +12,8 @@ import boundary_jax as bj
 from models.cli.main import main
 from models.config import PRESETS
 from tests.core.test_collectives import expected_layers
+from tests.models import MoeLayout
 from tests.models.test_moe_decoder import MIDDLE_SPARSE_LAYER
-from tests.models.test_moe_decoder import Layout as MoeLayout
 
 GOLDEN = pathlib.Path(__file__).parents[1] / "golden"
 P = bj.ReductionPolicy

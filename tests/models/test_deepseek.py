@@ -30,7 +30,7 @@ from models.layers.moe_routing import Routing
 from models.serving.runtime import ShardedCausalLM
 from models.training.trainer import TrainConfig, Trainer
 
-from . import randomize_norms
+from . import MoeLayout, randomize_norms
 from .test_deepseek_moe import hf_moe
 from .test_mla import golden as golden_modules
 from .test_mla import hf_attention, run_attention
@@ -39,31 +39,11 @@ GOLDEN = pathlib.Path(__file__).parents[1] / "golden"
 GATHER, ALL_TO_ALL = bj.MoeDispatch.GATHER, bj.MoeDispatch.ALL_TO_ALL
 
 
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """A parallel layout of a DeepSeek decoder."""
-
-    dp: int
-    tp: int
-    ep: int = 1
-    dispatch: bj.MoeDispatch = GATHER
-    scattered: bool = False
-    dense_ffn_dp: bool = False
-
-    def __str__(self) -> str:
-        parts = [f"DP{self.dp}xTP{self.tp}", f"EP{self.ep}", self.dispatch.value]
-        parts += ["scattered"] * self.scattered + ["dense-DP"] * self.dense_ffn_dp
-        return "-".join(parts)
-
-    def mesh(self) -> jax.sharding.Mesh:
-        return bj.make_mesh(bj.Topology(attn_dp=self.dp, attn_tp=self.tp))
-
-
 V3_LAYOUTS = (
-    Layout(1, 1),
-    Layout(1, 4, ep=4, scattered=True),
-    Layout(2, 2, ep=4, dispatch=ALL_TO_ALL),
-    Layout(2, 4, dense_ffn_dp=True),
+    MoeLayout(1, 1),
+    MoeLayout(1, 4, ep=4, scattered=True),
+    MoeLayout(2, 2, ep=4, dispatch=ALL_TO_ALL),
+    MoeLayout(2, 4, dense_ffn_dp=True),
 )
 """The layouts of issue 21, joined where one run shows several: TP 1; input-scattered TP 4
 with EP 4 gather; attention DP 2 x TP 2 with EP 4 all-to-all; attention DP 2 x TP 4 with the
@@ -72,7 +52,7 @@ CASES = [
     pytest.param(name, layout, id=f"{name}-{layout}")
     for name, layouts in (
         ("deepseek_v3", V3_LAYOUTS),
-        ("deepseek_v2", (Layout(2, 2, ep=4, dispatch=ALL_TO_ALL, scattered=True),)),
+        ("deepseek_v2", (MoeLayout(2, 2, ep=4, dispatch=ALL_TO_ALL, scattered=True),)),
     )
     for layout in layouts
 ]
@@ -87,7 +67,7 @@ def golden(name: str) -> tuple[list[list[int]], dict[str, np.ndarray]]:
 
 
 @functools.cache
-def runner(name: str, layout: Layout) -> ShardedCausalLM:
+def runner(name: str, layout: MoeLayout) -> ShardedCausalLM:
     mesh = layout.mesh()
     model = load_model(
         GOLDEN / name,
@@ -139,7 +119,7 @@ def test_greedy_decode_over_the_latent_cache_matches_transformers():
     """`generate` (expanded prefill, then absorbed decode steps over the latent cache) gives
     HF's greedy tokens (the sharded absorbed decode is `test_mla`'s)."""
     prompts, reference = golden("deepseek_v3")
-    run = runner("deepseek_v3", Layout(1, 1))
+    run = runner("deepseek_v3", MoeLayout(1, 1))
     tokens = run.generate(prompts, reference["generated"].shape[1])
     np.testing.assert_array_equal(tokens, reference["generated"])
 
@@ -163,7 +143,7 @@ def test_plan_reports_the_latent_cache_and_the_data_parallel_dense_ffn(capsys):
     dense = next(s for s in report["stages"] if (s["layer"], s["stage"]) == (0, "ffn"))
     assert dense["compute_rows"] == "{ATTN_DP, ATTN_TP}"
     assert [option["runs"] for option in dense["exit_options"]] == ["nothing"]
-    for layout in (Layout(1, 4, ep=4, scattered=True), Layout(2, 4, dense_ffn_dp=True)):
+    for layout in (MoeLayout(1, 4, ep=4, scattered=True), MoeLayout(2, 4, dense_ffn_dp=True)):
         caches = runner("deepseek_v3", layout).new_caches(slots_per_rank=3, max_len=16)
         assert all(isinstance(cache, LatentCache) for cache in caches)
         for cache in caches:
@@ -264,7 +244,7 @@ class SummedDenseFfn(DeepseekV3ForCausalLM):
 def test_mutant_dense_ffn_summed_over_tp_is_caught():
     """A fully data-parallel dense FFN whose output is summed over TP (counted tp times)
     gives logits far from HF's."""
-    layout = Layout(2, 4, dense_ffn_dp=True)
+    layout = MoeLayout(2, 4, dense_ffn_dp=True)
     honest = runner("deepseek_v3", layout).model
     assert honest.layers[0].mlp.gate_up_proj.kernel.sharding.spec == jax.sharding.PartitionSpec(
         None, None, None
@@ -290,7 +270,7 @@ SEQUENCES = [list(np.random.default_rng(5).integers(0, 256, n)) for n in (13, 7,
 
 
 @functools.cache
-def one_step(layout: Layout) -> dict:
+def one_step(layout: MoeLayout) -> dict:
     """Initial and updated parameters and the loss of one step of the preset's first two layers
     (one dense, one sparse)."""
     topology = bj.Topology(attn_dp=layout.dp, attn_tp=layout.tp, moe_ep=layout.ep)
@@ -314,8 +294,8 @@ def test_one_step_on_dp2_tp2_ep4_equals_the_single_device_step():
     """DP 2 x TP 2, experts over EP 4 all-to-all and the dense FFN data-parallel: the loss and
     every updated parameter within 1e-5 of one device's; every parameter moved but the
     correction biases, which get no update (no weight decay either)."""
-    got = one_step(Layout(2, 2, ep=4, dispatch=ALL_TO_ALL, dense_ffn_dp=True))
-    want = one_step(Layout(1, 1))
+    got = one_step(MoeLayout(2, 2, ep=4, dispatch=ALL_TO_ALL, dense_ffn_dp=True))
+    want = one_step(MoeLayout(1, 1))
     assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
     assert got["frozen"] == want["frozen"] == {"layers.1.mlp.e_score_correction_bias"}
     for path, value in want["params"].items():
@@ -350,7 +330,7 @@ def test_config_reads_writes_back_and_names_every_tensor(name, caplog):
     assert names == stored - mtp
     assert bool(mtp) == (name == "deepseek_v3")
     with caplog.at_level(logging.WARNING):
-        load_model(GOLDEN / name, Layout(1, 1).mesh())
+        load_model(GOLDEN / name, MoeLayout(1, 1).mesh())
     notices = [r.getMessage() for r in caplog.records if "multi-token-prediction" in r.message]
     assert len(notices) == bool(mtp) and all("[4]" in n for n in notices)
 
@@ -358,7 +338,7 @@ def test_config_reads_writes_back_and_names_every_tensor(name, caplog):
 def test_trained_checkpoint_keeps_its_biases_and_reads_back(tmp_path):
     """The sharded step's parameters written as a Hugging Face checkpoint: its config reads
     back, its correction bias is the untrained one, its router the trained one."""
-    trained = one_step(Layout(2, 2, ep=4, dispatch=ALL_TO_ALL, dense_ffn_dp=True))
+    trained = one_step(MoeLayout(2, 2, ep=4, dispatch=ALL_TO_ALL, dense_ffn_dp=True))
     save_checkpoint(TRAIN_CONFIG, trained["params"], tmp_path)
     assert load_config(tmp_path) == TRAIN_CONFIG
     saved = load_file(str(tmp_path / "model.safetensors"))

@@ -1,7 +1,6 @@
 """LongCat-Flash from Hugging Face: its config.json read and written, its tensor names, and what
 transformers does not run rejected with the reason."""
 
-import dataclasses
 import functools
 import json
 from pathlib import Path
@@ -21,6 +20,8 @@ from models.families.longcat import LongcatDecoderLayer
 from models.layers import moe
 from models.serving.runtime import ShardedCausalLM
 from models.training.trainer import TrainConfig, Trainer
+
+from . import MoeLayout
 
 GOLDEN = Path(__file__).parents[1] / "golden" / "longcat_flash"
 HF_CONFIG = json.loads((GOLDEN / "config.json").read_text())
@@ -147,30 +148,12 @@ def test_name_map_reads_every_tensor_but_the_unread_ones():
 # --------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """A parallel layout of the LongCat-Flash decoder."""
-
-    dp: int
-    tp: int
-    ep: int = 1
-    dispatch: bj.MoeDispatch = GATHER
-    defer: bool = False
-
-    def __str__(self) -> str:
-        name = f"DP{self.dp}xTP{self.tp}-EP{self.ep}-{self.dispatch.value}"
-        return name + "-deferred" * self.defer
-
-    def mesh(self) -> jax.sharding.Mesh:
-        return bj.make_mesh(bj.Topology(attn_dp=self.dp, attn_tp=self.tp))
-
-
 LAYOUTS = (
-    Layout(1, 1),
-    Layout(1, 4, defer=True),
-    Layout(2, 2),
-    Layout(1, 4, ep=4, dispatch=ALL_TO_ALL),
-    Layout(2, 2, ep=4),
+    MoeLayout(1, 1),
+    MoeLayout(1, 4, defer=True),
+    MoeLayout(2, 2),
+    MoeLayout(1, 4, ep=4, dispatch=ALL_TO_ALL),
+    MoeLayout(2, 2, ep=4),
 )
 """TP 1, TP 4 (the MoE's finalize handed to the fusion provider, so the merge meets a
 deferred finalize), attention DP 2 x TP 2, and EP 4 in both dispatch modes (all-to-all from
@@ -185,7 +168,7 @@ def golden() -> tuple[list[list[int]], dict[str, np.ndarray]]:
 
 
 @functools.cache
-def runner(layout: Layout) -> ShardedCausalLM:
+def runner(layout: MoeLayout) -> ShardedCausalLM:
     mesh = layout.mesh()
     fusions = bj.fusions.FusionProvider(defer_finalize=True) if layout.defer else None
     model = load_model(
@@ -237,7 +220,7 @@ def test_generate_over_the_latent_caches_matches_transformers():
     """`generate` (prefill, then absorbed decode steps over each attention's latent cache) under
     attention DP 2 x TP 2 gives HF's greedy tokens."""
     prompts, reference = golden()
-    tokens = runner(Layout(2, 2)).generate(prompts, reference["generated"].shape[1])
+    tokens = runner(MoeLayout(2, 2)).generate(prompts, reference["generated"].shape[1])
     np.testing.assert_array_equal(tokens, reference["generated"])
 
 
@@ -249,7 +232,7 @@ def test_captured_hidden_states_match_transformers():
     with np.load(GOLDEN / "hidden_states.npz") as captured:
         want = captured["hidden_states"]
     layers = [2, 0, 1]
-    logits, hidden = runner(Layout(2, 2)).forward_captured(prompts, layers)
+    logits, hidden = runner(MoeLayout(2, 2)).forward_captured(prompts, layers)
     for got, layer in zip(hidden, layers, strict=True):
         assert relative_error(got, want[layer]) <= 1e-4, layer
     assert relative_error(logits, reference["logits"]) <= 1e-4
@@ -302,7 +285,7 @@ def test_plan_shows_the_branch_and_the_two_latent_caches(capsys):
 def mutant_error() -> float:
     """HF error of a fresh TP 1 program of the loaded golden model (so a monkeypatched module
     is traced anew)."""
-    layout = Layout(1, 1)
+    layout = MoeLayout(1, 1)
     run = ShardedCausalLM(runner(layout).model, layout.mesh())
     return relative_error(run.forward(golden()[0]), golden()[1]["logits"])
 
@@ -335,7 +318,7 @@ def test_what_is_not_built_is_rejected():
     config = load_config(GOLDEN)
     with pytest.raises(NotImplementedError, match="scan_layers"):
         build_model(config, bj.Topology(), scan_layers=True)
-    layout = Layout(1, 4, defer=True)
+    layout = MoeLayout(1, 4, defer=True)
     scattered = ShardedCausalLM(runner(layout).model, layout.mesh(), input_scattered=True)
     with pytest.raises(Exception, match="INPUT_SCATTERED"):
         scattered.forward(golden()[0])
@@ -349,7 +332,7 @@ OPTIMIZER = TrainConfig(learning_rate=1e-2, total_steps=10, warmup_steps=0, eps=
 SEQUENCES = [list(np.random.default_rng(5).integers(0, 250, n)) for n in (13, 7, 9, 4, 11, 6)]
 
 
-def one_step(layout: Layout) -> dict:
+def one_step(layout: MoeLayout) -> dict:
     """Initial and updated parameters and the loss of one optax step of the golden model."""
     mesh = layout.mesh()
     model = load_model(GOLDEN, mesh, moe_ep=layout.ep, moe_dispatch=layout.dispatch)
@@ -365,7 +348,7 @@ def test_one_step_on_dp2_tp2_ep4_equals_the_single_device_step():
     """Gradients through the branch (its fork, its own residual adds, the merge): one step on
     DP 2 x TP 2 with EP 4 gives the single-device loss and updated parameters within 1e-5;
     every parameter moved but the correction biases."""
-    got, want = one_step(Layout(2, 2, ep=4)), one_step(Layout(1, 1))
+    got, want = one_step(MoeLayout(2, 2, ep=4)), one_step(MoeLayout(1, 1))
     assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
     assert (
         got["frozen"]

@@ -27,38 +27,21 @@ from models.layers.moe import GroupedMatmulImpl
 from models.layers.moe_ffn import MoeFfn
 from models.serving.runtime import ShardedCausalLM
 
-from . import run_sharded
+from . import MoeLayout, run_sharded
 
 GOLDEN = pathlib.Path(__file__).parents[1] / "golden"
 GATHER, ALL_TO_ALL = bj.MoeDispatch.GATHER, bj.MoeDispatch.ALL_TO_ALL
 DEFER = bj.fusions.FusionProvider(defer_finalize=True)
 
 
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """A parallel layout of an MoE decoder."""
-
-    dp: int
-    tp: int
-    ep: int = 1
-    dispatch: bj.MoeDispatch = GATHER
-    scattered: bool = False
-    defer: bool = False
-
-    def __str__(self) -> str:
-        parts = [f"DP{self.dp}xTP{self.tp}", f"EP{self.ep}", self.dispatch.value]
-        parts += ["scattered"] * self.scattered + ["deferred"] * self.defer
-        return "-".join(parts)
-
-
 LAYOUTS = (
-    Layout(1, 1),
-    Layout(1, 4),
-    Layout(2, 2, defer=True),
-    Layout(1, 4, ep=4),
-    Layout(1, 4, ep=4, dispatch=ALL_TO_ALL, defer=True),
-    Layout(8, 1, ep=8, dispatch=ALL_TO_ALL),
-    Layout(1, 4, ep=4, dispatch=ALL_TO_ALL, scattered=True),
+    MoeLayout(1, 1),
+    MoeLayout(1, 4),
+    MoeLayout(2, 2, defer=True),
+    MoeLayout(1, 4, ep=4),
+    MoeLayout(1, 4, ep=4, dispatch=ALL_TO_ALL, defer=True),
+    MoeLayout(8, 1, ep=8, dispatch=ALL_TO_ALL),
+    MoeLayout(1, 4, ep=4, dispatch=ALL_TO_ALL, scattered=True),
 )
 # Every case below runs under -m slow. By default each golden checkpoint runs, on layouts that
 # together cover each kind: Qwen3-MoE on attention DP 8 with the largest EP
@@ -68,21 +51,21 @@ LAYOUTS = (
 # TP without EP and the other deferred layouts run layer by layer below (float64 reference and
 # compiled collectives) and in the shared-expert model test.
 DEFAULT_CASES = {
-    ("qwen3_moe", Layout(8, 1, ep=8, dispatch=ALL_TO_ALL)),
-    ("qwen3_moe", Layout(2, 4, ep=2, dispatch=ALL_TO_ALL, defer=True)),
-    ("qwen2_moe", Layout(1, 4, ep=4, dispatch=ALL_TO_ALL, scattered=True)),
-    ("mixtral_sliding", Layout(2, 2, ep=4, dispatch=ALL_TO_ALL)),
-    ("mixtral", Layout(1, 1)),
+    ("qwen3_moe", MoeLayout(8, 1, ep=8, dispatch=ALL_TO_ALL)),
+    ("qwen3_moe", MoeLayout(2, 4, ep=2, dispatch=ALL_TO_ALL, defer=True)),
+    ("qwen2_moe", MoeLayout(1, 4, ep=4, dispatch=ALL_TO_ALL, scattered=True)),
+    ("mixtral_sliding", MoeLayout(2, 2, ep=4, dispatch=ALL_TO_ALL)),
+    ("mixtral", MoeLayout(1, 1)),
 }
 GOLDEN_CASES = (
     [(name, layout) for name in ("qwen3_moe", "mixtral", "qwen2_moe") for layout in LAYOUTS]
     + [
         ("mixtral_sliding", layout)
-        for layout in (Layout(1, 1), Layout(2, 2, ep=4, dispatch=ALL_TO_ALL))
+        for layout in (MoeLayout(1, 1), MoeLayout(2, 2, ep=4, dispatch=ALL_TO_ALL))
     ]
     + [  # all-to-all with each expert's width split over attention TP (moe_tp > 1)
-        ("qwen2_moe", Layout(2, 2, ep=2, dispatch=ALL_TO_ALL)),
-        ("qwen3_moe", Layout(2, 4, ep=2, dispatch=ALL_TO_ALL, defer=True)),
+        ("qwen2_moe", MoeLayout(2, 2, ep=2, dispatch=ALL_TO_ALL)),
+        ("qwen3_moe", MoeLayout(2, 4, ep=2, dispatch=ALL_TO_ALL, defer=True)),
     ]
 )
 assert set(GOLDEN_CASES) >= DEFAULT_CASES
@@ -105,7 +88,7 @@ def golden(name: str) -> tuple[list[list[int]], dict[str, np.ndarray]]:
 
 
 @functools.cache
-def runner(name: str, layout: Layout) -> ShardedCausalLM:
+def runner(name: str, layout: MoeLayout) -> ShardedCausalLM:
     mesh = make_mesh(bj.Topology(attn_dp=layout.dp, attn_tp=layout.tp, moe_ep=layout.ep))
     model = load_model(
         GOLDEN / name,
@@ -139,11 +122,11 @@ def test_logits_and_greedy_tokens_match_transformers(name, layout):
 def test_model_classes_and_sparse_layers():
     """load_model picks the class by architecture; mlp_only_layers stay dense; Qwen2-MoE's
     sparse layers carry its gated shared expert and do not renormalize."""
-    assert isinstance(runner("mixtral", Layout(1, 1)).model, MixtralForCausalLM)
-    model = runner("qwen3_moe", Layout(1, 1)).model
+    assert isinstance(runner("mixtral", MoeLayout(1, 1)).model, MixtralForCausalLM)
+    model = runner("qwen3_moe", MoeLayout(1, 1)).model
     assert isinstance(model, Qwen3MoeForCausalLM)
     assert [isinstance(layer.mlp, MoeFfn) for layer in model.layers] == [True, False, True]
-    model = runner("qwen2_moe", Layout(1, 4)).model
+    model = runner("qwen2_moe", MoeLayout(1, 4)).model
     assert isinstance(model, Qwen2MoeForCausalLM)
     sparse = [isinstance(layer.mlp, MoeFfn) for layer in model.layers]
     assert sparse == [True, False, True, True]
@@ -456,7 +439,7 @@ TABLE = pathlib.Path(__file__).parents[2] / "docs" / "collectives.md"
 KINDS = {"AR": "all-reduce", "RS": "reduce-scatter", "AG": "all-gather", "A2A": "all-to-all"}
 
 
-def _documented_moe_rows() -> dict[Layout, tuple[str, ...]]:
+def _documented_moe_rows() -> dict[MoeLayout, tuple[str, ...]]:
     """The "MoE decoders" table of docs/collectives.md: layout -> the middle layer's kinds."""
     text = TABLE.read_text().split("## MoE decoders", 1)[1].split("\n## ", 1)[0]
     lines = [line for line in text.splitlines() if line.startswith("| ")]
@@ -464,7 +447,7 @@ def _documented_moe_rows() -> dict[Layout, tuple[str, ...]]:
     rows = {}
     for line in lines[2:]:
         cells = dict(zip(header, (c.strip() for c in line.strip("|").split("|")), strict=True))
-        layout = Layout(
+        layout = MoeLayout(
             int(cells["dp"]),
             int(cells["tp"]),
             ep=int(cells["ep"]),
@@ -482,12 +465,12 @@ MIDDLE_SPARSE_LAYER = _documented_moe_rows()
 # with each expert's width split), which also run EP 2 splitting a mesh axis, the largest EP, and
 # a deferred finalize with each dispatch.
 DEFAULT_MIDDLE_SPARSE = {
-    Layout(1, 4, ep=2),
-    Layout(2, 2, ep=4, defer=True),
-    Layout(8, 1, ep=8),
-    Layout(8, 1, ep=8, dispatch=ALL_TO_ALL),
-    Layout(1, 4, ep=4, dispatch=ALL_TO_ALL, scattered=True),
-    Layout(2, 4, ep=2, dispatch=ALL_TO_ALL, defer=True),
+    MoeLayout(1, 4, ep=2),
+    MoeLayout(2, 2, ep=4, defer=True),
+    MoeLayout(8, 1, ep=8),
+    MoeLayout(8, 1, ep=8, dispatch=ALL_TO_ALL),
+    MoeLayout(1, 4, ep=4, dispatch=ALL_TO_ALL, scattered=True),
+    MoeLayout(2, 4, ep=2, dispatch=ALL_TO_ALL, defer=True),
 }
 assert set(MIDDLE_SPARSE_LAYER) >= DEFAULT_MIDDLE_SPARSE
 
