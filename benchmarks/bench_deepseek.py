@@ -448,6 +448,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="a tiny config (CPU check)")
     parser.add_argument("--layers", type=int, default=None, help="fewer layers than 27")
     parser.add_argument("--profile", default=None, help="trace each case here, print kernels")
+    parser.add_argument("--only", choices=("prefill", "decode"), default=None, help="one kind")
     args = parser.parse_args()
     if args.profile:
         profile_into(args.profile)
@@ -458,9 +459,9 @@ def main() -> None:
     if args.smoke:
         results = run(config, cache=64, prefills=((2, 16), (1, 32)), decodes=(2, 8), steps=4)
     else:
-        results = run(
-            config, cache=CACHE, prefills=((8, 512), (1, 4096)), decodes=(8, 64), steps=STEPS
-        )
+        prefills = () if args.only == "decode" else ((8, 512), (1, 4096))
+        decodes = () if args.only == "prefill" else (8, 64)
+        results = run(config, cache=CACHE, prefills=prefills, decodes=decodes, steps=STEPS)
     gc.collect()
     print(
         f"\n## DeepSeek-V2-Lite shape ({config.num_layers} layers), bf16, one device: project vs "
