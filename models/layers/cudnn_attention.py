@@ -20,11 +20,24 @@ def prefill_attention_cudnn(
     """Causal attention within each segment of packed rows, through cuDNN's ragged layout.
 
     q is [T, heads, D], k/v [T, kv, D]. Each segment must be contiguous with positions 0, 1,
-    ... (causality is by row order); padding rows (-1) get unspecified values the caller masks.
-    Segment ids must be < `max_segments` (static): cuDNN schedules work for every segment
-    entry, so a tight bound (the cache slots) keeps empty entries cheap. cuDNN skips the score
-    blocks between segments, so packing costs no T x T work.
+    ... (causality is by row order), and the rows packed from row 0 (`RowsPhase.PREFILL`);
+    padding rows (-1) get unspecified values the caller masks. Segment ids must be <
+    `max_segments` (static): cuDNN schedules work for every segment entry, so a tight bound (the
+    cache slots) keeps empty entries cheap. cuDNN skips the score blocks between segments, so
+    packing costs no T x T work. One segment (`max_segments == 1`) starts at row 0, so plain
+    causal attention over all rows is exact on its rows; cuDNN runs it faster than the form with
+    sequence lengths (`benchmarks/RESULTS.md`, run 21).
     """
+    if max_segments == 1:
+        out = jax.nn.dot_product_attention(
+            q[None],
+            k[None].astype(q.dtype),
+            v[None].astype(q.dtype),
+            scale=scale,
+            is_causal=True,
+            implementation="cudnn",
+        )
+        return out[0]
     # Private but stable since JAX 0.4.3x: the public wrapper takes no segment offsets.
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
@@ -81,7 +94,7 @@ def decode_attention_cudnn(
     """One query row per slot over its cache: [B, heads, D] x [B, S, kv, D] -> [B, heads, D].
 
     Slot b attends to keys 0..lengths[b]-1 (lengths >= 1); scores are scaled by `scale` (None:
-    `D ** -0.5`). With `grouped` (the default), the
+    `D ** -0.5`). With `grouped`, the
     query heads that share a kv head become that many query rows of one kv head: cuDNN then
     reads each slot's keys once per kv head, instead of once per query head.
     """
