@@ -292,6 +292,14 @@ TRITON_SWEEP = (
     TritonFp8Tiling(block_m=32, block_n=128, split_k=1, num_warps=4, fp8_dot=True),
     TritonFp8Tiling(block_m=16, block_n=64, split_k=1),
 )
+WIDE_TRITON_SWEEP = tuple(
+    TritonFp8Tiling(block_n=n, split_k=split, num_warps=warps, num_stages=stages)
+    for n in (32, 64, 128)
+    for split in (1, 2, 4, 8)
+    for warps in (4, 8)
+    for stages in (3, 5)
+)
+"""`--wide`: the decode kernel's tilings as a grid (columns, split, warps, stages)."""
 MOSAIC_SWEEP = (
     MosaicFp8Tiling(tile_m=128, tile_n=128, max_concurrent_steps=4, grid_block_n=4),
     MosaicFp8Tiling(tile_m=128, tile_n=256, max_concurrent_steps=3, grid_block_n=2),
@@ -300,7 +308,7 @@ MOSAIC_SWEEP = (
 )
 
 
-def matmul(k: int, n: int, rows_list) -> list[tuple]:
+def matmul(k: int, n: int, rows_list, *, wide: bool = False) -> list[tuple]:
     kw, kx = jax.random.split(jax.random.key(0))
     w = jax.random.normal(kw, (n, k), jnp.float32) / np.sqrt(k)
     w_values, w_scales = quantize_blocks_reference(w)
@@ -320,6 +328,8 @@ def matmul(k: int, n: int, rows_list) -> list[tuple]:
             ("fp8 dequantized to bf16", Fp8MatmulImpl.DEQUANTIZED_BF16, None),
         ]
         sweeps = (TRITON_SWEEP[:1], MOSAIC_SWEEP[:1]) if SMOKE else (TRITON_SWEEP, MOSAIC_SWEEP)
+        if wide:  # the decode kernel alone
+            sweeps = (WIDE_TRITON_SWEEP[:2] if SMOKE else WIDE_TRITON_SWEEP, ())
         if rows <= 512:  # the decode kernel re-reads the weights per 64 rows
             variants += [(f"fp8 triton {t}", triton, t) for t in sweeps[0]]
         variants += [(f"fp8 mosaic {t}", mosaic, t) for t in sweeps[1] if n % t.tile_n == 0]
@@ -354,6 +364,10 @@ def main(argv=None) -> None:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--fp8-fusions", choices=("none", "auto"), default="auto")
     parser.add_argument("--cases", nargs="+", default=None, help="e.g. 'decode 64 @ 1024'")
+    parser.add_argument("--rows", type=int, nargs="+", default=None, help="part matmul's rows")
+    parser.add_argument(
+        "--wide", action="store_true", help="part matmul: the decode kernel over a tiling grid"
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU")
     args = parser.parse_args(argv)
     SMOKE = args.smoke
@@ -392,7 +406,7 @@ def main(argv=None) -> None:
         print(f"\n## one projection [{shape[0]} -> {shape[1]}], bf16 out (us)")
         print_table(
             ("rows", "variant", "us", "x bf16", "weight TB/s", "TFLOP/s", "rel err vs XLA fp8"),
-            matmul(*shape, rows),
+            matmul(*shape, args.rows or rows, wide=args.wide),
         )
 
 

@@ -1,13 +1,15 @@
 """Tilings of the FP8 matmul kernels, and the tables that pick them by shape.
 
-The defaults follow the bf16 kernels' measured tilings (the Triton expert matmul, JAX's Hopper
-matmul) and enough programs to cover an H200's 132 SMs twice. Measured on one H200
+The decode kernel's table follows a grid of its tilings measured on one H200 (run 21 below); the
+prefill kernel's, the bf16 kernels' measured tilings (JAX's Hopper matmul). Measured on one H200
 (`benchmarks/bench_fp8.py --parts matmul`, `benchmarks/RESULTS.md` run 18): with the operands
 converted to bf16 no swept Triton tiling read the FP8 weights faster than 1.35 TB/s at 8 rows
 (the default: 1.22 TB/s); converted to float16 instead, the default tiling reads them at 2.70 TB/s
 (21.8 us for [4096 -> 14336], 1.40x bf16's `jnp.dot`). Run 19: multiplied as FP8 on the tensor
 cores, the default reads them at 2.63 TB/s at 8 rows and 1.67 TB/s at 64 (35.1 us, 1.01x bf16's
-`jnp.dot`, against 41.2 us through float16). No Mosaic tiling passes 184 TFLOP/s.
+`jnp.dot`, against 41.2 us through float16). No Mosaic tiling passes 184 TFLOP/s. Run 21 (48
+tilings: 32 / 64 / 128 columns, split 1-8, 4 or 8 warps, 3 or 5 stages): 2.73 TB/s at 8 rows and
+1.84 TB/s at 64 at best, 1.39x and 1.10x bf16's `jnp.dot`.
 """
 
 import dataclasses
@@ -18,8 +20,8 @@ SCALE_BLOCK = 128
 """Features per scale along the contraction, and rows per weight scale (the Hugging Face
 fine-grained FP8 block): every kernel steps its contraction one scale block at a time."""
 
-TARGET_PROGRAMS = 264
-"""Programs the decode kernel aims for: two per SM of an H200."""
+NUM_SMS = 132
+"""An H200's SMs: the decode kernel splits its contraction until each has a program."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,15 +84,20 @@ class MosaicFp8Tiling:
 
 
 def triton_fp8_tiling(m: int, k: int, n: int) -> TritonFp8Tiling:
-    """The decode kernel's tiling for [m, k] x [n, k]: 64 columns per program, the contraction
-    split over the fewest programs (a power of two dividing its scale blocks, at most 8) that
-    bring the programs to `TARGET_PROGRAMS`."""
-    tiling = TritonFp8Tiling()
-    programs = (n // tiling.block_n) * pl.cdiv(m, tiling.rows_per_program(m))
+    """The decode kernel's tiling for [m, k] x [n, k]: up to 16 rows, 64 columns per program and
+    5 pipeline stages; above, 128 columns and 3 stages; the contraction split over the fewest
+    programs (a power of two dividing its scale blocks, at most 8) that give every SM of an
+    H200 one. Measured on one H200, [4096 -> 14336] (`bench_fp8 --parts matmul --wide`,
+    `benchmarks/RESULTS.md` run 21): 21.5 us at 8 rows and 32.0 us at 64, against 22.3 and
+    35.1 us for run 19's default (64 columns, 4 stages, splits to two programs per SM)."""
+    rows = TritonFp8Tiling().rows_per_program(m)
+    if rows <= 16:
+        tiling = TritonFp8Tiling(block_n=64, num_stages=5)
+    else:
+        tiling = TritonFp8Tiling(block_n=128, num_stages=3)
+    programs = (n // tiling.block_n) * pl.cdiv(m, rows)
     split = 1
-    while (
-        programs * split < TARGET_PROGRAMS and split < 8 and (k // SCALE_BLOCK) % (2 * split) == 0
-    ):
+    while programs * split < NUM_SMS and split < 8 and (k // SCALE_BLOCK) % (2 * split) == 0:
         split *= 2
     return dataclasses.replace(tiling, split_k=split)
 

@@ -324,8 +324,12 @@ def test_shapes_and_tilings_are_checked():
 
 
 def test_decode_tiling_table_fills_the_gpu():
-    """The default decode tiling splits the contraction until the programs cover an H200
-    twice: none for a wide gate/up projection, the most (8) for the narrow down and kv ones."""
+    """The default decode tiling splits the contraction until every SM of an H200 has a
+    program: none for a wide gate/up projection, more for the narrow down and kv ones, at most 8;
+    128 columns per program above 16 rows."""
     assert triton_fp8_tiling(8, 4096, 28672).split_k == 1
-    assert triton_fp8_tiling(8, 14336, 4096).split_k == 8
+    assert triton_fp8_tiling(8, 14336, 4096).split_k == 4
+    assert triton_fp8_tiling(64, 4096, 14336) == TritonFp8Tiling(
+        block_n=128, split_k=2, num_stages=3
+    )
     assert triton_fp8_tiling(64, 4096, 2048).split_k == 8
