@@ -25,6 +25,7 @@ tilings (their `tiling` argument), each checked against XLA's FP8 reference, for
 
     python3 -m benchmarks.bench_fp8                     # every part, on the GPU machine
     python3 -m benchmarks.bench_fp8 --parts moe matmul
+    python3 -m benchmarks.bench_fp8 --parts matmul --wide --rows 8 64   # the decode kernel's grid
     python3 -m benchmarks.bench_fp8 --smoke             # CPU: tiny shapes, XLA / interpreted
 """
 
