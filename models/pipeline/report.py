@@ -39,10 +39,10 @@ def pipeline_plan_report(
         model = stage.model
         program = runner.forward_program(stage)
         rows, facts = batch.placed[index][0]
-        out = jax.eval_shape(program, stage.state, inputs, rows, facts)
+        out = jax.eval_shape(program, stage.leaves, inputs, rows, facts)
         collectives = None
         if stage.held:
-            compiled = program.lower(stage.state, inputs, rows, facts).compile()
+            compiled = program.lower(stage.leaves, inputs, rows, facts).compile()
             hlo = parse_hlo(compiled.as_text())
             collectives = bj.report.describe_collectives(hlo, runner.config.num_layers)[
                 "collectives_by_layer"

@@ -91,16 +91,19 @@ class Stage:
         self._check_vma = check_vma
         self.matmul_precision = matmul_precision
         self._graphdef, state = nnx.split(model)
-        self._specs = nnx.get_partition_spec(state)
+        specs = nnx.get_partition_spec(state)
         if self.held:
-            self._state = bj.place(state, mesh, self._specs)
+            state = bj.place(state, mesh, specs)
         else:
-            shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), self._specs)
-            self._state = jax.tree.map(
+            shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
+            state = jax.tree.map(
                 lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
                 state,
                 shardings,
             )
+        leaves, self._treedef = jax.tree.flatten(state)
+        self._leaves = tuple(leaves)
+        self._leaf_specs = tuple(self._treedef.flatten_up_to(specs))
         self._programs: dict[tuple, Callable] = {}
         self._shapes: dict[tuple, Tree] = {}
         self.rows = rows_spec(mesh)
@@ -109,31 +112,42 @@ class Stage:
     @property
     def model(self) -> CausalLM:
         """The stage's model over its placed state (abstract where this process lacks it)."""
-        return nnx.merge(self._graphdef, self._state)
+        return nnx.merge(self._graphdef, self.state)
+
+    @property
+    def leaves(self) -> tuple:
+        """The stage's placed state as a flat tuple of arrays (shapes only where this process
+        does not hold it): what its programs take, as `bj.ShardedModule.leaves`."""
+        return self._leaves
+
+    @property
+    def leaf_specs(self) -> tuple:
+        """The `PartitionSpec` of every leaf of `leaves`."""
+        return self._leaf_specs
 
     @property
     def state(self) -> nnx.State:
-        """The stage's placed state (shapes only where this process does not hold it)."""
-        return self._state
+        """`leaves` as the stage model's `nnx.State`."""
+        return self.state_of(self._leaves)
 
-    @property
-    def specs(self) -> nnx.State:
-        """The `PartitionSpec` of every leaf of `state`."""
-        return self._specs
+    def state_of(self, leaves: tuple) -> nnx.State:
+        """`leaves` of this stage's structure (parameters, or their gradients) as an
+        `nnx.State`."""
+        return jax.tree.unflatten(self._treedef, leaves)
 
     def sharded(self, body: Callable, in_specs: tuple, out_specs: Tree) -> Callable:
-        """`f(state, *args)`: `body(model, *args)` inside `shard_map` on this stage's devices
+        """`f(leaves, *args)`: `body(model, *args)` inside `shard_map` on this stage's devices
         (not jitted: a caller may differentiate it first), traced at `matmul_precision`."""
-        graphdef, precision = self._graphdef, self.matmul_precision
+        graphdef, treedef, precision = self._graphdef, self._treedef, self.matmul_precision
 
-        def run(state, *args):
+        def run(leaves, *args):
             with matmul_precision_scope(precision):
-                return body(nnx.merge(graphdef, state), *args)
+                return body(nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves)), *args)
 
         return jax.shard_map(
             run,
             mesh=self.mesh,
-            in_specs=(self._specs, *in_specs),
+            in_specs=(self._leaf_specs, *in_specs),
             out_specs=out_specs,
             check_vma=self._check_vma,
         )
@@ -161,16 +175,16 @@ class Stage:
             self._programs[name] = make()
         return self._programs[name]
 
-    def run(self, program: Callable, *args, state: nnx.State | None = None) -> Tree:
-        """`program(state, *args)` (by default the stage's own state); where this process does
-        not hold the stage, the shapes of what it would return (traced once per argument
+    def run(self, program: Callable, *args, leaves: tuple | None = None) -> Tree:
+        """`program(leaves, *args)` (by default the stage's own `leaves`); where this process
+        does not hold the stage, the shapes of what it would return (traced once per argument
         shapes)."""
-        state = self._state if state is None else state
+        leaves = self._leaves if leaves is None else leaves
         if self.held:
-            return program(state, *args)
+            return program(leaves, *args)
         key = (program, jax.tree.structure(args), tuple(_shape(x) for x in jax.tree.leaves(args)))
         if key not in self._shapes:
-            self._shapes[key] = jax.eval_shape(program, state, *args)
+            self._shapes[key] = jax.eval_shape(program, leaves, *args)
         return self._shapes[key]
 
     def place(self, packed: PackedBatch, variant: bj.BatchVariant) -> tuple[TokenRows, Tree]:

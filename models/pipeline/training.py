@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -60,7 +59,8 @@ class PipelineTrainer:
     Attributes:
       runner: The stages, their devices and handoffs (a `PipelineCausalLM`).
       train: The optimizer's configuration.
-      params: Per stage, its parameters (shapes only on a process that does not hold it).
+      params: Per stage, its parameters as its `leaves` (shapes only on a process that does not
+        hold it; `stage.state_of` gives the `nnx.State`).
       opt_state: Per stage, its AdamW state.
       step_count: Steps taken.
     """
@@ -97,9 +97,9 @@ class PipelineTrainer:
             eps=train.eps,
             weight_decay=train.weight_decay,
         )
-        self.params = [stage.state for stage in self.runner.stages]
+        self.params = [stage.leaves for stage in self.runner.stages]
         self.opt_state = [
-            stage.run(self._init_program(stage), state=params)
+            stage.run(self._init_program(stage), leaves=params)
             for stage, params in zip(self.runner.stages, self.params, strict=True)
         ]
         self.step_count = 0
@@ -130,11 +130,11 @@ class PipelineTrainer:
     # -- programs -------------------------------------------------------------------------
 
     def _init_program(self, stage: Stage):
-        shardings = jax.tree.map(lambda spec: NamedSharding(stage.mesh, spec), stage.specs)
+        shardings = tuple(NamedSharding(stage.mesh, spec) for spec in stage.leaf_specs)
         optimizer = self._optimizer
 
         def make():
-            out = jax.eval_shape(optimizer.init, stage.state)
+            out = jax.eval_shape(optimizer.init, stage.leaves)
             return jax.jit(
                 optimizer.init,
                 out_shardings=optax.tree_map_params(
@@ -149,7 +149,7 @@ class PipelineTrainer:
         return stage.cached(("init",), make)
 
     def _stage_function(self, stage: Stage):
-        """`f(state, inputs, rows, batch, labels)`: the stage's handoff, or on the last stage
+        """`f(leaves, inputs, rows, batch, labels)`: the stage's handoff, or on the last stage
         its microbatch's loss summed over labelled rows (a replicated scalar)."""
         runner = self.runner
         spec = bj.BatchFacts(runner.variant, stage.topology, PartitionSpec())
@@ -175,10 +175,10 @@ class PipelineTrainer:
         `grad_out`; the forward is recomputed."""
         function = self._stage_function(stage)
 
-        def backward(state, inputs, rows, batch, labels, grad_out, grads):
-            _, pull = jax.vjp(lambda s, i: function(s, i, rows, batch, labels), state, inputs)
-            d_state, d_inputs = pull(grad_out)
-            return jax.tree.map(jnp.add, grads, d_state), d_inputs
+        def backward(leaves, inputs, rows, batch, labels, grad_out, grads):
+            _, pull = jax.vjp(lambda s, i: function(s, i, rows, batch, labels), leaves, inputs)
+            d_leaves, d_inputs = pull(grad_out)
+            return jax.tree.map(jnp.add, grads, d_leaves), d_inputs
 
         return stage.cached(("train backward",), lambda: jax.jit(backward))
 
@@ -205,9 +205,10 @@ class PipelineTrainer:
 
     # -- loss and step --------------------------------------------------------------------
 
-    def gradients(self, batch: PipelineTrainBatch) -> tuple[float, list[nnx.State]]:
-        """(loss, per stage the gradient of the loss w.r.t. its parameters) at the current
-        parameters: every microbatch forward, then backward in reverse."""
+    def gradients(self, batch: PipelineTrainBatch) -> tuple[float, list[tuple]]:
+        """(loss, per stage the gradient of the loss w.r.t. its parameters, as its `leaves`;
+        `stage.state_of` gives the `nnx.State`) at the current parameters: every microbatch
+        forward, then backward in reverse."""
         stages = self.runner.stages
         count, last = len(batch.parts), len(stages) - 1
         inputs: dict[tuple[int, int], object] = {}
@@ -221,14 +222,14 @@ class PipelineTrainer:
                     *batch.placed[index][microbatch],
                     self._labels(batch, index, microbatch),
                 )
-                out = stages[index].run(forward[index], *args, state=self.params[index])
+                out = stages[index].run(forward[index], *args, leaves=self.params[index])
                 if index == last:
                     losses.append(out)
                 else:
                     inputs[(index + 1, microbatch)] = self.runner.sends[index](out)
         scale = place_rows(np.float32(1.0 / max(batch.tokens, 1)), stages[-1].mesh, rows=False)
         grads = [
-            stage.run(self._zeros_program(stage), state=params)
+            stage.run(self._zeros_program(stage), leaves=params)
             for stage, params in zip(stages, self.params, strict=True)
         ]
         backward = [self._backward_program(stage) for stage in stages]
@@ -245,7 +246,7 @@ class PipelineTrainer:
                     grads[index],
                 )
                 grads[index], d_inputs = stages[index].run(
-                    backward[index], *args, state=self.params[index]
+                    backward[index], *args, leaves=self.params[index]
                 )
                 if index > 0:
                     cotangents[(index - 1, microbatch)] = self._returns[index - 1](d_inputs)
@@ -257,7 +258,7 @@ class PipelineTrainer:
 
     def _zeros_program(self, stage: Stage):
         return stage.cached(
-            ("zeros",), lambda: jax.jit(lambda state: jax.tree.map(jnp.zeros_like, state))
+            ("zeros",), lambda: jax.jit(lambda leaves: jax.tree.map(jnp.zeros_like, leaves))
         )
 
     def step(self, batch: PipelineTrainBatch) -> dict[str, float]:
@@ -266,7 +267,7 @@ class PipelineTrainer:
         loss, grads = self.gradients(batch)
         stages = self.runner.stages
         squares = [
-            _host_scalars(stage, [stage.run(self._square_program(stage), state=grads[index])])[0]
+            _host_scalars(stage, [stage.run(self._square_program(stage), leaves=grads[index])])[0]
             for index, stage in enumerate(stages)
         ]
         norm = float(np.sqrt(np.float32(sum(squares))))

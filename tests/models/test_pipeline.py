@@ -198,7 +198,7 @@ def test_stage_programs_multiply_in_float32():
     for piped, want in ((runner, "HIGHEST, HIGHEST"), (high, "HIGH, HIGH")):
         stage = piped.stages[0]
         rows, facts = piped.place(PROMPTS).placed[0][0]
-        lowered = piped.forward_program(stage).lower(stage.state, {}, rows, facts)
+        lowered = piped.forward_program(stage).lower(stage.leaves, {}, rows, facts)
         dots = [line for line in lowered.as_text().splitlines() if "dot_general" in line]
         assert dots and all(f"precision = [{want}]" in line for line in dots)
 
@@ -259,10 +259,10 @@ TRAIN = dataclasses.replace(PRESETS["tiny-qwen3"], num_layers=2, tie_word_embedd
 SEQUENCES = [[5, 7, 9, 11, 2, 4, 6], [3, 9, 1], [8, 8, 1, 4, 6, 2, 9, 3], [17, 4, 5]]
 
 
-def _by_model_path(states, trainer: PipelineTrainer) -> dict[str, np.ndarray]:
+def _by_model_path(leaves, trainer: PipelineTrainer) -> dict[str, np.ndarray]:
     flat = {}
-    for state, stage in zip(states, trainer.runner.stages, strict=True):
-        for path, value in nnx.to_flat_state(state):
+    for held, stage in zip(leaves, trainer.runner.stages, strict=True):
+        for path, value in nnx.to_flat_state(stage.state_of(held)):
             path = list(path)
             if path[0] == "layers":
                 path[1] += stage.layers.start
