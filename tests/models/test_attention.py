@@ -223,7 +223,8 @@ def test_segments_do_not_mix():
     h = jax.random.normal(jax.random.key(5), (ROWS, config.hidden_size), jnp.float32)
     positions, segments = packed_rows(1)
     changed = jnp.where((segments == 1)[:, None], h + 1.0, h)
-    before, after = attn(h, positions, segments)[0], attn(changed, positions, segments)[0]
+    run = jax.jit(lambda h: attn(h, positions, segments)[0])
+    before, after = run(h), run(changed)
     other = np.asarray(segments) != 1
     chex.assert_trees_all_close(before[other], after[other], atol=0)
     assert not np.allclose(np.asarray(before)[~other & (np.asarray(segments) >= 0)], 0)
@@ -239,9 +240,9 @@ def test_sliding_window_sees_last_window_positions():
     )
     h = jax.random.normal(jax.random.key(7), (7, windowed.hidden_size), jnp.float32)
     positions, segments = jnp.arange(7, dtype=jnp.int32), jnp.zeros(7, jnp.int32)
-    got = attn(h, positions, segments)[0][-1]
+    got = jax.jit(attn)(h, positions, segments)[0][-1]
     tail = windowed.sliding_window
-    want = unwindowed(h[-tail:], positions[:tail], segments[:tail])[0][-1]
+    want = jax.jit(unwindowed)(h[-tail:], positions[:tail], segments[:tail])[0][-1]
     chex.assert_trees_all_close(got, want, atol=1e-5)
 
 
