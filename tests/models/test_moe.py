@@ -541,16 +541,16 @@ def test_gpu_by_size_pads_prefill_layers_and_falls_back_to_the_hopper_kernel(mon
     rng = np.random.default_rng(0)
     gate_up = jnp.asarray(rng.standard_normal((4, 128, 2, 128)) / 11, jnp.bfloat16)
     down = jnp.asarray(rng.standard_normal((4, 128, 128)) / 11, jnp.bfloat16)
+    outputs = {
+        impl: jax.jit(functools.partial(routed_experts.expert_outputs, impl=impl))
+        for impl in (GroupedMatmulImpl.GPU_BY_SIZE, GroupedMatmulImpl.RAGGED_DOT)
+    }
     for tokens in (4, TRITON_MAX_ROUTED_ROWS // 2 + 4):  # top-2: 8 and 2056 rows
         x = jnp.asarray(rng.standard_normal((tokens, 128)), jnp.bfloat16)
         chosen = np.stack([rng.permutation(4)[:2] for _ in range(tokens)]).astype(np.int32)
         routing = Routing(jnp.full((tokens, 2), 0.5), jnp.asarray(chosen))
-        got = routed_experts.expert_outputs(
-            x, routing, gate_up, down, impl=GroupedMatmulImpl.GPU_BY_SIZE
-        )
-        want = routed_experts.expert_outputs(
-            x, routing, gate_up, down, impl=GroupedMatmulImpl.RAGGED_DOT
-        )
+        got = outputs[GroupedMatmulImpl.GPU_BY_SIZE](x, routing, gate_up, down)
+        want = outputs[GroupedMatmulImpl.RAGGED_DOT](x, routing, gate_up, down)
         chex.assert_trees_all_close(got.astype(jnp.float32), want.astype(jnp.float32), atol=5e-2)
     # 2056 rows over 4 experts: an even share of 514, buckets of 1.25 and 1.5 times it.
     # Two grouped matmuls per path: gate | up as one, then down.
