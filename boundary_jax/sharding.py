@@ -46,16 +46,29 @@ class ShardedModule:
     Attributes:
       mesh: The mesh (its axes are `MeshAxis` names).
       leaves: The module's state as a tuple of global arrays (`jax.tree.leaves` order of its
-        `nnx.State`), placed on `mesh` as each parameter's `out_sharding` says.
+        `nnx.State`), placed on `mesh` as each parameter's `out_sharding` says; unplaced
+        `jax.ShapeDtypeStruct`s of those shardings where the module is not `held`.
+      leaf_specs: The `PartitionSpec` of each of `leaves`.
     """
 
-    def __init__(self, module: nnx.Module, mesh: Mesh):
+    def __init__(self, module: nnx.Module, mesh: Mesh, *, held: bool = True):
+        """`held=False` on a process that holds none of `mesh`'s devices (a pipeline stage on
+        another process): its programs can then only be traced, for their shapes."""
         self.mesh = mesh
         self._graphdef, state = nnx.split(module)
         specs = nnx.get_partition_spec(state)
-        leaves, self._treedef = jax.tree.flatten(place(state, mesh, specs))
+        if held:
+            state = place(state, mesh, specs)
+        else:
+            shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
+            state = jax.tree.map(
+                lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                state,
+                shardings,
+            )
+        leaves, self._treedef = jax.tree.flatten(state)
         self.leaves = tuple(leaves)
-        self._leaf_specs = tuple(self._treedef.flatten_up_to(specs))
+        self.leaf_specs = tuple(self._treedef.flatten_up_to(specs))
 
     @property
     def state(self) -> nnx.State:
@@ -94,6 +107,19 @@ class ShardedModule:
             how its outputs vary).
           donate_argnums: Indices into `args` whose buffers the program may reuse.
         """
+        sharded = self.sharded(call, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
+        return _Program(jax.jit(sharded, donate_argnums=tuple(1 + i for i in donate_argnums)))
+
+    def sharded(
+        self,
+        call: Callable[..., Any],
+        *,
+        in_specs: tuple[Any, ...],
+        out_specs: Any,
+        check_vma: bool = True,
+    ) -> Callable[..., Any]:
+        """`program`'s `shard_map` before `jit`, `f(leaves, *args)`: for a caller that
+        differentiates it or jits it with others (the pipeline's training steps)."""
         graphdef, treedef = self._graphdef, self._treedef
 
         def body(leaves, *args):
@@ -107,17 +133,12 @@ class ShardedModule:
                 )
             return result
 
-        return _Program(
-            jax.jit(
-                jax.shard_map(
-                    body,
-                    mesh=self.mesh,
-                    in_specs=(self._leaf_specs, *in_specs),
-                    out_specs=out_specs,
-                    check_vma=check_vma,
-                ),
-                donate_argnums=tuple(1 + i for i in donate_argnums),
-            )
+        return jax.shard_map(
+            body,
+            mesh=self.mesh,
+            in_specs=(self.leaf_specs, *in_specs),
+            out_specs=out_specs,
+            check_vma=check_vma,
         )
 
 

@@ -90,20 +90,7 @@ class Stage:
         self.first, self.last = model.holds_first, model.holds_last
         self._check_vma = check_vma
         self.matmul_precision = matmul_precision
-        self._graphdef, state = nnx.split(model)
-        specs = nnx.get_partition_spec(state)
-        if self.held:
-            state = bj.place(state, mesh, specs)
-        else:
-            shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
-            state = jax.tree.map(
-                lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-                state,
-                shardings,
-            )
-        leaves, self._treedef = jax.tree.flatten(state)
-        self._leaves = tuple(leaves)
-        self._leaf_specs = tuple(self._treedef.flatten_up_to(specs))
+        self._sharded = bj.ShardedModule(model, mesh, held=self.held)
         self._programs: dict[tuple, Callable] = {}
         self._shapes: dict[tuple, Tree] = {}
         self.rows = rows_spec(mesh)
@@ -112,44 +99,40 @@ class Stage:
     @property
     def model(self) -> CausalLM:
         """The stage's model over its placed state (abstract where this process lacks it)."""
-        return nnx.merge(self._graphdef, self.state)
+        return self._sharded.module
 
     @property
     def leaves(self) -> tuple:
         """The stage's placed state as a flat tuple of arrays (shapes only where this process
-        does not hold it): what its programs take, as `bj.ShardedModule.leaves`."""
-        return self._leaves
+        does not hold it): what its programs take (`bj.ShardedModule.leaves`)."""
+        return self._sharded.leaves
 
     @property
     def leaf_specs(self) -> tuple:
         """The `PartitionSpec` of every leaf of `leaves`."""
-        return self._leaf_specs
+        return self._sharded.leaf_specs
 
     @property
     def state(self) -> nnx.State:
         """`leaves` as the stage model's `nnx.State`."""
-        return self.state_of(self._leaves)
+        return self._sharded.state
 
     def state_of(self, leaves: tuple) -> nnx.State:
         """`leaves` of this stage's structure (parameters, or their gradients) as an
         `nnx.State`."""
-        return jax.tree.unflatten(self._treedef, leaves)
+        return self._sharded.state_of(leaves)
 
     def sharded(self, body: Callable, in_specs: tuple, out_specs: Tree) -> Callable:
         """`f(leaves, *args)`: `body(model, *args)` inside `shard_map` on this stage's devices
         (not jitted: a caller may differentiate it first), traced at `matmul_precision`."""
-        graphdef, treedef, precision = self._graphdef, self._treedef, self.matmul_precision
+        precision = self.matmul_precision
 
-        def run(leaves, *args):
+        def call(model, *args):
             with matmul_precision_scope(precision):
-                return body(nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves)), *args)
+                return body(model, *args)
 
-        return jax.shard_map(
-            run,
-            mesh=self.mesh,
-            in_specs=(self._leaf_specs, *in_specs),
-            out_specs=out_specs,
-            check_vma=self._check_vma,
+        return self._sharded.sharded(
+            call, in_specs=in_specs, out_specs=out_specs, check_vma=self._check_vma
         )
 
     def program(
@@ -179,7 +162,7 @@ class Stage:
         """`program(leaves, *args)` (by default the stage's own `leaves`); where this process
         does not hold the stage, the shapes of what it would return (traced once per argument
         shapes)."""
-        leaves = self._leaves if leaves is None else leaves
+        leaves = self.leaves if leaves is None else leaves
         if self.held:
             return program(leaves, *args)
         key = (program, jax.tree.structure(args), tuple(_shape(x) for x in jax.tree.leaves(args)))
