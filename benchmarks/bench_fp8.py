@@ -3,7 +3,7 @@ block-scaled matmuls, each against the project's bf16 counterpart measured in th
 
 Part "e2e" (also `bench_e2e --quantize fp8`): the project model with bf16 weights (its default
 step, no fusions) and the same model with FP8 projection weights (`Fp8Quantization.for_platform`:
-the Triton decode kernel up to 128 rows, the Mosaic GPU wgmma kernel above; quantized reads fused
+the Triton decode kernel up to 16 rows, the Mosaic GPU wgmma kernel above; quantized reads fused
 into add + RMSNorm + quantize with `--fp8-fusions auto`): decode 8 and 64 sequences at a 1024-token
 cache (a jitted loop of `STEPS` greedy steps, time per step) and prefill 4096 tokens (8 x 512).
 Rooflines: decode, the bytes a step reads (FP8: one byte per projection weight, its block scales,
@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import pallas as pl
 
 import boundary_jax as bj
 from models.build import build_model
@@ -53,6 +54,7 @@ from models.layers.moe_ffn import MoeFfn
 from models.rows import pack_sequences
 from models.serving.runtime import ShardedCausalLM
 from pallas_kernels.fp8_matmul import (
+    SWAP_MAX_ROWS,
     Fp8MatmulImpl,
     MosaicFp8Tiling,
     TritonFp8Tiling,
@@ -74,6 +76,7 @@ from .common import LLAMA3_8B, header, kernel_ms, median_wall_ms, print_table, r
 
 FP8_PEAK_FLOPS = 2 * PEAK_FLOPS
 SMOKE = False  # set by --smoke: tiny shapes, XLA and interpreted kernels on CPU
+MATMUL: Fp8MatmulImpl | None = None  # set by --matmul: the FP8 models' projections
 
 
 def fp8_weight_bytes_per_gpu(config: DecoderConfig, tp: int) -> float:
@@ -99,7 +102,8 @@ def timed_ms(fn, arg_sets, *, wall: bool = False) -> float:
 def quantization() -> Fp8Quantization:
     if SMOKE:
         return Fp8Quantization()  # XLA: the reference runs anywhere
-    return Fp8Quantization.for_platform(jax.default_backend())
+    chosen = Fp8Quantization.for_platform(jax.default_backend())
+    return chosen if MATMUL is None else dataclasses.replace(chosen, matmul=MATMUL)
 
 
 # -- part e2e ----------------------------------------------------------------------------------
@@ -280,19 +284,8 @@ def _distinct(x, router) -> int:
 
 # -- part matmul -------------------------------------------------------------------------------
 
-TRITON_SWEEP = (
-    TritonFp8Tiling(block_n=64, split_k=1),
-    TritonFp8Tiling(block_n=64, split_k=1, num_stages=8),
-    TritonFp8Tiling(block_n=128, split_k=1, num_warps=4),
-    TritonFp8Tiling(block_n=128, split_k=2, num_warps=8, num_stages=6),
-    TritonFp8Tiling(block_n=64, split_k=4),
-    TritonFp8Tiling(block_n=32, split_k=2, num_warps=2),
-    TritonFp8Tiling(block_n=64, split_k=1, fp8_dot=True),
-    TritonFp8Tiling(block_n=128, split_k=1, num_warps=8, fp8_dot=True),
-    TritonFp8Tiling(block_m=16, block_n=64, split_k=2, fp8_dot=True),
-    TritonFp8Tiling(block_m=32, block_n=128, split_k=1, num_warps=4, fp8_dot=True),
-    TritonFp8Tiling(block_m=16, block_n=64, split_k=1),
-)
+TRITON_SWEEP = (None,)
+"""The decode kernel at its table's pick (`triton_fp8_tiling`); `--wide` sweeps a grid."""
 WIDE_TRITON_SWEEP = tuple(
     TritonFp8Tiling(block_n=n, split_k=split, num_warps=warps, num_stages=stages)
     for n in (32, 64, 128)
@@ -302,11 +295,24 @@ WIDE_TRITON_SWEEP = tuple(
 )
 """`--wide`: the decode kernel's tilings as a grid (columns, split, warps, stages)."""
 MOSAIC_SWEEP = (
-    MosaicFp8Tiling(tile_m=128, tile_n=128, max_concurrent_steps=4, grid_block_n=4),
-    MosaicFp8Tiling(tile_m=128, tile_n=256, max_concurrent_steps=3, grid_block_n=2),
-    MosaicFp8Tiling(tile_m=64, tile_n=256, max_concurrent_steps=4, grid_block_n=4),
-    MosaicFp8Tiling(tile_m=128, tile_n=192, max_concurrent_steps=4, grid_block_n=1),
+    None,  # the table's pick (`mosaic_fp8_tiling`)
+    MosaicFp8Tiling(tile_n=128, max_concurrent_steps=6, grid_block_n=4),
+    MosaicFp8Tiling(tile_n=128, max_concurrent_steps=4, grid_block_n=8),
+    MosaicFp8Tiling(tile_n=224, max_concurrent_steps=3, grid_block_n=2),
 )
+"""The Mosaic kernel above `SWAP_MAX_ROWS` rows (prefill: rows as A, the weight as B)."""
+
+
+def mosaic_swap_sweep(rows: int) -> tuple[MosaicFp8Tiling | None, ...]:
+    """The Mosaic kernel up to `SWAP_MAX_ROWS` rows (decode: the weight as A, the rows as one B
+    tile): the table's pick, then splits and copies in flight around it."""
+    tile = max(32, int(pl.next_power_of_2(rows)))
+    return (None,) + tuple(
+        MosaicFp8Tiling(tile_n=tile, max_concurrent_steps=steps, grid_block_n=1, split_k=split,
+                        swap=True)
+        for split in (1, 2, 4)
+        for steps in (4, 8, 12)
+    )  # fmt: skip
 
 
 def matmul(k: int, n: int, rows_list, *, wide: bool = False) -> list[tuple]:
@@ -328,12 +334,18 @@ def matmul(k: int, n: int, rows_list, *, wide: bool = False) -> list[tuple]:
             ("fp8 XLA reference (float32)", Fp8MatmulImpl.XLA, None),
             ("fp8 dequantized to bf16", Fp8MatmulImpl.DEQUANTIZED_BF16, None),
         ]
-        sweeps = (TRITON_SWEEP[:1], MOSAIC_SWEEP[:1]) if SMOKE else (TRITON_SWEEP, MOSAIC_SWEEP)
+        sweeps = (TRITON_SWEEP[:1], MOSAIC_SWEEP[:2]) if SMOKE else (TRITON_SWEEP, MOSAIC_SWEEP)
         if wide:  # the decode kernel alone
             sweeps = (WIDE_TRITON_SWEEP[:2] if SMOKE else WIDE_TRITON_SWEEP, ())
         if rows <= 512:  # the decode kernel re-reads the weights per 64 rows
-            variants += [(f"fp8 triton {t}", triton, t) for t in sweeps[0]]
-        variants += [(f"fp8 mosaic {t}", mosaic, t) for t in sweeps[1] if n % t.tile_n == 0]
+            variants += [(f"fp8 triton {t or 'table'}", triton, t) for t in sweeps[0]]
+        if not wide:
+            mosaic_sweep = mosaic_swap_sweep(rows) if rows <= SWAP_MAX_ROWS else sweeps[1]
+            variants += [
+                (f"fp8 mosaic {t or 'table'}", mosaic, t)
+                for t in mosaic_sweep
+                if t is None or t.swap or n % t.tile_n == 0
+            ]
         for name, impl, tiling in variants[1:]:
             fn = jax.jit(
                 lambda *a, impl=impl, tiling=tiling: fp8_matmul(
@@ -359,7 +371,7 @@ def matmul(k: int, n: int, rows_list, *, wide: bool = False) -> list[tuple]:
 
 
 def main(argv=None) -> None:
-    global SMOKE
+    global SMOKE, MATMUL
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", nargs="+", choices=("e2e", "moe", "matmul"), default=None)
     parser.add_argument("--layers", type=int, default=32)
@@ -367,11 +379,21 @@ def main(argv=None) -> None:
     parser.add_argument("--cases", nargs="+", default=None, help="e.g. 'decode 64 @ 1024'")
     parser.add_argument("--rows", type=int, nargs="+", default=None, help="part matmul's rows")
     parser.add_argument(
+        "--shape", type=int, nargs=2, default=None, help="part matmul's [in, out] (4096 14336)"
+    )
+    parser.add_argument(
         "--wide", action="store_true", help="part matmul: the decode kernel over a tiling grid"
+    )
+    parser.add_argument(
+        "--matmul",
+        choices=[impl.name for impl in Fp8MatmulImpl],
+        default=None,
+        help="parts e2e and moe: the FP8 projections' matmul (default: the platform's)",
     )
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU")
     args = parser.parse_args(argv)
     SMOKE = args.smoke
+    MATMUL = None if args.matmul is None else Fp8MatmulImpl[args.matmul]
     parts = args.parts or ("e2e", "moe", "matmul")
     print(header("bench_fp8"))
     config = dataclasses.replace(LLAMA3_8B, num_layers=args.layers)
@@ -404,10 +426,11 @@ def main(argv=None) -> None:
             moe(tokens),
         )
     if "matmul" in parts:
-        print(f"\n## one projection [{shape[0]} -> {shape[1]}], bf16 out (us)")
+        k, n = args.shape or shape
+        print(f"\n## one projection [{k} -> {n}], bf16 out (us)")
         print_table(
             ("rows", "variant", "us", "x bf16", "weight TB/s", "TFLOP/s", "rel err vs XLA fp8"),
-            matmul(*shape, args.rows or rows, wide=args.wide),
+            matmul(*(args.shape or shape), args.rows or rows, wide=args.wide),
         )
 
 

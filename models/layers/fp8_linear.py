@@ -5,8 +5,8 @@ float32 scale per 128 x 128 block (`weight_scale_inv`: values * scale gives the 
 The input rows are quantized per 128-feature token group (`bj.designs.Fp8TokenGroups`): a stage
 whose read quantizes hands its projections a `bj.designs.Quantized`; any other input (attention
 output into o_proj, the gated activation into down_proj) is quantized here. The product runs
-through `pallas_kernels.fp8_matmul` (the XLA reference on CPU, the Triton decode and Mosaic GPU
-prefill kernels on GPU).
+through `pallas_kernels.fp8_matmul` (the XLA reference on CPU; on GPU the Triton kernel for up to
+16 rows, the warp-specialized Mosaic GPU kernel above).
 
 A split over ranks must fall on block edges: every rank's share of a split axis is a multiple of
 128, so each rank holds whole blocks and their scales and quantizes whole token groups (the

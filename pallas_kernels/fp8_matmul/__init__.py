@@ -18,6 +18,7 @@ from .ops import fp8_matmul_by_size as fp8_matmul_by_size
 from .reference import fp8_grouped_matmul_reference as fp8_grouped_matmul_reference
 from .reference import fp8_matmul_reference as fp8_matmul_reference
 from .tuned_block_sizes import SCALE_BLOCK as SCALE_BLOCK
+from .tuned_block_sizes import SWAP_MAX_ROWS as SWAP_MAX_ROWS
 from .tuned_block_sizes import MosaicFp8Tiling as MosaicFp8Tiling
 from .tuned_block_sizes import TritonFp8Tiling as TritonFp8Tiling
 from .tuned_block_sizes import mosaic_fp8_tiling as mosaic_fp8_tiling

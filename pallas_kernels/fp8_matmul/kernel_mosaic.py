@@ -1,13 +1,20 @@
-"""Block-scaled FP8 matmul for prefill: Hopper FP8 tensor cores (wgmma) through Mosaic GPU.
+"""Block-scaled FP8 matmul on Hopper FP8 tensor cores (wgmma) through Mosaic GPU, warp-specialized.
 
 `out = x @ w.T` for rows quantized per token group and a weight quantized per 128 x 128 block
 (`fp8_matmul_reference`), the DeepGEMM scheme: each output tile walks the contraction one scale
 block (128 features) at a time; a wgmma multiplies the block's FP8 tiles into a fresh float32
-accumulator, which is then scaled by the rows' and the weight columns' scales of that block and
-added to the tile's running float32 sum in registers. Both operands are K-major, as FP8 wgmma
-requires (the weight is [out, in], Hugging Face's layout). The weight scales are expanded to
-one per column ([K / 128, N]) before the kernel, so a step loads a row of them like the rows'
-scales. Runs on NVIDIA Hopper GPUs, or on CPU in the Mosaic GPU interpreter (JAX >= 0.12).
+accumulator, which is then scaled by both operands' scales of that block and added to the tile's
+running float32 sum in registers. A memory warpgroup streams the operands' blocks by TMA while two
+compute warpgroups each multiply and scale their 64 rows of the tile, so one warpgroup's scaling
+overlaps the other's product and neither waits on the copies.
+
+The kernel multiplies an A [Ma, K] by a B [Nb, K], both K-major as FP8 wgmma requires, each with
+one scale per row and 128-deep block ([K / 128, Ma] and [K / 128, Nb]). For prefill A is the rows
+and B the weight ([out, in], Hugging Face's layout); for decode (`MosaicFp8Tiling.swap`) A is the
+weight, so its many output features fill the wgmma's 64-row side and the few rows its narrow side,
+and the contraction can be split over programs (their float32 partials summed after) so that
+every SM streams weights. Runs on NVIDIA Hopper GPUs, or on CPU in the Mosaic GPU interpreter
+(JAX >= 0.12).
 """
 
 import functools
@@ -20,68 +27,107 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .. import axes
 from .reference import fp8_matmul_reference
-from .tuned_block_sizes import SCALE_BLOCK, MosaicFp8Tiling
+from .tuned_block_sizes import COMPUTE_WARPGROUPS, NUM_SMS, SCALE_BLOCK, WGMMA_ROWS, MosaicFp8Tiling
 
 _SMS = "sm"
-NUM_SMS = 132
-"""Programs launched (an H200's SMs); each walks output tiles with this stride."""
+_WG = "wg"
+_TILE_A = WGMMA_ROWS * COMPUTE_WARPGROUPS
+# FP8 operand blocks are 128 bytes deep: TMA writes them in 8-row tiles with the 128-byte swizzle
+# that wgmma reads.
+_OPERAND_TRANSFORMS = (plgpu.TilingTransform((8, SCALE_BLOCK)), plgpu.SwizzleTransform(128))
 
 
 def _fp8_matmul_kernel(
-    x_values_gmem,  # [M, K]
-    w_values_gmem,  # [N, K]
-    x_scales_gmem,  # [K / 128, M]
-    w_scales_gmem,  # [K / 128, N]
-    out_gmem,  # [M, N]
+    a_gmem,  # [Ma, K]
+    b_gmem,  # [Nb, K]
+    a_scales_gmem,  # [K / 128, Ma]
+    b_scales_gmem,  # [K / 128, Nb]
+    out_gmem,  # [split_k, Ma, Nb]
     *,
     tiling: MosaicFp8Tiling,
 ):
-    m, k = x_values_gmem.shape
-    n = w_values_gmem.shape[0]
-    tile_m, tile_n = tiling.tile_m, tiling.tile_n
-    grid = (m // tile_m, n // tile_n)
+    ma, k = a_gmem.shape
+    nb = b_gmem.shape[0]
+    tile_b = tiling.tile_n
+    grid = (ma // _TILE_A, nb // tile_b)
+    steps = k // SCALE_BLOCK // tiling.split_k
+    tiles = grid[0] * grid[1]
 
-    @plgpu.nd_loop((grid[0] * grid[1],), collective_axes=_SMS)
-    def _tile(info: plgpu.NDLoopInfo):
-        row_tile, column_tile = plgpu.planar_snake(info.index[0], grid, 1, tiling.grid_block_n)
+    def step(_, a_smem, b_smem, a_scales_smem, b_scales_smem, total):
+        wg_rows = pl.ds(lax.axis_index(_WG) * WGMMA_ROWS, WGMMA_ROWS)
 
-        def step(_, x_smem, w_smem, x_scales_smem, w_scales_smem, total):
-            def block(acc_ref):
-                plgpu.wgmma(acc_ref, x_smem, w_smem.transpose((1, 0)))
-                return acc_ref[...]
+        def block(acc_ref):
+            plgpu.wgmma(acc_ref, a_smem.at[wg_rows], b_smem.transpose((1, 0)))
+            return acc_ref[...]
 
-            partial = pl.run_scoped(block, plgpu.ACC((tile_m, tile_n), jnp.float32))
-            row_scales = plgpu.load(x_scales_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(1))
-            column_scales = plgpu.load(w_scales_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
-            shape = (tile_m, tile_n)
-            scales = lax.broadcast_in_dim(row_scales, shape, [0]) * lax.broadcast_in_dim(
-                column_scales, shape, [1]
-            )
-            return total + partial * scales
+        partial = pl.run_scoped(block, plgpu.ACC((WGMMA_ROWS, tile_b), jnp.float32))
+        row_scales = plgpu.load(a_scales_smem.at[0, wg_rows], layout=plgpu.Layout.WGMMA.reduce(1))
+        column_scales = plgpu.load(b_scales_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
+        shape = (WGMMA_ROWS, tile_b)
+        scales = lax.broadcast_in_dim(row_scales, shape, [0]) * lax.broadcast_in_dim(
+            column_scales, shape, [1]
+        )
+        return total + partial * scales
 
-        zeros = plgpu.layout_cast(jnp.full((tile_m, tile_n), 0, jnp.float32), plgpu.Layout.WGMMA)
-        total = plgpu.emit_pipeline(
-            step,
-            grid=(k // SCALE_BLOCK,),
+    def pipeline(body, compute_context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(steps,),
+            memory_registers=40,
             in_specs=[
-                plgpu.BlockSpec((tile_m, SCALE_BLOCK), lambda d: (row_tile, d)),
-                plgpu.BlockSpec((tile_n, SCALE_BLOCK), lambda d: (column_tile, d)),
-                plgpu.BlockSpec((1, tile_m), lambda d: (d, row_tile)),
-                plgpu.BlockSpec((1, tile_n), lambda d: (d, column_tile)),
+                plgpu.BlockSpec(
+                    (_TILE_A, SCALE_BLOCK), lambda d: (0, d), transforms=_OPERAND_TRANSFORMS
+                ),
+                plgpu.BlockSpec(
+                    (tile_b, SCALE_BLOCK), lambda d: (0, d), transforms=_OPERAND_TRANSFORMS
+                ),
+                plgpu.BlockSpec((1, _TILE_A), lambda d: (d, 0)),
+                plgpu.BlockSpec((1, tile_b), lambda d: (d, 0)),
             ],
+            wg_axis=_WG,
+            num_compute_wgs=COMPUTE_WARPGROUPS,
             max_concurrent_steps=tiling.max_concurrent_steps,
-            init_carry=zeros,
-        )(x_values_gmem, w_values_gmem, x_scales_gmem, w_scales_gmem)
+            compute_context=compute_context,
+        )
 
-        @functools.partial(pl.run_scoped, out_smem=plgpu.SMEM((tile_m, tile_n), out_gmem.dtype))
-        def _store(out_smem):
-            out_smem[...] = total.astype(out_smem.dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(
-                out_smem,
-                out_gmem.at[pl.ds(row_tile * tile_m, tile_m), pl.ds(column_tile * tile_n, tile_n)],
+    ignore = lambda *_, **__: None  # noqa: E731 (allocations do not depend on the functions)
+    operands = (a_gmem, b_gmem, a_scales_gmem, b_scales_gmem)
+
+    @functools.partial(
+        pl.run_scoped,
+        allocations=pipeline(ignore, ignore).get_allocations(*operands),
+        out_smem=plgpu.SMEM((COMPUTE_WARPGROUPS, WGMMA_ROWS, tile_b), out_gmem.dtype),
+        collective_axes=_WG,
+    )
+    def _scope(allocations, out_smem):
+        @plgpu.nd_loop((tiles * tiling.split_k,), collective_axes=_SMS)
+        def _unit(info: plgpu.NDLoopInfo):
+            part, tile = lax.div(info.index[0], tiles), lax.rem(info.index[0], tiles)
+            a_tile, b_tile = plgpu.planar_snake(tile, grid, 1, tiling.grid_block_n)
+            a_rows = pl.ds(a_tile * _TILE_A, _TILE_A)
+            b_rows = pl.ds(b_tile * tile_b, tile_b)
+            depth = pl.ds(part * steps * SCALE_BLOCK, steps * SCALE_BLOCK)
+            blocks = pl.ds(part * steps, steps)
+
+            def compute_context(run):
+                wg = lax.axis_index(_WG)
+                zeros = jnp.full((WGMMA_ROWS, tile_b), 0, jnp.float32)
+                total = run(plgpu.layout_cast(zeros, plgpu.Layout.WGMMA))
+                out_smem[wg] = total.astype(out_smem.dtype)
+                plgpu.commit_smem()
+                rows = pl.ds(a_tile * _TILE_A + wg * WGMMA_ROWS, WGMMA_ROWS)
+                plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[part, rows, b_rows])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+            pipeline(step, compute_context)(
+                a_gmem.at[a_rows, depth],
+                b_gmem.at[b_rows, depth],
+                a_scales_gmem.at[blocks, a_rows],
+                b_scales_gmem.at[blocks, b_rows],
+                allocations=allocations,
             )
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "tiling", "interpret"))
@@ -97,8 +143,8 @@ def fp8_matmul_mosaic(
 ) -> jax.Array:
     """`fp8_matmul_reference` through the Mosaic GPU wgmma kernel, with an explicit tiling.
 
-    Shapes are checked by `fp8_matmul`; rows are padded to whole tiles. Not differentiable:
-    FP8 weights are for inference.
+    Shapes are checked by `fp8_matmul`; rows are padded to whole tiles (zero rows with zero
+    scales, which add nothing). Not differentiable: FP8 weights are for inference.
 
     Args:
       interpret: None to compile for the GPU, or Mosaic GPU interpret parameters (CPU).
@@ -109,10 +155,15 @@ def fp8_matmul_mosaic(
     """
     m, k = x_values.shape
     n = w_values.shape[0]
-    if n % tiling.tile_n or n % SCALE_BLOCK or k % SCALE_BLOCK:
-        raise ValueError(f"{tiling} needs N={n} a multiple of tile_n and 128, K={k} of 128")
-    padded = pl.cdiv(m, tiling.tile_m) * tiling.tile_m
-    if padded != m:  # zero rows: scale 0, so they add nothing
+    row_tile = tiling.tile_n if tiling.swap else _TILE_A
+    weight_tile = _TILE_A if tiling.swap else tiling.tile_n
+    if n % weight_tile or (k // SCALE_BLOCK) % tiling.split_k:
+        raise ValueError(
+            f"{tiling} needs N={n} a multiple of {weight_tile} and K={k} of "
+            f"{SCALE_BLOCK * tiling.split_k}"
+        )
+    padded = pl.cdiv(m, row_tile) * row_tile
+    if padded != m:
         x_values = jnp.pad(x_values, ((0, padded - m), (0, 0)))
         x_scales = jnp.pad(x_scales, ((0, padded - m), (0, 0)))
     (varying,) = axes.reference_varying(
@@ -122,15 +173,25 @@ def fp8_matmul_mosaic(
         w_values,
         w_scales,
     )
+    row_scales = x_scales.T  # [K / 128, M]
     column_scales = jnp.repeat(w_scales.T, SCALE_BLOCK, axis=1)  # [K / 128, N]
+    operands = (x_values, w_values, row_scales, column_scales)
+    if tiling.swap:
+        operands = (w_values, x_values, column_scales, row_scales)
+    shape = (operands[0].shape[0], operands[1].shape[0])
+    partial_dtype = jnp.float32 if tiling.split_k > 1 else out_dtype
     call = plgpu.kernel(
         functools.partial(_fp8_matmul_kernel, tiling=tiling),
-        out_type=jax.ShapeDtypeStruct((padded, n), out_dtype),
+        out_type=jax.ShapeDtypeStruct((tiling.split_k, *shape), partial_dtype),
         grid=(NUM_SMS,),
         grid_names=(_SMS,),
+        num_threads=COMPUTE_WARPGROUPS + 1,
+        thread_name=_WG,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=interpret,
     )
-    out = call(x_values, w_values, x_scales.T, column_scales)
+    parts = call(*operands)
+    out = jnp.sum(parts, axis=0) if tiling.split_k > 1 else parts[0]
+    out = (out.T if tiling.swap else out)[:m].astype(out_dtype)
     # Mosaic GPU types its output invariant; it varies as the reference's does.
-    return axes.mark_varying(out[:m], varying)
+    return axes.mark_varying(out, varying)

@@ -30,17 +30,18 @@ class Fp8MatmulImpl(enum.Enum):
         (the specification; CPU and TPU). On an H200 XLA reaches the FP8 tensor cores only for
         per-tensor scales, and FP8 weights converted in the program ran at 0.38-0.94x the bf16
         matmul (JAX 0.11.2, a [4096, 14336] weight), so GPUs take the kernels below.
-      PALLAS_TRITON: `fp8_matmul_triton`, the decode kernel: FP8 weights read once and
-        dequantized in registers (NVIDIA, compute capability >= 8.9).
+      PALLAS_TRITON: `fp8_matmul_triton`, the Triton decode kernel: FP8 weights read once, each
+        128-deep product scaled in registers (NVIDIA, compute capability >= 8.9).
       PALLAS_INTERPRET: PALLAS_TRITON's body in the Pallas interpreter (tests, any platform).
-      PALLAS_GPU: `fp8_matmul_mosaic`, the prefill kernel: FP8 wgmma through Mosaic GPU
-        (Hopper), scales applied per 128-deep step in registers.
+      PALLAS_GPU: `fp8_matmul_mosaic`: warp-specialized FP8 wgmma through Mosaic GPU (Hopper),
+        scales applied per 128-deep step in registers; at decode sizes the weight takes the
+        wgmma's wide side (`MosaicFp8Tiling.swap`).
       PALLAS_GPU_INTERPRET: PALLAS_GPU's body in the Mosaic GPU interpreter (CPU, JAX >= 0.12).
       DEQUANTIZED_BF16: both operands dequantized to bf16 in the program and XLA's bf16 matmul
-        with float32 sums (one bf16 rounding of each dequantized value): prefill, where the
-        FLOPs and not the weights' bytes bound the step, on a GPU whose block-scaled FP8 kernel
-        is slower than its bf16 matmul (`benchmarks/RESULTS.md`, run 18).
-      GPU_BY_SIZE: PALLAS_TRITON up to `TRITON_MAX_ROWS` rows, DEQUANTIZED_BF16 above
+        with float32 sums (one bf16 rounding of each dequantized value): what plain XLA offers
+        on a GPU without the kernels (0.53x / 0.78x bf16's `jnp.dot` at 512 / 4096 rows on an
+        H200, `benchmarks/RESULTS.md` run 22).
+      GPU_BY_SIZE: PALLAS_TRITON up to `TRITON_MAX_ROWS` rows, PALLAS_GPU above
         (`fp8_matmul_by_size`).
     """
 
@@ -53,10 +54,10 @@ class Fp8MatmulImpl(enum.Enum):
     GPU_BY_SIZE = enum.auto()
 
 
-TRITON_MAX_ROWS = 128
-"""The most rows `GPU_BY_SIZE` gives the decode kernel. On one H200 (a [4096 -> 14336]
-projection, `benchmarks/RESULTS.md` run 18) the decode kernel took 61 us at 64 rows against 111 us
-for DEQUANTIZED_BF16, and 331-364 us at 512 rows against 171 us."""
+TRITON_MAX_ROWS = 16
+"""The most rows `GPU_BY_SIZE` gives the Triton decode kernel; the Mosaic kernel takes more. On one
+H200 (a [4096 -> 14336] projection, `benchmarks/RESULTS.md` run 22): at 8 rows Triton 21.4 us,
+Mosaic 24.1 us; at 64 rows Triton 32.1 us, Mosaic 23.2 us."""
 
 Fp8Tiling = TritonFp8Tiling | MosaicFp8Tiling
 
@@ -69,7 +70,7 @@ def default_fp8_matmul_impl(platform: str) -> Fp8MatmulImpl:
 
 def fp8_matmul_by_size(m: int) -> Fp8MatmulImpl:
     """`GPU_BY_SIZE`'s pick for `m` rows."""
-    return Fp8MatmulImpl.PALLAS_TRITON if m <= TRITON_MAX_ROWS else Fp8MatmulImpl.DEQUANTIZED_BF16
+    return Fp8MatmulImpl.PALLAS_TRITON if m <= TRITON_MAX_ROWS else Fp8MatmulImpl.PALLAS_GPU
 
 
 def fp8_matmul(

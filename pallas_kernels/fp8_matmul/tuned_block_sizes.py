@@ -62,25 +62,45 @@ class TritonFp8Tiling:
         return min(64, max(16, pl.next_power_of_2(m)))
 
 
+WGMMA_ROWS = 64
+"""Rows of one warpgroup's wgmma: each compute warpgroup of the Mosaic kernel owns this many rows
+of its A operand's tile."""
+
+COMPUTE_WARPGROUPS = 2
+"""Compute warpgroups of the Mosaic kernel (beside its memory warpgroup): its A tiles are
+`WGMMA_ROWS * COMPUTE_WARPGROUPS` = 128 rows."""
+
+SWAP_MAX_ROWS = 128
+"""Up to this many rows the Mosaic kernel's table puts the weight on the wgmma's 64-row side
+(`MosaicFp8Tiling.swap`)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class MosaicFp8Tiling:
-    """Tiling of the Mosaic GPU prefill kernel (`fp8_matmul_mosaic`).
+    """Tiling of the Mosaic GPU kernel (`fp8_matmul_mosaic`). Its A operand comes in tiles of 128
+    rows (two compute warpgroups of 64); this sets the B operand's tile and the schedule.
 
     Attributes:
-      tile_m: Rows per output tile (a multiple of 64: one warpgroup's wgmma).
-      tile_n: Columns per output tile (a multiple of 8, at most 256).
+      tile_n: Rows of the B operand per tile (a multiple of 32, at most 256: TMA writes each
+        step's scales, one float32 per row, at 128-byte aligned places): weight rows (output
+        features) for prefill, the input rows under `swap`.
       max_concurrent_steps: Contraction steps whose copies are in flight.
-      grid_block_n: Column tiles visited together (`plgpu.planar_snake`), for L2 reuse.
+      grid_block_n: B tiles visited together (`plgpu.planar_snake`), for L2 reuse.
+      split_k: Programs the contraction is split over (their float32 partials summed after).
+      swap: Multiply the weight as A and the rows as B (decode: few rows, wide weights).
     """
 
-    tile_m: int = 128
     tile_n: int = 128
     max_concurrent_steps: int = 4
     grid_block_n: int = 4
+    split_k: int = 1
+    swap: bool = False
 
     def __post_init__(self):
-        if self.tile_m % 64 or self.tile_n % 8 or not 8 <= self.tile_n <= 256:
-            raise ValueError(f"tile_m must be a multiple of 64 and tile_n of 8 (<= 256); {self}")
+        if self.tile_n % 32 or not 32 <= self.tile_n <= 256:
+            raise ValueError(f"tile_n must be a multiple of 32 in [32, 256]; got {self}")
+        if self.split_k < 1 or self.max_concurrent_steps < 1 or self.grid_block_n < 1:
+            raise ValueError(f"split_k, max_concurrent_steps and grid_block_n must be >= 1; {self}")
 
 
 def triton_fp8_tiling(m: int, k: int, n: int) -> TritonFp8Tiling:
@@ -103,10 +123,22 @@ def triton_fp8_tiling(m: int, k: int, n: int) -> TritonFp8Tiling:
 
 
 def mosaic_fp8_tiling(m: int, k: int, n: int) -> MosaicFp8Tiling:
-    """The prefill kernel's tiling for [m, k] x [n, k]: 128 x 128 tiles, 4 steps in flight, 4
-    column tiles per grid step where they divide (fewer otherwise)."""
-    del m, k
-    tiling = MosaicFp8Tiling()
-    tiles = n // tiling.tile_n
-    block = next(b for b in (4, 2, 1) if tiles % b == 0)
-    return dataclasses.replace(tiling, grid_block_n=block)
+    """The Mosaic kernel's tiling for [m, k] x [n, k]. Up to `SWAP_MAX_ROWS` rows: the weight as
+    A, the rows (rounded up to a power of two, at least 32) as one B tile, 4 steps in flight, the
+    contraction split over the most programs (a power of two dividing its scale blocks, at most 8)
+    that still run in one wave on an H200's SMs. Above: 224 weight rows per tile where they divide
+    N (3 steps in flight: the most that fit), else 128 with 4; 2 or 4 weight tiles per grid step.
+    Measured on one H200, [4096 -> 14336] (`bench_fp8 --parts matmul`, `benchmarks/RESULTS.md`
+    run 22): 23.2 us at 64 rows (2.54 TB/s; splitting in two, 27.3 us), 506 us at 4096 (951
+    TFLOP/s; 546 us with 128-row tiles)."""
+    if m <= SWAP_MAX_ROWS:
+        tiles = n // (WGMMA_ROWS * COMPUTE_WARPGROUPS)
+        split = 1
+        while tiles * split * 2 <= NUM_SMS and split < 8 and (k // SCALE_BLOCK) % (2 * split) == 0:
+            split *= 2
+        rows = max(32, pl.next_power_of_2(m))
+        return MosaicFp8Tiling(tile_n=rows, grid_block_n=1, split_k=split, swap=True)
+    if n % 224 == 0:
+        return MosaicFp8Tiling(tile_n=224, max_concurrent_steps=3, grid_block_n=2)
+    tiles = n // 128
+    return MosaicFp8Tiling(grid_block_n=next(b for b in (4, 2, 1) if tiles % b == 0))

@@ -29,6 +29,7 @@ from pallas_kernels.fp8_matmul import (
     fp8_matmul,
     fp8_matmul_by_size,
     fp8_matmul_reference,
+    mosaic_fp8_tiling,
     triton_fp8_tiling,
 )
 from pallas_kernels.quantize import (
@@ -185,14 +186,19 @@ def test_reference_is_the_dequantized_product():
 
 
 def test_dequantized_bf16_matmul_is_the_reference_to_bf16_rounding():
-    """The prefill path (operands dequantized to bf16, float32 sums) differs from the reference
-    only by one bf16 rounding of each operand, and picks it above the decode kernel's rows."""
+    """XLA's bf16 path (operands dequantized to bf16, float32 sums) differs from the reference
+    only by one bf16 rounding of each operand."""
     want = np.asarray(fp8_matmul_reference(*operands(), out_dtype=jnp.float32))
     got = fp8_matmul(*operands(), out_dtype=jnp.float32, impl=Fp8MatmulImpl.DEQUANTIZED_BF16)
     error = np.abs(np.asarray(got) - want).max() / np.abs(want).max()
     assert 0 < error < 2.0**-7
+
+
+def test_gpu_by_size_takes_triton_for_few_rows_and_mosaic_above():
+    """GPU_BY_SIZE: the Triton kernel up to `TRITON_MAX_ROWS` rows, the Mosaic kernel above."""
     assert fp8_matmul_by_size(TRITON_MAX_ROWS) is Fp8MatmulImpl.PALLAS_TRITON
-    assert fp8_matmul_by_size(TRITON_MAX_ROWS + 1) is Fp8MatmulImpl.DEQUANTIZED_BF16
+    assert fp8_matmul_by_size(TRITON_MAX_ROWS + 1) is Fp8MatmulImpl.PALLAS_GPU
+    assert fp8_matmul_by_size(4096) is Fp8MatmulImpl.PALLAS_GPU
 
 
 @pytest.mark.parametrize(
@@ -224,9 +230,11 @@ ON_GPU = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU"
         (Fp8MatmulImpl.PALLAS_TRITON, TritonFp8Tiling(block_n=64)),
         (Fp8MatmulImpl.PALLAS_TRITON, TritonFp8Tiling(block_m=16, block_n=128, split_k=2)),
         (Fp8MatmulImpl.PALLAS_TRITON, TritonFp8Tiling(block_m=16, split_k=2, fp8_dot=True)),
-        (Fp8MatmulImpl.PALLAS_GPU, MosaicFp8Tiling(tile_m=64, tile_n=64, grid_block_n=2)),
+        (Fp8MatmulImpl.PALLAS_GPU, MosaicFp8Tiling(tile_n=64, grid_block_n=2)),
+        (Fp8MatmulImpl.PALLAS_GPU, MosaicFp8Tiling(tile_n=32, split_k=2, swap=True)),
+        (Fp8MatmulImpl.PALLAS_GPU, None),
     ],
-    ids=["triton", "triton split k", "triton fp8 dot", "mosaic"],
+    ids=["triton", "triton split k", "triton fp8 dot", "mosaic", "mosaic swap", "mosaic table"],
 )
 def test_compiled_gpu_kernels_match_reference(impl, tiling):
     """The kernels as the GPU compiles them (the interpreter accepts indexing that the Triton and
@@ -252,16 +260,26 @@ def test_compiled_grouped_kernel_matches_reference():
 
 
 @GPU_INTERPRET
-def test_mosaic_prefill_kernel_matches_reference():
-    """The wgmma kernel (in the Mosaic GPU interpreter), rows padded to whole tiles, bf16 out."""
-    want = fp8_matmul_reference(*operands(), out_dtype=jnp.bfloat16)
+@pytest.mark.parametrize(
+    "shape, tiling",
+    [
+        ((130, 256, 256), MosaicFp8Tiling(tile_n=128, grid_block_n=2)),
+        ((40, 384, 256), MosaicFp8Tiling(tile_n=64, swap=True)),
+        ((8, 256, 256), MosaicFp8Tiling(tile_n=32, split_k=2, grid_block_n=1, swap=True)),
+    ],
+    ids=["rows as A", "weight as A", "weight as A, split k"],
+)
+def test_mosaic_kernel_matches_reference(shape, tiling):
+    """The wgmma kernel (in the Mosaic GPU interpreter) equals the reference to float32 rounding:
+    rows padded to whole tiles, the weight as either operand, the contraction split. Row and
+    weight scales differ per block, so a scale read for the wrong block or row shows."""
+    m, k, n = shape
+    args = operands(m=m, k=k, n=n, seed=7)
+    want = np.asarray(fp8_matmul_reference(*args, out_dtype=jnp.float32))
     got = fp8_matmul(
-        *operands(),
-        out_dtype=jnp.bfloat16,
-        impl=Fp8MatmulImpl.PALLAS_GPU_INTERPRET,
-        tiling=MosaicFp8Tiling(tile_m=64, tile_n=64, grid_block_n=2),
+        *args, out_dtype=jnp.float32, impl=Fp8MatmulImpl.PALLAS_GPU_INTERPRET, tiling=tiling
     )
-    chex.assert_trees_all_close(got, want, rtol=2.0**-7, atol=2.0**-7 * float(jnp.abs(want).max()))
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-6 * np.abs(want).max())
 
 
 def test_grouped_kernel_matches_reference():
@@ -333,3 +351,20 @@ def test_decode_tiling_table_fills_the_gpu():
         block_n=128, split_k=2, num_stages=3
     )
     assert triton_fp8_tiling(64, 4096, 2048).split_k == 8
+
+
+def test_mosaic_tiling_table_swaps_for_decode_and_splits_within_one_wave():
+    """Up to 128 rows the weight is the wgmma's A (rows padded to at least 32); the contraction
+    splits while the programs still fit one wave of an H200's 132 SMs; prefill takes 224-row
+    weight tiles where they divide the output features."""
+    wide = mosaic_fp8_tiling(8, 4096, 14336)  # 112 tiles of 128 weight rows
+    assert (wide.swap, wide.tile_n, wide.split_k) == (True, 32, 1)
+    assert mosaic_fp8_tiling(64, 4096, 4096).split_k == 4  # 32 tiles: 128 programs
+    assert mosaic_fp8_tiling(64, 4096, 6144).split_k == 2  # 48 tiles: 96 programs
+    assert mosaic_fp8_tiling(100, 1024, 256).split_k == 8  # capped at 8 (of 8 blocks)
+    assert mosaic_fp8_tiling(100, 1024, 256).tile_n == 128
+    assert mosaic_fp8_tiling(4096, 4096, 28672) == MosaicFp8Tiling(
+        tile_n=224, max_concurrent_steps=3, grid_block_n=2
+    )
+    assert not mosaic_fp8_tiling(129, 4096, 4096).swap
+    assert mosaic_fp8_tiling(129, 4096, 4096).tile_n == 128
