@@ -8,6 +8,7 @@ its outputs for `shard_map`'s `check_vma` (`axes`) and differentiates as its ref
 from .add_rms_norm import add_rms_norm as add_rms_norm
 from .add_rms_norm import add_rms_norm_reference as add_rms_norm_reference
 from .add_rms_norm import add_rms_norm_supported as add_rms_norm_supported
+from .add_rms_norm import round_residual as round_residual
 from .add_rms_norm_quantize import add_rms_norm_quantize as add_rms_norm_quantize
 from .add_rms_norm_quantize import (
     add_rms_norm_quantize_reference as add_rms_norm_quantize_reference,

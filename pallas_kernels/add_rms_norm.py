@@ -59,7 +59,20 @@ def add_rms_norm_reference(
     scale = weight.astype(acc).reshape((1,) * (x.ndim - 1) + weight.shape)
     scale = 1.0 + scale if gemma else scale
     normed = (summed * lax.rsqrt(mean_square + eps) * scale).astype(x.dtype)
-    return normed, (x if residual is None else summed.astype(residual.dtype))
+    return normed, (x if residual is None else round_residual(summed, residual.dtype))
+
+
+def round_residual(summed: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """`summed` rounded to the residual stream's `dtype`, kept rounded where XLA compiles it.
+
+    XLA's GPU compiler may drop a float32 -> bf16 -> float32 round trip (excess precision): the
+    stream then stays float32 from layer to layer, twice its bytes, and each norm re-adds every
+    term since the last one it kept (measured in the DeepSeek-V2-Lite prefill: about 90 us per
+    layer against 28 us for the same adds in bf16, `benchmarks/RESULTS.md` run 22). An
+    optimization barrier on the rounded value stores the stream in `dtype`, as this spec says.
+    """
+    rounded = summed.astype(dtype)
+    return rounded if rounded.dtype == summed.dtype else lax.optimization_barrier(rounded)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import round_residual
+
 from .norm import RMSNorm, accumulation_dtype, add_rms_norm
 from .protocols import Norm, ReadState, ResidualUpdate
 from .quantized import Fp8TokenGroups, Quantized
@@ -20,7 +22,7 @@ class PlainAdd:
 
     def apply(self, residual: jax.Array, value: jax.Array, state: ReadState = None) -> jax.Array:
         acc = accumulation_dtype(jnp.promote_types(residual.dtype, value.dtype))
-        return (residual.astype(acc) + value.astype(acc)).astype(residual.dtype)
+        return round_residual(residual.astype(acc) + value.astype(acc), residual.dtype)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import round_residual
+
 from .norm import RMSNorm, accumulation_dtype
 from .protocols import ReadState
 
@@ -26,4 +28,4 @@ class PostNormUpdate(RMSNorm):
 
     def apply(self, residual: jax.Array, value: jax.Array, state: ReadState = None) -> jax.Array:
         acc = accumulation_dtype(jnp.promote_types(residual.dtype, value.dtype))
-        return (residual.astype(acc) + self(value).astype(acc)).astype(residual.dtype)
+        return round_residual(residual.astype(acc) + self(value).astype(acc), residual.dtype)

@@ -226,3 +226,25 @@ def _cuda_module(shape, dtype, with_residual):
 def test_mosaic_gpu_kernel_lowers_for_cuda(with_residual):
     """The Mosaic GPU kernel lowers to a Mosaic GPU custom call without a GPU present."""
     assert "mosaic_gpu" in _cuda_module((4096, 8192), jnp.bfloat16, with_residual)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="XLA GPU is the compiler at issue")
+def test_stream_stays_rounded_between_two_adds_under_xla():
+    """Two add + norms in one jitted program: the second must add to the first's bf16-rounded
+    residual, as the reference says. XLA's GPU compiler drops a float32 -> bf16 -> float32 round
+    trip unless it is kept (`round_residual`); the stream then carries float32 sums."""
+    keys = jax.random.split(jax.random.key(3), 3)
+    residual, first, second = (
+        jax.random.normal(k, (256, 512), jnp.float32).astype(jnp.bfloat16) for k in keys
+    )
+    weight = jnp.ones((512,), jnp.bfloat16)
+
+    def two_layers(residual, first, second):
+        _, residual = add_rms_norm_reference(first, residual, weight)
+        return add_rms_norm_reference(second, residual, weight)[1]
+
+    f32 = functools.partial(np.asarray, dtype=np.float32)
+    rounded = (f32(residual) + f32(first)).astype(jnp.bfloat16)
+    want = (f32(rounded) + f32(second)).astype(jnp.bfloat16)
+    got = jax.jit(two_layers)(residual, first, second)
+    np.testing.assert_array_equal(f32(got), f32(want))
