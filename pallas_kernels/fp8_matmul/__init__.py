@@ -1,7 +1,7 @@
 """Block-scaled FP8 matmuls (Hugging Face fine-grained FP8 weights, rows quantized per token
-group): the Triton decode kernel, the Mosaic GPU wgmma prefill kernel, the grouped Triton kernel
-of MoE experts, their tilings, and the choice between them by size. Inference only: none has a
-VJP (FP8 weights are not trained)."""
+group): the Triton decode kernel, the warp-specialized Mosaic GPU wgmma kernel, the grouped
+Triton kernel of MoE experts, their tilings, and the choice between them by size. Inference
+only: none has a VJP (FP8 weights are not trained)."""
 
 from .kernel_grouped_triton import fp8_expert_matmul as fp8_expert_matmul
 from .kernel_mosaic import fp8_matmul_mosaic as fp8_matmul_mosaic

@@ -1,15 +1,12 @@
 """Tilings of the FP8 matmul kernels, and the tables that pick them by shape.
 
-The decode kernel's table follows a grid of its tilings measured on one H200 (run 21 below); the
-prefill kernel's, the bf16 kernels' measured tilings (JAX's Hopper matmul). Measured on one H200
-(`benchmarks/bench_fp8.py --parts matmul`, `benchmarks/RESULTS.md` run 18): with the operands
-converted to bf16 no swept Triton tiling read the FP8 weights faster than 1.35 TB/s at 8 rows
-(the default: 1.22 TB/s); converted to float16 instead, the default tiling reads them at 2.70 TB/s
-(21.8 us for [4096 -> 14336], 1.40x bf16's `jnp.dot`). Run 19: multiplied as FP8 on the tensor
-cores, the default reads them at 2.63 TB/s at 8 rows and 1.67 TB/s at 64 (35.1 us, 1.01x bf16's
-`jnp.dot`, against 41.2 us through float16). No Mosaic tiling passes 184 TFLOP/s. Run 21 (48
-tilings: 32 / 64 / 128 columns, split 1-8, 4 or 8 warps, 3 or 5 stages): 2.73 TB/s at 8 rows and
-1.84 TB/s at 64 at best, 1.39x and 1.10x bf16's `jnp.dot`.
+Both tables follow tilings measured on one H200 (`benchmarks/bench_fp8.py --parts matmul`,
+`benchmarks/RESULTS.md`). The Triton decode kernel (runs 18-21): converted to float16 its
+operands read the FP8 weights at 2.70 TB/s at 8 rows; multiplied as FP8 on the tensor cores, at
+2.73 TB/s at 8 rows and 1.84 TB/s at 64 at best over a grid of 48 tilings (32 / 64 / 128 columns,
+split 1-8, 4 or 8 warps, 3 or 5 stages), 1.39x and 1.10x bf16's `jnp.dot`. The warp-specialized
+Mosaic kernel (run 22): 2.54 TB/s at 64 rows with the weight as the wgmma's wide side (1.52x
+bf16), 951 TFLOP/s at 4096 rows (1.16x bf16; the single-warpgroup kernel before it reached 184).
 """
 
 import dataclasses
