@@ -180,10 +180,12 @@ def fp8_matmul_mosaic(
         operands = (w_values, x_values, column_scales, row_scales)
     shape = (operands[0].shape[0], operands[1].shape[0])
     partial_dtype = jnp.float32 if tiling.split_k > 1 else out_dtype
+    # One program per SM at most, each walking the (tile, split) units with the grid's stride.
+    units = (shape[0] // _TILE_A) * (shape[1] // tiling.tile_n) * tiling.split_k
     call = plgpu.kernel(
         functools.partial(_fp8_matmul_kernel, tiling=tiling),
         out_type=jax.ShapeDtypeStruct((tiling.split_k, *shape), partial_dtype),
-        grid=(NUM_SMS,),
+        grid=(min(NUM_SMS, units),),
         grid_names=(_SMS,),
         num_threads=COMPUTE_WARPGROUPS + 1,
         thread_name=_WG,
