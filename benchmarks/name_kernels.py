@@ -1,0 +1,192 @@
+"""Names the kernels of a profiled benchmark by the XLA fusions they run: each one's output, the
+ops it fused and the project source lines it came from, per case and summed per source line.
+
+A model benchmark's `--profile DIR` traces each case (`common.profile_into`); an HLO dump taken
+in the same process gives the fusions. XLA numbers fusions per compilation, so a dump of another
+process may give the same names to other fusions. On GPU, XLA also shares one kernel between
+structurally equal fusions and names it after the first: a kernel launched N times a call is
+usually one fusion repeated in N layers. Custom calls (cuBLAS, cuDNN, Pallas) have no fusion and
+are listed by kernel name.
+
+    XLA_FLAGS="--xla_dump_to=/tmp/dump --xla_dump_hlo_as_text" \\
+        python3 -m benchmarks.bench_deepseek --only prefill --profile /tmp/prof
+    python3 -m benchmarks.name_kernels /tmp/prof /tmp/dump --top 40
+
+Works on CPU traces too (their events carry the HLO op), e.g. after `bench_deepseek --smoke`;
+there a loop's time includes its body's ops, which are listed as well.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import glob
+import gzip
+import json
+import pathlib
+import re
+
+_TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
+
+
+@dataclasses.dataclass(frozen=True)
+class Module:
+    """One after-optimizations HLO module of the dump.
+
+    Attributes:
+      name: The module's name (`jit_body`, `jit_prefill_step`, ...), as traces name it.
+      instructions: Instruction name -> (its text after `=`, its innermost project frames).
+      computations: Computation name -> the texts of its instructions.
+    """
+
+    name: str
+    instructions: dict[str, tuple[str, str]]
+    computations: dict[str, list[str]]
+
+
+def _frames(lines: list[str]) -> dict[int, str]:
+    """stack_frame_id -> 'file:line < file:line', the two innermost frames outside
+    site-packages."""
+    section, tables = None, collections.defaultdict(dict)
+    for line in lines:
+        if line.strip() in _TABLES:
+            section = line.strip()
+            continue
+        entry = re.match(r"^(\d+) (.*)$", line)
+        if section and entry:
+            tables[section][int(entry.group(1))] = entry.group(2)
+        elif section and line.strip():
+            section = None
+    field = lambda text, key: int(re.search(rf"{key}=(\d+)", text).group(1))  # noqa: E731
+    frames = {}
+    for frame_id in tables["StackFrames"]:
+        chain, current, seen = [], frame_id, set()
+        while current and current not in seen and len(chain) < 2:
+            seen.add(current)
+            frame = tables["StackFrames"][current]
+            location = tables["FileLocations"].get(field(frame, "file_location_id"), "")
+            if location:
+                file = tables["FileNames"].get(field(location, "file_name_id"), "").strip('"')
+                if "site-packages" not in file and "<frozen" not in file:
+                    chain.append(f"{file.split('/main/')[-1]}:{field(location, ' line')}")
+            current = field(frame, "parent_frame_id")
+        frames[frame_id] = " < ".join(chain)
+    return frames
+
+
+def read_dump(dump_dir: pathlib.Path) -> dict[str, Module]:
+    """The dump's after-optimizations modules, by file name."""
+    modules = {}
+    for path in glob.glob(str(dump_dir / "*after_optimizations.txt")):
+        lines = pathlib.Path(path).read_text().splitlines()
+        frames = _frames(lines)
+        instructions, computations, current = {}, {}, None
+        for line in lines:
+            head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{\s*$", line)
+            if head:
+                current = head.group(1)
+                computations[current] = []
+            elif line.startswith("}"):
+                current = None
+            elif assigned := re.match(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$", line):
+                text = assigned.group(2)
+                frame = re.search(r"stack_frame_id=(\d+)", text)
+                source = frames.get(int(frame.group(1)), "") if frame else ""
+                instructions[assigned.group(1)] = (text, source)
+                if current:
+                    computations[current].append(text)
+        name = pathlib.Path(path).name.split(".")[1]
+        modules[pathlib.Path(path).name] = Module(name, instructions, computations)
+    return modules
+
+
+def trace_ops(trace_dir: pathlib.Path, calls: int) -> dict[tuple[str, str], list[float]]:
+    """(HLO module, op or kernel name) -> [ms per call, launches per call] of a case's trace:
+    GPU kernels (named after their fusion, `.N` written `_N`) or CPU thunks (their HLO op)."""
+    files = sorted(glob.glob(str(trace_dir / "**" / "*.json.gz"), recursive=True))
+    if not files:
+        return {}
+    with gzip.open(files[-1]) as stream:
+        events = json.load(stream)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    processes = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    totals = collections.defaultdict(lambda: [0.0, 0.0])
+    for event in events:
+        args = event.get("args", {})
+        if event.get("ph") != "X" or "hlo_module" not in args:
+            continue
+        on_gpu = "GPU" in processes.get(event["pid"], "")
+        name = event["name"] if on_gpu else args.get("hlo_op", event["name"])
+        total = totals[args["hlo_module"], name]
+        total[0] += event.get("dur", 0) / 1e3 / calls
+        total[1] += 1 / calls
+    return dict(totals)
+
+
+def _instruction(module: Module, name: str) -> tuple[str, str] | None:
+    return module.instructions.get(name) or module.instructions.get(
+        re.sub(r"_(\d+)$", r".\1", name)
+    )
+
+
+def describe(module: Module | None, name: str) -> tuple[str, str]:
+    """(project source, 'output shape, fused ops, op name') of one op, or ('-', '') for a kernel
+    without an HLO instruction (a custom call's)."""
+    found = None if module is None else _instruction(module, name)
+    if found is None:
+        return "-", ""
+    text, source = found
+    ops = collections.Counter()
+    called = re.search(r"calls=%?([\w.\-]+)", text)
+    for body in module.computations.get(called.group(1), []) if called else []:
+        op = re.search(r"[\]}] ([a-z][\w\-]*)\(", body)
+        ops[op.group(1) if op else "?"] += 1
+    op_name = re.search(r'op_name="([^"]*)"', text)
+    fused = ", ".join(f"{op} {count}" for op, count in ops.most_common(6))
+    return source or "-", (
+        f"{text.split(' ')[0][:40]} [{fused}] {op_name.group(1)[-60:] if op_name else ''}"
+    )
+
+
+def _module_for(modules: dict[str, Module], hlo_module: str, names: list[str]) -> Module | None:
+    """Of the dumped modules of that name, the one holding most of the case's ops."""
+    candidates = [m for m in modules.values() if m.name == hlo_module]
+    if not candidates:
+        return None
+    return max(candidates, key=lambda m: sum(_instruction(m, n) is not None for n in names))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("profile", type=pathlib.Path, help="a benchmark's --profile directory")
+    parser.add_argument("dump", type=pathlib.Path, help="the same process's --xla_dump_to")
+    parser.add_argument("--top", type=int, default=30, help="ops listed per case")
+    parser.add_argument("--calls", type=int, default=3, help="calls each trace holds")
+    args = parser.parse_args()
+    modules = read_dump(args.dump)
+    for case in sorted(p for p in args.profile.iterdir() if p.is_dir()):
+        ops = trace_ops(case, args.calls)
+        by_module = collections.defaultdict(list)
+        for hlo_module, name in ops:
+            by_module[hlo_module].append(name)
+        chosen = {m: _module_for(modules, m, names) for m, names in by_module.items()}
+        rows = []
+        for (hlo_module, name), (ms, launches) in ops.items():
+            rows.append((ms, launches, name, *describe(chosen[hlo_module], name)))
+        rows.sort(reverse=True)
+        print(f"\n## {case.name}: {sum(r[0] for r in rows):.3f} ms of kernels per call")
+        sources = collections.defaultdict(lambda: [0.0, 0.0])
+        for ms, launches, _, source, _ in rows:
+            sources[source][0] += ms
+            sources[source][1] += launches
+        print("\nby project source line (ms per call, launches per call):")
+        for source, (ms, launches) in sorted(sources.items(), key=lambda s: -s[1][0])[: args.top]:
+            print(f"{ms:9.3f}  x{launches:<6.0f} {source}")
+        print(f"\nlargest {args.top} ops (ms per call, launches per call):")
+        for ms, launches, name, source, text in rows[: args.top]:
+            print(f"{ms:9.3f}  x{launches:<6.0f} {name[:40]:40} {source:40} {text}")
+
+
+if __name__ == "__main__":
+    main()
