@@ -351,10 +351,13 @@ def _decode_rows(runner: ShardedCausalLM, sequences: int, start: int):
     return rows, runner.place_batch(np.full(1, sequences, np.int32))
 
 
-def run(config: DecoderConfig, *, cache: int, prefills, decodes, steps: int) -> list[tuple]:
+def run(
+    config: DecoderConfig, *, cache: int, prefills, decodes, steps: int, fusions: str = "none"
+) -> list[tuple]:
     topology = bj.Topology()
     mesh = bj.make_mesh(topology)
-    model = build_model(config, topology, dtype=jnp.bfloat16, mesh=mesh)
+    provider = bj.fusions.platform_fusions(topology) if fusions == "auto" else bj.fusions.NO_FUSIONS
+    model = build_model(config, topology, dtype=jnp.bfloat16, mesh=mesh, fusions=provider)
     assert isinstance(model, DeepseekCausalLM)
     impl = model.grouped_matmul
     runner = ShardedCausalLM(model, mesh)
@@ -449,6 +452,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None, help="fewer layers than 27")
     parser.add_argument("--profile", default=None, help="trace each case here, print kernels")
     parser.add_argument("--only", choices=("prefill", "decode"), default=None, help="one kind")
+    parser.add_argument(
+        "--fusions",
+        choices=("none", "auto"),
+        default="none",
+        help="the project's Pallas boundaries",
+    )
     args = parser.parse_args()
     if args.profile:
         profile_into(args.profile)
@@ -457,11 +466,25 @@ def main() -> None:
     if args.layers is not None:
         config = dataclasses.replace(config, num_layers=args.layers)
     if args.smoke:
-        results = run(config, cache=64, prefills=((2, 16), (1, 32)), decodes=(2, 8), steps=4)
+        results = run(
+            config,
+            cache=64,
+            prefills=((2, 16), (1, 32)),
+            decodes=(2, 8),
+            steps=4,
+            fusions=args.fusions,
+        )
     else:
         prefills = () if args.only == "decode" else ((8, 512), (1, 4096))
         decodes = () if args.only == "prefill" else (8, 64)
-        results = run(config, cache=CACHE, prefills=prefills, decodes=decodes, steps=STEPS)
+        results = run(
+            config,
+            cache=CACHE,
+            prefills=prefills,
+            decodes=decodes,
+            steps=STEPS,
+            fusions=args.fusions,
+        )
     gc.collect()
     print(
         f"\n## DeepSeek-V2-Lite shape ({config.num_layers} layers), bf16, one device: project vs "

@@ -72,7 +72,15 @@ from .bench_e2e import (
     prefill_flops_per_gpu,
     weight_bytes_per_gpu,
 )
-from .common import LLAMA3_8B, header, kernel_ms, median_wall_ms, print_table, relative_error
+from .common import (
+    LLAMA3_8B,
+    header,
+    kernel_ms,
+    median_wall_ms,
+    print_table,
+    profile_into,
+    relative_error,
+)
 
 FP8_PEAK_FLOPS = 2 * PEAK_FLOPS
 SMOKE = False  # set by --smoke: tiny shapes, XLA and interpreted kernels on CPU
@@ -161,7 +169,7 @@ def e2e(config: DecoderConfig, fp8_fusions: str, cases: list[str] | None) -> lis
                 out, caches[0] = runner.decode(rows, batch, caches[0], key, STEPS, capacity=STEPS)
                 return out
 
-            times[name] = median_wall_ms(decode, repeats=5) / STEPS
+            times[name] = median_wall_ms(decode, 5, label=f"{name} {case}") / STEPS
             del caches[0]
             nbytes = bytes_of[name](config, 1) + kv_bytes_per_gpu(
                 config, 1, sequences, start + STEPS / 2
@@ -186,7 +194,7 @@ def e2e(config: DecoderConfig, fp8_fusions: str, cases: list[str] | None) -> lis
                 tokens, caches[0] = runner.prefill(rows, batch, caches[0], last_rows, key)
                 return tokens
 
-            times[name] = median_wall_ms(prefill)
+            times[name] = median_wall_ms(prefill, label=f"{name} prefill 4096")
             del caches[0]
             peak = FP8_PEAK_FLOPS if name == "fp8" else PEAK_FLOPS
             roofs[name] = prefill_flops_per_gpu(config, 1, 8, 512) / peak * 1e3 / times[name]
@@ -289,7 +297,7 @@ TRITON_SWEEP = (None,)
 WIDE_TRITON_SWEEP = tuple(
     TritonFp8Tiling(block_n=n, split_k=split, num_warps=warps, num_stages=stages)
     for n in (32, 64, 128)
-    for split in (1, 2, 4, 8)
+    for split in (1, 2, 4, 8, 16)
     for warps in (4, 8)
     for stages in (3, 5)
 )
@@ -390,8 +398,11 @@ def main(argv=None) -> None:
         default=None,
         help="parts e2e and moe: the FP8 projections' matmul (default: the platform's)",
     )
+    parser.add_argument("--profile", default=None, help="part e2e: trace each case here")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU")
     args = parser.parse_args(argv)
+    if args.profile:
+        profile_into(args.profile)
     SMOKE = args.smoke
     MATMUL = None if args.matmul is None else Fp8MatmulImpl[args.matmul]
     parts = args.parts or ("e2e", "moe", "matmul")
