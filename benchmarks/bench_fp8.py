@@ -304,9 +304,10 @@ WIDE_TRITON_SWEEP = tuple(
 """`--wide`: the decode kernel's tilings as a grid (columns, split, warps, stages)."""
 MOSAIC_SWEEP = (
     None,  # the table's pick (`mosaic_fp8_tiling`)
-    MosaicFp8Tiling(tile_n=128, max_concurrent_steps=6, grid_block_n=4),
+    MosaicFp8Tiling(tile_n=128, max_concurrent_steps=3, grid_block_n=4),
     MosaicFp8Tiling(tile_n=128, max_concurrent_steps=4, grid_block_n=8),
     MosaicFp8Tiling(tile_n=224, max_concurrent_steps=3, grid_block_n=2),
+    MosaicFp8Tiling(tile_n=224, max_concurrent_steps=2, grid_block_n=2),
 )
 """The Mosaic kernel above `SWAP_MAX_ROWS` rows (prefill: rows as A, the weight as B)."""
 
