@@ -487,8 +487,8 @@ def main() -> None:
         )
     gc.collect()
     print(
-        f"\n## DeepSeek-V2-Lite shape ({config.num_layers} layers), bf16, one device: project vs "
-        "one-jit GSPMD (ms; ratio: GSPMD / project)"
+        f"\n## DeepSeek-V2-Lite shape ({config.num_layers} layers), bf16, one device: project "
+        f"(boundary fusions: {args.fusions}) vs one-jit GSPMD (ms; ratio: GSPMD / project)"
     )
     print_table(
         ("case", "project ms", "GSPMD ms", "speedup", "project roofline", "logit err"), results
