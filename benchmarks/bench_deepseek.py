@@ -466,25 +466,12 @@ def main() -> None:
     if args.layers is not None:
         config = dataclasses.replace(config, num_layers=args.layers)
     if args.smoke:
-        results = run(
-            config,
-            cache=64,
-            prefills=((2, 16), (1, 32)),
-            decodes=(2, 8),
-            steps=4,
-            fusions=args.fusions,
-        )
+        shape = dict(cache=64, prefills=((2, 16), (1, 32)), decodes=(2, 8), steps=4)
     else:
         prefills = () if args.only == "decode" else ((8, 512), (1, 4096))
         decodes = () if args.only == "prefill" else (8, 64)
-        results = run(
-            config,
-            cache=CACHE,
-            prefills=prefills,
-            decodes=decodes,
-            steps=STEPS,
-            fusions=args.fusions,
-        )
+        shape = dict(cache=CACHE, prefills=prefills, decodes=decodes, steps=STEPS)
+    results = run(config, **shape, fusions=args.fusions)
     gc.collect()
     print(
         f"\n## DeepSeek-V2-Lite shape ({config.num_layers} layers), bf16, one device: project "
