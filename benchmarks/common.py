@@ -13,6 +13,7 @@ import json
 import pathlib
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 
@@ -145,8 +146,18 @@ _PROFILE_DIR: list[pathlib.Path] = []
 
 def profile_into(directory: str | pathlib.Path) -> None:
     """Makes `median_wall_ms` also trace each labelled case into `directory` and print its
-    largest GPU kernels (what `--profile DIR` of a model benchmark turns on)."""
-    _PROFILE_DIR[:] = [pathlib.Path(directory)]
+    largest GPU kernels (what `--profile DIR` of a model benchmark turns on). A directory that
+    cannot be made or written ends the benchmark with one line and exit status 2, before any
+    model is built."""
+    path = pathlib.Path(directory)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        (path / ".writable").touch()
+        (path / ".writable").unlink()
+    except OSError as error:
+        print(f"--profile: cannot write traces to {path}: {error.strerror}", file=sys.stderr)
+        raise SystemExit(2) from None
+    _PROFILE_DIR[:] = [path]
 
 
 def median_wall_ms(call: Callable, repeats: int = 7, *, label: str = "") -> float:
