@@ -61,6 +61,7 @@ from pallas_kernels.fp8_matmul import (
     fp8_matmul,
 )
 from pallas_kernels.grouped_matmul import default_grouped_matmul_impl
+from pallas_kernels.impl import Impl
 from pallas_kernels.quantize import quantize_blocks_reference, quantize_token_groups_reference
 
 from .bench_e2e import (
@@ -85,6 +86,7 @@ from .common import (
 FP8_PEAK_FLOPS = 2 * PEAK_FLOPS
 SMOKE = False  # set by --smoke: tiny shapes, XLA and interpreted kernels on CPU
 MATMUL: Fp8MatmulImpl | None = None  # set by --matmul: the FP8 models' projections
+ROWS_BY_XLA = False  # set by --quantize-rows xla: the projections' inputs quantized by XLA
 
 
 def fp8_weight_bytes_per_gpu(config: DecoderConfig, tp: int) -> float:
@@ -111,6 +113,8 @@ def quantization() -> Fp8Quantization:
     if SMOKE:
         return Fp8Quantization()  # XLA: the reference runs anywhere
     chosen = Fp8Quantization.for_platform(jax.default_backend())
+    if ROWS_BY_XLA:
+        chosen = dataclasses.replace(chosen, rows=Impl.XLA)
     return chosen if MATMUL is None else dataclasses.replace(chosen, matmul=MATMUL)
 
 
@@ -380,7 +384,7 @@ def matmul(k: int, n: int, rows_list, *, wide: bool = False) -> list[tuple]:
 
 
 def main(argv=None) -> None:
-    global SMOKE, MATMUL
+    global SMOKE, MATMUL, ROWS_BY_XLA
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", nargs="+", choices=("e2e", "moe", "matmul"), default=None)
     parser.add_argument("--layers", type=int, default=32)
@@ -399,6 +403,13 @@ def main(argv=None) -> None:
         default=None,
         help="parts e2e and moe: the FP8 projections' matmul (default: the platform's)",
     )
+    parser.add_argument(
+        "--quantize-rows",
+        choices=("kernel", "xla"),
+        default="kernel",
+        help="parts e2e and moe: quantize the projections' inputs by the platform's kernel "
+        "(pallas_kernels.quantize_rows) or by XLA",
+    )
     parser.add_argument("--profile", default=None, help="part e2e: trace each case here")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU")
     args = parser.parse_args(argv)
@@ -406,6 +417,7 @@ def main(argv=None) -> None:
         profile_into(args.profile)
     SMOKE = args.smoke
     MATMUL = None if args.matmul is None else Fp8MatmulImpl[args.matmul]
+    ROWS_BY_XLA = args.quantize_rows == "xla"
     parts = args.parts or ("e2e", "moe", "matmul")
     print(header("bench_fp8"))
     config = dataclasses.replace(LLAMA3_8B, num_layers=args.layers)

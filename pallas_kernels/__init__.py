@@ -1,6 +1,6 @@
 """Pallas kernels for layer boundaries, MoE experts and FP8 weights: add + RMSNorm (also with
-FP8 quantization), all-reduce + add + RMSNorm, the MoE finalize + all-reduce + add + RMSNorm,
-the experts' grouped matmuls, and block-scaled FP8 matmuls.
+FP8 quantization), rows activated and quantized in one pass, all-reduce + add + RMSNorm, the MoE
+finalize + all-reduce + add + RMSNorm, the experts' grouped matmuls, and block-scaled FP8 matmuls.
 
 Each op has a reference (its spec), kernels, and a public wrapper that picks the backend, types
 its outputs for `shard_map`'s `check_vma` (`axes`) and differentiates as its reference does."""
@@ -35,3 +35,6 @@ from .moe_finalize_add_rms_norm import (
 from .moe_finalize_add_rms_norm import (
     moe_finalize_add_rms_norm_supported as moe_finalize_add_rms_norm_supported,
 )
+from .quantize_rows import quantize_rows as quantize_rows
+from .quantize_rows import quantize_rows_reference as quantize_rows_reference
+from .quantize_rows import quantize_rows_supported as quantize_rows_supported

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +26,17 @@ class ExpertActivation(enum.Enum):
 
     def apply(self, projected: jax.Array) -> jax.Array:
         """[..., parts x width] first-projection output -> [..., width] activation."""
-        if self is ExpertActivation.RELU2:
-            return jnp.square(jax.nn.relu(projected))
+        if self.parts == 1:
+            return self.function(projected)
         gate, up = jnp.split(projected, 2, axis=-1)
-        return jax.nn.silu(gate) * up
+        return self.function(gate) * up
+
+    @property
+    def function(self) -> Callable[[jax.Array], jax.Array]:
+        """The elementwise function: SiLU on the gate, or `relu2` on the up projection."""
+        return relu2 if self is ExpertActivation.RELU2 else jax.nn.silu
+
+
+def relu2(x: jax.Array) -> jax.Array:
+    """`relu(x)^2`, Nemotron-H's activation."""
+    return jnp.square(jax.nn.relu(x))

@@ -38,7 +38,9 @@ from pallas_kernels.fp8_matmul import (
     default_fp8_matmul_impl,
     fp8_matmul,
 )
+from pallas_kernels.impl import Impl
 from pallas_kernels.quantize import FP8_DTYPE, dequantize_blocks_reference
+from pallas_kernels.quantize_rows import Activation, quantize_rows
 
 from .linear import group_size, weight_init
 
@@ -69,22 +71,34 @@ class Fp8Quantization:
       weights: What the layers hold (`Fp8Weights`).
       matmul: How the projections' FP8 products run (`pallas_kernels.fp8_matmul`).
       grouped: How the experts' grouped FP8 products run.
+      rows: How rows are quantized for the projections (`pallas_kernels.quantize_rows`): a
+        backend, or None for the platform's kernel where it takes the shape (XLA elsewhere).
     """
 
     weights: Fp8Weights = Fp8Weights.FP8
     matmul: Fp8MatmulImpl = Fp8MatmulImpl.XLA
     grouped: Fp8GroupedImpl = Fp8GroupedImpl.XLA
+    rows: Impl | None = Impl.XLA
 
     @classmethod
     def for_platform(cls, platform: str, weights: Fp8Weights = Fp8Weights.FP8) -> Fp8Quantization:
         """FP8 weights with the products a JAX platform name runs fastest: the Pallas kernels
-        by size on GPU, XLA elsewhere."""
-        return cls(weights, default_fp8_matmul_impl(platform), default_fp8_grouped_impl(platform))
+        by size on GPU, XLA elsewhere; rows quantized by the platform's kernel where it has one."""
+        return cls(
+            weights, default_fp8_matmul_impl(platform), default_fp8_grouped_impl(platform), None
+        )
 
     @property
     def activations(self) -> Fp8TokenGroups:
         """The input format of every FP8 projection: 128-feature token groups."""
         return Fp8TokenGroups(SCALE_BLOCK)
+
+    def quantize(self, x: jax.Array, activation: Activation | None = None) -> Quantized:
+        """Rows in the projections' input format, after `activation`: `x` [T, features], or
+        [T, 2, features] for `activation(gate) * up` (`pallas_kernels.quantize_rows`, one pass
+        through `rows`)."""
+        group = self.activations.group
+        return Quantized(*quantize_rows(x, activation=activation, group=group, impl=self.rows))
 
 
 class Split(enum.Enum):
@@ -273,6 +287,11 @@ class Fp8Linear(nnx.Module):
         bias = None if self.bias is None else self.bias[...]
         return self._project(x, self.weight[...], scales, bias)
 
+    def of_activation(self, x: jax.Array, activation: Activation | None) -> jax.Array:
+        """The projection of `activation(x)` ([T, local in]), or of `activation(gate) * up`
+        for [T, 2, local in]: the activation and the quantization in one pass."""
+        return self(self.quantization.quantize(x, activation))
+
     def columns(self, x: jax.Array | Quantized, start: jax.Array, size: int) -> jax.Array:
         """Only this rank's output columns [start, start + size) of each part (`start` may be
         traced; both multiples of 128): e.g. the one kv head a rank computes where the kv
@@ -290,7 +309,7 @@ class Fp8Linear(nnx.Module):
         return self._project(x, weight, scales, bias)
 
     def _project(self, x, weight, scales, bias) -> jax.Array:
-        rows = x if isinstance(x, Quantized) else self.quantization.activations.quantize(x)
+        rows = x if isinstance(x, Quantized) else self.quantization.quantize(x)
         *lead, out, depth = weight.shape
         flat = weight.reshape(-1, depth)
         if scales is None:  # DEQUANTIZED: the reference, in the model's dtype

@@ -128,10 +128,12 @@ class Fp8MoeFfn(MoeFfn):
         held = (flat >= 0) & (flat < local)
         # Rows of experts held elsewhere sort last, as group `local`, which no product covers.
         order, positions, sizes = bj.group_order(jnp.where(held, flat, local), local + 1)
-        rows = self.quantization.activations.quantize(x)  # once per token, then sorted
+        rows = self.quantization.quantize(x)  # once per token, then sorted
         sorted_rows = jax.tree.map(lambda leaf: jnp.take(leaf, order // top_k, axis=0), rows)
         gate_up = self._product(sorted_rows, self.gate_up_proj, self.gate_up_proj_scale_inv, sizes)
-        hidden = self.quantization.activations.quantize(self.activation.apply(gate_up))
+        parts = self.activation.parts
+        stacked = gate_up.reshape(gate_up.shape[0], parts, -1) if parts > 1 else gate_up
+        hidden = self.quantization.quantize(stacked, self.activation.function)
         out = self._product(hidden, self.down_proj, self.down_proj_scale_inv, sizes)
         out = jnp.take(out, positions, axis=0)
         out = jnp.where(held[:, None], out, jnp.zeros_like(out)).reshape(tokens, top_k, -1)

@@ -8,6 +8,7 @@ A layer whose output is a partial sum returns it unreduced: the caller's boundar
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Protocol
 
 import jax
@@ -165,12 +166,21 @@ class RowParallelLinear(nnx.Module):
         """This rank's [T, local in_features] -> [T, out_features] partial, unreduced over group."""
         return x @ self.kernel[...]
 
+    def of_activation(
+        self, x: jax.Array, activation: Callable[[jax.Array], jax.Array]
+    ) -> jax.Array:
+        """The projection of `activation(x)` ([T, local in]), or of `activation(gate) * up` for
+        [T, 2, local in], computed in the model's dtype."""
+        return self(activation(x[:, 0]) * x[:, 1] if x.ndim == 3 else activation(x))
+
 
 class Linears(Protocol):
     """Makes a layer's tensor-parallel projections (`DenseLinears`, `fp8_linear.Fp8Linears`).
 
     `column` returns a module whose call gives the complete output features of its rank (with
-    `columns(x, start, size)` for a slice of them); `row` one whose call gives a partial sum.
+    `columns(x, start, size)` for a slice of them); `row` one whose call gives a partial sum
+    (with `of_activation(x, activation)` for the sum of an activation of `x`, which a quantized
+    projection fuses into its input's quantization).
     """
 
     def column(

@@ -13,10 +13,12 @@ from boundary_jax.designs import Quantized
 from ..config import Activation
 from .linear import DENSE_LINEARS, Linears, group_size
 
-_ACTIVATIONS = {
-    Activation.SILU: jax.nn.silu,
-    Activation.GELU_TANH: lambda x: jax.nn.gelu(x, approximate=True),
-}
+
+def _gelu_tanh(x: jax.Array) -> jax.Array:
+    return jax.nn.gelu(x, approximate=True)
+
+
+_ACTIVATIONS = {Activation.SILU: jax.nn.silu, Activation.GELU_TANH: _gelu_tanh}
 
 
 class SwiGLU(nnx.Module):
@@ -78,6 +80,4 @@ class SwiGLU(nnx.Module):
     def __call__(self, x: jax.Array | Quantized) -> jax.Array:
         """[T, hidden] complete rows (or their FP8 `Quantized` form, for FP8 projections) ->
         [T, hidden] partial, owing a sum over full TP."""
-        act = _ACTIVATIONS[self.activation]
-        gate_up = self.gate_up_proj(x)
-        return self.down_proj(act(gate_up[:, 0]) * gate_up[:, 1])
+        return self.down_proj.of_activation(self.gate_up_proj(x), _ACTIVATIONS[self.activation])

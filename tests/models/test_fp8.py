@@ -20,9 +20,16 @@ from models.checkpoints import save_checkpoint
 from models.checkpoints.fp8 import FP8_CONFIG, read_stored_fp8, write_fp8_checkpoint
 from models.cli.main import main
 from models.config import PRESETS
-from models.layers.fp8_linear import VALUE_SPREAD, Fp8Quantization, Fp8Weights
+from models.layers.fp8_linear import VALUE_SPREAD, Fp8Linears, Fp8Quantization, Fp8Weights
+from models.layers.fp8_moe import Fp8MoeFfn
 from models.layers.hyper_connections import HyperConnections
+from models.layers.mlp import SwiGLU
+from models.layers.moe_routing import Routing
 from models.serving.runtime import ShardedCausalLM
+from pallas_kernels.quantize import (
+    dequantize_token_groups_reference,
+    quantize_token_groups_reference,
+)
 
 from . import make_mesh
 
@@ -276,3 +283,52 @@ def test_plan_quantizes_on_load_and_reports_bytes_per_device(root, capsys):
     # Per layer: q, k|v, o, gate|up, down in FP8 (458,752 bytes per rank) and their scales.
     assert abstract.layers[0].attn.q_proj.weight.dtype == jnp.float8_e4m3fn
     assert want < 1.1e6
+
+
+def _dequantized_rows(x: jax.Array) -> np.ndarray:
+    values, scales = quantize_token_groups_reference(x)
+    return np.asarray(dequantize_token_groups_reference(values, scales, x.dtype))
+
+
+def test_fp8_ffns_quantize_their_gated_activation():
+    """An FP8 MLP and an FP8 expert compute down(q(silu(gate(q(x))) * up(q(x)))), q the
+    token-group quantization, gate the first of the stacked parts: both equal that formula on
+    their dequantized float64 weights."""
+    config = PRESETS["tiny-qwen3-moe-fp8"]
+    hidden, width, tokens = config.hidden_size, config.moe.expert_intermediate_size, 5
+    silu_product = lambda g, u: jax.nn.silu(jnp.asarray(g)) * u  # noqa: E731
+    with jax.enable_x64(True):
+        quantization = Fp8Quantization(Fp8Weights.DEQUANTIZED)
+        x = jax.random.normal(jax.random.key(1), (tokens, hidden), jnp.float64)
+        rows = _dequantized_rows(x)
+        mlp = SwiGLU(
+            hidden,
+            width,
+            topology=bj.Topology(),
+            dtype=jnp.float64,
+            linears=Fp8Linears(quantization),
+            rngs=nnx.Rngs(0),
+        )
+        gate, up = np.asarray(mlp.gate_up_proj.weight[...])  # [2, width, hidden]
+        activated = _dequantized_rows(silu_product(rows @ gate.T, rows @ up.T))
+        want = activated @ np.asarray(mlp.down_proj.weight[...]).T
+        np.testing.assert_allclose(np.asarray(mlp(x)), want, rtol=1e-12, atol=1e-12)
+
+        experts = Fp8MoeFfn(
+            hidden,
+            config.moe,
+            bj.Topology(),
+            quantization=quantization,
+            dtype=jnp.float64,
+            rngs=nnx.Rngs(0),
+        )
+        top_k, count = config.moe.top_k, config.moe.num_experts
+        chosen = (np.arange(tokens)[:, None] * 3 + np.arange(top_k)[None]) % count
+        routing = Routing(jnp.full((tokens, top_k), 1 / top_k), jnp.asarray(chosen, jnp.int32))
+        got = np.asarray(experts.routed(x, routing))
+        gate_up, down = np.asarray(experts.gate_up_proj[...]), np.asarray(experts.down_proj[...])
+        for token, choice in np.ndindex(tokens, top_k):
+            e = chosen[token, choice]
+            product = silu_product(rows[token] @ gate_up[e, 0].T, rows[token] @ gate_up[e, 1].T)
+            want = _dequantized_rows(product[None])[0] @ down[e].T
+            np.testing.assert_allclose(got[token, choice], want, rtol=1e-12, atol=1e-12)

@@ -17,6 +17,9 @@ from pallas_kernels import (
     add_rms_norm_quantize_reference,
     add_rms_norm_quantize_supported,
     compat,
+    quantize_rows,
+    quantize_rows_reference,
+    quantize_rows_supported,
 )
 from pallas_kernels.fp8_matmul import (
     TRITON_MAX_ROWS,
@@ -165,6 +168,85 @@ def test_fused_read_support_and_errors():
 
 
 # --------------------------------------------------------------------------------------------
+# Rows activated and quantized in one pass
+
+
+def gated_rows(rows, features, dtype, seed=3):
+    """[rows, 2, features]: gate and up rows of different scales, with a zero group (scale 0)."""
+    gate_key, up_key = jax.random.split(jax.random.key(seed))
+    gate = 2 * jax.random.normal(gate_key, (rows, features))
+    up = jax.random.normal(up_key, (rows, features)) * jnp.linspace(0.5, 8.0, features)[None]
+    up = up.at[0, :128].set(0.0)
+    return jnp.stack([gate, up], axis=1).astype(dtype)
+
+
+# XLA's GPU compiler drops the bf16 round trip of the interpreted body (excess precision), so the
+# bit-for-bit checks run on CPU; the compiled Triton kernel has its own GPU test below.
+CPU_ONLY = pytest.mark.skipif(jax.default_backend() == "gpu", reason="interpreted on XLA CPU")
+
+
+@CPU_ONLY
+@pytest.mark.parametrize(
+    "shape, dtype, activation",
+    [
+        ((19, 2, 384), jnp.bfloat16, jax.nn.silu),  # one row and one group per program
+        ((16, 2, 1024), jnp.bfloat16, jax.nn.silu),  # 16 rows and 4 groups per program
+        ((8, 2, 640), jnp.float32, jax.nn.silu),
+        ((12, 512), jnp.float16, jax.nn.relu),
+        ((6, 256), jnp.float32, None),
+    ],
+    ids=["gated ragged", "gated blocks", "gated float32", "activated", "plain"],
+)
+def test_quantize_rows_kernel_equals_its_reference(shape, dtype, activation):
+    """The kernel (interpreted) gives the reference's values and scales bit for bit, and the
+    reference is the activation (`activation(gate) * up` for stacked rows) quantized per token
+    group: each gate block is multiplied by its own up block."""
+    rows, features = shape[0], shape[-1]
+    x = gated_rows(rows, features, dtype) if len(shape) == 3 else gated_rows(*shape, dtype)[:, 1]
+    got = quantize_rows(x, activation=activation, impl=Impl.PALLAS_INTERPRET)
+    reference = jax.jit(functools.partial(quantize_rows_reference, activation=activation))
+    chex.assert_trees_all_equal(got, reference(x))
+    act = (lambda v: v) if activation is None else activation
+
+    @jax.jit
+    def separately(x):
+        wide = x.astype(jnp.float32)
+        y = act(wide[:, 0]) * wide[:, 1] if x.ndim == 3 else act(wide)
+        return quantize_token_groups_reference(y.astype(dtype))
+
+    chex.assert_trees_all_equal(got, separately(x))
+    assert float(jnp.min(got[1])) == 0.0 and float(jnp.max(got[1])) > 0.0
+
+
+@CPU_ONLY
+def test_quantize_rows_rounds_the_activation_to_the_input_dtype():
+    """The activation is rounded to bf16 before it is quantized, as the unfused layer rounds
+    it: quantizing the float32 product instead changes scales, so the test above would fail."""
+    x = gated_rows(19, 384, jnp.bfloat16)
+    _, scales = quantize_rows(x, activation=jax.nn.silu, impl=Impl.PALLAS_INTERPRET)
+    wide = x.astype(jnp.float32)
+    _, unrounded = quantize_token_groups_reference(jax.nn.silu(wide[:, 0]) * wide[:, 1])
+    assert np.sum(np.asarray(scales) != np.asarray(unrounded)) > 5
+
+
+def test_quantize_rows_support_and_errors():
+    """Triton on GPU by default, XLA elsewhere (any float dtype there); other shapes raise."""
+    assert quantize_rows_supported(platform="gpu", features=14336, dtype=jnp.bfloat16)
+    assert not quantize_rows_supported(platform="cpu", features=4096, dtype=jnp.bfloat16)
+    assert not quantize_rows_supported(platform="gpu", features=4000, dtype=jnp.bfloat16)
+    assert not quantize_rows_supported(
+        platform="gpu", features=384, dtype=jnp.bfloat16, group=96, impl=Impl.PALLAS_TRITON
+    )
+    assert quantize_rows_supported(platform="cpu", features=256, dtype=jnp.float64, impl=Impl.XLA)
+    with pytest.raises(ValueError, match=r"\[rows, 2, features\]"):
+        quantize_rows(jnp.zeros((4, 3, 256)))
+    with pytest.raises(ValueError, match="multiple of group=128"):
+        quantize_rows(jnp.zeros((4, 200)))
+    with pytest.raises(NotImplementedError, match="quantize_rows_supported"):
+        quantize_rows(jnp.zeros((4, 256)), impl=Impl.PALLAS_TPU)
+
+
+# --------------------------------------------------------------------------------------------
 # Block-scaled matmuls
 
 
@@ -242,6 +324,26 @@ def test_compiled_gpu_kernels_match_reference(impl, tiling):
     want = fp8_matmul_reference(*operands(k=512, n=256), out_dtype=jnp.bfloat16)
     got = fp8_matmul(*operands(k=512, n=256), out_dtype=jnp.bfloat16, impl=impl, tiling=tiling)
     chex.assert_trees_all_close(got, want, rtol=2.0**-7, atol=2.0**-7 * float(jnp.abs(want).max()))
+
+
+@ON_GPU
+@pytest.mark.parametrize("shape", [(8, 2, 14336), (33, 2, 1408), (4096, 4096)])
+def test_compiled_quantize_rows_kernel_matches_reference(shape):
+    """The Triton kernel as the GPU compiles it: SiLU's float32 may differ from XLA's by a
+    rounding, which bf16 rounding of the product can pass on, so scales agree to a bf16 step
+    and values to an FP8 step; the plain rows are exact."""
+    rows, features = shape[0], shape[-1]
+    x = gated_rows(rows, features, jnp.bfloat16)
+    activation = jax.nn.silu
+    if len(shape) == 2:
+        x, activation = x[:, 1], None
+    values, scales = quantize_rows(x, activation=activation, impl=Impl.PALLAS_TRITON)
+    want_values, want_scales = quantize_rows_reference(x, activation=activation)
+    if activation is None:
+        chex.assert_trees_all_equal((values, scales), (want_values, want_scales))
+    np.testing.assert_allclose(np.asarray(scales), np.asarray(want_scales), rtol=2.0**-7)
+    got, want = np.asarray(values, np.float32), np.asarray(want_values, np.float32)
+    assert np.all(np.abs(got - want) <= 2 * fp8_steps(want))
 
 
 @ON_GPU
