@@ -25,7 +25,7 @@ from . import axes
 from ._common import MAX_HIDDEN_GPU, check_inputs, weight_factor
 from .add_rms_norm import BlockShape, add_rms_norm_reference, block_shape
 from .impl import SUPPORTED_DTYPES, Impl, check_impl
-from .quantize import FP8_DTYPE, FP8_MAX, INVERSE_FP8_MAX, quantize_token_groups_reference
+from .quantize import FP8_DTYPE, quantize_token_groups_reference, store_token_groups
 
 # ---------------------------------------------------------------------------------------------
 # Reference
@@ -82,12 +82,7 @@ def _add_rms_norm_quantize_kernel(
     mean_square = jnp.sum(summed * summed, axis=1, keepdims=True) / hidden
     scale = weight_factor(weight_ref[...], gemma=gemma)
     normed = (summed * lax.rsqrt(mean_square + eps) * scale).astype(x_ref.dtype)
-    groups = normed.astype(jnp.float32).reshape(rows, width // group, group)
-    scales = jnp.max(jnp.abs(groups), axis=2) * INVERSE_FP8_MAX
-    divisor = jnp.where(scales > 0, scales, 1.0)
-    values = jnp.clip(groups / divisor[:, :, None], -FP8_MAX, FP8_MAX)
-    values_ref[...] = values.astype(values_ref.dtype).reshape(rows, width)
-    scales_ref[...] = scales
+    store_token_groups(normed.astype(jnp.float32), group, values_ref, scales_ref)
 
 
 # ---------------------------------------------------------------------------------------------

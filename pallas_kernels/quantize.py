@@ -61,6 +61,19 @@ def _scaled_values(x: jax.Array, scales: jax.Array) -> jax.Array:
     return jnp.clip(x / divisor, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
 
 
+def store_token_groups(rows: jax.Array, group: int, values_ref, scales_ref) -> None:
+    """Inside a kernel: quantizes a float32 block of rows [block_rows, width] per `group`
+    features (`quantize_token_groups_reference`'s arithmetic, in its order) and stores the
+    values [block_rows, width] and scales [block_rows, width / group] in the refs."""
+    block_rows, width = rows.shape
+    groups = rows.reshape(block_rows, width // group, group)
+    scales = jnp.max(jnp.abs(groups), axis=2) * INVERSE_FP8_MAX
+    divisor = jnp.where(scales > 0, scales, 1.0)
+    values = jnp.clip(groups / divisor[:, :, None], -FP8_MAX, FP8_MAX)
+    values_ref[...] = values.astype(values_ref.dtype).reshape(block_rows, width)
+    scales_ref[...] = scales
+
+
 def dequantize_token_groups_reference(
     values: jax.Array,  # [..., features] float8_e4m3fn
     scales: jax.Array,  # [..., features / group] float32

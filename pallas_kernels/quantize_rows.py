@@ -24,7 +24,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from . import axes
 from .impl import SUPPORTED_DTYPES, Impl, check_impl
-from .quantize import FP8_DTYPE, FP8_MAX, INVERSE_FP8_MAX, quantize_token_groups_reference
+from .quantize import FP8_DTYPE, quantize_token_groups_reference, store_token_groups
 
 Activation = Callable[[jax.Array], jax.Array]
 """An elementwise function (`jax.nn.silu`, ...): static, so a module-level function."""
@@ -51,10 +51,14 @@ def activated_reference(x: jax.Array, activation: Activation | None) -> jax.Arra
     """`activation(x)` ([rows, features]) or `activation(gate) * up` ([rows, 2, features]), in
     float32 (wider for float64) and rounded to `x.dtype`; None is the identity."""
     acc = jnp.promote_types(x.dtype, jnp.float32)
-    act = (lambda v: v) if activation is None else activation
+    act = _identity if activation is None else activation
     gated = x.ndim == 3
     y = act(x[:, 0].astype(acc)) * x[:, 1].astype(acc) if gated else act(x.astype(acc))
     return y.astype(x.dtype)
+
+
+def _identity(x: jax.Array) -> jax.Array:
+    return x
 
 
 def quantize_rows_reference(
@@ -76,23 +80,13 @@ def quantize_rows_reference(
 def _quantize_rows_kernel(*refs, activation: Activation | None, gated: bool, group: int):
     """One [block_rows, block_features] block, the reference's arithmetic in its order (a run in
     the interpreter equals it bit for bit)."""
+    *inputs, values_ref, scales_ref = refs
+    act = _identity if activation is None else activation
+    y = act(inputs[0][...].astype(jnp.float32))
     if gated:
-        gate_ref, up_ref, values_ref, scales_ref = refs
-        act = activation or (lambda v: v)
-        y = act(gate_ref[...].astype(jnp.float32)) * up_ref[...].astype(jnp.float32)
-        dtype = gate_ref.dtype
-    else:
-        x_ref, values_ref, scales_ref = refs
-        y = x_ref[...].astype(jnp.float32)
-        y = y if activation is None else activation(y)
-        dtype = x_ref.dtype
-    rows, width = y.shape
-    groups = y.astype(dtype).astype(jnp.float32).reshape(rows, width // group, group)
-    scales = jnp.max(jnp.abs(groups), axis=2) * INVERSE_FP8_MAX
-    divisor = jnp.where(scales > 0, scales, 1.0)
-    values = jnp.clip(groups / divisor[:, :, None], -FP8_MAX, FP8_MAX)
-    values_ref[...] = values.astype(values_ref.dtype).reshape(rows, width)
-    scales_ref[...] = scales
+        y = y * inputs[1][...].astype(jnp.float32)
+    rounded = y.astype(inputs[0].dtype).astype(jnp.float32)
+    store_token_groups(rounded, group, values_ref, scales_ref)
 
 
 # ---------------------------------------------------------------------------------------------

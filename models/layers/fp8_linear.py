@@ -72,7 +72,8 @@ class Fp8Quantization:
       matmul: How the projections' FP8 products run (`pallas_kernels.fp8_matmul`).
       grouped: How the experts' grouped FP8 products run.
       rows: How rows are quantized for the projections (`pallas_kernels.quantize_rows`): a
-        backend, or None for the platform's kernel where it takes the shape (XLA elsewhere).
+        backend, or None for its pick (the kernel on GPU from `KERNEL_MIN_ROWS` rows, XLA
+        elsewhere).
     """
 
     weights: Fp8Weights = Fp8Weights.FP8
@@ -83,7 +84,8 @@ class Fp8Quantization:
     @classmethod
     def for_platform(cls, platform: str, weights: Fp8Weights = Fp8Weights.FP8) -> Fp8Quantization:
         """FP8 weights with the products a JAX platform name runs fastest: the Pallas kernels
-        by size on GPU, XLA elsewhere; rows quantized by the platform's kernel where it has one."""
+        by size on GPU, XLA elsewhere; rows quantized as `quantize_rows` picks by platform and
+        size."""
         return cls(
             weights, default_fp8_matmul_impl(platform), default_fp8_grouped_impl(platform), None
         )
@@ -287,7 +289,7 @@ class Fp8Linear(nnx.Module):
         bias = None if self.bias is None else self.bias[...]
         return self._project(x, self.weight[...], scales, bias)
 
-    def of_activation(self, x: jax.Array, activation: Activation | None) -> jax.Array:
+    def of_activation(self, x: jax.Array, activation: Activation) -> jax.Array:
         """The projection of `activation(x)` ([T, local in]), or of `activation(gate) * up`
         for [T, 2, local in]: the activation and the quantization in one pass."""
         return self(self.quantization.quantize(x, activation))
