@@ -154,7 +154,8 @@ class BlockShape:
     """Grid blocking of the BlockSpec kernel (Mosaic TPU, Triton, interpreter).
 
     Attributes:
-      block_rows: Rows per grid step; the last block may be ragged.
+      block_rows: Rows per grid step; the last block may be ragged (for Triton the arrays are
+        padded to whole blocks: `whole_blocks`).
       block_hidden: Hidden lanes per block: `hidden`, or for Triton the next power of two.
       num_warps: Triton warps per program (None elsewhere).
     """
@@ -201,6 +202,24 @@ def block_shape(impl: Impl, rows: int, hidden: int, dtype: np.dtype) -> BlockSha
     sublanes = 32 // itemsize  # Mosaic TPU tiles rows by 8 (f32) or 16 (16-bit)
     block_rows = max(sublanes, _TPU_BLOCK_BYTES // (hidden * itemsize) // sublanes * sublanes)
     return BlockShape(rows if rows <= block_rows else block_rows, hidden)
+
+
+def whole_blocks(
+    impl: Impl, blocks: BlockShape, weight: jax.Array, *arrays: jax.Array | None
+) -> tuple[jax.Array | None, ...]:
+    """The [hidden] weight as [1, hidden] and the [rows, hidden] arrays, for Triton zero-padded
+    to whole blocks: JAX 0.11.2's Triton lowering stores a block that runs past an array
+    without a mask, over whatever memory follows. Other backends take them as they are."""
+    weight = weight.reshape(1, -1)
+    if impl is not Impl.PALLAS_TRITON:
+        return weight, *arrays
+    rows = pl.cdiv(arrays[0].shape[0], blocks.block_rows) * blocks.block_rows
+
+    def pad(array: jax.Array, to_rows: int) -> jax.Array:
+        extra = ((0, to_rows - array.shape[0]), (0, blocks.block_hidden - array.shape[1]))
+        return jnp.pad(array, extra) if any(after for _, after in extra) else array
+
+    return pad(weight, 1), *(None if array is None else pad(array, rows) for array in arrays)
 
 
 def gpu_launch(rows: int, hidden: int, dtype: np.dtype) -> GpuLaunch:
@@ -412,8 +431,9 @@ def _pallas_call_add_rms_norm(
     row_block = pl.BlockSpec((blocks.block_rows, blocks.block_hidden), lambda i: (i, 0))
     weight_block = pl.BlockSpec((1, blocks.block_hidden), lambda i: (0, 0))
     has_residual = residual is not None
-    operands = (x, residual) if has_residual else (x,)
     varying = axes.reference_varying(add_rms_norm_reference, x, residual, weight, eps=eps)
+    weight, x, residual = whole_blocks(impl, blocks, weight, x, residual)
+    operands = (x, residual) if has_residual else (x,)
     out_shape = tuple(axes.output_type(x.shape, x.dtype, v) for v in varying[: len(operands)])
     match impl:
         case Impl.PALLAS_TRITON:
@@ -433,4 +453,4 @@ def _pallas_call_add_rms_norm(
         compiler_params=compiler_params,
         interpret=impl is Impl.PALLAS_INTERPRET,
     )
-    return tuple(call(*operands, weight.reshape(1, hidden)))
+    return tuple(out[:rows, :hidden] for out in call(*operands, weight))

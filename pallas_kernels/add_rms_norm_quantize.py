@@ -23,7 +23,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from . import axes
 from ._common import MAX_HIDDEN_GPU, check_inputs, weight_factor
-from .add_rms_norm import BlockShape, add_rms_norm_reference, block_shape
+from .add_rms_norm import BlockShape, add_rms_norm_reference, block_shape, whole_blocks
 from .impl import SUPPORTED_DTYPES, Impl, check_impl
 from .quantize import FP8_DTYPE, quantize_token_groups_reference, store_token_groups
 
@@ -239,7 +239,8 @@ def _pallas_call(
         add_rms_norm_quantize_reference, eps=eps, gemma=gemma, group=group
     )
     varying = axes.reference_varying(reference, x, residual, weight)
-    shapes = ((rows, hidden), (rows, hidden // group), (rows, hidden))
+    weight, x, residual = whole_blocks(impl, blocks, weight, x, residual)
+    shapes = (x.shape, (x.shape[0], x.shape[1] // group), x.shape)
     dtypes = (FP8_DTYPE, jnp.float32, x.dtype)
     out_shape = tuple(map(axes.output_type, shapes, dtypes, varying))
     match impl:
@@ -260,4 +261,5 @@ def _pallas_call(
         compiler_params=compiler_params,
         interpret=impl is Impl.PALLAS_INTERPRET,
     )
-    return tuple(call(x, residual, weight.reshape(1, hidden)))
+    values, scales, summed = call(x, residual, weight)
+    return values[:rows, :hidden], scales[:rows, : hidden // group], summed[:rows, :hidden]

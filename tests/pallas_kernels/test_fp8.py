@@ -347,6 +347,22 @@ def test_compiled_quantize_rows_kernel_matches_reference(shape):
 
 
 @ON_GPU
+@pytest.mark.parametrize("shape", [(19, 384), (1024, 4096)])
+def test_compiled_add_rms_norm_quantize_kernel_matches_reference(shape):
+    """The fused read's Triton kernel as the GPU compiles it: the new residual exact, the
+    scales within the norm's float32 reduction order, the values within an FP8 step. The
+    reference runs after the kernel on the same inputs: a ragged block (19 rows, 384 of 512
+    lanes) stored past the outputs would have overwritten them."""
+    inputs = make_inputs(shape, jnp.bfloat16, seed=3)
+    values, scales, summed = add_rms_norm_quantize(*inputs, impl=Impl.PALLAS_TRITON)
+    want_values, want_scales, want_summed = add_rms_norm_quantize_reference(*inputs)
+    np.testing.assert_array_equal(np.asarray(summed), np.asarray(want_summed))
+    np.testing.assert_allclose(np.asarray(scales), np.asarray(want_scales), rtol=2.0**-7)
+    got, want = np.asarray(values, np.float32), np.asarray(want_values, np.float32)
+    assert np.all(np.abs(got - want) <= fp8_steps(want))
+
+
+@ON_GPU
 def test_compiled_grouped_kernel_matches_reference():
     """The experts' Triton kernel as the GPU compiles it, an empty group included."""
     x_values, x_scales = quantize_token_groups_reference(
