@@ -52,10 +52,12 @@ from models.rows import RowsPhase, TokenRows, pack_sequences
 from models.serving.runtime import ShardedCausalLM
 
 from .bench_e2e import HBM_BYTES_PER_S, KERNEL, PEAK_FLOPS, auto_mesh
-from .common import header, median_wall_ms, print_table, profile_into
+from .common import header, paired_wall_ms, print_table, profile_into
 
 STEPS = 32
 CACHE = 4096
+REPEATS = 15
+"""Timed calls of each program, project and baseline in turn."""
 DEEPSEEK_V2_LITE = {
     "architectures": ["DeepseekV2ForCausalLM"],
     "model_type": "deepseek_v2",
@@ -383,21 +385,19 @@ def run(
         ids = jax.device_put(prompts, replicated)
         got = np.asarray(logits_of(params, ids))
         error = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
-        holder = [runner.new_caches(packed.decode_rows_per_rank, cache)]
+        holder = [runner.new_caches(packed.decode_rows_per_rank, cache), zero_caches(sequences)]
 
         def project():
             tokens, holder[0] = runner.prefill(rows, batch, holder[0], last_rows, key)
             return tokens
 
-        project_ms = median_wall_ms(project, 5, label=f"project prefill {sequences}x{length}")
-        holder[0] = zero_caches(sequences)
-
         def baseline():
-            tokens, holder[0] = prefill_step(params, ids, holder[0])
+            tokens, holder[1] = prefill_step(params, ids, holder[1])
             return tokens
 
-        baseline_ms = median_wall_ms(baseline, 5, label=f"gspmd prefill {sequences}x{length}")
-        del holder[0]
+        labels = [f"{who} prefill {sequences}x{length}" for who in ("project", "gspmd")]
+        project_ms, baseline_ms = paired_wall_ms([project, baseline], REPEATS, labels=labels)
+        del holder[:]
         roof = prefill_flops(config, sequences, length) / PEAK_FLOPS * 1e3
         results.append(
             (
@@ -414,23 +414,22 @@ def run(
     for sequences in decodes:
         start = cache - steps - 1
         rows, batch = _decode_rows(runner, sequences, start)
-        holder = [runner.new_caches(sequences, cache)]
+        holder = [runner.new_caches(sequences, cache), zero_caches(sequences)]
+        tokens = jax.device_put(np.zeros(sequences, np.int32), replicated)
+        positions = jax.device_put(np.full(sequences, start, np.int32), replicated)
 
         def project():
             out, holder[0] = runner.decode(rows, batch, holder[0], key, steps, capacity=steps)
             return out
 
-        project_ms = median_wall_ms(project, 5, label=f"project decode {sequences}") / steps
-        holder[0] = zero_caches(sequences)
-        tokens = jax.device_put(np.zeros(sequences, np.int32), replicated)
-        positions = jax.device_put(np.full(sequences, start, np.int32), replicated)
-
         def baseline():
-            out, holder[0] = decode(params, tokens, positions, holder[0], steps)
+            out, holder[1] = decode(params, tokens, positions, holder[1], steps)
             return out
 
-        baseline_ms = median_wall_ms(baseline, 5, label=f"gspmd decode {sequences}") / steps
-        del holder[0]
+        labels = [f"{who} decode {sequences}" for who in ("project", "gspmd")]
+        times = paired_wall_ms([project, baseline], REPEATS, labels=labels)
+        project_ms, baseline_ms = (ms / steps for ms in times)
+        del holder[:]
         roof = decode_bytes(config, sequences, start + steps / 2) / HBM_BYTES_PER_S * 1e3
         results.append(
             (

@@ -163,23 +163,40 @@ def profile_into(directory: str | pathlib.Path) -> None:
 def median_wall_ms(call: Callable, repeats: int = 7, *, label: str = "") -> float:
     """Median wall time in ms of `call()` (which returns something to block on), after 2
     warm-ups; under `profile_into`, then 3 more calls traced and their kernel table printed."""
-    for _ in range(2):
-        jax.block_until_ready(call())
-    times = []
+    return paired_wall_ms([call], repeats, labels=[label])[0]
+
+
+def paired_wall_ms(
+    calls: Sequence[Callable], repeats: int = 7, *, labels: Sequence[str] = ()
+) -> list[float]:
+    """Median wall time in ms of each call, timed in turn (A B A B ...) after 2 warm-ups each,
+    so that a drift of the machine during the run falls on every call alike; under
+    `profile_into`, then each labelled call traced as `median_wall_ms` does."""
+    for call in calls:
+        for _ in range(2):
+            jax.block_until_ready(call())
+    times = [[] for _ in calls]
     for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(call())
-        times.append((time.perf_counter() - start) * 1e3)
-    if _PROFILE_DIR and label:
-        trace_dir = _PROFILE_DIR[0] / label.replace(" ", "_").replace("@", "at")
-        with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
-            for _ in range(3):
-                jax.block_until_ready(call())
-        for kind, table in kernel_table(trace_dir).items():
-            print(f"\n### {label}: {kind}, per call")
-            for kernel, ms, count in table:
-                print(f"{ms / 3:9.3f} ms  x{count // 3:<5} {kernel}")
-    return statistics.median(times)
+        for call, timed in zip(calls, times, strict=True):
+            start = time.perf_counter()
+            jax.block_until_ready(call())
+            timed.append((time.perf_counter() - start) * 1e3)
+    for call, label in zip(calls, labels, strict=False):
+        if _PROFILE_DIR and label:
+            _trace(call, label)
+    return [statistics.median(timed) for timed in times]
+
+
+def _trace(call: Callable, label: str) -> None:
+    """Traces 3 calls into the profile directory and prints their kernel table."""
+    trace_dir = _PROFILE_DIR[0] / label.replace(" ", "_").replace("@", "at")
+    with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+        for _ in range(3):
+            jax.block_until_ready(call())
+    for kind, table in kernel_table(trace_dir).items():
+        print(f"\n### {label}: {kind}, per call")
+        for kernel, ms, count in table:
+            print(f"{ms / 3:9.3f} ms  x{count // 3:<5} {kernel}")
 
 
 def relative_error(got, want) -> float:

@@ -1,5 +1,6 @@
 """Names the kernels of a profiled benchmark by the XLA fusions they run: each one's output, the
-ops it fused and the project source lines it came from, per case and summed per source line.
+ops it fused and the project source lines it came from, per case and summed per source line;
+and where the GPU sat idle, by the ops on either side of each gap.
 
 A model benchmark's `--profile DIR` traces each case (`common.profile_into`); an HLO dump taken
 in the same process gives the fusions. XLA numbers fusions per compilation, so a dump of another
@@ -124,6 +125,44 @@ def trace_ops(trace_dir: pathlib.Path, calls: int) -> dict[tuple[str, str], list
     return dict(totals)
 
 
+def idle_gaps(
+    trace_dir: pathlib.Path, calls: int, floor_us: float = 10.0
+) -> tuple[float, list[tuple[float, int, str, str]]]:
+    """(GPU idle ms per call, [(idle ms per call, gaps per call, op before, op after)]) of a
+    case's trace: the time no GPU activity (kernel or copy) runs, in gaps of at least `floor_us`
+    between the first and the last activity, grouped by the ops on either side of the gap. The
+    gaps between the traced calls count too (the step's own launch and its return)."""
+    files = sorted(glob.glob(str(trace_dir / "**" / "*.json.gz"), recursive=True))
+    if not files:
+        return 0.0, []
+    with gzip.open(files[-1]) as stream:
+        events = json.load(stream)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    processes = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    threads = {
+        (e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("name") == "thread_name"
+    }
+    spans = sorted(
+        (e["ts"], e["ts"] + e.get("dur", 0), e["name"])
+        for e in events
+        if e.get("ph") == "X"
+        and "GPU" in processes.get(e["pid"], "")
+        and "XLA Op" not in threads.get((e["pid"], e.get("tid")), "")
+    )
+    groups = collections.defaultdict(lambda: [0.0, 0.0])
+    idle, end, before = 0.0, None, ""
+    for start, stop, name in spans:
+        if end is not None and start - end >= floor_us:
+            gap = groups[before[:40], name[:40]]
+            gap[0] += (start - end) / 1e3 / calls
+            gap[1] += 1 / calls
+            idle += (start - end) / 1e3 / calls
+        if end is None or stop >= end:
+            end, before = stop, name
+    rows = sorted(((ms, round(n), a, b) for (a, b), (ms, n) in groups.items()), reverse=True)
+    return idle, rows
+
+
 def _instruction(module: Module, name: str) -> tuple[str, str] | None:
     return module.instructions.get(name) or module.instructions.get(
         re.sub(r"_(\d+)$", r".\1", name)
@@ -183,6 +222,10 @@ def main() -> None:
         print("\nby project source line (ms per call, launches per call):")
         for source, (ms, launches) in sorted(sources.items(), key=lambda s: -s[1][0])[: args.top]:
             print(f"{ms:9.3f}  x{launches:<6.0f} {source}")
+        idle, gaps = idle_gaps(case, args.calls)
+        print(f"\nGPU idle {idle:.3f} ms per call (gaps >= 10 us; ms, gaps per call, between):")
+        for ms, count, before, after in gaps[: args.top // 3]:
+            print(f"{ms:9.3f}  x{count:<6} {before:40} -> {after}")
         print(f"\nlargest {args.top} ops (ms per call, launches per call):")
         for ms, launches, name, source, text in rows[: args.top]:
             print(f"{ms:9.3f}  x{launches:<6.0f} {name[:40]:40} {source:40} {text}")
