@@ -312,6 +312,10 @@ MOSAIC_SWEEP = (
     MosaicFp8Tiling(tile_n=128, max_concurrent_steps=4, grid_block_n=8),
     MosaicFp8Tiling(tile_n=224, max_concurrent_steps=3, grid_block_n=2),
     MosaicFp8Tiling(tile_n=224, max_concurrent_steps=2, grid_block_n=2),
+    MosaicFp8Tiling(tile_n=224, max_concurrent_steps=3, grid_block_n=2, cluster=True),
+    MosaicFp8Tiling(tile_n=192, max_concurrent_steps=4, grid_block_n=2),
+    MosaicFp8Tiling(tile_n=192, max_concurrent_steps=4, grid_block_n=2, cluster=True),
+    MosaicFp8Tiling(tile_n=128, max_concurrent_steps=4, grid_block_n=4, cluster=True),
 )
 """The Mosaic kernel above `SWAP_MAX_ROWS` rows (prefill: rows as A, the weight as B)."""
 

@@ -13,8 +13,10 @@ one scale per row and 128-deep block ([K / 128, Ma] and [K / 128, Nb]). For pref
 and B the weight ([out, in], Hugging Face's layout); for decode (`MosaicFp8Tiling.swap`) A is the
 weight, so its many output features fill the wgmma's 64-row side and the few rows its narrow side,
 and the contraction can be split over programs (their float32 partials summed after) so that
-every SM streams weights. Runs on NVIDIA Hopper GPUs, or on CPU in the Mosaic GPU interpreter
-(JAX >= 0.12).
+every SM streams weights. With `MosaicFp8Tiling.cluster`, two programs of a cluster take
+neighbouring A tiles of one B tile and each loads half of every B block for both (TMA multicast),
+so B crosses the L2 once per pair. Runs on NVIDIA Hopper GPUs, or on CPU in the Mosaic GPU
+interpreter (JAX >= 0.12).
 """
 
 import functools
@@ -31,6 +33,7 @@ from .tuned_block_sizes import COMPUTE_WARPGROUPS, NUM_SMS, SCALE_BLOCK, WGMMA_R
 
 _SMS = "sm"
 _WG = "wg"
+_CLUSTER = "cluster"
 _TILE_A = WGMMA_ROWS * COMPUTE_WARPGROUPS
 # FP8 operand blocks are 128 bytes deep: TMA writes them in 8-row tiles with the 128-byte swizzle
 # that wgmma reads.
@@ -49,7 +52,8 @@ def _fp8_matmul_kernel(
     ma, k = a_gmem.shape
     nb = b_gmem.shape[0]
     tile_b = tiling.tile_n
-    grid = (ma // _TILE_A, nb // tile_b)
+    pair = 2 if tiling.cluster else 1
+    grid = (ma // (_TILE_A * pair), nb // tile_b)
     steps = k // SCALE_BLOCK // tiling.split_k
     tiles = grid[0] * grid[1]
 
@@ -79,7 +83,10 @@ def _fp8_matmul_kernel(
                     (_TILE_A, SCALE_BLOCK), lambda d: (0, d), transforms=_OPERAND_TRANSFORMS
                 ),
                 plgpu.BlockSpec(
-                    (tile_b, SCALE_BLOCK), lambda d: (0, d), transforms=_OPERAND_TRANSFORMS
+                    (tile_b, SCALE_BLOCK),
+                    lambda d: (0, d),
+                    transforms=_OPERAND_TRANSFORMS,
+                    collective_axes=(_CLUSTER,) if tiling.cluster else (),
                 ),
                 plgpu.BlockSpec((1, _TILE_A), lambda d: (d, 0)),
                 plgpu.BlockSpec((1, tile_b), lambda d: (d, 0)),
@@ -104,6 +111,8 @@ def _fp8_matmul_kernel(
         def _unit(info: plgpu.NDLoopInfo):
             part, tile = lax.div(info.index[0], tiles), lax.rem(info.index[0], tiles)
             a_tile, b_tile = plgpu.planar_snake(tile, grid, 1, tiling.grid_block_n)
+            if tiling.cluster:
+                a_tile = a_tile * 2 + lax.axis_index(_CLUSTER)
             a_rows = pl.ds(a_tile * _TILE_A, _TILE_A)
             b_rows = pl.ds(b_tile * tile_b, tile_b)
             depth = pl.ds(part * steps * SCALE_BLOCK, steps * SCALE_BLOCK)
@@ -155,8 +164,9 @@ def fp8_matmul_mosaic(
     """
     m, k = x_values.shape
     n = w_values.shape[0]
-    row_tile = tiling.tile_n if tiling.swap else _TILE_A
-    weight_tile = _TILE_A if tiling.swap else tiling.tile_n
+    pair = 2 if tiling.cluster else 1
+    row_tile = tiling.tile_n if tiling.swap else _TILE_A * pair
+    weight_tile = _TILE_A * pair if tiling.swap else tiling.tile_n
     if n % weight_tile or (k // SCALE_BLOCK) % tiling.split_k:
         raise ValueError(
             f"{tiling} needs N={n} a multiple of {weight_tile} and K={k} of "
@@ -180,13 +190,16 @@ def fp8_matmul_mosaic(
         operands = (w_values, x_values, column_scales, row_scales)
     shape = (operands[0].shape[0], operands[1].shape[0])
     partial_dtype = jnp.float32 if tiling.split_k > 1 else out_dtype
-    # One program per SM at most, each walking the (tile, split) units with the grid's stride.
-    units = (shape[0] // _TILE_A) * (shape[1] // tiling.tile_n) * tiling.split_k
+    # One program per SM at most (a cluster of two per pair of SMs), each walking the (tile,
+    # split) units with the grid's stride.
+    units = (shape[0] // (_TILE_A * pair)) * (shape[1] // tiling.tile_n) * tiling.split_k
     call = plgpu.kernel(
         functools.partial(_fp8_matmul_kernel, tiling=tiling),
         out_type=jax.ShapeDtypeStruct((tiling.split_k, *shape), partial_dtype),
-        grid=(min(NUM_SMS, units),),
+        grid=(min(NUM_SMS // pair, units),),
         grid_names=(_SMS,),
+        cluster=(pair,),
+        cluster_names=(_CLUSTER,),
         num_threads=COMPUTE_WARPGROUPS + 1,
         thread_name=_WG,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),

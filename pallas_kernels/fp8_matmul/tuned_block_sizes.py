@@ -85,6 +85,8 @@ class MosaicFp8Tiling:
       grid_block_n: B tiles visited together (`plgpu.planar_snake`), for L2 reuse.
       split_k: Programs the contraction is split over (their float32 partials summed after).
       swap: Multiply the weight as A and the rows as B (decode: few rows, wide weights).
+      cluster: Run the programs in clusters of two that take neighbouring A tiles of one B tile
+        and multicast each B block to both (A's extent then a multiple of 256).
     """
 
     tile_n: int = 128
@@ -92,6 +94,7 @@ class MosaicFp8Tiling:
     grid_block_n: int = 4
     split_k: int = 1
     swap: bool = False
+    cluster: bool = False
 
     def __post_init__(self):
         if self.tile_n % 32 or not 32 <= self.tile_n <= 256:

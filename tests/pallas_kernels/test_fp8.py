@@ -314,9 +314,18 @@ ON_GPU = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU"
         (Fp8MatmulImpl.PALLAS_TRITON, TritonFp8Tiling(block_m=16, split_k=2, fp8_dot=True)),
         (Fp8MatmulImpl.PALLAS_GPU, MosaicFp8Tiling(tile_n=64, grid_block_n=2)),
         (Fp8MatmulImpl.PALLAS_GPU, MosaicFp8Tiling(tile_n=32, split_k=2, swap=True)),
+        (Fp8MatmulImpl.PALLAS_GPU, MosaicFp8Tiling(tile_n=64, cluster=True)),
         (Fp8MatmulImpl.PALLAS_GPU, None),
     ],
-    ids=["triton", "triton split k", "triton fp8 dot", "mosaic", "mosaic swap", "mosaic table"],
+    ids=[
+        "triton",
+        "triton split k",
+        "triton fp8 dot",
+        "mosaic",
+        "mosaic swap",
+        "mosaic cluster",
+        "mosaic table",
+    ],
 )
 def test_compiled_gpu_kernels_match_reference(impl, tiling):
     """The kernels as the GPU compiles them (the interpreter accepts indexing that the Triton and
@@ -384,13 +393,15 @@ def test_compiled_grouped_kernel_matches_reference():
         ((130, 256, 256), MosaicFp8Tiling(tile_n=128, grid_block_n=2)),
         ((40, 384, 256), MosaicFp8Tiling(tile_n=64, swap=True)),
         ((8, 256, 256), MosaicFp8Tiling(tile_n=32, split_k=2, grid_block_n=1, swap=True)),
+        ((300, 256, 256), MosaicFp8Tiling(tile_n=64, cluster=True)),
     ],
-    ids=["rows as A", "weight as A", "weight as A, split k"],
+    ids=["rows as A", "weight as A", "weight as A, split k", "clusters of two"],
 )
 def test_mosaic_kernel_matches_reference(shape, tiling):
     """The wgmma kernel (in the Mosaic GPU interpreter) equals the reference to float32 rounding:
-    rows padded to whole tiles, the weight as either operand, the contraction split. Row and
-    weight scales differ per block, so a scale read for the wrong block or row shows."""
+    rows padded to whole tiles, the weight as either operand, the contraction split, row tiles
+    paired in clusters that share the weight's blocks. Row and weight scales differ per block,
+    so a scale read for the wrong block or row shows."""
     m, k, n = shape
     args = operands(m=m, k=k, n=n, seed=7)
     want = np.asarray(fp8_matmul_reference(*args, out_dtype=jnp.float32))
