@@ -120,6 +120,7 @@ def build(
                 scan_layers=args.scan_layers,
                 dense_ffn_dp=args.dense_ffn_dp,
                 quantization=options.quantization(args),
+                fusions=options.fusions(args),
                 cp_attention=args.cp_attention or CpAttentionMode.ALL_GATHER,
             )
         return model, topology
@@ -138,6 +139,7 @@ def build(
             scan_layers=args.scan_layers,
             dense_ffn_dp=args.dense_ffn_dp,
             quantization=options.quantization(args),
+            fusions=options.fusions(args),
             cp_attention=args.cp_attention or CpAttentionMode.ALL_GATHER,
         )
     return model, topology
@@ -170,6 +172,7 @@ def build_stages(
                 moe_ep=args.moe_ep,
                 moe_dispatch=args.moe_dispatch,
                 dtype=dtype,
+                fusions=options.fusions(args),
             )
         return models, topology
     hyper = None if args.hc_mult is None else _hyper_connections(args.hc_mult)
@@ -184,6 +187,7 @@ def build_stages(
             dtype=dtype,
             seed=getattr(args, "seed", 0),
             hyper_connections=hyper,
+            fusions=options.fusions(args),
         )
     return models, topology
 

@@ -107,6 +107,14 @@ def _model_args(command: argparse.ArgumentParser) -> None:
         help="DeepSeek: run the dense layers' FFN fully data-parallel (whole weights on every "
         "rank, on its own rows) instead of split over the TP group",
     )
+    command.add_argument(
+        "--fusions",
+        choices=options.FUSIONS,
+        default="none",
+        help="the boundaries' kernels: none (the built-in sums and XLA's add + norm) or pallas "
+        "(the platform's fused Pallas add + norm, all-reduce + add + norm and add + norm + "
+        "quantize, each where it takes the shape; none take any on CPU)",
+    )
     command.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     command.add_argument(
         "--matmul-precision",

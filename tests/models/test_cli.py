@@ -286,6 +286,33 @@ def test_plan_prints_tables(capsys):
     assert "bytes for a batch of 29 tokens in 4 sequences" in out
 
 
+class _Built(Exception):
+    """Stops a command once its model builder has been called."""
+
+
+@pytest.mark.parametrize(
+    "mesh, builder", [("attn_tp=2", "build_model"), ("pp=2", "build_pipeline")]
+)
+def test_fusions_flag_reaches_the_model_builders(monkeypatch, mesh, builder):
+    """--fusions pallas hands the platform's Pallas candidates to the builder, of one program
+    or of pipeline stages; without it the builder gets none."""
+    from models.cli import commands
+
+    seen = []
+
+    def capture(*args, fusions, **kwargs):
+        seen.append(fusions)
+        raise _Built
+
+    monkeypatch.setattr(commands, builder, capture)
+    for flag in ([], ["--fusions", "pallas"]):
+        with pytest.raises(_Built):
+            main(["plan", "--preset", "tiny-mistral", "--mesh", mesh, *flag])
+    assert seen[0] is bj.fusions.NO_FUSIONS
+    assert seen[1] == bj.fusions.platform_fusions(bj.Topology())
+    assert seen[1].attn_input and seen[1].ffn_input
+
+
 def _bad_config(tmp_path):
     directory = tmp_path / "gpt2"
     directory.mkdir()
