@@ -190,10 +190,7 @@ def make_baseline(config: DecoderConfig, impl):
         bias = layer.get("mlp/e_score_correction_bias")
         routing = deepseek_route(h, layer["mlp/router"], bias, moe.routing)
         shared = shared_expert(
-            h,
-            layer["mlp/shared_expert/gate_proj"],
-            layer["mlp/shared_expert/up_proj"],
-            layer["mlp/shared_expert/down_proj"],
+            h, layer["mlp/shared_expert/gate_up_proj"], layer["mlp/shared_expert/down_proj"]
         )
         out = finalized_expert_outputs(
             h, routing, layer["mlp/gate_up_proj"], layer["mlp/down_proj"], shared=shared, impl=impl

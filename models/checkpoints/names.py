@@ -252,10 +252,15 @@ def _sparse_ffn_tensors(config: DecoderConfig) -> dict[str, HFTensor]:
     if moe.routing is not None and moe.routing.correction_bias:
         tensors["mlp.e_score_correction_bias"] = HFTensor(f"{prefix}gate.e_score_correction_bias")
     if moe.shared_expert_intermediate_size is not None:
-        for part in ("gate", "up", "down"):
-            tensors[f"mlp.shared_expert.{part}_proj"] = HFTensor(
-                f"mlp.{shared}.{part}_proj.weight", transpose=True
-            )
+        tensors["mlp.shared_expert.gate_up_proj"] = HFTensor(
+            f"mlp.{shared}.{{part}}_proj.weight",
+            transpose=True,
+            parts=("gate", "up"),
+            part_axis=1,
+        )
+        tensors["mlp.shared_expert.down_proj"] = HFTensor(
+            f"mlp.{shared}.down_proj.weight", transpose=True
+        )
         if moe.shared_expert_gate:
             tensors["mlp.shared_expert.expert_gate"] = HFTensor(
                 "mlp.shared_expert_gate.weight", transpose=True
@@ -326,8 +331,8 @@ def _hybrid_layer_tensors(config: DecoderConfig, kind: HybridLayer) -> dict[str,
         "mixer.down_proj": HFTensor(
             "mixer.experts.{expert}.down_proj.weight", transpose=True, experts=experts
         ),
-        "mixer.shared_expert.up_proj": HFTensor(
-            "mixer.shared_experts.up_proj.weight", transpose=True
+        "mixer.shared_expert.gate_up_proj": HFTensor(  # relu^2: the up projection alone
+            "mixer.shared_experts.{part}_proj.weight", transpose=True, parts=("up",), part_axis=1
         ),
         "mixer.shared_expert.down_proj": HFTensor(
             "mixer.shared_experts.down_proj.weight", transpose=True

@@ -52,34 +52,41 @@ PartitionEntry = str | tuple[str, ...] | None
 
 def shared_expert(
     x: jax.Array,
-    gate: jax.Array | None,
-    up: jax.Array,
+    gate_up: jax.Array,
     down: jax.Array,
     expert_gate: jax.Array | None = None,
+    *,
+    activation: ExpertActivation = ExpertActivation.SWIGLU,
 ) -> jax.Array:
-    """This rank's share of a shared expert: `down(silu(gate(x)) * up(x))`, or without a gate
-    projection `down(relu(up(x))^2)`; optionally sigmoid-gated.
+    """This rank's share of a shared expert: `down(silu(gate(x)) * up(x))`, or for RELU2
+    `down(relu(up(x))^2)`; optionally sigmoid-gated.
 
     Args:
       x: [T, hidden] complete token rows.
-      gate: [hidden, width] the gate projection (None: the ungated relu^2 expert); `width` may
-        be a slice of the intermediate features, in which case the output is this rank's
-        partial sum.
-      up: [hidden, width] the up projection, same slice.
+      gate_up: [hidden, parts, width]: the gate and up projections stacked (one matmul), or the
+        up projection alone for RELU2 (`activation.parts`); `width` may be a slice of the
+        intermediate features, in which case the output is this rank's partial sum.
       down: [width, hidden] the down projection, same slice.
       expert_gate: [hidden, 1] Qwen2-MoE's `shared_expert_gate`, whole on every rank: the output
         is scaled by `sigmoid(x @ expert_gate)` per token (a per-token scale, so the partial sums
         stay partial sums); None for no gate.
+      activation: What the expert computes between its projections.
 
     Returns:
       [T, hidden] in `x.dtype`, owing the sum over the ranks the width is split over. A shared
       expert computed whole on every rank of a group must be counted once by the caller (added
       on one rank only).
+
+    Raises:
+      ValueError: `gate_up` does not stack `activation.parts` projections.
     """
-    if gate is None:
-        out = ExpertActivation.RELU2.apply(x @ up) @ down
-    else:
-        out = (jax.nn.silu(x @ gate) * (x @ up)) @ down
+    hidden, parts, width = gate_up.shape
+    if parts != activation.parts:
+        raise ValueError(
+            f"a {activation.value} shared expert stacks {activation.parts} projection(s) in "
+            f"gate_up [hidden, parts, width]; got {gate_up.shape}"
+        )
+    out = activation.apply(x @ gate_up.reshape(hidden, parts * width)) @ down
     if expert_gate is not None:
         out = jax.nn.sigmoid(x @ expert_gate) * out
     return out
@@ -99,7 +106,8 @@ def moe_reference(
     """The whole MoE layer in float64 NumPy, one token at a time: the spec the tests check.
 
     Args: as `route`, `expert_outputs` and `shared_expert`, with all experts and their whole
-    width (`gate_up` [E, hidden, 2, width], `down` [E, width, hidden]).
+    width (`gate_up` [E, hidden, 2, width], `down` [E, width, hidden]; `shared` is the shared
+    expert's (`gate_up` [hidden, 2, width], `down` [width, hidden])).
 
     Returns:
       [T, hidden] float64.
@@ -120,7 +128,8 @@ def moe_reference(
             d = np.asarray(down[e], np.float64)
             out[t] += weight * ((silu(x[t] @ g) * (x[t] @ u)) @ d)
     if shared is not None:
-        g, u, d = (np.asarray(a, np.float64) for a in shared)
+        gate_up, d = (np.asarray(a, np.float64) for a in shared)
+        g, u = np.moveaxis(gate_up, 1, 0)
         shared_out = (silu(x @ g) * (x @ u)) @ d
         if shared_gate is not None:
             shared_out = shared_out / (1 + np.exp(-(x @ np.asarray(shared_gate, np.float64))))
@@ -138,10 +147,10 @@ class SharedExpert(nnx.Module):
     sigmoid-gated.
 
     Attributes:
-      gate_proj: [hidden, width] global, columns split over `width_entry`; None for a RELU2
-        activation.
-      up_proj: As `gate_proj`.
+      gate_up_proj: [hidden, parts, width] global: the gate and up projections stacked (the up
+        projection alone for RELU2), columns split over `width_entry`.
       down_proj: [width, hidden] global, rows split over `width_entry`.
+      activation: What the expert computes between its projections.
       expert_gate: [hidden, 1], whole on every rank (Qwen2-MoE's `shared_expert_gate`), or None.
 
     Every weight is drawn from N(0, init_std^2) (None: std 1/sqrt(fan_in)).
@@ -160,13 +169,15 @@ class SharedExpert(nnx.Module):
         rngs: nnx.Rngs,
     ):
         std = init_std
-        swiglu = activation is ExpertActivation.SWIGLU
-        self.gate_proj = (
-            _param(rngs, (hidden_size, width), (None, width_entry), dtype, std=std)
-            if swiglu
-            else None
+        self.activation = activation
+        self.gate_up_proj = _param(
+            rngs,
+            (hidden_size, activation.parts, width),
+            (None, None, width_entry),
+            dtype,
+            std=std,
+            fan_in=hidden_size,
         )
-        self.up_proj = _param(rngs, (hidden_size, width), (None, width_entry), dtype, std=std)
         self.down_proj = _param(rngs, (width, hidden_size), (width_entry, None), dtype, std=std)
         self.expert_gate = (
             _param(rngs, (hidden_size, 1), (None, None), dtype, std=std) if gated else None
@@ -175,8 +186,13 @@ class SharedExpert(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """[T, hidden] -> [T, hidden], this rank's share (see `shared_expert`)."""
         expert_gate = None if self.expert_gate is None else self.expert_gate[...]
-        gate = None if self.gate_proj is None else self.gate_proj[...]
-        return shared_expert(x, gate, self.up_proj[...], self.down_proj[...], expert_gate)
+        return shared_expert(
+            x,
+            self.gate_up_proj[...],
+            self.down_proj[...],
+            expert_gate,
+            activation=self.activation,
+        )
 
 
 class SparseMoe(nnx.Module):

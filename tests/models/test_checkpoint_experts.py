@@ -320,8 +320,7 @@ def test_loaded_experts_feed_moe_functions():
         "router",
         "gate_up_proj",
         "down_proj",
-        "shared_expert.gate_proj",
-        "shared_expert.up_proj",
+        "shared_expert.gate_up_proj",
         "shared_expert.down_proj",
         "shared_expert.expert_gate",
     ):
@@ -329,7 +328,8 @@ def test_loaded_experts_feed_moe_functions():
         one = found[source.tensor_names()[0]]
         shape = one.shape[::-1] if source.experts is None else (source.experts, *one.shape[::-1])
         if source.parts is not None:
-            shape = (*shape[:2], len(source.parts), *shape[2:])
+            axis = source.part_axis
+            shape = (*shape[:axis], len(source.parts), *shape[axis:])
         spec = P(TP) if source.experts is not None else P()
         loaded = load_tensor(GOLDEN / "qwen2_moe", source, shape, mesh, spec, jnp.float32)
         # On the host from here: the MoE functions run inside shard_map, on local arrays.
@@ -350,7 +350,7 @@ def test_loaded_experts_feed_moe_functions():
             )
             for r in range(4)
         )
-        parts = ("gate_proj", "up_proj", "down_proj", "expert_gate")
+        parts = ("gate_up_proj", "down_proj", "expert_gate")
         shared = moe.shared_expert(x, *(params[f"shared_expert.{p}"] for p in parts))
         return moe_routing.finalize(
             moe_routing.MoeOutput(expert_outputs=outputs, routing=routing, shared=shared)

@@ -174,9 +174,12 @@ def hf_moe(name: str, expert_entry=None, width_entry=None) -> DeepseekMoe:
     module.router[...] = weights[prefix + "gate.weight"].T
     if module.e_score_correction_bias is not None:
         module.e_score_correction_bias[...] = weights[prefix + "gate.e_score_correction_bias"]
-    for proj in ("gate", "up", "down"):
-        shared = getattr(module.shared_expert, f"{proj}_proj")
-        shared[...] = weights[f"{prefix}shared_experts.{proj}_proj.weight"].T
+    shared = {
+        proj: weights[f"{prefix}shared_experts.{proj}_proj.weight"].T
+        for proj in ("gate", "up", "down")
+    }
+    module.shared_expert.gate_up_proj[...] = np.stack([shared["gate"], shared["up"]], axis=1)
+    module.shared_expert.down_proj[...] = shared["down"]
     return module
 
 

@@ -57,7 +57,7 @@ def make_layer(experts: int, width: int = 8, seed: int = 0) -> Layer:
         gate=normal(experts, HIDDEN, width),
         up=normal(experts, HIDDEN, width),
         down=normal(experts, width, HIDDEN),
-        shared=(normal(HIDDEN, 12), normal(HIDDEN, 12), normal(12, HIDDEN)),
+        shared=(rng.standard_normal((HIDDEN, 2, 12)) / np.sqrt(HIDDEN), normal(12, HIDDEN)),
         shared_gate=normal(HIDDEN, 1),
     )
 
@@ -215,11 +215,10 @@ def rank_outputs(layer, routing, ranks, widths, impl, shared):
             shared_out = None
             if shared:
                 shared_cols = slice(w * 12 // widths, (w + 1) * 12 // widths)
-                g, u, d = layer.shared
+                gate_up, d = layer.shared
                 shared_out = moe.shared_expert(
                     jnp.asarray(layer.x),
-                    jnp.asarray(g[:, shared_cols]),
-                    jnp.asarray(u[:, shared_cols]),
+                    jnp.asarray(gate_up[..., shared_cols]),
                     jnp.asarray(d[shared_cols]),
                     jnp.asarray(layer.shared_gate),
                 )
@@ -359,9 +358,9 @@ def test_module_under_shard_map(dp, tp, shared):
         renormalize=not shared,
         shared=None
         if shared_module is None
-        else tuple(
-            np.asarray(p[...])
-            for p in (shared_module.gate_proj, shared_module.up_proj, shared_module.down_proj)
+        else (
+            np.asarray(shared_module.gate_up_proj[...]),
+            np.asarray(shared_module.down_proj[...]),
         ),
         shared_gate=None if shared_module is None else np.asarray(shared_module.expert_gate[...]),
     )

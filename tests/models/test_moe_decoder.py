@@ -205,9 +205,7 @@ def layer_reference(module: MoeFfn, x: np.ndarray) -> np.ndarray:
         np.asarray(module.down_proj[...]),
         top_k=LAYER_MOE.top_k,
         renormalize=LAYER_MOE.renormalize,
-        shared=tuple(
-            np.asarray(p[...]) for p in (shared.gate_proj, shared.up_proj, shared.down_proj)
-        ),
+        shared=(np.asarray(shared.gate_up_proj[...]), np.asarray(shared.down_proj[...])),
         shared_gate=np.asarray(shared.expert_gate[...]),
     )
 
@@ -358,7 +356,7 @@ def test_mutant_split_shared_expert_counted_on_one_rank_is_caught():
     """A shared expert split over TP owes the sum of every rank's share: keeping the first
     rank's alone is caught."""
     module, mesh = layer_case(1, 4, 4, GATHER)
-    assert module.shared_expert.gate_proj.shape == (HIDDEN, 12)
+    assert module.shared_expert.gate_up_proj.shape == (HIDDEN, 2, 12)
     assert not module.shared_on_first_rank  # split: every rank adds its share
     module.shared_on_first_rank = True
     assert mutant_error(module, mesh) > 1e-2
