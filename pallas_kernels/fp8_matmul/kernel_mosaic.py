@@ -122,11 +122,13 @@ def _fp8_matmul_kernel(
                 wg = lax.axis_index(_WG)
                 zeros = jnp.full((WGMMA_ROWS, tile_b), 0, jnp.float32)
                 total = run(plgpu.layout_cast(zeros, plgpu.Layout.WGMMA))
+                # The previous unit's store has read its staging buffer: that store ran while
+                # this unit multiplied.
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 out_smem[wg] = total.astype(out_smem.dtype)
                 plgpu.commit_smem()
                 rows = pl.ds(a_tile * _TILE_A + wg * WGMMA_ROWS, WGMMA_ROWS)
                 plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[part, rows, b_rows])
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
             pipeline(step, compute_context)(
                 a_gmem.at[a_rows, depth],

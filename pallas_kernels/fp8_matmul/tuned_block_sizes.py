@@ -5,8 +5,9 @@ Both tables follow tilings measured on one H200 (`benchmarks/bench_fp8.py --part
 operands read the FP8 weights at 2.70 TB/s at 8 rows; multiplied as FP8 on the tensor cores, at
 2.73 TB/s at 8 rows and 1.84 TB/s at 64 at best over a grid of 48 tilings (32 / 64 / 128 columns,
 split 1-8, 4 or 8 warps, 3 or 5 stages), 1.39x and 1.10x bf16's `jnp.dot`. The warp-specialized
-Mosaic kernel (run 22): 2.54 TB/s at 64 rows with the weight as the wgmma's wide side (1.52x
-bf16), 951 TFLOP/s at 4096 rows (1.16x bf16; the single-warpgroup kernel before it reached 184).
+Mosaic kernel (runs 22, 25): 2.54 TB/s at 64 rows with the weight as the wgmma's wide side
+(1.52x bf16), 975 TFLOP/s at 4096 rows (1.18x bf16; the single-warpgroup kernel before it
+reached 184).
 """
 
 import dataclasses
@@ -127,10 +128,12 @@ def mosaic_fp8_tiling(m: int, k: int, n: int) -> MosaicFp8Tiling:
     A, the rows (rounded up to a power of two, at least 32) as one B tile, 4 steps in flight, the
     contraction split over the most programs (a power of two dividing its scale blocks, at most 8)
     that still run in one wave on an H200's SMs. Above: 224 weight rows per tile where they divide
-    N (3 steps in flight: the most that fit), else 128 with 4; 2 or 4 weight tiles per grid step.
-    Measured on one H200, [4096 -> 14336] (`bench_fp8 --parts matmul`, `benchmarks/RESULTS.md`
-    run 22): 23.2 us at 64 rows (2.54 TB/s; splitting in two, 27.3 us), 506 us at 4096 (951
-    TFLOP/s; 546 us with 128-row tiles)."""
+    N (2 steps in flight), else 192 (4 steps), else 128 (4 steps); 2 or 4 weight tiles per grid
+    step. Measured on one H200 (`bench_fp8 --parts matmul`, `benchmarks/RESULTS.md`): [4096 ->
+    14336], run 22: 23.2 us at 64 rows (2.54 TB/s; splitting in two, 27.3 us), 506 us at 4096
+    (951 TFLOP/s; 546 us with 128-row tiles); run 25 at 4096 rows: [4096 -> 28672] 987 us with
+    2 steps in flight against 1000 with 3 (975 and 962 TFLOP/s), [4096 -> 6144] 223 us with 192
+    rows against 247 with 128."""
     if m <= SWAP_MAX_ROWS:
         tiles = n // (WGMMA_ROWS * COMPUTE_WARPGROUPS)
         split = 1
@@ -139,6 +142,8 @@ def mosaic_fp8_tiling(m: int, k: int, n: int) -> MosaicFp8Tiling:
         rows = max(32, pl.next_power_of_2(m))
         return MosaicFp8Tiling(tile_n=rows, grid_block_n=1, split_k=split, swap=True)
     if n % 224 == 0:
-        return MosaicFp8Tiling(tile_n=224, max_concurrent_steps=3, grid_block_n=2)
+        return MosaicFp8Tiling(tile_n=224, max_concurrent_steps=2, grid_block_n=2)
+    if n % 192 == 0:
+        return MosaicFp8Tiling(tile_n=192, grid_block_n=2)
     tiles = n // 128
     return MosaicFp8Tiling(grid_block_n=next(b for b in (4, 2, 1) if tiles % b == 0))

@@ -492,8 +492,9 @@ def test_mosaic_tiling_table_swaps_for_decode_and_splits_within_one_wave():
     assert mosaic_fp8_tiling(64, 4096, 6144).split_k == 2  # 48 tiles: 96 programs
     assert mosaic_fp8_tiling(100, 1024, 256).split_k == 8  # capped at 8 (of 8 blocks)
     assert mosaic_fp8_tiling(100, 1024, 256).tile_n == 128
+    assert mosaic_fp8_tiling(4096, 4096, 6144) == MosaicFp8Tiling(tile_n=192, grid_block_n=2)
     assert mosaic_fp8_tiling(4096, 4096, 28672) == MosaicFp8Tiling(
-        tile_n=224, max_concurrent_steps=3, grid_block_n=2
+        tile_n=224, max_concurrent_steps=2, grid_block_n=2
     )
     assert not mosaic_fp8_tiling(129, 4096, 4096).swap
     assert mosaic_fp8_tiling(129, 4096, 4096).tile_n == 128
