@@ -102,16 +102,26 @@ def read_dump(dump_dir: pathlib.Path) -> dict[str, Module]:
     return modules
 
 
-def trace_ops(trace_dir: pathlib.Path, calls: int) -> dict[tuple[str, str], list[float]]:
-    """(HLO module, op or kernel name) -> [ms per call, launches per call] of a case's trace:
-    GPU kernels (named after their fusion, `.N` written `_N`) or CPU thunks (their HLO op)."""
+def _trace_events(trace_dir: pathlib.Path) -> tuple[list[dict], dict, dict]:
+    """(events, pid -> process name, (pid, tid) -> thread name) of a case's last trace; empty
+    where it has none."""
     files = sorted(glob.glob(str(trace_dir / "**" / "*.json.gz"), recursive=True))
     if not files:
-        return {}
+        return [], {}, {}
     with gzip.open(files[-1]) as stream:
         events = json.load(stream)
     events = events["traceEvents"] if isinstance(events, dict) else events
     processes = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    threads = {
+        (e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("name") == "thread_name"
+    }
+    return events, processes, threads
+
+
+def trace_ops(trace_dir: pathlib.Path, calls: int) -> dict[tuple[str, str], list[float]]:
+    """(HLO module, op or kernel name) -> [ms per call, launches per call] of a case's trace:
+    GPU kernels (named after their fusion, `.N` written `_N`) or CPU thunks (their HLO op)."""
+    events, processes, _ = _trace_events(trace_dir)
     totals = collections.defaultdict(lambda: [0.0, 0.0])
     for event in events:
         args = event.get("args", {})
@@ -132,16 +142,7 @@ def idle_gaps(
     case's trace: the time no GPU activity (kernel or copy) runs, in gaps of at least `floor_us`
     between the first and the last activity, grouped by the ops on either side of the gap. The
     gaps between the traced calls count too (the step's own launch and its return)."""
-    files = sorted(glob.glob(str(trace_dir / "**" / "*.json.gz"), recursive=True))
-    if not files:
-        return 0.0, []
-    with gzip.open(files[-1]) as stream:
-        events = json.load(stream)
-    events = events["traceEvents"] if isinstance(events, dict) else events
-    processes = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
-    threads = {
-        (e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("name") == "thread_name"
-    }
+    events, processes, threads = _trace_events(trace_dir)
     spans = sorted(
         (e["ts"], e["ts"] + e.get("dur", 0), e["name"])
         for e in events

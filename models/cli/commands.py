@@ -120,7 +120,7 @@ def build(
                 scan_layers=args.scan_layers,
                 dense_ffn_dp=args.dense_ffn_dp,
                 quantization=options.quantization(args),
-                fusions=options.fusions(args),
+                fusions=options.fusions(args, topology),
                 cp_attention=args.cp_attention or CpAttentionMode.ALL_GATHER,
             )
         return model, topology
@@ -139,7 +139,7 @@ def build(
             scan_layers=args.scan_layers,
             dense_ffn_dp=args.dense_ffn_dp,
             quantization=options.quantization(args),
-            fusions=options.fusions(args),
+            fusions=options.fusions(args, topology),
             cp_attention=args.cp_attention or CpAttentionMode.ALL_GATHER,
         )
     return model, topology
@@ -172,7 +172,7 @@ def build_stages(
                 moe_ep=args.moe_ep,
                 moe_dispatch=args.moe_dispatch,
                 dtype=dtype,
-                fusions=options.fusions(args),
+                fusions=options.fusions(args, topology),
             )
         return models, topology
     hyper = None if args.hc_mult is None else _hyper_connections(args.hc_mult)
@@ -187,7 +187,7 @@ def build_stages(
             dtype=dtype,
             seed=getattr(args, "seed", 0),
             hyper_connections=hyper,
-            fusions=options.fusions(args),
+            fusions=options.fusions(args, topology),
         )
     return models, topology
 

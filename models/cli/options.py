@@ -165,13 +165,13 @@ def quantization(args: argparse.Namespace) -> Fp8Quantization | None:
     return Fp8Quantization.for_platform(jax.default_backend())
 
 
-def fusions(args: argparse.Namespace) -> bj.fusions.FusionProvider:
+def fusions(args: argparse.Namespace, topology: bj.Topology) -> bj.fusions.FusionProvider:
     """`--fusions pallas`: the platform's Pallas boundary kernels (`fusions.platform_fusions`),
     each declining where it does not take the shape or does not pay off (everywhere on CPU);
     `none` (the default): the built-in sums and XLA's add + norm."""
     if getattr(args, "fusions", "none") != "pallas":
         return bj.fusions.NO_FUSIONS
-    return bj.fusions.platform_fusions(topology(args))
+    return bj.fusions.platform_fusions(topology)
 
 
 def check_devices(args: argparse.Namespace) -> list[jax.Device]:
