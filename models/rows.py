@@ -38,7 +38,7 @@ class RowsPhase(enum.Enum):
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["ids", "positions", "segment_ids"],
-    meta_fields=["phase", "max_sequence_rows"],
+    meta_fields=["phase", "max_sequence_rows", "equal_sequences"],
 )
 @dataclasses.dataclass(frozen=True)
 class TokenRows:
@@ -52,6 +52,10 @@ class TokenRows:
       max_sequence_rows: Static: no sequence of a prefill block has more rows than this, or
         None. A bound well short of the block lets attention skip the key rows beyond it
         (`pack_sequences` checks it; rows built by hand must keep it).
+      equal_sequences: Static: every sequence of a prefill block has exactly
+        `max_sequence_rows` rows, so each DP rank's block is windows of that many rows, each
+        one sequence's from its first row, or padding (`window_rows`). `pack_sequences` sets
+        it where that holds; rows built by hand must keep it.
     """
 
     ids: np.ndarray | jax.Array
@@ -59,6 +63,19 @@ class TokenRows:
     segment_ids: np.ndarray | jax.Array
     phase: RowsPhase = RowsPhase.PREFILL
     max_sequence_rows: int | None = None
+    equal_sequences: bool = False
+
+    def __post_init__(self):
+        if self.equal_sequences and self.max_sequence_rows is None:
+            raise ValueError("equal_sequences needs the sequences' length as max_sequence_rows")
+
+    @property
+    def window_rows(self) -> int | None:
+        """Static: with `equal_sequences` in a PREFILL, the rows of each window holding one
+        sequence (attention may run window by window); else None."""
+        if self.equal_sequences and self.phase is RowsPhase.PREFILL:
+            return self.max_sequence_rows
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,7 +248,13 @@ def pack_sequences(
             )
         slots = slots_per_rank
     return PackedBatch(
-        rows=TokenRows(ids, positions, segments, max_sequence_rows=max_sequence_rows),
+        rows=TokenRows(
+            ids,
+            positions,
+            segments,
+            max_sequence_rows=max_sequence_rows,
+            equal_sequences=cp == 1 and all(len(s) == max_sequence_rows for s in sequences),
+        ),
         token_counts=counts,
         rank=tuple(rank_of),
         slot=tuple(slot_of),

@@ -24,6 +24,7 @@ def attend_rows(
         cache,
         phase=rows.phase,
         max_sequence_rows=rows.max_sequence_rows,
+        window_rows=rows.window_rows,
     )
 
 

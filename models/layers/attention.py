@@ -178,6 +178,7 @@ class Attention(nnx.Module):
         *,
         phase: RowsPhase = RowsPhase.PREFILL,
         max_sequence_rows: int | None = None,
+        window_rows: int | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """Attends each row to its sequence; with a cache, also stores this call's keys/values.
 
@@ -198,6 +199,9 @@ class Attention(nnx.Module):
           max_sequence_rows: Static: no PREFILL sequence has more rows (`TokenRows`). With it
             (or a sliding window) the `jnp` prefill attends block by block to the keys within
             reach instead of over all T x T row pairs.
+          window_rows: Static: a PREFILL's rows are windows of this many rows, each one
+            sequence's from its first row, or padding (`TokenRows.window_rows`); the cuDNN
+            prefill then attends window by window.
 
         Returns:
           ([T, hidden] o_proj partial owing a sum over attention TP, with zero rows for
@@ -241,7 +245,13 @@ class Attention(nnx.Module):
                 # Segment ids are cache slots, so the slots bound the segments per call.
                 bound = rows if cache is None else cache.k.shape[0]
                 out = prefill_attention_cudnn(
-                    q, k, v, segment_ids, max_segments=bound, scale=self.scale
+                    q,
+                    k,
+                    v,
+                    segment_ids,
+                    max_segments=bound,
+                    scale=self.scale,
+                    window_rows=window_rows,
                 )
                 # cuDNN leaves rows outside every segment unwritten.
                 out = jnp.where(valid[:, None, None], out, 0)

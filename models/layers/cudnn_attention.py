@@ -5,6 +5,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+# Private but stable since JAX 0.4.3x: the public wrapper takes no segment offsets and no value
+# narrower than the key.
+from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
 from .kv_cache import KVCache
 
 
@@ -16,31 +20,33 @@ def prefill_attention_cudnn(
     *,
     max_segments: int,
     scale: float,
+    window_rows: int | None = None,
 ) -> jax.Array:
-    """Causal attention within each segment of packed rows, through cuDNN's ragged layout.
+    """Causal attention within each segment of packed rows, through cuDNN.
 
-    q is [T, heads, D], k/v [T, kv, D]. Each segment must be contiguous with positions 0, 1,
-    ... (causality is by row order), and the rows packed from row 0 (`RowsPhase.PREFILL`);
-    padding rows (-1) get unspecified values the caller masks. Segment ids must be <
-    `max_segments` (static): cuDNN schedules work for every segment entry, so a tight bound (the
-    cache slots) keeps empty entries cheap. cuDNN skips the score blocks between segments, so
-    packing costs no T x T work. One segment (`max_segments == 1`) starts at row 0, so plain
-    causal attention over all rows is exact on its rows; cuDNN runs it faster than the form with
-    sequence lengths (`benchmarks/RESULTS.md`, run 21).
+    q is [T, heads, D], k [T, kv, D], v [T, kv, Dv] with Dv <= D (latent attention's value is
+    narrower than its key); returns [T, heads, Dv]. Each segment must be contiguous with
+    positions 0, 1, ... (causality is by row order), and the rows packed from row 0
+    (`RowsPhase.PREFILL`); padding rows (-1) get unspecified values the caller masks. Segment
+    ids must be < `max_segments` (static).
+
+    cuDNN takes the rows in one of two forms (`benchmarks/RESULTS.md`, runs 21 and 26):
+    - Windows, when every segment fills a window from its first row: `window_rows` (static)
+      rows each (`TokenRows.window_rows`), or all T rows for a single segment. The rows go as
+      [T // window_rows, window_rows] under a plain causal mask, the fastest form, and the
+      value as it is.
+    - The ragged layout otherwise: one batch row, each segment found by its offset and length.
+      cuDNN schedules work for every segment entry, so a tight `max_segments` (the cache slots)
+      keeps empty entries cheap, and it skips the score blocks between segments, so packing
+      costs no T x T work. JAX computes the value's offsets with the key's row stride, so a
+      narrower value is zero-padded to the key's width.
     """
-    if max_segments == 1:
-        out = jax.nn.dot_product_attention(
-            q[None],
-            k[None].astype(q.dtype),
-            v[None].astype(q.dtype),
-            scale=scale,
-            is_causal=True,
-            implementation="cudnn",
-        )
-        return out[0]
-    # Private but stable since JAX 0.4.3x: the public wrapper takes no segment offsets.
-    from jax._src.cudnn import fused_attention_stablehlo as cudnn
-
+    k, v = k.astype(q.dtype), v.astype(q.dtype)
+    if window_rows is not None or max_segments == 1:
+        return _causal_windows(q, k, v, window_rows or q.shape[0], scale)
+    width, v_width = q.shape[-1], v.shape[-1]
+    if v_width < width:
+        v = jnp.pad(v, ((0, 0), (0, 0), (0, width - v_width)))
     rows = segment_ids.shape[0]
     segments = max_segments
     index = jnp.arange(rows, dtype=jnp.int32)
@@ -56,8 +62,8 @@ def prefill_attention_cudnn(
     seqlen = jnp.where(lengths > 0, lengths, -1)[None]
     out = cudnn.dot_product_attention(
         q[None],
-        k[None].astype(q.dtype),
-        v[None].astype(q.dtype),
+        k[None],
+        v[None],
         q_seqlen=seqlen,
         kv_seqlen=seqlen,
         q_offsets=offsets,
@@ -65,7 +71,27 @@ def prefill_attention_cudnn(
         scale=scale,
         mask_type=cudnn.MaskType.PADDING_CAUSAL,
     )
-    return out[0]
+    return out[0, ..., :v_width]
+
+
+def _causal_windows(
+    q: jax.Array, k: jax.Array, v: jax.Array, window: int, scale: float
+) -> jax.Array:
+    """Causal attention within consecutive windows of `window` rows; rows past the last whole
+    window (padding) come out 0."""
+    rows = q.shape[0]
+    whole = rows // window * window
+    if whole == 0:
+        return jnp.zeros((*q.shape[:2], v.shape[-1]), q.dtype)
+
+    def grid(x: jax.Array) -> jax.Array:
+        return x[:whole].reshape(whole // window, window, *x.shape[1:])
+
+    out = cudnn.dot_product_attention(
+        grid(q), grid(k), grid(v), scale=scale, mask_type=cudnn.MaskType.CAUSAL
+    )
+    out = out.reshape(whole, *out.shape[2:])
+    return jnp.pad(out, ((0, rows - whole), (0, 0), (0, 0)))
 
 
 def decode_cache_cudnn(

@@ -203,6 +203,7 @@ class MultiHeadLatentAttention(nnx.Module):
         *,
         phase: RowsPhase = RowsPhase.PREFILL,
         max_sequence_rows: int | None = None,
+        window_rows: int | None = None,
     ) -> tuple[jax.Array, LatentCache | None]:
         """Attends each row to its sequence; with a cache, also stores this call's latents.
 
@@ -219,6 +220,9 @@ class MultiHeadLatentAttention(nnx.Module):
             >= max_len are not stored.
           max_sequence_rows: Static: no PREFILL sequence has more rows; the prefill then
             attends block by block to the keys within reach instead of all T x T pairs.
+          window_rows: Static: a PREFILL's rows are windows of this many rows, each one
+            sequence's from its first row, or padding (`TokenRows.window_rows`); the cuDNN
+            prefill then attends window by window.
 
         Returns:
           ([T, hidden] o_proj partial owing a sum over attention TP, zero on padding rows and
@@ -254,7 +258,14 @@ class MultiHeadLatentAttention(nnx.Module):
                 cache = _write(cache, latent, positions, segment_ids)
             bound = rows if cache is None else cache.latent.shape[0]
             out = self._expanded(
-                q_nope, q_rope, latent, positions, segment_ids, max_sequence_rows, bound
+                q_nope,
+                q_rope,
+                latent,
+                positions,
+                segment_ids,
+                max_sequence_rows,
+                bound,
+                window_rows,
             )
         else:
             slot_of_row = jnp.where(valid, jnp.arange(rows, dtype=segment_ids.dtype), -1)
@@ -303,10 +314,19 @@ class MultiHeadLatentAttention(nnx.Module):
         return kernel[..., :nope], kernel[..., nope:]
 
     def _expanded(
-        self, q_nope, q_rope, latent, positions, segment_ids, max_sequence_rows, max_segments
+        self,
+        q_nope,
+        q_rope,
+        latent,
+        positions,
+        segment_ids,
+        max_sequence_rows,
+        max_segments,
+        window_rows,
     ):
         """Prefill among packed rows: every head's key and value expanded from the latents.
-        Returns [T, heads, v]. `max_segments` (static) bounds the segment ids (cuDNN's)."""
+        Returns [T, heads, v]. `max_segments` (static) bounds the segment ids and
+        `window_rows` says they fill windows (both cuDNN's)."""
         rows, heads = q_nope.shape[:2]
         rank = self.config.kv_lora_rank
         c, k_rope = latent[:, :rank], latent[:, rank:]
@@ -316,20 +336,17 @@ class MultiHeadLatentAttention(nnx.Module):
         k = jnp.concatenate([kv[..., :nope], k_rope], axis=-1)
         q = jnp.concatenate([q_nope, q_rope], axis=-1)
         if self._takes_cudnn(q.dtype):
-            # The value zero-padded to the key's width: cuDNN's own MLA form (value narrower
-            # than the key) gave wrong packed outputs on the H200 (cuDNN 9.19, JAX 0.11.2).
-            width, v_dim = q.shape[-1], self.config.v_head_dim
-            values = jnp.pad(kv[..., nope:], ((0, 0), (0, 0), (0, width - v_dim)))
             out = prefill_attention_cudnn(
                 q,
-                k.astype(q.dtype),
-                values.astype(q.dtype),
+                k,
+                kv[..., nope:],
                 segment_ids,
                 max_segments=max_segments,
                 scale=self.config.softmax_scale,
+                window_rows=window_rows,
             )
             # cuDNN leaves rows outside every segment unwritten.
-            return jnp.where((segment_ids >= 0)[:, None, None], out[..., :v_dim], 0)
+            return jnp.where((segment_ids >= 0)[:, None, None], out, 0)
         out = attend_packed(
             q[:, :, None, :],
             k,
@@ -343,7 +360,7 @@ class MultiHeadLatentAttention(nnx.Module):
 
     def _takes_cudnn(self, dtype: jnp.dtype) -> bool:
         """Whether cuDNN computes the prefill attention: 16-bit inputs, a query/key width up
-        to 256 and a multiple of 8, and a value no wider (it is padded to the key's width)."""
+        to 256 and a multiple of 8, and a value no wider."""
         width = self.config.qk_head_dim
         return (
             self.impl is AttentionImpl.CUDNN

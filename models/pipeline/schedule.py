@@ -81,7 +81,15 @@ def _microbatch(packed: PackedBatch, group: Sequence[int], block: int) -> Microb
         starts.append(int(counts[rank]))
         lengths.append(length)
         counts[rank] += length
-    rows = TokenRows(ids, positions, segments, max_sequence_rows=packed.rows.max_sequence_rows)
+    # Each rank's sequences are packed from its block's first row, as in `packed`, so equal
+    # sequences stay in windows.
+    rows = TokenRows(
+        ids,
+        positions,
+        segments,
+        max_sequence_rows=packed.rows.max_sequence_rows,
+        equal_sequences=packed.rows.equal_sequences,
+    )
     part = dataclasses.replace(
         packed,
         rows=rows,

@@ -17,6 +17,7 @@ import pytest
 import boundary_jax as bj
 from models.build import load_model
 from models.layers.attention import AttentionImpl
+from models.rows import pack_sequences
 from models.serving.runtime import ShardedCausalLM
 
 GOLDEN = pathlib.Path(__file__).resolve().parents[1] / "golden"
@@ -54,6 +55,29 @@ def test_cudnn_model_generates_the_reference_tokens(name, tp):
     np.testing.assert_array_equal(tokens[AttentionImpl.CUDNN], tokens[AttentionImpl.XLA])
     for impl in logits:
         assert _relative(logits[impl], reference["logits_bf16"]) < 5e-2, impl
+
+
+def test_cudnn_prefill_of_equal_sequences_runs_in_windows():
+    """Prompts of one length, packed with that length as their bound, reach cuDNN as windows
+    ([sequences, length] causal, not the ragged layout) and give the jnp attention's logits
+    within bf16 rounding."""
+    prompts, _ = _golden("llama")
+    length = 5
+    prompts = [p[:length] for p in prompts if len(p) >= length]
+    mesh = bj.make_mesh(bj.Topology())
+    logits = {}
+    for impl in (AttentionImpl.XLA, AttentionImpl.CUDNN):
+        runner = ShardedCausalLM(
+            load_model(GOLDEN / "llama", mesh, dtype=jnp.bfloat16, attention=impl), mesh
+        )
+        packed = pack_sequences(prompts, runner.topology, max_sequence_rows=length)
+        assert packed.rows.window_rows == length
+        rows, batch = runner.place(packed)
+        logits[impl] = packed.unpack(np.asarray(runner.forward_placed(rows, batch)))
+    compiled = jax.jit(runner.forward_placed).lower(rows, batch).compile().as_text()
+    calls = [line for line in compiled.splitlines() if "__cudnn$fmha" in line]
+    assert calls and all(f"[{len(prompts)},{length}," in line for line in calls)
+    assert _relative(logits[AttentionImpl.CUDNN], logits[AttentionImpl.XLA]) < 5e-2
 
 
 def test_moe_model_with_gpu_expert_kernels_matches_transformers():

@@ -346,21 +346,26 @@ def test_bounded_prefill_equals_unbounded():
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs a GPU")
-def test_cudnn_prefill_equals_xla_in_bfloat16():
+@pytest.mark.parametrize("lengths, window_rows", [((23, 13), None), ((18, 18), 18)])
+def test_cudnn_prefill_equals_xla_in_bfloat16(lengths, window_rows):
     """cuDNN's MLA prefill (query/key 192 wide, value 128, DeepSeek-V2's widths) over packed
-    sequences and padding equals the jnp reference within bf16 rounding; padding rows are 0."""
+    sequences and padding, ragged or in windows of equal sequences, equals the jnp reference
+    within bf16 rounding; padding rows are 0."""
     config = dataclasses.replace(
         TINY, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128
     )
     outputs = []
+    real = sum(lengths)
+    positions = jnp.concatenate([jnp.arange(n) for n in lengths] + [jnp.zeros(40 - real, int)])
+    segments = jnp.array([s for s, n in enumerate(lengths) for _ in range(n)] + [-1] * (40 - real))
     for impl in (AttentionImpl.XLA, AttentionImpl.CUDNN):
         attn = MultiHeadLatentAttention(
             config, topology=bj.Topology(), dtype=jnp.bfloat16, impl=impl, rngs=nnx.Rngs(3)
         )
         h = jax.random.normal(jax.random.key(8), (40, config.hidden_size), jnp.bfloat16)
-        positions = jnp.concatenate([jnp.arange(23), jnp.arange(13), jnp.zeros(4, int)])
-        segments = jnp.concatenate([jnp.zeros(23, int), jnp.ones(13, int), -jnp.ones(4, int)])
-        out, _ = jax.jit(attn)(h, positions.astype(jnp.int32), segments.astype(jnp.int32))
+        out, _ = jax.jit(functools.partial(attn, window_rows=window_rows))(
+            h, positions.astype(jnp.int32), segments.astype(jnp.int32)
+        )
         outputs.append(np.asarray(out, np.float32))
     np.testing.assert_allclose(outputs[1], outputs[0], atol=3e-2, rtol=3e-2)
-    np.testing.assert_array_equal(outputs[1][36:], 0)
+    np.testing.assert_array_equal(outputs[1][real:], 0)

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 import boundary_jax as bj
-from models.rows import RowsPhase, decode_rows, pack_sequences
+from models.pipeline.schedule import split_microbatches
+from models.rows import RowsPhase, TokenRows, decode_rows, pack_sequences
 
 
 def test_sequences_are_balanced_whole_and_padded():
@@ -79,6 +80,44 @@ def test_a_sequence_bound_is_checked_and_carried_by_prefill_rows_only():
     assert step.rows.max_sequence_rows is None
 
 
+@pytest.mark.parametrize("dp, tp", [(2, 2), (1, 4)])
+def test_equal_sequences_lie_in_windows_of_their_length(dp, tp):
+    """Sequences of exactly `max_sequence_rows` rows mark prefill rows `equal_sequences`: on
+    each DP rank, every window of that many rows holds one sequence from its first row, or
+    padding (under TP 4 the block also ends in rows short of a window)."""
+    sequences = [[s] * 6 for s in range(1, 6)]
+    packed = pack_sequences(sequences, bj.Topology(attn_dp=dp, attn_tp=tp), max_sequence_rows=6)
+    rows = packed.rows
+    assert rows.equal_sequences and rows.window_rows == 6
+    whole = packed.rows_per_rank // 6 * 6
+    for rank in range(dp):
+        block = slice(rank * packed.rows_per_rank, (rank + 1) * packed.rows_per_rank)
+        segments, positions = rows.segment_ids[block], rows.positions[block]
+        assert (segments[whole:] == -1).all()
+        for window in range(whole // 6):
+            seg, pos = segments[window * 6 : window * 6 + 6], positions[window * 6 : window * 6 + 6]
+            assert (seg == -1).all() or (len(set(seg)) == 1 and pos.tolist() == list(range(6)))
+    assert sum((rows.segment_ids[i * 6] >= 0) for i in range(len(rows.ids) // 6)) <= 5
+
+
+def test_equal_sequences_only_where_they_hold():
+    """Unequal lengths, no bound, context parallelism and decode rows are not windows; the flag
+    needs the bound."""
+    topology = bj.Topology(attn_tp=2)
+    assert not pack_sequences([[1] * 6, [2] * 5], topology, max_sequence_rows=6).rows.window_rows
+    assert not pack_sequences([[1] * 6] * 2, topology).rows.equal_sequences
+    assert not pack_sequences([[1] * 6] * 2, topology, max_sequence_rows=7).rows.equal_sequences
+    cp = pack_sequences([[1] * 8] * 2, bj.Topology(attn_cp=2), max_sequence_rows=8)
+    assert not cp.rows.equal_sequences
+    packed = pack_sequences([[1] * 6] * 2, topology, max_sequence_rows=6)
+    step = decode_rows(packed, np.array([7, 8]), np.array([6, 6]))
+    assert step.rows.window_rows is None
+    ids = np.zeros(4, np.int32)
+    assert TokenRows(ids, ids, ids, RowsPhase.DECODE, 4, True).window_rows is None
+    with pytest.raises(ValueError, match="equal_sequences needs"):
+        TokenRows(ids, ids, ids, equal_sequences=True)
+
+
 def test_last_row_index_and_slot_order_address_each_sequence():
     """Per DP rank and slot, last_row_index is the slot's last row; slot_order finds it back."""
     topology = bj.Topology(attn_dp=2, attn_tp=2)
@@ -114,3 +153,17 @@ def test_decode_rows_put_row_i_in_slot_i():
     for rank in range(2):
         live = block[rank] >= 0
         np.testing.assert_array_equal(block[rank][live], np.arange(4)[live])
+
+
+def test_prefill_microbatches_keep_equal_sequences_in_windows():
+    """Pipeline microbatches of equal sequences are windows again; of unequal ones, not."""
+    topology = bj.Topology(attn_dp=2)
+    packed = pack_sequences([[s] * 4 for s in range(1, 7)], topology, max_sequence_rows=4)
+    for part in split_microbatches(packed, 2, topology):
+        rows = part.packed.rows
+        assert rows.window_rows == 4
+        windows = rows.segment_ids.reshape(-1, 4)
+        assert all(len(set(w)) == 1 for w in windows)
+        assert (rows.positions.reshape(-1, 4)[windows[:, 0] >= 0] == np.arange(4)).all()
+    unequal = pack_sequences([[1] * 4, [2] * 3], topology, max_sequence_rows=4)
+    assert all(not p.packed.rows.equal_sequences for p in split_microbatches(unequal, 2, topology))
