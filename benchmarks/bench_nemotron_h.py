@@ -174,6 +174,7 @@ def _layer(layer, x, rows: TokenRows, cache):
                 cache,
                 phase=rows.phase,
                 max_sequence_rows=rows.max_sequence_rows,
+                window_rows=rows.window_rows,
             )
         case HybridLayer.MLP:
             y = layer.mixer(h)
