@@ -261,11 +261,11 @@ class MultiHeadLatentAttention(nnx.Module):
                 q_nope,
                 q_rope,
                 latent,
-                positions,
                 segment_ids,
-                max_sequence_rows,
-                bound,
-                window_rows,
+                positions=positions,
+                max_sequence_rows=max_sequence_rows,
+                max_segments=bound,
+                window_rows=window_rows,
             )
         else:
             slot_of_row = jnp.where(valid, jnp.arange(rows, dtype=segment_ids.dtype), -1)
@@ -318,8 +318,9 @@ class MultiHeadLatentAttention(nnx.Module):
         q_nope,
         q_rope,
         latent,
-        positions,
         segment_ids,
+        *,
+        positions,
         max_sequence_rows,
         max_segments,
         window_rows,
