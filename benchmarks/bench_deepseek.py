@@ -444,10 +444,18 @@ def run(
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--smoke", action="store_true", help="a tiny config (CPU check)")
+    parser.add_argument(
+        "--smoke", action="store_true", help="a tiny config and its own cases (CPU check)"
+    )
     parser.add_argument("--layers", type=int, default=None, help="fewer layers than 27")
     parser.add_argument("--profile", default=None, help="trace each case here, print kernels")
     parser.add_argument("--only", choices=("prefill", "decode"), default=None, help="one kind")
+    parser.add_argument(
+        "--prefills",
+        nargs="+",
+        default=["8x512", "1x4096"],
+        help="prefill cases as SEQUENCESxLENGTH (4096 tokens each by default)",
+    )
     parser.add_argument(
         "--fusions",
         nargs="+",
@@ -466,9 +474,10 @@ def main() -> None:
     if args.smoke:
         shape = dict(cache=64, prefills=((2, 16), (1, 32)), decodes=(2, 8), steps=4)
     else:
-        prefills = () if args.only == "decode" else ((8, 512), (1, 4096))
-        decodes = () if args.only == "prefill" else (8, 64)
-        shape = dict(cache=CACHE, prefills=prefills, decodes=decodes, steps=STEPS)
+        cases = tuple(tuple(int(n) for n in case.split("x")) for case in args.prefills)
+        shape = dict(cache=CACHE, prefills=cases, decodes=(8, 64), steps=STEPS)
+    if args.only:
+        shape["decodes" if args.only == "prefill" else "prefills"] = ()
     results = []
     for fusions in args.fusions:
         results += [(fusions, *row) for row in run(config, **shape, fusions=fusions)]
