@@ -66,6 +66,8 @@ class TokenRows:
     equal_sequences: bool = False
 
     def __post_init__(self):
+        if self.max_sequence_rows is not None and self.max_sequence_rows < 1:
+            raise ValueError(f"max_sequence_rows must be >= 1; got {self.max_sequence_rows}")
         if self.equal_sequences and self.max_sequence_rows is None:
             raise ValueError("equal_sequences needs the sequences' length as max_sequence_rows")
 

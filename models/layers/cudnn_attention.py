@@ -41,6 +41,8 @@ def prefill_attention_cudnn(
       costs no T x T work. JAX computes the value's offsets with the key's row stride, so a
       narrower value is zero-padded to the key's width.
     """
+    if window_rows is not None and window_rows < 1:
+        raise ValueError(f"window_rows must be >= 1; got {window_rows}")
     k, v = k.astype(q.dtype), v.astype(q.dtype)
     if window_rows is not None or max_segments == 1:
         return _causal_windows(q, k, v, window_rows or q.shape[0], scale)

@@ -92,3 +92,12 @@ def test_cudnn_windows_gradient_with_a_narrower_value():
     for g, w in zip(got, want, strict=True):
         g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
         assert np.max(np.abs(g - w)) <= 3e-2 * np.max(np.abs(w))
+
+
+def test_windows_must_hold_a_row():
+    """A window of no rows is refused before anything reaches cuDNN (on any backend)."""
+    x = jnp.zeros((8, 2, 16), jnp.bfloat16)
+    with pytest.raises(ValueError, match="window_rows must be >= 1"):
+        prefill_attention_cudnn(
+            x, x, x, jnp.zeros(8, jnp.int32), max_segments=1, scale=1.0, window_rows=0
+        )

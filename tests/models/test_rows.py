@@ -116,6 +116,8 @@ def test_equal_sequences_only_where_they_hold():
     assert TokenRows(ids, ids, ids, RowsPhase.DECODE, 4, True).window_rows is None
     with pytest.raises(ValueError, match="equal_sequences needs"):
         TokenRows(ids, ids, ids, equal_sequences=True)
+    with pytest.raises(ValueError, match="max_sequence_rows must be >= 1"):
+        TokenRows(ids, ids, ids, max_sequence_rows=0)
 
 
 def test_last_row_index_and_slot_order_address_each_sequence():
