@@ -1,12 +1,14 @@
 """cuDNN's causal prefill attention over packed rows, in each form it can take, at model shapes.
 
 Packed prefill rows can reach cuDNN three ways: the ragged layout (one batch row, each
-sequence found by its offset and length), windows (the rows as [sequences, rows each], when
-every sequence fills its window from the window's first row) with a plain causal mask, and the
-same windows with a causal padding mask (each window's length). Latent attention's value (128
-wide) is narrower than its query and key (192): windows take it as it is or zero-padded to the
-key's width, the ragged layout only padded. Each form is timed by CUPTI and checked against
-XLA's float32 attention of each sequence alone, forward and (with `--grad`) backward.
+sequence found by its offset and length) and windows (the rows as [sequences, rows each], when
+every sequence fills its window from the window's first row) under a plain causal mask, both as
+the project runs them (`prefill_attention_cudnn`), and the same windows under a causal padding
+mask (each window's length, `jax.nn.dot_product_attention`). Latent attention's value (128
+wide) is narrower than its query and key (192): the project's windows take it as it is or
+zero-padded to the key's width; its ragged layout and the padding mask only padded. Each form is
+timed by CUPTI (every kernel of its call) and checked against XLA's float32 attention of each
+sequence alone, forward and (with `--grad`) backward.
 
 Run on the GPU machine from the repository root (one H200):
   python3 -m benchmarks.bench_prefill_attention [--grad]
@@ -18,7 +20,8 @@ import argparse
 
 import jax
 import jax.numpy as jnp
-from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+from models.layers.cudnn_attention import prefill_attention_cudnn
 
 from .common import header, kernel_ms, print_table, relative_error
 
@@ -31,38 +34,35 @@ BATCHES = ((8, 512), (1, 4096), (32, 128))
 
 
 def ragged(q, k, v, sequences, length, scale):
-    """The ragged layout: [1, T] with each sequence's offset and length."""
-    starts = jnp.arange(sequences, dtype=jnp.int32) * length
-    offsets = jnp.concatenate([starts, jnp.full((1,), -1, jnp.int32)])[None]
-    lengths = jnp.full((1, sequences), length, jnp.int32)
-    return cudnn.dot_product_attention(
-        q[None],
-        k[None],
-        v[None],
-        q_seqlen=lengths,
-        kv_seqlen=lengths,
-        q_offsets=offsets,
-        kv_offsets=offsets,
-        scale=scale,
-        mask_type=cudnn.MaskType.PADDING_CAUSAL,
-    )[0]
+    """The project's ragged layout (a bound of at least 2 segments keeps one sequence ragged)."""
+    segments = jnp.repeat(jnp.arange(sequences, dtype=jnp.int32), length)
+    return prefill_attention_cudnn(q, k, v, segments, max_segments=max(sequences, 2), scale=scale)
 
 
-def windows(q, k, v, sequences, length, scale, *, padding: bool):
-    """[sequences, length] windows, causal, with or without each window's length."""
+def windows(q, k, v, sequences, length, scale):
+    """The project's windows: [sequences, length] under a plain causal mask."""
+    segments = jnp.repeat(jnp.arange(sequences, dtype=jnp.int32), length)
+    return prefill_attention_cudnn(
+        q, k, v, segments, max_segments=sequences, scale=scale, window_rows=length
+    )
+
+
+def windows_with_lengths(q, k, v, sequences, length, scale):
+    """[sequences, length] windows under cuDNN's causal padding mask (each window's length)."""
 
     def grid(x):
         return x.reshape(sequences, length, *x.shape[1:])
 
-    lengths = jnp.full((sequences,), length, jnp.int32) if padding else None
-    out = cudnn.dot_product_attention(
+    lengths = jnp.full((sequences,), length, jnp.int32)
+    out = jax.nn.dot_product_attention(
         grid(q),
         grid(k),
         grid(v),
-        q_seqlen=lengths,
-        kv_seqlen=lengths,
         scale=scale,
-        mask_type=cudnn.MaskType.PADDING_CAUSAL if padding else cudnn.MaskType.CAUSAL,
+        is_causal=True,
+        query_seq_lengths=lengths,
+        key_value_seq_lengths=lengths,
+        implementation="cudnn",
     )
     return out.reshape(q.shape[0], q.shape[1], v.shape[-1])
 
@@ -91,18 +91,19 @@ def forms(width: int, v_width: int):
 
         return run
 
-    plain = [
-        ("ragged", ragged),
-        ("windows causal", lambda *a: windows(*a, padding=False)),
-        ("windows padding", lambda *a: windows(*a, padding=True)),
-    ]
     if v_width == width:
-        return plain
-    # The ragged layout with the narrower value is left out: JAX gives the value's segments the
-    # key's row stride, so its outputs are wrong (run 26: 1.1 relative error) and its backward
-    # faults (misaligned address).
-    return [(f"{name}, v padded", padded(form)) for name, form in plain] + [
-        (f"{name}, v {v_width}", form) for name, form in plain[1:]
+        return [
+            ("ragged", ragged),
+            ("windows causal", windows),
+            ("windows padding", windows_with_lengths),
+        ]
+    # The ragged layout pads a narrower value itself: JAX gives the value's segments the key's
+    # row stride (run 26: 1.1 relative error unpadded, and a faulting backward).
+    return [
+        ("ragged, v padded", ragged),
+        ("windows causal, v padded", padded(windows)),
+        ("windows padding, v padded", padded(windows_with_lengths)),
+        (f"windows causal, v {v_width}", windows),
     ]
 
 
