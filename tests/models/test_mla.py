@@ -349,8 +349,8 @@ def test_bounded_prefill_equals_unbounded():
 @pytest.mark.parametrize("lengths, window_rows", [((23, 13), None), ((18, 18), 18)])
 def test_cudnn_prefill_equals_xla_in_bfloat16(lengths, window_rows):
     """cuDNN's MLA prefill (query/key 192 wide, value 128, DeepSeek-V2's widths) over packed
-    sequences and padding, ragged or in windows of equal sequences, equals the jnp reference
-    within bf16 rounding; padding rows are 0."""
+    sequences and padding, ragged or in windows of equal sequences (every cuDNN call then
+    takes [windows, rows]), equals the jnp reference within bf16 rounding; padding rows are 0."""
     config = dataclasses.replace(
         TINY, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128
     )
@@ -363,9 +363,12 @@ def test_cudnn_prefill_equals_xla_in_bfloat16(lengths, window_rows):
             config, topology=bj.Topology(), dtype=jnp.bfloat16, impl=impl, rngs=nnx.Rngs(3)
         )
         h = jax.random.normal(jax.random.key(8), (40, config.hidden_size), jnp.bfloat16)
-        out, _ = jax.jit(functools.partial(attn, window_rows=window_rows))(
-            h, positions.astype(jnp.int32), segments.astype(jnp.int32)
-        )
-        outputs.append(np.asarray(out, np.float32))
+        call = jax.jit(functools.partial(attn, window_rows=window_rows))
+        args = (h, positions.astype(jnp.int32), segments.astype(jnp.int32))
+        outputs.append(np.asarray(call(*args)[0], np.float32))
+        if impl is AttentionImpl.CUDNN and window_rows:
+            text = call.lower(*args).compile().as_text()
+            calls = [line for line in text.splitlines() if "__cudnn$fmha" in line]
+            assert calls and all(f"[{40 // window_rows},{window_rows}," in c for c in calls)
     np.testing.assert_allclose(outputs[1], outputs[0], atol=3e-2, rtol=3e-2)
     np.testing.assert_array_equal(outputs[1][real:], 0)
