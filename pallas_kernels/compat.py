@@ -30,6 +30,18 @@ def tpu_interpret_races_found() -> bool:
     return races is not None and races.races_found
 
 
+def cudnn_fused_attention() -> Any:
+    """JAX's cuDNN attention module, for what `jax.nn.dot_product_attention` does not take:
+    ragged segment offsets, and a value narrower than the key (latent attention's).
+
+    The module is private (`jax._src.cudnn`, stable in 0.11 and 0.12), so it is looked up here and
+    nowhere else.
+    """
+    from jax._src.cudnn import fused_attention_stablehlo
+
+    return fused_attention_stablehlo
+
+
 def varying_axes(value) -> tuple[str, ...]:
     """Mesh axes over which `value` (or a `ShapeDtypeStruct`) varies inside `shard_map`."""
     aval = value if isinstance(value, jax.ShapeDtypeStruct) else jax.typeof(value)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-# Private but stable since JAX 0.4.3x: the public wrapper takes no segment offsets and no value
-# narrower than the key.
-from jax._src.cudnn import fused_attention_stablehlo as cudnn
+from pallas_kernels.compat import cudnn_fused_attention
 
 from .kv_cache import KVCache
+
+_cudnn = cudnn_fused_attention()
 
 
 def prefill_attention_cudnn(
@@ -62,7 +62,7 @@ def prefill_attention_cudnn(
     offsets = jnp.where(lengths > 0, first, -1)
     offsets = jnp.concatenate([offsets, jnp.full((1,), -1, jnp.int32)])[None]
     seqlen = jnp.where(lengths > 0, lengths, -1)[None]
-    out = cudnn.dot_product_attention(
+    out = _cudnn.dot_product_attention(
         q[None],
         k[None],
         v[None],
@@ -71,7 +71,7 @@ def prefill_attention_cudnn(
         q_offsets=offsets,
         kv_offsets=offsets,
         scale=scale,
-        mask_type=cudnn.MaskType.PADDING_CAUSAL,
+        mask_type=_cudnn.MaskType.PADDING_CAUSAL,
     )
     return out[0, ..., :v_width]
 
@@ -89,8 +89,8 @@ def _causal_windows(
     def grid(x: jax.Array) -> jax.Array:
         return x[:whole].reshape(whole // window, window, *x.shape[1:])
 
-    out = cudnn.dot_product_attention(
-        grid(q), grid(k), grid(v), scale=scale, mask_type=cudnn.MaskType.CAUSAL
+    out = _cudnn.dot_product_attention(
+        grid(q), grid(k), grid(v), scale=scale, mask_type=_cudnn.MaskType.CAUSAL
     )
     out = out.reshape(whole, *out.shape[2:])
     return jnp.pad(out, ((0, rows - whole), (0, 0), (0, 0)))
