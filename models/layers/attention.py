@@ -253,8 +253,6 @@ class Attention(nnx.Module):
                     scale=self.scale,
                     window_rows=window_rows,
                 )
-                # cuDNN leaves rows outside every segment unwritten.
-                out = jnp.where(valid[:, None, None], out, 0)
             else:
                 out = attend_packed(
                     self._grouped(q),

@@ -27,14 +27,15 @@ def prefill_attention_cudnn(
     q is [T, heads, D], k [T, kv, D], v [T, kv, Dv] with Dv <= D (latent attention's value is
     narrower than its key); returns [T, heads, Dv]. Each segment must be contiguous with
     positions 0, 1, ... (causality is by row order), and the rows packed from row 0
-    (`RowsPhase.PREFILL`); padding rows (-1) get unspecified values the caller masks. Segment
-    ids must be < `max_segments` (static).
+    (`RowsPhase.PREFILL`); padding rows (-1) come out 0. Segment ids must be < `max_segments`
+    (static).
 
     cuDNN takes the rows in one of two forms (`benchmarks/RESULTS.md`, runs 21 and 26):
     - Windows, when every segment fills a window from its first row: `window_rows` (static)
       rows each (`TokenRows.window_rows`), or all T rows for a single segment. The rows go as
       [T // window_rows, window_rows] under a plain causal mask, the fastest form, and the
-      value as it is.
+      value as it is. A window is then one segment or all padding, so zeroing the padding
+      rows' values zeroes their outputs: a pass over the value instead of the wider output.
     - The ragged layout otherwise: one batch row, each segment found by its offset and length.
       cuDNN schedules work for every segment entry, so a tight `max_segments` (the cache slots)
       keeps empty entries cheap, and it skips the score blocks between segments, so packing
@@ -44,8 +45,12 @@ def prefill_attention_cudnn(
     if window_rows is not None and window_rows < 1:
         raise ValueError(f"window_rows must be >= 1; got {window_rows}")
     k, v = k.astype(q.dtype), v.astype(q.dtype)
-    if window_rows is not None or max_segments == 1:
-        return _causal_windows(q, k, v, window_rows or q.shape[0], scale)
+    valid = (segment_ids >= 0)[:, None, None]
+    if window_rows is not None:
+        return _causal_windows(q, k, jnp.where(valid, v, 0), window_rows, scale)
+    if max_segments == 1:
+        # Padding rows after the one segment attend to it.
+        return jnp.where(valid, _causal_windows(q, k, v, q.shape[0], scale), 0)
     width, v_width = q.shape[-1], v.shape[-1]
     if v_width < width:
         v = jnp.pad(v, ((0, 0), (0, 0), (0, width - v_width)))
@@ -73,7 +78,8 @@ def prefill_attention_cudnn(
         scale=scale,
         mask_type=_cudnn.MaskType.PADDING_CAUSAL,
     )
-    return out[0, ..., :v_width]
+    # cuDNN leaves rows outside every segment unwritten.
+    return jnp.where(valid, out[0, ..., :v_width], 0)
 
 
 def _causal_windows(

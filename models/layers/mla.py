@@ -337,7 +337,7 @@ class MultiHeadLatentAttention(nnx.Module):
         k = jnp.concatenate([kv[..., :nope], k_rope], axis=-1)
         q = jnp.concatenate([q_nope, q_rope], axis=-1)
         if self._takes_cudnn(q.dtype):
-            out = prefill_attention_cudnn(
+            return prefill_attention_cudnn(
                 q,
                 k,
                 kv[..., nope:],
@@ -346,8 +346,6 @@ class MultiHeadLatentAttention(nnx.Module):
                 scale=self.config.softmax_scale,
                 window_rows=window_rows,
             )
-            # cuDNN leaves rows outside every segment unwritten.
-            return jnp.where((segment_ids >= 0)[:, None, None], out, 0)
         out = attend_packed(
             q[:, :, None, :],
             k,
