@@ -1,14 +1,20 @@
 """SIGINT and SIGTERM end a command alike: an `Interrupted` exception where the command is, so
-it can say what it kept, and one line from `main`."""
+it can say what it kept, and one line from `main`.
+
+Only the standard library is imported here: the console entry (`models.cli.entry`) takes the
+signals before the command's own imports."""
 
 from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_received: list[int] = []
+"""The signals raised as `Interrupted` within `signals_interrupt` and not yet reported."""
 
 
 class Interrupted(KeyboardInterrupt):
@@ -36,20 +42,63 @@ class Interrupted(KeyboardInterrupt):
 
 
 def _raise_interrupted(signum: int, frame) -> None:
+    _received.append(signum)
     raise Interrupted(signum)
+
+
+def interruption(error: BaseException) -> Interrupted | None:
+    """The interruption `error` reports, or None when it is not one.
+
+    A signal can arrive while Python runs inside a C++ callback (JAX hashing a program before
+    compiling it, for one); the callback then wraps the `Interrupted` into another exception
+    (a `RuntimeError`), which still reports the signal received. A plain `KeyboardInterrupt`
+    (outside `signals_interrupt`) is SIGINT.
+    """
+    if isinstance(error, Interrupted):
+        return error
+    if _received:
+        return Interrupted(_received[-1])
+    if isinstance(error, KeyboardInterrupt):
+        return Interrupted(signal.SIGINT)
+    return None
+
+
+def report(interrupted: Interrupted) -> int:
+    """Says on stderr, in one line, what stopped the command; returns its exit code."""
+    _received.clear()
+    note = f" {interrupted.note}" if interrupted.note else ""
+    print(f"boundary-jax: interrupted by {interrupted.name}{note}", file=sys.stderr)
+    return interrupted.exit_code
 
 
 @contextlib.contextmanager
 def signals_interrupt() -> Iterator[None]:
     """SIGINT and SIGTERM raise `Interrupted` inside the block (main thread only; the previous
-    handlers come back after)."""
+    handlers come back after).
+
+    Python drops an exception raised inside a garbage-collection callback or `__del__` (after
+    printing it): a signal arriving there is raised again, quietly, as the block ends, if
+    nothing reported it.
+    """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    if signal.getsignal(signal.SIGINT) is not _raise_interrupted:
+        _received.clear()
     previous = {signum: signal.signal(signum, _raise_interrupted) for signum in SIGNALS}
+    previous_hook = sys.unraisablehook
+
+    def unraisable(dropped) -> None:
+        if not isinstance(dropped.exc_value, Interrupted):
+            previous_hook(dropped)
+
+    sys.unraisablehook = unraisable
     try:
         yield
+        if _received:
+            raise Interrupted(_received[-1])
     finally:
+        sys.unraisablehook = previous_hook
         for signum, handler in previous.items():
             signal.signal(signum, handler)
 

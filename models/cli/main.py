@@ -16,7 +16,6 @@ import contextlib
 import math
 import os
 import re
-import signal
 import sys
 from collections.abc import Sequence
 
@@ -31,7 +30,7 @@ from ..families.decoder import Remat
 from ..layers.cp_attention import CpAttentionMode
 from . import commands, options
 from .demo import run_demo
-from .interrupts import Interrupted, signals_interrupt
+from .interrupts import interruption, report, signals_interrupt
 from .launch import launch
 from .options import InputError
 from .train import train
@@ -342,6 +341,37 @@ def _fail(message: str) -> int:
     return EXIT_BAD_INPUT
 
 
+BAD_INPUT_ERRORS = (
+    InputError,
+    ValueError,
+    NotImplementedError,
+    OSError,
+    SafetensorError,
+    JoinError,
+)
+"""What a command raises for input it cannot take (after the options' own checks)."""
+
+
+def _ended_by(error: BaseException) -> int:
+    """The one line and exit code of a command that `error` ended: an interruption (checked
+    first, since a signal inside a C++ callback arrives wrapped in another exception), a reader
+    that closed stdout, bad input, or running out of memory; anything else is raised again."""
+    interrupted = interruption(error)
+    if interrupted is not None:
+        return report(interrupted)
+    if isinstance(error, BrokenPipeError):
+        # The reader left: send the rest of stdout nowhere, so flushing at exit cannot fail.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+    if isinstance(error, BAD_INPUT_ERRORS):
+        if isinstance(error, OSError) and error.filename is not None and error.strerror:
+            return _fail(f"{error.filename}: {error.strerror}")
+        return _fail(_one_line(error))
+    if isinstance(error, Exception) and _out_of_memory(error):
+        return _fail(f"out of memory: {_one_line(error)}. Use a smaller batch or more devices")
+    raise error
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `boundary-jax` command (see the module docstring)."""
     try:
@@ -369,30 +399,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 group.join()
             code = args.run(args)
             sys.stdout.flush()
-    except Interrupted as interrupted:
-        note = f" {interrupted.note}" if interrupted.note else ""
-        print(f"boundary-jax: interrupted by {interrupted.name}{note}", file=sys.stderr)
-        return interrupted.exit_code
-    except KeyboardInterrupt:
-        print("boundary-jax: interrupted by SIGINT", file=sys.stderr)
-        return 128 + signal.SIGINT
-    except BrokenPipeError:
-        # The reader left: send the rest of stdout nowhere, so flushing at exit cannot fail.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_BROKEN_PIPE
-    except (
-        InputError,
-        ValueError,
-        NotImplementedError,
-        OSError,
-        SafetensorError,
-        JoinError,
-    ) as error:
-        if isinstance(error, OSError) and error.filename is not None and error.strerror:
-            return _fail(f"{error.filename}: {error.strerror}")
-        return _fail(_one_line(error))
-    except Exception as error:
-        if not _out_of_memory(error):
-            raise
-        return _fail(f"out of memory: {_one_line(error)}. Use a smaller batch or more devices")
+    except BaseException as error:
+        return _ended_by(error)
     return code or 0

@@ -28,7 +28,7 @@ from ..layers.attention import AttentionImpl
 from ..serving.text import TEXT_FILES, TextCodec
 from ..training.trainer import TrainConfig, Trainer
 from . import commands, options
-from .interrupts import Interrupted, signals_deferred
+from .interrupts import Interrupted, interruption, signals_deferred
 from .options import InputError
 
 
@@ -115,7 +115,10 @@ class _Run:
         """Runs every step and writes the checkpoint; returns the summary."""
         try:
             return self._steps(out)
-        except Interrupted as interrupted:
+        except BaseException as error:
+            interrupted = interruption(error)
+            if interrupted is None:
+                raise
             raise Interrupted(interrupted.signum, self._note()) from None
 
     def _note(self) -> str:
