@@ -68,11 +68,21 @@ def round_residual(summed: jax.Array, dtype: jnp.dtype) -> jax.Array:
     XLA's GPU compiler may drop a float32 -> bf16 -> float32 round trip (excess precision): the
     stream then stays float32 from layer to layer, twice its bytes, and each norm re-adds every
     term since the last one it kept (measured in the DeepSeek-V2-Lite prefill: about 90 us per
-    layer against 28 us for the same adds in bf16, `benchmarks/RESULTS.md` run 22). An
-    optimization barrier on the rounded value stores the stream in `dtype`, as this spec says.
+    layer against 28 us for the same adds in bf16, `benchmarks/RESULTS.md` run 22). Rounding to
+    bf16 in integer arithmetic (to nearest even, NaN kept quiet) leaves no convert pair for it
+    to drop, and stays an elementwise op XLA can fuse with the norm; other narrowings store the
+    rounded value behind an optimization barrier.
     """
     rounded = summed.astype(dtype)
-    return rounded if rounded.dtype == summed.dtype else lax.optimization_barrier(rounded)
+    if rounded.dtype == summed.dtype:
+        return rounded
+    if summed.dtype != jnp.float32 or rounded.dtype != jnp.bfloat16:
+        return lax.optimization_barrier(rounded)
+    bits = lax.bitcast_convert_type(summed, jnp.uint32)
+    nearest_even = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
+    quiet_nan = (bits >> 16) | 0x40
+    high = jnp.where((bits & 0x7FFFFFFF) > 0x7F800000, quiet_nan, nearest_even)
+    return lax.bitcast_convert_type(high.astype(jnp.uint16), jnp.bfloat16)
 
 
 # ---------------------------------------------------------------------------------------------
