@@ -20,7 +20,7 @@ MIN_ROWS = 16
 MIN_STEPS = 16
 """The smallest decode token buffer (`capacity`) that `generate` uses."""
 DECODE_BLOCK = 16
-"""Decode steps per loop of static trip count (see `blocked_fori_loop`)."""
+"""Decode steps per loop of static trip count on GPU (see `blocked_fori_loop`)."""
 
 
 def bucket(size: int, multiple: int = 1) -> int:
@@ -52,14 +52,23 @@ def pack_bucketed(
     )
 
 
-def blocked_fori_loop(count: jax.Array, body: Callable, carry, block: int = DECODE_BLOCK):
+def decode_block(platform: str, capacity: int) -> int | None:
+    """The decode loop's block of static trip count on `platform`: DECODE_BLOCK steps (at most
+    `capacity`) on GPU, None (one loop) where a loop's condition stays on the device."""
+    return min(capacity, DECODE_BLOCK) if platform == "gpu" else None
+
+
+def blocked_fori_loop(count: jax.Array, body: Callable, carry, block: int | None):
     """`lax.fori_loop(0, count, body, carry)` for a traced `count`, run as loops of `block`
-    steps (a static trip count) and then the remainder.
+    steps (a static trip count) and then the remainder; one loop where `block` is None.
 
     XLA:GPU copies a loop's condition to the host every iteration unless it knows the trip
     count; a step then waits for the previous one before its kernels launch (on an H200, about
-    0.1 ms per Nemotron-H-8B decode step). Here that wait comes once per `block` steps.
+    0.1 ms per Nemotron-H-8B decode step). Here that wait comes once per `block` steps. The price
+    is the body traced and compiled twice, which other platforms need not pay.
     """
+    if block is None:
+        return lax.fori_loop(0, count, body, carry)
     blocks = count // block
 
     def run_block(index, carry):

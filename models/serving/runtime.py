@@ -28,12 +28,12 @@ from ..overlap import check_two_batch_overlap, microbatch_facts, pack_two_batche
 from ..precision import matmul_precision_scope, resolve_matmul_precision
 from ..rows import PackedBatch, RowsPhase, TokenRows, decode_rows
 from .buckets import (
-    DECODE_BLOCK,
     MIN_ROWS,
     MIN_STEPS,
     blocked_fori_loop,
     bucket,
     cache_length,
+    decode_block,
     pack_bucketed,
 )
 from .sampling import GREEDY, Sampling, head_tokens, rank_key
@@ -110,6 +110,7 @@ class ShardedCausalLM:
                 f"the model is bound on {model.topology} but the mesh is {mesh_topology}"
             )
         self.mesh = mesh
+        self._platform = mesh.devices.flat[0].platform
         self.topology = model.topology
         self.config = model.config
         self.input_scattered = input_scattered
@@ -469,7 +470,8 @@ class ShardedCausalLM:
 
             carry = (jnp.where(active, rows_.ids, 0), rows_.positions, caches, out)
             count = jnp.minimum(steps, capacity)
-            _, _, caches, out = blocked_fori_loop(count, step, carry, min(capacity, DECODE_BLOCK))
+            block = decode_block(self._platform, capacity)
+            _, _, caches, out = blocked_fori_loop(count, step, carry, block)
             return out, caches
 
         return self._program_of(

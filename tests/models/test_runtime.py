@@ -13,7 +13,13 @@ from models.config import PRESETS
 from models.families import Qwen3MoeForCausalLM
 from models.layers.moe import GroupedMatmulImpl
 from models.rows import pack_sequences
-from models.serving.buckets import blocked_fori_loop, bucket, cache_length
+from models.serving.buckets import (
+    DECODE_BLOCK,
+    blocked_fori_loop,
+    bucket,
+    cache_length,
+    decode_block,
+)
 from models.serving.runtime import ShardedCausalLM
 from models.serving.sampling import Sampling
 
@@ -155,16 +161,27 @@ def test_rows_with_a_sequence_bound_give_the_same_logits(runner):
     np.testing.assert_allclose(bounded, unbounded, rtol=1e-5, atol=1e-5)
 
 
-def test_blocked_fori_loop_runs_each_index_once_in_order():
-    """Blocks of a static trip count, then the remainder: every index below the traced count
-    runs once and in order, none past it (counts below, at and past one block)."""
+@pytest.mark.parametrize("block", [4, None])
+def test_blocked_fori_loop_runs_each_index_once_in_order(block):
+    """Blocks of a static trip count, then the remainder (or one loop, block None): every index
+    below the traced count runs once and in order, none past it (counts below, at and past one
+    block)."""
 
     def body(i, carry):
         return (carry[0] * 7 + i + 1) % 1_000_003, carry[1] + 1
 
-    run = jax.jit(lambda count: blocked_fori_loop(count, body, (0, 0), block=4))
+    run = jax.jit(lambda count: blocked_fori_loop(count, body, (0, 0), block=block))
     for count in (0, 3, 4, 9, 12):
         want = (0, 0)
         for i in range(count):
             want = body(i, want)
         assert tuple(int(x) for x in run(jnp.int32(count))) == want
+
+
+def test_decode_runs_in_blocks_of_static_trip_count_on_gpu_only():
+    """GPU decode loops run DECODE_BLOCK steps (at most the capacity) per loop of static trip
+    count; elsewhere one loop, so the step is compiled once."""
+    assert decode_block("gpu", 64) == DECODE_BLOCK
+    assert decode_block("gpu", 8) == 8
+    assert decode_block("cpu", 64) is None
+    assert decode_block("tpu", 64) is None
