@@ -70,14 +70,14 @@ def round_residual(summed: jax.Array, dtype: jnp.dtype) -> jax.Array:
     term since the last one it kept (measured in the DeepSeek-V2-Lite prefill: about 90 us per
     layer against 28 us for the same adds in bf16, `benchmarks/RESULTS.md` run 22). Rounding to
     bf16 in integer arithmetic (to nearest even, NaN kept quiet) leaves no convert pair for it
-    to drop, and stays an elementwise op XLA can fuse with the norm; other narrowings store the
-    rounded value behind an optimization barrier.
+    to drop, and leaves XLA free to fuse it with the ops around it (run 28); other narrowings
+    store the rounded value behind an optimization barrier.
     """
-    rounded = summed.astype(dtype)
-    if rounded.dtype == summed.dtype:
-        return rounded
-    if summed.dtype != jnp.float32 or rounded.dtype != jnp.bfloat16:
-        return lax.optimization_barrier(rounded)
+    dtype = jnp.dtype(dtype)
+    if dtype == summed.dtype:
+        return summed
+    if (summed.dtype, dtype) != (jnp.float32, jnp.bfloat16):
+        return lax.optimization_barrier(summed.astype(dtype))
     bits = lax.bitcast_convert_type(summed, jnp.uint32)
     nearest_even = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
     quiet_nan = (bits >> 16) | 0x40
