@@ -48,16 +48,22 @@ V3_LAYOUTS = (
 """The layouts of issue 21, joined where one run shows several: TP 1; input-scattered TP 4
 with EP 4 gather; attention DP 2 x TP 2 with EP 4 all-to-all; attention DP 2 x TP 4 with the
 dense FFN fully data-parallel (and each expert's width split over the 8 ranks)."""
+V2_LAYOUTS = (
+    MoeLayout(1, 1),
+    MoeLayout(1, 4, ep=4),
+    MoeLayout(2, 2, ep=4, dispatch=ALL_TO_ALL, scattered=True),
+)
 CASES = [
     pytest.param(name, layout, id=f"{name}-{layout}")
     for name, layouts in (
         ("deepseek_v3", V3_LAYOUTS),
-        ("deepseek_v2", (MoeLayout(2, 2, ep=4, dispatch=ALL_TO_ALL, scattered=True),)),
+        ("deepseek_v2", V2_LAYOUTS),
     )
     for layout in layouts
 ]
 """V3 (q LoRA, the correction bias, MTP tensors) on every layout; V2 (no q LoRA, softmax
-routing, two shared experts) on input-scattered DP 2 x TP 2 with EP 4 all-to-all."""
+routing, two shared experts) on TP 1, TP 4 with EP 4 gather (ordinary rows) and
+input-scattered DP 2 x TP 2 with EP 4 all-to-all."""
 
 
 @functools.cache
