@@ -38,7 +38,7 @@ from ..serving.buckets import MIN_ROWS, MIN_STEPS, bucket, cache_length, pack_bu
 from ..serving.sampling import GREEDY, Sampling, head_tokens, rank_key
 from .schedule import Microbatch, bubble, gpipe_ticks, split_microbatches
 from .split import PipelineSplit
-from .transport import Collect, Transfer, holds, place_rows, rows_spec, stage_meshes
+from .transport import Collect, Transfer, holds, place_rows, rows_spec, settle, stage_meshes
 
 Tree = Any
 
@@ -164,7 +164,7 @@ class Stage:
         shapes)."""
         leaves = self.leaves if leaves is None else leaves
         if self.held:
-            return program(leaves, *args)
+            return settle(program(leaves, *args), self.mesh)
         key = (program, jax.tree.structure(args), tuple(_shape(x) for x in jax.tree.leaves(args)))
         if key not in self._shapes:
             self._shapes[key] = jax.eval_shape(program, leaves, *args)

@@ -49,6 +49,24 @@ def holds(mesh: Mesh) -> bool:
     return any(device.process_index == process for device in mesh.devices.flat)
 
 
+def over_gloo(mesh: Mesh) -> bool:
+    """`mesh`'s collectives between processes run on gloo (CPU devices, several processes).
+
+    XLA's gloo communicators tag every operation alike, and the CPU client starts a device's
+    program as soon as its inputs are ready, not after the device's previous one: two programs
+    on one device group (two microbatches of a stage, or a stage and a handoff) can then take
+    each other's messages, and gloo aborts the process on the size mismatch. On such a mesh
+    every program is waited for before the next is dispatched (`settle`), so each device runs
+    its collectives one program at a time, in the order every process dispatches them.
+    """
+    return jax.process_count() > 1 and mesh.devices.flat[0].platform == "cpu"
+
+
+def settle(tree: Any, mesh: Mesh) -> Any:
+    """`tree`, waited for where `mesh`'s collectives run on gloo (`over_gloo`)."""
+    return jax.block_until_ready(tree) if over_gloo(mesh) else tree
+
+
 def rows_spec(mesh: Mesh) -> PartitionSpec:
     """The spec of a rows-leading array on a stage mesh: rows over attention DP."""
     return PartitionSpec(bj.Topology.from_mesh(mesh).spec_entry((bj.TokenAxis.ATTN_DP,)))
@@ -194,7 +212,8 @@ class Transfer:
             sharding = NamedSharding(self.target, self._group.spec)
             return jax.tree.unflatten(structure, [_shape_of(leaf, sharding) for leaf in leaves])
         assembled = [self._group.assemble(leaf, 0) for leaf in leaves]
-        moved = jax.tree.leaves(self._program(jax.tree.unflatten(structure, assembled)))
+        moved = self._program(jax.tree.unflatten(structure, assembled))
+        moved = jax.tree.leaves(settle(moved, self._group.mesh))
         return jax.tree.unflatten(structure, [self._group.take(leaf, 1) for leaf in moved])
 
 

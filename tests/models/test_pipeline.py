@@ -27,6 +27,7 @@ from models.pipeline import (
     build_pipeline,
     gpipe_ticks,
     pipeline_split,
+    transport,
 )
 from models.pipeline.report import pipeline_plan_report
 from models.serving.runtime import ShardedCausalLM
@@ -177,6 +178,26 @@ def test_generation_streams_the_one_program_tokens_in_chunks():
     assert [piece.shape[1] for piece in pieces] == [1, 2, 2, 1]
     np.testing.assert_array_equal(np.concatenate(pieces, axis=1), want)
     np.testing.assert_array_equal(runner.generate(PROMPTS, 6, sampling=sampling, seed=1), want)
+
+
+@pytest.mark.xdist_group("dense")
+@pytest.mark.parametrize("gloo", [False, True], ids=["one-process", "gloo"])
+def test_programs_wait_for_each_other_only_where_gloo_carries_the_collectives(monkeypatch, gloo):
+    """Where collectives between processes run on gloo (`transport.over_gloo`), every stage
+    program and every handoff is waited for before the next is dispatched: two programs on one
+    device group at once could take each other's gloo messages (the 2-process launch of
+    test_multiprocess aborted on such a mismatch about one run in eight). Elsewhere nothing
+    waits, and the logits are the same either way."""
+    runner = pipeline("dense", 2)
+    want = runner.forward(PROMPTS)
+    waited = []
+    wait = jax.block_until_ready
+    monkeypatch.setattr(transport, "over_gloo", lambda mesh: gloo)
+    monkeypatch.setattr(jax, "block_until_ready", lambda tree: waited.append(tree) or wait(tree))
+    np.testing.assert_array_equal(runner.forward(PROMPTS), want)
+    stages, microbatches = len(runner.stages), runner.microbatches
+    programs = stages * microbatches + (stages - 1) * microbatches
+    assert len(waited) == (programs if gloo else 0)
 
 
 def _dot_precisions(lowered) -> set[str]:
