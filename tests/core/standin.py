@@ -243,13 +243,14 @@ def reference(model: StandInDecoder, x: jax.Array, setup: Setup, counts) -> jax.
     update = None if setup.update is None else setup.update()
     blocks = x.reshape(setup.dp, -1, x.shape[-1])
     valid = jnp.arange(blocks.shape[1])[None, :] < jnp.asarray(counts)[:, None]
-    outputs = []
-    for block, keep in zip(blocks, valid, strict=True):
+
+    def block_output(block, keep):
         rows = jnp.where(keep[:, None], block, 0)
         for layer in model.layers:
             rows = layer.reference(rows, update)
-        outputs.append(jnp.where(keep[:, None], model.final_norm(rows), 0))
-    return jnp.concatenate(outputs)
+        return jnp.where(keep[:, None], model.final_norm(rows), 0)
+
+    return jax.vmap(block_output)(blocks, valid).reshape(x.shape)
 
 
 def count_patterns(dp: int, rows: int = ROWS) -> dict[str, np.ndarray]:
