@@ -248,6 +248,12 @@ class Built:
         batch = make_batch(self.model, variant, counts, x.shape[0] // self.model.dp)
         return self.program(variant)(self.sharded.leaves, self.place(x), batch)
 
+    def retraced(self) -> Built:
+        """This model, its programs traced afresh at their next call (so that a step patched
+        since takes effect) over the same stacks and placed parameters."""
+        self.program.cache_clear()
+        return self
+
     def report(self, x, counts, variant) -> CollectiveReport:
         """The collectives the compiled program runs."""
         batch = make_batch(self.model, variant, counts, x.shape[0] // self.model.dp)

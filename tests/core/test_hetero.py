@@ -11,7 +11,7 @@ import pytest
 import boundary_jax as bj
 from boundary_jax import ops, residual
 
-from .hetero import HIDDEN, Hetero, Kind, build, reference
+from .hetero import HIDDEN, Built, Hetero, Kind, build, reference
 from .standin import ROWS, count_patterns
 
 K = Kind
@@ -177,8 +177,8 @@ MUTANT_MODELS = [
 ]
 
 
-def _calls(monkeypatch, model, variant, cut):
-    """Every step call one trace of `model` runs, in order."""
+def _calls(monkeypatch, built: Built, variant):
+    """Every step call one trace of `built` runs, in order."""
     calls = []
     for step_class in MUTANTS["skip"]:
         original = step_class.__call__
@@ -189,8 +189,8 @@ def _calls(monkeypatch, model, variant, cut):
 
         monkeypatch.setattr(step_class, "__call__", recorder)
     with jax.enable_x64(True):
-        x, counts = _inputs(model, variant, "even")
-        build(model, cut, check_vma=False).run(x, counts, variant)
+        x, counts = _inputs(built.model, variant, "even")
+        built.retraced().run(x, counts, variant)
     monkeypatch.undo()
     return calls
 
@@ -199,7 +199,9 @@ def test_the_mutant_models_run_every_kind_of_step(monkeypatch):
     """Together the mutant models run every sum, gather, slice and finalize kind."""
     kinds = set()
     for model, variant, cut in MUTANT_MODELS:
-        kinds |= set(_calls(monkeypatch, model, variant, cut))
+        with jax.enable_x64(True):
+            built = build(model, cut, check_vma=False)
+        kinds |= set(_calls(monkeypatch, built, variant))
     assert kinds == set(MUTANTS["skip"])
 
 
@@ -208,7 +210,9 @@ def test_a_mutant_at_any_sum_gather_slice_or_finalize_is_caught(monkeypatch, ind
     """Skipping, doubling or misplacing the n-th collective, slice or finalize of a path, for
     every n, makes the output differ from the reference (or fail to run)."""
     model, variant, cut = MUTANT_MODELS[index]
-    calls = _calls(monkeypatch, model, variant, cut)
+    with jax.enable_x64(True):
+        built = build(model, cut, check_vma=False)
+    calls = _calls(monkeypatch, built, variant)
     assert {ops.AllReduce, ops.ReduceScatter} & set(calls) and ops.AllGather in calls
     with jax.enable_x64(True):
         # Every row is a real token: a wrong slice cannot hide in padding rows.
@@ -228,7 +232,7 @@ def test_a_mutant_at_any_sum_gather_slice_or_finalize_is_caught(monkeypatch, ind
             monkeypatch.setattr(step_class, "__call__", patched)
             try:
                 with jax.enable_x64(True):
-                    got = build(model, cut, check_vma=False).run(x, counts, variant)
+                    got = built.retraced().run(x, counts, variant)
                 error = _error(got, want)
             except (ValueError, TypeError):
                 error = np.inf
