@@ -50,13 +50,16 @@ def _launch(monkeypatch, processes: int, layout: str, out: pathlib.Path, **optio
     return launch(processes, [layout, str(out)], module=WORKER, **options)
 
 
-# Four processes (each stage on two, so handoffs and the checkpoint reads cross processes) run by
-# default; two processes with each TP group also across them run under -m slow.
+# Two processes run by default: each stage's TP group and each handoff cross them, and each
+# process reads its devices' checkpoint blocks. Four (each stage on two processes: the same
+# crossings, at twice the processes' start-up on a 2-core machine) run under -m slow.
 @pytest.mark.parametrize(
     "processes,layout,share",
     [
-        pytest.param(2, "twisted", 0.55, id="2-processes-tp-and-pp-across", marks=pytest.mark.slow),
-        pytest.param(4, "stages", 0.4, id="4-processes-tp-within-pp-across"),
+        pytest.param(2, "twisted", 0.55, id="2-processes-tp-and-pp-across"),
+        pytest.param(
+            4, "stages", 0.4, id="4-processes-tp-within-pp-across", marks=pytest.mark.slow
+        ),
     ],
 )
 def test_processes_give_the_one_process_logits_and_tokens(
