@@ -312,7 +312,8 @@ def test_fp8_ffns_quantize_their_gated_activation():
         gate, up = np.asarray(mlp.gate_up_proj.weight[...])  # [2, width, hidden]
         activated = _dequantized_rows(silu_product(rows @ gate.T, rows @ up.T))
         want = activated @ np.asarray(mlp.down_proj.weight[...]).T
-        np.testing.assert_allclose(np.asarray(mlp(x)), want, rtol=1e-12, atol=1e-12)
+        got = jax.jit(lambda x: mlp(x))(x)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-12, atol=1e-12)
 
         experts = Fp8MoeFfn(
             hidden,
@@ -325,10 +326,9 @@ def test_fp8_ffns_quantize_their_gated_activation():
         top_k, count = config.moe.top_k, config.moe.num_experts
         chosen = (np.arange(tokens)[:, None] * 3 + np.arange(top_k)[None]) % count
         routing = Routing(jnp.full((tokens, top_k), 1 / top_k), jnp.asarray(chosen, jnp.int32))
-        got = np.asarray(experts.routed(x, routing))
+        got = np.asarray(jax.jit(lambda x, routing: experts.routed(x, routing))(x, routing))
         gate_up, down = np.asarray(experts.gate_up_proj[...]), np.asarray(experts.down_proj[...])
-        for token, choice in np.ndindex(tokens, top_k):
-            e = chosen[token, choice]
-            product = silu_product(rows[token] @ gate_up[e, 0].T, rows[token] @ gate_up[e, 1].T)
-            want = _dequantized_rows(product[None])[0] @ down[e].T
-            np.testing.assert_allclose(got[token, choice], want, rtol=1e-12, atol=1e-12)
+        gate, up = (np.einsum("th,tkwh->tkw", rows, gate_up[chosen, part]) for part in (0, 1))
+        activated = _dequantized_rows(silu_product(gate, up).reshape(tokens * top_k, width))
+        want = np.einsum("tkw,tkhw->tkh", activated.reshape(tokens, top_k, width), down[chosen])
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
