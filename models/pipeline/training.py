@@ -33,7 +33,7 @@ from ..rows import pack_sequences
 from ..training.trainer import TrainConfig, next_token_labels
 from .runtime import PipelineCausalLM, Stage, enter_stage
 from .schedule import Microbatch, gpipe_ticks, split_microbatches
-from .transport import Transfer, place_rows, settle
+from .transport import Transfer, place_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,11 +275,12 @@ class PipelineTrainer:
             if not stage.held:
                 continue
             value = place_rows(np.float32(norm), stage.mesh, rows=False)
-            self.params[index], self.opt_state[index] = settle(
-                self._update_program(stage)(
-                    self.params[index], grads[index], self.opt_state[index], value
-                ),
-                stage.mesh,
+            self.params[index], self.opt_state[index] = stage.run(
+                self._update_program(stage),
+                grads[index],
+                self.opt_state[index],
+                value,
+                leaves=self.params[index],
             )
         self.step_count += 1
         return {"loss": loss, "grad_norm": norm}

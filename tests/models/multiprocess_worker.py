@@ -50,7 +50,7 @@ def run(layout: str, out: str, process: int) -> int:
     import boundary_jax as bj
     from models.checkpoints import load
     from models.distributed import is_first_process, require_everywhere
-    from models.pipeline import PipelineCausalLM, PipelineSplit, load_pipeline
+    from models.pipeline import PipelineCausalLM, PipelineSplit, load_pipeline, transport
 
     absent = GOLDEN.with_name("absent") if process == 1 else GOLDEN
     try:
@@ -85,7 +85,12 @@ def run(layout: str, out: str, process: int) -> int:
     gathered = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, 2)
     if is_first_process():
         np.savez(
-            out, logits=logits, tokens=tokens, read_bytes=gathered[:, 0], raised=gathered[:, 1]
+            out,
+            logits=logits,
+            tokens=tokens,
+            read_bytes=gathered[:, 0],
+            raised=gathered[:, 1],
+            waited=transport.over_gloo(mesh),
         )
         print(json.dumps(tokens.tolist()))
     return 0

@@ -68,8 +68,8 @@ def test_processes_give_the_one_process_logits_and_tokens(
     """A two-stage pipeline over 2 processes (each stage's TP group and each handoff crossing
     them) and over 4 (each stage on two processes) gives one process's logits (within 1e-5 of
     the largest) and greedy tokens, which are transformers'; only process 0 prints, each
-    process reads only its devices' blocks of the checkpoint, and a checkpoint missing on one
-    process raised on every process."""
+    process reads only its devices' blocks of the checkpoint, a checkpoint missing on one
+    process raised on every process, and the pipeline waited for each program (gloo)."""
     out = tmp_path / "result.npz"
     assert _launch(monkeypatch, processes, layout, out) == 0
     printed = [line for line in capfd.readouterr().out.splitlines() if line.strip()]
@@ -82,6 +82,7 @@ def test_processes_give_the_one_process_logits_and_tokens(
     assert printed == [json.dumps(tokens.tolist())]
     # Before loading, process 1 was given a checkpoint that is not there: every process raised.
     assert np.all(result["raised"] == 1)
+    assert result["waited"]
     read = result["read_bytes"]
     assert len(read) == processes and np.all(read > 0)
     assert np.all(read < share * checkpoint_bytes()), read
