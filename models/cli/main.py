@@ -170,9 +170,30 @@ def _pipeline_args(command: argparse.ArgumentParser) -> None:
     )
 
 
+def _launched(args: argparse.Namespace) -> list[str]:
+    """The command `launch` runs in every process (its arguments after `--`)."""
+    return args.launched[1:] if args.launched[:1] == ["--"] else args.launched
+
+
 def _launch(args: argparse.Namespace) -> int:
-    command = args.launched[1:] if args.launched[:1] == ["--"] else args.launched
-    return launch(args.processes, command, port=args.port, join_timeout=args.join_timeout)
+    return launch(args.processes, _launched(args), port=args.port, join_timeout=args.join_timeout)
+
+
+def _mesh_devices(args: argparse.Namespace) -> int:
+    """The devices a parsed command's mesh takes over all processes."""
+    return 8 if args.command == "demo" else args.devices or math.prod(args.mesh.values())
+
+
+def _split_error(args: argparse.Namespace, processes: int) -> str | None:
+    """Why the command's devices cannot be shared evenly by `processes` (None if they can)."""
+    devices = _mesh_devices(args)
+    if devices % processes == 0:
+        return None
+    where = "the demo" if args.command == "demo" else f"--mesh {options.mesh_text(args.mesh)}"
+    return (
+        f"the {devices} devices of {where} do not split over {processes} processes; give "
+        "each process the same number"
+    )
 
 
 def _input_args(command: argparse.ArgumentParser, ids_option: str) -> None:
@@ -376,19 +397,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `boundary-jax` command (see the module docstring)."""
     try:
         args = _parser().parse_args(argv)
+        if args.command == "launch":
+            # Checked here once, before any process starts, instead of in every process.
+            launched = _parser().parse_args(_launched(args))
+            if launched.command == "launch":
+                return _fail("launch runs a command in several processes, not another launch")
+            if error := _split_error(launched, args.processes):
+                return _fail(error)
     except UsageError as error:
         return _fail(str(error))
     try:
         group = ProcessGroup.from_environment()
     except ValueError as error:
         return _fail(_one_line(error))
-    devices = 8 if args.command == "demo" else args.devices or math.prod(args.mesh.values())
+    devices = _mesh_devices(args)
     if group is not None:
-        if devices % group.num_processes:
-            return _fail(
-                f"the {devices} devices of --mesh {options.mesh_text(args.mesh)} do not split "
-                f"over {group.num_processes} processes; give each process the same number"
-            )
+        if error := _split_error(args, group.num_processes):
+            return _fail(error)
         devices //= group.num_processes
     if devices > jax.config.jax_num_cpu_devices:
         with contextlib.suppress(RuntimeError):  # backends already up (e.g. called in-process)

@@ -88,6 +88,35 @@ def test_processes_give_the_one_process_logits_and_tokens(
     assert np.all(read < share * checkpoint_bytes()), read
 
 
+@pytest.mark.parametrize(
+    "command,message",
+    [
+        (
+            ["generate", "--preset", "tiny-qwen3", "--prompt-ids", "ids.json"],
+            "the following arguments are required: --max-new-tokens",
+        ),
+        (
+            ["forward", "--preset", "tiny-qwen3", "--mesh", "pp=2,attn_tp=2", "--out", "x"],
+            "one of the arguments --input-ids --prompt --prompt-file is required",
+        ),
+        (["demo"], "the 8 devices of the demo do not split over 3 processes"),
+        (["launch", "--processes", "2", "--", "demo"], "not another launch"),
+    ],
+    ids=["missing option", "missing input", "uneven devices", "nested launch"],
+)
+def test_a_bad_launched_command_ends_in_one_line_before_any_process_starts(
+    monkeypatch, capsys, command, message
+):
+    """`launch` checks the command it would run (its options, and that its devices split
+    evenly over the processes) once, in the launcher: one line, exit 2, no process started."""
+    started = []
+    monkeypatch.setattr("models.cli.main.launch", lambda *args, **kwargs: started.append(args))
+    assert main(["launch", "--processes", "3", "--", *command]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], lines
+    assert not started
+
+
 def test_a_process_that_dies_before_joining_ends_the_launch(monkeypatch, capfd, tmp_path):
     """The launcher stops the other processes and returns the failing one's exit code."""
     assert _launch(monkeypatch, 2, "die", tmp_path / "none.npz", join_timeout=60) == 3
