@@ -397,8 +397,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `boundary-jax` command (see the module docstring)."""
     try:
         args = _parser().parse_args(argv)
-        if args.command == "launch":
-            # Checked here once, before any process starts, instead of in every process.
+        if args.command == "launch" and _launched(args):
+            # Checked here once, before any process starts, instead of in every process (an
+            # empty command is `launch`'s own error).
             launched = _parser().parse_args(_launched(args))
             if launched.command == "launch":
                 return _fail("launch runs a command in several processes, not another launch")
