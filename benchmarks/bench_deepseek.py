@@ -43,12 +43,12 @@ import boundary_jax as bj
 from models.build import build_model
 from models.config import DecoderConfig, read_hf_config
 from models.families import DeepseekCausalLM
-from models.layers.deepseek_moe import deepseek_route
-from models.layers.mla import LATENT_NORM_EPS
-from models.layers.moe import shared_expert
-from models.layers.rope import apply_rope, rope_inv_freq
-from models.layers.routed_experts import finalized_expert_outputs
-from models.rows import RowsPhase, TokenRows, pack_sequences
+from models.inputs.rows import RowsPhase, TokenRows, pack_sequences
+from models.layers.attention.latent import LATENT_NORM_EPS
+from models.layers.attention.rope import apply_rope, rope_inv_freq
+from models.layers.moe.deepseek_router import deepseek_route
+from models.layers.moe.experts import finalized_expert_outputs
+from models.layers.moe.sparse import shared_expert
 from models.serving.runtime import ShardedCausalLM
 
 from .bench_e2e import HBM_BYTES_PER_S, KERNEL, PEAK_FLOPS, auto_mesh

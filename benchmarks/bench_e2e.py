@@ -46,11 +46,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 import boundary_jax as bj
 from models.build import build_model
 from models.config import DecoderConfig
-from models.layers.attention import AttentionImpl
-from models.layers.cudnn_attention import decode_attention_cudnn
-from models.layers.kv_cache import KVCache
-from models.layers.rope import apply_rope, rope_inv_freq
-from models.rows import RowsPhase, TokenRows, pack_sequences
+from models.inputs.rows import RowsPhase, TokenRows, pack_sequences
+from models.layers.attention.cudnn import decode_attention_cudnn
+from models.layers.attention.kv_cache import KVCache
+from models.layers.attention.rope import apply_rope, rope_inv_freq
+from models.layers.attention.self_attention import AttentionImpl
 from models.serving.runtime import ShardedCausalLM
 from pallas_kernels import Impl
 

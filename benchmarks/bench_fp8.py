@@ -47,11 +47,11 @@ from jax.experimental import pallas as pl
 import boundary_jax as bj
 from models.build import build_model
 from models.config import DecoderConfig, MoeConfig
-from models.layers.attention import AttentionImpl
+from models.inputs.rows import pack_sequences
+from models.layers.attention.self_attention import AttentionImpl
 from models.layers.fp8_linear import Fp8Quantization
-from models.layers.fp8_moe import Fp8MoeFfn
-from models.layers.moe_ffn import MoeFfn
-from models.rows import pack_sequences
+from models.layers.moe.ffn import MoeFfn
+from models.layers.moe.fp8 import Fp8MoeFfn
 from models.serving.runtime import ShardedCausalLM
 from pallas_kernels.fp8_matmul import (
     SWAP_MAX_ROWS,

@@ -25,7 +25,7 @@ from flax import nnx
 import boundary_jax as bj
 from models.build import build_model
 from models.config import PRESETS, DecoderConfig
-from models.initialization import param_draws, sharded_initializer
+from models.weights.initialization import param_draws, sharded_initializer
 
 from .common import LLAMA3_8B, header, print_table
 

@@ -51,9 +51,9 @@ from models.config import (
 )
 from models.config.hf_hybrid import NO_ROPE_THETA
 from models.families.nemotron_h import NemotronHForCausalLM
-from models.layers.attention import AttentionImpl
-from models.layers.ssd import ssd_chunked_scan, ssd_reference
-from models.rows import RowsPhase, TokenRows, pack_sequences
+from models.inputs.rows import RowsPhase, TokenRows, pack_sequences
+from models.layers.attention.self_attention import AttentionImpl
+from models.layers.mixers.ssd import ssd_chunked_scan, ssd_reference
 from models.serving.runtime import ShardedCausalLM
 
 from .bench_ssd import chunked_flops

@@ -21,7 +21,7 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from models.layers.cudnn_attention import prefill_attention_cudnn
+from models.layers.attention.cudnn import prefill_attention_cudnn
 
 from .common import header, kernel_ms, print_table, relative_error
 

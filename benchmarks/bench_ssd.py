@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.layers.ssd import ssd_chunked_scan, ssd_reference
+from models.layers.mixers.ssd import ssd_chunked_scan, ssd_reference
 
 from .common import header, kernel_ms, print_table, relative_error
 

@@ -35,7 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import boundary_jax as bj
 from models.build import build_model
 from models.config import PRESETS, DecoderConfig
-from models.layers.attention import AttentionImpl
+from models.layers.attention.self_attention import AttentionImpl
 from models.training.trainer import TrainConfig, Trainer, state_shardings
 
 from .bench_e2e import _causal_jnp, _mlp, _qkv, _rewrap, _rms, auto_mesh, split_part

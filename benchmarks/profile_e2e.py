@@ -22,9 +22,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import boundary_jax as bj
 from models.build import build_model
-from models.layers.attention import AttentionImpl
-from models.layers.kv_cache import KVCache
-from models.rows import pack_sequences
+from models.inputs.rows import pack_sequences
+from models.layers.attention.kv_cache import KVCache
+from models.layers.attention.self_attention import AttentionImpl
 from models.serving.runtime import ShardedCausalLM
 
 from .bench_e2e import LLAMA3_8B, _decode_inputs, auto_mesh, baseline_params, make_baseline

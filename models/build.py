@@ -13,15 +13,15 @@ from jax.sharding import Mesh
 
 import boundary_jax as bj
 
-from .checkpoints import load_config, load_params
-from .checkpoints.fp8 import stored_fp8
 from .config import DecoderConfig
 from .families import CausalLM, DeepseekCausalLM, MoeCausalLM, Remat, model_class
-from .initialization import initialize_params
-from .layers.attention import AttentionImpl
-from .layers.cp_attention import CpAttentionMode
+from .layers.attention.context_parallel import CpAttentionMode
+from .layers.attention.self_attention import AttentionImpl
 from .layers.fp8_linear import Fp8Quantization
 from .layers.hyper_connections import HyperConnections
+from .weights import load_config, load_params
+from .weights.fp8 import stored_fp8
+from .weights.initialization import initialize_params
 
 
 def mesh_platform(mesh: Mesh | None) -> str:

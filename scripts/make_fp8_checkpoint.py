@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from models.checkpoints.fp8 import write_fp8_checkpoint
+from models.weights.fp8 import write_fp8_checkpoint
 
 
 def main() -> None:

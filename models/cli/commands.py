@@ -27,17 +27,17 @@ from rich.console import Console
 import boundary_jax as bj
 
 from ..build import build_model, load_model
-from ..checkpoints import check_checkpoint_files, load_config, read_json
 from ..config import PRESETS, DecoderConfig
+from ..decoder.model import CausalLM, Remat
 from ..distributed import is_first_process, require_everywhere
-from ..families.decoder import CausalLM, Remat
-from ..layers.attention import AttentionImpl
-from ..layers.cp_attention import CpAttentionMode
+from ..layers.attention.context_parallel import CpAttentionMode
+from ..layers.attention.self_attention import AttentionImpl
 from ..layers.hyper_connections import HyperConnections
 from ..pipeline import PipelineCausalLM, PipelineSplit, build_pipeline, load_pipeline
 from ..serving.runtime import ShardedCausalLM
 from ..serving.sampling import Sampling
 from ..serving.text import TextCodec, TextStream, eos_token_ids, text_codec
+from ..weights import check_checkpoint_files, load_config, read_json
 from . import options
 from .options import InputError
 from .plan import pipeline_plan, plan_report, print_pipeline_plan, print_plan

@@ -27,7 +27,7 @@ from boundary_jax.report import KINDS
 
 from ..build import build_model
 from ..config import PRESETS, DecoderConfig, HybridConfig, HybridLayer
-from ..layers.attention import AttentionImpl
+from ..layers.attention.self_attention import AttentionImpl
 from ..serving.runtime import ShardedCausalLM
 from .plan import batch_description, collective_report, middle_layer, middle_sparse_layer
 

@@ -25,9 +25,9 @@ from safetensors import SafetensorError
 import boundary_jax as bj
 
 from ..config import PRESETS
+from ..decoder.model import Remat
 from ..distributed import DEFAULT_JOIN_TIMEOUT, JoinError, ProcessGroup
-from ..families.decoder import Remat
-from ..layers.cp_attention import CpAttentionMode
+from ..layers.attention.context_parallel import CpAttentionMode
 from . import commands, options
 from .demo import run_demo
 from .interrupts import interruption, report, signals_interrupt

@@ -13,7 +13,7 @@ from rich.table import Table
 import boundary_jax as bj
 from boundary_jax.report import KINDS, parse_hlo
 
-from ..families.moe import MoeCausalLM
+from ..decoder.moe import MoeCausalLM
 from ..pipeline import PipelineCausalLM, split_microbatches
 from ..pipeline.report import pipeline_plan_report
 from ..serving.runtime import ShardedCausalLM

@@ -23,10 +23,10 @@ import numpy as np
 
 import boundary_jax as bj
 
-from ..checkpoints import read_hf_config_file, replace_directory, stage_checkpoint
-from ..layers.attention import AttentionImpl
+from ..layers.attention.self_attention import AttentionImpl
 from ..serving.text import TEXT_FILES, TextCodec
 from ..training.trainer import TrainConfig, Trainer
+from ..weights import read_hf_config_file, replace_directory, stage_checkpoint
 from . import commands, options
 from .interrupts import Interrupted, interruption, signals_deferred
 from .options import InputError

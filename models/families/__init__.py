@@ -9,9 +9,10 @@ sparse FFNs, `norm_designs.NormDesignCausalLM` the post-norm and sandwich-norm r
 """
 
 from ..config import Architecture, DecoderConfig
-from .decoder import CausalLM as CausalLM
-from .decoder import DecoderLayer as DecoderLayer
-from .decoder import Remat as Remat
+from ..decoder.model import CausalLM as CausalLM
+from ..decoder.model import DecoderLayer as DecoderLayer
+from ..decoder.model import Remat as Remat
+from ..decoder.moe import MoeCausalLM as MoeCausalLM
 from .deepseek import DeepseekCausalLM as DeepseekCausalLM
 from .deepseek import DeepseekV2ForCausalLM as DeepseekV2ForCausalLM
 from .deepseek import DeepseekV3ForCausalLM as DeepseekV3ForCausalLM
@@ -20,7 +21,6 @@ from .gemma3 import Gemma3ForCausalLM as Gemma3ForCausalLM
 from .llama import LlamaForCausalLM as LlamaForCausalLM
 from .longcat import LongcatFlashForCausalLM as LongcatFlashForCausalLM
 from .mixtral import MixtralForCausalLM as MixtralForCausalLM
-from .moe import MoeCausalLM as MoeCausalLM
 from .nemotron_h import NemotronHForCausalLM as NemotronHForCausalLM
 from .olmo2 import Olmo2ForCausalLM as Olmo2ForCausalLM
 from .qwen2 import Qwen2ForCausalLM as Qwen2ForCausalLM

@@ -30,15 +30,15 @@ from jax.sharding import Mesh
 import boundary_jax as bj
 
 from ..config import Architecture, DecoderConfig
-from ..layers.attention import AttentionImpl
-from ..layers.deepseek_moe import DeepseekMoeFfn
+from ..decoder.designs import StageDesigns
+from ..decoder.model import Remat
+from ..decoder.moe import MoeCausalLM, moe_stage_facts
+from ..layers.attention.latent import LatentCache, MultiHeadLatentAttention
+from ..layers.attention.self_attention import AttentionImpl
 from ..layers.hyper_connections import HyperConnections
-from ..layers.mla import LatentCache, MultiHeadLatentAttention
 from ..layers.mlp import SwiGLU
-from ..layers.moe import GroupedMatmulImpl
-from .decoder import Remat
-from .designs import StageDesigns
-from .moe import MoeCausalLM, moe_stage_facts
+from ..layers.moe.deepseek_router import DeepseekMoeFfn
+from ..layers.moe.sparse import GroupedMatmulImpl
 
 WHOLE_ON_EVERY_RANK = bj.Topology()
 """The topology a fully data-parallel dense FFN is built on: one rank, so no weight is split."""

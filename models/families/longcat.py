@@ -36,17 +36,17 @@ from jax.sharding import Mesh
 import boundary_jax as bj
 
 from ..config import Architecture, DecoderConfig
-from ..layers.attention import AttentionImpl
-from ..layers.deepseek_moe import DeepseekMoeFfn
+from ..decoder.designs import StageDesigns
+from ..decoder.layer import AttentionFirstLayer, attend_rows
+from ..decoder.model import Remat
+from ..decoder.moe import MoeCausalLM
+from ..inputs.rows import TokenRows
+from ..layers.attention.latent import LatentCache, MultiHeadLatentAttention
+from ..layers.attention.self_attention import AttentionImpl
 from ..layers.hyper_connections import HyperConnections
-from ..layers.mla import LatentCache, MultiHeadLatentAttention
 from ..layers.mlp import SwiGLU
-from ..layers.moe import GroupedMatmulImpl
-from ..rows import TokenRows
-from .attention_first import AttentionFirstLayer, attend_rows
-from .decoder import Remat
-from .designs import StageDesigns
-from .moe import MoeCausalLM
+from ..layers.moe.deepseek_router import DeepseekMoeFfn
+from ..layers.moe.sparse import GroupedMatmulImpl
 
 
 @functools.partial(

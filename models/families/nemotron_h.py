@@ -29,18 +29,18 @@ from jax.sharding import Mesh
 import boundary_jax as bj
 
 from ..config import Architecture, DecoderConfig, HybridLayer, MoeConfig
+from ..decoder.designs import NormSpec, StageDesigns
+from ..decoder.layer import attend_rows
+from ..decoder.model import Remat
+from ..decoder.moe import MoeCausalLM
+from ..inputs.rows import TokenRows
 from ..layers.activations import ExpertActivation
-from ..layers.attention import Attention, AttentionImpl, KVCache
-from ..layers.deepseek_moe import DeepseekMoeFfn, DeepseekRouting, ExpertScoring, GroupScore
+from ..layers.attention.self_attention import Attention, AttentionImpl, KVCache
 from ..layers.hyper_connections import HyperConnections
-from ..layers.mamba2 import Mamba2Cache, Mamba2Mixer
-from ..layers.moe import GroupedMatmulImpl
+from ..layers.mixers.mamba2 import Mamba2Cache, Mamba2Mixer
+from ..layers.moe.deepseek_router import DeepseekMoeFfn, DeepseekRouting, ExpertScoring, GroupScore
+from ..layers.moe.sparse import GroupedMatmulImpl
 from ..layers.relu2_mlp import Relu2Mlp
-from ..rows import TokenRows
-from .attention_first import attend_rows
-from .decoder import Remat
-from .designs import NormSpec, StageDesigns
-from .moe import MoeCausalLM
 
 Cache = KVCache | Mamba2Cache | None
 """A hybrid layer's decode state: attention's KV cache, Mamba2's conv and SSM state, or none."""

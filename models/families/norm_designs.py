@@ -24,9 +24,9 @@ from flax import nnx
 import boundary_jax as bj
 
 from ..config import Architecture, DecoderConfig
-from ..layers.attention import AttentionImpl
+from ..decoder.model import CausalLM, Remat
+from ..layers.attention.self_attention import AttentionImpl
 from ..layers.hyper_connections import HyperConnections
-from .decoder import CausalLM, Remat
 
 
 class NormDesignCausalLM(CausalLM):

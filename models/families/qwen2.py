@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..config import Architecture
-from .decoder import CausalLM
+from ..decoder.model import CausalLM
 
 
 class Qwen2ForCausalLM(CausalLM):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..config import Architecture
-from .moe import MoeCausalLM
+from ..decoder.moe import MoeCausalLM
 
 
 class Qwen3MoeForCausalLM(MoeCausalLM):

@@ -1,3 +1,4 @@
-"""A decoder's compute, one file per kind of layer: tensor-parallel linear layers, attention,
-RoPE, the gated MLP, the mixture-of-experts FFN, and the hyper-connections option. None of them
-sums: every sum a stage's output owes is left to its boundary."""
+"""A decoder's compute, by kind of layer: attention (`attention/`), mixture of experts (`moe/`),
+other sequence mixers (`mixers/`), and the shared pieces (tensor-parallel linear layers, MLPs,
+activations, hyper-connections). None of them sums: every sum a stage's output owes is left to its
+boundary."""

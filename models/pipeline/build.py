@@ -20,12 +20,12 @@ from jax.sharding import Mesh, NamedSharding
 import boundary_jax as bj
 
 from ..build import construct_model, mesh_platform
-from ..checkpoints import load_config, load_params
 from ..config import DecoderConfig, LayerBlock
 from ..families import CausalLM, Remat
-from ..initialization import initialize_params
-from ..layers.attention import AttentionImpl
+from ..layers.attention.self_attention import AttentionImpl
 from ..layers.hyper_connections import HyperConnections
+from ..weights import load_config, load_params
+from ..weights.initialization import initialize_params
 from .split import PipelineSplit
 from .transport import holds, stage_meshes
 

@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 import boundary_jax as bj
 from boundary_jax.report import parse_hlo
 
-from ..families.moe import MoeCausalLM
+from ..decoder.moe import MoeCausalLM
 from .runtime import PipelineCausalLM
 
 

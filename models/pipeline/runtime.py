@@ -30,10 +30,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import boundary_jax as bj
 from boundary_jax import residual
 
-from ..families.decoder import CausalLM
-from ..layers.attention import KVCache
+from ..decoder.model import CausalLM
+from ..inputs.rows import PackedBatch, RowsPhase, TokenRows, decode_rows
+from ..layers.attention.self_attention import KVCache
 from ..precision import matmul_precision_scope, resolve_matmul_precision
-from ..rows import PackedBatch, RowsPhase, TokenRows, decode_rows
 from ..serving.buckets import MIN_ROWS, MIN_STEPS, bucket, cache_length, pack_bucketed
 from ..serving.sampling import GREEDY, Sampling, head_tokens, rank_key
 from .schedule import Microbatch, bubble, gpipe_ticks, split_microbatches

@@ -9,7 +9,7 @@ import numpy as np
 
 import boundary_jax as bj
 
-from ..rows import PackedBatch, TokenRows
+from ..inputs.rows import PackedBatch, TokenRows
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,9 +27,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import boundary_jax as bj
 from boundary_jax import residual
 
-from ..families.decoder import CausalLM
-from ..layers.attention import AttentionImpl
-from ..rows import pack_sequences
+from ..decoder.model import CausalLM
+from ..inputs.rows import pack_sequences
+from ..layers.attention.self_attention import AttentionImpl
 from ..training.trainer import TrainConfig, next_token_labels
 from .runtime import PipelineCausalLM, Stage, enter_stage
 from .schedule import Microbatch, gpipe_ticks, split_microbatches

@@ -10,7 +10,7 @@ from jax import lax
 
 import boundary_jax as bj
 
-from ..rows import PackedBatch, pack_sequences
+from ..inputs.rows import PackedBatch, pack_sequences
 
 CACHE_LENGTHS = tuple(2**i for i in range(7, 18))
 """Cache lengths a request's prompt + new tokens are rounded up to (capped at the model's

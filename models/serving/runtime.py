@@ -20,13 +20,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import boundary_jax as bj
 
+from ..decoder.model import CausalLM
 from ..distributed import fetch
-from ..families.decoder import CausalLM
-from ..layers.cp_attention import share_over_cp
-from ..layers.kv_cache import KVCache
-from ..overlap import check_two_batch_overlap, microbatch_facts, pack_two_batches, two_batch_hidden
+from ..inputs.rows import PackedBatch, RowsPhase, TokenRows, decode_rows
+from ..layers.attention.context_parallel import share_over_cp
+from ..layers.attention.kv_cache import KVCache
 from ..precision import matmul_precision_scope, resolve_matmul_precision
-from ..rows import PackedBatch, RowsPhase, TokenRows, decode_rows
 from .buckets import (
     MIN_ROWS,
     MIN_STEPS,
@@ -36,6 +35,7 @@ from .buckets import (
     decode_block,
     pack_bucketed,
 )
+from .overlap import check_two_batch_overlap, microbatch_facts, pack_two_batches, two_batch_hidden
 from .sampling import GREEDY, Sampling, head_tokens, rank_key
 
 

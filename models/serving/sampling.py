@@ -12,7 +12,7 @@ from jax import lax
 import boundary_jax as bj
 
 if TYPE_CHECKING:
-    from ..families.decoder import CausalLM
+    from ..decoder.model import CausalLM
 
 
 @dataclasses.dataclass(frozen=True)

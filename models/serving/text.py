@@ -24,7 +24,7 @@ import jinja2.ext
 import jinja2.sandbox
 from tokenizers import Tokenizer
 
-from ..checkpoints import CONFIG_FILE, read_json
+from ..weights import CONFIG_FILE, read_json
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"

@@ -24,12 +24,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import boundary_jax as bj
 
-from ..checkpoints import hf_name_map
-from ..families.decoder import CausalLM
-from ..layers.attention import AttentionImpl
+from ..decoder.model import CausalLM
+from ..inputs.rows import PackedBatch, TokenRows, pack_sequences
+from ..layers.attention.self_attention import AttentionImpl
 from ..layers.buffer import Buffer
 from ..precision import matmul_precision_scope, resolve_matmul_precision
-from ..rows import PackedBatch, TokenRows, pack_sequences
+from ..weights import hf_name_map
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 import boundary_jax as bj
-from models.layers.attention import WholeProjectionNorm
+from models.layers.attention.self_attention import WholeProjectionNorm
 from tests.meshes import make_mesh  # noqa: F401 (the tests import it from here)
 
 MESHES = ((1, 1), (1, 2), (1, 4), (2, 2), (1, 8))

@@ -48,9 +48,9 @@ def run(layout: str, out: str, process: int) -> int:
     from jax.sharding import AxisType, Mesh
 
     import boundary_jax as bj
-    from models.checkpoints import load
     from models.distributed import is_first_process, require_everywhere
     from models.pipeline import PipelineCausalLM, PipelineSplit, load_pipeline, transport
+    from models.weights import load
 
     absent = GOLDEN.with_name("absent") if process == 1 else GOLDEN
     try:

@@ -16,9 +16,9 @@ from safetensors.numpy import load_file
 
 import boundary_jax as bj
 from models.config import PRESETS, DecoderConfig, Llama3RopeScaling, read_hf_config
-from models.layers.attention import Attention, AttentionImpl
-from models.layers.kv_cache import HeadSplit, KVCache
-from models.rows import RowsPhase
+from models.inputs.rows import RowsPhase
+from models.layers.attention.kv_cache import HeadSplit, KVCache
+from models.layers.attention.self_attention import Attention, AttentionImpl
 
 from . import MESHES, make_mesh, randomize_norms, row_spec, run_sharded, sum_over, unsharded_copy
 

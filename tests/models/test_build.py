@@ -16,8 +16,8 @@ from flax import nnx
 import boundary_jax as bj
 from models.build import build_model
 from models.config import PRESETS, read_hf_config
-from models.initialization import param_draws, sharded_initializer
 from models.training.trainer import Trainer
+from models.weights.initialization import param_draws, sharded_initializer
 
 GOLDEN = Path(__file__).parents[1] / "golden"
 RNG = np.random.default_rng(5)

@@ -18,7 +18,7 @@ from boundary_jax.report import parse_hlo
 from models.build import build_model, load_model
 from models.cli.plan import PLAN_SEQUENCES
 from models.config import PRESETS
-from models.rows import TokenRows
+from models.inputs.rows import TokenRows
 from models.serving.runtime import ShardedCausalLM
 
 GOLDEN = pathlib.Path(__file__).parents[1] / "golden"

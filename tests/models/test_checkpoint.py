@@ -15,14 +15,14 @@ from jax.sharding import NamedSharding
 from safetensors.numpy import load_file, save_file
 
 import boundary_jax as bj
-from models import checkpoints as checkpoint
+from models import weights as checkpoint
 from models.build import load_model
-from models.checkpoints import hf_name_map, load_config, load_params
-from models.checkpoints import load as checkpoint_load
 from models.config import DecoderConfig
-from models.layers.attention import Attention
+from models.layers.attention.self_attention import Attention
 from models.layers.linear import ParallelLMHead, VocabParallelEmbedding
 from models.layers.mlp import SwiGLU
+from models.weights import hf_name_map, load_config, load_params
+from models.weights import load as checkpoint_load
 
 from . import make_mesh, row_spec, sum_over
 

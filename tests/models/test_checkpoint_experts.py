@@ -14,15 +14,15 @@ from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
 import boundary_jax as bj
-from models import checkpoints as checkpoint
-from models.checkpoints import HFTensor, hf_name_map, load_config, load_params, load_tensor
-from models.checkpoints import load as checkpoint_load
+from models import weights as checkpoint
 from models.config import DecoderConfig
 from models.layers import moe, moe_routing, routed_experts
-from models.layers.attention import Attention
+from models.layers.attention.self_attention import Attention
 from models.layers.linear import ParallelLMHead, VocabParallelEmbedding
 from models.layers.mlp import SwiGLU
-from models.layers.moe import SparseMoe
+from models.layers.moe.sparse import SparseMoe
+from models.weights import HFTensor, hf_name_map, load_config, load_params, load_tensor
+from models.weights import load as checkpoint_load
 
 from . import make_mesh
 

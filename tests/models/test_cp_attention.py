@@ -14,14 +14,14 @@ import pytest
 from jax import lax
 
 import boundary_jax as bj
-from models.layers.attend import attend_packed
-from models.layers.cp_attention import (
+from models.inputs.zigzag import zigzag_order
+from models.layers.attention.attend import attend_packed
+from models.layers.attention.context_parallel import (
     CpAttentionMode,
     SoftmaxPartial,
     attend_context_parallel,
     cp_mask,
 )
-from models.zigzag import zigzag_order
 
 LENGTHS = (13, 3, 22)
 """Packed sequences: one (3 rows) shorter than 2C chunks for C = 2 and 4."""

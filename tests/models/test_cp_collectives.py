@@ -17,8 +17,8 @@ import boundary_jax as bj
 from boundary_jax.report import CollectiveReport, parse_hlo
 from models.build import build_model
 from models.config import PRESETS
-from models.layers.cp_attention import CpAttentionMode
-from models.rows import decode_rows
+from models.inputs.rows import decode_rows
+from models.layers.attention.context_parallel import CpAttentionMode
 from models.serving.runtime import ShardedCausalLM
 from models.training.trainer import Trainer
 

@@ -18,9 +18,9 @@ import boundary_jax as bj
 from models.build import build_model
 from models.config import PRESETS
 from models.distributed import fetch
-from models.layers.cp_attention import CpAttentionMode
-from models.layers.kv_cache import KVCache
-from models.rows import decode_rows
+from models.inputs.rows import decode_rows
+from models.layers.attention.context_parallel import CpAttentionMode
+from models.layers.attention.kv_cache import KVCache
 from models.serving.runtime import ShardedCausalLM
 
 CONFIGS = {

@@ -13,7 +13,7 @@ import boundary_jax as bj
 from boundary_jax import make_mesh
 from models.build import build_model
 from models.config import PRESETS
-from models.layers.cp_attention import CpAttentionMode
+from models.layers.attention.context_parallel import CpAttentionMode
 from models.serving.runtime import ShardedCausalLM
 
 CONFIG = dataclasses.replace(PRESETS["tiny-qwen3"], num_layers=1)

@@ -17,8 +17,8 @@ from boundary_jax import make_mesh
 from models.build import build_model
 from models.config import PRESETS
 from models.distributed import fetch
-from models.layers.cp_attention import CpAttentionMode
-from models.rows import pack_sequences
+from models.inputs.rows import pack_sequences
+from models.layers.attention.context_parallel import CpAttentionMode
 from models.serving.buckets import pack_bucketed
 from models.serving.runtime import ShardedCausalLM
 from models.training.trainer import Trainer, next_token_labels

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.layers.cudnn_attention import prefill_attention_cudnn
+from models.layers.attention.cudnn import prefill_attention_cudnn
 
 # form: (segment of each row's run as (segment, rows), max_segments, window_rows)
 FORMS = {

@@ -19,16 +19,16 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 import boundary_jax as bj
-import models.layers.deepseek_moe
+import models.layers.moe.deepseek_router
 from models.build import build_model, load_model
-from models.checkpoints import hf_name_map, load_config, save_checkpoint
 from models.cli.main import main
 from models.config import PRESETS, read_hf_config, write_hf_config
 from models.families import DeepseekV3ForCausalLM
-from models.layers.mla import LatentCache, MultiHeadLatentAttention
-from models.layers.moe_routing import Routing
+from models.layers.attention.latent import LatentCache, MultiHeadLatentAttention
+from models.layers.moe.routing import Routing
 from models.serving.runtime import ShardedCausalLM
 from models.training.trainer import TrainConfig, Trainer
+from models.weights import hf_name_map, load_config, save_checkpoint
 
 from . import MoeLayout, randomize_norms
 from .test_deepseek_moe import hf_moe

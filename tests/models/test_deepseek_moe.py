@@ -13,8 +13,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import boundary_jax as bj
-from models.layers import moe_routing
-from models.layers.deepseek_moe import (
+from models.layers.moe import routing
+from models.layers.moe.deepseek_router import (
     DeepseekMoe,
     DeepseekRouting,
     ExpertScoring,

@@ -16,16 +16,16 @@ from safetensors import safe_open
 
 import boundary_jax as bj
 from models.build import build_model, load_model
-from models.checkpoints import save_checkpoint
-from models.checkpoints.fp8 import FP8_CONFIG, read_stored_fp8, write_fp8_checkpoint
 from models.cli.main import main
 from models.config import PRESETS
 from models.layers.fp8_linear import VALUE_SPREAD, Fp8Linears, Fp8Quantization, Fp8Weights
-from models.layers.fp8_moe import Fp8MoeFfn
 from models.layers.hyper_connections import HyperConnections
 from models.layers.mlp import SwiGLU
-from models.layers.moe_routing import Routing
+from models.layers.moe.fp8 import Fp8MoeFfn
+from models.layers.moe.routing import Routing
 from models.serving.runtime import ShardedCausalLM
+from models.weights import save_checkpoint
+from models.weights.fp8 import FP8_CONFIG, read_stored_fp8, write_fp8_checkpoint
 from pallas_kernels.quantize import (
     dequantize_token_groups_reference,
     quantize_token_groups_reference,

@@ -16,8 +16,8 @@ import pytest
 
 import boundary_jax as bj
 from models.build import load_model
-from models.layers.attention import AttentionImpl
-from models.rows import pack_sequences
+from models.inputs.rows import pack_sequences
+from models.layers.attention.self_attention import AttentionImpl
 from models.serving.runtime import ShardedCausalLM
 
 GOLDEN = pathlib.Path(__file__).resolve().parents[1] / "golden"

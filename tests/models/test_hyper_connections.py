@@ -16,8 +16,8 @@ from boundary_jax import designs, residual
 from models.build import build_model
 from models.cli.plan import collective_report
 from models.config import PRESETS
+from models.inputs.rows import TokenRows
 from models.layers.hyper_connections import HyperConnections
-from models.rows import TokenRows
 from models.serving.runtime import ShardedCausalLM
 
 # Few Sinkhorn iterations keep the compiled programs small; the design is tested in full in

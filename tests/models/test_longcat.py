@@ -12,14 +12,14 @@ from safetensors import safe_open
 
 import boundary_jax as bj
 from models.build import build_model, load_model
-from models.checkpoints import load_config
-from models.checkpoints.names import hf_name_map, longcat_skipped
 from models.cli.main import main
 from models.config import PRESETS, Architecture, MlaConfig, read_hf_config, write_hf_config
+from models.config.tensors import hf_name_map, longcat_skipped
 from models.families.longcat import LongcatDecoderLayer
-from models.layers import moe
+from models.layers.moe import sparse
 from models.serving.runtime import ShardedCausalLM
 from models.training.trainer import TrainConfig, Trainer
+from models.weights import load_config
 
 from . import MoeLayout
 

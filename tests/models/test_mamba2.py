@@ -15,8 +15,15 @@ import pytest
 from flax import nnx
 
 import boundary_jax as bj
-from models.layers.mamba2 import Mamba2Cache, Mamba2Mixer, Mamba2Spec, Mamba2Split, hf_mixer_params
-from models.layers.ssd import (
+from models.inputs.rows import RowsPhase
+from models.layers.mixers.mamba2 import (
+    Mamba2Cache,
+    Mamba2Mixer,
+    Mamba2Spec,
+    Mamba2Split,
+    hf_mixer_params,
+)
+from models.layers.mixers.ssd import (
     causal_conv1d,
     causal_conv1d_step,
     conv_states,
@@ -25,7 +32,6 @@ from models.layers.ssd import (
     ssd_reference,
     time_step,
 )
-from models.rows import RowsPhase
 
 from . import make_mesh, row_spec, run_sharded, sum_over
 

@@ -16,10 +16,10 @@ from safetensors.numpy import load_file
 
 import boundary_jax as bj
 from models.config import YarnRopeScaling
-from models.layers.attention import AttentionImpl
-from models.layers.mla import LatentCache, MlaConfig, MultiHeadLatentAttention
-from models.layers.rope import rope_inv_freq
-from models.rows import RowsPhase
+from models.inputs.rows import RowsPhase
+from models.layers.attention.latent import LatentCache, MlaConfig, MultiHeadLatentAttention
+from models.layers.attention.rope import rope_inv_freq
+from models.layers.attention.self_attention import AttentionImpl
 
 from . import make_mesh, randomize_norms, row_spec, run_sharded, sum_over
 

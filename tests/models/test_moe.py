@@ -14,8 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 import boundary_jax as bj
 from models.layers import moe, moe_routing, routed_experts
-from models.layers.moe import GroupedMatmulImpl
-from models.layers.moe_routing import MoeOutput, Routing
+from models.layers.moe.routing import MoeOutput, Routing
+from models.layers.moe.sparse import GroupedMatmulImpl
 from pallas_kernels.grouped_matmul import TRITON_MAX_ROUTED_ROWS, grouped_matmul_reference
 from pallas_kernels.grouped_matmul import ops as grouped_matmul_ops
 

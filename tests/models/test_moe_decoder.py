@@ -15,17 +15,17 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import boundary_jax as bj
-import models.families.moe
+import models.decoder.moe
 from boundary_jax import make_mesh
 from models.build import build_model, load_model
-from models.checkpoints import load_config
 from models.cli.plan import collective_report
 from models.config import MoeConfig, read_hf_config
 from models.families import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from models.layers import moe, moe_routing, routed_experts
-from models.layers.moe import GroupedMatmulImpl
-from models.layers.moe_ffn import MoeFfn
+from models.layers.moe.ffn import MoeFfn
+from models.layers.moe.sparse import GroupedMatmulImpl
 from models.serving.runtime import ShardedCausalLM
+from models.weights import load_config
 
 from . import MoeLayout, run_sharded
 

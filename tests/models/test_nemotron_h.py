@@ -14,19 +14,19 @@ import pytest
 from flax import nnx
 
 import boundary_jax as bj
-import models.layers.mamba2
+import models.layers.mixers.mamba2
 import models.layers.relu2_mlp
 from boundary_jax.report import parse_hlo
 from models.build import build_model, load_model
-from models.checkpoints import hf_name_map, load_config, save_checkpoint
-from models.checkpoints import load as checkpoint_load
 from models.cli.main import main
 from models.config import read_hf_config, write_hf_config
 from models.families import NemotronHForCausalLM, model_class
-from models.layers.deepseek_moe import DeepseekMoeFfn
 from models.layers.hyper_connections import HyperConnections
-from models.layers.ssd import gated_rms_norm
+from models.layers.mixers.ssd import gated_rms_norm
+from models.layers.moe.deepseek_router import DeepseekMoeFfn
 from models.serving.runtime import ShardedCausalLM
+from models.weights import hf_name_map, load_config, save_checkpoint
+from models.weights import load as checkpoint_load
 from tests.models import test_mamba2
 from tests.models.test_decoder import golden
 

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 import boundary_jax as bj
-import models.layers.attention
+import models.layers.attention.self_attention
 from boundary_jax import make_mesh
 from models.build import build_model, load_model
 from models.cli.plan import collective_report

@@ -20,8 +20,8 @@ from boundary_jax import residual
 from boundary_jax.adapters import complete_now, merge_streams, split_stream, yield_point
 from models.build import build_model
 from models.config import PRESETS
-from models.overlap import PARTS, pack_two_batches, split_sequences
-from models.rows import decode_rows
+from models.inputs.rows import decode_rows
+from models.serving.overlap import PARTS, pack_two_batches, split_sequences
 from models.serving.runtime import ShardedCausalLM
 
 CONFIG = dataclasses.replace(

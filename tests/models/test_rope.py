@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from models.config import Llama3RopeScaling
-from models.layers.rope import apply_rope, rope_inv_freq
+from models.layers.attention.rope import apply_rope, rope_inv_freq
 
 LLAMA3 = Llama3RopeScaling(
     factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=100

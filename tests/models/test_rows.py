@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 import boundary_jax as bj
+from models.inputs.rows import RowsPhase, TokenRows, decode_rows, pack_sequences
 from models.pipeline.schedule import split_microbatches
-from models.rows import RowsPhase, TokenRows, decode_rows, pack_sequences
 
 
 def test_sequences_are_balanced_whole_and_padded():

@@ -11,8 +11,8 @@ from boundary_jax.fusions import AddRmsNorm, FusionProvider
 from models.build import build_model
 from models.config import PRESETS
 from models.families import Qwen3MoeForCausalLM
-from models.layers.moe import GroupedMatmulImpl
-from models.rows import pack_sequences
+from models.inputs.rows import pack_sequences
+from models.layers.moe.sparse import GroupedMatmulImpl
 from models.serving.buckets import (
     DECODE_BLOCK,
     blocked_fori_loop,
@@ -76,7 +76,7 @@ def test_placed_prefill_then_decode_equals_generate(runner):
     key = jax.random.key(0)
     last_rows = runner.place_array(packed.last_row_index())
     first, caches = runner.prefill(*runner.place(packed), caches, last_rows, key)
-    from models.rows import RowsPhase, TokenRows, decode_rows
+    from models.inputs.rows import RowsPhase, TokenRows, decode_rows
 
     lengths = np.asarray(packed.lengths, np.int32)
     rows, batch = runner.place(decode_rows(packed, np.zeros_like(lengths), lengths))

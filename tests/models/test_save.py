@@ -11,15 +11,15 @@ from flax import nnx
 
 import boundary_jax as bj
 from models.build import build_model
-from models.checkpoints import (
+from models.config import PRESETS, read_hf_config, write_hf_config
+from models.training.trainer import FlatParams
+from models.weights import (
     load_config,
     read_hf_config_file,
     replace_directory,
     save_checkpoint,
     stage_checkpoint,
 )
-from models.config import PRESETS, read_hf_config, write_hf_config
-from models.training.trainer import FlatParams
 
 GOLDEN = pathlib.Path(__file__).parents[1] / "golden"
 CONFIG = PRESETS["tiny-qwen3"]

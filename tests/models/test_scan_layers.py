@@ -22,15 +22,15 @@ from safetensors.numpy import load_file
 
 import boundary_jax as bj
 from boundary_jax.report import parse_hlo
-from models import checkpoints as checkpoint
+from models import weights as checkpoint
 from models.build import build_model, load_model
-from models.checkpoints import hf_name_map, save_checkpoint
-from models.checkpoints import load as checkpoint_load
 from models.cli.plan import PLAN_SEQUENCES, plan_report
 from models.config import PRESETS, DecoderConfig, read_hf_config
-from models.families.decoder import Remat
+from models.decoder.model import Remat
 from models.serving.runtime import ShardedCausalLM
 from models.training.trainer import TrainConfig, Trainer
+from models.weights import hf_name_map, save_checkpoint
+from models.weights import load as checkpoint_load
 
 from . import randomize_norms
 

@@ -15,12 +15,12 @@ import boundary_jax as bj
 import pallas_kernels as pk
 from models.build import build_model
 from models.config import PRESETS
+from models.decoder.model import Remat
 from models.families import Qwen3MoeForCausalLM
-from models.families.decoder import Remat
-from models.layers.attention import AttentionImpl
+from models.inputs.rows import pack_sequences
+from models.layers.attention.self_attention import AttentionImpl
 from models.layers.hyper_connections import HyperConnections
-from models.layers.moe import GroupedMatmulImpl
-from models.rows import pack_sequences
+from models.layers.moe.sparse import GroupedMatmulImpl
 from models.serving.runtime import ShardedCausalLM
 from models.training.trainer import TrainConfig, Trainer, next_token_labels
 

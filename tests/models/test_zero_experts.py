@@ -16,7 +16,7 @@ import boundary_jax as bj
 from boundary_jax import make_mesh
 from models.config import DeepseekRouting, ExpertScoring, MoeConfig
 from models.layers import moe, moe_routing, routed_experts
-from models.layers.deepseek_moe import DeepseekMoeFfn, deepseek_route
+from models.layers.moe.deepseek_router import DeepseekMoeFfn, deepseek_route
 
 from . import run_sharded
 

@@ -24,15 +24,14 @@ import boundary_jax as bj
 from boundary_jax import residual
 
 from ..config import Architecture, DecoderConfig, ResidualDesign
-from ..layers.attention import Attention, AttentionImpl, HeadSplit
-from ..layers.cp_attention import CpAttentionMode, share_over_cp
+from ..inputs.rows import TokenRows
+from ..layers.attention.context_parallel import CpAttentionMode, share_over_cp
+from ..layers.attention.kv_cache import KVCache
+from ..layers.attention.self_attention import Attention, AttentionImpl, HeadSplit
 from ..layers.fp8_linear import Fp8Linears, Fp8Quantization
 from ..layers.hyper_connections import HyperConnections
-from ..layers.kv_cache import KVCache
 from ..layers.linear import DENSE_LINEARS, Linears, ParallelLMHead, VocabParallelEmbedding
 from ..layers.mlp import SwiGLU
-from ..rows import TokenRows
-from .attention_first import AttentionFirstLayer, attend_rows
 from .designs import (
     HyperConnected,
     LayerDesign,
@@ -42,6 +41,7 @@ from .designs import (
     Sandwich,
     StageDesigns,
 )
+from .layer import AttentionFirstLayer, attend_rows
 from .quantized import quantized_reads
 
 Declare = Callable[[StageDesigns], tuple[bj.StageDeclaration, ...]]

@@ -10,7 +10,7 @@ from flax import nnx
 
 import boundary_jax as bj
 
-from ..rows import TokenRows
+from ..inputs.rows import TokenRows
 
 
 def attend_rows(

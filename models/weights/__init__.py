@@ -1,6 +1,8 @@
 """Hugging Face safetensors checkpoints: the tensor names per family, loading onto a mesh (each
 device reading only its shards), and saving."""
 
+from ..config.tensors import HFTensor as HFTensor
+from ..config.tensors import hf_name_map as hf_name_map
 from .load import CONFIG_FILE as CONFIG_FILE
 from .load import INDEX_FILE as INDEX_FILE
 from .load import SINGLE_FILE as SINGLE_FILE
@@ -10,8 +12,6 @@ from .load import load_params as load_params
 from .load import load_tensor as load_tensor
 from .load import read_hf_config_file as read_hf_config_file
 from .load import read_json as read_json
-from .names import HFTensor as HFTensor
-from .names import hf_name_map as hf_name_map
 from .save import check_destination as check_destination
 from .save import replace_directory as replace_directory
 from .save import save_checkpoint as save_checkpoint

@@ -44,13 +44,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from boundary_jax import RMSNorm, SumGroup, TokenAxis, Topology
 
-from ..config import MlaConfig as MlaConfig
-from ..rows import RowsPhase
+from ...config import MlaConfig as MlaConfig
+from ...inputs.rows import RowsPhase
+from ..linear import ColumnParallelLinear, RowParallelLinear, group_size
 from .attend import accumulation_dtype, attend_latent, attend_packed
-from .attention import AttentionImpl
-from .cudnn_attention import prefill_attention_cudnn
-from .linear import ColumnParallelLinear, RowParallelLinear, group_size
+from .cudnn import prefill_attention_cudnn
 from .rope import apply_rope, rope_inv_freq
+from .self_attention import AttentionImpl
 
 LATENT_NORM_EPS = 1e-6
 """Epsilon of q_a_layernorm and kv_a_layernorm: transformers (and DeepSeek's own code) build

@@ -25,9 +25,9 @@ import boundary_jax as bj
 from boundary_jax import residual
 from boundary_jax.adapters import complete_now, overlap_phases, split_stream
 
-from .families.decoder import CausalLM, DecoderLayer, pick_rows
-from .layers.kv_cache import KVCache
-from .rows import PackedBatch, TokenRows, pack_sequences
+from ..decoder.model import CausalLM, DecoderLayer, pick_rows
+from ..inputs.rows import PackedBatch, TokenRows, pack_sequences
+from ..layers.attention.kv_cache import KVCache
 
 MICROBATCHES = 2
 

@@ -30,9 +30,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from boundary_jax import SumGroup, TokenAxis, Topology, ops, shard_index
 from boundary_jax.initializers import Normal, param
 
-from ..config import Mamba2Spec
-from ..rows import RowsPhase
-from .linear import ColumnParallelLinear, RowParallelLinear, group_size, project
+from ...config import Mamba2Spec
+from ...inputs.rows import RowsPhase
+from ..linear import ColumnParallelLinear, RowParallelLinear, group_size, project
 from .ssd import (
     accumulation_dtype,
     causal_conv1d,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from ..config import (
+from . import (
     Architecture,
     DecoderConfig,
     HybridLayer,

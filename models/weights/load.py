@@ -37,9 +37,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from safetensors import SafetensorError, safe_open
 
 from ..config import DecoderConfig, read_hf_config
+from ..config.tensors import IGNORED_SUFFIXES, HFTensor, hf_name_map, longcat_skipped, mtp_layer
 from ..layers.fp8_linear import Fp8Quantization
 from .fp8 import FP8_DTYPE, STORED_FP8, Fp8Source, fp8_sources, read_stored_fp8, stored_fp8
-from .names import IGNORED_SUFFIXES, HFTensor, hf_name_map, longcat_skipped, mtp_layer
 
 _LOG = logging.getLogger(__name__)
 CONFIG_FILE = "config.json"

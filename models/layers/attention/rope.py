@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..config import LinearRopeScaling, Llama3RopeScaling, RopeScaling, YarnRopeScaling
+from ...config import LinearRopeScaling, Llama3RopeScaling, RopeScaling, YarnRopeScaling
 
 
 @functools.cache

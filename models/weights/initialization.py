@@ -21,7 +21,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from boundary_jax.initializers import Initializer, initializer_of
 
-from .config import LayerBlock
+from ..config import LayerBlock
 
 Unit = tuple[tuple[int, ...], np.dtype, Initializer]
 """What one key draws: (shape, dtype, initializer)."""

@@ -42,9 +42,9 @@ from flax import nnx
 from boundary_jax.initializers import Normal, param
 from pallas_kernels.grouped_matmul import GroupedMatmulImpl
 
-from .activations import ExpertActivation
-from .moe_routing import MoeOutput, Routing, route, zero_expert_output
-from .routed_experts import expert_outputs, finalized_expert_outputs
+from ..activations import ExpertActivation
+from .experts import expert_outputs, finalized_expert_outputs
+from .routing import MoeOutput, Routing, route, zero_expert_output
 
 PartitionEntry = str | tuple[str, ...] | None
 """One entry of a `PartitionSpec`: mesh axis name(s) chosen by the caller, or None."""

@@ -23,12 +23,12 @@ from jax import lax
 import boundary_jax as bj
 from pallas_kernels.fp8_matmul import SCALE_BLOCK, fp8_grouped_matmul
 
-from ..config import MoeConfig
-from .activations import ExpertActivation
-from .fp8_linear import Fp8Quantization, check_blocks, fp8_weight
-from .moe import GroupedMatmulImpl, PartitionEntry
-from .moe_ffn import MoeFfn
-from .moe_routing import MoeOutput, Routing, finalize
+from ...config import MoeConfig
+from ..activations import ExpertActivation
+from ..fp8_linear import Fp8Quantization, check_blocks, fp8_weight
+from .ffn import MoeFfn
+from .routing import MoeOutput, Routing, finalize
+from .sparse import GroupedMatmulImpl, PartitionEntry
 
 
 class Fp8MoeFfn(MoeFfn):

@@ -41,15 +41,15 @@ from flax import nnx
 import boundary_jax as bj
 from boundary_jax.initializers import Normal, param
 
-from ..config import DeepseekRouting as DeepseekRouting
-from ..config import ExpertScoring as ExpertScoring
-from ..config import GroupScore as GroupScore
-from ..config import MoeConfig
-from .activations import ExpertActivation
-from .buffer import Buffer
-from .moe import GroupedMatmulImpl, PartitionEntry, SparseMoe
-from .moe_ffn import MoeFfn
-from .moe_routing import Routing
+from ...config import DeepseekRouting as DeepseekRouting
+from ...config import ExpertScoring as ExpertScoring
+from ...config import GroupScore as GroupScore
+from ...config import MoeConfig
+from ..activations import ExpertActivation
+from ..buffer import Buffer
+from .ffn import MoeFfn
+from .routing import Routing
+from .sparse import GroupedMatmulImpl, PartitionEntry, SparseMoe
 
 
 def deepseek_route(

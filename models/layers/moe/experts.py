@@ -44,8 +44,8 @@ from pallas_kernels.grouped_matmul import (
     grouped_matmul,
 )
 
-from .activations import ExpertActivation
-from .moe_routing import MoeOutput, Routing, finalize
+from ..activations import ExpertActivation
+from .routing import MoeOutput, Routing, finalize
 
 CAPACITY_FACTORS = (1.25, 1.5)
 """`PADDED_BATCHED`'s capacities as multiples of the even share, smallest first."""

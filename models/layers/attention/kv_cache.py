@@ -11,8 +11,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from boundary_jax import SumGroup, TokenAxis, Topology
 
-from ..config import AttentionSpec, DecoderConfig
-from .linear import group_size
+from ...config import AttentionSpec, DecoderConfig
+from ..linear import group_size
 
 
 @dataclasses.dataclass(frozen=True)

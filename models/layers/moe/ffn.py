@@ -30,10 +30,10 @@ from flax import nnx
 
 import boundary_jax as bj
 
-from ..config import MoeConfig
-from .activations import ExpertActivation
-from .moe import GroupedMatmulImpl, SparseMoe
-from .moe_routing import MoeOutput, Routing, finalize
+from ...config import MoeConfig
+from ..activations import ExpertActivation
+from .routing import MoeOutput, Routing, finalize
+from .sparse import GroupedMatmulImpl, SparseMoe
 
 
 def deferred_finalize(output: MoeOutput) -> bj.DeferredFinalize:

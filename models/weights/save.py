@@ -20,8 +20,8 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from ..config import DecoderConfig, read_hf_config, write_hf_config
+from ..config.tensors import hf_name_map
 from .load import CONFIG_FILE, SINGLE_FILE
-from .names import hf_name_map
 
 SAVED_DTYPE = "float32"
 """The dtype `save_checkpoint` writes every tensor in."""

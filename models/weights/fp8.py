@@ -32,8 +32,8 @@ from safetensors import safe_open
 from pallas_kernels.quantize import FP8_MAX, INVERSE_FP8_MAX
 
 from ..config import read_hf_config
+from ..config.tensors import HFTensor, hf_name_map
 from ..layers.fp8_linear import Fp8Quantization, Fp8Weights
-from .names import HFTensor, hf_name_map
 
 BLOCK = 128
 FP8_DTYPE = np.dtype(ml_dtypes.float8_e4m3fn)

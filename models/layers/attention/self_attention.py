@@ -25,19 +25,19 @@ from boundary_jax import RMSNorm, SumGroup, Topology, shard_index, sharded_rms_n
 from boundary_jax.designs import Quantized
 from boundary_jax.initializers import Constant, param
 
-from ..config import AttentionSpec, QkNorm
-from ..rows import RowsPhase
+from ...config import AttentionSpec, QkNorm
+from ...inputs.rows import RowsPhase
+from ..linear import DENSE_LINEARS, Linears
 from .attend import attend, attend_packed, causal_visibility
-from .cp_attention import (
+from .context_parallel import (
     CpAttentionMode,
     attend_context_parallel,
     attend_cp_cache,
     cp_decode_writes,
     cp_prefill_cache_index,
 )
-from .cudnn_attention import decode_cache_cudnn, prefill_attention_cudnn
+from .cudnn import decode_cache_cudnn, prefill_attention_cudnn
 from .kv_cache import HeadSplit, KVCache
-from .linear import DENSE_LINEARS, Linears
 from .rope import apply_rope, rope_inv_freq
 
 

@@ -16,15 +16,15 @@ import boundary_jax as bj
 from pallas_kernels.grouped_matmul import default_grouped_matmul_impl
 
 from ..config import DecoderConfig
-from ..layers.attention import AttentionImpl
+from ..layers.attention.self_attention import AttentionImpl
 from ..layers.fp8_linear import Fp8Quantization
-from ..layers.fp8_moe import Fp8MoeFfn
 from ..layers.hyper_connections import HyperConnections
 from ..layers.mlp import SwiGLU
-from ..layers.moe import GroupedMatmulImpl
-from ..layers.moe_ffn import MoeFfn
-from .decoder import CausalLM, DecoderLayer, Remat
+from ..layers.moe.ffn import MoeFfn
+from ..layers.moe.fp8 import Fp8MoeFfn
+from ..layers.moe.sparse import GroupedMatmulImpl
 from .designs import StageDesigns
+from .model import CausalLM, DecoderLayer, Remat
 
 
 def moe_stage_facts(
