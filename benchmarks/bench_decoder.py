@@ -30,6 +30,7 @@ import numpy as np
 import boundary_jax as bj
 from boundary_jax.fusions import AddRmsNorm, FusionProvider, platform_fusions
 from models.build import build_model, load_model
+from models.options import BuildOptions
 from models.serving.runtime import ShardedCausalLM
 
 from .common import LLAMA3_8B, header, median_wall_ms
@@ -82,7 +83,9 @@ def fusions() -> None:
     print("|---" * (len(variants) + 3) + "|")
     runners = {
         name: ShardedCausalLM(
-            build_model(LLAMA_8B_SHAPE, topology, fusions=provider, dtype=jnp.bfloat16),
+            build_model(
+                LLAMA_8B_SHAPE, topology, BuildOptions(fusions=provider, dtype=jnp.bfloat16)
+            ),
             mesh,
             check_vma=False,
         )
@@ -120,7 +123,9 @@ def policies() -> None:
     runners = {}
     for name, (dp, tp, scattered, policy) in layouts.items():
         topology = bj.Topology(attn_dp=dp, attn_tp=tp)
-        model = build_model(LLAMA_8B_SHAPE, topology, reduction=policy, dtype=jnp.bfloat16)
+        model = build_model(
+            LLAMA_8B_SHAPE, topology, BuildOptions(reduction=policy, dtype=jnp.bfloat16)
+        )
         runners[name] = ShardedCausalLM(model, bj.make_mesh(topology), input_scattered=scattered)
     for rows in (256, 2048, 8192):
         sequences = [rng.integers(0, 32000, 8).tolist() for _ in range(rows // 8)]

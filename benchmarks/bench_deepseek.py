@@ -42,13 +42,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 import boundary_jax as bj
 from models.build import build_model
 from models.config import DecoderConfig, read_hf_config
-from models.families import DeepseekCausalLM
+from models.families.deepseek import DeepseekCausalLM
 from models.inputs.rows import RowsPhase, TokenRows, pack_sequences
 from models.layers.attention.latent import LATENT_NORM_EPS
 from models.layers.attention.rope import apply_rope, rope_inv_freq
 from models.layers.moe.deepseek_router import deepseek_route
 from models.layers.moe.experts import finalized_expert_outputs
 from models.layers.moe.sparse import shared_expert
+from models.options import BuildOptions
 from models.serving.runtime import ShardedCausalLM
 
 from .bench_e2e import HBM_BYTES_PER_S, KERNEL, PEAK_FLOPS, auto_mesh
@@ -356,7 +357,9 @@ def run(
     topology = bj.Topology()
     mesh = bj.make_mesh(topology)
     provider = bj.fusions.platform_fusions(topology) if fusions == "auto" else bj.fusions.NO_FUSIONS
-    model = build_model(config, topology, dtype=jnp.bfloat16, mesh=mesh, fusions=provider)
+    model = build_model(
+        config, topology, BuildOptions(dtype=jnp.bfloat16, fusions=provider), mesh=mesh
+    )
     assert isinstance(model, DeepseekCausalLM)
     impl = model.grouped_matmul
     runner = ShardedCausalLM(model, mesh)

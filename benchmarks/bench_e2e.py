@@ -51,6 +51,7 @@ from models.layers.attention.cudnn import decode_attention_cudnn
 from models.layers.attention.kv_cache import KVCache
 from models.layers.attention.rope import apply_rope, rope_inv_freq
 from models.layers.attention.self_attention import AttentionImpl
+from models.options import BuildOptions
 from models.serving.runtime import ShardedCausalLM
 from pallas_kernels import Impl
 
@@ -347,11 +348,13 @@ def run_config(
     model = build_model(
         config,
         topology,
-        dtype=jnp.bfloat16,
-        attention=AttentionImpl.for_platform(jax.default_backend()),
+        BuildOptions(
+            dtype=jnp.bfloat16,
+            attention=AttentionImpl.for_platform(jax.default_backend()),
+            scan_layers=scan,
+            fusions=fusion_provider(fusions, topology),
+        ),
         mesh=mesh,
-        scan_layers=scan,
-        fusions=fusion_provider(fusions, topology),
     )
     runner = ShardedCausalLM(model, mesh)
     del model
@@ -521,7 +524,9 @@ def generate_check(config: DecoderConfig, tp: int) -> None:
     """generate() per token (the decode part) against the jitted decode loop it calls."""
     topology = bj.Topology(attn_tp=tp)
     mesh = bj.make_mesh(topology)
-    runner = ShardedCausalLM(build_model(config, topology, dtype=jnp.bfloat16, mesh=mesh), mesh)
+    runner = ShardedCausalLM(
+        build_model(config, topology, BuildOptions(dtype=jnp.bfloat16), mesh=mesh), mesh
+    )
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, config.vocab_size, 64).tolist() for _ in range(64)]
     new = 129

@@ -52,6 +52,7 @@ from models.layers.attention.self_attention import AttentionImpl
 from models.layers.fp8_linear import Fp8Quantization
 from models.layers.moe.ffn import MoeFfn
 from models.layers.moe.fp8 import Fp8MoeFfn
+from models.options import BuildOptions
 from models.serving.runtime import ShardedCausalLM
 from pallas_kernels.fp8_matmul import (
     SWAP_MAX_ROWS,
@@ -133,11 +134,13 @@ def e2e(config: DecoderConfig, fp8_fusions: str, cases: list[str] | None) -> lis
         model = build_model(
             config,
             topology,
-            dtype=jnp.bfloat16,
-            attention=attention,
+            BuildOptions(
+                dtype=jnp.bfloat16,
+                attention=attention,
+                quantization=quantized,
+                fusions=bj.fusions.platform_fusions(topology) if fused else bj.fusions.NO_FUSIONS,
+            ),
             mesh=mesh,
-            quantization=quantized,
-            fusions=bj.fusions.platform_fusions(topology) if fused else bj.fusions.NO_FUSIONS,
         )
         runners[name] = ShardedCausalLM(model, mesh)
         del model
@@ -148,9 +151,7 @@ def e2e(config: DecoderConfig, fp8_fusions: str, cases: list[str] | None) -> lis
         lambda: build_model(
             config,
             topology,
-            dtype=jnp.bfloat16,
-            attention=attention,
-            quantization=Fp8Quantization(),
+            BuildOptions(dtype=jnp.bfloat16, attention=attention, quantization=Fp8Quantization()),
         )
     )
     checking = ShardedCausalLM(nnx.merge(nnx.graphdef(reference), runners["fp8"].state), mesh)

@@ -1,6 +1,6 @@
 """Random-weight build time: `build_model(..., mesh=)` of a Llama-3-8B-shaped decoder, by layers.
 
-The model is built abstractly, then `models.initialization.sharded_initializer` draws every
+The model is built abstractly, then `models.weights.initialization.sharded_initializer` draws every
 parameter straight into its shards (one batched draw per parameter shape). Reported per layer
 count: the abstract build, the initializer's lowering and compile, its run (the draws) and the
 whole `build_model` call; the compile should not grow with the layers (benchmarks/RESULTS.md run
@@ -25,6 +25,7 @@ from flax import nnx
 import boundary_jax as bj
 from models.build import build_model
 from models.config import PRESETS, DecoderConfig
+from models.options import BuildOptions
 from models.weights.initialization import param_draws, sharded_initializer
 
 from .common import LLAMA3_8B, header, print_table
@@ -39,7 +40,7 @@ def run(base: DecoderConfig, layers: int, tp: int, dtype: jnp.dtype) -> tuple:
     topology = bj.Topology(attn_tp=tp)
     mesh = bj.make_mesh(topology)
     start = time.perf_counter()
-    abstract = nnx.eval_shape(lambda: build_model(config, topology, dtype=dtype))
+    abstract = nnx.eval_shape(lambda: build_model(config, topology, BuildOptions(dtype=dtype)))
     draws = param_draws(nnx.state(abstract), config.layer_blocks(False))
     built = time.perf_counter()
     lowered = sharded_initializer(draws, mesh).lower(jax.random.key(0))
@@ -49,7 +50,7 @@ def run(base: DecoderConfig, layers: int, tp: int, dtype: jnp.dtype) -> tuple:
     jax.block_until_ready(compiled(jax.random.key(0)))
     ran = time.perf_counter()
     # The whole call, its initializer now cached: what a second model of one structure costs.
-    model = build_model(config, topology, dtype=dtype, mesh=mesh)
+    model = build_model(config, topology, BuildOptions(dtype=dtype), mesh=mesh)
     jax.block_until_ready(nnx.state(model))
     again = time.perf_counter()
     times = (built - start, lowered_at - built, compiled_at - lowered_at, ran - compiled_at)

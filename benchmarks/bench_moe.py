@@ -44,7 +44,9 @@ import numpy as np
 import boundary_jax as bj
 from benchmarks import bench_fp8
 from benchmarks.common import header, kernel_ms, print_table, relative_error, wall_ms
-from models.layers import moe, moe_routing, routed_experts
+from models.layers.moe import experts as routed_experts
+from models.layers.moe import routing as moe_routing
+from models.layers.moe import sparse as moe
 from pallas_kernels import Impl, moe_finalize_add_rms_norm, moe_finalize_add_rms_norm_reference
 from pallas_kernels.grouped_matmul import (
     TRITON_MAX_ROUTED_ROWS,

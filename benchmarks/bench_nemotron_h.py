@@ -42,18 +42,17 @@ from jax.sharding import NamedSharding, PartitionSpec
 import boundary_jax as bj
 from models.build import build_model
 from models.config import (
-    Architecture,
     DecoderConfig,
     HybridConfig,
     HybridLayer,
     Mamba2Spec,
     parse_pattern,
 )
-from models.config.hf_hybrid import NO_ROPE_THETA
-from models.families.nemotron_h import NemotronHForCausalLM
+from models.families.nemotron_h import NO_ROPE_THETA, NemotronHForCausalLM
 from models.inputs.rows import RowsPhase, TokenRows, pack_sequences
 from models.layers.attention.self_attention import AttentionImpl
 from models.layers.mixers.ssd import ssd_chunked_scan, ssd_reference
+from models.options import BuildOptions
 from models.serving.runtime import ShardedCausalLM
 
 from .bench_ssd import chunked_flops
@@ -80,7 +79,7 @@ def nemotron_h_8b(pattern: str) -> DecoderConfig:
         hidden_size=4096, num_heads=128, head_dim=64, n_groups=8, state_size=128, chunk_size=128
     )
     return DecoderConfig(
-        architecture=Architecture.NEMOTRON_H,
+        architecture="NemotronHForCausalLM",
         vocab_size=131072,
         hidden_size=4096,
         intermediate_size=21504,
@@ -151,8 +150,9 @@ def baseline_model(runner: ShardedCausalLM) -> NemotronHForCausalLM:
             lambda: NemotronHForCausalLM(
                 config,
                 bj.Topology(),
-                dtype=runner.dtype,
-                attention=AttentionImpl.for_platform(jax.default_backend()),
+                BuildOptions(
+                    dtype=runner.dtype, attention=AttentionImpl.for_platform(jax.default_backend())
+                ),
                 rngs=nnx.Rngs(0),
             )
         )
@@ -291,7 +291,9 @@ def run(config: DecoderConfig, sequences: int, length: int, decoding: int, cache
     topology = bj.Topology()
     mesh = bj.make_mesh(topology)
     attention = AttentionImpl.for_platform(jax.default_backend())
-    model = build_model(config, topology, dtype=jnp.bfloat16, attention=attention, mesh=mesh)
+    model = build_model(
+        config, topology, BuildOptions(dtype=jnp.bfloat16, attention=attention), mesh=mesh
+    )
     runner = ShardedCausalLM(model, mesh)
     del model
     baseline = baseline_model(runner)

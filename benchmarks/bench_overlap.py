@@ -3,7 +3,7 @@ collective time that TBO hides.
 
 Cases: a Llama-3-8B-shaped model (bf16, `--layers` layers) on `--dp` x `--tp` GPUs, a forward of
 `--sequences` sequences of `--tokens` tokens, run as one batch and under TBO
-(`ShardedCausalLM(two_batch_overlap=True)`). Both forwards are checked to agree (bf16) first.
+(`BuildOptions(two_batch_overlap=True)`). Both forwards are checked to agree (bf16) first.
 
 The collective time is measured apart: the one-batch forward's collectives, read from its
 compiled HLO (`bj.report.parse_hlo`: kind, bytes, group size), replayed back to back in one
@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec
 
 import boundary_jax as bj
 from models.build import build_model
+from models.options import BuildOptions
 from models.serving.runtime import ShardedCausalLM
 
 from .common import LLAMA3_8B, header, median_wall_ms
@@ -117,8 +118,10 @@ def run(layers: int, dp: int, tp: int, sequences: int, tokens: int, smoke: bool)
         dtype = jnp.float32
     topology = bj.Topology(attn_dp=dp, attn_tp=tp)
     mesh = bj.make_mesh(topology, jax.devices()[: dp * tp])
-    one = ShardedCausalLM(build_model(config, topology, dtype=dtype, mesh=mesh), mesh)
-    tbo = ShardedCausalLM(one.model, mesh, two_batch_overlap=True)
+    one = ShardedCausalLM(build_model(config, topology, BuildOptions(dtype=dtype), mesh=mesh), mesh)
+    tbo = ShardedCausalLM(
+        one.model, mesh, options=one.model.options.replace(two_batch_overlap=True)
+    )
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, config.vocab_size, tokens).tolist() for _ in range(sequences)]
     placed = {r: r.place(r.pack(prompts)) for r in (one, tbo)}

@@ -36,6 +36,7 @@ import boundary_jax as bj
 from models.build import build_model
 from models.config import PRESETS, DecoderConfig
 from models.layers.attention.self_attention import AttentionImpl
+from models.options import BuildOptions
 from models.training.trainer import TrainConfig, Trainer, state_shardings
 
 from .bench_e2e import _causal_jnp, _mlp, _qkv, _rewrap, _rms, auto_mesh, split_part
@@ -160,7 +161,9 @@ def run(
     optimizer = TrainConfig(learning_rate=1e-4, total_steps=1000, warmup_steps=10).optimizer()
     start = time.perf_counter()
     attention = AttentionImpl.CUDNN if kernel == "cudnn" else AttentionImpl.XLA
-    model = build_model(config, topology, dtype=jnp.bfloat16, mesh=mesh, attention=attention)
+    model = build_model(
+        config, topology, BuildOptions(dtype=jnp.bfloat16, attention=attention), mesh=mesh
+    )
     trainer = Trainer(model, mesh, optimizer)
     del model
     print(f"  project: built and placed in {time.perf_counter() - start:.1f}s")

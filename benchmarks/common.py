@@ -21,10 +21,10 @@ import jax
 import numpy as np
 from jax.experimental.mosaic.gpu import profiler
 
-from models.config import Architecture, DecoderConfig
+from models.config import DecoderConfig
 
 LLAMA3_8B = DecoderConfig(
-    architecture=Architecture.LLAMA,
+    architecture="LlamaForCausalLM",
     vocab_size=128256,
     hidden_size=4096,
     intermediate_size=14336,

@@ -30,6 +30,7 @@ import numpy as np
 import boundary_jax as bj
 from models.build import load_model
 from models.layers.fp8_linear import Fp8Quantization
+from models.options import BuildOptions
 from models.serving.runtime import ShardedCausalLM
 
 
@@ -49,7 +50,7 @@ def measure(checkpoint: str, text: str, *, count: int, length: int, new_tokens: 
     fp8 = Fp8Quantization.for_platform(jax.default_backend())
     runners = {
         name: ShardedCausalLM(
-            load_model(checkpoint, mesh, dtype=dtype, quantization=quantization), mesh
+            load_model(checkpoint, mesh, BuildOptions(dtype=dtype, quantization=quantization)), mesh
         )
         for name, dtype, quantization in (
             ("float32", jnp.float32, None),

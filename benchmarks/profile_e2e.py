@@ -25,6 +25,7 @@ from models.build import build_model
 from models.inputs.rows import pack_sequences
 from models.layers.attention.kv_cache import KVCache
 from models.layers.attention.self_attention import AttentionImpl
+from models.options import BuildOptions
 from models.serving.runtime import ShardedCausalLM
 
 from .bench_e2e import LLAMA3_8B, _decode_inputs, auto_mesh, baseline_params, make_baseline
@@ -49,10 +50,8 @@ def main() -> None:
         build_model(
             config,
             topology,
-            dtype=jnp.bfloat16,
-            attention=AttentionImpl.CUDNN,
+            BuildOptions(dtype=jnp.bfloat16, attention=AttentionImpl.CUDNN, scan_layers=args.scan),
             mesh=mesh,
-            scan_layers=args.scan,
         ),
         mesh,
     )

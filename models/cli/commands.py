@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import BinaryIO, TextIO
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from rich.console import Console
 
@@ -28,11 +27,9 @@ import boundary_jax as bj
 
 from ..build import build_model, load_model
 from ..config import PRESETS, DecoderConfig
-from ..decoder.model import CausalLM, Remat
+from ..decoder.model import CausalLM
 from ..distributed import is_first_process, require_everywhere
-from ..layers.attention.context_parallel import CpAttentionMode
 from ..layers.attention.self_attention import AttentionImpl
-from ..layers.hyper_connections import HyperConnections
 from ..pipeline import PipelineCausalLM, PipelineSplit, build_pipeline, load_pipeline
 from ..serving.runtime import ShardedCausalLM
 from ..serving.sampling import Sampling
@@ -99,97 +96,42 @@ def codec(args: argparse.Namespace, config: DecoderConfig) -> TextCodec:
 
 def build(
     args: argparse.Namespace, out: Console, *, attention: AttentionImpl | None = None
-) -> tuple[CausalLM, bj.Topology]:
-    """The model of `--checkpoint` or `--preset` on `--mesh` (after `source_config`)."""
+) -> CausalLM:
+    """The model of `--checkpoint` or `--preset` on `--mesh` (after `source_config`), built
+    with the command's `BuildOptions` (`attention`: a kernel the command requires)."""
     topology = options.topology(args)
-    dtype = jnp.dtype(args.dtype)
-    remat = getattr(args, "remat", Remat.NONE)
+    built = options.build_options(args, topology, attention=attention)
     directory = checkpoint_dir(args)
     if directory is not None:
         mesh = bj.make_mesh(topology)
         with status(out, f"loading {directory} onto {topology}"):
-            model = load_model(
-                directory,
-                mesh,
-                reduction=args.policy,
-                moe_ep=args.moe_ep,
-                moe_dispatch=args.moe_dispatch,
-                dtype=dtype,
-                remat=remat,
-                attention=attention,
-                scan_layers=args.scan_layers,
-                dense_ffn_dp=args.dense_ffn_dp,
-                quantization=options.quantization(args),
-                fusions=options.fusions(args, topology),
-                cp_attention=args.cp_attention or CpAttentionMode.ALL_GATHER,
-            )
-        return model, topology
-    hyper = None if args.hc_mult is None else _hyper_connections(args.hc_mult)
+            return load_model(directory, mesh, built, moe_ep=args.moe_ep)
     with status(out, f"building {args.preset} with random weights"):
-        model = build_model(
-            PRESETS[args.preset],
-            topology,
-            reduction=args.policy,
-            moe_dispatch=args.moe_dispatch,
-            dtype=dtype,
-            seed=getattr(args, "seed", 0),
-            remat=remat,
-            attention=attention,
-            hyper_connections=hyper,
-            scan_layers=args.scan_layers,
-            dense_ffn_dp=args.dense_ffn_dp,
-            quantization=options.quantization(args),
-            fusions=options.fusions(args, topology),
-            cp_attention=args.cp_attention or CpAttentionMode.ALL_GATHER,
-        )
-    return model, topology
-
-
-def _hyper_connections(hc_mult: int) -> HyperConnections:
-    try:
-        return HyperConnections(hc_mult=hc_mult)
-    except ValueError as error:
-        raise InputError(f"--hc-mult {hc_mult}: {error}") from None
+        return build_model(PRESETS[args.preset], topology, built, seed=getattr(args, "seed", 0))
 
 
 def build_stages(
     args: argparse.Namespace, out: Console, split: PipelineSplit
-) -> tuple[tuple[CausalLM, ...], bj.Topology]:
+) -> tuple[CausalLM, ...]:
     """The pipeline stages (`split`'s layers each) of `--checkpoint` or `--preset` on `--mesh`
     (after `source_config`); each process builds or reads only its own devices' weights."""
     topology = options.topology(args)
     mesh = bj.make_mesh(topology)
-    dtype = jnp.dtype(args.dtype)
+    built = options.build_options(args, topology)
     stages = f"{topology.pp} pipeline stages (layers {list(split.sizes)})"
     directory = checkpoint_dir(args)
     if directory is not None:
         with status(out, f"loading {directory} onto {topology} in {stages}"):
-            models = load_pipeline(
-                directory,
-                mesh,
-                split=split,
-                reduction=args.policy,
-                moe_ep=args.moe_ep,
-                moe_dispatch=args.moe_dispatch,
-                dtype=dtype,
-                fusions=options.fusions(args, topology),
-            )
-        return models, topology
-    hyper = None if args.hc_mult is None else _hyper_connections(args.hc_mult)
+            return load_pipeline(directory, mesh, built, split=split, moe_ep=args.moe_ep)
     with status(out, f"building {args.preset} with random weights in {stages}"):
-        models = build_pipeline(
+        return build_pipeline(
             PRESETS[args.preset],
             topology,
             mesh,
+            built,
             split=split,
-            reduction=args.policy,
-            moe_dispatch=args.moe_dispatch,
-            dtype=dtype,
             seed=getattr(args, "seed", 0),
-            hyper_connections=hyper,
-            fusions=options.fusions(args, topology),
         )
-    return models, topology
 
 
 def runner(
@@ -198,29 +140,18 @@ def runner(
     """The model of `build` placed on its mesh, or under `--mesh pp=N` (or `--pp-split`) the
     stages of `build_stages` on theirs (`config`: `source_config`'s)."""
     split = options.check_pipeline(args, config)
-    overlap = getattr(args, "two_batch_overlap", False)
+    mesh = bj.make_mesh(options.topology(args))
     if split is not None:
-        if overlap:
+        if getattr(args, "two_batch_overlap", False):
             raise InputError(
                 "--two-batch-overlap runs a whole model; pipeline stages already overlap their "
                 "microbatches. Drop one of them"
             )
-        stages, topology = build_stages(args, out, split)
+        stages = build_stages(args, out, split)
         return PipelineCausalLM(
-            stages,
-            bj.make_mesh(topology),
-            microbatches=args.microbatches,
-            input_scattered=args.input_scattered,
-            matmul_precision=args.matmul_precision,
+            stages, mesh, microbatches=args.microbatches, input_scattered=args.input_scattered
         )
-    model, topology = build(args, out)
-    return ShardedCausalLM(
-        model,
-        bj.make_mesh(topology),
-        input_scattered=args.input_scattered,
-        matmul_precision=args.matmul_precision,
-        two_batch_overlap=overlap,
-    )
+    return ShardedCausalLM(build(args, out), mesh, input_scattered=args.input_scattered)
 
 
 # -- inputs -----------------------------------------------------------------------------------

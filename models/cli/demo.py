@@ -28,6 +28,7 @@ from boundary_jax.report import KINDS
 from ..build import build_model
 from ..config import PRESETS, DecoderConfig, HybridConfig, HybridLayer
 from ..layers.attention.self_attention import AttentionImpl
+from ..options import BuildOptions
 from ..serving.runtime import ShardedCausalLM
 from .plan import batch_description, collective_report, middle_layer, middle_sparse_layer
 
@@ -224,10 +225,12 @@ def run_layout(
         model = build_model(
             config,
             topology,
-            reduction=layout.policy,
-            moe_dispatch=layout.moe_dispatch,
-            attention=AttentionImpl.for_platform(devices[0].platform),
-            dense_ffn_dp=layout.dense_ffn_dp,
+            BuildOptions(
+                reduction=layout.policy,
+                moe_dispatch=layout.moe_dispatch,
+                attention=AttentionImpl.for_platform(devices[0].platform),
+                dense_ffn_dp=layout.dense_ffn_dp,
+            ),
         )
         runner = ShardedCausalLM(
             model, bj.make_mesh(topology, devices), input_scattered=layout.input_scattered
@@ -240,7 +243,7 @@ def run_layout(
         logits = packed.unpack(jax.device_get(runner.forward_rows(packed)))
         step = _step_time(runner, packed)
     return {
-        "model": config.architecture.value,
+        "model": config.architecture,
         "layout": layout.name,
         "devices": devices_label(tuple(runner.mesh.devices.flat)),
         "device_ids": [device.id for device in runner.mesh.devices.flat],
@@ -305,7 +308,7 @@ def run_demo(
         single = bj.Topology()
         with console.status(f"{preset}: single-device reference"):
             with jax.default_device(devices.cpus[0]):
-                model = build_model(config, single, attention=AttentionImpl.XLA)
+                model = build_model(config, single, BuildOptions(attention=AttentionImpl.XLA))
             mesh = bj.make_mesh(single, devices.cpus[:1])
             expected = ShardedCausalLM(model, mesh).forward(prompts)
         middle = middle_sparse_layer(config.sparse_layers)

@@ -13,8 +13,12 @@ from jax import lax
 
 import boundary_jax as bj
 
-from ..config import DecoderConfig
+from ..config import DecoderConfig, family_of
+from ..layers.attention.context_parallel import CpAttentionMode
+from ..layers.attention.self_attention import AttentionImpl
 from ..layers.fp8_linear import Fp8Quantization
+from ..layers.hyper_connections import HyperConnections
+from ..options import BuildOptions, Remat
 from ..pipeline import PipelineSplit
 
 
@@ -174,6 +178,38 @@ def fusions(args: argparse.Namespace, topology: bj.Topology) -> bj.fusions.Fusio
     return bj.fusions.platform_fusions(topology)
 
 
+def build_options(
+    args: argparse.Namespace, topology: bj.Topology, *, attention: AttentionImpl | None = None
+) -> BuildOptions:
+    """The one `BuildOptions` of a command's options (`attention`: a kernel the command
+    requires, None for the platform's fastest)."""
+    return BuildOptions(
+        dtype=args.dtype,
+        matmul_precision=args.matmul_precision,
+        attention=attention,
+        reduction=args.policy,
+        fusions=fusions(args, topology),
+        remat=getattr(args, "remat", Remat.NONE),
+        scan_layers=args.scan_layers,
+        quantization=quantization(args),
+        cp_attention=args.cp_attention or CpAttentionMode.ALL_GATHER,
+        two_batch_overlap=getattr(args, "two_batch_overlap", False),
+        hyper_connections=hyper_connections(args.hc_mult),
+        moe_dispatch=args.moe_dispatch,
+        dense_ffn_dp=args.dense_ffn_dp,
+    )
+
+
+def hyper_connections(hc_mult: int | None) -> HyperConnections | None:
+    """`--hc-mult`: MHC hyper-connections of that many streams (None without it)."""
+    if hc_mult is None:
+        return None
+    try:
+        return HyperConnections(hc_mult=hc_mult)
+    except ValueError as error:
+        raise InputError(f"--hc-mult {hc_mult}: {error}") from None
+
+
 def check_devices(args: argparse.Namespace) -> list[jax.Device]:
     """The devices the mesh goes on: the default backend's, which must hold `--mesh`."""
     needed = math.prod(args.mesh.values())
@@ -220,8 +256,7 @@ def check_model(args: argparse.Namespace, config: DecoderConfig) -> None:
     experts = config.num_experts is not None
     if not experts and (args.moe_ep != 1 or args.moe_dispatch is not None):
         raise InputError(
-            f"{config.architecture.value} has no experts; --moe-ep and --moe-dispatch are for "
-            "MoE models"
+            f"{config.architecture} has no experts; --moe-ep and --moe-dispatch are for MoE models"
         )
     if args.hc_mult is not None and getattr(args, "quantize", None) is not None:
         raise InputError(
@@ -252,11 +287,11 @@ def check_context_parallel(args: argparse.Namespace, config: DecoderConfig) -> N
         (config.hybrid is not None, "Mamba2 layers"),
     )
     held = [kind for present, kind in kinds if present]
-    if held:
+    if not family_of(config).context_parallel:
         raise InputError(
             f"--mesh attn_cp={cp}: context parallelism is built for dense decoders; "
-            f"{config.architecture.value} has {' and '.join(held)}; use attn_cp=1 (split it "
-            "over attn_dp, attn_tp and pp)"
+            f"{config.architecture} has {' and '.join(held) or 'other layers'}; use attn_cp=1 "
+            "(split it over attn_dp, attn_tp and pp)"
         )
 
 
@@ -278,10 +313,10 @@ def check_pipeline(args: argparse.Namespace, config: DecoderConfig) -> PipelineS
         return None
     pp = args.mesh.get(bj.MeshAxis.PP.value, 1)
     where = f"--mesh {mesh_text(args.mesh)}"
-    if config.mla is not None or config.hybrid is not None:
+    if not family_of(config).pipeline_stages:
         kind = "latent attention" if config.mla is not None else "Mamba2 layers"
         raise InputError(
-            f"{where}: {config.architecture.value} ({kind}) is not built as pipeline stages (they "
+            f"{where}: {config.architecture} ({kind}) is not built as pipeline stages (they "
             "keep the KV caches of standard attention); run it with pp=1"
         )
     if args.mesh.get(bj.MeshAxis.ATTN_CP.value, 1) > 1:

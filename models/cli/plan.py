@@ -87,11 +87,11 @@ def plan_report(runner: ShardedCausalLM) -> dict[str, Any]:
         middle = middle_layer(count)
     per_layer = model.cache_bytes_per_token(runner.dtype)
     return {
-        "architecture": model.config.architecture.value,
+        "architecture": model.config.architecture,
         "mesh": runner.topology.mesh_shape(),
         "moe_ep": runner.topology.moe_ep,
         "moe_dispatch": model.moe_dispatch.value if isinstance(model, MoeCausalLM) else None,
-        "scan_layers": model.scan_layers,
+        "scan_layers": model.options.scan_layers,
         "policy": stages[0][2].policy.value,
         "batch": variant.value,
         "batch_tokens": PLAN_TOKENS,

@@ -79,7 +79,7 @@ def train(args: argparse.Namespace) -> None:
     keep = [] if source is None else [source / n for n in TEXT_FILES if (source / n).is_file()]
     out.log(f"{len(tokens):,} tokens of text encoded with {codec.description}")
     # Training runs XLA's attention (cuDNN's backward is not supported).
-    model, topology = commands.build(args, out, attention=AttentionImpl.XLA)
+    model = commands.build(args, out, attention=AttentionImpl.XLA)
     schedule = TrainConfig(
         learning_rate=args.lr,
         total_steps=args.steps,
@@ -87,10 +87,9 @@ def train(args: argparse.Namespace) -> None:
     )
     trainer = Trainer(
         model,
-        bj.make_mesh(topology),
+        bj.make_mesh(model.topology),
         schedule.optimizer(),
         input_scattered=args.input_scattered,
-        matmul_precision=args.matmul_precision,
     )
     del model
     run = _Run(args, trainer, tokens, length, hf_config, keep)

@@ -1,27 +1,27 @@
-"""Decoder configurations: the frozen config types, the Hugging Face `config.json` reader and
-writer, and the named presets."""
+"""Decoder configurations: the frozen types every family builds, how a Hugging Face checkpoint
+describes a model (the `config.json` readers' shared pieces in `hf`, tensor names in `tensors`),
+and the registry that finds a config's family (`registry`)."""
 
-from .deepseek import DeepseekRouting as DeepseekRouting
-from .deepseek import ExpertScoring as ExpertScoring
-from .deepseek import GroupScore as GroupScore
-from .deepseek import MlaConfig as MlaConfig
-from .hf import read_hf_config as read_hf_config
-from .hf import write_hf_config as write_hf_config
 from .hybrid import HybridConfig as HybridConfig
 from .hybrid import HybridLayer as HybridLayer
 from .hybrid import HybridMoeConfig as HybridMoeConfig
 from .hybrid import Mamba2Spec as Mamba2Spec
 from .hybrid import parse_pattern as parse_pattern
-from .presets import PRESETS as PRESETS
+from .mla import MlaConfig as MlaConfig
+from .registry import PRESETS as PRESETS
+from .registry import family_of as family_of
+from .registry import hf_name_map as hf_name_map
+from .registry import read_hf_config as read_hf_config
+from .registry import write_hf_config as write_hf_config
 from .rope_scaling import LinearRopeScaling as LinearRopeScaling
 from .rope_scaling import Llama3RopeScaling as Llama3RopeScaling
 from .rope_scaling import RopeScaling as RopeScaling
 from .rope_scaling import YarnRopeScaling as YarnRopeScaling
 from .rope_scaling import yarn_mscale as yarn_mscale
-from .types import MLA_ARCHITECTURES as MLA_ARCHITECTURES
-from .types import MOE_ARCHITECTURES as MOE_ARCHITECTURES
+from .routing import DeepseekRouting as DeepseekRouting
+from .routing import ExpertScoring as ExpertScoring
+from .routing import GroupScore as GroupScore
 from .types import Activation as Activation
-from .types import Architecture as Architecture
 from .types import AttentionKind as AttentionKind
 from .types import AttentionSpec as AttentionSpec
 from .types import DecoderConfig as DecoderConfig

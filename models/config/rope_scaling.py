@@ -1,9 +1,13 @@
-"""RoPE frequency scalings a config may name (Hugging Face `rope_type`: llama3, linear, yarn)."""
+"""RoPE frequency scalings a config may name (Hugging Face `rope_type`: llama3, linear, yarn), and
+the one reader and writer of a `config.json`'s RoPE keys every family shares."""
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
+from collections.abc import Mapping
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,3 +122,126 @@ class YarnRopeScaling:
 
 
 RopeScaling = Llama3RopeScaling | LinearRopeScaling | YarnRopeScaling
+
+
+class RopeType(enum.StrEnum):
+    """The RoPE kinds a `config.json` names (`rope_type`, or the legacy `type`)."""
+
+    DEFAULT = "default"
+    LINEAR = "linear"
+    LLAMA3 = "llama3"
+    YARN = "yarn"
+
+
+PLAIN_ROPE = frozenset({RopeType.DEFAULT, RopeType.LINEAR, RopeType.LLAMA3})
+"""The RoPE kinds whose cos and sin are unscaled (every kind but YaRN)."""
+
+
+def read_rope(
+    config: Mapping[str, Any], *, types: frozenset[RopeType] = PLAIN_ROPE
+) -> tuple[float, RopeScaling | None]:
+    """The RoPE base and frequency scaling of a `config.json` (as a dict).
+
+    Reads transformers 5's `rope_parameters` and the legacy top-level `rope_theta` +
+    `rope_scaling` (which wins where a file holds both). A YaRN `factor` defaults, as in
+    transformers, to `max_position_embeddings / original_max_position_embeddings`.
+
+    Args:
+      config: The config as a dict.
+      types: The RoPE kinds the family computes; any other is refused.
+
+    Raises:
+      ValueError: No `rope_theta`, a kind outside `types`, or a scaling missing a key.
+    """
+    parameters = config.get("rope_parameters") or {}
+    theta = parameters.get("rope_theta", config.get("rope_theta"))
+    if theta is None:
+        raise ValueError(
+            "config.json names no rope_theta (at the top level or in rope_parameters); it is "
+            "required to build the decoder"
+        )
+    scaling = config.get("rope_scaling") or parameters
+    return float(theta), rope_scaling(scaling, config, types=types)
+
+
+def rope_scaling(
+    scaling: Mapping[str, Any],
+    config: Mapping[str, Any] | None = None,
+    *,
+    types: frozenset[RopeType] = PLAIN_ROPE,
+) -> RopeScaling | None:
+    """The frequency scaling one RoPE entry names (None for `default`); `config` gives a YaRN
+    factor's default.
+
+    Raises:
+      ValueError: A kind outside `types`, or a scaling missing a key.
+    """
+    name = scaling.get("rope_type", scaling.get("type", RopeType.DEFAULT.value))
+    if name not in {kind.value for kind in types}:
+        supported = ", ".join(repr(kind.value) for kind in sorted(types))
+        raise ValueError(f"RoPE type {name!r} is not supported; supported: {supported}")
+    kind = RopeType(name)
+    if kind is RopeType.DEFAULT:
+        return None
+    required = {
+        RopeType.LINEAR: ("factor",),
+        RopeType.LLAMA3: (
+            "factor",
+            "low_freq_factor",
+            "high_freq_factor",
+            "original_max_position_embeddings",
+        ),
+        RopeType.YARN: ("original_max_position_embeddings",),
+    }[kind]
+    missing = [key for key in required if key not in scaling]
+    if missing:
+        raise ValueError(f"{kind.value} RoPE scaling is missing {missing}; got {dict(scaling)!r}")
+    if kind is RopeType.LINEAR:
+        return LinearRopeScaling(float(scaling["factor"]))
+    if kind is RopeType.LLAMA3:
+        return Llama3RopeScaling(
+            factor=float(scaling["factor"]),
+            low_freq_factor=float(scaling["low_freq_factor"]),
+            high_freq_factor=float(scaling["high_freq_factor"]),
+            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+        )
+    original = int(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor")
+    if factor is None:
+        if config is None or config.get("max_position_embeddings") is None:
+            raise ValueError(f"yarn RoPE scaling has no factor; got {dict(scaling)!r}")
+        factor = config["max_position_embeddings"] / original
+    return YarnRopeScaling(
+        factor=float(factor),
+        original_max_position_embeddings=original,
+        beta_fast=float(scaling.get("beta_fast") or 32),
+        beta_slow=float(scaling.get("beta_slow") or 1),
+        mscale=scaling.get("mscale"),
+        mscale_all_dim=scaling.get("mscale_all_dim"),
+        explicit_attention_factor=scaling.get("attention_factor"),
+        truncate=bool(scaling.get("truncate", True)),
+    )
+
+
+def rope_parameters(theta: float | None, scaling: RopeScaling | None) -> dict[str, Any]:
+    """transformers 5's `rope_parameters` of a RoPE base and scaling (`read_rope` reads it
+    back)."""
+    rope: dict[str, Any] = {"rope_theta": theta, "rope_type": RopeType.DEFAULT.value}
+    if isinstance(scaling, YarnRopeScaling):
+        yarn = {
+            "rope_type": RopeType.YARN.value,
+            "factor": scaling.factor,
+            "original_max_position_embeddings": scaling.original_max_position_embeddings,
+            "beta_fast": scaling.beta_fast,
+            "beta_slow": scaling.beta_slow,
+            "mscale": scaling.mscale,
+            "mscale_all_dim": scaling.mscale_all_dim,
+            "attention_factor": scaling.explicit_attention_factor,
+            "truncate": scaling.truncate,
+        }
+        rope |= {key: value for key, value in yarn.items() if value is not None}
+    elif isinstance(scaling, LinearRopeScaling):
+        rope |= {"rope_type": RopeType.LINEAR.value, "factor": scaling.factor}
+    elif isinstance(scaling, Llama3RopeScaling):
+        rope |= dataclasses.asdict(scaling) | {"rope_type": RopeType.LLAMA3.value}
+    return rope

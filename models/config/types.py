@@ -1,57 +1,23 @@
 """Frozen decoder configurations: the types every family, reader and preset builds.
 
-Dense decoders (Qwen3, Llama, Mistral, Qwen2), post-norm and sandwich-norm decoders (EXAONE 4.0,
-OLMo 2, Gemma 3 text), mixture-of-experts decoders (Qwen3-MoE, Mixtral, Qwen2-MoE) and hybrid
-stacks of single-stage layers (Nemotron-H) read into one `DecoderConfig`; the sparse FFN's facts
-sit in its `moe` field, a hybrid stack's in its `hybrid` field, and what differs between the
-attention of one layer and another (window, RoPE) is `DecoderConfig.layer_attention`.
+Every family reads its Hugging Face config into one `DecoderConfig`: dense, post-norm and
+sandwich-norm decoders, mixture-of-experts decoders and hybrid stacks of single-stage layers; the
+sparse FFN's facts sit in its `moe` field, a hybrid stack's in its `hybrid` field, and what
+differs between the attention of one layer and another (window, RoPE) is
+`DecoderConfig.layer_attention`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-import math
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
-if TYPE_CHECKING:
-    from .deepseek import DeepseekRouting, MlaConfig
-
+from . import registry
 from .hybrid import HybridConfig, HybridLayer
+from .mla import MlaConfig
 from .rope_scaling import RopeScaling
-
-
-class Architecture(enum.StrEnum):
-    """The Hugging Face model classes a `DecoderConfig` can describe."""
-
-    QWEN3 = "Qwen3ForCausalLM"
-    LLAMA = "LlamaForCausalLM"
-    MISTRAL = "MistralForCausalLM"
-    QWEN2 = "Qwen2ForCausalLM"
-    QWEN3_MOE = "Qwen3MoeForCausalLM"
-    MIXTRAL = "MixtralForCausalLM"
-    QWEN2_MOE = "Qwen2MoeForCausalLM"
-    EXAONE4 = "Exaone4ForCausalLM"
-    OLMO2 = "Olmo2ForCausalLM"
-    GEMMA3 = "Gemma3ForCausalLM"
-    NEMOTRON_H = "NemotronHForCausalLM"
-    DEEPSEEK_V2 = "DeepseekV2ForCausalLM"
-    DEEPSEEK_V3 = "DeepseekV3ForCausalLM"
-    LONGCAT_FLASH = "LongcatFlashForCausalLM"
-
-
-MLA_ARCHITECTURES = (
-    Architecture.DEEPSEEK_V2,
-    Architecture.DEEPSEEK_V3,
-    Architecture.LONGCAT_FLASH,
-)
-"""The architectures whose attention is multi-head latent attention (`DecoderConfig.mla`)."""
-MOE_ARCHITECTURES = (
-    Architecture.QWEN3_MOE,
-    Architecture.MIXTRAL,
-    Architecture.QWEN2_MOE,
-    *MLA_ARCHITECTURES,
-)
+from .routing import DeepseekRouting
 
 
 class ResidualDesign(enum.Enum):
@@ -59,20 +25,12 @@ class ResidualDesign(enum.Enum):
 
     PRE_NORM: each stage reads `norm(residual)`; the update is `residual + output`.
     POST_NORM: each stage reads the residual as is; the update is `residual + norm(output)`
-      (EXAONE 4.0, OLMo 2).
-    SANDWICH: pre-norm read, and a norm of the complete output before the plain update (Gemma 3).
+    SANDWICH: pre-norm read, and a norm of the complete output before the plain update.
     """
 
     PRE_NORM = "pre-norm"
     POST_NORM = "post-norm"
     SANDWICH = "sandwich"
-
-
-_RESIDUAL_DESIGNS = {
-    Architecture.EXAONE4: ResidualDesign.POST_NORM,
-    Architecture.OLMO2: ResidualDesign.POST_NORM,
-    Architecture.GEMMA3: ResidualDesign.SANDWICH,
-}
 
 
 class AttentionKind(enum.StrEnum):
@@ -88,6 +46,11 @@ class Activation(enum.StrEnum):
     SILU = "silu"
     GELU_TANH = "gelu_pytorch_tanh"
 
+    @property
+    def label(self) -> str:
+        """The activation's name in messages."""
+        return {Activation.SILU: "SiLU", Activation.GELU_TANH: "tanh GELU"}[self]
+
 
 @dataclasses.dataclass(frozen=True)
 class MoeConfig:
@@ -97,14 +60,14 @@ class MoeConfig:
       num_experts: Routed experts per sparse layer (HF `num_experts` / `num_local_experts`).
       top_k: Experts each token is sent to (HF `num_experts_per_tok`).
       expert_intermediate_size: Width of one routed expert's SwiGLU (HF `moe_intermediate_size`;
-        Mixtral's `intermediate_size`).
-      renormalize: The top-k router probabilities are divided by their sum (Mixtral always;
-        Qwen3-MoE and Qwen2-MoE where `norm_topk_prob`); otherwise they are the softmax over all
+        the `intermediate_size` of a family whose every layer is sparse).
+      renormalize: The top-k router probabilities are divided by their sum (HF
+        `norm_topk_prob`, or always for some families); otherwise they are the softmax over all
         experts as is.
       shared_expert_intermediate_size: Width of the shared expert every token also goes
-        through, or None without one (Qwen2-MoE has one).
+        through, or None without one.
       shared_expert_gate: The shared expert's output is scaled by
-        `sigmoid(x @ shared_expert_gate)` per token (Qwen2-MoE).
+        `sigmoid(x @ shared_expert_gate)` per token.
       mlp_only_layers: Layers whose FFN is dense (HF `mlp_only_layers`).
       decoder_sparse_step: Layer i is sparse when (i + 1) % decoder_sparse_step == 0 and it is
         not in `mlp_only_layers`; the others run the dense FFN of width `intermediate_size`.
@@ -194,7 +157,7 @@ class LayerAttention:
     Attributes:
       sliding_window: A row at position p attends to positions p - sliding_window < q <= p;
         None for full causal attention.
-      rope_theta: RoPE base; None for no rotary embedding (EXAONE 4.0's global layers).
+      rope_theta: RoPE base; None for no rotary embedding.
       rope_scaling: Frequency scaling of the RoPE, or None.
     """
 
@@ -206,8 +169,8 @@ class LayerAttention:
 class QkNorm(enum.Enum):
     """Where the RMSNorm of the queries and keys (before RoPE) runs.
 
-    PER_HEAD: over each head, one [head_dim] weight (Qwen3, EXAONE 4.0, Gemma 3).
-    WHOLE_PROJECTION: over all heads of the q or k projection, one weight per column (OLMo 2).
+    PER_HEAD: over each head, one [head_dim] weight.
+    WHOLE_PROJECTION: over all heads of the q or k projection, one weight per column.
     """
 
     PER_HEAD = "per-head"
@@ -229,10 +192,10 @@ class AttentionSpec:
       rope_scaling: Frequency scaling of the RoPE, or None.
       qk_norm: Where the q/k RMSNorms run, or None for none.
       norm_eps: The q/k norms' epsilon.
-      gemma_norms: The q/k norms scale by `1 + weight` (Gemma).
-      scale: The factor of the attention scores (`head_dim ** -0.5`, or Gemma 3's
+      unit_offset_norms: The q/k norms scale by `1 + weight`.
+      scale: The factor of the attention scores (`head_dim ** -0.5`, or
         `query_pre_attn_scalar ** -0.5`).
-      qkv_bias: The q, k and v projections add a bias (Qwen2); o has none.
+      qkv_bias: The q, k and v projections add a bias; o has none.
       init_std: The standard deviation the projections are drawn with (HF `initializer_range`).
     """
 
@@ -245,7 +208,7 @@ class AttentionSpec:
     rope_scaling: RopeScaling | None
     qk_norm: QkNorm | None
     norm_eps: float
-    gemma_norms: bool
+    unit_offset_norms: bool
     scale: float
     qkv_bias: bool
     init_std: float
@@ -253,52 +216,59 @@ class AttentionSpec:
 
 @dataclasses.dataclass(frozen=True)
 class DecoderConfig:
-    """The architecture of a decoder (Qwen3, Llama, Mistral, Qwen2 and the MoE ones): static and
-    hashable.
+    """The architecture of a decoder, as its family read it from a Hugging Face `config.json`:
+    static and hashable. Every fact is a layer option (a norm's `1 + w`, the residual design,
+    the embedding scale), so the layers never ask which family they are in.
 
     Attributes:
-      architecture: The Hugging Face class the weights come from.
+      architecture: The Hugging Face class the weights come from (`config.json`'s
+        `architectures` entry, e.g. "DeepseekV3ForCausalLM"): the registered family that builds it
+        (`models.config.registry`) checks the config on construction.
       vocab_size: Number of token ids (unpadded).
       hidden_size: Width of the residual stream.
-      intermediate_size: Width of the dense SwiGLU FFN (in an MoE decoder, that of its dense
-        layers; Mixtral has none and repeats its expert width here, as its config.json does).
+      intermediate_size: Width of the dense FFN (in an MoE decoder, that of its dense layers; a
+        family without dense layers may repeat its expert width here, as its config.json does).
       num_layers: Number of decoder layers.
       num_heads: Query heads.
       num_kv_heads: Key/value heads; query head j uses kv head j // (num_heads // num_kv_heads).
       head_dim: Width of one head (may differ from hidden_size // num_heads).
       rms_norm_eps: Epsilon of every RMSNorm, q/k norms included.
       rope_theta: RoPE base.
-      rope_scaling: Llama 3 frequency scaling, or None for plain RoPE.
-      qk_norm: Qwen3-style RMSNorm of every query and key head before RoPE.
+      rope_scaling: Frequency scaling of the RoPE, or None for plain RoPE.
+      qk_norm: An RMSNorm of the queries and keys before RoPE (per head, or with
+        `qk_norm_whole` over the whole projection).
       tie_word_embeddings: The LM head reuses the embedding table.
       sliding_window: A row at position p attends to positions p - sliding_window < q <= p;
         None for full causal attention.
       max_position_embeddings: Longest context the model supports.
-      qkv_bias: The q, k and v projections add a bias (Qwen2, Qwen2-MoE); o has none.
+      qkv_bias: The q, k and v projections add a bias; o has none.
       moe: The sparse FFN of an MoE decoder, or None for a dense decoder.
       layer_types: Per layer, full or sliding-window attention; None: every layer slides when
         `sliding_window` is set, none otherwise.
-      rope_local_theta: RoPE base of the sliding-window layers (Gemma 3's local base, without
+      rope_local_theta: RoPE base of the sliding-window layers (a local base, without
         `rope_scaling`); None: they use `rope_theta` and `rope_scaling` like the others.
-      nope_full_layers: The full-attention layers apply no RoPE (EXAONE 4.0 with a window).
-      qk_norm_whole: The q/k norms span the whole projection (all heads; OLMo 2) instead of each
-        head; needs `qk_norm`.
-      query_pre_attn_scalar: Attention scores are scaled by its inverse square root (Gemma 3);
-        None: by `head_dim ** -0.5`.
-      activation: The gated MLP's activation (SiLU: SwiGLU; GELU tanh: Gemma's GeGLU).
+      nope_full_layers: The full-attention layers apply no RoPE.
+      qk_norm_whole: The q/k norms span the whole projection (all heads) instead of each head;
+        needs `qk_norm`.
+      query_pre_attn_scalar: Attention scores are scaled by its inverse square root; None: by
+        `head_dim ** -0.5`.
+      activation: The gated MLP's activation (SiLU: SwiGLU; GELU tanh: GeGLU).
       initializer_range: The standard deviation of a fresh model's projections, embeddings and
-        experts (HF `initializer_range`; norms start at ones, Gemma's `1 + w` norms at zeros).
-      hybrid: A hybrid stack's layer pattern and the facts of its Mamba2 and MoE layers (Nemotron-H:
-        one stage per layer; `intermediate_size` is the relu^2 MLP's width, and attention
-        applies no positional encoding), or None for a decoder of attention + FFN layers.
-      mla: The multi-head latent attention of every layer (DeepSeek-V2 / V3, LongCat-Flash,
-        `config.deepseek.MlaConfig`), or None for grouped-query attention; with it, `num_heads`
-        is its heads, `num_kv_heads` the same, `head_dim` its query/key width and the RoPE
-        its RoPE. A LongCat-Flash layer holds two latent attentions, two dense FFNs of width
-        `intermediate_size` and one MoE (`models.families.longcat`).
+        experts (HF `initializer_range`; norms start at ones, `1 + w` norms at zeros).
+      hybrid: A hybrid stack's layer pattern and the facts of its Mamba2 and MoE layers (one
+        stage per layer; `intermediate_size` is the relu^2 MLP's width, and attention applies
+        no positional encoding), or None for a decoder of attention + FFN layers.
+      mla: The multi-head latent attention of every layer (`config.mla.MlaConfig`), or None
+        for grouped-query attention; with it, `num_heads` is its heads, `num_kv_heads` the
+        same, `head_dim` its query/key width and the RoPE its RoPE.
+      residual_design: Where each layer's norms sit around its stages.
+      unit_offset_norms: Every RMSNorm (q/k norms and the final norm too) scales by
+        `1 + weight`.
+      embedding_scale: The factor the embedding's output is multiplied by (in the embedding's
+        dtype), or None.
     """
 
-    architecture: Architecture
+    architecture: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -324,8 +294,16 @@ class DecoderConfig:
     initializer_range: float = 0.02
     hybrid: HybridConfig | None = None
     mla: MlaConfig | None = None
+    residual_design: ResidualDesign = ResidualDesign.PRE_NORM
+    unit_offset_norms: bool = False
+    embedding_scale: float | None = None
 
     def __post_init__(self):
+        if not isinstance(self.architecture, str) or not self.architecture:
+            raise TypeError(
+                "DecoderConfig.architecture is the Hugging Face class name, e.g. "
+                f"'DeepseekV3ForCausalLM'; got {self.architecture!r}"
+            )
         for name in (
             "vocab_size",
             "hidden_size",
@@ -350,12 +328,6 @@ class DecoderConfig:
             )
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be positive or None; got {self.sliding_window}")
-        if (self.moe is not None) != (self.architecture in MOE_ARCHITECTURES):
-            raise ValueError(
-                f"{self.architecture.value} {'needs' if self.moe is None else 'takes no'} MoE "
-                f"settings; got moe={self.moe!r}. Mixture-of-experts architectures are "
-                f"{[a.value for a in MOE_ARCHITECTURES]}"
-            )
         if self.moe is not None and any(i >= self.num_layers for i in self.moe.mlp_only_layers):
             raise ValueError(
                 f"mlp_only_layers must name layers below num_layers={self.num_layers}; got "
@@ -385,16 +357,16 @@ class DecoderConfig:
             )
         if not self.initializer_range > 0:
             raise ValueError(f"initializer_range must be positive; got {self.initializer_range}")
+        if self.embedding_scale is not None and not self.embedding_scale > 0:
+            raise ValueError(
+                f"embedding_scale must be positive or None; got {self.embedding_scale}"
+            )
         self._check_hybrid()
         self._check_mla()
+        registry.family_named(self.architecture).check_config(self)
 
     def _check_hybrid(self) -> None:
         hybrid = self.hybrid
-        if (hybrid is not None) != (self.architecture is Architecture.NEMOTRON_H):
-            raise ValueError(
-                f"{self.architecture.value} {'needs' if hybrid is None else 'takes no'} hybrid "
-                f"layer settings; got hybrid={hybrid!r}. Hybrid stacks are NemotronHForCausalLM"
-            )
         if hybrid is None:
             return
         if len(hybrid.layers) != self.num_layers:
@@ -415,19 +387,8 @@ class DecoderConfig:
             )
 
     def _check_mla(self) -> None:
-        """DeepSeek's facts agree: MLA and DeepSeek routing exactly on its architectures, the
-        attention's shapes and RoPE those of the decoder, dense layers first."""
-        mla, deepseek = self.mla, self.architecture in MLA_ARCHITECTURES
-        if (mla is not None) != deepseek or (
-            deepseek and (self.moe is None or self.moe.routing is None)
-        ):
-            raise ValueError(
-                f"{self.architecture.value}: multi-head latent attention (mla) and DeepSeek "
-                f"routing (moe.routing) are exactly the {[a.value for a in MLA_ARCHITECTURES]} "
-                f"facts; got mla={mla!r}, moe={self.moe!r}"
-            )
-        if self.moe is not None and self.moe.routing is not None and not deepseek:
-            raise ValueError(f"{self.architecture.value} takes no DeepSeek routing rule")
+        """The latent attention's shapes and RoPE are those of the decoder."""
+        mla = self.mla
         if mla is None:
             return
         shapes = (mla.hidden_size, mla.num_heads, mla.num_heads, mla.qk_head_dim)
@@ -441,29 +402,6 @@ class DecoderConfig:
                 f"a config of hidden_size={self.hidden_size}, num_heads={self.num_heads}, "
                 f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
             )
-        dense = self.moe.mlp_only_layers
-        if dense != tuple(range(len(dense))) or self.moe.decoder_sparse_step != 1:
-            raise ValueError(
-                "DeepSeek's dense layers are the first first_k_dense_replace ones, the rest "
-                f"sparse; got mlp_only_layers={dense}, "
-                f"decoder_sparse_step={self.moe.decoder_sparse_step}"
-            )
-
-    @property
-    def residual_design(self) -> ResidualDesign:
-        """Where the architecture's norms sit around each stage."""
-        return _RESIDUAL_DESIGNS.get(self.architecture, ResidualDesign.PRE_NORM)
-
-    @property
-    def gemma_norms(self) -> bool:
-        """Every RMSNorm (q/k norms and the final norm too) scales by `1 + weight` (Gemma)."""
-        return self.architecture is Architecture.GEMMA3
-
-    @property
-    def embedding_scale(self) -> float | None:
-        """The factor the embedding's output is multiplied by (Gemma: sqrt(hidden_size), in the
-        embedding's dtype), or None."""
-        return math.sqrt(self.hidden_size) if self.architecture is Architecture.GEMMA3 else None
 
     def layer_kind(self, layer: int) -> AttentionKind:
         """Whether layer `layer` (0-based) attends fully or within the sliding window."""
@@ -501,7 +439,7 @@ class DecoderConfig:
             rope_scaling=attention.rope_scaling,
             qk_norm=qk_norm,
             norm_eps=self.rms_norm_eps,
-            gemma_norms=self.gemma_norms,
+            unit_offset_norms=self.unit_offset_norms,
             scale=scalar**-0.5,
             qkv_bias=self.qkv_bias,
             init_std=self.initializer_range,

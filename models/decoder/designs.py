@@ -104,10 +104,10 @@ class NormSpec:
 
     hidden: int
     eps: float
-    gemma: bool = False
+    unit_offset: bool = False
 
     def rms_norm(self, dtype: jnp.dtype) -> bj.RMSNorm:
-        return bj.RMSNorm(self.hidden, eps=self.eps, gemma=self.gemma, param_dtype=dtype)
+        return bj.RMSNorm(self.hidden, eps=self.eps, gemma=self.unit_offset, param_dtype=dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +132,7 @@ class PreNorm:
 @dataclasses.dataclass(frozen=True)
 class PostNorm:
     """Each stage reads the residual as is; its update is `residual + norm(output)` (HF
-    `post_attention_layernorm`, `post_feedforward_layernorm`; EXAONE 4.0, OLMo 2). The update
+    `post_attention_layernorm`, `post_feedforward_layernorm`). The update
     is not plain, so the sum an output owes completes before it."""
 
     norm: NormSpec
@@ -156,14 +156,14 @@ class PostNorm:
     def _update(self, dtype: jnp.dtype) -> designs.PostNormUpdate:
         norm = self.norm
         return designs.PostNormUpdate(
-            norm.hidden, eps=norm.eps, gemma=norm.gemma, param_dtype=dtype
+            norm.hidden, eps=norm.eps, gemma=norm.unit_offset, param_dtype=dtype
         )
 
 
 @dataclasses.dataclass(frozen=True)
 class Sandwich:
     """Each stage reads `norm(residual)` and normalizes its complete output before the plain add
-    (Gemma 3: `input_layernorm` / `post_attention_layernorm`, `pre_feedforward_layernorm` /
+    (HF `input_layernorm` / `post_attention_layernorm`, `pre_feedforward_layernorm` /
     `post_feedforward_layernorm`). Where the sum is left to the next input, the output norm
     travels with it and runs once the sum completes there."""
 

@@ -1,16 +1,24 @@
-"""What the decoder layers that start with an attention stage share: entering the layer (plainly
-or captured) and running an attention on the step's token rows."""
+"""Decoder layers: what the layers that start with an attention stage share (entering the layer,
+plainly or captured, and attending on the step's token rows), and the attention + FFN layer."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 import boundary_jax as bj
 
 from ..inputs.rows import TokenRows
+from ..layers.attention.kv_cache import KVCache
+from ..layers.attention.self_attention import Attention
+from .designs import LayerDesign, StageDesigns
+
+Declare = Callable[[StageDesigns], tuple[bj.StageDeclaration, ...]]
+"""A layer's stage declarations, from what its residual design built (`CausalLM.stage_facts`)."""
 
 
 def attend_rows(
@@ -60,3 +68,69 @@ class AttentionFirstLayer(nnx.Module):
         h, stream, hidden = self.attn_boundary.prepare_captured(x, stream, gathered=True)
         x, stream, cache = self.run_stages(h, stream, rows, cache)
         return x, stream, cache, hidden
+
+
+class DecoderLayer(AttentionFirstLayer):
+    """Attention + an FFN, joined to its neighbours by two stage boundaries; the norms around
+    them are the layer's own modules, placed as the model's residual design says.
+
+    Attributes:
+      attn: Self-attention returning its o_proj partial.
+      mlp: The FFN (a SwiGLU here) returning its down_proj partial.
+      attn_boundary: The boundary before and after attention.
+      ffn_boundary: The boundary before and after the FFN.
+      input_norm, post_attn_norm, ...: The residual design's modules (`designs.LayerDesign`):
+        HF `input_layernorm` is `input_norm`, `post_attention_layernorm` `post_attn_norm`,
+        `pre_feedforward_layernorm` `pre_ffn_norm`, `post_feedforward_layernorm`
+        `post_ffn_norm`.
+    """
+
+    def __init__(
+        self,
+        attn: Attention,
+        mlp: nnx.Module,
+        *,
+        design: LayerDesign,
+        declare: Declare,
+        dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+    ):
+        self.attn = attn
+        self.mlp = mlp
+        stages = design.attach(self, dtype=dtype, rngs=rngs)
+        attn_stage, ffn_stage = declare(stages)
+        self.attn_boundary, self.ffn_boundary = bj.append_stages(
+            (attn_stage, stages.attn_norm), (ffn_stage, stages.ffn_norm), owner=self
+        )
+
+    def stages(self) -> tuple[tuple[str, bj.StageBoundary], ...]:
+        """The layer's stage boundaries by name, in stack order (for plan reports)."""
+        return ("attention", self.attn_boundary), ("ffn", self.ffn_boundary)
+
+    def run_stages(
+        self, h: jax.Array, stream: bj.ResidualStream, rows: TokenRows, cache: KVCache | None
+    ) -> tuple[bj.OwedOutput, bj.ResidualStream, KVCache | None]:
+        """The layer after its attention input: attention and its exit, the FFN's input, the
+        FFN and its exit."""
+        y, cache = self.attend(h, rows, cache)
+        x, stream = self.attn_boundary.finish(y, stream)
+        h, stream = self.ffn_boundary.prepare(x, stream)
+        x, stream = self.run_ffn(h, stream)
+        return x, stream, cache
+
+    def attend(
+        self, h: jax.Array, rows: TokenRows, cache: KVCache | None
+    ) -> tuple[jax.Array, KVCache | None]:
+        """The attention's compute: its o_proj partial on `h`'s rows, and the updated cache."""
+        return attend_rows(self.attn, h, rows, cache)
+
+    def run_ffn(
+        self, h: jax.Array, stream: bj.ResidualStream
+    ) -> tuple[bj.OwedOutput, bj.ResidualStream]:
+        """The FFN's compute and exit; a layer whose FFN may hand on a finalize overrides it."""
+        return self.ffn_boundary.finish(self.mlp(h), stream)
+
+    def ffn_compute(self, h: jax.Array) -> jax.Array:
+        """The FFN's compute alone, its output finalized (for an exit run apart from compute,
+        as two-batch overlap's `complete_now`)."""
+        return self.mlp(h)

@@ -1,19 +1,17 @@
-"""Qwen3, Llama (also Mistral-style) and Qwen2 decoders built only from stage boundaries.
+"""The causal LM every family builds on: one layer stack of attention + FFN layers between a
+vocab-parallel embedding and a final norm, built only from stage boundaries.
 
-(Over 600 lines: `CausalLM` is the base of every family; its construction, pipeline-stage
-hooks, decode caches and the forward variants the runtimes call stay on one class.)
-
-Each layer appends an attention stage and an FFN stage to the model's layer stack; the model
-enters the stack with the vocab-parallel embedding's partial sum and leaves it through the final
-norm. Compute never sums: every sum a stage owes is completed by a boundary. Where the norms sit
-around each stage is the family's residual design (`models.families.designs`): each layer builds
-it as its own modules and declares its stages with the model's `stage_facts`.
+Each layer appends its stages to the model's layer stack; the model enters the stack with the
+embedding's partial sum and leaves it through the final norm. Compute never sums: every sum a
+stage owes is completed by a boundary. Where the norms sit around each stage is the config's
+residual design (`models.decoder.designs`): each layer builds it as its own modules and declares
+its stages with the model's `stage_facts`. A family's file subclasses `CausalLM` with its
+Hugging Face form (`models.decoder.family.FamilyBase`) and the layers it brings.
 """
 
 from __future__ import annotations
 
-import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -23,15 +21,15 @@ from jax.sharding import Mesh
 import boundary_jax as bj
 from boundary_jax import residual
 
-from ..config import Architecture, DecoderConfig, ResidualDesign
+from ..config import DecoderConfig, ResidualDesign
 from ..inputs.rows import TokenRows
-from ..layers.attention.context_parallel import CpAttentionMode, share_over_cp
+from ..layers.attention.context_parallel import share_over_cp
 from ..layers.attention.kv_cache import KVCache
-from ..layers.attention.self_attention import Attention, AttentionImpl, HeadSplit
-from ..layers.fp8_linear import Fp8Linears, Fp8Quantization
-from ..layers.hyper_connections import HyperConnections
+from ..layers.attention.self_attention import Attention, HeadSplit
+from ..layers.fp8_linear import Fp8Linears
 from ..layers.linear import DENSE_LINEARS, Linears, ParallelLMHead, VocabParallelEmbedding
 from ..layers.mlp import SwiGLU
+from ..options import BuildOptions, Remat
 from .designs import (
     HyperConnected,
     LayerDesign,
@@ -41,178 +39,66 @@ from .designs import (
     Sandwich,
     StageDesigns,
 )
-from .layer import AttentionFirstLayer, attend_rows
+from .family import FamilyBase
+from .layer import DecoderLayer
 from .quantized import quantized_reads
 
-Declare = Callable[[StageDesigns], tuple[bj.StageDeclaration, ...]]
-"""A layer's stage declarations, from what its residual design built (`CausalLM.stage_facts`)."""
 
-
-class Remat(enum.Enum):
-    """What each decoder layer keeps for the backward pass (`jax.checkpoint` per layer).
-
-    NONE: every activation is kept (no recomputation).
-    FULL: only each layer's inputs are kept; the backward recomputes the layer.
-    DOTS: the layer's matmul outputs are kept, the rest (norms, activations, softmax) is
-      recomputed (`jax.checkpoint_policies.dots_with_no_batch_dims_saveable`).
-    """
-
-    NONE = "none"
-    FULL = "full"
-    DOTS = "dots"
-
-    def policy(self) -> Callable | None:
-        """The `jax.checkpoint` policy (None: save nothing); only for FULL and DOTS."""
-        if self is Remat.DOTS:
-            return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
-        return None
-
-
-class DecoderLayer(AttentionFirstLayer):
-    """Attention + an FFN, joined to its neighbours by two stage boundaries; the norms around
-    them are the layer's own modules, placed as the model's residual design says.
-
-    Attributes:
-      attn: Self-attention returning its o_proj partial.
-      mlp: The FFN (a SwiGLU here) returning its down_proj partial.
-      attn_boundary: The boundary before and after attention.
-      ffn_boundary: The boundary before and after the FFN.
-      input_norm, post_attn_norm, ...: The residual design's modules (`designs.LayerDesign`):
-        HF `input_layernorm` is `input_norm`, `post_attention_layernorm` `post_attn_norm`,
-        `pre_feedforward_layernorm` `pre_ffn_norm`, `post_feedforward_layernorm`
-        `post_ffn_norm`.
-    """
-
-    def __init__(
-        self,
-        attn: Attention,
-        mlp: nnx.Module,
-        *,
-        design: LayerDesign,
-        declare: Declare,
-        dtype: jnp.dtype,
-        rngs: nnx.Rngs,
-    ):
-        self.attn = attn
-        self.mlp = mlp
-        stages = design.attach(self, dtype=dtype, rngs=rngs)
-        attn_stage, ffn_stage = declare(stages)
-        self.attn_boundary, self.ffn_boundary = bj.append_stages(
-            (attn_stage, stages.attn_norm), (ffn_stage, stages.ffn_norm), owner=self
-        )
-
-    def stages(self) -> tuple[tuple[str, bj.StageBoundary], ...]:
-        """The layer's stage boundaries by name, in stack order (for plan reports)."""
-        return ("attention", self.attn_boundary), ("ffn", self.ffn_boundary)
-
-    def run_stages(
-        self, h: jax.Array, stream: bj.ResidualStream, rows: TokenRows, cache: KVCache | None
-    ) -> tuple[bj.OwedOutput, bj.ResidualStream, KVCache | None]:
-        """The layer after its attention input: attention and its exit, the FFN's input, the
-        FFN and its exit."""
-        y, cache = self.attend(h, rows, cache)
-        x, stream = self.attn_boundary.finish(y, stream)
-        h, stream = self.ffn_boundary.prepare(x, stream)
-        x, stream = self.run_ffn(h, stream)
-        return x, stream, cache
-
-    def attend(
-        self, h: jax.Array, rows: TokenRows, cache: KVCache | None
-    ) -> tuple[jax.Array, KVCache | None]:
-        """The attention's compute: its o_proj partial on `h`'s rows, and the updated cache."""
-        return attend_rows(self.attn, h, rows, cache)
-
-    def run_ffn(
-        self, h: jax.Array, stream: bj.ResidualStream
-    ) -> tuple[bj.OwedOutput, bj.ResidualStream]:
-        """The FFN's compute and exit; a layer whose FFN may hand on a finalize overrides it."""
-        return self.ffn_boundary.finish(self.mlp(h), stream)
-
-    def ffn_compute(self, h: jax.Array) -> jax.Array:
-        """The FFN's compute alone, its output finalized (for an exit run apart from compute,
-        as two-batch overlap's `complete_now`)."""
-        return self.mlp(h)
-
-
-class CausalLM(nnx.Module):
-    """A dense decoder LM over packed token rows; runs inside `jax.shard_map` on its topology.
+class CausalLM(FamilyBase, nnx.Module):
+    """A decoder LM over packed token rows; runs inside `jax.shard_map` on its topology.
 
     Attributes:
       config: The architecture.
       topology: The parallel topology the weights are split for and the stack is bound on.
+      options: How the model is built and run (`BuildOptions`, its attention kernel resolved).
       embed: Vocab-parallel embedding; its partial sum is owed to the first boundary.
       layers: The decoder layers, one layer stack, in the blocks `config.layer_blocks(
-        scan_layers)` says: a `DecoderLayer` per unscanned layer, a `bj.StackedLayers` (its
-        parameters stacked on a leading layer axis, run by one `lax.scan`) per scanned run.
-      scan_layers: Whether the runs of identical layers between the stack entry and the
-        terminal layer are stacked and scanned (one compiled layer body per run) rather than
-        unrolled.
+        options.scan_layers)` says: a `DecoderLayer` per unscanned layer, a
+        `bj.StackedLayers` (its parameters stacked on a leading layer axis, run by one
+        `lax.scan`) per scanned run.
       final_norm: The norm the stack leaves through.
       lm_head: Vocab-parallel LM head (tied to `embed` when the config says so).
-      fusions: The stack's fusion provider (`bj.fusions.NO_FUSIONS`: the built-in path).
-      attention: The attention kernel of every layer.
-      cp_attention: How a prefill attends across attention-CP ranks (`CpAttentionMode`), on
-        a topology with `attn_cp > 1`.
-      remat: What each layer keeps for the backward pass (`Remat`; per scanned layer too); a
-        forward with KV caches (serving) never recomputes.
-      hyper_connections: The MHC residual design of every boundary, or None for the plain
-        pre-norm add + RMSNorm.
       hyper_head: With hyper-connections, the head collapsing the streams before `final_norm`.
-      param_dtype: The dtype of every parameter (FP8 weights and their scales excepted).
-      quantization: FP8 projection weights and FP8 inputs into them (`Fp8Quantization`), or
-        None for every weight in `param_dtype`.
-      linears: What makes the layers' projections (dense, or FP8 with `quantization`).
+      linears: What makes the layers' projections (dense, or FP8 with `options.quantization`).
+      design: Where every layer's norms sit (the config's residual design, or pre-norm behind
+        MHC hyper-connections).
       layer_range: The model layers this module holds: all of them, or a pipeline stage's
         share [a, b) (`models.pipeline`). A stage holds the embedding only when it holds layer
         0 (or the last layer, under tied embeddings, for its LM head), and `final_norm`,
         `hyper_head` and `lm_head` only when it holds the last layer; the others are None.
     """
 
-    layer_class: type[DecoderLayer] = DecoderLayer
-    architectures: tuple[Architecture, ...] = (
-        Architecture.QWEN3,
-        Architecture.LLAMA,
-        Architecture.MISTRAL,
-        Architecture.QWEN2,
-    )
-    quantizable: bool = True
-    """The family builds with `quantization` (FP8): its projections come from `linears` and its
-    stages read through add + norm reads."""
+    layer_class: type[nnx.Module] = DecoderLayer
 
     def __init__(
         self,
         config: DecoderConfig,
         topology: bj.Topology,
+        options: BuildOptions = BuildOptions(),
         *,
-        reduction: bj.ReductionPolicy = bj.ReductionPolicy.AUTO,
-        fusions: bj.fusions.FusionProvider = bj.fusions.NO_FUSIONS,
-        dtype: jnp.dtype = jnp.float32,
-        attention: AttentionImpl = AttentionImpl.XLA,
-        cp_attention: CpAttentionMode = CpAttentionMode.ALL_GATHER,
-        remat: Remat = Remat.NONE,
-        hyper_connections: HyperConnections | None = None,
-        scan_layers: bool = False,
         layer_range: range | None = None,
-        quantization: Fp8Quantization | None = None,
         rngs: nnx.Rngs,
     ):
         if config.architecture not in self.architectures:
-            names = ", ".join(a.value for a in self.architectures)
+            names = ", ".join(self.architectures)
             raise ValueError(
-                f"{type(self).__name__} builds {names}; got a {config.architecture.value} config"
+                f"{type(self).__name__} builds {names}; got a {config.architecture} config"
             )
+        self.check_build(config, topology, options)
+        options = options.for_platform(jax.default_backend())
+        dtype = options.dtype
         self.config = config
         self.topology = topology
-        self.fusions = fusions
-        self.attention = attention
-        self.cp_attention = cp_attention
-        self.remat = remat
-        self.scan_layers = scan_layers
-        self.hyper_connections = hyper_connections
-        self.param_dtype = dtype
-        self.quantization = quantization
+        self.options = options
+        quantization = options.quantization
         self.linears: Linears = DENSE_LINEARS if quantization is None else Fp8Linears(quantization)
-        self.layer_range = _layer_range(config, layer_range, scan_layers)
+        self.layer_range = _layer_range(config, layer_range, options.scan_layers)
+        if len(self.layer_range) != config.num_layers and not self.pipeline_stages:
+            raise NotImplementedError(
+                f"{type(self).__name__} is not built as pipeline stages (its layers keep other "
+                f"decode caches than grouped-query attention's); got layers {self.layer_range} "
+                f"of {config.num_layers}. Build the whole model"
+            )
         first, last = self.holds_first, self.holds_last
         self.design = self.layer_design()
         self.embed = (
@@ -230,10 +116,10 @@ class CausalLM(nnx.Module):
         )
         with bj.layer_stack(
             topology,
-            reduction=reduction,
-            architecture=config.architecture.value,
+            reduction=options.reduction,
+            architecture=config.architecture,
             input_sum=bj.SumGroup.ATTN_TP,
-            fusions=fusions,
+            fusions=options.fusions,
             stage_facts=self.stage_facts,
             num_layers=config.num_layers,
             layers=self.layer_range,
@@ -251,12 +137,13 @@ class CausalLM(nnx.Module):
             bj.RMSNorm(
                 config.hidden_size,
                 eps=config.rms_norm_eps,
-                gemma=config.gemma_norms,
+                gemma=config.unit_offset_norms,
                 param_dtype=dtype,
             )
             if last
             else None
         )
+        hyper_connections = options.hyper_connections
         self.hyper_head = (
             hyper_connections.head(
                 config.hidden_size, norm_eps=config.rms_norm_eps, dtype=dtype, rngs=rngs
@@ -292,7 +179,7 @@ class CausalLM(nnx.Module):
         """`config.layer_blocks` of the layers this module holds."""
         return [
             (block, scanned)
-            for block, scanned in self.config.layer_blocks(self.scan_layers)
+            for block, scanned in self.config.layer_blocks(self.options.scan_layers)
             if block.start in self.layer_range
         ]
 
@@ -311,17 +198,17 @@ class CausalLM(nnx.Module):
     def quantized(self, stages: StageDesigns, *, ffn: bool = True) -> StageDesigns:
         """`stages` with quantized reads (`quantized_reads`) where the model is FP8: the
         attention's, and with `ffn` the FFN's; as they are otherwise."""
-        if self.quantization is None:
+        if self.options.quantization is None:
             return stages
-        return quantized_reads(stages, self.quantization, ffn=ffn)
+        return quantized_reads(stages, self.options.quantization, ffn=ffn)
 
     def layer_design(self) -> LayerDesign:
         """Where every layer's norms sit: the family's residual design, or pre-norm behind
         MHC hyper-connections."""
         config = self.config
-        norm = NormSpec(config.hidden_size, config.rms_norm_eps, config.gemma_norms)
-        if self.hyper_connections is not None:
-            return HyperConnected(norm, self.hyper_connections)
+        norm = NormSpec(config.hidden_size, config.rms_norm_eps, config.unit_offset_norms)
+        if self.options.hyper_connections is not None:
+            return HyperConnected(norm, self.options.hyper_connections)
         return {
             ResidualDesign.PRE_NORM: PreNorm,
             ResidualDesign.POST_NORM: PostNorm,
@@ -350,8 +237,8 @@ class CausalLM(nnx.Module):
             self.config.attention_spec(index),
             topology=self.topology,
             dtype=dtype,
-            impl=self.attention,
-            cp_mode=self.cp_attention,
+            impl=self.options.attention,
+            cp_mode=self.options.cp_attention,
             linears=self.linears,
             rngs=rngs,
         )
@@ -455,7 +342,7 @@ class CausalLM(nnx.Module):
         """The final-norm output [rows or R, hidden] that `__call__` feeds to the LM head
         (same arguments), and the updated caches; for callers that apply the head themselves
         (e.g. `lm_head.greedy`)."""
-        self._require_whole("hidden")
+        self.require_whole("hidden")
         x, stream, caches = self.run_layers(
             self.embed(rows.ids), residual.start(batch), rows, caches
         )
@@ -505,7 +392,7 @@ class CausalLM(nnx.Module):
         """Per block of `layers`, its decode cache's `PartitionSpec` tree (`new_caches`)."""
         return tuple(
             self.block_cache_specs(stacked=block.scanned)
-            for block in self.config.layer_blocks(self.scan_layers)
+            for block in self.config.layer_blocks(self.options.scan_layers)
         )
 
     def new_caches(
@@ -522,7 +409,7 @@ class CausalLM(nnx.Module):
                 mesh=mesh,
                 layers=len(block.layers) if block.scanned else None,
             )
-            for block in self.config.layer_blocks(self.scan_layers)
+            for block in self.config.layer_blocks(self.options.scan_layers)
         )
 
     def blocks(self) -> list[tuple[range, nnx.Module]]:
@@ -530,7 +417,7 @@ class CausalLM(nnx.Module):
         ranges = [block for block, _ in self._layer_blocks()]
         return list(zip(ranges, self.layers, strict=True))
 
-    def _require_whole(self, what: str) -> None:
+    def require_whole(self, what: str) -> None:
         if len(self.layer_range) != self.config.num_layers:
             raise ValueError(
                 f"{what}() runs a whole model; this module holds the layers {self.layer_range} "
@@ -562,20 +449,20 @@ class CausalLM(nnx.Module):
             x, stream, cache = layer(*carry, rows, cache)
             return (x, stream), cache
 
-        remat = cache is None and self.remat is not Remat.NONE
+        remat = cache is None and self.options.remat is not Remat.NONE
         (x, stream), cache = run.scan(
             call,
             (x, stream),
             cache,
             in_place=cache is not None,
             remat=remat,
-            policy=self.remat.policy() if remat else None,
+            policy=self.options.remat.policy() if remat else None,
         )
         return x, stream, cache
 
     def _run_layer(self, layer: nnx.Module, x, stream: bj.ResidualStream, rows: TokenRows):
         """One layer without a cache, under `jax.checkpoint` as `remat` says."""
-        if self.remat is Remat.NONE:
+        if self.options.remat is Remat.NONE:
             return layer(x, stream, rows, None)
         graphdef, state = nnx.split(layer)
 
@@ -583,80 +470,8 @@ class CausalLM(nnx.Module):
             x, stream, _ = nnx.merge(graphdef, state)(x, stream, rows, None)
             return x, stream
 
-        x, stream = jax.checkpoint(run, policy=self.remat.policy())(state, x, stream, rows)
+        x, stream = jax.checkpoint(run, policy=self.options.remat.policy())(state, x, stream, rows)
         return x, stream, None
-
-    def hidden_captured(
-        self, rows: TokenRows, batch: bj.BatchFacts, capture_layers: Sequence[int]
-    ) -> tuple[jax.Array, jax.Array]:
-        """`hidden` (without caches), also returning the auxiliary hidden states of
-        `capture_layers`, on this rank's attention rows.
-
-        Capture index i < num_layers is the residual stream entering layer i (transformers'
-        `output_hidden_states[i]`; 0 is the embedding output); i = num_layers is the residual
-        the final norm reads (transformers' last hidden state is that residual after the norm,
-        which is the first returned value). Captures are returned values, so they survive
-        `jit` and `lax.scan`: in a scanned run every layer captures, and the wanted ones are
-        picked after.
-
-        Args:
-          rows: This DP rank's block of packed rows.
-          batch: The batch facts.
-          capture_layers: Capture indices in [0, num_layers], in the order wanted (repeats
-            allowed).
-
-        Returns:
-          (the final-norm output [rows, hidden], the captures [len(capture_layers), rows,
-          hidden] in the residual's dtype; rows past the DP rank's token count are zero in
-          both).
-
-        Raises:
-          ValueError: A capture index outside [0, num_layers].
-          NotImplementedError: The model has hyper-connections (its residual is `hc_mult`
-            streams per row, and the stack input is not).
-        """
-        self._require_whole("hidden_captured")
-        count = self.config.num_layers
-        capture_layers = tuple(capture_layers)
-        bad = [i for i in capture_layers if not isinstance(i, int) or not 0 <= i <= count]
-        if bad or not capture_layers:
-            raise ValueError(
-                f"capture layers must be a non-empty list of indices in [0, {count}] (i < "
-                f"{count}: the residual entering layer i; {count}: the residual the final norm "
-                f"reads); got {list(capture_layers)}"
-            )
-        if self.hyper_connections is not None:
-            raise NotImplementedError(
-                "captures of a decoder with hyper-connections are not supported: its residual "
-                "is hc_mult streams per row, not one hidden state"
-            )
-        wanted = frozenset(capture_layers)
-
-        def captured(layer, carry, _):
-            x, stream, _, hidden = layer.captured(*carry, rows, None)
-            return (x, stream), hidden
-
-        carry = (self.embed(rows.ids), residual.start(batch))
-        captures: dict[int, jax.Array] = {}
-        for layers, block in self.blocks():
-            if isinstance(block, bj.StackedLayers):
-                carry, stacked = block.scan(captured, carry)
-                captures.update(zip(layers, stacked, strict=True))
-                continue
-            with jax.named_scope(f"layer_{layers.start}"):
-                if layers.start in wanted:
-                    carry, captures[layers.start] = captured(block, carry, None)
-                else:
-                    x, stream, _ = block(*carry, rows, None)
-                    carry = (x, stream)
-        hidden, captures[count] = residual.final_norm_captured(
-            *carry, self.final_read, skip_empty=True
-        )
-        mask = batch.valid_rows(hidden.shape[0])
-        stacked = jnp.stack([captures[i] for i in capture_layers])
-        if mask is not None:
-            stacked = jnp.where(mask[None, :, None], stacked, jnp.zeros((), stacked.dtype))
-        return hidden, stacked
 
 
 def pick_rows(hidden: jax.Array, last_rows: jax.Array | None) -> jax.Array:

@@ -1,8 +1,8 @@
-"""Mixture-of-experts decoders (Qwen3-MoE, Mixtral, Qwen2-MoE) built only from stage boundaries.
+"""Mixture-of-experts decoders built only from stage boundaries.
 
 A layer is attention + an FFN that is either the sparse `MoeFfn` or, for the layers the config
-marks dense (Qwen3-MoE's `mlp_only_layers` and `decoder_sparse_step`), the dense SwiGLU; one
-stack holds both. Each layer declares its stages through the model's `stage_facts`, from the
+marks dense (`mlp_only_layers` and `decoder_sparse_step`), the dense gated MLP; one stack holds
+both. Each layer declares its stages through the model's `stage_facts`, from the
 config and the chosen `MoeDispatch`.
 """
 
@@ -16,15 +16,13 @@ import boundary_jax as bj
 from pallas_kernels.grouped_matmul import default_grouped_matmul_impl
 
 from ..config import DecoderConfig
-from ..layers.attention.self_attention import AttentionImpl
-from ..layers.fp8_linear import Fp8Quantization
-from ..layers.hyper_connections import HyperConnections
 from ..layers.mlp import SwiGLU
 from ..layers.moe.ffn import MoeFfn
 from ..layers.moe.fp8 import Fp8MoeFfn
-from ..layers.moe.sparse import GroupedMatmulImpl
+from ..options import BuildOptions
 from .designs import StageDesigns
-from .model import CausalLM, DecoderLayer, Remat
+from .layer import DecoderLayer
+from .model import CausalLM
 
 
 def moe_stage_facts(
@@ -63,60 +61,36 @@ class MoeDecoderLayer(DecoderLayer):
 class MoeCausalLM(CausalLM):
     """An MoE decoder LM: `CausalLM` whose sparse layers run `MoeFfn`.
 
-    The experts are split over `topology.moe_ep` ranks. `moe_dispatch` picks where the experts
-    get their tokens (gathered rows, or an all-to-all from each rank's own rows); either way
-    each expert's width is split over the rest of the full TP group. A fusion provider with
-    `defer_finalize=True` lets each sparse FFN hand its top-k combine to the next input. The
-    experts' grouped matmuls run as `grouped_matmul` says (None: `default_grouped_matmul_impl`
-    for where JAX runs and `dtype`).
+    The experts are split over `topology.moe_ep` ranks. `options.moe_dispatch` picks where the
+    experts get their tokens (gathered rows, or an all-to-all from each rank's own rows); either
+    way each expert's width is split over the rest of the full TP group. A fusion provider with
+    `defer_finalize=True` lets each sparse FFN hand its top-k combine to the next input.
 
     Attributes (besides `CausalLM`'s):
-      moe_dispatch: The sparse layers' dispatch.
-      moe_capacity: The all-to-all capacity (rows per rank pair; None drops nothing).
-      grouped_matmul: The grouped matmul implementation of every sparse layer.
+      moe_dispatch: The sparse layers' dispatch (`options.moe_dispatch`, GATHER for None).
+      grouped_matmul: The grouped matmul of every sparse layer (`options.grouped_matmul`, or
+        `default_grouped_matmul_impl` for where JAX runs and the dtype).
     """
 
     layer_class = MoeDecoderLayer
-    architectures = ()
+    has_experts = True
+    context_parallel = False
+    cp_attention_modes = False
 
     def __init__(
         self,
         config: DecoderConfig,
         topology: bj.Topology,
+        options: BuildOptions = BuildOptions(),
         *,
-        moe_dispatch: bj.MoeDispatch = bj.MoeDispatch.GATHER,
-        moe_capacity: int | None = None,
-        grouped_matmul: GroupedMatmulImpl | None = None,
-        reduction: bj.ReductionPolicy = bj.ReductionPolicy.AUTO,
-        fusions: bj.fusions.FusionProvider = bj.fusions.NO_FUSIONS,
-        dtype: jnp.dtype = jnp.float32,
-        attention: AttentionImpl = AttentionImpl.XLA,
-        remat: Remat = Remat.NONE,
-        hyper_connections: HyperConnections | None = None,
-        scan_layers: bool = False,
         layer_range: range | None = None,
-        quantization: Fp8Quantization | None = None,
         rngs: nnx.Rngs,
     ):
-        self.moe_dispatch = moe_dispatch
-        self.moe_capacity = moe_capacity
-        self.grouped_matmul = grouped_matmul or default_grouped_matmul_impl(
-            jax.default_backend(), dtype
+        self.moe_dispatch = options.moe_dispatch or bj.MoeDispatch.GATHER
+        self.grouped_matmul = options.grouped_matmul or default_grouped_matmul_impl(
+            jax.default_backend(), options.dtype
         )
-        super().__init__(
-            config,
-            topology,
-            reduction=reduction,
-            fusions=fusions,
-            dtype=dtype,
-            attention=attention,
-            remat=remat,
-            hyper_connections=hyper_connections,
-            scan_layers=scan_layers,
-            layer_range=layer_range,
-            quantization=quantization,
-            rngs=rngs,
-        )
+        super().__init__(config, topology, options, layer_range=layer_range, rngs=rngs)
 
     def stage_facts(
         self, layer_index: int, stages: StageDesigns | None = None
@@ -139,14 +113,14 @@ class MoeCausalLM(CausalLM):
                 linears=self.linears,
                 rngs=rngs,
             )
-        if self.quantization is not None:
+        if self.options.quantization is not None:
             return Fp8MoeFfn(
                 config.hidden_size,
                 config.moe,
                 self.topology,
-                quantization=self.quantization,
+                quantization=self.options.quantization,
                 dispatch=self.moe_dispatch,
-                capacity=self.moe_capacity,
+                capacity=self.options.moe_capacity,
                 dtype=dtype,
                 init_std=config.initializer_range,
                 rngs=rngs,
@@ -156,7 +130,7 @@ class MoeCausalLM(CausalLM):
             config.moe,
             self.topology,
             dispatch=self.moe_dispatch,
-            capacity=self.moe_capacity,
+            capacity=self.options.moe_capacity,
             impl=self.grouped_matmul,
             dtype=dtype,
             init_std=config.initializer_range,

@@ -1,13 +1,56 @@
-"""EXAONE 4.0 (Hugging Face `Exaone4ForCausalLM`)."""
+"""EXAONE 4.0 (Hugging Face `Exaone4ForCausalLM`): post-norm layers (each stage reads the residual
+as is and adds the norm of its output), q/k RMSNorm per head, sliding-window and global layers
+from `layer_types` (or every `sliding_window_pattern`-th layer global), and no RoPE on the
+global layers of a model with a window."""
 
 from __future__ import annotations
 
-from ..config import Architecture
-from .norm_designs import NormDesignCausalLM
+from collections.abc import Mapping
+from typing import Any
+
+from ..config import Activation, DecoderConfig, ResidualDesign
+from ..config.hf import (
+    every_nth_full,
+    layer_windows,
+    plain_decoder,
+    plain_decoder_json,
+    read_activation,
+    refuse_true,
+    required,
+    window_json,
+)
+from ..config.registry import register
+from ..decoder.model import CausalLM
 
 
-class Exaone4ForCausalLM(NormDesignCausalLM):
-    """EXAONE 4.0: post-norm, per-head q/k RMSNorm, sliding-window and global layers
-    (`layer_types`); with a window, the global layers apply no RoPE."""
+@register
+class Exaone4ForCausalLM(CausalLM):
+    """EXAONE 4.0: post-norm, per-head q/k norm, local and global layers."""
 
-    architectures = (Architecture.EXAONE4,)
+    architectures = ("Exaone4ForCausalLM",)
+    model_type = "exaone4"
+
+    @classmethod
+    def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:
+        architecture = cls.architectures[0]
+        refuse_true(hf_config, architecture, ("attention_bias", "mlp_bias"))
+        read_activation(hf_config, Activation.SILU)
+        layers = required(hf_config, "num_hidden_layers")
+        default = None
+        if hf_config.get("sliding_window") and not hf_config.get("layer_types"):
+            pattern = hf_config.get("sliding_window_pattern")
+            default = every_nth_full(pattern, layers, "EXAONE 4.0")
+        window, kinds = layer_windows(hf_config, layers, default)
+        return plain_decoder(
+            hf_config,
+            architecture,
+            qk_norm=True,
+            sliding_window=window,
+            layer_types=kinds,
+            nope_full_layers=window is not None,
+            residual_design=ResidualDesign.POST_NORM,
+        )
+
+    @classmethod
+    def write_config(cls, config: DecoderConfig) -> dict[str, Any]:
+        return plain_decoder_json(config, cls.model_type) | window_json(config)

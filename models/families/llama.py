@@ -1,12 +1,60 @@
-"""Llama and Mistral (Hugging Face `LlamaForCausalLM`, `MistralForCausalLM`)."""
+"""Llama (Hugging Face `LlamaForCausalLM`): grouped-query attention with llama3 RoPE scaling where
+the config asks for it, no window, no q/k norm."""
 
 from __future__ import annotations
 
-from ..config import Architecture
+from collections.abc import Mapping
+from typing import Any
+
+from ..config import Activation, DecoderConfig, Llama3RopeScaling
+from ..config.hf import plain_decoder, plain_decoder_json, read_activation, refuse_true
+from ..config.registry import add_presets, register
 from ..decoder.model import CausalLM
 
 
+@register
 class LlamaForCausalLM(CausalLM):
-    """Llama (with llama3 RoPE scaling) and Mistral-style configs."""
+    """Llama (with llama3 RoPE scaling)."""
 
-    architectures = (Architecture.LLAMA, Architecture.MISTRAL)
+    architectures = ("LlamaForCausalLM",)
+    model_type = "llama"
+
+    @classmethod
+    def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:
+        architecture = cls.architectures[0]
+        refuse_true(hf_config, architecture, ("attention_bias", "mlp_bias"))
+        read_activation(hf_config, Activation.SILU)
+        return plain_decoder(hf_config, architecture)
+
+    @classmethod
+    def write_config(cls, config: DecoderConfig) -> dict[str, Any]:
+        return plain_decoder_json(config, cls.model_type)
+
+
+add_presets(
+    {
+        # About 0.9M parameters (3.5 MB in float32).
+        "small-llama": DecoderConfig(
+            architecture="LlamaForCausalLM",
+            vocab_size=512,
+            hidden_size=128,
+            intermediate_size=384,
+            num_layers=4,
+            num_heads=8,
+            num_kv_heads=2,
+            head_dim=16,
+            rms_norm_eps=1e-5,
+            rope_theta=5e5,
+            rope_scaling=Llama3RopeScaling(
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=256,
+            ),
+            qk_norm=False,
+            tie_word_embeddings=False,
+            sliding_window=None,
+            max_position_embeddings=2048,
+        )
+    }
+)

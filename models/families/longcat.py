@@ -1,5 +1,6 @@
 """LongCat-Flash (Hugging Face `LongcatFlashForCausalLM`) built only from stage boundaries, its
-shortcut-connected MoE a branch of the residual stream.
+shortcut-connected MoE a branch of the residual stream; with its `config.json` reader and writer
+and tensor names.
 
 A layer, as transformers' `LongcatFlashDecoderLayer`:
 
@@ -27,6 +28,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,18 +39,195 @@ from jax.sharding import Mesh
 
 import boundary_jax as bj
 
-from ..config import Architecture, DecoderConfig
+from ..config import DecoderConfig, DeepseekRouting, ExpertScoring, MlaConfig, MoeConfig
+from ..config.registry import add_presets, register
+from ..config.rope_scaling import RopeType, read_rope, rope_parameters
+from ..config.tensors import (
+    GATED_MLP_TENSORS,
+    HFTensor,
+    mla_tensors,
+    sparse_ffn_tensors,
+    whole_model_names,
+)
 from ..decoder.designs import StageDesigns
 from ..decoder.layer import AttentionFirstLayer, attend_rows
-from ..decoder.model import Remat
 from ..decoder.moe import MoeCausalLM
 from ..inputs.rows import TokenRows
 from ..layers.attention.latent import LatentCache, MultiHeadLatentAttention
-from ..layers.attention.self_attention import AttentionImpl
-from ..layers.hyper_connections import HyperConnections
 from ..layers.mlp import SwiGLU
 from ..layers.moe.deepseek_router import DeepseekMoeFfn
 from ..layers.moe.sparse import GroupedMatmulImpl
+from ..options import BuildOptions
+
+ARCHITECTURE = "LongcatFlashForCausalLM"
+_SKIPPED = re.compile(r"model\.(mtp\.|layers\.\d+\.mlp\.experts\.(\d+)\.)")
+
+MODEL_TYPE = "longcat_flash"
+DEFAULT_HEAD_DIM = 64
+"""`LongcatFlashConfig.head_dim` when the file has none: the dimension its RoPE rotates."""
+
+
+def read_longcat_config(config: Mapping[str, Any]) -> DecoderConfig:
+    """Reads a LongCat-Flash `config.json` (as a dict) into a `DecoderConfig` with its `mla`
+    attention (`lora_scaled`) and its `moe.routing` rule (`zero_experts`); `num_layers` is
+    LongCat's layer count, `intermediate_size` the dense FFNs' width.
+
+    Raises:
+      ValueError: Another `model_type`, a required key missing, or what transformers does not
+        run: a hidden activation other than SiLU, attention biases, kv heads other than the
+        query heads, a RoPE dimension (`head_dim`) other than `qk_rope_head_dim`, LoRA scales
+        switched off, zero-computation experts other than the identity, or a router bias
+        (transformers builds `classifier.bias` and never adds it; LongCat's own code adds it:
+        refusing to guess).
+    """
+    if config.get("model_type") != MODEL_TYPE:
+        raise ValueError(
+            f"LongcatFlashForCausalLM needs model_type {MODEL_TYPE!r}; got "
+            f"{config.get('model_type')!r}"
+        )
+    layers = config.get("num_layers")
+    if layers is None and config.get("num_hidden_layers") is not None:
+        layers = config["num_hidden_layers"] // 2  # transformers' setter
+    required = (
+        "vocab_size",
+        "hidden_size",
+        "num_attention_heads",
+        "ffn_hidden_size",
+        "expert_ffn_hidden_size",
+        "n_routed_experts",
+        "moe_topk",
+        "kv_lora_rank",
+        "q_lora_rank",
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "v_head_dim",
+        "rms_norm_eps",
+        "max_position_embeddings",
+    )
+    missing = [key for key in required if config.get(key) is None]
+    if layers is None or missing:
+        raise ValueError(
+            f"config.json has no {missing + ['num_layers'] * (layers is None)}; they are "
+            "required to build the decoder"
+        )
+    _check_unsupported(config)
+    theta, scaling = read_rope(config, types=frozenset(RopeType))
+    heads = config["num_attention_heads"]
+    if config.get("num_key_value_heads") not in (None, heads):
+        raise ValueError(
+            "MLA expands every head's key and value from the latent; num_key_value_heads "
+            f"must equal num_attention_heads ({heads}); got {config['num_key_value_heads']}"
+        )
+    mla = MlaConfig(
+        hidden_size=config["hidden_size"],
+        num_heads=heads,
+        q_lora_rank=config["q_lora_rank"],
+        kv_lora_rank=config["kv_lora_rank"],
+        qk_nope_head_dim=config["qk_nope_head_dim"],
+        qk_rope_head_dim=config["qk_rope_head_dim"],
+        v_head_dim=config["v_head_dim"],
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rope_interleaved=True,
+        lora_scaled=True,
+    )
+    routing = DeepseekRouting(
+        config["n_routed_experts"],
+        config["moe_topk"],
+        ExpertScoring.SOFTMAX,
+        correction_bias=True,
+        scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
+        zero_experts=config.get("zero_expert_num") or 0,
+    )
+    return DecoderConfig(
+        architecture=ARCHITECTURE,
+        vocab_size=config["vocab_size"],
+        hidden_size=mla.hidden_size,
+        intermediate_size=config["ffn_hidden_size"],
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=mla.qk_head_dim,
+        rms_norm_eps=float(config["rms_norm_eps"]),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        qk_norm=False,
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        sliding_window=None,
+        max_position_embeddings=config["max_position_embeddings"],
+        moe=MoeConfig(
+            num_experts=routing.num_experts,
+            top_k=routing.top_k,
+            expert_intermediate_size=config["expert_ffn_hidden_size"],
+            renormalize=False,
+            routing=routing,
+        ),
+        mla=mla,
+        initializer_range=float(config.get("initializer_range", 0.02)),
+    )
+
+
+def _check_unsupported(config: Mapping[str, Any]) -> None:
+    """Raises for a LongCat-Flash option transformers computes otherwise than the file says."""
+    checks = {
+        "hidden_act": ("silu", "silu"),
+        "attention_bias": (False, False),
+        "mla_scale_q_lora": (True, True),
+        "mla_scale_kv_lora": (True, True),
+        "zero_expert_type": ("identity", "identity"),
+        "router_bias": (False, False),
+    }
+    for key, (default, runs) in checks.items():
+        if config.get(key, default) != runs:
+            raise ValueError(
+                f"LongcatFlashForCausalLM with {key}={config[key]!r} is not supported "
+                f"(transformers runs {key}={runs!r}); use a checkpoint without it"
+            )
+    rope = config.get("qk_rope_head_dim")
+    if config.get("head_dim", DEFAULT_HEAD_DIM) != rope:
+        raise ValueError(
+            "transformers' LongCat-Flash rotates head_dim dimensions of the rope part; "
+            f"head_dim ({config.get('head_dim', DEFAULT_HEAD_DIM)}) must equal "
+            f"qk_rope_head_dim ({rope})"
+        )
+
+
+def write_longcat_config(config: DecoderConfig) -> dict[str, Any]:
+    """The Hugging Face `config.json` (as a dict) of a LongCat-Flash `config`, in transformers
+    5's format; `read_longcat_config` reads it back."""
+    mla, moe = config.mla, config.moe
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": MODEL_TYPE,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "num_layers": config.num_layers,
+        "num_attention_heads": mla.num_heads,
+        "num_key_value_heads": mla.num_heads,
+        "q_lora_rank": mla.q_lora_rank,
+        "kv_lora_rank": mla.kv_lora_rank,
+        "qk_nope_head_dim": mla.qk_nope_head_dim,
+        "qk_rope_head_dim": mla.qk_rope_head_dim,
+        "head_dim": mla.qk_rope_head_dim,
+        "v_head_dim": mla.v_head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_parameters": rope_parameters(mla.rope_theta, mla.rope_scaling),
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "max_position_embeddings": config.max_position_embeddings,
+        "attention_bias": False,
+        "ffn_hidden_size": config.intermediate_size,
+        "expert_ffn_hidden_size": moe.expert_intermediate_size,
+        "n_routed_experts": moe.num_experts,
+        "zero_expert_num": moe.zero_experts,
+        "moe_topk": moe.top_k,
+        "routed_scaling_factor": moe.routing.scaling_factor,
+        "initializer_range": config.initializer_range,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+        "dtype": "float32",
+    }
 
 
 @functools.partial(
@@ -165,6 +346,7 @@ class LongcatDecoderLayer(AttentionFirstLayer):
         return x, stream, None if cache is None else LongcatCache(cache_0, cache_1)
 
 
+@register
 class LongcatFlashForCausalLM(MoeCausalLM):
     """LongCat-Flash: layers of two latent attentions, two dense FFNs and a shortcut MoE with
     zero-computation experts, the dense FFN, attention and dense FFN a branch of the MoE's
@@ -174,50 +356,108 @@ class LongcatFlashForCausalLM(MoeCausalLM):
     layers, pipeline stages and FP8; a stack with branches binds no input-scattered path.
     """
 
-    architectures = (Architecture.LONGCAT_FLASH,)
+    architectures = (ARCHITECTURE,)
+    model_type = "longcat_flash"
     quantizable = False
+    hyper_connections = False
+    pipeline_stages = False
 
-    def __init__(
-        self,
-        config: DecoderConfig,
-        topology: bj.Topology,
-        *,
-        moe_dispatch: bj.MoeDispatch = bj.MoeDispatch.GATHER,
-        moe_capacity: int | None = None,
-        grouped_matmul: GroupedMatmulImpl | None = None,
-        reduction: bj.ReductionPolicy = bj.ReductionPolicy.AUTO,
-        fusions: bj.fusions.FusionProvider = bj.fusions.NO_FUSIONS,
-        dtype: jnp.dtype = jnp.float32,
-        attention: AttentionImpl = AttentionImpl.XLA,
-        remat: Remat = Remat.NONE,
-        hyper_connections: HyperConnections | None = None,
-        scan_layers: bool = False,
-        layer_range: range | None = None,
-        rngs: nnx.Rngs,
-    ):
-        unbuilt = {
-            "hyper_connections": hyper_connections is not None,
-            "scan_layers": scan_layers,
-            "layer_range (pipeline stages)": layer_range not in (None, range(config.num_layers)),
+    @classmethod
+    def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:
+        return read_longcat_config(hf_config)
+
+    @classmethod
+    def write_config(cls, config: DecoderConfig) -> dict[str, Any]:
+        return write_longcat_config(config)
+
+    @classmethod
+    def check_config(cls, config: DecoderConfig) -> None:
+        """A LongCat-Flash config has latent attention and a router with zero-computation
+        experts' room (`moe.routing`)."""
+        super().check_config(config)
+        if config.mla is None or config.moe.routing is None:
+            raise ValueError(
+                f"{config.architecture}: multi-head latent attention (mla) and its router "
+                f"(moe.routing) are its facts; got mla={config.mla!r}, moe={config.moe!r}"
+            )
+
+    @classmethod
+    def tensor_names(cls, config: DecoderConfig, *, scan_layers: bool) -> dict[str, HFTensor]:
+        """Per layer, the attentions `attn_{0,1}` and dense FFNs `mlps_{0,1}` from
+        `self_attn.{0,1}` and `mlps.{0,1}`, their norms `input_norm_{0,1}` and
+        `post_attn_norm_{0,1}` from `input_layernorm.{0,1}` and `post_attention_layernorm.{0,1}`,
+        and the MoE `mlp` (its router from `mlp.router.classifier.weight` and
+        `mlp.router.e_score_correction_bias`)."""
+        if scan_layers:
+            raise NotImplementedError(
+                "scanned runs of LongCat-Flash layers are not supported: build it without "
+                "scan_layers"
+            )
+        layer = sparse_ffn_tensors(config, shared="shared_experts")
+        layer["mlp.router"] = HFTensor("mlp.router.classifier.weight", transpose=True)
+        layer["mlp.e_score_correction_bias"] = HFTensor("mlp.router.e_score_correction_bias")
+        for index in (0, 1):
+            for path, tensor in mla_tensors(config.mla).items():
+                name = tensor.name.replace("self_attn.", f"self_attn.{index}.")
+                path = path.replace("attn.", f"attn_{index}.")
+                layer[path] = dataclasses.replace(tensor, name=name)
+            for path, tensor in GATED_MLP_TENSORS.items():
+                name = tensor.name.replace("mlp.", f"mlps.{index}.")
+                layer[path.replace("mlp.", f"mlps_{index}.")] = dataclasses.replace(
+                    tensor, name=name
+                )
+            layer[f"input_norm_{index}.weight"] = HFTensor(f"input_layernorm.{index}.weight")
+            layer[f"post_attn_norm_{index}.weight"] = HFTensor(
+                f"post_attention_layernorm.{index}.weight"
+            )
+        layers = {
+            f"layers.{i}.{path}": dataclasses.replace(
+                tensor, name=f"model.layers.{i}.{tensor.name}"
+            )
+            for i in range(config.num_layers)
+            for path, tensor in layer.items()
         }
-        asked = [name for name, given in unbuilt.items() if given]
-        if asked:
+        return whole_model_names(config, layers)
+
+    @classmethod
+    def unread_tensors(
+        cls, config: DecoderConfig, names: Iterable[str]
+    ) -> tuple[tuple[str, ...], str | None]:
+        """The multi-token-prediction head (`model.mtp.*`, which transformers ignores too) and
+        the weights of zero-computation experts (`mlp.experts.{e}.*` with e >=
+        n_routed_experts: transformers 5 holds `gate_up_proj` for every expert and
+        `save_pretrained` writes those rows)."""
+        unread = []
+        for name in names:
+            found = _SKIPPED.match(name)
+            expert = None if found is None else found.group(2)
+            if found is not None and (expert is None or int(expert) >= config.moe.num_experts):
+                unread.append(name)
+        if not unread:
+            return (), None
+        notice = (
+            f"ignoring {len(unread)} tensors the causal LM never reads (zero-computation "
+            f"experts' weights, the multi-token-prediction head), e.g. {sorted(unread)[0]}"
+        )
+        return tuple(unread), notice
+
+    @classmethod
+    def check_build(
+        cls, config: DecoderConfig, topology: bj.Topology, options: BuildOptions
+    ) -> None:
+        if options.hyper_connections is not None or options.scan_layers:
+            asked = [
+                name
+                for name, given in (
+                    ("hyper_connections", options.hyper_connections is not None),
+                    ("scan_layers", options.scan_layers),
+                )
+                if given
+            ]
             raise NotImplementedError(
                 f"LongcatFlashForCausalLM is not built with {asked}; build it without them"
             )
-        super().__init__(
-            config,
-            topology,
-            moe_dispatch=moe_dispatch,
-            moe_capacity=moe_capacity,
-            grouped_matmul=grouped_matmul,
-            reduction=reduction,
-            fusions=fusions,
-            dtype=dtype,
-            attention=attention,
-            remat=remat,
-            rngs=rngs,
-        )
+        super().check_build(config, topology, options)
 
     def stage_facts(
         self, layer_index: int, stages: StageDesigns | None = None
@@ -234,7 +474,7 @@ class LongcatFlashForCausalLM(MoeCausalLM):
             self.topology,
             self.stage_facts(index),
             moe_dispatch=self.moe_dispatch,
-            moe_capacity=self.moe_capacity,
+            moe_capacity=self.options.moe_capacity,
             grouped_matmul=self.grouped_matmul,
             dtype=dtype,
             rngs=rngs,
@@ -265,3 +505,56 @@ class LongcatFlashForCausalLM(MoeCausalLM):
         """`2 * (kv_lora_rank + qk_rope_head_dim) * itemsize`: one token of one layer's two
         latent caches on one device."""
         return 2 * LatentCache.bytes_per_token(self.config.mla, dtype)
+
+
+# LongCat-Flash-style: two layers, each two latent attentions with LongCat's LoRA scales, two dense
+# FFNs and a MoE of 8 routed and 4 zero-computation experts (top-3, softmax with a correction
+# bias, scaled by 6).
+TINY_MLA = MlaConfig(
+    hidden_size=64,
+    num_heads=8,
+    q_lora_rank=32,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    rope_theta=1e4,
+    lora_scaled=True,
+)
+TINY_ROUTING = DeepseekRouting(
+    num_experts=8,
+    top_k=3,
+    scoring=ExpertScoring.SOFTMAX,
+    correction_bias=True,
+    scaling_factor=6.0,
+    zero_experts=4,
+)
+add_presets(
+    {
+        "tiny-longcat-flash": DecoderConfig(
+            architecture=ARCHITECTURE,
+            vocab_size=256,
+            hidden_size=TINY_MLA.hidden_size,
+            intermediate_size=128,
+            num_layers=2,
+            num_heads=TINY_MLA.num_heads,
+            num_kv_heads=TINY_MLA.num_heads,
+            head_dim=TINY_MLA.qk_head_dim,
+            rms_norm_eps=1e-6,
+            rope_theta=TINY_MLA.rope_theta,
+            rope_scaling=None,
+            qk_norm=False,
+            tie_word_embeddings=False,
+            sliding_window=None,
+            max_position_embeddings=128,
+            moe=MoeConfig(
+                num_experts=TINY_ROUTING.num_experts,
+                top_k=TINY_ROUTING.top_k,
+                expert_intermediate_size=32,
+                renormalize=False,
+                routing=TINY_ROUTING,
+            ),
+            mla=TINY_MLA,
+        )
+    }
+)

@@ -1,12 +1,64 @@
-"""Mixtral (Hugging Face `MixtralForCausalLM`)."""
+"""Mixtral (Hugging Face `MixtralForCausalLM`): grouped-query attention (a sliding window on every
+layer where the config gives one) and a softmax top-k MoE on every layer, the k weights always
+renormalized; its experts' tensors are `block_sparse_moe.experts.{e}.w1 / w3 / w2`."""
 
 from __future__ import annotations
 
-from ..config import Architecture
+from collections.abc import Mapping
+from typing import Any
+
+from ..config import Activation, DecoderConfig
+from ..config.hf import (
+    plain_decoder,
+    plain_decoder_json,
+    plain_moe,
+    read_activation,
+    refuse_true,
+    window_json,
+)
+from ..config.registry import register
+from ..config.tensors import HFTensor, decoder_tensor_names, dense_layer_tensors, sparse_ffn_tensors
 from ..decoder.moe import MoeCausalLM
 
 
+@register
 class MixtralForCausalLM(MoeCausalLM):
-    """Mixtral: every layer sparse, top-k renormalized, sliding-window attention where set."""
+    """Mixtral: every layer sparse, experts as wide as `intermediate_size`."""
 
-    architectures = (Architecture.MIXTRAL,)
+    architectures = ("MixtralForCausalLM",)
+    model_type = "mixtral"
+
+    @classmethod
+    def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:
+        architecture = cls.architectures[0]
+        refuse_true(hf_config, architecture, ("attention_bias", "mlp_bias"))
+        read_activation(hf_config, Activation.SILU)
+        moe = plain_moe(
+            hf_config,
+            architecture,
+            expert_width="intermediate_size",
+            renormalize=True,
+            mlp_only_layers=(),
+            decoder_sparse_step=1,
+        )
+        window = hf_config.get("sliding_window") or None
+        return plain_decoder(hf_config, architecture, sliding_window=window, moe=moe)
+
+    @classmethod
+    def write_config(cls, config: DecoderConfig) -> dict[str, Any]:
+        experts = {
+            "num_experts_per_tok": config.moe.top_k,
+            "num_local_experts": config.moe.num_experts,
+        }
+        return (
+            plain_decoder_json(config, cls.model_type)
+            | window_json(config, layer_types=False)
+            | experts
+        )
+
+    @classmethod
+    def tensor_names(cls, config: DecoderConfig, *, scan_layers: bool) -> dict[str, HFTensor]:
+        sparse = sparse_ffn_tensors(config, prefix="block_sparse_moe.", experts=("w1", "w3", "w2"))
+        return decoder_tensor_names(
+            config, scan_layers=scan_layers, dense=dense_layer_tensors(config), sparse=sparse
+        )

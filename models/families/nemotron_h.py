@@ -1,4 +1,5 @@
-"""Nemotron-H (Hugging Face `NemotronHForCausalLM`): a hybrid stack of single-stage layers.
+"""Nemotron-H (Hugging Face `NemotronHForCausalLM`): a hybrid stack of single-stage layers, with
+its `config.json` reader and writer and tensor names.
 
 Each layer is ONE stage, `x + mixer(norm(x))`: a Mamba2 mixer (`M`), attention without
 positional encoding (`*`), a relu^2 MLP (`-`) or a mixture of relu^2 experts with the Nemotron-3
@@ -19,7 +20,9 @@ each attention layer's KV cache; the FFN layers hold none.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,19 +31,245 @@ from jax.sharding import Mesh
 
 import boundary_jax as bj
 
-from ..config import Architecture, DecoderConfig, HybridLayer, MoeConfig
+from ..config import (
+    DecoderConfig,
+    DeepseekRouting,
+    ExpertScoring,
+    GroupScore,
+    HybridConfig,
+    HybridLayer,
+    HybridMoeConfig,
+    Mamba2Spec,
+    MoeConfig,
+    parse_pattern,
+)
+from ..config.hf import required
+from ..config.registry import add_presets, register
+from ..config.tensors import KV_PARTS, HFTensor, mamba2_tensors, whole_model_names
 from ..decoder.designs import NormSpec, StageDesigns
 from ..decoder.layer import attend_rows
-from ..decoder.model import Remat
 from ..decoder.moe import MoeCausalLM
 from ..inputs.rows import TokenRows
 from ..layers.activations import ExpertActivation
-from ..layers.attention.self_attention import Attention, AttentionImpl, KVCache
-from ..layers.hyper_connections import HyperConnections
+from ..layers.attention.kv_cache import KVCache
+from ..layers.attention.self_attention import Attention
 from ..layers.mixers.mamba2 import Mamba2Cache, Mamba2Mixer
-from ..layers.moe.deepseek_router import DeepseekMoeFfn, DeepseekRouting, ExpertScoring, GroupScore
-from ..layers.moe.sparse import GroupedMatmulImpl
+from ..layers.moe.deepseek_router import DeepseekMoeFfn
 from ..layers.relu2_mlp import Relu2Mlp
+from ..options import BuildOptions
+
+ARCHITECTURE = "NemotronHForCausalLM"
+
+NO_ROPE_THETA = 10_000.0
+"""The `rope_theta` a hybrid config holds: its attention applies no positional encoding
+(`nope_full_layers`), so the value is never read."""
+SHARED_EXPERT_DEFAULT = 7688
+"""`NemotronHConfig`'s shared-expert width where config.json has no key for it."""
+
+
+def read_nemotron_h(config: Mapping[str, Any]) -> DecoderConfig:
+    """Reads a `NemotronHForCausalLM` `config.json` (as a dict).
+
+    Raises:
+      ValueError: A layer list and pattern that disagree, unknown layer types, a missing key.
+      NotImplementedError: Biases (`attention_bias`, `mlp_bias`, `use_bias`), a latent MoE
+        projection (`moe_latent_size`), a sliding window, multi-token-prediction layers in the
+        checkpoint, or an MLP activation other than relu^2.
+    """
+    layers = _read_layers(config)
+    for key in ("attention_bias", "mlp_bias", "use_bias"):
+        if config.get(key, False):
+            raise NotImplementedError(
+                f"NemotronHForCausalLM with {key}=true is not supported: the projections here "
+                "have no bias"
+            )
+    unsupported = {
+        "moe_latent_size": config.get("moe_latent_size"),
+        "sliding_window": config.get("sliding_window"),
+    }
+    unsupported = {key: value for key, value in unsupported.items() if value is not None}
+    if config.get("num_nextn_predict_layers", 0):
+        unsupported["num_nextn_predict_layers"] = config["num_nextn_predict_layers"]
+    if unsupported:
+        raise NotImplementedError(
+            f"NemotronHForCausalLM with {unsupported} is not supported; use a checkpoint "
+            "without these keys (null, or 0 prediction layers)"
+        )
+    activation = config.get("mlp_hidden_act", "relu2")
+    if activation != "relu2":
+        raise NotImplementedError(
+            f"the Nemotron-H MLP and experts compute relu^2; got mlp_hidden_act={activation!r}"
+        )
+    hidden = required(config, "hidden_size")
+    heads = required(config, "num_attention_heads")
+    mamba = Mamba2Spec.from_hf_config(config) if HybridLayer.MAMBA2 in layers else None
+    moe = _read_moe(config) if HybridLayer.MOE in layers else None
+    return DecoderConfig(
+        architecture=ARCHITECTURE,
+        vocab_size=required(config, "vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=required(config, "intermediate_size"),
+        num_layers=len(layers),
+        num_heads=heads,
+        num_kv_heads=config.get("num_key_value_heads") or heads,
+        head_dim=config.get("head_dim") or hidden // heads,
+        rms_norm_eps=float(config.get("layer_norm_epsilon", 1e-5)),
+        rope_theta=NO_ROPE_THETA,
+        rope_scaling=None,
+        qk_norm=False,
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        sliding_window=None,
+        max_position_embeddings=required(config, "max_position_embeddings"),
+        nope_full_layers=True,
+        hybrid=HybridConfig(layers, mamba, moe),
+    )
+
+
+def _read_layers(config: Mapping[str, Any]) -> tuple[HybridLayer, ...]:
+    """The layers from `layers_block_type`, else `hybrid_override_pattern`; both must agree."""
+    names = config.get("layers_block_type")
+    pattern = config.get("hybrid_override_pattern")
+    if names is None and pattern is None:
+        raise ValueError(
+            "a NemotronHForCausalLM config.json names its layers in layers_block_type (or the "
+            "older hybrid_override_pattern); it has neither"
+        )
+    from_pattern = None if pattern is None else parse_pattern(pattern)
+    if names is None:
+        return from_pattern
+    known = {layer.value for layer in HybridLayer}
+    if not isinstance(names, list) or not names or not set(names) <= known:
+        raise ValueError(
+            f"layers_block_type must be a non-empty list over {sorted(known)}; got {names!r}"
+        )
+    layers = tuple(HybridLayer(name) for name in names)
+    if from_pattern is not None and from_pattern != layers:
+        raise ValueError(
+            f"layers_block_type {names} and hybrid_override_pattern {pattern!r} disagree; give one"
+        )
+    count = config.get("num_hidden_layers")
+    if count is not None and count != len(layers):
+        raise ValueError(
+            f"num_hidden_layers ({count}) differs from the {len(layers)} layers of "
+            "layers_block_type; drop num_hidden_layers (transformers 5 derives it)"
+        )
+    return layers
+
+
+def _read_moe(config: Mapping[str, Any]) -> HybridMoeConfig:
+    # As transformers: an absent width is the class default, a null one the MLP's width.
+    shared = config.get("moe_shared_expert_intermediate_size", SHARED_EXPERT_DEFAULT)
+    return HybridMoeConfig(
+        num_experts=required(config, "n_routed_experts"),
+        top_k=required(config, "num_experts_per_tok"),
+        expert_intermediate_size=required(config, "moe_intermediate_size"),
+        shared_expert_intermediate_size=shared or required(config, "intermediate_size"),
+        num_groups=config.get("n_group") or 1,
+        topk_groups=config.get("topk_group") or 1,
+        renormalize=bool(config.get("norm_topk_prob", True)),
+        scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
+    )
+
+
+def write_nemotron_h(config: DecoderConfig) -> dict[str, Any]:
+    """The `NemotronHForCausalLM` `config.json` (as a dict, in transformers 5's keys) of a
+    hybrid `config`; `read_nemotron_h` reads it back to `config`."""
+    hybrid = config.hybrid
+    if hybrid is None:
+        raise ValueError(f"write_nemotron_h takes a hybrid config; got {config.architecture}")
+    out: dict[str, Any] = {
+        "architectures": [config.architecture],
+        "model_type": "nemotron_h",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "layers_block_type": [layer.value for layer in hybrid.layers],
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "layer_norm_epsilon": config.rms_norm_eps,
+        "mlp_hidden_act": "relu2",
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "max_position_embeddings": config.max_position_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "use_bias": False,
+        "num_nextn_predict_layers": 0,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+        "dtype": "float32",
+    }
+    mamba = hybrid.mamba
+    if mamba is not None:
+        out |= {
+            "mamba_num_heads": mamba.num_heads,
+            "mamba_head_dim": mamba.head_dim,
+            "n_groups": mamba.n_groups,
+            "ssm_state_size": mamba.state_size,
+            "conv_kernel": mamba.conv_kernel,
+            "chunk_size": mamba.chunk_size,
+            "time_step_min": mamba.time_step_limit[0],
+            "use_conv_bias": mamba.conv_bias,
+            "mamba_hidden_act": "silu",
+        }
+    moe = hybrid.moe
+    if moe is not None:
+        out |= {
+            "n_routed_experts": moe.num_experts,
+            "num_experts_per_tok": moe.top_k,
+            "moe_intermediate_size": moe.expert_intermediate_size,
+            "moe_shared_expert_intermediate_size": moe.shared_expert_intermediate_size,
+            "n_group": moe.num_groups,
+            "topk_group": moe.topk_groups,
+            "norm_topk_prob": moe.renormalize,
+            "routed_scaling_factor": moe.scaling_factor,
+            "moe_latent_size": None,
+        }
+    return out
+
+
+def _layer_tensors(config: DecoderConfig, kind: HybridLayer) -> dict[str, HFTensor]:
+    """One Nemotron-H layer's parameters (its `norm` and its stage's `mixer`), with
+    layer-relative tensor names."""
+    norm = {"norm.weight": HFTensor("norm.weight")}
+    if kind is HybridLayer.MAMBA2:
+        return norm | mamba2_tensors(config.hybrid.mamba)
+    if kind is HybridLayer.ATTENTION:
+        return norm | {
+            "mixer.q_proj.kernel": HFTensor("mixer.q_proj.weight", transpose=True),
+            "mixer.kv_proj.kernel": HFTensor(
+                "mixer.{part}_proj.weight", transpose=True, parts=KV_PARTS, part_axis=1
+            ),
+            "mixer.o_proj.kernel": HFTensor("mixer.o_proj.weight", transpose=True),
+        }
+    if kind is HybridLayer.MLP:
+        return norm | {
+            f"mixer.{proj}_proj.kernel": HFTensor(f"mixer.{proj}_proj.weight", transpose=True)
+            for proj in ("up", "down")
+        }
+    experts = config.hybrid.moe.num_experts
+    return norm | {
+        "mixer.router": HFTensor("mixer.gate.weight", transpose=True),
+        "mixer.e_score_correction_bias": HFTensor("mixer.gate.e_score_correction_bias"),
+        "mixer.gate_up_proj": HFTensor(  # relu^2 experts: the up projection is the one part
+            "mixer.experts.{expert}.{part}_proj.weight",
+            transpose=True,
+            experts=experts,
+            parts=("up",),
+            part_axis=2,
+        ),
+        "mixer.down_proj": HFTensor(
+            "mixer.experts.{expert}.down_proj.weight", transpose=True, experts=experts
+        ),
+        "mixer.shared_expert.gate_up_proj": HFTensor(  # relu^2: the up projection alone
+            "mixer.shared_experts.{part}_proj.weight", transpose=True, parts=("up",), part_axis=1
+        ),
+        "mixer.shared_expert.down_proj": HFTensor(
+            "mixer.shared_experts.down_proj.weight", transpose=True
+        ),
+    }
+
 
 Cache = KVCache | Mamba2Cache | None
 """A hybrid layer's decode state: attention's KV cache, Mamba2's conv and SSM state, or none."""
@@ -95,6 +324,7 @@ class SingleStageLayer(nnx.Module):
         return x, stream, cache
 
 
+@register
 class NemotronHForCausalLM(MoeCausalLM):
     """Nemotron-H: Mamba2, attention, relu^2 MLP and MoE layers, one stage each, in the order of
     `config.hybrid.layers`.
@@ -106,55 +336,67 @@ class NemotronHForCausalLM(MoeCausalLM):
     gather their input, so no FFN on its own rows can precede one).
     """
 
-    architectures = (Architecture.NEMOTRON_H,)
-    quantizable = False  # FP8 projections are not built for its layers
+    architectures = (ARCHITECTURE,)
+    model_type = "nemotron_h"
+    quantizable = False
+    pipeline_stages = False
+    hyper_connections = False
+    captures_hidden_states = False
 
-    def __init__(
-        self,
-        config: DecoderConfig,
-        topology: bj.Topology,
-        *,
-        moe_dispatch: bj.MoeDispatch = bj.MoeDispatch.GATHER,
-        moe_capacity: int | None = None,
-        grouped_matmul: GroupedMatmulImpl | None = None,
-        reduction: bj.ReductionPolicy = bj.ReductionPolicy.AUTO,
-        fusions: bj.fusions.FusionProvider = bj.fusions.NO_FUSIONS,
-        dtype: jnp.dtype = jnp.float32,
-        attention: AttentionImpl = AttentionImpl.XLA,
-        remat: Remat = Remat.NONE,
-        hyper_connections: HyperConnections | None = None,
-        scan_layers: bool = False,
-        rngs: nnx.Rngs,
-    ):
-        if hyper_connections is not None:
+    @classmethod
+    def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:
+        return read_nemotron_h(hf_config)
+
+    @classmethod
+    def write_config(cls, config: DecoderConfig) -> dict[str, Any]:
+        return write_nemotron_h(config)
+
+    @classmethod
+    def check_config(cls, config: DecoderConfig) -> None:
+        """A hybrid stack's config: its layer pattern (`hybrid`) and no `moe` (its MoE layers'
+        facts are the pattern's)."""
+        if config.hybrid is None or config.moe is not None:
+            raise ValueError(
+                f"{config.architecture} needs hybrid layer settings and takes no MoE settings; "
+                f"got hybrid={config.hybrid!r}, moe={config.moe!r}"
+            )
+
+    @classmethod
+    def tensor_names(cls, config: DecoderConfig, *, scan_layers: bool) -> dict[str, HFTensor]:
+        """`layers.{i}.norm.weight` and the stage's parameters under `layers.{i}.mixer`, from
+        `backbone.`, as transformers saves them."""
+        config.layer_blocks(scan_layers)  # raises for a scanned hybrid stack
+        layers = {}
+        for index, kind in enumerate(config.hybrid.layers):
+            for path, tensor in _layer_tensors(config, kind).items():
+                layers[f"layers.{index}.{path}"] = dataclasses.replace(
+                    tensor, name=f"backbone.layers.{index}.{tensor.name}"
+                )
+        return whole_model_names(
+            config, layers, prefix="backbone.", embedding="embeddings", final_norm="norm_f"
+        )
+
+    @classmethod
+    def check_build(
+        cls, config: DecoderConfig, topology: bj.Topology, options: BuildOptions
+    ) -> None:
+        if options.hyper_connections is not None:
             raise NotImplementedError(
                 "Nemotron-H with MHC hyper-connections is not supported; build it without"
             )
-        if moe_dispatch is not bj.MoeDispatch.GATHER:
+        dispatch = options.moe_dispatch or bj.MoeDispatch.GATHER
+        if dispatch is not bj.MoeDispatch.GATHER:
             raise NotImplementedError(
                 f"Nemotron-H's MoE layers run on gathered rows (MoeDispatch.GATHER); got "
-                f"{moe_dispatch}. Its mixers do not gather their input, so no FFN on its own "
-                "rows can precede one"
+                f"{dispatch}. Its mixers do not gather their input, so no FFN on its own rows "
+                "can precede one"
             )
-        if config.hybrid is not None and config.hybrid.moe is None and topology.moe_ep != 1:
+        if config.hybrid.moe is None and topology.moe_ep != 1:
             raise ValueError(
                 f"the hybrid pattern {config.hybrid.pattern!r} has no MoE layer; got "
                 f"moe_ep={topology.moe_ep}. Leave the MoE options unset"
             )
-        super().__init__(
-            config,
-            topology,
-            moe_dispatch=moe_dispatch,
-            moe_capacity=moe_capacity,
-            grouped_matmul=grouped_matmul,
-            reduction=reduction,
-            fusions=fusions,
-            dtype=dtype,
-            attention=attention,
-            remat=remat,
-            scan_layers=scan_layers,
-            rngs=rngs,
-        )
+        super().check_build(config, topology, options)
 
     def stage_facts(
         self, layer_index: int, stages: StageDesigns | None = None
@@ -176,7 +418,7 @@ class NemotronHForCausalLM(MoeCausalLM):
                     config.attention_spec(index),
                     topology=topology,
                     dtype=dtype,
-                    impl=self.attention,
+                    impl=self.options.attention,
                     rngs=rngs,
                 )
             case HybridLayer.MLP:
@@ -254,11 +496,41 @@ class NemotronHForCausalLM(MoeCausalLM):
                 caches.append(None)
         return tuple(caches)
 
-    def hidden_captured(
-        self, rows: TokenRows, batch: bj.BatchFacts, capture_layers: Sequence[int]
-    ) -> tuple[jax.Array, jax.Array]:
-        """Not supported: an FFN layer's input does not capture the residual entering it."""
-        raise NotImplementedError(
-            "captured hidden states of a hybrid stack are not supported: only a mixer's input "
-            "captures, and an MLP or MoE layer may start any layer of the pattern"
-        )
+
+# Nemotron-H: a Mamba2 mixer, attention (no RoPE), a relu^2 MLP and a MoE of 8 relu^2 experts (top
+# 2 of the best 2 of 4 groups, sigmoid router with a score-correction bias, a shared expert): one
+# stage per layer, so the mixer's exit faces a mixer, then an FFN, and an FFN an FFN.
+TINY = DecoderConfig(
+    architecture=ARCHITECTURE,
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=4,
+    num_heads=8,
+    num_kv_heads=2,
+    head_dim=8,
+    rms_norm_eps=1e-5,
+    rope_theta=NO_ROPE_THETA,
+    rope_scaling=None,
+    qk_norm=False,
+    tie_word_embeddings=False,
+    sliding_window=None,
+    max_position_embeddings=128,
+    nope_full_layers=True,
+    hybrid=HybridConfig(
+        parse_pattern("M*-E"),
+        Mamba2Spec(
+            hidden_size=64, num_heads=8, head_dim=8, n_groups=2, state_size=16, chunk_size=16
+        ),
+        HybridMoeConfig(
+            num_experts=8,
+            top_k=2,
+            expert_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+            num_groups=4,
+            topk_groups=2,
+            scaling_factor=2.5,
+        ),
+    ),
+)
+add_presets({"tiny-nemotron-h": TINY})

@@ -1,13 +1,38 @@
-"""OLMo 2 (Hugging Face `Olmo2ForCausalLM`)."""
+"""OLMo 2 (Hugging Face `Olmo2ForCausalLM`): post-norm layers and a q/k RMSNorm over the whole
+projection (all heads; under attention TP its sum of squares completes in one small all-reduce
+inside attention); no window."""
 
 from __future__ import annotations
 
-from ..config import Architecture
-from .norm_designs import NormDesignCausalLM
+from collections.abc import Mapping
+from typing import Any
+
+from ..config import Activation, DecoderConfig, ResidualDesign
+from ..config.hf import plain_decoder, plain_decoder_json, read_activation, refuse_true
+from ..config.registry import register
+from ..decoder.model import CausalLM
 
 
-class Olmo2ForCausalLM(NormDesignCausalLM):
-    """OLMo 2: post-norm, q/k RMSNorm over the whole projection (its sum of squares completes
-    over attention TP inside attention)."""
+@register
+class Olmo2ForCausalLM(CausalLM):
+    """OLMo 2: post-norm, q/k norm over the whole projection."""
 
-    architectures = (Architecture.OLMO2,)
+    architectures = ("Olmo2ForCausalLM",)
+    model_type = "olmo2"
+
+    @classmethod
+    def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:
+        architecture = cls.architectures[0]
+        refuse_true(hf_config, architecture, ("attention_bias", "mlp_bias"))
+        read_activation(hf_config, Activation.SILU)
+        return plain_decoder(
+            hf_config,
+            architecture,
+            qk_norm=True,
+            qk_norm_whole=True,
+            residual_design=ResidualDesign.POST_NORM,
+        )
+
+    @classmethod
+    def write_config(cls, config: DecoderConfig) -> dict[str, Any]:
+        return plain_decoder_json(config, cls.model_type)

@@ -1,12 +1,45 @@
-"""Qwen2 and Qwen2.5 (Hugging Face `Qwen2ForCausalLM`)."""
+"""Qwen2 / Qwen2.5 (Hugging Face `Qwen2ForCausalLM`): q, k and v projections with biases (split
+with their heads; its config has no key for them), no q/k norm; a sliding window only with
+`use_sliding_window`, on the layers from `max_window_layers` on."""
 
 from __future__ import annotations
 
-from ..config import Architecture
+from collections.abc import Mapping
+from typing import Any
+
+from ..config import Activation, DecoderConfig
+from ..config.hf import (
+    opt_in_windows,
+    plain_decoder,
+    plain_decoder_json,
+    read_activation,
+    refuse_true,
+    required,
+    window_json,
+)
+from ..config.registry import register
 from ..decoder.model import CausalLM
 
 
+@register
 class Qwen2ForCausalLM(CausalLM):
-    """Qwen2 / Qwen2.5: q/k/v projections with biases (split with their heads), no q/k norm."""
+    """Qwen2 / Qwen2.5: q/k/v biases, no q/k norm."""
 
-    architectures = (Architecture.QWEN2,)
+    architectures = ("Qwen2ForCausalLM",)
+    model_type = "qwen2"
+
+    @classmethod
+    def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:
+        architecture = cls.architectures[0]
+        refuse_true(hf_config, architecture, ("attention_bias", "mlp_bias"))
+        read_activation(hf_config, Activation.SILU)
+        layers = required(hf_config, "num_hidden_layers")
+        first = hf_config.get("max_window_layers", layers)
+        window, kinds = opt_in_windows(hf_config, layers, [i >= first for i in range(layers)])
+        return plain_decoder(
+            hf_config, architecture, qkv_bias=True, sliding_window=window, layer_types=kinds
+        )
+
+    @classmethod
+    def write_config(cls, config: DecoderConfig) -> dict[str, Any]:
+        return plain_decoder_json(config, cls.model_type) | window_json(config)

@@ -1,14 +1,76 @@
-"""Qwen2-MoE (Hugging Face `Qwen2MoeForCausalLM`)."""
+"""Qwen2-MoE (Hugging Face `Qwen2MoeForCausalLM`): q/k/v biases (unless `qkv_bias` says
+otherwise), a softmax top-k MoE without renormalization unless `norm_topk_prob`, and a shared
+expert every token also goes through, scaled by `sigmoid(x @ shared_expert_gate)`; its default
+window alternates below `max_window_layers`."""
 
 from __future__ import annotations
 
-from ..config import Architecture
+from collections.abc import Mapping
+from typing import Any
+
+from ..config import Activation, DecoderConfig
+from ..config.hf import (
+    opt_in_windows,
+    plain_decoder,
+    plain_decoder_json,
+    plain_moe,
+    plain_moe_json,
+    read_activation,
+    refuse_true,
+    required,
+    window_json,
+)
+from ..config.registry import register
+from ..config.tensors import HFTensor, decoder_tensor_names, dense_layer_tensors, sparse_ffn_tensors
 from ..decoder.moe import MoeCausalLM
 
 
+@register
 class Qwen2MoeForCausalLM(MoeCausalLM):
-    """Qwen2-MoE: q/k/v biases, top-k weights as the softmax gave them (renormalized only where
-    `norm_topk_prob`), and a shared expert scaled by `sigmoid(x @ shared_expert_gate)` that every
-    token goes through, summed with the routed experts' output."""
+    """Qwen2-MoE: q/k/v biases, a sigmoid-gated shared expert."""
 
-    architectures = (Architecture.QWEN2_MOE,)
+    architectures = ("Qwen2MoeForCausalLM",)
+    model_type = "qwen2_moe"
+
+    @classmethod
+    def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:
+        architecture = cls.architectures[0]
+        refuse_true(hf_config, architecture, ("attention_bias", "mlp_bias"))
+        read_activation(hf_config, Activation.SILU)
+        layers = required(hf_config, "num_hidden_layers")
+        first = hf_config.get("max_window_layers", layers)
+        default = [bool((i + 1) % 2) and i < first for i in range(layers)]
+        window, kinds = opt_in_windows(hf_config, layers, default)
+        moe = plain_moe(
+            hf_config,
+            architecture,
+            shared_expert_intermediate_size=required(hf_config, "shared_expert_intermediate_size"),
+            shared_expert_gate=True,
+        )
+        return plain_decoder(
+            hf_config,
+            architecture,
+            # The hub checkpoints predate transformers 5's `qkv_bias` key: biases by default.
+            qkv_bias=bool(hf_config.get("qkv_bias", True)),
+            sliding_window=window,
+            layer_types=kinds,
+            moe=moe,
+        )
+
+    @classmethod
+    def write_config(cls, config: DecoderConfig) -> dict[str, Any]:
+        return (
+            plain_decoder_json(config, cls.model_type)
+            | window_json(config)
+            | plain_moe_json(config)
+            | {"qkv_bias": config.qkv_bias}
+        )
+
+    @classmethod
+    def tensor_names(cls, config: DecoderConfig, *, scan_layers: bool) -> dict[str, HFTensor]:
+        return decoder_tensor_names(
+            config,
+            scan_layers=scan_layers,
+            dense=dense_layer_tensors(config),
+            sparse=sparse_ffn_tensors(config),
+        )

@@ -99,7 +99,7 @@ class PackedBatch:
       zigzag: Under context parallelism, each DP rank's CP row order of a prefill (`start`
         counts rows of the packed order, before it); None without, and for decode rows.
       attn_cp: The attention-CP size the rows are laid out for.
-      microbatch_counts: Packed as two microbatches (`models.overlap.pack_two_batches`):
+      microbatch_counts: Packed as two microbatches (`models.serving.overlap.pack_two_batches`):
         [2, attn_dp] real rows of each microbatch per DP rank, from its half of the block's
         first row; None otherwise.
     """

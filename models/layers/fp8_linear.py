@@ -63,7 +63,7 @@ class Fp8Quantization:
 
     The attention projections, the dense MLP and the routed experts are quantized; the
     embedding, the LM head, the norms and MoE routers stay in the model's dtype (as in the
-    Hugging Face FP8 checkpoints of Qwen3 and DeepSeek-V3). Attention and dense FFN stages read
+    Hugging Face fine-grained FP8 checkpoints). Attention and dense FFN stages read
     their input quantized (`bj.designs.AddNormRead(quantize=...)`); a sparse FFN reads it
     unquantized (its router takes it) and quantizes the rows it sends its experts.
 
@@ -145,8 +145,8 @@ class Fp8BlockValues:
     the parameter's dtype (`Fp8Weights.DEQUANTIZED`, the same weight for the same key).
 
     The scales are a function of the block's place, not drawn: a model's parameters are drawn
-    each from its own key (`models.initialization`), so a scale parameter cannot see the draw
-    of its weight.
+    each from its own key (`models.weights.initialization`), so a scale parameter cannot see the
+    draw of its weight.
 
     Attributes:
       std: The scale of the weight's values (`block_scales`).

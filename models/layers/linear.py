@@ -281,7 +281,7 @@ class VocabParallelEmbedding(nnx.Module):
       vocab_size: Number of real token ids.
       topology: The parallel topology the table is split for.
       scale: A factor the embeddings are multiplied by, rounded to the table's dtype first (as
-        Gemma's scaled embedding does), or None.
+        a scaled embedding does), or None.
     """
 
     def __init__(

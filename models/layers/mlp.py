@@ -1,4 +1,4 @@
-"""The gated MLP (SwiGLU, or Gemma's tanh-GELU GeGLU), split over the full TP group; it returns an
+"""The gated MLP (SwiGLU, or the tanh-GELU GeGLU), split over the full TP group; it returns an
 unreduced partial sum."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ _ACTIVATIONS = {Activation.SILU: jax.nn.silu, Activation.GELU_TANH: _gelu_tanh}
 
 class SwiGLU(nnx.Module):
     """`down(act(gate(x)) * up(x))` with the intermediate features split over full TP; `act` is
-    SiLU (SwiGLU) unless the `activation` says otherwise (Gemma's GeGLU: GELU, tanh form).
+    SiLU (SwiGLU) unless the `activation` says otherwise (GeGLU: GELU, tanh form).
 
     Full TP spans attention DP x CP x TP, so the input rows must be the same on every rank of
     the group (the boundary gathers attention-DP rows before the FFN). Both projections are

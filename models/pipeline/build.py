@@ -12,18 +12,16 @@ import dataclasses
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 import boundary_jax as bj
 
-from ..build import construct_model, mesh_platform
+from ..build import abstract_model, mesh_platform
 from ..config import DecoderConfig, LayerBlock
-from ..families import CausalLM, Remat
-from ..layers.attention.self_attention import AttentionImpl
-from ..layers.hyper_connections import HyperConnections
+from ..decoder.model import CausalLM
+from ..options import BuildOptions
 from ..weights import load_config, load_params
 from ..weights.initialization import initialize_params
 from .split import PipelineSplit
@@ -69,16 +67,10 @@ def build_pipeline(
     config: DecoderConfig,
     topology: bj.Topology,
     mesh: Mesh,
+    options: BuildOptions = BuildOptions(),
     *,
     split: PipelineSplit | None = None,
-    reduction: bj.ReductionPolicy = bj.ReductionPolicy.AUTO,
-    fusions: bj.fusions.FusionProvider = bj.fusions.NO_FUSIONS,
-    moe_dispatch: bj.MoeDispatch | None = None,
-    dtype: jnp.dtype = jnp.float32,
     seed: int = 0,
-    attention: AttentionImpl | None = None,
-    remat: Remat = Remat.NONE,
-    hyper_connections: HyperConnections | None = None,
     weights: CausalLM | None = None,
 ) -> tuple[CausalLM, ...]:
     """One model per pipeline stage, with random weights equal to those `build_model(config,
@@ -89,48 +81,30 @@ def build_pipeline(
     process does not hold is returned abstract (`jax.ShapeDtypeStruct` leaves).
 
     Args:
+      config: The architecture.
       topology: The parallel topology; `pp` is the number of stages.
       mesh: The pipeline mesh (`boundary_jax.make_mesh(topology)`): stage s runs on its
         devices at `pp` index s.
+      options: As `build_model`'s; stages run their layers unrolled (no `scan_layers`).
       split: The layers of each stage (None: the even split).
+      seed: The random seed.
       weights: A whole model of the same config and options (e.g. `build_model` without a
         mesh) whose weights the stages take, placed on their devices, instead of drawing them:
         no initializer is compiled, but the whole model is in memory first.
-      Others: as `build_model`.
 
     Raises:
       ValueError: The split does not fit the model or the mesh, or `weights` lacks a stage's
         parameter or holds it in another shape.
+      NotImplementedError: `options.scan_layers`, or a family that is not built as stages.
     """
     split = pipeline_split(config, _mesh_topology(mesh, topology), split)
+    options = _stage_options(options, mesh)
     stage_topology = _stage_topology(topology)
-    if attention is None:
-        attention = AttentionImpl.for_platform(mesh_platform(mesh))
-    options = dict(
-        reduction=reduction,
-        fusions=fusions,
-        dtype=dtype,
-        attention=attention,
-        remat=remat,
-        hyper_connections=hyper_connections,
-    )
-
     whole_state = None if weights is None else dict(nnx.to_flat_state(nnx.state(weights)))
     stages = []
     for layers, stage_mesh in zip(split.stages, stage_meshes(mesh), strict=True):
-
-        def make(layers=layers) -> CausalLM:
-            return construct_model(
-                config,
-                stage_topology,
-                moe_dispatch=moe_dispatch,
-                layer_range=layers,
-                scan_layers=False,
-                rngs=nnx.Rngs(0),
-                **options,
-            )
-
-        graphdef, abstract = nnx.split(nnx.eval_shape(make))
+        abstract_stage = abstract_model(config, stage_topology, options, layer_range=layers)
+        graphdef, abstract = nnx.split(abstract_stage)
         if holds(stage_mesh):
             shardings = jax.tree.map(
                 lambda spec, m=stage_mesh: NamedSharding(m, spec),
@@ -166,15 +140,10 @@ def _take(whole: dict, abstract: nnx.State, shardings, source) -> nnx.State:
 def load_pipeline(
     checkpoint_dir: str | Path,
     mesh: Mesh,
+    options: BuildOptions = BuildOptions(),
     *,
     split: PipelineSplit | None = None,
-    reduction: bj.ReductionPolicy = bj.ReductionPolicy.AUTO,
-    fusions: bj.fusions.FusionProvider = bj.fusions.NO_FUSIONS,
     moe_ep: int = 1,
-    moe_dispatch: bj.MoeDispatch | None = None,
-    dtype: jnp.dtype = jnp.float32,
-    attention: AttentionImpl | None = None,
-    remat: Remat = Remat.NONE,
 ) -> tuple[CausalLM, ...]:
     """One model per pipeline stage loaded from a Hugging Face checkpoint directory: each
     process reads only the blocks of its own devices (of the stages it holds); the other stages
@@ -182,31 +151,25 @@ def load_pipeline(
     config = load_config(checkpoint_dir)
     topology = bj.Topology.from_mesh(mesh, moe_ep=moe_ep)
     split = pipeline_split(config, topology, split)
-    if attention is None:
-        attention = AttentionImpl.for_platform(mesh_platform(mesh))
+    options = _stage_options(options, mesh)
     stages = []
     for layers, stage_mesh in zip(split.stages, stage_meshes(mesh), strict=True):
-        abstract = nnx.eval_shape(
-            lambda layers=layers: construct_model(
-                config,
-                _stage_topology(topology),
-                moe_dispatch=moe_dispatch,
-                reduction=reduction,
-                fusions=fusions,
-                dtype=dtype,
-                attention=attention,
-                remat=remat,
-                hyper_connections=None,
-                scan_layers=False,
-                layer_range=layers,
-                rngs=nnx.Rngs(0),
-            )
-        )
+        abstract = abstract_model(config, _stage_topology(topology), options, layer_range=layers)
         graphdef, state = nnx.split(abstract)
         if holds(stage_mesh):
-            state = load_params(checkpoint_dir, state, stage_mesh, np.dtype(dtype), layers=layers)
+            dtype = np.dtype(options.dtype)
+            state = load_params(checkpoint_dir, state, stage_mesh, dtype, layers=layers)
         stages.append(nnx.merge(graphdef, state))
     return tuple(stages)
+
+
+def _stage_options(options: BuildOptions, mesh: Mesh) -> BuildOptions:
+    """`options` for pipeline stages on `mesh`, checked."""
+    if options.scan_layers:
+        raise NotImplementedError(
+            "pipeline stages run their layers unrolled; build them without scan_layers"
+        )
+    return options.for_platform(mesh_platform(mesh))
 
 
 def _mesh_topology(mesh: Mesh, topology: bj.Topology) -> bj.Topology:

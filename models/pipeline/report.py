@@ -84,7 +84,7 @@ def pipeline_plan_report(
         )
     first = runner.stages[0].model
     return {
-        "architecture": runner.config.architecture.value,
+        "architecture": runner.config.architecture,
         "mesh": runner.topology.mesh_shape(),
         "moe_ep": runner.topology.moe_ep,
         "moe_dispatch": first.moe_dispatch.value if isinstance(first, MoeCausalLM) else None,

@@ -33,7 +33,8 @@ from boundary_jax import residual
 from ..decoder.model import CausalLM
 from ..inputs.rows import PackedBatch, RowsPhase, TokenRows, decode_rows
 from ..layers.attention.self_attention import KVCache
-from ..precision import matmul_precision_scope, resolve_matmul_precision
+from ..options import BuildOptions
+from ..precision import matmul_precision_scope
 from ..serving.buckets import MIN_ROWS, MIN_STEPS, bucket, cache_length, pack_bucketed
 from ..serving.sampling import GREEDY, Sampling, head_tokens, rank_key
 from .schedule import Microbatch, bubble, gpipe_ticks, split_microbatches
@@ -231,9 +232,9 @@ class PipelineCausalLM:
       split: The layers of each stage.
       microbatches: How many microbatches a batch's sequences are split into.
       input_scattered: Run batches input-scattered (residual on attention-TP slices).
-      matmul_precision: The precision every stage's programs trace their matmuls with (given
-        None, `resolve_matmul_precision`'s: `HIGHEST` for a float32 model, as
-        `ShardedCausalLM`).
+      matmul_precision: The precision every stage's programs trace their matmuls with (the
+        `precision` of the stage models' options, or of `options` given, which may change only
+        `RUNTIME_SWITCHES`, as `ShardedCausalLM`).
       variant: The batch variant every stage runs.
       stages: The `Stage`s.
       sends: `sends[s]` hands stage s's output to stage s + 1.
@@ -247,7 +248,7 @@ class PipelineCausalLM:
         microbatches: int | None = None,
         input_scattered: bool = False,
         check_vma: bool = True,
-        matmul_precision: lax.Precision | None = None,
+        options: BuildOptions | None = None,
     ):
         meshes = stage_meshes(mesh)
         if len(meshes) != len(stages):
@@ -262,8 +263,8 @@ class PipelineCausalLM:
         if self.microbatches < 1:
             raise ValueError(f"microbatches must be at least 1; got {microbatches}")
         self.input_scattered = input_scattered
-        self.dtype = stages[0].param_dtype
-        self.matmul_precision = resolve_matmul_precision(matmul_precision, self.dtype)
+        self.dtype = stages[0].options.dtype
+        self.matmul_precision = stages[0].options.for_running(options).precision
         self.stages = tuple(
             Stage(
                 index,

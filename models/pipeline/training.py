@@ -75,10 +75,10 @@ class PipelineTrainer:
         input_scattered: bool = False,
     ):
         config = stages[0].config
-        if any(model.attention is AttentionImpl.CUDNN for model in stages):
+        if any(model.options.attention is AttentionImpl.CUDNN for model in stages):
             raise NotImplementedError(
                 "training with cuDNN attention is not supported (see Trainer); build the stages "
-                "with attention=AttentionImpl.XLA"
+                "with BuildOptions(attention=AttentionImpl.XLA)"
             )
         if config.tie_word_embeddings and len(stages) > 1:
             raise NotImplementedError(

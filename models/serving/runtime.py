@@ -20,12 +20,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import boundary_jax as bj
 
+from ..decoder.captures import hidden_captured
 from ..decoder.model import CausalLM
 from ..distributed import fetch
 from ..inputs.rows import PackedBatch, RowsPhase, TokenRows, decode_rows
 from ..layers.attention.context_parallel import share_over_cp
 from ..layers.attention.kv_cache import KVCache
-from ..precision import matmul_precision_scope, resolve_matmul_precision
+from ..options import BuildOptions
+from ..precision import matmul_precision_scope
 from .buckets import (
     MIN_ROWS,
     MIN_STEPS,
@@ -82,14 +84,16 @@ class ShardedCausalLM:
       input_scattered: Run batches input-scattered (residual on attention-TP slices).
       check_vma: `shard_map`'s varying-axes check; on by default, Pallas kernels (fusion
         candidates, expert matmuls) included: each declares how its outputs vary.
-      matmul_precision: The precision every program traces its matmuls with (given None,
-        `resolve_matmul_precision`'s: `HIGHEST` for a float32 model, true float32 where a GPU's
-        default is TF32; `DEFAULT` for other dtypes).
-      two_batch_overlap: Run forward, prefill and decode as two microbatches, one's
-        collectives beside the other's compute (`models.overlap`): `pack` splits the
-        sequences into two microbatches (a batch needs at least two), `place` gives each its
-        batch facts. Off by default; not built with pipeline stages, context parallelism,
-        scanned layers, captures or single-stage (hybrid) layers.
+      options: The options the model runs under: its own, or those given, which may change
+        only `RUNTIME_SWITCHES` (`BuildOptions.for_running`).
+      matmul_precision: The precision every program traces its matmuls with
+        (`options.precision`: `HIGHEST` for a float32 model, true float32 where a GPU's default
+        is TF32; `DEFAULT` for other dtypes).
+      two_batch_overlap: `options.two_batch_overlap`: forward, prefill and decode
+        run as two microbatches, one's collectives beside the other's compute
+        (`models.serving.overlap`): `pack` splits the sequences into two microbatches (a batch
+        needs at least two), `place` gives each its batch facts. Not built with pipeline
+        stages, context parallelism, scanned layers, captures or single-stage (hybrid) layers.
     """
 
     def __init__(
@@ -97,11 +101,12 @@ class ShardedCausalLM:
         model: CausalLM,
         mesh: Mesh,
         *,
+        options: BuildOptions | None = None,
         input_scattered: bool = False,
         check_vma: bool = True,
-        matmul_precision: lax.Precision | None = None,
-        two_batch_overlap: bool = False,
     ):
+        self.options = model.options.for_running(options)
+        two_batch_overlap = self.options.two_batch_overlap
         if two_batch_overlap:
             check_two_batch_overlap(model)
         mesh_topology = bj.Topology.from_mesh(mesh, moe_ep=model.topology.moe_ep)
@@ -117,7 +122,7 @@ class ShardedCausalLM:
         self.two_batch_overlap = two_batch_overlap
         self.check_vma = check_vma
         self.dtype = model.final_norm.weight[...].dtype
-        self.matmul_precision = resolve_matmul_precision(matmul_precision, self.dtype)
+        self.matmul_precision = self.options.precision
         self._sharded = bj.ShardedModule(model, mesh)
         self._leaves = self._sharded.leaves
         rows = model.topology.row_spec(model.topology.attention_rows())
@@ -128,7 +133,6 @@ class ShardedCausalLM:
         batch_spec = bj.BatchFacts(self._variant, model.topology, PartitionSpec())
         self._batch_spec = (batch_spec, batch_spec) if two_batch_overlap else batch_spec
         self._logits_spec = PartitionSpec(rows[0], None)
-        self.scan_layers = model.scan_layers
         specs = model.cache_specs()
         self._cache_specs = (specs, specs) if two_batch_overlap else specs
         tbo = two_batch_overlap
@@ -289,7 +293,7 @@ class ShardedCausalLM:
             rows = self._rows
 
             def body(model, rows_, batch):
-                hidden, captures = model.hidden_captured(rows_, batch, capture_layers)
+                hidden, captures = hidden_captured(model, rows_, batch, capture_layers)
                 return model.lm_head(hidden).astype(jnp.float32), captures
 
             self._programs[name] = self._program_of(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -11,8 +10,7 @@ from jax import lax
 
 import boundary_jax as bj
 
-if TYPE_CHECKING:
-    from ..decoder.model import CausalLM
+from ..decoder.model import CausalLM
 
 
 @dataclasses.dataclass(frozen=True)

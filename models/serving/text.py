@@ -3,7 +3,7 @@ end-of-sequence ids, or UTF-8 bytes for a model without a tokenizer.
 
 A checkpoint directory's `tokenizer.json` is read with Hugging Face `tokenizers`, which encodes
 and decodes exactly as transformers' fast tokenizers do (its post-processor adds the special
-tokens, e.g. Llama's `<s>`). A chat template (`chat_template.jinja`, or `chat_template` in
+tokens, e.g. `<s>`). A chat template (`chat_template.jinja`, or `chat_template` in
 `tokenizer_config.json`) is rendered with jinja2 in a sandbox, in the environment transformers
 gives it (`trim_blocks`, `lstrip_blocks`, loop controls, `raise_exception`, `strftime_now`, a
 `tojson` that keeps non-ASCII), and the rendered text is encoded without adding special tokens

@@ -24,12 +24,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import boundary_jax as bj
 
+from ..config import hf_name_map
 from ..decoder.model import CausalLM
 from ..inputs.rows import PackedBatch, TokenRows, pack_sequences
 from ..layers.attention.self_attention import AttentionImpl
 from ..layers.buffer import Buffer
-from ..precision import matmul_precision_scope, resolve_matmul_precision
-from ..weights import hf_name_map
+from ..precision import matmul_precision_scope
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,7 +183,7 @@ class Trainer:
       frozen: The paths of the model's buffers, which the step leaves as they are.
       state: The current `TrainState`.
       matmul_precision: The precision the loss (and so its gradient) traces its matmuls with
-        (given None, `resolve_matmul_precision`'s: `HIGHEST` for a float32 model).
+        (the model's `options.precision`: `HIGHEST` for a float32 model).
     """
 
     def __init__(
@@ -193,26 +193,24 @@ class Trainer:
         optimizer: optax.GradientTransformation,
         *,
         input_scattered: bool = False,
-        matmul_precision: jax.lax.Precision | None = None,
     ):
         mesh_topology = bj.Topology.from_mesh(mesh, moe_ep=model.topology.moe_ep)
         if mesh_topology != model.topology:
             raise ValueError(
                 f"the model is bound on {model.topology} but the mesh is {mesh_topology}"
             )
-        if model.attention is AttentionImpl.CUDNN:
+        if model.options.attention is AttentionImpl.CUDNN:
             raise NotImplementedError(
                 "training with cuDNN attention is not supported: on an H200 its train step "
                 "compiled to a 1 TiB program (benchmarks/RESULTS.md run 10). Build the model "
-                "with attention=AttentionImpl.XLA"
+                "with BuildOptions(attention=AttentionImpl.XLA)"
             )
         self.mesh = mesh
         self.topology = model.topology
         self.config = model.config
         self.input_scattered = input_scattered
         self.optimizer = optimizer
-        dtype = model.final_norm.weight[...].dtype
-        self.matmul_precision = resolve_matmul_precision(matmul_precision, dtype)
+        self.matmul_precision = model.options.precision
         self._graphdef, params = nnx.split(model)
         self._params = FlatParams(params)
         self.frozen = frozenset(
@@ -220,9 +218,10 @@ class Trainer:
             for path, variable in nnx.to_flat_state(params)
             if isinstance(variable, Buffer)
         )
+        sources = hf_name_map(model.config, scan_layers=model.options.scan_layers)
         self._padded = {
             path: source.padded_axis
-            for path, source in hf_name_map(model.config, scan_layers=model.scan_layers).items()
+            for path, source in sources.items()
             if source.padded_axis is not None and path in self._params.paths
         }
         self._param_specs = self._params.flatten(
@@ -414,7 +413,7 @@ class Trainer:
 
 class FlatParams:
     """Converts between a module's parameter `nnx.State` and a flat `{dotted path: array}` dict
-    (the paths of `models.checkpoints.hf_name_map`), the form the optimizer and checkpoints see.
+    (the paths of `models.config.hf_name_map`), the form the optimizer and checkpoints see.
     """
 
     def __init__(self, template: nnx.State):

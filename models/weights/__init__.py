@@ -1,8 +1,7 @@
-"""Hugging Face safetensors checkpoints: the tensor names per family, loading onto a mesh (each
-device reading only its shards), and saving."""
+"""A model's weights: drawn at random straight into their shards (`initialization`), or read from
+a Hugging Face safetensors checkpoint with each device reading only its shards (`load`, FP8 ones
+and quantizing on load in `fp8`), and written back as one (`save`)."""
 
-from ..config.tensors import HFTensor as HFTensor
-from ..config.tensors import hf_name_map as hf_name_map
 from .load import CONFIG_FILE as CONFIG_FILE
 from .load import INDEX_FILE as INDEX_FILE
 from .load import SINGLE_FILE as SINGLE_FILE

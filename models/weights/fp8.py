@@ -1,8 +1,8 @@
 """Hugging Face fine-grained FP8 checkpoints: reading them onto a mesh, quantizing a checkpoint on
 load, and writing one.
 
-The format (transformers' `FineGrainedFP8Config`, DeepSeek-V3, Qwen3-*-FP8): `config.json` has a
-`quantization_config` with `quant_method: "fp8"` and `weight_block_size: [128, 128]`; each
+The format (transformers' `FineGrainedFP8Config`, as the hub's FP8 checkpoints use it):
+`config.json` has a `quantization_config` with `quant_method: "fp8"` and `weight_block_size: [128, 128]`; each
 quantized `nn.Linear` weight is float8_e4m3fn [out, in] beside a float32 `weight_scale_inv`
 [out / 128, in / 128] (the weight is `weight * weight_scale_inv` per block); activations are
 quantized dynamically per 128-feature token group. The quantized weights are the attention and
@@ -31,8 +31,8 @@ from safetensors import safe_open
 
 from pallas_kernels.quantize import FP8_MAX, INVERSE_FP8_MAX
 
-from ..config import read_hf_config
-from ..config.tensors import HFTensor, hf_name_map
+from ..config import hf_name_map, read_hf_config
+from ..config.tensors import HFTensor
 from ..layers.fp8_linear import Fp8Quantization, Fp8Weights
 
 BLOCK = 128

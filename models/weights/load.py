@@ -7,17 +7,16 @@ Hugging Face `nn.Linear` weights are [out, in]; our kernels are [in, out], so a 
 read transposed. Vocab-padding rows (embedding) and columns (LM head) are zeros.
 
 Mixture-of-experts checkpoints store one tensor per expert (`...experts.{e}.gate_proj.weight`,
-Mixtral's `...experts.{e}.w1.weight`); the model stacks them into one [experts, ...] parameter, and
+or `...experts.{e}.w1.weight`); the model stacks them into one [experts, ...] parameter, and
 a device whose shard covers experts [a, b) (and a slice of their width) reads only those tensors,
 and only that slice of each. A model built with `scan_layers` stacks a run of layers' parameters
 on a leading layer axis; each is read layer by layer, each device reading its shard of each.
 Projections that one matmul computes together (k and v; gate and up) are one parameter with a
 parts axis, each part read from its own tensor. A tensor that feeds several parameters (a Mamba2
 mixer's fused `in_proj`: z, x, B, C and dt) is read by row ranges (`HFTensor.rows`), each device
-reading only its rows of its range. A DeepSeek checkpoint's multi-token-prediction
-layers (past `num_hidden_layers`) are skipped with a one-line notice, and so are a LongCat-Flash
-checkpoint's multi-token-prediction head and the weights `save_pretrained` writes for its
-zero-computation experts (`names.longcat_skipped`).
+reading only its rows of its range. The tensors a family's causal LM never reads (multi-token-
+prediction layers, zero-computation experts' weights: its `unread_tensors`) are skipped with a
+one-line notice.
 """
 
 from __future__ import annotations
@@ -36,8 +35,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from safetensors import SafetensorError, safe_open
 
-from ..config import DecoderConfig, read_hf_config
-from ..config.tensors import IGNORED_SUFFIXES, HFTensor, hf_name_map, longcat_skipped, mtp_layer
+from ..config import DecoderConfig, family_of, hf_name_map, read_hf_config
+from ..config.tensors import IGNORED_SUFFIXES, HFTensor
 from ..layers.fp8_linear import Fp8Quantization
 from .fp8 import FP8_DTYPE, STORED_FP8, Fp8Source, fp8_sources, read_stored_fp8, stored_fp8
 
@@ -139,7 +138,7 @@ def load_params(
         is model layer `layers.start + j`; it holds the embedding, final norm and LM head only
         where the stage does): its layers' tensors must all be there, and the checkpoint's
         other tensors are the other stages'. None: the whole model.
-      quantization: The model was built with FP8 projections (`models.checkpoints.fp8`): read
+      quantization: The model was built with FP8 projections (`models.weights.fp8`): read
         from a fine-grained FP8 checkpoint, or quantized on load from another.
 
     Returns:
@@ -170,7 +169,7 @@ def load_params(
     if unmapped:
         raise ValueError(
             f"model parameters {unmapped} have no Hugging Face tensor; expected the module paths "
-            "of models.checkpoints.hf_name_map"
+            "of models.config.hf_name_map"
         )
     absent = sorted(
         path for path in sources.keys() - paths if layers is None or path.startswith("layers.")
@@ -182,33 +181,16 @@ def load_params(
         )
     with _Checkpoint(Path(checkpoint_dir)) as checkpoint:
         used = {name for path in paths for name in sources[path].tensor_names()}
-        mtp = sorted(
-            {layer for name in checkpoint.names if (layer := mtp_layer(name, config)) is not None}
-        )
-        if mtp:
-            _LOG.warning(
-                "%s: ignoring multi-token-prediction layer(s) %s (model.layers.%d.* ...): the "
-                "causal LM does not run them",
-                checkpoint_dir,
-                mtp,
-                mtp[0],
-            )
-        skipped = sorted(name for name in checkpoint.names if longcat_skipped(name, config))
-        if skipped:
-            _LOG.warning(
-                "%s: ignoring %d tensors the causal LM never reads (zero-computation experts' "
-                "weights, the multi-token-prediction head), e.g. %s",
-                checkpoint_dir,
-                len(skipped),
-                skipped[0],
-            )
+        unread, notice = family_of(config).unread_tensors(config, checkpoint.names)
+        if notice is not None:
+            _LOG.warning("%s: %s", checkpoint_dir, notice)
+        unread = frozenset(unread)
         unused = sorted(
             name
             for name in checkpoint.names
             if name not in used
             and not name.endswith(IGNORED_SUFFIXES)
-            and mtp_layer(name, config) is None
-            and not longcat_skipped(name, config)
+            and name not in unread
             and (name != "lm_head.weight" or "lm_head.kernel" in sources)
             and layers is None  # a stage's: the other stages read the rest
         )

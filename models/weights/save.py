@@ -19,8 +19,7 @@ import jax
 import numpy as np
 from safetensors.numpy import save_file
 
-from ..config import DecoderConfig, read_hf_config, write_hf_config
-from ..config.tensors import hf_name_map
+from ..config import DecoderConfig, hf_name_map, read_hf_config, write_hf_config
 from .load import CONFIG_FILE, SINGLE_FILE
 
 SAVED_DTYPE = "float32"

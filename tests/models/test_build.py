@@ -16,6 +16,7 @@ from flax import nnx
 import boundary_jax as bj
 from models.build import build_model
 from models.config import PRESETS, read_hf_config
+from models.options import BuildOptions
 from models.training.trainer import Trainer
 from models.weights.initialization import param_draws, sharded_initializer
 
@@ -58,7 +59,7 @@ def test_a_seed_gives_the_same_values_on_every_topology_and_scanned():
     assert split.keys() == want.keys()
     for path, value in split.items():
         np.testing.assert_array_equal(value, want[path], err_msg=str(path))
-    scanned = build_model(config, bj.Topology(), scan_layers=True)
+    scanned = build_model(config, bj.Topology(), BuildOptions(scan_layers=True))
     for layers, block in scanned.blocks():
         state = flat_values(block.layer if isinstance(block, bj.StackedLayers) else block)
         for path, value in state.items():

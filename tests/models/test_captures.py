@@ -19,6 +19,7 @@ from models.build import build_model, load_model
 from models.cli.plan import PLAN_SEQUENCES
 from models.config import PRESETS
 from models.inputs.rows import TokenRows
+from models.options import BuildOptions
 from models.serving.runtime import ShardedCausalLM
 
 GOLDEN = pathlib.Path(__file__).parents[1] / "golden"
@@ -62,7 +63,7 @@ def golden(name: str) -> tuple[list[list[int]], np.ndarray, np.ndarray]:
 @functools.cache
 def runner(name: str, dp: int, tp: int, scattered: bool, scan: bool = False) -> ShardedCausalLM:
     mesh = bj.make_mesh(bj.Topology(attn_dp=dp, attn_tp=tp))
-    model = load_model(GOLDEN / name, mesh, scan_layers=scan)
+    model = load_model(GOLDEN / name, mesh, BuildOptions(scan_layers=scan))
     return ShardedCausalLM(model, mesh, input_scattered=scattered)
 
 

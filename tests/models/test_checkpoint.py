@@ -17,12 +17,13 @@ from safetensors.numpy import load_file, save_file
 import boundary_jax as bj
 from models import weights as checkpoint
 from models.build import load_model
-from models.config import DecoderConfig
+from models.config import DecoderConfig, hf_name_map
+from models.config.tensors import HFTensor
 from models.layers.attention.self_attention import Attention
 from models.layers.linear import ParallelLMHead, VocabParallelEmbedding
 from models.layers.mlp import SwiGLU
-from models.weights import hf_name_map, load_config, load_params
 from models.weights import load as checkpoint_load
+from models.weights import load_config, load_params
 
 from . import make_mesh, row_spec, sum_over
 
@@ -82,7 +83,7 @@ def hf_tensors(directory: Path) -> dict[str, np.ndarray]:
     return tensors
 
 
-def expected_full(tensors: dict, source: checkpoint.HFTensor, shape) -> np.ndarray:
+def expected_full(tensors: dict, source: HFTensor, shape) -> np.ndarray:
     """The parameter Hugging Face tensors become: transposed, vocab padding zero-filled, stacked
     projections stacked on their parts axis."""
     if source.parts is not None:

@@ -15,14 +15,17 @@ from safetensors.numpy import load_file, save_file
 
 import boundary_jax as bj
 from models import weights as checkpoint
-from models.config import DecoderConfig
-from models.layers import moe, moe_routing, routed_experts
+from models.config import DecoderConfig, hf_name_map
+from models.config.tensors import HFTensor
 from models.layers.attention.self_attention import Attention
 from models.layers.linear import ParallelLMHead, VocabParallelEmbedding
 from models.layers.mlp import SwiGLU
+from models.layers.moe import experts as routed_experts
+from models.layers.moe import routing as moe_routing
+from models.layers.moe import sparse as moe
 from models.layers.moe.sparse import SparseMoe
-from models.weights import HFTensor, hf_name_map, load_config, load_params, load_tensor
 from models.weights import load as checkpoint_load
+from models.weights import load_config, load_params, load_tensor
 
 from . import make_mesh
 

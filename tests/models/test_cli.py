@@ -11,6 +11,7 @@ import pytest
 import boundary_jax as bj
 from models.cli.main import main
 from models.config import PRESETS
+from models.options import BuildOptions
 from tests.core.test_collectives import expected_layers
 from tests.models import MoeLayout
 from tests.models.test_moe_decoder import MIDDLE_SPARSE_LAYER
@@ -300,8 +301,9 @@ def test_fusions_flag_reaches_the_model_builders(monkeypatch, mesh, builder):
 
     seen = []
 
-    def capture(*args, fusions, **kwargs):
-        seen.append(fusions)
+    def capture(*args, **kwargs):
+        (options,) = [arg for arg in args if isinstance(arg, BuildOptions)]
+        seen.append(options.fusions)
         raise _Built
 
     monkeypatch.setattr(commands, builder, capture)

@@ -9,7 +9,6 @@ import pytest
 from models.config import (
     PRESETS,
     Activation,
-    Architecture,
     AttentionKind,
     DecoderConfig,
     LayerAttention,
@@ -34,7 +33,7 @@ def test_qwen3_golden_config():
     """A transformers-5 Qwen3 config (rope_parameters, tied, head_dim 16) reads field by field."""
     config = read_hf_config(golden_config("qwen3"))
     assert config == DecoderConfig(
-        architecture=Architecture.QWEN3,
+        architecture="Qwen3ForCausalLM",
         vocab_size=250,
         hidden_size=64,
         intermediate_size=128,
@@ -55,7 +54,7 @@ def test_qwen3_golden_config():
 def test_llama_legacy_rope_scaling():
     """The legacy rope_theta + rope_scaling (llama3) form gives a Llama3RopeScaling."""
     config = read_hf_config(golden_config("llama"))
-    assert config.architecture is Architecture.LLAMA
+    assert config.architecture == "LlamaForCausalLM"
     assert config.rope_theta == 1e4
     assert config.rope_scaling == Llama3RopeScaling(8.0, 1.0, 4.0, 100)
     assert (config.head_dim, config.num_kv_heads, config.qk_norm) == (8, 2, False)
@@ -65,7 +64,7 @@ def test_llama_legacy_rope_scaling():
 def test_mistral_config():
     """Mistral reads its kv heads, eps and (null) sliding window."""
     config = read_hf_config(golden_config("mistral"))
-    assert config.architecture is Architecture.MISTRAL
+    assert config.architecture == "MistralForCausalLM"
     assert (config.num_layers, config.num_kv_heads, config.rms_norm_eps) == (2, 4, 1e-5)
     assert config.sliding_window is None and config.rope_scaling is None
     assert read_hf_config(golden_config("mistral") | {"sliding_window": 32}).sliding_window
@@ -144,7 +143,7 @@ def test_presets_are_valid_and_small(name):
 def test_qwen3_moe_golden_config():
     """Qwen3-MoE: experts (as num_local_experts), top-k, renormalisation, a dense middle layer."""
     config = read_hf_config(golden_config("qwen3_moe"))
-    assert config.architecture is Architecture.QWEN3_MOE
+    assert config.architecture == "Qwen3MoeForCausalLM"
     assert config.qk_norm and not config.qkv_bias and config.sliding_window is None
     assert config.moe == MoeConfig(
         num_experts=16,
@@ -172,7 +171,7 @@ def test_qwen3_moe_hub_spelling_and_sparse_step():
 def test_mixtral_golden_config(name, window):
     """Mixtral: the expert width is intermediate_size, always renormalised, every layer sparse."""
     config = read_hf_config(golden_config(name))
-    assert config.architecture is Architecture.MIXTRAL
+    assert config.architecture == "MixtralForCausalLM"
     assert config.sliding_window == window
     assert config.moe == MoeConfig(
         num_experts=8, top_k=2, expert_intermediate_size=16, renormalize=True
@@ -184,7 +183,7 @@ def test_mixtral_golden_config(name, window):
 def test_qwen2_moe_golden_config():
     """Qwen2-MoE: no renormalisation, a sigmoid-gated shared expert, q/k/v biases."""
     config = read_hf_config(golden_config("qwen2_moe"))
-    assert config.architecture is Architecture.QWEN2_MOE
+    assert config.architecture == "Qwen2MoeForCausalLM"
     assert config.qkv_bias and not config.qk_norm
     assert config.sliding_window is None  # the file says sliding_window 0, use_sliding_window off
     assert config.moe == MoeConfig(
@@ -208,7 +207,7 @@ def test_qwen2_moe_golden_config():
 def test_qwen2_golden_config():
     """Dense Qwen2 always has q/k/v biases and no MoE settings."""
     config = read_hf_config(golden_config("qwen2"))
-    assert config.architecture is Architecture.QWEN2
+    assert config.architecture == "Qwen2ForCausalLM"
     assert config.qkv_bias and config.moe is None and config.tie_word_embeddings
     assert config.sparse_layers == (False, False)
     assert (config.intermediate_size, config.head_dim, config.sliding_window) == (96, 8, None)
@@ -267,9 +266,9 @@ def test_moe_config_invariants():
 def test_exaone4_golden_config():
     """EXAONE 4.0: post-norm, per-head q/k norm, its layer_types, no RoPE on global layers."""
     config = read_hf_config(golden_config("exaone4"))
-    assert config.architecture is Architecture.EXAONE4
+    assert config.architecture == "Exaone4ForCausalLM"
     assert config.residual_design is ResidualDesign.POST_NORM
-    assert config.qk_norm and not config.qk_norm_whole and not config.gemma_norms
+    assert config.qk_norm and not config.qk_norm_whole and not config.unit_offset_norms
     assert config.layer_types == (S, S, F) and config.sliding_window == 4
     assert config.layer_attention(0) == LayerAttention(4, 1e4)
     assert config.layer_attention(2) == LayerAttention(None, None)  # global NoPE
@@ -286,7 +285,7 @@ def test_exaone4_golden_config():
 def test_olmo2_golden_config():
     """OLMo 2: post-norm, q/k norm over the whole projection, full attention everywhere."""
     config = read_hf_config(golden_config("olmo2"))
-    assert config.architecture is Architecture.OLMO2
+    assert config.architecture == "Olmo2ForCausalLM"
     assert config.residual_design is ResidualDesign.POST_NORM
     assert config.qk_norm and config.qk_norm_whole
     assert config.layer_types is None and config.layer_attention(1) == LayerAttention(None, 1e4)
@@ -296,8 +295,8 @@ def test_gemma3_golden_config():
     """Gemma 3: sandwich norms with 1 + w, GeGLU, local RoPE base on sliding layers, linear
     scaling on global ones, query_pre_attn_scalar, scaled embedding."""
     config = read_hf_config(golden_config("gemma3"))
-    assert config.architecture is Architecture.GEMMA3
-    assert config.residual_design is ResidualDesign.SANDWICH and config.gemma_norms
+    assert config.architecture == "Gemma3ForCausalLM"
+    assert config.residual_design is ResidualDesign.SANDWICH and config.unit_offset_norms
     assert config.activation is Activation.GELU_TANH and config.query_pre_attn_scalar == 24
     assert config.embedding_scale == 8.0 and not config.tie_word_embeddings
     assert config.layer_types == (S, F, S)

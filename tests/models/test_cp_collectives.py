@@ -19,6 +19,7 @@ from models.build import build_model
 from models.config import PRESETS
 from models.inputs.rows import decode_rows
 from models.layers.attention.context_parallel import CpAttentionMode
+from models.options import BuildOptions
 from models.serving.runtime import ShardedCausalLM
 from models.training.trainer import Trainer
 
@@ -58,7 +59,7 @@ def compiled(dp: int, cp: int, tp: int, mode: CpAttentionMode) -> dict[str, Coll
     one training step's loss and gradients, on an attn_dp x attn_cp x attn_tp mesh."""
     topology = bj.Topology(attn_dp=dp, attn_cp=cp, attn_tp=tp)
     mesh = bj.make_mesh(topology)
-    runner = ShardedCausalLM(build_model(CONFIG, topology, cp_attention=mode), mesh)
+    runner = ShardedCausalLM(build_model(CONFIG, topology, BuildOptions(cp_attention=mode)), mesh)
     packed = runner.pack(list(SEQUENCES), bucketed=True)
     caches = runner.new_caches(packed.decode_rows_per_rank, 128)
     key = jax.random.key(0)
@@ -67,7 +68,9 @@ def compiled(dp: int, cp: int, tp: int, mode: CpAttentionMode) -> dict[str, Coll
     lengths = np.asarray(packed.lengths, np.int32)
     rows, batch = runner.place(decode_rows(packed, np.zeros_like(lengths), lengths))
     decode = runner.lower_decode(rows, batch, caches, key, 2, capacity=16)
-    trainer = Trainer(build_model(CONFIG, topology, cp_attention=mode), mesh, optax.sgd(0.1))
+    trainer = Trainer(
+        build_model(CONFIG, topology, BuildOptions(cp_attention=mode)), mesh, optax.sgd(0.1)
+    )
     step = jax.jit(jax.value_and_grad(trainer.sharded_loss)).lower(
         trainer.state.params, trainer.pack(list(SEQUENCES))
     )

@@ -21,6 +21,7 @@ from models.distributed import fetch
 from models.inputs.rows import decode_rows
 from models.layers.attention.context_parallel import CpAttentionMode
 from models.layers.attention.kv_cache import KVCache
+from models.options import BuildOptions
 from models.serving.runtime import ShardedCausalLM
 
 CONFIGS = {
@@ -47,7 +48,7 @@ def runner(
 ) -> ShardedCausalLM:
     topology = bj.Topology(attn_dp=dp, attn_cp=cp, attn_tp=tp)
     mesh = bj.make_mesh(topology)
-    model = build_model(CONFIGS[preset], topology, cp_attention=mode, mesh=mesh)
+    model = build_model(CONFIGS[preset], topology, BuildOptions(cp_attention=mode), mesh=mesh)
     return ShardedCausalLM(model, mesh)
 
 

@@ -14,6 +14,7 @@ from boundary_jax import make_mesh
 from models.build import build_model
 from models.config import PRESETS
 from models.layers.attention.context_parallel import CpAttentionMode
+from models.options import BuildOptions
 from models.serving.runtime import ShardedCausalLM
 
 CONFIG = dataclasses.replace(PRESETS["tiny-qwen3"], num_layers=1)
@@ -25,7 +26,7 @@ def device_bytes(cp: int, mode: CpAttentionMode) -> int:
     """Per-device bytes of the compiled prefill of one `TOKENS`-token sequence: its
     temporaries, arguments and outputs (`compiled.memory_analysis()`)."""
     topology = bj.Topology(attn_cp=cp)
-    model = build_model(CONFIG, topology, cp_attention=mode)
+    model = build_model(CONFIG, topology, BuildOptions(cp_attention=mode))
     lowered = ShardedCausalLM(model, make_mesh(topology)).lower_forward([[1] * TOKENS])
     stats = lowered.compile().memory_analysis()
     return stats.temp_size_in_bytes + stats.argument_size_in_bytes + stats.output_size_in_bytes

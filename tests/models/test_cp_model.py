@@ -19,6 +19,7 @@ from models.config import PRESETS
 from models.distributed import fetch
 from models.inputs.rows import pack_sequences
 from models.layers.attention.context_parallel import CpAttentionMode
+from models.options import BuildOptions
 from models.serving.buckets import pack_bucketed
 from models.serving.runtime import ShardedCausalLM
 from models.training.trainer import Trainer, next_token_labels
@@ -41,7 +42,7 @@ def logits(
     """[sequences, longest, vocab] float32 logits of `prompts()` on an attn_dp x attn_cp x
     attn_tp mesh (an input-scattered batch if `scattered`)."""
     topology = bj.Topology(attn_dp=dp, attn_cp=cp, attn_tp=tp)
-    model = build_model(CONFIG, topology, cp_attention=mode)
+    model = build_model(CONFIG, topology, BuildOptions(cp_attention=mode))
     return ShardedCausalLM(model, make_mesh(topology), input_scattered=scattered).forward(prompts())
 
 
@@ -97,7 +98,7 @@ def gradients(
     dp: int, cp: int, mode: CpAttentionMode, tp: int = 1
 ) -> tuple[float, dict[str, np.ndarray]]:
     topology = bj.Topology(attn_dp=dp, attn_cp=cp, attn_tp=tp)
-    model = build_model(CONFIG, topology, cp_attention=mode)
+    model = build_model(CONFIG, topology, BuildOptions(cp_attention=mode))
     trainer = Trainer(model, make_mesh(topology), optax.sgd(0.1))
     loss, grads = trainer.gradients(trainer.pack(prompts()))
     return loss, {path: np.asarray(g) for path, g in grads.items()}
@@ -120,7 +121,11 @@ def test_unsupported_cp_configurations_are_rejected_at_construction():
     with pytest.raises(NotImplementedError, match="attn_cp=1"):
         build_model(PRESETS["tiny-qwen3-moe"], bj.Topology(attn_cp=2))
     with pytest.raises(NotImplementedError, match="ALL_GATHER"):
-        build_model(PRESETS["tiny-qwen3-moe"], bj.Topology(), cp_attention=CpAttentionMode.RING)
+        build_model(
+            PRESETS["tiny-qwen3-moe"],
+            bj.Topology(),
+            BuildOptions(cp_attention=CpAttentionMode.RING),
+        )
 
 
 LONG_CONFIG = dataclasses.replace(
@@ -137,7 +142,7 @@ def long_logits(cp: int, mode: CpAttentionMode) -> np.ndarray:
     rng = np.random.default_rng(11)
     sequences = [rng.integers(0, LONG_CONFIG.vocab_size, n).tolist() for n in LONG_LENGTHS]
     topology = bj.Topology(attn_cp=cp)
-    model = build_model(LONG_CONFIG, topology, cp_attention=mode)
+    model = build_model(LONG_CONFIG, topology, BuildOptions(cp_attention=mode))
     runner = ShardedCausalLM(model, make_mesh(topology))
     packed = pack_sequences(sequences, topology, max_sequence_rows=max(LONG_LENGTHS))
     return packed.unpack(fetch(runner.forward_rows(packed)))

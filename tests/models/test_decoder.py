@@ -13,7 +13,10 @@ import boundary_jax as bj
 from boundary_jax import make_mesh
 from models.build import build_model, load_model
 from models.config import PRESETS
-from models.families import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from models.families.llama import LlamaForCausalLM
+from models.families.qwen2 import Qwen2ForCausalLM
+from models.families.qwen3 import Qwen3ForCausalLM
+from models.options import BuildOptions
 from models.serving.runtime import ShardedCausalLM
 
 GOLDEN = pathlib.Path(__file__).parents[1] / "golden"
@@ -61,7 +64,7 @@ def golden(name: str) -> tuple[list[list[int]], dict[str, np.ndarray]]:
 def runner(name: str, dp: int, tp: int, scattered: bool, dtype=jnp.float32) -> ShardedCausalLM:
     mesh = make_mesh(bj.Topology(attn_dp=dp, attn_tp=tp))
     return ShardedCausalLM(
-        load_model(GOLDEN / name, mesh, dtype=dtype), mesh, input_scattered=scattered
+        load_model(GOLDEN / name, mesh, BuildOptions(dtype=dtype)), mesh, input_scattered=scattered
     )
 
 
@@ -117,7 +120,7 @@ def test_random_weights_are_the_same_on_every_mesh():
     outputs = []
     for dp, tp in ((1, 1), (2, 4)):
         topology = bj.Topology(attn_dp=dp, attn_tp=tp)
-        model = build_model(config, topology, reduction=bj.ReductionPolicy.RS_RSV)
+        model = build_model(config, topology, BuildOptions(reduction=bj.ReductionPolicy.RS_RSV))
         outputs.append(ShardedCausalLM(model, make_mesh(topology)).forward(prompts))
     assert np.max(np.abs(outputs[0] - outputs[1])) <= 1e-5 * np.max(np.abs(outputs[0]))
 

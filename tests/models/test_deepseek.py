@@ -22,13 +22,14 @@ import boundary_jax as bj
 import models.layers.moe.deepseek_router
 from models.build import build_model, load_model
 from models.cli.main import main
-from models.config import PRESETS, read_hf_config, write_hf_config
-from models.families import DeepseekV3ForCausalLM
+from models.config import PRESETS, hf_name_map, read_hf_config, write_hf_config
+from models.families.deepseek import DeepseekV3ForCausalLM
 from models.layers.attention.latent import LatentCache, MultiHeadLatentAttention
 from models.layers.moe.routing import Routing
+from models.options import BuildOptions
 from models.serving.runtime import ShardedCausalLM
 from models.training.trainer import TrainConfig, Trainer
-from models.weights import hf_name_map, load_config, save_checkpoint
+from models.weights import load_config, save_checkpoint
 
 from . import MoeLayout, randomize_norms
 from .test_deepseek_moe import hf_moe
@@ -78,9 +79,8 @@ def runner(name: str, layout: MoeLayout) -> ShardedCausalLM:
     model = load_model(
         GOLDEN / name,
         mesh,
+        BuildOptions(moe_dispatch=layout.dispatch, dense_ffn_dp=layout.dense_ffn_dp),
         moe_ep=layout.ep,
-        moe_dispatch=layout.dispatch,
-        dense_ffn_dp=layout.dense_ffn_dp,
     )
     return ShardedCausalLM(model, mesh, input_scattered=layout.scattered)
 
@@ -201,7 +201,7 @@ def test_mutant_latent_is_caught(monkeypatch):
 def test_mutant_correction_bias_in_the_weights_is_caught(monkeypatch):
     """V3's bias only picks experts: weights taken from the biased scores move the MoE's
     output away from transformers'."""
-    honest = models.layers.deepseek_moe.deepseek_route
+    honest = models.layers.moe.deepseek_router.deepseek_route
     module = hf_moe("deepseek_v3")
     x, want = (golden_modules("deepseek_v3")[2][key] for key in ("moe_in_1", "moe_out_1"))
 
@@ -216,7 +216,7 @@ def test_mutant_correction_bias_in_the_weights_is_caught(monkeypatch):
         return Routing(weights, routing.experts)
 
     assert moe_error() < 1e-5
-    monkeypatch.setattr(models.layers.deepseek_moe, "deepseek_route", biased)
+    monkeypatch.setattr(models.layers.moe.deepseek_router, "deepseek_route", biased)
     assert moe_error() > 1e-2
 
 
@@ -227,7 +227,7 @@ def test_correction_bias_gets_no_gradient():
     x = golden_modules("deepseek_v3")[2]["moe_in_1"]
 
     def weighted(router, bias):
-        routing = models.layers.deepseek_moe.deepseek_route(x, router, bias, module.rule)
+        routing = models.layers.moe.deepseek_router.deepseek_route(x, router, bias, module.rule)
         return jnp.sum(routing.weights * jnp.arange(1.0, 4.0)[None, :] ** 2)
 
     router_grad, bias_grad = jax.grad(weighted, argnums=(0, 1))(
@@ -258,7 +258,9 @@ def test_mutant_dense_ffn_summed_over_tp_is_caught():
     mesh = layout.mesh()
     graphdef, state = nnx.split(honest)
     abstract = nnx.eval_shape(
-        lambda: SummedDenseFfn(honest.config, honest.topology, dense_ffn_dp=True, rngs=nnx.Rngs(0))
+        lambda: SummedDenseFfn(
+            honest.config, honest.topology, BuildOptions(dense_ffn_dp=True), rngs=nnx.Rngs(0)
+        )
     )
     mutant = nnx.merge(nnx.split(abstract)[0], state)
     del graphdef
@@ -281,7 +283,9 @@ def one_step(layout: MoeLayout) -> dict:
     (one dense, one sparse)."""
     topology = bj.Topology(attn_dp=layout.dp, attn_tp=layout.tp, moe_ep=layout.ep)
     model = build_model(
-        TRAIN_CONFIG, topology, moe_dispatch=layout.dispatch, dense_ffn_dp=layout.dense_ffn_dp
+        TRAIN_CONFIG,
+        topology,
+        BuildOptions(moe_dispatch=layout.dispatch, dense_ffn_dp=layout.dense_ffn_dp),
     )
     randomize_norms(model, seed=3)
     trainer = Trainer(model, layout.mesh(), OPTIMIZER.optimizer())

@@ -13,7 +13,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import boundary_jax as bj
-from models.layers.moe import routing
+from models.families.deepseek import read_routing
+from models.layers.moe import routing as moe_routing
 from models.layers.moe.deepseek_router import (
     DeepseekMoe,
     DeepseekRouting,
@@ -127,7 +128,7 @@ def test_rule_rejects_bad_settings():
         deepseek_route(jnp.zeros((2, 16)), jnp.zeros((16, 12)), None, V3)
     config = golden("deepseek_v2")[0]
     with pytest.raises(ValueError, match="norm_topk_prob"):
-        DeepseekRouting.from_hf(config | {"norm_topk_prob": True})
+        read_routing(config | {"norm_topk_prob": True})
 
 
 @pytest.mark.parametrize("name", ["deepseek_v2", "deepseek_v3"])
@@ -135,7 +136,7 @@ def test_routing_from_hf_config_matches_transformers(name):
     """The golden config's rule with its layer-1 router (and bias) chooses transformers'
     experts with transformers' weights."""
     config, weights, modules = golden(name)
-    rule = DeepseekRouting.from_hf(config)
+    rule = read_routing(config)
     assert rule == (V2_GROUPED if name == "deepseek_v2" else V3)
     prefix = "model.layers.1.mlp.gate."
     bias = weights.get(prefix + "e_score_correction_bias")
@@ -158,7 +159,7 @@ def hf_moe(name: str, expert_entry=None, width_entry=None) -> DeepseekMoe:
     module = DeepseekMoe(
         config["hidden_size"],
         config["moe_intermediate_size"],
-        DeepseekRouting.from_hf(config),
+        read_routing(config),
         shared_width=config["n_shared_experts"] * config["moe_intermediate_size"],
         expert_entry=expert_entry,
         width_entry=width_entry,

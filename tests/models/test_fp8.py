@@ -23,6 +23,7 @@ from models.layers.hyper_connections import HyperConnections
 from models.layers.mlp import SwiGLU
 from models.layers.moe.fp8 import Fp8MoeFfn
 from models.layers.moe.routing import Routing
+from models.options import BuildOptions
 from models.serving.runtime import ShardedCausalLM
 from models.weights import save_checkpoint
 from models.weights.fp8 import FP8_CONFIG, read_stored_fp8, write_fp8_checkpoint
@@ -76,7 +77,8 @@ def root(tmp_path_factory) -> str:
 def _runner(directory: str, mesh_name: str, **options) -> ShardedCausalLM:
     dp, tp, ep, dispatch = MESHES[mesh_name]
     mesh = make_mesh(dp, tp)
-    model = load_model(directory, mesh, moe_ep=ep, moe_dispatch=dispatch, **options)
+    built = BuildOptions(moe_dispatch=dispatch, **options)
+    model = load_model(directory, mesh, built, moe_ep=ep)
     return ShardedCausalLM(model, mesh)
 
 
@@ -111,7 +113,7 @@ def test_fp8_model_equals_float64_on_dequantized_weights(family, mesh, root):
     _, fp8 = checkpoints(family, root)
     with jax.enable_x64(True):
         runner = _runner(fp8, mesh, dtype=jnp.float64)
-        assert runner.model.quantization.weights is Fp8Weights.FP8
+        assert runner.model.options.quantization.weights is Fp8Weights.FP8
         got = runner.forward(SEQUENCES)
     want = reference_logits(family, root)
     np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(), rtol=0)
@@ -124,7 +126,9 @@ def test_fp8_model_under_context_parallelism(root):
     _, fp8 = checkpoints("dense", root)
     mesh = bj.make_mesh(bj.Topology(attn_cp=2, attn_tp=2))
     with jax.enable_x64(True):
-        got = ShardedCausalLM(load_model(fp8, mesh, dtype=jnp.float64), mesh).forward(SEQUENCES)
+        got = ShardedCausalLM(load_model(fp8, mesh, BuildOptions(dtype=jnp.float64)), mesh).forward(
+            SEQUENCES
+        )
     want = reference_logits("dense", root)
     np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(), rtol=0)
 
@@ -173,7 +177,7 @@ def test_quantizing_on_load_equals_the_fp8_checkpoint(root):
     bit, each device quantizing its own blocks."""
     source, fp8 = checkpoints("moe", root)
     mesh = make_mesh(2, 2)
-    quantized = load_model(source, mesh, quantization=Fp8Quantization())
+    quantized = load_model(source, mesh, BuildOptions(quantization=Fp8Quantization()))
     stored = load_model(fp8, mesh)
     chex.assert_trees_all_equal(nnx.state(quantized), nnx.state(stored))
     values = nnx.state(stored)["layers"][0]["mlp"]["gate_up_proj"].get_value()
@@ -214,13 +218,15 @@ def test_random_fp8_weights_are_drawn_from_the_abstract_state():
     config = PRESETS["tiny-qwen3-moe-fp8"]
     topology = bj.Topology(attn_tp=2)
     fp8 = Fp8Quantization()
-    plain = _flat_params(build_model(config, topology, quantization=fp8))
+    plain = _flat_params(build_model(config, topology, BuildOptions(quantization=fp8)))
     placed = _flat_params(
-        build_model(config, topology, quantization=fp8, mesh=bj.make_mesh(topology))
+        build_model(config, topology, BuildOptions(quantization=fp8), mesh=bj.make_mesh(topology))
     )
     chex.assert_trees_all_equal(placed, plain)
     dequantized = _flat_params(
-        build_model(config, topology, quantization=Fp8Quantization(Fp8Weights.DEQUANTIZED))
+        build_model(
+            config, topology, BuildOptions(quantization=Fp8Quantization(Fp8Weights.DEQUANTIZED))
+        )
     )
     std = config.initializer_range
     for values_path, scales_path in (
@@ -242,7 +248,9 @@ def test_families_without_fp8_projections_refuse_quantization():
     """DeepSeek's latent attention (like Nemotron-H's mixers) makes its projections without
     `linears`: an FP8 build is refused when it starts, naming the fix."""
     with pytest.raises(NotImplementedError, match="Build it without quantization"):
-        build_model(PRESETS["tiny-deepseek-v3"], bj.Topology(), quantization=Fp8Quantization())
+        build_model(
+            PRESETS["tiny-deepseek-v3"], bj.Topology(), BuildOptions(quantization=Fp8Quantization())
+        )
 
 
 def test_mhc_reads_cannot_quantize():
@@ -253,8 +261,9 @@ def test_mhc_reads_cannot_quantize():
             lambda: build_model(
                 PRESETS["tiny-qwen3-fp8"],
                 bj.Topology(),
-                hyper_connections=HyperConnections(hc_mult=2),
-                quantization=Fp8Quantization(),
+                BuildOptions(
+                    hyper_connections=HyperConnections(hc_mult=2), quantization=Fp8Quantization()
+                ),
             )
         )
 
@@ -270,7 +279,9 @@ def test_plan_quantizes_on_load_and_reports_bytes_per_device(root, capsys):
     assert {stage["input_format"] for stage in report["stages"]} == {FP8_FORMAT.name}
     abstract = nnx.eval_shape(
         lambda: build_model(
-            PRESETS["tiny-qwen3-fp8"], bj.Topology(attn_tp=2), quantization=Fp8Quantization()
+            PRESETS["tiny-qwen3-fp8"],
+            bj.Topology(attn_tp=2),
+            BuildOptions(quantization=Fp8Quantization()),
         )
     )
     state = nnx.state(abstract, nnx.Param)

@@ -18,6 +18,7 @@ import boundary_jax as bj
 from models.build import load_model
 from models.inputs.rows import pack_sequences
 from models.layers.attention.self_attention import AttentionImpl
+from models.options import BuildOptions
 from models.serving.runtime import ShardedCausalLM
 
 GOLDEN = pathlib.Path(__file__).resolve().parents[1] / "golden"
@@ -46,7 +47,7 @@ def test_cudnn_model_generates_the_reference_tokens(name, tp):
     mesh = bj.make_mesh(bj.Topology(attn_tp=tp))
     tokens, logits = {}, {}
     for impl in (AttentionImpl.XLA, AttentionImpl.CUDNN):
-        model = load_model(GOLDEN / name, mesh, dtype=jnp.bfloat16, attention=impl)
+        model = load_model(GOLDEN / name, mesh, BuildOptions(dtype=jnp.bfloat16, attention=impl))
         runner = ShardedCausalLM(model, mesh)
         logits[impl] = runner.forward(prompts)
         compiled = runner.lower_forward(prompts).compile().as_text()
@@ -68,7 +69,8 @@ def test_cudnn_prefill_of_equal_sequences_runs_in_windows():
     logits = {}
     for impl in (AttentionImpl.XLA, AttentionImpl.CUDNN):
         runner = ShardedCausalLM(
-            load_model(GOLDEN / "llama", mesh, dtype=jnp.bfloat16, attention=impl), mesh
+            load_model(GOLDEN / "llama", mesh, BuildOptions(dtype=jnp.bfloat16, attention=impl)),
+            mesh,
         )
         packed = pack_sequences(prompts, runner.topology, max_sequence_rows=length)
         assert packed.rows.window_rows == length
@@ -86,6 +88,6 @@ def test_moe_model_with_gpu_expert_kernels_matches_transformers():
     prompts, reference = _golden("qwen3_moe")
     for tp in (1, 2)[: jax.device_count()]:
         mesh = bj.make_mesh(bj.Topology(attn_tp=tp))
-        model = load_model(GOLDEN / "qwen3_moe", mesh, dtype=jnp.bfloat16, moe_ep=tp)
+        model = load_model(GOLDEN / "qwen3_moe", mesh, BuildOptions(dtype=jnp.bfloat16), moe_ep=tp)
         got = ShardedCausalLM(model, mesh).forward(prompts)
         assert _relative(got, reference["logits_bf16"]) < 5e-2, tp

@@ -18,6 +18,7 @@ from models.cli.plan import collective_report
 from models.config import PRESETS
 from models.inputs.rows import TokenRows
 from models.layers.hyper_connections import HyperConnections
+from models.options import BuildOptions
 from models.serving.runtime import ShardedCausalLM
 
 # Few Sinkhorn iterations keep the compiled programs small; the design is tested in full in
@@ -53,7 +54,9 @@ def _id(layout) -> str:
 @functools.cache
 def runner(family: str, dp: int, tp: int, scattered: bool, mhc: bool = True) -> ShardedCausalLM:
     topology = bj.Topology(attn_dp=dp, attn_tp=tp)
-    model = build_model(CONFIGS[family], topology, hyper_connections=HC if mhc else None)
+    model = build_model(
+        CONFIGS[family], topology, BuildOptions(hyper_connections=HC if mhc else None)
+    )
     return ShardedCausalLM(model, bj.make_mesh(topology), input_scattered=scattered)
 
 
@@ -224,7 +227,9 @@ def test_no_fused_candidate_is_offered_an_mhc_input():
         candidate = RecordingCandidate()
         provider = bj.fusions.FusionProvider(attn_input=(candidate,), ffn_input=(candidate,))
         model = build_model(
-            CONFIGS["qwen3"], topology, fusions=provider, hyper_connections=HC if mhc else None
+            CONFIGS["qwen3"],
+            topology,
+            BuildOptions(fusions=provider, hyper_connections=HC if mhc else None),
         )
         ShardedCausalLM(model, bj.make_mesh(topology)).lower_forward(PROMPTS)
         offered[mhc] = candidate.offered

@@ -13,10 +13,17 @@ from safetensors import safe_open
 import boundary_jax as bj
 from models.build import build_model, load_model
 from models.cli.main import main
-from models.config import PRESETS, Architecture, MlaConfig, read_hf_config, write_hf_config
-from models.config.tensors import hf_name_map, longcat_skipped
+from models.config import (
+    PRESETS,
+    MlaConfig,
+    family_of,
+    hf_name_map,
+    read_hf_config,
+    write_hf_config,
+)
 from models.families.longcat import LongcatDecoderLayer
-from models.layers.moe import sparse
+from models.layers.moe import sparse as moe
+from models.options import BuildOptions
 from models.serving.runtime import ShardedCausalLM
 from models.training.trainer import TrainConfig, Trainer
 from models.weights import load_config
@@ -33,7 +40,7 @@ def test_config_from_hf():
     RoPE pairs, 8 routed + 4 zero-computation experts under the softmax router with a
     correction bias, scaled by 6 and not renormalized; written back, it reads the same."""
     config = read_hf_config(HF_CONFIG)
-    assert config.architecture is Architecture.LONGCAT_FLASH
+    assert config.architecture == "LongcatFlashForCausalLM"
     assert (config.num_layers, config.intermediate_size, config.head_dim) == (2, 32, 16)
     mla = config.mla
     assert mla.lora_scaled and mla.rope_interleaved and mla.q_lora_rank == 24
@@ -116,6 +123,11 @@ def test_config_rejects_what_transformers_does_not_run(change, match):
         read_hf_config(HF_CONFIG | change)
 
 
+def longcat_skipped(name: str, config) -> bool:
+    """Whether LongCat-Flash's family leaves checkpoint tensor `name` unread."""
+    return bool(family_of(config).unread_tensors(config, [name])[0])
+
+
 def test_name_map_reads_every_tensor_but_the_unread_ones():
     """Every parameter has a checkpoint tensor, and every tensor is read except the weights
     `save_pretrained` writes for the zero-computation experts (and a multi-token-prediction
@@ -174,9 +186,8 @@ def runner(layout: MoeLayout) -> ShardedCausalLM:
     model = load_model(
         GOLDEN,
         mesh,
+        BuildOptions(moe_dispatch=layout.dispatch, fusions=fusions or bj.fusions.NO_FUSIONS),
         moe_ep=layout.ep,
-        moe_dispatch=layout.dispatch,
-        fusions=fusions or bj.fusions.NO_FUSIONS,
     )
     return ShardedCausalLM(model, mesh)
 
@@ -317,7 +328,7 @@ def test_what_is_not_built_is_rejected():
     """Scanned layers and an input-scattered batch fail with the reason."""
     config = load_config(GOLDEN)
     with pytest.raises(NotImplementedError, match="scan_layers"):
-        build_model(config, bj.Topology(), scan_layers=True)
+        build_model(config, bj.Topology(), BuildOptions(scan_layers=True))
     layout = MoeLayout(1, 4, defer=True)
     scattered = ShardedCausalLM(runner(layout).model, layout.mesh(), input_scattered=True)
     with pytest.raises(Exception, match="INPUT_SCATTERED"):
@@ -335,7 +346,7 @@ SEQUENCES = [list(np.random.default_rng(5).integers(0, 250, n)) for n in (13, 7,
 def one_step(layout: MoeLayout) -> dict:
     """Initial and updated parameters and the loss of one optax step of the golden model."""
     mesh = layout.mesh()
-    model = load_model(GOLDEN, mesh, moe_ep=layout.ep, moe_dispatch=layout.dispatch)
+    model = load_model(GOLDEN, mesh, BuildOptions(moe_dispatch=layout.dispatch), moe_ep=layout.ep)
     trainer = Trainer(model, mesh, OPTIMIZER.optimizer())
     initial = jax.tree.map(np.asarray, trainer.state.params)
     loss = trainer.step(trainer.pack(SEQUENCES))["loss"]

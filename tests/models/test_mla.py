@@ -16,6 +16,7 @@ from safetensors.numpy import load_file
 
 import boundary_jax as bj
 from models.config import YarnRopeScaling
+from models.families.deepseek import read_mla
 from models.inputs.rows import RowsPhase
 from models.layers.attention.latent import LatentCache, MlaConfig, MultiHeadLatentAttention
 from models.layers.attention.rope import rope_inv_freq
@@ -42,7 +43,7 @@ def golden(name: str) -> tuple[dict, dict, dict]:
 def hf_attention(name: str, topology: bj.Topology, layer: int = 1) -> MultiHeadLatentAttention:
     """The MLA of golden `name`'s layer `layer`, weights as transformers holds them."""
     config, weights, _ = golden(name)
-    attn = MultiHeadLatentAttention(MlaConfig.from_hf(config), topology=topology, rngs=nnx.Rngs(0))
+    attn = MultiHeadLatentAttention(read_mla(config), topology=topology, rngs=nnx.Rngs(0))
     prefix = f"model.layers.{layer}.self_attn."
     for proj in PROJECTIONS:
         if getattr(attn, proj) is not None:
@@ -113,7 +114,7 @@ def test_matches_hf_attention(name, dp, tp):
 
 def test_config_and_cache_from_hf():
     """The golden configs read as transformers runs them; the cache holds the latent only."""
-    v2, v3 = (MlaConfig.from_hf(golden(name)[0]) for name in ("deepseek_v2", "deepseek_v3"))
+    v2, v3 = (read_mla(golden(name)[0]) for name in ("deepseek_v2", "deepseek_v3"))
     assert (v2.q_lora_rank, v3.q_lora_rank) == (None, 24)
     assert v2.rope_interleaved and v3.rope_interleaved
     assert v2.rope_scaling == YarnRopeScaling(4.0, 32, mscale=0.707, mscale_all_dim=1.0)
@@ -136,7 +137,7 @@ def test_config_and_cache_from_hf():
     with pytest.raises(ValueError, match=r"num_heads \(4\) must be a multiple .* \(8\)"):
         MultiHeadLatentAttention(v2, topology=bj.Topology(attn_tp=8), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="num_key_value_heads"):
-        MlaConfig.from_hf(golden("deepseek_v3")[0] | {"num_key_value_heads": 128})
+        read_mla(golden("deepseek_v3")[0] | {"num_key_value_heads": 128})
 
 
 def test_config_from_hub_style_file():
@@ -164,7 +165,7 @@ def test_config_from_hub_style_file():
             "type": "yarn",
         },
     }
-    config = MlaConfig.from_hf(hub)
+    config = read_mla(hub)
     assert config.rope_interleaved and config.latent_width == 576
     assert config.rope_scaling == YarnRopeScaling(40.0, 4096, 32.0, 1.0, 1.0, 1.0)
     assert config.rope_attention_factor == 1.0

@@ -13,7 +13,9 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import boundary_jax as bj
-from models.layers import moe, moe_routing, routed_experts
+from models.layers.moe import experts as routed_experts
+from models.layers.moe import routing as moe_routing
+from models.layers.moe import sparse as moe
 from models.layers.moe.routing import MoeOutput, Routing
 from models.layers.moe.sparse import GroupedMatmulImpl
 from pallas_kernels.grouped_matmul import TRITON_MAX_ROUTED_ROWS, grouped_matmul_reference

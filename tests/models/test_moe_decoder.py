@@ -20,10 +20,15 @@ from boundary_jax import make_mesh
 from models.build import build_model, load_model
 from models.cli.plan import collective_report
 from models.config import MoeConfig, read_hf_config
-from models.families import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
-from models.layers import moe, moe_routing, routed_experts
+from models.families.mixtral import MixtralForCausalLM
+from models.families.qwen2_moe import Qwen2MoeForCausalLM
+from models.families.qwen3_moe import Qwen3MoeForCausalLM
+from models.layers.moe import experts as routed_experts
+from models.layers.moe import routing as moe_routing
+from models.layers.moe import sparse as moe
 from models.layers.moe.ffn import MoeFfn
 from models.layers.moe.sparse import GroupedMatmulImpl
+from models.options import BuildOptions
 from models.serving.runtime import ShardedCausalLM
 from models.weights import load_config
 
@@ -93,9 +98,10 @@ def runner(name: str, layout: MoeLayout) -> ShardedCausalLM:
     model = load_model(
         GOLDEN / name,
         mesh,
+        BuildOptions(
+            moe_dispatch=layout.dispatch, fusions=DEFER if layout.defer else bj.fusions.NO_FUSIONS
+        ),
         moe_ep=layout.ep,
-        moe_dispatch=layout.dispatch,
-        fusions=DEFER if layout.defer else bj.fusions.NO_FUSIONS,
     )
     return ShardedCausalLM(model, mesh, input_scattered=layout.scattered)
 
@@ -414,7 +420,7 @@ def test_mutant_token_sent_to_the_wrong_rank_is_caught(monkeypatch):
 
 def test_mutant_moe_sum_missing_is_caught(monkeypatch):
     """A sparse FFN declared complete (no MoE output sum) gives logits far from HF's."""
-    honest = models.families.moe.moe_stage_facts
+    honest = models.decoder.moe.moe_stage_facts
 
     def no_sum(config, dispatch, layer_index, *designs):
         attn, ffn = honest(config, dispatch, layer_index, *designs)
@@ -422,7 +428,7 @@ def test_mutant_moe_sum_missing_is_caught(monkeypatch):
             ffn = bj.declare_ffn(sparse=True, output_complete=True)
         return attn, ffn
 
-    monkeypatch.setattr(models.families.moe, "moe_stage_facts", no_sum)
+    monkeypatch.setattr(models.decoder.moe, "moe_stage_facts", no_sum)
     prompts, reference = golden("mixtral")
     mesh = make_mesh(bj.Topology(attn_tp=4))
     run = ShardedCausalLM(load_model(GOLDEN / "mixtral", mesh, moe_ep=4), mesh)
@@ -491,8 +497,9 @@ def test_middle_sparse_layer_collectives(layout):
     model = build_model(
         config,
         topology,
-        moe_dispatch=layout.dispatch,
-        fusions=DEFER if layout.defer else bj.fusions.NO_FUSIONS,
+        BuildOptions(
+            moe_dispatch=layout.dispatch, fusions=DEFER if layout.defer else bj.fusions.NO_FUSIONS
+        ),
     )
     run = ShardedCausalLM(model, make_mesh(topology), input_scattered=layout.scattered)
     report = collective_report(run)

@@ -14,6 +14,7 @@ import boundary_jax as bj
 import pallas_kernels as pk
 from boundary_jax.fusions import MoeFinalizeAddRmsNorm, platform_fusions
 from models.build import load_model
+from models.options import BuildOptions
 from models.serving.runtime import ShardedCausalLM
 
 GOLDEN = pathlib.Path(__file__).parents[1] / "golden" / "qwen3_moe"
@@ -52,7 +53,10 @@ def runner(tp: int, ep: int, dispatch: bj.MoeDispatch) -> ShardedCausalLM:
     topology = bj.Topology(attn_tp=tp, moe_ep=ep)
     mesh = bj.make_mesh(bj.Topology(attn_tp=tp))
     model = load_model(
-        GOLDEN, mesh, moe_ep=ep, moe_dispatch=dispatch, fusions=fused_provider(topology)
+        GOLDEN,
+        mesh,
+        BuildOptions(moe_dispatch=dispatch, fusions=fused_provider(topology)),
+        moe_ep=ep,
     )
     return ShardedCausalLM(model, mesh)
 

@@ -19,14 +19,15 @@ import models.layers.relu2_mlp
 from boundary_jax.report import parse_hlo
 from models.build import build_model, load_model
 from models.cli.main import main
-from models.config import read_hf_config, write_hf_config
-from models.families import NemotronHForCausalLM, model_class
+from models.config import family_of, hf_name_map, read_hf_config, write_hf_config
+from models.families.nemotron_h import NemotronHForCausalLM
 from models.layers.hyper_connections import HyperConnections
 from models.layers.mixers.ssd import gated_rms_norm
 from models.layers.moe.deepseek_router import DeepseekMoeFfn
+from models.options import BuildOptions
 from models.serving.runtime import ShardedCausalLM
-from models.weights import hf_name_map, load_config, save_checkpoint
 from models.weights import load as checkpoint_load
+from models.weights import load_config, save_checkpoint
 from tests.models import test_mamba2
 from tests.models.test_decoder import golden
 
@@ -108,7 +109,7 @@ def test_config_reads_both_layer_spellings_and_writes_back():
         legacy = {k: v for k, v in hf_config(name).items() if k != "layers_block_type"}
         assert read_hf_config(legacy | {"hybrid_override_pattern": pattern}) == config
         assert read_hf_config(write_hf_config(config)) == config
-        assert model_class(config) is NemotronHForCausalLM
+        assert family_of(config) is NemotronHForCausalLM
     moe = read_hf_config(hf_config(MOE)).hybrid.moe
     assert (moe.num_groups, moe.topk_groups, moe.scaling_factor) == (3, 2, 2.5)
     assert moe.shared_expert_intermediate_size == 32
@@ -206,7 +207,7 @@ def test_unsupported_options_are_refused_at_build():
     topology = bj.Topology(attn_tp=2)
 
     def build(config, topology=topology, **options):
-        return nnx.eval_shape(lambda: build_model(config, topology, **options))
+        return nnx.eval_shape(lambda: build_model(config, topology, BuildOptions(**options)))
 
     with pytest.raises(NotImplementedError, match="gathered rows"):
         build(moe, moe_dispatch=bj.MoeDispatch.ALL_TO_ALL)
@@ -314,7 +315,7 @@ MUTANTS = {
         (MAMBA, 1, 4, 1),
     ),
     "the gated norm of a shared group without the sum over its ranks": (
-        models.layers.mamba2.Mamba2Mixer,
+        models.layers.mixers.mamba2.Mamba2Mixer,
         "_gated_norm",
         _gated_norm_over_local_channels,
         (MOE, 1, 4, 4),
@@ -385,13 +386,13 @@ def test_the_command_line_runs_a_checkpoint(tmp_path, capsys, command):
 def test_a_decode_step_not_carrying_the_conv_state_is_caught(monkeypatch):
     """A Mamba2 decode step that leaves each slot's conv state where it was (the prefill's)
     no longer equals the longer prefill (the mixer's own prefill-then-decode check fails)."""
-    honest = models.layers.mamba2.causal_conv1d_step
+    honest = models.layers.mixers.mamba2.causal_conv1d_step
 
     def stale(state, x, weight, bias, valid):
         out, _ = honest(state, x, weight, bias, valid)
         return out, state
 
-    monkeypatch.setattr(models.layers.mamba2, "causal_conv1d_step", stale)
+    monkeypatch.setattr(models.layers.mixers.mamba2, "causal_conv1d_step", stale)
     test_mamba2.one_device.cache_clear()  # programs compiled before the patch would not see it
     try:
         with pytest.raises(AssertionError):

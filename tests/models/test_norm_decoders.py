@@ -13,9 +13,12 @@ import models.layers.attention.self_attention
 from boundary_jax import make_mesh
 from models.build import build_model, load_model
 from models.cli.plan import collective_report
-from models.config import DecoderConfig, read_hf_config
-from models.families import Exaone4ForCausalLM, Gemma3ForCausalLM, Olmo2ForCausalLM, model_class
+from models.config import DecoderConfig, family_of, read_hf_config
+from models.families.exaone4 import Exaone4ForCausalLM
+from models.families.gemma3 import Gemma3ForCausalLM
+from models.families.olmo2 import Olmo2ForCausalLM
 from models.layers.hyper_connections import HyperConnections
+from models.options import BuildOptions
 from models.serving.runtime import ShardedCausalLM
 from tests.core.test_collectives import DOCUMENTED, NAMES
 from tests.models.test_decoder import golden, runner
@@ -71,11 +74,11 @@ def test_model_classes():
     configs = [
         read_hf_config(json.loads((GOLDEN / n / "config.json").read_text())) for n in FAMILIES
     ]
-    assert [model_class(config) for config in configs] == list(classes)
+    assert [family_of(config) for config in configs] == list(classes)
     with pytest.raises(ValueError, match="Gemma3ForCausalLM builds Gemma3ForCausalLM; got a Ex"):
         Gemma3ForCausalLM(configs[0], bj.Topology(), rngs=nnx.Rngs(0))
     with pytest.raises(NotImplementedError, match="MHC hyper-connections replace it"):
-        build_model(configs[1], bj.Topology(), hyper_connections=HyperConnections())
+        build_model(configs[1], bj.Topology(), BuildOptions(hyper_connections=HyperConnections()))
 
 
 @pytest.mark.parametrize(
@@ -96,7 +99,7 @@ def test_captured_hidden_states_equal_transformers(name, dp, tp, scattered, scan
     run = runner(name, dp, tp, scattered)
     if scan:
         mesh = make_mesh(bj.Topology(attn_dp=dp, attn_tp=tp))
-        model = load_model(GOLDEN / name, mesh, scan_layers=True)
+        model = load_model(GOLDEN / name, mesh, BuildOptions(scan_layers=True))
         run = ShardedCausalLM(model, mesh, input_scattered=scattered)
     _, hidden = run.forward_captured(prompts, layers)
     for got, layer in zip(hidden, layers, strict=True):
@@ -108,7 +111,7 @@ def test_olmo2_qk_norm_sum_over_all_heads_is_needed(monkeypatch, mutant):
     """Under attention TP 4, OLMo 2's q/k norm without the sum of squares over the ranks' heads
     (each rank's own mean), or with it taken twice (the mean `attn_tp` times too large), gives
     logits far from HF's."""
-    honest = models.layers.attention.sharded_rms_norms
+    honest = models.layers.attention.self_attention.sharded_rms_norms
 
     def broken(xs, weights, topology, group, *, eps):
         if mutant == "missing":
@@ -116,7 +119,7 @@ def test_olmo2_qk_norm_sum_over_all_heads_is_needed(monkeypatch, mutant):
         ranks = topology.size(topology.sum_axes(group))
         return tuple(y / np.sqrt(ranks) for y in honest(xs, weights, topology, group, eps=eps))
 
-    monkeypatch.setattr(models.layers.attention, "sharded_rms_norms", broken)
+    monkeypatch.setattr(models.layers.attention.self_attention, "sharded_rms_norms", broken)
     prompts, reference = golden("olmo2")
     mesh = make_mesh(bj.Topology(attn_tp=4))
     logits = ShardedCausalLM(load_model(GOLDEN / "olmo2", mesh), mesh).forward(prompts)
@@ -194,7 +197,7 @@ def test_each_layer_runs_the_pre_norm_collectives(name, dp, tp, scattered, polic
     between the attention input and the FFN input."""
     assert set(FAMILY_ROWS) == set(FAMILIES)
     topology = bj.Topology(attn_dp=dp, attn_tp=tp)
-    model = build_model(four_layer_config(name), topology, reduction=policy)
+    model = build_model(four_layer_config(name), topology, BuildOptions(reduction=policy))
     report = collective_report(
         ShardedCausalLM(model, make_mesh(topology), input_scattered=scattered)
     )

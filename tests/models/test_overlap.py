@@ -21,6 +21,7 @@ from boundary_jax.adapters import complete_now, merge_streams, split_stream, yie
 from models.build import build_model
 from models.config import PRESETS
 from models.inputs.rows import decode_rows
+from models.options import BuildOptions
 from models.serving.overlap import PARTS, pack_two_batches, split_sequences
 from models.serving.runtime import ShardedCausalLM
 
@@ -44,9 +45,8 @@ def runner(dp: int, tp: int, tbo: bool, name: str = "", scattered: bool = False)
     config = PRESETS[name] if name else CONFIG
     topology = bj.Topology(attn_dp=dp, attn_tp=tp)
     return ShardedCausalLM(
-        build_model(config, topology),
+        build_model(config, topology, BuildOptions(two_batch_overlap=tbo)),
         bj.make_mesh(topology),
-        two_batch_overlap=tbo,
         input_scattered=scattered,
     )
 
@@ -239,13 +239,13 @@ def test_two_batch_overlap_rejects_what_it_cannot_run():
     scanned = dataclasses.replace(CONFIG, num_layers=4)
     with pytest.raises(NotImplementedError, match="without scan_layers"):
         ShardedCausalLM(
-            build_model(scanned, topology, scan_layers=True), mesh, two_batch_overlap=True
+            build_model(scanned, topology, BuildOptions(scan_layers=True, two_batch_overlap=True)),
+            mesh,
         )
     with pytest.raises(NotImplementedError, match="attn_cp=2"):
         ShardedCausalLM(
-            build_model(CONFIG, bj.Topology(attn_cp=2)),
+            build_model(CONFIG, bj.Topology(attn_cp=2), BuildOptions(two_batch_overlap=True)),
             bj.make_mesh(bj.Topology(attn_cp=2)),
-            two_batch_overlap=True,
         )
     with pytest.raises(NotImplementedError, match="not built under two-batch overlap"):
         runner(1, 2, True).forward_captured(prompts(), [0])

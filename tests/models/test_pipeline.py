@@ -19,6 +19,7 @@ from models.cli.main import main
 from models.cli.plan import print_pipeline_plan
 from models.config import PRESETS, read_hf_config
 from models.layers.hyper_connections import HyperConnections
+from models.options import BuildOptions
 from models.pipeline import (
     PipelineCausalLM,
     PipelineSplit,
@@ -97,15 +98,15 @@ def _topology(family: str, pp: int = 1) -> bj.Topology:
     return bj.Topology(pp=pp, attn_tp=TP, moe_ep=moe_ep)
 
 
-def _options(family: str) -> dict:
-    return {k: v for k, v in FAMILIES[family][1].items() if k != "moe_ep"}
+def _options(family: str) -> BuildOptions:
+    return BuildOptions(**{k: v for k, v in FAMILIES[family][1].items() if k != "moe_ep"})
 
 
 @functools.cache
 def whole(family: str):
     """The one-program model (random weights, every shard different)."""
     config, _ = FAMILIES[family]
-    return build_model(config, _topology(family), **_options(family))
+    return build_model(config, _topology(family), _options(family))
 
 
 @functools.cache
@@ -124,9 +125,9 @@ def pipeline(family: str, pp: int) -> PipelineCausalLM:
         config,
         topology,
         mesh,
+        _options(family),
         split=PipelineSplit.of_sizes(sizes, config.num_layers),
         weights=whole(family),
-        **_options(family),
     )
     return PipelineCausalLM(stages, mesh, microbatches=microbatches, input_scattered=scattered)
 
@@ -215,7 +216,7 @@ def test_stage_programs_multiply_in_float32():
     high = PipelineCausalLM(
         [stage.model for stage in runner.stages],
         runner.mesh,
-        matmul_precision=jax.lax.Precision.HIGH,
+        options=BuildOptions(matmul_precision=jax.lax.Precision.HIGH),
     )
     for piped, want in ((runner, "HIGHEST, HIGHEST"), (high, "HIGH, HIGH")):
         stage = piped.stages[0]

@@ -10,9 +10,10 @@ import boundary_jax as bj
 from boundary_jax.fusions import AddRmsNorm, FusionProvider
 from models.build import build_model
 from models.config import PRESETS
-from models.families import Qwen3MoeForCausalLM
+from models.families.qwen3_moe import Qwen3MoeForCausalLM
 from models.inputs.rows import pack_sequences
 from models.layers.moe.sparse import GroupedMatmulImpl
+from models.options import BuildOptions
 from models.serving.buckets import (
     DECODE_BLOCK,
     blocked_fori_loop,
@@ -42,11 +43,13 @@ def test_check_vma_stays_on_with_pallas_kernels_bound():
     assert ShardedCausalLM(build_model(config, topology), mesh).check_vma
     norm = AddRmsNorm("cpu", None)
     fused = FusionProvider(attn_input=(norm,), ffn_input=(norm,))
-    assert ShardedCausalLM(build_model(config, topology, fusions=fused), mesh).check_vma
+    assert ShardedCausalLM(
+        build_model(config, topology, BuildOptions(fusions=fused)), mesh
+    ).check_vma
     pallas = Qwen3MoeForCausalLM(
         PRESETS["tiny-qwen3-moe"],
         topology,
-        grouped_matmul=GroupedMatmulImpl.PALLAS_TRITON,
+        BuildOptions(grouped_matmul=GroupedMatmulImpl.PALLAS_TRITON),
         rngs=nnx.Rngs(0),
     )
     assert ShardedCausalLM(pallas, mesh).check_vma
@@ -132,9 +135,13 @@ def test_float32_programs_multiply_in_float32(runner):
     topology = bj.Topology()
     mesh = bj.make_mesh(topology)
     model = build_model(PRESETS["tiny-mistral"], topology)
-    fast = ShardedCausalLM(model, mesh, matmul_precision=jax.lax.Precision.DEFAULT)
+    fast = ShardedCausalLM(
+        model, mesh, options=model.options.replace(matmul_precision=jax.lax.Precision.DEFAULT)
+    )
     assert "HIGHEST" not in str(_precisions(fast.lower_forward(PROMPTS)))
-    half = ShardedCausalLM(build_model(PRESETS["tiny-mistral"], topology, dtype=jnp.bfloat16), mesh)
+    half = ShardedCausalLM(
+        build_model(PRESETS["tiny-mistral"], topology, BuildOptions(dtype=jnp.bfloat16)), mesh
+    )
     assert half.matmul_precision is jax.lax.Precision.DEFAULT
     assert "HIGHEST" not in str(_precisions(half.lower_forward(PROMPTS)))
 

@@ -25,12 +25,12 @@ from boundary_jax.report import parse_hlo
 from models import weights as checkpoint
 from models.build import build_model, load_model
 from models.cli.plan import PLAN_SEQUENCES, plan_report
-from models.config import PRESETS, DecoderConfig, read_hf_config
-from models.decoder.model import Remat
+from models.config import PRESETS, DecoderConfig, hf_name_map, read_hf_config
+from models.options import BuildOptions, Remat
 from models.serving.runtime import ShardedCausalLM
 from models.training.trainer import TrainConfig, Trainer
-from models.weights import hf_name_map, save_checkpoint
 from models.weights import load as checkpoint_load
+from models.weights import save_checkpoint
 
 from . import randomize_norms
 
@@ -135,7 +135,7 @@ def flat_params(model: nnx.Module) -> dict:
 
 def scanned_twin(unrolled: nnx.Module, config: DecoderConfig, topology: bj.Topology, **options):
     """A model built with `scan_layers` holding `unrolled`'s weights (its runs stacked)."""
-    scanned = build_model(config, topology, scan_layers=True, **options)
+    scanned = build_model(config, topology, BuildOptions(scan_layers=True, **options))
     values = by_tensor(config, flat_params(unrolled), scan_layers=False)
     state = nnx.state(scanned, nnx.Param)
     sources = hf_name_map(config, scan_layers=True)
@@ -231,14 +231,14 @@ def test_runs_split_where_layers_differ():
     """The scanned models hold the stack entry and the terminal layer alone and each run of one
     structure as a `StackedLayers` whose parameters carry a leading layer axis, unsplit."""
     for name, config in CONFIGS.items():
-        model = build_model(config, bj.Topology(attn_tp=4), scan_layers=True)
+        model = build_model(config, bj.Topology(attn_tp=4), BuildOptions(scan_layers=True))
         runs = [block for block in model.layers if isinstance(block, bj.StackedLayers)]
         assert [run.indices for run in runs] == list(RUNS[name]), name
         for run in runs:
             kernel = run.layer.attn.q_proj.kernel
             assert kernel.shape[0] == len(run)
             assert kernel.get_metadata()["out_sharding"][0] is None
-    moe = build_model(CONFIGS["moe"], bj.Topology(), scan_layers=True)
+    moe = build_model(CONFIGS["moe"], bj.Topology(), BuildOptions(scan_layers=True))
     ffns = [type(block.layer.mlp).__name__ for block in moe.layers[1:-1]]
     assert ffns == ["MoeFfn", "SwiGLU", "MoeFfn", "MoeFfn"]
 
@@ -299,7 +299,7 @@ def test_trained_scanned_model_round_trips_through_a_checkpoint(
     monkeypatch.setattr(checkpoint_load._Checkpoint, "read", recording_read)
     dp, tp, scattered = LAYOUTS[layout]
     mesh = bj.make_mesh(bj.Topology(attn_dp=dp, attn_tp=tp))
-    loaded = load_model(tmp_path / "True", mesh, scan_layers=True)
+    loaded = load_model(tmp_path / "True", mesh, BuildOptions(scan_layers=True))
     monkeypatch.undo()
     for layer in RUNS[name][0]:
         q = f"model.layers.{layer}.self_attn.q_proj.weight"
@@ -325,10 +325,12 @@ def test_golden_parity_with_scanned_layers(name):
     if name == "qwen2_moe":
         mesh = bj.make_mesh(bj.Topology(attn_tp=4, moe_ep=4))
         defer = bj.fusions.FusionProvider(defer_finalize=True)
-        model = load_model(GOLDEN / name, mesh, moe_ep=4, fusions=defer, scan_layers=True)
+        model = load_model(
+            GOLDEN / name, mesh, BuildOptions(fusions=defer, scan_layers=True), moe_ep=4
+        )
     else:
         mesh = bj.make_mesh(bj.Topology(attn_dp=2, attn_tp=2))
-        model = load_model(GOLDEN / name, mesh, scan_layers=True)
+        model = load_model(GOLDEN / name, mesh, BuildOptions(scan_layers=True))
     assert any(isinstance(block, bj.StackedLayers) for block in model.layers)
     runner = ShardedCausalLM(model, mesh)
     logits = runner.forward(prompts)

@@ -15,12 +15,12 @@ import boundary_jax as bj
 import pallas_kernels as pk
 from models.build import build_model
 from models.config import PRESETS
-from models.decoder.model import Remat
-from models.families import Qwen3MoeForCausalLM
+from models.families.qwen3_moe import Qwen3MoeForCausalLM
 from models.inputs.rows import pack_sequences
 from models.layers.attention.self_attention import AttentionImpl
 from models.layers.hyper_connections import HyperConnections
 from models.layers.moe.sparse import GroupedMatmulImpl
+from models.options import BuildOptions, Remat
 from models.serving.runtime import ShardedCausalLM
 from models.training.trainer import TrainConfig, Trainer, next_token_labels
 
@@ -28,11 +28,11 @@ from . import randomize_norms
 
 GATHER, ALL_TO_ALL = bj.MoeDispatch.GATHER, bj.MoeDispatch.ALL_TO_ALL
 MODELS = {
-    "dense": (dataclasses.replace(PRESETS["tiny-qwen3"], num_layers=2), {}),
-    "moe": (dataclasses.replace(PRESETS["tiny-qwen3-moe"], num_layers=3), {}),
+    "dense": (dataclasses.replace(PRESETS["tiny-qwen3"], num_layers=2), BuildOptions()),
+    "moe": (dataclasses.replace(PRESETS["tiny-qwen3-moe"], num_layers=3), BuildOptions()),
     "mhc": (
         dataclasses.replace(PRESETS["tiny-qwen3"], num_layers=2),
-        {"hyper_connections": HyperConnections(hc_mult=2, sinkhorn_iters=3)},
+        BuildOptions(hyper_connections=HyperConnections(hc_mult=2, sinkhorn_iters=3)),
     ),
 }
 """The model families every layout trains: (config, build_model options)."""
@@ -103,7 +103,7 @@ def make_trainer(name: str, layout: Layout, **changes) -> Trainer:
     topology = bj.Topology(attn_dp=layout.dp, attn_tp=layout.tp, moe_ep=layout.ep)
     config, options = MODELS[name]
     config = dataclasses.replace(config, **changes)
-    model = build_model(config, topology, moe_dispatch=layout.dispatch, **options)
+    model = build_model(config, topology, options.replace(moe_dispatch=layout.dispatch))
     randomize_norms(model, seed=3)
     mesh = bj.make_mesh(topology)
     return Trainer(model, mesh, OPTIMIZER.optimizer(), input_scattered=layout.scattered)
@@ -194,7 +194,7 @@ def test_remat_gives_the_same_gradients_with_less_memory():
     sequences = [list(RNG.integers(0, 256, 64)) for _ in range(4)]
     grads, temp = {}, {}
     for remat in Remat:
-        model = build_model(MODELS["dense"][0], topology, remat=remat)
+        model = build_model(MODELS["dense"][0], topology, BuildOptions(remat=remat))
         trainer = Trainer(model, mesh, OPTIMIZER.optimizer())
         batch = trainer.pack(sequences)
         compiled = (
@@ -271,7 +271,7 @@ def test_trainer_rejects_a_mismatched_mesh_and_cudnn_attention():
     model = build_model(MODELS["dense"][0], topology)
     with pytest.raises(ValueError, match="bound on"):
         Trainer(model, bj.make_mesh(bj.Topology(attn_tp=4)), OPTIMIZER.optimizer())
-    cudnn = build_model(MODELS["dense"][0], topology, attention=AttentionImpl.CUDNN)
+    cudnn = build_model(MODELS["dense"][0], topology, BuildOptions(attention=AttentionImpl.CUDNN))
     with pytest.raises(NotImplementedError, match="cuDNN attention"):
         Trainer(cudnn, bj.make_mesh(topology), OPTIMIZER.optimizer())
 
@@ -312,8 +312,7 @@ def test_a_step_with_the_pallas_kernels_bound_equals_the_step_without():
     model = Qwen3MoeForCausalLM(
         MODELS["moe"][0],
         topology,
-        grouped_matmul=GroupedMatmulImpl.PALLAS_INTERPRET,
-        fusions=fusions,
+        BuildOptions(grouped_matmul=GroupedMatmulImpl.PALLAS_INTERPRET, fusions=fusions),
         rngs=nnx.Rngs(0),
     )
     nnx.update(model, nnx.state(build_model(MODELS["moe"][0], topology)))  # make_trainer's draw

@@ -15,7 +15,9 @@ from jax.sharding import PartitionSpec as P
 import boundary_jax as bj
 from boundary_jax import make_mesh
 from models.config import DeepseekRouting, ExpertScoring, MoeConfig
-from models.layers import moe, moe_routing, routed_experts
+from models.layers.moe import experts as routed_experts
+from models.layers.moe import routing as moe_routing
+from models.layers.moe import sparse as moe
 from models.layers.moe.deepseek_router import DeepseekMoeFfn, deepseek_route
 
 from . import run_sharded

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.layers import moe_routing, routed_experts
+from models.layers.moe import experts as routed_experts
+from models.layers.moe import routing as moe_routing
 from pallas_kernels.grouped_matmul import (
     HOPPER_AVAILABLE,
     TRITON_MAX_ROUTED_ROWS,

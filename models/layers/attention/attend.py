@@ -34,7 +34,7 @@ def attend_packed(
     sliding_window: int | None = None,
 ) -> jax.Array:
     """Causal attention within each sequence of packed rows (the `jnp` prefill of `Attention`
-    and of `models.layers.mla`); v's head width may differ from q's.
+    and of `models.layers.attention.latent`); v's head width may differ from q's.
 
     Rows of a sequence are contiguous, so a row's keys lie at most `reach - 1` rows back, where
     `reach` is the shorter of the bounds `max_sequence_rows` and `sliding_window`. When that
@@ -92,7 +92,7 @@ def attend_packed(
 
 def accumulation_dtype(dtype: jnp.dtype) -> jnp.dtype:
     """FP32 accumulation, or the input's dtype where that is wider: the dtype of attention
-    scores and weighted sums here (and in `models.layers.mla`)."""
+    scores and weighted sums here (and in `models.layers.attention.latent`)."""
     return jnp.promote_types(dtype, jnp.float32)
 
 

@@ -1,6 +1,6 @@
 """Causal attention across context-parallel shards: each attention-CP rank holds some rows of
-every sequence (in zigzag order, `models.zigzag`) and attends its queries to the keys of all CP
-ranks.
+every sequence (in zigzag order, `models.inputs.zigzag`) and attends its queries to the keys of
+all CP ranks.
 
 Rows are as `attend_packed` takes them: `positions` [T] within each sequence and `segment_ids`
 [T] (-1 for padding), but a sequence's rows need not be contiguous or in order, so the mask is

@@ -89,7 +89,7 @@ class KVCache:
     too: each CP rank holds `rows_per_cp_rank(max_len, C)` rows of every slot, the keys of the
     positions it owns in any order, with each row's position in `positions` (-1: empty). A
     prefill writes each CP rank's zigzag rows into that rank's rows; a decode token is appended
-    on CP rank `position % C` (`models.layers.cp_attention`).
+    on CP rank `position % C` (`models.layers.attention.context_parallel`).
 
     Attributes:
       k: Keys after q/k norm and RoPE.

@@ -60,7 +60,7 @@ class AttentionImpl(enum.Enum):
 
 
 class WholeProjectionNorm(nnx.Module):
-    """The weight of an RMSNorm over a whole q or k projection (all heads; OLMo 2), split over
+    """The weight of an RMSNorm over a whole q or k projection (all heads), split over
     attention TP like the projection's columns (replicated where the kv heads are shared).
 
     Attributes:
@@ -82,13 +82,13 @@ class Attention(nnx.Module):
 
     Attributes:
       q_proj: [hidden, heads * head_dim], columns split over attention TP; with
-        `spec.qkv_bias` (Qwen2) a bias split with its heads.
+        `spec.qkv_bias` a bias split with its heads.
       kv_proj: [hidden, 2, kv heads * head_dim]: the k and v projections stacked (one matmul),
         split over attention TP or replicated (`heads`); its bias [2, kv heads * head_dim] (if
         any) with it, a replicated one cut to this rank's kv head.
       o_proj: [heads * head_dim, hidden], rows split over attention TP.
-      q_norm: RMSNorm of the queries before RoPE: per head (Qwen3, EXAONE 4.0, Gemma 3: an
-        `RMSNorm` [head_dim]), over the whole projection (OLMo 2: a `WholeProjectionNorm`), or
+      q_norm: RMSNorm of the queries before RoPE: per head (an `RMSNorm` [head_dim]), over the
+        whole projection (a `WholeProjectionNorm`), or
         None.
       k_norm: As `q_norm`, for the keys.
       heads: How the heads divide over attention TP.
@@ -158,8 +158,12 @@ class Attention(nnx.Module):
                 kv_width, group=kv_group, topology=topology, eps=eps, dtype=dtype
             )
         elif spec.qk_norm is QkNorm.PER_HEAD:
-            self.q_norm = RMSNorm(head_dim, eps=eps, gemma=spec.gemma_norms, param_dtype=dtype)
-            self.k_norm = RMSNorm(head_dim, eps=eps, gemma=spec.gemma_norms, param_dtype=dtype)
+            self.q_norm = RMSNorm(
+                head_dim, eps=eps, gemma=spec.unit_offset_norms, param_dtype=dtype
+            )
+            self.k_norm = RMSNorm(
+                head_dim, eps=eps, gemma=spec.unit_offset_norms, param_dtype=dtype
+            )
         else:
             self.q_norm = None
             self.k_norm = None
@@ -342,12 +346,12 @@ class Attention(nnx.Module):
 
     @property
     def scale(self) -> float:
-        """The factor of the attention scores: `query_pre_attn_scalar ** -0.5` (Gemma 3), else
+        """The factor of the attention scores: `query_pre_attn_scalar ** -0.5` where given, else
         `head_dim ** -0.5`."""
         return self.spec.scale
 
     def _whole_qk_norm(self, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """OLMo 2's q/k RMSNorms over all heads, their sums of squares in one small all-reduce
+        """The q/k RMSNorms over all heads, their sums of squares in one small all-reduce
         over attention TP (the heads are split there)."""
         rows, head_dim = q.shape[0], self.spec.head_dim
         k_weight = self.k_norm.weight[...]

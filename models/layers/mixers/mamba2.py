@@ -102,7 +102,7 @@ def hf_mixer_params(tensors: Mapping[str, np.ndarray], spec: Mamba2Spec) -> dict
 
     `in_proj.weight` rows are z, x, B, C, dt (`Mamba2Spec.in_proj_rows`) and `conv1d` channels
     x, B, C (`Mamba2Spec.conv_rows`); linear weights [out, in] become [in, out], the conv
-    kernel keeps its [channels, 1, K] layout. (A checkpoint is read by `models.checkpoints`,
+    kernel keeps its [channels, 1, K] layout. (A checkpoint is read by `models.weights`,
     each device reading its rows; this is the whole-tensor form, for tests.)
 
     Raises:

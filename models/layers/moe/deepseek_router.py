@@ -1,8 +1,8 @@
 """DeepSeek's MoE router (V2 softmax / V3 sigmoid with a correction bias, grouped top-k) and the
 sparse FFNs built on it: one rank's (`DeepseekMoe`) and one on a topology (`DeepseekMoeFfn`).
 
-The router returns a `models.layers.moe_routing.Routing`, so the expert compute
-(`models.layers.routed_experts`), the finalize and the expert-parallel dispatch serve DeepSeek
+The router returns a `models.layers.moe.routing.Routing`, so the expert compute
+(`models.layers.moe.experts`), the finalize and the expert-parallel dispatch serve DeepSeek
 unchanged. The math, as transformers 5 computes it (`DeepseekV2TopkRouter`,
 `DeepseekV3TopkRouter`), in float32 whatever the model's dtype (the router's weight stays float32
 in transformers):
@@ -25,7 +25,7 @@ every token through it, ungated.
 LongCat-Flash (`LongcatFlashTopkRouter`) is the softmax rule with the correction bias, no
 renormalization, and `zero_experts` zero-computation experts scored after the routed ones
 (`rule.total_experts` router columns): a choice of one of them is the identity times its weight
-(`models.layers.moe_routing.zero_expert_output`), with no weights and no matmul.
+(`models.layers.moe.routing.zero_expert_output`), with no weights and no matmul.
 
 Nemotron-H's MoE (transformers' `NemotronHTopkRouter`) is the V3 rule with relu^2 experts and a
 relu^2 shared expert of its own width (`ExpertActivation.RELU2`).

@@ -1,7 +1,7 @@
 """The sparse FFN of an MoE decoder layer on a topology: experts over EP, both dispatch modes.
 
-`MoeFfn` is `models.layers.moe.SparseMoe` (same parameters, same checkpoint paths) with its weights
-split by the topology, not by mesh axes it names: the experts over the expert-parallel group
+`MoeFfn` is `models.layers.moe.sparse.SparseMoe` (same parameters, same checkpoint paths) with its
+weights split by the topology, not by mesh axes it names: the experts over the expert-parallel group
 (`SumGroup.MOE_EP`) and each expert's width over `SumGroup.MOE_TP`. Its call
 takes the stage's normalized input and the exit's `defer_moe_finalize`:
 

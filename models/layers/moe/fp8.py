@@ -62,7 +62,7 @@ class Fp8MoeFfn(MoeFfn):
     ):
         if moe.shared_expert_intermediate_size is not None:
             raise NotImplementedError(
-                "FP8 experts with a shared expert (Qwen2-MoE) are not supported; load the "
+                "FP8 experts with a shared expert are not supported; load the "
                 "model without FP8 quantization"
             )
         check_blocks(hidden_size, 1, "the hidden size")

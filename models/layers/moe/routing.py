@@ -2,7 +2,7 @@
 their outputs come back together.
 
 `route` picks each token's top-k experts (a `Routing`, alike on every rank); the experts a rank
-holds (`models.layers.routed_experts`) hand on a `MoeOutput`, their per-choice outputs,
+holds (`models.layers.moe.experts`) hand on a `MoeOutput`, their per-choice outputs,
 unweighted; and `finalize` combines it: the weighted sum over the k choices, plus the shared
 expert's slot (where the zero-computation experts' part, `zero_expert_output`, joins it). Pure
 functions of one rank, with no collective and no mesh axis name.
@@ -10,11 +10,11 @@ functions of one rank, with no collective and no mesh axis name.
 Because the finalize is linear, it commutes with the sum over the ranks the experts are split over:
 `finalize(sum_r outputs_r) == sum_r finalize(outputs_r)`; the boundary may do either.
 
-The math, as Hugging Face transformers 5 computes it (Mixtral, Qwen3-MoE, Qwen2-MoE):
+The math, as Hugging Face transformers 5 computes it for a softmax top-k router:
 
     probs = softmax(float32(x @ router))              # [T, E], over ALL experts
     weights, experts = top_k(probs, k)                # descending; ties to the lower index
-    weights /= sum(weights)   if renormalize          # Mixtral; Qwen3-MoE's norm_topk_prob
+    weights /= sum(weights)   if renormalize          # HF norm_topk_prob
     y[t] = sum_j weights[t, j] * expert_outputs[t, j] + shared[t]
 """
 
@@ -77,8 +77,8 @@ def route(x: jax.Array, router: jax.Array, *, top_k: int, renormalize: bool) -> 
       router: [hidden, num_experts] the router's kernel, the whole of it (every rank routes every
         token to all experts, so every rank holds the same routing).
       top_k: Experts per token.
-      renormalize: Divide the k weights by their sum (Mixtral; Qwen3-MoE's `norm_topk_prob`);
-        False keeps the softmax probabilities as they are (Qwen2-MoE).
+      renormalize: Divide the k weights by their sum (HF `norm_topk_prob`); False keeps the
+        softmax probabilities as they are.
 
     Returns:
       The `Routing`: float32 weights (float64 for float64 `x`) and int32 expert ids, [T, top_k]

@@ -2,26 +2,26 @@
 float64 NumPy spec (`moe_reference`).
 
 The modules hold the parameters and call pure functions: the router and the combine (`Routing`,
-`route`, `MoeOutput`, `finalize`, `zero_expert_output`) are `models.layers.moe_routing`'s, the
+`route`, `MoeOutput`, `finalize`, `zero_expert_output`) are `models.layers.moe.routing`'s, the
 routed experts' grouped matmuls (`expert_outputs`, `finalized_expert_outputs`)
-`models.layers.routed_experts`'s; the shared expert's (`shared_expert`) sit here, beside its
+`models.layers.moe.experts`'s; the shared expert's (`shared_expert`) sit here, beside its
 module.
 
 Everything here is the compute of ONE rank and owns no communication: no collective and no mesh
 axis name. A rank holds a block of the experts and possibly a slice of each one's width, and
 returns per token and per top-k choice the chosen expert's output, zero where it holds none of
-that expert (`models.layers.routed_experts`). The boundary completes the rest: the sum over the
+that expert (`models.layers.moe.experts`). The boundary completes the rest: the sum over the
 expert-parallel and width-parallel ranks (a psum, reduce-scatter, or the combine of an
 all-to-all), and the finalize, the weighted sum over the k choices, which may be deferred and
 fused with the next residual add and norm.
 
-The math, as Hugging Face transformers 5 computes it (Mixtral, Qwen3-MoE, Qwen2-MoE):
+The math, as Hugging Face transformers 5 computes it for a softmax top-k router:
 
     probs = softmax(float32(x @ router))              # [T, E], over ALL experts
     weights, experts = top_k(probs, k)                # descending; ties to the lower index
-    weights /= sum(weights)   if renormalize          # Mixtral; Qwen3-MoE's norm_topk_prob
+    weights /= sum(weights)   if renormalize          # HF norm_topk_prob
     y[t] = sum_j weights[t, j] * expert[experts[t, j]](x[t])
-           + sigmoid(x[t] @ shared_gate) * shared_expert(x[t])    # Qwen2-MoE
+           + sigmoid(x[t] @ shared_gate) * shared_expert(x[t])    # a gated shared expert
     expert_e(x) = (silu(x @ gate_e) * (x @ up_e)) @ down_e      (ExpertActivation.SWIGLU)
     expert_e(x) = relu(x @ up_e)^2 @ down_e                    (RELU2: Nemotron-H, no gate)
     expert_e(x) = x    for e >= num_experts    (zero-computation experts: LongCat-Flash)
@@ -67,7 +67,7 @@ def shared_expert(
         up projection alone for RELU2 (`activation.parts`); `width` may be a slice of the
         intermediate features, in which case the output is this rank's partial sum.
       down: [width, hidden] the down projection, same slice.
-      expert_gate: [hidden, 1] Qwen2-MoE's `shared_expert_gate`, whole on every rank: the output
+      expert_gate: [hidden, 1] HF `shared_expert_gate`, whole on every rank: the output
         is scaled by `sigmoid(x @ expert_gate)` per token (a per-token scale, so the partial sums
         stay partial sums); None for no gate.
       activation: What the expert computes between its projections.
@@ -151,7 +151,7 @@ class SharedExpert(nnx.Module):
         projection alone for RELU2), columns split over `width_entry`.
       down_proj: [width, hidden] global, rows split over `width_entry`.
       activation: What the expert computes between its projections.
-      expert_gate: [hidden, 1], whole on every rank (Qwen2-MoE's `shared_expert_gate`), or None.
+      expert_gate: [hidden, 1], whole on every rank (HF `shared_expert_gate`), or None.
 
     Every weight is drawn from N(0, init_std^2) (None: std 1/sqrt(fan_in)).
     """

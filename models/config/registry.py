@@ -1,0 +1,198 @@
+"""The decoder families, found by a `config.json`'s `architectures`.
+
+Each file of `models.families` registers its family class here (`register`, as a class
+decorator) and its named configurations (`add_presets`). The first lookup imports the
+`models.families` package (plugin discovery, as sglang-jax's model registry does), whose
+modules register themselves; this module holds only the table and the protocol a family meets,
+and imports no family module by name.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+if TYPE_CHECKING:  # the config types import this table to check themselves
+    from .tensors import HFTensor
+    from .types import DecoderConfig
+
+FAMILIES_PACKAGE = "models.families"
+"""The package whose modules each register one family."""
+
+
+class Family(Protocol):
+    """What a registered family class answers about its Hugging Face form (the decoder classes
+    of `models.families`, built on `models.decoder.CausalLM`).
+
+    Attributes:
+      architectures: The `config.json` `architectures` names it builds.
+      model_type: Its `config.json` `model_type`.
+    """
+
+    architectures: ClassVar[tuple[str, ...]]
+    model_type: ClassVar[str]
+
+    @classmethod
+    def check_config(cls, config: DecoderConfig) -> None:
+        """Raises unless `config` is one this family builds."""
+
+    @classmethod
+    def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:
+        """The `DecoderConfig` of a `config.json` (as a dict) of this family."""
+
+    @classmethod
+    def write_config(cls, config: DecoderConfig) -> dict[str, Any]:
+        """The `config.json` (as a dict) of `config`, in transformers 5's keys."""
+
+    @classmethod
+    def tensor_names(cls, config: DecoderConfig, *, scan_layers: bool) -> dict[str, HFTensor]:
+        """`{parameter path: HFTensor}` of every parameter of a model of `config`."""
+
+    @classmethod
+    def unread_tensors(
+        cls, config: DecoderConfig, names: Iterable[str]
+    ) -> tuple[tuple[str, ...], str | None]:
+        """The checkpoint tensors among `names` the causal LM never reads (e.g. multi-token
+        prediction layers), and a one-line notice saying so (None for none)."""
+
+
+_BY_ARCHITECTURE: dict[str, type[Family]] = {}
+_PRESETS: dict[str, DecoderConfig] = {}
+
+
+def load_families() -> None:
+    """Imports the families package once, so every family is registered (a no-op while it is
+    being imported: its modules register as they load)."""
+    importlib.import_module(FAMILIES_PACKAGE)
+
+
+class _Presets(Mapping):
+    """The registered presets, read-only; reading them registers every family first."""
+
+    def __getitem__(self, name: str) -> DecoderConfig:
+        load_families()
+        if name not in _PRESETS:
+            raise KeyError(f"no preset {name!r}; the presets are {sorted(_PRESETS)}")
+        return _PRESETS[name]
+
+    def __iter__(self) -> Iterator[str]:
+        load_families()
+        return iter(sorted(_PRESETS))
+
+    def __len__(self) -> int:
+        load_families()
+        return len(_PRESETS)
+
+
+PRESETS: Mapping[str, DecoderConfig] = _Presets()
+"""Named configurations for demos and tests (each family's, `add_presets`); none needs a
+checkpoint. Every vocabulary holds at least the 256 byte values, so any preset trains on
+byte-level text."""
+
+
+def register[F: type[Family]](family: F) -> F:
+    """Registers a family class under each of its `architectures`; every `DecoderConfig` of
+    those architectures is then checked by its `check_config`.
+
+    Raises:
+      ValueError: Another class already builds one of its architectures.
+    """
+    if not family.architectures:
+        raise ValueError(f"{family.__name__} names no architectures to build")
+    for architecture in family.architectures:
+        held = _BY_ARCHITECTURE.get(architecture)
+        if held is not None and held is not family:
+            raise ValueError(f"{architecture} is built by {held.__name__} already")
+        _BY_ARCHITECTURE[architecture] = family
+    return family
+
+
+def add_presets(presets: Mapping[str, DecoderConfig]) -> None:
+    """Adds named configurations to `PRESETS`.
+
+    Raises:
+      ValueError: A name is taken.
+    """
+    taken = sorted(presets.keys() & _PRESETS.keys())
+    if taken:
+        raise ValueError(f"presets {taken} are named already")
+    _PRESETS.update(presets)
+
+
+def architectures() -> tuple[str, ...]:
+    """Every architecture a registered family builds, sorted."""
+    load_families()
+    return tuple(sorted(_BY_ARCHITECTURE))
+
+
+def family_named(architecture: str) -> type[Family]:
+    """The family class that builds `architecture`.
+
+    Raises:
+      ValueError: No family builds it.
+    """
+    family = _BY_ARCHITECTURE.get(architecture)
+    if family is None:
+        load_families()
+        family = _BY_ARCHITECTURE.get(architecture)
+    if family is None:
+        raise ValueError(
+            f"no registered family builds {architecture!r}; the families build "
+            f"{list(architectures())}"
+        )
+    return family
+
+
+def family_of(config: DecoderConfig) -> type[Family]:
+    """The family class that builds `config` (registered, since the config was checked)."""
+    return family_named(config.architecture)
+
+
+def family_for(hf_config: Mapping[str, Any]) -> type[Family]:
+    """The family class of a `config.json` (as a dict), by its one `architectures` entry.
+
+    Raises:
+      ValueError: The file names no architecture (or several), or one no family builds.
+    """
+    names = hf_config.get("architectures")
+    load_families()
+    if not isinstance(names, list) or len(names) != 1 or names[0] not in _BY_ARCHITECTURE:
+        raise ValueError(
+            f"config.json must name exactly one architecture among {list(architectures())}; "
+            f"got architectures={names!r}"
+        )
+    return _BY_ARCHITECTURE[names[0]]
+
+
+def read_hf_config(hf_config: Mapping[str, Any]) -> DecoderConfig:
+    """Reads a Hugging Face `config.json` (as a dict) of a registered family.
+
+    Raises:
+      ValueError: The family is not registered, or its reader refuses the file (a key it does
+        not compute, a missing key; the message names the key and the fix).
+      NotImplementedError: An option its layers do not compute.
+    """
+    return family_for(hf_config).read_config(hf_config)
+
+
+def write_hf_config(config: DecoderConfig) -> dict[str, Any]:
+    """The Hugging Face `config.json` (as a dict) of `config`, in transformers 5's format;
+    `read_hf_config` reads it back to `config`.
+
+    Raises:
+      ValueError: `config` has no Hugging Face form (its family's file cannot say it).
+    """
+    written = family_of(config).write_config(config)
+    if read_hf_config(written) != config:
+        raise ValueError(
+            f"{config.architecture}'s config.json cannot say this configuration (it would read "
+            f"back as another): {config}"
+        )
+    return written
+
+
+def hf_name_map(config: DecoderConfig, *, scan_layers: bool = False) -> dict[str, HFTensor]:
+    """`{module path: HFTensor}` for every parameter of a decoder of `config`, built with or
+    without `scan_layers` (its family's `tensor_names`)."""
+    return family_of(config).tensor_names(config, scan_layers=scan_layers)

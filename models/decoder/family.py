@@ -1,0 +1,152 @@
+"""What a family's class says about itself before any module is built: its Hugging Face form
+(config reader and writer, tensor names, the tensors it never reads) and what it builds (the
+options and meshes it refuses). `CausalLM` inherits it; each family file overrides what differs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar
+
+import boundary_jax as bj
+
+from ..config import DecoderConfig, ResidualDesign
+from ..config.tensors import HFTensor, decoder_tensor_names, dense_layer_tensors
+from ..layers.attention.context_parallel import CpAttentionMode
+from ..options import BuildOptions
+
+
+class FamilyBase:
+    """The class-level half of a decoder family: everything `models.config.registry` and the
+    builders ask before a model exists.
+
+    Attributes:
+      architectures: The `config.json` `architectures` names the class builds.
+      model_type: Its `config.json` `model_type`.
+      has_experts: Its configs hold a sparse FFN (`DecoderConfig.moe`), and it takes the MoE
+        options.
+      quantizable: It builds with FP8 projections (`BuildOptions.quantization`).
+      context_parallel: It builds under attention CP (`attn_cp > 1`).
+      cp_attention_modes: It takes `BuildOptions.cp_attention` other than the all-gather.
+      hyper_connections: It builds with MHC hyper-connections.
+      dense_ffn_dp: It takes `BuildOptions.dense_ffn_dp`.
+      moe_dispatches: The MoE dispatches it builds.
+      captures_hidden_states: Its layers capture the residual entering them
+        (`models.decoder.captures`).
+      pipeline_stages: It builds as pipeline stages (a share of its layers each; their decode
+        caches are grouped-query attention's).
+    """
+
+    architectures: ClassVar[tuple[str, ...]] = ()
+    model_type: ClassVar[str] = ""
+    has_experts: ClassVar[bool] = False
+    quantizable: ClassVar[bool] = True
+    context_parallel: ClassVar[bool] = True
+    cp_attention_modes: ClassVar[bool] = True
+    hyper_connections: ClassVar[bool] = True
+    dense_ffn_dp: ClassVar[bool] = False
+    moe_dispatches: ClassVar[frozenset[bj.MoeDispatch]] = frozenset(bj.MoeDispatch)
+    captures_hidden_states: ClassVar[bool] = True
+    pipeline_stages: ClassVar[bool] = True
+
+    @classmethod
+    def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:
+        """The `DecoderConfig` of a `config.json` (as a dict) of this family."""
+        raise NotImplementedError(f"{cls.__name__} reads no config.json")
+
+    @classmethod
+    def write_config(cls, config: DecoderConfig) -> dict[str, Any]:
+        """The `config.json` (as a dict) of `config`, in transformers 5's keys."""
+        raise NotImplementedError(f"{cls.__name__} writes no config.json")
+
+    @classmethod
+    def check_config(cls, config: DecoderConfig) -> None:
+        """Raises unless `config` is one this family builds (run on every `DecoderConfig` of
+        its architectures): a sparse FFN exactly when the family has experts.
+
+        Raises:
+          ValueError: The config holds what the family does not build.
+        """
+        if (config.moe is not None) != cls.has_experts:
+            raise ValueError(
+                f"{config.architecture} {'needs' if config.moe is None else 'takes no'} MoE "
+                f"settings; got moe={config.moe!r}"
+            )
+
+    @classmethod
+    def tensor_names(cls, config: DecoderConfig, *, scan_layers: bool) -> dict[str, HFTensor]:
+        """`{parameter path: HFTensor}` of a model of `config` (`config.tensors.
+        decoder_tensor_names` of grouped-query attention and a gated MLP by default)."""
+        return decoder_tensor_names(
+            config, scan_layers=scan_layers, dense=dense_layer_tensors(config)
+        )
+
+    @classmethod
+    def unread_tensors(
+        cls, config: DecoderConfig, names: Iterable[str]
+    ) -> tuple[tuple[str, ...], str | None]:
+        """The checkpoint tensors among `names` the causal LM never reads, and a one-line notice
+        (none by default)."""
+        del config, names
+        return (), None
+
+    @classmethod
+    def check_build(
+        cls, config: DecoderConfig, topology: bj.Topology, options: BuildOptions
+    ) -> None:
+        """Raises for an option or mesh this family does not build, naming it and the fix.
+
+        Raises:
+          NotImplementedError: A valid option the family does not compute (FP8, hyper-
+            connections, context parallelism, a MoE dispatch, ...).
+          ValueError: An option that means nothing for the family (MoE options without
+            experts, `dense_ffn_dp` where it does not apply).
+        """
+        name = cls.__name__
+        design = config.residual_design
+        if topology.attn_cp > 1 and not cls.context_parallel:
+            raise NotImplementedError(
+                f"context parallelism is built for dense decoders; {name} has experts (or SSM "
+                f"mixers) and is not supported under it yet; got attn_cp={topology.attn_cp}. "
+                "Use a mesh with attn_cp=1"
+            )
+        if options.cp_attention is not CpAttentionMode.ALL_GATHER and not cls.cp_attention_modes:
+            raise NotImplementedError(
+                f"{name} takes no cp_attention option yet (only the plain dense decoders do); "
+                f"got cp_attention={options.cp_attention}. Leave it at CpAttentionMode.ALL_GATHER"
+            )
+        if options.quantization is not None and not (
+            cls.quantizable and design is ResidualDesign.PRE_NORM
+        ):
+            raise NotImplementedError(
+                "FP8 quantization is built for the pre-norm families whose projections take "
+                f"`linears` (dense and plain MoE decoders); {name} builds its layers otherwise. "
+                "Build it without quantization"
+            )
+        if options.hyper_connections is not None and not (
+            cls.hyper_connections and design is ResidualDesign.PRE_NORM
+        ):
+            raise NotImplementedError(
+                f"{name} has its own residual design ({design.value}); MHC hyper-connections "
+                "replace it and are built for the pre-norm families only. Leave "
+                "hyper_connections unset"
+            )
+        if options.dense_ffn_dp and not cls.dense_ffn_dp:
+            raise ValueError(
+                f"dense_ffn_dp (a fully data-parallel dense FFN) is a DeepSeek option; got a "
+                f"{config.architecture} config. Leave it unset"
+            )
+        if not cls.has_experts:
+            if options.moe_dispatch is not None or topology.moe_ep != 1:
+                raise ValueError(
+                    f"{config.architecture} has no experts; got moe_dispatch="
+                    f"{options.moe_dispatch} and moe_ep={topology.moe_ep}. Leave the MoE "
+                    "options unset"
+                )
+            return
+        dispatch = options.moe_dispatch or bj.MoeDispatch.GATHER
+        if dispatch not in cls.moe_dispatches:
+            raise NotImplementedError(
+                f"{name}'s MoE layers run on gathered rows (MoeDispatch.GATHER); got {dispatch}. "
+                "Its mixers do not gather their input, so no FFN on its own rows can precede one"
+            )

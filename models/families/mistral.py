@@ -1,0 +1,61 @@
+"""Mistral (Hugging Face `MistralForCausalLM`): grouped-query attention with a sliding window on
+every layer where the config gives one."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ..config import Activation, DecoderConfig
+from ..config.hf import (
+    plain_decoder,
+    plain_decoder_json,
+    read_activation,
+    refuse_true,
+    window_json,
+)
+from ..config.registry import add_presets, register
+from ..decoder.model import CausalLM
+
+
+@register
+class MistralForCausalLM(CausalLM):
+    """Mistral: every layer within `sliding_window` (or full attention without one)."""
+
+    architectures = ("MistralForCausalLM",)
+    model_type = "mistral"
+
+    @classmethod
+    def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:
+        architecture = cls.architectures[0]
+        refuse_true(hf_config, architecture, ("attention_bias", "mlp_bias"))
+        read_activation(hf_config, Activation.SILU)
+        window = hf_config.get("sliding_window") or None
+        return plain_decoder(hf_config, architecture, sliding_window=window)
+
+    @classmethod
+    def write_config(cls, config: DecoderConfig) -> dict[str, Any]:
+        return plain_decoder_json(config, cls.model_type) | window_json(config, layer_types=False)
+
+
+add_presets(
+    {
+        "tiny-mistral": DecoderConfig(
+            architecture="MistralForCausalLM",
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_layers=2,
+            num_heads=8,
+            num_kv_heads=4,
+            head_dim=8,
+            rms_norm_eps=1e-5,
+            rope_theta=1e4,
+            rope_scaling=None,
+            qk_norm=False,
+            tie_word_embeddings=False,
+            sliding_window=16,
+            max_position_embeddings=128,
+        )
+    }
+)

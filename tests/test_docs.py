@@ -1,0 +1,194 @@
+"""The docs name what exists: every file, module, function, class and attribute a README or
+`docs/` page names in an inline code span is in the repository, read with `ast`."""
+
+import ast
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
+PACKAGES = ("boundary_jax", "models", "pallas_kernels", "benchmarks", "scripts", "tests")
+TOP_LEVEL = {path.name for path in ROOT.iterdir() if not path.name.startswith(".")} | {".ci"}
+SPAN = re.compile(r"`([^`\n]+)`")
+FILE_SUFFIXES = (".py", ".md", ".ipynb", ".toml")
+"""Files a page may name by their own name: one of that name must exist in the repository."""
+DATA_SUFFIXES = (".json", ".safetensors", ".npz", ".npy", ".txt", ".jinja", ".model")
+"""Files a page names generically (a checkpoint's), not checked."""
+INSTANCE_WORDS = {"model", "layers", "layer", "config", "options", "stream", "batch", "rows"}
+"""Heads of dotted names that are usually a value (`model.config`, `layers.3.mlp`), not the
+module of that name."""
+PLACEHOLDER = re.compile(r"\b[A-Z][A-Z0-9]*(?:_[A-Z0-9]+){2,}\b")
+FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+DOTTED = re.compile(r"\b(?:[A-Za-z_]\w*\.)+[A-Za-z_]\w*")
+CALL = re.compile(r"^([a-z_]\w*)\(")
+
+
+def _index():
+    """Per module basename its top-level names; per class name its members; every function
+    and method name; every module's dotted name."""
+    modules: dict[str, set[str]] = {}
+    classes: dict[str, set[str]] = {}
+    bases: dict[str, set[str]] = {}
+    functions: set[str] = set()
+    dotted: set[str] = set()
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            is_package = parts[-1] == "__init__"
+            name = parts[-2] if is_package else parts[-1]
+            dotted.add(".".join(parts[:-1] if is_package else parts))
+            tree = ast.parse(path.read_text())
+            names = modules.setdefault(name, set())
+            if is_package:
+                names |= {p.stem for p in path.parent.glob("*.py")} | {
+                    p.name for p in path.parent.iterdir() if (p / "__init__.py").is_file()
+                }
+            for node in tree.body:
+                names |= _bound(node)
+            for node in ast.walk(tree):
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    functions.add(node.name)
+                elif isinstance(node, ast.ClassDef):
+                    members = classes.setdefault(node.name, set())
+                    bases.setdefault(node.name, set()).update(
+                        base.id if isinstance(base, ast.Name) else getattr(base, "attr", "")
+                        for base in node.bases
+                    )
+                    for item in node.body:
+                        members |= _bound(item)
+                    for item in ast.walk(node):
+                        if (
+                            isinstance(item, ast.Attribute)
+                            and isinstance(item.value, ast.Name)
+                            and item.value.id in ("self", "cls")
+                        ):
+                            members.add(item.attr)
+    return modules, classes, bases, functions, dotted
+
+
+def _bound(node: ast.stmt) -> set[str]:
+    """The names a top-level statement binds."""
+    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+        return {node.name}
+    if isinstance(node, ast.Assign):
+        return {t.id for t in node.targets if isinstance(t, ast.Name)}
+    if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+        return {node.target.id}
+    if isinstance(node, ast.Import | ast.ImportFrom):
+        return {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+    if isinstance(node, ast.If | ast.For | ast.With | ast.Try):
+        return {
+            name
+            for child in ast.iter_child_nodes(node)
+            if isinstance(child, ast.stmt)
+            for name in _bound(child)
+        }
+    return set()
+
+
+MODULES, CLASSES, BASES, FUNCTIONS, DOTTED_MODULES = _index()
+
+
+def _members(cls: str, seen=()) -> set[str]:
+    """A class's members, its project bases' included."""
+    members = set(CLASSES.get(cls, ()))
+    for base in BASES.get(cls, ()):
+        if base in CLASSES and base not in seen:
+            members |= _members(base, (*seen, cls))
+    return members
+
+
+def _spans(doc: pathlib.Path):
+    text = FENCE.sub("", doc.read_text())
+    for line_number, line in enumerate(text.splitlines(), 1):
+        for span in SPAN.findall(line):
+            yield line_number, span
+
+
+FILE_NAMES = {
+    path.name for path in ROOT.rglob("*") if ".venv" not in path.parts and ".git" not in path.parts
+}
+
+
+def _problem(span: str) -> str | None:
+    """Why a code span names something that does not exist, or None."""
+    if any(mark in span for mark in "{<*"):
+        return None
+    if re.fullmatch(r"[\w.\-/]+/?", span) and "/" in span:
+        first = span.split("/")[0]
+        if first in TOP_LEVEL or first == "shared" or span.endswith(FILE_SUFFIXES):
+            homes = (ROOT, *(ROOT / package for package in PACKAGES))
+            return None if any((home / span).exists() for home in homes) else f"no file {span}"
+        return None
+    if re.fullmatch(r"[\w.\-]+", span) and span.endswith(FILE_SUFFIXES + DATA_SUFFIXES):
+        if span.endswith(DATA_SUFFIXES) or span in FILE_NAMES:
+            return None
+        return f"no file named {span}"
+    for match in DOTTED.finditer(span):
+        if match.group(0).endswith(FILE_SUFFIXES + DATA_SUFFIXES):
+            continue
+        problem = _dotted_problem(match.group(0))
+        if problem:
+            return problem
+    call = CALL.match(span)
+    if call and "_" in call.group(1) and call.group(1) not in FUNCTIONS | _builtins():
+        return f"no function {call.group(1)}"
+    return None
+
+
+def _builtins() -> set[str]:
+    return set(dir(__builtins__) if isinstance(__builtins__, dict) else dir(__builtins__))
+
+
+def _dotted_problem(name: str) -> str | None:
+    parts = name.split(".")
+    if parts[0] in PACKAGES:
+        for cut in range(len(parts), 0, -1):
+            module = ".".join(parts[:cut])
+            if module in DOTTED_MODULES:
+                return _attribute_problem(parts[cut - 1], parts[cut:], name)
+        return f"no module {name}"
+    head, rest = parts[0], parts[1:]
+    if any(part.isdigit() for part in parts) or head in INSTANCE_WORDS:
+        return None
+    if head in CLASSES or head in MODULES:
+        return _attribute_problem(head, rest, name)
+    return None
+
+
+def _attribute_problem(owner: str, rest: list[str], name: str) -> str | None:
+    """`owner.rest[0]` exists (a module's top-level name or submodule, or a class's member);
+    deeper attributes are not followed."""
+    if not rest:
+        return None
+    attribute = rest[0]
+    if attribute in MODULES.get(owner, set()) | _members(owner):
+        return None
+    if attribute in CLASSES or attribute in MODULES:  # a name re-exported through a package
+        return None
+    return f"{name}: {owner} has no {attribute}"
+
+
+NAMES = set(FUNCTIONS) | set(CLASSES) | {name for names in MODULES.values() for name in names}
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda path: str(path.relative_to(ROOT)))
+def test_docs_hold_no_placeholder(doc):
+    """No page holds a placeholder for a number still to be measured (an ALL_CAPS token that
+    names nothing in the code)."""
+    text = SPAN.sub("", FENCE.sub("", doc.read_text()))
+    placeholders = sorted(set(PLACEHOLDER.findall(text)) - NAMES)
+    assert not placeholders, placeholders
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda path: str(path.relative_to(ROOT)))
+def test_docs_name_what_exists(doc):
+    """Every file, module, function, class or attribute the page names exists."""
+    problems = [
+        f"{doc.relative_to(ROOT)}:{line}: `{span}`: {problem}"
+        for line, span in _spans(doc)
+        if (problem := _problem(span))
+    ]
+    assert not problems, "\n".join(problems)
