@@ -2,7 +2,7 @@
 
 Declare each stage (`declare_attn`, `declare_ffn`), append the stages inside a `layer_stack`,
 and run each layer as `prepare` -> compute -> `finish`, threading the `ResidualStream`
-(`residual.start`, `residual.final_norm`). Residual designs (`designs.PostNormUpdate`,
+(`residual_stream.start`, `residual_stream.final_norm`). Residual designs (`designs.PostNormUpdate`,
 `designs.MhcRead`, ...) say how a stage's output joins the residual and how its input reads it.
 """
 
@@ -11,7 +11,8 @@ from . import designs as designs
 from . import fusions as fusions
 from . import initializers as initializers
 from . import report as report
-from . import residual as residual
+from . import residual as residual  # deprecated alias of residual_stream
+from . import residual_stream as residual_stream
 from .adapters import branch_input as branch_input
 from .adapters import branch_output as branch_output
 from .adapters import merge_branch as merge_branch
@@ -55,8 +56,8 @@ from .report import CollectiveReport as CollectiveReport
 from .report import collective_report as collective_report
 from .report import describe_path as describe_path
 from .report import parse_hlo as parse_hlo
-from .residual import OwedOutput as OwedOutput
-from .residual import ResidualStream as ResidualStream
+from .residual_stream import OwedOutput as OwedOutput
+from .residual_stream import ResidualStream as ResidualStream
 from .scan import StackedLayers as StackedLayers
 from .sharding import ShardedModule as ShardedModule
 from .sharding import make_mesh as make_mesh

@@ -42,7 +42,7 @@ class StackFacts:
       variants: The batch variants every stage of the model supports.
       fusions: The provider of stages without their own, also assumed for neighbours that another
         pipeline rank builds.
-      final_read: The read the stack leaves through (`residual.final_norm` applies it).
+      final_read: The read the stack leaves through (`residual_stream.final_norm` applies it).
       rejected: Batch variants the topology would support but the stack does not bind, each
         with the reason (named when such a batch runs).
     """
@@ -82,7 +82,8 @@ class ResidualRows:
 
     Attributes:
       layout: The residual's rows.
-      from_attention: The steps `residual.onto_residual_rows` runs; empty on the attention's rows.
+      from_attention: The steps `residual_stream.onto_residual_rows` runs; empty on the
+        attention's rows.
     """
 
     layout: Layout

@@ -11,7 +11,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from .layout import Topology
-from .residual import OwedOutput
+from .residual_stream import OwedOutput
 
 
 def make_mesh(topology: Topology, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -129,7 +129,7 @@ class ShardedModule:
                 raise TypeError(
                     "the program returned an OwedOutput: a layer output that still owes its "
                     "sums and residual update, which would be dropped. Leave the stack through "
-                    "residual.final_norm(), take_output() or to_pp()"
+                    "residual_stream.final_norm(), take_output() or to_pp()"
                 )
             return result
 

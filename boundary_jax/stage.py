@@ -31,9 +31,9 @@ from .plan import (
     StagePlan,
     rows_fit,
 )
-from .residual import helpers as residual_helpers
-from .residual.entry import run_entry
-from .residual.stream import (
+from .residual_stream import helpers as residual_helpers
+from .residual_stream.entry import run_entry
+from .residual_stream.stream import (
     Carried,
     Contribution,
     OwedOutput,

@@ -25,8 +25,8 @@ from typing import Any
 import jax
 
 from .. import ops
-from ..residual import helpers as residual_helpers
-from ..residual.stream import (
+from ..residual_stream import helpers as residual_helpers
+from ..residual_stream.stream import (
     Contribution,
     ForkedFrom,
     OpenBranch,

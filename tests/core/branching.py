@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 import boundary_jax as bj
-from boundary_jax import residual
+from boundary_jax import residual_stream
 from boundary_jax.report import CollectiveReport, parse_hlo
 
 from .hetero import DEFERS, Kind, StandInMoe, declare, make_batch, sharded_stacks, transport
@@ -236,13 +236,13 @@ def build(model: Branched, cut: int | None = None, *, check_vma: bool = True) ->
     topology = model.topology
 
     def body(stacks, x, batch):
-        stream = residual.start(batch)
+        stream = residual_stream.start(batch)
         out, stream = stacks[0].run(x, stream)
         if cut is not None:
-            tensors = transport(residual.to_pp(out, stream), topology)
+            tensors = transport(residual_stream.to_pp(out, stream), topology)
             out, stream = stacks[1].layers[0].parts[0].boundary.from_pp(tensors, batch)
             out, stream = stacks[1].run(out, stream)
-        return residual.final_norm(out, stream, stacks[-1].final_norm, skip_empty=True)
+        return residual_stream.final_norm(out, stream, stacks[-1].final_norm, skip_empty=True)
 
     sharded, place, programs = sharded_stacks(stacks, model, body, check_vma=check_vma)
     return Built(model, list(stacks), sharded, place, programs)

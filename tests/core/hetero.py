@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import boundary_jax as bj
-from boundary_jax import residual
+from boundary_jax import residual_stream
 from boundary_jax.report import CollectiveReport, parse_hlo
 
 from .standin import (
@@ -278,13 +278,13 @@ def build(
     topology = model.topology
 
     def body(stacks, x, batch):
-        stream = residual.start(batch)
+        stream = residual_stream.start(batch)
         out, stream = stacks[0].run(x, stream)
         if cut is not None:
-            tensors = transport(residual.to_pp(out, stream), topology)
+            tensors = transport(residual_stream.to_pp(out, stream), topology)
             out, stream = stacks[1].stages[0].boundary.from_pp(tensors, batch)
             out, stream = stacks[1].run(out, stream)
-        return residual.final_norm(
+        return residual_stream.final_norm(
             out, stream, stacks[-1].final_norm, skip_empty=skip_empty, finalize_norm=finalize_norm
         )
 
@@ -359,9 +359,11 @@ def build_many(models: tuple[Hetero, ...]) -> BuiltMany:
         outputs = []
         for index, stack in enumerate(stacks):
             with jax.named_scope(f"stack_{index}"):
-                stream = residual.start(batch)
+                stream = residual_stream.start(batch)
                 out, stream = stack.run(x, stream)
-                outputs.append(residual.final_norm(out, stream, stack.final_norm, skip_empty=True))
+                outputs.append(
+                    residual_stream.final_norm(out, stream, stack.final_norm, skip_empty=True)
+                )
         return jnp.stack(outputs)
 
     dp = topology.spec_entry((bj.TokenAxis.ATTN_DP,))

@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 import boundary_jax as bj
-from boundary_jax import residual
+from boundary_jax import residual_stream
 from tests.meshes import make_mesh  # noqa: F401 (the tests import it from here)
 
 HIDDEN = 16
@@ -172,7 +172,7 @@ class StandInDecoder(nnx.Module):
         self.scan_middle = False
 
     def __call__(self, x: jax.Array, batch: bj.BatchFacts) -> jax.Array:
-        stream = residual.start(batch)
+        stream = residual_stream.start(batch)
         if self.scan_middle:
             x, stream = self.layers[0](x, stream)
             run = bj.StackedLayers(list(self.layers)[1:-1], start=1)
@@ -182,7 +182,7 @@ class StandInDecoder(nnx.Module):
             for index, layer in enumerate(self.layers):
                 with jax.named_scope(f"layer_{index}"):
                     x, stream = layer(x, stream)
-        return residual.final_norm(x, stream, self.final_norm, skip_empty=True)
+        return residual_stream.final_norm(x, stream, self.final_norm, skip_empty=True)
 
 
 def stack_input(setup: Setup, x: jax.Array) -> jax.Array:

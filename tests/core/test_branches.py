@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import boundary_jax as bj
-from boundary_jax import ops, residual
+from boundary_jax import ops, residual_stream
 from boundary_jax.adapters import branch as branch_adapter
 
 from .branching import Branched, BranchStack, Part, build, built, reference
@@ -240,7 +240,7 @@ def one():
 def _to_source(one):
     """Runs the attention and prepares the FFN source: `(h, stream)`."""
     _, attn, ffn, x, batch = one
-    h, stream = attn.boundary.prepare(x, residual.start(batch))
+    h, stream = attn.boundary.prepare(x, residual_stream.start(batch))
     out, stream = attn.boundary.finish(attn.compute(h), stream)
     return ffn.boundary.prepare(out, stream)
 
@@ -267,9 +267,9 @@ def test_a_branch_never_merged_is_rejected(one):
     _, stream, _ = bj.branch_input(ffn.branch[0], ffn.boundary, h, stream)
     out, stream = ffn.boundary.finish(ffn.compute(h), stream)
     with pytest.raises(RuntimeError, match="a branch was never merged before final_norm"):
-        residual.final_norm(out, stream, one[0].final_norm)
+        residual_stream.final_norm(out, stream, one[0].final_norm)
     with pytest.raises(RuntimeError, match="a branch was never merged before take_output"):
-        residual.take_output(*residual.fold(out, stream))
+        residual_stream.take_output(*residual_stream.fold(out, stream))
     with pytest.raises(RuntimeError, match="a branch was never merged before prepare"):
         attn.boundary.prepare(out, stream)
 
@@ -302,11 +302,11 @@ def test_misordered_branch_calls_are_rejected(one):
     with pytest.raises(RuntimeError, match="ran twice"):
         bj.branch_output(ffn.branch[1], y, done)
     with pytest.raises(RuntimeError, match="on a branch's stream"):
-        residual.final_norm(y, done, stack.final_norm)
+        residual_stream.final_norm(y, done, stack.final_norm)
     with pytest.raises(RuntimeError, match="pending after its finish"):
         bj.merge_branch(forked.output, forked, y, done)
     merged_out, merged = bj.merge_branch(out, finished, y, done)
-    assert merged.state is residual.StreamState.PENDING and not merged.branches
+    assert merged.state is residual_stream.StreamState.PENDING and not merged.branches
 
 
 def _declare_branch(topology, *, prepared_from=None, source=None, twice=False, read=None):
@@ -342,7 +342,9 @@ def test_an_input_scattered_batch_is_rejected_with_the_reason():
     """A stack with branches binds no input-scattered (sequence-parallel) path; such a batch
     raises the guide's error with the reason."""
     first, _ = _declare_branch(bj.Topology(attn_tp=2))
-    stream = residual.start(bj.BatchFacts.input_scattered(bj.Topology(attn_tp=2), None, rows=4))
+    stream = residual_stream.start(
+        bj.BatchFacts.input_scattered(bj.Topology(attn_tp=2), None, rows=4)
+    )
     with pytest.raises(NotImplementedError, match="active INPUT_SCATTERED batch.*branch transport"):
         first.prepare(jnp.zeros((4, HIDDEN)), stream)
 
@@ -393,7 +395,7 @@ class Nested(nnx.Module):
             )
 
     def __call__(self, x, batch):
-        h, stream = self.a.prepare(x, residual.start(batch))
+        h, stream = self.a.prepare(x, residual_stream.start(batch))
         x, stream = self.a.finish(self.attn(h), stream)
         h, stream = self.f.prepare(x, stream)
         g, stream, branch = bj.branch_input(self.a1, self.f, h, stream)
@@ -407,7 +409,7 @@ class Nested(nnx.Module):
         y, branch = self.f1.finish(self.ffn1(g), branch)
         y, branch = bj.branch_output(self.f1, y, branch)
         x, stream = bj.merge_branch(x, stream, y, branch)
-        return residual.final_norm(x, stream, self.final_norm)
+        return residual_stream.final_norm(x, stream, self.final_norm)
 
     def reference(self, x):
         rows = x + self.attn(self.norm_a(x))
@@ -446,14 +448,14 @@ def test_scanned_layers_with_branches_equal_the_unrolled_stack():
 
         def body(stacks, x, batch):
             (stack,) = stacks
-            stream = residual.start(batch)
+            stream = residual_stream.start(batch)
             out, stream = stack.layers[0](x, stream)
             layers = bj.StackedLayers(list(stack.layers)[1:-1], start=1)
             (out, stream), _ = layers.scan(
                 lambda layer, carry, _: (layer(*carry), None), (out, stream)
             )
             out, stream = stack.layers[-1](out, stream)
-            return residual.final_norm(out, stream, stack.final_norm, skip_empty=True)
+            return residual_stream.final_norm(out, stream, stack.final_norm, skip_empty=True)
 
         sharded = bj.ShardedModule(nnx.List([stack]), make_mesh(1, 2))
         spec = bj.BatchFacts(bj.BatchVariant.ORDINARY, model.topology, P())

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import boundary_jax as bj
-from boundary_jax import ops, residual
+from boundary_jax import ops, residual_stream
 
 from .hetero import HIDDEN, Built, Hetero, Kind, build, reference
 from .standin import ROWS, count_patterns
@@ -111,7 +111,7 @@ def test_a_deferred_finalize_equals_completing_it_at_the_exit(terminal):
         assert _error(want, _want(stacks, x, counts, 1)) < 1e-12
 
 
-def _fused_finalize_norm(request: residual.FinalizeRequest) -> jax.Array:
+def _fused_finalize_norm(request: residual_stream.FinalizeRequest) -> jax.Array:
     """A stand-in fused service: finalize, sum, add and norm in one function."""
     value = jax.lax.psum(request.handoff.complete(), request.axis_names)
     return request.norm(request.residual + value)

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import boundary_jax as bj
 import pallas_kernels as pk
-from boundary_jax import designs, residual
+from boundary_jax import designs, residual_stream
 from boundary_jax.fusions import AddRmsNorm, AddRmsNormQuantize, FusionProvider
 
 from .standin import input_shares, make_mesh, mix_rows
@@ -86,10 +86,10 @@ class QuantizedStack(nnx.Module):
         self.final_norm = _norm(keys[2])
 
     def __call__(self, x, batch):
-        stream = residual.start(batch)
+        stream = residual_stream.start(batch)
         for layer in self.layers:
             x, stream = layer(x, stream)
-        return residual.final_norm(x, stream, self.final_norm, skip_empty=True)
+        return residual_stream.final_norm(x, stream, self.final_norm, skip_empty=True)
 
 
 CALLS: list[tuple[str, bool]] = []

@@ -145,7 +145,7 @@ def test_stages_bind_when_the_stack_closes():
 def test_prepare_before_the_stack_closes_is_rejected():
     """Running a stage whose stack is still open names the fix."""
     topology = bj.Topology()
-    stream = bj.residual.start(bj.BatchFacts.ordinary(topology))
+    stream = bj.residual_stream.start(bj.BatchFacts.ordinary(topology))
     with bj.layer_stack(topology):
         (boundary,) = bj.append_stages((bj.declare_attn(), None))
         with pytest.raises(RuntimeError, match="is not bound yet"):
@@ -315,10 +315,10 @@ def test_each_side_of_a_cut_leaves_and_enters_only_its_own_way():
     batch = bj.BatchFacts.ordinary(bj.Topology())
     with bj.layer_stack(bj.Topology()):
         (only,) = bj.append_stages((bj.declare_ffn(), None))
-    out, stream = only.prepare(jax.numpy.ones((4, HIDDEN)), bj.residual.start(batch))
+    out, stream = only.prepare(jax.numpy.ones((4, HIDDEN)), bj.residual_stream.start(batch))
     out, stream = only.finish(jax.numpy.ones((4, HIDDEN)), stream)
     with pytest.raises(RuntimeError, match="no next pipeline rank"):
-        bj.residual.to_pp(out, stream)
+        bj.residual_stream.to_pp(out, stream)
     with pytest.raises(RuntimeError, match="entered through stack entry"):
         only.from_pp({"hidden_states": jax.numpy.ones((4, HIDDEN))}, batch)
 
@@ -328,14 +328,14 @@ def test_final_norm_after_a_pipeline_send_is_rejected():
     topology = bj.Topology()
     with bj.layer_stack(topology, stage_facts=_facts, num_layers=2, layers=range(1)):
         attn, ffn = bj.append_stages((bj.declare_attn(), None), (bj.declare_ffn(), None))
-    stream = bj.residual.start(bj.BatchFacts.ordinary(topology))
+    stream = bj.residual_stream.start(bj.BatchFacts.ordinary(topology))
     h, stream = attn.prepare(jax.numpy.ones((4, HIDDEN)), stream)
     out, stream = attn.finish(h, stream)
     h, stream = ffn.prepare(out, stream)
     out, stream = ffn.finish(h, stream)
     with pytest.raises(RuntimeError, match="leave through to_pp"):
-        bj.residual.final_norm(out, stream, bj.RMSNorm(HIDDEN))
-    tensors = bj.residual.to_pp(out, stream)
+        bj.residual_stream.final_norm(out, stream, bj.RMSNorm(HIDDEN))
+    tensors = bj.residual_stream.to_pp(out, stream)
     assert set(tensors) == {"hidden_states", "residual"}
 
 
