@@ -145,7 +145,7 @@ class StageDeclaration:
         which of its axes have more than one rank)."""
         if self.kind is StageKind.ATTN:
             return SumGroup.ATTN_TP
-        return SumGroup.MOE_OUTPUT if self.sparse else SumGroup.TP
+        return SumGroup.MOE_OUTPUT if self.sparse else SumGroup.FULL_TP
 
     def facts(self) -> StageDeclaration:
         """What binding reads: capabilities, without the objects or the stack place."""

@@ -48,7 +48,7 @@ class StandInAttention(nnx.Module):
 class StandInFfn(nnx.Module):
     def __init__(self, topology: bj.Topology, key, dtype):
         k1, k2, k3 = jax.random.split(key, 3)
-        cols = topology.shard_entry(bj.SumGroup.TP)
+        cols = topology.shard_entry(bj.SumGroup.FULL_TP)
         self.w_gate = _param(k1, (HIDDEN, FFN_WIDTH), (None, cols), dtype)
         self.w_up = _param(k2, (HIDDEN, FFN_WIDTH), (None, cols), dtype)
         self.w_down = _param(k3, (FFN_WIDTH, HIDDEN), (cols, None), dtype)

@@ -12,7 +12,7 @@ from boundary_jax.designs import rms_norm
 
 from .standin import make_mesh
 
-MESHES = [(1, 4, bj.SumGroup.ATTN_TP), (2, 2, bj.SumGroup.ATTN_TP), (2, 4, bj.SumGroup.TP)]
+MESHES = [(1, 4, bj.SumGroup.ATTN_TP), (2, 2, bj.SumGroup.ATTN_TP), (2, 4, bj.SumGroup.FULL_TP)]
 
 
 @pytest.mark.parametrize("dp,tp,group", MESHES, ids=lambda v: getattr(v, "name", v))

@@ -41,7 +41,7 @@ class QuantizedLayer(nnx.Module):
     def __init__(self, topology: bj.Topology, key):
         keys = jax.random.split(key, 6)
         heads = topology.shard_entry(bj.SumGroup.ATTN_TP)
-        cols = topology.shard_entry(bj.SumGroup.TP)
+        cols = topology.shard_entry(bj.SumGroup.FULL_TP)
         self.input_norm, self.post_attn_norm = _norm(keys[0]), _norm(keys[1])
         self.w_in = _param(keys[2], (HIDDEN, WIDTH), (None, heads))
         self.w_out = _param(keys[3], (WIDTH, HIDDEN), (heads, None))

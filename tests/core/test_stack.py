@@ -27,9 +27,9 @@ def test_topology_reads_named_mesh_axes():
     topology = bj.Topology.from_mesh(make_mesh(2, 4))
     assert topology == bj.Topology(attn_dp=2, attn_tp=4)
     assert topology.tp_size == 8
-    assert topology.sum_axes(bj.SumGroup.TP) == (A.ATTN_DP, A.ATTN_TP)
+    assert topology.sum_axes(bj.SumGroup.FULL_TP) == (A.ATTN_DP, A.ATTN_TP)
     assert topology.sum_axes(bj.SumGroup.ATTN_CP) == ()
-    assert topology.shard_entry(bj.SumGroup.TP) == ("attn_dp", "attn_tp")
+    assert topology.shard_entry(bj.SumGroup.FULL_TP) == ("attn_dp", "attn_tp")
     assert topology.shard_entry(bj.SumGroup.ATTN_TP) == "attn_tp"
 
 
@@ -70,7 +70,7 @@ def test_expert_parallel_size_factors_the_token_axes(dp, tp, ep, shape, experts,
         names = topology.mesh_names((axis,))
         assert math.prod(mesh_shape[name] for name in names) == size
         assert names[-1] == axis.mesh_name and names[0] in (axis.mesh_name, axis.expert_mesh_axis)
-    assert topology.group_names(bj.SumGroup.TP) == tuple(n for n in mesh_shape if n in shape)
+    assert topology.group_names(bj.SumGroup.FULL_TP) == tuple(n for n in mesh_shape if n in shape)
     entry = topology.shard_entry(bj.SumGroup.MOE_EP)
     assert entry == (None if not experts else experts[0] if len(experts) == 1 else experts)
     coordinates = list(itertools.product(*(range(size) for size in shape.values())))
