@@ -28,6 +28,7 @@ from .declare import StageDeclaration as StageDeclaration
 from .declare import StageKind as StageKind
 from .declare import declare_attn as declare_attn
 from .declare import declare_ffn as declare_ffn
+from .declare import declare_mixer as declare_mixer
 from .designs import RMSNorm as RMSNorm
 from .finalize import DeferredFinalize as DeferredFinalize
 from .layout import BatchVariant as BatchVariant

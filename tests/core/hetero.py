@@ -60,11 +60,9 @@ def declare(kind: Kind, design: dict | None = None) -> bj.StageDeclaration:
         case Kind.ATTN:
             return bj.declare_attn(**extra)
         case Kind.MIXER:
-            return bj.declare_attn(reduction=bj.ProducerReduction.EXIT_SCOPED, **extra)
+            return bj.declare_mixer(gathers_attn_tp_input=True, **extra)
         case Kind.HYBRID_MIXER:
-            return bj.declare_attn(
-                reduction=bj.ProducerReduction.EXIT_SCOPED, gathers_attn_tp_input=False, **extra
-            )
+            return bj.declare_mixer(**extra)
         case Kind.FFN:
             return bj.declare_ffn(**extra)
         case Kind.FFN_DP:

@@ -216,7 +216,7 @@ def test_input_scattered_paths_bind_only_where_every_attention_gathers():
     assert tuple(p.variant for p in boundaries[0].plan.paths) == (V.ORDINARY,)
     _, boundaries = _stack(bj.Topology(attn_dp=2, attn_tp=2), bj.declare_attn(), bj.declare_ffn())
     assert tuple(p.variant for p in boundaries[0].plan.paths) == (V.ORDINARY, V.INPUT_SCATTERED)
-    mixer = bj.declare_attn(reduction=bj.ProducerReduction.EXIT_SCOPED, gathers_attn_tp_input=False)
+    mixer = bj.declare_mixer()
     _, boundaries = _stack(bj.Topology(attn_tp=2), mixer, bj.declare_ffn())
     assert tuple(p.variant for p in boundaries[1].plan.paths) == (V.ORDINARY, V.UNPADDED)
 
@@ -263,7 +263,7 @@ def test_ineligible_scatter_policies_fall_back_to_the_all_reduce():
 
 def test_mixer_exit_leaves_its_sum_to_an_ffn_and_completes_before_a_mixer_under_dp():
     """A mixer carries its attention-TP sum to an FFN always, to a mixer only without DP."""
-    mixer = bj.declare_attn(reduction=bj.ProducerReduction.EXIT_SCOPED)
+    mixer = bj.declare_mixer(gathers_attn_tp_input=True)
     for dp, expected in ((1, ExitKind.LEAVE_TO_NEXT_INPUT), (2, ExitKind.ALL_REDUCE)):
         _, (first, second, ffn) = _stack(
             bj.Topology(attn_dp=dp, attn_tp=2), mixer, mixer, bj.declare_ffn()
