@@ -18,8 +18,14 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from . import axes, compat
-from ._common import MAX_HIDDEN_GPU, check_inputs, gpu_vector_size, inverse_rms, weight_factor
 from .impl import INTERPRETERS, SUPPORTED_DTYPES, Impl, check_impl, platform_kernel
+from .rms_norm_common import (
+    MAX_HIDDEN_GPU,
+    check_inputs,
+    gpu_vector_size,
+    inverse_rms,
+    weight_factor,
+)
 from .vjp import with_reference_vjp
 
 # ---------------------------------------------------------------------------------------------

@@ -22,10 +22,10 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from . import axes
-from ._common import MAX_HIDDEN_GPU, check_inputs, weight_factor
 from .add_rms_norm import BlockShape, add_rms_norm_reference, block_shape, whole_blocks
 from .impl import SUPPORTED_DTYPES, Impl, check_impl
 from .quantize import FP8_DTYPE, quantize_token_groups_reference, store_token_groups
+from .rms_norm_common import MAX_HIDDEN_GPU, check_inputs, weight_factor
 
 # ---------------------------------------------------------------------------------------------
 # Reference

@@ -12,10 +12,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .. import axes
-from .._common import MAX_HIDDEN_GPU, check_inputs, gpu_vector_size
 from ..add_rms_norm import add_rms_norm
 from ..axes import AxisName
 from ..impl import INTERPRETERS, SUPPORTED_DTYPES, Impl, check_impl, platform_kernel
+from ..rms_norm_common import MAX_HIDDEN_GPU, check_inputs, gpu_vector_size
 from ..vjp import with_reference_vjp
 from .kernel_gpu import gpu_all_reduce_add_rms_norm
 from .kernel_tpu import tpu_all_reduce_add_rms_norm

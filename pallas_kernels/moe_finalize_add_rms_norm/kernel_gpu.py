@@ -16,8 +16,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .. import axes
-from .._common import inverse_rms, weight_factor
 from ..axes import AxisName, device_id
+from ..rms_norm_common import inverse_rms, weight_factor
 from .reference import moe_finalize_add_rms_norm_reference
 
 _PROGRAMS = "programs"

@@ -9,9 +9,9 @@ from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
 from .. import axes, compat
-from .._common import MAX_HIDDEN_GPU, check_inputs, gpu_vector_size
 from ..axes import AxisName
 from ..impl import INTERPRETERS, SUPPORTED_DTYPES, Impl, check_impl, platform_kernel
+from ..rms_norm_common import MAX_HIDDEN_GPU, check_inputs, gpu_vector_size
 from ..vjp import with_reference_vjp
 from .kernel_gpu import gpu_moe_finalize_add_rms_norm
 from .kernel_tpu import blocked_moe_finalize_add_rms_norm, tpu_moe_finalize_all_reduce_add_rms_norm
