@@ -221,7 +221,7 @@ def make_batch(model: Hetero, variant: bj.BatchVariant, counts, rows: int = ROWS
         bj.BatchVariant.INPUT_SCATTERED: bj.BatchFacts.input_scattered,
         bj.BatchVariant.UNPADDED: bj.BatchFacts.unpadded,
     }[variant]
-    return make(model.topology, counts, rows=rows)
+    return make(model.topology, counts, rows_per_block=rows)
 
 
 @dataclasses.dataclass(frozen=True)

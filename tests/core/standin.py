@@ -264,4 +264,4 @@ def count_patterns(dp: int, rows: int = ROWS) -> dict[str, np.ndarray]:
 
 def make_batch(setup: Setup, scattered: bool, counts) -> bj.BatchFacts:
     make = bj.BatchFacts.input_scattered if scattered else bj.BatchFacts.ordinary
-    return make(setup.topology, counts, rows=setup.rows)
+    return make(setup.topology, counts, rows_per_block=setup.rows)

@@ -230,7 +230,7 @@ def one():
     stack = BranchStack(ONE, range(1), jax.random.key(1), jnp.float32)
     attn, ffn = stack.layers[0].parts
     x = jax.random.normal(jax.random.key(2), (ROWS, HIDDEN), jnp.float32)
-    batch = bj.BatchFacts.ordinary(ONE.topology, np.array([ROWS]), rows=ROWS)
+    batch = bj.BatchFacts.ordinary(ONE.topology, np.array([ROWS]), rows_per_block=ROWS)
     return stack, attn, ffn, x, batch
 
 
@@ -340,7 +340,7 @@ def test_an_input_scattered_batch_is_rejected_with_the_reason():
     raises the guide's error with the reason."""
     first, _ = _declare_branch(bj.Topology(attn_tp=2))
     stream = residual_stream.start(
-        bj.BatchFacts.input_scattered(bj.Topology(attn_tp=2), None, rows=4)
+        bj.BatchFacts.input_scattered(bj.Topology(attn_tp=2), None, rows_per_block=4)
     )
     with pytest.raises(NotImplementedError, match="active INPUT_SCATTERED batch.*branch transport"):
         first.prepare(jnp.zeros((4, HIDDEN)), stream)

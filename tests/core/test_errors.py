@@ -175,10 +175,10 @@ def test_token_counts_are_checked_against_their_rows():
     topology = bj.Topology(attn_dp=2)
     for counts in ([9, 1], [-1, 2], [1.5, 2]):
         with pytest.raises(ValueError, match="whole numbers of real tokens in \\[0, 8\\]"):
-            bj.BatchFacts.ordinary(topology, token_counts=counts, rows=8)
-    with pytest.raises(ValueError, match="pass rows="):
+            bj.BatchFacts.ordinary(topology, token_counts=counts, rows_per_block=8)
+    with pytest.raises(ValueError, match="pass rows_per_block="):
         bj.BatchFacts.ordinary(topology, token_counts=[1, 2])
-    counts = bj.BatchFacts.ordinary(topology, token_counts=[8, 0], rows=8).token_counts
+    counts = bj.BatchFacts.ordinary(topology, token_counts=[8, 0], rows_per_block=8).token_counts
     np.testing.assert_array_equal(counts, [8, 0])
 
 

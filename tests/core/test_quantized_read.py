@@ -126,7 +126,7 @@ def _outputs(layout: str) -> tuple[np.ndarray, np.ndarray]:
     topology = bj.Topology(attn_dp=dp, attn_tp=tp)
     model = QuantizedStack(topology, fusions, policy)
     counts = np.array([ROWS, ROWS - 3][:dp])
-    batch = bj.BatchFacts.ordinary(topology, counts, rows=ROWS)
+    batch = bj.BatchFacts.ordinary(topology, counts, rows_per_block=ROWS)
     x = jax.random.normal(jax.random.key(2), (dp * ROWS, HIDDEN))
     mesh = make_mesh(dp, tp)
     rows = PartitionSpec(topology.spec_entry((bj.TokenAxis.ATTN_DP,)), None)
