@@ -3,7 +3,8 @@
 Nothing here decides anything; `bind` fills these records in and `check` simulates them. A
 boundary, a residual helper or a fusion request at run time only selects among them by the batch
 (its variant, its rows) and the stream's static state (what it has pending, where its residual
-is).
+is). `Placement` (a value's rows and owed work, defined in `placement.py` below the operations
+that use it) is re-exported here beside the plan types that hold it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from .designs.protocols import ResidualReadout
 from .fusions import FusionProvider, InputFusion
 from .layout import BatchVariant, Layout, TokenAxis, Topology
 from .ops import AllGather, ReduceScatter, Step, TakeBlock, all_reduce
-from .placement import Placement
+from .placement import Placement as Placement
 from .policy import ReductionPolicy
 
 

@@ -106,7 +106,7 @@ class BranchPart(nnx.Module):
     def __call__(self, x, stream):
         h, stream = self.boundary.prepare(x, stream)
         if self.part.branch:
-            g, stream, branch = bj.branch_input(self.branch[0], self.boundary, h, stream)
+            g, stream, branch = bj.adapters.branch_input(self.branch[0], self.boundary, h, stream)
         exit = self.boundary.exit(stream)
         out, stream = exit.finish(_run(self.part.kind, self.compute, h, exit), stream)
         if not self.part.branch:
@@ -118,8 +118,8 @@ class BranchPart(nnx.Module):
             g, branch = self.branch[index].prepare(y, branch)
             exit = self.branch[index].exit(branch)
             y, branch = exit.finish(_run(kinds[index], self.branch_part(index)[1], g, exit), branch)
-        y, branch = bj.branch_output(self.branch[-1], y, branch)
-        return bj.merge_branch(out, stream, y, branch)
+        y, branch = bj.adapters.branch_output(self.branch[-1], y, branch)
+        return bj.adapters.merge_branch(out, stream, y, branch)
 
     def reference(self, rows: jax.Array) -> jax.Array:
         """The stage and its branch on one device's whole block of rows."""

@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding
 
 import boundary_jax as bj
 from boundary_jax import residual_stream
+from boundary_jax.layout import Layout
 from tests.meshes import make_mesh  # noqa: F401 (the tests import it from here)
 
 HIDDEN = 16
@@ -210,7 +211,7 @@ def sharded_forward(
     *,
     check_vma: bool = True,
     body: Callable | None = None,
-    out_layout: bj.Layout | None = None,
+    out_layout: Layout | None = None,
 ):
     """A jitted sharded forward `f(leaves, x, batch)`, the state placed on the mesh (as the
     `ShardedModule`'s leaves), and a function that places a stack input `x` [dp*rows, HIDDEN].

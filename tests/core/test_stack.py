@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import boundary_jax as bj
+from boundary_jax.layout import Layout
 from boundary_jax.plan import ExitKind
 
 from .standin import HIDDEN, make_mesh
@@ -108,14 +109,14 @@ def test_a_split_mesh_reads_back_and_a_mismatched_one_is_rejected():
 def test_layouts_drop_size_one_axes():
     """Layouts keep only axes of size > 1, in canonical order, and give row PartitionSpecs."""
     topology = bj.Topology(attn_dp=1, attn_tp=4)
-    assert topology.layout(A.ATTN_TP, A.ATTN_DP) == bj.Layout((A.ATTN_TP,))
+    assert topology.layout(A.ATTN_TP, A.ATTN_DP) == Layout((A.ATTN_TP,))
     assert topology.row_spec(topology.layout(A.ATTN_DP)) == jax.sharding.PartitionSpec(None)
     wide = bj.Topology(attn_dp=2, attn_tp=2)
     assert wide.row_spec(wide.layout(A.ATTN_DP, A.ATTN_TP), None) == jax.sharding.PartitionSpec(
         ("attn_dp", "attn_tp"), None
     )
     with pytest.raises(ValueError, match="canonical order"):
-        bj.Layout((A.ATTN_TP, A.ATTN_DP))
+        Layout((A.ATTN_TP, A.ATTN_DP))
 
 
 def test_stages_bind_when_the_stack_closes():
@@ -127,12 +128,12 @@ def test_stages_bind_when_the_stack_closes():
         assert all(b.plan is None for b in first + second)
     last = second[-1]
     places = [b.declaration.place for b in first + second]
-    assert places[0].incoming.kind is bj.EdgeKind.STACK_ENTRY
-    assert places[0].previous == bj.StackInput(None)
+    assert places[0].incoming.kind is bj.declare.EdgeKind.STACK_ENTRY
+    assert places[0].previous == bj.declare.StackInput(None)
     assert second[0].declaration.place.previous == first[0].declaration.facts()
-    assert [p.incoming.kind for p in places[1:]] == [bj.EdgeKind.NEXT_STAGE] * 2
-    assert places[-1].outgoing.kind is bj.EdgeKind.STACK_EXIT
-    assert isinstance(places[-1].outgoing.consumer, bj.FinalRead)
+    assert [p.incoming.kind for p in places[1:]] == [bj.declare.EdgeKind.NEXT_STAGE] * 2
+    assert places[-1].outgoing.kind is bj.declare.EdgeKind.STACK_EXIT
+    assert isinstance(places[-1].outgoing.consumer, bj.declare.FinalRead)
     assert [p.terminal for p in places] == [False, False, True]
     assert last.plan.path(bj.BatchVariant.ORDINARY).initial_entry is None
     assert first[0].plan.path(bj.BatchVariant.ORDINARY).initial_entry is not None
@@ -227,10 +228,13 @@ def test_reduction_policies_parse_and_resolve():
     with pytest.raises(ValueError, match="one of ar, rs, rsv, rs\\+rsv, auto"):
         bj.ReductionPolicy.parse("reduce")
     auto = bj.ReductionPolicy.AUTO
-    assert bj.resolve_reduction_policy(auto) is bj.ReductionPolicy.RS_RSV
-    bj.register_reduction_default("TestOnlyForCausalLM", bj.ReductionPolicy.AR)
-    assert bj.resolve_reduction_policy(auto, "TestOnlyForCausalLM") is bj.ReductionPolicy.AR
-    assert bj.resolve_reduction_policy(bj.ReductionPolicy.RS, "TestOnlyForCausalLM").value == "rs"
+    assert bj.policy.resolve_reduction_policy(auto) is bj.ReductionPolicy.RS_RSV
+    bj.policy.register_reduction_default("TestOnlyForCausalLM", bj.ReductionPolicy.AR)
+    assert bj.policy.resolve_reduction_policy(auto, "TestOnlyForCausalLM") is bj.ReductionPolicy.AR
+    assert (
+        bj.policy.resolve_reduction_policy(bj.ReductionPolicy.RS, "TestOnlyForCausalLM").value
+        == "rs"
+    )
 
 
 def _ffn_exits(topology, policy, variant=bj.BatchVariant.ORDINARY):
@@ -309,8 +313,8 @@ def test_each_side_of_a_cut_leaves_and_enters_only_its_own_way():
         sender = bj.append_stages((bj.declare_attn(), None), (bj.declare_ffn(), None))
     with bj.layer_stack(topology, stage_facts=_facts, num_layers=2, layers=range(1, 2)):
         receiver = bj.append_stages((bj.declare_attn(), None), (bj.declare_ffn(), None))
-    assert sender[-1].declaration.place.outgoing.kind is bj.EdgeKind.PIPELINE_SEND
-    assert receiver[0].declaration.place.incoming.kind is bj.EdgeKind.PIPELINE_RECEIVE
+    assert sender[-1].declaration.place.outgoing.kind is bj.declare.EdgeKind.PIPELINE_SEND
+    assert receiver[0].declaration.place.incoming.kind is bj.declare.EdgeKind.PIPELINE_RECEIVE
     assert receiver[0].declaration.place.previous == sender[-1].declaration.facts()
     batch = bj.BatchFacts.ordinary(bj.Topology())
     with bj.layer_stack(bj.Topology()):
