@@ -16,6 +16,8 @@ _warned = False
 
 def __getattr__(name: str):
     global _warned
+    if name.startswith("__"):  # e.g. the import system's __path__ probe: this is no package
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(residual_stream, name)  # AttributeError for a name it never had
     if not _warned:
         _warned = True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import jax
@@ -41,6 +42,9 @@ def add_rms_norm(
     return add_rms_norm_reference(x, residual, weight, eps=eps, unit_offset=unit_offset)
 
 
+_NNX_FILES = (os.path.dirname(nnx.__file__),)
+
+
 class RMSNorm(nnx.Module):
     """A replicated RMSNorm layer; boundaries read its `weight`, `eps` and `unit_offset` to fuse
     it.
@@ -76,6 +80,7 @@ class RMSNorm(nnx.Module):
                 "(scale by 1 + weight)",
                 DeprecationWarning,
                 stacklevel=2,
+                skip_file_prefixes=_NNX_FILES,  # nnx's constructor calls __init__: name its caller
             )
             if unit_offset and not gemma:
                 raise ValueError(

@@ -51,6 +51,8 @@ def test_the_residual_alias_forwards_and_warns_once():
             assert not caught, [str(w.message) for w in caught]
             assert residual.start is residual_stream.start
             assert boundary_jax.residual.final_norm is residual_stream.final_norm
+            from boundary_jax.residual import fold
+            assert fold is residual_stream.fold
         assert [w.category for w in caught] == [DeprecationWarning], caught
         print(caught[0].message)
         """
