@@ -20,9 +20,9 @@ names their new spelling (`bj.ExitKind` is `bj.plan.ExitKind`); `boundary_jax.re
 deprecated alias of `residual_stream`.
 """
 
-import operator
-import sys
-import warnings
+import operator as _operator
+import sys as _sys
+import warnings as _warnings
 
 from . import adapters as adapters
 from . import declare as declare
@@ -143,14 +143,14 @@ def __getattr__(name: str):
     new = _MOVED.get(name)
     if new is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(
+    _warnings.warn(
         f"boundary_jax.{name} is deprecated; use boundary_jax.{new}",
         DeprecationWarning,
         stacklevel=2,
     )
     # Every home module is imported above (directly or by the modules it names), so this only
     # reads attributes: nothing is imported lazily.
-    return operator.attrgetter(new)(sys.modules[__name__])
+    return _operator.attrgetter(new)(_sys.modules[__name__])
 
 
 def __dir__() -> list[str]:
