@@ -97,7 +97,9 @@ def sweep_launches(sets, rows: int, hidden: int) -> list[tuple]:
             programs = steps if programs_per_sm is None else min(steps, programs_per_sm * sms)
             launch = GpuLaunch(programs, rows_per_step, vector)
             run = jax.jit(
-                functools.partial(mosaic_gpu_add_rms_norm, eps=EPS, gemma=False, launch=launch)
+                functools.partial(
+                    mosaic_gpu_add_rms_norm, eps=EPS, unit_offset=False, launch=launch
+                )
             )
             try:
                 error = relative_error(run(*sets[0]), reference(*sets[0]))

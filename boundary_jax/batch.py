@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +49,12 @@ class BatchFacts:
 
     @classmethod
     def ordinary(
-        cls, topology: Topology, token_counts=None, *, rows: int | None = None
+        cls,
+        topology: Topology,
+        token_counts=None,
+        *,
+        rows_per_block: int | None = None,
+        rows: int | None = None,
     ) -> BatchFacts:
         """Facts for a batch whose residual is on the attention's rows.
 
@@ -56,30 +62,44 @@ class BatchFacts:
           topology: The parallel topology.
           token_counts: [attn_dp * attn_cp] real tokens per block of attention rows, or None
             when every row is a token.
-          rows: The rows of each DP rank's block; required with `token_counts`, which must lie
-            in [0, rows].
+          rows_per_block: The padded rows of each DP rank's block (a count); required with
+            `token_counts`, which must lie in [0, rows_per_block].
+          rows: Deprecated spelling of `rows_per_block`.
 
         Raises:
-          ValueError: Counts of the wrong shape, negative, past `rows`, or without `rows`.
+          ValueError: Counts of the wrong shape, negative, past `rows_per_block`, or without it.
         """
-        return cls._make(BatchVariant.ORDINARY, topology, token_counts, rows)
+        rows_per_block = _rows_per_block(rows_per_block, rows)
+        return cls._make(BatchVariant.ORDINARY, topology, token_counts, rows_per_block)
 
     @classmethod
     def input_scattered(
-        cls, topology: Topology, token_counts=None, *, rows: int | None = None
+        cls,
+        topology: Topology,
+        token_counts=None,
+        *,
+        rows_per_block: int | None = None,
+        rows: int | None = None,
     ) -> BatchFacts:
         """Facts for a batch whose residual is on each rank's attention-TP slice of the rows
         (arguments as for `ordinary`)."""
-        return cls._make(BatchVariant.INPUT_SCATTERED, topology, token_counts, rows)
+        rows_per_block = _rows_per_block(rows_per_block, rows)
+        return cls._make(BatchVariant.INPUT_SCATTERED, topology, token_counts, rows_per_block)
 
     @classmethod
     def unpadded(
-        cls, topology: Topology, token_counts=None, *, rows: int | None = None
+        cls,
+        topology: Topology,
+        token_counts=None,
+        *,
+        rows_per_block: int | None = None,
+        rows: int | None = None,
     ) -> BatchFacts:
         """Facts for a batch whose rows need not divide over attention TP (no attention DP):
         an FFN that would run on this rank's attention-TP slice runs on the attention's rows
         (arguments as for `ordinary`)."""
-        return cls._make(BatchVariant.UNPADDED, topology, token_counts, rows)
+        rows_per_block = _rows_per_block(rows_per_block, rows)
+        return cls._make(BatchVariant.UNPADDED, topology, token_counts, rows_per_block)
 
     @classmethod
     def _make(cls, variant, topology, token_counts, rows) -> BatchFacts:
@@ -88,14 +108,14 @@ class BatchFacts:
         if rows is None:
             raise ValueError(
                 "token_counts need the rows each attention-DP rank's block holds, to be checked "
-                "against: pass rows=..."
+                "against: pass rows_per_block=..."
             )
         counts = np.asarray(token_counts)
         if counts.dtype.kind not in "iu" or np.any(counts < 0) or np.any(counts > rows):
             raise ValueError(
                 f"token_counts are whole numbers of real tokens in [0, {rows}] per DP rank's "
-                f"block of {rows=}; got {counts.tolist()}. Count each rank's tokens, or pad "
-                "each block to more rows"
+                f"block of rows_per_block={rows}; got {counts.tolist()}. Count each rank's "
+                "tokens, or pad each block to more rows"
             )
         return cls(variant, topology, jnp.asarray(counts, jnp.int32))
 
@@ -123,3 +143,20 @@ class BatchFacts:
         """This rank's block of attention rows (its attention DP x CP rank), inside `shard_map`."""
         names = self.topology.mesh_names(self.topology.attention_rows().sharded)
         return jax.lax.axis_index(names) if names else 0
+
+
+def _rows_per_block(rows_per_block: int | None, rows: int | None) -> int | None:
+    """`rows_per_block`, or the deprecated `rows=` that spelled it (with a warning)."""
+    if rows is None:
+        return rows_per_block
+    warnings.warn(
+        f"BatchFacts(..., rows=) is deprecated; pass rows_per_block={rows} (the padded rows of "
+        "each DP rank's block)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    if rows_per_block is not None and rows_per_block != rows:
+        raise ValueError(
+            f"rows= is the old spelling of rows_per_block=; got {rows=} and {rows_per_block=}"
+        )
+    return rows

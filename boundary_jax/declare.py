@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import warnings
 from collections.abc import Callable
 
 from .designs.add_norm import AddNormRead, PlainAdd
@@ -48,8 +49,8 @@ class ProducerReduction(enum.Enum):
     ALWAYS_PARTIAL: compute always returns an unreduced contribution; the next stage's input
       completes it. Attention only (the `declare_attn()` default).
     EXIT_SCOPED: the stage's exit decides, before compute, whether the sum completes at the exit,
-      in a reduce-scatter on the way back, or at the next input. Every FFN; a mixer with
-      `declare_attn(reduction=EXIT_SCOPED)`.
+      in a reduce-scatter on the way back, or at the next input. Every FFN, and every
+      single-stage mixer (`declare_mixer()`).
     """
 
     ALWAYS_PARTIAL = "ALWAYS_PARTIAL"
@@ -145,7 +146,7 @@ class StageDeclaration:
         which of its axes have more than one rank)."""
         if self.kind is StageKind.ATTN:
             return SumGroup.ATTN_TP
-        return SumGroup.MOE_OUTPUT if self.sparse else SumGroup.TP
+        return SumGroup.MOE_OUTPUT if self.sparse else SumGroup.FULL_TP
 
     def facts(self) -> StageDeclaration:
         """What binding reads: capabilities, without the objects or the stack place."""
@@ -264,19 +265,74 @@ def declare_attn(
     output_transform: OutputTransform | None = None,
     transform_before_reduce_scatter: bool = False,
 ) -> StageDeclaration:
-    """Declares a token-mixing stage (attention, or an SSM mixer).
+    """Declares an attention stage whose heads are split over attention TP.
 
-    By default the stage is attention whose heads are split over attention TP: compute returns
-    its output projection unreduced (ALWAYS_PARTIAL), and the next stage's input completes the
-    attention-TP sum. A single-stage mixer passes `reduction=ProducerReduction.EXIT_SCOPED`.
+    Compute returns its output projection unreduced (ALWAYS_PARTIAL), and the next stage's input
+    completes the attention-TP sum. A token mixer whose exit decides where its sum completes (a
+    Mamba2 block, or attention in a stack of one stage per layer) is `declare_mixer()`.
 
     Args:
       read: The residual read into this stage's input (a frozen design or an `nnx.Module`).
       update: How this stage's output joins the residual (a frozen design or an `nnx.Module`
         whose parameters become this stage's state).
-      reduction: ALWAYS_PARTIAL (attention) or EXIT_SCOPED (a mixer whose exit decides).
+      reduction: ALWAYS_PARTIAL. Deprecated: EXIT_SCOPED declares a single-stage mixer, which
+        `declare_mixer()` now spells (it warns, and declares the same stage).
       gathers_attn_tp_input: Input may be gathered from attention-TP slices; False rules out
         input-scattered batches and FFNs on their own rows before this stage.
+      output_transform: A function (or nnx.Module) applied to the complete output.
+      transform_before_reduce_scatter: Apply the transform before a reduce-scatter.
+
+    Returns:
+      A fresh declaration for `append_stages`.
+    """
+    if reduction is ProducerReduction.EXIT_SCOPED:
+        spelled = "" if not gathers_attn_tp_input else "gathers_attn_tp_input=True"
+        warnings.warn(
+            "declare_attn(reduction=ProducerReduction.EXIT_SCOPED) is deprecated: a mixer whose "
+            f"exit decides where its sum completes is declare_mixer({spelled}) (the same "
+            "declaration; its other arguments as for declare_attn)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+    return StageDeclaration(
+        kind=StageKind.ATTN,
+        read=read,
+        update=update,
+        reduction=reduction,
+        gathers_attn_tp_input=gathers_attn_tp_input,
+        has_output_transform=output_transform is not None,
+        transform_before_reduce_scatter=transform_before_reduce_scatter,
+        output_transform=output_transform,
+    )
+
+
+def declare_mixer(
+    *,
+    read: ResidualReadout = AddNormRead(),
+    update: ResidualUpdate = PlainAdd(),
+    gathers_attn_tp_input: bool = False,
+    output_transform: OutputTransform | None = None,
+    transform_before_reduce_scatter: bool = False,
+) -> StageDeclaration:
+    """Declares a single-stage token mixer: a Mamba2 block, or attention in a hybrid stack whose
+    layers hold one stage each (Nemotron-H).
+
+    Like attention, compute runs on the attention's rows and returns its output unreduced over
+    attention TP. Unlike attention (ALWAYS_PARTIAL), the mixer's exit decides before compute
+    where that sum completes (EXIT_SCOPED), from the stage after it, which the stack knows when
+    it binds: it leaves the sum to an FFN's input always, carries it to the next mixer's input
+    without attention DP, and completes it itself otherwise.
+
+    By default the mixer reads its own rows: the boundary never gathers its input from
+    attention-TP slices, so a stack holding it binds no input-scattered path and rejects an FFN
+    on its own rows before it.
+
+    Args:
+      read: The residual read into this stage's input (a frozen design or an `nnx.Module`).
+      update: How this stage's output joins the residual (a frozen design or an `nnx.Module`
+        whose parameters become this stage's state).
+      gathers_attn_tp_input: The mixer's input may also be gathered from attention-TP slices,
+        as attention's is (input-scattered batches, an FFN on its own rows before it).
       output_transform: A function (or nnx.Module) applied to the complete output.
       transform_before_reduce_scatter: Apply the transform before a reduce-scatter.
 
@@ -287,7 +343,7 @@ def declare_attn(
         kind=StageKind.ATTN,
         read=read,
         update=update,
-        reduction=reduction,
+        reduction=ProducerReduction.EXIT_SCOPED,
         gathers_attn_tp_input=gathers_attn_tp_input,
         has_output_transform=output_transform is not None,
         transform_before_reduce_scatter=transform_before_reduce_scatter,

@@ -95,14 +95,25 @@ class Layout:
 
 
 class SumGroup(enum.Enum):
-    """A named group of ranks whose partial contributions one sum completes."""
+    """A named group of ranks whose partial contributions one sum completes.
+
+    ATTN_TP: attention TP alone (an attention's heads).
+    FULL_TP: the full TP group, attention DP x CP x TP (a dense FFN's weights).
+    MOE_OUTPUT: the ranks a gathered MoE's output is summed over (the full TP group's axes).
+    ATTN_CP: attention CP alone.
+    MOE_EP, MOE_TP: the expert-parallel ranks and the ranks an expert's width is split over.
+
+    `SumGroup.TP` is a deprecated alias of `FULL_TP` (the same member), kept for one release:
+    beside `ATTN_TP` it read as attention TP, not as the whole DP x CP x TP group.
+    """
 
     ATTN_TP = "attention TP"
-    TP = "full TP"
+    FULL_TP = "full TP"
     MOE_OUTPUT = "MoE output"
     ATTN_CP = "attention CP"
     MOE_EP = "MoE expert parallel"
     MOE_TP = "MoE expert width"
+    TP = "full TP"  # Deprecated alias of FULL_TP; removed in the next release.
 
 
 class BatchVariant(enum.Enum):
@@ -303,7 +314,7 @@ class Topology:
         expert = group is SumGroup.MOE_EP
         return tuple(
             name
-            for axis in self.active(_SUM_GROUP_AXES[SumGroup.TP])
+            for axis in self.active(_SUM_GROUP_AXES[SumGroup.FULL_TP])
             for name, size, in_ep in self._parts(axis)
             if in_ep is expert and size > 1
         )
@@ -346,7 +357,7 @@ def _entry(names: tuple[str, ...]) -> str | tuple[str, ...] | None:
 
 _SUM_GROUP_AXES = {
     SumGroup.ATTN_TP: (TokenAxis.ATTN_TP,),
-    SumGroup.TP: (TokenAxis.ATTN_DP, TokenAxis.ATTN_CP, TokenAxis.ATTN_TP),
+    SumGroup.FULL_TP: (TokenAxis.ATTN_DP, TokenAxis.ATTN_CP, TokenAxis.ATTN_TP),
     SumGroup.MOE_OUTPUT: (TokenAxis.ATTN_DP, TokenAxis.ATTN_CP, TokenAxis.ATTN_TP),
     SumGroup.ATTN_CP: (TokenAxis.ATTN_CP,),
 }

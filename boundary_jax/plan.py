@@ -3,7 +3,8 @@
 Nothing here decides anything; `bind` fills these records in and `check` simulates them. A
 boundary, a residual helper or a fusion request at run time only selects among them by the batch
 (its variant, its rows) and the stream's static state (what it has pending, where its residual
-is).
+is). `Placement` (a value's rows and owed work, defined in `placement.py` below the operations
+that use it) is re-exported here beside the plan types that hold it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from .designs.protocols import ResidualReadout
 from .fusions import FusionProvider, InputFusion
 from .layout import BatchVariant, Layout, TokenAxis, Topology
 from .ops import AllGather, ReduceScatter, Step, TakeBlock, all_reduce
-from .placement import Placement
+from .placement import Placement as Placement
 from .policy import ReductionPolicy
 
 
@@ -42,7 +43,7 @@ class StackFacts:
       variants: The batch variants every stage of the model supports.
       fusions: The provider of stages without their own, also assumed for neighbours that another
         pipeline rank builds.
-      final_read: The read the stack leaves through (`residual.final_norm` applies it).
+      final_read: The read the stack leaves through (`residual_stream.final_norm` applies it).
       rejected: Batch variants the topology would support but the stack does not bind, each
         with the reason (named when such a batch runs).
     """
@@ -82,7 +83,8 @@ class ResidualRows:
 
     Attributes:
       layout: The residual's rows.
-      from_attention: The steps `residual.onto_residual_rows` runs; empty on the attention's rows.
+      from_attention: The steps `residual_stream.onto_residual_rows` runs; empty on the
+        attention's rows.
     """
 
     layout: Layout

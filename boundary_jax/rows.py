@@ -125,7 +125,7 @@ def _follow(
             and not declaration.gathers_attn_tp_input
         ):
             raise NotImplementedError(
-                f"stage {index} is attention that does not gather its input "
+                f"stage {index} is a mixer (or attention) that does not gather its input "
                 "(gathers_attn_tp_input=False), but an FFN on its own rows before it leaves the "
                 "residual on attention-TP slices; declare the FFN over attention TP or more"
             )

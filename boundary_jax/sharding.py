@@ -11,7 +11,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from .layout import Topology
-from .residual import OwedOutput
+from .residual_stream import OwedOutput
 
 
 def make_mesh(topology: Topology, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -38,10 +38,21 @@ def place(tree: Any, mesh: Mesh, specs: Any) -> Any:
 class ShardedModule:
     """An NNX module whose parameters live split over a mesh, with sharded programs over it.
 
-    Programs take the module's state as `leaves`, a flat tuple of arrays, not as an
-    `nnx.State`: `jit` flattens a tuple in C++ but an `nnx.State` in Python at every call
-    (0.6 ms more for a 27-layer model's 350 arrays on a 2-core CPU machine), host time that a
-    prefill or a decode call would pay before its kernels launch.
+    A program is a pure function of the module's state and its inputs: it takes the state as an
+    argument, never captures it, so one compiled program runs any state of this structure
+    (trained parameters, a scaled copy), gradients come back in the same form, buffers may be
+    donated, and `jit` bakes no array into the program as a constant. One way per purpose:
+
+    - run: `forward = program(call, in_specs=..., out_specs=...)`, then `forward(leaves, *args)`;
+    - compile or inspect: `forward.lower(leaves, *args)`;
+    - differentiate, or jit together with other work: `sharded(call, ...)`, the same program
+      before `jit`; `state_of(grads)` maps its gradients back to an `nnx.State`;
+    - read the state: `leaves` (what programs take), or its views `state` and `module`.
+
+    Programs take the state as `leaves`, a flat tuple of arrays, not as an `nnx.State`: `jit`
+    flattens a tuple in C++ but an `nnx.State` in Python at every call (0.6 ms more for a
+    27-layer model's 350 arrays on a 2-core CPU machine), host time that a prefill or a decode
+    call would pay before its kernels launch.
 
     Attributes:
       mesh: The mesh (its axes are `MeshAxis` names).
@@ -129,7 +140,7 @@ class ShardedModule:
                 raise TypeError(
                     "the program returned an OwedOutput: a layer output that still owes its "
                     "sums and residual update, which would be dropped. Leave the stack through "
-                    "residual.final_norm(), take_output() or to_pp()"
+                    "residual_stream.final_norm(), take_output() or to_pp()"
                 )
             return result
 

@@ -310,8 +310,8 @@ def layer_stack(
         none: the built-in all-reduce + XLA add + norm measured fastest end to end
         (benchmarks/RESULTS.md); `fusions.platform_fusions(topology)` opts into the Pallas
         kernels.
-      final_read: The read the stack leaves through (`residual.final_norm` applies it with the
-        model's final norm); a frozen, stateless read. The default is add + RMSNorm.
+      final_read: The read the stack leaves through (`residual_stream.final_norm` applies it with
+        the model's final norm); a frozen, stateless read. The default is add + RMSNorm.
       stage_facts: The model's shared declaration function: `stage_facts(i)` returns fresh
         declarations of the stages layer `i` appends, in order (an empty tuple for a layer that
         appends none). With it, each layer is checked against it and a stack holding part of the

@@ -31,9 +31,9 @@ from .plan import (
     StagePlan,
     rows_fit,
 )
-from .residual import helpers as residual_helpers
-from .residual.entry import run_entry
-from .residual.stream import (
+from .residual_stream.begin import start as start_stream
+from .residual_stream.entry import run_entry
+from .residual_stream.stream import (
     Carried,
     Contribution,
     OwedOutput,
@@ -265,7 +265,7 @@ class StageBoundary(nnx.Module):
           RuntimeError: This stage is not entered through a pipeline receive.
           ValueError: The tensors are not what the producer's declaration sends.
         """
-        stream = residual_helpers.start(batch)
+        stream = start_stream(batch)
         path = self._path(stream)
         entry = path.transport_entry
         if entry is None:

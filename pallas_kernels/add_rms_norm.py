@@ -18,8 +18,14 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from . import axes, compat
-from ._common import MAX_HIDDEN_GPU, check_inputs, gpu_vector_size, inverse_rms, weight_factor
 from .impl import INTERPRETERS, SUPPORTED_DTYPES, Impl, check_impl, platform_kernel
+from .rms_norm_common import (
+    MAX_HIDDEN_GPU,
+    check_inputs,
+    gpu_vector_size,
+    inverse_rms,
+    weight_factor,
+)
 from .vjp import with_reference_vjp
 
 # ---------------------------------------------------------------------------------------------
@@ -32,7 +38,7 @@ def add_rms_norm_reference(
     weight: jax.Array,  # [hidden]
     *,
     eps: float = 1e-6,
-    gemma: bool = False,
+    unit_offset: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """The one specification of add + RMSNorm (the kernels' and `boundary_jax`'s), in plain
     `jnp`, accumulating in float32 (or in the inputs' dtype where that is wider, so float64
@@ -43,7 +49,7 @@ def add_rms_norm_reference(
       residual: The residual stream, or None to normalize `x` alone.
       weight: The norm's scale.
       eps: Added to the mean of squares.
-      gemma: Scale by `1 + weight` instead of `weight`.
+      unit_offset: Scale by `1 + weight` instead of `weight`.
 
     Returns:
       `(normed, new_residual)`: the accumulated sum `x + residual` normalized, scaled and cast
@@ -57,7 +63,7 @@ def add_rms_norm_reference(
         summed = summed + residual.astype(acc)
     mean_square = jnp.mean(summed * summed, axis=-1, keepdims=True)
     scale = weight.astype(acc).reshape((1,) * (x.ndim - 1) + weight.shape)
-    scale = 1.0 + scale if gemma else scale
+    scale = 1.0 + scale if unit_offset else scale
     normed = (summed * lax.rsqrt(mean_square + eps) * scale).astype(x.dtype)
     return normed, (x if residual is None else round_residual(summed, residual.dtype))
 
@@ -89,7 +95,7 @@ def round_residual(summed: jax.Array, dtype: jnp.dtype) -> jax.Array:
 # Kernel bodies
 
 
-def _add_rms_norm_kernel(*refs, hidden: int, eps: float, gemma: bool, has_residual: bool):
+def _add_rms_norm_kernel(*refs, hidden: int, eps: float, unit_offset: bool, has_residual: bool):
     """One [block_rows, block_hidden] block; lanes past `hidden` (Triton padding) are masked."""
     if has_residual:
         x_ref, residual_ref, weight_ref, out_ref, residual_out_ref = refs
@@ -103,7 +109,7 @@ def _add_rms_norm_kernel(*refs, hidden: int, eps: float, gemma: bool, has_residu
         lanes = lax.broadcasted_iota(jnp.int32, summed.shape, 1)
         summed = jnp.where(lanes < hidden, summed, 0.0)
     inv_rms = inverse_rms(jnp.sum(summed * summed, axis=1, keepdims=True), hidden=hidden, eps=eps)
-    scale = weight_factor(weight_ref[...], gemma=gemma)
+    scale = weight_factor(weight_ref[...], unit_offset=unit_offset)
     out_ref[...] = (summed * inv_rms * scale).astype(out_ref.dtype)
 
 
@@ -115,7 +121,7 @@ def _add_rms_norm_gpu_kernel(
     rows: int,
     hidden: int,
     eps: float,
-    gemma: bool,
+    unit_offset: bool,
     has_residual: bool,
     num_programs: int,
     rows_per_step: int,
@@ -132,7 +138,7 @@ def _add_rms_norm_gpu_kernel(
     else:
         x_ref, weight_ref, out_ref = refs
     layout = plgpu.Layout.WG_STRIDED((hidden,), vec_size=vector_size)
-    scale = weight_factor(plgpu.load(weight_ref, layout=layout), gemma=gemma)
+    scale = weight_factor(plgpu.load(weight_ref, layout=layout), unit_offset=unit_offset)
     first = lax.axis_index(_PROGRAMS) * rows_per_step
 
     @pl.loop(first, rows, step=num_programs * rows_per_step)
@@ -282,14 +288,14 @@ def _gpu_kernel_fits(hidden: int, dtype: jnp.dtype) -> bool:
     return hidden <= MAX_HIDDEN_GPU and gpu_vector_size(hidden, dtype) > 0
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "gemma", "impl"))
+@functools.partial(jax.jit, static_argnames=("eps", "unit_offset", "impl"))
 def add_rms_norm(
     x: jax.Array,  # [..., rows, hidden]
     residual: jax.Array | None,  # like x
     weight: jax.Array,  # [hidden]
     *,
     eps: float = 1e-6,
-    gemma: bool = False,
+    unit_offset: bool = False,
     impl: Impl | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Adds `x` to the residual stream and RMS-normalizes the sum, in one pass over memory.
@@ -302,7 +308,8 @@ def add_rms_norm(
       residual: The residual stream (x's shape and dtype), or None to normalize `x` alone.
       weight: The norm's scale, any floating dtype.
       eps: Added to the mean of squares.
-      gemma: Scale by `1 + weight` (Gemma's convention) instead of `weight`.
+      unit_offset: Scale by `1 + weight` instead of `weight` (the weight holds its offset from
+        one, as Gemma's norms store it).
       impl: The backend. None picks the platform's kernel (Mosaic GPU on GPU, Mosaic TPU on TPU)
         when `add_rms_norm_supported` says it takes the shape, and the XLA reference otherwise.
 
@@ -334,10 +341,10 @@ def add_rms_norm(
             "check add_rms_norm_supported() first, or pass impl=None to fall back to XLA."
         )
     if impl is Impl.XLA or rows == 0:
-        return add_rms_norm_reference(x, residual, weight, eps=eps, gemma=gemma)
+        return add_rms_norm_reference(x, residual, weight, eps=eps, unit_offset=unit_offset)
 
-    kernel = functools.partial(_add_rms_norm_kernels, eps=eps, gemma=gemma, impl=impl)
-    reference = functools.partial(add_rms_norm_reference, eps=eps, gemma=gemma)
+    kernel = functools.partial(_add_rms_norm_kernels, eps=eps, unit_offset=unit_offset, impl=impl)
+    reference = functools.partial(add_rms_norm_reference, eps=eps, unit_offset=unit_offset)
     if impl in INTERPRETERS:
         kernel = axes.interpreted(kernel, reference)
     return with_reference_vjp(kernel, reference)(x, residual, weight)
@@ -349,7 +356,7 @@ def _add_rms_norm_kernels(
     weight: jax.Array,
     *,
     eps: float,
-    gemma: bool,
+    unit_offset: bool,
     impl: Impl,
 ) -> tuple[jax.Array, jax.Array]:
     """`add_rms_norm`'s forward through the Pallas kernel of `impl`."""
@@ -362,13 +369,13 @@ def _add_rms_norm_kernels(
             residual_rows,
             weight,
             eps=eps,
-            gemma=gemma,
+            unit_offset=unit_offset,
             launch=gpu_launch(rows, hidden, x.dtype),
             interpret=None if impl is Impl.PALLAS_GPU else compat.gpu_interpret_params(),
         )
     else:
         outs = _pallas_call_add_rms_norm(
-            x_rows, residual_rows, weight, eps=eps, gemma=gemma, impl=impl
+            x_rows, residual_rows, weight, eps=eps, unit_offset=unit_offset, impl=impl
         )
     normed = outs[0].reshape(x.shape)
     return normed, (x if residual is None else outs[1].reshape(x.shape))
@@ -380,14 +387,14 @@ def mosaic_gpu_add_rms_norm(
     weight: jax.Array,  # [hidden]
     *,
     eps: float,
-    gemma: bool,
+    unit_offset: bool,
     launch: GpuLaunch,
     interpret: object = None,
 ) -> tuple[jax.Array, ...]:
     """Runs the Mosaic GPU kernel with an explicit launch shape (benchmarks sweep it).
 
     Args:
-      x, residual, weight, eps, gemma: As for `add_rms_norm`, already flattened to rows and
+      x, residual, weight, eps, unit_offset: As for `add_rms_norm`, already flattened to rows and
         validated.
       launch: The grid and vector shape; `gpu_launch` gives the tuned default.
       interpret: None to compile for the GPU, or Mosaic GPU interpret parameters to run on CPU.
@@ -404,7 +411,7 @@ def mosaic_gpu_add_rms_norm(
         rows=rows,
         hidden=hidden,
         eps=eps,
-        gemma=gemma,
+        unit_offset=unit_offset,
         has_residual=has_residual,
         num_programs=launch.num_programs,
         rows_per_step=launch.rows_per_step,
@@ -433,7 +440,7 @@ def _pallas_call_add_rms_norm(
     weight: jax.Array,  # [hidden]
     *,
     eps: float,
-    gemma: bool,
+    unit_offset: bool,
     impl: Impl,
 ) -> tuple[jax.Array, ...]:
     rows, hidden = x.shape
@@ -454,7 +461,11 @@ def _pallas_call_add_rms_norm(
             compiler_params = None
     call = pl.pallas_call(
         functools.partial(
-            _add_rms_norm_kernel, hidden=hidden, eps=eps, gemma=gemma, has_residual=has_residual
+            _add_rms_norm_kernel,
+            hidden=hidden,
+            eps=eps,
+            unit_offset=unit_offset,
+            has_residual=has_residual,
         ),
         out_shape=out_shape,
         grid=(pl.cdiv(rows, blocks.block_rows),),

@@ -22,10 +22,10 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from . import axes
-from ._common import MAX_HIDDEN_GPU, check_inputs, weight_factor
 from .add_rms_norm import BlockShape, add_rms_norm_reference, block_shape, whole_blocks
 from .impl import SUPPORTED_DTYPES, Impl, check_impl
 from .quantize import FP8_DTYPE, quantize_token_groups_reference, store_token_groups
+from .rms_norm_common import MAX_HIDDEN_GPU, check_inputs, weight_factor
 
 # ---------------------------------------------------------------------------------------------
 # Reference
@@ -37,7 +37,7 @@ def add_rms_norm_quantize_reference(
     weight: jax.Array,  # [hidden]
     *,
     eps: float = 1e-6,
-    gemma: bool = False,
+    unit_offset: bool = False,
     group: int = 128,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The specification of `add_rms_norm_quantize`: `add_rms_norm_reference`, then
@@ -47,7 +47,7 @@ def add_rms_norm_quantize_reference(
       `(values, scales, new_residual)`: float8_e4m3fn [rows, hidden], float32 [rows, hidden /
       group], and the float32 sum rounded to `x.dtype`.
     """
-    normed, summed = add_rms_norm_reference(x, residual, weight, eps=eps, gemma=gemma)
+    normed, summed = add_rms_norm_reference(x, residual, weight, eps=eps, unit_offset=unit_offset)
     values, scales = quantize_token_groups_reference(normed, group)
     return values, scales, summed
 
@@ -66,7 +66,7 @@ def _add_rms_norm_quantize_kernel(
     *,
     hidden: int,
     eps: float,
-    gemma: bool,
+    unit_offset: bool,
     group: int,
 ):
     """One [block_rows, block_hidden] block; lanes past `hidden` (Triton padding) are masked.
@@ -80,7 +80,7 @@ def _add_rms_norm_quantize_kernel(
         lanes = lax.broadcasted_iota(jnp.int32, summed.shape, 1)
         summed = jnp.where(lanes < hidden, summed, 0.0)
     mean_square = jnp.sum(summed * summed, axis=1, keepdims=True) / hidden
-    scale = weight_factor(weight_ref[...], gemma=gemma)
+    scale = weight_factor(weight_ref[...], unit_offset=unit_offset)
     normed = (summed * lax.rsqrt(mean_square + eps) * scale).astype(x_ref.dtype)
     store_token_groups(normed.astype(jnp.float32), group, values_ref, scales_ref)
 
@@ -146,14 +146,14 @@ def _platform_kernel(platform: str) -> Impl:
             return Impl.XLA
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "gemma", "group", "impl", "blocks"))
+@functools.partial(jax.jit, static_argnames=("eps", "unit_offset", "group", "impl", "blocks"))
 def add_rms_norm_quantize(
     x: jax.Array,  # [rows, hidden]
     residual: jax.Array,  # like x
     weight: jax.Array,  # [hidden]
     *,
     eps: float = 1e-6,
-    gemma: bool = False,
+    unit_offset: bool = False,
     group: int = 128,
     impl: Impl | None = None,
     blocks: BlockShape | None = None,
@@ -165,7 +165,8 @@ def add_rms_norm_quantize(
       residual: The residual stream (x's shape and dtype).
       weight: The norm's scale, any floating dtype.
       eps: Added to the mean of squares.
-      gemma: Scale by `1 + weight` (Gemma's convention) instead of `weight`.
+      unit_offset: Scale by `1 + weight` instead of `weight` (the weight holds its offset from
+        one, as Gemma's norms store it).
       group: Features per scale; must divide `hidden`.
       impl: The backend. None picks the platform's kernel (Triton on GPU, Mosaic TPU on TPU)
         where `add_rms_norm_quantize_supported` says it takes the shape, else the XLA reference.
@@ -204,12 +205,12 @@ def add_rms_norm_quantize(
             "impl=None to fall back to XLA."
         )
     reference = functools.partial(
-        add_rms_norm_quantize_reference, eps=eps, gemma=gemma, group=group
+        add_rms_norm_quantize_reference, eps=eps, unit_offset=unit_offset, group=group
     )
     if impl is Impl.XLA or rows == 0:
         return reference(x, residual, weight)
     kernel = functools.partial(
-        _pallas_call, eps=eps, gemma=gemma, group=group, impl=impl, blocks=blocks
+        _pallas_call, eps=eps, unit_offset=unit_offset, group=group, impl=impl, blocks=blocks
     )
     if impl is Impl.PALLAS_INTERPRET:
         kernel = axes.interpreted(kernel, reference)
@@ -222,7 +223,7 @@ def _pallas_call(
     weight: jax.Array,
     *,
     eps: float,
-    gemma: bool,
+    unit_offset: bool,
     group: int,
     impl: Impl,
     blocks: BlockShape | None,
@@ -236,7 +237,7 @@ def _pallas_call(
     scale_block = pl.BlockSpec((blocks.block_rows, groups_per_block), lambda i: (i, 0))
     weight_block = pl.BlockSpec((1, blocks.block_hidden), lambda i: (0, 0))
     reference = functools.partial(
-        add_rms_norm_quantize_reference, eps=eps, gemma=gemma, group=group
+        add_rms_norm_quantize_reference, eps=eps, unit_offset=unit_offset, group=group
     )
     varying = axes.reference_varying(reference, x, residual, weight)
     weight, x, residual = whole_blocks(impl, blocks, weight, x, residual)
@@ -252,7 +253,11 @@ def _pallas_call(
             compiler_params = None
     call = pl.pallas_call(
         functools.partial(
-            _add_rms_norm_quantize_kernel, hidden=hidden, eps=eps, gemma=gemma, group=group
+            _add_rms_norm_quantize_kernel,
+            hidden=hidden,
+            eps=eps,
+            unit_offset=unit_offset,
+            group=group,
         ),
         out_shape=out_shape,
         grid=(math.ceil(rows / blocks.block_rows),),

@@ -25,11 +25,11 @@ FLOORS = (
     ("plan",),
     ("rows",),
     ("bind", "check"),
-    ("residual",),
+    ("residual_stream",),
     ("stage",),
     ("adapters",),
     ("stack",),
-    ("scan", "sharding", "report"),
+    ("scan", "sharding", "report", "residual"),
 )
 """The floors of `boundary_jax`, lowest first; a unit is a module or a subpackage."""
 FLOOR = {unit: level for level, units in enumerate(FLOORS) for unit in units}

@@ -25,8 +25,8 @@ from typing import Any
 import jax
 
 from .. import ops
-from ..residual import helpers as residual_helpers
-from ..residual.stream import (
+from ..residual_stream.output import fold
+from ..residual_stream.stream import (
     Contribution,
     ForkedFrom,
     OpenBranch,
@@ -161,7 +161,7 @@ def branch_output(
         )
     pending = stream.pending
     if pending is not None and pending.placement not in path.merge.defers:
-        output, stream = residual_helpers.fold(output, stream)
+        output, stream = fold(output, stream)
     stream = dataclasses.replace(
         stream, forked_from=dataclasses.replace(stream.forked_from, merge=path.merge)
     )
@@ -228,7 +228,7 @@ def merge_branch(
         )
     deferred = branch.pending
     if deferred is not None and not _adds(deferred, pending, merge.defers):
-        branch_output, branch = residual_helpers.fold(branch_output, branch)
+        branch_output, branch = fold(branch_output, branch)
         deferred = None
     residual, pending = _combine(
         stream.residual,

@@ -25,7 +25,7 @@ from ..batch import BatchFacts
 from ..finalize import DeferredFinalize
 from ..layout import TokenAxis
 from ..plan import OwedWork
-from ..residual.stream import (
+from ..residual_stream.stream import (
     OwedOutput,
     ResidualStream,
     StreamState,

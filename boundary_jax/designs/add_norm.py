@@ -69,7 +69,7 @@ class AddNormRead:
         if update.plain and isinstance(norm, RMSNorm):
             norm.check_width(residual)
             normed, summed = add_rms_norm(
-                value, residual, norm.weight[...], eps=norm.eps, gemma=norm.gemma
+                value, residual, norm.weight[...], eps=norm.eps, unit_offset=norm.unit_offset
             )
             return self._formatted(normed), summed, None
         return self.read(update.apply(residual, value, state), norm)

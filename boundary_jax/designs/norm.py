@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import warnings
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -16,29 +19,42 @@ def accumulation_dtype(dtype) -> jnp.dtype:
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, *, eps: float, gemma: bool = False) -> jax.Array:
+def rms_norm(
+    x: jax.Array, weight: jax.Array, *, eps: float, unit_offset: bool = False
+) -> jax.Array:
     """RMSNorm of `x` over its last dimension, computed in FP32 and cast back to `x.dtype`
-    (`pallas_kernels.add_rms_norm_reference` without a residual)."""
-    return add_rms_norm_reference(x, None, weight, eps=eps, gemma=gemma)[0]
+    (`pallas_kernels.add_rms_norm_reference` without a residual); `unit_offset` scales by
+    `1 + weight`."""
+    return add_rms_norm_reference(x, None, weight, eps=eps, unit_offset=unit_offset)[0]
 
 
 def add_rms_norm(
-    x: jax.Array, residual: jax.Array, weight: jax.Array, *, eps: float, gemma: bool = False
+    x: jax.Array,
+    residual: jax.Array,
+    weight: jax.Array,
+    *,
+    eps: float,
+    unit_offset: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Fused add + RMSNorm: `(norm(x + residual), x + residual)`, as the one specification
     `pallas_kernels.add_rms_norm_reference` gives it (FP32 accumulation; the new residual
     rounded to `residual.dtype`, the norm taken from the unrounded sum)."""
-    return add_rms_norm_reference(x, residual, weight, eps=eps, gemma=gemma)
+    return add_rms_norm_reference(x, residual, weight, eps=eps, unit_offset=unit_offset)
+
+
+_NNX_FILES = (os.path.dirname(nnx.__file__),)
 
 
 class RMSNorm(nnx.Module):
-    """A replicated RMSNorm layer; boundaries read its `weight`, `eps` and `gemma` to fuse it.
+    """A replicated RMSNorm layer; boundaries read its `weight`, `eps` and `unit_offset` to fuse
+    it.
 
     Attributes:
-      weight: [dim] scale, replicated on every rank: ones (zeros with `gemma`), as Hugging
+      weight: [dim] scale, replicated on every rank: ones (zeros with `unit_offset`), as Hugging
         Face initializes a norm.
       eps: Added to the mean square before the reciprocal square root.
-      gemma: Scale by `1 + weight` (Gemma-style) instead of `weight`.
+      unit_offset: Scale by `1 + weight` instead of `weight` (the weight holds its offset from
+        one, as Gemma's norms store it).
     """
 
     def __init__(
@@ -46,16 +62,49 @@ class RMSNorm(nnx.Module):
         dim: int,
         *,
         eps: float = 1e-6,
-        gemma: bool = False,
+        unit_offset: bool = False,
         param_dtype: jnp.dtype = jnp.float32,
+        gemma: bool | None = None,
     ):
-        self.weight = param(Constant(0.0 if gemma else 1.0), (dim,), param_dtype)
+        """Makes the norm's weight (`param_dtype`, [dim]).
+
+        `gemma=` is the deprecated spelling of `unit_offset=` (a model family's name for a layer
+        option); it still works for one release, with a DeprecationWarning.
+
+        Raises:
+          ValueError: Both `gemma=` and `unit_offset=` given, and they disagree.
+        """
+        if gemma is not None:
+            warnings.warn(
+                f"{type(self).__name__}(gemma=...) is deprecated; pass unit_offset={gemma!r} "
+                "(scale by 1 + weight)",
+                DeprecationWarning,
+                stacklevel=2,
+                skip_file_prefixes=_NNX_FILES,  # nnx's constructor calls __init__: name its caller
+            )
+            if unit_offset and not gemma:
+                raise ValueError(
+                    f"gemma= is the old spelling of unit_offset=; got {gemma=} and "
+                    f"{unit_offset=}. Pass unit_offset alone"
+                )
+            unit_offset = gemma
+        self.weight = param(Constant(0.0 if unit_offset else 1.0), (dim,), param_dtype)
         self.eps = eps
-        self.gemma = gemma
+        self.unit_offset = unit_offset
+
+    @property
+    def gemma(self) -> bool:
+        """Deprecated: `unit_offset`."""
+        warnings.warn(
+            "RMSNorm.gemma is deprecated; read RMSNorm.unit_offset",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.unit_offset
 
     def __call__(self, x: jax.Array) -> jax.Array:
         self.check_width(x)
-        return rms_norm(x, self.weight[...], eps=self.eps, gemma=self.gemma)
+        return rms_norm(x, self.weight[...], eps=self.eps, unit_offset=self.unit_offset)
 
     def check_width(self, x: jax.Array) -> None:
         """Raises a ValueError naming both widths unless `x`'s last dimension is the norm's."""

@@ -75,7 +75,7 @@ class FusionProvider:
     Attributes:
       attn_input: Candidates for an attention (or mixer) stage's input.
       ffn_input: Candidates for an FFN stage's input.
-      final_input: Candidates for the stack's final read (`residual.final_norm`): a sum left
+      final_input: Candidates for the stack's final read (`residual_stream.final_norm`): a sum left
         for it, or a terminal sparse FFN's finalize (with `terminal_finalize`).
       defer_finalize: A sparse FFN's exit may hand its finalize (and sum) to the next input,
         where an input candidate may fuse it; `can_defer_finalize` decides per batch.

@@ -81,7 +81,7 @@ class AllReduceAddRmsNorm:
             norm.weight[...],
             axis_name=request.axis_names,
             eps=norm.eps,
-            gemma=norm.gemma,
+            unit_offset=norm.unit_offset,
             impl=self.impl,
         )
 
@@ -122,7 +122,7 @@ class AddRmsNorm:
             request.residual,
             norm.weight[...],
             eps=norm.eps,
-            gemma=norm.gemma,
+            unit_offset=norm.unit_offset,
             impl=self.impl,
         )
 
@@ -168,7 +168,7 @@ class AddRmsNormQuantize:
             request.residual,
             norm.weight[...],
             eps=norm.eps,
-            gemma=norm.gemma,
+            unit_offset=norm.unit_offset,
             group=group,
             impl=self.impl,
         )
@@ -221,7 +221,7 @@ class MoeFinalizeAddRmsNorm:
             norm.weight[...],
             axis_name=request.axis_names or None,
             eps=norm.eps,
-            gemma=norm.gemma,
+            unit_offset=norm.unit_offset,
             impl=self.impl,
         )
 

@@ -13,8 +13,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .. import axes
-from .._common import inverse_rms, weight_factor
 from ..axes import AxisName, device_id
+from ..rms_norm_common import inverse_rms, weight_factor
 from .reference import all_reduce_add_rms_norm_reference
 
 _PROGRAMS = "programs"
@@ -25,7 +25,7 @@ def _one_shot_gpu_kernel(
     axis_name: AxisName,
     num_devices: int,
     eps: float,
-    gemma: bool,
+    unit_offset: bool,
     has_residual: bool,
     num_programs: int,
     vector_size: int,
@@ -49,7 +49,7 @@ def _one_shot_gpu_kernel(
     pl.semaphore_wait(ready, num_devices)
 
     layout = plgpu.Layout.WG_STRIDED((hidden,), vec_size=vector_size)
-    scale = weight_factor(plgpu.load(weight_ref, layout=layout), gemma=gemma)
+    scale = weight_factor(plgpu.load(weight_ref, layout=layout), unit_offset=unit_offset)
     partials = [plgpu.remote_ref(x_ref, peer) for peer in peers]
 
     @pl.loop(lax.axis_index(_PROGRAMS), rows, step=num_programs)
@@ -77,7 +77,7 @@ def gpu_all_reduce_add_rms_norm(
     axis_name: AxisName,
     num_devices: int,
     eps: float,
-    gemma: bool,
+    unit_offset: bool,
     num_programs: int,
     vector_size: int,
 ) -> tuple[jax.Array, jax.Array]:
@@ -90,7 +90,7 @@ def gpu_all_reduce_add_rms_norm(
             axis_name=axis_name,
             num_devices=num_devices,
             eps=eps,
-            gemma=gemma,
+            unit_offset=unit_offset,
             has_residual=has_residual,
             num_programs=num_programs,
             vector_size=vector_size,

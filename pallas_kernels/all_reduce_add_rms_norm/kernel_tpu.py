@@ -13,8 +13,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .. import axes
-from .._common import inverse_rms, weight_factor
 from ..axes import AxisName, device_id
+from ..rms_norm_common import inverse_rms, weight_factor
 from .reference import all_reduce_add_rms_norm_reference
 
 
@@ -25,12 +25,12 @@ def _add_norm(
     *,
     hidden: int,
     eps: float,
-    gemma: bool,
+    unit_offset: bool,
     dtype: jnp.dtype,
 ) -> tuple[jax.Array, jax.Array]:
     summed = total if residual is None else total + residual.astype(jnp.float32)
     inv_rms = inverse_rms(jnp.sum(summed * summed, axis=1, keepdims=True), hidden=hidden, eps=eps)
-    normed = summed * inv_rms * weight_factor(weight, gemma=gemma)
+    normed = summed * inv_rms * weight_factor(weight, unit_offset=unit_offset)
     return normed.astype(dtype), summed.astype(dtype)
 
 
@@ -47,7 +47,7 @@ def _one_shot_kernel(
     axis_name: AxisName,
     num_devices: int,
     eps: float,
-    gemma: bool,
+    unit_offset: bool,
     has_residual: bool,
 ):
     """Every device sends its partial to every other; each sums all partials in rank order.
@@ -92,7 +92,7 @@ def _one_shot_kernel(
         weight_ref[...],
         hidden=x_ref.shape[1],
         eps=eps,
-        gemma=gemma,
+        unit_offset=unit_offset,
         dtype=out_ref.dtype,
     )
     out_ref[...] = normed
@@ -104,7 +104,7 @@ def _ring_kernel(
     axis_name: AxisName,
     num_devices: int,
     eps: float,
-    gemma: bool,
+    unit_offset: bool,
     has_residual: bool,
 ):
     """Reduce-scatter ring, all-gather ring of the completed sums, then add + norm of every row.
@@ -170,7 +170,7 @@ def _ring_kernel(
         weight_ref[...],
         hidden=x_ref.shape[1],
         eps=eps,
-        gemma=gemma,
+        unit_offset=unit_offset,
         dtype=out_ref.dtype,
     )
     out_ref[...] = normed
@@ -186,7 +186,7 @@ def tpu_all_reduce_add_rms_norm(
     num_devices: int,
     ring: bool,
     eps: float,
-    gemma: bool,
+    unit_offset: bool,
     interpret: object = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Runs the one-shot or ring TPU kernel inside `shard_map`; returns `(normed, new_residual)`.
@@ -226,7 +226,7 @@ def tpu_all_reduce_add_rms_norm(
             axis_name=axis_name,
             num_devices=num_devices,
             eps=eps,
-            gemma=gemma,
+            unit_offset=unit_offset,
             has_residual=has_residual,
         ),
         out_shape=tuple(axes.output_type(x.shape, x.dtype, v) for v in varying),

@@ -12,10 +12,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .. import axes
-from .._common import MAX_HIDDEN_GPU, check_inputs, gpu_vector_size
 from ..add_rms_norm import add_rms_norm
 from ..axes import AxisName
 from ..impl import INTERPRETERS, SUPPORTED_DTYPES, Impl, check_impl, platform_kernel
+from ..rms_norm_common import MAX_HIDDEN_GPU, check_inputs, gpu_vector_size
 from ..vjp import with_reference_vjp
 from .kernel_gpu import gpu_all_reduce_add_rms_norm
 from .kernel_tpu import tpu_all_reduce_add_rms_norm
@@ -140,7 +140,9 @@ def all_reduce_add_rms_norm_supported(
             return False
 
 
-@functools.partial(jax.jit, static_argnames=("axis_name", "eps", "gemma", "impl", "algorithm"))
+@functools.partial(
+    jax.jit, static_argnames=("axis_name", "eps", "unit_offset", "impl", "algorithm")
+)
 def all_reduce_add_rms_norm(
     x: jax.Array,  # [..., rows, hidden]: this device's partial sum
     residual: jax.Array | None,  # like x
@@ -148,7 +150,7 @@ def all_reduce_add_rms_norm(
     *,
     axis_name: AxisName,
     eps: float = 1e-6,
-    gemma: bool = False,
+    unit_offset: bool = False,
     impl: Impl | None = None,
     algorithm: AllReduceAlgorithm | None = None,
 ) -> tuple[jax.Array, jax.Array]:
@@ -169,7 +171,7 @@ def all_reduce_add_rms_norm(
       weight: The norm's scale, any floating dtype.
       axis_name: The mesh axis, or tuple of axes, to sum over.
       eps: Added to the mean of squares.
-      gemma: Scale by `1 + weight` instead of `weight`.
+      unit_offset: Scale by `1 + weight` instead of `weight`.
       impl: The backend. None runs the platform's fused kernel (Mosaic GPU peer-to-peer on GPU,
         remote DMAs on TPU) when `all_reduce_add_rms_norm_supported` says it applies and pays
         off, and otherwise `lax.psum` followed by `add_rms_norm`. `Impl.XLA` is the reference;
@@ -203,10 +205,12 @@ def all_reduce_add_rms_norm(
     )
     if impl is None:
         if not supported():
-            return add_rms_norm(lax.psum(x, axis_name), residual, weight, eps=eps, gemma=gemma)
+            return add_rms_norm(
+                lax.psum(x, axis_name), residual, weight, eps=eps, unit_offset=unit_offset
+            )
         impl = platform_kernel(platform)
     elif impl is not Impl.XLA and num_devices == 1:
-        return add_rms_norm(x, residual, weight, eps=eps, gemma=gemma)
+        return add_rms_norm(x, residual, weight, eps=eps, unit_offset=unit_offset)
     elif not supported(impl=impl):
         raise NotImplementedError(
             f"{impl} with {algorithm=} cannot run all_reduce_add_rms_norm on {platform=} over "
@@ -215,7 +219,7 @@ def all_reduce_add_rms_norm(
         )
     if impl is Impl.XLA:
         return all_reduce_add_rms_norm_reference(
-            x, residual, weight, axis_name=axis_name, eps=eps, gemma=gemma
+            x, residual, weight, axis_name=axis_name, eps=eps, unit_offset=unit_offset
         )
 
     kernel = functools.partial(
@@ -223,12 +227,12 @@ def all_reduce_add_rms_norm(
         axis_name=axis_name,
         num_devices=num_devices,
         eps=eps,
-        gemma=gemma,
+        unit_offset=unit_offset,
         impl=impl,
         algorithm=algorithm or _choose_algorithm(impl, rows, hidden, x.dtype),
     )
     reference = functools.partial(
-        all_reduce_add_rms_norm_reference, axis_name=axis_name, eps=eps, gemma=gemma
+        all_reduce_add_rms_norm_reference, axis_name=axis_name, eps=eps, unit_offset=unit_offset
     )
     if impl in INTERPRETERS:
         kernel = axes.interpreted(kernel, reference)
@@ -243,7 +247,7 @@ def _fused_kernels(
     axis_name: AxisName,
     num_devices: int,
     eps: float,
-    gemma: bool,
+    unit_offset: bool,
     impl: Impl,
     algorithm: AllReduceAlgorithm,
 ) -> tuple[jax.Array, jax.Array]:
@@ -260,7 +264,7 @@ def _fused_kernels(
             axis_name=axis_name,
             num_devices=num_devices,
             eps=eps,
-            gemma=gemma,
+            unit_offset=unit_offset,
             num_programs=min(rows, _GPU_PROGRAMS_PER_SM * num_sms),
             vector_size=gpu_vector_size(hidden, x.dtype),
         )
@@ -276,7 +280,7 @@ def _fused_kernels(
             num_devices=num_devices,
             ring=ring,
             eps=eps,
-            gemma=gemma,
+            unit_offset=unit_offset,
             interpret=pltpu.InterpretParams() if impl is Impl.PALLAS_INTERPRET else False,
         )
         normed, new_residual = normed[:rows], new_residual[:rows]

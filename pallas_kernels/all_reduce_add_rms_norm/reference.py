@@ -14,7 +14,7 @@ def all_reduce_add_rms_norm_reference(
     *,
     axis_name: AxisName,
     eps: float = 1e-6,
-    gemma: bool = False,
+    unit_offset: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Completes the sum of `x` over `axis_name` with `lax.psum`, then adds and normalizes.
 
@@ -27,9 +27,11 @@ def all_reduce_add_rms_norm_reference(
       weight: The norm's scale.
       axis_name: The mesh axis (or axes) the sum runs over.
       eps: Added to the mean of squares.
-      gemma: Scale by `1 + weight` instead of `weight`.
+      unit_offset: Scale by `1 + weight` instead of `weight`.
 
     Returns:
       `(normed, new_residual)` as `add_rms_norm_reference` returns them for the completed sum.
     """
-    return add_rms_norm_reference(lax.psum(x, axis_name), residual, weight, eps=eps, gemma=gemma)
+    return add_rms_norm_reference(
+        lax.psum(x, axis_name), residual, weight, eps=eps, unit_offset=unit_offset
+    )

@@ -16,8 +16,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .. import axes
-from .._common import inverse_rms, weight_factor
 from ..axes import AxisName, device_id
+from ..rms_norm_common import inverse_rms, weight_factor
 from .reference import moe_finalize_add_rms_norm_reference
 
 _PROGRAMS = "programs"
@@ -28,7 +28,7 @@ def _gpu_kernel(
     axis_name: AxisName | None,
     num_devices: int,
     eps: float,
-    gemma: bool,
+    unit_offset: bool,
     has_residual: bool,
     num_programs: int,
     vector_size: int,
@@ -60,7 +60,7 @@ def _gpu_kernel(
         sources = [(outputs_ref, weights_ref)]
 
     layout = plgpu.Layout.WG_STRIDED((hidden,), vec_size=vector_size)
-    scale = weight_factor(plgpu.load(weight_ref, layout=layout), gemma=gemma)
+    scale = weight_factor(plgpu.load(weight_ref, layout=layout), unit_offset=unit_offset)
 
     @pl.loop(lax.axis_index(_PROGRAMS), rows, step=num_programs)
     def _row(row):
@@ -94,7 +94,7 @@ def gpu_moe_finalize_add_rms_norm(
     axis_name: AxisName | None,
     num_devices: int,
     eps: float,
-    gemma: bool,
+    unit_offset: bool,
     num_programs: int,
     vector_size: int,
     interpret: object = None,
@@ -118,7 +118,7 @@ def gpu_moe_finalize_add_rms_norm(
             axis_name=axis_name,
             num_devices=num_devices,
             eps=eps,
-            gemma=gemma,
+            unit_offset=unit_offset,
             has_residual=has_residual,
             num_programs=num_programs,
             vector_size=vector_size,

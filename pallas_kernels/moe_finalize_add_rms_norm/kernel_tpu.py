@@ -16,8 +16,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .. import axes
-from .._common import inverse_rms, weight_factor
 from ..axes import AxisName, device_id
+from ..rms_norm_common import inverse_rms, weight_factor
 from .reference import moe_finalize_add_rms_norm_reference
 
 
@@ -31,17 +31,17 @@ def _combine(outputs_ref, weights_ref) -> jax.Array:
     return total
 
 
-def _add_norm(summed, residual_ref, weight_ref, normed_ref, residual_out_ref, *, eps, gemma):
+def _add_norm(summed, residual_ref, weight_ref, normed_ref, residual_out_ref, *, eps, unit_offset):
     if residual_ref is not None:
         summed = summed + residual_ref[...].astype(jnp.float32)
     residual_out_ref[...] = summed.astype(residual_out_ref.dtype)
     hidden = summed.shape[1]
     inv_rms = inverse_rms(jnp.sum(summed * summed, axis=1, keepdims=True), hidden=hidden, eps=eps)
-    normed = summed * inv_rms * weight_factor(weight_ref[...], gemma=gemma)
+    normed = summed * inv_rms * weight_factor(weight_ref[...], unit_offset=unit_offset)
     normed_ref[...] = normed.astype(normed_ref.dtype)
 
 
-def _block_kernel(*refs, eps: float, gemma: bool, has_residual: bool):
+def _block_kernel(*refs, eps: float, unit_offset: bool, has_residual: bool):
     """One block of rows: combine, add, normalize (no sum owed)."""
     if has_residual:
         outputs_ref, weights_ref, residual_ref, weight_ref, normed_ref, residual_out_ref = refs
@@ -49,11 +49,19 @@ def _block_kernel(*refs, eps: float, gemma: bool, has_residual: bool):
         outputs_ref, weights_ref, weight_ref, normed_ref, residual_out_ref = refs
         residual_ref = None
     summed = _combine(outputs_ref, weights_ref)
-    _add_norm(summed, residual_ref, weight_ref, normed_ref, residual_out_ref, eps=eps, gemma=gemma)
+    _add_norm(
+        summed,
+        residual_ref,
+        weight_ref,
+        normed_ref,
+        residual_out_ref,
+        eps=eps,
+        unit_offset=unit_offset,
+    )
 
 
 def _one_shot_kernel(
-    *refs, axis_name: AxisName, num_devices: int, eps: float, gemma: bool, has_residual: bool
+    *refs, axis_name: AxisName, num_devices: int, eps: float, unit_offset: bool, has_residual: bool
 ):
     """Combine locally, exchange the float32 partials with every peer, sum in rank order."""
     if has_residual:
@@ -90,7 +98,15 @@ def _one_shot_kernel(
     total = gathered_ref[0]
     for d in range(1, num_devices):
         total = total + gathered_ref[d]
-    _add_norm(total, residual_ref, weight_ref, normed_ref, residual_out_ref, eps=eps, gemma=gemma)
+    _add_norm(
+        total,
+        residual_ref,
+        weight_ref,
+        normed_ref,
+        residual_out_ref,
+        eps=eps,
+        unit_offset=unit_offset,
+    )
 
 
 def blocked_moe_finalize_add_rms_norm(
@@ -100,7 +116,7 @@ def blocked_moe_finalize_add_rms_norm(
     norm_weight: jax.Array,  # [hidden]
     *,
     eps: float,
-    gemma: bool,
+    unit_offset: bool,
     block_rows: int,
     interpret: bool,
     tpu: bool,
@@ -119,7 +135,9 @@ def blocked_moe_finalize_add_rms_norm(
         moe_finalize_add_rms_norm_reference, outputs, weights, residual, norm_weight
     )
     call = pl.pallas_call(
-        functools.partial(_block_kernel, eps=eps, gemma=gemma, has_residual=has_residual),
+        functools.partial(
+            _block_kernel, eps=eps, unit_offset=unit_offset, has_residual=has_residual
+        ),
         out_shape=tuple(axes.output_type((rows, hidden), outputs.dtype, v) for v in varying),
         grid=(pl.cdiv(rows, block_rows),),
         in_specs=in_specs,
@@ -141,7 +159,7 @@ def tpu_moe_finalize_all_reduce_add_rms_norm(
     axis_name: AxisName,
     num_devices: int,
     eps: float,
-    gemma: bool,
+    unit_offset: bool,
     interpret: object = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Runs `_one_shot_kernel` inside `shard_map`; returns `(normed, new_residual)`.
@@ -168,7 +186,7 @@ def tpu_moe_finalize_all_reduce_add_rms_norm(
             axis_name=axis_name,
             num_devices=num_devices,
             eps=eps,
-            gemma=gemma,
+            unit_offset=unit_offset,
             has_residual=has_residual,
         ),
         out_shape=tuple(axes.output_type((rows, hidden), outputs.dtype, v) for v in varying),

@@ -9,9 +9,9 @@ from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
 from .. import axes, compat
-from .._common import MAX_HIDDEN_GPU, check_inputs, gpu_vector_size
 from ..axes import AxisName
 from ..impl import INTERPRETERS, SUPPORTED_DTYPES, Impl, check_impl, platform_kernel
+from ..rms_norm_common import MAX_HIDDEN_GPU, check_inputs, gpu_vector_size
 from ..vjp import with_reference_vjp
 from .kernel_gpu import gpu_moe_finalize_add_rms_norm
 from .kernel_tpu import blocked_moe_finalize_add_rms_norm, tpu_moe_finalize_all_reduce_add_rms_norm
@@ -109,7 +109,7 @@ def moe_finalize_add_rms_norm_supported(
             return False
 
 
-@functools.partial(jax.jit, static_argnames=("axis_name", "eps", "gemma", "impl"))
+@functools.partial(jax.jit, static_argnames=("axis_name", "eps", "unit_offset", "impl"))
 def moe_finalize_add_rms_norm(
     expert_outputs: jax.Array,  # [rows, top_k, hidden]
     weights: jax.Array,  # [rows, top_k]
@@ -118,7 +118,7 @@ def moe_finalize_add_rms_norm(
     *,
     axis_name: AxisName | None = None,
     eps: float = 1e-6,
-    gemma: bool = False,
+    unit_offset: bool = False,
     impl: Impl | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """`norm(residual + sum_over_axis(sum_k weights[:, k] * expert_outputs[:, k]))`, fused.
@@ -139,7 +139,7 @@ def moe_finalize_add_rms_norm(
       axis_name: The mesh axis, or tuple of axes, the output still owes a sum over; None for
         none.
       eps: Added to the mean of squares.
-      gemma: Scale by `1 + norm_weight` instead of `norm_weight`.
+      unit_offset: Scale by `1 + norm_weight` instead of `norm_weight`.
       impl: The backend. None runs the platform's kernel where
         `moe_finalize_add_rms_norm_supported` says it applies, else the reference. `Impl.XLA` is
         the reference; `Impl.PALLAS_INTERPRET` runs the TPU kernels in the TPU interpreter (on
@@ -192,18 +192,18 @@ def moe_finalize_add_rms_norm(
             norm_weight,
             axis_name=axis_name,
             eps=eps,
-            gemma=gemma,
+            unit_offset=unit_offset,
         )
     kernel = functools.partial(
         _fused_kernels,
         axis_name=axis_name,
         num_devices=num_devices,
         eps=eps,
-        gemma=gemma,
+        unit_offset=unit_offset,
         impl=impl,
     )
     reference = functools.partial(
-        moe_finalize_add_rms_norm_reference, axis_name=axis_name, eps=eps, gemma=gemma
+        moe_finalize_add_rms_norm_reference, axis_name=axis_name, eps=eps, unit_offset=unit_offset
     )
     if impl in INTERPRETERS:
         kernel = axes.interpreted(kernel, reference)
@@ -219,7 +219,7 @@ def _fused_kernels(
     axis_name: AxisName | None,
     num_devices: int,
     eps: float,
-    gemma: bool,
+    unit_offset: bool,
     impl: Impl,
 ) -> tuple[jax.Array, jax.Array]:
     """`moe_finalize_add_rms_norm`'s forward through the fused kernel of `impl`."""
@@ -236,7 +236,7 @@ def _fused_kernels(
             axis_name=axis_name,
             num_devices=num_devices,
             eps=eps,
-            gemma=gemma,
+            unit_offset=unit_offset,
             num_programs=programs,
             vector_size=gpu_vector_size(hidden, expert_outputs.dtype),
             interpret=None if impl is Impl.PALLAS_GPU else compat.gpu_interpret_params(),
@@ -248,7 +248,7 @@ def _fused_kernels(
             residual,
             norm_weight,
             eps=eps,
-            gemma=gemma,
+            unit_offset=unit_offset,
             block_rows=_block_rows(impl, rows, top_k, hidden, expert_outputs.dtype),
             interpret=impl is Impl.PALLAS_INTERPRET,
             tpu=impl is Impl.PALLAS_TPU,
@@ -261,6 +261,6 @@ def _fused_kernels(
         axis_name=axis_name,
         num_devices=num_devices,
         eps=eps,
-        gemma=gemma,
+        unit_offset=unit_offset,
         interpret=pltpu.InterpretParams() if impl is Impl.PALLAS_INTERPRET else False,
     )

@@ -26,7 +26,7 @@ def moe_finalize_add_rms_norm_reference(
     *,
     axis_name: AxisName | None = None,
     eps: float = 1e-6,
-    gemma: bool = False,
+    unit_offset: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """The unfused path the boundary runs without the kernel.
 
@@ -42,7 +42,7 @@ def moe_finalize_add_rms_norm_reference(
       norm_weight: The norm's scale.
       axis_name: Mesh axis (or axes) the finalized output still owes a sum over; None for none.
       eps: Added to the mean of squares.
-      gemma: Scale by `1 + norm_weight` instead of `norm_weight`.
+      unit_offset: Scale by `1 + norm_weight` instead of `norm_weight`.
 
     Returns:
       `(normed, new_residual)`, [rows, hidden] each, in `expert_outputs.dtype`.
@@ -50,4 +50,4 @@ def moe_finalize_add_rms_norm_reference(
     combined = finalize_reference(expert_outputs, weights).astype(expert_outputs.dtype)
     if axis_name is not None:
         combined = lax.psum(combined, axis_name)
-    return add_rms_norm_reference(combined, residual, norm_weight, eps=eps, gemma=gemma)
+    return add_rms_norm_reference(combined, residual, norm_weight, eps=eps, unit_offset=unit_offset)

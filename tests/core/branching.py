@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 import boundary_jax as bj
-from boundary_jax import residual
+from boundary_jax import residual_stream
 from boundary_jax.report import CollectiveReport, parse_hlo
 
 from .hetero import DEFERS, Kind, StandInMoe, declare, make_batch, sharded_stacks, transport
@@ -106,7 +106,7 @@ class BranchPart(nnx.Module):
     def __call__(self, x, stream):
         h, stream = self.boundary.prepare(x, stream)
         if self.part.branch:
-            g, stream, branch = bj.branch_input(self.branch[0], self.boundary, h, stream)
+            g, stream, branch = bj.adapters.branch_input(self.branch[0], self.boundary, h, stream)
         exit = self.boundary.exit(stream)
         out, stream = exit.finish(_run(self.part.kind, self.compute, h, exit), stream)
         if not self.part.branch:
@@ -118,8 +118,8 @@ class BranchPart(nnx.Module):
             g, branch = self.branch[index].prepare(y, branch)
             exit = self.branch[index].exit(branch)
             y, branch = exit.finish(_run(kinds[index], self.branch_part(index)[1], g, exit), branch)
-        y, branch = bj.branch_output(self.branch[-1], y, branch)
-        return bj.merge_branch(out, stream, y, branch)
+        y, branch = bj.adapters.branch_output(self.branch[-1], y, branch)
+        return bj.adapters.merge_branch(out, stream, y, branch)
 
     def reference(self, rows: jax.Array) -> jax.Array:
         """The stage and its branch on one device's whole block of rows."""
@@ -236,13 +236,13 @@ def build(model: Branched, cut: int | None = None, *, check_vma: bool = True) ->
     topology = model.topology
 
     def body(stacks, x, batch):
-        stream = residual.start(batch)
+        stream = residual_stream.start(batch)
         out, stream = stacks[0].run(x, stream)
         if cut is not None:
-            tensors = transport(residual.to_pp(out, stream), topology)
+            tensors = transport(residual_stream.to_pp(out, stream), topology)
             out, stream = stacks[1].layers[0].parts[0].boundary.from_pp(tensors, batch)
             out, stream = stacks[1].run(out, stream)
-        return residual.final_norm(out, stream, stacks[-1].final_norm, skip_empty=True)
+        return residual_stream.final_norm(out, stream, stacks[-1].final_norm, skip_empty=True)
 
     sharded, place, programs = sharded_stacks(stacks, model, body, check_vma=check_vma)
     return Built(model, list(stacks), sharded, place, programs)

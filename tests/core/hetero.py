@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import boundary_jax as bj
-from boundary_jax import residual
+from boundary_jax import residual_stream
 from boundary_jax.report import CollectiveReport, parse_hlo
 
 from .standin import (
@@ -60,11 +60,9 @@ def declare(kind: Kind, design: dict | None = None) -> bj.StageDeclaration:
         case Kind.ATTN:
             return bj.declare_attn(**extra)
         case Kind.MIXER:
-            return bj.declare_attn(reduction=bj.ProducerReduction.EXIT_SCOPED, **extra)
+            return bj.declare_mixer(gathers_attn_tp_input=True, **extra)
         case Kind.HYBRID_MIXER:
-            return bj.declare_attn(
-                reduction=bj.ProducerReduction.EXIT_SCOPED, gathers_attn_tp_input=False, **extra
-            )
+            return bj.declare_mixer(**extra)
         case Kind.FFN:
             return bj.declare_ffn(**extra)
         case Kind.FFN_DP:
@@ -223,7 +221,7 @@ def make_batch(model: Hetero, variant: bj.BatchVariant, counts, rows: int = ROWS
         bj.BatchVariant.INPUT_SCATTERED: bj.BatchFacts.input_scattered,
         bj.BatchVariant.UNPADDED: bj.BatchFacts.unpadded,
     }[variant]
-    return make(model.topology, counts, rows=rows)
+    return make(model.topology, counts, rows_per_block=rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,13 +276,13 @@ def build(
     topology = model.topology
 
     def body(stacks, x, batch):
-        stream = residual.start(batch)
+        stream = residual_stream.start(batch)
         out, stream = stacks[0].run(x, stream)
         if cut is not None:
-            tensors = transport(residual.to_pp(out, stream), topology)
+            tensors = transport(residual_stream.to_pp(out, stream), topology)
             out, stream = stacks[1].stages[0].boundary.from_pp(tensors, batch)
             out, stream = stacks[1].run(out, stream)
-        return residual.final_norm(
+        return residual_stream.final_norm(
             out, stream, stacks[-1].final_norm, skip_empty=skip_empty, finalize_norm=finalize_norm
         )
 
@@ -359,9 +357,11 @@ def build_many(models: tuple[Hetero, ...]) -> BuiltMany:
         outputs = []
         for index, stack in enumerate(stacks):
             with jax.named_scope(f"stack_{index}"):
-                stream = residual.start(batch)
+                stream = residual_stream.start(batch)
                 out, stream = stack.run(x, stream)
-                outputs.append(residual.final_norm(out, stream, stack.final_norm, skip_empty=True))
+                outputs.append(
+                    residual_stream.final_norm(out, stream, stack.final_norm, skip_empty=True)
+                )
         return jnp.stack(outputs)
 
     dp = topology.spec_entry((bj.TokenAxis.ATTN_DP,))

@@ -18,7 +18,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 import boundary_jax as bj
-from boundary_jax import residual
+from boundary_jax import residual_stream
+from boundary_jax.layout import Layout
 from tests.meshes import make_mesh  # noqa: F401 (the tests import it from here)
 
 HIDDEN = 16
@@ -48,7 +49,7 @@ class StandInAttention(nnx.Module):
 class StandInFfn(nnx.Module):
     def __init__(self, topology: bj.Topology, key, dtype):
         k1, k2, k3 = jax.random.split(key, 3)
-        cols = topology.shard_entry(bj.SumGroup.TP)
+        cols = topology.shard_entry(bj.SumGroup.FULL_TP)
         self.w_gate = _param(k1, (HIDDEN, FFN_WIDTH), (None, cols), dtype)
         self.w_up = _param(k2, (HIDDEN, FFN_WIDTH), (None, cols), dtype)
         self.w_down = _param(k3, (FFN_WIDTH, HIDDEN), (cols, None), dtype)
@@ -172,7 +173,7 @@ class StandInDecoder(nnx.Module):
         self.scan_middle = False
 
     def __call__(self, x: jax.Array, batch: bj.BatchFacts) -> jax.Array:
-        stream = residual.start(batch)
+        stream = residual_stream.start(batch)
         if self.scan_middle:
             x, stream = self.layers[0](x, stream)
             run = bj.StackedLayers(list(self.layers)[1:-1], start=1)
@@ -182,7 +183,7 @@ class StandInDecoder(nnx.Module):
             for index, layer in enumerate(self.layers):
                 with jax.named_scope(f"layer_{index}"):
                     x, stream = layer(x, stream)
-        return residual.final_norm(x, stream, self.final_norm, skip_empty=True)
+        return residual_stream.final_norm(x, stream, self.final_norm, skip_empty=True)
 
 
 def stack_input(setup: Setup, x: jax.Array) -> jax.Array:
@@ -210,7 +211,7 @@ def sharded_forward(
     *,
     check_vma: bool = True,
     body: Callable | None = None,
-    out_layout: bj.Layout | None = None,
+    out_layout: Layout | None = None,
 ):
     """A jitted sharded forward `f(leaves, x, batch)`, the state placed on the mesh (as the
     `ShardedModule`'s leaves), and a function that places a stack input `x` [dp*rows, HIDDEN].
@@ -264,4 +265,4 @@ def count_patterns(dp: int, rows: int = ROWS) -> dict[str, np.ndarray]:
 
 def make_batch(setup: Setup, scattered: bool, counts) -> bj.BatchFacts:
     make = bj.BatchFacts.input_scattered if scattered else bj.BatchFacts.ordinary
-    return make(setup.topology, counts, rows=setup.rows)
+    return make(setup.topology, counts, rows_per_block=setup.rows)

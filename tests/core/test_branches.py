@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import boundary_jax as bj
-from boundary_jax import ops, residual
+from boundary_jax import ops, residual_stream
 from boundary_jax.adapters import branch as branch_adapter
 
 from .branching import Branched, BranchStack, Part, build, built, reference
@@ -216,10 +216,7 @@ def test_a_mutated_merge_is_caught(monkeypatch, mutant):
         x, counts = _inputs(model.dp)
         want = reference(_plans(model).stacks, x, model.dp, counts)
         assert _error(_plans(model).run(x, counts), want) < 1e-12
-        if name == "fold":
-            monkeypatch.setattr(branch_adapter.residual_helpers, name, mutate)
-        else:
-            monkeypatch.setattr(branch_adapter, name, mutate)
+        monkeypatch.setattr(branch_adapter, name, mutate)
         got = build(model, check_vma=False).run(x, counts)
         assert _error(got, want) > 1e-3, mutant
 
@@ -233,14 +230,14 @@ def one():
     stack = BranchStack(ONE, range(1), jax.random.key(1), jnp.float32)
     attn, ffn = stack.layers[0].parts
     x = jax.random.normal(jax.random.key(2), (ROWS, HIDDEN), jnp.float32)
-    batch = bj.BatchFacts.ordinary(ONE.topology, np.array([ROWS]), rows=ROWS)
+    batch = bj.BatchFacts.ordinary(ONE.topology, np.array([ROWS]), rows_per_block=ROWS)
     return stack, attn, ffn, x, batch
 
 
 def _to_source(one):
     """Runs the attention and prepares the FFN source: `(h, stream)`."""
     _, attn, ffn, x, batch = one
-    h, stream = attn.boundary.prepare(x, residual.start(batch))
+    h, stream = attn.boundary.prepare(x, residual_stream.start(batch))
     out, stream = attn.boundary.finish(attn.compute(h), stream)
     return ffn.boundary.prepare(out, stream)
 
@@ -250,7 +247,7 @@ def _branch_out(one, h, branch):
     y, branch = ffn.branch[0].finish(ffn.branch_part(0)[1](h), branch)
     g, branch = ffn.branch[1].prepare(y, branch)
     y, branch = ffn.branch[1].finish(ffn.branch_part(1)[1](g), branch)
-    return bj.branch_output(ffn.branch[1], y, branch)
+    return bj.adapters.branch_output(ffn.branch[1], y, branch)
 
 
 def test_prepare_on_a_branch_is_rejected(one):
@@ -264,12 +261,12 @@ def test_a_branch_never_merged_is_rejected(one):
     """Leaving the stack, or preparing another stage, with a branch open raises."""
     _, attn, ffn, _, _ = one
     h, stream = _to_source(one)
-    _, stream, _ = bj.branch_input(ffn.branch[0], ffn.boundary, h, stream)
+    _, stream, _ = bj.adapters.branch_input(ffn.branch[0], ffn.boundary, h, stream)
     out, stream = ffn.boundary.finish(ffn.compute(h), stream)
     with pytest.raises(RuntimeError, match="a branch was never merged before final_norm"):
-        residual.final_norm(out, stream, one[0].final_norm)
+        residual_stream.final_norm(out, stream, one[0].final_norm)
     with pytest.raises(RuntimeError, match="a branch was never merged before take_output"):
-        residual.take_output(*residual.fold(out, stream))
+        residual_stream.take_output(*residual_stream.fold(out, stream))
     with pytest.raises(RuntimeError, match="a branch was never merged before prepare"):
         attn.boundary.prepare(out, stream)
 
@@ -279,11 +276,11 @@ def test_a_merge_into_another_stream_is_rejected(one):
     _, _, ffn, _, _ = one
     h, stream = _to_source(one)
     h2, other = _to_source(one)
-    g, stream, branch = bj.branch_input(ffn.branch[0], ffn.boundary, h, stream)
+    g, stream, branch = bj.adapters.branch_input(ffn.branch[0], ffn.boundary, h, stream)
     y, branch = _branch_out(one, g, branch)
     out, other = ffn.boundary.finish(ffn.compute(h2), other)
     with pytest.raises(ValueError, match="into the stream it forked from"):
-        bj.merge_branch(out, other, y, branch)
+        bj.adapters.merge_branch(out, other, y, branch)
 
 
 def test_misordered_branch_calls_are_rejected(one):
@@ -291,22 +288,22 @@ def test_misordered_branch_calls_are_rejected(one):
     source's finish, branch_output twice, and final_norm on a branch's stream raise."""
     stack, _, ffn, _, _ = one
     h, stream = _to_source(one)
-    g, forked, branch = bj.branch_input(ffn.branch[0], ffn.boundary, h, stream)
+    g, forked, branch = bj.adapters.branch_input(ffn.branch[0], ffn.boundary, h, stream)
     out, finished = ffn.boundary.finish(ffn.compute(h), forked)
     with pytest.raises(RuntimeError, match="call it after that stage's prepare"):
-        bj.branch_input(ffn.branch[0], ffn.boundary, h, finished)
+        bj.adapters.branch_input(ffn.branch[0], ffn.boundary, h, finished)
     y, mid = ffn.branch[0].finish(ffn.branch_part(0)[1](g), branch)
     with pytest.raises(RuntimeError, match="follows the finish\\(\\) of the branch's last stage"):
-        bj.branch_output(ffn.branch[1], y, mid)
+        bj.adapters.branch_output(ffn.branch[1], y, mid)
     y, done = _branch_out(one, g, branch)
     with pytest.raises(RuntimeError, match="ran twice"):
-        bj.branch_output(ffn.branch[1], y, done)
+        bj.adapters.branch_output(ffn.branch[1], y, done)
     with pytest.raises(RuntimeError, match="on a branch's stream"):
-        residual.final_norm(y, done, stack.final_norm)
+        residual_stream.final_norm(y, done, stack.final_norm)
     with pytest.raises(RuntimeError, match="pending after its finish"):
-        bj.merge_branch(forked.output, forked, y, done)
-    merged_out, merged = bj.merge_branch(out, finished, y, done)
-    assert merged.state is residual.StreamState.PENDING and not merged.branches
+        bj.adapters.merge_branch(forked.output, forked, y, done)
+    merged_out, merged = bj.adapters.merge_branch(out, finished, y, done)
+    assert merged.state is residual_stream.StreamState.PENDING and not merged.branches
 
 
 def _declare_branch(topology, *, prepared_from=None, source=None, twice=False, read=None):
@@ -342,7 +339,9 @@ def test_an_input_scattered_batch_is_rejected_with_the_reason():
     """A stack with branches binds no input-scattered (sequence-parallel) path; such a batch
     raises the guide's error with the reason."""
     first, _ = _declare_branch(bj.Topology(attn_tp=2))
-    stream = residual.start(bj.BatchFacts.input_scattered(bj.Topology(attn_tp=2), None, rows=4))
+    stream = residual_stream.start(
+        bj.BatchFacts.input_scattered(bj.Topology(attn_tp=2), None, rows_per_block=4)
+    )
     with pytest.raises(NotImplementedError, match="active INPUT_SCATTERED batch.*branch transport"):
         first.prepare(jnp.zeros((4, HIDDEN)), stream)
 
@@ -357,9 +356,9 @@ def test_the_plan_shows_fork_and_merge_edges_and_where_the_branch_sum_completes(
     ]
     source, first, last = bj.report.describe_stages(stages, bj.BatchVariant.ORDINARY)
     assert "fork" not in source and "merge" not in source
-    assert first["fork"]["edge"] == bj.EdgeKind.BRANCH_FORK.value
+    assert first["fork"]["edge"] == bj.declare.EdgeKind.BRANCH_FORK.value
     assert first["entries"] == [] and "merge" not in first
-    assert last["merge"]["edge"] == bj.EdgeKind.BRANCH_MERGE.value
+    assert last["merge"]["edge"] == bj.declare.EdgeKind.BRANCH_MERGE.value
     (completes,) = last["merge"]["branch_sum_completes"]
     assert completes["sum"].startswith("added unsummed to the source's output at the merge")
     assert "all-reduce over attn_tp" in completes["sum"]
@@ -393,21 +392,21 @@ class Nested(nnx.Module):
             )
 
     def __call__(self, x, batch):
-        h, stream = self.a.prepare(x, residual.start(batch))
+        h, stream = self.a.prepare(x, residual_stream.start(batch))
         x, stream = self.a.finish(self.attn(h), stream)
         h, stream = self.f.prepare(x, stream)
-        g, stream, branch = bj.branch_input(self.a1, self.f, h, stream)
+        g, stream, branch = bj.adapters.branch_input(self.a1, self.f, h, stream)
         x, stream = self.f.finish(self.ffn(h), stream)
-        k, branch, nested = bj.branch_input(self.f2, self.a1, g, branch)
+        k, branch, nested = bj.adapters.branch_input(self.f2, self.a1, g, branch)
         y, branch = self.a1.finish(self.attn1(g), branch)
         z, nested = self.f2.finish(self.ffn2(k), nested)
-        z, nested = bj.branch_output(self.f2, z, nested)
-        y, branch = bj.merge_branch(y, branch, z, nested)
+        z, nested = bj.adapters.branch_output(self.f2, z, nested)
+        y, branch = bj.adapters.merge_branch(y, branch, z, nested)
         g, branch = self.f1.prepare(y, branch)
         y, branch = self.f1.finish(self.ffn1(g), branch)
-        y, branch = bj.branch_output(self.f1, y, branch)
-        x, stream = bj.merge_branch(x, stream, y, branch)
-        return residual.final_norm(x, stream, self.final_norm)
+        y, branch = bj.adapters.branch_output(self.f1, y, branch)
+        x, stream = bj.adapters.merge_branch(x, stream, y, branch)
+        return residual_stream.final_norm(x, stream, self.final_norm)
 
     def reference(self, x):
         rows = x + self.attn(self.norm_a(x))
@@ -446,14 +445,14 @@ def test_scanned_layers_with_branches_equal_the_unrolled_stack():
 
         def body(stacks, x, batch):
             (stack,) = stacks
-            stream = residual.start(batch)
+            stream = residual_stream.start(batch)
             out, stream = stack.layers[0](x, stream)
             layers = bj.StackedLayers(list(stack.layers)[1:-1], start=1)
             (out, stream), _ = layers.scan(
                 lambda layer, carry, _: (layer(*carry), None), (out, stream)
             )
             out, stream = stack.layers[-1](out, stream)
-            return residual.final_norm(out, stream, stack.final_norm, skip_empty=True)
+            return residual_stream.final_norm(out, stream, stack.final_norm, skip_empty=True)
 
         sharded = bj.ShardedModule(nnx.List([stack]), make_mesh(1, 2))
         spec = bj.BatchFacts(bj.BatchVariant.ORDINARY, model.topology, P())

@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import PartitionSpec
 
 import boundary_jax as bj
-from boundary_jax import residual
+from boundary_jax import residual_stream
 from boundary_jax.report import parse_hlo
 
 from .standin import (
@@ -39,7 +39,7 @@ def _captured(model, x, batch, scan: bool):
         h, stream = layer.ffn_boundary.prepare(out, stream)
         return layer.ffn_boundary.finish(layer.ffn(h), stream), hidden
 
-    carry = (x, residual.start(batch))
+    carry = (x, residual_stream.start(batch))
     layers = list(model.layers)
     if scan:
         carry, first = capture_layer(layers[0], carry)
@@ -53,7 +53,7 @@ def _captured(model, x, batch, scan: bool):
             with jax.named_scope(f"layer_{index}"):
                 carry, value = capture_layer(layer, carry)
             hidden.append(value)
-    normed, final = residual.final_norm_captured(*carry, model.final_norm)
+    normed, final = residual_stream.final_norm_captured(*carry, model.final_norm)
     return normed, jnp.stack([*hidden, final])
 
 
@@ -135,13 +135,13 @@ def test_a_looped_stack_equals_its_layers_applied_per_pass(dp, tp, policy, scatt
     passes = 3
 
     def looped(model, x, batch):
-        out, stream = x, residual.start(batch)
+        out, stream = x, residual_stream.start(batch)
         for index in range(passes):
             for layer in model.layers:
                 out, stream = layer(out, stream)
             if index + 1 < passes:
-                out, stream = residual.next_pass(out, stream, model.final_norm)
-        return residual.final_norm(out, stream, model.final_norm)
+                out, stream = residual_stream.next_pass(out, stream, model.final_norm)
+        return residual_stream.final_norm(out, stream, model.final_norm)
 
     with jax.enable_x64(True):
         model = StandInDecoder(setup, jax.random.key(5))

@@ -81,8 +81,8 @@ def _check_cut(uncut, sender, receiver, cut, model):
     topology = model.topology
     attention = topology.attention_rows()
     last, first = sender[-1], receiver[0]
-    assert last.declaration.place.outgoing.kind is bj.EdgeKind.PIPELINE_SEND
-    assert first.declaration.place.incoming.kind is bj.EdgeKind.PIPELINE_RECEIVE
+    assert last.declaration.place.outgoing.kind is bj.declare.EdgeKind.PIPELINE_SEND
+    assert first.declaration.place.incoming.kind is bj.declare.EdgeKind.PIPELINE_RECEIVE
     for variant in (p.variant for p in uncut[0].paths):
         send, receive = last.path(variant), first.path(variant)
         (transport,) = [e for e in receive.entries if e.transport]
@@ -97,13 +97,13 @@ def _check_cut(uncut, sender, receiver, cut, model):
         for option in send.exits:
             assert option.leave.sends_written == writes
             leave = option.leave.entry(option.handoff)
-            residual = bj.Placement(leave.residual_from)
+            residual = bj.plan.Placement(leave.residual_from)
             landed = ops.simulate(
                 leave.complete + ops.all_reduce(leave.fused_sum, topology), leave.handoff
             )
             assert landed == residual, "to_pp completes every owed item"
             moved = ops.simulate(leave.move_input, residual)
-            assert moved == bj.Placement(attention), "the handoff is on the attention's rows"
+            assert moved == bj.plan.Placement(attention), "the handoff is on the attention's rows"
             assert writes or moved == residual
         assert [o.handoff for o in send.exits] == [
             o.handoff for o in uncut[cut - 1].path(variant).exits

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 import boundary_jax as bj
-from boundary_jax import designs, residual
+from boundary_jax import designs, residual_stream
 from boundary_jax.plan import ResidualRows
 
 from .hetero import HIDDEN, Hetero, HeteroStack, Kind, build, make_batch, reference
@@ -187,10 +187,10 @@ def test_a_nonlinear_update_is_kept_out_of_fused_kernels_and_snapshots():
     assert bj.fusions.AddRmsNorm("cpu", impl=None)(request) is None
     model = Hetero((K.ATTN, K.FFN), 1, 1, design=post_norm)
     stack = HeteroStack(model, range(2), KEY, jnp.float32)
-    stream = residual.start(bj.BatchFacts.ordinary(model.topology))
+    stream = residual_stream.start(bj.BatchFacts.ordinary(model.topology))
     out, stream = stack.run(jnp.ones((ROWS, HIDDEN)), stream)
     with pytest.raises(NotImplementedError, match="snapshot requires a plain residual update"):
-        residual.snapshot(out, stream)
+        residual_stream.snapshot(out, stream)
 
 
 def test_a_jitted_function_of_a_stream_does_not_retrace_per_stream():
@@ -204,7 +204,7 @@ def test_a_jitted_function_of_a_stream_does_not_retrace_per_stream():
         return stream.residual * 2
 
     for _ in range(3):
-        _, stream = residual.start(bj.BatchFacts.ordinary(topology)).written(
+        _, stream = residual_stream.start(bj.BatchFacts.ordinary(topology)).written(
             jnp.ones((4, HIDDEN)), ResidualRows.attention(topology)
         )
         f(stream)
@@ -215,8 +215,12 @@ def test_another_streams_handle_is_still_rejected_in_one_trace():
     """Two streams in one trace keep distinct identities."""
     topology = bj.Topology()
     batch = bj.BatchFacts.ordinary(topology)
-    first = residual.start(batch).written(jnp.ones((4, HIDDEN)), ResidualRows.attention(topology))
-    second = residual.start(batch).written(jnp.ones((4, HIDDEN)), ResidualRows.attention(topology))
+    first = residual_stream.start(batch).written(
+        jnp.ones((4, HIDDEN)), ResidualRows.attention(topology)
+    )
+    second = residual_stream.start(batch).written(
+        jnp.ones((4, HIDDEN)), ResidualRows.attention(topology)
+    )
     with pytest.raises(ValueError, match="does not belong to this residual stream"):
         second[1].check_output(first[0])
 

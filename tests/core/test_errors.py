@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 import boundary_jax as bj
-from boundary_jax import residual
+from boundary_jax import residual_stream
 
 from .standin import HIDDEN, ROWS, Setup, StandInDecoder, TanhUpdate
 
@@ -41,31 +41,31 @@ def test_a_rebound_layer_output_is_rejected(single):
     """Passing anything but the stream's own output handle fails the identity check."""
     setup, model = single
     message = "output does not belong to this residual stream; change layer outputs through"
-    stream = residual.start(_batch(setup))
+    stream = residual_stream.start(_batch(setup))
     out, stream = model.layers[0](_x(), stream)
     with pytest.raises(ValueError, match=message):
         model.layers[1](_x(), stream)
-    other_out, _ = model.layers[0](_x(), residual.start(_batch(setup)))
+    other_out, _ = model.layers[0](_x(), residual_stream.start(_batch(setup)))
     with pytest.raises(ValueError, match=message):
         model.layers[1](other_out, stream)
     with pytest.raises(ValueError, match=message):
-        residual.final_norm(other_out, stream, model.final_norm)
+        residual_stream.final_norm(other_out, stream, model.final_norm)
 
 
 def test_taking_the_output_while_an_update_is_pending(single):
     """take_output() on a pending contribution: 'write the residual update before ...'."""
     setup, model = single
-    out, stream = model.layers[0](_x(), residual.start(_batch(setup)))
+    out, stream = model.layers[0](_x(), residual_stream.start(_batch(setup)))
     with pytest.raises(RuntimeError, match="write the residual update before taking the final"):
-        residual.take_output(out, stream)
-    out, stream = residual.fold(out, stream)
-    assert residual.take_output(out, stream).shape == (ROWS, HIDDEN)
+        residual_stream.take_output(out, stream)
+    out, stream = residual_stream.fold(out, stream)
+    assert residual_stream.take_output(out, stream).shape == (ROWS, HIDDEN)
 
 
 def test_a_batch_variant_without_a_bound_path(single):
     """An input-scattered batch on a stack without attention TP has no path, and says so."""
     setup, model = single
-    stream = residual.start(_batch(setup, scattered=True))
+    stream = residual_stream.start(_batch(setup, scattered=True))
     with pytest.raises(
         NotImplementedError, match="no stage boundary path for the active INPUT_SCATTERED batch"
     ):
@@ -82,9 +82,9 @@ def test_a_snapshot_of_a_nonlinear_update():
     """snapshot() on a non-plain update: 'snapshot requires a plain residual update'."""
     setup = Setup(dp=1, tp=1, layers=1, input_sum=None, update=TanhUpdate)
     model = StandInDecoder(setup, jax.random.key(0), jnp.float32)
-    out, stream = model.layers[0](_x(), residual.start(_batch(setup)))
+    out, stream = model.layers[0](_x(), residual_stream.start(_batch(setup)))
     with pytest.raises(NotImplementedError, match="snapshot requires a plain residual update"):
-        residual.snapshot(out, stream)
+        residual_stream.snapshot(out, stream)
 
 
 def test_a_reduction_contract_for_the_wrong_stage_kind():
@@ -98,7 +98,7 @@ def test_a_reduction_contract_for_the_wrong_stage_kind():
 def test_an_owed_output_has_no_array_behaviour(single):
     """OwedOutput refuses arithmetic, conversion and indexing with a pointer to the accessors."""
     setup, model = single
-    out, _ = model.layers[0](_x(), residual.start(_batch(setup)))
+    out, _ = model.layers[0](_x(), residual_stream.start(_batch(setup)))
     for misuse in (
         lambda: out + 1,
         lambda: jnp.asarray(out),
@@ -114,19 +114,19 @@ def test_a_stage_run_twice_or_out_of_order(single):
     """finish() needs a prepared stage; a stage cannot take another stage's handoff."""
     setup, model = single
     layer = model.layers[0]
-    stream = residual.start(_batch(setup))
+    stream = residual_stream.start(_batch(setup))
     h, stream = layer.attn_boundary.prepare(_x(), stream)
     out, stream = layer.attn_boundary.finish(h, stream)
     with pytest.raises(RuntimeError, match="call prepare\\(\\) before"):
         layer.attn_boundary.exit(stream)
     with pytest.raises(RuntimeError, match="not the stack entry"):
-        model.layers[1].attn_boundary.prepare(_x(), residual.start(_batch(setup)))
+        model.layers[1].attn_boundary.prepare(_x(), residual_stream.start(_batch(setup)))
 
 
 def test_a_batch_laid_out_on_another_topology(single):
     """Batch facts for another mesh are rejected before any path runs."""
     _, model = single
-    stream = residual.start(bj.BatchFacts.ordinary(bj.Topology(attn_tp=2)))
+    stream = residual_stream.start(bj.BatchFacts.ordinary(bj.Topology(attn_tp=2)))
     with pytest.raises(ValueError, match="was bound on"):
         model.layers[0](_x(), stream)
 
@@ -134,7 +134,7 @@ def test_a_batch_laid_out_on_another_topology(single):
 def test_compute_output_of_the_wrong_shape(single):
     """finish() checks the compute output is [rows, hidden] on the stage's compute rows."""
     setup, model = single
-    stream = residual.start(_batch(setup))
+    stream = residual_stream.start(_batch(setup))
     _, stream = model.layers[0].attn_boundary.prepare(_x(), stream)
     with pytest.raises(ValueError, match="must return \\[rows, hidden\\]"):
         model.layers[0].attn_boundary.finish(jnp.ones((ROWS + 1, HIDDEN)), stream)
@@ -145,12 +145,12 @@ def test_a_stage_prepared_twice_or_finished_unprepared(single):
     prepare(), each name the stage and the order the stages run in."""
     setup, model = single
     layer = model.layers[0]
-    h, stream = layer.attn_boundary.prepare(_x(), residual.start(_batch(setup)))
+    h, stream = layer.attn_boundary.prepare(_x(), residual_stream.start(_batch(setup)))
     with pytest.raises(RuntimeError, match="prepared and has not finished"):
         layer.attn_boundary.prepare(_x(), stream)
     out, stream = layer.attn_boundary.finish(h, stream)
     h, written = layer.ffn_boundary.prepare(out, stream)
-    _, written = residual.fold(*layer.ffn_boundary.finish(h, written))
+    _, written = residual_stream.fold(*layer.ffn_boundary.finish(h, written))
     with pytest.raises(RuntimeError, match="on a stream no stage prepared"):
         layer.ffn_boundary.finish(h, written)
 
@@ -158,9 +158,9 @@ def test_a_stage_prepared_twice_or_finished_unprepared(single):
 def test_final_norm_before_the_last_layer_names_the_fix(single):
     """final_norm() after a stage that is not the stack's last says so (not a pipeline send)."""
     setup, model = single
-    out, stream = model.layers[0](_x(), residual.start(_batch(setup)))
+    out, stream = model.layers[0](_x(), residual_stream.start(_batch(setup)))
     with pytest.raises(RuntimeError, match="final_norm\\(\\) after a stage that is not the stack"):
-        residual.final_norm(out, stream, model.final_norm)
+        residual_stream.final_norm(out, stream, model.final_norm)
 
 
 def test_a_nested_layer_stack_is_rejected():
@@ -175,10 +175,10 @@ def test_token_counts_are_checked_against_their_rows():
     topology = bj.Topology(attn_dp=2)
     for counts in ([9, 1], [-1, 2], [1.5, 2]):
         with pytest.raises(ValueError, match="whole numbers of real tokens in \\[0, 8\\]"):
-            bj.BatchFacts.ordinary(topology, token_counts=counts, rows=8)
-    with pytest.raises(ValueError, match="pass rows="):
+            bj.BatchFacts.ordinary(topology, token_counts=counts, rows_per_block=8)
+    with pytest.raises(ValueError, match="pass rows_per_block="):
         bj.BatchFacts.ordinary(topology, token_counts=[1, 2])
-    counts = bj.BatchFacts.ordinary(topology, token_counts=[8, 0], rows=8).token_counts
+    counts = bj.BatchFacts.ordinary(topology, token_counts=[8, 0], rows_per_block=8).token_counts
     np.testing.assert_array_equal(counts, [8, 0])
 
 
@@ -187,13 +187,13 @@ def test_wrong_widths_name_the_stage(single):
     input of another width at its norm, each naming both widths."""
     setup, model = single
     layer = model.layers[0]
-    h, stream = layer.attn_boundary.prepare(_x(), residual.start(_batch(setup)))
+    h, stream = layer.attn_boundary.prepare(_x(), residual_stream.start(_batch(setup)))
     with pytest.raises(
         ValueError, match=f"outputs of width 3, but the residual stream is {HIDDEN}"
     ):
         layer.attn_boundary.finish(h[:, :3], stream)
     with pytest.raises(ValueError, match=f"RMSNorm of width {HIDDEN} normalizes rows of width 3"):
-        layer.attn_boundary.prepare(_x()[:, :3], residual.start(_batch(setup)))
+        layer.attn_boundary.prepare(_x()[:, :3], residual_stream.start(_batch(setup)))
 
 
 def test_a_program_returning_an_owed_output_is_rejected(single):
@@ -206,7 +206,7 @@ def test_a_program_returning_an_owed_output_is_rejected(single):
     spec = jax.sharding.PartitionSpec()
 
     def forgets_the_final_norm(model, x, batch):
-        stream = residual.start(batch)
+        stream = residual_stream.start(batch)
         for layer in model.layers:
             x, stream = layer(x, stream)
         return x

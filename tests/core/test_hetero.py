@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import boundary_jax as bj
-from boundary_jax import ops, residual
+from boundary_jax import ops, residual_stream
+from boundary_jax.layout import Layout
 
 from .hetero import HIDDEN, Built, Hetero, Kind, build, reference
 from .standin import ROWS, count_patterns
@@ -101,17 +102,17 @@ def test_a_deferred_finalize_equals_completing_it_at_the_exit(terminal):
         x, counts = _inputs(deferring, V.ORDINARY)
         run, stacks = _uncut(deferring).run, _uncut(deferring).stacks
         moe = stacks[0].stages[1].boundary.plan.path(V.ORDINARY)
-        assert moe.exits[0].kind is bj.ExitKind.HAND_FINALIZE
+        assert moe.exits[0].kind is bj.plan.ExitKind.HAND_FINALIZE
         assert (
             _uncut(completing).stacks[0].stages[1].boundary.plan.path(V.ORDINARY).exits[0].kind
-            is not bj.ExitKind.HAND_FINALIZE
+            is not bj.plan.ExitKind.HAND_FINALIZE
         )
         want = _uncut(completing).run(x, counts, V.ORDINARY)
         assert _error(run(x, counts, V.ORDINARY), want) < 1e-12
         assert _error(want, _want(stacks, x, counts, 1)) < 1e-12
 
 
-def _fused_finalize_norm(request: residual.FinalizeRequest) -> jax.Array:
+def _fused_finalize_norm(request: residual_stream.FinalizeRequest) -> jax.Array:
     """A stand-in fused service: finalize, sum, add and norm in one function."""
     value = jax.lax.psum(request.handoff.complete(), request.axis_names)
     return request.norm(request.residual + value)
@@ -137,14 +138,14 @@ def test_final_norm_takes_a_finalize_through_its_service():
 
 def test_a_sum_before_a_finalize_is_rejected():
     """No sum or row move runs on an unfinalized value: the steps refuse at binding."""
-    owed = bj.Placement(bj.Layout(), (bj.TokenAxis.ATTN_TP,), finalize=True)
+    owed = bj.plan.Placement(Layout(), (bj.TokenAxis.ATTN_TP,), finalize=True)
     for step in (
         ops.AllReduce((bj.TokenAxis.ATTN_TP,), bj.Topology(attn_tp=2)),
         ops.ReduceScatter((bj.TokenAxis.ATTN_TP,), bj.Topology(attn_tp=2)),
     ):
         with pytest.raises(bj.PlanError, match="unfinalized"):
             ops.simulate((step, ops.Finalize()), owed)
-    assert ops.complete_onto(owed, bj.Layout(), bj.Topology(attn_tp=2))[0] == ops.Finalize()
+    assert ops.complete_onto(owed, Layout(), bj.Topology(attn_tp=2))[0] == ops.Finalize()
 
 
 MUTANTS = {

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import boundary_jax as bj
 import pallas_kernels as pk
-from boundary_jax import designs, residual
+from boundary_jax import designs, residual_stream
 from boundary_jax.fusions import AddRmsNorm, AddRmsNormQuantize, FusionProvider
 
 from .standin import input_shares, make_mesh, mix_rows
@@ -41,7 +41,7 @@ class QuantizedLayer(nnx.Module):
     def __init__(self, topology: bj.Topology, key):
         keys = jax.random.split(key, 6)
         heads = topology.shard_entry(bj.SumGroup.ATTN_TP)
-        cols = topology.shard_entry(bj.SumGroup.TP)
+        cols = topology.shard_entry(bj.SumGroup.FULL_TP)
         self.input_norm, self.post_attn_norm = _norm(keys[0]), _norm(keys[1])
         self.w_in = _param(keys[2], (HIDDEN, WIDTH), (None, heads))
         self.w_out = _param(keys[3], (WIDTH, HIDDEN), (heads, None))
@@ -86,10 +86,10 @@ class QuantizedStack(nnx.Module):
         self.final_norm = _norm(keys[2])
 
     def __call__(self, x, batch):
-        stream = residual.start(batch)
+        stream = residual_stream.start(batch)
         for layer in self.layers:
             x, stream = layer(x, stream)
-        return residual.final_norm(x, stream, self.final_norm, skip_empty=True)
+        return residual_stream.final_norm(x, stream, self.final_norm, skip_empty=True)
 
 
 CALLS: list[tuple[str, bool]] = []
@@ -126,7 +126,7 @@ def _outputs(layout: str) -> tuple[np.ndarray, np.ndarray]:
     topology = bj.Topology(attn_dp=dp, attn_tp=tp)
     model = QuantizedStack(topology, fusions, policy)
     counts = np.array([ROWS, ROWS - 3][:dp])
-    batch = bj.BatchFacts.ordinary(topology, counts, rows=ROWS)
+    batch = bj.BatchFacts.ordinary(topology, counts, rows_per_block=ROWS)
     x = jax.random.normal(jax.random.key(2), (dp * ROWS, HIDDEN))
     mesh = make_mesh(dp, tp)
     rows = PartitionSpec(topology.spec_entry((bj.TokenAxis.ATTN_DP,)), None)

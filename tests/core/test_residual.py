@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 import boundary_jax as bj
-from boundary_jax import residual
+from boundary_jax import residual_stream
 from boundary_jax.report import parse_hlo
 from boundary_jax.rows import stage_rows
 
@@ -65,13 +65,13 @@ def test_snapshot_and_fold_give_the_updated_residual(dp, tp, policy, scattered):
     )[1].residual
 
     def snap(model, x, batch):
-        out, stream = model.layers[0](x, residual.start(batch))
-        return residual.snapshot(out, stream)
+        out, stream = model.layers[0](x, residual_stream.start(batch))
+        return residual_stream.snapshot(out, stream)
 
     def fold(model, x, batch):
-        out, stream = model.layers[0](x, residual.start(batch))
-        out, stream = residual.complete_output(out, stream)
-        return residual.take_output(*residual.fold(out, stream))
+        out, stream = model.layers[0](x, residual_stream.start(batch))
+        out, stream = residual_stream.complete_output(out, stream)
+        return residual_stream.take_output(*residual_stream.fold(out, stream))
 
     with jax.enable_x64(True):
         got, model, x, counts = _run(setup, scattered, snap, out_layout=rows)
@@ -87,14 +87,14 @@ def test_add_to_output_and_set_written_change_what_the_next_layer_reads(dp, tp, 
     setup = Setup(dp=dp, tp=tp, layers=3, policy=policy)
 
     def body(model, x, batch):
-        out, stream = model.layers[0](x, residual.start(batch))
-        extra = residual.snapshot(out, stream) * 0.5
-        out, stream = residual.add_to_output(out, stream, extra)
+        out, stream = model.layers[0](x, residual_stream.start(batch))
+        extra = residual_stream.snapshot(out, stream) * 0.5
+        out, stream = residual_stream.add_to_output(out, stream, extra)
         out, stream = model.layers[1](out, stream)
-        out, stream = residual.fold(out, stream)
-        out, stream = residual.set_written(-residual.snapshot(out, stream), stream)
+        out, stream = residual_stream.fold(out, stream)
+        out, stream = residual_stream.set_written(-residual_stream.snapshot(out, stream), stream)
         out, stream = model.layers[2](out, stream)
-        return residual.final_norm(out, stream, model.final_norm)
+        return residual_stream.final_norm(out, stream, model.final_norm)
 
     with jax.enable_x64(True):
         got, model, x, counts = _run(setup, scattered, body)
@@ -194,9 +194,9 @@ def test_add_and_norm_accumulate_in_float32_for_a_bf16_stream():
     topology = bj.Topology()
     with bj.layer_stack(topology):
         (boundary,) = bj.append_stages((bj.declare_attn(), None))
-    _, stream = boundary.prepare(stored, residual.start(bj.BatchFacts.ordinary(topology)))
+    _, stream = boundary.prepare(stored, residual_stream.start(bj.BatchFacts.ordinary(topology)))
     out, stream = boundary.finish(value, stream)
-    got = residual.final_norm(out, stream, norm)
+    got = residual_stream.final_norm(out, stream, norm)
 
     def normalized(summed):
         summed = summed.astype(jnp.float32)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import boundary_jax as bj
+from boundary_jax.layout import Layout
 from boundary_jax.plan import ExitKind
 
 from .standin import HIDDEN, make_mesh
@@ -27,9 +28,9 @@ def test_topology_reads_named_mesh_axes():
     topology = bj.Topology.from_mesh(make_mesh(2, 4))
     assert topology == bj.Topology(attn_dp=2, attn_tp=4)
     assert topology.tp_size == 8
-    assert topology.sum_axes(bj.SumGroup.TP) == (A.ATTN_DP, A.ATTN_TP)
+    assert topology.sum_axes(bj.SumGroup.FULL_TP) == (A.ATTN_DP, A.ATTN_TP)
     assert topology.sum_axes(bj.SumGroup.ATTN_CP) == ()
-    assert topology.shard_entry(bj.SumGroup.TP) == ("attn_dp", "attn_tp")
+    assert topology.shard_entry(bj.SumGroup.FULL_TP) == ("attn_dp", "attn_tp")
     assert topology.shard_entry(bj.SumGroup.ATTN_TP) == "attn_tp"
 
 
@@ -70,7 +71,7 @@ def test_expert_parallel_size_factors_the_token_axes(dp, tp, ep, shape, experts,
         names = topology.mesh_names((axis,))
         assert math.prod(mesh_shape[name] for name in names) == size
         assert names[-1] == axis.mesh_name and names[0] in (axis.mesh_name, axis.expert_mesh_axis)
-    assert topology.group_names(bj.SumGroup.TP) == tuple(n for n in mesh_shape if n in shape)
+    assert topology.group_names(bj.SumGroup.FULL_TP) == tuple(n for n in mesh_shape if n in shape)
     entry = topology.shard_entry(bj.SumGroup.MOE_EP)
     assert entry == (None if not experts else experts[0] if len(experts) == 1 else experts)
     coordinates = list(itertools.product(*(range(size) for size in shape.values())))
@@ -108,14 +109,14 @@ def test_a_split_mesh_reads_back_and_a_mismatched_one_is_rejected():
 def test_layouts_drop_size_one_axes():
     """Layouts keep only axes of size > 1, in canonical order, and give row PartitionSpecs."""
     topology = bj.Topology(attn_dp=1, attn_tp=4)
-    assert topology.layout(A.ATTN_TP, A.ATTN_DP) == bj.Layout((A.ATTN_TP,))
+    assert topology.layout(A.ATTN_TP, A.ATTN_DP) == Layout((A.ATTN_TP,))
     assert topology.row_spec(topology.layout(A.ATTN_DP)) == jax.sharding.PartitionSpec(None)
     wide = bj.Topology(attn_dp=2, attn_tp=2)
     assert wide.row_spec(wide.layout(A.ATTN_DP, A.ATTN_TP), None) == jax.sharding.PartitionSpec(
         ("attn_dp", "attn_tp"), None
     )
     with pytest.raises(ValueError, match="canonical order"):
-        bj.Layout((A.ATTN_TP, A.ATTN_DP))
+        Layout((A.ATTN_TP, A.ATTN_DP))
 
 
 def test_stages_bind_when_the_stack_closes():
@@ -127,12 +128,12 @@ def test_stages_bind_when_the_stack_closes():
         assert all(b.plan is None for b in first + second)
     last = second[-1]
     places = [b.declaration.place for b in first + second]
-    assert places[0].incoming.kind is bj.EdgeKind.STACK_ENTRY
-    assert places[0].previous == bj.StackInput(None)
+    assert places[0].incoming.kind is bj.declare.EdgeKind.STACK_ENTRY
+    assert places[0].previous == bj.declare.StackInput(None)
     assert second[0].declaration.place.previous == first[0].declaration.facts()
-    assert [p.incoming.kind for p in places[1:]] == [bj.EdgeKind.NEXT_STAGE] * 2
-    assert places[-1].outgoing.kind is bj.EdgeKind.STACK_EXIT
-    assert isinstance(places[-1].outgoing.consumer, bj.FinalRead)
+    assert [p.incoming.kind for p in places[1:]] == [bj.declare.EdgeKind.NEXT_STAGE] * 2
+    assert places[-1].outgoing.kind is bj.declare.EdgeKind.STACK_EXIT
+    assert isinstance(places[-1].outgoing.consumer, bj.declare.FinalRead)
     assert [p.terminal for p in places] == [False, False, True]
     assert last.plan.path(bj.BatchVariant.ORDINARY).initial_entry is None
     assert first[0].plan.path(bj.BatchVariant.ORDINARY).initial_entry is not None
@@ -145,7 +146,7 @@ def test_stages_bind_when_the_stack_closes():
 def test_prepare_before_the_stack_closes_is_rejected():
     """Running a stage whose stack is still open names the fix."""
     topology = bj.Topology()
-    stream = bj.residual.start(bj.BatchFacts.ordinary(topology))
+    stream = bj.residual_stream.start(bj.BatchFacts.ordinary(topology))
     with bj.layer_stack(topology):
         (boundary,) = bj.append_stages((bj.declare_attn(), None))
         with pytest.raises(RuntimeError, match="is not bound yet"):
@@ -216,7 +217,7 @@ def test_input_scattered_paths_bind_only_where_every_attention_gathers():
     assert tuple(p.variant for p in boundaries[0].plan.paths) == (V.ORDINARY,)
     _, boundaries = _stack(bj.Topology(attn_dp=2, attn_tp=2), bj.declare_attn(), bj.declare_ffn())
     assert tuple(p.variant for p in boundaries[0].plan.paths) == (V.ORDINARY, V.INPUT_SCATTERED)
-    mixer = bj.declare_attn(reduction=bj.ProducerReduction.EXIT_SCOPED, gathers_attn_tp_input=False)
+    mixer = bj.declare_mixer()
     _, boundaries = _stack(bj.Topology(attn_tp=2), mixer, bj.declare_ffn())
     assert tuple(p.variant for p in boundaries[1].plan.paths) == (V.ORDINARY, V.UNPADDED)
 
@@ -227,10 +228,13 @@ def test_reduction_policies_parse_and_resolve():
     with pytest.raises(ValueError, match="one of ar, rs, rsv, rs\\+rsv, auto"):
         bj.ReductionPolicy.parse("reduce")
     auto = bj.ReductionPolicy.AUTO
-    assert bj.resolve_reduction_policy(auto) is bj.ReductionPolicy.RS_RSV
-    bj.register_reduction_default("TestOnlyForCausalLM", bj.ReductionPolicy.AR)
-    assert bj.resolve_reduction_policy(auto, "TestOnlyForCausalLM") is bj.ReductionPolicy.AR
-    assert bj.resolve_reduction_policy(bj.ReductionPolicy.RS, "TestOnlyForCausalLM").value == "rs"
+    assert bj.policy.resolve_reduction_policy(auto) is bj.ReductionPolicy.RS_RSV
+    bj.policy.register_reduction_default("TestOnlyForCausalLM", bj.ReductionPolicy.AR)
+    assert bj.policy.resolve_reduction_policy(auto, "TestOnlyForCausalLM") is bj.ReductionPolicy.AR
+    assert (
+        bj.policy.resolve_reduction_policy(bj.ReductionPolicy.RS, "TestOnlyForCausalLM").value
+        == "rs"
+    )
 
 
 def _ffn_exits(topology, policy, variant=bj.BatchVariant.ORDINARY):
@@ -263,7 +267,7 @@ def test_ineligible_scatter_policies_fall_back_to_the_all_reduce():
 
 def test_mixer_exit_leaves_its_sum_to_an_ffn_and_completes_before_a_mixer_under_dp():
     """A mixer carries its attention-TP sum to an FFN always, to a mixer only without DP."""
-    mixer = bj.declare_attn(reduction=bj.ProducerReduction.EXIT_SCOPED)
+    mixer = bj.declare_mixer(gathers_attn_tp_input=True)
     for dp, expected in ((1, ExitKind.LEAVE_TO_NEXT_INPUT), (2, ExitKind.ALL_REDUCE)):
         _, (first, second, ffn) = _stack(
             bj.Topology(attn_dp=dp, attn_tp=2), mixer, mixer, bj.declare_ffn()
@@ -309,16 +313,16 @@ def test_each_side_of_a_cut_leaves_and_enters_only_its_own_way():
         sender = bj.append_stages((bj.declare_attn(), None), (bj.declare_ffn(), None))
     with bj.layer_stack(topology, stage_facts=_facts, num_layers=2, layers=range(1, 2)):
         receiver = bj.append_stages((bj.declare_attn(), None), (bj.declare_ffn(), None))
-    assert sender[-1].declaration.place.outgoing.kind is bj.EdgeKind.PIPELINE_SEND
-    assert receiver[0].declaration.place.incoming.kind is bj.EdgeKind.PIPELINE_RECEIVE
+    assert sender[-1].declaration.place.outgoing.kind is bj.declare.EdgeKind.PIPELINE_SEND
+    assert receiver[0].declaration.place.incoming.kind is bj.declare.EdgeKind.PIPELINE_RECEIVE
     assert receiver[0].declaration.place.previous == sender[-1].declaration.facts()
     batch = bj.BatchFacts.ordinary(bj.Topology())
     with bj.layer_stack(bj.Topology()):
         (only,) = bj.append_stages((bj.declare_ffn(), None))
-    out, stream = only.prepare(jax.numpy.ones((4, HIDDEN)), bj.residual.start(batch))
+    out, stream = only.prepare(jax.numpy.ones((4, HIDDEN)), bj.residual_stream.start(batch))
     out, stream = only.finish(jax.numpy.ones((4, HIDDEN)), stream)
     with pytest.raises(RuntimeError, match="no next pipeline rank"):
-        bj.residual.to_pp(out, stream)
+        bj.residual_stream.to_pp(out, stream)
     with pytest.raises(RuntimeError, match="entered through stack entry"):
         only.from_pp({"hidden_states": jax.numpy.ones((4, HIDDEN))}, batch)
 
@@ -328,14 +332,14 @@ def test_final_norm_after_a_pipeline_send_is_rejected():
     topology = bj.Topology()
     with bj.layer_stack(topology, stage_facts=_facts, num_layers=2, layers=range(1)):
         attn, ffn = bj.append_stages((bj.declare_attn(), None), (bj.declare_ffn(), None))
-    stream = bj.residual.start(bj.BatchFacts.ordinary(topology))
+    stream = bj.residual_stream.start(bj.BatchFacts.ordinary(topology))
     h, stream = attn.prepare(jax.numpy.ones((4, HIDDEN)), stream)
     out, stream = attn.finish(h, stream)
     h, stream = ffn.prepare(out, stream)
     out, stream = ffn.finish(h, stream)
     with pytest.raises(RuntimeError, match="leave through to_pp"):
-        bj.residual.final_norm(out, stream, bj.RMSNorm(HIDDEN))
-    tensors = bj.residual.to_pp(out, stream)
+        bj.residual_stream.final_norm(out, stream, bj.RMSNorm(HIDDEN))
+    tensors = bj.residual_stream.to_pp(out, stream)
     assert set(tensors) == {"hidden_states", "residual"}
 
 

@@ -35,7 +35,7 @@ def make_inputs(shape, dtype, seed=0):
     return x, residual, weight
 
 
-reference = jax.jit(add_rms_norm_reference, static_argnames=("eps", "gemma"))
+reference = jax.jit(add_rms_norm_reference, static_argnames=("eps", "unit_offset"))
 
 
 def assert_close(got, want, dtype):
@@ -47,7 +47,7 @@ def assert_close(got, want, dtype):
         np.testing.assert_array_less(np.max(np.abs(g - w)), TOL[dtype] * np.max(np.abs(w)) + 1e-30)
 
 
-# (shape, dtype, gemma, with_residual): odd rows (ragged last block), odd hidden, batch dims.
+# (shape, dtype, unit_offset, with_residual): odd rows (ragged last block), odd hidden, batch dims.
 CASES = [
     ((37, 256), jnp.float32, False, True),
     ((37, 256), jnp.bfloat16, True, True),
@@ -61,33 +61,36 @@ CASES = [
 
 
 def case_id(case):
-    shape, dtype, gemma, with_residual = case
+    shape, dtype, unit_offset, with_residual = case
     return (
-        "x".join(map(str, shape)) + f"-{dtype.__name__}-gemma{int(gemma)}-res{int(with_residual)}"
+        "x".join(map(str, shape))
+        + f"-{dtype.__name__}-offset{int(unit_offset)}-res{int(with_residual)}"
     )
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_interpret_kernel_matches_reference(case):
     """The BlockSpec kernel (TPU/Triton body) in the interpreter equals the reference."""
-    shape, dtype, gemma, with_residual = case
+    shape, dtype, unit_offset, with_residual = case
     x, residual, weight = make_inputs(shape, dtype)
     residual = residual if with_residual else None
-    got = add_rms_norm(x, residual, weight, gemma=gemma, impl=Impl.PALLAS_INTERPRET)
-    assert_close(got, reference(x, residual, weight, gemma=gemma), dtype)
+    got = add_rms_norm(x, residual, weight, unit_offset=unit_offset, impl=Impl.PALLAS_INTERPRET)
+    assert_close(got, reference(x, residual, weight, unit_offset=unit_offset), dtype)
 
 
-@pytest.mark.parametrize("gemma", [False, True], ids=["plain", "gemma"])
-def test_interpret_kernel_applies_eps_as_the_reference(gemma):
+@pytest.mark.parametrize("unit_offset", [False, True], ids=["plain", "unit-offset"])
+def test_interpret_kernel_applies_eps_as_the_reference(unit_offset):
     """A large eps and an all-zero row: the kernel adds eps where the reference does (a kernel
     that dropped it, or added it after the square root, would be off by far more than 1e-6;
     the zero row is eps's alone and must stay finite and zero)."""
     x, residual, weight = make_inputs((6, 256), jnp.float32, seed=4)
     x, residual = x.at[2].set(0.0), residual.at[2].set(0.0)
-    got = add_rms_norm(x, residual, weight, eps=0.5, gemma=gemma, impl=Impl.PALLAS_INTERPRET)
-    want = reference(x, residual, weight, eps=0.5, gemma=gemma)
+    got = add_rms_norm(
+        x, residual, weight, eps=0.5, unit_offset=unit_offset, impl=Impl.PALLAS_INTERPRET
+    )
+    want = reference(x, residual, weight, eps=0.5, unit_offset=unit_offset)
     assert_close(got, want, jnp.float32)
-    without = reference(x, residual, weight, eps=1e-6, gemma=gemma)[0]
+    without = reference(x, residual, weight, eps=1e-6, unit_offset=unit_offset)[0]
     assert np.max(np.abs(np.asarray(want[0]) - np.asarray(without))) > 1e-2
     np.testing.assert_array_equal(np.asarray(got[0][2]), 0.0)
 
@@ -98,11 +101,11 @@ def test_interpret_kernel_applies_eps_as_the_reference(gemma):
 )
 def test_gpu_interpret_kernel_matches_reference(case):
     """The Mosaic GPU kernel in the Mosaic GPU interpreter equals the reference."""
-    shape, dtype, gemma, with_residual = case
+    shape, dtype, unit_offset, with_residual = case
     x, residual, weight = make_inputs(shape, dtype)
     residual = residual if with_residual else None
-    got = add_rms_norm(x, residual, weight, gemma=gemma, impl=Impl.PALLAS_GPU_INTERPRET)
-    assert_close(got, reference(x, residual, weight, gemma=gemma), dtype)
+    got = add_rms_norm(x, residual, weight, unit_offset=unit_offset, impl=Impl.PALLAS_GPU_INTERPRET)
+    assert_close(got, reference(x, residual, weight, unit_offset=unit_offset), dtype)
 
 
 @GPU_INTERPRET
@@ -116,7 +119,7 @@ def test_gpu_kernel_multi_row_steps_cover_every_row(rows_per_step):
         residual,
         weight,
         eps=1e-6,
-        gemma=False,
+        unit_offset=False,
         launch=launch,
         interpret=compat.gpu_interpret_params(),
     )
@@ -130,15 +133,15 @@ def test_compiled_gpu_kernels_match_reference(case, impl):
     """The GPU kernels as the GPU compiles them equal the reference, which runs after them on
     the same inputs: a ragged block (37 rows, 1000 of 1024 lanes) stored past the outputs would
     have overwritten those."""
-    shape, dtype, gemma, with_residual = case
+    shape, dtype, unit_offset, with_residual = case
     if not add_rms_norm_supported(
         platform="gpu", rows=int(np.prod(shape[:-1])), hidden=shape[-1], dtype=dtype, impl=impl
     ):
         pytest.skip(f"{impl} does not take {shape}")
     x, residual, weight = make_inputs(shape, dtype)
     residual = residual if with_residual else None
-    got = add_rms_norm(x, residual, weight, gemma=gemma, impl=impl)
-    assert_close(got, reference(x, residual, weight, gemma=gemma), dtype)
+    got = add_rms_norm(x, residual, weight, unit_offset=unit_offset, impl=impl)
+    assert_close(got, reference(x, residual, weight, unit_offset=unit_offset), dtype)
 
 
 def test_default_on_cpu_is_the_reference():
@@ -163,12 +166,12 @@ def test_new_residual_is_float32_sum_rounded_once():
     chex.assert_trees_all_equal(new_residual, want)
 
 
-def test_gemma_scales_by_one_plus_weight():
-    """gemma=True equals gemma=False with weight + 1."""
+def test_unit_offset_scales_by_one_plus_weight():
+    """unit_offset=True equals unit_offset=False with weight + 1."""
     x, residual, weight = make_inputs((4, 256), jnp.float32)
-    gemma = add_rms_norm(x, residual, weight, gemma=True, impl=Impl.PALLAS_INTERPRET)
+    unit_offset = add_rms_norm(x, residual, weight, unit_offset=True, impl=Impl.PALLAS_INTERPRET)
     plain = add_rms_norm(x, residual, weight + 1, impl=Impl.PALLAS_INTERPRET)
-    assert_close(gemma, plain, jnp.float32)
+    assert_close(unit_offset, plain, jnp.float32)
 
 
 @pytest.mark.parametrize(
@@ -235,7 +238,9 @@ def _cuda_module(shape, dtype, with_residual):
 
     def call(x, residual, weight):
         launch = GpuLaunch(num_programs=min(shape[0], 264), rows_per_step=1, vector_size=8)
-        return mosaic_gpu_add_rms_norm(x, residual, weight, eps=1e-6, gemma=True, launch=launch)
+        return mosaic_gpu_add_rms_norm(
+            x, residual, weight, eps=1e-6, unit_offset=True, launch=launch
+        )
 
     exported = jax.export.export(jax.jit(call), platforms=["cuda"])
     return exported(x, x if with_residual else None, weight).mlir_module()

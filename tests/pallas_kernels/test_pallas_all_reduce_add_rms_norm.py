@@ -51,7 +51,7 @@ def per_rank_inputs(mesh, rows, hidden, dtype, seed=0):
 
 
 @functools.cache
-def sharded(mesh, axis_name, with_residual, impl, algorithm=None, gemma=False):
+def sharded(mesh, axis_name, with_residual, impl, algorithm=None, unit_offset=False):
     """A jitted shard_map over all mesh axes, calling the op on each device's own slices."""
 
     def body(x, residual, weight):
@@ -60,7 +60,7 @@ def sharded(mesh, axis_name, with_residual, impl, algorithm=None, gemma=False):
             residual[0] if with_residual else None,
             weight[0],
             axis_name=axis_name,
-            gemma=gemma,
+            unit_offset=unit_offset,
             impl=impl,
             algorithm=algorithm,
         )
@@ -88,18 +88,18 @@ def check_against_reference(mesh, axis_name, rows, hidden, dtype, *, algorithm, 
 
 PSUM_SHAPES = {
     "2dev-f32": (2, 13, 256, jnp.float32, True, False),
-    "4dev-bf16-gemma": (4, 7, 128, jnp.bfloat16, True, True),
+    "4dev-bf16-unit-offset": (4, 7, 128, jnp.bfloat16, True, True),
     "8dev-f32-nores": (8, 19, 256, jnp.float32, False, False),
 }
 # Each algorithm runs by default on one shape: the ring on 2 devices in float32, the one-shot
-# kernel on 4 in bfloat16 with the Gemma norm. Eight devices (the ring over 2 x 4 below) and a
-# missing residual (test_new_residual_without_residual_is_the_completed_sum) are covered by
-# default elsewhere; the other four pairs run under -m slow.
-PSUM_FAST = {("2dev-f32", RING), ("4dev-bf16-gemma", ONE_SHOT)}
+# kernel on 4 in bfloat16 with the unit-offset (`1 + w`) norm. Eight devices (the ring over
+# 2 x 4 below) and a missing residual (test_new_residual_without_residual_is_the_completed_sum)
+# are covered by default elsewhere; the other four pairs run under -m slow.
+PSUM_FAST = {("2dev-f32", RING), ("4dev-bf16-unit-offset", ONE_SHOT)}
 
 
 @pytest.mark.parametrize(
-    "num_devices, rows, hidden, dtype, with_residual, gemma, algorithm",
+    "num_devices, rows, hidden, dtype, with_residual, unit_offset, algorithm",
     [
         pytest.param(
             *shape,
@@ -112,7 +112,7 @@ PSUM_FAST = {("2dev-f32", RING), ("4dev-bf16-gemma", ONE_SHOT)}
     ],
 )
 def test_tpu_kernel_matches_psum_reference(
-    num_devices, rows, hidden, dtype, with_residual, gemma, algorithm
+    num_devices, rows, hidden, dtype, with_residual, unit_offset, algorithm
 ):
     """Interpreted TPU kernels equal psum + add + norm on 2, 4 and 8 devices, per rank."""
     mesh = make_mesh((num_devices,), ("tp",))
@@ -124,7 +124,7 @@ def test_tpu_kernel_matches_psum_reference(
         dtype,
         algorithm=algorithm,
         with_residual=with_residual,
-        gemma=gemma,
+        unit_offset=unit_offset,
     )
 
 
@@ -153,7 +153,7 @@ def test_tpu_kernel_has_no_races(algorithm):
             num_devices=4,
             ring=algorithm is RING,
             eps=1e-6,
-            gemma=False,
+            unit_offset=False,
             interpret=interpret,
         )
         return tuple(o[None] for o in outs)
@@ -233,7 +233,7 @@ def test_gpu_kernel_lowers_for_cuda():
             axis_name="tp",
             num_devices=2,
             eps=1e-6,
-            gemma=False,
+            unit_offset=False,
             num_programs=8,
             vector_size=8,
         )

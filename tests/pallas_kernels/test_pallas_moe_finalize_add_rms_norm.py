@@ -186,7 +186,7 @@ def test_gpu_kernel_lowers_for_cuda(devices):
             axis_name=AXIS if devices > 1 else None,
             num_devices=devices,
             eps=1e-6,
-            gemma=False,
+            unit_offset=False,
             num_programs=8,
             vector_size=8,
         )

@@ -197,7 +197,7 @@ def compiled_launches():
     partials, per_dp, _ = all_reduce_case(XLA)[1]
     outputs, routing, moe_residual, _ = moe_finalize_case(XLA, True)[1]
     rows, weights, sizes = grouped_matmul_case(None)[1]
-    norm = {"eps": 1e-5, "gemma": False}
+    norm = {"eps": 1e-5, "unit_offset": False}
     summed = {"axis_name": "tp", "num_devices": 2, **norm}
     launch = GpuLaunch(num_programs=ROWS, rows_per_step=1, vector_size=8)
     return {

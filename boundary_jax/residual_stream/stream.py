@@ -145,6 +145,12 @@ class Contribution:
         """The same contribution after completion steps: `value` now owes what `work` records."""
         return dataclasses.replace(self, value=value, transform=transform, work=work)
 
+    def completed_on_residual_rows(self) -> jax.Array:
+        """The value with every owed item complete, moved onto the residual's rows and its output
+        transform applied: what the update adds (the bound `work.onto_residual` steps)."""
+        value, transform = self.advance(self.work.onto_residual)
+        return value if transform is None else transform(value)
+
 
 class StreamToken:
     """The identity of one stream and the handles it gives out.
@@ -350,6 +356,20 @@ def require_stream(stream: Any) -> ResidualStream:
     """`stream` if it is a started residual stream; otherwise the guide's start error."""
     if not isinstance(stream, ResidualStream):
         raise RuntimeError(f"{START_FIRST} (got stream={_describe(stream)})")
+    return stream
+
+
+def require_output_of(output: Any, stream: Any) -> ResidualStream:
+    """`stream`, checked to be a started stream that gave out `output` (an Initial stream has
+    given out nothing yet, so any `output` passes).
+
+    Raises:
+      RuntimeError: `stream` is not a started residual stream.
+      ValueError: `output` is not this stream's own handle.
+    """
+    stream = require_stream(stream)
+    if stream.state is not StreamState.INITIAL:
+        stream.check_output(output)
     return stream
 
 

@@ -15,10 +15,10 @@ def inverse_rms(sum_of_squares: jax.Array, *, hidden: int, eps: float) -> jax.Ar
     return lax.rsqrt(sum_of_squares * (1.0 / hidden) + eps)
 
 
-def weight_factor(weight: jax.Array, *, gemma: bool) -> jax.Array:
-    """The float32 factor the normalized row is multiplied by: `weight`, or `1 + weight` (Gemma)."""
+def weight_factor(weight: jax.Array, *, unit_offset: bool) -> jax.Array:
+    """The float32 factor the normalized row is multiplied by: `weight`, or `1 + weight`."""
     weight = weight.astype(jnp.float32)
-    return weight + 1.0 if gemma else weight
+    return weight + 1.0 if unit_offset else weight
 
 
 def gpu_vector_size(hidden: int, dtype: np.dtype) -> int:
