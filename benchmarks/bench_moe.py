@@ -327,7 +327,7 @@ def part3(tokens: int, matmul_tflop_s: float) -> list[tuple]:
     group = routing.experts.reshape(-1)
     argsort = jax.jit(jnp.argsort)
     order = argsort(group)
-    group_order = jax.jit(bj.group_order, static_argnums=1)
+    group_order = jax.jit(bj.ops.group_order, static_argnums=1)
     positions = group_order(group, EXPERTS)[1]
     gather_rows = jax.jit(lambda x, order: jnp.take(x, order // TOP_K, axis=0))
     rows = gather_rows(x, order)
@@ -371,7 +371,7 @@ def part3(tokens: int, matmul_tflop_s: float) -> list[tuple]:
         ),
         ("argsort of the expert ids", argsort, (group,), 0),
         (
-            "bj.group_order (counting, no sort)",
+            "bj.ops.group_order (counting, no sort)",
             group_order,
             (group, EXPERTS),
             0,

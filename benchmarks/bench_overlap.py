@@ -39,7 +39,7 @@ from .common import LLAMA3_8B, header, median_wall_ms
 _SCOPE = re.compile(r"microbatch_(\d)/")
 
 
-def replay_collectives(report: bj.CollectiveReport, mesh, topology: bj.Topology, dtype):
+def replay_collectives(report: bj.report.CollectiveReport, mesh, topology: bj.Topology, dtype):
     """A program running `report`'s collectives back to back (each waits for the previous),
     at their sizes, over the mesh axes whose size is their group's."""
     axes = {
@@ -130,7 +130,9 @@ def run(layers: int, dp: int, tp: int, sequences: int, tokens: int, smoke: bool)
     error = float(np.max(np.abs(logits[tbo] - logits[one]))) / scale
     times = {r: median_wall_ms(lambda r=r: r.forward_placed(*placed[r]), 10) for r in (one, tbo)}
     compiled = one.lower_forward(prompts).compile()
-    replay, count = replay_collectives(bj.parse_hlo(compiled.as_text()), mesh, topology, dtype)
+    replay, count = replay_collectives(
+        bj.report.parse_hlo(compiled.as_text()), mesh, topology, dtype
+    )
     comm = median_wall_ms(replay, 10)
     hidden = min(max((times[one] - times[tbo]) / comm, 0.0), 1.0) if comm > 0 else 0.0
     covered, pairs = overlapped_share(tbo.lower_forward(prompts).compile().as_text())

@@ -40,7 +40,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 import boundary_jax as bj
-from boundary_jax import residual
+from boundary_jax import residual_stream
 from models.build import build_model
 from models.config import PRESETS, DecoderConfig
 from models.pipeline import PipelineCausalLM, build_pipeline, split_microbatches
@@ -122,7 +122,7 @@ class SpmdPipeline:
         model = nnx.merge(self.graphdefs[index], jax.tree.map(lambda x: x[0], states[index]))
         batch = bj.BatchFacts(self.variant, self.topology, counts)
         if index == 0:
-            x, stream = model.embed(rows.ids), residual.start(batch)
+            x, stream = model.embed(rows.ids), residual_stream.start(batch)
         else:
             _, receiver = model.layer_structure(model.layer_range.start).stages()[0]
             x, stream = receiver.from_pp(handoff, batch)
@@ -130,7 +130,9 @@ class SpmdPipeline:
         if index == self.count - 1:
             logits = model.lm_head(model.read_out(x, stream)).astype(jnp.float32)
             return jax.tree.map(jnp.zeros_like, handoff), logits
-        return residual.to_pp(x, stream), jnp.zeros((rows.ids.shape[0], self.vocab), jnp.float32)
+        return residual_stream.to_pp(x, stream), jnp.zeros(
+            (rows.ids.shape[0], self.vocab), jnp.float32
+        )
 
     def _body(self, states, rows, counts):
         stage = lax.axis_index(PP)

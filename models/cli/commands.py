@@ -17,7 +17,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import BinaryIO, TextIO
+from typing import BinaryIO
 
 import jax
 import numpy as np
@@ -31,6 +31,8 @@ from ..decoder.model import CausalLM
 from ..distributed import is_first_process, require_everywhere
 from ..layers.attention.self_attention import AttentionImpl
 from ..pipeline import PipelineCausalLM, PipelineSplit, build_pipeline, load_pipeline
+from ..serving import generation
+from ..serving.generation import check_prompts, generate_ids
 from ..serving.runtime import ShardedCausalLM
 from ..serving.sampling import Sampling
 from ..serving.text import TextCodec, TextStream, eos_token_ids, text_codec
@@ -38,9 +40,6 @@ from ..weights import check_checkpoint_files, load_config, read_json
 from . import options
 from .options import InputError
 from .plan import pipeline_plan, plan_report, print_pipeline_plan, print_plan
-
-DECODE_CHUNK = 16
-"""Decode steps per device program while generation may stop at an end-of-sequence id."""
 
 
 def console() -> Console:
@@ -176,12 +175,11 @@ def read_ids(option: str, path: str, vocab_size: int) -> list[list[int]]:
 
 
 def check_vocabulary(source: str, ids: list[list[int]], vocab_size: int) -> None:
-    """Every id of `ids` (from `source`) lies in [0, vocab_size)."""
-    bad = sorted({t for s in ids for t in s if not 0 <= t < vocab_size})
-    if bad:
-        raise InputError(
-            f"{source} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
-        )
+    """Every id of `ids` (from `source`) lies in [0, vocab_size) (`check_prompts`)."""
+    try:
+        check_prompts(ids, vocab_size, source=source)
+    except ValueError as error:
+        raise InputError(str(error)) from None
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -224,14 +222,10 @@ def encode_prompts(
 
 def check_context(sequences: list[list[int]], extra: int, config: DecoderConfig) -> None:
     """The longest sequence, plus `extra` new tokens, fits the model's context."""
-    longest = max(len(s) for s in sequences)
-    limit = config.max_position_embeddings
-    if longest + extra > limit:
-        more = f" + {extra} new tokens" if extra else ""
-        raise InputError(
-            f"the longest input has {longest} tokens{more}; the model's context is {limit} "
-            "(max_position_embeddings)"
-        )
+    try:
+        generation.check_context(sequences, extra, config.max_position_embeddings)
+    except ValueError as error:
+        raise InputError(str(error)) from None
 
 
 def write_atomically(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
@@ -323,9 +317,26 @@ def generate(args: argparse.Namespace) -> None:
         out.log(f"{len(sequences)} prompts encoded with {text.description}")
     out.log(f"stopping at end-of-sequence ids {list(eos)}" if eos else "no end-of-sequence ids")
     model = runner(args, out, config)
-    chunk = 1 if stream else DECODE_CHUNK if eos else args.max_new_tokens
+    shown = TextStream(text) if stream else None
+
+    def show(tokens: list[list[int]]) -> None:
+        stdout.write(shown.push(tokens[0][shown.pushed :]))
+        stdout.flush()
+
     start = time.perf_counter()
-    tokens = _generate_tokens(model, sequences, args, sampling, eos, chunk, text, stdout, stream)
+    tokens = generate_ids(
+        model,
+        sequences,
+        args.max_new_tokens,
+        eos_ids=eos,
+        sampling=sampling,
+        seed=args.seed,
+        chunk=1 if stream else None,
+        on_tokens=show if stream else None,
+    )
+    if shown is not None:
+        stdout.write(shown.finish() + "\n")
+        stdout.flush()
     count = sum(len(t) for t in tokens)
     seconds = time.perf_counter() - start
     out.log(f"generated {count} tokens in {seconds:.1f}s (compiling included)")
@@ -347,46 +358,6 @@ def generate(args: argparse.Namespace) -> None:
     elif not stream:
         for ids in tokens:
             print(text.decode(ids), file=stdout)
-
-
-def _generate_tokens(
-    model: ShardedCausalLM | PipelineCausalLM,
-    sequences: list[list[int]],
-    args: argparse.Namespace,
-    sampling: Sampling,
-    eos: tuple[int, ...],
-    chunk: int,
-    text: TextCodec | None,
-    stdout: TextIO,
-    stream: bool,
-) -> list[list[int]]:
-    """Each prompt's new ids, up to and including its first end-of-sequence id; with `stream`
-    the (one) prompt's text is written to `stdout` as its ids come. Every process stops at the
-    same chunk (each sees the same ids)."""
-    tokens: list[list[int]] = [[] for _ in sequences]
-    done = [False] * len(sequences)
-    shown = TextStream(text) if stream else None
-    pushed = 0
-    chunks = model.generate_stream(
-        sequences, args.max_new_tokens, chunk=chunk, sampling=sampling, seed=args.seed
-    )
-    for new in chunks:
-        for index, row in enumerate(new.tolist()):
-            for token in row:
-                if done[index]:
-                    break
-                tokens[index].append(token)
-                done[index] = token in eos
-        if shown is not None:
-            stdout.write(shown.push(tokens[0][pushed:]))
-            stdout.flush()
-            pushed = len(tokens[0])
-        if all(done):
-            break
-    if shown is not None:
-        stdout.write(shown.finish() + "\n")
-        stdout.flush()
-    return tokens
 
 
 def plan(args: argparse.Namespace) -> None:

@@ -28,7 +28,7 @@ def batch_description() -> str:
     return f"{PLAN_TOKENS} tokens in {len(PLAN_SEQUENCES)} sequences"
 
 
-def collective_report(runner: ShardedCausalLM) -> bj.CollectiveReport:
+def collective_report(runner: ShardedCausalLM) -> bj.report.CollectiveReport:
     """The collectives of the compiled sharded forward, by layer."""
     compiled = runner.lower_forward(PLAN_SEQUENCES).compile()
     return parse_hlo(compiled.as_text())

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 import boundary_jax as bj
-from boundary_jax import residual
+from boundary_jax import residual_stream
 
 from ..inputs.rows import TokenRows
 from .model import CausalLM
@@ -71,7 +71,7 @@ def hidden_captured(
         x, stream, _, hidden = layer.captured(*carry, rows, None)
         return (x, stream), hidden
 
-    carry = (model.embed(rows.ids), residual.start(batch))
+    carry = (model.embed(rows.ids), residual_stream.start(batch))
     captures: dict[int, jax.Array] = {}
     for layers, block in model.blocks():
         if isinstance(block, bj.StackedLayers):
@@ -84,7 +84,7 @@ def hidden_captured(
             else:
                 x, stream, _ = block(*carry, rows, None)
                 carry = (x, stream)
-    hidden, captures[count] = residual.final_norm_captured(
+    hidden, captures[count] = residual_stream.final_norm_captured(
         *carry, model.final_read, skip_empty=True
     )
     mask = batch.valid_rows(hidden.shape[0])

@@ -107,7 +107,9 @@ class NormSpec:
     unit_offset: bool = False
 
     def rms_norm(self, dtype: jnp.dtype) -> bj.RMSNorm:
-        return bj.RMSNorm(self.hidden, eps=self.eps, gemma=self.unit_offset, param_dtype=dtype)
+        return bj.RMSNorm(
+            self.hidden, eps=self.eps, unit_offset=self.unit_offset, param_dtype=dtype
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +158,7 @@ class PostNorm:
     def _update(self, dtype: jnp.dtype) -> designs.PostNormUpdate:
         norm = self.norm
         return designs.PostNormUpdate(
-            norm.hidden, eps=norm.eps, gemma=norm.unit_offset, param_dtype=dtype
+            norm.hidden, eps=norm.eps, unit_offset=norm.unit_offset, param_dtype=dtype
         )
 
 

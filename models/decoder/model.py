@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import boundary_jax as bj
-from boundary_jax import residual
+from boundary_jax import residual_stream
 
 from ..config import DecoderConfig, ResidualDesign
 from ..inputs.rows import TokenRows
@@ -137,7 +137,7 @@ class CausalLM(FamilyBase, nnx.Module):
             bj.RMSNorm(
                 config.hidden_size,
                 eps=config.rms_norm_eps,
-                gemma=config.unit_offset_norms,
+                unit_offset=config.unit_offset_norms,
                 param_dtype=dtype,
             )
             if last
@@ -329,8 +329,8 @@ class CausalLM(FamilyBase, nnx.Module):
         """
         hidden, _ = self.hidden(rows, batch)
         losses = self.lm_head.cross_entropy(hidden, labels)
-        count = bj.total_over_rows((labels >= 0).astype(jnp.float32), self.topology)
-        return bj.total_over_rows(losses, self.topology) / jnp.maximum(count, 1)
+        count = bj.ops.total_over_rows((labels >= 0).astype(jnp.float32), self.topology)
+        return bj.ops.total_over_rows(losses, self.topology) / jnp.maximum(count, 1)
 
     def hidden(
         self,
@@ -344,7 +344,7 @@ class CausalLM(FamilyBase, nnx.Module):
         (e.g. `lm_head.greedy`)."""
         self.require_whole("hidden")
         x, stream, caches = self.run_layers(
-            self.embed(rows.ids), residual.start(batch), rows, caches
+            self.embed(rows.ids), residual_stream.start(batch), rows, caches
         )
         return self.read_out(x, stream, last_rows), caches
 
@@ -381,7 +381,7 @@ class CausalLM(FamilyBase, nnx.Module):
         """The final-norm output of the last layer's `(x, stream)`: every row's, or the rows of
         `last_rows` (as for `hidden`; under attention CP each picked row is on the CP rank that
         holds it, -1 on the others, and the result is alike on every CP rank)."""
-        hidden = residual.final_norm(x, stream, self.final_read, skip_empty=True)
+        hidden = residual_stream.final_norm(x, stream, self.final_read, skip_empty=True)
         hidden = pick_rows(hidden, last_rows)
         if last_rows is not None:
             # Under CP each row lies on one CP rank; the decode after it runs alike on all.

@@ -332,7 +332,9 @@ class LongcatDecoderLayer(AttentionFirstLayer):
         y, cache_0 = attend_rows(self.attn_0, h, rows, None if cache is None else cache.attn_0)
         x, stream = self.attn_boundary.finish(y, stream)
         h, stream = self.moe_boundary.prepare(x, stream)
-        g, stream, branch = bj.branch_input(self.mlps_0_boundary, self.moe_boundary, h, stream)
+        g, stream, branch = bj.adapters.branch_input(
+            self.mlps_0_boundary, self.moe_boundary, h, stream
+        )
         exit = self.moe_boundary.exit(stream)
         x, stream = exit.finish(self.mlp(h, defer=exit.defer_moe_finalize), stream)
         y, branch = self.mlps_0_boundary.finish(self.mlps_0(g), branch)
@@ -341,8 +343,8 @@ class LongcatDecoderLayer(AttentionFirstLayer):
         y, branch = self.attn_1_boundary.finish(y, branch)
         g, branch = self.mlps_1_boundary.prepare(y, branch)
         y, branch = self.mlps_1_boundary.finish(self.mlps_1(g), branch)
-        y, branch = bj.branch_output(self.mlps_1_boundary, y, branch)
-        x, stream = bj.merge_branch(x, stream, y, branch)
+        y, branch = bj.adapters.branch_output(self.mlps_1_boundary, y, branch)
+        x, stream = bj.adapters.merge_branch(x, stream, y, branch)
         return x, stream, None if cache is None else LongcatCache(cache_0, cache_1)
 
 

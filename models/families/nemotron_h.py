@@ -7,9 +7,9 @@ router (`E`: sigmoid scores, a score-correction bias that only picks, a grouped 
 expert). Each layer appends its one stage to the model's layer stack, so which stage completes a
 sum is decided by binding from the two neighbours (the guide's MixerExit):
 
-- A Mamba2 or attention stage is a mixer, `declare_attn(reduction=EXIT_SCOPED,
-  gathers_attn_tp_input=False)`: before an FFN its exit leaves its attention-TP sum to the FFN's
-  input (under attention DP too); before another mixer it leaves the sum to that mixer's input
+- A Mamba2 or attention stage is a mixer, `declare_mixer()` (EXIT_SCOPED, reading its own
+  rows): before an FFN its exit leaves its attention-TP sum to the FFN's input (under attention
+  DP too); before another mixer it leaves the sum to that mixer's input
   without attention DP and completes it under attention DP; at the stack's end it completes it.
 - An MLP stage is `declare_ffn()`: over the full TP group on every DP rank's rows.
 - An MoE stage is `declare_ffn(sparse=True)`: on gathered rows; it may hand its finalize on.
@@ -278,9 +278,7 @@ Cache = KVCache | Mamba2Cache | None
 def hybrid_stage(layer: HybridLayer) -> bj.StageDeclaration:
     """The one stage a hybrid layer declares (fresh, for `append_stages`)."""
     if layer.is_mixer:
-        return bj.declare_attn(
-            reduction=bj.ProducerReduction.EXIT_SCOPED, gathers_attn_tp_input=False
-        )
+        return bj.declare_mixer()
     return bj.declare_ffn(sparse=layer is HybridLayer.MOE)
 
 

@@ -383,7 +383,7 @@ class ParallelLMHead(nnx.Module):
     def cross_entropy(self, x: jax.Array, labels: jax.Array) -> jax.Array:
         """[T, hidden] complete rows and [T] target ids -> float32 [T] per-row cross-entropy.
 
-        The logits stay split over attention TP (`bj.vocab_parallel_cross_entropy` completes a
+        The logits stay split over attention TP (`bj.ops.vocab_parallel_cross_entropy` completes a
         max and a sum of exponentials per row instead of gathering them); padding columns never
         count. Rows labelled -1 (or any id outside the vocabulary) lose nothing.
         """

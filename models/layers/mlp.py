@@ -31,8 +31,8 @@ class SwiGLU(nnx.Module):
 
     Attributes:
       gate_up_proj: [hidden, 2, intermediate]: the gate and up projections stacked (one matmul),
-        columns split over `SumGroup.TP`.
-      down_proj: [intermediate, hidden], rows split over `SumGroup.TP`.
+        columns split over `SumGroup.FULL_TP`.
+      down_proj: [intermediate, hidden], rows split over `SumGroup.FULL_TP`.
       activation: The gate's activation.
 
     The projections come from `linears` (dense by default; FP8 with `fp8_linear.Fp8Linears`).
@@ -50,7 +50,7 @@ class SwiGLU(nnx.Module):
         linears: Linears = DENSE_LINEARS,
         rngs: nnx.Rngs,
     ):
-        tp = group_size(topology, SumGroup.TP)
+        tp = group_size(topology, SumGroup.FULL_TP)
         if intermediate_size % tp:
             raise ValueError(
                 f"intermediate_size ({intermediate_size}) must be a multiple of the full TP size "
@@ -59,7 +59,7 @@ class SwiGLU(nnx.Module):
         self.gate_up_proj = linears.column(
             hidden_size,
             intermediate_size,
-            group=SumGroup.TP,
+            group=SumGroup.FULL_TP,
             topology=topology,
             parts=2,
             dtype=dtype,
@@ -69,7 +69,7 @@ class SwiGLU(nnx.Module):
         self.down_proj = linears.row(
             intermediate_size,
             hidden_size,
-            group=SumGroup.TP,
+            group=SumGroup.FULL_TP,
             topology=topology,
             dtype=dtype,
             init_std=init_std,

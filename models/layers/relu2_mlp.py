@@ -21,8 +21,8 @@ class Relu2Mlp(nnx.Module):
     the group (the boundary gathers attention-DP rows before the FFN).
 
     Attributes:
-      up_proj: [hidden, intermediate], columns split over `SumGroup.TP`.
-      down_proj: [intermediate, hidden], rows split over `SumGroup.TP`.
+      up_proj: [hidden, intermediate], columns split over `SumGroup.FULL_TP`.
+      down_proj: [intermediate, hidden], rows split over `SumGroup.FULL_TP`.
     """
 
     def __init__(
@@ -34,13 +34,13 @@ class Relu2Mlp(nnx.Module):
         dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs,
     ):
-        tp = group_size(topology, SumGroup.TP)
+        tp = group_size(topology, SumGroup.FULL_TP)
         if intermediate_size % tp:
             raise ValueError(
                 f"intermediate_size ({intermediate_size}) must be a multiple of the full TP size "
                 f"({tp} = attn_dp x attn_cp x attn_tp); choose a mesh whose TP size divides it"
             )
-        common = {"group": SumGroup.TP, "topology": topology, "dtype": dtype, "rngs": rngs}
+        common = {"group": SumGroup.FULL_TP, "topology": topology, "dtype": dtype, "rngs": rngs}
         self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, **common)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, **common)
 

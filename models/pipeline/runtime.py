@@ -28,7 +28,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import boundary_jax as bj
-from boundary_jax import residual
+from boundary_jax import residual_stream
 
 from ..decoder.model import CausalLM
 from ..inputs.rows import PackedBatch, RowsPhase, TokenRows, decode_rows
@@ -36,6 +36,7 @@ from ..layers.attention.self_attention import KVCache
 from ..options import BuildOptions
 from ..precision import matmul_precision_scope
 from ..serving.buckets import MIN_ROWS, MIN_STEPS, bucket, cache_length, pack_bucketed
+from ..serving.generation import check_context, check_prompts
 from ..serving.sampling import GREEDY, Sampling, head_tokens, rank_key
 from .schedule import Microbatch, bubble, gpipe_ticks, split_microbatches
 from .split import PipelineSplit
@@ -51,7 +52,7 @@ def enter_stage(
     on stage 0, else the stream the previous stage's `to_pp` sent (`inputs`), rebuilt by the
     receiving boundary's `from_pp`."""
     if model.holds_first:
-        return model.embed(ids), residual.start(batch)
+        return model.embed(ids), residual_stream.start(batch)
     _, receiver = model.layer_structure(model.layer_range.start).stages()[0]
     return receiver.from_pp(inputs, batch)
 
@@ -290,7 +291,9 @@ class PipelineCausalLM:
     # -- packing --------------------------------------------------------------------------
 
     def pack(self, sequences: Sequence[Sequence[int]], *, bucketed: bool = False) -> PackedBatch:
-        """Packs sequences onto the DP ranks as `ShardedCausalLM.pack` does."""
+        """Packs sequences onto the DP ranks as `ShardedCausalLM.pack` does (checked by
+        `check_prompts`)."""
+        sequences = check_prompts(sequences, self.config.vocab_size)
         return pack_bucketed(sequences, self.topology, bucketed=bucketed)
 
     def _microbatches(self, packed: PackedBatch, *, bucketed: bool) -> tuple[Microbatch, ...]:
@@ -310,7 +313,7 @@ class PipelineCausalLM:
             x, stream = enter_stage(model, inputs, rows.ids, batch)
             x, stream, _ = model.run_layers(x, stream, rows)
             if not stage.last:
-                return residual.to_pp(x, stream)
+                return residual_stream.to_pp(x, stream)
             return model.lm_head(model.read_out(x, stream)).astype(jnp.float32)
 
         out = PartitionSpec(*stage.rows, None) if stage.last else stage.rows
@@ -322,7 +325,7 @@ class PipelineCausalLM:
             x, stream = enter_stage(model, inputs, rows.ids, batch)
             x, stream, caches = model.run_layers(x, stream, rows, caches)
             if not stage.last:
-                return residual.to_pp(x, stream), caches
+                return residual_stream.to_pp(x, stream), caches
             hidden = model.read_out(x, stream, last_rows)
             key = rank_key(jax.random.wrap_key_data(key), stage.topology)
             drawn = head_tokens(model, hidden, key, sampling)
@@ -346,7 +349,7 @@ class PipelineCausalLM:
             x, stream = enter_stage(model, inputs, current.ids, batch)
             x, stream, caches = model.run_layers(x, stream, current, caches)
             if not stage.last:
-                return residual.to_pp(x, stream), caches, index + 1
+                return residual_stream.to_pp(x, stream), caches, index + 1
             key = rank_key(jax.random.wrap_key_data(key), stage.topology)
             key = jax.random.fold_in(key, index)
             tokens = jnp.where(
@@ -453,13 +456,10 @@ class PipelineCausalLM:
             raise ValueError(f"chunk must be at least 1 decode step; got {chunk=}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1; got {max_new_tokens}")
+        prompts = check_prompts(prompts, self.config.vocab_size)
+        check_context(prompts, max_new_tokens, self.config.max_position_embeddings)
         packed = self.pack(prompts, bucketed=True)
         longest = max(packed.lengths) + max_new_tokens
-        limit = self.config.max_position_embeddings
-        if longest > limit:
-            raise ValueError(
-                f"prompt + new tokens ({longest}) exceed max_position_embeddings ({limit})"
-            )
         return self._token_chunks(packed, longest, max_new_tokens, sampling, seed, chunk)
 
     def _token_chunks(

@@ -25,7 +25,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import boundary_jax as bj
-from boundary_jax import residual
+from boundary_jax import residual_stream
 
 from ..decoder.model import CausalLM
 from ..inputs.rows import pack_sequences
@@ -158,9 +158,9 @@ class PipelineTrainer:
             x, stream = enter_stage(model, inputs, rows.ids, batch)
             x, stream, _ = model.run_layers(x, stream, rows)
             if not stage.last:
-                return residual.to_pp(x, stream)
+                return residual_stream.to_pp(x, stream)
             losses = model.lm_head.cross_entropy(model.read_out(x, stream), labels)
-            return bj.total_over_rows(losses, stage.topology)
+            return bj.ops.total_over_rows(losses, stage.topology)
 
         rows = stage.rows
         out = PartitionSpec() if stage.last else rows

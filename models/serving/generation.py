@@ -6,11 +6,14 @@ and text in, text out."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
+import jax
 import numpy as np
 
 from ..config import DecoderConfig
+from ..inputs.rows import PackedBatch, RowsPhase, TokenRows, decode_rows
+from .buckets import MIN_STEPS, bucket, cache_length
 from .sampling import GREEDY, Sampling
 from .text import TextCodec
 
@@ -34,8 +37,33 @@ class Runner(Protocol):
     ) -> Iterator[np.ndarray]: ...
 
 
-def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[list[int]]:
-    """`prompts` as lists of token ids, each id in the vocabulary.
+class PlacedRunner(Protocol):
+    """The placed-input API `token_chunks` runs a request through (`ShardedCausalLM`'s)."""
+
+    config: DecoderConfig
+
+    def pack(
+        self, sequences: Sequence[Sequence[int]], *, bucketed: bool = False
+    ) -> PackedBatch: ...
+
+    def place(self, packed: PackedBatch) -> tuple[TokenRows, Any]: ...
+
+    def place_array(self, values: np.ndarray | jax.Array, *, rows: bool = True) -> jax.Array: ...
+
+    def new_caches(self, slots_per_rank: int, max_len: int) -> Any: ...
+
+    def prefill(self, rows, batch, caches, last_rows, key, *, sampling: Sampling) -> tuple: ...
+
+    def decode(
+        self, rows, batch, caches, key, steps, *, capacity, sampling, first_step
+    ) -> tuple: ...
+
+
+def check_prompts(
+    prompts: Sequence[Sequence[int]], vocab_size: int, *, source: str = "the prompts"
+) -> list[list[int]]:
+    """`prompts` as lists of token ids, each id in the vocabulary (`source` names them in a
+    message).
 
     Raises:
       TypeError: A prompt is text, or not a sequence of ints (the message names the fix: encode
@@ -68,7 +96,7 @@ def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[lis
     bad = sorted({t for ids in checked for t in ids if not 0 <= t < vocab_size})
     if bad:
         raise ValueError(
-            f"the prompts have token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
+            f"{source} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
         )
     return checked
 
@@ -87,8 +115,8 @@ def check_context(prompts: Sequence[Sequence[int]], new_tokens: int, limit: int)
     if longest + new_tokens > limit:
         more = f" + {new_tokens} new tokens" if new_tokens else ""
         raise ValueError(
-            f"the longest input has {longest} tokens{more}; the model's context is {limit} "
-            "(max_position_embeddings)"
+            f"the longest input has {longest} tokens{more}; the model's context is {limit}: "
+            "they exceed max_position_embeddings"
         )
 
 
@@ -180,3 +208,69 @@ def generate_text(
         runner, sequences, max_new_tokens, eos_ids=eos_ids, sampling=sampling, seed=seed
     )
     return [codec.decode(ids) for ids in new]
+
+
+def token_chunks(
+    runner: PlacedRunner,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    sampling: Sampling,
+    seed: int,
+    chunk: int,
+) -> tuple[PackedBatch, Iterator[jax.Array]]:
+    """The packed prompts, and the device arrays [n, slots] of new tokens in slot order: the
+    prefill's (n = 1), then at most `chunk` decode steps per array, run through the runner's
+    placed-input API (`prefill`, `decode`). Checks the request before anything runs.
+
+    Raises:
+      TypeError, ValueError: `check_prompts` or `check_context` refuses the prompts, or
+        `max_new_tokens` is below 1.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1; got {max_new_tokens}")
+    prompts = check_prompts(prompts, runner.config.vocab_size)
+    check_context(prompts, max_new_tokens, runner.config.max_position_embeddings)
+    packed = runner.pack(prompts, bucketed=True)
+    longest = max(packed.lengths) + max_new_tokens
+    return packed, _run_chunks(runner, packed, longest, max_new_tokens, sampling, seed, chunk)
+
+
+def _run_chunks(
+    runner: PlacedRunner,
+    packed: PackedBatch,
+    longest: int,
+    max_new_tokens: int,
+    sampling: Sampling,
+    seed: int,
+    chunk: int,
+) -> Iterator[jax.Array]:
+    limit = runner.config.max_position_embeddings
+    caches = runner.new_caches(packed.decode_rows_per_rank, cache_length(longest, limit))
+    prefill_key, decode_key = jax.random.split(jax.random.key(seed))
+    last_rows = runner.place_array(packed.last_row_index())
+    tokens, caches = runner.prefill(
+        *runner.place(packed), caches, last_rows, prefill_key, sampling=sampling
+    )
+    yield tokens[None]
+    steps = max_new_tokens - 1
+    if not steps:
+        return
+    lengths = np.asarray(packed.lengths, np.int32)
+    rows, batch = runner.place(decode_rows(packed, np.zeros_like(lengths), lengths))
+    capacity = bucket(max(min(chunk, steps), MIN_STEPS))
+    for done in range(0, steps, chunk):
+        count = min(chunk, steps - done)
+        current = TokenRows(tokens, rows.positions + done, rows.segment_ids, RowsPhase.DECODE)
+        out, caches = runner.decode(
+            current,
+            batch,
+            caches,
+            decode_key,
+            count,
+            capacity=capacity,
+            sampling=sampling,
+            first_step=done,
+        )
+        tokens = out[count - 1]
+        yield out[:count]

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import boundary_jax as bj
-from boundary_jax import residual
+from boundary_jax import residual_stream
 from boundary_jax.adapters import complete_now, overlap_phases, split_stream
 
 from ..decoder.model import CausalLM, DecoderLayer, pick_rows
@@ -89,7 +89,7 @@ def two_batch_hidden(
     """
     check_two_batch_overlap(model)
     layers = [block for _, block in model.blocks()]
-    split = split_stream(model.embed(rows.ids), residual.start(batches[0]), batches)
+    split = split_stream(model.embed(rows.ids), residual_stream.start(batches[0]), batches)
     middle = rows.ids.shape[0] // MICROBATCHES
     halves = (
         jax.tree.map(lambda values: values[:middle], rows),

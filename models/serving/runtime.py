@@ -23,20 +23,19 @@ import boundary_jax as bj
 from ..decoder.captures import hidden_captured
 from ..decoder.model import CausalLM
 from ..distributed import fetch
-from ..inputs.rows import PackedBatch, RowsPhase, TokenRows, decode_rows
+from ..inputs.rows import PackedBatch, RowsPhase, TokenRows
 from ..layers.attention.context_parallel import share_over_cp
 from ..layers.attention.kv_cache import KVCache
 from ..options import BuildOptions
 from ..precision import matmul_precision_scope
 from .buckets import (
     MIN_ROWS,
-    MIN_STEPS,
     blocked_fori_loop,
     bucket,
-    cache_length,
     decode_block,
     pack_bucketed,
 )
+from .generation import check_prompts, token_chunks
 from .overlap import check_two_batch_overlap, microbatch_facts, pack_two_batches, two_batch_hidden
 from .sampling import GREEDY, Sampling, head_tokens, rank_key
 
@@ -171,7 +170,13 @@ class ShardedCausalLM:
     def pack(self, sequences: Sequence[Sequence[int]], *, bucketed: bool = False) -> PackedBatch:
         """Packs sequences onto the DP ranks (`pack_bucketed`); under two-batch overlap as two
         microbatches (`pack_two_batches`), `bucketed` rounding each half as `pack_bucketed`
-        rounds a block."""
+        rounds a block.
+
+        Raises:
+          TypeError, ValueError: A sequence is text or holds an id outside the vocabulary
+            (`check_prompts`).
+        """
+        sequences = check_prompts(sequences, self.config.vocab_size)
         if not self.two_batch_overlap:
             return pack_bucketed(sequences, self.topology, bucketed=bucketed)
         exact = pack_two_batches(sequences, self.topology)
@@ -501,14 +506,18 @@ class ShardedCausalLM:
         sampling: Sampling = GREEDY,
         seed: int = 0,
     ) -> np.ndarray:
-        """Continuation of each prompt: int32 [prompts, max_new_tokens].
+        """Continuation of each prompt: int32 [prompts, max_new_tokens] (every step, end-of-
+        sequence ids included; `models.generate_ids` stops at them).
 
         One prefill fills a static-shape KV cache (its length rounded up to `CACHE_LENGTHS`)
         and samples the first token; one decode program samples the rest on the device. Only
         the token ids come back to the host, once.
+
+        Raises:
+          TypeError, ValueError: `check_prompts` or the context refuses the prompts.
         """
-        packed, chunks = self._token_chunks(
-            prompts, max_new_tokens, sampling=sampling, seed=seed, chunk=max_new_tokens
+        packed, chunks = token_chunks(
+            self, prompts, max_new_tokens, sampling=sampling, seed=seed, chunk=max_new_tokens
         )
         tokens = jnp.concatenate(list(chunks))
         return fetch(tokens)[:, packed.slot_order()].T.astype(np.int32)
@@ -525,75 +534,14 @@ class ShardedCausalLM:
         """`generate`'s tokens as they come: yields int32 [prompts, n] arrays, first the
         prefill's token (n = 1), then `chunk` decode steps at a time (one decode program run
         per chunk); together they equal `generate`'s, sampled ones too. Stop early by
-        leaving the loop (e.g. once every prompt has met an end-of-sequence id).
+        leaving the loop (`models.generate_ids` stops once every prompt has met an
+        end-of-sequence id).
         """
         if chunk < 1:
             raise ValueError(f"chunk must be at least 1 decode step; got {chunk=}")
-        packed, chunks = self._token_chunks(
-            prompts, max_new_tokens, sampling=sampling, seed=seed, chunk=chunk
+        packed, chunks = token_chunks(
+            self, prompts, max_new_tokens, sampling=sampling, seed=seed, chunk=chunk
         )
         order = packed.slot_order()
         for tokens in chunks:
             yield fetch(tokens)[:, order].T.astype(np.int32)
-
-    def _token_chunks(
-        self,
-        prompts: Sequence[Sequence[int]],
-        max_new_tokens: int,
-        *,
-        sampling: Sampling,
-        seed: int,
-        chunk: int,
-    ) -> tuple[PackedBatch, Iterator[jax.Array]]:
-        """The packed prompts, and the device arrays [n, slots] of new tokens in slot order: the
-        prefill's (n = 1), then at most `chunk` decode steps per array. Checks the request
-        before anything runs."""
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1; got {max_new_tokens}")
-        packed = self.pack(prompts, bucketed=True)
-        longest = max(packed.lengths) + max_new_tokens
-        limit = self.config.max_position_embeddings
-        if longest > limit:
-            raise ValueError(
-                f"prompt + new tokens ({longest}) exceed max_position_embeddings ({limit})"
-            )
-        return packed, self._run_chunks(packed, longest, max_new_tokens, sampling, seed, chunk)
-
-    def _run_chunks(
-        self,
-        packed: PackedBatch,
-        longest: int,
-        max_new_tokens: int,
-        sampling: Sampling,
-        seed: int,
-        chunk: int,
-    ) -> Iterator[jax.Array]:
-        limit = self.config.max_position_embeddings
-        caches = self.new_caches(packed.decode_rows_per_rank, cache_length(longest, limit))
-        prefill_key, decode_key = jax.random.split(jax.random.key(seed))
-        last_rows = self.place_array(packed.last_row_index())
-        tokens, caches = self.prefill(
-            *self.place(packed), caches, last_rows, prefill_key, sampling=sampling
-        )
-        yield tokens[None]
-        steps = max_new_tokens - 1
-        if not steps:
-            return
-        lengths = np.asarray(packed.lengths, np.int32)
-        rows, batch = self.place(decode_rows(packed, np.zeros_like(lengths), lengths))
-        capacity = bucket(max(min(chunk, steps), MIN_STEPS))
-        for done in range(0, steps, chunk):
-            count = min(chunk, steps - done)
-            current = TokenRows(tokens, rows.positions + done, rows.segment_ids, RowsPhase.DECODE)
-            out, caches = self.decode(
-                current,
-                batch,
-                caches,
-                decode_key,
-                count,
-                capacity=capacity,
-                sampling=sampling,
-                first_step=done,
-            )
-            tokens = out[count - 1]
-            yield out[:count]

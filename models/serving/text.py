@@ -249,6 +249,11 @@ class TextStream:
         self._ids: list[int] = []
         self._shown = ""
 
+    @property
+    def pushed(self) -> int:
+        """How many ids were pushed so far."""
+        return len(self._ids)
+
     def push(self, ids: Sequence[int]) -> str:
         """Adds `ids`; returns the new text that is final."""
         self._ids.extend(ids)

@@ -2,11 +2,12 @@
 load, and writing one.
 
 The format (transformers' `FineGrainedFP8Config`, as the hub's FP8 checkpoints use it):
-`config.json` has a `quantization_config` with `quant_method: "fp8"` and `weight_block_size: [128, 128]`; each
-quantized `nn.Linear` weight is float8_e4m3fn [out, in] beside a float32 `weight_scale_inv`
-[out / 128, in / 128] (the weight is `weight * weight_scale_inv` per block); activations are
-quantized dynamically per 128-feature token group. The quantized weights are the attention and
-MLP projections and the routed experts'; the embedding, LM head, norms and routers are not.
+`config.json` has a `quantization_config` with `quant_method: "fp8"` and `weight_block_size:
+[128, 128]`; each quantized `nn.Linear` weight is float8_e4m3fn [out, in] beside a float32
+`weight_scale_inv` [out / 128, in / 128] (the weight is `weight * weight_scale_inv` per
+block); activations are quantized dynamically per 128-feature token group. The quantized weights
+are the attention and MLP projections and the routed experts'; the embedding, LM head, norms and
+routers are not.
 
 An FP8 parameter keeps Hugging Face's [out, in] layout (the FP8 kernels multiply it as stored),
 so its blocks are read untransposed. Each device reads only its block of the values and of the

@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 import boundary_jax as bj
-from boundary_jax import residual
+from boundary_jax import residual_stream
 from boundary_jax.report import parse_hlo
 from models.build import build_model, load_model
 from models.cli.plan import PLAN_SEQUENCES
@@ -97,7 +97,7 @@ def test_a_capture_leaves_the_logits_unchanged(dp, tp, scattered):
     np.testing.assert_array_equal(logits, run.forward(prompts))
 
 
-def _report(lowered) -> bj.CollectiveReport:
+def _report(lowered) -> bj.report.CollectiveReport:
     return parse_hlo(lowered.compile().as_text())
 
 
@@ -184,18 +184,18 @@ def _deepstack_body(by_hand: bool):
     through `add_to_output`, or by hand (snapshot the updated residual, add, `set_written`)."""
 
     def body(model, rows, batch, extra):
-        stream = residual.start(batch)
+        stream = residual_stream.start(batch)
         x = model.embed(rows.ids)
         for index, layer in enumerate(model.layers):
             x, stream, _ = layer(x, stream, rows, None)
             if index < extra.shape[0]:
                 if by_hand:
-                    updated = residual.snapshot(x, stream)
-                    x, stream = residual.set_written(updated + extra[index], stream)
+                    updated = residual_stream.snapshot(x, stream)
+                    x, stream = residual_stream.set_written(updated + extra[index], stream)
                 else:
-                    rows_extra = residual.onto_residual_rows(extra[index], stream)
-                    x, stream = residual.add_to_output(x, stream, rows_extra)
-        hidden = residual.final_norm(x, stream, model.final_read_norm, skip_empty=True)
+                    rows_extra = residual_stream.onto_residual_rows(extra[index], stream)
+                    x, stream = residual_stream.add_to_output(x, stream, rows_extra)
+        hidden = residual_stream.final_norm(x, stream, model.final_read_norm, skip_empty=True)
         return model.lm_head(hidden)
 
     return body
@@ -261,9 +261,9 @@ def test_a_deepstack_contribution_is_added_once_on_every_mesh(dp, tp, scattered)
 
 def test_an_extra_needs_a_stream_with_residual_rows():
     """onto_residual_rows() before the stack has a residual names the state it needs."""
-    stream = residual.start(bj.BatchFacts.ordinary(bj.Topology()))
+    stream = residual_stream.start(bj.BatchFacts.ordinary(bj.Topology()))
     with pytest.raises(RuntimeError, match="needs a written or pending stream"):
-        residual.onto_residual_rows(np.zeros((4, 64), np.float32), stream)
+        residual_stream.onto_residual_rows(np.zeros((4, 64), np.float32), stream)
 
 
 def _variant(run: ShardedCausalLM) -> bj.BatchVariant:

@@ -14,6 +14,7 @@ import pytest
 from jax import lax
 
 import boundary_jax as bj
+from boundary_jax.sharding import place
 from models.inputs.zigzag import zigzag_order
 from models.layers.attention.attend import attend_packed
 from models.layers.attention.context_parallel import (
@@ -106,7 +107,7 @@ class OnMesh:
         self.jitted, self.mesh, self.rows = jax.jit(fn), mesh, rows
 
     def placed(self, args: tuple) -> tuple:
-        return bj.place(args, self.mesh, (self.rows,) * len(args))
+        return place(args, self.mesh, (self.rows,) * len(args))
 
     def __call__(self, *args):
         return self.jitted(*self.placed(args))

@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 import boundary_jax as bj
-from boundary_jax import designs, residual
+from boundary_jax import designs, residual_stream
 from models.build import build_model
 from models.cli.plan import collective_report
 from models.config import PRESETS
@@ -165,8 +165,10 @@ def test_snapshot_of_an_mhc_stream_raises_the_guides_message():
     rows = PartitionSpec(None)
 
     def body(model, rows_, batch):
-        out, stream, _ = model.layers[0](model.embed(rows_.ids), residual.start(batch), rows_, None)
-        return residual.snapshot(out, stream)
+        out, stream, _ = model.layers[0](
+            model.embed(rows_.ids), residual_stream.start(batch), rows_, None
+        )
+        return residual_stream.snapshot(out, stream)
 
     module = bj.ShardedModule(run.model, run.mesh)
     program = module.program(

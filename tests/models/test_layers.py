@@ -21,7 +21,7 @@ from . import MESHES, make_mesh, row_spec, run_sharded, sum_over
 ROWS = 6
 VOCAB = 250
 HIDDEN = 16
-GROUPS = [bj.SumGroup.ATTN_TP, bj.SumGroup.TP, None]
+GROUPS = [bj.SumGroup.ATTN_TP, bj.SumGroup.FULL_TP, None]
 # Attention TP 4 and DP 2 x TP 2 by default (TP alone, and the full TP group spanning DP); one
 # device, TP 2 and TP 8 under -m slow.
 LAYER_MESHES = [
@@ -141,9 +141,9 @@ def test_rejects_uneven_split_and_mismatched_tie():
     """Features that do not divide over the group, or a tie to another shape, fail at build."""
     topology = bj.Topology(attn_dp=2, attn_tp=2)
     with pytest.raises(ValueError, match="out_features .* must divide evenly"):
-        ColumnParallelLinear(8, 10, group=bj.SumGroup.TP, topology=topology, rngs=nnx.Rngs(0))
+        ColumnParallelLinear(8, 10, group=bj.SumGroup.FULL_TP, topology=topology, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="in_features .* must divide evenly"):
-        RowParallelLinear(6, 8, group=bj.SumGroup.TP, topology=topology, rngs=nnx.Rngs(0))
+        RowParallelLinear(6, 8, group=bj.SumGroup.FULL_TP, topology=topology, rngs=nnx.Rngs(0))
     embed = VocabParallelEmbedding(VOCAB, HIDDEN, topology=topology, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="tied LM head"):
         ParallelLMHead(2 * HIDDEN, VOCAB, topology=topology, rngs=nnx.Rngs(0), tied_embedding=embed)

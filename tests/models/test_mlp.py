@@ -36,13 +36,13 @@ def test_swiglu_partials_sum_to_unsharded(dp, tp, dtype, tol):
     topology = bj.Topology(attn_dp=dp, attn_tp=tp)
     make = lambda t: SwiGLU(HIDDEN, INTERMEDIATE, topology=t, dtype=dtype, rngs=nnx.Rngs(0))  # noqa: E731
     mlp = make(topology)
-    entry = topology.shard_entry(bj.SumGroup.TP)
+    entry = topology.shard_entry(bj.SumGroup.FULL_TP)
     spec = nnx.get_partition_spec(nnx.state(mlp)).gate_up_proj.kernel.get_value()
     assert spec == P(None, None, entry)
     x = jax.random.normal(jax.random.key(1), (8, HIDDEN), jnp.float32).astype(dtype)
 
     def body(module, x):
-        return sum_over(module(x), topology, bj.SumGroup.TP)
+        return sum_over(module(x), topology, bj.SumGroup.FULL_TP)
 
     got = run_sharded(mlp, make_mesh(dp, tp), body, (x,), (P(),), P())
     want = unsharded_copy(mlp, make)(x)

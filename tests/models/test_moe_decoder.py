@@ -188,7 +188,7 @@ def run_layer(module: MoeFfn, mesh, x: jax.Array, *, defer: bool) -> np.ndarray:
     over the MoE output group, own rows concatenated; a deferred finalize completed first."""
     topology = module.topology
     own = module.dispatch is ALL_TO_ALL
-    rows = P(topology.shard_entry(bj.SumGroup.TP)) if own else P()
+    rows = P(topology.shard_entry(bj.SumGroup.FULL_TP)) if own else P()
 
     def body(module, x):
         out = module(x, defer=defer)

@@ -276,7 +276,7 @@ def test_the_golden_model_runs_the_documented_collectives_and_plans(row):
         kind = boundary.plan.path(bj.BatchVariant.ORDINARY).exits[0].kind
         following = layers[index + 1] if index + 1 < len(layers) else None
         completes = following is None or (following.is_mixer and dp > 1)
-        want = bj.ExitKind.ALL_REDUCE if completes else bj.ExitKind.LEAVE_TO_NEXT_INPUT
+        want = bj.plan.ExitKind.ALL_REDUCE if completes else bj.plan.ExitKind.LEAVE_TO_NEXT_INPUT
         assert kind is want, (index, layer, following)
 
 
@@ -353,7 +353,10 @@ def test_plan_names_each_mixer_exit(capsys):
     assert main(args) == 0
     report = json.loads(capsys.readouterr().out.splitlines()[-1])
     stages = [(s["layer"], s["stage"], s["exit_options"][0]["exit"]) for s in report["stages"]]
-    completes, leaves = bj.ExitKind.ALL_REDUCE.value, bj.ExitKind.LEAVE_TO_NEXT_INPUT.value
+    completes, leaves = (
+        bj.plan.ExitKind.ALL_REDUCE.value,
+        bj.plan.ExitKind.LEAVE_TO_NEXT_INPUT.value,
+    )
     assert stages[:2] == [(0, "linear_attention", completes), (1, "full_attention", leaves)]
     assert [s[1] for s in stages[2:]] == ["mlp", "moe"]
     assert report["architecture"] == "NemotronHForCausalLM"

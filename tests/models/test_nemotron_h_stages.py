@@ -24,7 +24,7 @@ from tests.core.hetero import DEFERS, Hetero, Kind, build, build_many, declare, 
 from tests.core.standin import HIDDEN, ROWS, count_patterns
 
 P = bj.ReductionPolicy
-E = bj.ExitKind
+E = bj.plan.ExitKind
 STAND_INS = {
     HybridLayer.MAMBA2: Kind.HYBRID_MIXER,
     HybridLayer.ATTENTION: Kind.HYBRID_MIXER,
@@ -103,7 +103,7 @@ def test_the_cover_holds_every_context_of_every_pattern():
     assert needed <= covered and len(needed) == 48
 
 
-def bind(pattern: str, dp: int, tp: int, policy: bj.ReductionPolicy) -> list[bj.StagePlan]:
+def bind(pattern: str, dp: int, tp: int, policy: bj.ReductionPolicy) -> list[bj.plan.StagePlan]:
     """The plans of `pattern`'s stages, bound without parameters (as the stand-in stack and
     the model bind them: the embedding's attention-TP sum owed to the first stage)."""
     declared = [declare(kind) for kind in kinds(pattern)]
@@ -119,7 +119,7 @@ def bind(pattern: str, dp: int, tp: int, policy: bj.ReductionPolicy) -> list[bj.
     return [boundary.plan for boundary in boundaries]
 
 
-def mixer_exit(following: str, dp: int, tp: int) -> bj.ExitKind:
+def mixer_exit(following: str, dp: int, tp: int) -> bj.plan.ExitKind:
     """The guide's MixerExit for a mixer whose consumer is `following` (`$`: the final read):
     before an FFN it leaves its sum to the FFN's input, under attention DP too; before a mixer
     it leaves it without attention DP and completes it with; at the stack's end it completes it."""
@@ -139,7 +139,7 @@ def test_every_pattern_binds_the_mixer_exit_and_the_cover_plans(dp, tp, policy):
     numerical check holds for the pattern; a pattern without a mixer also binds the
     input-scattered variant, which the hybrid model does not run)."""
 
-    def ordinary(plan: bj.StagePlan) -> tuple:
+    def ordinary(plan: bj.plan.StagePlan) -> tuple:
         return plan.declaration, plan.path(bj.BatchVariant.ORDINARY)
 
     by_context = {}
@@ -233,7 +233,7 @@ def test_each_mixer_exit_runs_the_documented_collectives(row):
 
 def _is_mixer(declaration: bj.StageDeclaration) -> bool:
     return (
-        declaration.kind is bj.StageKind.ATTN
+        declaration.kind is bj.declare.StageKind.ATTN
         and declaration.reduction is bj.ProducerReduction.EXIT_SCOPED
     )
 
@@ -250,7 +250,7 @@ def _rewrite_exits(monkeypatch, rewrite) -> None:
     monkeypatch.setattr(binding, "exit_options", mutated)
 
 
-def _handing_on(option, placement: bj.Placement, rows, stack, steps=None):
+def _handing_on(option, placement: bj.plan.Placement, rows, stack, steps=None):
     work = binding.owed_work(placement, rows.residual, stack.topology)
     steps = option.steps if steps is None else steps
     return dataclasses.replace(option, handoff=placement, work=work, steps=steps)
@@ -274,8 +274,8 @@ def mixer_sums_twice(monkeypatch):
 
     def rewrite(declaration, outgoing, stack, rows, fusions, option):
         if _is_mixer(declaration) and option.kind is E.ALL_REDUCE:
-            owed = bj.Placement(rows.compute, option.output.owed)
-            if outgoing.kind is bj.EdgeKind.NEXT_STAGE:
+            owed = bj.plan.Placement(rows.compute, option.output.owed)
+            if outgoing.kind is bj.declare.EdgeKind.NEXT_STAGE:
                 return _handing_on(option, owed, rows, stack)
         return option
 
@@ -287,9 +287,11 @@ def ffn_sums_before_a_mixer(monkeypatch):
     the sum on."""
 
     def rewrite(declaration, outgoing, stack, rows, fusions, option):
-        mixer_next = outgoing.kind is bj.EdgeKind.NEXT_STAGE and _is_mixer(outgoing.consumer)
+        mixer_next = outgoing.kind is bj.declare.EdgeKind.NEXT_STAGE and _is_mixer(
+            outgoing.consumer
+        )
         leaves = option.kind is E.LEAVE_TO_NEXT_INPUT
-        if declaration.kind is bj.StageKind.FFN and mixer_next and leaves:
+        if declaration.kind is bj.declare.StageKind.FFN and mixer_next and leaves:
             steps = bj.ops.all_reduce(option.output.owed, stack.topology)
             return _handing_on(option, option.handoff, rows, stack, steps)
         return option
@@ -304,9 +306,9 @@ def mixer_carries_under_dp(monkeypatch):
 
     def rewrite(declaration, outgoing, stack, rows, fusions, option):
         consumer = outgoing.consumer
-        to_mixer = outgoing.kind is bj.EdgeKind.NEXT_STAGE and _is_mixer(consumer)
+        to_mixer = outgoing.kind is bj.declare.EdgeKind.NEXT_STAGE and _is_mixer(consumer)
         if _is_mixer(declaration) and to_mixer and option.kind is E.ALL_REDUCE:
-            owed = bj.Placement(rows.compute, option.output.owed)
+            owed = bj.plan.Placement(rows.compute, option.output.owed)
             leave = binding._leave(declaration, outgoing, stack, fusions, owed, rows.residual, None)
             carried = _handing_on(option, owed, rows, stack, ())
             return dataclasses.replace(carried, kind=E.LEAVE_TO_NEXT_INPUT, leave=leave)

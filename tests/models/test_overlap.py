@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import PartitionSpec
 
 import boundary_jax as bj
-from boundary_jax import residual
+from boundary_jax import residual_stream
 from boundary_jax.adapters import complete_now, merge_streams, split_stream, yield_point
 from models.build import build_model
 from models.config import PRESETS
@@ -273,10 +273,10 @@ def test_handoff_misuse_fails_while_tracing():
     across one; complete_now leaves nothing owed."""
 
     def split(model, rows, batches):
-        return split_stream(model.embed(rows.ids), residual.start(batches[0]), batches)
+        return split_stream(model.embed(rows.ids), residual_stream.start(batches[0]), batches)
 
     def odd(model, rows, batches):
-        split_stream(model.embed(rows.ids)[1:], residual.start(batches[0]), batches)
+        split_stream(model.embed(rows.ids)[1:], residual_stream.start(batches[0]), batches)
         return jnp.zeros(())
 
     with pytest.raises(ValueError, match="halves each rank's rows"):

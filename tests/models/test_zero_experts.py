@@ -76,7 +76,7 @@ def run_layer(module, mesh, x, *, defer: bool) -> np.ndarray:
     test_moe_decoder): gathered rows summed over the MoE output group, own rows as they are."""
     topology = module.topology
     own = module.dispatch is ALL_TO_ALL
-    rows = P(topology.shard_entry(bj.SumGroup.TP)) if own else P()
+    rows = P(topology.shard_entry(bj.SumGroup.FULL_TP)) if own else P()
 
     def body(module, x):
         out = module(x, defer=defer)
@@ -170,9 +170,9 @@ def test_all_zero_choices_send_nothing_and_cost_no_matmul(monkeypatch):
     def body(module, x):
         out = module(x, defer=False)
         sent = jnp.sum(seen["tags"] >= 0) + jnp.sum(seen["sizes"])
-        return out, jax.lax.psum(sent, topology.group_names(bj.SumGroup.TP))
+        return out, jax.lax.psum(sent, topology.group_names(bj.SumGroup.FULL_TP))
 
-    rows = P(topology.shard_entry(bj.SumGroup.TP))
+    rows = P(topology.shard_entry(bj.SumGroup.FULL_TP))
     got, sent = run_sharded(biased, mesh, body, (TOKENS_IN,), (rows,), (rows, P()))
     want, zero_choices = reference(biased)
     assert zero_choices == TOKENS * TOP_K and int(sent) == 0

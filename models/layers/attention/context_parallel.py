@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from boundary_jax import SumGroup, Topology, shard_index
+from boundary_jax import SumGroup, Topology
+from boundary_jax.ops import shard_index
 
 from .attend import accumulation_dtype, attend, causal_visibility
 

@@ -21,9 +21,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from boundary_jax import RMSNorm, SumGroup, Topology, shard_index, sharded_rms_norms
+from boundary_jax import RMSNorm, SumGroup, Topology
 from boundary_jax.designs import Quantized
 from boundary_jax.initializers import Constant, param
+from boundary_jax.ops import shard_index, sharded_rms_norms
 
 from ...config import AttentionSpec, QkNorm
 from ...inputs.rows import RowsPhase
@@ -159,10 +160,10 @@ class Attention(nnx.Module):
             )
         elif spec.qk_norm is QkNorm.PER_HEAD:
             self.q_norm = RMSNorm(
-                head_dim, eps=eps, gemma=spec.unit_offset_norms, param_dtype=dtype
+                head_dim, eps=eps, unit_offset=spec.unit_offset_norms, param_dtype=dtype
             )
             self.k_norm = RMSNorm(
-                head_dim, eps=eps, gemma=spec.unit_offset_norms, param_dtype=dtype
+                head_dim, eps=eps, unit_offset=spec.unit_offset_norms, param_dtype=dtype
             )
         else:
             self.q_norm = None

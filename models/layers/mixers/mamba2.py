@@ -27,8 +27,9 @@ from flax import nnx
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from boundary_jax import SumGroup, TokenAxis, Topology, ops, shard_index
+from boundary_jax import SumGroup, TokenAxis, Topology, ops
 from boundary_jax.initializers import Normal, param
+from boundary_jax.ops import shard_index
 
 from ...config import Mamba2Spec
 from ...inputs.rows import RowsPhase

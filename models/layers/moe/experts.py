@@ -170,7 +170,7 @@ def _routed_outputs(
         fallback = GroupedMatmulImpl.RAGGED_DOT
     # Sort the (token, choice) rows by local expert; rows of experts held elsewhere go last, as
     # group `local`, which no matmul covers (ragged_dot leaves such rows zero; masked anyway).
-    order, positions, sizes = bj.group_order(jnp.where(held, flat, local), local + 1)
+    order, positions, sizes = bj.ops.group_order(jnp.where(held, flat, local), local + 1)
     sorted_rows = SortedRows(order, positions, sizes[:local], jnp.where(held, flat, 0), top_k)
     parts = activation.parts
     weights = (gate_up.reshape(local, hidden, parts * width), down)  # gate | up as one matmul
@@ -231,7 +231,7 @@ def _dense_expert_outputs(x, flat, held, gate_up, down, activation) -> jax.Array
 
 @dataclasses.dataclass(frozen=True)
 class SortedRows:
-    """The (token, choice) rows of one rank ordered by local expert (`bj.group_order`).
+    """The (token, choice) rows of one rank ordered by local expert (`bj.ops.group_order`).
 
     Attributes:
       order: [T*k] the row at each place of the sorted order.

@@ -94,7 +94,7 @@ class MoeFfn(SparseMoe):
             shared_gated=moe.shared_expert_gate,
             expert_entry=topology.shard_entry(bj.SumGroup.MOE_EP),
             width_entry=width_entry,
-            shared_width_entry=topology.shard_entry(bj.SumGroup.TP) if split_shared else None,
+            shared_width_entry=topology.shard_entry(bj.SumGroup.FULL_TP) if split_shared else None,
             zero_experts=moe.zero_experts,
             impl=impl,
             activation=activation,

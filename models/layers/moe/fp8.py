@@ -127,7 +127,7 @@ class Fp8MoeFfn(MoeFfn):
         flat = routing.experts.reshape(-1) - expert_offset  # [T*k] local expert ids
         held = (flat >= 0) & (flat < local)
         # Rows of experts held elsewhere sort last, as group `local`, which no product covers.
-        order, positions, sizes = bj.group_order(jnp.where(held, flat, local), local + 1)
+        order, positions, sizes = bj.ops.group_order(jnp.where(held, flat, local), local + 1)
         rows = self.quantization.quantize(x)  # once per token, then sorted
         sorted_rows = jax.tree.map(lambda leaf: jnp.take(leaf, order // top_k, axis=0), rows)
         gate_up = self._product(sorted_rows, self.gate_up_proj, self.gate_up_proj_scale_inv, sizes)
