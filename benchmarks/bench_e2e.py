@@ -1,12 +1,12 @@
 """Whole-model prefill and decode: boundary-jax against one `jax.jit` with GSPMD, and the roofline.
 
-The baseline is the obvious alternative a user writes first: the same Llama model as one jitted
-function over global arrays whose `NamedSharding`s are the project's own (the weights are the
-project model's placed state, not a copy), with XLA's GSPMD inserting the collectives. It comes in
-two forms: plain `jnp` attention within each sequence, and the same attention kernels the project
-uses on GPU (cuDNN through `jax.nn.dot_product_attention`), so that "project / GSPMD (same
-kernels)" isolates what the boundaries cost or gain. Before any timing, last-row prefill logits
-of each baseline are compared with the project's.
+The baseline (`benchmarks.gspmd_baseline`) is the obvious alternative a user writes first: the
+same Llama model as one jitted function over global arrays whose `NamedSharding`s are the
+project's own (the weights are the project model's placed state, not a copy), with XLA's GSPMD
+inserting the collectives. It comes in two forms: plain `jnp` attention within each sequence, and
+the same attention kernels the project uses on GPU (cuDNN through `jax.nn.dot_product_attention`),
+so that "project / GSPMD (same kernels)" isolates what the boundaries cost or gain. Before any
+timing, last-row prefill logits of each baseline are compared with the project's.
 
 Cases (Llama-3-8B shape, bf16, `--layers` layers, TP 1 and 2):
   prefill 512 tokens (1 sequence) and 4096 tokens (8 x 512; packed rows in the project, a
@@ -40,7 +40,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 import boundary_jax as bj
@@ -48,275 +47,33 @@ from models.build import build_model
 from models.config import DecoderConfig
 from models.layers.attention import AttentionImpl
 from models.layers.cudnn_attention import decode_attention_cudnn
-from models.layers.kv_cache import KVCache
-from models.layers.rope import apply_rope, rope_inv_freq
-from models.rows import RowsPhase, TokenRows, pack_sequences
+from models.rows import pack_sequences
 from models.serving.runtime import ShardedCausalLM
 from pallas_kernels import Impl
 
-from .common import LLAMA3_8B, header, median_wall_ms, print_table
+from . import bench_fp8
+from .common import (
+    HBM_BYTES_PER_S,
+    LLAMA3_8B,
+    PEAK_FLOPS,
+    decode_inputs,
+    header,
+    kernel_ms,
+    kv_bytes_per_gpu,
+    median_wall_ms,
+    prefill_flops_per_gpu,
+    print_table,
+    weight_bytes_per_gpu,
+)
+from .gspmd_baseline import (
+    auto_mesh,
+    baseline_caches,
+    baseline_params,
+    decode_attention,
+    make_baseline,
+)
 
-# On CPU (a smoke run of this script) cuDNN stands in as XLA's own attention.
-KERNEL = "cudnn" if jax.default_backend() == "gpu" else "xla"
-HBM_BYTES_PER_S = 4.8e12
-PEAK_FLOPS = 990e12
 STEPS = 32
-
-
-# -- the GSPMD baseline: plain Llama over global arrays, one jax.jit --------------------------
-
-
-def auto_mesh(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
-    """The same devices and axis names with Auto axes: the GSPMD baseline's mesh."""
-    return jax.sharding.Mesh(
-        mesh.devices,
-        mesh.axis_names,
-        axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names),
-    )
-
-
-def _rewrap(x: jax.Array, mesh: jax.sharding.Mesh) -> jax.Array:
-    """`x` viewed with the same spec on `mesh` (its device buffers, not a copy)."""
-    sharding = NamedSharding(mesh, x.sharding.spec)
-    shards = [shard.data for shard in x.addressable_shards]
-    return jax.make_array_from_single_device_arrays(x.shape, sharding, shards)
-
-
-def split_part(w: jax.Array, index: int) -> jax.Array:
-    """Part `index` of a stacked [..., parts, out] projection (the project's k|v and gate|up) as
-    a matrix of its own, sharded as the stack's columns: a copy, since a baseline keeps one
-    matrix per projection, as a user writes it."""
-    spec = (*w.sharding.spec, *(None,) * (w.ndim - len(w.sharding.spec)))
-    sharding = NamedSharding(w.sharding.mesh, PartitionSpec(*spec[:-2], spec[-1]))
-    return jax.device_put(w[..., index, :], sharding)
-
-
-def _layer_weights(flat: dict, prefix: tuple) -> dict:
-    """One decoder layer's weights by role (stacked on a leading axis for a scanned run)."""
-    get = lambda *name: flat[(*prefix, *name)]  # noqa: E731
-    kv, gate_up = get("attn", "kv_proj", "kernel"), get("mlp", "gate_up_proj", "kernel")
-    return {
-        "attn_norm": get("input_norm", "weight"),
-        "wq": get("attn", "q_proj", "kernel"),
-        "wk": split_part(kv, 0),
-        "wv": split_part(kv, 1),
-        "wo": get("attn", "o_proj", "kernel"),
-        "ffn_norm": get("post_attn_norm", "weight"),
-        "wg": split_part(gate_up, 0),
-        "wu": split_part(gate_up, 1),
-        "wd": get("mlp", "down_proj", "kernel"),
-    }
-
-
-def baseline_params(runner: ShardedCausalLM, mesh: jax.sharding.Mesh, *, scan: bool) -> dict:
-    """The project's placed weights, by role, on the Auto-axes `mesh`: the same buffers where
-    the layouts agree, and k, v, gate and up each a matrix of its own. `scan`: the layers
-    stacked on a leading axis (a copy), for a baseline that runs them as one `lax.scan` as a
-    user writing a deep model would; else a list (a scanned project model's runs sliced per
-    layer)."""
-    flat = {
-        path: _rewrap(variable[...], mesh) for path, variable in nnx.to_flat_state(runner.state)
-    }
-    layers = []
-    for index, (block, module) in enumerate(runner.model.blocks()):
-        if isinstance(module, bj.StackedLayers):
-            run = _layer_weights(flat, ("layers", index, "layer"))
-            layers += [{role: w[i] for role, w in run.items()} for i in range(len(block))]
-        else:
-            layers.append(_layer_weights(flat, ("layers", index)))
-    if scan:
-        layers = {role: jnp.stack([layer[role] for layer in layers]) for role in layers[0]}
-    return {
-        "embed": flat[("embed", "embedding")],
-        "layers": layers,
-        "final_norm": flat[("final_norm", "weight")],
-        "lm_head": flat[("lm_head", "kernel")],
-    }
-
-
-def _rms(x, weight, eps):
-    xf = x.astype(jnp.float32)
-    normed = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (normed * weight.astype(jnp.float32)).astype(x.dtype)
-
-
-def _mlp(layer, x, eps):
-    h = _rms(x, layer["ffn_norm"], eps)
-    return x + (jax.nn.silu(h @ layer["wg"]) * (h @ layer["wu"])) @ layer["wd"]
-
-
-def _qkv(layer, h, positions, config):
-    """h [R, hidden], positions [R] -> q [R, heads, D], k, v [R, kv heads, D] after RoPE."""
-    d = config.head_dim
-    inv_freq = rope_inv_freq(d, config.rope_theta, config.rope_scaling)
-    q = (h @ layer["wq"]).reshape(h.shape[0], -1, d)
-    k = (h @ layer["wk"]).reshape(h.shape[0], -1, d)
-    v = (h @ layer["wv"]).reshape(h.shape[0], -1, d)
-    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
-
-
-def _logits(params, x, config):
-    x = _rms(x, params["final_norm"], config.rms_norm_eps)
-    return (x @ params["lm_head"])[..., : config.vocab_size].astype(jnp.float32)
-
-
-def _causal_jnp(q, k, v):
-    """[B, L, H, D] queries, [B, L, K, D] keys/values: causal GQA with float32 scores."""
-    b, length, heads, d = q.shape
-    q = q.reshape(b, length, k.shape[2], heads // k.shape[2], d)
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32) * d**-0.5
-    causal = jnp.tril(jnp.ones((length, length), bool))
-    probs = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v, preferred_element_type=jnp.float32)
-    return out.reshape(b, length, heads, d).astype(q.dtype)
-
-
-def _decode_jnp(q, k_cache, v_cache, positions):
-    """q [B, H, D] over caches [B, S, K, D], keys 0..positions[b]."""
-    b, heads, d = q.shape
-    kv = k_cache.shape[2]
-    q = q.reshape(b, kv, heads // kv, d)
-    scores = jnp.einsum("bkgd,bskd->bkgs", q, k_cache, preferred_element_type=jnp.float32)
-    visible = jnp.arange(k_cache.shape[1])[None, :] <= positions[:, None]
-    scores = jnp.where(visible[:, None, None, :], scores * d**-0.5, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
-    out = jnp.einsum("bkgs,bskd->bkgd", probs, v_cache, preferred_element_type=jnp.float32)
-    return out.reshape(b, heads, d).astype(q.dtype)
-
-
-def _decode_cudnn(q, k_cache, v_cache, positions):
-    """The project's own cuDNN decode call (the "same kernels" baseline)."""
-    if KERNEL != "cudnn":
-        return _decode_jnp(q, k_cache, v_cache, positions)
-    return decode_attention_cudnn(q, k_cache, v_cache, (positions + 1).astype(jnp.int32))
-
-
-def make_baseline(config: DecoderConfig, cudnn: bool, scan: bool = False):
-    """(logits of prefill, prefill, decode) jitted over global arrays; caches are donated.
-    `scan`: the layers and caches are stacked on a leading axis and run as one `lax.scan`."""
-    eps = config.rms_norm_eps
-
-    def over_layers(layer_fn, x, layers, caches):
-        """`x, cache = layer_fn(layer, x, cache)` over every layer (caches may be None)."""
-        if scan:
-            return lax.scan(lambda x, lc: layer_fn(lc[0], x, lc[1]), x, (layers, caches))
-        updated = []
-        for index, layer in enumerate(layers):
-            x, cache = layer_fn(layer, x, None if caches is None else caches[index])
-            updated.append(cache)
-        return x, None if caches is None else updated
-
-    @jax.jit
-    def logits_of_prefill(params, ids):
-        """[B, L] ids -> [B, vocab] last-row logits (no cache), for the logits check."""
-        return prefill(params, ids, None)[1]
-
-    def prefill(params, ids, caches):
-        batch, length = ids.shape
-        positions = jnp.tile(jnp.arange(length, dtype=jnp.int32), batch)
-        x = params["embed"][ids.reshape(-1)]
-
-        def layer_fn(layer, x, cache):
-            h = _rms(x, layer["attn_norm"], eps)
-            q, k, v = _qkv(layer, h, positions, config)
-            q, k, v = (a.reshape(batch, length, *a.shape[1:]) for a in (q, k, v))
-            if cache is not None:
-                k_cache, v_cache = cache
-                k_cache = lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, 0, 0, 0))
-                v_cache = lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, 0, 0, 0))
-                cache = (k_cache, v_cache)
-            if cudnn:
-                out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=KERNEL)
-            else:
-                out = _causal_jnp(q, k, v)
-            x = x + out.reshape(batch * length, -1) @ layer["wo"]
-            return _mlp(layer, x, eps), cache
-
-        x, updated = over_layers(layer_fn, x, params["layers"], caches)
-        last = x.reshape(batch, length, -1)[:, -1]
-        logits = _logits(params, last, config)
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits, updated
-
-    def prefill_step(params, ids, caches):
-        tokens, _, caches = prefill(params, ids, caches)
-        return tokens, caches
-
-    attend = _decode_cudnn if cudnn else _decode_jnp
-
-    def decode(params, tokens, positions, caches, steps):
-        rows = jnp.arange(tokens.shape[0])
-
-        def step(_, carry):
-            tokens, positions, caches = carry
-            x = params["embed"][tokens]
-
-            def layer_fn(layer, x, cache):
-                h = _rms(x, layer["attn_norm"], eps)
-                q, k, v = _qkv(layer, h, positions, config)
-                k_cache = cache[0].at[rows, positions].set(k.astype(cache[0].dtype))
-                v_cache = cache[1].at[rows, positions].set(v.astype(cache[1].dtype))
-                out = attend(q, k_cache, v_cache, positions)
-                x = x + out.reshape(x.shape[0], -1) @ layer["wo"]
-                return _mlp(layer, x, eps), (k_cache, v_cache)
-
-            x, caches = over_layers(layer_fn, x, params["layers"], caches)
-            tokens = jnp.argmax(_logits(params, x, config), axis=-1).astype(jnp.int32)
-            return tokens, positions + 1, caches
-
-        caches = caches if scan else list(caches)
-        tokens, _, caches = lax.fori_loop(0, steps, step, (tokens, positions, caches))
-        return tokens, caches
-
-    return (
-        logits_of_prefill,
-        jax.jit(prefill_step, donate_argnums=(2,)),
-        jax.jit(decode, static_argnums=4, donate_argnums=3),
-    )
-
-
-# -- timing and the roofline ---------------------------------------------------------------
-
-
-def weight_bytes_per_gpu(config: DecoderConfig, tp: int) -> float:
-    """Bytes of the weights a decode step reads per GPU (bf16; the embedding reads few rows)."""
-    h, d = config.hidden_size, config.head_dim
-    attn = h * d * (2 * config.num_heads + 2 * config.num_kv_heads)
-    mlp = 3 * h * config.intermediate_size
-    return 2 * (config.num_layers * (attn + mlp) + h * config.vocab_size) / tp
-
-
-def kv_bytes_per_gpu(config: DecoderConfig, tp: int, sequences: int, context: float) -> float:
-    per_token = 2 * 2 * config.num_kv_heads * config.head_dim * config.num_layers / tp
-    return sequences * context * per_token
-
-
-def prefill_flops_per_gpu(config: DecoderConfig, tp: int, sequences: int, length: int) -> float:
-    h, d = config.hidden_size, config.head_dim
-    params = h * d * (2 * config.num_heads + 2 * config.num_kv_heads)
-    params += 3 * h * config.intermediate_size
-    tokens = sequences * length
-    matmul = 2 * tokens * params * config.num_layers
-    causal = 2 * 2 * config.num_heads * d * sequences * length * (length + 1) / 2
-    head = 2 * sequences * h * config.vocab_size
-    return (matmul + causal * config.num_layers + head) / tp
-
-
-# -- the cases -------------------------------------------------------------------------------
-
-
-def _decode_inputs(runner: ShardedCausalLM, sequences: int, start: int):
-    """Placed DECODE rows: `sequences` slots at position `start`, and their batch facts."""
-    slots = sequences // runner.topology.attn_dp
-    ids = np.zeros(sequences, np.int32)
-    positions = np.full(sequences, start, np.int32)
-    segments = np.tile(np.arange(slots, dtype=np.int32), runner.topology.attn_dp)
-    rows = TokenRows(
-        runner.place_array(ids),
-        runner.place_array(positions),
-        runner.place_array(segments),
-        RowsPhase.DECODE,
-    )
-    return rows, runner.place_batch(np.full(runner.topology.attn_dp, slots, np.int32))
 
 
 FUSIONS = ("none", "auto", "pallas")
@@ -373,25 +130,12 @@ def run_config(
         for name, cudnn in (("cuDNN", True), ("jnp", False))
     }
     rng = np.random.default_rng(0)
-    cache_spec = KVCache.partition_spec(topology)
-    cache_spec = NamedSharding(gspmd, PartitionSpec(None, *cache_spec) if scan else cache_spec)
     replicated = NamedSharding(gspmd, PartitionSpec())
     key = jax.device_put(jax.random.key(0), NamedSharding(mesh, PartitionSpec()))
     label = f"{config.num_layers}L TP{tp}" + ("" if fusions == "none" else f" fusions {fusions}")
 
     def zero_caches(slots, length):
-        shape = KVCache.global_shape(config, topology, slots=slots, max_len=length)
-        if scan:
-            shape = (config.num_layers, *shape)
-            zeros = lambda: jnp.zeros(shape, jnp.bfloat16, device=cache_spec)  # noqa: E731
-            return (zeros(), zeros())
-        return [
-            (
-                jnp.zeros(shape, jnp.bfloat16, device=cache_spec),
-                jnp.zeros(shape, jnp.bfloat16, device=cache_spec),
-            )
-            for _ in range(config.num_layers)
-        ]
+        return baseline_caches(config, topology, gspmd, slots=slots, length=length, scan=scan)
 
     for sequences in (1, 8):
         length = 512
@@ -450,7 +194,7 @@ def run_config(
                 continue
             start = cache_len - STEPS - 1
             times = {}
-            rows, batch = _decode_inputs(runner, sequences, start)
+            rows, batch = decode_inputs(runner, sequences, start)
             caches = [runner.new_caches(sequences, cache_len)]
 
             def project_decode():
@@ -493,8 +237,6 @@ def run_config(
 
 def attention_kernels() -> None:
     """Decode attention alone, one GPU, TP-2-local heads (16 query, 4 kv): cache read rate."""
-    from .common import kernel_ms
-
     print("\n## decode attention kernels (16 query heads, 4 kv heads, head 128, bf16)")
     print("| sequences @ cache | cuDNN per query head | cuDNN grouped | plain jnp |")
     print("|---|---|---|---|")
@@ -510,7 +252,7 @@ def attention_kernels() -> None:
         for fn in (
             jax.jit(lambda q, k, v, n: decode_attention_cudnn(q, k, v, n, grouped=False)),
             jax.jit(lambda q, k, v, n: decode_attention_cudnn(q, k, v, n)),
-            jax.jit(lambda q, k, v, p: _decode_jnp(q, k, v, p - 1)),
+            jax.jit(lambda q, k, v, p: decode_attention(q, k, v, p - 1)),
         ):
             ms = kernel_ms(fn, [(q, k, v, lengths)])
             cells.append(f"{ms * 1e3:.1f} us ({nbytes / ms / 1e9:.2f} TB/s)")
@@ -530,7 +272,7 @@ def generate_check(config: DecoderConfig, tp: int) -> None:
     one = median_wall_ms(lambda: runner.generate(prompts, 1), repeats=3)
     full = median_wall_ms(lambda: runner.generate(prompts, new), repeats=3)
     per_token = (full - one) / (new - 1)
-    rows, batch = _decode_inputs(runner, 64, 64)
+    rows, batch = decode_inputs(runner, 64, 64)
     caches = [runner.new_caches(64, 256)]
 
     def loop():
@@ -578,8 +320,6 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.quantize == "fp8":
-        from . import bench_fp8  # it imports this module's helpers
-
         fp8_args = ["--parts", "e2e", "--layers", str(args.layers[0])]
         fp8_args += ["--smoke"] if args.smoke else []
         bench_fp8.main(fp8_args + (["--cases", *args.cases] if args.cases else []))

@@ -64,25 +64,24 @@ from pallas_kernels.grouped_matmul import default_grouped_matmul_impl
 from pallas_kernels.impl import Impl
 from pallas_kernels.quantize import quantize_blocks_reference, quantize_token_groups_reference
 
-from .bench_e2e import (
-    HBM_BYTES_PER_S,
-    PEAK_FLOPS,
-    STEPS,
-    _decode_inputs,
-    kv_bytes_per_gpu,
-    prefill_flops_per_gpu,
-    weight_bytes_per_gpu,
-)
 from .common import (
+    HBM_BYTES_PER_S,
     LLAMA3_8B,
+    PEAK_FLOPS,
+    decode_inputs,
     header,
     kernel_ms,
+    kv_bytes_per_gpu,
     median_wall_ms,
+    prefill_flops_per_gpu,
     print_table,
     profile_into,
     relative_error,
+    weight_bytes_per_gpu,
 )
 
+STEPS = 32
+"""Greedy steps of one timed decode call (as `bench_e2e`'s)."""
 FP8_PEAK_FLOPS = 2 * PEAK_FLOPS
 SMOKE = False  # set by --smoke: tiny shapes, XLA and interpreted kernels on CPU
 MATMUL: Fp8MatmulImpl | None = None  # set by --matmul: the FP8 models' projections
@@ -166,7 +165,7 @@ def e2e(config: DecoderConfig, fp8_fusions: str, cases: list[str] | None) -> lis
         start = cache_len - STEPS - 1
         times, roofs = {}, {}
         for name, runner in runners.items():
-            rows, batch = _decode_inputs(runner, sequences, start)
+            rows, batch = decode_inputs(runner, sequences, start)
             caches = [runner.new_caches(sequences, cache_len)]
 
             def decode():

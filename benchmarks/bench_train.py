@@ -38,11 +38,16 @@ from models.config import PRESETS, DecoderConfig
 from models.layers.attention import AttentionImpl
 from models.training.trainer import TrainConfig, Trainer, state_shardings
 
-from .bench_e2e import _causal_jnp, _mlp, _qkv, _rewrap, _rms, auto_mesh, split_part
-from .common import LLAMA3_8B, header, print_table
-
-PEAK_FLOPS = 990e12
-KERNEL = "cudnn" if jax.default_backend() == "gpu" else "xla"
+from .common import LLAMA3_8B, PEAK_FLOPS, attention_kernel, header, print_table
+from .gspmd_baseline import (
+    auto_mesh,
+    causal_attention,
+    mlp_residual,
+    qkv,
+    rewrap,
+    rms_norm,
+    split_part,
+)
 
 
 def train_flops(config: DecoderConfig, sequences: int, length: int) -> float:
@@ -107,16 +112,16 @@ def make_baseline(
                 "wu": params[f"layers.{index}.mlp.up_proj.kernel"],
                 "wd": params[f"layers.{index}.mlp.down_proj.kernel"],
             }
-            h = _rms(x, layer["attn_norm"], eps)
-            q, k, v = _qkv(layer, h, positions, config)
+            h = rms_norm(x, layer["attn_norm"], eps)
+            q, k, v = qkv(layer, h, positions, config)
             q, k, v = (a.reshape(batch, length, *a.shape[1:]) for a in (q, k, v))
             if kernel == "cudnn":
                 out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=kernel)
             else:
-                out = _causal_jnp(q, k, v)
+                out = causal_attention(q, k, v)
             x = x + out.reshape(batch * length, -1) @ layer["wo"]
-            x = _mlp(layer, x, eps)
-        x = _rms(x, params["final_norm.weight"], eps)
+            x = mlp_residual(layer, x, eps)
+        x = rms_norm(x, params["final_norm.weight"], eps)
         logits = (x @ params["lm_head.kernel"])[:, : config.vocab_size].astype(jnp.float32)
         log_probs = jax.nn.log_softmax(logits, axis=-1)
         flat = labels.reshape(-1)
@@ -172,7 +177,7 @@ def run(
     # The baseline's own copy of the weights (the project's are donated each step).
     gspmd = auto_mesh(mesh)
     params = separate_projections(
-        {k: _rewrap(jnp.copy(v), gspmd) for k, v in trainer.state.params.items()}
+        {k: rewrap(jnp.copy(v), gspmd) for k, v in trainer.state.params.items()}
     )
     param_shardings = {k: NamedSharding(gspmd, v.sharding.spec) for k, v in params.items()}
     replicated = NamedSharding(gspmd, PartitionSpec())
@@ -243,7 +248,7 @@ def main() -> None:
         "packed rows (as before the bound existed)",
     )
     args = parser.parse_args()
-    kernel = KERNEL if args.attention == "platform" else "xla"
+    kernel = attention_kernel() if args.attention == "platform" else "xla"
     base = LLAMA3_8B if args.preset is None else PRESETS[args.preset]
     name = "Llama-3-8B shape" if args.preset is None else args.preset
     print(header(f"bench_train: {name}, {args.layers} layers, bf16, AdamW"))
