@@ -11,11 +11,12 @@ timing, last-row prefill logits of each baseline are compared with the project's
 Cases (Llama-3-8B shape, bf16, `--layers` layers, TP 1 and 2):
   prefill 512 tokens (1 sequence) and 4096 tokens (8 x 512; packed rows in the project, a
   [8, 512] batch in the baseline), writing the KV cache, greedy token of each last row;
-  decode 8 and 64 sequences at cache 1024 and 8192: a jitted loop of `STEPS` greedy steps
+  decode 8 and 64 sequences at cache 1024 and 8192: a jitted loop of 32 greedy steps
   (one program; time per step), each sequence reading about a full cache.
 Roofline: decode, weights + KV bytes read per GPU / HBM bandwidth (4.8 TB/s); prefill, matmul +
 causal attention FLOPs per GPU / dense bf16 peak (990 TFLOP/s). Times are wall-clock medians of
-blocking calls (a decode call runs STEPS steps, so dispatch is amortized).
+blocking calls (a decode call runs 32 steps, so dispatch is amortized). The TPs default to those
+of 1 and 2 that the visible devices hold.
 
 With `--scan` the project model is built with `scan_layers=True` and both baselines run their
 layers (stacked once, a copy) as one `lax.scan`, as a user writing a deep model would. On JAX
@@ -26,6 +27,11 @@ Run on the GPU machine from the repository root:
   python3 -m benchmarks.bench_e2e --layers 8 --tp 1 2
   python3 -m benchmarks.bench_e2e --layers 32 --tp 2 --scan
   python3 -m benchmarks.bench_e2e --layers 32 --quantize fp8   # bf16 vs FP8 (bench_fp8)
+
+`--smoke` is the CPU check that the script runs: 2 layers of a tiny config, one prefill and one
+decode case at tiny shapes, one timed call each (seconds, on one device or on simulated ones:
+JAX_NUM_CPU_DEVICES=2 adds TP 2):
+  python3 -m benchmarks.bench_e2e --smoke
 """
 
 # ruff: noqa: B023 (each timed closure runs within its own loop iteration)
@@ -73,8 +79,81 @@ from .gspmd_baseline import (
     make_baseline,
 )
 
-STEPS = 32
 
+@dataclasses.dataclass(frozen=True)
+class Cases:
+    """The shapes a run measures: the GPU's by default, `SMOKE_CASES` for `--smoke`.
+
+    Attributes:
+      prefill_length: Tokens per prefill sequence.
+      prefill_sequences: Sequences of each prefill case ("prefill <sequences x length>").
+      decode_caches: Cache length of each decode case ("decode <sequences> @ <cache>").
+      decode_sequences: Sequences of each decode case, at every cache length.
+      steps: Greedy steps of one timed decode call.
+      prefill_repeats: Timed calls of a prefill case.
+      decode_repeats: Timed calls of a decode case (each runs `steps` steps).
+      generate_prompts: Prompts of the generate() check.
+      generate_prompt_tokens: Tokens per prompt of the generate() check.
+      generate_new_tokens: Tokens the generate() check samples per prompt.
+      generate_cache: Cache length of the generate() check's decode loop.
+      generate_repeats: Timed calls of each generate() check program.
+    """
+
+    prefill_length: int = 512
+    prefill_sequences: tuple[int, ...] = (1, 8)
+    decode_caches: tuple[int, ...] = (1024, 8192)
+    decode_sequences: tuple[int, ...] = (8, 64)
+    steps: int = 32
+    prefill_repeats: int = 7
+    decode_repeats: int = 5
+    generate_prompts: int = 64
+    generate_prompt_tokens: int = 64
+    generate_new_tokens: int = 129
+    generate_cache: int = 256
+    generate_repeats: int = 3
+
+    def __post_init__(self):
+        if min(self.decode_caches) <= self.steps:
+            raise ValueError(
+                f"every decode cache must hold more than {self.steps=} tokens (the loop starts "
+                f"steps + 1 before its end); got {self.decode_caches=}. Lengthen the caches "
+                "or take fewer steps"
+            )
+        if self.generate_prompt_tokens + self.generate_new_tokens > self.generate_cache:
+            raise ValueError(
+                f"generate_cache ({self.generate_cache}) must hold the prompt "
+                f"({self.generate_prompt_tokens}) and the new tokens "
+                f"({self.generate_new_tokens}); raise generate_cache"
+            )
+
+
+SMOKE_CASES = Cases(
+    prefill_length=16,
+    prefill_sequences=(2,),
+    decode_caches=(16,),
+    decode_sequences=(4,),
+    steps=2,
+    prefill_repeats=1,
+    decode_repeats=1,
+    generate_prompts=2,
+    generate_prompt_tokens=8,
+    generate_new_tokens=3,
+    generate_cache=16,
+    generate_repeats=1,
+)
+"""`--smoke`: one packed prefill of two sequences and one decode case, each timed once."""
+SMOKE_CONFIG = dataclasses.replace(
+    LLAMA3_8B,
+    num_layers=2,
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+)
+"""`--smoke`: the Llama shape shrunk to seconds of CPU compile time (`--layers` still applies)."""
+DEFAULT_TP = (1, 2)
 
 FUSIONS = ("none", "auto", "pallas")
 
@@ -94,11 +173,14 @@ def run_config(
     tp: int,
     results: list,
     memory: list,
-    cases: list[str] | None = None,
+    cases: Cases,
+    only: list[str] | None = None,
     scan: bool = False,
     fusions: str = "none",
 ) -> None:
-    wanted = lambda case: cases is None or case in cases  # noqa: E731
+    """Times the project and both baselines on every case of `cases` (those named in `only`,
+    if given) at TP `tp`; appends a row per case to `results` and a memory line to `memory`."""
+    wanted = lambda case: only is None or case in only  # noqa: E731
     topology = bj.Topology(attn_tp=tp)
     mesh = bj.make_mesh(topology)
     model = build_model(
@@ -137,8 +219,8 @@ def run_config(
     def zero_caches(slots, length):
         return baseline_caches(config, topology, gspmd, slots=slots, length=length, scan=scan)
 
-    for sequences in (1, 8):
-        length = 512
+    length = cases.prefill_length
+    for sequences in cases.prefill_sequences:
         if not wanted(f"prefill {sequences * length}"):
             continue
         prompts = rng.integers(0, config.vocab_size, (sequences, length)).astype(np.int32)
@@ -160,7 +242,7 @@ def run_config(
             tokens, caches[0] = runner.prefill(rows, batch, caches[0], last_rows, key)
             return tokens
 
-        times["project"] = median_wall_ms(project_prefill)
+        times["project"] = median_wall_ms(project_prefill, cases.prefill_repeats)
         del caches[0]
         for name, (_, step, _) in baselines.items():
             holder = [zero_caches(sequences, length)]
@@ -169,7 +251,7 @@ def run_config(
                 tokens, holder[0] = step(params, ids, holder[0])
                 return tokens
 
-            times[name] = median_wall_ms(baseline_prefill)
+            times[name] = median_wall_ms(baseline_prefill, cases.prefill_repeats)
             del holder[0]
         flops = prefill_flops_per_gpu(config, tp, sequences, length)
         roof = flops / PEAK_FLOPS * 1e3
@@ -188,20 +270,21 @@ def run_config(
         )
         print(results[-1], flush=True)
 
-    for cache_len in (1024, 8192):
-        for sequences in (8, 64):
+    steps = cases.steps
+    for cache_len in cases.decode_caches:
+        for sequences in cases.decode_sequences:
             if not wanted(f"decode {sequences} @ {cache_len}"):
                 continue
-            start = cache_len - STEPS - 1
+            start = cache_len - steps - 1
             times = {}
             rows, batch = decode_inputs(runner, sequences, start)
             caches = [runner.new_caches(sequences, cache_len)]
 
             def project_decode():
-                out, caches[0] = runner.decode(rows, batch, caches[0], key, STEPS, capacity=STEPS)
+                out, caches[0] = runner.decode(rows, batch, caches[0], key, steps, capacity=steps)
                 return out
 
-            times["project"] = median_wall_ms(project_decode, repeats=5) / STEPS
+            times["project"] = median_wall_ms(project_decode, cases.decode_repeats) / steps
             del caches[0]
             tokens = jax.device_put(np.zeros(sequences, np.int32), replicated)
             positions = jax.device_put(np.full(sequences, start, np.int32), replicated)
@@ -209,12 +292,12 @@ def run_config(
                 holder = [zero_caches(sequences, cache_len)]
 
                 def baseline_decode(decode=decode, holder=holder):
-                    out, holder[0] = decode(params, tokens, positions, holder[0], STEPS)
+                    out, holder[0] = decode(params, tokens, positions, holder[0], steps)
                     return out
 
-                times[name] = median_wall_ms(baseline_decode, repeats=5) / STEPS
+                times[name] = median_wall_ms(baseline_decode, cases.decode_repeats) / steps
                 del holder[0]
-            context = start + STEPS / 2
+            context = start + steps / 2
             nbytes = weight_bytes_per_gpu(config, tp) + kv_bytes_per_gpu(
                 config, tp, sequences, context
             )
@@ -259,31 +342,33 @@ def attention_kernels() -> None:
         print(f"| {sequences} @ {length} | " + " | ".join(cells) + " |")
 
 
-def generate_check(config: DecoderConfig, tp: int) -> None:
+def generate_check(config: DecoderConfig, tp: int, cases: Cases) -> None:
     """generate() per token (the decode part) against the jitted decode loop it calls."""
     topology = bj.Topology(attn_tp=tp)
     mesh = bj.make_mesh(topology)
     runner = ShardedCausalLM(build_model(config, topology, dtype=jnp.bfloat16, mesh=mesh), mesh)
     rng = np.random.default_rng(1)
-    prompts = [rng.integers(0, config.vocab_size, 64).tolist() for _ in range(64)]
-    new = 129
+    count, length = cases.generate_prompts, cases.generate_prompt_tokens
+    prompts = [rng.integers(0, config.vocab_size, length).tolist() for _ in range(count)]
+    new = cases.generate_new_tokens
+    repeats = cases.generate_repeats
     for n in (1, new):
         runner.generate(prompts, n)  # compile
-    one = median_wall_ms(lambda: runner.generate(prompts, 1), repeats=3)
-    full = median_wall_ms(lambda: runner.generate(prompts, new), repeats=3)
+    one = median_wall_ms(lambda: runner.generate(prompts, 1), repeats)
+    full = median_wall_ms(lambda: runner.generate(prompts, new), repeats)
     per_token = (full - one) / (new - 1)
-    rows, batch = decode_inputs(runner, 64, 64)
-    caches = [runner.new_caches(64, 256)]
+    rows, batch = decode_inputs(runner, count, length)
+    caches = [runner.new_caches(count, cases.generate_cache)]
 
     def loop():
         out, caches[0] = runner.decode(
-            rows, batch, caches[0], jax.random.key(0), new - 1, capacity=128
+            rows, batch, caches[0], jax.random.key(0), new - 1, capacity=new - 1
         )
         return out
 
-    step = median_wall_ms(loop, repeats=3) / (new - 1)
+    step = median_wall_ms(loop, repeats) / (new - 1)
     print(
-        f"\ngenerate(): 64 prompts of 64 tokens, {config.num_layers} layers TP {tp}: "
+        f"\ngenerate(): {count} prompts of {length} tokens, {config.num_layers} layers TP {tp}: "
         f"{per_token:.3f} ms per new token (generate({new}) - generate(1)) / {new - 1}; "
         f"jitted decode loop at the same shapes {step:.3f} ms per step: "
         f"ratio {per_token / step:.2f}"
@@ -291,12 +376,22 @@ def generate_check(config: DecoderConfig, tp: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--layers", type=int, nargs="+", default=[8])
-    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--layers", type=int, nargs="+", default=None, help="default: 8 (2 with --smoke)"
+    )
+    parser.add_argument(
+        "--tp",
+        type=int,
+        nargs="+",
+        default=None,
+        help=f"default: those of {DEFAULT_TP} that the visible devices hold",
+    )
     parser.add_argument("--no-generate", action="store_true")
     parser.add_argument("--kernels", action="store_true", help="decode attention kernels only")
-    parser.add_argument("--smoke", action="store_true", help="a tiny config (CPU check)")
+    parser.add_argument(
+        "--smoke", action="store_true", help="a tiny config and tiny cases (a CPU check, seconds)"
+    )
     parser.add_argument(
         "--scan", action="store_true", help="scanned layers in the project and the baselines"
     )
@@ -319,32 +414,35 @@ def main() -> None:
         help="fp8: the project's bf16 step against its FP8 step (benchmarks.bench_fp8, e2e)",
     )
     args = parser.parse_args()
+    base = SMOKE_CONFIG if args.smoke else LLAMA3_8B
+    layers_list = args.layers or [base.num_layers if args.smoke else 8]
     if args.quantize == "fp8":
-        fp8_args = ["--parts", "e2e", "--layers", str(args.layers[0])]
+        fp8_args = ["--parts", "e2e", "--layers", str(layers_list[0])]
         fp8_args += ["--smoke"] if args.smoke else []
         bench_fp8.main(fp8_args + (["--cases", *args.cases] if args.cases else []))
         return
+    devices = jax.device_count()
+    tps = args.tp or [tp for tp in DEFAULT_TP if tp <= devices]
+    if max(tps) > devices:
+        parser.error(
+            f"--tp {max(tps)} needs {max(tps)} devices; JAX sees {devices}. Pass a smaller "
+            "--tp, or simulate CPU devices with JAX_NUM_CPU_DEVICES"
+        )
     print(header("bench_e2e"))
+    left_out = [tp for tp in DEFAULT_TP if tp > devices] if args.tp is None else []
+    if left_out:
+        print(f"TP {left_out} left out of the default: JAX sees {devices} device(s)")
     if args.kernels:
         attention_kernels()
         return
+    cases = SMOKE_CASES if args.smoke else Cases()
     results, memory = [], []
-    for layers in args.layers:
-        for tp in args.tp:
-            config = dataclasses.replace(LLAMA3_8B, num_layers=layers)
-            if args.smoke:
-                config = dataclasses.replace(
-                    config,
-                    vocab_size=512,
-                    hidden_size=128,
-                    intermediate_size=256,
-                    num_heads=4,
-                    num_kv_heads=2,
-                    head_dim=32,
-                )
+    for layers in layers_list:
+        for tp in tps:
+            config = dataclasses.replace(base, num_layers=layers)
             for fusions in args.fusions:
                 gc.collect()  # the previous model and caches hold reference cycles
-                run_config(config, tp, results, memory, args.cases, args.scan, fusions)
+                run_config(config, tp, results, memory, cases, args.cases, args.scan, fusions)
     print("\n## Llama-3-8B shape, bf16: project vs one-jit GSPMD (ms; ratios are speedups)")
     print_table(
         (
@@ -362,7 +460,7 @@ def main() -> None:
     )
     print("\n" + "\n".join(memory))
     if not args.no_generate:
-        generate_check(config, max(args.tp))
+        generate_check(config, max(tps), cases)
 
 
 if __name__ == "__main__":
