@@ -62,6 +62,8 @@ from .common import (
     HBM_BYTES_PER_S,
     LLAMA3_8B,
     PEAK_FLOPS,
+    SMOKE_CASES,
+    Cases,
     decode_inputs,
     header,
     kernel_ms,
@@ -81,67 +83,33 @@ from .gspmd_baseline import (
 
 
 @dataclasses.dataclass(frozen=True)
-class Cases:
-    """The shapes a run measures: the GPU's by default, `SMOKE_CASES` for `--smoke`.
+class GenerateCheck:
+    """The shapes of the generate() check (`generate_check`).
 
     Attributes:
-      prefill_length: Tokens per prefill sequence.
-      prefill_sequences: Sequences of each prefill case ("prefill <sequences x length>").
-      decode_caches: Cache length of each decode case ("decode <sequences> @ <cache>").
-      decode_sequences: Sequences of each decode case, at every cache length.
-      steps: Greedy steps of one timed decode call.
-      prefill_repeats: Timed calls of a prefill case.
-      decode_repeats: Timed calls of a decode case (each runs `steps` steps).
-      generate_prompts: Prompts of the generate() check.
-      generate_prompt_tokens: Tokens per prompt of the generate() check.
-      generate_new_tokens: Tokens the generate() check samples per prompt.
-      generate_cache: Cache length of the generate() check's decode loop.
-      generate_repeats: Timed calls of each generate() check program.
+      prompts: Prompts generated from at once.
+      prompt_tokens: Tokens per prompt.
+      new_tokens: Tokens sampled per prompt.
+      cache: Cache length of the check's jitted decode loop.
+      repeats: Timed calls of each program.
     """
 
-    prefill_length: int = 512
-    prefill_sequences: tuple[int, ...] = (1, 8)
-    decode_caches: tuple[int, ...] = (1024, 8192)
-    decode_sequences: tuple[int, ...] = (8, 64)
-    steps: int = 32
-    prefill_repeats: int = 7
-    decode_repeats: int = 5
-    generate_prompts: int = 64
-    generate_prompt_tokens: int = 64
-    generate_new_tokens: int = 129
-    generate_cache: int = 256
-    generate_repeats: int = 3
+    prompts: int = 64
+    prompt_tokens: int = 64
+    new_tokens: int = 129
+    cache: int = 256
+    repeats: int = 3
 
     def __post_init__(self):
-        if min(self.decode_caches) <= self.steps:
+        if self.prompt_tokens + self.new_tokens > self.cache:
             raise ValueError(
-                f"every decode cache must hold more than {self.steps=} tokens (the loop starts "
-                f"steps + 1 before its end); got {self.decode_caches=}. Lengthen the caches "
-                "or take fewer steps"
-            )
-        if self.generate_prompt_tokens + self.generate_new_tokens > self.generate_cache:
-            raise ValueError(
-                f"generate_cache ({self.generate_cache}) must hold the prompt "
-                f"({self.generate_prompt_tokens}) and the new tokens "
-                f"({self.generate_new_tokens}); raise generate_cache"
+                f"cache ({self.cache}) must hold the prompt ({self.prompt_tokens}) and the new "
+                f"tokens ({self.new_tokens}); lengthen the cache"
             )
 
 
-SMOKE_CASES = Cases(
-    prefill_length=16,
-    prefill_sequences=(2,),
-    decode_caches=(16,),
-    decode_sequences=(4,),
-    steps=2,
-    prefill_repeats=1,
-    decode_repeats=1,
-    generate_prompts=2,
-    generate_prompt_tokens=8,
-    generate_new_tokens=3,
-    generate_cache=16,
-    generate_repeats=1,
-)
-"""`--smoke`: one packed prefill of two sequences and one decode case, each timed once."""
+SMOKE_GENERATE = GenerateCheck(prompts=2, prompt_tokens=8, new_tokens=3, cache=16, repeats=1)
+"""`--smoke`: the generate() check at 2 prompts of 8 tokens, timed once."""
 SMOKE_CONFIG = dataclasses.replace(
     LLAMA3_8B,
     num_layers=2,
@@ -154,6 +122,7 @@ SMOKE_CONFIG = dataclasses.replace(
 )
 """`--smoke`: the Llama shape shrunk to seconds of CPU compile time (`--layers` still applies)."""
 DEFAULT_TP = (1, 2)
+"""The TPs a run measures unless `--tp` says; those the visible devices cannot hold are left out."""
 
 FUSIONS = ("none", "auto", "pallas")
 
@@ -220,8 +189,8 @@ def run_config(
         return baseline_caches(config, topology, gspmd, slots=slots, length=length, scan=scan)
 
     length = cases.prefill_length
-    for sequences in cases.prefill_sequences:
-        if not wanted(f"prefill {sequences * length}"):
+    for case, sequences in cases.prefills():
+        if not wanted(case):
             continue
         prompts = rng.integers(0, config.vocab_size, (sequences, length)).astype(np.int32)
         packed = pack_sequences(list(prompts), topology, max_sequence_rows=length)
@@ -258,7 +227,7 @@ def run_config(
         results.append(
             (
                 label,
-                f"prefill {sequences * length}",
+                case,
                 times["project"],
                 times["cuDNN"],
                 times["jnp"],
@@ -271,51 +240,48 @@ def run_config(
         print(results[-1], flush=True)
 
     steps = cases.steps
-    for cache_len in cases.decode_caches:
-        for sequences in cases.decode_sequences:
-            if not wanted(f"decode {sequences} @ {cache_len}"):
-                continue
-            start = cache_len - steps - 1
-            times = {}
-            rows, batch = decode_inputs(runner, sequences, start)
-            caches = [runner.new_caches(sequences, cache_len)]
+    for case, sequences, cache_len in cases.decodes():
+        if not wanted(case):
+            continue
+        start = cache_len - steps - 1
+        times = {}
+        rows, batch = decode_inputs(runner, sequences, start)
+        caches = [runner.new_caches(sequences, cache_len)]
 
-            def project_decode():
-                out, caches[0] = runner.decode(rows, batch, caches[0], key, steps, capacity=steps)
+        def project_decode():
+            out, caches[0] = runner.decode(rows, batch, caches[0], key, steps, capacity=steps)
+            return out
+
+        times["project"] = median_wall_ms(project_decode, cases.decode_repeats) / steps
+        del caches[0]
+        tokens = jax.device_put(np.zeros(sequences, np.int32), replicated)
+        positions = jax.device_put(np.full(sequences, start, np.int32), replicated)
+        for name, (_, _, decode) in baselines.items():
+            holder = [zero_caches(sequences, cache_len)]
+
+            def baseline_decode(decode=decode, holder=holder):
+                out, holder[0] = decode(params, tokens, positions, holder[0], steps)
                 return out
 
-            times["project"] = median_wall_ms(project_decode, cases.decode_repeats) / steps
-            del caches[0]
-            tokens = jax.device_put(np.zeros(sequences, np.int32), replicated)
-            positions = jax.device_put(np.full(sequences, start, np.int32), replicated)
-            for name, (_, _, decode) in baselines.items():
-                holder = [zero_caches(sequences, cache_len)]
-
-                def baseline_decode(decode=decode, holder=holder):
-                    out, holder[0] = decode(params, tokens, positions, holder[0], steps)
-                    return out
-
-                times[name] = median_wall_ms(baseline_decode, cases.decode_repeats) / steps
-                del holder[0]
-            context = start + steps / 2
-            nbytes = weight_bytes_per_gpu(config, tp) + kv_bytes_per_gpu(
-                config, tp, sequences, context
+            times[name] = median_wall_ms(baseline_decode, cases.decode_repeats) / steps
+            del holder[0]
+        context = start + steps / 2
+        nbytes = weight_bytes_per_gpu(config, tp) + kv_bytes_per_gpu(config, tp, sequences, context)
+        roof = nbytes / HBM_BYTES_PER_S * 1e3
+        results.append(
+            (
+                label,
+                case,
+                times["project"],
+                times["cuDNN"],
+                times["jnp"],
+                times["cuDNN"] / times["project"],
+                times["jnp"] / times["project"],
+                f"{100 * roof / times['project']:.0f}% HBM",
+                "-",
             )
-            roof = nbytes / HBM_BYTES_PER_S * 1e3
-            results.append(
-                (
-                    label,
-                    f"decode {sequences} @ {cache_len}",
-                    times["project"],
-                    times["cuDNN"],
-                    times["jnp"],
-                    times["cuDNN"] / times["project"],
-                    times["jnp"] / times["project"],
-                    f"{100 * roof / times['project']:.0f}% HBM",
-                    "-",
-                )
-            )
-            print(results[-1], flush=True)
+        )
+        print(results[-1], flush=True)
 
 
 def attention_kernels() -> None:
@@ -342,23 +308,23 @@ def attention_kernels() -> None:
         print(f"| {sequences} @ {length} | " + " | ".join(cells) + " |")
 
 
-def generate_check(config: DecoderConfig, tp: int, cases: Cases) -> None:
+def generate_check(config: DecoderConfig, tp: int, check: GenerateCheck) -> None:
     """generate() per token (the decode part) against the jitted decode loop it calls."""
     topology = bj.Topology(attn_tp=tp)
     mesh = bj.make_mesh(topology)
     runner = ShardedCausalLM(build_model(config, topology, dtype=jnp.bfloat16, mesh=mesh), mesh)
     rng = np.random.default_rng(1)
-    count, length = cases.generate_prompts, cases.generate_prompt_tokens
+    count, length = check.prompts, check.prompt_tokens
     prompts = [rng.integers(0, config.vocab_size, length).tolist() for _ in range(count)]
-    new = cases.generate_new_tokens
-    repeats = cases.generate_repeats
+    new = check.new_tokens
+    repeats = check.repeats
     for n in (1, new):
         runner.generate(prompts, n)  # compile
     one = median_wall_ms(lambda: runner.generate(prompts, 1), repeats)
     full = median_wall_ms(lambda: runner.generate(prompts, new), repeats)
     per_token = (full - one) / (new - 1)
     rows, batch = decode_inputs(runner, count, length)
-    caches = [runner.new_caches(count, cases.generate_cache)]
+    caches = [runner.new_caches(count, check.cache)]
 
     def loop():
         out, caches[0] = runner.decode(
@@ -460,7 +426,7 @@ def main() -> None:
     )
     print("\n" + "\n".join(memory))
     if not args.no_generate:
-        generate_check(config, max(tps), cases)
+        generate_check(config, max(tps), SMOKE_GENERATE if args.smoke else GenerateCheck())
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ many back-to-back calls, which includes dispatch; the header line says which clo
 """
 
 import collections
+import dataclasses
 import datetime
 import glob
 import gzip
@@ -57,7 +58,66 @@ def attention_kernel() -> str:
     return "cudnn" if jax.default_backend() == "gpu" else "xla"
 
 
-# -- the Llama shape's rooflines and decode inputs ------------------------------------------
+# -- the Llama shape's cases, rooflines and decode inputs -----------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Cases:
+    """The whole-model cases `bench_e2e` and `bench_fp8` time: the GPU's by default, tiny ones
+    (`SMOKE_CASES`) for a CPU smoke run.
+
+    Attributes:
+      prefill_length: Tokens per prefill sequence.
+      prefill_sequences: Sequences of each prefill case ("prefill <sequences x length>").
+      decode_caches: Cache length of each decode case ("decode <sequences> @ <cache>").
+      decode_sequences: Sequences of each decode case, at every cache length.
+      steps: Greedy steps of one timed decode call (a jitted loop: dispatch is amortized).
+      prefill_repeats: Timed calls of a prefill case.
+      decode_repeats: Timed calls of a decode case.
+    """
+
+    prefill_length: int = 512
+    prefill_sequences: tuple[int, ...] = (1, 8)
+    decode_caches: tuple[int, ...] = (1024, 8192)
+    decode_sequences: tuple[int, ...] = (8, 64)
+    steps: int = 32
+    prefill_repeats: int = 7
+    decode_repeats: int = 5
+
+    def __post_init__(self):
+        if min(self.decode_caches, default=self.steps + 1) <= self.steps:
+            raise ValueError(
+                f"every decode cache must hold more than {self.steps=} tokens (the loop starts "
+                f"steps + 1 before its end); got {self.decode_caches=}. Lengthen the caches "
+                "or take fewer steps"
+            )
+
+    def prefills(self) -> tuple[tuple[str, int], ...]:
+        """(case name, sequences) of each prefill case."""
+        return tuple(
+            (f"prefill {sequences * self.prefill_length}", sequences)
+            for sequences in self.prefill_sequences
+        )
+
+    def decodes(self) -> tuple[tuple[str, int, int], ...]:
+        """(case name, sequences, cache length) of each decode case."""
+        return tuple(
+            (f"decode {sequences} @ {cache}", sequences, cache)
+            for cache in self.decode_caches
+            for sequences in self.decode_sequences
+        )
+
+
+SMOKE_CASES = Cases(
+    prefill_length=16,
+    prefill_sequences=(2,),
+    decode_caches=(16,),
+    decode_sequences=(4,),
+    steps=2,
+    prefill_repeats=1,
+    decode_repeats=1,
+)
+"""A smoke run's cases: one packed prefill of two sequences and one decode, each timed once."""
 
 
 def weight_bytes_per_gpu(config: DecoderConfig, tp: int) -> float:
