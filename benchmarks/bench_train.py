@@ -17,6 +17,7 @@ per second, and MFU: model FLOPs (6 x matmul parameters x tokens, plus causal at
 
 Run on the GPU machine from the repository root:
   python3 -m benchmarks.bench_train --layers 4 --tp 2
+  python3 -m benchmarks.bench_train --smoke   # CPU check: small-llama, 2 layers, 2 x 32 tokens
 """
 
 from __future__ import annotations
@@ -225,7 +226,9 @@ def run(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--tp", type=int, nargs="+", default=[2])
+    parser.add_argument(
+        "--tp", type=int, nargs="+", default=None, help="default: 2 (with --smoke, 2 if it fits)"
+    )
     parser.add_argument("--sequences", type=int, default=4)
     parser.add_argument("--length", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=10)
@@ -247,7 +250,23 @@ def main() -> None:
         help="pack without max_sequence_rows: the project's attention scores every pair of the "
         "packed rows (as before the bound existed)",
     )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a CPU check that the script runs: small-llama (or --preset), 2 layers, 2 x 32 "
+        "tokens, 2 steps (in place of --layers, --sequences, --length, --steps)",
+    )
     args = parser.parse_args()
+    devices = jax.device_count()
+    if args.smoke:
+        args.preset = args.preset or "small-llama"
+        args.layers, args.sequences, args.length, args.steps = 2, 2, 32, 2
+    args.tp = args.tp or [min(2, devices) if args.smoke else 2]
+    if max(args.tp) > devices:
+        parser.error(
+            f"--tp {max(args.tp)} needs {max(args.tp)} devices; JAX sees {devices}. Pass a "
+            "smaller --tp, or simulate CPU devices with JAX_NUM_CPU_DEVICES"
+        )
     kernel = attention_kernel() if args.attention == "platform" else "xla"
     base = LLAMA3_8B if args.preset is None else PRESETS[args.preset]
     name = "Llama-3-8B shape" if args.preset is None else args.preset
