@@ -52,8 +52,16 @@ from models.layers.moe.sparse import shared_expert
 from models.options import BuildOptions
 from models.serving.runtime import ShardedCausalLM
 
-from .bench_e2e import HBM_BYTES_PER_S, KERNEL, PEAK_FLOPS, auto_mesh
-from .common import header, paired_wall_ms, print_table, profile_into
+from .common import (
+    HBM_BYTES_PER_S,
+    PEAK_FLOPS,
+    attention_kernel,
+    header,
+    paired_wall_ms,
+    print_table,
+    profile_into,
+)
+from .gspmd_baseline import auto_mesh, rewrap, rms_norm
 
 STEPS = 32
 CACHE = 4096
@@ -119,16 +127,9 @@ SMOKE = DEEPSEEK_V2_LITE | {
 # -- the GSPMD baseline: the same model over global arrays, one jax.jit ----------------------
 
 
-def _rewrap(x: jax.Array, mesh: jax.sharding.Mesh) -> jax.Array:
-    """`x` viewed with the same spec on `mesh` (its device buffers, not a copy)."""
-    sharding = NamedSharding(mesh, x.sharding.spec)
-    shards = [shard.data for shard in x.addressable_shards]
-    return jax.make_array_from_single_device_arrays(x.shape, sharding, shards)
-
-
 def baseline_params(runner: ShardedCausalLM, mesh: jax.sharding.Mesh) -> dict:
     """The project's placed weights on the Auto-axes `mesh`, by layer and role."""
-    flat = {path: _rewrap(v[...], mesh) for path, v in nnx.to_flat_state(runner.state)}
+    flat = {path: rewrap(v[...], mesh) for path, v in nnx.to_flat_state(runner.state)}
     layers = []
     for index in range(runner.config.num_layers):
         layer = {
@@ -143,12 +144,6 @@ def baseline_params(runner: ShardedCausalLM, mesh: jax.sharding.Mesh) -> dict:
         "final_norm": flat[("final_norm", "weight")],
         "lm_head": flat[("lm_head", "kernel")],
     }
-
-
-def _rms(x, weight, eps):
-    xf = x.astype(jnp.float32)
-    normed = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (normed * weight.astype(jnp.float32)).astype(x.dtype)
 
 
 def make_baseline(config: DecoderConfig, impl):
@@ -171,19 +166,19 @@ def make_baseline(config: DecoderConfig, impl):
             q = h @ layer["attn/q_proj/kernel"]
         else:
             q_latent = h @ layer["attn/q_a_proj/kernel"]
-            q_latent = _rms(q_latent, layer["attn/q_a_layernorm/weight"], LATENT_NORM_EPS)
+            q_latent = rms_norm(q_latent, layer["attn/q_a_layernorm/weight"], LATENT_NORM_EPS)
             q = q_latent @ layer["attn/q_b_proj/kernel"]
         q = q.reshape(h.shape[0], heads, nope + rope)
         return q[..., :nope], rotate(q[..., nope:], positions)
 
     def latent(layer, h, positions):
         compressed = h @ layer["attn/kv_a_proj_with_mqa/kernel"]
-        c = _rms(compressed[:, :rank], layer["attn/kv_a_layernorm/weight"], LATENT_NORM_EPS)
+        c = rms_norm(compressed[:, :rank], layer["attn/kv_a_layernorm/weight"], LATENT_NORM_EPS)
         k_rope = rotate(compressed[:, None, rank:], positions)[:, 0]
         return jnp.concatenate([c, k_rope.astype(c.dtype)], axis=-1)
 
     def ffn(layer, x):
-        h = _rms(x, layer["post_attn_norm/weight"], eps)
+        h = rms_norm(x, layer["post_attn_norm/weight"], eps)
         if "mlp/router" not in layer:
             gate_up = h @ layer["mlp/gate_up_proj/kernel"].reshape(h.shape[1], -1)
             gate, up = jnp.split(gate_up, 2, axis=-1)
@@ -199,7 +194,7 @@ def make_baseline(config: DecoderConfig, impl):
         return x + out
 
     def logits(params, x):
-        x = _rms(x, params["final_norm"], eps)
+        x = rms_norm(x, params["final_norm"], eps)
         return (x @ params["lm_head"])[..., : config.vocab_size].astype(jnp.float32)
 
     def prefill(params, ids, caches):
@@ -208,7 +203,7 @@ def make_baseline(config: DecoderConfig, impl):
         x = params["embed"][ids.reshape(-1)]
         updated = []
         for index, layer in enumerate(params["layers"]):
-            h = _rms(x, layer["input_norm/weight"], eps)
+            h = rms_norm(x, layer["input_norm/weight"], eps)
             q_nope, q_rope = queries(layer, h, positions)
             lat = latent(layer, h, positions)
             if caches is not None:
@@ -231,7 +226,7 @@ def make_baseline(config: DecoderConfig, impl):
                 values.astype(k.dtype),
                 scale=mla.softmax_scale,
                 is_causal=True,
-                implementation=KERNEL,
+                implementation=attention_kernel(),
             )[..., :v_dim]
             x = x + out.reshape(batch * length, -1) @ layer["attn/o_proj/kernel"]
             x = ffn(layer, x)
@@ -255,7 +250,7 @@ def make_baseline(config: DecoderConfig, impl):
             x = params["embed"][tokens]
             updated = []
             for index, layer in enumerate(params["layers"]):
-                h = _rms(x, layer["input_norm/weight"], eps)
+                h = rms_norm(x, layer["input_norm/weight"], eps)
                 q_nope, q_rope = queries(layer, h, positions)
                 cache = (
                     caches[index]

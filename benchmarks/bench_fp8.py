@@ -5,7 +5,7 @@ Part "e2e" (also `bench_e2e --quantize fp8`): the project model with bf16 weight
 step, no fusions) and the same model with FP8 projection weights (`Fp8Quantization.for_platform`:
 the Triton decode kernel up to 16 rows, the Mosaic GPU wgmma kernel above; quantized reads fused
 into add + RMSNorm + quantize with `--fp8-fusions auto`): decode 8 and 64 sequences at a 1024-token
-cache (a jitted loop of `STEPS` greedy steps, time per step) and prefill 4096 tokens (8 x 512).
+cache (a jitted loop of 32 greedy steps, time per step) and prefill 4096 tokens (8 x 512).
 Rooflines: decode, the bytes a step reads (FP8: one byte per projection weight, its block scales,
 the bf16 LM head and KV cache) over 4.8 TB/s; prefill, the FLOPs over 990 (bf16) or 1979 (FP8)
 TFLOP/s. Targets (issue 25): decode >= 1.6x bf16 and >= 70% of the FP8 bytes' roofline; prefill
@@ -65,25 +65,26 @@ from pallas_kernels.grouped_matmul import default_grouped_matmul_impl
 from pallas_kernels.impl import Impl
 from pallas_kernels.quantize import quantize_blocks_reference, quantize_token_groups_reference
 
-from .bench_e2e import (
-    HBM_BYTES_PER_S,
-    PEAK_FLOPS,
-    STEPS,
-    _decode_inputs,
-    kv_bytes_per_gpu,
-    prefill_flops_per_gpu,
-    weight_bytes_per_gpu,
-)
 from .common import (
+    HBM_BYTES_PER_S,
     LLAMA3_8B,
+    PEAK_FLOPS,
+    SMOKE_CASES,
+    Cases,
+    decode_inputs,
     header,
     kernel_ms,
+    kv_bytes_per_gpu,
     median_wall_ms,
+    prefill_flops_per_gpu,
     print_table,
     profile_into,
     relative_error,
+    weight_bytes_per_gpu,
 )
 
+E2E_CASES = Cases(prefill_sequences=(8,), decode_caches=(1024,))
+"""Part e2e: decode 8 and 64 sequences at a 1024-token cache, prefill 8 x 512."""
 FP8_PEAK_FLOPS = 2 * PEAK_FLOPS
 SMOKE = False  # set by --smoke: tiny shapes, XLA and interpreted kernels on CPU
 MATMUL: Fp8MatmulImpl | None = None  # set by --matmul: the FP8 models' projections
@@ -122,9 +123,12 @@ def quantization() -> Fp8Quantization:
 # -- part e2e ----------------------------------------------------------------------------------
 
 
-def e2e(config: DecoderConfig, fp8_fusions: str, cases: list[str] | None) -> list[tuple]:
-    """bf16 and FP8 project steps of `config` at TP 1; rows of the results table."""
-    wanted = lambda case: cases is None or case in cases  # noqa: E731
+def e2e(
+    config: DecoderConfig, fp8_fusions: str, cases: Cases, only: list[str] | None
+) -> list[tuple]:
+    """bf16 and FP8 project steps of `config` at TP 1 on `cases` (those named in `only`, if
+    given): decode cases first, then prefill; rows of the results table."""
+    wanted = lambda case: only is None or case in only  # noqa: E731
     topology = bj.Topology()
     mesh = bj.make_mesh(topology)
     attention = AttentionImpl.for_platform(jax.default_backend())
@@ -159,52 +163,57 @@ def e2e(config: DecoderConfig, fp8_fusions: str, cases: list[str] | None) -> lis
     key = jax.device_put(jax.random.key(0), replicated)
     results = []
     bytes_of = {"bf16": weight_bytes_per_gpu, "fp8": fp8_weight_bytes_per_gpu}
-    for sequences in (8, 64):
-        cache_len = 1024
-        case = f"decode {sequences} @ {cache_len}"
+    steps = cases.steps
+    for case, sequences, cache_len in cases.decodes():
         if not wanted(case):
             continue
-        start = cache_len - STEPS - 1
+        start = cache_len - steps - 1
         times, roofs = {}, {}
         for name, runner in runners.items():
-            rows, batch = _decode_inputs(runner, sequences, start)
+            rows, batch = decode_inputs(runner, sequences, start)
             caches = [runner.new_caches(sequences, cache_len)]
 
             def decode():
-                out, caches[0] = runner.decode(rows, batch, caches[0], key, STEPS, capacity=STEPS)
+                out, caches[0] = runner.decode(rows, batch, caches[0], key, steps, capacity=steps)
                 return out
 
-            times[name] = median_wall_ms(decode, 5, label=f"{name} {case}") / STEPS
+            repeats = cases.decode_repeats
+            times[name] = median_wall_ms(decode, repeats, label=f"{name} {case}") / steps
             del caches[0]
             nbytes = bytes_of[name](config, 1) + kv_bytes_per_gpu(
-                config, 1, sequences, start + STEPS / 2
+                config, 1, sequences, start + steps / 2
             )
             roofs[name] = nbytes / HBM_BYTES_PER_S * 1e3 / times[name]
         results.append(_row(config, case, times, roofs, "HBM"))
         print(results[-1], flush=True)
-    if wanted("prefill 4096"):
+    length = cases.prefill_length
+    for case, sequences in cases.prefills():
+        if not wanted(case):
+            continue
         rng = np.random.default_rng(0)
-        prompts = list(rng.integers(0, config.vocab_size, (8, 512)).astype(np.int32))
+        prompts = list(rng.integers(0, config.vocab_size, (sequences, length)).astype(np.int32))
         times, roofs, logits = {}, {}, {}
         for name, runner in (*runners.items(), ("xla", checking)):
-            packed = pack_sequences(prompts, topology, max_sequence_rows=512)
+            packed = pack_sequences(prompts, topology, max_sequence_rows=length)
             rows, batch = runner.place(packed)
             logits[name] = runner.forward_placed(rows, batch)[packed.last_row_index()]
             if name == "xla":
                 break
             last_rows = runner.place_array(packed.last_row_index())
-            caches = [runner.new_caches(packed.decode_rows_per_rank, 512)]
+            caches = [runner.new_caches(packed.decode_rows_per_rank, length)]
 
             def prefill():
                 tokens, caches[0] = runner.prefill(rows, batch, caches[0], last_rows, key)
                 return tokens
 
-            times[name] = median_wall_ms(prefill, label=f"{name} prefill 4096")
+            label = f"{name} {case}"
+            times[name] = median_wall_ms(prefill, cases.prefill_repeats, label=label)
             del caches[0]
             peak = FP8_PEAK_FLOPS if name == "fp8" else PEAK_FLOPS
-            roofs[name] = prefill_flops_per_gpu(config, 1, 8, 512) / peak * 1e3 / times[name]
+            flops = prefill_flops_per_gpu(config, 1, sequences, length)
+            roofs[name] = flops / peak * 1e3 / times[name]
         error = relative_error(logits["fp8"], logits["xla"])
-        results.append(_row(config, "prefill 4096", times, roofs, "FLOP", error))
+        results.append(_row(config, case, times, roofs, "FLOP", error))
         print(results[-1], flush=True)
     return results
 
@@ -359,6 +368,8 @@ def matmul(k: int, n: int, rows_list, *, wide: bool = False) -> list[tuple]:
             variants += [(f"fp8 triton {t or 'table'}", triton, t) for t in sweeps[0]]
         if not wide:
             mosaic_sweep = mosaic_swap_sweep(rows) if rows <= SWAP_MAX_ROWS else sweeps[1]
+            if SMOKE:  # the table's pick and one more: each interpreted call takes a second
+                mosaic_sweep = mosaic_sweep[:2]
             variants += [
                 (f"fp8 mosaic {t or 'table'}", mosaic, t)
                 for t in mosaic_sweep
@@ -446,7 +457,7 @@ def main(argv=None) -> None:
                 "roofline bf16 / fp8",
                 "fp8 logits vs XLA fp8",
             ),
-            e2e(config, args.fp8_fusions, args.cases),
+            e2e(config, args.fp8_fusions, SMOKE_CASES if SMOKE else E2E_CASES, args.cases),
         )
     if "moe" in parts:
         print(f"\n## MoE layer {MOE}, 1 GPU: bf16 vs FP8 experts (ms)")

@@ -17,6 +17,7 @@ per second, and MFU: model FLOPs (6 x matmul parameters x tokens, plus causal at
 
 Run on the GPU machine from the repository root:
   python3 -m benchmarks.bench_train --layers 4 --tp 2
+  python3 -m benchmarks.bench_train --smoke   # CPU check: small-llama, 2 layers, 2 x 32 tokens
 """
 
 from __future__ import annotations
@@ -39,11 +40,16 @@ from models.layers.attention.self_attention import AttentionImpl
 from models.options import BuildOptions
 from models.training.trainer import TrainConfig, Trainer, state_shardings
 
-from .bench_e2e import _causal_jnp, _mlp, _qkv, _rewrap, _rms, auto_mesh, split_part
-from .common import LLAMA3_8B, header, print_table
-
-PEAK_FLOPS = 990e12
-KERNEL = "cudnn" if jax.default_backend() == "gpu" else "xla"
+from .common import LLAMA3_8B, PEAK_FLOPS, attention_kernel, header, print_table
+from .gspmd_baseline import (
+    auto_mesh,
+    causal_attention,
+    mlp_residual,
+    qkv,
+    rewrap,
+    rms_norm,
+    split_part,
+)
 
 
 def train_flops(config: DecoderConfig, sequences: int, length: int) -> float:
@@ -108,16 +114,16 @@ def make_baseline(
                 "wu": params[f"layers.{index}.mlp.up_proj.kernel"],
                 "wd": params[f"layers.{index}.mlp.down_proj.kernel"],
             }
-            h = _rms(x, layer["attn_norm"], eps)
-            q, k, v = _qkv(layer, h, positions, config)
+            h = rms_norm(x, layer["attn_norm"], eps)
+            q, k, v = qkv(layer, h, positions, config)
             q, k, v = (a.reshape(batch, length, *a.shape[1:]) for a in (q, k, v))
             if kernel == "cudnn":
                 out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=kernel)
             else:
-                out = _causal_jnp(q, k, v)
+                out = causal_attention(q, k, v)
             x = x + out.reshape(batch * length, -1) @ layer["wo"]
-            x = _mlp(layer, x, eps)
-        x = _rms(x, params["final_norm.weight"], eps)
+            x = mlp_residual(layer, x, eps)
+        x = rms_norm(x, params["final_norm.weight"], eps)
         logits = (x @ params["lm_head.kernel"])[:, : config.vocab_size].astype(jnp.float32)
         log_probs = jax.nn.log_softmax(logits, axis=-1)
         flat = labels.reshape(-1)
@@ -175,7 +181,7 @@ def run(
     # The baseline's own copy of the weights (the project's are donated each step).
     gspmd = auto_mesh(mesh)
     params = separate_projections(
-        {k: _rewrap(jnp.copy(v), gspmd) for k, v in trainer.state.params.items()}
+        {k: rewrap(jnp.copy(v), gspmd) for k, v in trainer.state.params.items()}
     )
     param_shardings = {k: NamedSharding(gspmd, v.sharding.spec) for k, v in params.items()}
     replicated = NamedSharding(gspmd, PartitionSpec())
@@ -223,7 +229,9 @@ def run(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--tp", type=int, nargs="+", default=[2])
+    parser.add_argument(
+        "--tp", type=int, nargs="+", default=None, help="default: 2 (with --smoke, 2 if it fits)"
+    )
     parser.add_argument("--sequences", type=int, default=4)
     parser.add_argument("--length", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=10)
@@ -245,8 +253,24 @@ def main() -> None:
         help="pack without max_sequence_rows: the project's attention scores every pair of the "
         "packed rows (as before the bound existed)",
     )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a CPU check that the script runs: small-llama (or --preset), 2 layers, 2 x 32 "
+        "tokens, 2 steps (in place of --layers, --sequences, --length, --steps)",
+    )
     args = parser.parse_args()
-    kernel = KERNEL if args.attention == "platform" else "xla"
+    devices = jax.device_count()
+    if args.smoke:
+        args.preset = args.preset or "small-llama"
+        args.layers, args.sequences, args.length, args.steps = 2, 2, 32, 2
+    args.tp = args.tp or [min(2, devices) if args.smoke else 2]
+    if max(args.tp) > devices:
+        parser.error(
+            f"--tp {max(args.tp)} needs {max(args.tp)} devices; JAX sees {devices}. Pass a "
+            "smaller --tp, or simulate CPU devices with JAX_NUM_CPU_DEVICES"
+        )
+    kernel = attention_kernel() if args.attention == "platform" else "xla"
     base = LLAMA3_8B if args.preset is None else PRESETS[args.preset]
     name = "Llama-3-8B shape" if args.preset is None else args.preset
     print(header(f"bench_train: {name}, {args.layers} layers, bf16, AdamW"))

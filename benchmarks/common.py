@@ -1,4 +1,4 @@
-"""Timing and reporting helpers shared by the GPU benchmarks.
+"""Timing, reporting and roofline helpers shared by the GPU benchmarks.
 
 Kernel times come from CUPTI (through Mosaic GPU's profiler): device time of the kernels a call
 launches, without host dispatch. Where CUPTI is unavailable they fall back to wall-clock time of
@@ -6,6 +6,7 @@ many back-to-back calls, which includes dispatch; the header line says which clo
 """
 
 import collections
+import dataclasses
 import datetime
 import glob
 import gzip
@@ -22,6 +23,13 @@ import numpy as np
 from jax.experimental.mosaic.gpu import profiler
 
 from models.config import DecoderConfig
+from models.inputs.rows import RowsPhase, TokenRows
+from models.serving.runtime import ShardedCausalLM
+
+HBM_BYTES_PER_S = 4.8e12
+"""One H200's HBM bandwidth: the decode rooflines' denominator."""
+PEAK_FLOPS = 990e12
+"""One H200's dense bf16 peak: the prefill and train rooflines' denominator."""
 
 LLAMA3_8B = DecoderConfig(
     architecture="LlamaForCausalLM",
@@ -41,6 +49,119 @@ LLAMA3_8B = DecoderConfig(
     max_position_embeddings=8192,
 )
 """The Llama-3-8B shape the benchmarks measure (random weights; no checkpoint)."""
+
+
+def attention_kernel() -> str:
+    """`jax.nn.dot_product_attention`'s implementation for the baselines: "cudnn" on GPU, "xla"
+    elsewhere (a CPU smoke run). Asked when called, so that importing a benchmark starts no
+    backend (a smoke run may still set the number of CPU devices)."""
+    return "cudnn" if jax.default_backend() == "gpu" else "xla"
+
+
+# -- the Llama shape's cases, rooflines and decode inputs -----------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Cases:
+    """The whole-model cases `bench_e2e` and `bench_fp8` time: the GPU's by default, tiny ones
+    (`SMOKE_CASES`) for a CPU smoke run.
+
+    Attributes:
+      prefill_length: Tokens per prefill sequence.
+      prefill_sequences: Sequences of each prefill case ("prefill <sequences x length>").
+      decode_caches: Cache length of each decode case ("decode <sequences> @ <cache>").
+      decode_sequences: Sequences of each decode case, at every cache length.
+      steps: Greedy steps of one timed decode call (a jitted loop: dispatch is amortized).
+      prefill_repeats: Timed calls of a prefill case.
+      decode_repeats: Timed calls of a decode case.
+    """
+
+    prefill_length: int = 512
+    prefill_sequences: tuple[int, ...] = (1, 8)
+    decode_caches: tuple[int, ...] = (1024, 8192)
+    decode_sequences: tuple[int, ...] = (8, 64)
+    steps: int = 32
+    prefill_repeats: int = 7
+    decode_repeats: int = 5
+
+    def __post_init__(self):
+        if min(self.decode_caches, default=self.steps + 1) <= self.steps:
+            raise ValueError(
+                f"every decode cache must hold more than {self.steps=} tokens (the loop starts "
+                f"steps + 1 before its end); got {self.decode_caches=}. Lengthen the caches "
+                "or take fewer steps"
+            )
+
+    def prefills(self) -> tuple[tuple[str, int], ...]:
+        """(case name, sequences) of each prefill case."""
+        return tuple(
+            (f"prefill {sequences * self.prefill_length}", sequences)
+            for sequences in self.prefill_sequences
+        )
+
+    def decodes(self) -> tuple[tuple[str, int, int], ...]:
+        """(case name, sequences, cache length) of each decode case."""
+        return tuple(
+            (f"decode {sequences} @ {cache}", sequences, cache)
+            for cache in self.decode_caches
+            for sequences in self.decode_sequences
+        )
+
+
+SMOKE_CASES = Cases(
+    prefill_length=16,
+    prefill_sequences=(2,),
+    decode_caches=(16,),
+    decode_sequences=(4,),
+    steps=2,
+    prefill_repeats=1,
+    decode_repeats=1,
+)
+"""A smoke run's cases: one packed prefill of two sequences and one decode, each timed once."""
+
+
+def weight_bytes_per_gpu(config: DecoderConfig, tp: int) -> float:
+    """Bytes of the weights a decode step reads per GPU (bf16; the embedding reads few rows)."""
+    h, d = config.hidden_size, config.head_dim
+    attn = h * d * (2 * config.num_heads + 2 * config.num_kv_heads)
+    mlp = 3 * h * config.intermediate_size
+    return 2 * (config.num_layers * (attn + mlp) + h * config.vocab_size) / tp
+
+
+def kv_bytes_per_gpu(config: DecoderConfig, tp: int, sequences: int, context: float) -> float:
+    """Bytes of bf16 KV cache a decode step reads per GPU, `context` tokens per sequence."""
+    per_token = 2 * 2 * config.num_kv_heads * config.head_dim * config.num_layers / tp
+    return sequences * context * per_token
+
+
+def prefill_flops_per_gpu(config: DecoderConfig, tp: int, sequences: int, length: int) -> float:
+    """Matmul and causal attention FLOPs of a prefill of `sequences` x `length` tokens, per GPU."""
+    h, d = config.hidden_size, config.head_dim
+    params = h * d * (2 * config.num_heads + 2 * config.num_kv_heads)
+    params += 3 * h * config.intermediate_size
+    tokens = sequences * length
+    matmul = 2 * tokens * params * config.num_layers
+    causal = 2 * 2 * config.num_heads * d * sequences * length * (length + 1) / 2
+    head = 2 * sequences * h * config.vocab_size
+    return (matmul + causal * config.num_layers + head) / tp
+
+
+def decode_inputs(runner: ShardedCausalLM, sequences: int, start: int):
+    """Placed DECODE rows: `sequences` slots at position `start`, and their batch facts."""
+    slots = sequences // runner.topology.attn_dp
+    ids = np.zeros(sequences, np.int32)
+    positions = np.full(sequences, start, np.int32)
+    segments = np.tile(np.arange(slots, dtype=np.int32), runner.topology.attn_dp)
+    rows = TokenRows(
+        runner.place_array(ids),
+        runner.place_array(positions),
+        runner.place_array(segments),
+        RowsPhase.DECODE,
+    )
+    return rows, runner.place_batch(np.full(runner.topology.attn_dp, slots, np.int32))
+
+
+# -- timing ---------------------------------------------------------------------------------
 
 
 def header(title: str) -> str:

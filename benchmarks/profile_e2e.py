@@ -23,13 +23,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 import boundary_jax as bj
 from models.build import build_model
 from models.inputs.rows import pack_sequences
-from models.layers.attention.kv_cache import KVCache
 from models.layers.attention.self_attention import AttentionImpl
 from models.options import BuildOptions
 from models.serving.runtime import ShardedCausalLM
 
-from .bench_e2e import LLAMA3_8B, _decode_inputs, auto_mesh, baseline_params, make_baseline
-from .common import kernel_table
+from .common import LLAMA3_8B, decode_inputs, kernel_table
+from .gspmd_baseline import auto_mesh, baseline_caches, baseline_params, make_baseline
 
 
 def main() -> None:
@@ -59,19 +58,11 @@ def main() -> None:
     params = baseline_params(runner, gspmd, scan=args.scan)
     _, prefill_step, decode = make_baseline(config, cudnn=True, scan=args.scan)
     replicated = NamedSharding(gspmd, PartitionSpec())
-    cache_spec = KVCache.partition_spec(topology)
-    cache_spec = NamedSharding(gspmd, PartitionSpec(None, *cache_spec) if args.scan else cache_spec)
     key = jax.device_put(jax.random.key(0), NamedSharding(mesh, PartitionSpec()))
     rng = np.random.default_rng(0)
 
     def zero_caches(slots, length):
-        shape = KVCache.global_shape(config, topology, slots=slots, max_len=length)
-        if args.scan:
-            shape = (config.num_layers, *shape)
-        zeros = lambda: jnp.zeros(shape, jnp.bfloat16, device=cache_spec)  # noqa: E731
-        if args.scan:
-            return (zeros(), zeros())
-        return [(zeros(), zeros()) for _ in range(config.num_layers)]
+        return baseline_caches(config, topology, gspmd, slots=slots, length=length, scan=args.scan)
 
     if args.case == "prefill":
         prompts = rng.integers(0, config.vocab_size, (8, 512)).astype(np.int32)
@@ -96,7 +87,7 @@ def main() -> None:
         }
     else:
         steps, sequences, cache_len = 8, args.sequences, args.cache
-        rows, batch = _decode_inputs(runner, sequences, cache_len - steps - 1)
+        rows, batch = decode_inputs(runner, sequences, cache_len - steps - 1)
         held = [runner.new_caches(sequences, cache_len)]
         tokens = jax.device_put(np.zeros(sequences, np.int32), replicated)
         positions = jax.device_put(np.full(sequences, cache_len - steps - 1, np.int32), replicated)

@@ -1,0 +1,1 @@
+"""Tests of the benchmark scripts: their smoke runs and their imports."""
