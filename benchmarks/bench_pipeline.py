@@ -243,7 +243,7 @@ def main(argv=None) -> None:
         sequences = [[(7 * i + j) % 1000 for j in range(512)] for i in range(8)]
     rows = measure(config, args.pp, args.tp, args.microbatches, sequences, args.repeats)
     print(
-        f"pipeline forward: {config.architecture.value} {args.layers} layers, pp={args.pp} "
+        f"pipeline forward: {config.architecture} {args.layers} layers, pp={args.pp} "
         f"tp={args.tp}, {args.microbatches} microbatches, {len(sequences)} sequences, "
         f"{jax.device_count()} {jax.default_backend()} devices"
     )

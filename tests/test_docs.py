@@ -4,6 +4,8 @@
 import ast
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -192,3 +194,63 @@ def test_docs_name_what_exists(doc):
         if (problem := _problem(span))
     ]
     assert not problems, "\n".join(problems)
+
+
+WORKED_FAMILY = r"""
+import importlib.util
+import sys
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 2)
+import numpy as np
+
+import boundary_jax as bj
+import models
+from models.config import read_hf_config, write_hf_config
+
+spec = importlib.util.spec_from_file_location("models.families.worked_example", sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = module
+spec.loader.exec_module(module)
+hf = {
+    "architectures": ["ReluSquaredForCausalLM"], "model_type": "relu_squared",
+    "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
+    "rope_theta": 1e4, "max_position_embeddings": 64,
+}
+config = read_hf_config(hf)
+assert read_hf_config(write_hf_config(config)) == config
+prompts = [[1, 2, 3, 4, 5], [6, 7]]
+logits = []
+for topology in (bj.Topology(), bj.Topology(attn_tp=2)):
+    mesh = bj.make_mesh(topology)
+    model = models.build_model(config, topology, seed=3)
+    logits.append(models.ShardedCausalLM(model, mesh).forward(prompts))
+    assert "layers.0.mlp.up_proj.kernel" in models.config.hf_name_map(config)
+np.testing.assert_allclose(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+assert np.abs(logits[0]).max() > 0
+print("ok")
+"""
+
+
+def test_the_worked_family_example_builds_and_runs_sharded(tmp_path):
+    """The "Adding a family" example of docs/architecture.md, as written, registers its family,
+    reads and writes its config, and runs on two ranks as on one (in a process of its own, so
+    the test registry stays as it is)."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text.split("## Adding a family", 1)[1].split("\n## ", 1)[0]
+    (example,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    family = tmp_path / "worked_example.py"
+    family.write_text(example)
+    script = tmp_path / "run.py"
+    script.write_text(WORKED_FAMILY)
+    result = subprocess.run(
+        [sys.executable, str(script), str(family)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines()[-1] == "ok"
