@@ -17,15 +17,14 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from boundary_jax import (
-    SumGroup,
-    Topology,
+from boundary_jax import SumGroup, Topology
+from boundary_jax.initializers import Normal, ZeroPadded, param
+from boundary_jax.ops import (
     gather_last_dim,
     shard_index,
     vocab_parallel_argmax,
     vocab_parallel_cross_entropy,
 )
-from boundary_jax.initializers import Normal, ZeroPadded, param
 
 from ..config import padded_vocab
 
