@@ -10,7 +10,8 @@ Run from the repository root (a few minutes on two cores)::
     /work/main/.venv/bin/python scripts/bad_inputs.py             # all, writes the table
     /work/main/.venv/bin/python scripts/bad_inputs.py --only mesh  # cases whose name has "mesh"
 
-`tests/models/test_bad_inputs.py` runs some of these cases in-process (`CASES`, `make_fixtures`).
+`tests/models/cli/test_bad_inputs.py` runs some of these cases in-process (`CASES`,
+`make_fixtures`).
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ def make_fixtures(tmp: Path) -> Path:
     (tmp / "blank.txt").write_text("\n  \n")
     (tmp / "binary.txt").write_bytes(b"\xff\xfe\x00bad")
     (tmp / "text.txt").write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    (tmp / "binary.bin").write_bytes(bytes(range(256)) * 4)
     (tmp / "empty.txt").write_text("")
     (tmp / "a_file").write_text("x")
     full = tmp / "full_out"
@@ -196,6 +198,16 @@ CASES = (
           "train --preset tiny-qwen3 --text {tmp}/empty.txt --steps 2 --out {tmp}/o",
           "no text in"),
     _case(OPT, "unknown preset", "plan --preset tiny-gpt", "invalid choice: 'tiny-gpt'"),
+    _case(OPT, "a misspelled option beside a missing required one",
+          "generate --checkpoint {text} --promt hi --max-new-tokens 2",
+          "unrecognized arguments: --promt \\(did you mean --prompt\\?\\)"),
+    _case(OPT, "--seq-len 1 (no next token)", f"{TRAIN} --steps 2 --seq-len 1 --out {{tmp}}/o",
+          "--seq-len: must be at least 2"),
+    _case(OPT, "--seq-len past the model's context",
+          f"{TRAIN} --steps 2 --seq-len 100000 --out {{tmp}}/o",
+          "--seq-len 100000 is longer than the model's context .*: 128"),
+    _case(F, "--text a binary file", "train --preset tiny-qwen3 --text {tmp}/binary.bin "
+          "--steps 2 --out {tmp}/o", "--text .*binary.bin is not UTF-8 text"),
     _case(OPT, "--steps 0", f"{TRAIN} --steps 0 --out {{tmp}}/o", "--steps: must be at least 1"),
     _case(OPT, "--log-every 0 (a division by zero)",
           f"{TRAIN} --steps 2 --log-every 0 --out {{tmp}}/o", "--log-every: must be at least 1"),

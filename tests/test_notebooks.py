@@ -2,7 +2,7 @@
 
 Under -m slow: each notebook starts a kernel that imports and compiles afresh (20-50 s apiece on
 two cores), and what they show runs by default elsewhere (the README example, the plan and
-collectives tests, tests/models/test_train.py and test_train_cli.py)."""
+collectives tests, tests/models/training/test_train.py and test_train_cli.py)."""
 
 from pathlib import Path
 

@@ -1,4 +1,4 @@
-"""The README's Python example runs as written."""
+"""The README's Python examples run as written."""
 
 import pathlib
 import re
@@ -18,3 +18,20 @@ def test_readme_example_runs(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[0] == "(16, 16)"
+
+
+def test_readme_python_api_example_runs():
+    """The README's Python block that loads a checkpoint and generates text runs from the
+    repository root and prints one continuation per prompt."""
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    (example,) = [block for block in blocks if "import models" in block]
+    result = subprocess.run(
+        [sys.executable, "-c", example],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=README.parent,
+    )
+    assert result.returncode == 0, result.stderr
+    (texts,) = [line for line in result.stdout.splitlines() if line.startswith("[")]
+    assert texts.startswith("['") and texts.endswith("']"), texts

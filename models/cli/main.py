@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import math
 import os
 import re
@@ -45,10 +46,36 @@ class UsageError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    """An argument parser whose errors end the command in one line, like every other error."""
+    """An argument parser whose errors end the command in one line, like every other error,
+    naming a misspelled option first (argparse would report a missing required option before
+    an unknown one: `--promt hi` as no prompt)."""
+
+    argv: tuple[str, ...] = ()
+
+    def parse_args(self, args=None, namespace=None):
+        _Parser.argv = tuple(sys.argv[1:] if args is None else args)
+        return super().parse_args(args, namespace)
 
     def error(self, message: str):
+        unknown = self._unknown_options()
+        if unknown and "required" in message:
+            hints = []
+            for option in unknown:
+                close = difflib.get_close_matches(option, list(self._option_string_actions), n=1)
+                hints.append(f"{option} (did you mean {close[0]}?)" if close else option)
+            message = f"unrecognized arguments: {' '.join(hints)}"
         raise UsageError(f"{message} (see {self.prog} --help)")
+
+    def _unknown_options(self) -> list[str]:
+        """The `--options` of the command line this parser does not know (after the command's
+        name, for a command's parser)."""
+        known = set(self._option_string_actions)
+        argv = self.argv[: self.argv.index("--")] if "--" in self.argv else self.argv
+        return [
+            token.split("=", 1)[0]
+            for token in argv
+            if token.startswith("--") and token.split("=", 1)[0] not in known
+        ]
 
 
 def _demo(args: argparse.Namespace) -> None:
@@ -279,9 +306,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     train_.add_argument(
         "--seq-len",
-        type=options.positive_int,
-        default=128,
-        help="tokens per sequence (default 128, at most the model's context)",
+        type=options.sequence_length,
+        default=None,
+        help="tokens per sequence, 2 or more (default: 128, or less where the model's context, "
+        "--batch-tokens or the text is shorter)",
     )
     train_.add_argument(
         "--lr", type=options.positive_float, default=3e-3, help="peak learning rate"

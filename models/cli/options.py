@@ -71,6 +71,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def sequence_length(text: str) -> int:
+    """`--seq-len`: an int >= 2 (a sequence of one token has no next token to predict)."""
+    value = _int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(
+            f"must be at least 2 (a one-token sequence has no next token to predict); got {text}"
+        )
+    return value
+
+
 def non_negative_int(text: str) -> int:
     """An int >= 0."""
     value = _int(text)

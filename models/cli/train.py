@@ -31,26 +31,83 @@ from . import commands, options
 from .interrupts import Interrupted, interruption, signals_deferred
 from .options import InputError
 
+DEFAULT_SEQ_LEN = 128
+"""Tokens per training sequence without `--seq-len` (less where the context, the step or the
+text is shorter)."""
 
-def read_text(path: str) -> list[bytes]:
-    """The bytes of a text file, or of every file under a directory (sorted by path)."""
+
+def read_text(path: str) -> tuple[list[str], list[Path]]:
+    """The UTF-8 text of a file, or of every text file under a directory (sorted by path),
+    and the files skipped there as not text (binary: not UTF-8, or holding a NUL byte).
+
+    Raises:
+      InputError: No such path, a file that is not text, or no text at all.
+    """
     source = Path(path)
     if source.is_file():
-        files = [source]
+        text = _text_of(source)
+        if text is None:
+            raise InputError(f"--text {path} is not UTF-8 text; give a text file or a directory")
+        texts, skipped = [text], []
     elif source.is_dir():
-        files = sorted(p for p in source.rglob("*") if p.is_file())
+        texts, skipped = [], []
+        for file in sorted(p for p in source.rglob("*") if p.is_file()):
+            text = _text_of(file)
+            if text is None:
+                skipped.append(file)
+            else:
+                texts.append(text)
     else:
         raise InputError(f"--text: no text file or directory at {path}")
-    texts = [file.read_bytes() for file in files]
     if not any(texts):
-        raise InputError(f"--text: no text in {path}: it is empty (or a directory of empty files)")
-    return texts
+        binary = f" ({len(skipped)} binary files skipped)" if skipped else ""
+        raise InputError(
+            f"--text: no text in {path}: it is empty (or a directory of empty files){binary}"
+        )
+    return texts, skipped
 
 
-def tokenize(texts: list[bytes], codec: TextCodec) -> np.ndarray:
+def _text_of(file: Path) -> str | None:
+    """The file's UTF-8 text, or None for a binary file."""
+    data = file.read_bytes()
+    if b"\x00" in data:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def tokenize(texts: list[str], codec: TextCodec) -> np.ndarray:
     """One int32 token stream of the texts (each encoded alone, then joined)."""
-    ids = [i for text in texts for i in codec.encode(text.decode("utf-8", errors="replace"))]
+    ids = [i for text in texts for i in codec.encode(text)]
     return np.asarray(ids, np.int32)
+
+
+def sequence_length(args: argparse.Namespace, context: int, tokens: int) -> int:
+    """The tokens per training sequence: `--seq-len` checked against the model's context, the
+    step (`--batch-tokens`) and the text; without it `DEFAULT_SEQ_LEN` or the smallest of those.
+
+    Raises:
+      InputError: `--seq-len` does not fit one of them (the message names which), or the text
+        holds fewer than 2 tokens.
+    """
+    if args.seq_len is None:
+        length = min(DEFAULT_SEQ_LEN, context, args.batch_tokens, tokens)
+        if length < 2:
+            raise InputError(f"--text {args.text} holds {tokens} token(s); training needs 2")
+        return length
+    limits = (
+        (context, "the model's context (max_position_embeddings)", "--seq-len"),
+        (args.batch_tokens, "--batch-tokens (a step holds whole sequences)", "--seq-len"),
+        (tokens, f"the {tokens} tokens of --text {args.text}", "--seq-len"),
+    )
+    for limit, what, option in limits:
+        if args.seq_len > limit:
+            raise InputError(
+                f"{option} {args.seq_len} is longer than {what}: {limit}; choose at most {limit}"
+            )
+    return args.seq_len
 
 
 def train(args: argparse.Namespace) -> None:
@@ -70,10 +127,11 @@ def train(args: argparse.Namespace) -> None:
     config = commands.source_config(args)
     options.check_output_directory("--out", args.out, overwrite=args.overwrite)
     codec = commands.codec(args, config)
-    tokens = tokenize(read_text(args.text), codec)
-    length = min(args.seq_len, config.max_position_embeddings, args.batch_tokens, len(tokens))
-    if length < 2:
-        raise InputError(f"--text {args.text} holds {len(tokens)} token(s); training needs 2")
+    texts, skipped = read_text(args.text)
+    if skipped:
+        out.log(f"--text: skipped {len(skipped)} binary files, e.g. {skipped[0]}")
+    tokens = tokenize(texts, codec)
+    length = sequence_length(args, config.max_position_embeddings, len(tokens))
     source = commands.checkpoint_dir(args)
     hf_config = None if source is None else read_hf_config_file(source)
     keep = [] if source is None else [source / n for n in TEXT_FILES if (source / n).is_file()]

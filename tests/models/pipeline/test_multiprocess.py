@@ -1,0 +1,194 @@
+"""The same model over 2 and 4 local processes under `jax.distributed` (tensor parallelism and the
+pipeline across processes, each process reading only its devices' checkpoint blocks) equals one
+process; processes that fail to join, die or lack the checkpoint end the run with an error."""
+
+import functools
+import json
+import pathlib
+import socket
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+import boundary_jax as bj
+from models.build import load_model
+from models.cli.launch import free_port_pair, launch
+from models.cli.main import main
+from models.distributed import JoinError, ProcessGroup
+from models.serving.runtime import ShardedCausalLM
+from tests.models.pipeline.multiprocess_worker import GOLDEN, NEW_TOKENS
+
+ROOT = pathlib.Path(__file__).parents[3]
+WORKER = "tests.models.pipeline.multiprocess_worker"
+
+# Launches on one machine interfere when they overlap (two at once failed with a gloo size
+# mismatch, each passing alone), so one xdist worker runs them all, one after another.
+pytestmark = pytest.mark.xdist_group("multiprocess")
+
+
+@functools.cache
+def one_process() -> tuple[np.ndarray, np.ndarray]:
+    """Logits and greedy tokens of the golden checkpoint in this one process (attention TP 2)."""
+    topology = bj.Topology(attn_tp=2)
+    mesh = bj.make_mesh(topology)
+    runner = ShardedCausalLM(load_model(GOLDEN, mesh), mesh)
+    prompts = json.loads((GOLDEN / "prompts.json").read_text())
+    return runner.forward(prompts), runner.generate(prompts, NEW_TOKENS)
+
+
+def checkpoint_bytes() -> int:
+    total = 0
+    for file in GOLDEN.glob("*.safetensors"):
+        with safe_open(str(file), framework="numpy") as tensors:
+            total += sum(tensors.get_tensor(name).nbytes for name in tensors.keys())  # noqa: SIM118
+    return total
+
+
+def _launch(monkeypatch, processes: int, layout: str, out: pathlib.Path, **options) -> int:
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    return launch(processes, [layout, str(out)], module=WORKER, **options)
+
+
+# Two processes run by default: each stage's TP group and each handoff cross them, and each
+# process reads its devices' checkpoint blocks. Four (each stage on two processes: the same
+# crossings, at twice the processes' start-up on a 2-core machine) run under -m slow.
+@pytest.mark.parametrize(
+    "processes,layout,share",
+    [
+        pytest.param(2, "twisted", 0.55, id="2-processes-tp-and-pp-across"),
+        pytest.param(
+            4, "stages", 0.4, id="4-processes-tp-within-pp-across", marks=pytest.mark.slow
+        ),
+    ],
+)
+def test_processes_give_the_one_process_logits_and_tokens(
+    monkeypatch, capfd, tmp_path, processes, layout, share
+):
+    """A two-stage pipeline over 2 processes (each stage's TP group and each handoff crossing
+    them) and over 4 (each stage on two processes) gives one process's logits (within 1e-5 of
+    the largest) and greedy tokens, which are transformers'; only process 0 prints, each
+    process reads only its devices' blocks of the checkpoint, a checkpoint missing on one
+    process raised on every process, and the pipeline waited for each program (gloo)."""
+    out = tmp_path / "result.npz"
+    assert _launch(monkeypatch, processes, layout, out) == 0
+    printed = [line for line in capfd.readouterr().out.splitlines() if line.strip()]
+    result = np.load(out)
+    logits, tokens = one_process()
+    reference = np.load(GOLDEN / "reference.npz")
+    assert np.max(np.abs(result["logits"] - logits)) <= 1e-5 * np.max(np.abs(logits))
+    np.testing.assert_array_equal(result["tokens"], tokens)
+    np.testing.assert_array_equal(result["tokens"], reference["generated"])
+    assert printed == [json.dumps(tokens.tolist())]
+    # Before loading, process 1 was given a checkpoint that is not there: every process raised.
+    assert np.all(result["raised"] == 1)
+    assert result["waited"]
+    read = result["read_bytes"]
+    assert len(read) == processes and np.all(read > 0)
+    assert np.all(read < share * checkpoint_bytes()), read
+
+
+@pytest.mark.parametrize(
+    "command,message",
+    [
+        (
+            ["generate", "--preset", "tiny-qwen3", "--prompt-ids", "ids.json"],
+            "the following arguments are required: --max-new-tokens",
+        ),
+        (
+            ["forward", "--preset", "tiny-qwen3", "--mesh", "pp=2,attn_tp=2", "--out", "x"],
+            "one of the arguments --input-ids --prompt --prompt-file is required",
+        ),
+        (["demo"], "the 8 devices of the demo do not split over 3 processes"),
+        (["launch", "--processes", "2", "--", "demo"], "not another launch"),
+    ],
+    ids=["missing option", "missing input", "uneven devices", "nested launch"],
+)
+def test_a_bad_launched_command_ends_in_one_line_before_any_process_starts(
+    monkeypatch, capsys, command, message
+):
+    """`launch` checks the command it would run (its options, and that its devices split
+    evenly over the processes) once, in the launcher: one line, exit 2, no process started."""
+    started = []
+    monkeypatch.setattr("models.cli.main.launch", lambda *args, **kwargs: started.append(args))
+    assert main(["launch", "--processes", "3", "--", *command]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], lines
+    assert not started
+
+
+def test_a_process_that_dies_before_joining_ends_the_launch(monkeypatch, capfd, tmp_path):
+    """The launcher stops the other processes and returns the failing one's exit code."""
+    assert _launch(monkeypatch, 2, "die", tmp_path / "none.npz", join_timeout=60) == 3
+    assert "process 1 exited with code 3; stopping processes [0]" in capfd.readouterr().err
+
+
+def test_a_process_that_never_joins_is_an_error_after_the_timeout():
+    """The roll call fails after the join timeout on either side, naming who is missing, before
+    JAX's coordination service is started (which would abort the process)."""
+    coordinator = f"127.0.0.1:{free_port_pair()}"
+    with pytest.raises(JoinError, match=r"processes \[1, 2\] of 3 did not join"):
+        ProcessGroup(coordinator, 3, 0, join_timeout=0.5).join()
+    with pytest.raises(JoinError, match="process 2: process 0 did not answer"):
+        ProcessGroup(coordinator, 3, 2, join_timeout=0.5).join()
+
+
+def test_the_process_group_is_read_from_the_environment():
+    """The four variables describe a group; a partial or malformed set is refused."""
+    environ = {
+        "BOUNDARY_JAX_COORDINATOR": "10.0.0.1:8476",
+        "BOUNDARY_JAX_NUM_PROCESSES": "4",
+        "BOUNDARY_JAX_PROCESS_ID": "3",
+    }
+    group = ProcessGroup.from_environment(environ)
+    assert group == ProcessGroup("10.0.0.1:8476", 4, 3)
+    assert ProcessGroup.from_environment(group.environment()) == group
+    assert ProcessGroup.from_environment({}) is None
+    with pytest.raises(ValueError, match="PROCESS_ID'] must be set"):
+        ProcessGroup.from_environment(
+            {"BOUNDARY_JAX_COORDINATOR": "h:1"} | {"BOUNDARY_JAX_NUM_PROCESSES": "2"}
+        )
+    with pytest.raises(ValueError, match=r"must be in \[0, BOUNDARY_JAX_NUM_PROCESSES\)"):
+        ProcessGroup.from_environment({**environ, "BOUNDARY_JAX_PROCESS_ID": "4"})
+    with pytest.raises(ValueError, match="host:port"):
+        ProcessGroup.from_environment({**environ, "BOUNDARY_JAX_COORDINATOR": "10.0.0.1"})
+
+
+def test_free_port_pair_gives_two_free_ports():
+    port = free_port_pair()
+    for candidate in (port, port + 1):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", candidate))
+
+
+class _Group:
+    """A process group of two whose join fails (the command line's view of one)."""
+
+    num_processes = 2
+
+    def join(self):
+        raise JoinError("processes [1] of 2 did not join 127.0.0.1:1 within 1 s; raise it\nmore")
+
+
+def test_the_command_line_reports_a_group_it_cannot_join_in_one_line(monkeypatch, capsys):
+    """Malformed group variables, a mesh whose devices do not split over the processes and a
+    failed join each end the command with one error line and exit code 2."""
+    args = ["plan", "--preset", "tiny-qwen3", "--mesh", "pp=2"]
+    monkeypatch.setenv("BOUNDARY_JAX_COORDINATOR", "nohost")
+    monkeypatch.setenv("BOUNDARY_JAX_NUM_PROCESSES", "2")
+    monkeypatch.setenv("BOUNDARY_JAX_PROCESS_ID", "0")
+    assert main(args) == 2
+    assert capsys.readouterr().err == (
+        "boundary-jax: error: bad process group variables: BOUNDARY_JAX_COORDINATOR is host:port "
+        "(e.g. 127.0.0.1:8476); got 'nohost'\n"
+    )
+    monkeypatch.setattr(ProcessGroup, "from_environment", staticmethod(_Group))
+    assert main(["plan", "--preset", "tiny-qwen3", "--mesh", "attn_tp=3"]) == 2
+    assert capsys.readouterr().err == (
+        "boundary-jax: error: the 3 devices of --mesh attn_tp=3 do not split over 2 processes; "
+        "give each process the same number\n"
+    )
+    assert main(args) == 2
+    assert capsys.readouterr().err == (
+        "boundary-jax: error: processes [1] of 2 did not join 127.0.0.1:1 within 1 s; raise it\n"
+    )
