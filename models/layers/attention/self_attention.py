@@ -26,7 +26,7 @@ from boundary_jax.designs import Quantized
 from boundary_jax.initializers import Constant, param
 from boundary_jax.ops import shard_index, sharded_rms_norms
 
-from ...config import AttentionSpec, QkNorm
+from ...config import AttentionSpec, QkNorm, YarnRopeScaling
 from ...inputs.rows import RowsPhase
 from ..linear import DENSE_LINEARS, Linears
 from .attend import attend, attend_packed, causal_visibility
@@ -237,8 +237,11 @@ class Attention(nnx.Module):
         elif self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.spec.rope_theta is not None:
-            inv_freq = rope_inv_freq(head_dim, self.spec.rope_theta, self.spec.rope_scaling)
-            q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+            scaling = self.spec.rope_scaling
+            inv_freq = rope_inv_freq(head_dim, self.spec.rope_theta, scaling)
+            factor = scaling.attention_factor if isinstance(scaling, YarnRopeScaling) else 1.0
+            q = apply_rope(q, positions, inv_freq, attention_factor=factor)
+            k = apply_rope(k, positions, inv_freq, attention_factor=factor)
         valid = segment_ids >= 0
         cudnn = self._takes_cudnn(q.dtype)
         if self.topology.attn_cp > 1:
