@@ -8,7 +8,7 @@ nothing in `boundary_jax` imports lazily at all (inside a function or a TYPE_CHE
 
 import pytest
 
-from .source import ROOT, SOURCE_PACKAGES, files, imports, module_name
+from .source_tree import ROOT, SOURCE_PACKAGES, files, imports, module_name
 
 FLOORS = {
     "boundary_jax": (

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from .source import MODULES, ROOT, SOURCE_PACKAGES, files, imports, module_name
+from .source_tree import MODULES, ROOT, SOURCE_PACKAGES, files, imports, module_name
 
 MAX_LINES = 600
 
