@@ -1,0 +1,68 @@
+"""The ungated MLP, `down(act(up(x)))` (relu^2, xIELU, ...), split over the full TP group; it
+returns an unreduced partial sum."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from boundary_jax import SumGroup, Topology
+from boundary_jax.designs import Quantized
+
+from .linear import DENSE_LINEARS, Linears, group_size
+
+
+class UngatedMlp(nnx.Module):
+    """`down(act(up(x)))` with the intermediate features split over full TP: transformers'
+    `NemotronHMLP` and `ArceeMLP` (relu^2), `ApertusMLP` (xIELU).
+
+    Full TP spans attention DP x CP x TP, so the input rows must be the same on every rank of
+    the group (the boundary gathers attention-DP rows before the FFN). The activation is
+    elementwise: each rank applies it to its own columns.
+
+    Attributes:
+      up_proj: [hidden, intermediate], columns split over `SumGroup.FULL_TP`.
+      down_proj: [intermediate, hidden], rows split over `SumGroup.FULL_TP`.
+      act_fn: The activation: a function (`activations.relu2`), or a module whose parameters
+        are the layer's (`activations.Xielu`, replicated on every rank).
+
+    The projections come from `linears` (dense by default; FP8 with `fp8_linear.Fp8Linears`);
+    both are drawn from N(0, init_std^2) (`linear.weight_init`; None: std 1/sqrt(fan_in)).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        activation: Callable[[jax.Array], jax.Array],
+        topology: Topology,
+        dtype: jnp.dtype = jnp.float32,
+        init_std: float | None = None,
+        linears: Linears = DENSE_LINEARS,
+        rngs: nnx.Rngs,
+    ):
+        tp = group_size(topology, SumGroup.FULL_TP)
+        if intermediate_size % tp:
+            raise ValueError(
+                f"intermediate_size ({intermediate_size}) must be a multiple of the full TP size "
+                f"({tp} = attn_dp x attn_cp x attn_tp); choose a mesh whose TP size divides it"
+            )
+        common = {
+            "group": SumGroup.FULL_TP,
+            "topology": topology,
+            "dtype": dtype,
+            "init_std": init_std,
+            "rngs": rngs,
+        }
+        self.up_proj = linears.column(hidden_size, intermediate_size, **common)
+        self.down_proj = linears.row(intermediate_size, hidden_size, **common)
+        self.act_fn = activation
+
+    def __call__(self, x: jax.Array | Quantized) -> jax.Array:
+        """[T, hidden] complete rows (or their FP8 `Quantized` form, for FP8 projections) ->
+        [T, hidden] partial, owing a sum over full TP."""
+        return self.down_proj(self.act_fn(self.up_proj(x)))
