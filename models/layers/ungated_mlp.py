@@ -10,14 +10,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from boundary_jax import SumGroup, Topology
-from boundary_jax.designs import Quantized
 
-from .linear import DENSE_LINEARS, Linears, group_size
+from .linear import ColumnParallelLinear, RowParallelLinear, group_size
 
 
 class UngatedMlp(nnx.Module):
     """`down(act(up(x)))` with the intermediate features split over full TP: transformers'
-    `NemotronHMLP` and `ArceeMLP` (relu^2), `ApertusMLP` (xIELU).
+    non-gated MLPs, `down_proj(act_fn(up_proj(x)))`.
 
     Full TP spans attention DP x CP x TP, so the input rows must be the same on every rank of
     the group (the boundary gathers attention-DP rows before the FFN). The activation is
@@ -29,8 +28,8 @@ class UngatedMlp(nnx.Module):
       act_fn: The activation: a function (`activations.relu2`), or a module whose parameters
         are the layer's (`activations.Xielu`, replicated on every rank).
 
-    The projections come from `linears` (dense by default; FP8 with `fp8_linear.Fp8Linears`);
-    both are drawn from N(0, init_std^2) (`linear.weight_init`; None: std 1/sqrt(fan_in)).
+    Both projections are dense, in the model's dtype (not FP8: they take no `linears`), drawn
+    from N(0, init_std^2) (`linear.weight_init`; None: std 1/sqrt(fan_in)).
     """
 
     def __init__(
@@ -42,7 +41,6 @@ class UngatedMlp(nnx.Module):
         topology: Topology,
         dtype: jnp.dtype = jnp.float32,
         init_std: float | None = None,
-        linears: Linears = DENSE_LINEARS,
         rngs: nnx.Rngs,
     ):
         tp = group_size(topology, SumGroup.FULL_TP)
@@ -58,11 +56,10 @@ class UngatedMlp(nnx.Module):
             "init_std": init_std,
             "rngs": rngs,
         }
-        self.up_proj = linears.column(hidden_size, intermediate_size, **common)
-        self.down_proj = linears.row(intermediate_size, hidden_size, **common)
+        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, **common)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, **common)
         self.act_fn = activation
 
-    def __call__(self, x: jax.Array | Quantized) -> jax.Array:
-        """[T, hidden] complete rows (or their FP8 `Quantized` form, for FP8 projections) ->
-        [T, hidden] partial, owing a sum over full TP."""
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """[T, hidden] complete rows -> [T, hidden] partial, owing a sum over full TP."""
         return self.down_proj(self.act_fn(self.up_proj(x)))

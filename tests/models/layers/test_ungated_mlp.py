@@ -10,8 +10,10 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import boundary_jax as bj
+from models.config import Activation
 from models.layers.activations import Xielu, relu2
 from models.layers.buffer import Buffer
+from models.layers.mlp import SwiGLU
 from models.layers.ungated_mlp import UngatedMlp
 from tests.models import make_mesh, run_sharded, sum_over, unsharded_copy
 
@@ -121,3 +123,10 @@ def test_ungated_rejects_intermediate_not_divisible_by_tp():
         UngatedMlp(
             16, 60, activation=relu2, topology=bj.Topology(attn_dp=2, attn_tp=4), rngs=nnx.Rngs(0)
         )
+
+
+@pytest.mark.parametrize("activation", [Activation.RELU2, Activation.XIELU])
+def test_swiglu_refuses_an_ungated_activation(activation):
+    """The gated MLP takes a gate activation only; an ungated one names the ungated MLP."""
+    with pytest.raises(ValueError, match="ungated activation is .*UngatedMlp"):
+        SwiGLU(16, 64, topology=bj.Topology(), activation=activation, rngs=nnx.Rngs(0))
