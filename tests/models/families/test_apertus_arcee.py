@@ -9,6 +9,8 @@ import pathlib
 import jax
 import numpy as np
 import pytest
+from flax import nnx
+from safetensors.numpy import load_file
 
 import boundary_jax as bj
 from models.build import build_model, load_model
@@ -29,6 +31,7 @@ from models.layers.ungated_mlp import UngatedMlp
 from models.options import BuildOptions
 from models.serving.runtime import ShardedCausalLM
 from models.training.trainer import TrainConfig, Trainer
+from models.weights import save_checkpoint
 from tests.models.families.test_decoder import golden, runner
 
 GOLDEN = pathlib.Path(__file__).parents[2] / "golden"
@@ -177,6 +180,23 @@ def test_scanned_layers_equal_transformers():
     assert isinstance(model.layers[1], bj.StackedLayers)  # layer 1 (0 and 2 alone)
     logits = ShardedCausalLM(model, mesh).forward(prompts)
     assert relative_error(logits, reference["logits"]) <= 1e-4
+
+
+def test_saved_checkpoint_holds_the_goldens_tensors(tmp_path):
+    """A loaded Apertus (scanned layers: a run's xIELU stacked) saves the golden's tensors
+    as they were: every name, shape (beta and eps scalars, the alphas [1]) and value."""
+    mesh = bj.make_mesh(bj.Topology())
+    model = load_model(GOLDEN / "apertus", mesh, BuildOptions(scan_layers=True))
+    state = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    params = {".".join(map(str, path)): variable.get_value() for path, variable in state}
+    save_checkpoint(model.config, params, tmp_path / "saved", scan_layers=True)
+    saved = load_file(tmp_path / "saved" / "model.safetensors")
+    want = load_file(GOLDEN / "apertus" / "model.safetensors")
+    assert saved.keys() == want.keys()
+    for name, value in want.items():
+        assert saved[name].shape == value.shape, name
+        np.testing.assert_array_equal(saved[name], value, err_msg=name)
+    assert want["model.layers.1.mlp.act_fn.beta"].shape == ()
 
 
 # --------------------------------------------------------------------------------------------
