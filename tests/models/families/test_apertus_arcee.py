@@ -14,6 +14,7 @@ from safetensors.numpy import load_file
 
 import boundary_jax as bj
 from models.build import build_model, load_model
+from models.cli.plan import collective_report
 from models.config import (
     PRESETS,
     Activation,
@@ -32,6 +33,7 @@ from models.options import BuildOptions
 from models.serving.runtime import ShardedCausalLM
 from models.training.trainer import TrainConfig, Trainer
 from models.weights import save_checkpoint
+from tests.boundary_jax.test_collectives import expected_layers
 from tests.models.families.test_decoder import golden, runner
 
 GOLDEN = pathlib.Path(__file__).parents[2] / "golden"
@@ -94,6 +96,22 @@ def test_context_parallel_equals_transformers(name):
     assert relative_error(run.forward(prompts), reference["logits"]) <= 1e-4
     tokens = run.generate(prompts, reference["generated"].shape[1])
     np.testing.assert_array_equal(tokens, reference["generated"])
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=[pytest.mark.slow] if n == "apertus" else []) for n in FAMILIES]
+)
+def test_each_layer_runs_the_dense_tables_collectives(name):
+    """On attention DP 2 x TP 2 every layer runs docs/collectives.md's dense rows and nothing
+    else: the ungated MLP (xIELU's replicated coefficients included) adds no collective (Arcee
+    by default, Apertus under -m slow)."""
+    topology = bj.Topology(attn_dp=2, attn_tp=2)
+    model = build_model(PRESETS[f"tiny-{name}"], topology)
+    report = collective_report(ShardedCausalLM(model, bj.make_mesh(topology)))
+    policy = model.options.reduction
+    for index, want in enumerate(expected_layers(2, 2, False, policy, model.config.num_layers)):
+        assert report.sequence(index) == want, f"layer {index}"
+    assert report.sequence(None) == ("all-gather",)  # the LM head's logits over attention TP
 
 
 def test_configs_read_what_the_checkpoints_hold_and_round_trip():
@@ -184,9 +202,11 @@ def test_models_hold_an_ungated_mlp_with_the_checkpoints_xielu():
     assert isinstance(runner("arcee", 2, 2, False).model.layers[0].mlp, UngatedMlp)
 
 
+@pytest.mark.slow
 def test_scanned_layers_equal_transformers():
     """With scanned layers (each run's parameters, xIELU's included, stacked on a layer axis)
-    Apertus on TP 2 still gives HF's logits."""
+    Apertus on TP 2 still gives HF's logits (by default the scanned load is checked by the
+    saved-checkpoint test below)."""
     prompts, reference = golden("apertus")
     mesh = bj.make_mesh(bj.Topology(attn_tp=2))
     model = load_model(GOLDEN / "apertus", mesh, BuildOptions(scan_layers=True))
