@@ -7,6 +7,7 @@ import json
 import pathlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -83,6 +84,17 @@ def test_logits_and_greedy_tokens_match_transformers(name, dp, tp, scattered):
         assert not np.any(logits[index, length:]), "logits past a sequence's end must be zero"
     tokens = run.generate(prompts, reference["generated"].shape[1])
     np.testing.assert_array_equal(tokens, reference["generated"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FAMILIES)
+def test_bfloat16_load_stays_close_to_transformers_bfloat16(name):
+    """A bfloat16 load (xIELU's coefficients in bf16 as in transformers) stays within bf16
+    rounding (5% of the largest logit) of HF in bf16."""
+    prompts, reference = golden(name)
+    logits = runner(name, 2, 2, False, jnp.bfloat16).forward(prompts)
+    scale = np.max(np.abs(reference["logits"]))
+    assert np.max(np.abs(logits - reference["logits_bf16"])) <= 0.05 * scale
 
 
 @pytest.mark.slow
