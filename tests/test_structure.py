@@ -89,6 +89,8 @@ PLAIN_FAMILIES = {
     "exaone4": r"exaone",
     "olmo2": r"olmo",
     "gemma3": r"gemma",
+    "apertus": r"apertus",
+    "arcee": r"arcee|\bafm\b",
 }
 """The families that bring no new kind of layer, and how a file names them."""
 

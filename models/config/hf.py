@@ -40,8 +40,8 @@ def refuse_true(config: Mapping[str, Any], architecture: str, keys: tuple[str, .
 
 
 def read_activation(config: Mapping[str, Any], supported: Activation, *keys: str) -> Activation:
-    """The gated MLP's activation the first present of `keys` names (`hidden_act` by
-    default), which must be `supported`.
+    """The MLP's activation the first present of `keys` names (`hidden_act` by default),
+    which must be `supported`.
 
     Raises:
       ValueError: Another activation.
@@ -50,7 +50,8 @@ def read_activation(config: Mapping[str, Any], supported: Activation, *keys: str
     name = next((config[key] for key in keys if config.get(key)), supported.value)
     if name != supported.value:
         raise ValueError(
-            f"the gated MLP here computes {supported.label} only; got {keys[0]}={name!r}"
+            f"the {'gated ' if supported.gated else ''}MLP here computes {supported.label} "
+            f"only; got {keys[0]}={name!r}"
         )
     return supported
 

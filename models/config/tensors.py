@@ -182,6 +182,12 @@ GATED_MLP_TENSORS = {
     "mlp.down_proj.kernel": HFTensor("mlp.down_proj.weight", transpose=True),
 }
 """The gated MLP's projections (gate and up stacked in one parameter), layer-relative."""
+UNGATED_MLP_TENSORS = {
+    f"mlp.{name}_proj.kernel": HFTensor(f"mlp.{name}_proj.weight", transpose=True)
+    for name in ("up", "down")
+}
+"""The ungated MLP's projections (`layers.ungated_mlp.UngatedMlp` held as `mlp`),
+layer-relative."""
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # a buffer some older checkpoints store
 
 

@@ -41,15 +41,30 @@ class AttentionKind(enum.StrEnum):
 
 
 class Activation(enum.StrEnum):
-    """The gate activation of the gated MLP (Hugging Face `hidden_act` / `hidden_activation`)."""
+    """The dense MLP's activation (Hugging Face `hidden_act` / `hidden_activation`): of the gate
+    in a gated MLP (SiLU: SwiGLU; tanh GELU: GeGLU), or of the up projection in an ungated one
+    (relu^2, xIELU)."""
 
     SILU = "silu"
     GELU_TANH = "gelu_pytorch_tanh"
+    RELU2 = "relu2"
+    XIELU = "xielu"
 
     @property
     def label(self) -> str:
         """The activation's name in messages."""
-        return {Activation.SILU: "SiLU", Activation.GELU_TANH: "tanh GELU"}[self]
+        return {
+            Activation.SILU: "SiLU",
+            Activation.GELU_TANH: "tanh GELU",
+            Activation.RELU2: "relu^2",
+            Activation.XIELU: "xIELU",
+        }[self]
+
+    @property
+    def gated(self) -> bool:
+        """The MLP multiplies the activated gate by an up projection (`layers.mlp.SwiGLU`);
+        else it activates the up projection alone (`layers.ungated_mlp.UngatedMlp`)."""
+        return self in (Activation.SILU, Activation.GELU_TANH)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,7 +267,8 @@ class DecoderConfig:
         needs `qk_norm`.
       query_pre_attn_scalar: Attention scores are scaled by its inverse square root; None: by
         `head_dim ** -0.5`.
-      activation: The gated MLP's activation (SiLU: SwiGLU; GELU tanh: GeGLU).
+      activation: The dense MLP's activation (SiLU: SwiGLU; GELU tanh: GeGLU; relu^2 or xIELU:
+        an ungated MLP, which the family builds).
       initializer_range: The standard deviation of a fresh model's projections, embeddings and
         experts (HF `initializer_range`; norms start at ones, `1 + w` norms at zeros).
       hybrid: A hybrid stack's layer pattern and the facts of its Mamba2 and MoE layers (one

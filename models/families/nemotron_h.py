@@ -50,12 +50,12 @@ from ..decoder.designs import NormSpec, StageDesigns
 from ..decoder.layer import attend_rows
 from ..decoder.moe import MoeCausalLM
 from ..inputs.rows import TokenRows
-from ..layers.activations import ExpertActivation
+from ..layers.activations import ExpertActivation, relu2
 from ..layers.attention.kv_cache import KVCache
 from ..layers.attention.self_attention import Attention
 from ..layers.mixers.mamba2 import Mamba2Cache, Mamba2Mixer
 from ..layers.moe.deepseek_router import DeepseekMoeFfn
-from ..layers.relu2_mlp import Relu2Mlp
+from ..layers.ungated_mlp import UngatedMlp
 from ..options import BuildOptions
 
 ARCHITECTURE = "NemotronHForCausalLM"
@@ -289,7 +289,7 @@ class SingleStageLayer(nnx.Module):
       kind: The layer's stage.
       norm: The stage's input RMSNorm (HF `backbone.layers.{i}.norm`).
       mixer: The stage's compute (HF `backbone.layers.{i}.mixer`): a `Mamba2Mixer`, an
-        `Attention`, a `Relu2Mlp` or a `DeepseekMoeFfn`.
+        `Attention`, an `UngatedMlp` (relu^2) or a `DeepseekMoeFfn`.
       boundary: The stage's boundary.
     """
 
@@ -420,9 +420,10 @@ class NemotronHForCausalLM(MoeCausalLM):
                     rngs=rngs,
                 )
             case HybridLayer.MLP:
-                mixer = Relu2Mlp(
+                mixer = UngatedMlp(
                     config.hidden_size,
                     config.intermediate_size,
+                    activation=relu2,
                     topology=topology,
                     dtype=dtype,
                     rngs=rngs,

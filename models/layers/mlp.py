@@ -50,6 +50,11 @@ class SwiGLU(nnx.Module):
         linears: Linears = DENSE_LINEARS,
         rngs: nnx.Rngs,
     ):
+        if activation not in _ACTIVATIONS:
+            raise ValueError(
+                f"SwiGLU gates with {sorted(_ACTIVATIONS)}; got {activation=}. An ungated "
+                "activation is `layers.ungated_mlp.UngatedMlp`'s"
+            )
         tp = group_size(topology, SumGroup.FULL_TP)
         if intermediate_size % tp:
             raise ValueError(

@@ -170,7 +170,8 @@ def _tensors(config: DecoderConfig, params: Mapping[str, jax.Array], sources) ->
                 part_sources = [p for p in part_sources for _ in range(source.experts)]
             names = layer_source.tensor_names()
             for name, part, part_source in zip(names, parts, part_sources, strict=True):
-                value = np.ascontiguousarray(part.T if source.transpose else part)
+                # np.array, not np.ascontiguousarray: that makes a scalar (a buffer) [1].
+                value = np.array(part.T if source.transpose else part, order="C")
                 if part_source.rows is None:
                     tensors[name] = value
                 else:

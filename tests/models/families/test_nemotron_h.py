@@ -15,7 +15,7 @@ from flax import nnx
 
 import boundary_jax as bj
 import models.layers.mixers.mamba2
-import models.layers.relu2_mlp
+import models.layers.ungated_mlp
 from boundary_jax.report import parse_hlo
 from models.build import build_model, load_model
 from models.cli.main import main
@@ -306,10 +306,10 @@ def _experts_at_offset_zero(self, x, *, defer):
     return self.finalized(x, expert_offset=0, count_shared=True)
 
 
-HONEST = {"mlp": models.layers.relu2_mlp.Relu2Mlp.__call__}
+HONEST = {"mlp": models.layers.ungated_mlp.UngatedMlp.__call__}
 MUTANTS = {
     "the MLP's down projection reducing over attention TP": (
-        models.layers.relu2_mlp.Relu2Mlp,
+        models.layers.ungated_mlp.UngatedMlp,
         "__call__",
         _mlp_reducing_over_attention_tp,
         (MAMBA, 1, 4, 1),

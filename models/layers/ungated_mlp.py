@@ -1,7 +1,9 @@
-"""Nemotron-H's ungated MLP, `down(relu(up(x))^2)`, split over the full TP group; it returns an
-unreduced partial sum."""
+"""The ungated MLP, `down(act(up(x)))` (relu^2, xIELU, ...), split over the full TP group; it
+returns an unreduced partial sum."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -9,20 +11,25 @@ from flax import nnx
 
 from boundary_jax import SumGroup, Topology
 
-from .activations import ExpertActivation
 from .linear import ColumnParallelLinear, RowParallelLinear, group_size
 
 
-class Relu2Mlp(nnx.Module):
-    """`down(relu(up(x))^2)` (transformers' `NemotronHMLP`, `mlp_hidden_act` "relu2") with the
-    intermediate features split over full TP.
+class UngatedMlp(nnx.Module):
+    """`down(act(up(x)))` with the intermediate features split over full TP: transformers'
+    non-gated MLPs, `down_proj(act_fn(up_proj(x)))`.
 
     Full TP spans attention DP x CP x TP, so the input rows must be the same on every rank of
-    the group (the boundary gathers attention-DP rows before the FFN).
+    the group (the boundary gathers attention-DP rows before the FFN). The activation is
+    elementwise: each rank applies it to its own columns.
 
     Attributes:
       up_proj: [hidden, intermediate], columns split over `SumGroup.FULL_TP`.
       down_proj: [intermediate, hidden], rows split over `SumGroup.FULL_TP`.
+      act_fn: The activation: a function (`activations.relu2`), or a module whose parameters
+        are the layer's (`activations.Xielu`, replicated on every rank).
+
+    Both projections are dense, in the model's dtype (not FP8: they take no `linears`), drawn
+    from N(0, init_std^2) (`linear.weight_init`; None: std 1/sqrt(fan_in)).
     """
 
     def __init__(
@@ -30,8 +37,10 @@ class Relu2Mlp(nnx.Module):
         hidden_size: int,
         intermediate_size: int,
         *,
+        activation: Callable[[jax.Array], jax.Array],
         topology: Topology,
         dtype: jnp.dtype = jnp.float32,
+        init_std: float | None = None,
         rngs: nnx.Rngs,
     ):
         tp = group_size(topology, SumGroup.FULL_TP)
@@ -40,10 +49,17 @@ class Relu2Mlp(nnx.Module):
                 f"intermediate_size ({intermediate_size}) must be a multiple of the full TP size "
                 f"({tp} = attn_dp x attn_cp x attn_tp); choose a mesh whose TP size divides it"
             )
-        common = {"group": SumGroup.FULL_TP, "topology": topology, "dtype": dtype, "rngs": rngs}
+        common = {
+            "group": SumGroup.FULL_TP,
+            "topology": topology,
+            "dtype": dtype,
+            "init_std": init_std,
+            "rngs": rngs,
+        }
         self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, **common)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, **common)
+        self.act_fn = activation
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """[T, hidden] complete rows -> [T, hidden] partial, owing a sum over full TP."""
-        return self.down_proj(ExpertActivation.RELU2.apply(self.up_proj(x)))
+        return self.down_proj(self.act_fn(self.up_proj(x)))

@@ -1,0 +1,122 @@
+"""Arcee AFM (Hugging Face `ArceeForCausalLM`): grouped-query attention with YaRN RoPE where
+the config asks for it (its cos/sin factor included), and an ungated MLP, `down(relu(up(x))^2)`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax.numpy as jnp
+from flax import nnx
+
+from ..config import Activation, DecoderConfig, YarnRopeScaling
+from ..config.hf import plain_decoder, plain_decoder_json, read_activation, refuse_true
+from ..config.registry import add_presets, register
+from ..config.rope_scaling import PLAIN_ROPE, RopeType, read_rope
+from ..config.tensors import (
+    ATTENTION_TENSORS,
+    NORM_TENSORS,
+    UNGATED_MLP_TENSORS,
+    HFTensor,
+    decoder_tensor_names,
+)
+from ..decoder.model import CausalLM
+from ..layers.activations import relu2
+from ..layers.ungated_mlp import UngatedMlp
+
+ROPE_TYPES = PLAIN_ROPE | {RopeType.YARN}
+"""The RoPE kinds AFM configs name: YaRN (AFM-4.5B), or a plain one."""
+
+
+@register
+class ArceeForCausalLM(CausalLM):
+    """Arcee AFM: grouped-query attention, YaRN RoPE, an ungated relu^2 MLP.
+
+    FP8 is refused (`quantizable`): its ungated MLP's projections do not take the model's
+    `linears`.
+    """
+
+    architectures = ("ArceeForCausalLM",)
+    model_type = "arcee"
+    quantizable = False
+
+    @classmethod
+    def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:
+        """Reads the plain decoder's keys with relu^2 and a default, linear, llama3 or YaRN
+        RoPE.
+
+        Raises:
+          ValueError: Biases (`attention_bias`, `mlp_bias`), a `hidden_act` other than relu2,
+            another RoPE type, or a missing key.
+        """
+        architecture = cls.architectures[0]
+        refuse_true(hf_config, architecture, ("attention_bias", "mlp_bias"))
+        activation = read_activation(hf_config, Activation.RELU2)
+        rope = read_rope(hf_config, types=ROPE_TYPES)
+        return plain_decoder(hf_config, architecture, rope=rope, activation=activation)
+
+    @classmethod
+    def write_config(cls, config: DecoderConfig) -> dict[str, Any]:
+        return plain_decoder_json(config, cls.model_type) | {"mlp_bias": False}
+
+    @classmethod
+    def check_config(cls, config: DecoderConfig) -> None:
+        """Raises unless `config` has relu^2 and plain grouped-query attention (no q/k norm, bias
+        or window).
+
+        Raises:
+          ValueError: Another activation, q/k norms, q/k/v biases or a sliding window.
+        """
+        super().check_config(config)
+        if (
+            config.activation is not Activation.RELU2
+            or config.qk_norm
+            or config.qkv_bias
+            or config.sliding_window is not None
+        ):
+            raise ValueError(
+                "an ArceeForCausalLM config has relu^2 and no q/k norm, bias or window; got "
+                f"{config.activation=}, {config.qk_norm=}, {config.qkv_bias=}, "
+                f"{config.sliding_window=}"
+            )
+
+    @classmethod
+    def tensor_names(cls, config: DecoderConfig, *, scan_layers: bool) -> dict[str, HFTensor]:
+        dense = NORM_TENSORS[config.residual_design] | ATTENTION_TENSORS | UNGATED_MLP_TENSORS
+        return decoder_tensor_names(config, scan_layers=scan_layers, dense=dense)
+
+    def make_mlp(self, index: int, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> UngatedMlp:
+        """Layer `index`'s ungated relu^2 MLP."""
+        del index
+        config = self.config
+        return UngatedMlp(
+            config.hidden_size,
+            config.intermediate_size,
+            activation=relu2,
+            topology=self.topology,
+            dtype=dtype,
+            init_std=config.initializer_range,
+            rngs=rngs,
+        )
+
+
+TINY = DecoderConfig(
+    architecture="ArceeForCausalLM",
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=256,
+    num_layers=4,
+    num_heads=8,
+    num_kv_heads=2,
+    head_dim=8,
+    rms_norm_eps=1e-5,
+    rope_theta=1e4,
+    rope_scaling=YarnRopeScaling(factor=4.0, original_max_position_embeddings=512),
+    qk_norm=False,
+    tie_word_embeddings=False,
+    sliding_window=None,
+    max_position_embeddings=2048,
+    activation=Activation.RELU2,
+)
+# About 0.4M parameters: AFM-4.5B's shape (YaRN over 4x its pre-training context) made small.
+add_presets({"tiny-arcee": TINY})
