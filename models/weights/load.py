@@ -12,11 +12,14 @@ a device whose shard covers experts [a, b) (and a slice of their width) reads on
 and only that slice of each. A model built with `scan_layers` stacks a run of layers' parameters
 on a leading layer axis; each is read layer by layer, each device reading its shard of each.
 Projections that one matmul computes together (k and v; gate and up) are one parameter with a
-parts axis, each part read from its own tensor. A tensor that feeds several parameters (a Mamba2
-mixer's fused `in_proj`: z, x, B, C and dt) is read by row ranges (`HFTensor.rows`), each device
-reading only its rows of its range. The tensors a family's causal LM never reads (multi-token-
-prediction layers, zero-computation experts' weights: its `unread_tensors`) are skipped with a
-one-line notice.
+parts axis, each part read from its own tensor, or cut from one tensor that interleaves them
+(GPT-OSS's fused experts, `HFTensor.interleaved`): a device reads its columns of all parts at
+once. A checkpoint whose experts are stored fused (one tensor [experts, ...]) is read like any
+tensor, each device reading its experts' rows of it. A tensor that feeds several parameters (a
+Mamba2 mixer's fused `in_proj`: z, x, B, C and dt) is read by row ranges (`HFTensor.rows`), each
+device reading only its rows of its range. The tensors a family's causal LM never reads (multi-
+token-prediction layers, zero-computation experts' weights: its `unread_tensors`) are skipped with
+a one-line notice.
 """
 
 from __future__ import annotations
@@ -299,6 +302,15 @@ def _fitted_shape(
         if len(fitted) != 1:
             raise ValueError(f"the layers of {source.name} (parameter {path}) differ: {fitted}")
         return (len(parts), *fitted.pop())
+    if source.interleaved:  # the parts axis and the next one are one stored axis
+        axis, count = source.part_axis, len(source.parts)
+        if not 0 <= axis < len(shape) - 1 or shape[axis] != count:
+            raise ValueError(
+                f"parameter {path} interleaves {count} parts on axis {axis}; its shape is {shape}"
+            )
+        fused = (*shape[:axis], count * shape[axis + 1], *shape[axis + 2 :])
+        one = _fitted_shape(checkpoint, source.fused_parts(), path, fused)
+        return (*one[:axis], count, one[axis] // count, *one[axis + 1 :])
     if source.parts is not None:
         axis = source.part_axis
         if not 0 <= axis < len(shape) or shape[axis] != len(source.parts):
@@ -376,6 +388,19 @@ def _read_block(
         values = np.stack(
             [_read_block(checkpoint, part, shape[1:], logical[1:], dtype, inner) for part in parts]
         )
+    elif source.interleaved:  # one read of the columns of every part, then split
+        axis, count = source.part_axis, len(source.parts)
+        width = reads[axis + 1]
+        fused_read = slice(count * width.start, count * width.stop)
+        fused_index = (*reads[:axis], fused_read, *reads[axis + 2 :])
+        fuse = lambda sizes: (*sizes[:axis], count * sizes[axis + 1], *sizes[axis + 2 :])  # noqa: E731
+        values = _read_block(
+            checkpoint, source.fused_parts(), fuse(shape), fuse(logical), dtype, fused_index
+        )
+        split = (*values.shape[:axis], width.stop - width.start, count, *values.shape[axis + 1 :])
+        values = np.moveaxis(values.reshape(split), axis + 1, axis)[
+            (slice(None),) * axis + (reads[axis],)
+        ]
     elif source.parts is not None:  # the parts axis picks the parts; each gives the rest
         axis = source.part_axis
         parts = source.stacked_parts()[reads[axis]]
