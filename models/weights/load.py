@@ -19,7 +19,8 @@ tensor, each device reading its experts' rows of it. A tensor that feeds several
 Mamba2 mixer's fused `in_proj`: z, x, B, C and dt) is read by row ranges (`HFTensor.rows`), each
 device reading only its rows of its range. The tensors a family's causal LM never reads (multi-
 token-prediction layers, zero-computation experts' weights: its `unread_tensors`) are skipped with
-a one-line notice.
+a one-line notice. An MXFP4 checkpoint's packed tensors (`X_blocks`, `X_scales`) read as the float
+tensor `X` they encode, each device dequantizing only its shard (`models.weights.mxfp4`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from ..config import DecoderConfig, family_of, hf_name_map, read_hf_config
 from ..config.tensors import IGNORED_SUFFIXES, HFTensor
 from ..layers.fp8_linear import Fp8Quantization
 from .fp8 import FP8_DTYPE, STORED_FP8, Fp8Source, fp8_sources, read_stored_fp8, stored_fp8
+from .mxfp4 import Mxfp4Tensors, stored_mxfp4
 
 _LOG = logging.getLogger(__name__)
 CONFIG_FILE = "config.json"
@@ -437,6 +439,7 @@ class _Checkpoint(contextlib.AbstractContextManager):
         self._directory = directory
         self._files = contextlib.ExitStack()
         self._handles: dict[str, object] = {}
+        self._mxfp4 = Mxfp4Tensors({})
         index = directory / INDEX_FILE
         if index.is_file():
             weight_map = read_json(index)
@@ -452,12 +455,17 @@ class _Checkpoint(contextlib.AbstractContextManager):
             raise FileNotFoundError(
                 f"checkpoint directory {directory} has neither {SINGLE_FILE} nor {INDEX_FILE}"
             )
+        if (directory / CONFIG_FILE).is_file() and stored_mxfp4(directory):
+            self._mxfp4 = Mxfp4Tensors.of(self._file_of)
 
     @property
     def names(self) -> list[str]:
-        return list(self._file_of)
+        """The tensors' names, an MXFP4 pair's as the name of the tensor it encodes."""
+        return self._mxfp4.names(self._file_of)
 
     def shape(self, name: str, path: str) -> tuple[int, ...]:
+        if name in self._mxfp4.pairs:
+            return self._mxfp4.shape(name, lambda stored: self.shape(stored, path))
         if name not in self._file_of:
             raise ValueError(
                 f"checkpoint {self._directory} has no tensor {name!r}, needed for parameter {path}"
@@ -465,6 +473,8 @@ class _Checkpoint(contextlib.AbstractContextManager):
         return tuple(self._open(self._file_of[name]).get_slice(name).get_shape())
 
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        if name in self._mxfp4.pairs:
+            return self._mxfp4.read(name, index, self.read)
         tensor = self._open(self._file_of[name]).get_slice(name)
         if tensor.get_dtype() in STORED_FP8:  # the safetensors numpy reader cannot slice FP8
             return read_stored_fp8(self._directory / self._file_of[name], name, index)
