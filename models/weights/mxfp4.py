@@ -88,7 +88,7 @@ def dequantize_mxfp4(
     exponents = scales.astype(np.int32)[..., None] - SCALE_BIAS
     values = np.ldexp(pairs.reshape(*scales.shape, GROUP), exponents)
     values = values.reshape(*scales.shape[:-1], scales.shape[-1] * GROUP)
-    return np.swapaxes(values, -1, -2).astype(dtype)
+    return np.ascontiguousarray(np.swapaxes(values, -1, -2), dtype)
 
 
 def quantize_mxfp4(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -119,7 +119,8 @@ def quantize_mxfp4(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     codes = np.argmin(np.abs(np.abs(scaled)[..., None] - magnitudes), axis=-1).astype(np.uint8)
     codes |= np.where((scaled < 0) & (codes > 0), np.uint8(8), np.uint8(0))
     blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return blocks.astype(np.uint8), (exponent + SCALE_BIAS).astype(np.uint8)
+    scales = exponent + SCALE_BIAS
+    return np.ascontiguousarray(blocks, np.uint8), np.ascontiguousarray(scales, np.uint8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,6 +206,8 @@ def write_mxfp4_checkpoint(source_dir: str | Path, target_dir: str | Path) -> li
                     quantized.append(name)
                 else:
                     tensors[name] = value
+        # safetensors writes an array's buffer as it lies: C order only.
+        tensors = {name: np.ascontiguousarray(value) for name, value in tensors.items()}
         save_file(tensors, str(target / file), metadata={"format": "pt"})
         weight_map |= {name: file for name in tensors}
     if index is not None:
