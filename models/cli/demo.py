@@ -1,5 +1,6 @@
 """The main job: a small dense decoder, a small MoE decoder, a small hybrid (Nemotron-H)
-stack and a small DeepSeek-V3-style decoder (latent attention, DeepSeek's MoE) with random
+stack, a small DeepSeek-V3-style decoder (latent attention, DeepSeek's MoE) and a small GPT-OSS
+(attention sinks, alternating windows, biased clamped-SwiGLU experts) with random
 weights under several layouts (the MoE ones also with their experts split over expert
 parallelism, gathered or sent all-to-all; the DeepSeek one also with its dense layer fully
 data-parallel), each checked against one device, with the collectives each layout runs and
@@ -36,6 +37,7 @@ PRESET = "tiny-qwen3"
 MOE_PRESET = "tiny-qwen3-moe"
 HYBRID_PRESET = "tiny-nemotron-h"
 MLA_PRESET = "tiny-deepseek-v3"
+GPT_OSS_PRESET = "tiny-gpt-oss"
 P = bj.ReductionPolicy
 GATHER, ALL_TO_ALL = bj.MoeDispatch.GATHER, bj.MoeDispatch.ALL_TO_ALL
 
@@ -100,6 +102,15 @@ MLA_LAYOUTS = (
 )
 """The DeepSeek model's layouts: heads over attention TP, its dense layer over the TP group or
 fully data-parallel, its experts whole or over EP."""
+GPT_OSS_LAYOUTS = (
+    Layout("TP 4", 1, 4, moe_dispatch=GATHER),
+    Layout("TP 8, EP 8 gather", 1, 8, moe_ep=8, moe_dispatch=GATHER),
+    Layout("attention DP 2 x TP 4, EP 4 all-to-all", 2, 4, moe_ep=4, moe_dispatch=ALL_TO_ALL),
+    Layout("attention DP 8, EP 8 all-to-all", 8, 1, moe_ep=8, moe_dispatch=ALL_TO_ALL),
+)
+"""The GPT-OSS model's layouts: its sinks split with their heads, its o bias counted on one
+attention-TP rank, its experts (and their biases) whole, over EP with gathered rows, or sent
+all-to-all (with EP 4 on DP 2 x TP 4, each expert's width split over 2 ranks)."""
 SIMULATED_CPUS = 8
 """CPU devices the demo simulates for the layouts the machine's accelerators cannot hold."""
 
@@ -190,7 +201,10 @@ def demo_config(preset: str, layers: int) -> DecoderConfig:
     if moe is not None:
         dense = tuple(layer for layer in moe.mlp_only_layers if layer < layers)
         moe = dataclasses.replace(moe, mlp_only_layers=dense)
-    return dataclasses.replace(config, num_layers=layers, moe=moe)
+    kinds = config.layer_types
+    if kinds is not None:  # the pattern of attention kinds repeated or cut to `layers`
+        kinds = (kinds * layers)[:layers]
+    return dataclasses.replace(config, num_layers=layers, moe=moe, layer_types=kinds)
 
 
 def demo_prompts(vocab_size: int) -> list[list[int]]:
@@ -295,9 +309,11 @@ def run_demo(
         (MOE_PRESET, MOE_LAYOUTS),
         (HYBRID_PRESET, HYBRID_LAYOUTS),
         (MLA_PRESET, MLA_LAYOUTS),
+        (GPT_OSS_PRESET, GPT_OSS_LAYOUTS),
     )
     out.print(
-        f"[bold]boundary-jax demo[/]: {PRESET}, {MOE_PRESET}, {HYBRID_PRESET} and {MLA_PRESET} "
+        f"[bold]boundary-jax demo[/]: {PRESET}, {MOE_PRESET}, {HYBRID_PRESET}, {MLA_PRESET} "
+        f"and {GPT_OSS_PRESET} "
         f"({layers} layers, random weights), "
         f"{len(demo_prompts(PRESETS[PRESET].vocab_size))} ragged prompts, on {devices.describe()}"
     )

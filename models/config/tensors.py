@@ -48,6 +48,11 @@ class HFTensor:
         fused one; None for the whole tensor. Each device reads only its rows of those.
       part_rows: For stacked parts cut from ONE tensor (`name` without a `{part}` field), each
         part's `rows`; `parts` then only names them. None for parts of their own tensors.
+      interleaved: The stacked parts are interleaved in ONE tensor (`name` without a `{part}`
+        field): read in the parameter's layout, its axis `part_axis` runs over the parameter's
+        axes `part_axis` and `part_axis + 1` with the part fastest, so element j of part p is
+        at index `j * len(parts) + p` (GPT-OSS's fused experts: gate the even columns of
+        `gate_up_proj`, up the odd ones). Each device reads only its columns of the parts.
     """
 
     name: str
@@ -59,6 +64,7 @@ class HFTensor:
     part_axis: int | None = None
     rows: tuple[int, int] | None = None
     part_rows: tuple[tuple[int, int], ...] | None = None
+    interleaved: bool = False
 
     def __post_init__(self):
         stacked = "{expert}" in self.name
@@ -80,13 +86,19 @@ class HFTensor:
                 f"and no padded axis; got name={self.name!r}, layers={self.layers!r}, "
                 f"padded_axis={self.padded_axis!r}"
             )
-        named_parts = self.parts is not None and self.part_rows is None
+        if self.interleaved and (self.parts is None or self.part_rows is not None):
+            raise ValueError(
+                "interleaved parts need parts=(name, ...) and part_axis, and no part_rows; got "
+                f"parts={self.parts!r}, part_rows={self.part_rows!r}"
+            )
+        named_parts = self.parts is not None and self.part_rows is None and not self.interleaved
         if ("{part}" in self.name) != named_parts or (self.parts is None) != (
             self.part_axis is None
         ):
             raise ValueError(
                 "a stacked-parts HFTensor needs a {part} field in its name (or part_rows of one "
-                f"tensor), parts=(name, ...) and part_axis; got name={self.name!r}, "
+                "tensor), parts=(name, ...) and part_axis (interleaved parts of one tensor: no "
+                f"{{part}} field); got name={self.name!r}, "
                 f"parts={self.parts!r}, part_axis={self.part_axis!r}, "
                 f"part_rows={self.part_rows!r}"
             )
@@ -115,6 +127,11 @@ class HFTensor:
             for i in self.layers
         )
 
+    def fused_parts(self) -> HFTensor:
+        """The one tensor an interleaved-parts parameter is cut from, as a plain source (in
+        the parameter's layout less the parts axis, whose axis `part_axis` holds every part)."""
+        return dataclasses.replace(self, parts=None, part_axis=None, interleaved=False)
+
     def stacked_parts(self) -> tuple[HFTensor, ...]:
         """Per part of one layer's stacked-parts parameter, the source of its part."""
         if self.part_rows is not None:
@@ -133,7 +150,7 @@ class HFTensor:
         """The checkpoint tensors this parameter is made of, in parameter order."""
         if self.layers is not None:
             return tuple(name for part in self.layer_parts() for name in part.tensor_names())
-        if self.parts is not None:
+        if self.parts is not None and not self.interleaved:
             return tuple(name for part in self.stacked_parts() for name in part.tensor_names())
         if self.experts is None:
             return (self.name,)

@@ -89,6 +89,12 @@ class MoeConfig:
       routing: DeepSeek's router (`config.deepseek.DeepseekRouting`: grouped top-k, scaled
         weights, a correction bias) in place of the plain softmax top-k; its experts, top-k
         and renormalization are the fields above.
+      router_bias: The router's logits add a learned bias per expert.
+      expert_bias: Each routed expert's gate/up and down projections add a bias.
+      swiglu_limit: The routed experts compute the clamped SwiGLU `(up + 1) * gate *
+        sigmoid(swiglu_alpha * gate)`, gate clamped above at the limit and up to +-limit;
+        None for the plain SwiGLU.
+      swiglu_alpha: The clamped SwiGLU's sigmoid gain.
     """
 
     num_experts: int
@@ -100,8 +106,14 @@ class MoeConfig:
     mlp_only_layers: tuple[int, ...] = ()
     decoder_sparse_step: int = 1
     routing: DeepseekRouting | None = None
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self):
+        if self.swiglu_limit is not None and not self.swiglu_limit > 0:
+            raise ValueError(f"swiglu_limit must be positive or None; got {self.swiglu_limit}")
         for name in ("num_experts", "top_k", "expert_intermediate_size", "decoder_sparse_step"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -210,8 +222,10 @@ class AttentionSpec:
       unit_offset_norms: The q/k norms scale by `1 + weight`.
       scale: The factor of the attention scores (`head_dim ** -0.5`, or
         `query_pre_attn_scalar ** -0.5`).
-      qkv_bias: The q, k and v projections add a bias; o has none.
+      qkv_bias: The q, k and v projections add a bias.
       init_std: The standard deviation the projections are drawn with (HF `initializer_range`).
+      o_bias: The o projection adds a bias (counted once in the sum over attention TP).
+      sinks: Each head has a learned sink logit in its softmax's denominator.
     """
 
     hidden_size: int
@@ -227,6 +241,8 @@ class AttentionSpec:
     scale: float
     qkv_bias: bool
     init_std: float
+    o_bias: bool = False
+    sinks: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,7 +272,7 @@ class DecoderConfig:
       sliding_window: A row at position p attends to positions p - sliding_window < q <= p;
         None for full causal attention.
       max_position_embeddings: Longest context the model supports.
-      qkv_bias: The q, k and v projections add a bias; o has none.
+      qkv_bias: The q, k and v projections add a bias.
       moe: The sparse FFN of an MoE decoder, or None for a dense decoder.
       layer_types: Per layer, full or sliding-window attention; None: every layer slides when
         `sliding_window` is set, none otherwise.
@@ -282,6 +298,9 @@ class DecoderConfig:
         `1 + weight`.
       embedding_scale: The factor the embedding's output is multiplied by (in the embedding's
         dtype), or None.
+      o_bias: The attention's o projection adds a bias.
+      attention_sinks: Each attention head has a learned sink logit in its softmax's
+        denominator.
     """
 
     architecture: str
@@ -313,6 +332,8 @@ class DecoderConfig:
     residual_design: ResidualDesign = ResidualDesign.PRE_NORM
     unit_offset_norms: bool = False
     embedding_scale: float | None = None
+    o_bias: bool = False
+    attention_sinks: bool = False
 
     def __post_init__(self):
         if not isinstance(self.architecture, str) or not self.architecture:
@@ -459,6 +480,8 @@ class DecoderConfig:
             scale=scalar**-0.5,
             qkv_bias=self.qkv_bias,
             init_std=self.initializer_range,
+            o_bias=self.o_bias,
+            sinks=self.attention_sinks,
         )
 
     def layer_blocks(self, scan_layers: bool) -> tuple[LayerBlock, ...]:

@@ -380,11 +380,21 @@ class Fp8Linears:
         *,
         group: SumGroup,
         topology: Topology,
+        bias: bool = False,
         dtype: jnp.dtype = jnp.float32,
         init_std: float | None = None,
         rngs: nnx.Rngs,
     ) -> Fp8Linear:
-        """A row-parallel projection (input features split over `group`; a partial sum)."""
+        """A row-parallel projection (input features split over `group`; a partial sum).
+
+        Raises:
+          NotImplementedError: `bias` (FP8 row projections carry none).
+        """
+        if bias:
+            raise NotImplementedError(
+                "an FP8 row-parallel projection with a bias is not built; load the model "
+                "without FP8 quantization"
+            )
         return Fp8Linear(
             in_features,
             out_features,

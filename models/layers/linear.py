@@ -132,12 +132,17 @@ def project(x: jax.Array, kernel: jax.Array, bias: jax.Array | None) -> jax.Arra
 
 
 class RowParallelLinear(nnx.Module):
-    """`x @ kernel` with the input features split over `group`: returns this rank's partial sum.
+    """`x @ kernel (+ bias)` with the input features split over `group`: returns this rank's
+    partial sum.
 
     Attributes:
       kernel: [in_features, out_features] global; local [in_features / ranks, out_features].
         Drawn from N(0, init_std^2) (`weight_init`).
+      bias: [out_features], whole on every rank of `group`, or None. Every rank holds it but
+        only the group's first rank adds it to its partial sum, so the one sum over the group
+        counts it once. Drawn like the kernel, so a bias counted on every rank shows in tests.
       group: The group the input features are split over; the output owes a sum over it.
+      topology: The parallel topology (which rank is the group's first).
     """
 
     def __init__(
@@ -147,23 +152,31 @@ class RowParallelLinear(nnx.Module):
         *,
         group: SumGroup,
         topology: Topology,
+        bias: bool = False,
         dtype: jnp.dtype = jnp.float32,
         init_std: float | None = None,
         rngs: nnx.Rngs,
     ):
         entry = _split_entry(topology, group, in_features, "in_features")
+        init = weight_init(init_std, in_features)
         self.kernel = param(
-            weight_init(init_std, in_features),
-            (in_features, out_features),
-            dtype,
-            rngs=rngs,
-            sharding=(entry, None),
+            init, (in_features, out_features), dtype, rngs=rngs, sharding=(entry, None)
+        )
+        self.bias = (
+            param(init, (out_features,), dtype, rngs=rngs, sharding=(None,)) if bias else None
         )
         self.group = group
+        self.topology = topology
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        """This rank's [T, local in_features] -> [T, out_features] partial, unreduced over group."""
-        return x @ self.kernel[...]
+        """This rank's [T, local in_features] -> [T, out_features] partial, unreduced over group
+        (the bias on the group's first rank only)."""
+        y = x @ self.kernel[...]
+        if self.bias is None:
+            return y
+        first = shard_index(self.topology, self.group) == 0
+        bias = self.bias[...]
+        return y + jnp.where(first, bias, jnp.zeros_like(bias))[None]
 
     def of_activation(
         self, x: jax.Array, activation: Callable[[jax.Array], jax.Array]
@@ -203,6 +216,7 @@ class Linears(Protocol):
         *,
         group: SumGroup,
         topology: Topology,
+        bias: bool = False,
         dtype: jnp.dtype = jnp.float32,
         init_std: float | None = None,
         rngs: nnx.Rngs,
@@ -247,6 +261,7 @@ class DenseLinears:
         *,
         group: SumGroup,
         topology: Topology,
+        bias: bool = False,
         dtype: jnp.dtype = jnp.float32,
         init_std: float | None = None,
         rngs: nnx.Rngs,
@@ -257,6 +272,7 @@ class DenseLinears:
             out_features,
             group=group,
             topology=topology,
+            bias=bias,
             dtype=dtype,
             init_std=init_std,
             rngs=rngs,

@@ -35,6 +35,7 @@ from pallas_kernels.quantize import FP8_MAX, INVERSE_FP8_MAX
 from ..config import hf_name_map, read_hf_config
 from ..config.tensors import HFTensor
 from ..layers.fp8_linear import Fp8Quantization, Fp8Weights
+from .mxfp4 import MXFP4_METHOD
 
 BLOCK = 128
 FP8_DTYPE = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -65,8 +66,8 @@ def stored_fp8(checkpoint_dir: str | Path) -> bool:
     """
     config = json.loads((Path(checkpoint_dir) / "config.json").read_text())
     quantization = config.get("quantization_config")
-    if quantization is None:
-        return False
+    if quantization is None or quantization.get("quant_method") == MXFP4_METHOD:
+        return False  # MXFP4 experts load dequantized (`models.weights.mxfp4`)
     method = quantization.get("quant_method")
     blocks = quantization.get("weight_block_size")
     scheme = quantization.get("activation_scheme", "dynamic")

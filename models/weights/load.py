@@ -12,11 +12,15 @@ a device whose shard covers experts [a, b) (and a slice of their width) reads on
 and only that slice of each. A model built with `scan_layers` stacks a run of layers' parameters
 on a leading layer axis; each is read layer by layer, each device reading its shard of each.
 Projections that one matmul computes together (k and v; gate and up) are one parameter with a
-parts axis, each part read from its own tensor. A tensor that feeds several parameters (a Mamba2
-mixer's fused `in_proj`: z, x, B, C and dt) is read by row ranges (`HFTensor.rows`), each device
-reading only its rows of its range. The tensors a family's causal LM never reads (multi-token-
-prediction layers, zero-computation experts' weights: its `unread_tensors`) are skipped with a
-one-line notice.
+parts axis, each part read from its own tensor, or cut from one tensor that interleaves them
+(GPT-OSS's fused experts, `HFTensor.interleaved`): a device reads its columns of all parts at
+once. A checkpoint whose experts are stored fused (one tensor [experts, ...]) is read like any
+tensor, each device reading its experts' rows of it. A tensor that feeds several parameters (a
+Mamba2 mixer's fused `in_proj`: z, x, B, C and dt) is read by row ranges (`HFTensor.rows`), each
+device reading only its rows of its range. The tensors a family's causal LM never reads (multi-
+token-prediction layers, zero-computation experts' weights: its `unread_tensors`) are skipped with
+a one-line notice. An MXFP4 checkpoint's packed tensors (`X_blocks`, `X_scales`) read as the float
+tensor `X` they encode, each device dequantizing only its shard (`models.weights.mxfp4`).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from ..config import DecoderConfig, family_of, hf_name_map, read_hf_config
 from ..config.tensors import IGNORED_SUFFIXES, HFTensor
 from ..layers.fp8_linear import Fp8Quantization
 from .fp8 import FP8_DTYPE, STORED_FP8, Fp8Source, fp8_sources, read_stored_fp8, stored_fp8
+from .mxfp4 import Mxfp4Tensors, stored_mxfp4
 
 _LOG = logging.getLogger(__name__)
 CONFIG_FILE = "config.json"
@@ -299,6 +304,15 @@ def _fitted_shape(
         if len(fitted) != 1:
             raise ValueError(f"the layers of {source.name} (parameter {path}) differ: {fitted}")
         return (len(parts), *fitted.pop())
+    if source.interleaved:  # the parts axis and the next one are one stored axis
+        axis, count = source.part_axis, len(source.parts)
+        if not 0 <= axis < len(shape) - 1 or shape[axis] != count:
+            raise ValueError(
+                f"parameter {path} interleaves {count} parts on axis {axis}; its shape is {shape}"
+            )
+        fused = (*shape[:axis], count * shape[axis + 1], *shape[axis + 2 :])
+        one = _fitted_shape(checkpoint, source.fused_parts(), path, fused)
+        return (*one[:axis], count, one[axis] // count, *one[axis + 1 :])
     if source.parts is not None:
         axis = source.part_axis
         if not 0 <= axis < len(shape) or shape[axis] != len(source.parts):
@@ -376,6 +390,19 @@ def _read_block(
         values = np.stack(
             [_read_block(checkpoint, part, shape[1:], logical[1:], dtype, inner) for part in parts]
         )
+    elif source.interleaved:  # one read of the columns of every part, then split
+        axis, count = source.part_axis, len(source.parts)
+        width = reads[axis + 1]
+        fused_read = slice(count * width.start, count * width.stop)
+        fused_index = (*reads[:axis], fused_read, *reads[axis + 2 :])
+        fuse = lambda sizes: (*sizes[:axis], count * sizes[axis + 1], *sizes[axis + 2 :])  # noqa: E731
+        values = _read_block(
+            checkpoint, source.fused_parts(), fuse(shape), fuse(logical), dtype, fused_index
+        )
+        split = (*values.shape[:axis], width.stop - width.start, count, *values.shape[axis + 1 :])
+        values = np.moveaxis(values.reshape(split), axis + 1, axis)[
+            (slice(None),) * axis + (reads[axis],)
+        ]
     elif source.parts is not None:  # the parts axis picks the parts; each gives the rest
         axis = source.part_axis
         parts = source.stacked_parts()[reads[axis]]
@@ -412,6 +439,7 @@ class _Checkpoint(contextlib.AbstractContextManager):
         self._directory = directory
         self._files = contextlib.ExitStack()
         self._handles: dict[str, object] = {}
+        self._mxfp4 = Mxfp4Tensors({})
         index = directory / INDEX_FILE
         if index.is_file():
             weight_map = read_json(index)
@@ -427,12 +455,17 @@ class _Checkpoint(contextlib.AbstractContextManager):
             raise FileNotFoundError(
                 f"checkpoint directory {directory} has neither {SINGLE_FILE} nor {INDEX_FILE}"
             )
+        if (directory / CONFIG_FILE).is_file() and stored_mxfp4(directory):
+            self._mxfp4 = Mxfp4Tensors.of(self._file_of)
 
     @property
     def names(self) -> list[str]:
-        return list(self._file_of)
+        """The tensors' names, an MXFP4 pair's as the name of the tensor it encodes."""
+        return self._mxfp4.names(self._file_of)
 
     def shape(self, name: str, path: str) -> tuple[int, ...]:
+        if name in self._mxfp4.pairs:
+            return self._mxfp4.shape(name, lambda stored: self.shape(stored, path))
         if name not in self._file_of:
             raise ValueError(
                 f"checkpoint {self._directory} has no tensor {name!r}, needed for parameter {path}"
@@ -440,6 +473,8 @@ class _Checkpoint(contextlib.AbstractContextManager):
         return tuple(self._open(self._file_of[name]).get_slice(name).get_shape())
 
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        if name in self._mxfp4.pairs:
+            return self._mxfp4.read(name, index, self.read)
         tensor = self._open(self._file_of[name]).get_slice(name)
         if tensor.get_dtype() in STORED_FP8:  # the safetensors numpy reader cannot slice FP8
             return read_stored_fp8(self._directory / self._file_of[name], name, index)

@@ -162,7 +162,12 @@ def _tensors(config: DecoderConfig, params: Mapping[str, jax.Array], sources) ->
         layer_values = [value] if source.layers is None else list(value)
         for layer_source, layer_value in zip(source.layer_parts(), layer_values, strict=True):
             parts, part_sources = [layer_value], [layer_source]
-            if source.parts is not None:
+            if source.interleaved:  # the parts back into one axis, the part fastest
+                axis = source.part_axis
+                moved = np.moveaxis(layer_value, axis, axis + 1)
+                parts = [moved.reshape(*moved.shape[:axis], -1, *moved.shape[axis + 2 :])]
+                part_sources = [layer_source.fused_parts()]
+            elif source.parts is not None:
                 parts = list(np.moveaxis(layer_value, source.part_axis, 0))
                 part_sources = list(layer_source.stacked_parts())
             if source.experts is not None:  # each part, a stack of experts

@@ -89,6 +89,7 @@ SLOW_SMOKES = {
     "moe-fp8": ("bench_moe", ("--smoke", "--fp8"), 1, {"fp8 vs XLA fp8": 1}),
     "nemotron-h": ("bench_nemotron_h", ("--smoke",), 1, {"logit err": 2, "rel err": 2}),
     "deepseek": ("bench_deepseek", ("--smoke",), 1, {"GSPMD ms": 4}),
+    "gpt-oss": ("bench_gpt_oss", ("--smoke",), 1, {"GSPMD ms": 4}),
     "init": ("bench_init", ("--smoke",), 1, {"compile s": 2}),
     "train-1-device": ("bench_train", ("--smoke",), 1, {"gspmd ms": 1}),
     "train-2-devices": ("bench_train", ("--smoke",), 2, {"gspmd ms": 1}),

@@ -1,4 +1,10 @@
-"""Attention kernels on rows: causal visibility, masked softmax attention, packed prefill."""
+"""Attention kernels on rows: causal visibility, masked softmax attention, packed prefill.
+
+Each takes optional attention sinks: one learned logit per head that joins the softmax's
+denominator only (no value), so a head may put weight on nothing (GPT-OSS):
+
+    weights[s] = exp(score[s]) / (exp(sink) + sum_s' exp(score[s']))
+"""
 
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ def attend_packed(
     scale: float,
     max_sequence_rows: int | None = None,
     sliding_window: int | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Causal attention within each sequence of packed rows (the `jnp` prefill of `Attention`
     and of `models.layers.attention.latent`); v's head width may differ from q's.
@@ -52,6 +59,7 @@ def attend_packed(
       max_sequence_rows: Static bound on a sequence's rows, or None.
       sliding_window: A row attends to the `sliding_window` positions ending at its own; None
         for full causal attention.
+      sinks: [kv, group] each head's sink logit, or None.
 
     Returns:
       [T, kv, group, Dv].
@@ -65,7 +73,7 @@ def attend_packed(
         mask = segment_ids[:, None] == segment_ids[None, :]
         mask &= causal_visibility(positions, positions, sliding_window)
         mask &= (segment_ids >= 0)[:, None]
-        return attend(q, k, v, mask, "skd", scale)
+        return attend(q, k, v, mask, "skd", scale, sinks=sinks)
     blocks = -(-rows // block)
     pad = blocks * block - rows
 
@@ -85,7 +93,7 @@ def attend_packed(
     mask &= causal_visibility(where, windows(where, 0), sliding_window)
     mask &= (segments >= 0)[:, :, None]
     out = attend_blocks(
-        blocked(q, 0), windows(blocked(k, 0), 0), windows(blocked(v, 0), 0), mask, scale
+        blocked(q, 0), windows(blocked(k, 0), 0), windows(blocked(v, 0), 0), mask, scale, sinks
     )
     return out.reshape(blocks * block, *out.shape[2:])[:rows]
 
@@ -103,15 +111,18 @@ def attend(
     mask: jax.Array,
     key_axes: str,
     scale: float,
+    *,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Softmax(q k^T * scale) v with FP32 scores and weights.
 
     q is [T, kv, group, D]; keys/values are [S, kv, D] (`key_axes` "skd") or one set per row,
-    [T, S, kv, D] ("tskd"); mask is [T, S]. Returns [T, kv, group, D].
+    [T, S, kv, D] ("tskd"); mask is [T, S]; sinks (or None) is [kv, group], each head's sink
+    logit in the denominator. Returns [T, kv, group, D].
     """
     acc = accumulation_dtype(q.dtype)
     scores = jnp.einsum(f"tkgd,{key_axes}->tkgs", q, keys, preferred_element_type=acc)
-    probs = _masked_softmax(scores * scale, mask)
+    probs = _masked_softmax(scores * scale, mask, sinks)
     return jnp.einsum(
         f"tkgs,{key_axes}->tkgd", probs.astype(values.dtype), values, preferred_element_type=acc
     )
@@ -136,25 +147,39 @@ def attend_latent(
 
 
 def attend_blocks(
-    q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array, scale: float
+    q: jax.Array,
+    keys: jax.Array,
+    values: jax.Array,
+    mask: jax.Array,
+    scale: float,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """`attend` per query block: q [N, B, kv, group, D] against that block's keys and values
-    [N, S, kv, D] under mask [N, B, S]. Returns [N, B, kv, group, D]."""
+    [N, S, kv, D] under mask [N, B, S] (sinks as `attend`'s). Returns [N, B, kv, group, D]."""
     acc = accumulation_dtype(q.dtype)
     scores = jnp.einsum("nbkgd,nskd->nbkgs", q, keys, preferred_element_type=acc)
-    probs = _masked_softmax(scores * scale, mask)
+    probs = _masked_softmax(scores * scale, mask, sinks)
     return jnp.einsum(
         "nbkgs,nskd->nbkgd", probs.astype(values.dtype), values, preferred_element_type=acc
     )
 
 
-def _masked_softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
-    """Softmax of [..., T, kv, group, S] scores over S where `mask` [..., T, S] allows;
-    all-masked rows (padding) get all-zero weights, with no NaN in the value or its gradient."""
+def _masked_softmax(
+    scores: jax.Array, mask: jax.Array, sinks: jax.Array | None = None
+) -> jax.Array:
+    """Softmax of [..., T, kv, group, S] scores over S where `mask` [..., T, S] allows, with
+    each head's sink logit (`sinks` [kv, group], or None) in the denominator only; all-masked
+    rows (padding) get all-zero weights, with no NaN in the value or its gradient."""
     allowed = mask[..., :, None, None, :]
     scores = jnp.where(allowed, scores, -jnp.inf)
-    peak = lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
-    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+    peak = jnp.max(scores, axis=-1, keepdims=True)
+    sink = None
+    if sinks is not None:  # [..., 1, kv, group, 1], in the scores' dtype
+        sink = sinks.astype(scores.dtype).reshape((1,) * (scores.ndim - 3) + (*sinks.shape, 1))
+        peak = jnp.maximum(peak, sink)  # as transformers: the max over scores and sink
+    peak = lax.stop_gradient(jnp.where(jnp.isfinite(peak), peak, 0.0))
     weights = jnp.exp(scores - peak)
     total = jnp.sum(weights, axis=-1, keepdims=True)
+    if sink is not None:
+        total = total + jnp.exp(sink - peak)
     return weights / jnp.where(total > 0, total, 1.0)

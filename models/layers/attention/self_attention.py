@@ -10,6 +10,11 @@ the cache, if one is given, in place); a decode step has one row per cache slot,
 slot i's next token, and attends over the cache directly (no per-row copy of the cache).
 The attention itself runs through an `AttentionImpl`: plain `jnp` (the reference, and the CPU
 path) or cuDNN's fused attention (GPU; packed variable-length prefill and length-masked decode).
+
+With attention sinks (`AttentionSpec.sinks`: a learned logit per head in the softmax's
+denominator) the layer always runs the `jnp` form: cuDNN's fused attention has no sink term, so
+it never takes such a layer (`Attention.takes_cudnn`); a fused kernel with a sink (a Pallas
+flash attention adding `exp(sink - max)` to its running denominator) would be chosen there.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from jax import lax
 
 from boundary_jax import RMSNorm, SumGroup, Topology
 from boundary_jax.designs import Quantized
-from boundary_jax.initializers import Constant, param
+from boundary_jax.initializers import Constant, Normal, param
 from boundary_jax.ops import shard_index, sharded_rms_norms
 
 from ...config import AttentionSpec, QkNorm, YarnRopeScaling
@@ -48,7 +53,8 @@ class AttentionImpl(enum.Enum):
     XLA: plain `jnp` einsums with float32 scores (the reference; every platform, every dtype).
     CUDNN: cuDNN fused attention (GPU): packed variable-length causal prefill and decode over
     the cache with per-slot key lengths. Where cuDNN does not take the call (float32, a
-    sliding window, head_dim not a multiple of 8 or over 128) the layer uses XLA instead.
+    sliding window, attention sinks, head_dim not a multiple of 8 or over 128) the layer uses
+    XLA instead.
     """
 
     XLA = "xla"
@@ -87,7 +93,10 @@ class Attention(nnx.Module):
       kv_proj: [hidden, 2, kv heads * head_dim]: the k and v projections stacked (one matmul),
         split over attention TP or replicated (`heads`); its bias [2, kv heads * head_dim] (if
         any) with it, a replicated one cut to this rank's kv head.
-      o_proj: [heads * head_dim, hidden], rows split over attention TP.
+      o_proj: [heads * head_dim, hidden], rows split over attention TP; with `spec.o_bias` a
+        bias [hidden], whole on every rank and added by the first attention-TP rank only.
+      sinks: [heads] sink logits (`spec.sinks`), split over attention TP with their heads;
+        None without sinks.
       q_norm: RMSNorm of the queries before RoPE: per head (an `RMSNorm` [head_dim]), over the
         whole projection (a `WholeProjectionNorm`), or
         None.
@@ -146,9 +155,28 @@ class Attention(nnx.Module):
             hidden,
             group=SumGroup.ATTN_TP,
             topology=topology,
+            bias=spec.o_bias,
             dtype=dtype,
             init_std=spec.init_std,
             rngs=rngs,
+        )
+        if spec.sinks and topology.attn_cp > 1:
+            raise NotImplementedError(
+                "attention sinks are not built under attention CP (the CP ranks would each add "
+                f"the sink to their share of the denominator); got attn_cp={topology.attn_cp}. "
+                "Use a mesh with attn_cp=1"
+            )
+        # In the model's dtype, as transformers keeps them; they join the float32 scores.
+        self.sinks = (
+            param(
+                Normal(spec.init_std),
+                (spec.num_heads,),
+                dtype,
+                rngs=rngs,
+                sharding=(topology.shard_entry(SumGroup.ATTN_TP),),
+            )
+            if spec.sinks
+            else None
         )
         eps = spec.norm_eps
         if spec.qk_norm is QkNorm.WHOLE_PROJECTION:
@@ -243,7 +271,8 @@ class Attention(nnx.Module):
             q = apply_rope(q, positions, inv_freq, attention_factor=factor)
             k = apply_rope(k, positions, inv_freq, attention_factor=factor)
         valid = segment_ids >= 0
-        cudnn = self._takes_cudnn(q.dtype)
+        cudnn = self.takes_cudnn(q.dtype)
+        sinks = self._local_sinks()
         if self.topology.attn_cp > 1:
             out, cache = self._context_parallel(q, k, v, positions, segment_ids, cache, phase)
         elif phase is RowsPhase.PREFILL:
@@ -271,6 +300,7 @@ class Attention(nnx.Module):
                     scale=self.scale,
                     max_sequence_rows=max_sequence_rows,
                     sliding_window=self.spec.sliding_window,
+                    sinks=sinks,
                 )
         else:
             # Row i is slot i: write each row's key at its position, then read the cache as is.
@@ -283,7 +313,7 @@ class Attention(nnx.Module):
                 visible = causal_visibility(positions, key_positions, self.spec.sliding_window)
                 mask = visible & valid[:, None]
                 keys, values = cache.k.astype(q.dtype), cache.v.astype(v.dtype)
-                out = attend(self._grouped(q), keys, values, mask, "tskd", self.scale)
+                out = attend(self._grouped(q), keys, values, mask, "tskd", self.scale, sinks=sinks)
         # The jnp paths give padding rows zero weights. A cuDNN decode row of an idle slot
         # reads its slot's first key (finite values): masking it would cost a kernel per layer
         # and step, and the batch's token counts (or the caller) ignore that row.
@@ -377,10 +407,23 @@ class Attention(nnx.Module):
         """[T, heads, D] -> [T, kv, group, D]: query head n uses kv head n // group."""
         return q.reshape(q.shape[0], self.heads.local_kv_heads, -1, q.shape[-1])
 
-    def _takes_cudnn(self, dtype: jnp.dtype) -> bool:
-        """Whether cuDNN computes this layer's attention (else the `jnp` reference does)."""
+    def _local_sinks(self) -> jax.Array | None:
+        """This rank's heads' sink logits as [local kv heads, group] (`_grouped`'s head
+        order), or None without sinks."""
+        if self.sinks is None:
+            return None
+        return self.sinks[...].reshape(self.heads.local_kv_heads, -1)
+
+    def takes_cudnn(self, dtype: jnp.dtype) -> bool:
+        """Whether cuDNN computes this layer's attention (else the `jnp` reference does).
+
+        Never with attention sinks: cuDNN's fused attention has no sink term, and dropping it
+        would change every row's weights. A fused kernel with a sink belongs beside this
+        choice, as another `AttentionImpl`.
+        """
         return (
             self.impl is AttentionImpl.CUDNN
+            and not self.spec.sinks
             and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
             and self.spec.sliding_window is None
             and self.spec.head_dim % 8 == 0

@@ -11,6 +11,13 @@ the ranks. No collective and no mesh axis name here.
     expert_e(x) = (silu(x @ gate_e) * (x @ up_e)) @ down_e      (ExpertActivation.SWIGLU)
     expert_e(x) = relu(x @ up_e)^2 @ down_e                    (RELU2: Nemotron-H, no gate)
 
+An expert with biases (`ExpertBiases`: GPT-OSS) adds its gate/up bias before the activation and
+its down bias after the down projection; the activation may be another (`ClampedSwiGlu`). A rank
+holding a slice of an expert's width adds its slice of the gate/up bias (its columns are
+complete), and the down bias only where the caller says (`ExpertBiases.down` is zero on every
+rank of the width group but one), so the sum over the width ranks counts it once; an expert
+held elsewhere adds nothing (its rows come out zero).
+
 Each expert's gate and up projections are stored stacked, `gate_up` [experts, hidden, 2, width],
 so both are one matmul of 2 x width columns (the rows are read once), and a width slice over
 ranks cuts the same features out of both; an ungated (relu^2) expert stores its up projection
@@ -45,7 +52,31 @@ from pallas_kernels.grouped_matmul import (
 )
 
 from ..activations import ExpertActivation
+from ..clamped_swiglu import ClampedSwiGlu
 from .routing import MoeOutput, Routing, finalize
+
+Activation = ExpertActivation | ClampedSwiGlu
+"""What an expert computes between its projections."""
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["gate_up", "down"], meta_fields=[]
+)
+@dataclasses.dataclass(frozen=True)
+class ExpertBiases:
+    """The biases of a rank's experts.
+
+    Attributes:
+      gate_up: [local_experts, parts, width] added to the first projection's outputs (this
+        rank's width slice, stacked as `gate_up`'s parts).
+      down: [local_experts, hidden] added to the down projection's output: part of each
+        chosen expert's output, so the finalize weighs it by the routing weight. Zero on the
+        ranks that must not count it (all but one of an expert's width group).
+    """
+
+    gate_up: jax.Array
+    down: jax.Array
+
 
 CAPACITY_FACTORS = (1.25, 1.5)
 """`PADDED_BATCHED`'s capacities as multiples of the even share, smallest first."""
@@ -76,7 +107,8 @@ def expert_outputs(
     impl: GroupedMatmulImpl = GroupedMatmulImpl.RAGGED_DOT,
     even_share: float | None = None,
     tiling: Tiling | TilingTable | None = None,
-    activation: ExpertActivation = ExpertActivation.SWIGLU,
+    activation: Activation = ExpertActivation.SWIGLU,
+    biases: ExpertBiases | None = None,
 ) -> jax.Array:
     """Each (token, choice)'s expert output from the experts this rank holds, unweighted.
 
@@ -98,6 +130,7 @@ def expert_outputs(
       tiling: The Pallas grouped matmuls' tiling, as `pallas_kernels.grouped_matmul` takes it
         (a table by shape serves both projections); None for the tuned tables.
       activation: What each expert computes between its projections.
+      biases: The experts' biases, or None for none.
 
     Returns:
       [T, k, hidden] in `x.dtype`: row (t, j) is `down(silu(gate(x_t)) * up(x_t))` (or
@@ -105,7 +138,7 @@ def expert_outputs(
       `routing.experts[t, j]` over this rank's width slice if this rank holds that expert, zero
       otherwise. The sum over the ranks that split the experts and the width completes it.
     """
-    settings = (expert_offset, impl, even_share, tiling, activation)
+    settings = (expert_offset, impl, even_share, tiling, activation, biases)
     return _routed_outputs(x, routing, gate_up, down, *settings, lambda out: out)
 
 
@@ -121,7 +154,8 @@ def finalized_expert_outputs(
     even_share: float | None = None,
     dtype: jnp.dtype | None = None,
     tiling: Tiling | TilingTable | None = None,
-    activation: ExpertActivation = ExpertActivation.SWIGLU,
+    activation: Activation = ExpertActivation.SWIGLU,
+    biases: ExpertBiases | None = None,
 ) -> jax.Array:
     """`finalize(MoeOutput(expert_outputs(...), routing, shared), dtype)`, combined where the
     expert outputs are made: for a MoE that finalizes on the spot rather than handing the
@@ -142,20 +176,21 @@ def finalized_expert_outputs(
     def combine(outputs: jax.Array) -> jax.Array:
         return finalize(MoeOutput(outputs, routing, shared), dtype)
 
-    settings = (expert_offset, impl, even_share, tiling, activation)
+    settings = (expert_offset, impl, even_share, tiling, activation, biases)
     return _routed_outputs(x, routing, gate_up, down, *settings, combine)
 
 
 def _routed_outputs(
-    x, routing, gate_up, down, expert_offset, impl, even_share, tiling, activation, epilogue
+    x, routing, gate_up, down, expert_offset, impl, even_share, tiling, activation, biases, epilogue
 ):
     """`epilogue` of `expert_outputs`'s [T, k, hidden], applied inside PADDED_BATCHED's branch."""
     local, hidden, width = _check_expert_weights(x, gate_up, down, activation)
+    flat_biases = _flat_biases(biases, local, activation.parts * width, hidden)
     tokens, top_k = routing.experts.shape
     flat = routing.experts.reshape(-1) - expert_offset  # [T*k] local expert ids
     held = (flat >= 0) & (flat < local)
     if impl is GroupedMatmulImpl.DENSE:
-        dense = _dense_expert_outputs(x, flat, held, gate_up, down, activation)
+        dense = _dense_expert_outputs(x, flat, held, gate_up, down, activation, flat_biases)
         return epilogue(dense.reshape(tokens, top_k, hidden))
 
     def finish(rows: jax.Array) -> jax.Array:  # [T*k, hidden], held elsewhere unspecified
@@ -176,11 +211,14 @@ def _routed_outputs(
     weights = (gate_up.reshape(local, hidden, parts * width), down)  # gate | up as one matmul
 
     def grouped() -> jax.Array:
-        rows = grouped_expert_outputs(x, sorted_rows, weights, fallback, tiling, activation)
+        rows = grouped_expert_outputs(
+            x, sorted_rows, weights, fallback, tiling, activation, flat_biases
+        )
         return finish(rows)
 
     def padded(capacity: int) -> jax.Array:
-        return finish(padded_expert_outputs(x, sorted_rows, weights, capacity, activation))
+        rows = padded_expert_outputs(x, sorted_rows, weights, capacity, activation, flat_biases)
+        return finish(rows)
 
     if impl is not GroupedMatmulImpl.PADDED_BATCHED:
         return grouped()
@@ -216,12 +254,33 @@ def _check_expert_weights(x, gate_up, down, activation) -> tuple[int, int, int]:
     return local, hidden, width
 
 
-def _dense_expert_outputs(x, flat, held, gate_up, down, activation) -> jax.Array:
+def _flat_biases(
+    biases: ExpertBiases | None, local: int, columns: int, hidden: int
+) -> tuple[jax.Array, jax.Array] | None:
+    """`biases` as [local, parts x width] (the first matmul's columns) and [local, hidden],
+    checked; None for None."""
+    if biases is None:
+        return None
+    if biases.gate_up.size != local * columns or biases.down.shape != (local, hidden):
+        raise ValueError(
+            f"expert biases must be gate_up [local_experts={local}, parts, width] "
+            f"({columns} columns) and down [{local}, {hidden}]; got {biases.gate_up.shape=}, "
+            f"{biases.down.shape=}"
+        )
+    return biases.gate_up.reshape(local, columns), biases.down
+
+
+def _dense_expert_outputs(x, flat, held, gate_up, down, activation, biases) -> jax.Array:
     """[T*k, hidden]: every token through every local expert, then each row's own expert."""
     hp = jax.lax.Precision.HIGHEST
     projected = jnp.einsum("th,lhpi->tlpi", x, gate_up, precision=hp)
-    hidden_rows = activation.apply(projected.reshape(*projected.shape[:2], -1))
+    projected = projected.reshape(*projected.shape[:2], -1)
+    if biases is not None:
+        projected = projected + biases[0][None].astype(projected.dtype)
+    hidden_rows = activation.apply(projected)
     all_out = jnp.einsum("tli,lih->tlh", hidden_rows, down, precision=hp)  # [T, L, hidden]
+    if biases is not None:
+        all_out = all_out + biases[1][None].astype(all_out.dtype)
     local = gate_up.shape[0]
     top_k = flat.shape[0] // x.shape[0]
     mask = (flat[:, None] == jnp.arange(local)[None, :]) & held[:, None]  # [T*k, L]
@@ -255,16 +314,24 @@ def grouped_expert_outputs(
     weights: tuple[jax.Array, jax.Array],
     impl: GroupedMatmulImpl,
     tiling: Tiling | TilingTable | None = None,
-    activation: ExpertActivation = ExpertActivation.SWIGLU,
+    activation: Activation = ExpertActivation.SWIGLU,
+    biases: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     """[T*k, hidden] in (token, choice) order, through grouped matmuls over the sorted rows
-    (`weights`: gate | up [local, hidden, parts x width] and down); rows held elsewhere come
-    back unspecified (zero for RAGGED_DOT). One branch of `expert_outputs`."""
+    (`weights`: gate | up [local, hidden, parts x width] and down; `biases`, or None: gate |
+    up [local, parts x width] and down [local, hidden]); rows held elsewhere come back
+    unspecified (zero for RAGGED_DOT without biases). One branch of `expert_outputs`."""
     gate_up, down = weights
     sorted_x = jnp.take(x, rows.order // rows.top_k, axis=0)
     matmul = functools.partial(grouped_matmul, group_sizes=rows.sizes, impl=impl, tiling=tiling)
-    hidden_rows = activation.apply(matmul(sorted_x, gate_up))
-    return jnp.take(matmul(hidden_rows, down), rows.positions, axis=0)
+    projected = matmul(sorted_x, gate_up)
+    if biases is not None:  # each sorted row's own expert's bias
+        expert = jnp.take(rows.local_expert, rows.order)
+        projected = projected + jnp.take(biases[0], expert, axis=0).astype(projected.dtype)
+    out = matmul(activation.apply(projected), down)
+    if biases is not None:
+        out = out + jnp.take(biases[1], expert, axis=0).astype(out.dtype)
+    return jnp.take(out, rows.positions, axis=0)
 
 
 def padded_expert_outputs(
@@ -272,7 +339,8 @@ def padded_expert_outputs(
     rows: SortedRows,
     weights: tuple[jax.Array, jax.Array],
     capacity: int,
-    activation: ExpertActivation = ExpertActivation.SWIGLU,
+    activation: Activation = ExpertActivation.SWIGLU,
+    biases: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     """As `grouped_expert_outputs`, through batched matmuls over [local experts, `capacity`,
     hidden]: expert e's rows in its first `sizes[e]` places (each at most `capacity`), the
@@ -294,6 +362,10 @@ def padded_expert_outputs(
     # Full precision keeps float32 models exact; 16-bit matmuls take XLA's default.
     full = jnp.finfo(x.dtype).bits > 16
     batched = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST if full else None)
-    hidden_rows = activation.apply(batched("eck,ekn->ecn", padded, gate_up.astype(x.dtype)))
-    out = batched("ecw,ewh->ech", hidden_rows, down.astype(x.dtype))
+    projected = batched("eck,ekn->ecn", padded, gate_up.astype(x.dtype))
+    if biases is not None:
+        projected = projected + biases[0][:, None].astype(x.dtype)
+    out = batched("ecw,ewh->ech", activation.apply(projected), down.astype(x.dtype))
+    if biases is not None:
+        out = out + biases[1][:, None].astype(x.dtype)
     return jnp.take(out.reshape(local * capacity, hidden), slot, axis=0)

@@ -20,6 +20,12 @@ so the boundary's one sum counts it once. On own rows it is whole and added on e
 rank's rows are its own. Zero-computation (identity) experts (`MoeConfig.zero_experts`) are
 counted the same way as a whole shared expert: on gathered rows by the first rank of the MoE
 output group, on own rows by every rank; their choices are never sent all-to-all.
+
+Expert biases (`MoeConfig.expert_bias`) go with their experts: the gate/up bias is split like
+the columns it is added to, and the down bias, whole on each rank of an expert's width group, is
+added by the group's first rank only (`counts_down_bias`); only the rank that holds an expert
+computes its outputs, so the EP ranks need no such rule. Either dispatch then sums each chosen
+expert's output, bias included, once before the routing weight scales it.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import boundary_jax as bj
 
 from ...config import MoeConfig
 from ..activations import ExpertActivation
+from .experts import Activation
 from .routing import MoeOutput, Routing, finalize
 from .sparse import GroupedMatmulImpl, SparseMoe
 
@@ -66,7 +73,7 @@ class MoeFfn(SparseMoe):
         dispatch: bj.MoeDispatch = bj.MoeDispatch.GATHER,
         capacity: int | None = None,
         impl: GroupedMatmulImpl = GroupedMatmulImpl.RAGGED_DOT,
-        activation: ExpertActivation = ExpertActivation.SWIGLU,
+        activation: Activation = ExpertActivation.SWIGLU,
         dtype: jnp.dtype = jnp.float32,
         init_std: float | None = None,
         rngs: nnx.Rngs,
@@ -96,6 +103,8 @@ class MoeFfn(SparseMoe):
             width_entry=width_entry,
             shared_width_entry=topology.shard_entry(bj.SumGroup.FULL_TP) if split_shared else None,
             zero_experts=moe.zero_experts,
+            router_bias=moe.router_bias,
+            expert_bias=moe.expert_bias,
             impl=impl,
             activation=activation,
             dtype=dtype,
@@ -108,6 +117,13 @@ class MoeFfn(SparseMoe):
         self.shared_on_first_rank = (
             shared is not None and not own_rows and not split_shared and topology.tp_size > 1
         )
+
+    def counts_down_bias(self) -> bool | jax.Array:
+        """Whether this rank adds its experts' down biases: on the first rank of the width
+        group (`SumGroup.MOE_TP`) only, whose ranks' down projections sum to the output."""
+        if self.topology.moe_tp == 1:
+            return True
+        return bj.ops.shard_index(self.topology, bj.SumGroup.MOE_TP) == 0
 
     def __call__(self, x: jax.Array, *, defer: bool) -> jax.Array | bj.DeferredFinalize:
         """[T, hidden] normalized rows -> this rank's output: finalized, or a `DeferredFinalize`

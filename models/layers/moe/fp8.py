@@ -60,6 +60,10 @@ class Fp8MoeFfn(MoeFfn):
         init_std: float | None = None,
         rngs: nnx.Rngs,
     ):
+        if moe.expert_bias:
+            raise NotImplementedError(
+                "FP8 experts with biases are not supported; load the model without FP8 quantization"
+            )
         if moe.shared_expert_intermediate_size is not None:
             raise NotImplementedError(
                 "FP8 experts with a shared expert are not supported; load the "

@@ -12,10 +12,13 @@ Because the finalize is linear, it commutes with the sum over the ranks the expe
 
 The math, as Hugging Face transformers 5 computes it for a softmax top-k router:
 
-    probs = softmax(float32(x @ router))              # [T, E], over ALL experts
+    probs = softmax(float32(x @ router (+ bias)))     # [T, E], over ALL experts
     weights, experts = top_k(probs, k)                # descending; ties to the lower index
     weights /= sum(weights)   if renormalize          # HF norm_topk_prob
     y[t] = sum_j weights[t, j] * expert_outputs[t, j] + shared[t]
+
+A router with a bias and renormalized weights is GPT-OSS's, which transformers writes as a softmax
+over the top-k logits: the same weights, since softmax is monotone and its normalizer cancels.
 """
 
 from __future__ import annotations
@@ -69,7 +72,14 @@ class MoeOutput:
     shared: jax.Array | None
 
 
-def route(x: jax.Array, router: jax.Array, *, top_k: int, renormalize: bool) -> Routing:
+def route(
+    x: jax.Array,
+    router: jax.Array,
+    *,
+    top_k: int,
+    renormalize: bool,
+    bias: jax.Array | None = None,
+) -> Routing:
     """Softmax over all experts, then top-k, then (optionally) renormalisation of the k weights.
 
     Args:
@@ -79,6 +89,7 @@ def route(x: jax.Array, router: jax.Array, *, top_k: int, renormalize: bool) -> 
       top_k: Experts per token.
       renormalize: Divide the k weights by their sum (HF `norm_topk_prob`); False keeps the
         softmax probabilities as they are.
+      bias: [num_experts] added to the logits (whole on every rank), or None.
 
     Returns:
       The `Routing`: float32 weights (float64 for float64 `x`) and int32 expert ids, [T, top_k]
@@ -94,7 +105,14 @@ def route(x: jax.Array, router: jax.Array, *, top_k: int, renormalize: bool) -> 
     if not 1 <= top_k <= router.shape[1]:
         raise ValueError(f"top_k must be in [1, num_experts={router.shape[1]}]; got {top_k=}")
     # As transformers: the logits in the activation dtype, the softmax in (at least) float32.
-    logits = (x @ router.astype(x.dtype)).astype(_accumulation_dtype(x.dtype))
+    logits = x @ router.astype(x.dtype)
+    if bias is not None:
+        if bias.shape != router.shape[1:]:
+            raise ValueError(
+                f"bias must be [num_experts] of router {router.shape}; got {bias.shape}"
+            )
+        logits = logits + bias.astype(x.dtype)[None]
+    logits = logits.astype(_accumulation_dtype(x.dtype))
     probs = jax.nn.softmax(logits, axis=-1)
     weights, experts = jax.lax.top_k(probs, top_k)
     if renormalize:

@@ -26,6 +26,9 @@ The math, as Hugging Face transformers 5 computes it for a softmax top-k router:
     expert_e(x) = relu(x @ up_e)^2 @ down_e                    (RELU2: Nemotron-H, no gate)
     expert_e(x) = x    for e >= num_experts    (zero-computation experts: LongCat-Flash)
 
+With `router_bias` the logits add a bias; with `expert_bias` each expert's projections add
+theirs (`models.layers.moe.experts.ExpertBiases`: GPT-OSS, with its clamped SwiGLU).
+
 A zero-computation expert has no weights: no rank holds it, so the grouped matmuls and the
 all-to-all skip its choices (their expert outputs are zero), and its part of the combine,
 `x * sum of its choices' weights` (`zero_expert_output`), joins the shared expert's slot,
@@ -43,7 +46,7 @@ from boundary_jax.initializers import Normal, param
 from pallas_kernels.grouped_matmul import GroupedMatmulImpl
 
 from ..activations import ExpertActivation
-from .experts import expert_outputs, finalized_expert_outputs
+from .experts import Activation, ExpertBiases, expert_outputs, finalized_expert_outputs
 from .routing import MoeOutput, Routing, route, zero_expert_output
 
 PartitionEntry = str | tuple[str, ...] | None
@@ -220,8 +223,14 @@ class SparseMoe(nnx.Module):
       num_experts: The routed experts (global).
       zero_experts: Zero-computation (identity) experts the router scores after the routed
         ones (`router` has `num_experts + zero_experts` columns); they hold no weights.
+      router_bias: [num_experts + zero_experts], replicated, added to the logits; or None.
+      gate_up_proj_bias: [num_experts, parts, width] global, split as `gate_up_proj`'s expert
+        and width axes; or None.
+      down_proj_bias: [num_experts, hidden] global, split over `expert_entry`, whole on every
+        rank of the width group (counted on one of them: `counts_down_bias`); or None.
 
-    Every weight is drawn from N(0, init_std^2) (None: std 1/sqrt(fan_in)).
+    Every weight is drawn from N(0, init_std^2) (None: std 1/sqrt(fan_in)); so are the
+    biases, which transformers starts at zero, so that one used wrongly shows in tests.
     """
 
     def __init__(
@@ -238,8 +247,10 @@ class SparseMoe(nnx.Module):
         width_entry: PartitionEntry = None,
         shared_width_entry: PartitionEntry = None,
         zero_experts: int = 0,
+        router_bias: bool = False,
+        expert_bias: bool = False,
         impl: GroupedMatmulImpl = GroupedMatmulImpl.RAGGED_DOT,
-        activation: ExpertActivation = ExpertActivation.SWIGLU,
+        activation: Activation = ExpertActivation.SWIGLU,
         dtype: jnp.dtype = jnp.float32,
         init_std: float | None = None,
         rngs: nnx.Rngs,
@@ -263,6 +274,34 @@ class SparseMoe(nnx.Module):
             dtype=dtype,
             init_std=init_std,
             rngs=rngs,
+        )
+        bias_std = 1 / np.sqrt(hidden_size) if init_std is None else init_std
+        self.router_bias = (
+            param(Normal(bias_std), (scored,), dtype, rngs=rngs, sharding=(None,))
+            if router_bias
+            else None
+        )
+        self.gate_up_proj_bias = (
+            param(
+                Normal(bias_std),
+                (num_experts, activation.parts, expert_width),
+                dtype,
+                rngs=rngs,
+                sharding=(expert_entry, None, width_entry),
+            )
+            if expert_bias
+            else None
+        )
+        self.down_proj_bias = (
+            param(
+                Normal(bias_std),
+                (num_experts, hidden_size),
+                dtype,
+                rngs=rngs,
+                sharding=(expert_entry, None),
+            )
+            if expert_bias
+            else None
         )
         self.shared_expert = (
             None
@@ -335,7 +374,8 @@ class SparseMoe(nnx.Module):
     def route(self, x: jax.Array) -> Routing:
         """[T, hidden] complete rows -> their `Routing` (alike on every rank): the softmax
         top-k of `route`; a subclass with another router overrides it."""
-        return route(x, self.router[...], top_k=self.top_k, renormalize=self.renormalize)
+        bias = None if self.router_bias is None else self.router_bias[...]
+        return route(x, self.router[...], top_k=self.top_k, renormalize=self.renormalize, bias=bias)
 
     def init_experts(
         self,
@@ -345,7 +385,7 @@ class SparseMoe(nnx.Module):
         *,
         expert_entry: PartitionEntry,
         width_entry: PartitionEntry,
-        activation: ExpertActivation,
+        activation: Activation,
         dtype: jnp.dtype,
         init_std: float | None,
         rngs: nnx.Rngs,
@@ -394,10 +434,26 @@ class SparseMoe(nnx.Module):
             "impl": self.impl,
             "even_share": even_share,
             "activation": self.activation,
+            "biases": self.expert_biases(),
         }
         if combine:
             return finalized_expert_outputs(x, routing, *weights, shared=shared, **settings)
         return expert_outputs(x, routing, *weights, **settings)
+
+    def expert_biases(self) -> ExpertBiases | None:
+        """This rank's experts' biases, the down bias zero where `counts_down_bias` says this
+        rank does not count it; None without expert biases."""
+        if self.gate_up_proj_bias is None:
+            return None
+        down = self.down_proj_bias[...]
+        down = jnp.where(self.counts_down_bias(), down, jnp.zeros_like(down))
+        return ExpertBiases(self.gate_up_proj_bias[...], down)
+
+    def counts_down_bias(self) -> bool | jax.Array:
+        """Whether this rank adds its experts' down biases: True here (one rank holds each
+        expert's whole width); a subclass that splits the width over ranks answers for the
+        one rank of the group that counts it (a traced bool inside `shard_map`)."""
+        return True
 
     def _shared(
         self,
