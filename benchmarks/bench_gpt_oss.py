@@ -14,9 +14,9 @@ isolates what the boundaries and packed rows cost or gain. With `--attn-tp` / `-
 run over several GPUs, the baseline with the project's shardings. Before timing, the last-row
 prefill logits of the baseline are compared with the project's forward.
 
-Cases: decode of 8 and 64 sequences over a 4096-token KV cache (a jitted loop of `STEPS` greedy
+Cases: decode of 8 and 64 sequences over a 1024-token KV cache (`--cache`) (a jitted loop of `STEPS` greedy
 steps; time per step), and prefill of 4096 tokens (8 x 512 and 1 x 4096) writing the cache and
-sampling each last row. Roofline: decode, the bytes a step must read per GPU (the attention and
+sampling each last row (into a cache of at least the prompt's length). Roofline: decode, the bytes a step must read per GPU (the attention and
 router weights, the experts its tokens reach under even routing, the LM head and the KV cache,
 each sliding layer's up to its window) over the HBM bandwidth; prefill, its matmul and attention
 FLOPs over the dense bf16 peak (both `benchmarks.common`'s H200 figures).
@@ -65,7 +65,7 @@ from .common import (
 from .gspmd_baseline import auto_mesh, rewrap, rms_norm
 
 STEPS = 32
-CACHE = 4096
+CACHE = 1024
 REPEATS = 15
 """Timed calls of each program, project and baseline in turn."""
 GPT_OSS_20B = {
@@ -343,8 +343,8 @@ def run(
     rng = np.random.default_rng(0)
     results = []
 
-    def zero_caches(sequences):
-        shape = KVCache.global_shape(config, topology, slots=sequences, max_len=cache)
+    def zero_caches(sequences, length):
+        shape = KVCache.global_shape(config, topology, slots=sequences, max_len=length)
         zeros = lambda: jnp.zeros(shape, jnp.bfloat16, device=cache_sharding)  # noqa: E731
         return [(zeros(), zeros()) for _ in params["layers"]]
 
@@ -357,7 +357,11 @@ def run(
         ids = jax.device_put(prompts, replicated)
         got = np.asarray(logits_of(params, ids))
         error = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
-        holder = [runner.new_caches(packed.decode_rows_per_rank, cache), zero_caches(sequences)]
+        length_cached = max(cache, length)
+        holder = [
+            runner.new_caches(packed.decode_rows_per_rank, length_cached),
+            zero_caches(sequences, length_cached),
+        ]
 
         def project():
             tokens, holder[0] = runner.prefill(rows, batch, holder[0], last_rows, key)
@@ -386,7 +390,7 @@ def run(
     for sequences in decodes:
         start = cache - steps - 1
         rows, batch = decode_inputs(runner, sequences, start)
-        holder = [runner.new_caches(sequences, cache), zero_caches(sequences)]
+        holder = [runner.new_caches(sequences, cache), zero_caches(sequences, cache)]
         tokens = jax.device_put(np.zeros(sequences, np.int32), replicated)
         positions = jax.device_put(np.full(sequences, start, np.int32), replicated)
 
@@ -426,6 +430,7 @@ def main() -> None:
     parser.add_argument("--attn-tp", type=int, default=1, help="attention TP over this many GPUs")
     parser.add_argument("--moe-ep", type=int, default=1, help="experts over this many of them")
     parser.add_argument("--profile", default=None, help="trace each case here, print kernels")
+    parser.add_argument("--cache", type=int, default=CACHE, help="decode's KV cache length")
     parser.add_argument("--only", choices=("prefill", "decode"), default=None, help="one kind")
     parser.add_argument(
         "--prefills",
@@ -446,7 +451,7 @@ def main() -> None:
         shape = dict(cache=64, prefills=((2, 16), (1, 32)), decodes=(2, 8), steps=4)
     else:
         cases = tuple(tuple(int(n) for n in case.split("x")) for case in args.prefills)
-        shape = dict(cache=CACHE, prefills=cases, decodes=(8, 64), steps=STEPS)
+        shape = dict(cache=args.cache, prefills=cases, decodes=(8, 64), steps=STEPS)
     if args.only:
         shape["decodes" if args.only == "prefill" else "prefills"] = ()
     results = run(config, topology, **shape)
