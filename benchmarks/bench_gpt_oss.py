@@ -21,7 +21,7 @@ router weights, the experts its tokens reach under even routing, the LM head and
 each sliding layer's up to its window) over the HBM bandwidth; prefill, its matmul and attention
 FLOPs over the dense bf16 peak (both `benchmarks.common`'s H200 figures).
 
-Not yet measured on a GPU. Run on the GPU machine from the repository root:
+Measured in `benchmarks/RESULTS.md` (run 31). Run on the GPU machine from the repository root:
   python3 -m benchmarks.bench_gpt_oss                      # one H200
   python3 -m benchmarks.bench_gpt_oss --attn-tp 2 --moe-ep 2
   python3 -m benchmarks.bench_gpt_oss --smoke              # a tiny config: the CPU check
