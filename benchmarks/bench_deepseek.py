@@ -24,8 +24,6 @@ Run on the GPU machine from the repository root (one H200):
   python3 -m benchmarks.bench_deepseek --smoke   # a tiny config: the CPU check
 """
 
-# ruff: noqa: B023 (each timed closure runs within its own loop iteration)
-
 from __future__ import annotations
 
 import argparse
@@ -35,7 +33,6 @@ import gc
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -43,7 +40,6 @@ import boundary_jax as bj
 from models.build import build_model
 from models.config import DecoderConfig, read_hf_config
 from models.families.deepseek import DeepseekCausalLM
-from models.inputs.rows import RowsPhase, TokenRows, pack_sequences
 from models.layers.attention.latent import LATENT_NORM_EPS
 from models.layers.attention.rope import apply_rope, rope_inv_freq
 from models.layers.moe.deepseek_router import deepseek_route
@@ -57,11 +53,10 @@ from .common import (
     PEAK_FLOPS,
     attention_kernel,
     header,
-    paired_wall_ms,
     print_table,
     profile_into,
 )
-from .gspmd_baseline import auto_mesh, rewrap, rms_norm
+from .gspmd_baseline import JitBaseline, auto_mesh, compare_with_baseline, path_params, rms_norm
 
 STEPS = 32
 CACHE = 4096
@@ -125,25 +120,6 @@ SMOKE = DEEPSEEK_V2_LITE | {
 
 
 # -- the GSPMD baseline: the same model over global arrays, one jax.jit ----------------------
-
-
-def baseline_params(runner: ShardedCausalLM, mesh: jax.sharding.Mesh) -> dict:
-    """The project's placed weights on the Auto-axes `mesh`, by layer and role."""
-    flat = {path: rewrap(v[...], mesh) for path, v in nnx.to_flat_state(runner.state)}
-    layers = []
-    for index in range(runner.config.num_layers):
-        layer = {
-            "/".join(str(key) for key in path[2:]): value
-            for path, value in flat.items()
-            if path[:2] == ("layers", index)
-        }
-        layers.append(layer)
-    return {
-        "embed": flat[("embed", "embedding")],
-        "layers": layers,
-        "final_norm": flat[("final_norm", "weight")],
-        "lm_head": flat[("lm_head", "kernel")],
-    }
 
 
 def make_baseline(config: DecoderConfig, impl):
@@ -335,17 +311,6 @@ def prefill_flops(config: DecoderConfig, sequences: int, length: int) -> float:
 # -- the cases -------------------------------------------------------------------------------
 
 
-def _decode_rows(runner: ShardedCausalLM, sequences: int, start: int):
-    ids = np.zeros(sequences, np.int32)
-    rows = TokenRows(
-        runner.place_array(ids),
-        runner.place_array(np.full(sequences, start, np.int32)),
-        runner.place_array(np.arange(sequences, dtype=np.int32)),
-        RowsPhase.DECODE,
-    )
-    return rows, runner.place_batch(np.full(1, sequences, np.int32))
-
-
 def run(
     config: DecoderConfig, *, cache: int, prefills, decodes, steps: int, fusions: str = "none"
 ) -> list[tuple]:
@@ -360,84 +325,25 @@ def run(
     runner = ShardedCausalLM(model, mesh)
     del model
     gspmd = auto_mesh(mesh)
-    params = baseline_params(runner, gspmd)
-    logits_of, prefill_step, decode = make_baseline(config, impl)
+    params = path_params(runner, gspmd)
     replicated = NamedSharding(gspmd, PartitionSpec())
-    key = jax.device_put(jax.random.key(0), NamedSharding(mesh, PartitionSpec()))
-    rng = np.random.default_rng(0)
-    results = []
 
-    def zero_caches(sequences):
-        shape = (sequences, cache, config.mla.latent_width)
+    def zero_caches(sequences, length):
+        shape = (sequences, length, config.mla.latent_width)
         return [jnp.zeros(shape, jnp.bfloat16, device=replicated) for _ in params["layers"]]
 
-    for sequences, length in prefills:
-        prompts = rng.integers(0, config.vocab_size, (sequences, length)).astype(np.int32)
-        packed = pack_sequences(list(prompts), topology, max_sequence_rows=length)
-        rows, batch = runner.place(packed)
-        last_rows = runner.place_array(packed.last_row_index())
-        want = np.asarray(runner.forward_placed(rows, batch))[packed.last_row_index()]
-        ids = jax.device_put(prompts, replicated)
-        got = np.asarray(logits_of(params, ids))
-        error = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
-        holder = [runner.new_caches(packed.decode_rows_per_rank, cache), zero_caches(sequences)]
-
-        def project():
-            tokens, holder[0] = runner.prefill(rows, batch, holder[0], last_rows, key)
-            return tokens
-
-        def baseline():
-            tokens, holder[1] = prefill_step(params, ids, holder[1])
-            return tokens
-
-        labels = [f"{who} {fusions} prefill {sequences}x{length}" for who in ("project", "gspmd")]
-        project_ms, baseline_ms = paired_wall_ms([project, baseline], REPEATS, labels=labels)
-        del holder[:]
-        roof = prefill_flops(config, sequences, length) / PEAK_FLOPS * 1e3
-        results.append(
-            (
-                f"prefill {sequences} x {length}",
-                project_ms,
-                baseline_ms,
-                baseline_ms / project_ms,
-                f"{100 * roof / project_ms:.0f}% FLOP",
-                f"{error:.1e}",
-            )
-        )
-        print(results[-1], flush=True)
-
-    for sequences in decodes:
-        start = cache - steps - 1
-        rows, batch = _decode_rows(runner, sequences, start)
-        holder = [runner.new_caches(sequences, cache), zero_caches(sequences)]
-        tokens = jax.device_put(np.zeros(sequences, np.int32), replicated)
-        positions = jax.device_put(np.full(sequences, start, np.int32), replicated)
-
-        def project():
-            out, holder[0] = runner.decode(rows, batch, holder[0], key, steps, capacity=steps)
-            return out
-
-        def baseline():
-            out, holder[1] = decode(params, tokens, positions, holder[1], steps)
-            return out
-
-        labels = [f"{who} {fusions} decode {sequences}" for who in ("project", "gspmd")]
-        times = paired_wall_ms([project, baseline], REPEATS, labels=labels)
-        project_ms, baseline_ms = (ms / steps for ms in times)
-        del holder[:]
-        roof = decode_bytes(config, sequences, start + steps / 2) / HBM_BYTES_PER_S * 1e3
-        results.append(
-            (
-                f"decode {sequences} @ {cache}",
-                project_ms,
-                baseline_ms,
-                baseline_ms / project_ms,
-                f"{100 * roof / project_ms:.0f}% HBM",
-                "-",
-            )
-        )
-        print(results[-1], flush=True)
-    return results
+    return compare_with_baseline(
+        runner,
+        JitBaseline(params, *make_baseline(config, impl), zero_caches),
+        prefills=prefills,
+        decodes=decodes,
+        cache=cache,
+        steps=steps,
+        repeats=REPEATS,
+        prefill_roof_ms=lambda s, n: prefill_flops(config, s, n) / PEAK_FLOPS * 1e3,
+        decode_roof_ms=lambda s, c: decode_bytes(config, s, c) / HBM_BYTES_PER_S * 1e3,
+        label=fusions,
+    )
 
 
 def main() -> None:

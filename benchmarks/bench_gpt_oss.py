@@ -14,20 +14,19 @@ isolates what the boundaries and packed rows cost or gain. With `--attn-tp` / `-
 run over several GPUs, the baseline with the project's shardings. Before timing, the last-row
 prefill logits of the baseline are compared with the project's forward.
 
-Cases: decode of 8 and 64 sequences over a 1024-token KV cache (`--cache`) (a jitted loop of `STEPS` greedy
-steps; time per step), and prefill of 4096 tokens (8 x 512 and 1 x 4096) writing the cache and
-sampling each last row (into a cache of at least the prompt's length). Roofline: decode, the bytes a step must read per GPU (the attention and
-router weights, the experts its tokens reach under even routing, the LM head and the KV cache,
-each sliding layer's up to its window) over the HBM bandwidth; prefill, its matmul and attention
-FLOPs over the dense bf16 peak (both `benchmarks.common`'s H200 figures).
+Cases (`gspmd_baseline.compare_with_baseline`): decode of 8 and 64 sequences over a 1024-token
+KV cache (`--cache`; a jitted loop of `STEPS` greedy steps, time per step), and prefill of 4096
+tokens (8 x 512 and 1 x 4096) writing the cache and sampling each last row. Roofline: decode,
+the bytes a step must read per GPU (the attention and router weights, the experts its tokens
+reach under even routing, the LM head and the KV cache, each sliding layer's up to its window)
+over the HBM bandwidth; prefill, its matmul and attention FLOPs over the dense bf16 peak (both
+`benchmarks.common`'s H200 figures).
 
 Measured in `benchmarks/RESULTS.md` (run 31). Run on the GPU machine from the repository root:
   python3 -m benchmarks.bench_gpt_oss                      # one H200
   python3 -m benchmarks.bench_gpt_oss --attn-tp 2 --moe-ep 2
   python3 -m benchmarks.bench_gpt_oss --smoke              # a tiny config: the CPU check
 """
-
-# ruff: noqa: B023 (each timed closure runs within its own loop iteration)
 
 from __future__ import annotations
 
@@ -36,15 +35,12 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from flax import nnx
 from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 import boundary_jax as bj
 from models.build import build_model
 from models.config import DecoderConfig, YarnRopeScaling, read_hf_config
-from models.inputs.rows import pack_sequences
 from models.layers.attention.kv_cache import KVCache
 from models.layers.attention.rope import apply_rope, rope_inv_freq
 from models.layers.clamped_swiglu import ClampedSwiGlu
@@ -56,13 +52,11 @@ from models.serving.runtime import ShardedCausalLM
 from .common import (
     HBM_BYTES_PER_S,
     PEAK_FLOPS,
-    decode_inputs,
     header,
-    paired_wall_ms,
     print_table,
     profile_into,
 )
-from .gspmd_baseline import auto_mesh, rewrap, rms_norm
+from .gspmd_baseline import JitBaseline, auto_mesh, compare_with_baseline, path_params, rms_norm
 
 STEPS = 32
 CACHE = 1024
@@ -113,25 +107,6 @@ SMOKE = GPT_OSS_20B | {
 
 
 # -- the GSPMD baseline: the same model over global arrays, one jax.jit ----------------------
-
-
-def baseline_params(runner: ShardedCausalLM, mesh: jax.sharding.Mesh) -> dict:
-    """The project's placed weights on the Auto-axes `mesh`, by layer and role."""
-    flat = {path: rewrap(v[...], mesh) for path, v in nnx.to_flat_state(runner.state)}
-    layers = [
-        {
-            "/".join(str(key) for key in path[2:]): value
-            for path, value in flat.items()
-            if path[:2] == ("layers", index)
-        }
-        for index in range(runner.config.num_layers)
-    ]
-    return {
-        "embed": flat[("embed", "embedding")],
-        "layers": layers,
-        "final_norm": flat[("final_norm", "weight")],
-        "lm_head": flat[("lm_head", "kernel")],
-    }
 
 
 def softmax_with_sinks(scores: jax.Array, visible: jax.Array, sinks: jax.Array) -> jax.Array:
@@ -334,91 +309,26 @@ def run(
     runner = ShardedCausalLM(model, mesh)
     del model
     gspmd = auto_mesh(mesh)
-    params = baseline_params(runner, gspmd)
-    logits_of, prefill_step, decode = make_baseline(config, impl)
-    replicated = NamedSharding(gspmd, PartitionSpec())
+    params = path_params(runner, gspmd)
     cache_sharding = NamedSharding(gspmd, KVCache.partition_spec(topology))
-    key = jax.device_put(jax.random.key(0), NamedSharding(mesh, PartitionSpec()))
     gpus = topology.attn_dp * topology.attn_tp
-    rng = np.random.default_rng(0)
-    results = []
 
     def zero_caches(sequences, length):
         shape = KVCache.global_shape(config, topology, slots=sequences, max_len=length)
         zeros = lambda: jnp.zeros(shape, jnp.bfloat16, device=cache_sharding)  # noqa: E731
         return [(zeros(), zeros()) for _ in params["layers"]]
 
-    for sequences, length in prefills:
-        prompts = rng.integers(0, config.vocab_size, (sequences, length)).astype(np.int32)
-        packed = pack_sequences(list(prompts), topology, max_sequence_rows=length)
-        rows, batch = runner.place(packed)
-        last_rows = runner.place_array(packed.last_row_index())
-        want = np.asarray(runner.forward_placed(rows, batch))[packed.last_row_index()]
-        ids = jax.device_put(prompts, replicated)
-        got = np.asarray(logits_of(params, ids))
-        error = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
-        length_cached = max(cache, length)
-        holder = [
-            runner.new_caches(packed.decode_rows_per_rank, length_cached),
-            zero_caches(sequences, length_cached),
-        ]
-
-        def project():
-            tokens, holder[0] = runner.prefill(rows, batch, holder[0], last_rows, key)
-            return tokens
-
-        def baseline():
-            tokens, holder[1] = prefill_step(params, ids, holder[1])
-            return tokens
-
-        labels = [f"{who} prefill {sequences}x{length}" for who in ("project", "gspmd")]
-        project_ms, baseline_ms = paired_wall_ms([project, baseline], REPEATS, labels=labels)
-        del holder[:]
-        roof = prefill_flops(config, sequences, length, gpus) / PEAK_FLOPS * 1e3
-        results.append(
-            (
-                f"prefill {sequences} x {length}",
-                project_ms,
-                baseline_ms,
-                baseline_ms / project_ms,
-                f"{100 * roof / project_ms:.0f}% FLOP",
-                f"{error:.1e}",
-            )
-        )
-        print(results[-1], flush=True)
-
-    for sequences in decodes:
-        start = cache - steps - 1
-        rows, batch = decode_inputs(runner, sequences, start)
-        holder = [runner.new_caches(sequences, cache), zero_caches(sequences, cache)]
-        tokens = jax.device_put(np.zeros(sequences, np.int32), replicated)
-        positions = jax.device_put(np.full(sequences, start, np.int32), replicated)
-
-        def project():
-            out, holder[0] = runner.decode(rows, batch, holder[0], key, steps, capacity=steps)
-            return out
-
-        def baseline():
-            out, holder[1] = decode(params, tokens, positions, holder[1], steps)
-            return out
-
-        labels = [f"{who} decode {sequences}" for who in ("project", "gspmd")]
-        times = paired_wall_ms([project, baseline], REPEATS, labels=labels)
-        project_ms, baseline_ms = (ms / steps for ms in times)
-        del holder[:]
-        roof = decode_bytes(config, sequences, start + steps / 2, gpus) / HBM_BYTES_PER_S * 1e3
-        results.append(
-            (
-                f"decode {sequences} @ {cache}",
-                project_ms,
-                baseline_ms,
-                baseline_ms / project_ms,
-                f"{100 * roof / project_ms:.0f}% HBM",
-                "-",
-            )
-        )
-        print(results[-1], flush=True)
-    return results
+    return compare_with_baseline(
+        runner,
+        JitBaseline(params, *make_baseline(config, impl), zero_caches),
+        prefills=prefills,
+        decodes=decodes,
+        cache=cache,
+        steps=steps,
+        repeats=REPEATS,
+        prefill_roof_ms=lambda s, n: prefill_flops(config, s, n, gpus) / PEAK_FLOPS * 1e3,
+        decode_roof_ms=lambda s, c: decode_bytes(config, s, c, gpus) / HBM_BYTES_PER_S * 1e3,
+    )
 
 
 def main() -> None:

@@ -4,25 +4,31 @@ The obvious alternative a user writes first: the same model as one jitted functi
 arrays whose `NamedSharding`s are the project's own (the weights are the project model's placed
 state, viewed on a mesh of Auto axes), with XLA's GSPMD inserting the collectives. `bench_e2e`
 times its prefill and decode, `bench_train` its train step (from the same layer pieces),
-`profile_e2e` its kernels, and `bench_deepseek` reuses the mesh and array helpers.
+`profile_e2e` its kernels; `bench_deepseek` and `bench_gpt_oss` reuse the mesh and array helpers
+and time their own baselines' cases with `compare_with_baseline`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable, Sequence
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 import boundary_jax as bj
 from models.config import DecoderConfig
+from models.inputs.rows import pack_sequences
 from models.layers.attention.cudnn import decode_attention_cudnn
 from models.layers.attention.kv_cache import KVCache
 from models.layers.attention.rope import apply_rope, rope_inv_freq
 from models.serving.runtime import ShardedCausalLM
 
-from .common import attention_kernel
+from .common import attention_kernel, decode_inputs, paired_wall_ms, relative_error
 
 # -- the project's placed state, seen by a GSPMD program ------------------------------------
 
@@ -85,6 +91,28 @@ def baseline_params(runner: ShardedCausalLM, mesh: jax.sharding.Mesh, *, scan: b
             layers.append(_layer_weights(flat, ("layers", index)))
     if scan:
         layers = {role: jnp.stack([layer[role] for layer in layers]) for role in layers[0]}
+    return {
+        "embed": flat[("embed", "embedding")],
+        "layers": layers,
+        "final_norm": flat[("final_norm", "weight")],
+        "lm_head": flat[("lm_head", "kernel")],
+    }
+
+
+def path_params(runner: ShardedCausalLM, mesh: jax.sharding.Mesh) -> dict:
+    """The project's placed weights on the Auto-axes `mesh` (the same buffers): the embedding,
+    final norm and LM head, and each layer's weights by their path inside the layer
+    ("attn/q_proj/kernel"), for baselines of families whose layers `baseline_params` does not
+    know."""
+    flat = {path: rewrap(v[...], mesh) for path, v in nnx.to_flat_state(runner.state)}
+    layers = [
+        {
+            "/".join(str(key) for key in path[2:]): value
+            for path, value in flat.items()
+            if path[:2] == ("layers", index)
+        }
+        for index in range(runner.config.num_layers)
+    ]
     return {
         "embed": flat[("embed", "embedding")],
         "layers": layers,
@@ -266,3 +294,134 @@ def make_baseline(config: DecoderConfig, cudnn: bool, scan: bool = False):
         jax.jit(prefill_step, donate_argnums=(2,)),
         jax.jit(decode, static_argnums=4, donate_argnums=3),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class JitBaseline:
+    """The same model as one `jax.jit` over global arrays, for `compare_with_baseline`.
+
+    Attributes:
+      params: Its weights (the project's buffers, on an Auto-axes mesh).
+      logits_of: `(params, ids [S, L]) -> logits [S, vocab]` of each sequence's last row.
+      prefill: `(params, ids, caches) -> (tokens, caches)`: writes the caches, samples each last
+        row (its caches donated).
+      decode: `(params, tokens [S], positions [S], caches, steps) -> (tokens, caches)`: `steps`
+        greedy steps in one jitted loop (its caches donated).
+      zero_caches: `(sequences, length) -> caches` for `length` positions.
+    """
+
+    params: dict
+    logits_of: Callable
+    prefill: Callable
+    decode: Callable
+    zero_caches: Callable[[int, int], object]
+
+
+def compare_with_baseline(
+    runner: ShardedCausalLM,
+    baseline: JitBaseline,
+    *,
+    prefills: Sequence[tuple[int, int]],
+    decodes: Sequence[int],
+    cache: int,
+    steps: int,
+    repeats: int,
+    prefill_roof_ms: Callable[[int, int], float],
+    decode_roof_ms: Callable[[int, float], float],
+    label: str = "",
+) -> list[tuple]:
+    """Times the project's prefill and decode against `baseline`'s, case by case (in turn, as
+    `paired_wall_ms` does), and returns table rows: (case, project ms, baseline ms, ratio,
+    project's share of the roofline, last-row logit error of the prefill).
+
+    Prefills are (sequences, length) of random prompts, into caches of at least `length`
+    positions; decodes are `steps` greedy steps of that many sequences ending near `cache`
+    (times per step). `prefill_roof_ms(sequences, length)` and `decode_roof_ms(sequences,
+    context)` give the roofline times; `label` names the variant in the profiles.
+    """
+    replicated = NamedSharding(auto_mesh(runner.mesh), PartitionSpec())
+    key = jax.device_put(jax.random.key(0), NamedSharding(runner.mesh, PartitionSpec()))
+    prefix = f"{label} " if label else ""
+    rng = np.random.default_rng(0)
+    results = []
+    for sequences, length in prefills:
+        prompts = rng.integers(0, runner.config.vocab_size, (sequences, length)).astype(np.int32)
+        times, error = _time_prefill(
+            runner, baseline, jax.device_put(prompts, replicated), key, cache, repeats, prefix
+        )
+        roof = prefill_roof_ms(sequences, length)
+        results.append(
+            (
+                f"prefill {sequences} x {length}",
+                *times,
+                times[1] / times[0],
+                f"{100 * roof / times[0]:.0f}% FLOP",
+                f"{error:.1e}",
+            )
+        )
+        print(results[-1], flush=True)
+    for sequences in decodes:
+        start = cache - steps - 1
+        times = _time_decode(
+            runner, baseline, sequences, start, replicated, key, (cache, steps), repeats, prefix
+        )
+        roof = decode_roof_ms(sequences, start + steps / 2)
+        results.append(
+            (
+                f"decode {sequences} @ {cache}",
+                *times,
+                times[1] / times[0],
+                f"{100 * roof / times[0]:.0f}% HBM",
+                "-",
+            )
+        )
+        print(results[-1], flush=True)
+    return results
+
+
+def _time_prefill(runner, baseline, ids, key, cache, repeats, prefix):
+    """(project ms, baseline ms) of a prefill of the prompts `ids` [S, L], and the relative
+    error of the baseline's last-row logits against the project's forward."""
+    sequences, length = ids.shape
+    packed = pack_sequences(list(np.asarray(ids)), runner.topology, max_sequence_rows=length)
+    rows, batch = runner.place(packed)
+    last_rows = runner.place_array(packed.last_row_index())
+    want = np.asarray(runner.forward_placed(rows, batch))[packed.last_row_index()]
+    error = relative_error(baseline.logits_of(baseline.params, ids), want)
+    positions = max(cache, length)
+    holder = [
+        runner.new_caches(packed.decode_rows_per_rank, positions),
+        baseline.zero_caches(sequences, positions),
+    ]
+
+    def project():
+        tokens, holder[0] = runner.prefill(rows, batch, holder[0], last_rows, key)
+        return tokens
+
+    def jitted():
+        tokens, holder[1] = baseline.prefill(baseline.params, ids, holder[1])
+        return tokens
+
+    labels = [f"{who} {prefix}prefill {sequences}x{length}" for who in ("project", "gspmd")]
+    return paired_wall_ms([project, jitted], repeats, labels=labels), error
+
+
+def _time_decode(runner, baseline, sequences, start, replicated, key, shape, repeats, prefix):
+    """(project ms, baseline ms) per step of `steps` greedy decode steps of `sequences` from
+    position `start`, over caches of `cache` positions (`shape` = (cache, steps))."""
+    cache, steps = shape
+    rows, batch = decode_inputs(runner, sequences, start)
+    holder = [runner.new_caches(sequences, cache), baseline.zero_caches(sequences, cache)]
+    tokens = jax.device_put(np.zeros(sequences, np.int32), replicated)
+    positions = jax.device_put(np.full(sequences, start, np.int32), replicated)
+
+    def project():
+        out, holder[0] = runner.decode(rows, batch, holder[0], key, steps, capacity=steps)
+        return out
+
+    def jitted():
+        out, holder[1] = baseline.decode(baseline.params, tokens, positions, holder[1], steps)
+        return out
+
+    labels = [f"{who} {prefix}decode {sequences}" for who in ("project", "gspmd")]
+    return [ms / steps for ms in paired_wall_ms([project, jitted], repeats, labels=labels)]
