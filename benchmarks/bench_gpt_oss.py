@@ -7,8 +7,8 @@ and q/k/v/o biases, YaRN RoPE; every layer an MoE of 32 biased clamped-SwiGLU ex
 2880, top-4 by a biased router; vocab 201088), bf16, random weights (about 21B parameters, 42 GB:
 one H200 holds it). The baseline is the same model written as one jitted function over global
 arrays with the project's weights (the same buffers), XLA's GSPMD placing anything that needs
-placing: attention with sinks in `jnp` over a [sequences, length] batch in prefill and over the
-cache in decode (neither side can use cuDNN, which has no sink term), and the project's own
+placing: attention with sinks through the project's cuDNN kernels on a GPU (cuDNN's output scaled
+by the sink's share of each row's denominator; `jnp` elsewhere), and the project's own
 router and grouped expert matmuls (`route`, `finalized_expert_outputs`), so "project / GSPMD"
 isolates what the boundaries and packed rows cost or gain. With `--attn-tp` / `--moe-ep` both
 run over several GPUs, the baseline with the project's shardings. Before timing, the last-row
@@ -22,7 +22,8 @@ reach under even routing, the LM head and the KV cache, each sliding layer's up 
 over the HBM bandwidth; prefill, its matmul and attention FLOPs over the dense bf16 peak (both
 `benchmarks.common`'s H200 figures).
 
-Measured in `benchmarks/RESULTS.md` (run 31). Run on the GPU machine from the repository root:
+Measured in `benchmarks/RESULTS.md` (runs 31 and 32). Run on the GPU machine from the repository
+root:
   python3 -m benchmarks.bench_gpt_oss                      # one H200
   python3 -m benchmarks.bench_gpt_oss --attn-tp 2 --moe-ep 2
   python3 -m benchmarks.bench_gpt_oss --smoke              # a tiny config: the CPU check
@@ -41,6 +42,7 @@ from jax.sharding import NamedSharding
 import boundary_jax as bj
 from models.build import build_model
 from models.config import DecoderConfig, YarnRopeScaling, read_hf_config
+from models.layers.attention.cudnn import decode_cache_cudnn, prefill_attention_cudnn
 from models.layers.attention.kv_cache import KVCache
 from models.layers.attention.rope import apply_rope, rope_inv_freq
 from models.layers.clamped_swiglu import ClampedSwiGlu
@@ -52,6 +54,7 @@ from models.serving.runtime import ShardedCausalLM
 from .common import (
     HBM_BYTES_PER_S,
     PEAK_FLOPS,
+    attention_kernel,
     header,
     print_table,
     profile_into,
@@ -121,9 +124,12 @@ def softmax_with_sinks(scores: jax.Array, visible: jax.Array, sinks: jax.Array) 
 
 def make_baseline(config: DecoderConfig, impl):
     """(last-row logits of prefill, prefill, decode), jitted over global arrays; the caches
-    (k, v: [sequences, cache, kv heads, head_dim] per layer) are donated."""
+    (k, v: [sequences, cache, kv heads, head_dim] per layer) are donated. On a GPU the attention
+    runs through the project's cuDNN kernels with sinks (the same kernels as the project's),
+    elsewhere in `jnp`."""
     heads, kv, d, eps = config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps
     group, moe = heads // kv, config.moe
+    cudnn = attention_kernel() == "cudnn"
     activation = ClampedSwiGlu(moe.swiglu_limit, moe.swiglu_alpha)
 
     def rope(x, positions, layer_index):
@@ -184,6 +190,21 @@ def make_baseline(config: DecoderConfig, impl):
                 )
                 updated.append((put(k_cache, k), put(v_cache, v)))
             window = config.layer_attention(index).sliding_window
+            if cudnn:
+                out = prefill_attention_cudnn(
+                    q,
+                    k.astype(q.dtype),
+                    v.astype(q.dtype),
+                    jnp.repeat(jnp.arange(batch, dtype=jnp.int32), length),
+                    max_segments=batch,
+                    scale=d**-0.5,
+                    window_rows=length,
+                    sliding_window=window,
+                    sinks=layer["attn/sinks"],
+                )
+                x = x + attention_out(layer, out)
+                x = ffn(layer, x)
+                continue
             visible = distance >= 0
             if window is not None:
                 visible &= distance < window
@@ -227,9 +248,21 @@ def make_baseline(config: DecoderConfig, impl):
                 k_cache = caches[index][0].at[rows, positions].set(k.astype(jnp.bfloat16))
                 v_cache = caches[index][1].at[rows, positions].set(v.astype(jnp.bfloat16))
                 updated.append((k_cache, v_cache))
+                window = config.layer_attention(index).sliding_window
+                if cudnn:
+                    out = decode_cache_cudnn(
+                        q,
+                        KVCache(k_cache, v_cache),
+                        positions,
+                        d**-0.5,
+                        sliding_window=window,
+                        sinks=layer["attn/sinks"],
+                    )
+                    x = x + attention_out(layer, out)
+                    x = ffn(layer, x)
+                    continue
                 distance = positions[:, None] - keys_at[None, :]
                 visible = distance >= 0
-                window = config.layer_attention(index).sliding_window
                 if window is not None:
                     visible &= distance < window
                 q = q.reshape(-1, kv, group, d)

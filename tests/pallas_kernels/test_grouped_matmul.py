@@ -120,7 +120,8 @@ def test_gpu_by_size_picks_the_kernel_by_routed_rows(monkeypatch):
 def test_tuned_hopper_tilings():
     """The Hopper kernel's table: 16-bit only, tiles that divide the shape, 128 x 192 on the
     gate | up projection and 64 x 256 with 4 column blocks per step on the down projection of
-    Qwen3-30B-A3B, 64 x 256 with one column block per step on DeepSeek-V2-Lite's gate | up."""
+    Qwen3-30B-A3B, 64 x 256 with one column block per step on DeepSeek-V2-Lite's gate | up, and
+    128 x 192 with 3 column blocks per step on GPT-OSS-20B's projections."""
     with pytest.raises(NotImplementedError, match="bf16/f16"):
         hopper_tiling(64, 128, jnp.float32)
     with pytest.raises(NotImplementedError, match="n % 64 == 0"):
@@ -131,6 +132,9 @@ def test_tuned_hopper_tilings():
     deepseek = hopper_tiling(2048, 2816, jnp.bfloat16)
     assert (deepseek.block_m, deepseek.block_n, deepseek.grid_block_n) == (64, 256, 1)
     assert hopper_tiling(64, 320, jnp.bfloat16).block_n == 64
+    for n in (5760, 2880):  # GPT-OSS-20B's gate | up and down
+        gpt_oss = hopper_tiling(2880, n, jnp.bfloat16)
+        assert (gpt_oss.block_m, gpt_oss.block_n, gpt_oss.grid_block_n) == (128, 192, 3)
 
 
 def test_a_tiling_is_an_argument_and_must_fit_its_kernel():

@@ -11,10 +11,11 @@ slot i's next token, and attends over the cache directly (no per-row copy of the
 The attention itself runs through an `AttentionImpl`: plain `jnp` (the reference, and the CPU
 path) or cuDNN's fused attention (GPU; packed variable-length prefill and length-masked decode).
 
-With attention sinks (`AttentionSpec.sinks`: a learned logit per head in the softmax's
-denominator) the layer always runs the `jnp` form: cuDNN's fused attention has no sink term, so
-it never takes such a layer (`Attention.takes_cudnn`); a fused kernel with a sink (a Pallas
-flash attention adding `exp(sink - max)` to its running denominator) would be chosen there.
+Attention sinks (`AttentionSpec.sinks`: a learned logit per head in the softmax's denominator)
+and sliding windows run on either: cuDNN has no sink term, so its path scales each row's output
+by the share the sink leaves (from the row's log-sum-exp) and takes its gradient from the `jnp`
+form (`models.layers.attention.cudnn`). A decode over a window shorter than the cache reads each
+row's window only (`window_of_cache`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from boundary_jax.ops import shard_index, sharded_rms_norms
 from ...config import AttentionSpec, QkNorm, YarnRopeScaling
 from ...inputs.rows import RowsPhase
 from ..linear import DENSE_LINEARS, Linears
-from .attend import attend, attend_packed, causal_visibility
+from .attend import attend, attend_packed
 from .context_parallel import (
     CpAttentionMode,
     attend_context_parallel,
@@ -42,7 +43,7 @@ from .context_parallel import (
     cp_decode_writes,
     cp_prefill_cache_index,
 )
-from .cudnn import decode_cache_cudnn, prefill_attention_cudnn
+from .cudnn import decode_cache_cudnn, prefill_attention_cudnn, window_of_cache
 from .kv_cache import HeadSplit, KVCache
 from .rope import apply_rope, rope_inv_freq
 
@@ -52,9 +53,8 @@ class AttentionImpl(enum.Enum):
 
     XLA: plain `jnp` einsums with float32 scores (the reference; every platform, every dtype).
     CUDNN: cuDNN fused attention (GPU): packed variable-length causal prefill and decode over
-    the cache with per-slot key lengths. Where cuDNN does not take the call (float32, a
-    sliding window, attention sinks, head_dim not a multiple of 8 or over 128) the layer uses
-    XLA instead.
+    the cache with per-slot key lengths, sliding windows and sinks. Where cuDNN does not take
+    the call (float32, head_dim not a multiple of 8 or over 128) the layer uses XLA instead.
     """
 
     XLA = "xla"
@@ -289,6 +289,8 @@ class Attention(nnx.Module):
                     max_segments=bound,
                     scale=self.scale,
                     window_rows=window_rows,
+                    sliding_window=self.spec.sliding_window,
+                    sinks=None if sinks is None else sinks.reshape(-1),
                 )
             else:
                 out = attend_packed(
@@ -307,13 +309,16 @@ class Attention(nnx.Module):
             slot_of_row = jnp.arange(rows, dtype=segment_ids.dtype)
             cache = self._write(cache, k, v, jnp.where(valid, slot_of_row, -1), positions)
             if cudnn:
-                out = decode_cache_cudnn(q, cache, positions, self.scale)
+                out = decode_cache_cudnn(
+                    q,
+                    cache,
+                    positions,
+                    self.scale,
+                    sliding_window=self.spec.sliding_window,
+                    sinks=None if sinks is None else sinks.reshape(-1),
+                )
             else:
-                key_positions = jnp.arange(cache.k.shape[1], dtype=positions.dtype)
-                visible = causal_visibility(positions, key_positions, self.spec.sliding_window)
-                mask = visible & valid[:, None]
-                keys, values = cache.k.astype(q.dtype), cache.v.astype(v.dtype)
-                out = attend(self._grouped(q), keys, values, mask, "tskd", self.scale, sinks=sinks)
+                out = self._decode_jnp(q, cache, positions, valid, sinks)
         # The jnp paths give padding rows zero weights. A cuDNN decode row of an idle slot
         # reads its slot's first key (finite values): masking it would cost a kernel per layer
         # and step, and the batch's token counts (or the caller) ignore that row.
@@ -403,6 +408,29 @@ class Attention(nnx.Module):
         )
         return q_flat.reshape(q.shape), k_flat.reshape(k.shape)
 
+    def _decode_jnp(
+        self,
+        q: jax.Array,
+        cache: KVCache,
+        positions: jax.Array,
+        valid: jax.Array,
+        sinks: jax.Array | None,
+    ) -> jax.Array:
+        """The `jnp` decode: row i's query over slot i's cached keys at positions <= its own
+        (within the window: a window shorter than the cache is gathered per row first)."""
+        keys, values = cache.k.astype(q.dtype), cache.v.astype(q.dtype)
+        max_len, window = keys.shape[1], self.spec.sliding_window
+        if window is not None and window < max_len:
+            keys, values, start = window_of_cache(keys, values, positions, window)
+            key_positions = start[:, None] + jnp.arange(window, dtype=positions.dtype)[None, :]
+        else:
+            key_positions = jnp.arange(max_len, dtype=positions.dtype)[None, :]
+        distance = positions[:, None] - key_positions
+        visible = (distance >= 0) & (key_positions < max_len) & valid[:, None]
+        if window is not None:
+            visible &= distance < window
+        return attend(self._grouped(q), keys, values, visible, "tskd", self.scale, sinks=sinks)
+
     def _grouped(self, q: jax.Array) -> jax.Array:
         """[T, heads, D] -> [T, kv, group, D]: query head n uses kv head n // group."""
         return q.reshape(q.shape[0], self.heads.local_kv_heads, -1, q.shape[-1])
@@ -417,15 +445,12 @@ class Attention(nnx.Module):
     def takes_cudnn(self, dtype: jnp.dtype) -> bool:
         """Whether cuDNN computes this layer's attention (else the `jnp` reference does).
 
-        Never with attention sinks: cuDNN's fused attention has no sink term, and dropping it
-        would change every row's weights. A fused kernel with a sink belongs beside this
-        choice, as another `AttentionImpl`.
+        cuDNN takes half-precision inputs of a head width it supports; sliding windows and
+        sinks included (a layer with sinks in training differentiates as the `jnp` form).
         """
         return (
             self.impl is AttentionImpl.CUDNN
-            and not self.spec.sinks
             and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-            and self.spec.sliding_window is None
             and self.spec.head_dim % 8 == 0
             and self.spec.head_dim <= 128
         )

@@ -1,13 +1,16 @@
 """cuDNN's packed prefill forms (GPU only): windows (sequences filling windows of equal rows, or
 one sequence), and the ragged layout, against float64 attention of each sequence alone, with a
-value as wide as the key and a narrower one (latent attention's)."""
+value as wide as the key and a narrower one (latent attention's); with attention sinks and a
+sliding window in prefill (values and gradients) and in decode."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.layers.attention.cudnn import prefill_attention_cudnn
+from models.layers.attention.attend import attend_packed
+from models.layers.attention.cudnn import decode_cache_cudnn, prefill_attention_cudnn
+from models.layers.attention.kv_cache import KVCache
 
 # form: (segment of each row's run as (segment, rows), max_segments, window_rows)
 FORMS = {
@@ -100,3 +103,141 @@ def test_windows_must_hold_a_row():
         prefill_attention_cudnn(
             x, x, x, jnp.zeros(8, jnp.int32), max_segments=1, scale=1.0, window_rows=0
         )
+
+
+def _sink_reference(q, k, v, runs, scale, window, sinks):
+    """float64 `_reference` with a sliding window and each head's sink logit in its
+    denominator."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    sink = np.asarray(sinks, np.float64)[:, None, None]
+    out, start = np.zeros((*q.shape[:2], v.shape[-1])), 0
+    for segment, length in runs:
+        rows = slice(start, start + length)
+        start += length
+        if segment < 0:
+            continue
+        scores = np.einsum("thd,shd->hts", q[rows], k[rows]) * scale
+        distance = np.arange(length)[:, None] - np.arange(length)[None, :]
+        visible = (distance >= 0) & (distance < (window or length))
+        scores = np.where(visible, scores, -np.inf)
+        peak = np.maximum(scores.max(-1, keepdims=True), sink)
+        weights = np.exp(scores - peak)
+        weights /= weights.sum(-1, keepdims=True) + np.exp(sink - peak)
+        out[rows] = np.einsum("hts,shd->thd", weights, v[rows])
+    return out
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs a GPU")
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("form", FORMS)
+def test_cudnn_prefill_with_sinks_and_a_window(form, window):
+    """Each form with sinks (of order one: they matter) and a sliding window equals float64
+    attention with the sink in the denominator; padding rows stay 0."""
+    runs, max_segments, window_rows = FORMS[form]
+    rows, heads, kv, dim = sum(n for _, n in runs), 8, 2, 64
+    q, k, v = (
+        jax.random.normal(jax.random.key(i), (rows, n, dim), jnp.bfloat16)
+        for i, n in ((0, heads), (1, kv), (2, kv))
+    )
+    sinks = 2.0 * jax.random.normal(jax.random.key(3), (heads,), jnp.float32)
+    segments = jnp.array([s for s, n in runs for _ in range(n)], jnp.int32)
+    attend = jax.jit(
+        lambda q, k, v, s, sinks: prefill_attention_cudnn(
+            q,
+            k,
+            v,
+            s,
+            max_segments=max_segments,
+            scale=0.125,
+            window_rows=window_rows,
+            sliding_window=window,
+            sinks=sinks,
+        )
+    )
+    got = np.asarray(attend(q, k, v, segments, sinks), np.float64)
+    want = _sink_reference(q, k, v, runs, 0.125, window, sinks)
+    without = _sink_reference(q, k, v, runs, 0.125, window, jnp.full_like(sinks, -1e9))
+    real = np.asarray(segments) >= 0
+    assert np.max(np.abs(got[real] - want[real])) <= 2e-2 * np.max(np.abs(want))
+    assert np.max(np.abs(want[real] - without[real])) > 0.1 * np.max(np.abs(want))
+    assert np.all(got[~real] == 0)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs a GPU")
+def test_cudnn_prefill_with_sinks_differentiates_as_the_jnp_form():
+    """The gradient of the cuDNN prefill with sinks (q, k, v and the sinks) equals the float32
+    `jnp` form's, ragged layout and windows."""
+    runs, max_segments, _ = FORMS["ragged"]
+    rows, heads, kv, dim = sum(n for _, n in runs), 4, 2, 64
+    q, k, v, cotangent = (
+        jax.random.normal(jax.random.key(i), (rows, n, dim), jnp.float32)
+        for i, n in ((0, heads), (1, kv), (2, kv), (3, heads))
+    )
+    sinks = jax.random.normal(jax.random.key(4), (heads,), jnp.float32)
+    segments = jnp.array([s for s, n in runs for _ in range(n)], jnp.int32)
+
+    def cudnn(q, k, v, sinks):
+        return prefill_attention_cudnn(
+            q.astype(jnp.bfloat16),
+            k.astype(jnp.bfloat16),
+            v.astype(jnp.bfloat16),
+            segments,
+            max_segments=max_segments,
+            scale=0.125,
+            sliding_window=7,
+            sinks=sinks,
+        ).astype(jnp.float32)
+
+    def reference(q, k, v, sinks):
+        rows_ = jnp.arange(rows)
+        seg = jnp.where(segments >= 0, segments, max_segments)
+        first = jax.ops.segment_min(rows_, seg, max_segments + 1)
+        out = attend_packed(
+            q.reshape(rows, kv, -1, dim),
+            k,
+            v,
+            rows_ - first[seg],
+            segments,
+            scale=0.125,
+            sliding_window=7,
+            sinks=sinks.reshape(kv, -1),
+        )
+        return out.reshape(rows, heads, dim)
+
+    got = jax.jit(lambda *a: jax.vjp(cudnn, *a)[1](cotangent))(q, k, v, sinks)
+    want = jax.jit(lambda *a: jax.vjp(reference, *a)[1](cotangent))(q, k, v, sinks)
+    for g, w in zip(got, want, strict=True):
+        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        assert np.max(np.abs(g - w)) <= 3e-2 * np.max(np.abs(w))
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs a GPU")
+@pytest.mark.parametrize("window", [None, 6])
+def test_cudnn_decode_with_sinks_and_a_window(window):
+    """cuDNN's decode with sinks over each row's window (rows before, at and past the window's
+    length, at the cache's end) equals float64 attention over the whole cache under the causal
+    window mask with the sink in the denominator."""
+    slots, max_len, heads, kv, dim = 5, 32, 8, 2, 64
+    k, v = (
+        jax.random.normal(jax.random.key(i), (slots, max_len, kv, dim), jnp.bfloat16)
+        for i in (0, 1)
+    )
+    q = jax.random.normal(jax.random.key(2), (slots, heads, dim), jnp.bfloat16)
+    sinks = 2.0 * jax.random.normal(jax.random.key(3), (heads,), jnp.float32)
+    positions = jnp.array([0, 4, 5, 19, 31], jnp.int32)
+    got = jax.jit(
+        lambda q, cache, p, s: decode_cache_cudnn(
+            q, cache, p, 0.125, sliding_window=window, sinks=s
+        )
+    )(q, KVCache(k, v), positions, sinks)
+    got = np.asarray(got, np.float64)
+    for row, position in enumerate(np.asarray(positions)):
+        runs = [(0, int(position) + 1)]
+        keys = slice(0, int(position) + 1)
+        qs = np.concatenate(
+            [np.zeros((int(position), heads, dim)), np.asarray(q[row : row + 1], np.float64)]
+        )
+        want = _sink_reference(qs, k[row, keys], v[row, keys], runs, 0.125, window, sinks)[-1]
+        assert np.max(np.abs(got[row] - want)) <= 2e-2 * np.max(np.abs(want))

@@ -1,7 +1,7 @@
 """Attention sinks and the o bias: the softmax with a sink logit per head in its denominator equals
 float64 NumPy on the packed, blocked and decode paths, trains, and leaves padding rows zero; split
 over attention TP with their heads (and the o bias counted on one rank) the layer sums to the
-one-device layer; cuDNN, which has no sink term, never takes a layer with sinks."""
+one-device layer; a decode over a window reads only the window; cuDNN takes layers with sinks."""
 
 import dataclasses
 
@@ -15,6 +15,7 @@ from flax import nnx
 import boundary_jax as bj
 from models.config import PRESETS
 from models.layers.attention.attend import attend, attend_packed, causal_visibility
+from models.layers.attention.kv_cache import KVCache
 from models.layers.attention.self_attention import Attention, AttentionImpl
 from models.layers.linear import RowParallelLinear
 from tests.models import make_mesh, row_spec, run_sharded, sum_over, unsharded_copy
@@ -168,15 +169,51 @@ def test_row_parallel_bias_is_counted_once():
     chex.assert_trees_all_close(np.asarray(got), want, atol=1e-5)
 
 
-def test_cudnn_never_takes_a_layer_with_sinks():
-    """On the GPU path (AttentionImpl.CUDNN, bf16) a layer with sinks runs the jnp form: cuDNN
-    has no sink term; the same layer without sinks (and without a window) takes cuDNN."""
-    spec = dataclasses.replace(BASE.attention_spec(1), sliding_window=None)
-    with_sinks = Attention(spec, topology=bj.Topology(), impl=AttentionImpl.CUDNN, rngs=nnx.Rngs(0))
-    assert not with_sinks.takes_cudnn(jnp.bfloat16)
-    plain = dataclasses.replace(spec, sinks=False)
-    without = Attention(plain, topology=bj.Topology(), impl=AttentionImpl.CUDNN, rngs=nnx.Rngs(0))
-    assert without.takes_cudnn(jnp.bfloat16)
+def test_cudnn_takes_layers_with_sinks_and_windows():
+    """On the GPU path (AttentionImpl.CUDNN, bf16) cuDNN takes a layer with sinks and a sliding
+    window (the sink applied from cuDNN's log-sum-exp); float32 stays on the jnp form."""
+    spec = BASE.attention_spec(0)
+    assert spec.sinks and spec.sliding_window is not None
+    layer = Attention(spec, topology=bj.Topology(), impl=AttentionImpl.CUDNN, rngs=nnx.Rngs(0))
+    assert layer.takes_cudnn(jnp.bfloat16)
+    assert not layer.takes_cudnn(jnp.float32)
+
+
+@pytest.mark.parametrize("window", [4, None])
+def test_decode_reads_each_rows_window(window):
+    """A decode step over a cache longer than the window reads each row's window only (gathered
+    per row): rows before, at and past the window's length, at the cache's end, past it, and an
+    idle row, equal float64 NumPy over the whole cache under the causal window mask."""
+    spec = dataclasses.replace(BASE.attention_spec(0), sliding_window=window)
+    layer = Attention(spec, topology=bj.Topology(), rngs=nnx.Rngs(0))
+    slots, max_len = 6, 12
+    heads, kv, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    k_cache = RNG.standard_normal((slots, max_len, kv, dim))
+    v_cache = RNG.standard_normal((slots, max_len, kv, dim))
+    cache = KVCache(jnp.asarray(k_cache, jnp.float32), jnp.asarray(v_cache, jnp.float32))
+    positions = np.array([1, 3, 7, 11, 13, 0], np.int32)
+    valid = np.array([True] * 5 + [False])
+    q = RNG.standard_normal((slots, heads, dim))
+    sinks = 2 * RNG.standard_normal((kv, heads // kv))
+    got = layer._decode_jnp(
+        jnp.asarray(q, jnp.float32),
+        cache,
+        jnp.asarray(positions),
+        jnp.asarray(valid),
+        jnp.asarray(sinks, jnp.float32),
+    )
+    keys = np.arange(max_len)
+    for row in range(slots):
+        mask = np.asarray(causal_visibility(positions[row : row + 1], keys, window)) & valid[row]
+        want = numpy_attention(
+            q[row : row + 1].reshape(1, kv, -1, dim),
+            k_cache[row],
+            v_cache[row],
+            mask,
+            layer.scale,
+            sinks,
+        )
+        np.testing.assert_allclose(np.asarray(got[row]), want[0], atol=1e-5)
 
 
 def test_sinks_under_attention_cp_are_refused():
