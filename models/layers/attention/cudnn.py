@@ -11,12 +11,12 @@ the same rows: exact, at the reference's cost, in training only.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels.compat import cudnn_fused_attention
+from pallas_kernels.vjp import with_reference_vjp
 
 from .attend import attend, attend_packed
 from .kv_cache import KVCache
@@ -96,7 +96,7 @@ def prefill_attention_cudnn(
         )
         return out.reshape(q.shape).astype(q.dtype)
 
-    return _with_reference_gradient(fused, reference)(q, k, v, sinks, segment_ids)
+    return with_reference_vjp(fused, reference)(q, k, v, sinks, segment_ids)
 
 
 def _prefill(
@@ -232,7 +232,7 @@ def decode_cache_cudnn(
         out = attend(_grouped(q, k), k, v, mask, "tskd", scale, sinks=sinks.reshape(k.shape[2], -1))
         return out.reshape(q.shape).astype(q.dtype)
 
-    return _with_reference_gradient(fused, reference)(q, k_cache, v_cache, sinks, lengths)
+    return with_reference_vjp(fused, reference)(q, k_cache, v_cache, sinks, lengths)
 
 
 def window_of_cache(
@@ -258,24 +258,6 @@ def _sunk(out: jax.Array, stats: jax.Array, sinks: jax.Array) -> jax.Array:
     sinks = sinks.astype(jnp.float32).reshape((1,) * (stats.ndim - 1) + sinks.shape)
     keep = jax.nn.sigmoid(stats - sinks)
     return (out.astype(jnp.float32) * keep[..., None]).astype(out.dtype)
-
-
-def _with_reference_gradient(fused: Callable, reference: Callable) -> Callable:
-    """`fused` in the forward pass, differentiated as `reference` (the same function of the
-    same arguments, in `jnp`)."""
-
-    @jax.custom_vjp
-    def run(*args):
-        return fused(*args)
-
-    def forward(*args):
-        return fused(*args), args
-
-    def backward(args, cotangent):
-        return jax.vjp(reference, *args)[1](cotangent)
-
-    run.defvjp(forward, backward)
-    return run
 
 
 def decode_attention_cudnn(

@@ -21,11 +21,14 @@ FORMS = {
 }
 
 
-def _reference(q, k, v, runs, scale):
-    """float64 causal attention within each run of rows (rows of padding runs: 0)."""
+def _reference(q, k, v, runs, scale, window=None, sinks=None):
+    """float64 causal attention within each run of rows (rows of padding runs: 0), within a
+    sliding window of `window` rows (None: none), each head's sink logit (`sinks` [heads], or
+    None) in its denominator."""
     q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
     group = q.shape[1] // k.shape[1]
     k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    sink = -np.inf if sinks is None else np.asarray(sinks, np.float64)[:, None, None]
     out, start = np.zeros((*q.shape[:2], v.shape[-1])), 0
     for segment, length in runs:
         rows = slice(start, start + length)
@@ -33,9 +36,12 @@ def _reference(q, k, v, runs, scale):
         if segment < 0:
             continue
         scores = np.einsum("thd,shd->hts", q[rows], k[rows]) * scale
-        scores = np.where(np.tril(np.ones((length, length), bool)), scores, -np.inf)
-        weights = np.exp(scores - scores.max(-1, keepdims=True))
-        weights /= weights.sum(-1, keepdims=True)
+        distance = np.arange(length)[:, None] - np.arange(length)[None, :]
+        visible = (distance >= 0) & (distance < (window or length))
+        scores = np.where(visible, scores, -np.inf)
+        peak = np.maximum(scores.max(-1, keepdims=True), sink)
+        weights = np.exp(scores - peak)
+        weights /= weights.sum(-1, keepdims=True) + np.exp(sink - peak)
         out[rows] = np.einsum("hts,shd->thd", weights, v[rows])
     return out
 
@@ -105,30 +111,6 @@ def test_windows_must_hold_a_row():
         )
 
 
-def _sink_reference(q, k, v, runs, scale, window, sinks):
-    """float64 `_reference` with a sliding window and each head's sink logit in its
-    denominator."""
-    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
-    group = q.shape[1] // k.shape[1]
-    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
-    sink = np.asarray(sinks, np.float64)[:, None, None]
-    out, start = np.zeros((*q.shape[:2], v.shape[-1])), 0
-    for segment, length in runs:
-        rows = slice(start, start + length)
-        start += length
-        if segment < 0:
-            continue
-        scores = np.einsum("thd,shd->hts", q[rows], k[rows]) * scale
-        distance = np.arange(length)[:, None] - np.arange(length)[None, :]
-        visible = (distance >= 0) & (distance < (window or length))
-        scores = np.where(visible, scores, -np.inf)
-        peak = np.maximum(scores.max(-1, keepdims=True), sink)
-        weights = np.exp(scores - peak)
-        weights /= weights.sum(-1, keepdims=True) + np.exp(sink - peak)
-        out[rows] = np.einsum("hts,shd->thd", weights, v[rows])
-    return out
-
-
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs a GPU")
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("form", FORMS)
@@ -157,8 +139,8 @@ def test_cudnn_prefill_with_sinks_and_a_window(form, window):
         )
     )
     got = np.asarray(attend(q, k, v, segments, sinks), np.float64)
-    want = _sink_reference(q, k, v, runs, 0.125, window, sinks)
-    without = _sink_reference(q, k, v, runs, 0.125, window, jnp.full_like(sinks, -1e9))
+    want = _reference(q, k, v, runs, 0.125, window, sinks)
+    without = _reference(q, k, v, runs, 0.125, window, jnp.full_like(sinks, -1e9))
     real = np.asarray(segments) >= 0
     assert np.max(np.abs(got[real] - want[real])) <= 2e-2 * np.max(np.abs(want))
     assert np.max(np.abs(want[real] - without[real])) > 0.1 * np.max(np.abs(want))
@@ -239,5 +221,5 @@ def test_cudnn_decode_with_sinks_and_a_window(window):
         qs = np.concatenate(
             [np.zeros((int(position), heads, dim)), np.asarray(q[row : row + 1], np.float64)]
         )
-        want = _sink_reference(qs, k[row, keys], v[row, keys], runs, 0.125, window, sinks)[-1]
+        want = _reference(qs, k[row, keys], v[row, keys], runs, 0.125, window, sinks)[-1]
         assert np.max(np.abs(got[row] - want)) <= 2e-2 * np.max(np.abs(want))
