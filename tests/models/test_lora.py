@@ -32,16 +32,22 @@ LAYOUTS = {
     "input-scattered TP 4": (1, 4, True, 1),
     "pipeline 2": (1, 2, False, 2),
 }
-# The default run: Qwen3 input-scattered TP 4 (A before the column-parallel projections on the
-# gathered rows, B split like the columns, o/down partials), Llama DP 2 x TP 2 (the FFN over the
-# full TP group on both DP ranks' rows: the adapters gathered with them). The rest under slow.
-DEFAULT = {("qwen3", "input-scattered TP 4"), ("llama", "DP 2 x TP 2")}
-CASES = [
+# Logits on every layout by default; greedy decoding by default on Qwen3 input-scattered TP 4
+# (A before the column-parallel projections on the gathered rows, B split like the columns,
+# o/down partials), Llama DP 2 x TP 2 (the FFN over the full TP group on both DP ranks' rows:
+# the adapters gathered with them) and Llama pipeline 2, the rest under slow.
+DEFAULT_DECODE = {
+    ("qwen3", "input-scattered TP 4"),
+    ("llama", "DP 2 x TP 2"),
+    ("llama", "pipeline 2"),
+}
+CASES = [pytest.param(name, layout, id=f"{name}-{layout}") for name in NAMES for layout in LAYOUTS]
+DECODE_CASES = [
     pytest.param(
         name,
         layout,
         id=f"{name}-{layout}",
-        marks=[] if (name, layout) in DEFAULT else [pytest.mark.slow],
+        marks=[] if (name, layout) in DEFAULT_DECODE else [pytest.mark.slow],
     )
     for name in NAMES
     for layout in LAYOUTS
@@ -85,7 +91,7 @@ def test_logits_match_peft(name, layout):
     assert np.max(np.abs(reference["base_logits"] - want)) > 0.1 * scale
 
 
-@pytest.mark.parametrize("name,layout", CASES)
+@pytest.mark.parametrize("name,layout", DECODE_CASES)
 def test_greedy_tokens_match_peft(name, layout):
     """Greedy decoding through the sharded KV cache gives peft's tokens, each sequence decoding
     with its adapter (the adapters ride the decode rows, slot by slot)."""
