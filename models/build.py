@@ -104,7 +104,8 @@ def load_model(
 
     `adapters` (`{name: PEFT LoRA folder}`) are served over the base model: the model is built
     with their stacks (`BuildOptions.lora`; a batch picks each sequence's adapter by name or
-    index, `LoraSpec.index`), and each device holds only its shard of each adapter.
+    index, `LoraSpec.index`), and each device holds only its shard of each adapter. Without
+    `adapters`, stacks that `options.lora` asks for (to train) are drawn at random.
     """
     config = load_config(checkpoint_dir)
     platform = mesh_platform(mesh)
@@ -127,6 +128,10 @@ def load_model(
         scan_layers=options.scan_layers,
         quantization=options.quantization,
     )
+    if peft is None and options.lora is not None:
+        # Stacks to train over the checkpoint: drawn as `build_model` draws them.
+        blocks = config.layer_blocks(options.scan_layers)
+        return nnx.merge(graphdef, initialize_params(lora_state, blocks, seed=0, mesh=mesh), params)
     if peft is None:
         return nnx.merge(graphdef, lora_state, params)
     stacks = stacked_adapters(

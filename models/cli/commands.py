@@ -30,6 +30,7 @@ from ..config import PRESETS, DecoderConfig
 from ..decoder.model import CausalLM
 from ..distributed import is_first_process, require_everywhere
 from ..layers.attention.self_attention import AttentionImpl
+from ..layers.lora import LoraSpec
 from ..pipeline import PipelineCausalLM, PipelineSplit, build_pipeline, load_pipeline
 from ..serving import generation
 from ..serving.generation import check_prompts, generate_ids
@@ -95,12 +96,19 @@ def codec(args: argparse.Namespace, config: DecoderConfig) -> TextCodec:
 
 
 def build(
-    args: argparse.Namespace, out: Console, *, attention: AttentionImpl | None = None
+    args: argparse.Namespace,
+    out: Console,
+    *,
+    attention: AttentionImpl | None = None,
+    lora: LoraSpec | None = None,
 ) -> CausalLM:
     """The model of `--checkpoint` or `--preset` on `--mesh` (after `source_config`), built
-    with the command's `BuildOptions` (`attention`: a kernel the command requires)."""
+    with the command's `BuildOptions` (`attention`: a kernel the command requires; `lora`:
+    adapter stacks to train, drawn at random over the base weights)."""
     topology = options.topology(args)
     built = options.build_options(args, topology, attention=attention)
+    if lora is not None:
+        built = built.replace(lora=lora)
     adapters = lora_sources(args)
     directory = checkpoint_dir(args)
     if directory is not None:

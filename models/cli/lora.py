@@ -3,14 +3,16 @@ its folder) loads PEFT adapters over the checkpoint, and a prompt picks its adap
 `--adapter NAME` (every prompt) or in its input file: an object `{"ids": [...], "adapter":
 "NAME"}` in place of a list of ids (`--input-ids`, `--prompt-ids`), or a `.jsonl` prompt file of
 `{"prompt": "...", "adapter": "NAME"}` lines (`--prompt-file`). A prompt without one runs the base
-model."""
+model. `train --train-lora r=16,alpha=32,targets=q,k,v,o` trains one adapter over a frozen base."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
+from ..layers.lora import LoraSpec, LoraTarget
 from ..weights import read_json
 from ..weights.peft import ADAPTER_CONFIG
 from .options import InputError
@@ -131,3 +133,62 @@ def prompt_adapters(
                 f"adapters are {loaded}. Load it with --lora NAME=DIR"
             )
     return per_prompt
+
+
+TARGET_NAMES = {
+    "q": LoraTarget.Q,
+    "k": LoraTarget.K,
+    "v": LoraTarget.V,
+    "o": LoraTarget.OUT,
+    "gate": LoraTarget.GATE,
+    "up": LoraTarget.UP,
+    "down": LoraTarget.DOWN,
+}
+TRAINED_ADAPTER = "trained"
+"""The name of the adapter `train --train-lora` trains (its stacks hold that one adapter)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraTraining:
+    """`train --train-lora r=R,alpha=A,targets=q,k,...`: a LoRA adapter trained over a frozen
+    base, written as a PEFT folder.
+
+    Attributes:
+      spec: The model's stacks: one adapter of rank `r` on the targets.
+      alpha: PEFT's `lora_alpha` (the delta is scaled by alpha / r).
+    """
+
+    spec: LoraSpec
+    alpha: float
+
+
+def lora_training(text: str) -> LoraTraining:
+    """`--train-lora r=16,alpha=32,targets=q,k,v,o` (targets among q k v o gate up down)."""
+    fields: dict[str, list[str]] = {}
+    key = None
+    for item in text.split(","):
+        name, separator, value = item.partition("=")
+        if separator:
+            key = name.strip()
+            fields[key] = [value.strip()]
+        elif key == "targets":
+            fields[key].append(item.strip())
+        else:
+            raise argparse.ArgumentTypeError(f"expected r=R,alpha=A,targets=q,k,...; got {text!r}")
+    if set(fields) != {"r", "alpha", "targets"}:
+        raise argparse.ArgumentTypeError(
+            f"--train-lora takes r=, alpha= and targets= (e.g. r=16,alpha=32,targets=q,k,v,o); "
+            f"got {sorted(fields)}"
+        )
+    unknown = [t for t in fields["targets"] if t not in TARGET_NAMES]
+    try:
+        rank, alpha = int(fields["r"][0]), float(fields["alpha"][0])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"r is an int and alpha a number; got {text!r}") from None
+    if unknown or rank < 1 or alpha <= 0:
+        raise argparse.ArgumentTypeError(
+            f"r >= 1, alpha > 0 and targets among {sorted(TARGET_NAMES)}; got r={rank}, "
+            f"alpha={alpha}, unknown targets {unknown}"
+        )
+    targets = frozenset(TARGET_NAMES[t] for t in fields["targets"])
+    return LoraTraining(LoraSpec((TRAINED_ADAPTER,), rank, targets), alpha)

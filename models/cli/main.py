@@ -33,7 +33,7 @@ from . import commands, options
 from .demo import run_demo
 from .interrupts import interruption, report, signals_interrupt
 from .launch import launch
-from .lora import add_lora_args
+from .lora import add_lora_args, lora_training
 from .options import InputError
 from .train import train
 
@@ -336,6 +336,13 @@ def _parser() -> argparse.ArgumentParser:
         "--save-every",
         type=options.positive_int,
         help="also write the checkpoint every N steps (an interrupted run keeps the last)",
+    )
+    train_.add_argument(
+        "--train-lora",
+        type=lora_training,
+        metavar="r=R,alpha=A,targets=q,k,...",
+        help="train a LoRA adapter (targets among q k v o gate up down) over the frozen model "
+        "and write it as a PEFT adapter folder to --out",
     )
     train_.add_argument("--out", required=True, help="where to write the trained checkpoint")
     train_.add_argument(

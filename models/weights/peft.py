@@ -14,6 +14,7 @@ LoRA biases, per-module ranks, ...) is refused when it is read.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -23,7 +24,7 @@ import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file, save_file
 
 from ..config import DecoderConfig
 from ..layers.lora import LoraSpec, LoraTarget
@@ -248,3 +249,82 @@ def _stack(
             else:
                 stack[k, part, :r, :] = b
     return stack
+
+
+def peft_tensors(
+    params: Mapping[str, jax.Array], spec: LoraSpec, *, index: int, scaling: float
+) -> dict[str, np.ndarray]:
+    """The PEFT tensors (`lora_A` [r, in], `lora_B` [out, r] with the scaling taken out of B)
+    of adapter `index` (1-based) of a model's stacks, from its flat parameters by dotted path
+    (`layers.{i}.attn.q_lora.a`, ...); the inverse of `read_peft_adapter` and
+    `stacked_adapters`."""
+    tensors = {}
+    for path, value in params.items():
+        parts = path.split(".")
+        if len(parts) != 5 or parts[0] != "layers" or tuple(parts[2:4]) not in STACKS:
+            continue
+        stack = np.asarray(jax.device_get(value), np.float32)[index - 1]
+        module = "self_attn" if parts[2] == "attn" else "mlp"
+        for part, target in enumerate(STACKS[tuple(parts[2:4])]):
+            if target not in spec.targets:
+                continue
+            weight = stack
+            if target not in _ROW_TARGETS:  # a column stack: its parts on axis 1 (a) or 0 (b)
+                weight = stack[:, part] if parts[4] == "a" else stack[part]
+            if parts[4] == "a":
+                weight, kind = weight.T, "A"  # [in, r] -> [r, in]
+            else:
+                weight, kind = (weight / np.float32(scaling)).T, "B"  # [r, out] -> [out, r]
+            name = f"base_model.model.model.layers.{parts[1]}.{module}.{target.value}"
+            tensors[f"{name}.lora_{kind}.weight"] = np.ascontiguousarray(weight)
+    return tensors
+
+
+def write_peft_adapter(
+    params: Mapping[str, jax.Array],
+    spec: LoraSpec,
+    directory: str | Path,
+    *,
+    alpha: float,
+    base: str,
+    index: int = 1,
+) -> None:
+    """Writes adapter `index` of a model's stacks as a PEFT LoRA folder that `peft` (and
+    `read_peft_adapter`) loads: `adapter_config.json` (rank `spec.rank`, `lora_alpha` `alpha`,
+    the targets) and `adapter_model.safetensors`. `directory` must exist."""
+    tensors = peft_tensors(params, spec, index=index, scaling=alpha / spec.rank)
+    settings = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base,
+        "r": spec.rank,
+        "lora_alpha": alpha,
+        "use_rslora": False,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "target_modules": sorted(t.value for t in spec.targets),
+    }
+    directory = Path(directory)
+    (directory / ADAPTER_CONFIG).write_text(json.dumps(settings, indent=2) + "\n")
+    save_file(tensors, directory / ADAPTER_WEIGHTS)
+
+
+def is_lora_parameter(path: str) -> bool:
+    """Whether a dotted parameter path (`Trainer`'s form) is an adapter stack's."""
+    return is_lora_path(tuple(path.split(".")))
+
+
+def zero_lora_b(model: nnx.Module) -> nnx.Module:
+    """`model` with every adapter stack's B zero, as PEFT starts a new adapter (A stays
+    random): it starts equal to its base model. Each B keeps its sharding."""
+    graphdef, state = nnx.split(model)
+    flat = []
+    for path, variable in nnx.to_flat_state(state):
+        if is_lora_path(path) and path[-1] == "b":
+            value = variable.get_value()
+            zero = jax.device_put(np.zeros(value.shape, value.dtype), value.sharding)
+            variable = variable.replace(value=zero)
+        flat.append((path, variable))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
