@@ -39,7 +39,8 @@ def lora_rows(boundary: StageBoundary, stream: ResidualStream, values: jax.Array
       [compute rows, ...]: row i is the value of the compute input's row i.
 
     Raises:
-      RuntimeError: The stage is not bound, or `stream` is not the one its `prepare` wrote.
+      RuntimeError: The stage is not bound, or `stream` was not written by a `prepare` of the
+        stages its `append_stages` call appended (and not finished since).
     """
     stream = require_stream(stream)
     if boundary.plan is None:

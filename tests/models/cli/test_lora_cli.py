@@ -76,3 +76,14 @@ def test_adapter_sources_and_prompt_files_name_the_adapters(tmp_path):
     args.adapter = "zz"
     with pytest.raises(InputError, match="'zz', which is not loaded"):
         prompt_adapters(args, "--input-ids", 3)
+
+
+def test_plan_reports_the_loaded_adapters(capsys):
+    """plan --lora reports the adapters it serves, their stacks' rank and targets."""
+    assert main(["plan", "--checkpoint", str(LLAMA), "--lora", str(ADAPTERS / "a2"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["lora"] == {
+        "adapters": ["a2"],
+        "rank": 8,
+        "targets": ["down_proj", "q_proj", "up_proj", "v_proj"],
+    }
