@@ -4,11 +4,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import boundary_jax as bj
 from boundary_jax import residual_stream
 from tests.boundary_jax.cases import build
-from tests.boundary_jax.standin import ROWS, Setup, make_batch, sharded_forward
+from tests.boundary_jax.standin import (
+    ROWS,
+    Setup,
+    StandInAttention,
+    make_batch,
+    make_mesh,
+    random_norm,
+    sharded_forward,
+)
 
 
 def _row_ids(topology: bj.Topology) -> jax.Array:
@@ -59,3 +69,49 @@ def test_lora_rows_needs_a_prepared_stream():
     x = jnp.zeros((setup.dp * ROWS, 16), jnp.float32)
     with pytest.raises(RuntimeError, match="between that stage's prepare"):
         fn(leaves, place(x), batch)
+
+
+class _OwnRowsLayer(nnx.Module):
+    """Attention, then an FFN fully data-parallel on each rank's own rows (dense_tp_size=1)."""
+
+    def __init__(self, topology: bj.Topology):
+        keys = jax.random.split(jax.random.key(3), 3)
+        self.attn_norm = random_norm(keys[0], jnp.float32)
+        self.ffn_norm = random_norm(keys[1], jnp.float32)
+        self.attn = StandInAttention(topology, keys[2], jnp.float32)
+        with bj.layer_stack(topology, input_sum=None):
+            self.attn_boundary, self.ffn_boundary = bj.append_stages(
+                (bj.declare_attn(), self.attn_norm),
+                (bj.declare_ffn(dense_tp_size=1), self.ffn_norm),
+                owner=self,
+            )
+
+    def __call__(self, x, batch):
+        stream, ids = residual_stream.start(batch), jnp.arange(x.shape[0])
+        h, stream = self.attn_boundary.prepare(x, stream)
+        y, stream = self.attn_boundary.finish(self.attn(h), stream)
+        h, stream = self.ffn_boundary.prepare(y, stream)
+        moved = bj.adapters.lora_rows(self.ffn_boundary, stream, ids)
+        assert moved.shape[0] == h.shape[0]
+        return moved[:, None].astype(jnp.float32)
+
+
+@pytest.mark.parametrize("variant", [bj.BatchVariant.ORDINARY, bj.BatchVariant.UNPADDED])
+def test_lora_rows_of_an_ffn_on_its_own_rows(variant):
+    """An FFN on its own rows gets this rank's attention-TP slice of the row values in an
+    ordinary batch, and every row in an unpadded one (whose rows need not divide over TP)."""
+    topology = bj.Topology(attn_tp=2)
+    rows = ROWS if variant is bj.BatchVariant.ORDINARY else ROWS - 1
+    make = bj.BatchFacts.ordinary if variant is bj.BatchVariant.ORDINARY else bj.BatchFacts.unpadded
+    batch = make(topology, [rows], rows_per_block=rows)
+    own = variant is bj.BatchVariant.ORDINARY
+    layout = bj.rows.own_rows(topology) if own else topology.attention_rows()
+    sharded = bj.ShardedModule(_OwnRowsLayer(topology), make_mesh(1, 2))
+    program = sharded.program(
+        lambda layer, x, batch: layer(x, batch),
+        in_specs=(P(), batch.spec()),
+        out_specs=topology.row_spec(layout, None),
+    )
+    x = jax.random.normal(jax.random.key(0), (rows, 16), jnp.float32)
+    got = np.asarray(program(sharded.leaves, x, batch))[:, 0]
+    np.testing.assert_array_equal(got, np.arange(rows))
