@@ -195,10 +195,12 @@ def generate_text(
     chat: bool = False,
     sampling: Sampling = GREEDY,
     seed: int = 0,
+    adapters: Sequence[str | int | None] | None = None,
 ) -> list[str]:
     """Each prompt's continuation as text: the prompts encoded with `codec` (through its chat
-    template with `chat`), `generate_ids`, the new ids decoded (an end-of-sequence token
-    dropped, as the codec drops special tokens).
+    template with `chat`), `generate_ids` (each prompt through its LoRA adapter, given
+    `adapters`), the new ids decoded (an end-of-sequence token dropped, as the codec drops
+    special tokens).
 
     Raises:
       TypeError: `prompts` is one string, or holds something other than strings.
@@ -214,7 +216,13 @@ def generate_text(
     if empty:
         raise ValueError(f"the prompt {empty[0]!r} encodes to no token ids")
     new = generate_ids(
-        runner, sequences, max_new_tokens, eos_ids=eos_ids, sampling=sampling, seed=seed
+        runner,
+        sequences,
+        max_new_tokens,
+        eos_ids=eos_ids,
+        sampling=sampling,
+        seed=seed,
+        adapters=adapters,
     )
     return [codec.decode(ids) for ids in new]
 
