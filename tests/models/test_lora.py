@@ -24,19 +24,20 @@ from models.weights.peft import read_peft_adapter
 
 GOLDEN = pathlib.Path(__file__).parents[1] / "golden"
 NAMES = ("qwen3", "llama")
-# (layout, attn_dp, attn_tp, input-scattered, pp)
+# (layout, attn_dp, attn_tp, input-scattered, pp, attn_cp)
 LAYOUTS = {
-    "TP 1": (1, 1, False, 1),
-    "TP 4": (1, 4, False, 1),
-    "DP 2 x TP 2": (2, 2, False, 1),
-    "input-scattered TP 4": (1, 4, True, 1),
-    "pipeline 2": (1, 2, False, 2),
+    "TP 1": (1, 1, False, 1, 1),
+    "TP 4": (1, 4, False, 1, 1),
+    "DP 2 x TP 2": (2, 2, False, 1, 1),
+    "input-scattered TP 4": (1, 4, True, 1, 1),
+    "pipeline 2": (1, 2, False, 2, 1),
+    "DP 2 x CP 2 x TP 2": (2, 2, False, 1, 2),
 }
 # The default run: Llama's logits on every layout, Qwen3's on input-scattered TP 4 (A before the
 # column-parallel projections on the gathered rows, B split like the columns) and pipeline 2;
 # greedy decoding on Qwen3 input-scattered TP 4 and Llama DP 2 x TP 2 (the FFN over the full TP
 # group on both DP ranks' rows: the adapters gathered with them). The rest under slow.
-DEFAULT_LOGITS = {("llama", layout) for layout in LAYOUTS} | {
+DEFAULT_LOGITS = {("llama", layout) for layout in LAYOUTS if "CP" not in layout} | {
     ("qwen3", "input-scattered TP 4"),
     ("qwen3", "pipeline 2"),
 }
@@ -68,8 +69,8 @@ def adapter_dirs(name: str) -> dict[str, pathlib.Path]:
 
 @functools.cache
 def runner(name: str, layout: str):
-    dp, tp, scattered, pp = LAYOUTS[layout]
-    topology = bj.Topology(attn_dp=dp, attn_tp=tp, pp=pp)
+    dp, tp, scattered, pp, cp = LAYOUTS[layout]
+    topology = bj.Topology(attn_dp=dp, attn_cp=cp, attn_tp=tp, pp=pp)
     mesh = bj.make_mesh(topology)
     if pp > 1:
         config = load_config(GOLDEN / name)
