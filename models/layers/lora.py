@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import numbers
 from collections.abc import Sequence
 
 import jax
@@ -90,9 +91,9 @@ class LoraSpec:
         """
         if name is None:
             return 0
-        if isinstance(name, int) and not isinstance(name, bool):
+        if isinstance(name, numbers.Integral) and not isinstance(name, bool):
             if 0 <= name <= self.adapters:
-                return name
+                return int(name)
         elif name in self.names:
             return self.names.index(name) + 1
         raise ValueError(
