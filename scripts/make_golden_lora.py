@@ -1,12 +1,14 @@
 """Generate the multi-LoRA golden fixtures under ``tests/golden/lora/`` with PyTorch ``peft``.
 
-For each of the tiny ``qwen3`` and ``llama`` checkpoints of ``tests/golden/`` (written by
-``scripts/make_golden.py``), two PEFT LoRA adapters, in ``tests/golden/lora/<name>/``:
+For each of the tiny ``qwen3``, ``llama`` and ``qwen3_moe`` checkpoints of ``tests/golden/``
+(written by ``scripts/make_golden.py``), two PEFT LoRA adapters, in
+``tests/golden/lora/<name>/``:
 
 * ``a1/`` and ``a2/``: ``adapter_config.json`` + ``adapter_model.safetensors`` as
   ``PeftModel.save_pretrained`` writes them. ``a1``: r 4, lora_alpha 8, every attention and MLP
   projection. ``a2``: r 8, lora_alpha 4, rsLoRA (scaling alpha / sqrt(r)), on q, v, up and down
-  only. A and B are random (A ~ N(0, 1/in), B ~ N(0, 0.5^2 / r)), not PEFT's zero B, so each
+  only. On ``qwen3_moe`` (whose experts take no adapters) the attention's projections only.
+  A and B are random (A ~ N(0, 1/in), B ~ N(0, 0.5^2 / r)), not PEFT's zero B, so each
   adapter moves the logits by about as much as the base model's own spread.
 * ``prompts.json``: the golden prompts of the base checkpoint, each an object
   ``{"ids": [...], "adapter": "a1"}`` (``"adapter"`` left out for the base model): the
@@ -22,7 +24,8 @@ any logits are computed, so the references are of the saved adapters.
 
 Run (from the repository root; the torch venv with ``peft`` installed)::
 
-    /work/main/.torchenv/bin/python scripts/make_golden_lora.py
+    /work/main/.torchenv/bin/python scripts/make_golden_lora.py            # every model
+    /work/main/.torchenv/bin/python scripts/make_golden_lora.py qwen3_moe  # some of them
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -41,32 +45,24 @@ from transformers import AutoModelForCausalLM
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "golden"
 OUT = GOLDEN / "lora"
-NAMES = ("qwen3", "llama")
+NAMES = ("qwen3", "llama", "qwen3_moe")
+MOE = ("qwen3_moe",)
+ADAPTERS = ("a1", "a2")
 NEW_TOKENS = 6
 PROMPT_ADAPTERS = ("a1", "a2", None, "a1")
-ADAPTERS = {
-    "a1": LoraConfig(
-        r=4,
-        lora_alpha=8,
-        lora_dropout=0.0,
-        target_modules=[
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ],
-    ),
-    "a2": LoraConfig(
-        r=8,
-        lora_alpha=4,
-        use_rslora=True,
-        lora_dropout=0.0,
-        target_modules=["q_proj", "v_proj", "up_proj", "down_proj"],
-    ),
-}
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP = ["gate_proj", "up_proj", "down_proj"]
+
+
+def adapter_config(name: str, adapter: str) -> LoraConfig:
+    """a1: r 4, alpha 8 on every projection; a2: r 8, alpha 4, rsLoRA on q, v, up, down. On the
+    MoE model (whose experts take no adapters) the attention's projections only."""
+    moe = name in MOE
+    if adapter == "a1":
+        targets = ATTENTION if moe else ATTENTION + MLP
+        return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets)
+    targets = ["q_proj", "v_proj"] + ([] if moe else ["up_proj", "down_proj"])
+    return LoraConfig(r=8, lora_alpha=4, use_rslora=True, lora_dropout=0.0, target_modules=targets)
 
 
 def base_model(name: str) -> torch.nn.Module:
@@ -77,7 +73,7 @@ def base_model(name: str) -> torch.nn.Module:
 
 def write_adapter(name: str, adapter: str, seed: int, directory: Path) -> None:
     """A random PEFT adapter over `name`'s base model, saved to `directory`."""
-    model = get_peft_model(base_model(name), ADAPTERS[adapter])
+    model = get_peft_model(base_model(name), adapter_config(name, adapter))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, module in sorted(model.named_modules(), key=lambda item: item[0]):
@@ -156,5 +152,5 @@ def run(name: str) -> None:
 
 if __name__ == "__main__":
     torch.manual_seed(0)
-    for family in NAMES:
+    for family in sys.argv[1:] or NAMES:
         run(family)

@@ -13,6 +13,7 @@ import boundary_jax as bj
 from ..config import DecoderConfig, ResidualDesign
 from ..config.tensors import HFTensor, decoder_tensor_names, dense_layer_tensors
 from ..layers.attention.context_parallel import CpAttentionMode
+from ..layers.lora import ATTENTION_TARGETS
 from ..options import BuildOptions
 
 
@@ -36,7 +37,7 @@ class FamilyBase:
       pipeline_stages: It builds as pipeline stages (a share of its layers each; their decode
         caches are grouped-query attention's).
       lora: It builds LoRA adapter stacks (`BuildOptions.lora`) on its attention and gated MLP
-        projections.
+        projections (a family with experts: on its attention only).
     """
 
     architectures: ClassVar[tuple[str, ...]] = ()
@@ -98,14 +99,16 @@ class FamilyBase:
         """Raises unless this family builds LoRA adapter stacks with `options`.
 
         Raises:
-          NotImplementedError: MoE experts, a family whose projections take no adapters, or an
-            option the adapters are not built with (FP8, scanned layers, two-batch overlap).
+          NotImplementedError: MLP targets in a model with experts, a family whose projections
+            take no adapters, or an option the adapters are not built with (FP8, scanned
+            layers, two-batch overlap).
         """
         name = cls.__name__
-        if cls.has_experts:
+        mlp = sorted(t.value for t in options.lora.targets if t not in ATTENTION_TARGETS)
+        if cls.has_experts and mlp:
             raise NotImplementedError(
-                f"LoRA adapters on MoE experts are not built; {name} has experts. Serve "
-                "adapters on a dense decoder whose family builds them (`FamilyBase.lora`)"
+                f"LoRA adapters on MoE experts are not built; {name} has experts, and the "
+                f"adapters target {mlp}. Adapt its attention projections (q, k, v, o) only"
             )
         if not cls.lora:
             raise NotImplementedError(

@@ -16,6 +16,7 @@ import boundary_jax as bj
 from ..inputs.rows import TokenRows
 from ..layers.attention.kv_cache import KVCache
 from ..layers.attention.self_attention import Attention
+from ..layers.mlp import SwiGLU
 from .designs import LayerDesign, StageDesigns
 
 Declare = Callable[[StageDesigns], tuple[bj.StageDeclaration, ...]]
@@ -124,7 +125,8 @@ class DecoderLayer(AttentionFirstLayer):
             y, cache = attend_rows(self.attn, h, rows, cache, adapters=adapters)
         x, stream = self.attn_boundary.finish(y, stream)
         h, stream = self.ffn_boundary.prepare(x, stream)
-        if rows.adapters is None:
+        if rows.adapters is None or not isinstance(self.mlp, SwiGLU):
+            # A MoE FFN takes no adapters (a model with experts adapts its attention only).
             x, stream = self.run_ffn(h, stream)
         else:
             adapters = bj.adapters.lora_rows(self.ffn_boundary, stream, rows.adapters)

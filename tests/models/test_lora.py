@@ -23,7 +23,7 @@ from models.weights.load import load_config
 from models.weights.peft import read_peft_adapter
 
 GOLDEN = pathlib.Path(__file__).parents[1] / "golden"
-NAMES = ("qwen3", "llama")
+NAMES = ("qwen3", "llama", "qwen3_moe")  # Qwen3-MoE: adapters on its attention only
 # (layout, attn_dp, attn_tp, input-scattered, pp, attn_cp)
 LAYOUTS = {
     "TP 1": (1, 1, False, 1, 1),
@@ -40,6 +40,7 @@ LAYOUTS = {
 DEFAULT_LOGITS = {("llama", layout) for layout in LAYOUTS if "CP" not in layout} | {
     ("qwen3", "input-scattered TP 4"),
     ("qwen3", "pipeline 2"),
+    ("qwen3_moe", "DP 2 x TP 2"),
 }
 DEFAULT_DECODE = {("qwen3", "input-scattered TP 4"), ("llama", "DP 2 x TP 2")}
 
@@ -54,6 +55,7 @@ def cases(default: set[tuple[str, str]]) -> list:
         )
         for name in NAMES
         for layout in LAYOUTS
+        if (name, layout) != ("qwen3_moe", "DP 2 x CP 2 x TP 2")  # no CP with experts yet
     ]
 
 
@@ -199,9 +201,11 @@ def test_peft_reader_refuses_experts_and_other_modules(tmp_path):
 
 
 def test_lora_is_refused_where_it_is_not_built():
-    """MoE models, FP8 and scanned layers refuse adapter stacks when the model is built."""
+    """MLP adapters on a model with experts, FP8 and scanned layers refuse adapter stacks when
+    the model is built."""
     spec = LoraSpec(("a",), 4, frozenset({LoraTarget.Q}))
-    with pytest.raises(NotImplementedError, match="MoE experts"):
-        build_model(PRESETS["tiny-qwen3-moe"], bj.Topology(), BuildOptions(lora=spec))
+    mlp = LoraSpec(("a",), 4, frozenset({LoraTarget.Q, LoraTarget.UP}))
+    with pytest.raises(NotImplementedError, match=r"MoE experts.*\['up_proj'\]"):
+        build_model(PRESETS["tiny-qwen3-moe"], bj.Topology(), BuildOptions(lora=mlp))
     with pytest.raises(NotImplementedError, match="scan_layers"):
         build_model(PRESETS["tiny-qwen3"], bj.Topology(), BuildOptions(lora=spec, scan_layers=True))
