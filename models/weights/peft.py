@@ -117,6 +117,9 @@ def read_peft_adapter(directory: str | Path, name: str, config: DecoderConfig) -
                 f"{directory}: the PEFT option {option}={settings[option]!r} is not built; "
                 f"adapters with {option} left at {default!r} load"
             )
+    missing = [key for key in ("r", "lora_alpha") if not isinstance(settings.get(key), int | float)]
+    if missing:
+        raise ValueError(f"{directory / ADAPTER_CONFIG} needs numbers {missing}")
     rank, alpha = int(settings["r"]), float(settings["lora_alpha"])
     scaling = alpha / (math.sqrt(rank) if settings.get("use_rslora") else rank)
     weights_file = directory / ADAPTER_WEIGHTS
@@ -165,7 +168,9 @@ def _parse(tensor: str, directory: Path, config: DecoderConfig) -> tuple[tuple, 
     return (layer, target), match.group(4)
 
 
-def read_adapters(sources: Mapping[str, str | Path], config: DecoderConfig) -> tuple:
+def read_adapters(
+    sources: Mapping[str, str | Path], config: DecoderConfig
+) -> tuple[PeftAdapter, ...]:
     """The adapters of `{name: folder}`, in that order (`read_peft_adapter` each)."""
     return tuple(read_peft_adapter(folder, name, config) for name, folder in sources.items())
 
