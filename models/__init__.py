@@ -22,6 +22,7 @@ import importlib
 
 _EXPORTS = {
     "BuildOptions": "models.options",
+    "LoraSpec": "models.layers.lora",
     "Remat": "models.options",
     "build_model": "models.build",
     "load_model": "models.build",

@@ -4,6 +4,7 @@ the config's registered family builds the model and refuses what it does not com
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import jax
@@ -20,6 +21,7 @@ from .options import BuildOptions
 from .weights import load_config, load_params
 from .weights.fp8 import stored_fp8
 from .weights.initialization import initialize_params
+from .weights.peft import is_lora_path, lora_spec, read_adapters, stacked_adapters
 
 
 def mesh_platform(mesh: Mesh | None) -> str:
@@ -86,6 +88,7 @@ def load_model(
     options: BuildOptions = BuildOptions(),
     *,
     moe_ep: int = 1,
+    adapters: Mapping[str, str | Path] | None = None,
 ) -> CausalLM:
     """A model loaded from a Hugging Face checkpoint directory, each device reading its shard.
 
@@ -98,14 +101,25 @@ def load_model(
     A fine-grained FP8 checkpoint (`quantization_config` with `quant_method: fp8`) loads as an
     FP8 model (`options.quantization` None: `Fp8Quantization.for_platform`); a quantization
     given quantizes any other checkpoint on load, each device its own blocks (`weights.fp8`).
+
+    `adapters` (`{name: PEFT LoRA folder}`) are served over the base model: the model is built
+    with their stacks (`BuildOptions.lora`; a batch picks each sequence's adapter by name or
+    index, `LoraSpec.index`), and each device holds only its shard of each adapter. Without
+    `adapters`, stacks that `options.lora` asks for (to train) are drawn at random.
     """
     config = load_config(checkpoint_dir)
     platform = mesh_platform(mesh)
     options = options.for_platform(platform)
+    peft = None
+    if adapters:
+        peft = read_adapters(adapters, config)
+        options = options.replace(lora=lora_spec(peft))
     if options.quantization is None and stored_fp8(checkpoint_dir):
         options = options.replace(quantization=Fp8Quantization.for_platform(platform))
     topology = bj.Topology.from_mesh(mesh, moe_ep=moe_ep)
-    graphdef, abstract_state = nnx.split(abstract_model(config, topology, options))
+    graphdef, lora_state, abstract_state = nnx.split(
+        abstract_model(config, topology, options), is_lora_path, ...
+    )
     params = load_params(
         checkpoint_dir,
         abstract_state,
@@ -114,4 +128,13 @@ def load_model(
         scan_layers=options.scan_layers,
         quantization=options.quantization,
     )
-    return nnx.merge(graphdef, params)
+    if peft is None and options.lora is not None:
+        # Stacks to train over the checkpoint: drawn as `build_model` draws them.
+        blocks = config.layer_blocks(options.scan_layers)
+        return nnx.merge(graphdef, initialize_params(lora_state, blocks, seed=0, mesh=mesh), params)
+    if peft is None:
+        return nnx.merge(graphdef, lora_state, params)
+    stacks = stacked_adapters(
+        peft, lora_state, mesh, np.dtype(options.dtype), layers=range(config.num_layers)
+    )
+    return nnx.merge(graphdef, stacks, params)

@@ -20,6 +20,7 @@ from .layers.attention.context_parallel import CpAttentionMode
 from .layers.attention.self_attention import AttentionImpl
 from .layers.fp8_linear import Fp8Quantization
 from .layers.hyper_connections import HyperConnections
+from .layers.lora import LoraSpec
 from .layers.moe.sparse import GroupedMatmulImpl
 
 
@@ -83,6 +84,8 @@ class BuildOptions:
         `dtype` (`pallas_kernels.grouped_matmul.default_grouped_matmul_impl`).
       dense_ffn_dp: The dense FFN layers of a model with experts run fully data-parallel
         (whole weights on every rank, on its own rows; `declare_ffn(dense_tp_size=1)`).
+      lora: The LoRA adapter stacks the attention and MLP projections carry (`layers.lora`;
+        `weights.peft` fills them from PEFT adapters); None: no adapters.
     """
 
     dtype: jnp.dtype = jnp.float32
@@ -100,6 +103,7 @@ class BuildOptions:
     moe_capacity: int | None = None
     grouped_matmul: GroupedMatmulImpl | None = None
     dense_ffn_dp: bool = False
+    lora: LoraSpec | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", np.dtype(self.dtype))
@@ -112,6 +116,7 @@ class BuildOptions:
             ("hyper_connections", HyperConnections),
             ("moe_dispatch", bj.MoeDispatch),
             ("grouped_matmul", GroupedMatmulImpl),
+            ("lora", LoraSpec),
         ):
             value = getattr(self, name)
             if value is not None and not isinstance(value, kind):

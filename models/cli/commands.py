@@ -30,6 +30,7 @@ from ..config import PRESETS, DecoderConfig
 from ..decoder.model import CausalLM
 from ..distributed import is_first_process, require_everywhere
 from ..layers.attention.self_attention import AttentionImpl
+from ..layers.lora import LoraSpec
 from ..pipeline import PipelineCausalLM, PipelineSplit, build_pipeline, load_pipeline
 from ..serving import generation
 from ..serving.generation import check_prompts, generate_ids
@@ -38,6 +39,7 @@ from ..serving.sampling import Sampling
 from ..serving.text import TextCodec, TextStream, eos_token_ids, text_codec
 from ..weights import check_checkpoint_files, load_config, read_json
 from . import options
+from .lora import ids_entry, lora_sources, prompt_adapters, prompt_line
 from .options import InputError
 from .plan import pipeline_plan, plan_report, print_pipeline_plan, print_plan
 
@@ -94,17 +96,25 @@ def codec(args: argparse.Namespace, config: DecoderConfig) -> TextCodec:
 
 
 def build(
-    args: argparse.Namespace, out: Console, *, attention: AttentionImpl | None = None
+    args: argparse.Namespace,
+    out: Console,
+    *,
+    attention: AttentionImpl | None = None,
+    lora: LoraSpec | None = None,
 ) -> CausalLM:
     """The model of `--checkpoint` or `--preset` on `--mesh` (after `source_config`), built
-    with the command's `BuildOptions` (`attention`: a kernel the command requires)."""
+    with the command's `BuildOptions` (`attention`: a kernel the command requires; `lora`:
+    adapter stacks to train, drawn at random over the base weights)."""
     topology = options.topology(args)
     built = options.build_options(args, topology, attention=attention)
+    if lora is not None:
+        built = built.replace(lora=lora)
+    adapters = lora_sources(args)
     directory = checkpoint_dir(args)
     if directory is not None:
         mesh = bj.make_mesh(topology)
         with status(out, f"loading {directory} onto {topology}"):
-            return load_model(directory, mesh, built, moe_ep=args.moe_ep)
+            return load_model(directory, mesh, built, moe_ep=args.moe_ep, adapters=adapters)
     with status(out, f"building {args.preset} with random weights"):
         return build_model(PRESETS[args.preset], topology, built, seed=getattr(args, "seed", 0))
 
@@ -118,10 +128,18 @@ def build_stages(
     mesh = bj.make_mesh(topology)
     built = options.build_options(args, topology)
     stages = f"{topology.pp} pipeline stages (layers {list(split.sizes)})"
+    adapters = lora_sources(args)
     directory = checkpoint_dir(args)
     if directory is not None:
         with status(out, f"loading {directory} onto {topology} in {stages}"):
-            return load_pipeline(directory, mesh, built, split=split, moe_ep=args.moe_ep)
+            return load_pipeline(
+                directory,
+                mesh,
+                built,
+                split=split,
+                moe_ep=args.moe_ep,
+                adapters=adapters,
+            )
     with status(out, f"building {args.preset} with random weights in {stages}"):
         return build_pipeline(
             PRESETS[args.preset],
@@ -157,11 +175,13 @@ def runner(
 
 
 def read_ids(option: str, path: str, vocab_size: int) -> list[list[int]]:
-    """A JSON file of token-id lists (ragged), each id in the vocabulary."""
+    """A JSON file of token-id lists (ragged), each id in the vocabulary; an entry may be an
+    object `{"ids": [...], "adapter": NAME}` naming its LoRA adapter (`cli.lora`)."""
     file = Path(path)
     if not file.is_file():
         raise InputError(f"{option}: no token-id file at {path}")
-    ids = read_json(file)
+    entries = read_json(file)
+    ids = [ids_entry(entry)[0] for entry in entries] if isinstance(entries, list) else None
     valid = (
         isinstance(ids, list)
         and ids
@@ -169,7 +189,10 @@ def read_ids(option: str, path: str, vocab_size: int) -> list[list[int]]:
         and all(isinstance(t, int) and not isinstance(t, bool) for s in ids for t in s)
     )
     if not valid:
-        raise InputError(f"{path} must hold a non-empty JSON list of non-empty lists of ints")
+        raise InputError(
+            f"{path} must hold a non-empty JSON list of non-empty lists of ints (or of objects "
+            '{"ids": [...], "adapter": NAME})'
+        )
     check_vocabulary(path, ids, vocab_size)
     return ids
 
@@ -183,7 +206,8 @@ def check_vocabulary(source: str, ids: list[list[int]], vocab_size: int) -> None
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
-    """The text prompts of `--prompt` (each one) or `--prompt-file` (one per non-empty line)."""
+    """The text prompts of `--prompt` (each one) or `--prompt-file` (one per non-empty line; a
+    `.jsonl` file's lines are `{"prompt": ..., "adapter": ...}` objects, `cli.lora`)."""
     if args.prompt is not None:
         return list(args.prompt)
     file = Path(args.prompt_file)
@@ -194,6 +218,8 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     except UnicodeDecodeError as error:
         raise InputError(f"--prompt-file {file} is not UTF-8 text: {error}") from None
     prompts = [line for line in lines if line.strip()]
+    if file.suffix == ".jsonl":
+        prompts = [prompt_line(line, file)[0] for line in prompts]
     if not prompts:
         raise InputError(f"--prompt-file {file} holds no prompt (one per non-empty line)")
     return prompts
@@ -252,6 +278,7 @@ def forward(args: argparse.Namespace) -> None:
     config = source_config(args)
     sequences, _, text = encode_prompts(args, "--input-ids", config)
     check_context(sequences, 0, config)
+    adapters = prompt_adapters(args, "--input-ids", len(sequences))
     layers = args.capture_layers
     count = config.num_layers
     if layers is not None:
@@ -266,6 +293,8 @@ def forward(args: argparse.Namespace) -> None:
                 "--capture-layers: captures of a decoder with hyper-connections are not "
                 "supported (its residual is --hc-mult streams)"
             )
+        if adapters is not None:
+            raise InputError("--capture-layers captures the base model; drop the adapters")
     if is_first_process():
         options.check_output_file("--out", args.out)
         if layers is not None:
@@ -275,7 +304,7 @@ def forward(args: argparse.Namespace) -> None:
     model = runner(args, out, config)
     with status(out, f"forward of {len(sequences)} sequences"):
         if layers is None:
-            logits = model.forward(sequences)
+            logits = model.forward(sequences, adapters=adapters)
         else:
             logits, hidden = model.forward_captured(sequences, layers)
     if not is_first_process():
@@ -305,6 +334,7 @@ def generate(args: argparse.Namespace) -> None:
     config = source_config(args)
     sequences, prompts, text = encode_prompts(args, "--prompt-ids", config)
     check_context(sequences, args.max_new_tokens, config)
+    adapters = prompt_adapters(args, "--prompt-ids", len(sequences))
     if args.temperature == 0 and (args.top_k is not None or args.top_p is not None):
         raise InputError("--top-k and --top-p need --temperature > 0 (0, the default, is greedy)")
     sampling = Sampling(args.temperature, top_k=args.top_k, top_p=args.top_p)
@@ -333,6 +363,7 @@ def generate(args: argparse.Namespace) -> None:
         seed=args.seed,
         chunk=1 if stream else None,
         on_tokens=show if stream else None,
+        adapters=adapters,
     )
     if shown is not None:
         stdout.write(shown.finish() + "\n")

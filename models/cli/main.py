@@ -33,6 +33,7 @@ from . import commands, options
 from .demo import run_demo
 from .interrupts import interruption, report, signals_interrupt
 from .launch import launch
+from .lora import add_lora_args, lora_training
 from .options import InputError
 from .train import train
 
@@ -259,6 +260,7 @@ def _parser() -> argparse.ArgumentParser:
     _pipeline_args(forward)
     _overlap_arg(forward)
     _input_args(forward, "--input-ids")
+    add_lora_args(forward, prompts=True)
     forward.add_argument("--out", required=True, help="where to write the logits (.npy)")
     forward.add_argument(
         "--capture-layers",
@@ -276,6 +278,7 @@ def _parser() -> argparse.ArgumentParser:
     _pipeline_args(generate)
     _overlap_arg(generate)
     _input_args(generate, "--prompt-ids")
+    add_lora_args(generate, prompts=True)
     generate.add_argument("--max-new-tokens", type=options.positive_int, required=True)
     generate.add_argument(
         "--temperature", type=options.non_negative_float, default=0.0, help="0 (default): greedy"
@@ -334,6 +337,13 @@ def _parser() -> argparse.ArgumentParser:
         type=options.positive_int,
         help="also write the checkpoint every N steps (an interrupted run keeps the last)",
     )
+    train_.add_argument(
+        "--train-lora",
+        type=lora_training,
+        metavar="r=R,alpha=A,targets=q,k,...",
+        help="train a LoRA adapter (targets among q k v o gate up down) over the frozen model "
+        "and write it as a PEFT adapter folder to --out",
+    )
     train_.add_argument("--out", required=True, help="where to write the trained checkpoint")
     train_.add_argument(
         "--overwrite", action="store_true", help="replace an --out directory that holds files"
@@ -346,6 +356,7 @@ def _parser() -> argparse.ArgumentParser:
     _model_args(plan)
     _quantize_arg(plan)
     _pipeline_args(plan)
+    add_lora_args(plan, prompts=False)
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.set_defaults(run=commands.plan)
 

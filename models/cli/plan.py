@@ -14,6 +14,7 @@ import boundary_jax as bj
 from boundary_jax.report import KINDS, parse_hlo
 
 from ..decoder.moe import MoeCausalLM
+from ..layers.lora import LoraSpec
 from ..pipeline import PipelineCausalLM, split_microbatches
 from ..pipeline.report import pipeline_plan_report
 from ..serving.runtime import ShardedCausalLM
@@ -108,7 +109,20 @@ def plan_report(runner: ShardedCausalLM) -> dict[str, Any]:
         "collectives_per_layer": report.counts(middle),
         "bytes_per_layer": report.bytes(middle),
         "weight_bytes_per_device": weight_bytes_per_device(runner),
+        "lora": lora_report(model.options.lora),
         **bj.report.describe_collectives(report, count),
+    }
+
+
+def lora_report(spec: LoraSpec | None) -> dict[str, Any] | None:
+    """The LoRA adapters a model serves (`--lora`): names in index order, stack rank, targets;
+    None without adapters."""
+    if spec is None:
+        return None
+    return {
+        "adapters": list(spec.names),
+        "rank": spec.rank,
+        "targets": sorted(t.value for t in spec.targets),
     }
 
 
@@ -170,6 +184,12 @@ def print_plan(
             f"parameter bytes per device: {min(weights):,}"
             + (f" to {max(weights):,}" if max(weights) != min(weights) else "")
         )
+        lora = report.get("lora")
+        if lora is not None:
+            console.print(
+                f"LoRA adapters {', '.join(lora['adapters'])} (indices 1..{len(lora['adapters'])}"
+                f"), stacks of rank {lora['rank']} on {', '.join(lora['targets'])}"
+            )
     table = Table(title="bound stage plans")
     for column in (
         "layer",

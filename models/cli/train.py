@@ -1,4 +1,5 @@
-"""`boundary-jax train`: next-token training on text, written as a Hugging Face checkpoint.
+"""`boundary-jax train`: next-token training on text, written as a Hugging Face checkpoint (or,
+with `--train-lora`, a LoRA adapter over the frozen model, written as a PEFT adapter folder).
 
 Every input and output path is checked before the model is built. The checkpoint is written
 into a temporary directory beside `--out` and renamed into place, so `--out` never holds a
@@ -14,6 +15,7 @@ import argparse
 import json
 import math
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,6 +29,7 @@ from ..layers.attention.self_attention import AttentionImpl
 from ..serving.text import TEXT_FILES, TextCodec
 from ..training.trainer import TrainConfig, Trainer
 from ..weights import read_hf_config_file, replace_directory, stage_checkpoint
+from ..weights.peft import is_lora_parameter, write_peft_adapter, zero_lora_b
 from . import commands, options
 from .interrupts import Interrupted, interruption, signals_deferred
 from .options import InputError
@@ -136,8 +139,14 @@ def train(args: argparse.Namespace) -> None:
     hf_config = None if source is None else read_hf_config_file(source)
     keep = [] if source is None else [source / n for n in TEXT_FILES if (source / n).is_file()]
     out.log(f"{len(tokens):,} tokens of text encoded with {codec.description}")
+    lora = args.train_lora
     # Training runs XLA's attention (cuDNN's backward is not supported).
-    model = commands.build(args, out, attention=AttentionImpl.XLA)
+    model = commands.build(
+        args, out, attention=AttentionImpl.XLA, lora=None if lora is None else lora.spec
+    )
+    if lora is not None:
+        model = zero_lora_b(model)
+        out.log(f"training a rank-{lora.spec.rank} LoRA adapter over the frozen base")
     schedule = TrainConfig(
         learning_rate=args.lr,
         total_steps=args.steps,
@@ -148,6 +157,7 @@ def train(args: argparse.Namespace) -> None:
         bj.make_mesh(model.topology),
         schedule.optimizer(),
         input_scattered=args.input_scattered,
+        trainable=None if lora is None else is_lora_parameter,
     )
     del model
     run = _Run(args, trainer, tokens, length, hf_config, keep)
@@ -193,7 +203,9 @@ class _Run:
             self.step = index
             starts = rng.integers(0, len(self.tokens) - self.length + 1, sequences)
             windows = [self.tokens[s : s + self.length] for s in starts]
-            batch = trainer.pack(windows, max_sequence_rows=self.length)
+            # Under --train-lora every sequence runs the one adapter being trained (index 1).
+            adapters = None if args.train_lora is None else [1] * len(windows)
+            batch = trainer.pack(windows, max_sequence_rows=self.length, adapters=adapters)
             start = time.perf_counter()
             loss = trainer.step(batch)["loss"]
             seconds = time.perf_counter() - start
@@ -242,14 +254,7 @@ class _Run:
         staged = None
         try:
             with commands.status(out, f"writing the checkpoint of step {step} to {self.args.out}"):
-                staged = stage_checkpoint(
-                    self.trainer.config,
-                    params,
-                    self.args.out,
-                    scan_layers=self.args.scan_layers,
-                    hf_config=self.hf_config,
-                    copy_files=self.keep,
-                )
+                staged = self._stage(params)
                 with signals_deferred():
                     overwrite = self.args.overwrite or self.saved_step > 0
                     replace_directory(staged, self.args.out, overwrite=overwrite)
@@ -257,3 +262,27 @@ class _Run:
         finally:
             if staged is not None:  # interrupted between writing and renaming
                 shutil.rmtree(staged, ignore_errors=True)
+
+    def _stage(self, params: dict[str, jax.Array]) -> Path:
+        """The checkpoint (a PEFT adapter folder under `--train-lora`) written into a new
+        temporary directory beside `--out`."""
+        lora = self.args.train_lora
+        if lora is None:
+            return stage_checkpoint(
+                self.trainer.config,
+                params,
+                self.args.out,
+                scan_layers=self.args.scan_layers,
+                hf_config=self.hf_config,
+                copy_files=self.keep,
+            )
+        target = Path(self.args.out).absolute()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staged = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.partial-"))
+        try:
+            base = self.args.checkpoint or self.args.preset
+            write_peft_adapter(params, lora.spec, staged, alpha=lora.alpha, base=base)
+        except BaseException:
+            shutil.rmtree(staged, ignore_errors=True)
+            raise
+        return staged

@@ -13,6 +13,7 @@ import boundary_jax as bj
 from ..config import DecoderConfig, ResidualDesign
 from ..config.tensors import HFTensor, decoder_tensor_names, dense_layer_tensors
 from ..layers.attention.context_parallel import CpAttentionMode
+from ..layers.lora import ATTENTION_TARGETS
 from ..options import BuildOptions
 
 
@@ -35,6 +36,8 @@ class FamilyBase:
         (`models.decoder.captures`).
       pipeline_stages: It builds as pipeline stages (a share of its layers each; their decode
         caches are grouped-query attention's).
+      lora: It builds LoRA adapter stacks (`BuildOptions.lora`) on its attention and gated MLP
+        projections (a family with experts: on its attention only).
     """
 
     architectures: ClassVar[tuple[str, ...]] = ()
@@ -48,6 +51,7 @@ class FamilyBase:
     moe_dispatches: ClassVar[frozenset[bj.MoeDispatch]] = frozenset(bj.MoeDispatch)
     captures_hidden_states: ClassVar[bool] = True
     pipeline_stages: ClassVar[bool] = True
+    lora: ClassVar[bool] = False
 
     @classmethod
     def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:
@@ -91,6 +95,35 @@ class FamilyBase:
         return (), None
 
     @classmethod
+    def check_lora(cls, options: BuildOptions) -> None:
+        """Raises unless this family builds LoRA adapter stacks with `options`.
+
+        Raises:
+          NotImplementedError: MLP targets in a model with experts, a family whose projections
+            take no adapters, or an option the adapters are not built with (FP8, scanned
+            layers, two-batch overlap).
+        """
+        name = cls.__name__
+        mlp = sorted(t.value for t in options.lora.targets if t not in ATTENTION_TARGETS)
+        if cls.has_experts and mlp:
+            raise NotImplementedError(
+                f"LoRA adapters on MoE experts are not built; {name} has experts, and the "
+                f"adapters target {mlp}. Adapt its attention projections (q, k, v, o) only"
+            )
+        if not cls.lora:
+            raise NotImplementedError(
+                f"{name} builds its layers without LoRA adapter stacks; LoRA is built for the "
+                "dense grouped-query decoders with a gated MLP whose family sets "
+                "`FamilyBase.lora`"
+            )
+        for option in ("quantization", "scan_layers", "two_batch_overlap"):
+            if getattr(options, option):
+                raise NotImplementedError(
+                    f"LoRA adapters are not built with {option}; got "
+                    f"{option}={getattr(options, option)!r}. Leave it unset to serve adapters"
+                )
+
+    @classmethod
     def check_build(
         cls, config: DecoderConfig, topology: bj.Topology, options: BuildOptions
     ) -> None:
@@ -131,6 +164,8 @@ class FamilyBase:
                 "replace it and are built for the pre-norm families only. Leave "
                 "hyper_connections unset"
             )
+        if options.lora is not None:
+            cls.check_lora(options)
         if options.dense_ffn_dp and not cls.dense_ffn_dp:
             raise ValueError(
                 f"dense_ffn_dp (a fully data-parallel dense FFN) is a DeepSeek option; got a "

@@ -3,6 +3,7 @@ plainly or captured, and attending on the step's token rows), and the attention 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +16,7 @@ import boundary_jax as bj
 from ..inputs.rows import TokenRows
 from ..layers.attention.kv_cache import KVCache
 from ..layers.attention.self_attention import Attention
+from ..layers.mlp import SwiGLU
 from .designs import LayerDesign, StageDesigns
 
 Declare = Callable[[StageDesigns], tuple[bj.StageDeclaration, ...]]
@@ -22,10 +24,12 @@ Declare = Callable[[StageDesigns], tuple[bj.StageDeclaration, ...]]
 
 
 def attend_rows(
-    attn: nnx.Module, h: jax.Array, rows: TokenRows, cache: Any
+    attn: nnx.Module, h: jax.Array, rows: TokenRows, cache: Any, adapters: jax.Array | None = None
 ) -> tuple[jax.Array, Any]:
-    """An attention's compute on `h`'s rows: its o_proj partial, and its updated cache."""
-    return attn(
+    """An attention's compute on `h`'s rows: its o_proj partial, and its updated cache; with
+    `adapters` ([T] LoRA adapter of each of `h`'s rows) each row's adapter joins it."""
+    call = functools.partial(
+        attn,
         h,
         rows.positions,
         rows.segment_ids,
@@ -34,6 +38,7 @@ def attend_rows(
         max_sequence_rows=rows.max_sequence_rows,
         window_rows=rows.window_rows,
     )
+    return call() if adapters is None else call(adapters=adapters)
 
 
 class AttentionFirstLayer(nnx.Module):
@@ -111,11 +116,21 @@ class DecoderLayer(AttentionFirstLayer):
         self, h: jax.Array, stream: bj.ResidualStream, rows: TokenRows, cache: KVCache | None
     ) -> tuple[bj.OwedOutput, bj.ResidualStream, KVCache | None]:
         """The layer after its attention input: attention and its exit, the FFN's input, the
-        FFN and its exit."""
-        y, cache = self.attend(h, rows, cache)
+        FFN and its exit. Rows that name LoRA adapters carry them to each stage's compute rows
+        (`bj.adapters.lora_rows`)."""
+        if rows.adapters is None:
+            y, cache = self.attend(h, rows, cache)
+        else:
+            adapters = bj.adapters.lora_rows(self.attn_boundary, stream, rows.adapters)
+            y, cache = attend_rows(self.attn, h, rows, cache, adapters=adapters)
         x, stream = self.attn_boundary.finish(y, stream)
         h, stream = self.ffn_boundary.prepare(x, stream)
-        x, stream = self.run_ffn(h, stream)
+        if rows.adapters is None or not isinstance(self.mlp, SwiGLU):
+            # A MoE FFN takes no adapters (a model with experts adapts its attention only).
+            x, stream = self.run_ffn(h, stream)
+        else:
+            adapters = bj.adapters.lora_rows(self.ffn_boundary, stream, rows.adapters)
+            x, stream = self.ffn_boundary.finish(self.mlp(h, adapters=adapters), stream)
         return x, stream, cache
 
     def attend(

@@ -227,6 +227,7 @@ class CausalLM(FamilyBase, nnx.Module):
             dtype=dtype,
             init_std=config.initializer_range,
             linears=self.linears,
+            lora=self.options.lora,
             rngs=rngs,
         )
 
@@ -240,6 +241,7 @@ class CausalLM(FamilyBase, nnx.Module):
             impl=self.options.attention,
             cp_mode=self.options.cp_attention,
             linears=self.linears,
+            lora=self.options.lora,
             rngs=rngs,
         )
         return self.layer_class(
@@ -358,6 +360,11 @@ class CausalLM(FamilyBase, nnx.Module):
         """Every layer this module holds, in order, from the stack input (or what a pipeline
         receive rebuilt) to the last layer's output: `(handle, stream, caches)`; `caches` as
         for `hidden`, one per block of `layers`."""
+        if rows.adapters is not None and self.options.lora is None:
+            raise ValueError(
+                "the rows name LoRA adapters (TokenRows.adapters), but the model was built "
+                "without adapter stacks; load it with adapters (BuildOptions.lora)"
+            )
         updated = []
         for index, (layers, block) in enumerate(self.blocks()):
             cache = None if caches is None else caches[index]

@@ -18,6 +18,7 @@ class LlamaForCausalLM(CausalLM):
 
     architectures = ("LlamaForCausalLM",)
     model_type = "llama"
+    lora = True
 
     @classmethod
     def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:

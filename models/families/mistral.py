@@ -24,6 +24,7 @@ class MistralForCausalLM(CausalLM):
 
     architectures = ("MistralForCausalLM",)
     model_type = "mistral"
+    lora = True
 
     @classmethod
     def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:

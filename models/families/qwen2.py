@@ -27,6 +27,7 @@ class Qwen2ForCausalLM(CausalLM):
 
     architectures = ("Qwen2ForCausalLM",)
     model_type = "qwen2"
+    lora = True
 
     @classmethod
     def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:

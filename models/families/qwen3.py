@@ -28,6 +28,7 @@ class Qwen3ForCausalLM(CausalLM):
 
     architectures = ("Qwen3ForCausalLM",)
     model_type = "qwen3"
+    lora = True
 
     @classmethod
     def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:

@@ -32,6 +32,7 @@ class Qwen3MoeForCausalLM(MoeCausalLM):
 
     architectures = ("Qwen3MoeForCausalLM",)
     model_type = "qwen3_moe"
+    lora = True
 
     @classmethod
     def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:

@@ -37,7 +37,7 @@ class RowsPhase(enum.Enum):
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["ids", "positions", "segment_ids"],
+    data_fields=["ids", "positions", "segment_ids", "adapters"],
     meta_fields=["phase", "max_sequence_rows", "equal_sequences"],
 )
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +56,8 @@ class TokenRows:
         `max_sequence_rows` rows, so each DP rank's block is windows of that many rows, each
         one sequence's from its first row, or padding (`window_rows`). `pack_sequences` sets
         it where that holds; rows built by hand must keep it.
+      adapters: int32 LoRA adapter of each row's sequence (0: none, and on padding rows;
+        `layers.lora`), or None for a batch without adapters.
     """
 
     ids: np.ndarray | jax.Array
@@ -64,6 +66,7 @@ class TokenRows:
     phase: RowsPhase = RowsPhase.PREFILL
     max_sequence_rows: int | None = None
     equal_sequences: bool = False
+    adapters: np.ndarray | jax.Array | None = None
 
     def __post_init__(self):
         if self.max_sequence_rows is not None and self.max_sequence_rows < 1:
@@ -102,6 +105,7 @@ class PackedBatch:
       microbatch_counts: Packed as two microbatches (`models.serving.overlap.pack_two_batches`):
         [2, attn_dp] real rows of each microbatch per DP rank, from its half of the block's
         first row; None otherwise.
+      adapters: The LoRA adapter index of each sequence (0: none), or None without adapters.
     """
 
     rows: TokenRows
@@ -116,6 +120,7 @@ class PackedBatch:
     zigzag: tuple[ZigzagOrder, ...] | None = None
     attn_cp: int = 1
     microbatch_counts: np.ndarray | None = None
+    adapters: tuple[int, ...] | None = None
 
     def _sequence_rows(self, index: int) -> np.ndarray:
         """The rows (in the concatenated blocks) of sequence `index`, in its order."""
@@ -178,6 +183,7 @@ def pack_sequences(
     rows_per_rank: int | None = None,
     slots_per_rank: int | None = None,
     max_sequence_rows: int | None = None,
+    adapters: Sequence[int] | None = None,
 ) -> PackedBatch:
     """Packs whole sequences onto attention-DP ranks, balancing their token counts.
 
@@ -189,14 +195,23 @@ def pack_sequences(
     slots per rank) to larger static sizes, so that batches of other sizes share one program.
     `max_sequence_rows` bounds every sequence's length (static, as `TokenRows` carries it), so
     that prefill attention skips the key rows beyond it; batches under one bound share a program.
+    `adapters` gives each sequence's LoRA adapter index (0: none), which every row of the
+    sequence carries (`TokenRows.adapters`).
 
     Raises:
       ValueError: A sequence is empty or longer than `max_sequence_rows`, or `rows_per_rank` /
         `slots_per_rank` is too small or not a multiple of attention TP (CP x TP for
-        `rows_per_rank`).
+        `rows_per_rank`), or `adapters` does not give one index >= 0 per sequence.
     """
     if not sequences or any(len(s) == 0 for s in sequences):
         raise ValueError("pack_sequences needs at least one sequence and no empty sequence")
+    if adapters is not None:
+        adapters = tuple(int(a) for a in adapters)
+        if len(adapters) != len(sequences) or min(adapters) < 0:
+            raise ValueError(
+                f"adapters gives one LoRA adapter index >= 0 per sequence (0: none); got "
+                f"{len(adapters)} for {len(sequences)} sequences: {list(adapters)}"
+            )
     if max_sequence_rows is not None and max(map(len, sequences)) > max_sequence_rows:
         raise ValueError(
             f"a sequence of {max(map(len, sequences))} tokens is longer than "
@@ -224,6 +239,7 @@ def pack_sequences(
     ids = np.zeros(dp * block, np.int32)
     positions = np.zeros(dp * block, np.int32)
     segments = np.full(dp * block, -1, np.int32)
+    adapter_rows = np.zeros(dp * block, np.int32)
     rank_of, slot_of, start_of = [0] * len(sequences), [0] * len(sequences), [0] * len(sequences)
     for rank, indices in enumerate(members):
         offset = 0
@@ -233,13 +249,14 @@ def pack_sequences(
             ids[row : row + len(tokens)] = tokens
             positions[row : row + len(tokens)] = np.arange(len(tokens))
             segments[row : row + len(tokens)] = slot
+            adapter_rows[row : row + len(tokens)] = 0 if adapters is None else adapters[index]
             rank_of[index], slot_of[index], start_of[index] = rank, slot, offset
             offset += len(tokens)
     counts = np.asarray(load, np.int32)
     zigzag = None
     if cp > 1:
-        ids, positions, segments, counts, zigzag = _zigzag_blocks(
-            (ids, positions, segments), lengths, cp, block
+        ids, positions, segments, adapter_rows, counts, zigzag = _zigzag_blocks(
+            (ids, positions, segments, adapter_rows), lengths, cp, block
         )
     slots = _round_up(max(len(m) for m in members), topology.attn_tp)
     if slots_per_rank is not None:
@@ -256,6 +273,7 @@ def pack_sequences(
             segments,
             max_sequence_rows=max_sequence_rows,
             equal_sequences=cp == 1 and all(len(s) == max_sequence_rows for s in sequences),
+            adapters=None if adapters is None else adapter_rows,
         ),
         token_counts=counts,
         rank=tuple(rank_of),
@@ -267,17 +285,19 @@ def pack_sequences(
         decode_rows_per_rank=slots,
         zigzag=zigzag,
         attn_cp=cp,
+        adapters=adapters,
     )
 
 
 def _zigzag_blocks(
-    packed: tuple[np.ndarray, np.ndarray, np.ndarray],
+    packed: tuple[np.ndarray, ...],
     lengths: list[list[int]],
     cp: int,
     block: int,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, tuple[ZigzagOrder, ...]]:
-    """Packed DP blocks (ids, positions, segment ids) in zigzag CP order, with the real rows of
-    each (DP, CP) block and each DP rank's order (an idle DP rank's holds no sequence)."""
+) -> tuple:
+    """Packed DP blocks (ids, positions, segment ids, adapters) in zigzag CP order, then the
+    real rows of each (DP, CP) block and each DP rank's order (an idle DP rank's holds no
+    sequence)."""
     out = [np.empty_like(values) for values in packed]
     counts, orders = [], []
     for rank, held in enumerate(lengths):
@@ -286,7 +306,7 @@ def _zigzag_blocks(
         else:
             order = ZigzagOrder(np.full((cp, block // cp), -1, np.int32), np.zeros(0, np.int32), ())
         rows = slice(rank * block, (rank + 1) * block)
-        for values, target, fill in zip(packed, out, (0, 0, -1), strict=True):
+        for values, target, fill in zip(packed, out, (0, 0, -1, 0), strict=True):
             target[rows] = order.to_cp(values[rows], fill)
         counts.extend((order.source >= 0).sum(axis=1))
         orders.append(order)
@@ -308,6 +328,7 @@ def decode_rows(packed: PackedBatch, tokens: np.ndarray, positions: np.ndarray) 
     ids = np.zeros((dp, block), np.int32)
     rows_pos = np.zeros((dp, block), np.int32)
     segments = np.full((dp, block), -1, np.int32)
+    adapters = np.zeros((dp, block), np.int32)
     counts = np.zeros(dp, np.int32)
     halves = np.zeros((2, dp), np.int32)
     for index, (rank, slot) in enumerate(zip(packed.rank, packed.slot, strict=True)):
@@ -316,6 +337,8 @@ def decode_rows(packed: PackedBatch, tokens: np.ndarray, positions: np.ndarray) 
             positions[index],
             slot,
         )
+        if packed.adapters is not None:
+            adapters[rank, slot] = packed.adapters[index]
         counts[rank] += 1
         if packed.microbatch_counts is not None:
             # Two microbatches: each numbers the slots of its own caches from 0.
@@ -328,7 +351,11 @@ def decode_rows(packed: PackedBatch, tokens: np.ndarray, positions: np.ndarray) 
     return dataclasses.replace(
         packed,
         rows=TokenRows(
-            per_cp_block(ids), per_cp_block(rows_pos), per_cp_block(segments), RowsPhase.DECODE
+            per_cp_block(ids),
+            per_cp_block(rows_pos),
+            per_cp_block(segments),
+            RowsPhase.DECODE,
+            adapters=None if packed.adapters is None else per_cp_block(adapters),
         ),
         token_counts=np.repeat(counts, cp),
         microbatch_counts=None if packed.microbatch_counts is None else halves,

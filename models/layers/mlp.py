@@ -12,6 +12,7 @@ from boundary_jax.designs import Quantized
 
 from ..config import Activation
 from .linear import DENSE_LINEARS, Linears, group_size
+from .lora import LoraSpec, LoraTarget, column_lora, row_lora
 
 
 def _gelu_tanh(x: jax.Array) -> jax.Array:
@@ -34,6 +35,8 @@ class SwiGLU(nnx.Module):
         columns split over `SumGroup.FULL_TP`.
       down_proj: [intermediate, hidden], rows split over `SumGroup.FULL_TP`.
       activation: The gate's activation.
+      gate_up_lora, down_lora: The adapter stacks of the projections (`layers.lora`: gate and
+        up as the parts of one), or None where no adapter targets them.
 
     The projections come from `linears` (dense by default; FP8 with `fp8_linear.Fp8Linears`).
     """
@@ -48,6 +51,7 @@ class SwiGLU(nnx.Module):
         activation: Activation = Activation.SILU,
         init_std: float | None = None,
         linears: Linears = DENSE_LINEARS,
+        lora: LoraSpec | None = None,
         rngs: nnx.Rngs,
     ):
         if activation not in _ACTIVATIONS:
@@ -80,9 +84,40 @@ class SwiGLU(nnx.Module):
             init_std=init_std,
             rngs=rngs,
         )
+        self.gate_up_lora = column_lora(
+            lora,
+            (LoraTarget.GATE, LoraTarget.UP),
+            hidden_size,
+            intermediate_size,
+            group=SumGroup.FULL_TP,
+            topology=topology,
+            dtype=dtype,
+            rngs=rngs,
+        )
+        self.down_lora = row_lora(
+            lora,
+            LoraTarget.DOWN,
+            intermediate_size,
+            hidden_size,
+            group=SumGroup.FULL_TP,
+            topology=topology,
+            dtype=dtype,
+            rngs=rngs,
+        )
         self.activation = activation
 
-    def __call__(self, x: jax.Array | Quantized) -> jax.Array:
+    def __call__(self, x: jax.Array | Quantized, adapters: jax.Array | None = None) -> jax.Array:
         """[T, hidden] complete rows (or their FP8 `Quantized` form, for FP8 projections) ->
-        [T, hidden] partial, owing a sum over full TP."""
-        return self.down_proj.of_activation(self.gate_up_proj(x), _ACTIVATIONS[self.activation])
+        [T, hidden] partial, owing a sum over full TP; with `adapters` ([T] int32 LoRA adapter
+        of each row, 0 for none) each row's adapter deltas join its projections."""
+        activation = _ACTIVATIONS[self.activation]
+        if adapters is None:
+            return self.down_proj.of_activation(self.gate_up_proj(x), activation)
+        gate_up = self.gate_up_proj(x)
+        if self.gate_up_lora is not None:
+            gate_up = gate_up + self.gate_up_lora(x, adapters)
+        hidden = activation(gate_up[:, 0]) * gate_up[:, 1]
+        y = self.down_proj(hidden)
+        if self.down_lora is not None:
+            y = y + self.down_lora(hidden, adapters)
+        return y

@@ -9,6 +9,7 @@ other stages are abstract models (shapes only), whose bound plans still describe
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
 
 import jax
@@ -24,6 +25,7 @@ from ..decoder.model import CausalLM
 from ..options import BuildOptions
 from ..weights import load_config, load_params
 from ..weights.initialization import initialize_params
+from ..weights.peft import is_lora_path, lora_spec, read_adapters, stacked_adapters
 from .split import PipelineSplit
 from .transport import holds, stage_meshes
 
@@ -144,22 +146,30 @@ def load_pipeline(
     *,
     split: PipelineSplit | None = None,
     moe_ep: int = 1,
+    adapters: Mapping[str, str | Path] | None = None,
 ) -> tuple[CausalLM, ...]:
     """One model per pipeline stage loaded from a Hugging Face checkpoint directory: each
     process reads only the blocks of its own devices (of the stages it holds); the other stages
-    are returned abstract. Arguments as `load_model` and `build_pipeline`."""
+    are returned abstract. Arguments as `load_model` (LoRA `adapters` included: each stage
+    holds its layers' share of every adapter) and `build_pipeline`."""
     config = load_config(checkpoint_dir)
     topology = bj.Topology.from_mesh(mesh, moe_ep=moe_ep)
     split = pipeline_split(config, topology, split)
     options = _stage_options(options, mesh)
+    peft = None
+    if adapters:
+        peft = read_adapters(adapters, config)
+        options = options.replace(lora=lora_spec(peft))
     stages = []
     for layers, stage_mesh in zip(split.stages, stage_meshes(mesh), strict=True):
         abstract = abstract_model(config, _stage_topology(topology), options, layer_range=layers)
-        graphdef, state = nnx.split(abstract)
+        graphdef, lora_state, state = nnx.split(abstract, is_lora_path, ...)
         if holds(stage_mesh):
             dtype = np.dtype(options.dtype)
             state = load_params(checkpoint_dir, state, stage_mesh, dtype, layers=layers)
-        stages.append(nnx.merge(graphdef, state))
+            if peft is not None:
+                lora_state = stacked_adapters(peft, lora_state, stage_mesh, dtype, layers=layers)
+        stages.append(nnx.merge(graphdef, lora_state, state))
     return tuple(stages)
 
 

@@ -33,6 +33,7 @@ from boundary_jax import residual_stream
 from ..decoder.model import CausalLM
 from ..inputs.rows import PackedBatch, RowsPhase, TokenRows, decode_rows
 from ..layers.attention.self_attention import KVCache
+from ..layers.lora import adapter_indices
 from ..options import BuildOptions
 from ..precision import matmul_precision_scope
 from ..serving.buckets import MIN_ROWS, MIN_STEPS, bucket, cache_length, pack_bucketed
@@ -290,11 +291,18 @@ class PipelineCausalLM:
 
     # -- packing --------------------------------------------------------------------------
 
-    def pack(self, sequences: Sequence[Sequence[int]], *, bucketed: bool = False) -> PackedBatch:
-        """Packs sequences onto the DP ranks as `ShardedCausalLM.pack` does (checked by
-        `check_prompts`)."""
+    def pack(
+        self,
+        sequences: Sequence[Sequence[int]],
+        *,
+        bucketed: bool = False,
+        adapters: Sequence[str | int | None] | None = None,
+    ) -> PackedBatch:
+        """Packs sequences (each with its LoRA adapter, given `adapters`) onto the DP ranks as
+        `ShardedCausalLM.pack` does (checked by `check_prompts` and `adapter_indices`)."""
         sequences = check_prompts(sequences, self.config.vocab_size)
-        return pack_bucketed(sequences, self.topology, bucketed=bucketed)
+        indices = adapter_indices(self.stages[0].model.options.lora, adapters, len(sequences))
+        return pack_bucketed(sequences, self.topology, bucketed=bucketed, adapters=indices)
 
     def _microbatches(self, packed: PackedBatch, *, bucketed: bool) -> tuple[Microbatch, ...]:
         parts = split_microbatches(packed, self.microbatches, self.topology)
@@ -345,7 +353,9 @@ class PipelineCausalLM:
         def body(model, inputs, rows, batch, caches, key, index, out):
             active = rows.segment_ids >= 0
             ids = jnp.where(active, inputs, 0) if stage.first else rows.ids
-            current = TokenRows(ids, rows.positions + index, rows.segment_ids, RowsPhase.DECODE)
+            current = dataclasses.replace(
+                rows, ids=ids, positions=rows.positions + index, phase=RowsPhase.DECODE
+            )
             x, stream = enter_stage(model, inputs, current.ids, batch)
             x, stream, caches = model.run_layers(x, stream, current, caches)
             if not stage.last:
@@ -370,10 +380,15 @@ class PipelineCausalLM:
 
     # -- forward --------------------------------------------------------------------------
 
-    def forward(self, sequences: Sequence[Sequence[int]]) -> np.ndarray:
+    def forward(
+        self,
+        sequences: Sequence[Sequence[int]],
+        *,
+        adapters: Sequence[str | int | None] | None = None,
+    ) -> np.ndarray:
         """float32 logits [sequences, longest, vocab] of ragged token-id lists, zero past ends
         (as `ShardedCausalLM.forward`), the microbatches run on the GPipe schedule."""
-        batch = self.place(sequences)
+        batch = self.place(sequences, adapters=adapters)
         logits = self.forward_placed(batch)
         out = np.zeros((len(sequences), max(batch.lengths), self.config.vocab_size), np.float32)
         for part, values in zip(batch.parts, logits, strict=True):
@@ -381,9 +396,15 @@ class PipelineCausalLM:
             out[list(part.sequences), : rows.shape[1]] = rows
         return out
 
-    def place(self, sequences: Sequence[Sequence[int]]) -> PlacedMicrobatches:
-        """The sequences packed, split into microbatches and placed on every stage."""
-        packed = self.pack(sequences)
+    def place(
+        self,
+        sequences: Sequence[Sequence[int]],
+        *,
+        adapters: Sequence[str | int | None] | None = None,
+    ) -> PlacedMicrobatches:
+        """The sequences packed (with their LoRA adapters, given `adapters`), split into
+        microbatches and placed on every stage."""
+        packed = self.pack(sequences, adapters=adapters)
         parts = self._microbatches(packed, bucketed=False)
         placed = tuple(
             tuple(stage.place(part.packed, self.variant) for part in parts) for stage in self.stages
@@ -423,9 +444,10 @@ class PipelineCausalLM:
         *,
         sampling: Sampling = GREEDY,
         seed: int = 0,
+        adapters: Sequence[str | int | None] | None = None,
     ) -> np.ndarray:
         """Continuation of each prompt: int32 [prompts, max_new_tokens], the tokens
-        `ShardedCausalLM.generate` draws for the same prompts, sampling and seed.
+        `ShardedCausalLM.generate` draws for the same prompts, sampling, seed and adapters.
 
         The prompts' microbatches fill every stage's KV caches on the GPipe schedule, the last
         stage sampling each slot's first token; each further token runs one decode step through
@@ -433,7 +455,12 @@ class PipelineCausalLM:
         the host once, at the end.
         """
         chunks = self.generate_stream(
-            prompts, max_new_tokens, chunk=max_new_tokens, sampling=sampling, seed=seed
+            prompts,
+            max_new_tokens,
+            chunk=max_new_tokens,
+            sampling=sampling,
+            seed=seed,
+            adapters=adapters,
         )
         return np.concatenate(list(chunks), axis=1)
 
@@ -445,6 +472,7 @@ class PipelineCausalLM:
         chunk: int,
         sampling: Sampling = GREEDY,
         seed: int = 0,
+        adapters: Sequence[str | int | None] | None = None,
     ) -> Iterator[np.ndarray]:
         """`generate`'s tokens as they come, as `ShardedCausalLM.generate_stream`: yields int32
         [prompts, n] arrays, first the prefill's token (n = 1), then `chunk` decode steps at a
@@ -458,7 +486,7 @@ class PipelineCausalLM:
             raise ValueError(f"max_new_tokens must be at least 1; got {max_new_tokens}")
         prompts = check_prompts(prompts, self.config.vocab_size)
         check_context(prompts, max_new_tokens, self.config.max_position_embeddings)
-        packed = self.pack(prompts, bucketed=True)
+        packed = self.pack(prompts, bucketed=True, adapters=adapters)
         longest = max(packed.lengths) + max_new_tokens
         return self._token_chunks(packed, longest, max_new_tokens, sampling, seed, chunk)
 

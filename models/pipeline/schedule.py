@@ -65,6 +65,7 @@ def _microbatch(packed: PackedBatch, group: Sequence[int], block: int) -> Microb
     ids = np.zeros(dp * block, np.int32)
     positions = np.zeros(dp * block, np.int32)
     segments = np.full(dp * block, -1, np.int32)
+    adapters = np.zeros(dp * block, np.int32)
     counts = np.zeros(dp, np.int32)
     ranks, slots, starts, lengths = [], [], [], []
     source = np.asarray(packed.rows.ids)
@@ -76,6 +77,8 @@ def _microbatch(packed: PackedBatch, group: Sequence[int], block: int) -> Microb
         ids[row : row + length] = source[first : first + length]
         positions[row : row + length] = np.arange(length)
         segments[row : row + length] = packed.slot[index]
+        if packed.adapters is not None:
+            adapters[row : row + length] = packed.adapters[index]
         ranks.append(rank)
         slots.append(packed.slot[index])
         starts.append(int(counts[rank]))
@@ -89,6 +92,7 @@ def _microbatch(packed: PackedBatch, group: Sequence[int], block: int) -> Microb
         segments,
         max_sequence_rows=packed.rows.max_sequence_rows,
         equal_sequences=packed.rows.equal_sequences,
+        adapters=None if packed.adapters is None else adapters,
     )
     part = dataclasses.replace(
         packed,
@@ -100,6 +104,7 @@ def _microbatch(packed: PackedBatch, group: Sequence[int], block: int) -> Microb
         lengths=tuple(lengths),
         rows_per_rank=block,
         slots_per_rank=int(max(np.bincount(ranks, minlength=dp))),
+        adapters=None if packed.adapters is None else tuple(packed.adapters[i] for i in order),
     )
     return Microbatch(part, order)
 

@@ -36,11 +36,16 @@ def cache_length(tokens: int, limit: int) -> int:
 
 
 def pack_bucketed(
-    sequences: Sequence[Sequence[int]], topology: bj.Topology, *, bucketed: bool = False
+    sequences: Sequence[Sequence[int]],
+    topology: bj.Topology,
+    *,
+    bucketed: bool = False,
+    adapters: Sequence[int] | None = None,
 ) -> PackedBatch:
-    """Packs sequences onto the DP ranks; `bucketed` rounds the prefill rows and the cache slots
-    per rank up to powers of two (see `bucket`), so that batches share programs."""
-    exact = pack_sequences(sequences, topology)
+    """Packs sequences (each with its LoRA adapter index, given `adapters`) onto the DP ranks;
+    `bucketed` rounds the prefill rows and the cache slots per rank up to powers of two (see
+    `bucket`), so that batches share programs."""
+    exact = pack_sequences(sequences, topology, adapters=adapters)
     if not bucketed:
         return exact
     tp = topology.attn_tp
@@ -49,6 +54,7 @@ def pack_bucketed(
         topology,
         rows_per_rank=bucket(max(exact.rows_per_rank, MIN_ROWS), topology.attn_cp * tp),
         slots_per_rank=bucket(exact.decode_rows_per_rank, tp),
+        adapters=adapters,
     )
 
 

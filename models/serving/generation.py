@@ -5,6 +5,7 @@ and text in, text out."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -34,6 +35,7 @@ class Runner(Protocol):
         chunk: int,
         sampling: Sampling = GREEDY,
         seed: int = 0,
+        adapters: Sequence[str | int | None] | None = None,
     ) -> Iterator[np.ndarray]: ...
 
 
@@ -43,7 +45,11 @@ class PlacedRunner(Protocol):
     config: DecoderConfig
 
     def pack(
-        self, sequences: Sequence[Sequence[int]], *, bucketed: bool = False
+        self,
+        sequences: Sequence[Sequence[int]],
+        *,
+        bucketed: bool = False,
+        adapters: Sequence[str | int | None] | None = None,
     ) -> PackedBatch: ...
 
     def place(self, packed: PackedBatch) -> tuple[TokenRows, Any]: ...
@@ -130,6 +136,7 @@ def generate_ids(
     seed: int = 0,
     chunk: int | None = None,
     on_tokens: Callable[[list[list[int]]], None] | None = None,
+    adapters: Sequence[str | int | None] | None = None,
 ) -> list[list[int]]:
     """Each prompt's new ids, up to and including its first end-of-sequence id, at most
     `max_new_tokens`: decoding runs `chunk` steps per device program (`DECODE_CHUNK` while an
@@ -144,6 +151,8 @@ def generate_ids(
       seed: The sampling seed.
       chunk: Decode steps per device program; None as above.
       on_tokens: Called after each chunk with every sequence's ids so far (to stream them).
+      adapters: Each prompt's LoRA adapter (a loaded adapter's name or index; None for none),
+        or None for no adapters.
 
     Raises:
       TypeError, ValueError: The prompts fail `check_prompts` or `check_context`, or
@@ -160,7 +169,7 @@ def generate_ids(
     tokens: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
     chunks = runner.generate_stream(
-        prompts, max_new_tokens, chunk=chunk, sampling=sampling, seed=seed
+        prompts, max_new_tokens, chunk=chunk, sampling=sampling, seed=seed, adapters=adapters
     )
     for new in chunks:
         for index, row in enumerate(new.tolist()):
@@ -186,10 +195,12 @@ def generate_text(
     chat: bool = False,
     sampling: Sampling = GREEDY,
     seed: int = 0,
+    adapters: Sequence[str | int | None] | None = None,
 ) -> list[str]:
     """Each prompt's continuation as text: the prompts encoded with `codec` (through its chat
-    template with `chat`), `generate_ids`, the new ids decoded (an end-of-sequence token
-    dropped, as the codec drops special tokens).
+    template with `chat`), `generate_ids` (each prompt through its LoRA adapter, given
+    `adapters`), the new ids decoded (an end-of-sequence token dropped, as the codec drops
+    special tokens).
 
     Raises:
       TypeError: `prompts` is one string, or holds something other than strings.
@@ -205,7 +216,13 @@ def generate_text(
     if empty:
         raise ValueError(f"the prompt {empty[0]!r} encodes to no token ids")
     new = generate_ids(
-        runner, sequences, max_new_tokens, eos_ids=eos_ids, sampling=sampling, seed=seed
+        runner,
+        sequences,
+        max_new_tokens,
+        eos_ids=eos_ids,
+        sampling=sampling,
+        seed=seed,
+        adapters=adapters,
     )
     return [codec.decode(ids) for ids in new]
 
@@ -218,6 +235,7 @@ def token_chunks(
     sampling: Sampling,
     seed: int,
     chunk: int,
+    adapters: Sequence[str | int | None] | None = None,
 ) -> tuple[PackedBatch, Iterator[jax.Array]]:
     """The packed prompts, and the device arrays [n, slots] of new tokens in slot order: the
     prefill's (n = 1), then at most `chunk` decode steps per array, run through the runner's
@@ -231,7 +249,7 @@ def token_chunks(
         raise ValueError(f"max_new_tokens must be at least 1; got {max_new_tokens}")
     prompts = check_prompts(prompts, runner.config.vocab_size)
     check_context(prompts, max_new_tokens, runner.config.max_position_embeddings)
-    packed = runner.pack(prompts, bucketed=True)
+    packed = runner.pack(prompts, bucketed=True, adapters=adapters)
     longest = max(packed.lengths) + max_new_tokens
     return packed, _run_chunks(runner, packed, longest, max_new_tokens, sampling, seed, chunk)
 
@@ -261,7 +279,9 @@ def _run_chunks(
     capacity = bucket(max(min(chunk, steps), MIN_STEPS))
     for done in range(0, steps, chunk):
         count = min(chunk, steps - done)
-        current = TokenRows(tokens, rows.positions + done, rows.segment_ids, RowsPhase.DECODE)
+        current = dataclasses.replace(
+            rows, ids=tokens, positions=rows.positions + done, phase=RowsPhase.DECODE
+        )
         out, caches = runner.decode(
             current,
             batch,

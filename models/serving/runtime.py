@@ -9,6 +9,7 @@ so requests of nearby shapes share one compiled program.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 
 import jax
@@ -26,6 +27,7 @@ from ..distributed import fetch
 from ..inputs.rows import PackedBatch, RowsPhase, TokenRows
 from ..layers.attention.context_parallel import share_over_cp
 from ..layers.attention.kv_cache import KVCache
+from ..layers.lora import adapter_indices
 from ..options import BuildOptions
 from ..precision import matmul_precision_scope
 from .buckets import (
@@ -167,18 +169,31 @@ class ShardedCausalLM:
 
     # -- placing inputs -------------------------------------------------------------------
 
-    def pack(self, sequences: Sequence[Sequence[int]], *, bucketed: bool = False) -> PackedBatch:
+    def pack(
+        self,
+        sequences: Sequence[Sequence[int]],
+        *,
+        bucketed: bool = False,
+        adapters: Sequence[str | int | None] | None = None,
+    ) -> PackedBatch:
         """Packs sequences onto the DP ranks (`pack_bucketed`); under two-batch overlap as two
         microbatches (`pack_two_batches`), `bucketed` rounding each half as `pack_bucketed`
-        rounds a block.
+        rounds a block. `adapters` names each sequence's LoRA adapter (a loaded adapter's name
+        or index, None for none; `LoraSpec.index`).
 
         Raises:
           TypeError, ValueError: A sequence is text or holds an id outside the vocabulary
-            (`check_prompts`).
+            (`check_prompts`), or an adapter is not loaded (`adapter_indices`).
         """
         sequences = check_prompts(sequences, self.config.vocab_size)
+        indices = adapter_indices(self.options.lora, adapters, len(sequences))
         if not self.two_batch_overlap:
-            return pack_bucketed(sequences, self.topology, bucketed=bucketed)
+            return pack_bucketed(sequences, self.topology, bucketed=bucketed, adapters=indices)
+        if indices is not None:
+            raise NotImplementedError(
+                "LoRA adapters are not served under two-batch overlap; run the adapters on a "
+                "runner without two_batch_overlap"
+            )
         exact = pack_two_batches(sequences, self.topology)
         if not bucketed:
             return exact
@@ -237,9 +252,15 @@ class ShardedCausalLM:
         """`forward_rows` on rows already placed by `place`."""
         return self._forward(self._leaves, rows, batch)
 
-    def forward(self, sequences: Sequence[Sequence[int]]) -> np.ndarray:
-        """float32 logits [sequences, longest, vocab] of ragged token-id lists, zero past ends."""
-        packed = self.pack(sequences)
+    def forward(
+        self,
+        sequences: Sequence[Sequence[int]],
+        *,
+        adapters: Sequence[str | int | None] | None = None,
+    ) -> np.ndarray:
+        """float32 logits [sequences, longest, vocab] of ragged token-id lists, zero past ends
+        (each sequence through its LoRA adapter, given `adapters`: as for `pack`)."""
+        packed = self.pack(sequences, adapters=adapters)
         return packed.unpack(fetch(self.forward_rows(packed)))
 
     def lower_forward(self, sequences: Sequence[Sequence[int]]):
@@ -461,7 +482,9 @@ class ShardedCausalLM:
 
             def step(index, carry):
                 ids, positions, caches, out = carry
-                current = TokenRows(ids, positions, rows_.segment_ids, RowsPhase.DECODE)
+                current = dataclasses.replace(
+                    rows_, ids=ids, positions=positions, phase=RowsPhase.DECODE
+                )
                 step_key = jax.random.fold_in(key, first_step + index)
                 tokens, caches = _next_tokens(
                     model,
@@ -505,9 +528,11 @@ class ShardedCausalLM:
         *,
         sampling: Sampling = GREEDY,
         seed: int = 0,
+        adapters: Sequence[str | int | None] | None = None,
     ) -> np.ndarray:
         """Continuation of each prompt: int32 [prompts, max_new_tokens] (every step, end-of-
-        sequence ids included; `models.generate_ids` stops at them).
+        sequence ids included; `models.generate_ids` stops at them). `adapters` names each
+        prompt's LoRA adapter, as for `pack`.
 
         One prefill fills a static-shape KV cache (its length rounded up to `CACHE_LENGTHS`)
         and samples the first token; one decode program samples the rest on the device. Only
@@ -517,7 +542,13 @@ class ShardedCausalLM:
           TypeError, ValueError: `check_prompts` or the context refuses the prompts.
         """
         packed, chunks = token_chunks(
-            self, prompts, max_new_tokens, sampling=sampling, seed=seed, chunk=max_new_tokens
+            self,
+            prompts,
+            max_new_tokens,
+            sampling=sampling,
+            seed=seed,
+            chunk=max_new_tokens,
+            adapters=adapters,
         )
         tokens = jnp.concatenate(list(chunks))
         return fetch(tokens)[:, packed.slot_order()].T.astype(np.int32)
@@ -530,6 +561,7 @@ class ShardedCausalLM:
         chunk: int,
         sampling: Sampling = GREEDY,
         seed: int = 0,
+        adapters: Sequence[str | int | None] | None = None,
     ) -> Iterator[np.ndarray]:
         """`generate`'s tokens as they come: yields int32 [prompts, n] arrays, first the
         prefill's token (n = 1), then `chunk` decode steps at a time (one decode program run
@@ -540,7 +572,13 @@ class ShardedCausalLM:
         if chunk < 1:
             raise ValueError(f"chunk must be at least 1 decode step; got {chunk=}")
         packed, chunks = token_chunks(
-            self, prompts, max_new_tokens, sampling=sampling, seed=seed, chunk=chunk
+            self,
+            prompts,
+            max_new_tokens,
+            sampling=sampling,
+            seed=seed,
+            chunk=chunk,
+            adapters=adapters,
         )
         order = packed.slot_order()
         for tokens in chunks:

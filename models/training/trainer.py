@@ -11,7 +11,7 @@ like the parameters. Parameters and optimizer state are donated to each step.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -147,7 +147,8 @@ class TrainState:
     """The parameters, the optimizer state (sharded like the parameters) and the step count.
 
     Attributes:
-      params: The model's parameters by dotted path (`FlatParams`), global sharded arrays.
+      params: The model's trained parameters by dotted path (`FlatParams`), global sharded
+        arrays (all of them unless the trainer trains some only: `Trainer.trainable`).
       opt_state: The optimizer's state; its parameter-shaped parts share the parameters'
         shardings, its counters are replicated.
       step: int32 steps taken.
@@ -174,6 +175,10 @@ class Trainer:
     drops the optimizer's updates of them (no step, no weight decay), as Hugging Face leaves its
     buffers out of the parameters.
 
+    With `trainable` only the parameters it selects are trained (a LoRA adapter's stacks over a
+    frozen base): the optimizer, its state, its clipping and the gradients see those alone, and
+    the others are held apart, placed once and passed to every step unchanged.
+
     Attributes:
       mesh: The mesh; its axes are boundary-jax's `MeshAxis` names.
       topology: The model's parallel topology.
@@ -181,6 +186,8 @@ class Trainer:
       input_scattered: Train on input-scattered batches (residual on attention-TP slices).
       optimizer: The optax transformation.
       frozen: The paths of the model's buffers, which the step leaves as they are.
+      trainable: The paths the optimizer trains (`state.params`); the others are `fixed`.
+      fixed: The parameters held apart from the optimizer, by dotted path (none by default).
       state: The current `TrainState`.
       matmul_precision: The precision the loss (and so its gradient) traces its matmuls with
         (the model's `options.precision`: `HIGHEST` for a float32 model).
@@ -193,6 +200,7 @@ class Trainer:
         optimizer: optax.GradientTransformation,
         *,
         input_scattered: bool = False,
+        trainable: Callable[[str], bool] | None = None,
     ):
         mesh_topology = bj.Topology.from_mesh(mesh, moe_ep=model.topology.moe_ep)
         if mesh_topology != model.topology:
@@ -228,11 +236,17 @@ class Trainer:
             nnx.get_partition_spec(params), is_leaf=lambda x: isinstance(x, PartitionSpec)
         )
         self._param_shardings = {k: self._sharding(v) for k, v in self._param_specs.items()}
-        flat = jax.device_put(self._params.flatten(params), self._param_shardings)
+        every = jax.device_put(self._params.flatten(params), self._param_shardings)
         del params
+        self.trainable = tuple(p for p in self._params.paths if trainable is None or trainable(p))
+        if not self.trainable:
+            raise ValueError("trainable selects no parameter of the model; nothing would train")
+        flat = {path: every.pop(path) for path in self.trainable}
+        self.fixed = every
+        shardings = {path: self._param_shardings[path] for path in self.trainable}
         self._state_shardings = TrainState(
-            self._param_shardings,
-            state_shardings(optimizer, flat, self._param_shardings, self._sharding(None)),
+            shardings,
+            state_shardings(optimizer, flat, shardings, self._sharding(None)),
             self._sharding(None),
         )
         self._rows = self.topology.row_spec(self.topology.attention_rows())
@@ -256,7 +270,7 @@ class Trainer:
     @property
     def model(self) -> CausalLM:
         """The model over the current (sharded) parameters; no copy is made."""
-        return nnx.merge(self._graphdef, self._params.unflatten(self.state.params))
+        return nnx.merge(self._graphdef, self._params.unflatten(self.state.params | self.fixed))
 
     # -- batches --------------------------------------------------------------------------
 
@@ -266,15 +280,18 @@ class Trainer:
         *,
         rows_per_rank: int | None = None,
         max_sequence_rows: int | None = None,
+        adapters: Sequence[int] | None = None,
     ) -> TrainBatch:
         """Packs token sequences onto the DP ranks (see `pack_sequences`; a `max_sequence_rows`
-        bound lets attention skip keys beyond it) and places them with their next-token labels:
-        a `TrainBatch`."""
+        bound lets attention skip keys beyond it; `adapters`, each sequence's LoRA adapter
+        index, e.g. the one being trained) and places them with their next-token labels: a
+        `TrainBatch`."""
         packed = pack_sequences(
             sequences,
             self.topology,
             rows_per_rank=rows_per_rank,
             max_sequence_rows=max_sequence_rows,
+            adapters=adapters,
         )
         return self.place(packed)
 
@@ -294,11 +311,19 @@ class Trainer:
 
     # -- loss and step --------------------------------------------------------------------
 
-    def sharded_loss(self, params: dict[str, jax.Array], batch: TrainBatch) -> jax.Array:
+    def sharded_loss(
+        self,
+        params: dict[str, jax.Array],
+        batch: TrainBatch,
+        fixed: dict[str, jax.Array] | None = None,
+    ) -> jax.Array:
         """The mean next-token loss of `batch` under `params` (global arrays placed like
-        `state.params`): the sharded forward and loss, one `shard_map`; differentiable."""
+        `state.params`) and the parameters held apart (`fixed`; None: the trainer's own, which
+        a traced caller should pass instead, so they are not baked into its program): the
+        sharded forward and loss, one `shard_map`; differentiable in `params`."""
         graphdef, rows, layout = self._graphdef, self._rows, self._params
         precision = self.matmul_precision
+        params = params | (self.fixed if fixed is None else fixed)
 
         def body(params, batch):
             model = nnx.merge(graphdef, layout.unflatten(params))
@@ -319,9 +344,9 @@ class Trainer:
         )(params, batch)
 
     def _train_step(
-        self, state: TrainState, batch: TrainBatch
+        self, state: TrainState, batch: TrainBatch, fixed: dict[str, jax.Array]
     ) -> tuple[TrainState, dict[str, jax.Array]]:
-        loss, grads = jax.value_and_grad(self.sharded_loss)(state.params, batch)
+        loss, grads = jax.value_and_grad(self.sharded_loss)(state.params, batch, fixed)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         updates = {
             path: jnp.zeros_like(update) if path in self.frozen else update
@@ -334,18 +359,18 @@ class Trainer:
 
     def loss(self, batch: TrainBatch) -> float:
         """The mean next-token loss of `batch` under the current parameters (no update)."""
-        return float(self._loss(self.state.params, batch))
+        return float(self._loss(self.state.params, batch, self.fixed))
 
     def gradients(self, batch: TrainBatch) -> tuple[float, dict[str, jax.Array]]:
         """(loss, gradients of the loss w.r.t. every parameter) at the current parameters; the
         gradients are global arrays sharded like the parameters."""
-        loss, grads = self._gradients(self.state.params, batch)
+        loss, grads = self._gradients(self.state.params, batch, self.fixed)
         return float(loss), grads
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step on `batch`; returns its `loss` (before the update) and the
         gradients' global `grad_norm` (before clipping)."""
-        self.state, metrics = self._step(self.state, batch)
+        self.state, metrics = self._step(self.state, batch, self.fixed)
         return {name: float(value) for name, value in metrics.items()}
 
     # -- checkpoints of the train state ---------------------------------------------------

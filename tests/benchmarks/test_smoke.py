@@ -118,3 +118,11 @@ def test_pipeline_smoke_reports_both_programs():
     out = run_smoke("bench_pipeline", "--smoke").splitlines()
     assert any(line.startswith("MPMD (a program per stage)") for line in out), out
     assert any(line.startswith("SPMD (switch + ppermute)") for line in out), out
+
+
+def test_lora_smoke_times_the_base_and_lora_steps():
+    """bench_lora --smoke times the base and the multi-LoRA decode step of one model; the
+    adapters change the greedy tokens."""
+    rows = table_rows(run_smoke("bench_lora", "--smoke"), "LoRA / base")
+    assert [(row[1], row[2]) for row in rows] == [("decode 4 @ 16", "8 x r16")]
+    assert rows[0][-1] != "0%", rows

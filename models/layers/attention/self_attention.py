@@ -35,6 +35,7 @@ from boundary_jax.ops import shard_index, sharded_rms_norms
 from ...config import AttentionSpec, QkNorm, YarnRopeScaling
 from ...inputs.rows import RowsPhase
 from ..linear import DENSE_LINEARS, Linears
+from ..lora import LoraSpec, LoraTarget, column_lora, row_lora
 from .attend import attend, attend_packed
 from .context_parallel import (
     CpAttentionMode,
@@ -95,6 +96,8 @@ class Attention(nnx.Module):
         any) with it, a replicated one cut to this rank's kv head.
       o_proj: [heads * head_dim, hidden], rows split over attention TP; with `spec.o_bias` a
         bias [hidden], whole on every rank and added by the first attention-TP rank only.
+      q_lora, kv_lora, o_lora: The adapter stacks of the projections (`layers.lora`: the
+        kv stacks hold k and v as its parts), or None where no adapter targets them.
       sinks: [heads] sink logits (`spec.sinks`), split over attention TP with their heads;
         None without sinks.
       q_norm: RMSNorm of the queries before RoPE: per head (an `RMSNorm` [head_dim]), over the
@@ -123,6 +126,7 @@ class Attention(nnx.Module):
         impl: AttentionImpl = AttentionImpl.XLA,
         cp_mode: CpAttentionMode = CpAttentionMode.ALL_GATHER,
         linears: Linears = DENSE_LINEARS,
+        lora: LoraSpec | None = None,
         rngs: nnx.Rngs,
     ):
         heads = HeadSplit.of(spec, topology)
@@ -159,6 +163,16 @@ class Attention(nnx.Module):
             dtype=dtype,
             init_std=spec.init_std,
             rngs=rngs,
+        )
+        lora_options = dict(topology=topology, dtype=dtype, rngs=rngs)
+        self.q_lora = column_lora(
+            lora, (LoraTarget.Q,), hidden, q_width, group=SumGroup.ATTN_TP, **lora_options
+        )
+        self.kv_lora = column_lora(
+            lora, (LoraTarget.K, LoraTarget.V), hidden, kv_width, group=kv_group, **lora_options
+        )
+        self.o_lora = row_lora(
+            lora, LoraTarget.OUT, q_width, hidden, group=SumGroup.ATTN_TP, **lora_options
         )
         if spec.sinks and topology.attn_cp > 1:
             raise NotImplementedError(
@@ -212,6 +226,7 @@ class Attention(nnx.Module):
         phase: RowsPhase = RowsPhase.PREFILL,
         max_sequence_rows: int | None = None,
         window_rows: int | None = None,
+        adapters: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """Attends each row to its sequence; with a cache, also stores this call's keys/values.
 
@@ -235,6 +250,8 @@ class Attention(nnx.Module):
           window_rows: Static: a PREFILL's rows are windows of this many rows, each one
             sequence's from its first row, or padding (`TokenRows.window_rows`); the cuDNN
             prefill then attends window by window.
+          adapters: [T] int32 LoRA adapter of each row (0: none; `layers.lora`), or None to
+            run the base projections alone.
 
         Returns:
           ([T, hidden] o_proj partial owing a sum over attention TP, with zero rows for
@@ -258,8 +275,11 @@ class Attention(nnx.Module):
                 f"got {rows} rows and cache slots {slots}. Use `decode_rows` to lay them out."
             )
         head_dim = self.spec.head_dim
-        q = self.q_proj(h).reshape(rows, self.heads.local_heads, head_dim)
-        k, v = self._project_kv(h)
+        q = self.q_proj(h)
+        if adapters is not None and self.q_lora is not None:
+            q = q + self.q_lora(h, adapters)
+        q = q.reshape(rows, self.heads.local_heads, head_dim)
+        k, v = self._project_kv(h, adapters)
         if self.spec.qk_norm is QkNorm.WHOLE_PROJECTION:
             q, k = self._whole_qk_norm(q, k)
         elif self.q_norm is not None:
@@ -323,7 +343,10 @@ class Attention(nnx.Module):
         # reads its slot's first key (finite values): masking it would cost a kernel per layer
         # and step, and the batch's token counts (or the caller) ignore that row.
         out = out.astype(q.dtype).reshape(rows, self.heads.local_heads * head_dim)
-        return self.o_proj(out), cache
+        y = self.o_proj(out)
+        if adapters is not None and self.o_lora is not None:
+            y = y + self.o_lora(out, adapters)
+        return y, cache
 
     def _context_parallel(
         self,
@@ -455,16 +478,23 @@ class Attention(nnx.Module):
             and self.spec.head_dim <= 128
         )
 
-    def _project_kv(self, h: jax.Array | Quantized) -> tuple[jax.Array, jax.Array]:
-        """k and v, [T, local kv heads, head_dim] each; a shared kv head is cut from the
-        replicated kernel (and bias)."""
+    def _project_kv(
+        self, h: jax.Array | Quantized, adapters: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array]:
+        """k and v, [T, local kv heads, head_dim] each (with their adapters' deltas, given
+        `adapters`); a shared kv head is cut from the replicated kernel (and bias, and B)."""
         head_dim = self.spec.head_dim
+        lora = self.kv_lora if adapters is not None else None
         if self.heads.kv_sharded:
             kv = self.kv_proj(h)
+            if lora is not None:
+                kv = kv + lora(h, adapters)
         else:
             ranks_per_head = self.heads.attn_tp // self.heads.num_kv_heads
             head = shard_index(self.topology, SumGroup.ATTN_TP) // ranks_per_head
             kv = self.kv_proj.columns(h, head * head_dim, head_dim)
+            if lora is not None:
+                kv = kv + lora.columns(h, adapters, head * head_dim, head_dim)
         kv = kv.reshape(h.shape[0], 2, self.heads.local_kv_heads, head_dim)
         return kv[:, 0], kv[:, 1]
 
