@@ -122,3 +122,21 @@ class GatedDeltaNetSpec:
             eps=float(config.get("rms_norm_eps", 1e-6)),
             projections=projections,
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearAttentionLayers:
+    """Which layers of a decoder mix tokens by Gated DeltaNet instead of attention.
+
+    Attributes:
+      spec: Every Gated DeltaNet mixer's shapes.
+      layers: Per layer, True where its token mixer is Gated DeltaNet (`linear_attention`),
+        False where it is full attention.
+    """
+
+    spec: GatedDeltaNetSpec
+    layers: tuple[bool, ...]
+
+    def __post_init__(self):
+        if not isinstance(self.layers, tuple) or not all(isinstance(x, bool) for x in self.layers):
+            raise TypeError(f"layers must be a tuple of bools; got {self.layers!r}")

@@ -389,27 +389,26 @@ class CausalLM(FamilyBase, nnx.Module):
         return hidden
 
     def cache_specs(self) -> tuple:
-        """Per block of `layers`, its decode cache's `PartitionSpec` tree (`new_caches`)."""
-        return tuple(
-            self.block_cache_specs(stacked=block.scanned)
-            for block in self.config.layer_blocks(self.options.scan_layers)
-        )
+        """Per block of `layers` (this module's), its decode cache's `PartitionSpec` tree
+        (`new_caches`)."""
+        return tuple(self.block_cache_specs(stacked=scanned) for _, scanned in self._layer_blocks())
 
     def new_caches(
         self, *, slots: int, max_len: int, dtype: jnp.dtype, mesh: Mesh | None = None
     ) -> tuple[KVCache, ...]:
         """Zero decode caches for `slots` sequences (over all attention-DP ranks) of `max_len`
-        positions: one KV cache per block of `layers`, a scanned run's stacked on a leading
-        layer axis; on `mesh`, each device allocates only its shard."""
+        positions: one KV cache per block of `layers` (this module's: a pipeline stage's
+        share), a scanned run's stacked on a leading layer axis; on `mesh`, each device
+        allocates only its shard."""
         return tuple(
             self.block_cache(
                 slots=slots,
                 max_len=max_len,
                 dtype=dtype,
                 mesh=mesh,
-                layers=len(block.layers) if block.scanned else None,
+                layers=len(block) if scanned else None,
             )
-            for block in self.config.layer_blocks(self.options.scan_layers)
+            for block, scanned in self._layer_blocks()
         )
 
     def blocks(self) -> list[tuple[range, nnx.Module]]:
