@@ -33,7 +33,15 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    Qwen3_5ForCausalLM,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_golden as base  # noqa: E402
@@ -110,6 +118,54 @@ MODELS: dict[str, dict] = {
             "max_position_embeddings": 128,
             "tie_word_embeddings": False,
         },
+    },
+}
+
+
+QWEN3_5_COMMON = {
+    key: MODELS["qwen3_next"]["config"][key]
+    for key in (
+        "vocab_size",
+        "hidden_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rope_parameters",
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+        "linear_conv_kernel_dim",
+        "rms_norm_eps",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+    )
+}
+MODELS["qwen3_5"] = MODELS["qwen3_next"] | {
+    "config_cls": Qwen3_5TextConfig,
+    "model_cls": Qwen3_5ForCausalLM,
+    "seed": 1102,
+    "prompt_seed": 2102,
+    "config": QWEN3_5_COMMON
+    | {
+        "intermediate_size": 96,
+        "num_hidden_layers": 4,
+        "layer_types": [LINEAR, FULL, FULL, LINEAR],
+    },
+}
+MODELS["qwen3_5_moe"] = MODELS["qwen3_next"] | {
+    "config_cls": Qwen3_5MoeTextConfig,
+    "model_cls": Qwen3_5MoeForCausalLM,
+    "seed": 1103,
+    "prompt_seed": 2103,
+    "config": QWEN3_5_COMMON
+    | {
+        "num_hidden_layers": 4,
+        "layer_types": [LINEAR, FULL, FULL, LINEAR],
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
     },
 }
 

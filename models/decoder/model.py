@@ -280,6 +280,17 @@ class CausalLM(FamilyBase, nnx.Module):
         cp = self.topology.attn_cp
         return token if cp == 1 else -(-(token + 4) // cp)
 
+    def token_cache_layers(self) -> int:
+        """How many layers keep a cache that grows by `cache_bytes_per_token` per token (every
+        layer here; a family whose other layers keep a fixed-size state says fewer)."""
+        return self.config.num_layers
+
+    def state_bytes_per_slot(self, dtype: jnp.dtype) -> int:
+        """Bytes of fixed-size decode state (a recurrent mixer's) one sequence slot takes on one
+        device over all layers: none here."""
+        del dtype
+        return 0
+
     @property
     def final_read(self) -> Callable[[jax.Array], jax.Array]:
         """The norm the stack's final read applies: the `RMSNorm` itself without

@@ -130,7 +130,8 @@ def read_qwen3_next(
 
 
 def write_qwen3_next(config: DecoderConfig, model_type: str) -> dict[str, Any]:
-    """The `config.json` (as a dict) `read_qwen3_next` reads back to `config`."""
+    """The `config.json` (as a dict) `read_qwen3_next` reads back to `config` (a dense model
+    says `num_experts: 0`)."""
     linear = config.linear_attention
     spec = linear.spec
     out = plain_decoder_json(config, model_type) | {
@@ -195,9 +196,10 @@ class Qwen3NextLayer(MoeDecoderLayer):
 
 class Qwen3NextBase(MoeCausalLM):
     """What Qwen3-Next and Qwen3.5 share: Gated DeltaNet and gated-attention layers, an MoE (or
-    dense MLPs), `1 + w` norms; per layer a KV cache or a `DeltaCache`. Not built: scanned layers,
-    attention CP, FP8, hyper-connections, captures of hidden states and the all-to-all
-    dispatch."""
+    dense MLPs), `1 + w` norms; per layer a KV cache or a `DeltaCache`. Either MoE dispatch:
+    the mixer stage reads its own rows as attention does, so an all-to-all FFN after it takes
+    its rows as after attention. Not built: scanned layers, attention CP, FP8,
+    hyper-connections and captures of hidden states."""
 
     layer_class = Qwen3NextLayer
     quantizable = False
@@ -215,7 +217,9 @@ class Qwen3NextBase(MoeCausalLM):
 
     @classmethod
     def check_config(cls, config: DecoderConfig) -> None:
-        """A stack with its Gated DeltaNet layers named (`linear_attention`)."""
+        """A stack with its Gated DeltaNet layers named (`linear_attention`), and experts
+        exactly where the family has them."""
+        super().check_config(config)
         if config.linear_attention is None:
             raise ValueError(
                 f"{config.architecture} needs linear_attention (which layers are Gated "
@@ -243,12 +247,6 @@ class Qwen3NextBase(MoeCausalLM):
     def check_build(
         cls, config: DecoderConfig, topology: bj.Topology, options: BuildOptions
     ) -> None:
-        dispatch = options.moe_dispatch or bj.MoeDispatch.GATHER
-        if dispatch is not bj.MoeDispatch.GATHER:
-            raise NotImplementedError(
-                f"{config.architecture}'s MoE layers run on gathered rows (MoeDispatch.GATHER); "
-                f"got {dispatch}"
-            )
         if topology.attn_cp > 1:
             raise NotImplementedError(
                 f"{config.architecture} is not built under attention CP (its Gated DeltaNet "
@@ -304,6 +302,17 @@ class Qwen3NextBase(MoeCausalLM):
             )
             for linear in map(self._linear, self.layer_range)
         )
+
+    def token_cache_layers(self) -> int:
+        """The full-attention layers (each keeps a KV cache)."""
+        return self.config.linear_attention.layers.count(False)
+
+    def state_bytes_per_slot(self, dtype: jnp.dtype) -> int:
+        """Each Gated DeltaNet layer's conv inputs (in `dtype`) and float32 delta state of one
+        slot on one device, over the layers."""
+        linear = self.config.linear_attention
+        one = DeltaCache.bytes_per_slot(linear.spec, self.topology, dtype)
+        return one * linear.layers.count(True)
 
     def cache_bytes_per_token(self, dtype: jnp.dtype) -> int:
         """Bytes one token takes in one full-attention layer's KV cache on one device."""

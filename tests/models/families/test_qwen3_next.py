@@ -1,17 +1,20 @@
-"""Qwen3-Next on boundaries equals Hugging Face transformers (golden files) under TP, attention DP,
-expert parallelism and pipeline stages: Gated DeltaNet and gated-attention layers, each before
-an MoE and a dense MLP; its config reads back as written, and unbuilt options are refused."""
+"""Qwen3-Next and Qwen3.5 (dense and MoE) on boundaries equal Hugging Face transformers (golden
+files) under TP, attention DP, expert parallelism (gathered rows and all-to-all) and pipeline
+stages: Gated DeltaNet and gated-attention layers, each before an MoE and a dense MLP; their
+configs read back as written, and unbuilt options are refused."""
 
 import functools
 import json
 import pathlib
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import boundary_jax as bj
 from models.build import load_model
-from models.config import read_hf_config
+from models.config import DeltaProjections, read_hf_config
+from models.families.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 from models.families.qwen3_next import TINY, Qwen3NextForCausalLM
 from models.layers.attention.self_attention import Attention
 from models.layers.mixers.gated_deltanet import DeltaCache, GatedDeltaNet
@@ -23,33 +26,60 @@ from models.serving.runtime import ShardedCausalLM
 from models.weights import load_config
 from tests.models import MoeLayout
 
-CHECKPOINT = pathlib.Path(__file__).parents[2] / "golden" / "qwen3_next"
+GOLDEN = pathlib.Path(__file__).parents[2] / "golden"
+CHECKPOINT = GOLDEN / "qwen3_next"
+ALL_TO_ALL = bj.MoeDispatch.ALL_TO_ALL
 
-# EP 4 over gathered rows on attention TP 4 (one key head and its 2 value heads per rank, the 2
-# kv heads shared by ranks) runs by default; the other layouts under -m slow.
-DEFAULT = MoeLayout(1, 4, ep=4)
-LAYOUTS = [
-    pytest.param(layout, id=str(layout), marks=[] if layout == DEFAULT else [pytest.mark.slow])
-    for layout in (MoeLayout(1, 1), MoeLayout(1, 2), MoeLayout(1, 4), MoeLayout(2, 2), DEFAULT)
+# Per golden, its layouts; one of each runs by default (Qwen3-Next: EP 4 over gathered rows on
+# attention TP 4, one key head and its 2 value heads per rank, the 2 kv heads shared by ranks;
+# Qwen3.5: DP 2 x TP 2; Qwen3.5-MoE: EP 2 all-to-all from input-scattered rows on TP 2), the
+# rest under -m slow.
+DENSE = (MoeLayout(1, 1), MoeLayout(1, 2), MoeLayout(1, 4), MoeLayout(2, 2))
+SPARSE = DENSE + (
+    MoeLayout(1, 4, ep=4),
+    MoeLayout(1, 2, ep=2, dispatch=ALL_TO_ALL),
+    MoeLayout(1, 2, ep=2, dispatch=ALL_TO_ALL, scattered=True),
+    MoeLayout(8, 1, ep=8, dispatch=ALL_TO_ALL),
+)
+GOLDENS = {"qwen3_next": SPARSE, "qwen3_5": DENSE, "qwen3_5_moe": SPARSE}
+DEFAULT = {
+    ("qwen3_next", MoeLayout(1, 4, ep=4)),
+    ("qwen3_5", MoeLayout(2, 2)),
+    ("qwen3_5_moe", MoeLayout(1, 2, ep=2, dispatch=ALL_TO_ALL, scattered=True)),
+}
+CASES = [
+    pytest.param(
+        name,
+        layout,
+        id=f"{name}-{layout}",
+        marks=[] if (name, layout) in DEFAULT else [pytest.mark.slow],
+    )
+    for name, layouts in GOLDENS.items()
+    for layout in layouts
 ]
+# Two stages: (DeltaNet, DeltaNet, attention | attention, DeltaNet) and (DeltaNet, attention |
+# attention, DeltaNet).
+PIPELINE_SPLITS = {"qwen3_next": (3, 2), "qwen3_5": (2, 2), "qwen3_5_moe": (2, 2)}
 
 
 @functools.cache
-def golden() -> tuple[list[list[int]], dict[str, np.ndarray]]:
-    prompts = json.loads((CHECKPOINT / "prompts.json").read_text())
-    return prompts, dict(np.load(CHECKPOINT / "reference.npz"))
+def golden(name: str) -> tuple[list[list[int]], dict[str, np.ndarray]]:
+    prompts = json.loads((GOLDEN / name / "prompts.json").read_text())
+    return prompts, dict(np.load(GOLDEN / name / "reference.npz"))
 
 
 @functools.cache
-def runner(layout: MoeLayout) -> ShardedCausalLM:
+def runner(name: str, layout: MoeLayout) -> ShardedCausalLM:
     mesh = bj.make_mesh(bj.Topology(attn_dp=layout.dp, attn_tp=layout.tp, moe_ep=layout.ep))
-    return ShardedCausalLM(load_model(CHECKPOINT, mesh, moe_ep=layout.ep), mesh)
+    options = BuildOptions(moe_dispatch=layout.dispatch if layout.ep > 1 else None)
+    model = load_model(GOLDEN / name, mesh, options, moe_ep=layout.ep)
+    return ShardedCausalLM(model, mesh, input_scattered=layout.scattered)
 
 
-def check_against_transformers(run) -> None:
+def check_against_transformers(name: str, run) -> None:
     """float32 logits within 1e-4 (relative to the largest) of HF's, zero past each end, and
     HF's greedy tokens through the sharded caches (KV and Gated DeltaNet state)."""
-    prompts, reference = golden()
+    prompts, reference = golden(name)
     logits = run.forward(prompts)
     want = reference["logits"]
     assert logits.shape == want.shape
@@ -60,27 +90,29 @@ def check_against_transformers(run) -> None:
     np.testing.assert_array_equal(tokens, reference["generated"])
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_logits_and_greedy_tokens_match_transformers(layout):
+@pytest.mark.parametrize("name,layout", CASES)
+def test_logits_and_greedy_tokens_match_transformers(name, layout):
     """HF's logits and greedy tokens on every layout: each rank's key and value heads, its
-    conv channels and per-slot states, its attention heads and their output gates."""
-    check_against_transformers(runner(layout))
+    conv channels and per-slot states, its attention heads and their output gates, its
+    experts."""
+    check_against_transformers(name, runner(name, layout))
 
 
 @pytest.mark.slow
-def test_pipeline_stages_match_transformers():
-    """Two stages (DeltaNet, DeltaNet, attention | attention, DeltaNet) on attention TP 2, two
-    microbatches, each stage holding its own layers' caches: HF's logits and tokens."""
+@pytest.mark.parametrize("name", sorted(GOLDENS))
+def test_pipeline_stages_match_transformers(name):
+    """Two stages on attention TP 2, two microbatches, each stage holding its own layers'
+    caches (KV or Gated DeltaNet state): HF's logits and tokens."""
     mesh = bj.make_mesh(bj.Topology(attn_tp=2, pp=2))
-    split = PipelineSplit.of_sizes((3, 2), TINY.num_layers)
-    stages = load_pipeline(CHECKPOINT, mesh, BuildOptions(), split=split)
-    check_against_transformers(PipelineCausalLM(stages, mesh, microbatches=2))
+    split = PipelineSplit.of_sizes(PIPELINE_SPLITS[name], sum(PIPELINE_SPLITS[name]))
+    stages = load_pipeline(GOLDEN / name, mesh, BuildOptions(), split=split)
+    check_against_transformers(name, PipelineCausalLM(stages, mesh, microbatches=2))
 
 
 def test_model_layers_and_config():
     """The checkpoint builds Qwen3NextForCausalLM with Gated DeltaNet on layers 0, 1, 4 and gated
     attention (partial RoPE) on 2, 3, MoEs on 0, 2, 4; its config.json reads back as written."""
-    model = runner(DEFAULT).model
+    model = runner("qwen3_next", MoeLayout(1, 4, ep=4)).model
     assert isinstance(model, Qwen3NextForCausalLM)
     mixers = [type(layer.attn) for layer in model.layers]
     assert mixers == [GatedDeltaNet, GatedDeltaNet, Attention, Attention, GatedDeltaNet]
@@ -90,6 +122,10 @@ def test_model_layers_and_config():
     assert model.layers[0].mlp.shared_expert.expert_gate is not None
     specs = model.cache_specs()
     assert [isinstance(spec, DeltaCache) for spec in specs] == [True, True, False, False, True]
+    # Per device at TP 4: 2 attention layers of 1 kv head of 16 (keys and values, float32);
+    # 3 DeltaNet layers of 3 conv rows of 32 channels and 2 value heads' 8 x 8 states.
+    assert model.cache_bytes_per_token(jnp.float32) * model.token_cache_layers() == 2 * 128
+    assert model.state_bytes_per_slot(jnp.float32) == 3 * (3 * 32 + 2 * 64) * 4
     config = load_config(CHECKPOINT)
     assert config.unit_offset_norms and config.attention_output_gate
     written = Qwen3NextForCausalLM.write_config(config)
@@ -97,17 +133,32 @@ def test_model_layers_and_config():
     assert read_hf_config(Qwen3NextForCausalLM.write_config(TINY)) == TINY
 
 
+def test_qwen3_5_families():
+    """Qwen3.5's checkpoints build its two families, Gated DeltaNet from separate projections;
+    the dense one has no experts, the MoE one renormalizes its top k; both configs read back
+    as written."""
+    dense = runner("qwen3_5", MoeLayout(2, 2)).model
+    assert isinstance(dense, Qwen3_5ForCausalLM) and dense.config.moe is None
+    assert dense.layers[0].attn.spec.projections is DeltaProjections.SEPARATE
+    assert not any(isinstance(layer.mlp, MoeFfn) for layer in dense.layers)
+    for name, family in (("qwen3_5", Qwen3_5ForCausalLM), ("qwen3_5_moe", Qwen3_5MoeForCausalLM)):
+        config = load_config(GOLDEN / name)
+        assert config.linear_attention.spec.projections is DeltaProjections.SEPARATE
+        assert read_hf_config(family.write_config(config)) == config
+    moe = load_config(GOLDEN / "qwen3_5_moe").moe
+    assert moe.renormalize and moe.shared_expert_gate and moe.mlp_only_layers == ()
+
+
 def test_refuses_what_it_does_not_build():
-    """The all-to-all dispatch, scanned layers and bad layer types are refused; layer kinds
-    default to every `full_attention_interval`-th layer attending."""
-    mesh = bj.make_mesh(bj.Topology(attn_tp=2, moe_ep=2))
-    with pytest.raises(NotImplementedError, match="gathered rows"):
-        load_model(CHECKPOINT, mesh, BuildOptions(moe_dispatch=bj.MoeDispatch.ALL_TO_ALL), moe_ep=2)
+    """Scanned layers, bad layer types and a Qwen3-Next without experts are refused; layer
+    kinds default to every `full_attention_interval`-th layer attending."""
     with pytest.raises(NotImplementedError, match="scanned runs"):
         TINY.layer_blocks(True)
     written = Qwen3NextForCausalLM.write_config(TINY)
     with pytest.raises(ValueError, match="layer_types must name"):
         read_hf_config(written | {"layer_types": ["linear_attention"]})
+    with pytest.raises(ValueError, match="needs MoE settings"):
+        read_hf_config(written | {"num_experts": 0})
     kinds = read_hf_config(
         {k: v for k, v in written.items() if k != "layer_types"}
         | {"full_attention_interval": 5, "mlp_only_layers": []}
