@@ -5,12 +5,14 @@ transform over chunks of rows) for prefill and training, and the one-row decode 
 Per value head h, with the key head it reads (k-head h // (v_heads // k_heads)), row t of a
 sequence updates the state S [k_dim, v_dim] and reads it out:
 
-    S   = exp(g_t) * S                              (the scalar gate, before the update)
+    S   = exp(g_t) * S                              (the gate, before the update)
     S   = S + k_t (beta_t * (v_t - S^T k_t))^T      (the delta rule)
     o_t = S^T q_t
 
 where q and k are L2-normalized over k_dim (eps 1e-6 inside the root) and q is scaled by
-k_dim^-1/2. Rows are one attention-DP rank's packed sequences (`TokenRows`): a row starts a new
+k_dim^-1/2. The log gate g_t is a scalar per value head (Gated DeltaNet) or one per key channel
+of each value head (Kimi Delta Attention: it scales the state's rows, `exp(g_t)[:, None] * S`).
+Rows are one attention-DP rank's packed sequences (`TokenRows`): a row starts a new
 sequence, with a zero state, where its segment id differs from the row before it or its
 position is 0 (`models.layers.mixers.ssd.sequence_starts`). Padding rows (segment id -1)
 contribute nothing and read out zeros. The state and all sums are float32, or float64 for
@@ -43,14 +45,15 @@ def _check_shapes(q, k, v, g, beta, positions, segment_ids) -> None:
         or k.shape != q.shape
         or q.shape[0] != rows
         or heads % q.shape[1]
-        or g.shape != (rows, heads)
+        or g.shape not in ((rows, heads), (rows, heads, q.shape[2]))
         or beta.shape != (rows, heads)
         or positions.shape != (rows,)
         or segment_ids.shape != (rows,)
     ):
         raise ValueError(
             "gated delta rule inputs must be q and k [T, k_heads, k_dim], v [T, v_heads, v_dim] "
-            "with k_heads dividing v_heads, g and beta [T, v_heads], positions and segment_ids "
+            "with k_heads dividing v_heads, g [T, v_heads] or [T, v_heads, k_dim], beta "
+            "[T, v_heads], positions and segment_ids "
             f"[T]; got {q.shape=}, {k.shape=}, {v.shape=}, {g.shape=}, {beta.shape=}, "
             f"{positions.shape=}, {segment_ids.shape=}"
         )
@@ -65,7 +68,7 @@ def _prepared(q, k, v, g, beta, segment_ids):
     k = l2_normalize(k.astype(acc))
     q, k = (jnp.repeat(x, per_key, axis=1) for x in (q, k))
     valid = (segment_ids >= 0)[:, None]
-    g = jnp.where(valid, g, 0).astype(acc)
+    g = jnp.where(valid if g.ndim == 2 else valid[..., None], g, 0).astype(acc)
     beta = jnp.where(valid, beta, 0).astype(acc)
     return q, k, v.astype(acc), g, beta
 
@@ -89,7 +92,8 @@ def gated_delta_rule_reference(
       q: [T, k_heads, k_dim] queries, before the L2 norm.
       k: [T, k_heads, k_dim] keys, before the L2 norm.
       v: [T, v_heads, v_dim] values; v_heads a multiple of k_heads.
-      g: [T, v_heads] log gates (<= 0: the state is multiplied by exp(g)).
+      g: [T, v_heads] log gates (<= 0: the state is multiplied by exp(g)), or [T, v_heads,
+        k_dim] per key channel (row c of the state by exp(g[..., c])).
       beta: [T, v_heads] write strengths (in (0, 1) after a sigmoid).
       positions: [T] int32 position of each row within its sequence.
       segment_ids: [T] int32 slot of each row's sequence; -1 marks padding.
@@ -106,7 +110,7 @@ def gated_delta_rule_reference(
     def step(carry, row):
         state, finals = carry
         q_t, k_t, v_t, g_t, beta_t, start, slot = row
-        state = jnp.where(start, 0, state) * jnp.exp(g_t)[:, None, None]
+        state = jnp.where(start, 0, state) * jnp.exp(g_t)[..., None]
         delta = beta_t[:, None] * (v_t - jnp.einsum("hkv,hk->hv", state, k_t))
         state = state + k_t[:, :, None] * delta[:, None, :]
         out = jnp.einsum("hkv,hk->hv", state, q_t)
@@ -115,8 +119,15 @@ def gated_delta_rule_reference(
 
     state = jnp.zeros((v.shape[1], q.shape[2], v.shape[2]), v.dtype)
     finals = jnp.zeros((num_slots, *state.shape), v.dtype)
-    (_, finals), out = lax.scan(step, (state, finals), (q, k, v, g, beta, starts, segment_ids))
+    rows = (q, k, v, _channel_gates(g, beta), beta, starts, segment_ids)
+    (_, finals), out = lax.scan(step, (state, finals), rows)
     return out, finals
+
+
+def _channel_gates(g: jax.Array, beta: jax.Array) -> jax.Array:
+    """The log gates as [..., H, k_dim] or, for a scalar gate per head (g shaped as beta),
+    [..., H, 1]: either scales a state [..., H, k_dim, v_dim] by `exp(gates)[..., None]`."""
+    return g[..., None] if g.shape == beta.shape else g
 
 
 def _pad_rows(x: jax.Array, rows: int, fill=0) -> jax.Array:
@@ -180,55 +191,84 @@ def gated_delta_rule_chunked(
         value = _pad_rows(value, padded).reshape(chunks, length, *value.shape[1:])
         return jnp.moveaxis(value, 1, 2)
 
+    g = _channel_gates(g, beta)  # [T, H, 1] for a scalar gate, else [T, H, k_dim]
     q, k, v, g, beta = (chunked(x) for x in (q, k, v, g, beta))
-    cumulative = jnp.cumsum(g, axis=-1)  # [C, H, L]: G_t, from the chunk's start
+    cumulative = jnp.cumsum(g, axis=2)  # [C, H, L, 1 or k_dim]: G_t, from the chunk's start
     causal = jnp.arange(length)[:, None] >= jnp.arange(length)[None, :]
     same = (run[:, :, None] == run[:, None, :]) & causal[None]  # [C, t, s]
-    gap = cumulative[..., :, None] - cumulative[..., None, :]  # [C, H, t, s]: G_t - G_s
-    pair = jnp.where(same[:, None], jnp.exp(jnp.where(same[:, None], gap, 0)), 0)
     # Rows still in the run the chunk entered read (and decay) the carried state.
     before = jnp.concatenate([jnp.full((1,), -1, run.dtype), run[:-1, -1]])
-    carries = (run == before[:, None])[:, None]  # [C, 1, L]
-    entering = jnp.where(carries, jnp.exp(cumulative), 0)  # [C, H, L]
-
+    carries = (run == before[:, None])[:, None, :, None]  # [C, 1, L, 1]
+    entering = jnp.where(carries, jnp.exp(cumulative), 0)
     k_beta = k * beta[..., None]
-    strictly_lower = jnp.tril(jnp.ones((length, length), bool), -1)
-    system = jnp.where(
-        strictly_lower[None, None], jnp.einsum("chtk,chsk->chts", k_beta, k) * pair, 0
-    )
-    system = system + jnp.eye(length, dtype=system.dtype)[None, None]
-    solve = functools.partial(
-        lax.linalg.triangular_solve, left_side=True, lower=True, unit_diagonal=True
-    )
-    values = solve(system, v * beta[..., None])  # U [C, H, L, v_dim]
-    reads = solve(system, k_beta * entering[..., None])  # W [C, H, L, k_dim]
-
-    scores = jnp.einsum("chtk,chsk->chts", q, k) * pair
-    q_entering = q * entering[..., None]
+    v_beta = v * beta[..., None]
+    q_entering = q * entering
     # The end-of-chunk state sums the rows of the chunk's last run, decayed to its end.
-    in_last = (run == run[:, -1:])[:, None]  # [C, 1, L]
-    to_end = jnp.where(in_last, jnp.exp(cumulative[..., -1:] - cumulative), 0)
-    k_end = k * to_end[..., None]
-    carried = jnp.where(carries[..., -1], jnp.exp(cumulative[..., -1]), 0)  # [C, H]
+    in_last = (run == run[:, -1:])[:, None, :, None]  # [C, 1, L, 1]
+    k_end = k * jnp.where(in_last, jnp.exp(cumulative[:, :, -1:] - cumulative), 0)
+    carried = jnp.where(carries[:, :, -1], jnp.exp(cumulative[:, :, -1]), 0)  # [C, H, 1 | k]
+    per_channel = g.shape[-1] > 1
+    if per_channel:
+        # Per-channel decays pair every two rows in every key channel: [H, L, L, k_dim] per
+        # chunk, made inside the scan so that only one chunk's are alive at a time.
+        intra = (q, k, k_beta, v_beta, entering, cumulative, same)
+    else:
+        pair = _pair_decays(cumulative[..., 0], same[:, None])  # [C, H, t, s]
+        scores = jnp.einsum("chtk,chsk->chts", q, k) * pair
+        values, reads = _ut_transform(
+            jnp.einsum("chtk,chsk->chts", k_beta, k) * pair, v_beta, k_beta * entering
+        )
+        intra = (values, reads, scores)
 
     def step(state, chunk):
-        values, reads, scores, q_entering, k_end, carried = chunk
+        intra, q_entering, k_end, carried = chunk
+        if per_channel:
+            q, k, k_beta, v_beta, entering, cumulative, same = intra
+            pair = _pair_decays(jnp.moveaxis(cumulative, -1, 0), same[None, None])  # [c, H, t, s]
+            scores = jnp.einsum("htc,hsc,chts->hts", q, k, pair)
+            products = jnp.einsum("htc,hsc,chts->hts", k_beta, k, pair)
+            values, reads = _ut_transform(products, v_beta, k_beta * entering)
+        else:
+            values, reads, scores = intra
         new = values - jnp.einsum("htk,hkv->htv", reads, state)
         out = jnp.einsum("htk,hkv->htv", q_entering, state)
         out = out + jnp.einsum("hts,hsv->htv", scores, new)
-        end = state * carried[:, None, None] + jnp.einsum("htk,htv->hkv", k_end, new)
+        end = state * carried[..., None] + jnp.einsum("htk,htv->hkv", k_end, new)
         return end, (out, new, state if num_slots else None)
 
     # Zeros shaped from the inputs, so that under shard_map the carry varies as they do.
-    state = jnp.zeros_like(reads[0, :, 0, :, None] * values[0, :, 0, None, :])  # [H, k, v]
-    _, (out, new, states) = lax.scan(
-        step, state, (values, reads, scores, q_entering, k_end, carried)
-    )
+    state = jnp.zeros_like(k_end[0, :, 0, :, None] * v_beta[0, :, 0, None, :])  # [H, k, v]
+    _, (out, new, states) = lax.scan(step, state, (intra, q_entering, k_end, carried))
     o = jnp.moveaxis(out, 2, 1).reshape(padded, heads, v_dim)[:rows]
     o = jnp.where((segment_ids >= 0)[:, None, None], o, 0)
     if not num_slots:
         return o, jnp.zeros((0, heads, k_dim, v_dim), v.dtype)
     return o, _final_states(k, new, states, cumulative, entering, run, segment_ids, num_slots)
+
+
+def _pair_decays(cumulative: jax.Array, same: jax.Array) -> jax.Array:
+    """exp(G_t - G_s) [..., t, s] from cumulative log gates [..., L], zero where `same`
+    (broadcast to [..., t, s]) says the rows are not of one sequence with s <= t; the exponent
+    is masked first, so nothing overflows."""
+    gap = cumulative[..., :, None] - cumulative[..., None, :]
+    return jnp.where(same, jnp.exp(jnp.where(same, gap, 0)), 0)
+
+
+def _ut_transform(
+    products: jax.Array, v_beta: jax.Array, k_reads: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """U = (I + A)^-1 (beta v) and W = (I + A)^-1 (beta k exp(G)), A the strictly lower part of
+    `products` [..., t, s] (beta_t (k_t . k_s) decayed from s to t)."""
+    length = products.shape[-1]
+    shape = (1,) * (products.ndim - 2) + (length, length)
+    strictly_lower = jnp.tril(jnp.ones((length, length), bool), -1).reshape(shape)
+    system = jnp.where(strictly_lower, products, 0) + jnp.eye(length, dtype=products.dtype).reshape(
+        shape
+    )
+    solve = functools.partial(
+        lax.linalg.triangular_solve, left_side=True, lower=True, unit_diagonal=True
+    )
+    return solve(system, v_beta), solve(system, k_reads)
 
 
 def _final_states(k, new, states, cumulative, entering, run, segment_ids, num_slots):
@@ -238,10 +278,11 @@ def _final_states(k, new, states, cumulative, entering, run, segment_ids, num_sl
     last, present = last_rows(segment_ids, num_slots)
     chunk, row = last // length, last % length
     mine = (run[chunk] == run[chunk, row][:, None]) & (jnp.arange(length)[None] <= row[:, None])
-    gap = cumulative[chunk, :, row][..., None] - cumulative[chunk]  # [S, H, L]
-    weight = jnp.where(mine[:, None], jnp.exp(jnp.where(mine[:, None], gap, 0)), 0)
-    own = jnp.einsum("shl,shlk,shlv->shkv", weight, k[chunk], new[chunk])
-    read = entering[chunk, :, row][..., None, None] * states[chunk]
+    mine = mine[:, None, :, None]  # [S, 1, L, 1]
+    gap = cumulative[chunk, :, row][:, :, None] - cumulative[chunk]  # [S, H, L, 1 | k]
+    weight = jnp.where(mine, jnp.exp(jnp.where(mine, gap, 0)), 0)
+    own = jnp.einsum("shlk,shlv->shkv", weight * k[chunk], new[chunk])
+    read = entering[chunk, :, row][..., None] * states[chunk]
     return jnp.where(present[:, None, None, None], own + read, 0)
 
 
@@ -259,8 +300,8 @@ def gated_delta_rule_step(
 
     Args:
       state: [S, v_heads, k_dim, v_dim] states (float32 or wider).
-      q, k: [S, k_heads, k_dim] (before the L2 norm); v: [S, v_heads, v_dim]; g, beta:
-        [S, v_heads].
+      q, k: [S, k_heads, k_dim] (before the L2 norm); v: [S, v_heads, v_dim]; g: [S, v_heads]
+        or per key channel [S, v_heads, k_dim]; beta: [S, v_heads].
       valid: bool [S]: slots with a row this step; the others keep their state.
 
     Returns:
@@ -271,7 +312,7 @@ def gated_delta_rule_step(
     q = l2_normalize(q.astype(acc)) * q.shape[-1] ** -0.5
     k = l2_normalize(k.astype(acc))
     q, k = (jnp.repeat(x, per_key, axis=1) for x in (q, k))
-    decayed = state * jnp.exp(g.astype(acc))[..., None, None]
+    decayed = state * jnp.exp(_channel_gates(g, beta).astype(acc))[..., None]
     delta = beta.astype(acc)[..., None] * (v.astype(acc) - jnp.einsum("shkv,shk->shv", decayed, k))
     new = decayed + k[..., :, None] * delta[..., None, :]
     new = jnp.where(valid[:, None, None, None], new, state)

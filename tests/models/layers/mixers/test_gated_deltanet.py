@@ -42,7 +42,8 @@ def numpy_delta_rule(q, k, v, g, beta, positions, segments, slots):
             state = np.zeros_like(state)
         if segments[t] < 0:
             continue
-        state = state * np.exp(g[t])[:, None, None]
+        # A scalar gate per head decays its whole state, a per-channel one each key row.
+        state = state * (np.exp(g[t])[:, None, None] if g.ndim == 2 else np.exp(g[t])[..., None])
         delta = beta[t][:, None] * (v[t] - np.einsum("hkv,hk->hv", state, k[t]))
         state = state + k[t][:, :, None] * delta[:, None, :]
         out[t] = np.einsum("hkv,hk->hv", state, q[t])
@@ -50,24 +51,36 @@ def numpy_delta_rule(q, k, v, g, beta, positions, segments, slots):
     return out, finals
 
 
-def random_rule_inputs(rows: int, k_heads=2, v_heads=4, k_dim=5, v_dim=3, seed=0):
+def random_rule_inputs(
+    rows: int, k_heads=2, v_heads=4, k_dim=5, v_dim=3, seed=0, per_channel=False
+):
+    """Random q, k, v, log gates (one per value head, or per key channel of each) and betas."""
     rng = np.random.default_rng(seed)
+    gates = (rows, v_heads, k_dim) if per_channel else (rows, v_heads)
     return (
         rng.standard_normal((rows, k_heads, k_dim)),
         rng.standard_normal((rows, k_heads, k_dim)),
         rng.standard_normal((rows, v_heads, v_dim)),
-        -rng.uniform(0.01, 1.0, (rows, v_heads)),
+        -rng.uniform(0.01, 1.0, gates),
         rng.uniform(0.05, 0.95, (rows, v_heads)),
     )
 
 
-@pytest.mark.parametrize("chunk_size", [4, 7, 64])
-def test_chunked_rule_equals_float64_recurrence(chunk_size):
+GATES = [
+    pytest.param((chunk, per_channel), id=f"chunk{chunk}-{'channel' if per_channel else 'head'}")
+    for chunk, per_channel in ((4, False), (7, False), (64, False), (4, True), (7, True))
+]
+
+
+@pytest.mark.parametrize("case", GATES)
+def test_chunked_rule_equals_float64_recurrence(case):
     """The chunked form equals the row-by-row recurrence within 1e-10 in float64, on ragged
     packed sequences (no state across a sequence start, wherever the chunks cut), final states
-    per slot too; the `lax.scan` reference equals it as well."""
+    per slot too, with a gate per head (Gated DeltaNet) or per key channel (Kimi Delta
+    Attention); the `lax.scan` reference equals it as well."""
+    chunk_size, per_channel = case
     positions, segments = layout_rows(LAYOUT)
-    inputs = random_rule_inputs(len(positions))
+    inputs = random_rule_inputs(len(positions), per_channel=per_channel)
     want_out, want_finals = numpy_delta_rule(*inputs, positions, segments, slots=5)
     with jax.enable_x64(True):
         out, finals = gated_delta_rule_chunked(
@@ -85,11 +98,12 @@ def test_chunked_rule_equals_float64_recurrence(chunk_size):
     assert not want_finals[4].any() and np.abs(want_out).max() > 0.3
 
 
-def test_decode_step_continues_the_recurrence():
-    """A decode step from each slot's final state gives the recurrence's next row (float64);
-    an idle slot keeps its state and reads zeros."""
+@pytest.mark.parametrize("per_channel", [False, True], ids=["head", "channel"])
+def test_decode_step_continues_the_recurrence(per_channel):
+    """A decode step from each slot's final state gives the recurrence's next row (float64),
+    gates per head or per key channel; an idle slot keeps its state and reads zeros."""
     positions, segments = layout_rows(LAYOUT)
-    inputs = random_rule_inputs(len(positions) + 4, seed=1)
+    inputs = random_rule_inputs(len(positions) + 4, seed=1, per_channel=per_channel)
     step_inputs = [x[-4:] for x in inputs]
     inputs = [x[:-4] for x in inputs]
     valid = np.array([True, True, False, True])
