@@ -1,5 +1,6 @@
-"""The shapes and constants of a Gated DeltaNet mixer (Qwen3-Next's and Qwen3.5's
-`linear_attention` layers); static and hashable."""
+"""The shapes and constants of the gated delta rule's mixers: Gated DeltaNet (Qwen3-Next's and
+Qwen3.5's `linear_attention` layers) and Kimi Delta Attention (Kimi-Linear's); static and
+hashable."""
 
 from __future__ import annotations
 
@@ -125,16 +126,57 @@ class GatedDeltaNetSpec:
 
 
 @dataclasses.dataclass(frozen=True)
-class LinearAttentionLayers:
-    """Which layers of a decoder mix tokens by Gated DeltaNet instead of attention.
+class KimiDeltaSpec:
+    """The shapes and constants of one Kimi Delta Attention mixer.
 
     Attributes:
-      spec: Every Gated DeltaNet mixer's shapes.
-      layers: Per layer, True where its token mixer is Gated DeltaNet (`linear_attention`),
+      hidden_size: Model width.
+      num_heads: Heads (HF `linear_attn_config.num_heads`); q, k and v have as many.
+      head_dim: Channels per head (`head_dim`); the state is [head_dim, head_dim] per head.
+      conv_kernel: Width of the causal depthwise convolution (`short_conv_kernel_size`).
+      chunk_size: Rows per chunk of the prefill's chunked form.
+      eps: Epsilon of the gated output RMSNorm (`rms_norm_eps`).
+    """
+
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    conv_kernel: int = 4
+    chunk_size: int = 64
+    eps: float = 1e-5
+
+    @property
+    def width(self) -> int:
+        """Channels of each of q, k, v, the gates and the output: num_heads * head_dim."""
+        return self.num_heads * self.head_dim
+
+    def cache_spec(self) -> GatedDeltaNetSpec:
+        """The Gated DeltaNet shapes whose `DeltaCache` this mixer's decode state takes."""
+        return GatedDeltaNetSpec(
+            hidden_size=self.hidden_size,
+            num_k_heads=self.num_heads,
+            num_v_heads=self.num_heads,
+            k_dim=self.head_dim,
+            v_dim=self.head_dim,
+            conv_kernel=self.conv_kernel,
+            chunk_size=self.chunk_size,
+            eps=self.eps,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearAttentionLayers:
+    """Which layers of a decoder mix tokens by linear attention (the gated delta rule) instead of
+    attention.
+
+    Attributes:
+      spec: Every linear-attention mixer's shapes: Gated DeltaNet's, or Kimi Delta
+        Attention's.
+      layers: Per layer, True where its token mixer is linear attention (`linear_attention`),
         False where it is full attention.
     """
 
-    spec: GatedDeltaNetSpec
+    spec: GatedDeltaNetSpec | KimiDeltaSpec
     layers: tuple[bool, ...]
 
     def __post_init__(self):

@@ -18,8 +18,6 @@ so no collective runs inside the mixer.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -28,52 +26,13 @@ from jax import lax
 from boundary_jax import SumGroup, Topology
 from boundary_jax.initializers import param
 
-from ...config.linear_attention import GatedDeltaNetSpec
+from ...config.linear_attention import KimiDeltaSpec
 from ...inputs.rows import RowsPhase
 from ..linear import ColumnParallelLinear, RowParallelLinear, group_size
 from .delta_rule import gated_delta_rule_chunked, gated_delta_rule_step
 from .gated_deltanet import DeltaCache, DeltaSplit
 from .mamba2 import DepthwiseConvWeights, LogUniform, NormalAround, TimeStepBias
 from .ssd import accumulation_dtype, causal_conv1d, causal_conv1d_step, conv_states, last_rows
-
-
-@dataclasses.dataclass(frozen=True)
-class KimiDeltaSpec:
-    """The shapes and constants of one Kimi Delta Attention mixer.
-
-    Attributes:
-      hidden_size: Model width.
-      num_heads: Heads (HF `linear_attn_config.num_heads`); q, k and v have as many.
-      head_dim: Channels per head (`head_dim`); the state is [head_dim, head_dim] per head.
-      conv_kernel: Width of the causal depthwise convolution (`short_conv_kernel_size`).
-      chunk_size: Rows per chunk of the prefill's chunked form.
-      eps: Epsilon of the gated output RMSNorm (`rms_norm_eps`).
-    """
-
-    hidden_size: int
-    num_heads: int
-    head_dim: int
-    conv_kernel: int = 4
-    chunk_size: int = 64
-    eps: float = 1e-5
-
-    @property
-    def width(self) -> int:
-        """Channels of each of q, k, v, the gates and the output: num_heads * head_dim."""
-        return self.num_heads * self.head_dim
-
-    def cache_spec(self) -> GatedDeltaNetSpec:
-        """The Gated DeltaNet shapes whose `DeltaCache` this mixer's decode state takes."""
-        return GatedDeltaNetSpec(
-            hidden_size=self.hidden_size,
-            num_k_heads=self.num_heads,
-            num_v_heads=self.num_heads,
-            k_dim=self.head_dim,
-            v_dim=self.head_dim,
-            conv_kernel=self.conv_kernel,
-            chunk_size=self.chunk_size,
-            eps=self.eps,
-        )
 
 
 def gated_sigmoid_norm(o: jax.Array, gate: jax.Array, weight: jax.Array, *, eps: float):

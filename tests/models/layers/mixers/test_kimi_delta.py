@@ -11,9 +11,10 @@ import pytest
 from flax import nnx
 
 import boundary_jax as bj
+from models.config import KimiDeltaSpec
 from models.inputs.rows import RowsPhase
 from models.layers.mixers.gated_deltanet import DeltaCache
-from models.layers.mixers.kimi_delta import KimiDeltaAttention, KimiDeltaSpec
+from models.layers.mixers.kimi_delta import KimiDeltaAttention
 from tests.models import make_mesh, row_spec, run_sharded, sum_over
 from tests.models.layers.mixers.test_mamba2 import layout_rows
 
