@@ -3,6 +3,7 @@ files) under TP, attention DP, expert parallelism (gathered rows and all-to-all)
 stages: Gated DeltaNet and gated-attention layers, each before an MoE and a dense MLP; their
 configs read back as written, and unbuilt options are refused."""
 
+import dataclasses
 import functools
 import json
 import pathlib
@@ -12,6 +13,8 @@ import numpy as np
 import pytest
 
 import boundary_jax as bj
+import pallas_kernels as pk
+from boundary_jax.fusions import MoeFinalizeAddRmsNorm, platform_fusions
 from models.build import load_model
 from models.config import DeltaProjections, read_hf_config
 from models.families.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
@@ -163,3 +166,49 @@ def test_refuses_what_it_does_not_build():
         | {"full_attention_interval": 5, "mlp_only_layers": []}
     ).linear_attention.layers
     assert kinds == (True, True, True, True, False)
+
+
+def fused_finalize_runner() -> tuple[ShardedCausalLM, list[bool]]:
+    """Qwen3-Next on attention TP 2 with `platform_fusions(moe_finalize=True)` interpreted, the
+    fused-finalize candidate offered to the final norm alone (the other MoEs' finalize, handed
+    to the next input, completes unfused there), and the list that candidate appends to
+    (whether it took the read)."""
+    mesh = bj.make_mesh(bj.Topology(attn_tp=2))
+    provider = platform_fusions(
+        bj.Topology(attn_tp=2), platform="cpu", impl=pk.Impl.PALLAS_INTERPRET, moe_finalize=True
+    )
+    moe, *rest = provider.final_input
+    assert isinstance(moe, MoeFinalizeAddRmsNorm)
+    taken: list[bool] = []
+
+    def counted(request):
+        result = moe(request)
+        taken.append(result is not None)
+        return result
+
+    provider = dataclasses.replace(
+        provider, attn_input=tuple(rest), ffn_input=tuple(rest), final_input=(counted, *rest)
+    )
+    model = load_model(CHECKPOINT, mesh, BuildOptions(fusions=provider))
+    return ShardedCausalLM(model, mesh), taken
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mutant", [None, "summed twice"])
+def test_terminal_finalize_fused_into_the_unit_offset_final_norm(monkeypatch, mutant):
+    """The last MoE hands its finalize to the final norm (`1 + w`), where the fused finalize +
+    all-reduce + add + norm kernel takes it: HF's logits; a kernel that sums the finalize twice
+    is caught."""
+    if mutant is not None:
+        honest = pk.moe_finalize_add_rms_norm
+
+        def twice(outputs, weights, residual, norm_weight, **options):
+            return honest(2 * outputs, weights, residual, norm_weight, **options)
+
+        monkeypatch.setattr(pk, "moe_finalize_add_rms_norm", twice)
+    run, taken = fused_finalize_runner()
+    prompts, reference = golden("qwen3_next")
+    logits = run.forward(prompts)
+    assert taken and all(taken)
+    error = np.max(np.abs(logits - reference["logits"])) / np.max(np.abs(reference["logits"]))
+    assert error <= 1e-4 if mutant is None else error > 1e-2
