@@ -280,10 +280,11 @@ class KimiLinearLayer(MoeDecoderLayer):
 @register
 class KimiLinearForCausalLM(DeepseekCausalLM):
     """Kimi-Linear: Kimi Delta Attention and NoPE latent attention layers, DeepSeek's MoE. As
-    DeepSeek's (`DeepseekCausalLM`), without FP8 or pipeline stages; nor scanned layers or
-    attention CP."""
+    DeepSeek's (`DeepseekCausalLM`), without FP8, scanned layers or attention CP; as pipeline
+    stages too (each stage holds its layers' latent caches and delta states)."""
 
     architectures = (ARCHITECTURE,)
+    pipeline_stages = True
     model_type = "kimi_linear"
     layer_class = KimiLinearLayer
     hyper_connections = False

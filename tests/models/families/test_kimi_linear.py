@@ -19,6 +19,8 @@ from models.layers.mixers.gated_deltanet import DeltaCache
 from models.layers.mixers.kimi_delta import KimiDeltaAttention
 from models.layers.moe.ffn import MoeFfn
 from models.options import BuildOptions
+from models.pipeline import PipelineCausalLM, load_pipeline
+from models.pipeline.split import PipelineSplit
 from models.serving.runtime import ShardedCausalLM
 from models.weights import load_config
 from tests.models import MoeLayout
@@ -56,12 +58,10 @@ def runner(layout: MoeLayout) -> ShardedCausalLM:
     return ShardedCausalLM(load_model(CHECKPOINT, mesh, options, moe_ep=layout.ep), mesh)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_logits_and_greedy_tokens_match_transformers(layout):
+def check_against_transformers(run) -> None:
     """float32 logits within 1e-4 (relative to the largest) of HF's, zero past each end, and
     HF's greedy tokens through the sharded caches (latent and Kimi Delta Attention state)."""
     prompts, reference = golden()
-    run = runner(layout)
     logits = run.forward(prompts)
     want = reference["logits"]
     assert logits.shape == want.shape
@@ -70,6 +70,24 @@ def test_logits_and_greedy_tokens_match_transformers(layout):
         assert not np.any(logits[index, length:])
     tokens = run.generate(prompts, reference["generated"].shape[1])
     np.testing.assert_array_equal(tokens, reference["generated"])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_logits_and_greedy_tokens_match_transformers(layout):
+    """HF's logits and tokens on every layout: each rank's heads of both mixers, its conv
+    channels, gates and states, its experts."""
+    check_against_transformers(runner(layout))
+
+
+@pytest.mark.slow
+def test_pipeline_stages_match_transformers():
+    """Two stages (delta, delta | latent, latent, delta) on attention TP 2, two microbatches,
+    each stage holding its own layers' latent caches and delta states: HF's logits and
+    tokens."""
+    mesh = bj.make_mesh(bj.Topology(attn_tp=2, pp=2))
+    split = PipelineSplit.of_sizes((2, 3), 5)
+    stages = load_pipeline(CHECKPOINT, mesh, BuildOptions(), split=split)
+    check_against_transformers(PipelineCausalLM(stages, mesh, microbatches=2))
 
 
 def test_model_layers_and_config():
