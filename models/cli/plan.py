@@ -68,7 +68,9 @@ def plan_report(runner: ShardedCausalLM) -> dict[str, Any]:
     `batch_sequences` sequences). In a model built with `scan_layers`, each layer of a scanned run
     reports its run's plans and the collectives of the run's scan body (once per layer).
     `decode_cache` gives the decode cache's kind (`KVCache`, or DeepSeek's `LatentCache`) and
-    the bytes one token takes in it on one device, per layer and over all layers. A branch's
+    the bytes one token takes in it on one device, per layer and over the layers that keep
+    one, and the bytes of fixed-size recurrent state one sequence slot takes on one device
+    (`state_bytes_per_slot`; Gated DeltaNet's conv and delta state). A branch's
     first stage reports its `fork` (from its source's prepared input) in place of entries, and
     its last stage its `merge` (`boundary_jax.report.describe_path`).
     """
@@ -102,7 +104,8 @@ def plan_report(runner: ShardedCausalLM) -> dict[str, Any]:
                 sorted({type(spec).__name__ for spec in model.cache_specs() if spec is not None})
             ),
             "bytes_per_token_per_layer": per_layer,
-            "bytes_per_token": per_layer * count,
+            "bytes_per_token": per_layer * model.token_cache_layers(),
+            "state_bytes_per_slot": model.state_bytes_per_slot(runner.dtype),
         },
         "stages": bj.report.describe_stages(stages, variant),
         "middle_layer": middle,
@@ -177,7 +180,13 @@ def print_plan(
         cache = report["decode_cache"]
         console.print(
             f"decode cache: {cache['kind']}, {cache['bytes_per_token_per_layer']:,} bytes per "
-            f"token per layer on each device ({cache['bytes_per_token']:,} over all layers)"
+            f"token per layer on each device ({cache['bytes_per_token']:,} over its layers)"
+            + (
+                f", and {cache['state_bytes_per_slot']:,} bytes of recurrent state per sequence "
+                "slot"
+                if cache["state_bytes_per_slot"]
+                else ""
+            )
         )
         weights = report["weight_bytes_per_device"]
         console.print(

@@ -7,6 +7,10 @@ from .hybrid import HybridLayer as HybridLayer
 from .hybrid import HybridMoeConfig as HybridMoeConfig
 from .hybrid import Mamba2Spec as Mamba2Spec
 from .hybrid import parse_pattern as parse_pattern
+from .linear_attention import DeltaProjections as DeltaProjections
+from .linear_attention import GatedDeltaNetSpec as GatedDeltaNetSpec
+from .linear_attention import KimiDeltaSpec as KimiDeltaSpec
+from .linear_attention import LinearAttentionLayers as LinearAttentionLayers
 from .mla import MlaConfig as MlaConfig
 from .registry import PRESETS as PRESETS
 from .registry import family_of as family_of

@@ -26,6 +26,9 @@ class MlaConfig:
       lora_scaled: LongCat-Flash's scales: the queries (both parts) times
         `q_lora_scale = sqrt(hidden_size / q_lora_rank)` and the normed kv latent times
         `kv_lora_scale = sqrt(hidden_size / kv_lora_rank)` (before it is cached). Needs q LoRA.
+      rotary: The rope dimensions are rotated by position; False: they stay as projected
+        (Kimi-Linear's latent attention, without positional encoding, still shares the one
+        "rope" key across heads).
     """
 
     hidden_size: int
@@ -39,6 +42,7 @@ class MlaConfig:
     rope_scaling: RopeScaling | None = None
     rope_interleaved: bool = True
     lora_scaled: bool = False
+    rotary: bool = True
 
     def __post_init__(self):
         for name in (

@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 from . import registry
 from .hybrid import HybridConfig, HybridLayer
+from .linear_attention import LinearAttentionLayers
 from .mla import MlaConfig
 from .rope_scaling import RopeScaling
 from .routing import DeepseekRouting
@@ -226,6 +227,10 @@ class AttentionSpec:
       init_std: The standard deviation the projections are drawn with (HF `initializer_range`).
       o_bias: The o projection adds a bias (counted once in the sum over attention TP).
       sinks: Each head has a learned sink logit in its softmax's denominator.
+      rotary_dim: The RoPE rotates each head's first `rotary_dim` channels (partial RoPE);
+        None: all of them.
+      output_gate: q_proj also gives, per head, a gate: the attention output is multiplied by
+        its sigmoid before o_proj (Qwen3-Next's gated attention).
     """
 
     hidden_size: int
@@ -243,6 +248,8 @@ class AttentionSpec:
     init_std: float
     o_bias: bool = False
     sinks: bool = False
+    rotary_dim: int | None = None
+    output_gate: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,6 +308,9 @@ class DecoderConfig:
       o_bias: The attention's o projection adds a bias.
       attention_sinks: Each attention head has a learned sink logit in its softmax's
         denominator.
+      rotary_dim: The RoPE rotates each head's first `rotary_dim` channels; None: all.
+      attention_output_gate: Attention's q_proj also gives a per-head output gate.
+      linear_attention: The layers whose token mixer is Gated DeltaNet, or None.
     """
 
     architecture: str
@@ -334,6 +344,9 @@ class DecoderConfig:
     embedding_scale: float | None = None
     o_bias: bool = False
     attention_sinks: bool = False
+    rotary_dim: int | None = None
+    attention_output_gate: bool = False
+    linear_attention: LinearAttentionLayers | None = None
 
     def __post_init__(self):
         if not isinstance(self.architecture, str) or not self.architecture:
@@ -397,6 +410,21 @@ class DecoderConfig:
         if self.embedding_scale is not None and not self.embedding_scale > 0:
             raise ValueError(
                 f"embedding_scale must be positive or None; got {self.embedding_scale}"
+            )
+        if self.rotary_dim is not None and not (
+            0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0
+        ):
+            raise ValueError(
+                f"rotary_dim must be even and in (0, head_dim={self.head_dim}]; got "
+                f"{self.rotary_dim}"
+            )
+        linear = self.linear_attention
+        if linear is not None and (
+            len(linear.layers) != self.num_layers or linear.spec.hidden_size != self.hidden_size
+        ):
+            raise ValueError(
+                f"linear_attention must name one layer kind per layer ({self.num_layers}) and "
+                f"mixers of the model's hidden size ({self.hidden_size}); got {linear!r}"
             )
         self._check_hybrid()
         self._check_mla()
@@ -482,6 +510,8 @@ class DecoderConfig:
             init_std=self.initializer_range,
             o_bias=self.o_bias,
             sinks=self.attention_sinks,
+            rotary_dim=self.rotary_dim,
+            output_gate=self.attention_output_gate,
         )
 
     def layer_blocks(self, scan_layers: bool) -> tuple[LayerBlock, ...]:
@@ -492,6 +522,11 @@ class DecoderConfig:
         (window, RoPE) changes, and after a change of FFN (a layer's attention input binds to
         what the previous FFN's exit hands on)."""
         count = self.num_layers
+        if scan_layers and self.linear_attention is not None:
+            raise NotImplementedError(
+                "scanned runs of a stack with Gated DeltaNet layers are not supported: build "
+                "it without scan_layers"
+            )
         if scan_layers and self.hybrid is not None:
             raise NotImplementedError(
                 f"scanned runs of a hybrid stack ({self.hybrid.pattern!r}) are not supported: "

@@ -34,8 +34,8 @@ class FamilyBase:
       moe_dispatches: The MoE dispatches it builds.
       captures_hidden_states: Its layers capture the residual entering them
         (`models.decoder.captures`).
-      pipeline_stages: It builds as pipeline stages (a share of its layers each; their decode
-        caches are grouped-query attention's).
+      pipeline_stages: It builds as pipeline stages (a share of its layers each, each stage
+        holding its own layers' decode caches, `CausalLM.new_caches`).
       lora: It builds LoRA adapter stacks (`BuildOptions.lora`) on its attention and gated MLP
         projections (a family with experts: on its attention only).
     """

@@ -95,9 +95,8 @@ class CausalLM(FamilyBase, nnx.Module):
         self.layer_range = _layer_range(config, layer_range, options.scan_layers)
         if len(self.layer_range) != config.num_layers and not self.pipeline_stages:
             raise NotImplementedError(
-                f"{type(self).__name__} is not built as pipeline stages (its layers keep other "
-                f"decode caches than grouped-query attention's); got layers {self.layer_range} "
-                f"of {config.num_layers}. Build the whole model"
+                f"{type(self).__name__} is not built as pipeline stages; got layers "
+                f"{self.layer_range} of {config.num_layers}. Build the whole model"
             )
         first, last = self.holds_first, self.holds_last
         self.design = self.layer_design()
@@ -282,6 +281,17 @@ class CausalLM(FamilyBase, nnx.Module):
         cp = self.topology.attn_cp
         return token if cp == 1 else -(-(token + 4) // cp)
 
+    def token_cache_layers(self) -> int:
+        """How many layers keep a cache that grows by `cache_bytes_per_token` per token (every
+        layer here; a family whose other layers keep a fixed-size state says fewer)."""
+        return self.config.num_layers
+
+    def state_bytes_per_slot(self, dtype: jnp.dtype) -> int:
+        """Bytes of fixed-size decode state (a recurrent mixer's) one sequence slot takes on one
+        device over all layers: none here."""
+        del dtype
+        return 0
+
     @property
     def final_read(self) -> Callable[[jax.Array], jax.Array]:
         """The norm the stack's final read applies: the `RMSNorm` itself without
@@ -396,27 +406,26 @@ class CausalLM(FamilyBase, nnx.Module):
         return hidden
 
     def cache_specs(self) -> tuple:
-        """Per block of `layers`, its decode cache's `PartitionSpec` tree (`new_caches`)."""
-        return tuple(
-            self.block_cache_specs(stacked=block.scanned)
-            for block in self.config.layer_blocks(self.options.scan_layers)
-        )
+        """Per block of `layers` (this module's), its decode cache's `PartitionSpec` tree
+        (`new_caches`)."""
+        return tuple(self.block_cache_specs(stacked=scanned) for _, scanned in self._layer_blocks())
 
     def new_caches(
         self, *, slots: int, max_len: int, dtype: jnp.dtype, mesh: Mesh | None = None
     ) -> tuple[KVCache, ...]:
         """Zero decode caches for `slots` sequences (over all attention-DP ranks) of `max_len`
-        positions: one KV cache per block of `layers`, a scanned run's stacked on a leading
-        layer axis; on `mesh`, each device allocates only its shard."""
+        positions: one KV cache per block of `layers` (this module's: a pipeline stage's
+        share), a scanned run's stacked on a leading layer axis; on `mesh`, each device
+        allocates only its shard."""
         return tuple(
             self.block_cache(
                 slots=slots,
                 max_len=max_len,
                 dtype=dtype,
                 mesh=mesh,
-                layers=len(block.layers) if block.scanned else None,
+                layers=len(block) if scanned else None,
             )
-            for block in self.config.layer_blocks(self.options.scan_layers)
+            for block, scanned in self._layer_blocks()
         )
 
     def blocks(self) -> list[tuple[range, nnx.Module]]:

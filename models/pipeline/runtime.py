@@ -97,7 +97,7 @@ class Stage:
         self._programs: dict[tuple, Callable] = {}
         self._shapes: dict[tuple, Tree] = {}
         self.rows = rows_spec(mesh)
-        self.cache_specs = tuple(KVCache.specs(self.topology) for _ in model.blocks())
+        self.cache_specs = model.cache_specs()
 
     @property
     def model(self) -> CausalLM:
@@ -179,15 +179,12 @@ class Stage:
         return place_rows(packed.rows, self.mesh), bj.BatchFacts(variant, self.topology, counts)
 
     def new_caches(self, config, slots: int, max_len: int, dtype) -> tuple[KVCache, ...]:
-        """Zero KV caches of this stage's layers, one per block, `slots` slots in all."""
+        """Zero decode caches of this stage's layers, one per block, `slots` slots in all (the
+        model's own kind per layer: `CausalLM.new_caches`)."""
+        del config  # the stage's model holds it
 
         def create():
-            return tuple(
-                KVCache.create(
-                    config, self.topology, slots=slots, max_len=max_len, dtype=dtype, mesh=self.mesh
-                )
-                for _ in self.cache_specs
-            )
+            return self.model.new_caches(slots=slots, max_len=max_len, dtype=dtype, mesh=self.mesh)
 
         if self.held:
             return create()

@@ -298,7 +298,10 @@ class MultiHeadLatentAttention(nnx.Module):
         return jnp.concatenate([c, k_rope.astype(c.dtype)], axis=-1)
 
     def _rope(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        """[T, heads, rope] rotated; interleaved pairs are first gathered into NeoX halves."""
+        """[T, heads, rope] rotated (as they are without `config.rotary`); interleaved pairs
+        are first gathered into NeoX halves."""
+        if not self.config.rotary:
+            return x
         config = self.config
         if config.rope_interleaved:
             x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)

@@ -89,7 +89,8 @@ class Attention(nnx.Module):
     """Self-attention with q/o split by heads over attention TP; returns the o_proj partial.
 
     Attributes:
-      q_proj: [hidden, heads * head_dim], columns split over attention TP; with
+      q_proj: [hidden, heads * head_dim] (with `spec.output_gate`, [hidden, heads * 2 *
+        head_dim]: each head's query, then its gate), columns split over attention TP; with
         `spec.qkv_bias` a bias split with its heads.
       kv_proj: [hidden, 2, kv heads * head_dim]: the k and v projections stacked (one matmul),
         split over attention TP or replicated (`heads`); its bias [2, kv heads * head_dim] (if
@@ -133,9 +134,14 @@ class Attention(nnx.Module):
         kv_group = SumGroup.ATTN_TP if heads.kv_sharded else None
         hidden, head_dim = spec.hidden_size, spec.head_dim
         q_width, kv_width = spec.num_heads * head_dim, spec.num_kv_heads * head_dim
+        if spec.output_gate and (spec.qk_norm is QkNorm.WHOLE_PROJECTION or topology.attn_cp > 1):
+            raise NotImplementedError(
+                "an attention output gate is built with per-head q/k norms (or none) and "
+                f"without attention CP; got qk_norm={spec.qk_norm}, attn_cp={topology.attn_cp}"
+            )
         self.q_proj = linears.column(
             hidden,
-            q_width,
+            2 * q_width if spec.output_gate else q_width,
             group=SumGroup.ATTN_TP,
             topology=topology,
             bias=spec.qkv_bias,
@@ -168,6 +174,12 @@ class Attention(nnx.Module):
         self.q_lora = column_lora(
             lora, (LoraTarget.Q,), hidden, q_width, group=SumGroup.ATTN_TP, **lora_options
         )
+        if self.q_lora is not None and spec.output_gate:
+            raise NotImplementedError(
+                "a LoRA adapter on the q projection of an attention with an output gate is not "
+                "built (its columns interleave each head's query and gate); leave q out of the "
+                "adapter's target_modules"
+            )
         self.kv_lora = column_lora(
             lora, (LoraTarget.K, LoraTarget.V), hidden, kv_width, group=kv_group, **lora_options
         )
@@ -278,7 +290,9 @@ class Attention(nnx.Module):
         q = self.q_proj(h)
         if adapters is not None and self.q_lora is not None:
             q = q + self.q_lora(h, adapters)
-        q = q.reshape(rows, self.heads.local_heads, head_dim)
+        q = q.reshape(rows, self.heads.local_heads, -1)
+        # With an output gate, each head's q_proj columns are its query, then its gate.
+        q, gate = q[..., :head_dim], q[..., head_dim:]
         k, v = self._project_kv(h, adapters)
         if self.spec.qk_norm is QkNorm.WHOLE_PROJECTION:
             q, k = self._whole_qk_norm(q, k)
@@ -286,10 +300,17 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.spec.rope_theta is not None:
             scaling = self.spec.rope_scaling
-            inv_freq = rope_inv_freq(head_dim, self.spec.rope_theta, scaling)
+            rotary = self.spec.rotary_dim or head_dim
+            inv_freq = rope_inv_freq(rotary, self.spec.rope_theta, scaling)
             factor = scaling.attention_factor if isinstance(scaling, YarnRopeScaling) else 1.0
-            q = apply_rope(q, positions, inv_freq, attention_factor=factor)
-            k = apply_rope(k, positions, inv_freq, attention_factor=factor)
+            q, k = (
+                jnp.concatenate(
+                    [apply_rope(x[..., :rotary], positions, inv_freq, attention_factor=factor)]
+                    + [x[..., rotary:]] * (rotary < head_dim),
+                    axis=-1,
+                )
+                for x in (q, k)
+            )
         valid = segment_ids >= 0
         cudnn = self.takes_cudnn(q.dtype)
         sinks = self._local_sinks()
@@ -343,6 +364,8 @@ class Attention(nnx.Module):
         # reads its slot's first key (finite values): masking it would cost a kernel per layer
         # and step, and the batch's token counts (or the caller) ignore that row.
         out = out.astype(q.dtype).reshape(rows, self.heads.local_heads * head_dim)
+        if self.spec.output_gate:
+            out = out * jax.nn.sigmoid(gate.reshape(out.shape))
         y = self.o_proj(out)
         if adapters is not None and self.o_lora is not None:
             y = y + self.o_lora(out, adapters)

@@ -1,0 +1,86 @@
+"""Qwen3.5 text (Hugging Face `Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM`): Qwen3-Next's layers
+(`models.families.qwen3_next`) with the Gated DeltaNet's input projections held apart
+(`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`); dense MLPs on every layer, or an MoE on
+every layer whose router always renormalizes its top k. Text positions only: the multimodal
+RoPE sections (`mrope_section`) rotate alike when every axis holds the token's position."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from ..config import DecoderConfig, DeltaProjections
+from ..config.registry import register
+from .qwen3_next import Qwen3NextBase, read_qwen3_next, write_qwen3_next
+
+UNREAD_PREFIXES = ("mtp.", "model.visual.")
+"""Checkpoint tensors a Qwen3.5 causal LM never reads: its multi-token-prediction layers and a
+multimodal checkpoint's vision tower."""
+
+
+class Qwen3_5Base(Qwen3NextBase):
+    """What the two Qwen3.5 text families share: separate Gated DeltaNet projections and the
+    tensors they leave unread."""
+
+    projections = DeltaProjections.SEPARATE
+
+    @classmethod
+    def unread_tensors(
+        cls, config: DecoderConfig, names: Iterable[str]
+    ) -> tuple[tuple[str, ...], str | None]:
+        """The multi-token-prediction and vision tensors, with a notice when there are any."""
+        del config
+        unread = tuple(name for name in names if name.startswith(UNREAD_PREFIXES))
+        notice = (
+            f"{len(unread)} multi-token-prediction / vision tensors not read" if unread else None
+        )
+        return unread, notice
+
+
+@register
+class Qwen3_5ForCausalLM(Qwen3_5Base):
+    """Qwen3.5 (dense): Gated DeltaNet and gated attention, a dense gated MLP on every layer."""
+
+    architectures = ("Qwen3_5ForCausalLM",)
+    model_type = "qwen3_5_text"
+    has_experts = False
+
+    @classmethod
+    def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:
+        dense = {key: value for key, value in hf_config.items() if key != "num_experts"}
+        return read_qwen3_next(dense, cls.architectures[0], cls.projections)
+
+    @classmethod
+    def write_config(cls, config: DecoderConfig) -> dict[str, Any]:
+        out = write_qwen3_next(config, cls.model_type)
+        del out["num_experts"]
+        return out
+
+
+@register
+class Qwen3_5MoeForCausalLM(Qwen3_5Base):
+    """Qwen3.5-MoE: Gated DeltaNet and gated attention, an MoE with a sigmoid-gated shared expert
+    on every layer, its top-k weights always renormalized."""
+
+    architectures = ("Qwen3_5MoeForCausalLM",)
+    model_type = "qwen3_5_moe_text"
+
+    @classmethod
+    def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:
+        # No dense layers: its config.json has no MLP width; the expert width stands in for it.
+        moe = dict(hf_config) | {"norm_topk_prob": True, "mlp_only_layers": []}
+        moe.setdefault("intermediate_size", hf_config.get("moe_intermediate_size"))
+        moe["decoder_sparse_step"] = 1
+        return read_qwen3_next(moe, cls.architectures[0], cls.projections)
+
+    @classmethod
+    def write_config(cls, config: DecoderConfig) -> dict[str, Any]:
+        out = write_qwen3_next(config, cls.model_type)
+        for key in (
+            "intermediate_size",
+            "norm_topk_prob",
+            "mlp_only_layers",
+            "decoder_sparse_step",
+        ):
+            out.pop(key, None)
+        return out
