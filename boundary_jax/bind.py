@@ -14,14 +14,22 @@ from __future__ import annotations
 import dataclasses
 
 from . import ops
-from .declare import Edge, EdgeKind, ProducerReduction, StageDeclaration, StageKind
+from .declare import (
+    Edge,
+    EdgeKind,
+    MoeDispatch,
+    ProducerReduction,
+    StageDeclaration,
+    StageKind,
+)
 from .fusions import FusionProvider
-from .layout import BatchVariant, Layout, TokenAxis, Topology
+from .layout import BatchVariant, Layout, SumGroup, TokenAxis, Topology
 from .ops import AllGather, AllReduce, Finalize, PlanError, Step
 from .placement import Placement
 from .plan import (
     BranchFork,
     BranchMerge,
+    CountedOnce,
     EntryPath,
     ExitKind,
     ExitOption,
@@ -58,6 +66,37 @@ def _defers_finalize(
     if outgoing.leaves_stack:
         return fusions.terminal_finalize
     return fusions.defer_finalize
+
+
+def counted_once(declaration: StageDeclaration, topology: Topology) -> tuple[CountedOnce, ...]:
+    """Where each replicated part of `declaration` is added: on the first rank of the sum its
+    output owes at the exit (or of the group the part names), on every rank where no such sum
+    runs."""
+    owed = topology.mesh_names(compute_owed(declaration, topology))
+    return tuple(
+        CountedOnce(part.name, owed if part.group is None else topology.group_names(part.group))
+        for part in declaration.replicated
+    )
+
+
+def may_defer_all_reduce(
+    declaration: StageDeclaration,
+    owed: tuple[TokenAxis, ...],
+    topology: Topology,
+    fusions: FusionProvider | None,
+) -> bool:
+    """The guide's deferral rule for an FFN with replicated parts: it may leave its all-reduce
+    to the next input only without an expert all-to-all, when its sum is over the whole TP
+    group, and when its fusion provider defers all-reduces (`defer_all_reduce`; the provider's
+    `can_defer_all_reduce` then decides per batch). Any other FFN may, as before."""
+    if not declaration.replicated:
+        return True
+    return (
+        declaration.moe_dispatch is not MoeDispatch.ALL_TO_ALL
+        and set(owed) == set(topology.sum_axes(SumGroup.FULL_TP))
+        and fusions is not None
+        and fusions.defer_all_reduce
+    )
 
 
 def exit_options(
@@ -126,7 +165,12 @@ def exit_options(
 
     options = list(deferred)
     dp = topology.active((TokenAxis.ATTN_DP,))
-    returns_to_dp_rows = bool(dp) and Layout(compute.sharded + dp) == residual
+    # A compute on DP-sharded rows already (a dense FFN over attention TP) has none to return.
+    returns_to_dp_rows = (
+        bool(dp)
+        and not set(dp) & set(compute.sharded)
+        and Layout(compute.sharded + dp) == residual
+    )
     if stack.policy.allows_rsv and returns_to_dp_rows and set(dp) <= set(owed):
         rest = tuple(a for a in owed if a not in dp)
         steps = ops.reduce_scatter(dp, topology)
@@ -141,11 +185,19 @@ def exit_options(
         if scattered.sharded[: len(residual.sharded)] == residual.sharded:
             steps = ops.reduce_scatter(owed, topology) + ops.relayout(scattered, residual, topology)
             options.append(completed(ExitKind.REDUCE_SCATTER, steps))
+    all_reduced = completed(
+        ExitKind.ALL_REDUCE,
+        ops.all_reduce(owed, topology) + ops.relayout(compute, residual, topology),
+    )
     if compute == residual and not leaving:
-        options.append(option(ExitKind.LEAVE_TO_NEXT_INPUT, (), value))
-    else:
-        steps = ops.all_reduce(owed, topology) + ops.relayout(compute, residual, topology)
-        options.append(completed(ExitKind.ALL_REDUCE, steps))
+        if not declaration.replicated:
+            options.append(option(ExitKind.LEAVE_TO_NEXT_INPUT, (), value))
+            return tuple(options)
+        if may_defer_all_reduce(declaration, owed, topology, fusions):
+            # The provider decides per batch (`can_defer_all_reduce`); the exit's all-reduce
+            # follows as the fallback.
+            options.append(option(ExitKind.LEAVE_TO_NEXT_INPUT, (), value))
+    options.append(all_reduced)
     return tuple(options)
 
 
@@ -433,4 +485,5 @@ def bind_stage(
         input_fusions=tuple(candidates),
         fusions=fusions,
         rejected=stack.rejected,
+        counted_once=counted_once(declaration, topology),
     )

@@ -81,6 +81,10 @@ class FusionProvider:
         where an input candidate may fuse it; `can_defer_finalize` decides per batch.
       terminal_finalize: A terminal sparse FFN may hand its finalize to the final read
         (`final_norm(..., finalize_norm=...)`).
+      defer_all_reduce: An FFN with replicated parts (`declare.Replicated`: a shared expert
+        with its own TP size 1, a bias) may leave its all-reduce to the next input, where an
+        input candidate may fuse it; `can_defer_all_reduce` decides per batch. Without it such
+        an FFN completes its sum at its exit.
     """
 
     attn_input: tuple[InputFusion, ...] = ()
@@ -88,6 +92,7 @@ class FusionProvider:
     final_input: tuple[InputFusion, ...] = ()
     defer_finalize: bool = False
     terminal_finalize: bool = False
+    defer_all_reduce: bool = False
 
     def can_defer_finalize(self, batch: BatchFacts, rows: int) -> bool:
         """Whether a sparse FFN whose plan binds a finalize handoff may return a
@@ -95,6 +100,18 @@ class FusionProvider:
 
         Called on every such exit; the default accepts every batch. A provider that fuses the
         finalize only for some shapes overrides it.
+        """
+        del batch, rows
+        return True
+
+    def can_defer_all_reduce(self, batch: BatchFacts, rows: int) -> bool:
+        """Whether an FFN with replicated parts whose plan binds leaving its all-reduce to the
+        next input (`defer_all_reduce`, a sum over the whole TP group, no expert all-to-all)
+        may do so for `batch`, whose compute holds `rows` local rows; otherwise its exit
+        completes the sum.
+
+        Called on every such exit; the default accepts every batch. A provider that fuses the
+        all-reduce only for some shapes overrides it.
         """
         del batch, rows
         return True

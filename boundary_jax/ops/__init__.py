@@ -28,6 +28,7 @@ from .steps import run as run
 from .steps import simulate as simulate
 from .steps import take_block as take_block
 from .tensor import gather_last_dim as gather_last_dim
+from .tensor import is_first_rank as is_first_rank
 from .tensor import shard_index as shard_index
 from .tensor import sharded_rms_norm as sharded_rms_norm
 from .tensor import sharded_rms_norms as sharded_rms_norms

@@ -23,6 +23,13 @@ def shard_index(topology: Topology, group: SumGroup) -> jax.Array | int:
     return lax.axis_index(names) if names else 0
 
 
+def is_first_rank(ranks: tuple[str, ...]) -> bool | jax.Array:
+    """Whether this rank is the first of the mesh axes `ranks` (a traced bool inside
+    `shard_map`; True for no axes). For a bound `plan.CountedOnce`: where a replicated part is
+    added."""
+    return lax.axis_index(ranks) == 0 if ranks else True
+
+
 def gather_last_dim(x: jax.Array, topology: Topology, group: SumGroup) -> jax.Array:
     """Concatenates the last dimension of `x` over the ranks of `group`, in rank order.
 

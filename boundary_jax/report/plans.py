@@ -124,17 +124,25 @@ def describe_stages(
     stages: Iterable[tuple[int, str, StagePlan]], variant: BatchVariant
 ) -> list[dict[str, object]]:
     """`describe_path` of each `(layer, stage name, plan)` for `variant`, with its layer and
-    name (and `input_format` where the stage reads quantized input): a model's whole bound
-    stack in JSON-friendly form."""
+    name (`input_format` where the stage reads quantized input, `replicated` where its output
+    has parts counted once): a model's whole bound stack in JSON-friendly form."""
     return [
         {
             "layer": layer,
             "stage": name,
             **_input_format(plan),
+            **_counted_once(plan),
             **describe_path(plan.path(variant), plan.topology),
         }
         for layer, name, plan in stages
     ]
+
+
+def _counted_once(plan: StagePlan) -> dict[str, dict[str, str]]:
+    """Where each replicated part of the stage's output is added, where it declares any."""
+    if not plan.counted_once:
+        return {}
+    return {"replicated": {part.name: part.describe() for part in plan.counted_once}}
 
 
 def _input_format(plan: StagePlan) -> dict[str, str]:
