@@ -167,9 +167,7 @@ def exit_options(
     dp = topology.active((TokenAxis.ATTN_DP,))
     # A compute on DP-sharded rows already (a dense FFN over attention TP) has none to return.
     returns_to_dp_rows = (
-        bool(dp)
-        and not set(dp) & set(compute.sharded)
-        and Layout(compute.sharded + dp) == residual
+        bool(dp) and not set(dp) & set(compute.sharded) and Layout(compute.sharded + dp) == residual
     )
     if stack.policy.allows_rsv and returns_to_dp_rows and set(dp) <= set(owed):
         rest = tuple(a for a in owed if a not in dp)

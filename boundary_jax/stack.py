@@ -31,6 +31,7 @@ from .designs.add_norm import AddNormRead
 from .designs.protocols import Norm, ResidualReadout, read_facts
 from .fusions import NO_FUSIONS, FusionProvider
 from .layout import BatchVariant, SumGroup, Topology
+from .ops import ReducingModule
 from .plan import StackFacts, StageRows
 from .policy import ReductionPolicy, resolve_reduction_policy
 from .rows import branch_rows, compute_layout, stage_rows, supported_variants
@@ -420,8 +421,9 @@ def append_stages(
 
     Raises:
       RuntimeError: No layer stack is open.
-      ValueError: A declaration already has its place in a stack, or a module design is not an
-        attribute of `owner`.
+      ValueError: A declaration already has its place in a stack, a module design is not an
+        attribute of `owner`, or a module of `owner` sums its own result
+        (`ops.ReducingModule`) and no stage appended with it declares `output_complete`.
       TypeError: A malformed item, an option the stage does not take, or a module design
         without an `owner`.
     """
@@ -469,6 +471,7 @@ def append_stages(
                 declaration.facts(), designs, call_site, fusions, owner if uses_owner else None
             )
         )
+    _refuse_reducing_compute(owner, [boundary.declaration for boundary in boundaries], call_site)
     if prepared_from is None:
         stacks[-1].boundaries.extend(boundaries)
     elif boundaries:
@@ -485,6 +488,25 @@ def append_stages(
             "a branch (append_stages(..., prepared_from=...)) needs at least one stage"
         )
     return tuple(boundaries)
+
+
+def _refuse_reducing_compute(
+    owner: nnx.Module | None, declarations: list[StageDeclaration], call_site: str
+) -> None:
+    """Compute under a boundary never sums its stage's output: a module of `owner` that does
+    (`ops.ReducingModule.reduces_output`) is refused, unless a stage appended with it declares
+    `output_complete` (compute completes that stage's sum, fused with a reduction it needs)."""
+    if owner is None or any(d.output_complete for d in declarations):
+        return
+    for path, node in nnx.iter_graph(owner):
+        if isinstance(node, ReducingModule) and node.reduces_output:
+            where = ".".join(str(part) for part in path) or type(owner).__name__
+            raise ValueError(
+                f"the module at {where} ({type(node).__name__}) sums its own result under the "
+                f"stage boundaries appended at {call_site}; build it with reduce_results=False "
+                "and leave the sum to the boundary (or declare_ffn(output_complete=True) where "
+                "compute must complete it)"
+            )
 
 
 def _owned(design: object, what: str, owner: nnx.Module | None) -> object:

@@ -150,6 +150,9 @@ class StageBoundary(nnx.Module):
           ValueError: The declaration names no replicated part `name`.
         """
         self._path(stream)
+        return self._counts(name)
+
+    def _counts(self, name: str) -> bool | jax.Array:
         for part in self.plan.counted_once:
             if part.name == name:
                 return ops.is_first_rank(part.ranks)
@@ -390,6 +393,11 @@ class StageExit:
     @property
     def defer_moe_finalize(self) -> bool:
         return self.option.defers_finalize
+
+    def counts(self, name: str) -> bool | jax.Array:
+        """`StageBoundary.counts` of this exit's stage: whether this rank adds the replicated
+        part `name` (for compute run under this exit)."""
+        return self.boundary._counts(name)
 
     def finish(self, y: Any, stream: ResidualStream) -> tuple[OwedOutput, ResidualStream]:
         """Runs the decided completion on compute output `y` and records it in the stream.

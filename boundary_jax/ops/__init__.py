@@ -27,11 +27,13 @@ from .steps import relayout as relayout
 from .steps import run as run
 from .steps import simulate as simulate
 from .steps import take_block as take_block
+from .tensor import ReducingModule as ReducingModule
 from .tensor import gather_last_dim as gather_last_dim
 from .tensor import is_first_rank as is_first_rank
 from .tensor import shard_index as shard_index
 from .tensor import sharded_rms_norm as sharded_rms_norm
 from .tensor import sharded_rms_norms as sharded_rms_norms
+from .tensor import sum_over_group as sum_over_group
 from .tensor import total_over_rows as total_over_rows
 from .tensor import vocab_parallel_argmax as vocab_parallel_argmax
 from .tensor import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy

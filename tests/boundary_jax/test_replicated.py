@@ -8,6 +8,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import pytest
+from flax import nnx
 
 import boundary_jax as bj
 from boundary_jax.declare import Replicated
@@ -158,3 +159,37 @@ def test_the_deferral_rule_binds_and_runs_each_case(name):
     for index in range(setup.layers):
         want = tuple(NAMES[kind] for kind in row[f"layer {index}"].split() if kind != "–")
         assert case.report.sequence(index) == want, f"layer {index}"
+
+
+class SummingProjection(nnx.Module, bj.ops.ReducingModule):
+    """A projection that sums its own result over attention TP (`reduce_results=True`)."""
+
+    def __init__(self, reduce_results: bool):
+        self.reduce_results = reduce_results
+
+    @property
+    def reduces_output(self) -> bool:
+        return self.reduce_results
+
+
+class LayerWithProjection(nnx.Module):
+    def __init__(self, reduce_results: bool, ffn: bj.StageDeclaration):
+        self.norm = bj.RMSNorm(HIDDEN)
+        self.proj = SummingProjection(reduce_results)
+        self.attn_boundary, self.ffn_boundary = bj.append_stages(
+            (bj.declare_attn(), self.norm), (ffn, self.norm), owner=self
+        )
+
+
+def test_a_module_that_sums_its_own_result_is_refused_when_built():
+    """A layer holding a module that completes its own sum under a boundary fails when built,
+    naming the module and the fix; the same module not reducing, or under a stage that declares
+    output_complete, is built."""
+    topology = bj.Topology(attn_tp=2)
+    refused = r"module at proj \(SummingProjection\) sums its own"
+    with pytest.raises(ValueError, match=refused), bj.layer_stack(topology):
+        LayerWithProjection(True, bj.declare_ffn())
+    with bj.layer_stack(topology):
+        LayerWithProjection(False, bj.declare_ffn())
+    with bj.layer_stack(topology):
+        LayerWithProjection(True, bj.declare_ffn(output_complete=True))

@@ -27,6 +27,7 @@ from flax import nnx
 from jax import lax
 
 from boundary_jax import RMSNorm, SumGroup, Topology
+from boundary_jax.declare import Replicated
 from boundary_jax.designs import Quantized
 from boundary_jax.initializers import Constant, Normal, param
 from boundary_jax.ops import shard_index, sharded_rms_norms
@@ -45,6 +46,15 @@ from .context_parallel import (
 from .cudnn import decode_cache_cudnn, prefill_attention_cudnn
 from .kv_cache import HeadSplit, KVCache
 from .rope import apply_rope, rope_inv_freq
+
+O_PROJ_BIAS = "o_proj bias"
+"""The replicated part an attention with `AttentionSpec.o_bias` declares on its stage."""
+
+
+def replicated_parts(o_bias: bool) -> tuple[Replicated, ...]:
+    """What an attention stage declares replicated: with `o_bias` (`AttentionSpec.o_bias`) the
+    o projection's bias, whole on every attention-TP rank and counted once in their sum."""
+    return (Replicated(O_PROJ_BIAS),) if o_bias else ()
 
 
 class AttentionImpl(enum.Enum):
@@ -212,6 +222,7 @@ class Attention(nnx.Module):
         phase: RowsPhase = RowsPhase.PREFILL,
         max_sequence_rows: int | None = None,
         window_rows: int | None = None,
+        counts_bias: bool | jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """Attends each row to its sequence; with a cache, also stores this call's keys/values.
 
@@ -235,6 +246,9 @@ class Attention(nnx.Module):
           window_rows: Static: a PREFILL's rows are windows of this many rows, each one
             sequence's from its first row, or padding (`TokenRows.window_rows`); the cuDNN
             prefill then attends window by window.
+          counts_bias: With `spec.o_bias`, whether this rank adds the o projection's bias (the
+            attention stage boundary's `counts(O_PROJ_BIAS, stream)`: the stage declares the
+            bias replicated, `replicated_parts`); None without it.
 
         Returns:
           ([T, hidden] o_proj partial owing a sum over attention TP, with zero rows for
@@ -318,7 +332,7 @@ class Attention(nnx.Module):
         # reads its slot's first key (finite values): masking it would cost a kernel per layer
         # and step, and the batch's token counts (or the caller) ignore that row.
         out = out.astype(q.dtype).reshape(rows, self.heads.local_heads * head_dim)
-        return self.o_proj(out), cache
+        return self.o_proj(out, counts_bias=counts_bias), cache
 
     def _context_parallel(
         self,
