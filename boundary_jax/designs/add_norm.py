@@ -38,10 +38,13 @@ class AddNormRead:
         cheaper order; set False to gather the residual and normalize the gathered rows). A
         quantized input gathered over attention DP moves its FP8 values and scales.
       quantize: The input format the consumer takes, or None for the residual's dtype.
+      reads_after_attn_tp_gather: Read on the attention's rows only (a subclass whose read
+        needs every row of them); see `ResidualReadout`.
     """
 
     reads_before_dp_gather: bool = True
     quantize: Fp8TokenGroups | None = None
+    reads_after_attn_tp_gather: bool = False
 
     @property
     def input_format(self) -> Fp8TokenGroups | None:

@@ -45,6 +45,7 @@ class MhcRead(nnx.Module):
     """
 
     reads_before_dp_gather = True
+    reads_after_attn_tp_gather = False  # the streams are read row by row
     input_format = None  # the collapsed streams feed a nonlinear mix: no quantized input
 
     def __init__(

@@ -46,11 +46,17 @@ class ResidualReadout(Protocol):
     Attributes:
       reads_before_dp_gather: The read runs on the source rows, before an attention-DP gather
         moves its result; otherwise the residual is gathered and read on the gathered rows.
+      reads_after_attn_tp_gather: The read needs every row of the attention's (it adds a
+        contribution computed for every row, as Qwen4-exp's per-layer embedding read does): a
+        producer that would leave its output on this rank's attention-TP slice (an FFN on its
+        own rows, an input-scattered batch) returns it, with the residual, to the attention's
+        rows, where this read runs.
       input_format: The quantized format of the compute input, or None for the residual's
         dtype.
     """
 
     reads_before_dp_gather: bool
+    reads_after_attn_tp_gather: bool
     input_format: Fp8TokenGroups | None
 
     def init_residual(
@@ -87,12 +93,15 @@ class DesignFacts:
       design: The design's class name, for plans and messages.
       plain: For an update: it is `residual + value`.
       reads_before_dp_gather: For a read: it runs on the source rows before a DP gather.
+      reads_after_attn_tp_gather: For a read: it runs on the attention's rows, never on an
+        attention-TP slice.
       input_format: For a read: the quantized format it hands its stage, or None.
     """
 
     design: str
     plain: bool = False
     reads_before_dp_gather: bool = True
+    reads_after_attn_tp_gather: bool = False
     input_format: Fp8TokenGroups | None = None
 
 
@@ -106,5 +115,6 @@ def read_facts(read: ResidualReadout) -> DesignFacts:
     return DesignFacts(
         type(read).__name__,
         reads_before_dp_gather=bool(read.reads_before_dp_gather),
+        reads_after_attn_tp_gather=bool(read.reads_after_attn_tp_gather),
         input_format=read.input_format,
     )

@@ -25,6 +25,7 @@ class GatedRead(nnx.Module):
     """A read that normalizes and hands its update a per-row gate, sigmoid(residual @ w)."""
 
     reads_before_dp_gather = True
+    reads_after_attn_tp_gather = False
     input_format = None
 
     def __init__(self, key):

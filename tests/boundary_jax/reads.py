@@ -1,0 +1,140 @@
+"""Stand-in stacks for the read options: a read that needs every row of the attention's (the
+guide's Qwen4-exp per-layer embedding read) after an FFN on its own rows, which leaves its output
+on this rank's attention-TP slice."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import boundary_jax as bj
+from boundary_jax import residual_stream
+from boundary_jax.designs import AddNormRead
+from boundary_jax.report import CollectiveReport, parse_hlo
+
+from .replicated import GroupFfn
+from .standin import (
+    HIDDEN,
+    ROWS,
+    StandInAttention,
+    make_batch,
+    mix_rows,
+    random_norm,
+    reference,
+    sharded_forward,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class EveryRowRead(AddNormRead):
+    """Reads `norm(residual)` plus a contribution computed for every row from all the
+    attention's rows (their running mean), as a per-layer embedding read adds one per token: on
+    an attention-TP slice it would see only the slice's rows."""
+
+    reads_after_attn_tp_gather: bool = True
+
+    def read(self, residual: jax.Array, norm) -> tuple[jax.Array, jax.Array, None]:
+        normed = residual if norm is None else norm(residual)
+        return normed + 0.5 * mix_rows(residual), residual, None
+
+    def update_and_read(self, update, value, residual, norm, state=None):
+        return self.read(update.apply(residual, value, state), norm)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadSetup:
+    """One stack: mesh, depth, policy, and whether the attention's read declares that it needs
+    the attention's rows (False: the mutant that reads on the slice)."""
+
+    dp: int
+    tp: int
+    layers: int = 3
+    policy: bj.ReductionPolicy = bj.ReductionPolicy.RS_RSV
+    declared: bool = True
+    input_sum: bj.SumGroup | None = bj.SumGroup.ATTN_TP
+    update = None
+    rows: int = ROWS
+
+    @property
+    def topology(self) -> bj.Topology:
+        return bj.Topology(attn_dp=self.dp, attn_tp=self.tp)
+
+
+class EveryRowLayer(nnx.Module):
+    """Attention reading every row of the attention's, then a dense FFN on its own rows."""
+
+    def __init__(self, setup: ReadSetup, key, dtype):
+        keys = jax.random.split(key, 4)
+        self.input_norm = random_norm(keys[0], dtype)
+        self.post_attn_norm = random_norm(keys[1], dtype)
+        self.attn = StandInAttention(setup.topology, keys[2], dtype)
+        self.ffn = GroupFfn(setup.topology, None, keys[3], dtype)
+        self.read = EveryRowRead(reads_after_attn_tp_gather=setup.declared)
+        self.attn_boundary, self.ffn_boundary = bj.append_stages(
+            (bj.declare_attn(read=self.read), self.input_norm),
+            (bj.declare_ffn(dense_tp_size=1), self.post_attn_norm),
+            owner=self,
+        )
+
+    def __call__(self, x, stream):
+        h, stream = self.attn_boundary.prepare(x, stream)
+        x, stream = self.attn_boundary.finish(self.attn(h), stream)
+        h, stream = self.ffn_boundary.prepare(x, stream)
+        return self.ffn_boundary.finish(self.ffn(h), stream)
+
+    def reference(self, rows: jax.Array, update) -> jax.Array:
+        del update
+        h, _, _ = self.read.read(rows, self.input_norm)
+        rows = rows + self.attn(h)
+        return rows + self.ffn(self.post_attn_norm(rows))
+
+
+class EveryRowDecoder(nnx.Module):
+    def __init__(self, setup: ReadSetup, key, dtype=jnp.float64):
+        keys = jax.random.split(key, setup.layers + 1)
+        with bj.layer_stack(setup.topology, reduction=setup.policy, input_sum=setup.input_sum):
+            self.layers = nnx.List(
+                [EveryRowLayer(setup, keys[i], dtype) for i in range(setup.layers)]
+            )
+        self.final_norm = random_norm(keys[-1], dtype)
+
+    def __call__(self, x: jax.Array, batch: bj.BatchFacts) -> jax.Array:
+        stream = residual_stream.start(batch)
+        for index, layer in enumerate(self.layers):
+            with jax.named_scope(f"layer_{index}"):
+                x, stream = layer(x, stream)
+        return residual_stream.final_norm(x, stream, self.final_norm, skip_empty=True)
+
+
+@dataclasses.dataclass
+class ReadCase:
+    setup: ReadSetup
+    scattered: bool
+    model: EveryRowDecoder
+    fn: object
+    leaves: object
+    place: object
+    report: CollectiveReport
+
+    def run(self, x, counts):
+        return self.fn(self.leaves, self.place(x), make_batch(self.setup, self.scattered, counts))
+
+    def reference(self, x, counts):
+        return reference(self.model, x, self.setup, counts)
+
+
+@functools.cache
+def compiled(setup: ReadSetup, scattered: bool) -> ReadCase:
+    """The stack of `setup`, compiled for a batch of full DP blocks, with its collectives."""
+    with jax.enable_x64(True):
+        model = EveryRowDecoder(setup, jax.random.key(10 * setup.dp + setup.tp + 3))
+        batch = make_batch(setup, scattered, np.full(setup.dp, ROWS))
+        fn, leaves, place = sharded_forward(model, setup, batch)
+        x = np.zeros((setup.dp * ROWS, HIDDEN))
+        report = parse_hlo(fn.lower(leaves, place(x), batch).compile().as_text())
+    return ReadCase(setup, scattered, model, fn, leaves, place, report)
