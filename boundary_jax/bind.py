@@ -114,13 +114,32 @@ def exit_options(
     At a stack exit whose residual is not on the attention's rows, a completing option folds
     the output into the residual and moves it there, unless `fold` is False (a branch's source,
     whose output must stay pending for the merge; the final read then completes, updates and
-    moves it). A branch merging into the final read never folds: `branch_output` does.
+    moves it). A branch merging into the final read never folds: `branch_output` does. An
+    update `applied_at_exit` keeps only the options that complete the sum at the exit, each
+    folding the output into the residual there.
 
     A pipeline send binds exactly as the uncut stack (its consumer is the next rank's first
     stage); `to_pp` then completes what the chosen option leaves. A stack exit completes the
     sum now, except an attention's partial sum and a finalize its provider defers to the final
     read.
     """
+    options = _exit_options(declaration, outgoing, variant, stack, rows, fusions, fold=fold)
+    if not declaration.update.applied_at_exit:
+        return options
+    return tuple(option for option in options if option.fold_to is not None)
+
+
+def _exit_options(
+    declaration: StageDeclaration,
+    outgoing: Edge,
+    variant: BatchVariant,
+    stack: StackFacts,
+    rows: StageRows,
+    fusions: FusionProvider | None,
+    *,
+    fold: bool = True,
+) -> tuple[ExitOption, ...]:
+    """`exit_options` before an update applied at the exit drops the options that leave work."""
     topology = stack.topology
     owed = compute_owed(declaration, topology)
     compute, residual = rows.compute, rows.residual
@@ -129,6 +148,14 @@ def exit_options(
     attention = topology.attention_rows()
     stack_exit = outgoing.kind is EdgeKind.STACK_EXIT
     fold_to = attention if fold and stack_exit and residual != attention else None
+    at_exit = declaration.update.applied_at_exit
+    if at_exit and not fold:
+        raise NotImplementedError(
+            "a branch's source leaves its output pending for the merge, so its update cannot "
+            "be applied_at_exit; apply it at the next input"
+        )
+    if at_exit and fold_to is None:
+        fold_to = residual  # the guide's applied_at_exit: complete, then update, at the exit
     consumer = outgoing.consumer
 
     def option(kind, steps, handoff, fold=None) -> ExitOption:
@@ -187,7 +214,7 @@ def exit_options(
         ExitKind.ALL_REDUCE,
         ops.all_reduce(owed, topology) + ops.relayout(compute, residual, topology),
     )
-    if compute == residual and not leaving:
+    if compute == residual and not leaving and not at_exit:
         if not declaration.replicated:
             options.append(option(ExitKind.LEAVE_TO_NEXT_INPUT, (), value))
             return tuple(options)
@@ -203,11 +230,16 @@ def sends_written(producer: StageDeclaration, residual: Layout, topology: Topolo
     """Whether `to_pp` after `producer` folds its output and sends the residual alone.
 
     It does when the residual is not on the attention's rows (an FFN on its own rows, an
-    input-scattered batch) or the update is not plain (its parameters stay on the sending
-    rank); otherwise it sends the completed output and the residual, and the receiver's fused
-    update + read applies them. Both ranks decide it from the producer's declaration.
+    input-scattered batch), the update is not plain (its parameters stay on the sending
+    rank) or runs at the exit (the stream is already written); otherwise it sends the
+    completed output and the residual, and the receiver's fused update + read applies them.
+    Both ranks decide it from the producer's declaration.
     """
-    return residual != topology.attention_rows() or not producer.update.plain
+    return (
+        residual != topology.attention_rows()
+        or not producer.update.plain
+        or producer.update.applied_at_exit
+    )
 
 
 def _leave(

@@ -152,6 +152,13 @@ class StageDeclaration:
                 "ALWAYS_PARTIAL is not supported for ffn stages: an FFN's exit decides where its "
                 "sum completes. Use declare_ffn() (EXIT_SCOPED)."
             )
+        if self.update.applied_at_exit and self.reduction is ProducerReduction.ALWAYS_PARTIAL:
+            raise ValueError(
+                "an update applied_at_exit runs at the producer's exit, but an ALWAYS_PARTIAL "
+                "attention leaves its sum to the next input; declare the stage with "
+                "declare_mixer() (its exit completes the sum) or apply the update at the next "
+                "input"
+            )
         if self.kind is StageKind.ATTN and self.output_complete:
             raise ValueError("output_complete is an FFN fact; attention stages always owe a sum")
         if self.output_complete and self.reduction is not ProducerReduction.EXIT_SCOPED:

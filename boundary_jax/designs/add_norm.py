@@ -16,9 +16,15 @@ from .quantized import Fp8TokenGroups, Quantized
 
 @dataclasses.dataclass(frozen=True)
 class PlainAdd:
-    """The update `residual + value`, summed in FP32 and rounded to the residual's dtype."""
+    """The update `residual + value`, summed in FP32 and rounded to the residual's dtype.
+
+    Attributes:
+      applied_at_exit: Run the add at the producer's exit (`ResidualUpdate.applied_at_exit`)
+        rather than fused with the next stage's read.
+    """
 
     plain: bool = dataclasses.field(default=True, init=False)
+    applied_at_exit: bool = False
 
     def apply(self, residual: jax.Array, value: jax.Array, state: ReadState = None) -> jax.Array:
         acc = accumulation_dtype(jnp.promote_types(residual.dtype, value.dtype))

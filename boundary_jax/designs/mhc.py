@@ -112,6 +112,7 @@ class MhcUpdate(nnx.Module):
     """
 
     plain = False
+    applied_at_exit = False
 
     def apply(
         self, residual: jax.Array, value: jax.Array, state: tuple[jax.Array, jax.Array]

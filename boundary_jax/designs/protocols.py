@@ -26,9 +26,14 @@ class ResidualUpdate(Protocol):
     Attributes:
       plain: The update is `residual + value`. Only a plain update may be fused into an add + norm
         kernel, snapshotted, or added before a sum completes.
+      applied_at_exit: The update runs at the producer's exit: the exit completes the output's
+        sum and folds it into the residual, and the next stage reads a written stream. Otherwise
+        the update travels with the contribution and runs at the next input, so its parameters
+        (and its read's state) must outlive the producer's compute.
     """
 
     plain: bool
+    applied_at_exit: bool
 
     def apply(self, residual: jax.Array, value: jax.Array, state: ReadState) -> jax.Array:
         """The new residual, in `residual.dtype`; `state` is what this stage's read handed on."""
@@ -92,6 +97,7 @@ class DesignFacts:
     Attributes:
       design: The design's class name, for plans and messages.
       plain: For an update: it is `residual + value`.
+      applied_at_exit: For an update: it runs at its producer's exit.
       reads_before_dp_gather: For a read: it runs on the source rows before a DP gather.
       reads_after_attn_tp_gather: For a read: it runs on the attention's rows, never on an
         attention-TP slice.
@@ -100,6 +106,7 @@ class DesignFacts:
 
     design: str
     plain: bool = False
+    applied_at_exit: bool = False
     reads_before_dp_gather: bool = True
     reads_after_attn_tp_gather: bool = False
     input_format: Fp8TokenGroups | None = None
@@ -107,7 +114,11 @@ class DesignFacts:
 
 def update_facts(update: ResidualUpdate) -> DesignFacts:
     """The capabilities a residual update declares."""
-    return DesignFacts(type(update).__name__, plain=bool(update.plain))
+    return DesignFacts(
+        type(update).__name__,
+        plain=bool(update.plain),
+        applied_at_exit=bool(update.applied_at_exit),
+    )
 
 
 def read_facts(read: ResidualReadout) -> DesignFacts:

@@ -46,6 +46,7 @@ class GatedUpdate(nnx.Module):
     and a trainable scale."""
 
     plain = False
+    applied_at_exit = False
 
     def __init__(self, key):
         self.scale = nnx.Param(1.0 + 0.3 * jax.random.normal(key, (HIDDEN,), jnp.float64))

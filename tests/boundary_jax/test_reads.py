@@ -1,18 +1,22 @@
 """The read options: a read that needs every row of the attention's (`reads_after_attn_tp_gather`,
-the guide's Qwen4-exp per-layer embedding read) equals its single-device reference on every mesh
-of the stand-in matrix."""
+the guide's Qwen4-exp per-layer embedding read) and an update applied at its producer's exit
+(`applied_at_exit`) equal their single-device references on every mesh of the stand-in matrix,
+and the combinations that cannot be bound are refused."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 import boundary_jax as bj
+from boundary_jax.designs import PlainAdd
 
 from .cases import SWEEP_MESHES
+from .cases import compiled as standin_compiled
 from .reads import ReadSetup, compiled
-from .standin import HIDDEN, ROWS, count_patterns
+from .standin import HIDDEN, ROWS, Setup, TanhUpdate, count_patterns
 
 
 def _relative_error(got, want) -> float:
@@ -68,3 +72,57 @@ def test_the_plan_returns_the_slice_to_the_attention_rows():
     primary = next(entry for entry in described["entries"] if entry["primary"])
     assert primary["completes"] == "all-gather over attn_tp, all-gather over attn_tp"
     assert primary["moves_input"] == "nothing"
+
+
+AT_EXIT = {
+    "plain add": functools.partial(PlainAdd, applied_at_exit=True),
+    "nonlinear": functools.partial(TanhUpdate, applied_at_exit=True),
+}
+EXIT_MATRIX = [
+    pytest.param(
+        dp,
+        tp,
+        scattered,
+        update,
+        id=f"dp{dp}-tp{tp}-{'scattered' if scattered else 'ordinary'}-{update}",
+        marks=[] if (dp, tp) in ((1, 4), (2, 2)) else [pytest.mark.slow],
+    )
+    for dp, tp in SWEEP_MESHES
+    for scattered in ((False, True) if tp > 1 else (False,))
+    for update in AT_EXIT
+]
+
+
+@pytest.mark.parametrize("dp,tp,scattered,update", EXIT_MATRIX)
+def test_an_update_applied_at_the_exit(dp, tp, scattered, update):
+    """An FFN whose update is `applied_at_exit` (a plain add, or a nonlinear one) completes its
+    sum and folds its output into the residual at its exit, so the next stage reads a written
+    stream: equal to the float64 single-device reference for even, ragged and idle DP ranks."""
+    setup = Setup(dp=dp, tp=tp, layers=3, update=AT_EXIT[update])
+    case = standin_compiled(setup, scattered)
+    for layer in case.model.layers:
+        for path in layer.ffn_boundary.plan.paths:
+            assert path.exits and all(option.fold_to is not None for option in path.exits)
+    with jax.enable_x64(True):
+        x = jax.random.normal(jax.random.key(7), (dp * ROWS, HIDDEN), jnp.float64)
+        for name, counts in count_patterns(dp).items():
+            got, want = case.run(x, counts), case.reference(x, counts=counts)
+            assert _relative_error(got, want) < 1e-12, name
+
+
+def test_an_update_applied_at_the_exit_moves_the_sum_into_the_exit():
+    """On TP 4 each FFN's all-reduce runs at its own exit (the dense table's FFN exit runs
+    none): every layer runs its attention's sum at the FFN input and the FFN's at its exit,
+    and the next attention input completes nothing."""
+    setup = Setup(dp=1, tp=4, layers=3, policy=bj.ReductionPolicy.AR, update=AT_EXIT["plain add"])
+    report = standin_compiled(setup, False).report
+    sums = ("all-reduce",) * 2
+    assert [report.sequence(i) for i in range(3)] == [("all-reduce",) + sums, sums, sums]
+
+
+def test_an_attention_cannot_apply_its_update_at_the_exit():
+    """An ALWAYS_PARTIAL attention leaves its sum to the next input: an update applied at its
+    exit is refused when declared, with the fix."""
+    with pytest.raises(ValueError, match="declare the stage with declare_mixer"):
+        bj.declare_attn(update=PlainAdd(applied_at_exit=True))
+    bj.declare_mixer(update=PlainAdd(applied_at_exit=True))
