@@ -157,8 +157,11 @@ def _exit_options(
     if at_exit and fold_to is None:
         fold_to = residual  # the guide's applied_at_exit: complete, then update, at the exit
     consumer = outgoing.consumer
+    # An exit runs its consumer's gather (across a pipeline cut, from its stage_facts).
+    consumer_gather = consumer.attn_tp_gather if isinstance(consumer, StageDeclaration) else None
 
     def option(kind, steps, handoff, fold=None) -> ExitOption:
+        steps = ops.with_gather(steps, consumer_gather)
         fold_steps = () if fold is None else ops.relayout(residual, fold, topology)
         output = Placement(compute, owed, finalize=handoff.finalize)
         leave = _leave(declaration, outgoing, stack, fusions, handoff, residual, fold)
@@ -328,6 +331,19 @@ def _entry(
     )
 
 
+def _own_gather(entry: EntryPath, gather: ops.RowGather | None) -> EntryPath:
+    """`entry` with the stage's own gather over attention TP tried first wherever it brings
+    rows into the stage."""
+    if gather is None:
+        return entry
+    return dataclasses.replace(
+        entry,
+        residual_move=ops.with_gather(entry.residual_move, gather),
+        complete=ops.with_gather(entry.complete, gather),
+        move_input=ops.with_gather(entry.move_input, gather),
+    )
+
+
 def bind_fork(source: StageRows, own: StageRows, topology: Topology) -> BranchFork:
     """How a branch's first stage (on `own` rows) starts from its source's prepared input (the
     source on `source` rows): the residual and the compute input move as they are, complete."""
@@ -434,7 +450,7 @@ def bind_stage(
             residual=residual,
             compute=compute,
         ):
-            return _entry(
+            path = _entry(
                 handoff,
                 initial=initial,
                 residual_from=residual_from,
@@ -444,6 +460,7 @@ def bind_stage(
                 topology=topology,
                 transport=transport,
             )
+            return _own_gather(path, declaration.attn_tp_gather)
 
         entries: list[EntryPath] = []
         primary = None

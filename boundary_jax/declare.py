@@ -22,6 +22,7 @@ from .designs.protocols import (
     update_facts,
 )
 from .layout import SumGroup
+from .ops import RowGather
 
 
 class StageKind(enum.Enum):
@@ -124,6 +125,10 @@ class StageDeclaration:
         anyway); the exit owes no sum. FFN only.
       replicated: Parts of the output every rank of a sum computes in full, each added on the
         sum's first rank only (`Replicated`).
+      attn_tp_gather: The stage's own gather over attention TP of the rows brought into it
+        (`ops.RowGather`), tried on every batch before the built-in gather: at its entry, and at
+        its producer's exit (an exit runs its consumer's gather), across a pipeline cut too.
+        Attention and mixers only.
       place: Set when the stack binds this declaration; None for a fresh declaration.
       output_transform: The transform itself; moved onto the boundary by `append_stages`.
     """
@@ -141,6 +146,7 @@ class StageDeclaration:
     next_sparse: bool | None = None
     output_complete: bool = False
     replicated: tuple[Replicated, ...] = ()
+    attn_tp_gather: RowGather | None = None
     place: StackPlace | None = None
     output_transform: OutputTransform | None = dataclasses.field(
         default=None, compare=False, repr=False
@@ -158,6 +164,11 @@ class StageDeclaration:
                 "attention leaves its sum to the next input; declare the stage with "
                 "declare_mixer() (its exit completes the sum) or apply the update at the next "
                 "input"
+            )
+        if self.attn_tp_gather is not None and self.kind is not StageKind.ATTN:
+            raise ValueError(
+                "attn_tp_gather is an attention or mixer fact (the gather that brings rows into "
+                "it); an FFN's rows move by its declaration (dense_tp_size, moe_dispatch)"
             )
         if self.kind is StageKind.ATTN and self.output_complete:
             raise ValueError("output_complete is an FFN fact; attention stages always owe a sum")
@@ -320,6 +331,7 @@ def declare_attn(
     output_transform: OutputTransform | None = None,
     transform_before_reduce_scatter: bool = False,
     replicated: tuple[Replicated, ...] = (),
+    attn_tp_gather: RowGather | None = None,
 ) -> StageDeclaration:
     """Declares an attention stage whose heads are split over attention TP.
 
@@ -339,6 +351,8 @@ def declare_attn(
       transform_before_reduce_scatter: Apply the transform before a reduce-scatter.
       replicated: Parts of the output every rank of the sum computes in full (a bias on the
         output projection), each added by the sum's first rank only (`Replicated`).
+      attn_tp_gather: The stage's own gather over attention TP (`ops.RowGather`), tried on
+        every batch before the built-in one, at its entry and at its producer's exit.
 
     Returns:
       A fresh declaration for `append_stages`.
@@ -362,6 +376,7 @@ def declare_attn(
         transform_before_reduce_scatter=transform_before_reduce_scatter,
         output_transform=output_transform,
         replicated=tuple(replicated),
+        attn_tp_gather=attn_tp_gather,
     )
 
 
@@ -373,6 +388,7 @@ def declare_mixer(
     output_transform: OutputTransform | None = None,
     transform_before_reduce_scatter: bool = False,
     replicated: tuple[Replicated, ...] = (),
+    attn_tp_gather: RowGather | None = None,
 ) -> StageDeclaration:
     """Declares a single-stage token mixer: a Mamba2 block, or attention in a hybrid stack whose
     layers hold one stage each (Nemotron-H).
@@ -397,6 +413,8 @@ def declare_mixer(
       transform_before_reduce_scatter: Apply the transform before a reduce-scatter.
       replicated: Parts of the output every rank of the sum computes in full (a bias on the
         output projection), each added by the sum's first rank only (`Replicated`).
+      attn_tp_gather: The stage's own gather over attention TP (`ops.RowGather`), tried on
+        every batch before the built-in one, at its entry and at its producer's exit.
 
     Returns:
       A fresh declaration for `append_stages`.
@@ -411,6 +429,7 @@ def declare_mixer(
         transform_before_reduce_scatter=transform_before_reduce_scatter,
         output_transform=output_transform,
         replicated=tuple(replicated),
+        attn_tp_gather=attn_tp_gather,
     )
 
 

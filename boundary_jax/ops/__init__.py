@@ -16,6 +16,7 @@ from .steps import AllReduce as AllReduce
 from .steps import Finalize as Finalize
 from .steps import PlanError as PlanError
 from .steps import ReduceScatter as ReduceScatter
+from .steps import RowGather as RowGather
 from .steps import Step as Step
 from .steps import TakeBlock as TakeBlock
 from .steps import all_gather as all_gather
@@ -27,6 +28,7 @@ from .steps import relayout as relayout
 from .steps import run as run
 from .steps import simulate as simulate
 from .steps import take_block as take_block
+from .steps import with_gather as with_gather
 from .tensor import ReducingModule as ReducingModule
 from .tensor import gather_last_dim as gather_last_dim
 from .tensor import is_first_rank as is_first_rank

@@ -29,6 +29,8 @@ def describe_steps(steps: tuple[Step, ...]) -> str:
     def word(step: Step) -> str:
         if isinstance(step, Finalize):
             return "finalize"
+        if isinstance(step, AllGather) and step.custom is not None:
+            return f"the stage's own gather over {over(step)} (else all-gather)"
         return f"{words[type(step)]} over {over(step)}"
 
     return ", ".join(word(step) for step in steps) or "nothing"

@@ -46,16 +46,37 @@ class EveryRowRead(AddNormRead):
         return self.read(update.apply(residual, value, state), norm)
 
 
+def psum_gather(x: jax.Array, topology: bj.Topology) -> jax.Array:
+    """A stage's own gather over attention TP by another algorithm: each rank places its slice
+    in a zero block of the attention's rows and the blocks are summed (an all-reduce in the
+    compiled program where the built-in gather is an all-gather)."""
+    names = topology.mesh_names((bj.TokenAxis.ATTN_TP,))
+    rows = x.shape[0]
+    placed = jnp.zeros((topology.attn_tp * rows, *x.shape[1:]), x.dtype)
+    placed = jax.lax.dynamic_update_slice_in_dim(placed, x, jax.lax.axis_index(names) * rows, 0)
+    return jax.lax.psum(placed, names)
+
+
+def declining_gather(x: jax.Array, topology: bj.Topology) -> None:
+    """A stage's own gather that declines every batch: the built-in gather runs."""
+    del x, topology
+
+
 @dataclasses.dataclass(frozen=True)
 class ReadSetup:
-    """One stack: mesh, depth, policy, and whether the attention's read declares that it needs
-    the attention's rows (False: the mutant that reads on the slice)."""
+    """One stack: mesh, depth, policy, whether the attention's read needs every row of the
+    attention's and declares it (`declared=False`: the mutant that reads on the slice;
+    `every_row=False`: a plain add + norm read), the attention's own gather over attention TP,
+    and the FFN's rows ("own-rows" or "full-tp")."""
 
     dp: int
     tp: int
     layers: int = 3
     policy: bj.ReductionPolicy = bj.ReductionPolicy.RS_RSV
     declared: bool = True
+    every_row: bool = True
+    gather: object = None
+    ffn: str = "own-rows"
     input_sum: bj.SumGroup | None = bj.SumGroup.ATTN_TP
     update = None
     rows: int = ROWS
@@ -66,18 +87,25 @@ class ReadSetup:
 
 
 class EveryRowLayer(nnx.Module):
-    """Attention reading every row of the attention's, then a dense FFN on its own rows."""
+    """Attention reading every row of the attention's (or a plain read), then a dense FFN on
+    its own rows (or over the full TP group)."""
 
     def __init__(self, setup: ReadSetup, key, dtype):
         keys = jax.random.split(key, 4)
         self.input_norm = random_norm(keys[0], dtype)
         self.post_attn_norm = random_norm(keys[1], dtype)
         self.attn = StandInAttention(setup.topology, keys[2], dtype)
-        self.ffn = GroupFfn(setup.topology, None, keys[3], dtype)
-        self.read = EveryRowRead(reads_after_attn_tp_gather=setup.declared)
+        own = setup.ffn == "own-rows"
+        self.ffn = GroupFfn(setup.topology, None if own else bj.SumGroup.FULL_TP, keys[3], dtype)
+        self.read = (
+            EveryRowRead(reads_after_attn_tp_gather=setup.declared)
+            if setup.every_row
+            else AddNormRead()
+        )
+        attn = bj.declare_attn(read=self.read, attn_tp_gather=setup.gather)
         self.attn_boundary, self.ffn_boundary = bj.append_stages(
-            (bj.declare_attn(read=self.read), self.input_norm),
-            (bj.declare_ffn(dense_tp_size=1), self.post_attn_norm),
+            (attn, self.input_norm),
+            (bj.declare_ffn(dense_tp_size=1 if own else None), self.post_attn_norm),
             owner=self,
         )
 

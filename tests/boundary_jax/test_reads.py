@@ -15,7 +15,7 @@ from boundary_jax.designs import PlainAdd
 
 from .cases import SWEEP_MESHES
 from .cases import compiled as standin_compiled
-from .reads import ReadSetup, compiled
+from .reads import ReadSetup, compiled, declining_gather, psum_gather
 from .standin import HIDDEN, ROWS, Setup, TanhUpdate, count_patterns
 
 
@@ -126,3 +126,104 @@ def test_an_attention_cannot_apply_its_update_at_the_exit():
     with pytest.raises(ValueError, match="declare the stage with declare_mixer"):
         bj.declare_attn(update=PlainAdd(applied_at_exit=True))
     bj.declare_mixer(update=PlainAdd(applied_at_exit=True))
+
+
+GATHERS = {"own gather": psum_gather, "declining gather": declining_gather}
+
+
+def _own_gathers(model, variant: bj.BatchVariant) -> int:
+    """The gathers over attention TP that try a stage's own gather first, on the entries and
+    exits a batch of `variant` runs (each primary entry, each first exit option)."""
+    steps = []
+    for layer in model.layers:
+        for boundary in (layer.attn_boundary, layer.ffn_boundary):
+            path = boundary.plan.path(variant)
+            for entry in path.entries:
+                if entry.primary:
+                    steps += [*entry.residual_move, *entry.complete, *entry.move_input]
+            steps += path.exits[0].steps
+    return sum(isinstance(step, bj.ops.AllGather) and step.custom is not None for step in steps)
+
+
+GATHER_MATRIX = [
+    pytest.param(
+        dp,
+        tp,
+        scattered,
+        ffn,
+        gather,
+        id=f"dp{dp}-tp{tp}-{'scattered' if scattered else 'ordinary'}-{ffn}-{gather}",
+        marks=[]
+        if ((dp, tp, scattered, ffn) in {(1, 4, False, "own-rows"), (2, 2, True, "full-tp")})
+        else [pytest.mark.slow],
+    )
+    for dp, tp in SWEEP_MESHES
+    if tp > 1
+    for scattered in (False, True)
+    for ffn in ("own-rows", "full-tp")
+    for gather in GATHERS
+]
+
+
+@pytest.mark.parametrize("dp,tp,scattered,ffn,gather", GATHER_MATRIX)
+def test_a_stage_gathers_with_its_own_gather_first(dp, tp, scattered, ffn, gather):
+    """An attention declaring its own gather over attention TP (`attn_tp_gather`) has it tried
+    on every batch before the built-in one, at its entry (after an FFN on its own rows, in an
+    input-scattered batch) and at its producer's exit (an FFN's reduce-scatter then gather
+    back): equal to the float64 reference; where it gathers, each bound gather into the
+    attention runs as an all-reduce in place of an all-gather in the compiled program; where it
+    declines, the built-in all-gathers run."""
+    policy = bj.ReductionPolicy.RS if ffn == "full-tp" else bj.ReductionPolicy.RS_RSV
+    setup = ReadSetup(dp=dp, tp=tp, every_row=False, gather=GATHERS[gather], ffn=ffn, policy=policy)
+    case = compiled(setup, scattered)
+    assert max(_errors(case).values()) < 1e-12
+    variant = bj.BatchVariant.INPUT_SCATTERED if scattered else bj.BatchVariant.ORDINARY
+    bound = _own_gathers(case.model, variant)
+    plain = compiled(dataclasses.replace(setup, gather=None), scattered).report
+
+    def count(report, kind):
+        return sum(c.kind == kind for c in report.collectives)
+
+    replaced = count(plain, "all-gather") - count(case.report, "all-gather")
+    assert count(case.report, "all-reduce") - count(plain, "all-reduce") == replaced
+    if gather == "declining gather" or not bound:
+        assert replaced == 0
+    else:
+        assert replaced > 0
+
+
+def test_a_producer_across_a_pipeline_cut_runs_the_next_ranks_gather():
+    """The FFN that ends a pipeline rank's layers binds its exit against the next rank's first
+    stage, from `stage_facts`: its gather back over attention TP is that stage's own gather."""
+    topology = bj.Topology(attn_dp=2, attn_tp=2)
+
+    def stage_facts(index):
+        del index
+        return bj.declare_attn(attn_tp_gather=psum_gather), bj.declare_ffn()
+
+    with bj.layer_stack(
+        topology,
+        reduction=bj.ReductionPolicy.RS,
+        stage_facts=stage_facts,
+        num_layers=2,
+        layers=range(0, 1),
+    ):
+        _, ffn = bj.append_stages(*((d, None) for d in stage_facts(0)))
+    assert ffn.plan.declaration.place.outgoing.kind is bj.declare.EdgeKind.PIPELINE_SEND
+    exit = ffn.plan.path(bj.BatchVariant.ORDINARY).exits[0]
+    assert exit.kind is bj.plan.ExitKind.REDUCE_SCATTER
+    gathers = [step for step in exit.steps if isinstance(step, bj.ops.AllGather)]
+    assert [step.custom for step in gathers] == [psum_gather]
+    assert "the stage's own gather over attn_tp" in bj.report.describe_steps(exit.steps)
+
+
+def test_only_a_mixer_or_attention_declares_its_own_gather():
+    """An FFN's rows move by its declaration: `attn_tp_gather` on one is refused."""
+    with pytest.raises(ValueError, match="attn_tp_gather is an attention or mixer fact"):
+        bj.StageDeclaration(
+            kind=bj.declare.StageKind.FFN,
+            read=bj.designs.AddNormRead(),
+            update=PlainAdd(),
+            reduction=bj.ProducerReduction.EXIT_SCOPED,
+            attn_tp_gather=psum_gather,
+        )
