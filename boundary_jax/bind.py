@@ -17,6 +17,7 @@ from . import ops
 from .declare import (
     Edge,
     EdgeKind,
+    FinalRead,
     MoeDispatch,
     ProducerReduction,
     StageDeclaration,
@@ -147,7 +148,12 @@ def _exit_options(
     leaving = outgoing.leaves_stack
     attention = topology.attention_rows()
     stack_exit = outgoing.kind is EdgeKind.STACK_EXIT
+    consumer = outgoing.consumer
+    # The guide's reads_attn_tp_slices: the final read takes the output on this rank's slice.
+    slices_read = stack_exit and isinstance(consumer, FinalRead) and consumer.reads_attn_tp_slices
     fold_to = attention if fold and stack_exit and residual != attention else None
+    if slices_read and not declaration.update.applied_at_exit:
+        fold_to = None
     at_exit = declaration.update.applied_at_exit
     if at_exit and not fold:
         raise NotImplementedError(
@@ -156,13 +162,14 @@ def _exit_options(
         )
     if at_exit and fold_to is None:
         fold_to = residual  # the guide's applied_at_exit: complete, then update, at the exit
-    consumer = outgoing.consumer
-    # An exit runs its consumer's gather (across a pipeline cut, from its stage_facts).
-    consumer_gather = consumer.attn_tp_gather if isinstance(consumer, StageDeclaration) else None
+    # An exit runs its consumer's gather (across a pipeline cut, from its stage_facts; at the
+    # stack exit, the final read's).
+    consumer_gather = consumer.attn_tp_gather
 
     def option(kind, steps, handoff, fold=None) -> ExitOption:
         steps = ops.with_gather(steps, consumer_gather)
         fold_steps = () if fold is None else ops.relayout(residual, fold, topology)
+        fold_steps = ops.with_gather(fold_steps, consumer_gather)
         output = Placement(compute, owed, finalize=handoff.finalize)
         leave = _leave(declaration, outgoing, stack, fusions, handoff, residual, fold)
         work = owed_work(handoff, residual, topology)
@@ -263,8 +270,12 @@ def _leave(
     forms = {Placement(rows)}
     if fold_to is None:
         forms |= {handoff, handoff.completed()}
-    entries = tuple(leave_entry(form, rows, topology) for form in (None, *sorted(forms, key=str)))
     final = outgoing.kind is EdgeKind.STACK_EXIT
+    consumer = outgoing.consumer
+    reading = consumer if final and isinstance(consumer, FinalRead) else None
+    entries = tuple(
+        leave_entry(form, rows, topology, reading) for form in (None, *sorted(forms, key=str))
+    )
     return Leave(
         outgoing.kind,
         entries,
@@ -275,21 +286,30 @@ def _leave(
     )
 
 
-def leave_entry(handoff: Placement | None, residual: Layout, topology: Topology) -> EntryPath:
+def leave_entry(
+    handoff: Placement | None,
+    residual: Layout,
+    topology: Topology,
+    final_read: FinalRead | None = None,
+) -> EntryPath:
     """How the stack's leaving read (or `to_pp`) takes `handoff` (None: a written stream) with
     the residual on `residual` rows: complete onto those rows, update, then move the residual to
-    the attention's rows and read it there."""
+    the attention's rows and read it there; or, where the final read reads this rank's
+    attention-TP slice (`FinalRead.reads_attn_tp_slices`), read on the residual's rows and move
+    what it read. The final read's own gather is tried first in each gather."""
     attention = topology.attention_rows()
     move = ops.relayout(residual, attention, topology)
-    return _entry(
+    slices = final_read is not None and final_read.reads_attn_tp_slices
+    entry = _entry(
         handoff,
         initial=False,
         residual_from=residual,
         residual=residual,
         compute=attention,
-        read_after_move=bool(move),
+        read_after_move=bool(move) and not slices,
         topology=topology,
     )
+    return _own_gather(entry, None if final_read is None else final_read.attn_tp_gather)
 
 
 def _entry(

@@ -245,9 +245,16 @@ class FinalRead:
 
     Attributes:
       read: The read's capabilities.
+      attn_tp_gather: The final read's own gather over attention TP (`ops.RowGather`) of the
+        rows the last stage leaves on this rank's slice, tried before the built-in gather.
+      reads_attn_tp_slices: The final read reads this rank's attention-TP slice itself and
+        gathers what it read; the last stage leaves its output there (no fold and gather of the
+        residual at its exit).
     """
 
     read: DesignFacts
+    attn_tp_gather: RowGather | None = None
+    reads_attn_tp_slices: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,7 +25,6 @@ from .standin import (
     make_batch,
     mix_rows,
     random_norm,
-    reference,
     sharded_forward,
 )
 
@@ -57,6 +56,18 @@ def psum_gather(x: jax.Array, topology: bj.Topology) -> jax.Array:
     return jax.lax.psum(placed, names)
 
 
+def tiling_gather(x: jax.Array, topology: bj.Topology) -> jax.Array:
+    """The mutant gather that skips its communication: this rank's slice, repeated."""
+    return jnp.tile(x, (topology.attn_tp,) + (1,) * (x.ndim - 1))
+
+
+def reversed_gather(x: jax.Array, topology: bj.Topology) -> jax.Array:
+    """The mutant gather that concatenates the slices in reverse rank order."""
+    names = topology.mesh_names((bj.TokenAxis.ATTN_TP,))
+    blocks = jax.lax.all_gather(x, names, axis=0, to="invarying")
+    return jnp.concatenate(list(blocks[::-1]), axis=0)
+
+
 def declining_gather(x: jax.Array, topology: bj.Topology) -> None:
     """A stage's own gather that declines every batch: the built-in gather runs."""
     del x, topology
@@ -73,10 +84,13 @@ class ReadSetup:
     tp: int
     layers: int = 3
     policy: bj.ReductionPolicy = bj.ReductionPolicy.RS_RSV
-    declared: bool = True
+    declared: bool = True  # the reads' reads_after_attn_tp_gather
     every_row: bool = True
     gather: object = None
     ffn: str = "own-rows"
+    final_gather: object = None
+    final_slices: bool = False
+    final_every_row: bool = False
     input_sum: bj.SumGroup | None = bj.SumGroup.ATTN_TP
     update = None
     rows: int = ROWS
@@ -125,7 +139,15 @@ class EveryRowLayer(nnx.Module):
 class EveryRowDecoder(nnx.Module):
     def __init__(self, setup: ReadSetup, key, dtype=jnp.float64):
         keys = jax.random.split(key, setup.layers + 1)
-        with bj.layer_stack(setup.topology, reduction=setup.policy, input_sum=setup.input_sum):
+        self.final_read = EveryRowRead() if setup.final_every_row else AddNormRead()
+        with bj.layer_stack(
+            setup.topology,
+            reduction=setup.policy,
+            input_sum=setup.input_sum,
+            final_read=self.final_read,
+            final_attn_tp_gather=setup.final_gather,
+            final_reads_attn_tp_slices=setup.final_slices,
+        ):
             self.layers = nnx.List(
                 [EveryRowLayer(setup, keys[i], dtype) for i in range(setup.layers)]
             )
@@ -153,7 +175,20 @@ class ReadCase:
         return self.fn(self.leaves, self.place(x), make_batch(self.setup, self.scattered, counts))
 
     def reference(self, x, counts):
-        return reference(self.model, x, self.setup, counts)
+        """The decoder on one device, each DP rank's block its own token set, read out by the
+        stack's final read."""
+        blocks = x.reshape(self.setup.dp, -1, x.shape[-1])
+        valid = jnp.arange(blocks.shape[1])[None, :] < jnp.asarray(counts)[:, None]
+        model = self.model
+
+        def block_output(block, keep):
+            rows = jnp.where(keep[:, None], block, 0)
+            for layer in model.layers:
+                rows = layer.reference(rows, None)
+            out, _, _ = model.final_read.read(rows, model.final_norm)
+            return jnp.where(keep[:, None], out, 0)
+
+        return jax.vmap(block_output)(blocks, valid).reshape(x.shape)
 
 
 @functools.cache

@@ -15,7 +15,15 @@ from boundary_jax.designs import PlainAdd
 
 from .cases import SWEEP_MESHES
 from .cases import compiled as standin_compiled
-from .reads import ReadSetup, compiled, declining_gather, psum_gather
+from .reads import (
+    EveryRowRead,
+    ReadSetup,
+    compiled,
+    declining_gather,
+    psum_gather,
+    reversed_gather,
+    tiling_gather,
+)
 from .standin import HIDDEN, ROWS, Setup, TanhUpdate, count_patterns
 
 
@@ -227,3 +235,65 @@ def test_only_a_mixer_or_attention_declares_its_own_gather():
             reduction=bj.ProducerReduction.EXIT_SCOPED,
             attn_tp_gather=psum_gather,
         )
+
+
+FINAL_MATRIX = [
+    pytest.param(
+        dp,
+        tp,
+        scattered,
+        ffn,
+        final,
+        id=f"dp{dp}-tp{tp}-{'scattered' if scattered else 'ordinary'}-{ffn}-{final}",
+        marks=[]
+        if (dp, tp, scattered) in {(1, 4, False), (2, 2, True)} and ffn == "own-rows"
+        else [pytest.mark.slow],
+    )
+    for dp, tp in SWEEP_MESHES
+    if tp > 1
+    for scattered in (False, True)
+    for ffn in ("own-rows", "full-tp")
+    for final in ("slices", "slices+own gather", "own gather", "every row")
+]
+FINALS = {
+    "slices": {"final_slices": True},
+    "slices+own gather": {"final_slices": True, "final_gather": psum_gather},
+    "own gather": {"final_gather": psum_gather},
+    "every row": {"final_every_row": True},
+}
+
+
+@pytest.mark.parametrize("dp,tp,scattered,ffn,final", FINAL_MATRIX)
+def test_a_final_read_that_is_more_than_a_norm(dp, tp, scattered, ffn, final):
+    """A final read that reads this rank's attention-TP slice (`final_reads_attn_tp_slices`:
+    the last FFN leaves its output there), one with its own gather over attention TP, and one
+    that needs every row of the attention's equal the float64 reference; reading the slice,
+    the last stage's exit no longer folds and gathers the residual."""
+    setup = ReadSetup(dp=dp, tp=tp, every_row=False, ffn=ffn, **FINALS[final])
+    case = compiled(setup, scattered)
+    assert max(_errors(case).values()) < 1e-12
+    variant = bj.BatchVariant.INPUT_SCATTERED if scattered else bj.BatchVariant.ORDINARY
+    last = case.model.layers[-1].ffn_boundary.plan.path(variant)
+    if setup.final_slices:
+        assert all(option.fold_to is None for option in last.exits)
+
+
+def test_a_skipped_or_misordered_final_gather_is_caught():
+    """The mutant whose final read's gather skips its communication (each rank tiles its own
+    slice) fails when traced (its output varies over attention TP), and one that gathers the
+    slices in the wrong rank order moves the output away from the reference."""
+    skipped = ReadSetup(dp=1, tp=4, every_row=False, final_slices=True, final_gather=tiling_gather)
+    with pytest.raises(ValueError, match="varying"):
+        compiled(skipped, False)
+    reversed_ = dataclasses.replace(skipped, final_gather=reversed_gather)
+    assert max(_errors(compiled(reversed_, False)).values()) > 1e-3
+
+
+def test_a_final_read_of_every_row_cannot_read_a_slice():
+    """A final read that needs every row of the attention's cannot also read this rank's
+    slice: the stack refuses it when opened."""
+    stack = bj.layer_stack(
+        bj.Topology(attn_tp=2), final_read=EveryRowRead(), final_reads_attn_tp_slices=True
+    )
+    with pytest.raises(ValueError, match="cannot read this rank's attention-TP slice"), stack:
+        pass
