@@ -46,11 +46,15 @@ class AddNormRead:
       quantize: The input format the consumer takes, or None for the residual's dtype.
       reads_after_attn_tp_gather: Read on the attention's rows only (a subclass whose read
         needs every row of them); see `ResidualReadout`.
+      completing_fusions: The read's own fused sum + add candidates, tried in order first.
+      gathering_reads: The read's own read + gather over attention TP, tried in order.
     """
 
     reads_before_dp_gather: bool = True
     quantize: Fp8TokenGroups | None = None
     reads_after_attn_tp_gather: bool = False
+    completing_fusions: tuple = ()
+    gathering_reads: tuple = ()
 
     @property
     def input_format(self) -> Fp8TokenGroups | None:

@@ -45,7 +45,9 @@ class MhcRead(nnx.Module):
     """
 
     reads_before_dp_gather = True
-    reads_after_attn_tp_gather = False  # the streams are read row by row
+    reads_after_attn_tp_gather = False
+    completing_fusions = ()
+    gathering_reads = ()  # the streams are read row by row
     input_format = None  # the collapsed streams feed a nonlinear mix: no quantized input
 
     def __init__(

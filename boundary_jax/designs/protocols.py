@@ -58,11 +58,19 @@ class ResidualReadout(Protocol):
         rows, where this read runs.
       input_format: The quantized format of the compute input, or None for the residual's
         dtype.
+      completing_fusions: The read's own fused candidates (`fusions.ReadoutFusion`), each
+        completing the sum its producer's contribution owes with the residual add (and maybe
+        the read), tried in order before the fusion provider's and the built-in collective.
+      gathering_reads: The read's own read + gather over attention TP (`fusions.GatheringRead`),
+        tried in order where the stage reads on this rank's attention-TP slice and then gathers
+        its input; the producer's update then runs unfused before them.
     """
 
     reads_before_dp_gather: bool
     reads_after_attn_tp_gather: bool
     input_format: Fp8TokenGroups | None
+    completing_fusions: tuple[Any, ...]
+    gathering_reads: tuple[Any, ...]
 
     def init_residual(
         self, x: jax.Array, norm: Norm | None

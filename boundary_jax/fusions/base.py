@@ -55,6 +55,45 @@ class FusionRequest:
         return isinstance(self.value, DeferredFinalize)
 
 
+@dataclasses.dataclass(frozen=True)
+class FusedReadout:
+    """What a read's own fused completion (`ReadoutFusion`) returns.
+
+    Attributes:
+      residual: The new residual: the sum completed and added (the update applied).
+      compute_input: The read of it, where the candidate also read (the guide's `reads=True`);
+        None: the read runs next, on `residual`.
+    """
+
+    residual: jax.Array
+    compute_input: jax.Array | None = None
+
+
+class ReadoutFusion(Protocol):
+    """One of a residual read's own fused candidates (`ResidualReadout.completing_fusions`):
+    completes the sum the producer's contribution owes together with the residual add, ahead
+    of the read (or with it), tried before the fusion provider's candidates and the built-in
+    collective."""
+
+    def __call__(self, request: FusionRequest) -> FusedReadout | None:
+        """The completed residual (and maybe the read), or None before touching anything or
+        starting a collective if it does not apply."""
+        ...
+
+
+class GatheringRead(Protocol):
+    """One of a residual read's own fused read + gathers (`ResidualReadout.gathering_reads`):
+    where a stage reads its input on this rank's attention-TP slice and then gathers it over
+    attention TP, both in one kernel."""
+
+    def __call__(
+        self, residual: jax.Array, norm: Norm | None, topology: Topology
+    ) -> jax.Array | None:
+        """The read of this rank's slice `residual`, gathered to the attention's rows (slices in
+        attention-TP rank order), or None before starting a collective."""
+        ...
+
+
 class InputFusion(Protocol):
     """One fused candidate for a stage's input."""
 

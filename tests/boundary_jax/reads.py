@@ -91,6 +91,8 @@ class ReadSetup:
     final_gather: object = None
     final_slices: bool = False
     final_every_row: bool = False
+    completing: tuple = ()  # a plain read's own fused candidates
+    gathering: tuple = ()
     input_sum: bj.SumGroup | None = bj.SumGroup.ATTN_TP
     update = None
     rows: int = ROWS
@@ -114,7 +116,7 @@ class EveryRowLayer(nnx.Module):
         self.read = (
             EveryRowRead(reads_after_attn_tp_gather=setup.declared)
             if setup.every_row
-            else AddNormRead()
+            else AddNormRead(completing_fusions=setup.completing, gathering_reads=setup.gathering)
         )
         attn = bj.declare_attn(read=self.read, attn_tp_gather=setup.gather)
         self.attn_boundary, self.ffn_boundary = bj.append_stages(
@@ -201,3 +203,45 @@ def compiled(setup: ReadSetup, scattered: bool) -> ReadCase:
         x = np.zeros((setup.dp * ROWS, HIDDEN))
         report = parse_hlo(fn.lower(leaves, place(x), batch).compile().as_text())
     return ReadCase(setup, scattered, model, fn, leaves, place, report)
+
+
+OFFERED: list[str] = []
+"""Which of the read's own candidates each trace ran (appended while tracing)."""
+
+
+def psum_add(request: bj.fusions.FusionRequest) -> bj.fusions.FusedReadout | None:
+    """A read's own completion: the sum over the owed axes and the residual add in one step
+    (a plain update only)."""
+    if not request.update.plain:
+        return None
+    OFFERED.append("completing")
+    summed = jax.lax.psum(request.value, request.axis_names)
+    return bj.fusions.FusedReadout(request.residual + summed)
+
+
+def psum_add_norm(request: bj.fusions.FusionRequest) -> bj.fusions.FusedReadout | None:
+    """A read's own completion that also reads (the guide's `reads=True`)."""
+    if not request.update.plain:
+        return None
+    OFFERED.append("completing and reading")
+    residual = request.residual + jax.lax.psum(request.value, request.axis_names)
+    return bj.fusions.FusedReadout(residual, request.norm(residual))
+
+
+def declining_fusion(request: bj.fusions.FusionRequest) -> None:
+    """A read's own completion that declines every batch."""
+    del request
+    OFFERED.append("declined")
+
+
+def gathering_norm(residual: jax.Array, norm, topology: bj.Topology) -> jax.Array:
+    """A read's own read + gather: this rank's slice normalized and gathered in one step."""
+    OFFERED.append("gathering")
+    names = topology.mesh_names((bj.TokenAxis.ATTN_TP,))
+    return jax.lax.all_gather(norm(residual), names, axis=0, tiled=True, to="invarying")
+
+
+def declining_read(residual: jax.Array, norm, topology: bj.Topology) -> None:
+    """A read's own read + gather that declines every batch."""
+    del residual, norm, topology
+    OFFERED.append("declined")

@@ -26,6 +26,8 @@ class GatedRead(nnx.Module):
 
     reads_before_dp_gather = True
     reads_after_attn_tp_gather = False
+    completing_fusions = ()
+    gathering_reads = ()
     input_format = None
 
     def __init__(self, key):

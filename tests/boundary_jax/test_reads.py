@@ -16,10 +16,16 @@ from boundary_jax.designs import PlainAdd
 from .cases import SWEEP_MESHES
 from .cases import compiled as standin_compiled
 from .reads import (
+    OFFERED,
     EveryRowRead,
     ReadSetup,
     compiled,
+    declining_fusion,
     declining_gather,
+    declining_read,
+    gathering_norm,
+    psum_add,
+    psum_add_norm,
     psum_gather,
     reversed_gather,
     tiling_gather,
@@ -297,3 +303,44 @@ def test_a_final_read_of_every_row_cannot_read_a_slice():
     )
     with pytest.raises(ValueError, match="cannot read this rank's attention-TP slice"), stack:
         pass
+
+
+OWN_CANDIDATES = {
+    "completing": ((psum_add,), (), ["completing"]),
+    "declined then completing and reading": (
+        (declining_fusion, psum_add_norm),
+        (),
+        ["declined", "completing and reading"],
+    ),
+    "declined": ((declining_fusion,), (), ["declined"]),
+    "gathering": ((), (gathering_norm,), ["gathering"]),
+    "declined gathering": ((), (declining_read,), ["declined"]),
+}
+
+
+@pytest.mark.parametrize("candidates", list(OWN_CANDIDATES))
+@pytest.mark.parametrize("ffn", ["full-tp", "own-rows"])
+def test_a_read_tries_its_own_fused_candidates_in_order(ffn, candidates):
+    """A read's own candidates are tried in order, with fallback: `completing_fusions` where a
+    sum is left for the attention's input (after an FFN over the whole TP group on TP 4),
+    `gathering_reads` where it reads on this rank's slice and gathers (after an FFN on its own
+    rows); each equals the float64 reference, and the trace ran exactly the candidates
+    expected in each layer after the first (none where the entry offers none)."""
+    completing, gathering, ran = OWN_CANDIDATES[candidates]
+    policy = bj.ReductionPolicy.AR
+    setup = ReadSetup(
+        dp=1,
+        tp=4,
+        every_row=False,
+        ffn=ffn,
+        policy=policy,
+        completing=completing,
+        gathering=gathering,
+    )
+    OFFERED.clear()
+    case = compiled(setup, False)
+    offered = list(OFFERED)
+    assert max(_errors(case).values()) < 1e-12
+    applies = bool(completing) == (ffn == "full-tp")
+    # Layers 1 and 2 enter after an FFN; layer 0's entry takes the stack input.
+    assert offered == (ran * (setup.layers - 1) if applies else [])
