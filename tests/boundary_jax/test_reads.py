@@ -13,6 +13,7 @@ import pytest
 import boundary_jax as bj
 from boundary_jax.designs import PlainAdd
 
+from . import hetero
 from .cases import SWEEP_MESHES
 from .cases import compiled as standin_compiled
 from .reads import (
@@ -344,3 +345,38 @@ def test_a_read_tries_its_own_fused_candidates_in_order(ffn, candidates):
     applies = bool(completing) == (ffn == "full-tp")
     # Layers 1 and 2 enter after an FFN; layer 0's entry takes the stack input.
     assert offered == (ran * (setup.layers - 1) if applies else [])
+
+
+def gather_on_attention(index: int) -> dict:
+    """The stand-in model's declarations: the attention layers (even indices) gather with
+    their own gather."""
+    return {"attn_tp_gather": psum_gather} if index % 2 == 0 else {}
+
+
+@pytest.mark.parametrize("cut", [None, 2], ids=["uncut", "cut"])
+def test_an_own_gather_across_a_pipeline_cut_equals_one_device(cut):
+    """Attention, FFN, attention, FFN on DP 2 x TP 2 under the scatter policy, the attentions
+    declaring their own gather: cut before the second attention (to_pp, the simulated
+    transport, from_pp), the first rank's last FFN runs the next rank's gather at its exit
+    (from `stage_facts`), and the output equals the single-device reference and the uncut
+    stack's for even, ragged and idle DP ranks."""
+    model = hetero.Hetero(
+        (hetero.Kind.ATTN, hetero.Kind.FFN) * 2,
+        dp=2,
+        tp=2,
+        policy=bj.ReductionPolicy.RS,
+        fusions=bj.fusions.NO_FUSIONS,
+        design=gather_on_attention,
+    )
+    built = hetero.build(model, cut)
+    sender = built.stacks[0].stages[1].boundary.plan.path(bj.BatchVariant.ORDINARY)
+    gathers = [s for s in sender.exits[0].steps if isinstance(s, bj.ops.AllGather)]
+    assert [step.custom for step in gathers] == [psum_gather]
+    with jax.enable_x64(True):
+        x = jax.random.normal(jax.random.key(5), (2 * ROWS, HIDDEN), jnp.float64)
+        want = hetero.reference(built.stacks, x, 2)
+        for name, counts in count_patterns(2).items():
+            got = built.run(x, counts, bj.BatchVariant.ORDINARY)
+            keep = (jnp.arange(ROWS)[None, :] < jnp.asarray(counts)[:, None]).reshape(-1)
+            masked = jnp.where(keep[:, None], want, 0)
+            assert _relative_error(got, masked) < 1e-12, name
