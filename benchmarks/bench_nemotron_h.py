@@ -179,7 +179,8 @@ def _layer(layer, x, rows: TokenRows, cache):
         case HybridLayer.MLP:
             y = layer.mixer(h)
         case HybridLayer.MOE:
-            y = layer.mixer(h, defer=False)
+            # One program over the whole model (Topology()): every replicated part added once.
+            y = layer.mixer(h, defer=False, counts=lambda name: True)
     return x + y, cache
 
 

@@ -14,14 +14,23 @@ from __future__ import annotations
 import dataclasses
 
 from . import ops
-from .declare import Edge, EdgeKind, ProducerReduction, StageDeclaration, StageKind
+from .declare import (
+    Edge,
+    EdgeKind,
+    FinalRead,
+    MoeDispatch,
+    ProducerReduction,
+    StageDeclaration,
+    StageKind,
+)
 from .fusions import FusionProvider
-from .layout import BatchVariant, Layout, TokenAxis, Topology
+from .layout import BatchVariant, Layout, SumGroup, TokenAxis, Topology
 from .ops import AllGather, AllReduce, Finalize, PlanError, Step
 from .placement import Placement
 from .plan import (
     BranchFork,
     BranchMerge,
+    CountedOnce,
     EntryPath,
     ExitKind,
     ExitOption,
@@ -60,6 +69,37 @@ def _defers_finalize(
     return fusions.defer_finalize
 
 
+def counted_once(declaration: StageDeclaration, topology: Topology) -> tuple[CountedOnce, ...]:
+    """Where each replicated part of `declaration` is added: on the first rank of the sum its
+    output owes at the exit (or of the group the part names), on every rank where no such sum
+    runs."""
+    owed = topology.mesh_names(compute_owed(declaration, topology))
+    return tuple(
+        CountedOnce(part.name, owed if part.group is None else topology.group_names(part.group))
+        for part in declaration.replicated
+    )
+
+
+def may_defer_all_reduce(
+    declaration: StageDeclaration,
+    owed: tuple[TokenAxis, ...],
+    topology: Topology,
+    fusions: FusionProvider | None,
+) -> bool:
+    """The guide's deferral rule for an FFN with replicated parts: it may leave its all-reduce
+    to the next input only without an expert all-to-all, when its sum is over the whole TP
+    group, and when its fusion provider defers all-reduces (`defer_all_reduce`; the provider's
+    `can_defer_all_reduce` then decides per batch). Any other FFN may, as before."""
+    if not declaration.replicated:
+        return True
+    return (
+        declaration.moe_dispatch is not MoeDispatch.ALL_TO_ALL
+        and set(owed) == set(topology.sum_axes(SumGroup.FULL_TP))
+        and fusions is not None
+        and fusions.defer_all_reduce
+    )
+
+
 def exit_options(
     declaration: StageDeclaration,
     outgoing: Edge,
@@ -75,13 +115,32 @@ def exit_options(
     At a stack exit whose residual is not on the attention's rows, a completing option folds
     the output into the residual and moves it there, unless `fold` is False (a branch's source,
     whose output must stay pending for the merge; the final read then completes, updates and
-    moves it). A branch merging into the final read never folds: `branch_output` does.
+    moves it). A branch merging into the final read never folds: `branch_output` does. An
+    update `applied_at_exit` keeps only the options that complete the sum at the exit, each
+    folding the output into the residual there.
 
     A pipeline send binds exactly as the uncut stack (its consumer is the next rank's first
     stage); `to_pp` then completes what the chosen option leaves. A stack exit completes the
     sum now, except an attention's partial sum and a finalize its provider defers to the final
     read.
     """
+    options = _exit_options(declaration, outgoing, variant, stack, rows, fusions, fold=fold)
+    if not declaration.update.applied_at_exit:
+        return options
+    return tuple(option for option in options if option.fold_to is not None)
+
+
+def _exit_options(
+    declaration: StageDeclaration,
+    outgoing: Edge,
+    variant: BatchVariant,
+    stack: StackFacts,
+    rows: StageRows,
+    fusions: FusionProvider | None,
+    *,
+    fold: bool = True,
+) -> tuple[ExitOption, ...]:
+    """`exit_options` before an update applied at the exit drops the options that leave work."""
     topology = stack.topology
     owed = compute_owed(declaration, topology)
     compute, residual = rows.compute, rows.residual
@@ -89,11 +148,28 @@ def exit_options(
     leaving = outgoing.leaves_stack
     attention = topology.attention_rows()
     stack_exit = outgoing.kind is EdgeKind.STACK_EXIT
-    fold_to = attention if fold and stack_exit and residual != attention else None
     consumer = outgoing.consumer
+    # The guide's reads_attn_tp_slices: the final read takes the output on this rank's slice.
+    slices_read = stack_exit and isinstance(consumer, FinalRead) and consumer.reads_attn_tp_slices
+    fold_to = attention if fold and stack_exit and residual != attention else None
+    if slices_read and not declaration.update.applied_at_exit:
+        fold_to = None
+    at_exit = declaration.update.applied_at_exit
+    if at_exit and not fold:
+        raise NotImplementedError(
+            "a branch's source leaves its output pending for the merge, so its update cannot "
+            "be applied_at_exit; apply it at the next input"
+        )
+    if at_exit and fold_to is None:
+        fold_to = residual  # the guide's applied_at_exit: complete, then update, at the exit
+    # An exit runs its consumer's gather (across a pipeline cut, from its stage_facts; at the
+    # stack exit, the final read's).
+    consumer_gather = consumer.attn_tp_gather
 
     def option(kind, steps, handoff, fold=None) -> ExitOption:
+        steps = ops.with_gather(steps, consumer_gather)
         fold_steps = () if fold is None else ops.relayout(residual, fold, topology)
+        fold_steps = ops.with_gather(fold_steps, consumer_gather)
         output = Placement(compute, owed, finalize=handoff.finalize)
         leave = _leave(declaration, outgoing, stack, fusions, handoff, residual, fold)
         work = owed_work(handoff, residual, topology)
@@ -126,7 +202,10 @@ def exit_options(
 
     options = list(deferred)
     dp = topology.active((TokenAxis.ATTN_DP,))
-    returns_to_dp_rows = bool(dp) and Layout(compute.sharded + dp) == residual
+    # A compute on DP-sharded rows already (a dense FFN over attention TP) has none to return.
+    returns_to_dp_rows = (
+        bool(dp) and not set(dp) & set(compute.sharded) and Layout(compute.sharded + dp) == residual
+    )
     if stack.policy.allows_rsv and returns_to_dp_rows and set(dp) <= set(owed):
         rest = tuple(a for a in owed if a not in dp)
         steps = ops.reduce_scatter(dp, topology)
@@ -141,11 +220,19 @@ def exit_options(
         if scattered.sharded[: len(residual.sharded)] == residual.sharded:
             steps = ops.reduce_scatter(owed, topology) + ops.relayout(scattered, residual, topology)
             options.append(completed(ExitKind.REDUCE_SCATTER, steps))
-    if compute == residual and not leaving:
-        options.append(option(ExitKind.LEAVE_TO_NEXT_INPUT, (), value))
-    else:
-        steps = ops.all_reduce(owed, topology) + ops.relayout(compute, residual, topology)
-        options.append(completed(ExitKind.ALL_REDUCE, steps))
+    all_reduced = completed(
+        ExitKind.ALL_REDUCE,
+        ops.all_reduce(owed, topology) + ops.relayout(compute, residual, topology),
+    )
+    if compute == residual and not leaving and not at_exit:
+        if not declaration.replicated:
+            options.append(option(ExitKind.LEAVE_TO_NEXT_INPUT, (), value))
+            return tuple(options)
+        if may_defer_all_reduce(declaration, owed, topology, fusions):
+            # The provider decides per batch (`can_defer_all_reduce`); the exit's all-reduce
+            # follows as the fallback.
+            options.append(option(ExitKind.LEAVE_TO_NEXT_INPUT, (), value))
+    options.append(all_reduced)
     return tuple(options)
 
 
@@ -153,11 +240,16 @@ def sends_written(producer: StageDeclaration, residual: Layout, topology: Topolo
     """Whether `to_pp` after `producer` folds its output and sends the residual alone.
 
     It does when the residual is not on the attention's rows (an FFN on its own rows, an
-    input-scattered batch) or the update is not plain (its parameters stay on the sending
-    rank); otherwise it sends the completed output and the residual, and the receiver's fused
-    update + read applies them. Both ranks decide it from the producer's declaration.
+    input-scattered batch), the update is not plain (its parameters stay on the sending
+    rank) or runs at the exit (the stream is already written); otherwise it sends the
+    completed output and the residual, and the receiver's fused update + read applies them.
+    Both ranks decide it from the producer's declaration.
     """
-    return residual != topology.attention_rows() or not producer.update.plain
+    return (
+        residual != topology.attention_rows()
+        or not producer.update.plain
+        or producer.update.applied_at_exit
+    )
 
 
 def _leave(
@@ -178,8 +270,12 @@ def _leave(
     forms = {Placement(rows)}
     if fold_to is None:
         forms |= {handoff, handoff.completed()}
-    entries = tuple(leave_entry(form, rows, topology) for form in (None, *sorted(forms, key=str)))
     final = outgoing.kind is EdgeKind.STACK_EXIT
+    consumer = outgoing.consumer
+    reading = consumer if final and isinstance(consumer, FinalRead) else None
+    entries = tuple(
+        leave_entry(form, rows, topology, reading) for form in (None, *sorted(forms, key=str))
+    )
     return Leave(
         outgoing.kind,
         entries,
@@ -190,21 +286,30 @@ def _leave(
     )
 
 
-def leave_entry(handoff: Placement | None, residual: Layout, topology: Topology) -> EntryPath:
+def leave_entry(
+    handoff: Placement | None,
+    residual: Layout,
+    topology: Topology,
+    final_read: FinalRead | None = None,
+) -> EntryPath:
     """How the stack's leaving read (or `to_pp`) takes `handoff` (None: a written stream) with
     the residual on `residual` rows: complete onto those rows, update, then move the residual to
-    the attention's rows and read it there."""
+    the attention's rows and read it there; or, where the final read reads this rank's
+    attention-TP slice (`FinalRead.reads_attn_tp_slices`), read on the residual's rows and move
+    what it read. The final read's own gather is tried first in each gather."""
     attention = topology.attention_rows()
     move = ops.relayout(residual, attention, topology)
-    return _entry(
+    slices = final_read is not None and final_read.reads_attn_tp_slices
+    entry = _entry(
         handoff,
         initial=False,
         residual_from=residual,
         residual=residual,
         compute=attention,
-        read_after_move=bool(move),
+        read_after_move=bool(move) and not slices,
         topology=topology,
     )
+    return _own_gather(entry, None if final_read is None else final_read.attn_tp_gather)
 
 
 def _entry(
@@ -243,6 +348,19 @@ def _entry(
         read_after_move,
         transport=transport,
         capture_move=ops.relayout(residual, topology.attention_rows(), topology),
+    )
+
+
+def _own_gather(entry: EntryPath, gather: ops.RowGather | None) -> EntryPath:
+    """`entry` with the stage's own gather over attention TP tried first wherever it brings
+    rows into the stage."""
+    if gather is None:
+        return entry
+    return dataclasses.replace(
+        entry,
+        residual_move=ops.with_gather(entry.residual_move, gather),
+        complete=ops.with_gather(entry.complete, gather),
+        move_input=ops.with_gather(entry.move_input, gather),
     )
 
 
@@ -352,7 +470,7 @@ def bind_stage(
             residual=residual,
             compute=compute,
         ):
-            return _entry(
+            path = _entry(
                 handoff,
                 initial=initial,
                 residual_from=residual_from,
@@ -362,6 +480,7 @@ def bind_stage(
                 topology=topology,
                 transport=transport,
             )
+            return _own_gather(path, declaration.attn_tp_gather)
 
         entries: list[EntryPath] = []
         primary = None
@@ -433,4 +552,5 @@ def bind_stage(
         input_fusions=tuple(candidates),
         fusions=fusions,
         rejected=stack.rejected,
+        counted_once=counted_once(declaration, topology),
     )

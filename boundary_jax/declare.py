@@ -22,6 +22,7 @@ from .designs.protocols import (
     update_facts,
 )
 from .layout import SumGroup
+from .ops import RowGather
 
 
 class StageKind(enum.Enum):
@@ -74,6 +75,32 @@ class MoeDispatch(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True)
+class Replicated:
+    """A part of a stage's output that every rank of a sum computes in full on the same rows (a
+    shared expert with its own TP size 1, a bias on a row-parallel projection): the sum would
+    count it once per rank, so only the first rank of the sum adds it.
+
+    Compute asks the boundary whether this rank adds it (`StageBoundary.counts(name, stream)`)
+    and adds it only where the answer is true; the plan shows on which ranks.
+
+    Attributes:
+      name: The part's name, as compute asks for it and the plan shows it.
+      group: The group whose ranks hold the part whole and whose sum adds it, where that sum is
+        not the one the stage's output owes at its exit (an expert's down bias is whole on the
+        `SumGroup.MOE_TP` ranks that sum their width shares, inside compute under an expert
+        all-to-all). None: the sum the output owes at its exit; a stage whose output owes none
+        there (an FFN on its own rows) adds the part on every rank.
+    """
+
+    name: str
+    group: SumGroup | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"a replicated part needs a non-empty name; got {self.name=}")
+
+
+@dataclasses.dataclass(frozen=True)
 class StageDeclaration:
     """What one stage's compute does, as the boundary needs to know it.
 
@@ -96,6 +123,12 @@ class StageDeclaration:
       next_sparse: Declared sparsity of the next FFN (checked against the stack when bound).
       output_complete: Compute completes its own output sum (fused with a reduction it needs
         anyway); the exit owes no sum. FFN only.
+      replicated: Parts of the output every rank of a sum computes in full, each added on the
+        sum's first rank only (`Replicated`).
+      attn_tp_gather: The stage's own gather over attention TP of the rows brought into it
+        (`ops.RowGather`), tried on every batch before the built-in gather: at its entry, and at
+        its producer's exit (an exit runs its consumer's gather), across a pipeline cut too.
+        Attention and mixers only.
       place: Set when the stack binds this declaration; None for a fresh declaration.
       output_transform: The transform itself; moved onto the boundary by `append_stages`.
     """
@@ -112,6 +145,8 @@ class StageDeclaration:
     dense_tp_size: int | None = None
     next_sparse: bool | None = None
     output_complete: bool = False
+    replicated: tuple[Replicated, ...] = ()
+    attn_tp_gather: RowGather | None = None
     place: StackPlace | None = None
     output_transform: OutputTransform | None = dataclasses.field(
         default=None, compare=False, repr=False
@@ -122,6 +157,18 @@ class StageDeclaration:
             raise ValueError(
                 "ALWAYS_PARTIAL is not supported for ffn stages: an FFN's exit decides where its "
                 "sum completes. Use declare_ffn() (EXIT_SCOPED)."
+            )
+        if self.update.applied_at_exit and self.reduction is ProducerReduction.ALWAYS_PARTIAL:
+            raise ValueError(
+                "an update applied_at_exit runs at the producer's exit, but an ALWAYS_PARTIAL "
+                "attention leaves its sum to the next input; declare the stage with "
+                "declare_mixer() (its exit completes the sum) or apply the update at the next "
+                "input"
+            )
+        if self.attn_tp_gather is not None and self.kind is not StageKind.ATTN:
+            raise ValueError(
+                "attn_tp_gather is an attention or mixer fact (the gather that brings rows into "
+                "it); an FFN's rows move by its declaration (dense_tp_size, moe_dispatch)"
             )
         if self.kind is StageKind.ATTN and self.output_complete:
             raise ValueError("output_complete is an FFN fact; attention stages always owe a sum")
@@ -138,6 +185,25 @@ class StageDeclaration:
         ):
             raise ValueError(
                 f"dense_tp_size must be a positive int or None; got {self.dense_tp_size=}"
+            )
+        self._check_replicated()
+
+    def _check_replicated(self) -> None:
+        if not isinstance(self.replicated, tuple) or not all(
+            isinstance(part, Replicated) for part in self.replicated
+        ):
+            raise TypeError(
+                f"replicated takes a tuple of Replicated parts; got {self.replicated!r}"
+            )
+        names = [part.name for part in self.replicated]
+        if len(set(names)) != len(names):
+            raise ValueError(f"each replicated part needs its own name; got {names}")
+        summed_by_compute = [p.name for p in self.replicated if p.group is None]
+        if self.output_complete and summed_by_compute:
+            raise ValueError(
+                f"output_complete=True: compute sums the stage's output itself, so the exit owes "
+                f"no sum to count {summed_by_compute} once in; name the group compute sums them "
+                "over (Replicated(name, group=...))"
             )
 
     @property
@@ -179,9 +245,16 @@ class FinalRead:
 
     Attributes:
       read: The read's capabilities.
+      attn_tp_gather: The final read's own gather over attention TP (`ops.RowGather`) of the
+        rows the last stage leaves on this rank's slice, tried before the built-in gather.
+      reads_attn_tp_slices: The final read reads this rank's attention-TP slice itself and
+        gathers what it read; the last stage leaves its output there (no fold and gather of the
+        residual at its exit).
     """
 
     read: DesignFacts
+    attn_tp_gather: RowGather | None = None
+    reads_attn_tp_slices: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,6 +337,8 @@ def declare_attn(
     gathers_attn_tp_input: bool = True,
     output_transform: OutputTransform | None = None,
     transform_before_reduce_scatter: bool = False,
+    replicated: tuple[Replicated, ...] = (),
+    attn_tp_gather: RowGather | None = None,
 ) -> StageDeclaration:
     """Declares an attention stage whose heads are split over attention TP.
 
@@ -281,6 +356,10 @@ def declare_attn(
         input-scattered batches and FFNs on their own rows before this stage.
       output_transform: A function (or nnx.Module) applied to the complete output.
       transform_before_reduce_scatter: Apply the transform before a reduce-scatter.
+      replicated: Parts of the output every rank of the sum computes in full (a bias on the
+        output projection), each added by the sum's first rank only (`Replicated`).
+      attn_tp_gather: The stage's own gather over attention TP (`ops.RowGather`), tried on
+        every batch before the built-in one, at its entry and at its producer's exit.
 
     Returns:
       A fresh declaration for `append_stages`.
@@ -303,6 +382,8 @@ def declare_attn(
         has_output_transform=output_transform is not None,
         transform_before_reduce_scatter=transform_before_reduce_scatter,
         output_transform=output_transform,
+        replicated=tuple(replicated),
+        attn_tp_gather=attn_tp_gather,
     )
 
 
@@ -313,6 +394,8 @@ def declare_mixer(
     gathers_attn_tp_input: bool = False,
     output_transform: OutputTransform | None = None,
     transform_before_reduce_scatter: bool = False,
+    replicated: tuple[Replicated, ...] = (),
+    attn_tp_gather: RowGather | None = None,
 ) -> StageDeclaration:
     """Declares a single-stage token mixer: a Mamba2 block, or attention in a hybrid stack whose
     layers hold one stage each (Nemotron-H).
@@ -335,6 +418,10 @@ def declare_mixer(
         as attention's is (input-scattered batches, an FFN on its own rows before it).
       output_transform: A function (or nnx.Module) applied to the complete output.
       transform_before_reduce_scatter: Apply the transform before a reduce-scatter.
+      replicated: Parts of the output every rank of the sum computes in full (a bias on the
+        output projection), each added by the sum's first rank only (`Replicated`).
+      attn_tp_gather: The stage's own gather over attention TP (`ops.RowGather`), tried on
+        every batch before the built-in one, at its entry and at its producer's exit.
 
     Returns:
       A fresh declaration for `append_stages`.
@@ -348,6 +435,8 @@ def declare_mixer(
         has_output_transform=output_transform is not None,
         transform_before_reduce_scatter=transform_before_reduce_scatter,
         output_transform=output_transform,
+        replicated=tuple(replicated),
+        attn_tp_gather=attn_tp_gather,
     )
 
 
@@ -363,6 +452,7 @@ def declare_ffn(
     dense_tp_size: int | None = None,
     next_sparse: bool | None = None,
     output_complete: bool = False,
+    replicated: tuple[Replicated, ...] = (),
 ) -> StageDeclaration:
     """Declares an FFN stage: by default a dense FFN whose weights are split over the full TP
     group, run on every attention-DP rank's rows.
@@ -385,6 +475,10 @@ def declare_ffn(
         rank's own rows; the residual follows onto them). Checked against the topology at binding.
       next_sparse: Whether the next FFN in the stack is sparse; checked when the stack binds.
       output_complete: Compute completes its own output sum; the exit owes none.
+      replicated: Parts of the output every rank of a sum computes in full (a shared expert
+        with its own TP size 1, a down-projection bias), each added by the sum's first rank only
+        (`Replicated`). Such an FFN leaves its sum to the next input only under the deferral
+        rule (`FusionProvider.can_defer_all_reduce`).
 
     Returns:
       A fresh declaration for `append_stages`.
@@ -402,4 +496,5 @@ def declare_ffn(
         next_sparse=next_sparse,
         output_complete=output_complete,
         output_transform=output_transform,
+        replicated=tuple(replicated),
     )

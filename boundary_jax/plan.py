@@ -351,6 +351,26 @@ class StagePath:
 
 
 @dataclasses.dataclass(frozen=True)
+class CountedOnce:
+    """Where one replicated part of a stage's output is added (`declare.Replicated`).
+
+    Attributes:
+      name: The part's name.
+      ranks: Mesh axes of the sum that counts the part: only their first rank adds it. Empty:
+        no sum runs over ranks that hold it alike, so every rank adds it.
+    """
+
+    name: str
+    ranks: tuple[str, ...]
+
+    def describe(self) -> str:
+        """Where the part is added, in words."""
+        if not self.ranks:
+            return "added on every rank (no sum over ranks holding it alike)"
+        return f"added on the first rank of {' x '.join(self.ranks)} only"
+
+
+@dataclasses.dataclass(frozen=True)
 class StagePlan:
     """A bound stage: its declaration with its place, and a path per supported batch variant.
 
@@ -364,6 +384,7 @@ class StagePlan:
       fusions: The provider this stage binds with (asked per batch whether the exit may defer a
         finalize).
       rejected: Batch variants its stack does not bind, each with the reason.
+      counted_once: Where each replicated part the declaration names is added.
     """
 
     declaration: StageDeclaration
@@ -373,6 +394,7 @@ class StagePlan:
     input_fusions: tuple[InputFusion, ...] = ()
     fusions: FusionProvider = dataclasses.field(default=FusionProvider(), compare=False)
     rejected: tuple[tuple[BatchVariant, str], ...] = ()
+    counted_once: tuple[CountedOnce, ...] = ()
 
     def path(self, variant: BatchVariant) -> StagePath:
         """The path bound for `variant`.

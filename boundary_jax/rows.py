@@ -80,7 +80,8 @@ def stage_rows(
 
     The residual starts on the attention's rows (each rank's slice of them for an
     input-scattered batch). It follows an FFN on its own rows onto that slice and stays there;
-    the stack's leaving read or a pipeline send returns it to the attention's rows.
+    a stage whose read declares `reads_after_attn_tp_gather`, the stack's leaving read or a
+    pipeline send returns it to the attention's rows.
 
     Raises:
       NotImplementedError: An attention that cannot gather its input would read a residual on
@@ -119,6 +120,10 @@ def _follow(
         incoming = current
         if compute == own_rows(topology):
             current = compute
+        if declaration.read.reads_after_attn_tp_gather:
+            # The guide's reads_after_attn_tp_gather: what the producer left on this rank's
+            # attention-TP slice returns to the attention's rows, and the read runs there.
+            current = attention
         if (
             declaration.kind is StageKind.ATTN
             and current != attention

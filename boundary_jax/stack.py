@@ -31,6 +31,7 @@ from .designs.add_norm import AddNormRead
 from .designs.protocols import Norm, ResidualReadout, read_facts
 from .fusions import NO_FUSIONS, FusionProvider
 from .layout import BatchVariant, SumGroup, Topology
+from .ops import ReducingModule, RowGather
 from .plan import StackFacts, StageRows
 from .policy import ReductionPolicy, resolve_reduction_policy
 from .rows import branch_rows, compute_layout, stage_rows, supported_variants
@@ -74,6 +75,8 @@ class LayerStack:
       input_sum: The sum the stack input still owes when it reaches the first stage.
       fusions: The fusion provider of stages appended without their own.
       final_read: The read the stack leaves through (the last stage's consumer).
+      final_gather: The final read's own gather over attention TP, or None.
+      final_reads_slices: The final read reads this rank's attention-TP slice.
       stage_facts: The model's shared declaration function, or None.
       layers: The model layers this stack holds (with `stage_facts`), or None for all.
       num_layers: The model's layer count (with `stage_facts`).
@@ -89,6 +92,8 @@ class LayerStack:
     stage_facts: StageFacts | None = None
     layers: range | None = None
     num_layers: int | None = None
+    final_gather: RowGather | None = None
+    final_reads_slices: bool = False
     boundaries: list[StageBoundary] = dataclasses.field(default_factory=list)
     branches: list[Branch] = dataclasses.field(default_factory=list)
 
@@ -169,7 +174,7 @@ class LayerStack:
                     f"{self.boundaries[0].call_site}"
                 )
                 raise
-        final = FinalRead(read_facts(self.final_read))
+        final = FinalRead(read_facts(self.final_read), self.final_gather, self.final_reads_slices)
         bound_rows: dict[int, dict[BatchVariant, StageRows]] = {}
         last = len(self.boundaries) - 1
         for local, boundary in enumerate(self.boundaries):
@@ -294,6 +299,8 @@ def layer_stack(
     stage_facts: StageFacts | None = None,
     num_layers: int | None = None,
     layers: range | None = None,
+    final_attn_tp_gather: RowGather | None = None,
+    final_reads_attn_tp_slices: bool = False,
 ) -> Iterator[LayerStack]:
     """Opens a layer stack; every `append_stages` inside it extends this stack.
 
@@ -320,6 +327,11 @@ def layer_stack(
       layers: The layers this stack holds (with `stage_facts`; default all): a pipeline rank's
         share. Its first stage is entered through a pipeline receive unless it holds layer 0,
         and its last leaves by a pipeline send unless it holds the last layer.
+      final_attn_tp_gather: The final read's own gather over attention TP (`ops.RowGather`)
+        of the rows the last stage leaves on this rank's slice, tried before the built-in one.
+      final_reads_attn_tp_slices: The final read reads this rank's attention-TP slice itself
+        (then gathers what it read), so the last stage leaves its output there instead of
+        folding it and gathering the residual at its exit.
 
     Raises:
       RuntimeError: Another layer stack is open.
@@ -329,6 +341,12 @@ def layer_stack(
         the model.
       TypeError: `final_read` is not a frozen (hashable) read.
     """
+    if final_reads_attn_tp_slices and final_read.reads_after_attn_tp_gather:
+        raise ValueError(
+            f"the final read {type(final_read).__name__} declares reads_after_attn_tp_gather (it "
+            "needs every row of the attention's), so it cannot read this rank's attention-TP "
+            "slice; drop final_reads_attn_tp_slices"
+        )
     if stage_facts is None:
         if layers is not None or num_layers is not None:
             raise ValueError(
@@ -375,6 +393,8 @@ def layer_stack(
         stage_facts,
         layers,
         num_layers,
+        final_attn_tp_gather,
+        final_reads_attn_tp_slices,
     )
     token = _open_stacks.set(_open_stacks.get() + (stack,))
     try:
@@ -420,8 +440,9 @@ def append_stages(
 
     Raises:
       RuntimeError: No layer stack is open.
-      ValueError: A declaration already has its place in a stack, or a module design is not an
-        attribute of `owner`.
+      ValueError: A declaration already has its place in a stack, a module design is not an
+        attribute of `owner`, or a module of `owner` sums its own result
+        (`ops.ReducingModule`) and no stage appended with it declares `output_complete`.
       TypeError: A malformed item, an option the stage does not take, or a module design
         without an `owner`.
     """
@@ -469,6 +490,7 @@ def append_stages(
                 declaration.facts(), designs, call_site, fusions, owner if uses_owner else None
             )
         )
+    _refuse_reducing_compute(owner, [boundary.declaration for boundary in boundaries], call_site)
     if prepared_from is None:
         stacks[-1].boundaries.extend(boundaries)
     elif boundaries:
@@ -485,6 +507,25 @@ def append_stages(
             "a branch (append_stages(..., prepared_from=...)) needs at least one stage"
         )
     return tuple(boundaries)
+
+
+def _refuse_reducing_compute(
+    owner: nnx.Module | None, declarations: list[StageDeclaration], call_site: str
+) -> None:
+    """Compute under a boundary never sums its stage's output: a module of `owner` that does
+    (`ops.ReducingModule.reduces_output`) is refused, unless a stage appended with it declares
+    `output_complete` (compute completes that stage's sum, fused with a reduction it needs)."""
+    if owner is None or any(d.output_complete for d in declarations):
+        return
+    for path, node in nnx.iter_graph(owner):
+        if isinstance(node, ReducingModule) and node.reduces_output:
+            where = ".".join(str(part) for part in path) or type(owner).__name__
+            raise ValueError(
+                f"the module at {where} ({type(node).__name__}) sums its own result under the "
+                f"stage boundaries appended at {call_site}; build it with reduce_results=False "
+                "and leave the sum to the boundary (or declare_ffn(output_complete=True) where "
+                "compute must complete it)"
+            )
 
 
 def _owned(design: object, what: str, owner: nnx.Module | None) -> object:

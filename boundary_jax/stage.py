@@ -137,6 +137,32 @@ class StageBoundary(nnx.Module):
             )
         return self.plan.path(stream.batch.variant)
 
+    def counts(self, name: str, stream: ResidualStream) -> bool | jax.Array:
+        """Whether this rank adds the replicated part `name` of this stage's output: on the
+        first rank of the sum that counts it, on every rank where no sum runs over ranks that
+        hold it alike (as bound: `StagePlan.counted_once`). Compute adds the part only where
+        this is true (`jnp.where(counts, part, 0)`), so the one sum counts it once.
+
+        Returns:
+          A traced bool inside `shard_map`, or True where every rank adds it.
+
+        Raises:
+          ValueError: The declaration names no replicated part `name`.
+        """
+        self._path(stream)
+        return self._counts(name)
+
+    def _counts(self, name: str) -> bool | jax.Array:
+        for part in self.plan.counted_once:
+            if part.name == name:
+                return ops.is_first_rank(part.ranks)
+        declared = [part.name for part in self.plan.counted_once]
+        raise ValueError(
+            f"the stage appended at {self.call_site} declares no replicated part {name!r} "
+            f"(it declares {declared}); name it in the stage's declaration, e.g. "
+            f"declare_ffn(replicated=(Replicated({name!r}),))"
+        )
+
     def prepare(self, x: Any, stream: ResidualStream) -> tuple[jax.Array, ResidualStream]:
         """Completes what the producer owes, updates and reads the residual, moves the rows.
 
@@ -292,7 +318,9 @@ class StageBoundary(nnx.Module):
 
         The decision depends on the bound exit options, this batch's row count and, for a
         sparse FFN whose plan binds a finalize handoff, whether its provider takes the finalize
-        for this batch (`can_defer_finalize`); the returned object's `finish` runs the matching
+        for this batch (`can_defer_finalize`), for an FFN with replicated parts whose plan binds
+        leaving its all-reduce to the next input, whether its provider accepts the batch
+        (`can_defer_all_reduce`); the returned object's `finish` runs the matching
         completion, and `defer_moe_finalize` tells compute whether it may return a
         `DeferredFinalize`.
         """
@@ -321,6 +349,12 @@ class StageBoundary(nnx.Module):
             stream.batch, rows
         ):
             fitting = [o for o in fitting if not o.defers_finalize]
+        if (
+            self.declaration.replicated
+            and any(o.kind is ExitKind.LEAVE_TO_NEXT_INPUT for o in fitting)
+            and not self.plan.fusions.can_defer_all_reduce(stream.batch, rows)
+        ):
+            fitting = [o for o in fitting if o.kind is not ExitKind.LEAVE_TO_NEXT_INPUT]
         return StageExit(self, path, tuple(fitting), rows)
 
     def finish(self, y: jax.Array, stream: ResidualStream) -> tuple[OwedOutput, ResidualStream]:
@@ -359,6 +393,11 @@ class StageExit:
     @property
     def defer_moe_finalize(self) -> bool:
         return self.option.defers_finalize
+
+    def counts(self, name: str) -> bool | jax.Array:
+        """`StageBoundary.counts` of this exit's stage: whether this rank adds the replicated
+        part `name` (for compute run under this exit)."""
+        return self.boundary._counts(name)
 
     def finish(self, y: Any, stream: ResidualStream) -> tuple[OwedOutput, ResidualStream]:
         """Runs the decided completion on compute output `y` and records it in the stream.

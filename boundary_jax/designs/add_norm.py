@@ -16,9 +16,15 @@ from .quantized import Fp8TokenGroups, Quantized
 
 @dataclasses.dataclass(frozen=True)
 class PlainAdd:
-    """The update `residual + value`, summed in FP32 and rounded to the residual's dtype."""
+    """The update `residual + value`, summed in FP32 and rounded to the residual's dtype.
+
+    Attributes:
+      applied_at_exit: Run the add at the producer's exit (`ResidualUpdate.applied_at_exit`)
+        rather than fused with the next stage's read.
+    """
 
     plain: bool = dataclasses.field(default=True, init=False)
+    applied_at_exit: bool = False
 
     def apply(self, residual: jax.Array, value: jax.Array, state: ReadState = None) -> jax.Array:
         acc = accumulation_dtype(jnp.promote_types(residual.dtype, value.dtype))
@@ -38,10 +44,17 @@ class AddNormRead:
         cheaper order; set False to gather the residual and normalize the gathered rows). A
         quantized input gathered over attention DP moves its FP8 values and scales.
       quantize: The input format the consumer takes, or None for the residual's dtype.
+      reads_after_attn_tp_gather: Read on the attention's rows only (a subclass whose read
+        needs every row of them); see `ResidualReadout`.
+      completing_fusions: The read's own fused sum + add candidates, tried in order first.
+      gathering_reads: The read's own read + gather over attention TP, tried in order.
     """
 
     reads_before_dp_gather: bool = True
     quantize: Fp8TokenGroups | None = None
+    reads_after_attn_tp_gather: bool = False
+    completing_fusions: tuple = ()
+    gathering_reads: tuple = ()
 
     @property
     def input_format(self) -> Fp8TokenGroups | None:

@@ -45,6 +45,9 @@ class MhcRead(nnx.Module):
     """
 
     reads_before_dp_gather = True
+    reads_after_attn_tp_gather = False
+    completing_fusions = ()
+    gathering_reads = ()  # the streams are read row by row
     input_format = None  # the collapsed streams feed a nonlinear mix: no quantized input
 
     def __init__(
@@ -111,6 +114,7 @@ class MhcUpdate(nnx.Module):
     """
 
     plain = False
+    applied_at_exit = False
 
     def apply(
         self, residual: jax.Array, value: jax.Array, state: tuple[jax.Array, jax.Array]

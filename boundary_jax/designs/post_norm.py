@@ -25,6 +25,7 @@ class PostNormUpdate(RMSNorm):
     decoder) whose norm of the complete output joins the residual."""
 
     plain = False
+    applied_at_exit = False
 
     def apply(self, residual: jax.Array, value: jax.Array, state: ReadState = None) -> jax.Array:
         acc = accumulation_dtype(jnp.promote_types(residual.dtype, value.dtype))

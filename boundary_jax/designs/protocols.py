@@ -26,9 +26,14 @@ class ResidualUpdate(Protocol):
     Attributes:
       plain: The update is `residual + value`. Only a plain update may be fused into an add + norm
         kernel, snapshotted, or added before a sum completes.
+      applied_at_exit: The update runs at the producer's exit: the exit completes the output's
+        sum and folds it into the residual, and the next stage reads a written stream. Otherwise
+        the update travels with the contribution and runs at the next input, so its parameters
+        (and its read's state) must outlive the producer's compute.
     """
 
     plain: bool
+    applied_at_exit: bool
 
     def apply(self, residual: jax.Array, value: jax.Array, state: ReadState) -> jax.Array:
         """The new residual, in `residual.dtype`; `state` is what this stage's read handed on."""
@@ -46,12 +51,26 @@ class ResidualReadout(Protocol):
     Attributes:
       reads_before_dp_gather: The read runs on the source rows, before an attention-DP gather
         moves its result; otherwise the residual is gathered and read on the gathered rows.
+      reads_after_attn_tp_gather: The read needs every row of the attention's (it adds a
+        contribution computed for every row, as Qwen4-exp's per-layer embedding read does): a
+        producer that would leave its output on this rank's attention-TP slice (an FFN on its
+        own rows, an input-scattered batch) returns it, with the residual, to the attention's
+        rows, where this read runs.
       input_format: The quantized format of the compute input, or None for the residual's
         dtype.
+      completing_fusions: The read's own fused candidates (`fusions.ReadoutFusion`), each
+        completing the sum its producer's contribution owes with the residual add (and maybe
+        the read), tried in order before the fusion provider's and the built-in collective.
+      gathering_reads: The read's own read + gather over attention TP (`fusions.GatheringRead`),
+        tried in order where the stage reads on this rank's attention-TP slice and then gathers
+        its input; the producer's update then runs unfused before them.
     """
 
     reads_before_dp_gather: bool
+    reads_after_attn_tp_gather: bool
     input_format: Fp8TokenGroups | None
+    completing_fusions: tuple[Any, ...]
+    gathering_reads: tuple[Any, ...]
 
     def init_residual(
         self, x: jax.Array, norm: Norm | None
@@ -86,19 +105,28 @@ class DesignFacts:
     Attributes:
       design: The design's class name, for plans and messages.
       plain: For an update: it is `residual + value`.
+      applied_at_exit: For an update: it runs at its producer's exit.
       reads_before_dp_gather: For a read: it runs on the source rows before a DP gather.
+      reads_after_attn_tp_gather: For a read: it runs on the attention's rows, never on an
+        attention-TP slice.
       input_format: For a read: the quantized format it hands its stage, or None.
     """
 
     design: str
     plain: bool = False
+    applied_at_exit: bool = False
     reads_before_dp_gather: bool = True
+    reads_after_attn_tp_gather: bool = False
     input_format: Fp8TokenGroups | None = None
 
 
 def update_facts(update: ResidualUpdate) -> DesignFacts:
     """The capabilities a residual update declares."""
-    return DesignFacts(type(update).__name__, plain=bool(update.plain))
+    return DesignFacts(
+        type(update).__name__,
+        plain=bool(update.plain),
+        applied_at_exit=bool(update.applied_at_exit),
+    )
 
 
 def read_facts(read: ResidualReadout) -> DesignFacts:
@@ -106,5 +134,6 @@ def read_facts(read: ResidualReadout) -> DesignFacts:
     return DesignFacts(
         type(read).__name__,
         reads_before_dp_gather=bool(read.reads_before_dp_gather),
+        reads_after_attn_tp_gather=bool(read.reads_after_attn_tp_gather),
         input_format=read.input_format,
     )

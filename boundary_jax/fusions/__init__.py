@@ -6,9 +6,12 @@ tries the next candidate and finally its built-in path (an all-reduce, then the 
 """
 
 from .base import NO_FUSIONS as NO_FUSIONS
+from .base import FusedReadout as FusedReadout
 from .base import FusionProvider as FusionProvider
 from .base import FusionRequest as FusionRequest
+from .base import GatheringRead as GatheringRead
 from .base import InputFusion as InputFusion
+from .base import ReadoutFusion as ReadoutFusion
 from .pallas import AddRmsNorm as AddRmsNorm
 from .pallas import AddRmsNormQuantize as AddRmsNormQuantize
 from .pallas import AllReduceAddRmsNorm as AllReduceAddRmsNorm

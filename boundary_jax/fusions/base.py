@@ -55,6 +55,45 @@ class FusionRequest:
         return isinstance(self.value, DeferredFinalize)
 
 
+@dataclasses.dataclass(frozen=True)
+class FusedReadout:
+    """What a read's own fused completion (`ReadoutFusion`) returns.
+
+    Attributes:
+      residual: The new residual: the sum completed and added (the update applied).
+      compute_input: The read of it, where the candidate also read (the guide's `reads=True`);
+        None: the read runs next, on `residual`.
+    """
+
+    residual: jax.Array
+    compute_input: jax.Array | None = None
+
+
+class ReadoutFusion(Protocol):
+    """One of a residual read's own fused candidates (`ResidualReadout.completing_fusions`):
+    completes the sum the producer's contribution owes together with the residual add, ahead
+    of the read (or with it), tried before the fusion provider's candidates and the built-in
+    collective."""
+
+    def __call__(self, request: FusionRequest) -> FusedReadout | None:
+        """The completed residual (and maybe the read), or None before touching anything or
+        starting a collective if it does not apply."""
+        ...
+
+
+class GatheringRead(Protocol):
+    """One of a residual read's own fused read + gathers (`ResidualReadout.gathering_reads`):
+    where a stage reads its input on this rank's attention-TP slice and then gathers it over
+    attention TP, both in one kernel."""
+
+    def __call__(
+        self, residual: jax.Array, norm: Norm | None, topology: Topology
+    ) -> jax.Array | None:
+        """The read of this rank's slice `residual`, gathered to the attention's rows (slices in
+        attention-TP rank order), or None before starting a collective."""
+        ...
+
+
 class InputFusion(Protocol):
     """One fused candidate for a stage's input."""
 
@@ -81,6 +120,10 @@ class FusionProvider:
         where an input candidate may fuse it; `can_defer_finalize` decides per batch.
       terminal_finalize: A terminal sparse FFN may hand its finalize to the final read
         (`final_norm(..., finalize_norm=...)`).
+      defer_all_reduce: An FFN with replicated parts (`declare.Replicated`: a shared expert
+        with its own TP size 1, a bias) may leave its all-reduce to the next input, where an
+        input candidate may fuse it; `can_defer_all_reduce` decides per batch. Without it such
+        an FFN completes its sum at its exit.
     """
 
     attn_input: tuple[InputFusion, ...] = ()
@@ -88,6 +131,7 @@ class FusionProvider:
     final_input: tuple[InputFusion, ...] = ()
     defer_finalize: bool = False
     terminal_finalize: bool = False
+    defer_all_reduce: bool = False
 
     def can_defer_finalize(self, batch: BatchFacts, rows: int) -> bool:
         """Whether a sparse FFN whose plan binds a finalize handoff may return a
@@ -95,6 +139,18 @@ class FusionProvider:
 
         Called on every such exit; the default accepts every batch. A provider that fuses the
         finalize only for some shapes overrides it.
+        """
+        del batch, rows
+        return True
+
+    def can_defer_all_reduce(self, batch: BatchFacts, rows: int) -> bool:
+        """Whether an FFN with replicated parts whose plan binds leaving its all-reduce to the
+        next input (`defer_all_reduce`, a sum over the whole TP group, no expert all-to-all)
+        may do so for `batch`, whose compute holds `rows` local rows; otherwise its exit
+        completes the sum.
+
+        Called on every such exit; the default accepts every batch. A provider that fuses the
+        all-reduce only for some shapes overrides it.
         """
         del batch, rows
         return True

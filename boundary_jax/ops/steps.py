@@ -11,7 +11,7 @@ axis the expert-parallel size splits is two of them).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 from jax import lax
@@ -88,12 +88,31 @@ class ReduceScatter:
         return lax.psum_scatter(x, names, scatter_dimension=0, tiled=True)
 
 
+RowGather = Callable[[jax.Array, Topology], "jax.Array | None"]
+"""A stage's own gather over attention TP (`declare_attn(attn_tp_gather=...)`): this rank's
+[rows, ...] slice -> the attention's rows (the slices concatenated in attention-TP rank order), or
+None, before any collective starts, to leave the gather to the built-in one. It may use only the
+communication state of the rank it runs on."""
+
+
 @dataclasses.dataclass(frozen=True)
 class AllGather:
-    """Concatenates the row blocks of `axes` (`lax.all_gather`); every member holds the result."""
+    """Concatenates the row blocks of `axes` (`lax.all_gather`); every member holds the result.
+
+    Attributes:
+      axes: The token axes whose blocks are concatenated.
+      topology: Names their mesh axes.
+      custom: A stage's own gather over attention TP (only for `axes == (ATTN_TP,)`), tried
+        first on every batch; the built-in gather runs where it declines.
+    """
 
     axes: tuple[TokenAxis, ...]
     topology: Topology = dataclasses.field(repr=False)
+    custom: RowGather | None = None
+
+    def __post_init__(self):
+        if self.custom is not None and self.axes != (TokenAxis.ATTN_TP,):
+            raise PlanError(f"a stage's own gather is over attention TP only; got {self.axes}")
 
     def after(self, placement: Placement) -> Placement:
         if not placement.complete:
@@ -104,6 +123,16 @@ class AllGather:
         return Placement(Layout(sharded[: len(sharded) - len(self.axes)]))
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        if self.custom is not None:
+            gathered = self.custom(x, self.topology)
+            if gathered is not None:
+                want = (x.shape[0] * self.topology.size(self.axes), *x.shape[1:])
+                if gathered.shape != want or gathered.dtype != x.dtype:
+                    raise ValueError(
+                        f"a stage's own gather over attention TP must return {want} "
+                        f"{x.dtype}; got {gathered.shape} {gathered.dtype}"
+                    )
+                return gathered
         names = self.topology.mesh_names(self.axes)
         return lax.all_gather(x, names, axis=0, tiled=True, to="invarying")
 
@@ -178,6 +207,18 @@ def reduce_scatter(axes: Sequence[TokenAxis], topology: Topology) -> tuple[Step,
 
 def all_gather(axes: Sequence[TokenAxis], topology: Topology) -> tuple[Step, ...]:
     return (AllGather(tuple(axes), topology),) if axes else ()
+
+
+def with_gather(steps: Sequence[Step], gather: RowGather | None) -> tuple[Step, ...]:
+    """`steps` with `gather` tried first in each all-gather over attention TP alone."""
+    if gather is None:
+        return tuple(steps)
+    return tuple(
+        dataclasses.replace(step, custom=gather)
+        if isinstance(step, AllGather) and step.axes == (TokenAxis.ATTN_TP,)
+        else step
+        for step in steps
+    )
 
 
 def take_block(axes: Sequence[TokenAxis], topology: Topology) -> tuple[Step, ...]:

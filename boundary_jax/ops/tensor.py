@@ -23,6 +23,33 @@ def shard_index(topology: Topology, group: SumGroup) -> jax.Array | int:
     return lax.axis_index(names) if names else 0
 
 
+class ReducingModule:
+    """A compute module that may complete its own output's sum (SGLang's
+    `reduce_results=True`), for a use outside stage boundaries. Under a boundary compute never
+    sums its stage's output: `append_stages` refuses a layer holding one that does
+    (`reduces_output`), unless a stage it appends declares `output_complete`.
+    """
+
+    @property
+    def reduces_output(self) -> bool:
+        """Whether this module's call completes the sum its output owes."""
+        raise NotImplementedError(f"{type(self).__name__} must say whether it reduces its output")
+
+
+def sum_over_group(x: jax.Array, topology: Topology, group: SumGroup) -> jax.Array:
+    """The sum of `x` over the ranks of `group`: for a `ReducingModule` that completes its own
+    output outside a stage boundary."""
+    names = topology.group_names(group)
+    return lax.psum(x, names) if names else x
+
+
+def is_first_rank(ranks: tuple[str, ...]) -> bool | jax.Array:
+    """Whether this rank is the first of the mesh axes `ranks` (a traced bool inside
+    `shard_map`; True for no axes). For a bound `plan.CountedOnce`: where a replicated part is
+    added."""
+    return lax.axis_index(ranks) == 0 if ranks else True
+
+
 def gather_last_dim(x: jax.Array, topology: Topology, group: SumGroup) -> jax.Array:
     """Concatenates the last dimension of `x` over the ranks of `group`, in rank order.
 

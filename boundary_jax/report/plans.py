@@ -29,6 +29,8 @@ def describe_steps(steps: tuple[Step, ...]) -> str:
     def word(step: Step) -> str:
         if isinstance(step, Finalize):
             return "finalize"
+        if isinstance(step, AllGather) and step.custom is not None:
+            return f"the stage's own gather over {over(step)} (else all-gather)"
         return f"{words[type(step)]} over {over(step)}"
 
     return ", ".join(word(step) for step in steps) or "nothing"
@@ -124,17 +126,25 @@ def describe_stages(
     stages: Iterable[tuple[int, str, StagePlan]], variant: BatchVariant
 ) -> list[dict[str, object]]:
     """`describe_path` of each `(layer, stage name, plan)` for `variant`, with its layer and
-    name (and `input_format` where the stage reads quantized input): a model's whole bound
-    stack in JSON-friendly form."""
+    name (`input_format` where the stage reads quantized input, `replicated` where its output
+    has parts counted once): a model's whole bound stack in JSON-friendly form."""
     return [
         {
             "layer": layer,
             "stage": name,
             **_input_format(plan),
+            **_counted_once(plan),
             **describe_path(plan.path(variant), plan.topology),
         }
         for layer, name, plan in stages
     ]
+
+
+def _counted_once(plan: StagePlan) -> dict[str, dict[str, str]]:
+    """Where each replicated part of the stage's output is added, where it declares any."""
+    if not plan.counted_once:
+        return {}
+    return {"replicated": {part.name: part.describe() for part in plan.counted_once}}
 
 
 def _input_format(plan: StagePlan) -> dict[str, str]:

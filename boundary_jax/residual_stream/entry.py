@@ -14,8 +14,9 @@ import jax
 
 from .. import ops
 from ..designs.protocols import Norm, ReadState, ResidualReadout
+from ..finalize import DeferredFinalize
 from ..fusions import FusionRequest, InputFusion
-from ..layout import Topology
+from ..layout import TokenAxis, Topology
 from ..plan import EntryPath
 from .stream import Contribution
 
@@ -54,6 +55,8 @@ def run_entry(
         if state is not None:
             raise NotImplementedError(_NEEDS_EARLY_READ)
         return compute_input, residual, None
+    if read.gathering_reads and _gathers_attn_tp_only(entry.move_input):
+        return _gathering_read(entry, residual, pending, read, norm, topology)
     if pending is None:
         compute_input, residual, state = read.read(residual, norm)
     else:
@@ -66,6 +69,28 @@ def run_entry(
             compute_input, residual, state = _update_and_read(
                 entry, pending, value, transform, residual, read, norm, candidates, topology
             )
+    return ops.move_rows(entry.move_input, compute_input), residual, state
+
+
+def _gathers_attn_tp_only(steps) -> bool:
+    """The input move is one gather over attention TP alone (a read on this rank's slice)."""
+    return (
+        len(steps) == 1
+        and isinstance(steps[0], ops.AllGather)
+        and steps[0].axes == (TokenAxis.ATTN_TP,)
+    )
+
+
+def _gathering_read(entry, residual, pending, read, norm, topology):
+    """The read's own read + gathers, tried in order on the updated residual (the update runs
+    unfused first); the read and the built-in gather where all decline."""
+    if pending is not None:
+        residual = pending.apply(residual, _completed(entry, pending, topology))
+    for gather in read.gathering_reads:
+        compute_input = gather(residual, norm, topology)
+        if compute_input is not None:
+            return compute_input, residual, None
+    compute_input, residual, state = read.read(residual, norm)
     return ops.move_rows(entry.move_input, compute_input), residual, state
 
 
@@ -102,8 +127,30 @@ def _offer(entry, pending, value, residual, read, norm, candidates, topology):
     return next((r for r in (c(request) for c in candidates) if r is not None), None)
 
 
+def _offer_own(entry, pending, value, residual, read, norm, topology):
+    """The read's own fused completions (`completing_fusions`), where a sum is left for the
+    update + read: the first that accepts completes it with the residual add, and reads
+    unless it read too; None where all decline."""
+    if not entry.fused_sum or not read.completing_fusions or isinstance(value, DeferredFinalize):
+        return None
+    request = FusionRequest(
+        value, residual, norm, pending.update.resolve(), read, entry.fused_sum, topology
+    )
+    for fusion in read.completing_fusions:
+        fused = fusion(request)
+        if fused is None:
+            continue
+        if fused.compute_input is None:
+            return read.read(fused.residual, norm)
+        return fused.compute_input, fused.residual, None
+    return None
+
+
 def _update_and_read(entry, pending, value, transform, residual, read, norm, candidates, topology):
     if transform is None and pending.update_state is None:
+        own = _offer_own(entry, pending, value, residual, read, norm, topology)
+        if own is not None:
+            return own
         fused = _offer(entry, pending, value, residual, read, norm, candidates, topology)
         if fused is not None:
             return (*fused, None)

@@ -187,8 +187,8 @@ def _pipeline_args(command: argparse.ArgumentParser) -> None:
     command.add_argument(
         "--pp-split",
         type=options.pp_split,
-        help="under --mesh pp=N: the layers of each pipeline stage, e.g. 10,14,8 (default: an "
-        "even split)",
+        help="under --mesh pp=N: the layers of each pipeline stage, e.g. 10,14,8 (default: as "
+        "even as the layers allow, the earlier stages holding the extra ones)",
     )
     command.add_argument(
         "--microbatches",

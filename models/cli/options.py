@@ -343,7 +343,7 @@ def check_pipeline(args: argparse.Namespace, config: DecoderConfig) -> PipelineS
         raise InputError(f"--pp-split gives {len(args.pp_split)} stages but --mesh has pp={pp}")
     try:
         if args.pp_split is None:
-            return PipelineSplit.even(config.num_layers, pp)
+            return PipelineSplit.balanced(config.num_layers, pp)
         return PipelineSplit.of_sizes(args.pp_split, config.num_layers)
     except ValueError as error:
         option = where if args.pp_split is None else f"--pp-split {_sizes_text(args.pp_split)}"

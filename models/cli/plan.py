@@ -226,6 +226,9 @@ def print_plan(
             )
         table.add_row(str(stage["layer"]), stage["stage"], *row, exit)
     console.print(table)
+    for stage in report["stages"]:
+        for part, where in stage.get("replicated", {}).items():
+            console.print(f"layer {stage['layer']} {stage['stage']}: {part} {where}")
     batch = f"{report['batch_tokens']} tokens in {report['batch_sequences']} sequences"
     counts = Table(title=f"collectives per layer (compiled HLO; bytes for a batch of {batch})")
     counts.add_column("layer")

@@ -44,10 +44,16 @@ class StageResidual:
     update: designs.ResidualUpdate | designs.DesignFacts = designs.PlainAdd()
     output_transform: Callable | None = None
 
-    def declare_attn(self) -> bj.StageDeclaration:
-        """The attention stage's declaration."""
+    def declare_attn(
+        self, *, replicated: tuple[bj.declare.Replicated, ...] = ()
+    ) -> bj.StageDeclaration:
+        """The attention stage's declaration, with the parts of its output every attention-TP
+        rank computes in full (`replicated`: an o projection's bias)."""
         return bj.declare_attn(
-            read=self.read, update=self.update, output_transform=self.output_transform
+            read=self.read,
+            update=self.update,
+            output_transform=self.output_transform,
+            replicated=replicated,
         )
 
     def declare_ffn(
@@ -56,9 +62,11 @@ class StageResidual:
         sparse: bool = False,
         moe_dispatch: bj.MoeDispatch = bj.MoeDispatch.GATHER,
         dense_tp_size: int | None = None,
+        replicated: tuple[bj.declare.Replicated, ...] = (),
     ) -> bj.StageDeclaration:
         """The FFN stage's declaration: dense (over `dense_tp_size` ranks; None: the full TP
-        group), or sparse with its dispatch."""
+        group), or sparse with its dispatch; `replicated` as for `declare_ffn` (a MoE's shared
+        expert with TP size 1, its zero-computation experts, its experts' down biases)."""
         return bj.declare_ffn(
             read=self.read,
             update=self.update,
@@ -66,6 +74,7 @@ class StageResidual:
             sparse=sparse,
             moe_dispatch=moe_dispatch,
             dense_tp_size=dense_tp_size,
+            replicated=replicated,
         )
 
 

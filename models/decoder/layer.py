@@ -15,7 +15,7 @@ import boundary_jax as bj
 
 from ..inputs.rows import TokenRows
 from ..layers.attention.kv_cache import KVCache
-from ..layers.attention.self_attention import Attention
+from ..layers.attention.self_attention import O_PROJ_BIAS, Attention
 from ..layers.mlp import SwiGLU
 from .designs import LayerDesign, StageDesigns
 
@@ -24,10 +24,20 @@ Declare = Callable[[StageDesigns], tuple[bj.StageDeclaration, ...]]
 
 
 def attend_rows(
-    attn: nnx.Module, h: jax.Array, rows: TokenRows, cache: Any, adapters: jax.Array | None = None
+    attn: nnx.Module,
+    h: jax.Array,
+    rows: TokenRows,
+    cache: Any,
+    boundary: bj.StageBoundary,
+    stream: bj.ResidualStream,
+    adapters: jax.Array | None = None,
 ) -> tuple[jax.Array, Any]:
-    """An attention's compute on `h`'s rows: its o_proj partial, and its updated cache; with
-    `adapters` ([T] LoRA adapter of each of `h`'s rows) each row's adapter joins it."""
+    """An attention's compute on `h`'s rows: its o_proj partial, and its updated cache. Where
+    its stage (`boundary`) declares the o projection's bias replicated, the bias is added on
+    the ranks the boundary counts it on; with `adapters` ([T] LoRA adapter of each of `h`'s
+    rows) each row's adapter joins it."""
+    declared = {part.name for part in boundary.declaration.replicated}
+    counts_bias = boundary.counts(O_PROJ_BIAS, stream) if O_PROJ_BIAS in declared else None
     call = functools.partial(
         attn,
         h,
@@ -37,6 +47,7 @@ def attend_rows(
         phase=rows.phase,
         max_sequence_rows=rows.max_sequence_rows,
         window_rows=rows.window_rows,
+        counts_bias=counts_bias,
     )
     return call() if adapters is None else call(adapters=adapters)
 
@@ -119,10 +130,12 @@ class DecoderLayer(AttentionFirstLayer):
         FFN and its exit. Rows that name LoRA adapters carry them to each stage's compute rows
         (`bj.adapters.lora_rows`)."""
         if rows.adapters is None:
-            y, cache = self.attend(h, rows, cache)
+            y, cache = self.attend(h, rows, cache, stream)
         else:
             adapters = bj.adapters.lora_rows(self.attn_boundary, stream, rows.adapters)
-            y, cache = attend_rows(self.attn, h, rows, cache, adapters=adapters)
+            y, cache = attend_rows(
+                self.attn, h, rows, cache, self.attn_boundary, stream, adapters=adapters
+            )
         x, stream = self.attn_boundary.finish(y, stream)
         h, stream = self.ffn_boundary.prepare(x, stream)
         if rows.adapters is None or not isinstance(self.mlp, SwiGLU):
@@ -134,10 +147,10 @@ class DecoderLayer(AttentionFirstLayer):
         return x, stream, cache
 
     def attend(
-        self, h: jax.Array, rows: TokenRows, cache: KVCache | None
+        self, h: jax.Array, rows: TokenRows, cache: KVCache | None, stream: bj.ResidualStream
     ) -> tuple[jax.Array, KVCache | None]:
         """The attention's compute: its o_proj partial on `h`'s rows, and the updated cache."""
-        return attend_rows(self.attn, h, rows, cache)
+        return attend_rows(self.attn, h, rows, cache, self.attn_boundary, stream)
 
     def run_ffn(
         self, h: jax.Array, stream: bj.ResidualStream
@@ -145,7 +158,8 @@ class DecoderLayer(AttentionFirstLayer):
         """The FFN's compute and exit; a layer whose FFN may hand on a finalize overrides it."""
         return self.ffn_boundary.finish(self.mlp(h), stream)
 
-    def ffn_compute(self, h: jax.Array) -> jax.Array:
-        """The FFN's compute alone, its output finalized (for an exit run apart from compute,
-        as two-batch overlap's `complete_now`)."""
+    def ffn_compute(self, h: jax.Array, stream: bj.ResidualStream) -> jax.Array:
+        """The FFN's compute alone on the stream its stage prepared, its output finalized (for
+        an exit run apart from compute, as two-batch overlap's `complete_now`)."""
+        del stream
         return self.mlp(h)

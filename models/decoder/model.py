@@ -25,7 +25,7 @@ from ..config import DecoderConfig, ResidualDesign
 from ..inputs.rows import TokenRows
 from ..layers.attention.context_parallel import share_over_cp
 from ..layers.attention.kv_cache import KVCache
-from ..layers.attention.self_attention import Attention, HeadSplit
+from ..layers.attention.self_attention import Attention, HeadSplit, replicated_parts
 from ..layers.fp8_linear import Fp8Linears
 from ..layers.linear import DENSE_LINEARS, Linears, ParallelLMHead, VocabParallelEmbedding
 from ..layers.mlp import SwiGLU
@@ -192,7 +192,10 @@ class CausalLM(FamilyBase, nnx.Module):
         """
         del layer_index
         stages = self.quantized(self.design.facts() if stages is None else stages)
-        return stages.attn.declare_attn(), stages.ffn.declare_ffn()
+        return (
+            stages.attn.declare_attn(replicated=replicated_parts(self.config.o_bias)),
+            stages.ffn.declare_ffn(),
+        )
 
     def quantized(self, stages: StageDesigns, *, ffn: bool = True) -> StageDesigns:
         """`stages` with quantized reads (`quantized_reads`) where the model is FP8: the

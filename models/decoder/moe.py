@@ -8,6 +8,8 @@ config and the chosen `MoeDispatch`.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -16,8 +18,9 @@ import boundary_jax as bj
 from pallas_kernels.grouped_matmul import default_grouped_matmul_impl
 
 from ..config import DecoderConfig
+from ..layers.attention.self_attention import replicated_parts as attention_parts
 from ..layers.mlp import SwiGLU
-from ..layers.moe.ffn import MoeFfn
+from ..layers.moe.ffn import MoeFfn, replicated_parts
 from ..layers.moe.fp8 import Fp8MoeFfn
 from ..options import BuildOptions
 from .designs import StageDesigns
@@ -27,6 +30,7 @@ from .model import CausalLM
 
 def moe_stage_facts(
     config: DecoderConfig,
+    topology: bj.Topology,
     dispatch: bj.MoeDispatch,
     layer_index: int,
     stages: StageDesigns,
@@ -34,9 +38,10 @@ def moe_stage_facts(
     """Layer `layer_index`'s stages: attention, then a sparse FFN dispatched as `dispatch` where
     the config makes the layer sparse, else a dense FFN over the full TP group; `stages` gives
     each stage's residual read, update and output transform (as for `CausalLM.stage_facts`)."""
-    attn = stages.attn.declare_attn()
+    attn = stages.attn.declare_attn(replicated=attention_parts(config.o_bias))
     if config.sparse_layers[layer_index]:
-        return attn, stages.ffn.declare_ffn(sparse=True, moe_dispatch=dispatch)
+        parts = replicated_parts(config.moe, topology, dispatch)
+        return attn, stages.ffn.declare_ffn(sparse=True, moe_dispatch=dispatch, replicated=parts)
     return attn, stages.ffn.declare_ffn()
 
 
@@ -50,12 +55,13 @@ class MoeDecoderLayer(DecoderLayer):
         if not isinstance(self.mlp, MoeFfn):
             return super().run_ffn(h, stream)
         exit = self.ffn_boundary.exit(stream)
-        return exit.finish(self.mlp(h, defer=exit.defer_moe_finalize), stream)
+        return exit.finish(self.mlp(h, defer=exit.defer_moe_finalize, counts=exit.counts), stream)
 
-    def ffn_compute(self, h: jax.Array) -> jax.Array:
+    def ffn_compute(self, h: jax.Array, stream: bj.ResidualStream) -> jax.Array:
         if not isinstance(self.mlp, MoeFfn):
-            return super().ffn_compute(h)
-        return self.mlp(h, defer=False)
+            return super().ffn_compute(h, stream)
+        counts = functools.partial(self.ffn_boundary.counts, stream=stream)
+        return self.mlp(h, defer=False, counts=counts)
 
 
 class MoeCausalLM(CausalLM):
@@ -98,7 +104,7 @@ class MoeCausalLM(CausalLM):
         stages = self.design.facts() if stages is None else stages
         # A sparse FFN's router reads its input unquantized; its experts quantize their rows.
         stages = self.quantized(stages, ffn=not self.config.sparse_layers[layer_index])
-        return moe_stage_facts(self.config, self.moe_dispatch, layer_index, stages)
+        return moe_stage_facts(self.config, self.topology, self.moe_dispatch, layer_index, stages)
 
     def make_mlp(self, index: int, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> nnx.Module:
         """Layer `index`'s FFN: the sparse `MoeFfn` on a sparse layer, else the dense SwiGLU."""

@@ -344,7 +344,7 @@ class DeepseekCausalLM(MoeCausalLM):
         stages = self.design.facts() if stages is None else stages
         if self.options.dense_ffn_dp and not self.config.sparse_layers[layer_index]:
             return stages.attn.declare_attn(), stages.ffn.declare_ffn(dense_tp_size=1)
-        return moe_stage_facts(self.config, self.moe_dispatch, layer_index, stages)
+        return moe_stage_facts(self.config, self.topology, self.moe_dispatch, layer_index, stages)
 
     def make_mlp(self, index: int, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> nnx.Module:
         """Layer `index`'s FFN: DeepSeek's MoE on a sparse layer, else the dense SwiGLU (whole on

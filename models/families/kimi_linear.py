@@ -270,11 +270,15 @@ class KimiLinearLayer(MoeDecoderLayer):
     attention."""
 
     def attend(
-        self, h: jax.Array, rows: TokenRows, cache: DeltaCache | LatentCache | None
+        self,
+        h: jax.Array,
+        rows: TokenRows,
+        cache: DeltaCache | LatentCache | None,
+        stream: bj.ResidualStream,
     ) -> tuple[jax.Array, DeltaCache | LatentCache | None]:
         if isinstance(self.attn, KimiDeltaAttention):
             return self.attn(h, rows.positions, rows.segment_ids, cache, phase=rows.phase)
-        return super().attend(h, rows, cache)
+        return super().attend(h, rows, cache, stream)
 
 
 @register

@@ -56,6 +56,7 @@ from ..inputs.rows import TokenRows
 from ..layers.attention.latent import LatentCache, MultiHeadLatentAttention
 from ..layers.mlp import SwiGLU
 from ..layers.moe.deepseek_router import DeepseekMoeFfn
+from ..layers.moe.ffn import replicated_parts
 from ..layers.moe.sparse import GroupedMatmulImpl
 from ..options import BuildOptions
 
@@ -329,17 +330,32 @@ class LongcatDecoderLayer(AttentionFirstLayer):
     ) -> tuple[bj.OwedOutput, bj.ResidualStream, LongcatCache | None]:
         """The layer after its first attention's input: attention, the MoE's input, the branch
         forked from it, the MoE, the branch's stages, and the merge."""
-        y, cache_0 = attend_rows(self.attn_0, h, rows, None if cache is None else cache.attn_0)
+        y, cache_0 = attend_rows(
+            self.attn_0,
+            h,
+            rows,
+            None if cache is None else cache.attn_0,
+            self.attn_boundary,
+            stream,
+        )
         x, stream = self.attn_boundary.finish(y, stream)
         h, stream = self.moe_boundary.prepare(x, stream)
         g, stream, branch = bj.adapters.branch_input(
             self.mlps_0_boundary, self.moe_boundary, h, stream
         )
         exit = self.moe_boundary.exit(stream)
-        x, stream = exit.finish(self.mlp(h, defer=exit.defer_moe_finalize), stream)
+        y = self.mlp(h, defer=exit.defer_moe_finalize, counts=exit.counts)
+        x, stream = exit.finish(y, stream)
         y, branch = self.mlps_0_boundary.finish(self.mlps_0(g), branch)
         g, branch = self.attn_1_boundary.prepare(y, branch)
-        y, cache_1 = attend_rows(self.attn_1, g, rows, None if cache is None else cache.attn_1)
+        y, cache_1 = attend_rows(
+            self.attn_1,
+            g,
+            rows,
+            None if cache is None else cache.attn_1,
+            self.attn_1_boundary,
+            branch,
+        )
         y, branch = self.attn_1_boundary.finish(y, branch)
         g, branch = self.mlps_1_boundary.prepare(y, branch)
         y, branch = self.mlps_1_boundary.finish(self.mlps_1(g), branch)
@@ -467,7 +483,10 @@ class LongcatFlashForCausalLM(MoeCausalLM):
         """The main chain of every layer: the first attention, then the MoE (the branch's stages
         are no neighbour of another layer's)."""
         del layer_index, stages
-        return bj.declare_attn(), bj.declare_ffn(sparse=True, moe_dispatch=self.moe_dispatch)
+        parts = replicated_parts(self.config.moe, self.topology, self.moe_dispatch)
+        return bj.declare_attn(), bj.declare_ffn(
+            sparse=True, moe_dispatch=self.moe_dispatch, replicated=parts
+        )
 
     def make_layer(self, index: int, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> nnx.Module:
         """Decoder layer `index` (inside the open layer stack)."""

@@ -55,6 +55,7 @@ from ..layers.attention.kv_cache import KVCache
 from ..layers.attention.self_attention import Attention
 from ..layers.mixers.mamba2 import Mamba2Cache, Mamba2Mixer
 from ..layers.moe.deepseek_router import DeepseekMoeFfn
+from ..layers.moe.ffn import replicated_parts
 from ..layers.ungated_mlp import UngatedMlp
 from ..options import BuildOptions
 
@@ -275,11 +276,14 @@ Cache = KVCache | Mamba2Cache | None
 """A hybrid layer's decode state: attention's KV cache, Mamba2's conv and SSM state, or none."""
 
 
-def hybrid_stage(layer: HybridLayer) -> bj.StageDeclaration:
-    """The one stage a hybrid layer declares (fresh, for `append_stages`)."""
+def hybrid_stage(
+    layer: HybridLayer, replicated: tuple[bj.declare.Replicated, ...] = ()
+) -> bj.StageDeclaration:
+    """The one stage a hybrid layer declares (fresh, for `append_stages`), with its MoE's
+    replicated parts (`models.layers.moe.ffn.replicated_parts`)."""
     if layer.is_mixer:
         return bj.declare_mixer()
-    return bj.declare_ffn(sparse=layer is HybridLayer.MOE)
+    return bj.declare_ffn(sparse=layer is HybridLayer.MOE, replicated=replicated)
 
 
 class SingleStageLayer(nnx.Module):
@@ -293,11 +297,19 @@ class SingleStageLayer(nnx.Module):
       boundary: The stage's boundary.
     """
 
-    def __init__(self, kind: HybridLayer, mixer: nnx.Module, *, norm: NormSpec, dtype: jnp.dtype):
+    def __init__(
+        self,
+        kind: HybridLayer,
+        mixer: nnx.Module,
+        stage: bj.StageDeclaration,
+        *,
+        norm: NormSpec,
+        dtype: jnp.dtype,
+    ):
         self.kind = kind
         self.norm = norm.rms_norm(dtype)
         self.mixer = mixer
-        (self.boundary,) = bj.append_stages((hybrid_stage(kind), self.norm), owner=self)
+        (self.boundary,) = bj.append_stages((stage, self.norm), owner=self)
 
     def stages(self) -> tuple[tuple[str, bj.StageBoundary], ...]:
         """The layer's one stage boundary by name (for plan reports)."""
@@ -311,12 +323,13 @@ class SingleStageLayer(nnx.Module):
             case HybridLayer.MAMBA2:
                 y, cache = self.mixer(h, rows.positions, rows.segment_ids, cache, phase=rows.phase)
             case HybridLayer.ATTENTION:
-                y, cache = attend_rows(self.mixer, h, rows, cache)
+                y, cache = attend_rows(self.mixer, h, rows, cache, self.boundary, stream)
             case HybridLayer.MLP:
                 y = self.mixer(h)
             case HybridLayer.MOE:
                 exit = self.boundary.exit(stream)
-                x, stream = exit.finish(self.mixer(h, defer=exit.defer_moe_finalize), stream)
+                y = self.mixer(h, defer=exit.defer_moe_finalize, counts=exit.counts)
+                x, stream = exit.finish(y, stream)
                 return x, stream, cache
         x, stream = self.boundary.finish(y, stream)
         return x, stream, cache
@@ -402,7 +415,34 @@ class NemotronHForCausalLM(MoeCausalLM):
         """Layer `layer_index`'s one stage (every hybrid layer reads `norm(residual)` and adds
         its output, so `stages` adds nothing)."""
         del stages
-        return (hybrid_stage(self.config.hybrid.layers[layer_index]),)
+        kind = self.config.hybrid.layers[layer_index]
+        parts = ()
+        if kind is HybridLayer.MOE:
+            parts = replicated_parts(self.experts(), self.topology, self.moe_dispatch)
+        return (hybrid_stage(kind, parts),)
+
+    def experts(self) -> MoeConfig:
+        """The MoE layers' experts: DeepSeek's sigmoid routing over groups, a shared expert."""
+        moe = self.config.hybrid.moe
+        rule = DeepseekRouting(
+            moe.num_experts,
+            moe.top_k,
+            ExpertScoring.SIGMOID,
+            num_groups=moe.num_groups,
+            topk_groups=moe.topk_groups,
+            group_score=GroupScore.TOP2_SUM,
+            correction_bias=True,
+            renormalize=moe.renormalize,
+            scaling_factor=moe.scaling_factor,
+        )
+        return MoeConfig(
+            num_experts=moe.num_experts,
+            top_k=moe.top_k,
+            expert_intermediate_size=moe.expert_intermediate_size,
+            renormalize=moe.renormalize,
+            shared_expert_intermediate_size=moe.shared_expert_intermediate_size,
+            routing=rule,
+        )
 
     def make_layer(self, index: int, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> SingleStageLayer:
         """Hybrid layer `index` (inside the open layer stack)."""
@@ -429,29 +469,9 @@ class NemotronHForCausalLM(MoeCausalLM):
                     rngs=rngs,
                 )
             case HybridLayer.MOE:
-                moe = config.hybrid.moe
-                rule = DeepseekRouting(
-                    moe.num_experts,
-                    moe.top_k,
-                    ExpertScoring.SIGMOID,
-                    num_groups=moe.num_groups,
-                    topk_groups=moe.topk_groups,
-                    group_score=GroupScore.TOP2_SUM,
-                    correction_bias=True,
-                    renormalize=moe.renormalize,
-                    scaling_factor=moe.scaling_factor,
-                )
-                experts = MoeConfig(
-                    num_experts=moe.num_experts,
-                    top_k=moe.top_k,
-                    expert_intermediate_size=moe.expert_intermediate_size,
-                    renormalize=moe.renormalize,
-                    shared_expert_intermediate_size=moe.shared_expert_intermediate_size,
-                    routing=rule,
-                )
                 mixer = DeepseekMoeFfn(
                     config.hidden_size,
-                    experts,
+                    self.experts(),
                     topology,
                     dispatch=self.moe_dispatch,
                     activation=ExpertActivation.RELU2,
@@ -460,7 +480,8 @@ class NemotronHForCausalLM(MoeCausalLM):
                     rngs=rngs,
                 )
         norm = NormSpec(config.hidden_size, config.rms_norm_eps)
-        return SingleStageLayer(kind, mixer, norm=norm, dtype=dtype)
+        (stage,) = self.stage_facts(index)
+        return SingleStageLayer(kind, mixer, stage, norm=norm, dtype=dtype)
 
     def cache_specs(self) -> tuple:
         """Per layer, its decode state's `PartitionSpec` tree (None for an FFN layer)."""

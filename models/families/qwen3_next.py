@@ -188,10 +188,12 @@ def delta_net_tensors(spec: GatedDeltaNetSpec) -> dict[str, HFTensor]:
 class Qwen3NextLayer(MoeDecoderLayer):
     """A decoder layer whose token mixer (`attn`) is a `GatedDeltaNet` or gated attention."""
 
-    def attend(self, h: jax.Array, rows: TokenRows, cache: Cache) -> tuple[jax.Array, Cache]:
+    def attend(
+        self, h: jax.Array, rows: TokenRows, cache: Cache, stream: bj.ResidualStream
+    ) -> tuple[jax.Array, Cache]:
         if isinstance(self.attn, GatedDeltaNet):
             return self.attn(h, rows.positions, rows.segment_ids, cache, phase=rows.phase)
-        return super().attend(h, rows, cache)
+        return super().attend(h, rows, cache, stream)
 
 
 class Qwen3NextBase(MoeCausalLM):

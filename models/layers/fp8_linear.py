@@ -282,9 +282,16 @@ class Fp8Linear(nnx.Module):
         self.quantization = quantization
         self.out_dtype = jnp.dtype(dtype)
 
-    def __call__(self, x: jax.Array | Quantized) -> jax.Array:
+    def __call__(self, x: jax.Array | Quantized, *, counts_bias: None = None) -> jax.Array:
         """[T, local in] rows (or their `Quantized` form) -> [T, local out] (with parts, [T,
-        parts, local out]) in the model's dtype; a partial sum when the rows are split."""
+        parts, local out]) in the model's dtype; a partial sum when the rows are split.
+
+        `counts_bias` is `RowParallelLinear`'s, so a layer calls either alike: None, since an
+        FP8 row projection carries no bias (a column projection's bias is split, not
+        replicated).
+        """
+        if counts_bias is not None:
+            raise ValueError(f"an FP8 projection holds no replicated bias; got {counts_bias=}")
         scales = None if self.weight_scale_inv is None else self.weight_scale_inv[...]
         bias = None if self.bias is None else self.bias[...]
         return self._project(x, self.weight[...], scales, bias)

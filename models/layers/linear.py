@@ -20,8 +20,10 @@ from jax import lax
 from boundary_jax import SumGroup, Topology
 from boundary_jax.initializers import Normal, ZeroPadded, param
 from boundary_jax.ops import (
+    ReducingModule,
     gather_last_dim,
     shard_index,
+    sum_over_group,
     vocab_parallel_argmax,
     vocab_parallel_cross_entropy,
 )
@@ -131,18 +133,22 @@ def project(x: jax.Array, kernel: jax.Array, bias: jax.Array | None) -> jax.Arra
     return y if bias is None else y + bias[None]
 
 
-class RowParallelLinear(nnx.Module):
+class RowParallelLinear(nnx.Module, ReducingModule):
     """`x @ kernel (+ bias)` with the input features split over `group`: returns this rank's
     partial sum.
 
     Attributes:
       kernel: [in_features, out_features] global; local [in_features / ranks, out_features].
         Drawn from N(0, init_std^2) (`weight_init`).
-      bias: [out_features], whole on every rank of `group`, or None. Every rank holds it but
-        only the group's first rank adds it to its partial sum, so the one sum over the group
-        counts it once. Drawn like the kernel, so a bias counted on every rank shows in tests.
+      bias: [out_features], whole on every rank of `group`, or None. Every rank holds it: a
+        replicated part of the stage's output (`boundary_jax.declare.Replicated`), added only
+        where the stage boundary counts it (`__call__`'s `counts_bias`), so the one sum over the
+        group counts it once. Drawn like the kernel, so a bias counted on every rank shows in
+        tests.
       group: The group the input features are split over; the output owes a sum over it.
-      topology: The parallel topology (which rank is the group's first).
+      topology: The parallel topology.
+      reduce_results: The call completes the sum over `group` itself, for a use outside stage
+        boundaries; under one, `append_stages` refuses it (the boundary owns the sum).
     """
 
     def __init__(
@@ -153,6 +159,7 @@ class RowParallelLinear(nnx.Module):
         group: SumGroup,
         topology: Topology,
         bias: bool = False,
+        reduce_results: bool = False,
         dtype: jnp.dtype = jnp.float32,
         init_std: float | None = None,
         rngs: nnx.Rngs,
@@ -167,16 +174,37 @@ class RowParallelLinear(nnx.Module):
         )
         self.group = group
         self.topology = topology
+        self.reduce_results = reduce_results
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    @property
+    def reduces_output(self) -> bool:
+        return self.reduce_results
+
+    def __call__(self, x: jax.Array, *, counts_bias: bool | jax.Array | None = None) -> jax.Array:
         """This rank's [T, local in_features] -> [T, out_features] partial, unreduced over group
-        (the bias on the group's first rank only)."""
+        (summed over it with `reduce_results`).
+
+        Args:
+          x: This rank's input features.
+          counts_bias: With a bias, whether this rank adds it: the stage boundary's
+            `counts(name, stream)` for the bias the stage declares replicated. Required then;
+            None without a bias.
+
+        Raises:
+          ValueError: A bias without `counts_bias`, or `counts_bias` without a bias.
+        """
         y = x @ self.kernel[...]
-        if self.bias is None:
-            return y
-        first = shard_index(self.topology, self.group) == 0
-        bias = self.bias[...]
-        return y + jnp.where(first, bias, jnp.zeros_like(bias))[None]
+        if (self.bias is None) != (counts_bias is None):
+            raise ValueError(
+                "a row-parallel projection's bias is a replicated part of its stage's output: "
+                "pass counts_bias (the stage boundary's counts(name, stream) for the bias the "
+                "stage declares with declare.Replicated) exactly when the projection has a bias; "
+                f"got bias={self.bias is not None}, {counts_bias=}"
+            )
+        if self.bias is not None:
+            bias = self.bias[...]
+            y = y + jnp.where(counts_bias, bias, jnp.zeros_like(bias))[None]
+        return sum_over_group(y, self.topology, self.group) if self.reduce_results else y
 
     def of_activation(
         self, x: jax.Array, activation: Callable[[jax.Array], jax.Array]

@@ -33,14 +33,15 @@ from .transport import holds, stage_meshes
 def pipeline_split(
     config: DecoderConfig, topology: bj.Topology, split: PipelineSplit | None
 ) -> PipelineSplit:
-    """`split`, checked against the model and the mesh; None: the even split.
+    """`split`, checked against the model and the mesh; None: the balanced split (the earlier
+    stages hold the extra layers when `pp` does not divide them).
 
     Raises:
       ValueError: The split does not cover the model's layers or has another number of stages
         than the mesh's `pp` axis.
     """
     if split is None:
-        return PipelineSplit.even(config.num_layers, topology.pp)
+        return PipelineSplit.balanced(config.num_layers, topology.pp)
     if split.num_layers != config.num_layers or split.pp != topology.pp:
         raise ValueError(
             f"the pipeline split {list(split.sizes)} must have pp={topology.pp} stages covering "
@@ -88,7 +89,7 @@ def build_pipeline(
       mesh: The pipeline mesh (`boundary_jax.make_mesh(topology)`): stage s runs on its
         devices at `pp` index s.
       options: As `build_model`'s; stages run their layers unrolled (no `scan_layers`).
-      split: The layers of each stage (None: the even split).
+      split: The layers of each stage (None: the balanced split, `PipelineSplit.balanced`).
       seed: The random seed.
       weights: A whole model of the same config and options (e.g. `build_model` without a
         mesh) whose weights the stages take, placed on their devices, instead of drawing them:

@@ -75,23 +75,18 @@ class PipelineSplit:
         return cls(tuple(range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)))
 
     @classmethod
-    def even(cls, num_layers: int, pp: int) -> PipelineSplit:
-        """`pp` stages of `num_layers / pp` layers each.
+    def balanced(cls, num_layers: int, pp: int) -> PipelineSplit:
+        """`pp` stages whose sizes differ by at most one layer, the earlier stages holding the
+        extra layers (as SGLang's and vLLM's default pipeline partitions do): 3 layers over 2
+        stages are [2, 1], 5 over 4 are [2, 1, 1, 1].
 
         Raises:
-          ValueError: `pp` does not divide `num_layers` (pass the sizes to `of_sizes`, as the
-            command line's `--pp-split` does), or exceeds it.
+          ValueError: `pp` is not positive or exceeds `num_layers` (a stage would hold none).
         """
         if pp < 1 or num_layers < pp:
             raise ValueError(
                 f"{pp} pipeline stages need at least {pp} layers (one per stage); the model has "
-                f"{num_layers}"
+                f"{num_layers}. Use at most {num_layers} stages"
             )
-        if num_layers % pp:
-            base, extra = divmod(num_layers, pp)
-            hint = ",".join(str(base + (index < extra)) for index in range(pp))
-            raise ValueError(
-                f"an even pipeline split needs pp to divide the model's layers; {pp} does not "
-                f"divide {num_layers}. Choose the layers per stage, e.g. --pp-split {hint}"
-            )
-        return cls.of_sizes([num_layers // pp] * pp, num_layers)
+        base, extra = divmod(num_layers, pp)
+        return cls.of_sizes([base + (index < extra) for index in range(pp)], num_layers)

@@ -121,9 +121,9 @@ def _phases(model: CausalLM, layers: list[DecoderLayer]) -> list:
         def phase(state):
             h, stream, rows, caches = state
             if caches is None:
-                y, _ = layers[index].attend(h, rows, None)
+                y, _ = layers[index].attend(h, rows, None, stream)
                 return y, stream, rows, caches
-            y, cache = layers[index].attend(h, rows, caches[index])
+            y, cache = layers[index].attend(h, rows, caches[index], stream)
             return y, stream, rows, (*caches[:index], cache, *caches[index + 1 :])
 
         return phase
@@ -141,7 +141,7 @@ def _phases(model: CausalLM, layers: list[DecoderLayer]) -> list:
     def ffn(index):
         def phase(state):
             h, stream, rows, caches = state
-            return layers[index].ffn_compute(h), stream, rows, caches
+            return layers[index].ffn_compute(h, stream), stream, rows, caches
 
         return phase
 

@@ -73,6 +73,7 @@ class TanhUpdate:
     """A nonlinear residual update: residual + tanh(value)."""
 
     plain: bool = dataclasses.field(default=False, init=False)
+    applied_at_exit: bool = False
 
     def apply(self, residual: jax.Array, value: jax.Array, state=None) -> jax.Array:
         return residual + jnp.tanh(value)

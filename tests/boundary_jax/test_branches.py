@@ -321,7 +321,9 @@ def _declare_branch(topology, *, prepared_from=None, source=None, twice=False, r
 
 def test_construction_rejects_unsupported_branches():
     """Context parallelism, two branches from one source, an unknown source, a source whose
-    update is not a plain add and a mismatched input format are rejected when the stack binds."""
+    update is not a plain add, a mismatched input format and a source whose update is applied
+    at its exit (its output must stay pending for the merge) are rejected when the stack
+    binds."""
     with pytest.raises(NotImplementedError, match="context parallelism"):
         _declare_branch(bj.Topology(attn_cp=2))
     with pytest.raises(ValueError, match="already the source of a branch"):
@@ -333,6 +335,9 @@ def test_construction_rejects_unsupported_branches():
     fp8 = bj.designs.AddNormRead(quantize=bj.designs.Fp8TokenGroups())
     with pytest.raises(ValueError, match="same input format"):
         _declare_branch(bj.Topology(), read=fp8)
+    at_exit = bj.declare_ffn(update=bj.designs.PlainAdd(applied_at_exit=True))
+    with pytest.raises(NotImplementedError, match="cannot be applied_at_exit"):
+        _declare_branch(bj.Topology(attn_tp=2), source=at_exit)
 
 
 def test_an_input_scattered_batch_is_rejected_with_the_reason():

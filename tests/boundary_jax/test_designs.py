@@ -25,6 +25,9 @@ class GatedRead(nnx.Module):
     """A read that normalizes and hands its update a per-row gate, sigmoid(residual @ w)."""
 
     reads_before_dp_gather = True
+    reads_after_attn_tp_gather = False
+    completing_fusions = ()
+    gathering_reads = ()
     input_format = None
 
     def __init__(self, key):
@@ -45,6 +48,7 @@ class GatedUpdate(nnx.Module):
     and a trainable scale."""
 
     plain = False
+    applied_at_exit = False
 
     def __init__(self, key):
         self.scale = nnx.Param(1.0 + 0.3 * jax.random.normal(key, (HIDDEN,), jnp.float64))

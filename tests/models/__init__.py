@@ -13,6 +13,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 import boundary_jax as bj
+from boundary_jax.bind import counted_once
 from models.layers.attention.self_attention import WholeProjectionNorm
 from tests.meshes import make_mesh  # noqa: F401 (the tests import it from here)
 
@@ -106,3 +107,14 @@ def randomize_norms(module: nnx.Module, seed: int) -> None:
         if isinstance(node, bj.RMSNorm | WholeProjectionNorm):
             shape = node.weight.shape
             node.weight[...] = (1 + 0.2 * rng.standard_normal(shape)).astype(node.weight.dtype)
+
+
+def stage_counts(module: nnx.Module) -> Callable[[str], bool | jax.Array]:
+    """What a sparse FFN's stage boundary answers for its replicated parts
+    (`StageBoundary.counts`), for a MoE run on its own inside `shard_map`: the ranks binding
+    gives its stage's declaration (`boundary_jax.bind.counted_once`)."""
+    declaration = bj.declare_ffn(
+        sparse=True, moe_dispatch=module.dispatch, replicated=module.replicated
+    )
+    ranks = {part.name: part.ranks for part in counted_once(declaration, module.topology)}
+    return lambda name: bj.ops.is_first_rank(ranks[name])

@@ -204,6 +204,7 @@ class MultiHeadLatentAttention(nnx.Module):
         phase: RowsPhase = RowsPhase.PREFILL,
         max_sequence_rows: int | None = None,
         window_rows: int | None = None,
+        counts_bias: None = None,
     ) -> tuple[jax.Array, LatentCache | None]:
         """Attends each row to its sequence; with a cache, also stores this call's latents.
 
@@ -223,6 +224,8 @@ class MultiHeadLatentAttention(nnx.Module):
           window_rows: Static: a PREFILL's rows are windows of this many rows, each one
             sequence's from its first row, or padding (`TokenRows.window_rows`); the cuDNN
             prefill then attends window by window.
+          counts_bias: None: the o projection has no bias (the argument is `Attention`'s, so a
+            layer calls either alike).
 
         Returns:
           ([T, hidden] o_proj partial owing a sum over attention TP, zero on padding rows and
@@ -272,7 +275,7 @@ class MultiHeadLatentAttention(nnx.Module):
             cache = _write(cache, latent, positions, slot_of_row)
             out = self._absorbed(q_nope, q_rope, cache, positions, valid)
         out = out.astype(h.dtype).reshape(rows, self.local_heads * self.config.v_head_dim)
-        return self.o_proj(out), cache
+        return self.o_proj(out, counts_bias=counts_bias), cache
 
     def _queries(self, h: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """This rank's heads' queries: nope [T, heads, nope] and rotated rope [T, heads, rope]."""

@@ -28,6 +28,7 @@ from flax import nnx
 from jax import lax
 
 from boundary_jax import RMSNorm, SumGroup, Topology
+from boundary_jax.declare import Replicated
 from boundary_jax.designs import Quantized
 from boundary_jax.initializers import Constant, Normal, param
 from boundary_jax.ops import shard_index, sharded_rms_norms
@@ -47,6 +48,15 @@ from .context_parallel import (
 from .cudnn import decode_cache_cudnn, prefill_attention_cudnn, window_of_cache
 from .kv_cache import HeadSplit, KVCache
 from .rope import apply_rope, rope_inv_freq
+
+O_PROJ_BIAS = "o_proj bias"
+"""The replicated part an attention with `AttentionSpec.o_bias` declares on its stage."""
+
+
+def replicated_parts(o_bias: bool) -> tuple[Replicated, ...]:
+    """What an attention stage declares replicated: with `o_bias` (`AttentionSpec.o_bias`) the
+    o projection's bias, whole on every attention-TP rank and counted once in their sum."""
+    return (Replicated(O_PROJ_BIAS),) if o_bias else ()
 
 
 class AttentionImpl(enum.Enum):
@@ -239,6 +249,7 @@ class Attention(nnx.Module):
         max_sequence_rows: int | None = None,
         window_rows: int | None = None,
         adapters: jax.Array | None = None,
+        counts_bias: bool | jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """Attends each row to its sequence; with a cache, also stores this call's keys/values.
 
@@ -264,6 +275,9 @@ class Attention(nnx.Module):
             prefill then attends window by window.
           adapters: [T] int32 LoRA adapter of each row (0: none; `layers.lora`), or None to
             run the base projections alone.
+          counts_bias: With `spec.o_bias`, whether this rank adds the o projection's bias (the
+            attention stage boundary's `counts(O_PROJ_BIAS, stream)`: the stage declares the
+            bias replicated, `replicated_parts`); None without it.
 
         Returns:
           ([T, hidden] o_proj partial owing a sum over attention TP, with zero rows for
@@ -366,7 +380,7 @@ class Attention(nnx.Module):
         out = out.astype(q.dtype).reshape(rows, self.heads.local_heads * head_dim)
         if self.spec.output_gate:
             out = out * jax.nn.sigmoid(gate.reshape(out.shape))
-        y = self.o_proj(out)
+        y = self.o_proj(out, counts_bias=counts_bias)
         if adapters is not None and self.o_lora is not None:
             y = y + self.o_lora(out, adapters)
         return y, cache

@@ -15,20 +15,26 @@ takes the stage's normalized input and the exit's `defer_moe_finalize`:
   is complete on its own rows.
 
 A shared expert is split over the full TP group on gathered rows when its width divides it,
-otherwise computed whole on every rank and added on the first rank of the MoE output group only,
-so the boundary's one sum counts it once. On own rows it is whole and added on every rank: each
-rank's rows are its own. Zero-computation (identity) experts (`MoeConfig.zero_experts`) are
-counted the same way as a whole shared expert: on gathered rows by the first rank of the MoE
-output group, on own rows by every rank; their choices are never sent all-to-all.
+otherwise computed whole on every rank: a replicated part of the stage's output
+(`boundary_jax.declare.Replicated`, `replicated_parts`), which the stage boundary counts once: on
+gathered rows on the first rank of the MoE output sum, on own rows on every rank (each rank's
+rows are its own). Zero-computation (identity) experts (`MoeConfig.zero_experts`) are a
+replicated part the same way; their choices are never sent all-to-all.
 
 Expert biases (`MoeConfig.expert_bias`) go with their experts: the gate/up bias is split like
 the columns it is added to, and the down bias, whole on each rank of an expert's width group, is
-added by the group's first rank only (`counts_down_bias`); only the rank that holds an expert
-computes its outputs, so the EP ranks need no such rule. Either dispatch then sums each chosen
-expert's output, bias included, once before the routing weight scales it.
+a replicated part over that group (`SumGroup.MOE_TP`, whose ranks sum their width shares at the
+boundary or, under an all-to-all, inside compute); only the rank that holds an expert computes
+its outputs, so the EP ranks need no such rule. Either dispatch then sums each chosen expert's
+output, bias included, once before the routing weight scales it.
+
+The MoE asks its stage boundary which of these parts this rank adds (`__call__`'s `counts`, the
+boundary's `counts(name, stream)`); its stage declares them (`replicated_parts`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +46,41 @@ from ...config import MoeConfig
 from ..activations import ExpertActivation
 from .experts import Activation
 from .routing import MoeOutput, Routing, finalize
-from .sparse import GroupedMatmulImpl, SparseMoe
+from .sparse import GroupedMatmulImpl, PartsCounted, SparseMoe
+
+SHARED_EXPERT = "shared expert"
+ZERO_EXPERTS = "zero-computation experts"
+EXPERT_DOWN_BIAS = "expert down bias"
+
+Counts = Callable[[str], bool | jax.Array]
+"""Whether this rank adds the named replicated part: a stage boundary's `counts(name, stream)`."""
+
+
+def splits_shared_expert(moe: MoeConfig, topology: bj.Topology, dispatch: bj.MoeDispatch) -> bool:
+    """Whether the shared expert's width is split over the full TP group (gathered rows, a
+    width the group divides); otherwise every rank computes it whole."""
+    shared = moe.shared_expert_intermediate_size
+    own_rows = dispatch is bj.MoeDispatch.ALL_TO_ALL
+    return not own_rows and shared is not None and shared % topology.tp_size == 0
+
+
+def replicated_parts(
+    moe: MoeConfig, topology: bj.Topology, dispatch: bj.MoeDispatch
+) -> tuple[bj.declare.Replicated, ...]:
+    """The replicated parts a sparse FFN's stage declares (for its model's `stage_facts`): a
+    shared expert computed whole on every rank, zero-computation experts, and the experts' down
+    biases (whole over `SumGroup.MOE_TP`)."""
+    parts = []
+    whole_shared = moe.shared_expert_intermediate_size is not None and not splits_shared_expert(
+        moe, topology, dispatch
+    )
+    if whole_shared:
+        parts.append(bj.declare.Replicated(SHARED_EXPERT))
+    if moe.zero_experts:
+        parts.append(bj.declare.Replicated(ZERO_EXPERTS))
+    if moe.expert_bias:
+        parts.append(bj.declare.Replicated(EXPERT_DOWN_BIAS, bj.SumGroup.MOE_TP))
+    return tuple(parts)
 
 
 def deferred_finalize(output: MoeOutput) -> bj.DeferredFinalize:
@@ -60,8 +100,8 @@ class MoeFfn(SparseMoe):
       topology: Where the experts and their width are split.
       dispatch: Where the experts get their tokens (must match the stage's declaration).
       capacity: For ALL_TO_ALL, rows each rank sends each rank (None: drop nothing).
-      shared_on_first_rank: The shared expert is whole on every rank of the MoE output group and
-        counted on its first rank only.
+      replicated: The replicated parts its stage declares (`replicated_parts`), which `__call__`
+        asks the boundary about.
     """
 
     def __init__(
@@ -89,15 +129,14 @@ class MoeFfn(SparseMoe):
                 f"({topology.moe_tp} = TP {topology.tp_size} / moe_ep {topology.moe_ep}); "
                 "choose a larger moe_ep"
             )
-        shared = moe.shared_expert_intermediate_size
-        split_shared = not own_rows and shared is not None and shared % topology.tp_size == 0
+        split_shared = splits_shared_expert(moe, topology, dispatch)
         super().__init__(
             hidden_size,
             moe.num_experts,
             moe.expert_intermediate_size,
             top_k=moe.top_k,
             renormalize=moe.renormalize,
-            shared_width=shared,
+            shared_width=moe.shared_expert_intermediate_size,
             shared_gated=moe.shared_expert_gate,
             expert_entry=topology.shard_entry(bj.SumGroup.MOE_EP),
             width_entry=width_entry,
@@ -114,37 +153,40 @@ class MoeFfn(SparseMoe):
         self.topology = topology
         self.dispatch = dispatch
         self.capacity = capacity
-        self.shared_on_first_rank = (
-            shared is not None and not own_rows and not split_shared and topology.tp_size > 1
-        )
+        self.replicated = replicated_parts(moe, topology, dispatch)
 
-    def counts_down_bias(self) -> bool | jax.Array:
-        """Whether this rank adds its experts' down biases: on the first rank of the width
-        group (`SumGroup.MOE_TP`) only, whose ranks' down projections sum to the output."""
-        if self.topology.moe_tp == 1:
-            return True
-        return bj.ops.shard_index(self.topology, bj.SumGroup.MOE_TP) == 0
-
-    def __call__(self, x: jax.Array, *, defer: bool) -> jax.Array | bj.DeferredFinalize:
+    def __call__(
+        self, x: jax.Array, *, defer: bool, counts: Counts
+    ) -> jax.Array | bj.DeferredFinalize:
         """[T, hidden] normalized rows -> this rank's output: finalized, or a `DeferredFinalize`
-        when `defer` (the exit's `defer_moe_finalize`)."""
+        when `defer` (the exit's `defer_moe_finalize`).
+
+        Args:
+          x: The stage's compute input.
+          defer: The exit's `defer_moe_finalize`.
+          counts: The stage boundary's `counts(name, stream)` for the replicated parts its
+            stage declares (`replicated_parts`).
+        """
+        counted = self.counted(counts)
         if self.dispatch is bj.MoeDispatch.ALL_TO_ALL:
-            output = self._own_rows(x)
+            output = self._own_rows(x, counted)
             return deferred_finalize(output) if defer else finalize(output)
-        first = True
-        if self.topology.tp_size > 1:
-            first = bj.ops.shard_index(self.topology, bj.SumGroup.MOE_OUTPUT) == 0
-        counts = {
-            "count_shared": first if self.shared_on_first_rank else True,
-            "count_zero": first,
-        }
         local = self.gate_up_proj.shape[0]
         offset = bj.ops.shard_index(self.topology, bj.SumGroup.MOE_EP) * local
         if not defer:  # combined where the experts run (SparseMoe.finalized)
-            return self.finalized(x, expert_offset=offset, **counts)
-        return deferred_finalize(super().__call__(x, expert_offset=offset, **counts))
+            return self.finalized(x, expert_offset=offset, counted=counted)
+        return deferred_finalize(super().__call__(x, expert_offset=offset, counted=counted))
 
-    def _own_rows(self, x: jax.Array) -> MoeOutput:
+    def counted(self, counts: Counts) -> PartsCounted:
+        """Which replicated parts this rank adds, as the stage boundary counts them; a part
+        this MoE does not hold is counted everywhere (it adds nothing)."""
+
+        def ask(name: str) -> bool | jax.Array:
+            return counts(name) if name in {part.name for part in self.replicated} else True
+
+        return PartsCounted(ask(SHARED_EXPERT), ask(ZERO_EXPERTS), ask(EXPERT_DOWN_BIAS))
+
+    def _own_rows(self, x: jax.Array, counted: PartsCounted) -> MoeOutput:
         """Routes this rank's own rows, sends each choice to its expert's rank and back."""
         routing = self.route(x)
         tokens, top_k = routing.experts.shape
@@ -166,7 +208,8 @@ class MoeFfn(SparseMoe):
             # Each EP rank sends T * k rows, spread evenly over all experts; the width group's
             # ranks gather theirs.
             even_share=tokens * top_k * self.topology.moe_tp / local,
+            count_down_bias=counted.down_bias,
         )[:, 0]
         returned = bj.ops.combine_from_experts(answers, dispatched, self.topology)
-        shared = self._shared(x, routing, count_shared=True, count_zero=True)
+        shared = self._shared(x, routing, counted)
         return MoeOutput(returned.reshape(tokens, top_k, -1), routing, shared)

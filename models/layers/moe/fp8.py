@@ -124,8 +124,10 @@ class Fp8MoeFfn(MoeFfn):
         even_share: float | None = None,
         shared: jax.Array | None = None,
         combine: bool = False,
+        count_down_bias: bool | jax.Array = True,
     ) -> jax.Array:
         del even_share  # no capacity buckets: the grouped FP8 products take ragged groups
+        del count_down_bias  # FP8 experts hold no biases
         tokens, top_k = routing.experts.shape
         local = self.gate_up_proj.shape[0]
         flat = routing.experts.reshape(-1) - expert_offset  # [T*k] local expert ids

@@ -37,6 +37,8 @@ counted once like a shared expert every rank computes whole.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -145,6 +147,25 @@ def moe_reference(
 # --------------------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class PartsCounted:
+    """Which replicated parts of a MoE's output this rank adds (each a bool, or a traced bool
+    inside `shard_map`): a part every rank of a sum computes whole is added on one of them
+    (`boundary_jax.declare.Replicated`; `ffn.MoeFfn` asks its stage boundary). All True on one
+    device.
+
+    Attributes:
+      shared: The shared expert's output, where this rank computes it whole.
+      zero: The zero-computation experts' part.
+      down_bias: The routed experts' down biases, where this rank holds them whole beside the
+        other ranks of an expert's width.
+    """
+
+    shared: bool | jax.Array = True
+    zero: bool | jax.Array = True
+    down_bias: bool | jax.Array = True
+
+
 class SharedExpert(nnx.Module):
     """A SwiGLU (or relu^2 MLP) every token goes through, width optionally split, optionally
     sigmoid-gated.
@@ -227,7 +248,7 @@ class SparseMoe(nnx.Module):
       gate_up_proj_bias: [num_experts, parts, width] global, split as `gate_up_proj`'s expert
         and width axes; or None.
       down_proj_bias: [num_experts, hidden] global, split over `expert_entry`, whole on every
-        rank of the width group (counted on one of them: `counts_down_bias`); or None.
+        rank of the width group (added on one of them: `PartsCounted.down_bias`); or None.
 
     Every weight is drawn from N(0, init_std^2) (None: std 1/sqrt(fan_in)); so are the
     biases, which transformers starts at zero, so that one used wrongly shows in tests.
@@ -329,8 +350,7 @@ class SparseMoe(nnx.Module):
         x: jax.Array,
         *,
         expert_offset: int | jax.Array = 0,
-        count_shared: bool | jax.Array = True,
-        count_zero: bool | jax.Array = True,
+        counted: PartsCounted = PartsCounted(),
     ) -> MoeOutput:
         """[T, hidden] complete rows -> this rank's `MoeOutput` (unfinalized, owing the sum).
 
@@ -338,36 +358,35 @@ class SparseMoe(nnx.Module):
           x: [T, hidden] token rows, the same on every rank that splits these experts.
           expert_offset: Global id of this rank's first local expert (0 when the experts are
             not split); the caller computes it, e.g. `axis_index * local_experts`.
-          count_shared: Whether this rank adds its shared-expert output (a traced bool where
-            the rank decides it, e.g. the first rank of a group that holds it whole).
-          count_zero: Whether this rank adds the zero-computation experts' part (every rank
-            computes it whole: one rank of the group the output is summed over adds it).
+          counted: Which replicated parts this rank adds (all, on one device).
         """
         routing = self.route(x)
-        outputs = self.routed(x, routing, **self._settings(x, expert_offset))
-        return MoeOutput(outputs, routing, self._shared(x, routing, count_shared, count_zero))
+        outputs = self.routed(
+            x, routing, count_down_bias=counted.down_bias, **self._settings(x, expert_offset)
+        )
+        return MoeOutput(outputs, routing, self._shared(x, routing, counted))
 
     def finalized(
         self,
         x: jax.Array,
         *,
         expert_offset: int | jax.Array = 0,
-        count_shared: bool | jax.Array = True,
-        count_zero: bool | jax.Array = True,
+        counted: PartsCounted = PartsCounted(),
     ) -> jax.Array:
         """[T, hidden] complete rows -> this rank's finalized share, owing the sum:
         `finalize(self(x, expert_offset=...))`, combined inside the expert computation
         (`finalized_expert_outputs`).
 
         Args:
-          x, expert_offset, count_shared, count_zero: As for `__call__`.
+          x, expert_offset, counted: As for `__call__`.
         """
         routing = self.route(x)
         return self.routed(
             x,
             routing,
-            shared=self._shared(x, routing, count_shared, count_zero),
+            shared=self._shared(x, routing, counted),
             combine=True,
+            count_down_bias=counted.down_bias,
             **self._settings(x, expert_offset),
         )
 
@@ -418,6 +437,7 @@ class SparseMoe(nnx.Module):
         even_share: float | None = None,
         shared: jax.Array | None = None,
         combine: bool = False,
+        count_down_bias: bool | jax.Array = True,
     ) -> jax.Array:
         """This rank's experts applied to rows `x` as `routing` chose them: `expert_outputs`
         [T, k, hidden], or with `combine` their finalize with `shared` added
@@ -427,6 +447,8 @@ class SparseMoe(nnx.Module):
           x, routing, expert_offset, even_share: As for `expert_outputs`.
           shared: With `combine`, this rank's shared-expert share, or None.
           combine: Return the finalized [T, hidden] rather than the per-choice outputs.
+          count_down_bias: Whether this rank adds its experts' down biases
+            (`PartsCounted.down_bias`).
         """
         weights = (self.gate_up_proj[...], self.down_proj[...])
         settings = {
@@ -434,33 +456,26 @@ class SparseMoe(nnx.Module):
             "impl": self.impl,
             "even_share": even_share,
             "activation": self.activation,
-            "biases": self.expert_biases(),
+            "biases": self.expert_biases(count_down_bias),
         }
         if combine:
             return finalized_expert_outputs(x, routing, *weights, shared=shared, **settings)
         return expert_outputs(x, routing, *weights, **settings)
 
-    def expert_biases(self) -> ExpertBiases | None:
-        """This rank's experts' biases, the down bias zero where `counts_down_bias` says this
-        rank does not count it; None without expert biases."""
+    def expert_biases(self, count_down_bias: bool | jax.Array = True) -> ExpertBiases | None:
+        """This rank's experts' biases, the down bias zero where `count_down_bias` says this
+        rank does not add it; None without expert biases."""
         if self.gate_up_proj_bias is None:
             return None
         down = self.down_proj_bias[...]
-        down = jnp.where(self.counts_down_bias(), down, jnp.zeros_like(down))
+        down = jnp.where(count_down_bias, down, jnp.zeros_like(down))
         return ExpertBiases(self.gate_up_proj_bias[...], down)
-
-    def counts_down_bias(self) -> bool | jax.Array:
-        """Whether this rank adds its experts' down biases: True here (one rank holds each
-        expert's whole width); a subclass that splits the width over ranks answers for the
-        one rank of the group that counts it (a traced bool inside `shard_map`)."""
-        return True
 
     def _shared(
         self,
         x: jax.Array,
         routing: Routing,
-        count_shared: bool | jax.Array,
-        count_zero: bool | jax.Array,
+        counted: PartsCounted,
     ) -> jax.Array | None:
         """What joins the combine beside the routed experts: the shared expert's share of rows
         `x` and the zero-computation experts' part, each zero on a rank that does not count
@@ -468,10 +483,10 @@ class SparseMoe(nnx.Module):
         parts = []
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
-            parts.append(jnp.where(count_shared, shared, jnp.zeros_like(shared)))
+            parts.append(jnp.where(counted.shared, shared, jnp.zeros_like(shared)))
         if self.zero_experts:
             zero = zero_expert_output(x, routing, self.num_experts)
-            parts.append(jnp.where(count_zero, zero, jnp.zeros_like(zero)))
+            parts.append(jnp.where(counted.zero, zero, jnp.zeros_like(zero)))
         return sum(parts[1:], parts[0]) if parts else None
 
     def _settings(self, x: jax.Array, expert_offset: int | jax.Array) -> dict:

@@ -359,3 +359,18 @@ def test_command_line_forward_generate_and_plan(tmp_path, capsys):
     assert main(args) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["collectives_per_layer"]["all-reduce"] >= 2
+
+
+def test_plan_shows_where_the_replicated_biases_are_added(capsys):
+    """The o projection's bias and the experts' down biases are replicated parts their stages
+    declare: `plan` shows each added on the first rank of its sum's group (the down bias over
+    an expert's width group, here all of attention TP with moe_ep 1)."""
+    args = ["plan", "--checkpoint", str(CHECKPOINT), "--mesh", "attn_tp=2", "--json"]
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    attention, ffn = report["stages"][:2]
+    first = "added on the first rank of attn_tp only"
+    assert attention["replicated"] == {"o_proj bias": first}
+    assert ffn["replicated"] == {"expert down bias": first}
+    assert main(args[:-1]) == 0
+    assert f"layer 0 attention: o_proj bias {first}" in capsys.readouterr().out

@@ -26,12 +26,12 @@ from models.families.qwen3_moe import Qwen3MoeForCausalLM
 from models.layers.moe import experts as routed_experts
 from models.layers.moe import routing as moe_routing
 from models.layers.moe import sparse as moe
-from models.layers.moe.ffn import MoeFfn
+from models.layers.moe.ffn import SHARED_EXPERT, MoeFfn
 from models.layers.moe.sparse import GroupedMatmulImpl
 from models.options import BuildOptions
 from models.serving.runtime import ShardedCausalLM
 from models.weights import load_config
-from tests.models import MoeLayout, run_sharded
+from tests.models import MoeLayout, run_sharded, stage_counts
 
 GOLDEN = pathlib.Path(__file__).parents[2] / "golden"
 GATHER, ALL_TO_ALL = bj.MoeDispatch.GATHER, bj.MoeDispatch.ALL_TO_ALL
@@ -182,15 +182,16 @@ def layer_case(
     return module, make_mesh(topology)
 
 
-def run_layer(module: MoeFfn, mesh, x: jax.Array, *, defer: bool) -> np.ndarray:
+def run_layer(module: MoeFfn, mesh, x: jax.Array, *, defer: bool, counts=None) -> np.ndarray:
     """The layer's output on every token, completed as its boundary would: gathered rows summed
-    over the MoE output group, own rows concatenated; a deferred finalize completed first."""
+    over the MoE output group, own rows concatenated; a deferred finalize completed first; its
+    replicated parts counted as its stage boundary counts them, or as `counts` says."""
     topology = module.topology
     own = module.dispatch is ALL_TO_ALL
     rows = P(topology.shard_entry(bj.SumGroup.FULL_TP)) if own else P()
 
     def body(module, x):
-        out = module(x, defer=defer)
+        out = module(x, defer=defer, counts=counts or stage_counts(module))
         if defer:
             out = out.complete()
         if own:
@@ -336,18 +337,17 @@ def test_moe_ffn_spreads_experts_over_ranks():
     assert len({frozenset(s) for s in per_rank}) > 1
 
 
-def mutant_error(module, mesh, *, defer=False) -> float:
+def mutant_error(module, mesh, *, defer=False, counts=None) -> float:
     want = layer_reference(module, np.asarray(TOKENS_IN))
-    return relative_error(run_layer(module, mesh, TOKENS_IN, defer=defer), want)
+    return relative_error(run_layer(module, mesh, TOKENS_IN, defer=defer, counts=counts), want)
 
 
 def test_mutant_shared_expert_added_on_every_rank_is_caught():
     """A shared expert whole on every rank, added on every rank, is counted tp times."""
     module, mesh = layer_case(1, 8, 8, GATHER)
-    assert module.shared_on_first_rank
+    assert [part.name for part in module.replicated] == [SHARED_EXPERT]
     assert mutant_error(module, mesh) < 1e-5
-    module.shared_on_first_rank = False
-    assert mutant_error(module, mesh) > 1e-2
+    assert mutant_error(module, mesh, counts=lambda name: True) > 1e-2
 
 
 def test_mutant_renormalized_router_is_caught():
@@ -358,18 +358,19 @@ def test_mutant_renormalized_router_is_caught():
 
 
 def test_mutant_split_shared_expert_counted_on_one_rank_is_caught():
-    """A shared expert split over TP owes the sum of every rank's share: keeping the first
-    rank's alone is caught."""
+    """A shared expert split over TP owes the sum of every rank's share: declaring it
+    replicated (so only the first rank adds its share) is caught."""
     module, mesh = layer_case(1, 4, 4, GATHER)
     assert module.shared_expert.gate_up_proj.shape == (HIDDEN, 2, 12)
-    assert not module.shared_on_first_rank  # split: every rank adds its share
-    module.shared_on_first_rank = True
+    assert module.replicated == ()  # split: every rank adds its share
+    module.replicated = (bj.declare.Replicated(SHARED_EXPERT),)
     assert mutant_error(module, mesh) > 1e-2
 
 
-def test_whole_shared_expert_counted_once_in_a_model():
+def test_whole_shared_expert_counted_once_in_a_model(monkeypatch):
     """A Qwen2-MoE whose shared expert (width 12) does not split over TP 8 keeps it whole on
-    every rank and adds it on one: equal to one device; added on every rank, it is not."""
+    every rank, declares it replicated and adds it on one: equal to one device; added on every
+    rank, it is not."""
     config = load_config(GOLDEN / "qwen2_moe")
     moe_config = dataclasses.replace(
         config.moe, shared_expert_intermediate_size=12, mlp_only_layers=()
@@ -379,16 +380,15 @@ def test_whole_shared_expert_counted_once_in_a_model():
     single = bj.Topology()
     want = ShardedCausalLM(build_model(config, single), make_mesh(single)).forward(prompts)
     topology = bj.Topology(attn_tp=8, moe_ep=8)
-    errors = []
-    for every_rank in (False, True):
-        model = build_model(config, topology)
-        for layer in model.layers:
-            if isinstance(layer.mlp, MoeFfn):
-                assert layer.mlp.shared_on_first_rank
-                layer.mlp.shared_on_first_rank = not every_rank
-        errors.append(
-            relative_error(ShardedCausalLM(model, make_mesh(topology)).forward(prompts), want)
-        )
+    model = build_model(config, topology)
+    plan = model.layers[0].ffn_boundary.plan
+    assert [(part.name, part.ranks) for part in plan.counted_once] == [
+        (SHARED_EXPERT, ("attn_tp",))
+    ]
+    honest = ShardedCausalLM(model, make_mesh(topology)).forward(prompts)
+    monkeypatch.setattr(bj.ops, "is_first_rank", lambda ranks: True)
+    every_rank = ShardedCausalLM(build_model(config, topology), make_mesh(topology))
+    errors = [relative_error(honest, want), relative_error(every_rank.forward(prompts), want)]
     assert errors[0] <= 1e-5 and errors[1] > 1e-2
 
 
@@ -421,8 +421,8 @@ def test_mutant_moe_sum_missing_is_caught(monkeypatch):
     """A sparse FFN declared complete (no MoE output sum) gives logits far from HF's."""
     honest = models.decoder.moe.moe_stage_facts
 
-    def no_sum(config, dispatch, layer_index, *designs):
-        attn, ffn = honest(config, dispatch, layer_index, *designs)
+    def no_sum(config, topology, dispatch, layer_index, *designs):
+        attn, ffn = honest(config, topology, dispatch, layer_index, *designs)
         if ffn.sparse:
             ffn = bj.declare_ffn(sparse=True, output_complete=True)
         return attn, ffn

@@ -300,10 +300,10 @@ def _gated_norm_over_local_channels(self, y, z):
     return gated_rms_norm(y, z, weight, group_size=local, eps=self.spec.eps)
 
 
-def _experts_at_offset_zero(self, x, *, defer):
+def _experts_at_offset_zero(self, x, *, defer, counts):
     """Every expert-parallel rank taking its experts for the first ones."""
     del defer
-    return self.finalized(x, expert_offset=0, count_shared=True)
+    return self.finalized(x, expert_offset=0, counted=self.counted(counts))
 
 
 HONEST = {"mlp": models.layers.ungated_mlp.UngatedMlp.__call__}

@@ -33,7 +33,8 @@ from models.pipeline import (
 from models.pipeline.report import pipeline_plan_report
 from models.serving.runtime import ShardedCausalLM
 from models.serving.sampling import Sampling
-from models.training.trainer import TrainConfig, Trainer
+from models.training.trainer import FlatParams, TrainConfig, Trainer
+from models.weights import save_checkpoint
 
 GOLDEN = pathlib.Path(__file__).parents[2] / "golden"
 PROMPTS = [[5, 7, 9, 11, 2, 30], [3], [8, 8, 1, 4, 6, 2, 9, 40, 41], [17, 4, 99]]
@@ -328,11 +329,9 @@ def test_a_training_step_under_two_stages_equals_one_program():
 
 
 def test_a_split_must_cover_the_layers_with_no_empty_stage():
-    """Splits that do not divide, cover or fill the layers are refused with the fix."""
-    with pytest.raises(ValueError, match=r"3 does not divide 4.*--pp-split 2,1,1"):
-        PipelineSplit.even(4, 3)
-    with pytest.raises(ValueError, match="need at least 5 layers"):
-        PipelineSplit.even(4, 5)
+    """Splits that do not cover or fill the layers are refused with the fix."""
+    with pytest.raises(ValueError, match="need at least 5 layers.*at most 4 stages"):
+        PipelineSplit.balanced(4, 5)
     with pytest.raises(ValueError, match="stage 1 holds 0"):
         PipelineSplit.of_sizes((4, 0), 4)
     with pytest.raises(ValueError, match="add up to 5"):
@@ -345,6 +344,92 @@ def test_a_split_must_cover_the_layers_with_no_empty_stage():
         pipeline_split(config, bj.Topology(pp=2), PipelineSplit.of_sizes((1, 1, 2), 4))
 
 
+def test_the_default_split_gives_the_extra_layers_to_the_earlier_stages():
+    """Without a split the stages differ by at most one layer, the earlier ones larger."""
+    assert PipelineSplit.balanced(3, 2).sizes == (2, 1)
+    assert PipelineSplit.balanced(5, 2).sizes == (3, 2)
+    assert PipelineSplit.balanced(5, 4).stages == (
+        range(0, 2),
+        range(2, 3),
+        range(3, 4),
+        range(4, 5),
+    )
+    assert PipelineSplit.balanced(4, 3).sizes == (2, 1, 1)
+    assert PipelineSplit.balanced(8, 4).sizes == (2, 2, 2, 2)
+    assert pipeline_split(PRESETS["tiny-qwen3"], bj.Topology(pp=3), None).sizes == (2, 1, 1)
+
+
+@pytest.fixture(scope="module")
+def five_layers(tmp_path_factory) -> pathlib.Path:
+    """The Llama golden checkpoint's architecture grown to five layers, random weights (every
+    shard different), saved as a Hugging Face checkpoint."""
+    config = json.loads((LLAMA / "config.json").read_text())
+    config = read_hf_config({**config, "num_hidden_layers": 5})
+    _, state = nnx.split(build_model(config, bj.Topology()))
+    directory = tmp_path_factory.mktemp("five") / "llama5"
+    save_checkpoint(config, FlatParams(state).flatten(state), directory)
+    return directory
+
+
+def _forward(checkpoint: pathlib.Path, out: pathlib.Path, *mesh: str) -> np.ndarray:
+    ids = str(LLAMA / "prompts.json")
+    assert (
+        main(
+            [
+                "forward",
+                "--checkpoint",
+                str(checkpoint),
+                "--input-ids",
+                ids,
+                "--out",
+                str(out),
+                *mesh,
+            ]
+        )
+        == 0
+    )
+    return np.load(out)
+
+
+@pytest.mark.parametrize(
+    "layers,pp,stages",
+    [
+        (3, 2, [[0, 2], [2, 3]]),
+        (5, 2, [[0, 3], [3, 5]]),
+        (5, 4, [[0, 2], [2, 3], [3, 4], [4, 5]]),
+    ],
+)
+def test_mesh_pp_splits_a_checkpoint_without_a_split_option(
+    tmp_path, capsys, five_layers, layers, pp, stages
+):
+    """`--mesh pp=N` alone splits a 3- or 5-layer checkpoint that N does not divide (the
+    earlier stages hold the extra layer), `plan` says which layers each stage holds, and the
+    logits equal the one-program model's (the 3-layer one: transformers' golden)."""
+    checkpoint = LLAMA if layers == 3 else five_layers
+    got = _forward(checkpoint, tmp_path / "pp.npy", "--mesh", f"pp={pp}")
+    if layers == 3:
+        want = np.load(LLAMA / "reference.npz")["logits"]
+        tolerance = 1e-4
+    else:
+        want = _forward(checkpoint, tmp_path / "one.npy")
+        tolerance = 1e-5
+    assert got.shape == want.shape
+    assert np.max(np.abs(got - want)) <= tolerance * np.max(np.abs(want))
+    capsys.readouterr()
+    assert main(["plan", "--checkpoint", str(checkpoint), "--mesh", f"pp={pp}", "--json"]) == 0
+    report = json.loads(_last_line(capsys))
+    assert [stage["layers"] for stage in report["pipeline_stages"]] == stages
+    assert report["split"] == [b - a for a, b in stages]
+
+
+def test_more_stages_than_layers_are_refused(tmp_path, capsys):
+    """`--mesh pp=4` on a 3-layer checkpoint would leave a stage empty: one-line error, code 2."""
+    ids = str(LLAMA / "prompts.json")
+    args = ["forward", "--checkpoint", str(LLAMA), "--input-ids", ids, "--out", str(tmp_path / "x")]
+    assert main([*args, "--mesh", "pp=4"]) == 2
+    assert "4 pipeline stages need at least 4 layers" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "extra,message",
     [
@@ -353,7 +438,6 @@ def test_a_split_must_cover_the_layers_with_no_empty_stage():
             "--pp-split gives 3 stages but --mesh has pp=2",
         ),
         (["--mesh", "pp=2", "--pp-split", "4,0"], "stage 1 holds 0"),
-        (["--mesh", "pp=3"], "3 does not divide 4"),
         (["--mesh", "pp=5"], "need at least 5 layers"),
     ],
 )

@@ -289,10 +289,10 @@ def test_handoff_misuse_fails_while_tracing():
     def ffn_done(model, pair, rows):
         layer = model.layers[0]
         h, stream = entered(model, pair)
-        y, _ = layer.attend(h, jax.tree.map(lambda v: v[: h.shape[0]], rows), None)
+        y, _ = layer.attend(h, jax.tree.map(lambda v: v[: h.shape[0]], rows), None, stream)
         x, stream = layer.attn_boundary.finish(y, stream)
         h, stream = layer.ffn_boundary.prepare(x, stream)
-        return layer, layer.ffn_compute(h), stream
+        return layer, layer.ffn_compute(h, stream), stream
 
     def foreign(model, rows, batches):
         first, _ = split(model, rows, batches)
@@ -338,7 +338,7 @@ def test_handoff_misuse_fails_while_tracing():
         first, second = split(model, rows, batches)
         layer = model.layers[0]
         h, stream = entered(model, first)
-        y, _ = layer.attend(h, jax.tree.map(lambda v: v[: h.shape[0]], rows), None)
+        y, _ = layer.attend(h, jax.tree.map(lambda v: v[: h.shape[0]], rows), None, stream)
         partial = layer.attn_boundary.finish(y, stream)
         yield_point(partial, second)
         return jnp.zeros(())

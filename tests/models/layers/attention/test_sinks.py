@@ -132,7 +132,10 @@ def test_sinks_and_o_bias_split_over_attention_tp_sum_to_one_device(dp, tp):
     rows = row_spec(topology)
 
     def body(module, h, positions, segments):
-        return sum_over(module(h, positions, segments)[0], topology, bj.SumGroup.ATTN_TP)
+        # As the attention stage's boundary counts the bias it declares replicated.
+        first = bj.ops.is_first_rank(topology.group_names(bj.SumGroup.ATTN_TP))
+        out, _ = module(h, positions, segments, counts_bias=first)
+        return sum_over(out, topology, bj.SumGroup.ATTN_TP)
 
     hidden = row_spec(topology, None)
     got = run_sharded(
@@ -143,7 +146,10 @@ def test_sinks_and_o_bias_split_over_attention_tp_sum_to_one_device(dp, tp):
     )
     want = jnp.concatenate(
         [
-            reference(*(a.reshape(dp, ROWS, *a.shape[1:])[r] for a in (h, positions, segments)))[0]
+            reference(
+                *(a.reshape(dp, ROWS, *a.shape[1:])[r] for a in (h, positions, segments)),
+                counts_bias=True,
+            )[0]
             for r in range(dp)
         ]
     )
@@ -151,16 +157,22 @@ def test_sinks_and_o_bias_split_over_attention_tp_sum_to_one_device(dp, tp):
 
 
 def test_row_parallel_bias_is_counted_once():
-    """A row-parallel projection's bias, whole on every rank, comes out once in the group's sum."""
+    """A row-parallel projection's bias, whole on every rank, comes out once in the group's sum
+    when added where its stage counts it; the projection refuses to run without being told."""
     topology = bj.Topology(attn_tp=4)
     layer = RowParallelLinear(
         8, 6, group=bj.SumGroup.ATTN_TP, topology=topology, bias=True, rngs=nnx.Rngs(1)
     )
     x = jax.random.normal(jax.random.key(3), (5, 8), jnp.float32)
+    with pytest.raises(ValueError, match="pass counts_bias"):
+        layer(x)
+    first = topology.group_names(bj.SumGroup.ATTN_TP)
     got = run_sharded(
         layer,
         make_mesh(1, 4),
-        lambda module, x: sum_over(module(x), topology, bj.SumGroup.ATTN_TP),
+        lambda module, x: sum_over(
+            module(x, counts_bias=bj.ops.is_first_rank(first)), topology, bj.SumGroup.ATTN_TP
+        ),
         (x,),
         (jax.sharding.PartitionSpec(None, topology.shard_entry(bj.SumGroup.ATTN_TP)),),
         jax.sharding.PartitionSpec(),

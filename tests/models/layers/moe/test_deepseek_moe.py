@@ -22,6 +22,7 @@ from models.layers.moe.deepseek_router import (
     GroupScore,
     deepseek_route,
 )
+from models.layers.moe.sparse import PartsCounted
 from tests.models import make_mesh, run_sharded
 from tests.models.layers.attention.test_mla import golden
 
@@ -197,7 +198,7 @@ def test_moe_matches_transformers(name, dp, tp):
     def body(module, x):
         first = lax.axis_index(EXPERT_AXIS) == 0  # every width rank adds its share once
         offset = lax.axis_index(EXPERT_AXIS) * module.gate_up_proj.shape[0]
-        output = module(x, expert_offset=offset, count_shared=first)
+        output = module(x, expert_offset=offset, counted=PartsCounted(shared=first))
         return lax.psum(moe_routing.finalize(output), (EXPERT_AXIS, WIDTH_AXIS))
 
     x = jnp.asarray(modules["moe_in_1"])

@@ -18,7 +18,7 @@ from models.layers.moe.experts import ExpertBiases, expert_outputs
 from models.layers.moe.ffn import MoeFfn
 from models.layers.moe.routing import route
 from models.layers.moe.sparse import GroupedMatmulImpl
-from tests.models import run_sharded
+from tests.models import run_sharded, stage_counts
 
 HIDDEN, TOKENS, LIMIT = 16, 24, 0.8
 GATHER, ALL_TO_ALL = bj.MoeDispatch.GATHER, bj.MoeDispatch.ALL_TO_ALL
@@ -189,7 +189,7 @@ def test_sharded_biased_moe_equals_float64(dp, tp, ep, dispatch, defer):
     rows = P(topology.shard_entry(bj.SumGroup.FULL_TP)) if own else P()
 
     def body(module, x):
-        out = module(x, defer=defer)
+        out = module(x, defer=defer, counts=stage_counts(module))
         out = out.complete() if defer else out
         names = topology.group_names(bj.SumGroup.MOE_OUTPUT)
         return out if own or not names else jax.lax.psum(out, names)
