@@ -23,6 +23,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+import boundary_jax as bj
+
 from ..config import (
     DecoderConfig,
     DeepseekRouting,
