@@ -155,6 +155,23 @@ class ShardedCausalLM:
 
         return self._sharded.program(traced, **options)
 
+    def sharded_program(self, call: Callable, **options) -> Callable:
+        """A program of `call(model, *args)` over the placed model (`bj.ShardedModule.program`
+        with `options`: in/out specs of the args, donation), traced under the runner's matmul
+        precision; call it as `program(runner.leaves, *args)`. What a caller with a step of its
+        own (the paged server step) builds on."""
+        return self._program_of(call, **options)
+
+    @property
+    def leaves(self):
+        """The placed state's leaves, the first argument of every `sharded_program`."""
+        return self._leaves
+
+    @property
+    def row_spec(self) -> PartitionSpec:
+        """The `PartitionSpec` of token rows (and of per-slot arrays): split over attention DP."""
+        return self._rows
+
     @property
     def model(self) -> CausalLM:
         """The model over the placed (sharded) state; no copy is made."""

@@ -1,0 +1,190 @@
+"""The device loop of a server: a thread that schedules, runs a paged step and hands each drawn
+token to its request's listener, while callers on other threads submit and abort requests.
+
+Callers never wait for the device: `submit` and `abort` queue their work and return; the loop
+takes it up between steps. A listener is called on the loop's thread (a server hands the token
+on to its event loop). A step that raises fails the requests it ran, not the loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+
+from .metrics import Metrics
+from .paged import PagedRunner
+from .scheduler import Finish, Request, RequestRefused, Scheduler, Token
+
+Listener = Callable[[Token | BaseException], None]
+"""Called with each token drawn for a request (the last one carries its finish), or with the
+exception that ended it."""
+
+
+@dataclasses.dataclass
+class _Entry:
+    request: Request
+    listener: Listener
+    arrived: float
+    last: float | None = None
+
+
+class Engine:
+    """A `PagedRunner` and a `Scheduler` stepped by one thread.
+
+    Attributes:
+      paged: The device side.
+      scheduler: The host side.
+      metrics: What `/metrics` reports.
+    """
+
+    def __init__(self, paged: PagedRunner, *, prefix_caching: bool = True):
+        self.paged = paged
+        self.scheduler = Scheduler(
+            attn_dp=paged.attn_dp,
+            slots_per_rank=paged.slots_per_rank,
+            pages_per_rank=paged.pages_per_rank,
+            page_size=paged.page_size,
+            max_rows=paged.max_rows,
+            max_context=paged.runner.config.max_position_embeddings,
+            prefix_caching=prefix_caching,
+        )
+        self.metrics = Metrics()
+        self._entries: dict[int, _Entry] = {}
+        self._inbox: list[tuple[str, Request, Listener | None]] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    # -- any thread -------------------------------------------------------------------------
+
+    def check(self, request: Request) -> None:
+        """Raises `RequestRefused` for a request that could never run (`Scheduler.check`)."""
+        self.scheduler.check(request)
+
+    def submit(self, request: Request, listener: Listener) -> None:
+        """Queues `request`; `listener` gets its tokens on the loop's thread.
+
+        Raises:
+          RequestRefused: As `check`, or the engine is stopping.
+        """
+        self.check(request)
+        with self._lock:
+            if self._stopping:
+                raise RequestRefused("the server is shutting down")
+            self._inbox.append(("add", request, listener))
+        self._wake.set()
+
+    def abort(self, request: Request) -> None:
+        """Stops `request` at the next step (its pages return then); no-op once finished."""
+        with self._lock:
+            self._inbox.append(("abort", request, None))
+        self._wake.set()
+
+    @property
+    def busy(self) -> bool:
+        """Requests queued, waiting or running."""
+        with self._lock:
+            return bool(self._inbox) or not self.scheduler.idle
+
+    def start(self) -> None:
+        """Runs the loop on its own (daemon) thread."""
+        self._thread = threading.Thread(target=self._loop, name="device-loop", daemon=True)
+        self._thread.start()
+
+    def stop(self, grace: float) -> None:
+        """Stops admitting; lets running and waiting requests finish for up to `grace`
+        seconds, aborts the rest, and ends the loop."""
+        with self._lock:
+            self._stopping = True
+        deadline = time.monotonic() + grace
+        while self.busy and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with self._lock:
+            pending = [entry.request for entry in self._entries.values()]
+            pending += [request for kind, request, _ in self._inbox if kind == "add"]
+        for request in pending:
+            self.abort(request)
+        self._running = False
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=max(grace, 1.0) + 5.0)
+
+    # -- the loop's thread ----------------------------------------------------------------
+
+    _running = True
+
+    def _loop(self) -> None:
+        while self._running:
+            if not self.run_once():
+                self._wake.wait(0.05)
+                self._wake.clear()
+        self._take_inbox()
+
+    def run_once(self) -> bool:
+        """Takes queued work, then runs one step if any request can run; False when idle.
+        (The loop calls it; a test may call it directly instead of `start`.)"""
+        self._take_inbox()
+        scheduler = self.scheduler
+        chunks = scheduler.schedule()
+        self.metrics.queue(len(scheduler.running), len(scheduler.waiting))
+        if not chunks:
+            return False
+        tables = self.paged.tables
+        by_slot = {(r.rank, r.slot): r for r in scheduler.running}
+        sampling = {}
+        for chunk in chunks:
+            request = by_slot[(chunk.rank, chunk.slot)]
+            tables[chunk.rank, chunk.slot, : len(request.pages)] = request.pages
+            sampling[(chunk.rank, chunk.slot)] = request.sampling
+        try:
+            output = self.paged.step(chunks, sampling)
+        except Exception as error:  # noqa: BLE001 - the step's requests fail, the loop lives
+            for chunk in chunks:
+                request = by_slot[(chunk.rank, chunk.slot)]
+                scheduler.abort(request)
+                self._finish(request, error)
+            return True
+        drawn = scheduler.update(chunks, output)
+        now = time.monotonic()
+        self.metrics.step(
+            computed=sum(len(c.tokens) for c in chunks),
+            generated=len(drawn),
+            used_pages=scheduler.used_pages,
+            reused_pages=scheduler.reused_pages,
+            preemptions=scheduler.preemptions,
+        )
+        for token in drawn:
+            entry = self._entries.get(id(token.request))
+            if entry is None:
+                continue
+            if entry.last is None:
+                self.metrics.first_token(now - entry.arrived)
+            else:
+                self.metrics.inter_token(now - entry.last)
+            entry.last = now
+            if token.finish is not None:
+                del self._entries[id(token.request)]
+            entry.listener(token)
+        return True
+
+    def _take_inbox(self) -> None:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+        for kind, request, listener in inbox:
+            if kind == "add":
+                self._entries[id(request)] = _Entry(request, listener, time.monotonic())
+                self.scheduler.add(request)
+            elif self.scheduler.abort(request):
+                self._finish(request, None)
+
+    def _finish(self, request: Request, error: BaseException | None) -> None:
+        entry = self._entries.pop(id(request), None)
+        if entry is None:
+            return
+        if error is not None:
+            entry.listener(error)
+        else:
+            entry.listener(Token(request, -1, 0.0, (), (), Finish.ABORT))

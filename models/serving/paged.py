@@ -1,0 +1,288 @@
+"""The device side of continuous batching: a paged KV cache on the mesh and one jitted step
+that runs prefill chunks and decode tokens of many sequences together.
+
+A step's rows are `RowsPhase.EXTEND` rows: per attention-DP rank a block of `rows` rows holding
+chunks of the sequences that rank serves (a chunk of a prompt, or one decode token), packed from
+row 0 with the rest padding, and the batch facts count the real rows per rank, as the
+boundaries take any packed rows. Each sequence has a slot on its DP rank; the page table maps
+its positions to pages of the rank's pool (`models.layers.attention.paged`). A slot whose chunk
+ends where a token is due (the prompt's last chunk, or a decode token) samples its next token
+from that row with its own sampling parameters; the others sample nothing. Only the tokens
+(and their log-probabilities) come back to the host.
+
+The step compiles once per (rows per rank, pages per sequence) bucket: both are rounded up to
+powers of two (`bucket`), the slots and the pool are fixed at construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from ..distributed import fetch
+from ..inputs.rows import RowsPhase, TokenRows
+from ..layers.attention.kv_cache import KVCache
+from ..layers.attention.paged import PagedKVCache
+from .buckets import bucket
+from .runtime import ShardedCausalLM
+from .sampling import sample_rows, token_logprobs
+
+MIN_STEP_ROWS = 16
+"""The smallest block of step rows per DP rank."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """Tokens of one sequence that a step runs: `tokens` at positions `start`, `start + 1`, ...
+    of the sequence in slot `slot` of DP rank `rank`; `sample`: its last row draws the
+    sequence's next token."""
+
+    rank: int
+    slot: int
+    tokens: tuple[int, ...]
+    start: int
+    sample: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotSampling:
+    """One sequence's sampling parameters on the device: temperature 0 is greedy; top_k 0 and
+    top_p 1 keep every token; the seed and the index of the token drawn key the draw."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOutput:
+    """What a step drew, per (DP rank, slot): arrays [attn_dp, slots] (the ids and
+    log-probabilities of the most likely tokens [attn_dp, slots, TOP_LOGPROBS]); only the
+    slots of chunks with `sample` hold a draw."""
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+
+
+class PagedRunner:
+    """A `ShardedCausalLM` serving many sequences from a paged KV cache, one step at a time.
+
+    Attributes:
+      runner: The sharded model.
+      page_size: Positions per page.
+      pages_per_rank: Pages in each DP rank's pool (every layer has its own pool of this many).
+      slots_per_rank: Sequences each DP rank holds at once.
+      max_rows: The most step rows per DP rank (the token budget of a step on one rank).
+      pages_per_sequence: Page-table width: pages of the longest context.
+      tables: int32 [attn_dp, slots, pages_per_sequence] host page tables, which the caller (the
+        scheduler) fills; each step places the part its sequences reach.
+    """
+
+    def __init__(
+        self,
+        runner: ShardedCausalLM,
+        *,
+        page_size: int,
+        pages_per_rank: int,
+        slots_per_rank: int,
+        max_rows: int,
+    ):
+        topology = runner.topology
+        specs = runner.model.cache_specs()
+        if not all(isinstance(spec, KVCache) for spec in specs):
+            kinds = sorted({type(spec).__name__ for spec in specs})
+            raise NotImplementedError(
+                f"the paged cache holds grouped-query attention keys and values; this model's "
+                f"layers cache {kinds} (latent attention or recurrent state): serve it with "
+                "generate, or add the paged form of its cache"
+            )
+        if runner.two_batch_overlap or runner.input_scattered:
+            raise NotImplementedError(
+                "the paged step runs one ordinary batch; build the runner without "
+                "two_batch_overlap and input_scattered"
+            )
+        if topology.attn_cp > 1 or topology.pp > 1:
+            raise NotImplementedError(
+                f"the paged step is not built under attention CP or pipeline stages; got "
+                f"{topology}. Serve on a mesh of attention DP x TP (and MoE axes)"
+            )
+        if page_size < 1 or pages_per_rank < 1 or slots_per_rank < 1 or max_rows < 1:
+            raise ValueError(
+                "page_size, pages_per_rank, slots_per_rank and max_rows must be >= 1; got "
+                f"{page_size=}, {pages_per_rank=}, {slots_per_rank=}, {max_rows=}"
+            )
+        self.runner = runner
+        self.page_size = page_size
+        self.pages_per_rank = pages_per_rank
+        tp = topology.attn_tp
+        self.slots_per_rank = bucket(slots_per_rank, tp)
+        self.max_rows = bucket(max(max_rows, MIN_STEP_ROWS), tp)
+        limit = runner.config.max_position_embeddings
+        self.pages_per_sequence = -(-limit // page_size)
+        dp = topology.attn_dp
+        self.tables = np.zeros((dp, self.slots_per_rank, self.pages_per_sequence), np.int32)
+        self._blocks = runner.config.layer_blocks(runner.options.scan_layers)
+        self._pools = self._new_pools()
+        self._programs: dict[int, Callable] = {}
+
+    @property
+    def attn_dp(self) -> int:
+        return self.runner.topology.attn_dp
+
+    def _new_pools(self) -> tuple[tuple[jax.Array, jax.Array], ...]:
+        runner = self.runner
+        pools = []
+        for block in self._blocks:
+            k, v = PagedKVCache.create_pool(
+                runner.config,
+                runner.topology,
+                pages=self.pages_per_rank * self.attn_dp,
+                page_size=self.page_size,
+                dtype=runner.dtype,
+                mesh=runner.mesh,
+            )
+            if block.scanned:
+                layers = len(block.layers)
+                k, v = (jnp.broadcast_to(x, (layers, *x.shape)) for x in (k, v))
+                spec = jax.sharding.NamedSharding(runner.mesh, self._pool_spec(True))
+                k, v = jax.device_put(k, spec), jax.device_put(v, spec)
+            pools.append((k, v))
+        return tuple(pools)
+
+    def _pool_spec(self, stacked: bool) -> PartitionSpec:
+        spec = PagedKVCache.pool_spec(self.runner.topology)
+        return PartitionSpec(None, *spec) if stacked else spec
+
+    def cache_bytes(self) -> int:
+        """Bytes of the page pools over all devices."""
+        return sum(x.nbytes for pool in self._pools for x in pool)
+
+    def step(
+        self, chunks: Sequence[Chunk], sampling: dict[tuple[int, int], SlotSampling]
+    ) -> StepOutput:
+        """Runs `chunks` (at most one per slot, at most `max_rows` tokens per DP rank) in one
+        step: writes their keys and values into the pages `tables` names and draws a token for
+        each chunk with `sample`, with the parameters `sampling[rank, slot]` (greedy where
+        absent) and counter `start + len(tokens)` (the index of the position drawn).
+
+        Raises:
+          ValueError: A rank's chunks exceed `max_rows`, or two chunks share a slot.
+        """
+        dp, slots = self.attn_dp, self.slots_per_rank
+        used = np.zeros(dp, np.int64)
+        for chunk in chunks:
+            used[chunk.rank] += len(chunk.tokens)
+        if used.max(initial=0) > self.max_rows:
+            raise ValueError(f"a step holds at most {self.max_rows} rows per rank; got {used}")
+        if len({(c.rank, c.slot) for c in chunks}) != len(chunks):
+            raise ValueError("a step runs at most one chunk per slot")
+        rows = bucket(max(int(used.max(initial=1)), MIN_STEP_ROWS), self.runner.topology.attn_tp)
+        reach = max((c.start + len(c.tokens) for c in chunks), default=1)
+        pages = min(bucket(-(-reach // self.page_size)), self.pages_per_sequence)
+        ids = np.zeros((dp, rows), np.int32)
+        positions = np.zeros((dp, rows), np.int32)
+        segments = np.full((dp, rows), -1, np.int32)
+        last = np.full((dp, slots), -1, np.int32)
+        params = np.zeros((5, dp, slots), np.float64)
+        params[2] = 1.0
+        filled = np.zeros(dp, np.int64)
+        for chunk in chunks:
+            count, at = len(chunk.tokens), int(filled[chunk.rank])
+            where = (chunk.rank, slice(at, at + count))
+            ids[where] = chunk.tokens
+            positions[where] = np.arange(chunk.start, chunk.start + count)
+            segments[where] = chunk.slot
+            filled[chunk.rank] += count
+            if chunk.sample:
+                last[chunk.rank, chunk.slot] = at + count - 1
+                draw = sampling.get((chunk.rank, chunk.slot), SlotSampling())
+                params[:, chunk.rank, chunk.slot] = (
+                    draw.temperature,
+                    draw.top_k,
+                    draw.top_p,
+                    draw.seed,
+                    chunk.start + count,
+                )
+        runner = self.runner
+        placed = TokenRows(
+            *(runner.place_array(x.reshape(-1)) for x in (ids, positions, segments)),
+            RowsPhase.EXTEND,
+        )
+        batch = runner.place_batch(filled.astype(np.int32))
+        table = runner.place_array(self.tables[:, :, :pages].reshape(dp * slots, pages))
+        per_slot = [
+            runner.place_array(values.reshape(-1).astype(dtype))
+            for values, dtype in zip(
+                params, (np.float32, np.int32, np.float32, np.uint32, np.int32), strict=True
+            )
+        ]
+        program = self._program(rows)
+        outputs, self._pools = program(
+            runner.leaves,
+            placed,
+            batch,
+            self._pools,
+            table,
+            runner.place_array(last.reshape(-1)),
+            *per_slot,
+        )
+        tokens, logprobs, top_ids, top_logprobs = (fetch(x) for x in outputs)
+        return StepOutput(
+            tokens.reshape(dp, slots),
+            logprobs.reshape(dp, slots),
+            top_ids.reshape(dp, slots, -1),
+            top_logprobs.reshape(dp, slots, -1),
+        )
+
+    def compiled_shapes(self) -> int:
+        """Step programs compiled so far (one per rows bucket, per pages bucket)."""
+        return sum(program.compiled_shapes() for program in self._programs.values())
+
+    def _program(self, rows: int) -> Callable:
+        if rows not in self._programs:
+            self._programs[rows] = self._build()
+        return self._programs[rows]
+
+    def _build(self) -> Callable:
+        runner = self.runner
+        row_spec = runner.row_spec
+        blocks = self._blocks
+        pool_specs = tuple((self._pool_spec(block.scanned),) * 2 for block in self._blocks)
+
+        def body(model, rows, batch, pools, table, last, temperature, top_k, top_p, seeds, count):
+            caches = []
+            for block, (k, v) in zip(blocks, pools, strict=True):
+                pages = table
+                if block.scanned:
+                    pages = jnp.broadcast_to(table, (len(block.layers), *table.shape))
+                caches.append(PagedKVCache(k, v, pages))
+            hidden, caches = model.hidden(rows, batch, tuple(caches), last)
+            logits = model.lm_head(hidden).astype(jnp.float32)
+            tokens = sample_rows(logits, temperature, top_k, top_p, seeds, count)
+            tokens = jnp.where(last >= 0, tokens, 0)
+            chosen, top_ids, top = token_logprobs(logits, tokens)
+            return (tokens, chosen, top_ids, top), tuple((c.k, c.v) for c in caches)
+
+        slot_spec = PartitionSpec(row_spec[0])
+        top_spec = PartitionSpec(row_spec[0], None)
+        return runner.sharded_program(
+            body,
+            in_specs=(
+                row_spec,
+                PartitionSpec(),
+                pool_specs,
+                PagedKVCache.table_spec(runner.topology),
+                *(slot_spec,) * 6,
+            ),
+            out_specs=((slot_spec, slot_spec, top_spec, top_spec), pool_specs),
+            check_vma=runner.check_vma,
+            donate_argnums=(2,),
+        )
