@@ -31,8 +31,8 @@ class ApiError(Exception):
     def __init__(
         self,
         message: str,
-        *,
         param: str | None = None,
+        *,
         code: str | None = None,
         status: int = 400,
         kind: str = "invalid_request_error",

@@ -109,7 +109,9 @@ class Engine:
             self.abort(request)
         self._running = False
         self._wake.set()
-        if self._thread is not None:
+        if self._thread is None:
+            self._take_inbox()  # no loop: the aborts take effect here
+        else:
             self._thread.join(timeout=max(grace, 1.0) + 5.0)
 
     # -- the loop's thread ----------------------------------------------------------------
@@ -129,7 +131,7 @@ class Engine:
         self._take_inbox()
         scheduler = self.scheduler
         chunks = scheduler.schedule()
-        self.metrics.queue(len(scheduler.running), len(scheduler.waiting))
+        self.metrics.queue(len(scheduler.running), len(scheduler.waiting), scheduler.used_pages)
         if not chunks:
             return False
         tables = self.paged.tables
@@ -152,7 +154,6 @@ class Engine:
         self.metrics.step(
             computed=sum(len(c.tokens) for c in chunks),
             generated=len(drawn),
-            used_pages=scheduler.used_pages,
             reused_pages=scheduler.reused_pages,
             preemptions=scheduler.preemptions,
         )

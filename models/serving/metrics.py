@@ -57,19 +57,19 @@ class Metrics:
         self.itl = Histogram()
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
 
-    def queue(self, running: int, waiting: int) -> None:
+    def queue(self, running: int, waiting: int, used_pages: int) -> None:
+        """The requests running and waiting, and the pages they hold, between steps."""
         with self._lock:
-            self.running, self.waiting = running, waiting
+            self.running, self.waiting, self.used_pages = running, waiting, used_pages
 
-    def step(
-        self, *, computed: int, generated: int, used_pages: int, reused_pages: int, preemptions: int
-    ) -> None:
+    def step(self, *, computed: int, generated: int, reused_pages: int, preemptions: int) -> None:
+        """A step's work: tokens computed and generated, and the running totals of pages reused
+        and requests preempted."""
         now = time.monotonic()
         with self._lock:
             self.steps += 1
             self.computed_tokens += computed
             self.generated_tokens += generated
-            self.used_pages = used_pages
             self.reused_pages = reused_pages
             self.preemptions = preemptions
             self._recent.append((now, generated))

@@ -109,12 +109,15 @@ def test_full_cache_preempts_the_newest_which_recomputes():
     old, new = Request("old", [1] * 7, 8), Request("new", [2] * 7, 8)
     scheduler.add(old)
     scheduler.add(new)
-    recomputed = []
+    recomputed, first_preempted = [], None
     while not scheduler.idle:
         chunks = scheduler.schedule()
+        if scheduler.preemptions and first_preempted is None:
+            first_preempted = [r.id for r in scheduler.waiting]
+            assert old.pages and not new.pages and new.computed == 0
         recomputed += [c for c in chunks if c.start == 0 and scheduler.preemptions]
         scheduler.update(chunks, _output(scheduler))
-    assert scheduler.preemptions >= 1
+    assert first_preempted == ["new"]
     assert any(len(c.tokens) > 7 for c in recomputed)  # prompt + tokens drawn before
     assert old.output == [1] * 8 and new.output == [1] * 8
     assert scheduler.used_pages == 0
