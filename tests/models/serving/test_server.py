@@ -32,7 +32,24 @@ from models.serving.text import eos_token_ids, text_codec
 TEXT = pathlib.Path(__file__).parents[2] / "golden" / "text"
 ROOT = pathlib.Path(__file__).parents[3]
 MODEL = "tiny"
-WORDS = "the market opened and a quiet wind ran over the stitched roofs of the old town".split()
+WORDS = [
+    "the",
+    "market",
+    "opened",
+    "and",
+    "a",
+    "quiet",
+    "wind",
+    "ran",
+    "over",
+    "the",
+    "stitched",
+    "roofs",
+    "of",
+    "the",
+    "old",
+    "town",
+]
 
 
 class Served:
