@@ -118,3 +118,13 @@ def test_pipeline_smoke_reports_both_programs():
     out = run_smoke("bench_pipeline", "--smoke").splitlines()
     assert any(line.startswith("MPMD (a program per stage)") for line in out), out
     assert any(line.startswith("SPMD (switch + ppermute)") for line in out), out
+
+
+@SLOW
+def test_serve_smoke_reports_engine_and_static():
+    """bench_serve --smoke serves 16 requests through the engine and times the static
+    generate of the same requests."""
+    out = run_smoke("bench_serve", "--smoke", "--shared-prefix", "8")
+    rows = table_rows(out, "output tok/s")
+    assert rows[0][0].startswith("engine (") and rows[1][0] == "static generate", out
+    assert int(rows[0][7]) > 0  # pages reused from the shared prefix
