@@ -22,16 +22,20 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from ..distributed import fetch
 from ..inputs.rows import RowsPhase, TokenRows
 from ..layers.attention.kv_cache import KVCache
-from ..layers.attention.paged import PagedKVCache
+from ..layers.attention.latent import LatentCache
+from ..layers.attention.paged import PagedKVCache, PagedLatentCache, page_table_spec
 from .buckets import bucket
 from .runtime import ShardedCausalLM
 from .sampling import sample_rows, token_logprobs
 
+PAGED_FORMS = {KVCache: PagedKVCache, LatentCache: PagedLatentCache}
+"""The paged form of each slot-indexed cache a block of layers may hold."""
+PAGED_NAMES = tuple(kind.__name__ for kind in PAGED_FORMS)
 MIN_STEP_ROWS = 16
 """The smallest block of step rows per DP rank."""
 
@@ -97,12 +101,12 @@ class PagedRunner:
     ):
         topology = runner.topology
         specs = runner.model.cache_specs()
-        if not all(isinstance(spec, KVCache) for spec in specs):
-            kinds = sorted({type(spec).__name__ for spec in specs})
+        unpaged = sorted({type(spec).__name__ for spec in specs} - set(PAGED_NAMES))
+        if unpaged:
             raise NotImplementedError(
-                f"the paged cache holds grouped-query attention keys and values; this model's "
-                f"layers cache {kinds} (latent attention or recurrent state): serve it with "
-                "generate, or add the paged form of its cache"
+                f"the paged cache holds attention keys and values or MLA latents; this model's "
+                f"layers also cache {unpaged} (e.g. a recurrent state): serve it with generate, "
+                "or add the paged form of its cache"
             )
         if runner.two_batch_overlap or runner.input_scattered:
             raise NotImplementedError(
@@ -130,6 +134,7 @@ class PagedRunner:
         dp = topology.attn_dp
         self.tables = np.zeros((dp, self.slots_per_rank, self.pages_per_sequence), np.int32)
         self._blocks = runner.config.layer_blocks(runner.options.scan_layers)
+        self._specs = specs
         self._pools = self._new_pools()
         self._programs: dict[int, Callable] = {}
 
@@ -137,29 +142,33 @@ class PagedRunner:
     def attn_dp(self) -> int:
         return self.runner.topology.attn_dp
 
-    def _new_pools(self) -> tuple[tuple[jax.Array, jax.Array], ...]:
+    def _new_pools(self) -> tuple[tuple[jax.Array, ...], ...]:
+        """Zero page pools per block of layers: each array of the block's slot-indexed cache
+        (`CausalLM.block_cache`), with pages in place of slots and a page in place of a
+        sequence, placed as that cache is."""
         runner = self.runner
         pools = []
-        for block in self._blocks:
-            k, v = PagedKVCache.create_pool(
-                runner.config,
-                runner.topology,
-                pages=self.pages_per_rank * self.attn_dp,
-                page_size=self.page_size,
-                dtype=runner.dtype,
-                mesh=runner.mesh,
+        for block, spec in zip(self._blocks, self._specs, strict=True):
+            shapes = jax.eval_shape(
+                lambda block=block: runner.model.block_cache(
+                    slots=self.attn_dp,
+                    max_len=self.page_size,
+                    dtype=runner.dtype,
+                    mesh=None,
+                    layers=len(block.layers) if block.scanned else None,
+                )
             )
-            if block.scanned:
-                layers = len(block.layers)
-                k, v = (jnp.broadcast_to(x, (layers, *x.shape)) for x in (k, v))
-                spec = jax.sharding.NamedSharding(runner.mesh, self._pool_spec(True))
-                k, v = jax.device_put(k, spec), jax.device_put(v, spec)
-            pools.append((k, v))
+            lead = 1 if block.scanned else 0
+            arrays = []
+            for shape, leaf_spec in zip(
+                jax.tree_util.tree_leaves(shapes), jax.tree_util.tree_leaves(spec), strict=True
+            ):
+                dims = list(shape.shape)
+                dims[lead] = self.pages_per_rank * self.attn_dp
+                placed = NamedSharding(runner.mesh, leaf_spec)
+                arrays.append(jnp.zeros(dims, shape.dtype, device=placed))
+            pools.append(tuple(arrays))
         return tuple(pools)
-
-    def _pool_spec(self, stacked: bool) -> PartitionSpec:
-        spec = PagedKVCache.pool_spec(self.runner.topology)
-        return PartitionSpec(None, *spec) if stacked else spec
 
     def cache_bytes(self) -> int:
         """Bytes of the page pools over all devices."""
@@ -255,21 +264,22 @@ class PagedRunner:
         runner = self.runner
         row_spec = runner.row_spec
         blocks = self._blocks
-        pool_specs = tuple((self._pool_spec(block.scanned),) * 2 for block in self._blocks)
+        forms = [PAGED_FORMS[type(spec)] for spec in self._specs]
+        pool_specs = tuple(tuple(jax.tree_util.tree_leaves(spec)) for spec in self._specs)
 
         def body(model, rows, batch, pools, table, last, temperature, top_k, top_p, seeds, count):
             caches = []
-            for block, (k, v) in zip(blocks, pools, strict=True):
+            for block, form, pool in zip(blocks, forms, pools, strict=True):
                 pages = table
                 if block.scanned:
                     pages = jnp.broadcast_to(table, (len(block.layers), *table.shape))
-                caches.append(PagedKVCache(k, v, pages))
+                caches.append(form.from_pools(pool, pages))
             hidden, caches = model.hidden(rows, batch, tuple(caches), last)
             logits = model.lm_head(hidden).astype(jnp.float32)
             tokens = sample_rows(logits, temperature, top_k, top_p, seeds, count)
             tokens = jnp.where(last >= 0, tokens, 0)
             chosen, top_ids, top = token_logprobs(logits, tokens)
-            return (tokens, chosen, top_ids, top), tuple((c.k, c.v) for c in caches)
+            return (tokens, chosen, top_ids, top), tuple(c.pools for c in caches)
 
         slot_spec = PartitionSpec(row_spec[0])
         top_spec = PartitionSpec(row_spec[0], None)
@@ -279,7 +289,7 @@ class PagedRunner:
                 row_spec,
                 PartitionSpec(),
                 pool_specs,
-                PagedKVCache.table_spec(runner.topology),
+                page_table_spec(runner.topology),
                 *(slot_spec,) * 6,
             ),
             out_specs=((slot_spec, slot_spec, top_spec, top_spec), pool_specs),

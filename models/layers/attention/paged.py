@@ -2,11 +2,12 @@
 
 The cache of one attention layer is a pool of pages, globally [pages, page_size, cache heads,
 head_dim], pages split over attention DP (each DP rank owns its pool and numbers its pages from
-0) and heads over attention TP as `KVCache`'s are. A sequence held in the cache has a slot on
-its DP rank; `page_table[slot, j]` is the page that holds its positions
-[j * page_size, (j + 1) * page_size). Sequences that share a prompt prefix may name the same
-pages (the host's block manager counts their references); a page is written only by the
-sequence that owns its next position, so shared pages are only read.
+0) and heads over attention TP as `KVCache`'s are; a latent attention's (`PagedLatentCache`) is
+[pages, page_size, latent width], replicated over attention TP as `LatentCache`'s is. A
+sequence held in the cache has a slot on its DP rank; `page_table[slot, j]` is the page that
+holds its positions [j * page_size, (j + 1) * page_size). Sequences that share a prompt prefix
+may name the same pages (the host's block manager counts their references); a page is written
+only by the sequence that owns its next position, so shared pages are only read.
 
 Rows of an `RowsPhase.EXTEND` call are any tokens of the sequences held (a chunk of a prompt,
 or one decode token each): every row is written at its position and then attends to its
@@ -21,13 +22,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
-from boundary_jax import SumGroup, TokenAxis, Topology
+from boundary_jax import TokenAxis, Topology
 
-from ...config import DecoderConfig
 from .attend import attend, causal_visibility
-from .kv_cache import HeadSplit
 
 
 @functools.partial(
@@ -53,84 +52,111 @@ class PagedKVCache:
     page_table: jax.Array
 
     @property
-    def page_size(self) -> int:
-        return self.k.shape[1]
-
-    @staticmethod
-    def pool_shape(
-        config: DecoderConfig, topology: Topology, *, pages: int, page_size: int
-    ) -> tuple[int, int, int, int]:
-        """The global [pages, page_size, cache heads, head_dim] shape of `k` and `v`.
-
-        Raises:
-          ValueError: `pages` does not split evenly over attention DP.
-        """
-        if pages % topology.attn_dp:
-            raise ValueError(
-                f"paged KV cache pages ({pages}) must split evenly over attention DP "
-                f"({topology.attn_dp}); got {pages=}"
-            )
-        heads = HeadSplit.of(config, topology)
-        return (pages, page_size, heads.cache_heads, config.head_dim)
-
-    @staticmethod
-    def pool_spec(topology: Topology) -> PartitionSpec:
-        """Pages over attention DP, heads over attention TP."""
-        dp = topology.spec_entry((TokenAxis.ATTN_DP,))
-        return PartitionSpec(dp, None, topology.shard_entry(SumGroup.ATTN_TP), None)
-
-    @staticmethod
-    def table_spec(topology: Topology) -> PartitionSpec:
-        """Slots over attention DP."""
-        return PartitionSpec(topology.spec_entry((TokenAxis.ATTN_DP,)), None)
+    def pools(self) -> tuple[jax.Array, ...]:
+        """The page pools (k, v), as `from_pools` takes them."""
+        return (self.k, self.v)
 
     @classmethod
-    def create_pool(
-        cls,
-        config: DecoderConfig,
-        topology: Topology,
-        *,
-        pages: int,
-        page_size: int,
-        dtype: jnp.dtype = jnp.float32,
-        mesh: Mesh | None = None,
-    ) -> tuple[jax.Array, jax.Array]:
-        """Zero (k, v) pools of the global shape; on `mesh` each device allocates its shard."""
-        shape = cls.pool_shape(config, topology, pages=pages, page_size=page_size)
-        device = None if mesh is None else NamedSharding(mesh, cls.pool_spec(topology))
-        return jnp.zeros(shape, dtype, device=device), jnp.zeros(shape, dtype, device=device)
+    def from_pools(cls, pools: tuple[jax.Array, ...], page_table: jax.Array) -> PagedKVCache:
+        """The cache of pools (k, v) read through `page_table`."""
+        k, v = pools
+        return cls(k, v, page_table)
 
     def write(
         self, k: jax.Array, v: jax.Array, segment_ids: jax.Array, positions: jax.Array
     ) -> PagedKVCache:
         """Row i's key and value at position `positions[i]` of slot `segment_ids[i]` (-1: not
         written); k and v are [T, local kv heads, head_dim]."""
-        pages, size = self.k.shape[0], self.page_size
-        valid = segment_ids >= 0
-        slot = jnp.where(valid, segment_ids, 0)
-        block = jnp.clip(positions // size, 0, self.page_table.shape[1] - 1)
-        page = jnp.where(valid, self.page_table[slot, block], pages)
-        # Padding rows point past the pool, each at its own offset: every index is distinct
-        # (XLA may scatter without atomics) and the out-of-range ones drop.
-        offset = jnp.where(valid, positions % size, jnp.arange(positions.shape[0]))
-
-        def put(values: jax.Array, new: jax.Array) -> jax.Array:
-            return values.at[page, offset].set(
-                new.astype(values.dtype), mode="drop", unique_indices=True
-            )
-
-        return PagedKVCache(put(self.k, k), put(self.v, v), self.page_table)
+        page, offset = page_rows(self.page_table, segment_ids, positions, self.k.shape[:2])
+        return PagedKVCache(
+            put_rows(self.k, page, offset, k), put_rows(self.v, page, offset, v), self.page_table
+        )
 
     def gather(self, segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Each row's sequence's keys and values in position order: [T, pages per sequence *
         page_size, local kv heads, head_dim] each (the `jnp` reference's copy of the pages)."""
-        table = self.page_table[jnp.maximum(segment_ids, 0)]  # [T, pages per sequence]
+        return (
+            gather_rows(self.k, self.page_table, segment_ids),
+            gather_rows(self.v, self.page_table, segment_ids),
+        )
 
-        def read(values: jax.Array) -> jax.Array:
-            rows = values[table]  # [T, pages, page_size, heads, D]
-            return rows.reshape(rows.shape[0], -1, *rows.shape[3:])
 
-        return read(self.k), read(self.v)
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["latent", "page_table"], meta_fields=[]
+)
+@dataclasses.dataclass(frozen=True)
+class PagedLatentCache:
+    """One latent-attention (MLA) layer's paged cache: `LatentCache`'s latent per position
+    (the normed kv latent, then the rotated shared key), in pages, read through the page table.
+
+    Inside `shard_map` a rank holds latent [pages per rank, page_size, latent width] (alike on
+    every attention-TP rank, as every rank computes the same latent) and page_table int32
+    [slots per rank, pages per sequence].
+    """
+
+    latent: jax.Array
+    page_table: jax.Array
+
+    @property
+    def pools(self) -> tuple[jax.Array, ...]:
+        """The page pool (latent,), as `from_pools` takes it."""
+        return (self.latent,)
+
+    @classmethod
+    def from_pools(cls, pools: tuple[jax.Array, ...], page_table: jax.Array) -> PagedLatentCache:
+        """The cache of pool (latent,) read through `page_table`."""
+        (latent,) = pools
+        return cls(latent, page_table)
+
+    def write(
+        self, latent: jax.Array, segment_ids: jax.Array, positions: jax.Array
+    ) -> PagedLatentCache:
+        """Row i's latent [T, latent width] at position `positions[i]` of slot
+        `segment_ids[i]` (-1: not written)."""
+        page, offset = page_rows(self.page_table, segment_ids, positions, self.latent.shape[:2])
+        return PagedLatentCache(put_rows(self.latent, page, offset, latent), self.page_table)
+
+    def gather(self, segment_ids: jax.Array) -> jax.Array:
+        """Each row's sequence's latents in position order: [T, pages per sequence * page_size,
+        latent width]."""
+        return gather_rows(self.latent, self.page_table, segment_ids)
+
+
+def page_table_spec(topology: Topology) -> PartitionSpec:
+    """The page tables' `PartitionSpec`: slots over attention DP."""
+    return PartitionSpec(topology.spec_entry((TokenAxis.ATTN_DP,)), None)
+
+
+def page_rows(
+    page_table: jax.Array,
+    segment_ids: jax.Array,
+    positions: jax.Array,
+    pool: tuple[int, int],
+) -> tuple[jax.Array, jax.Array]:
+    """Where each row goes in a pool of `pool` = (pages, page_size): its page (through its
+    slot's page table) and offset. Padding rows (segment id -1) point past the pool, each at
+    its own offset: every index is distinct (XLA may scatter without atomics) and those drop."""
+    pages, size = pool
+    valid = segment_ids >= 0
+    slot = jnp.where(valid, segment_ids, 0)
+    block = jnp.clip(positions // size, 0, page_table.shape[1] - 1)
+    page = jnp.where(valid, page_table[slot, block], pages)
+    offset = jnp.where(valid, positions % size, jnp.arange(positions.shape[0]))
+    return page, offset
+
+
+def put_rows(pool: jax.Array, page: jax.Array, offset: jax.Array, rows: jax.Array) -> jax.Array:
+    """`pool` [pages, page_size, ...] with `rows` [T, ...] stored at (page, offset) (those out of
+    range dropped)."""
+    return pool.at[page, offset].set(rows.astype(pool.dtype), mode="drop", unique_indices=True)
+
+
+def gather_rows(pool: jax.Array, page_table: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    """Each row's sequence's entries of `pool` [pages, page_size, ...] in position order:
+    [T, pages per sequence * page_size, ...]."""
+    table = page_table[jnp.maximum(segment_ids, 0)]  # [T, pages per sequence]
+    rows = pool[table]  # [T, pages, page_size, ...]
+    return rows.reshape(rows.shape[0], -1, *rows.shape[3:])
 
 
 def attend_paged(

@@ -1,9 +1,13 @@
 """The paged step and the engine on a tiny model: greedy tokens through chunked prefill, mixed
 decode, prefix reuse and preemption equal `ShardedCausalLM.generate` of each prompt alone."""
 
+import dataclasses
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import boundary_jax as bj
 from models.build import build_model
@@ -11,6 +15,7 @@ from models.config import PRESETS
 from models.inputs.rows import RowsPhase
 from models.layers.attention.kv_cache import KVCache
 from models.layers.attention.self_attention import Attention
+from models.options import BuildOptions
 from models.serving.engine import Engine
 from models.serving.paged import PagedRunner, SlotSampling
 from models.serving.runtime import ShardedCausalLM
@@ -29,12 +34,6 @@ def _prompts() -> list[list[int]]:
     return own + [shared + tail[:5] for tail in own]
 
 
-def _runner(dp: int, tp: int) -> ShardedCausalLM:
-    topology = bj.Topology(attn_dp=dp, attn_tp=tp)
-    mesh = bj.make_mesh(topology)
-    return ShardedCausalLM(build_model(PRESETS["tiny-mistral"], topology, mesh=mesh), mesh)
-
-
 def _serve(engine: Engine, prompts, new_tokens=NEW_TOKENS, **fields) -> list[Request]:
     requests = [Request(str(i), p, new_tokens, **fields) for i, p in enumerate(prompts)]
     for request in requests:
@@ -44,31 +43,45 @@ def _serve(engine: Engine, prompts, new_tokens=NEW_TOKENS, **fields) -> list[Req
     return requests
 
 
-LAYOUTS = [
-    pytest.param((2, 2), id="dp2-tp2"),
-    pytest.param((1, 1), id="one-device", marks=pytest.mark.slow),
-    pytest.param((1, 2), id="tp2", marks=pytest.mark.slow),
+@functools.cache
+def _served(preset: str, dp: int, tp: int, scan: bool = False):
+    """A runner of the preset (5 layers when scanned), the prompts, `generate`'s tokens for
+    them, and a paged runner of 64 pages per rank shared by the tests (each with its own
+    engine)."""
+    topology = bj.Topology(attn_dp=dp, attn_tp=tp)
+    mesh = bj.make_mesh(topology)
+    config = PRESETS[preset]
+    if scan:
+        config = dataclasses.replace(config, num_layers=5)
+    model = build_model(config, topology, BuildOptions(scan_layers=scan), mesh=mesh)
+    runner = ShardedCausalLM(model, mesh)
+    prompts = _prompts()
+    roomy = PagedRunner(runner, page_size=4, pages_per_rank=64, slots_per_rank=4, max_rows=16)
+    return runner, prompts, runner.generate(prompts, NEW_TOKENS), roomy
+
+
+DEFAULT = ("tiny-mistral", 2, 2)
+SLOW = pytest.mark.slow
+CASES = [
+    pytest.param(DEFAULT, 64, id="kv-dp2-tp2"),
+    pytest.param(DEFAULT, 14, id="kv-dp2-tp2-preempting"),
+    pytest.param(("tiny-deepseek-v3", 2, 2), 64, id="latent-moe-dp2-tp2"),
+    pytest.param(("tiny-deepseek-v3", 2, 2), 14, id="latent-moe-preempting", marks=SLOW),
+    pytest.param(("tiny-mistral", 1, 1), 64, id="kv-one-device", marks=SLOW),
+    pytest.param(("tiny-mistral", 1, 1), 14, id="kv-one-device-preempting", marks=SLOW),
+    pytest.param(("tiny-mistral", 1, 2), 64, id="kv-tp2", marks=SLOW),
+    pytest.param(("tiny-mistral", 1, 2), 14, id="kv-tp2-preempting", marks=SLOW),
+    pytest.param(("tiny-qwen3", 2, 2, True), 64, id="kv-scanned-dp2-tp2", marks=SLOW),
 ]
 
 
-@pytest.fixture(scope="module", params=LAYOUTS)
-def served(request):
-    runner = _runner(*request.param)
-    prompts = _prompts()
-    return runner, prompts, runner.generate(prompts, NEW_TOKENS)
-
-
-@pytest.fixture(scope="module")
-def roomy(served) -> PagedRunner:
-    """A pool of 64 pages per rank, shared by the tests (each with an engine of its own)."""
-    return PagedRunner(served[0], page_size=4, pages_per_rank=64, slots_per_rank=4, max_rows=16)
-
-
-@pytest.mark.parametrize("pages", [64, 14], ids=["roomy", "preempting"])
-def test_paged_greedy_equals_generate(served, roomy, pages):
+@pytest.mark.parametrize(("case", "pages"), CASES)
+def test_paged_greedy_equals_generate(case, pages):
     """Chunked prefill (16 rows per step), decode rows beside it, shared prefixes and (with a
-    small pool) preemption give each prompt's tokens of `generate` alone."""
-    runner, prompts, want = served
+    small pool) preemption give each prompt's tokens of `generate` alone: grouped-query KV
+    pages (with a sliding window) and MLA latent pages (with MoE layers), unrolled and
+    scanned layers."""
+    runner, prompts, want, roomy = _served(*case)
     paged = roomy
     if pages != roomy.pages_per_rank:
         paged = PagedRunner(
@@ -87,10 +100,10 @@ def test_paged_greedy_equals_generate(served, roomy, pages):
     assert paged.compiled_shapes() <= 5
 
 
-def test_prefix_reuse_off_computes_every_token(served, roomy):
+def test_prefix_reuse_off_computes_every_token():
     """Without prefix caching nothing is reused and every prompt token is computed; the
     outputs are the same."""
-    _, prompts, want = served
+    _, prompts, want, roomy = _served(*DEFAULT)
     engine = Engine(roomy, prefix_caching=False)
     requests = _serve(engine, prompts)
     np.testing.assert_array_equal([r.output for r in requests], want)
@@ -100,10 +113,10 @@ def test_prefix_reuse_off_computes_every_token(served, roomy):
     )
 
 
-def test_sampled_tokens_depend_on_seed_not_batch(served, roomy):
+def test_sampled_tokens_depend_on_seed_not_batch():
     """A request's draws depend on its seed alone: alone or among others, the same tokens;
     top_k=1 is greedy."""
-    _, prompts, want = served
+    _, prompts, want, roomy = _served(*DEFAULT)
 
     def run(batch, sampling):
         return [r.output for r in _serve(Engine(roomy), batch, sampling=sampling)]
@@ -134,22 +147,27 @@ def test_sample_rows_mixes_greedy_and_sampled_rows():
 
 
 @pytest.mark.slow
-def test_paged_runner_refuses_other_caches_and_layouts():
-    """Latent-attention and recurrent caches are not paged yet; CP is not built: clear errors."""
+def test_paged_runner_refuses_unpaged_caches_and_layouts():
+    """A recurrent state (Nemotron-H's Mamba2 layers) has no paged form; attention CP is not
+    built: clear errors at construction."""
     topology = bj.Topology()
     mesh = bj.make_mesh(topology)
-    deepseek = ShardedCausalLM(build_model(PRESETS["tiny-deepseek-v3"], topology, mesh=mesh), mesh)
-    with pytest.raises(NotImplementedError, match="latent attention or recurrent"):
-        PagedRunner(deepseek, page_size=4, pages_per_rank=8, slots_per_rank=2, max_rows=16)
+    hybrid = ShardedCausalLM(build_model(PRESETS["tiny-nemotron-h"], topology, mesh=mesh), mesh)
+    with pytest.raises(NotImplementedError, match="Mamba2Cache"):
+        PagedRunner(hybrid, page_size=4, pages_per_rank=8, slots_per_rank=2, max_rows=16)
+    topology = bj.Topology(attn_cp=2)
+    mesh = bj.make_mesh(topology)
+    cp = ShardedCausalLM(build_model(PRESETS["tiny-mistral"], topology, mesh=mesh), mesh)
+    with pytest.raises(NotImplementedError, match="attention CP"):
+        PagedRunner(cp, page_size=4, pages_per_rank=8, slots_per_rank=2, max_rows=16)
 
 
 def test_extend_rows_need_a_paged_cache():
     """An EXTEND call on a slot-indexed cache is refused, naming the paged runner."""
     config = PRESETS["tiny-mistral"]
-    model = build_model(config, bj.Topology())
-    attention = model.layers[0].attn
-    assert isinstance(attention, Attention)
-    cache = KVCache.create(config, bj.Topology(), slots=1, max_len=8)
+    topology = bj.Topology()
+    attention = Attention(config.attention_spec(0), topology=topology, rngs=nnx.Rngs(0))
+    cache = KVCache.create(config, topology, slots=1, max_len=8)
     rows = jnp.zeros((2, config.hidden_size))
     with pytest.raises(ValueError, match="paged cache"):
         attention(
