@@ -48,7 +48,7 @@ class Engine:
             page_size=paged.page_size,
             max_rows=paged.max_rows,
             max_context=paged.runner.config.max_position_embeddings,
-            prefix_caching=prefix_caching,
+            prefix_caching=prefix_caching and paged.reuses_prefixes,
         )
         self.metrics = Metrics()
         self._entries: dict[int, _Entry] = {}

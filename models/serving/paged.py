@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,13 +30,15 @@ from ..inputs.rows import RowsPhase, TokenRows
 from ..layers.attention.kv_cache import KVCache
 from ..layers.attention.latent import LatentCache
 from ..layers.attention.paged import PagedKVCache, PagedLatentCache, page_table_spec
+from ..layers.mixers.mamba2 import Mamba2Cache
 from .buckets import bucket
 from .runtime import ShardedCausalLM
 from .sampling import sample_rows, token_logprobs
 
 PAGED_FORMS = {KVCache: PagedKVCache, LatentCache: PagedLatentCache}
 """The paged form of each slot-indexed cache a block of layers may hold."""
-PAGED_NAMES = tuple(kind.__name__ for kind in PAGED_FORMS)
+SLOT_STATES = (Mamba2Cache,)
+"""Caches of a recurrent state: one slot per sequence, stepped in place, no pages."""
 MIN_STEP_ROWS = 16
 """The smallest block of step rows per DP rank."""
 
@@ -76,6 +79,21 @@ class StepOutput:
     top_logprobs: np.ndarray
 
 
+def step_cache(kind: type, pools: tuple[jax.Array, ...], table: jax.Array) -> Any:
+    """A block's cache in a step, from its pools: the paged form of keys, values or latents
+    read through `table`, a recurrent state as it is, None for a block without a cache."""
+    if kind in PAGED_FORMS:
+        return PAGED_FORMS[kind].from_pools(pools, table)
+    return kind(*pools) if pools else None
+
+
+def cache_pools(cache: Any) -> tuple[jax.Array, ...]:
+    """The pools of a step's cache (what `step_cache` took)."""
+    if isinstance(cache, PagedKVCache | PagedLatentCache):
+        return cache.pools
+    return tuple(jax.tree_util.tree_leaves(cache))
+
+
 class PagedRunner:
     """A `ShardedCausalLM` serving many sequences from a paged KV cache, one step at a time.
 
@@ -101,12 +119,15 @@ class PagedRunner:
     ):
         topology = runner.topology
         specs = runner.model.cache_specs()
-        unpaged = sorted({type(spec).__name__ for spec in specs} - set(PAGED_NAMES))
-        if unpaged:
+        unknown = sorted(
+            {type(spec).__name__ for spec in specs if spec is not None}
+            - {kind.__name__ for kind in (*PAGED_FORMS, *SLOT_STATES)}
+        )
+        if unknown:
             raise NotImplementedError(
-                f"the paged cache holds attention keys and values or MLA latents; this model's "
-                f"layers also cache {unpaged} (e.g. a recurrent state): serve it with generate, "
-                "or add the paged form of its cache"
+                f"the paged step holds attention keys and values, MLA latents and Mamba2 "
+                f"states; this model's layers also cache {unknown}: serve it with generate, or "
+                "add the paged form of its cache"
             )
         if runner.two_batch_overlap or runner.input_scattered:
             raise NotImplementedError(
@@ -142,31 +163,35 @@ class PagedRunner:
     def attn_dp(self) -> int:
         return self.runner.topology.attn_dp
 
+    @property
+    def reuses_prefixes(self) -> bool:
+        """Whether cached pages alone hold a prefix (no layer keeps a recurrent state, which
+        pages cannot restore): the scheduler's prefix reuse is on only then."""
+        return not any(isinstance(spec, SLOT_STATES) for spec in self._specs)
+
     def _new_pools(self) -> tuple[tuple[jax.Array, ...], ...]:
-        """Zero page pools per block of layers: each array of the block's slot-indexed cache
-        (`CausalLM.block_cache`), with pages in place of slots and a page in place of a
-        sequence, placed as that cache is."""
+        """Zero pools per block of layers, each array of the block's slot-indexed cache
+        (`CausalLM.new_caches`) placed as that cache is: with pages in place of slots and a page
+        in place of a sequence for keys, values and latents; a recurrent state as it is, one
+        slot per sequence slot."""
         runner = self.runner
-        pools = []
-        for block, spec in zip(self._blocks, self._specs, strict=True):
-            shapes = jax.eval_shape(
-                lambda block=block: runner.model.block_cache(
-                    slots=self.attn_dp,
-                    max_len=self.page_size,
-                    dtype=runner.dtype,
-                    mesh=None,
-                    layers=len(block.layers) if block.scanned else None,
-                )
+        shapes = jax.eval_shape(
+            lambda: runner.model.new_caches(
+                slots=self.attn_dp, max_len=self.page_size, dtype=runner.dtype
             )
+        )
+        pools = []
+        for block, spec, shape in zip(self._blocks, self._specs, shapes, strict=True):
             lead = 1 if block.scanned else 0
+            count = self.slots_per_rank if isinstance(spec, SLOT_STATES) else self.pages_per_rank
             arrays = []
-            for shape, leaf_spec in zip(
-                jax.tree_util.tree_leaves(shapes), jax.tree_util.tree_leaves(spec), strict=True
+            for leaf, leaf_spec in zip(
+                jax.tree_util.tree_leaves(shape), jax.tree_util.tree_leaves(spec), strict=True
             ):
-                dims = list(shape.shape)
-                dims[lead] = self.pages_per_rank * self.attn_dp
+                dims = list(leaf.shape)
+                dims[lead] = count * self.attn_dp
                 placed = NamedSharding(runner.mesh, leaf_spec)
-                arrays.append(jnp.zeros(dims, shape.dtype, device=placed))
+                arrays.append(jnp.zeros(dims, leaf.dtype, device=placed))
             pools.append(tuple(arrays))
         return tuple(pools)
 
@@ -264,22 +289,22 @@ class PagedRunner:
         runner = self.runner
         row_spec = runner.row_spec
         blocks = self._blocks
-        forms = [PAGED_FORMS[type(spec)] for spec in self._specs]
+        kinds = [type(spec) for spec in self._specs]
         pool_specs = tuple(tuple(jax.tree_util.tree_leaves(spec)) for spec in self._specs)
 
         def body(model, rows, batch, pools, table, last, temperature, top_k, top_p, seeds, count):
             caches = []
-            for block, form, pool in zip(blocks, forms, pools, strict=True):
+            for block, kind, pool in zip(blocks, kinds, pools, strict=True):
                 pages = table
                 if block.scanned:
                     pages = jnp.broadcast_to(table, (len(block.layers), *table.shape))
-                caches.append(form.from_pools(pool, pages))
+                caches.append(step_cache(kind, pool, pages))
             hidden, caches = model.hidden(rows, batch, tuple(caches), last)
             logits = model.lm_head(hidden).astype(jnp.float32)
             tokens = sample_rows(logits, temperature, top_k, top_p, seeds, count)
             tokens = jnp.where(last >= 0, tokens, 0)
             chosen, top_ids, top = token_logprobs(logits, tokens)
-            return (tokens, chosen, top_ids, top), tuple(c.pools for c in caches)
+            return (tokens, chosen, top_ids, top), tuple(cache_pools(c) for c in caches)
 
         slot_spec = PartitionSpec(row_spec[0])
         top_spec = PartitionSpec(row_spec[0], None)

@@ -35,11 +35,15 @@ def _prompts() -> list[list[int]]:
 
 
 def _serve(engine: Engine, prompts, new_tokens=NEW_TOKENS, **fields) -> list[Request]:
+    """Runs the prompts to the end; each request's `logprobs` are those its tokens came with."""
     requests = [Request(str(i), p, new_tokens, **fields) for i, p in enumerate(prompts)]
+    logprobs = {request.id: [] for request in requests}
     for request in requests:
-        engine.submit(request, lambda token: None)
+        engine.submit(request, lambda token: logprobs[token.request.id].append(token.logprob))
     while engine.run_once():
         pass
+    for request in requests:
+        request.logprobs = logprobs[request.id]
     return requests
 
 
@@ -67,6 +71,8 @@ CASES = [
     pytest.param(DEFAULT, 14, id="kv-dp2-tp2-preempting"),
     pytest.param(("tiny-deepseek-v3", 2, 2), 64, id="latent-moe-dp2-tp2"),
     pytest.param(("tiny-deepseek-v3", 2, 2), 14, id="latent-moe-preempting", marks=SLOW),
+    pytest.param(("tiny-nemotron-h", 2, 2), 64, id="hybrid-mamba2-dp2-tp2"),
+    pytest.param(("tiny-nemotron-h", 2, 2), 14, id="hybrid-preempting", marks=SLOW),
     pytest.param(("tiny-mistral", 1, 1), 64, id="kv-one-device", marks=SLOW),
     pytest.param(("tiny-mistral", 1, 1), 14, id="kv-one-device-preempting", marks=SLOW),
     pytest.param(("tiny-mistral", 1, 2), 64, id="kv-tp2", marks=SLOW),
@@ -79,8 +85,8 @@ CASES = [
 def test_paged_greedy_equals_generate(case, pages):
     """Chunked prefill (16 rows per step), decode rows beside it, shared prefixes and (with a
     small pool) preemption give each prompt's tokens of `generate` alone: grouped-query KV
-    pages (with a sliding window) and MLA latent pages (with MoE layers), unrolled and
-    scanned layers."""
+    pages (with a sliding window), MLA latent pages (with MoE layers), Mamba2 states stepped
+    row by row in their slots (Nemotron-H), unrolled and scanned layers."""
     runner, prompts, want, roomy = _served(*case)
     paged = roomy
     if pages != roomy.pages_per_rank:
@@ -91,9 +97,21 @@ def test_paged_greedy_equals_generate(case, pages):
     requests = _serve(engine, prompts)
     np.testing.assert_array_equal([r.output for r in requests], want)
     assert all(r.finish is Finish.LENGTH for r in requests)
+    # Each token's log-probability is the forward's over the whole sequence (tighter than
+    # the argmax: a stale state or a wrong page moves it).
+    logits = runner.forward([r.prompt + r.output for r in requests])
+    for request, row in zip(requests, logits, strict=True):
+        start = len(request.prompt) - 1
+        steps = np.arange(start, start + NEW_TOKENS)
+        shifted = row[steps] - row[steps].max(axis=-1, keepdims=True)
+        logprobs = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+        np.testing.assert_allclose(
+            request.logprobs, logprobs[np.arange(NEW_TOKENS), request.output], atol=2e-4
+        )
     scheduler = engine.scheduler
     assert scheduler.used_pages == 0 and scheduler.idle
-    assert scheduler.reused_pages > 0
+    # Pages cannot restore a recurrent state: no prefix reuse with Mamba2 layers.
+    assert (scheduler.reused_pages > 0) == paged.reuses_prefixes
     if pages == 14:
         assert scheduler.preemptions > 0
     # One program per rows bucket: 16 rows, pages buckets 1..16 at most.
@@ -148,13 +166,19 @@ def test_sample_rows_mixes_greedy_and_sampled_rows():
 
 @pytest.mark.slow
 def test_paged_runner_refuses_unpaged_caches_and_layouts():
-    """A recurrent state (Nemotron-H's Mamba2 layers) has no paged form; attention CP is not
+    """LongCat-Flash's pair of latent caches per layer has no paged form; attention CP is not
     built: clear errors at construction."""
     topology = bj.Topology()
     mesh = bj.make_mesh(topology)
-    hybrid = ShardedCausalLM(build_model(PRESETS["tiny-nemotron-h"], topology, mesh=mesh), mesh)
-    with pytest.raises(NotImplementedError, match="Mamba2Cache"):
-        PagedRunner(hybrid, page_size=4, pages_per_rank=8, slots_per_rank=2, max_rows=16)
+    longcat = build_model(PRESETS["tiny-longcat-flash"], topology, mesh=mesh)
+    with pytest.raises(NotImplementedError, match="LongcatCache"):
+        PagedRunner(
+            ShardedCausalLM(longcat, mesh),
+            page_size=4,
+            pages_per_rank=8,
+            slots_per_rank=2,
+            max_rows=16,
+        )
     topology = bj.Topology(attn_cp=2)
     mesh = bj.make_mesh(topology)
     cp = ShardedCausalLM(build_model(PRESETS["tiny-mistral"], topology, mesh=mesh), mesh)
