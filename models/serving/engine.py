@@ -56,6 +56,7 @@ class Engine:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping = False
+        self._running = True
         self._thread: threading.Thread | None = None
 
     # -- any thread -------------------------------------------------------------------------
@@ -116,8 +117,6 @@ class Engine:
 
     # -- the loop's thread ----------------------------------------------------------------
 
-    _running = True
-
     def _loop(self) -> None:
         while self._running:
             if not self.run_once():
@@ -143,11 +142,14 @@ class Engine:
             sampling[(chunk.rank, chunk.slot)] = request.sampling
         try:
             output = self.paged.step(chunks, sampling)
-        except Exception as error:  # noqa: BLE001 - the step's requests fail, the loop lives
-            for chunk in chunks:
-                request = by_slot[(chunk.rank, chunk.slot)]
+        except Exception as error:  # noqa: BLE001 - the running requests fail, the loop lives
+            # The step may have consumed the donated pools: every running request's cache is
+            # gone. They fail; the pools and the prefix cache start afresh; waiting ones run.
+            for request in list(scheduler.running):
                 scheduler.abort(request)
                 self._finish(request, error)
+            scheduler.forget_pages()
+            self.paged.reset()
             return True
         drawn = scheduler.update(chunks, output)
         now = time.monotonic()

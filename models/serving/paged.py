@@ -195,6 +195,11 @@ class PagedRunner:
             pools.append(tuple(arrays))
         return tuple(pools)
 
+    def reset(self) -> None:
+        """Fresh zero pools (after a step that failed may have consumed the donated ones)."""
+        self._pools = ()
+        self._pools = self._new_pools()
+
     def cache_bytes(self) -> int:
         """Bytes of the page pools over all devices."""
         return sum(x.nbytes for pool in self._pools for x in pool)

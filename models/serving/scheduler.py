@@ -113,13 +113,26 @@ class Scheduler:
         self.running: list[Request] = []
         self.waiting: list[Request] = []
         self.preemptions = 0
+        self._reused_before = 0
         self._order = itertools.count()
         self._free_slots = [list(range(slots_per_rank - 1, -1, -1)) for _ in range(attn_dp)]
 
     @property
     def reused_pages(self) -> int:
         """Pages reused from the prefix cache so far, over all ranks."""
-        return sum(pool.reused for pool in self.pools)
+        return self._reused_before + sum(pool.reused for pool in self.pools)
+
+    def forget_pages(self) -> None:
+        """Starts every rank's pool afresh (nothing held, nothing cached): after the device
+        lost the pages' contents. No request may be running.
+
+        Raises:
+          ValueError: A request is running.
+        """
+        if self.running:
+            raise ValueError("forget_pages needs no running request; abort them first")
+        self._reused_before = self.reused_pages
+        self.pools = [PagePool(pool.pages, caching=pool.caching) for pool in self.pools]
 
     @property
     def used_pages(self) -> int:
