@@ -304,7 +304,7 @@ def _parser() -> argparse.ArgumentParser:
     _model_args(serving)
     _quantize_arg(serving)
     add_serve_args(serving)
-    serving.set_defaults(run=serve)
+    serving.set_defaults(run=serve, pp_split=None, microbatches=None)
 
     train_ = commands_.add_parser(
         "train", help="train on text (next-token loss, AdamW) and write a checkpoint directory"

@@ -83,12 +83,12 @@ def pages_per_rank(args: argparse.Namespace, model: ShardedCausalLM, slots: int)
 
 def serve(args: argparse.Namespace) -> None:
     """`serve`: builds the model, then serves until SIGTERM or SIGINT (exit 0)."""
-    out = console()
-    config = source_config(args)
     if options.pipelined(args):
         raise InputError("serve runs the model as one program; drop pp from --mesh")
     if jax.process_count() > 1:
         raise InputError("serve runs in one process; drop `launch`")
+    out = console()
+    config = source_config(args)
     model = runner(args, out, config)
     text = codec(args, config)
     eos = eos_token_ids(checkpoint_dir(args))
