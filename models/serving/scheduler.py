@@ -194,7 +194,9 @@ class Scheduler:
         waiting requests admitted while slots, pages and budget last."""
         budget = [self.max_rows] * self.attn_dp
         chunks: list[Chunk] = []
-        for request in list(self.running):
+        # Oldest first (a readmitted request is older than some that ran on while it
+        # waited): a rank short of pages preempts its newest, never one scheduled already.
+        for request in sorted(self.running, key=lambda r: r.order):
             if request not in self.running:
                 continue  # preempted for an older one
             chunk = self._next_chunk(request, budget)

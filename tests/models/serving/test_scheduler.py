@@ -157,3 +157,46 @@ def test_dp_ranks_balance_admission():
         scheduler.add(Request(name, [1, 2, 3, 4, 5], 2))
     scheduler.schedule()
     assert sorted(r.rank for r in scheduler.running) == [0, 1]
+
+
+def test_random_loads_keep_every_step_consistent():
+    """Random prompts arriving over time on two ranks with small pools (preemptions, requests
+    readmitted behind newer ones, prefix reuse), 10 loads: each step's chunks belong to running
+    requests whose pages hold them, every page's references are the requests holding it, and
+    every request ends with max_tokens tokens."""
+    preemptions = sum(_random_load(seed) for seed in range(10))
+    assert preemptions > 0
+
+
+def _random_load(seed: int) -> int:
+    rng = np.random.default_rng(seed)
+    scheduler = _scheduler(attn_dp=2, slots_per_rank=3, pages_per_rank=10, max_rows=12)
+    shared = rng.integers(0, 50, 4).tolist()
+    requests = []
+    for index in range(20):
+        prompt = rng.integers(0, 50, int(rng.integers(1, 10))).tolist()
+        if index % 3 == 0:
+            prompt = shared + prompt[:4]
+        requests.append(Request(str(index), prompt, int(rng.integers(1, 28))))
+    pending = list(requests)
+    for _ in range(3000):
+        if pending and rng.random() < 0.3:
+            scheduler.add(pending.pop(0))
+        chunks = scheduler.schedule()
+        by_slot = {(r.rank, r.slot): r for r in scheduler.running}
+        assert len(by_slot) == len(scheduler.running)
+        for chunk in chunks:
+            request = by_slot[(chunk.rank, chunk.slot)]
+            assert chunk.start == request.computed
+            assert len(request.pages) * 4 >= chunk.start + len(chunk.tokens)
+        for rank, pool in enumerate(scheduler.pools):
+            held = [p for r in scheduler.running if r.rank == rank for p in r.pages]
+            for page in set(held):
+                assert pool.refs(page) == held.count(page)
+        scheduler.update(chunks, _output(scheduler))
+        if not pending and scheduler.idle:
+            break
+    assert scheduler.idle and not pending
+    assert all(len(r.output) == r.max_tokens and r.finish is Finish.LENGTH for r in requests)
+    assert scheduler.used_pages == 0
+    return scheduler.preemptions
