@@ -211,7 +211,7 @@ class Scheduler:
             self._admit(request, rank)
             chunk = self._next_chunk(request, budget, admitting=True)
             if chunk is None:  # no pages after all: back to the head of the queue
-                self._preempt(request)
+                self._preempt(request, counted=False)
                 break
             chunks.append(chunk)
         return chunks
@@ -273,11 +273,11 @@ class Scheduler:
     def _hashes(self, request: Request, pages: int) -> list[int]:
         return page_hashes(request.tokens, self.page_size, pages, request.adapter)
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, *, counted: bool = True) -> None:
         """Returns a running request's pages and slot; it waits again (in arrival order) to
-        recompute what it had."""
+        recompute what it had (`counted`: a preemption, not an admission undone)."""
         self._retire(request)
-        self.preemptions += 1
+        self.preemptions += counted
         request.computed = request.named = 0
         position = next(
             (i for i, r in enumerate(self.waiting) if r.order > request.order), len(self.waiting)

@@ -109,7 +109,7 @@ def _prompt(index: int) -> str:
 def test_32_concurrent_requests_equal_generate_alone(served):
     """32 concurrent requests through the openai client, half streamed, of mixed prompt and
     output lengths: each greedy answer is `generate`'s for its prompt alone (to its eos)."""
-    cases = [(_prompt(i), 3 + (i * 7) % 20, i % 2 == 0) for i in range(32)]
+    cases = [(_prompt(i % 8), 3 + (i * 7) % 20, i % 2 == 0) for i in range(32)]
 
     async def ask(client, prompt: str, max_tokens: int, stream: bool) -> tuple[str, str]:
         options = dict(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0)
@@ -128,8 +128,10 @@ def test_32_concurrent_requests_equal_generate_alone(served):
             return await asyncio.gather(*(ask(client, *case) for case in cases))
 
     answers = asyncio.run(ask_all())
+    # Greedy tokens do not depend on how many follow: each prompt's longest run, cut.
+    longest = {prompt: served.expected(served.codec.encode(prompt), 22) for prompt, *_ in cases}
     for (prompt, max_tokens, _), (text, finish) in zip(cases, answers, strict=True):
-        want = served.expected(served.codec.encode(prompt), max_tokens)
+        want = longest[prompt][:max_tokens]
         assert text == served.text(want), prompt
         assert finish == ("stop" if want[-1] in served.eos else "length")
     assert served.metric("boundary_jax_kv_blocks_used") == 0
