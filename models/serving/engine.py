@@ -170,8 +170,17 @@ class Engine:
             entry.last = now
             if token.finish is not None:
                 del self._entries[id(token.request)]
-            entry.listener(token)
+            self._tell(entry, token)
         return True
+
+    def _tell(self, entry: _Entry, item: Token | BaseException) -> None:
+        """Hands `item` to the request's listener; a listener that raises (its caller gone,
+        its event loop closed) loses its request, never the loop."""
+        try:
+            entry.listener(item)
+        except Exception:  # noqa: BLE001 - any listener failure ends that request only
+            self._entries.pop(id(entry.request), None)
+            self.scheduler.abort(entry.request)
 
     def _take_inbox(self) -> None:
         with self._lock:
@@ -187,7 +196,4 @@ class Engine:
         entry = self._entries.pop(id(request), None)
         if entry is None:
             return
-        if error is not None:
-            entry.listener(error)
-        else:
-            entry.listener(Token(request, -1, 0.0, (), (), Finish.ABORT))
+        self._tell(entry, error or Token(request, -1, 0.0, (), (), Finish.ABORT))

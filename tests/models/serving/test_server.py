@@ -307,9 +307,16 @@ def test_disconnect_mid_stream_frees_its_pages(served):
     assert served.metric("boundary_jax_requests_running") == 0
 
 
-def test_stop_cancels_what_outlives_the_grace_period(served):
+@pytest.fixture
+def engine(served):
+    """An engine of its own (no thread) on the served pools; the served engine forgets its
+    cached pages afterwards, which this one may have overwritten."""
+    yield Engine(served.engine.paged)
+    served.engine.scheduler.forget_pages()
+
+
+def test_stop_cancels_what_outlives_the_grace_period(engine):
     """An engine stopped with no grace aborts the requests it holds; their listeners hear it."""
-    engine = Engine(served.engine.paged)
     heard = []
     request = Request("long", [1, 2, 3], 50)
     engine.submit(request, heard.append)
@@ -360,10 +367,9 @@ def test_sigterm_finishes_running_requests_and_exits_0(tmp_path):
             process.wait()
 
 
-def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(served, monkeypatch):
+def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(served, engine, monkeypatch):
     """A step that raises fails the running requests (their listeners get the error); the
     pools start afresh and the next request is answered as `generate` answers it."""
-    engine = Engine(served.engine.paged)
     heard = []
     broken = Request("broken", [5, 6, 7], 4)
     engine.submit(broken, heard.append)
@@ -374,10 +380,7 @@ def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(served, monkeypa
         raise RuntimeError("device lost")
 
     monkeypatch.setattr(served.engine.paged, "step", fail)
-    try:
-        engine.run_once()
-    finally:  # the served engine's cached pages are zeros now
-        served.engine.scheduler.forget_pages()
+    engine.run_once()
     assert isinstance(heard[-1], RuntimeError) and broken.finish is Finish.ABORT
     assert engine.scheduler.used_pages == 0
     prompt = served.codec.encode("the old town")
@@ -386,3 +389,20 @@ def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(served, monkeypa
     while engine.run_once():
         pass
     assert after.output == served.expected(prompt, 5)
+
+
+def test_a_listener_that_raises_loses_its_request_only(engine):
+    """A listener that raises (a caller whose event loop closed) ends its request; the others
+    run on."""
+
+    def gone(token):
+        raise RuntimeError("Event loop is closed")
+
+    lost, kept = Request("lost", [5, 6], 6), Request("kept", [7, 8], 3)
+    engine.submit(lost, gone)
+    engine.submit(kept, lambda token: None)
+    while engine.run_once():
+        pass
+    assert lost.finish is Finish.ABORT and len(lost.output) == 1
+    assert kept.finish is Finish.LENGTH and len(kept.output) == 3
+    assert engine.scheduler.used_pages == 0
