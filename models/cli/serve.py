@@ -103,6 +103,7 @@ def serve(args: argparse.Namespace) -> None:
             slots_per_rank=slots,
             max_rows=args.max_tokens_per_step,
         )
+    out.log(f"KV cache: {paged.cache_bytes() / GIB:.3f} GiB over all devices")
     engine = Engine(paged, prefix_caching=not args.no_prefix_caching)
     name = args.served_model_name or args.preset or Path(args.checkpoint).resolve().name
     server = Server(engine, text, model_name=name, eos_ids=eos)
