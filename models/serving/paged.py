@@ -251,26 +251,38 @@ class PagedRunner:
                     chunk.start + count,
                 )
         runner = self.runner
-        placed = TokenRows(
-            *(runner.place_array(x.reshape(-1)) for x in (ids, positions, segments)),
-            RowsPhase.EXTEND,
+        host = (
+            ids.reshape(-1),
+            positions.reshape(-1),
+            segments.reshape(-1),
+            filled.astype(np.int32),
+            np.ascontiguousarray(self.tables[:, :, :pages]).reshape(dp * slots, pages),
+            last.reshape(-1),
+            *(
+                values.reshape(-1).astype(dtype)
+                for values, dtype in zip(
+                    params, (np.float32, np.int32, np.float32, np.uint32, np.int32), strict=True
+                )
+            ),
         )
-        batch = runner.place_batch(filled.astype(np.int32))
-        table = runner.place_array(self.tables[:, :, :pages].reshape(dp * slots, pages))
-        per_slot = [
-            runner.place_array(values.reshape(-1).astype(dtype))
-            for values, dtype in zip(
-                params, (np.float32, np.int32, np.float32, np.uint32, np.int32), strict=True
-            )
-        ]
+        mesh, rows_spec = runner.mesh, runner.row_spec
+        specs = (
+            *(rows_spec,) * 3,
+            PartitionSpec(),
+            page_table_spec(runner.topology),
+            *(PartitionSpec(rows_spec[0]),) * 6,
+        )
+        # One transfer for the step's host arrays.
+        placed = jax.device_put(host, tuple(NamedSharding(mesh, spec) for spec in specs))
+        ids_, positions_, segments_, counts, table, last_, *per_slot = placed
         program = self._program(rows)
         outputs, self._pools = program(
             runner.leaves,
-            placed,
-            batch,
+            TokenRows(ids_, positions_, segments_, RowsPhase.EXTEND),
+            runner.batch_facts(counts),
             self._pools,
             table,
-            runner.place_array(last.reshape(-1)),
+            last_,
             *per_slot,
         )
         tokens, logprobs, top_ids, top_logprobs = (fetch(x) for x in outputs)

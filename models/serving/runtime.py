@@ -223,8 +223,11 @@ class ShardedCausalLM:
 
     def place_batch(self, token_counts: np.ndarray) -> bj.BatchFacts:
         """Placed batch facts of this runner's variant: [attn_dp] real rows per DP rank."""
-        counts = self.place_array(np.asarray(token_counts, np.int32), rows=False)
-        return bj.BatchFacts(self._variant, self.topology, counts)
+        return self.batch_facts(self.place_array(np.asarray(token_counts, np.int32), rows=False))
+
+    def batch_facts(self, token_counts: jax.Array) -> bj.BatchFacts:
+        """Batch facts of this runner's variant over counts already placed (replicated)."""
+        return bj.BatchFacts(self._variant, self.topology, token_counts)
 
     def new_caches(self, slots_per_rank: int, max_len: int) -> tuple[KVCache, ...]:
         """Zero decode caches of `slots_per_rank` slots per DP rank, sharded, as the model
