@@ -3,7 +3,9 @@ token to its request's listener, while callers on other threads submit and abort
 
 Callers never wait for the device: `submit` and `abort` queue their work and return; the loop
 takes it up between steps. A listener is called on the loop's thread (a server hands the token
-on to its event loop). A step that raises fails the requests it ran, not the loop.
+on to its event loop). A step that raises fails the running requests, not the loop (the pools
+and the prefix cache start afresh: the step may have consumed the donated pools); a listener
+that raises loses its own request only.
 """
 
 from __future__ import annotations

@@ -47,8 +47,11 @@ class Request:
       output: New tokens so far.
       computed: Leading tokens (prompt + output) whose keys and values are in the cache.
       pages: Its pages on its rank, in position order.
+      named: Leading tokens whose full pages are named in the prefix cache.
       rank, slot: Where it runs; None while waiting.
       finish: Why it stopped; None while it runs or waits.
+      order: Its arrival order (the scheduler's): the oldest runs first, the newest is
+        preempted first.
     """
 
     id: str
