@@ -99,6 +99,15 @@ class Server:
             refused = ApiError(str(error.detail), status=error.status_code, code="not_found")
             return JSONResponse(refused.body(), status_code=error.status_code)
 
+        @app.exception_handler(Exception)
+        async def server_error(request: HttpRequest, error: Exception) -> JSONResponse:
+            failed = ApiError(
+                f"the server failed on this request: {type(error).__name__}: {error}",
+                status=500,
+                kind="server_error",
+            )
+            return JSONResponse(failed.body(), status_code=500)
+
         @app.post("/v1/completions")
         async def completions(request: HttpRequest) -> Response:
             return await self._generate(request, Endpoint.COMPLETIONS)

@@ -26,6 +26,7 @@ from models.serving.generation import generate_ids
 from models.serving.paged import PagedRunner
 from models.serving.runtime import ShardedCausalLM
 from models.serving.scheduler import Finish, Request
+from models.serving import server as server_module
 from models.serving.server import Server
 from models.serving.text import eos_token_ids, text_codec
 
@@ -406,3 +407,20 @@ def test_a_listener_that_raises_loses_its_request_only(engine):
     assert lost.finish is Finish.ABORT and len(lost.output) == 1
     assert kept.finish is Finish.LENGTH and len(kept.output) == 3
     assert engine.scheduler.used_pages == 0
+
+
+def test_a_handler_that_fails_answers_500_and_the_server_goes_on(served, monkeypatch):
+    """An unexpected error while handling a request is a 500 with an OpenAI error body; the
+    next request is answered."""
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("tokenizer crashed")
+
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 2, "temperature": 0}
+    with monkeypatch.context() as patch:
+        patch.setattr(server_module, "parse_request", broken)
+        failed = httpx.post(f"{served.url}/v1/completions", json=body)
+    assert failed.status_code == 500
+    assert failed.json()["error"]["type"] == "server_error"
+    assert "tokenizer crashed" in failed.json()["error"]["message"]
+    assert httpx.post(f"{served.url}/v1/completions", json=body).status_code == 200
