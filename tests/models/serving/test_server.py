@@ -21,12 +21,12 @@ import uvicorn
 
 import boundary_jax as bj
 from models.build import load_model
+from models.serving import server as server_module
 from models.serving.engine import Engine
 from models.serving.generation import generate_ids
 from models.serving.paged import PagedRunner
 from models.serving.runtime import ShardedCausalLM
 from models.serving.scheduler import Finish, Request
-from models.serving import server as server_module
 from models.serving.server import Server
 from models.serving.text import eos_token_ids, text_codec
 
