@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 
 from .metrics import Metrics
-from .paged import PagedRunner
+from .paged import Chunk, Launched, PagedRunner, SlotSampling, StepOutput
 from .scheduler import Finish, Request, RequestRefused, Scheduler, Token
 
 Listener = Callable[[Token | BaseException], None]
@@ -59,6 +59,7 @@ class Engine:
         self._wake = threading.Event()
         self._stopping = False
         self._running = True
+        self._pending: Launched | None = None
         self._thread: threading.Thread | None = None
 
     # -- any thread -------------------------------------------------------------------------
@@ -88,9 +89,9 @@ class Engine:
 
     @property
     def busy(self) -> bool:
-        """Requests queued, waiting or running."""
+        """Requests queued, waiting or running, or a step in flight."""
         with self._lock:
-            return bool(self._inbox) or not self.scheduler.idle
+            return bool(self._inbox) or not self.scheduler.idle or self._pending is not None
 
     def start(self) -> None:
         """Runs the loop on its own (daemon) thread."""
@@ -127,32 +128,57 @@ class Engine:
         self._take_inbox()
 
     def run_once(self) -> bool:
-        """Takes queued work, then runs one step if any request can run; False when idle.
-        (The loop calls it; a test may call it directly instead of `start`.)"""
+        """One turn of the loop: takes queued work, launches the next step, then waits for the
+        step launched before it and records its draws, so the host schedules step N + 1 while
+        the device runs step N (a request whose token step N draws runs that token in step
+        N + 1, read on the device). False when nothing ran. (The loop calls it; a test may call
+        it directly instead of `start`.)"""
         self._take_inbox()
         scheduler = self.scheduler
         chunks = scheduler.schedule()
         self.metrics.queue(len(scheduler.running), len(scheduler.waiting), scheduler.used_pages)
-        if not chunks:
+        pending, self._pending = self._pending, None
+        if not chunks and pending is None:
             return False
+        try:
+            if chunks:
+                self._pending = self.paged.launch(chunks, self._sampling(chunks), pending)
+            output = None if pending is None else pending.fetch()
+        except Exception as error:  # noqa: BLE001 - the running requests fail, the loop lives
+            self._fail_running(error)
+            return True
+        if pending is not None:
+            self._record(pending.chunks, output)
+        return True
+
+    def _sampling(self, chunks: list[Chunk]) -> dict[tuple[int, int], SlotSampling]:
+        """Each chunk's sampling parameters, its request's pages written into the tables."""
         tables = self.paged.tables
-        by_slot = {(r.rank, r.slot): r for r in scheduler.running}
+        by_slot = {(r.rank, r.slot): r for r in self.scheduler.running}
         sampling = {}
         for chunk in chunks:
             request = by_slot[(chunk.rank, chunk.slot)]
             tables[chunk.rank, chunk.slot, : len(request.pages)] = request.pages
             sampling[(chunk.rank, chunk.slot)] = request.sampling
-        try:
-            output = self.paged.step(chunks, sampling)
-        except Exception as error:  # noqa: BLE001 - the running requests fail, the loop lives
-            # The step may have consumed the donated pools: every running request's cache is
-            # gone. They fail; the pools and the prefix cache start afresh; waiting ones run.
-            for request in list(scheduler.running):
-                scheduler.abort(request)
-                self._finish(request, error)
-            scheduler.forget_pages()
-            self.paged.reset()
-            return True
+        return sampling
+
+    def _fail_running(self, error: Exception) -> None:
+        """A step raised, and may have consumed the donated pools: every running request's
+        cache is gone. They fail; draws in flight are dropped (a waiting request recomputes
+        its own); the pools and the prefix cache start afresh."""
+        scheduler = self.scheduler
+        self._pending = None
+        for request in list(scheduler.running):
+            scheduler.abort(request)
+            self._finish(request, error)
+        for request in scheduler.waiting:
+            request.drawing = 0
+        scheduler.forget_pages()
+        self.paged.reset()
+
+    def _record(self, chunks: tuple[Chunk, ...], output: StepOutput) -> None:
+        """A finished step's draws: into the scheduler, the metrics and the listeners."""
+        scheduler = self.scheduler
         drawn = scheduler.update(chunks, output)
         now = time.monotonic()
         self.metrics.step(
@@ -173,7 +199,6 @@ class Engine:
             if token.finish is not None:
                 del self._entries[id(token.request)]
             self._tell(entry, token)
-        return True
 
     def _tell(self, entry: _Entry, item: Token | BaseException) -> None:
         """Hands `item` to the request's listener; a listener that raises (its caller gone,

@@ -47,13 +47,17 @@ MIN_STEP_ROWS = 16
 class Chunk:
     """Tokens of one sequence that a step runs: `tokens` at positions `start`, `start + 1`, ...
     of the sequence in slot `slot` of DP rank `rank`; `sample`: its last row draws the
-    sequence's next token."""
+    sequence's next token; `previous`: its last token is the one the previous step drew for
+    this slot, read on the device (its entry in `tokens` is a placeholder); `key`: the
+    caller's name for the sequence."""
 
     rank: int
     slot: int
     tokens: tuple[int, ...]
     start: int
     sample: bool
+    key: int = -1
+    previous: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +81,28 @@ class StepOutput:
     logprobs: np.ndarray
     top_ids: np.ndarray
     top_logprobs: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class Launched:
+    """A step dispatched to the device, not waited for: its chunks and its outputs as device
+    arrays (`tokens` slot-ordered, what the next step's `Chunk.previous` rows read)."""
+
+    chunks: tuple[Chunk, ...]
+    tokens: jax.Array
+    outputs: tuple[jax.Array, ...]
+    shape: tuple[int, int]
+
+    def fetch(self) -> StepOutput:
+        """Waits for the step and copies what it drew to the host."""
+        dp, slots = self.shape
+        tokens, logprobs, top_ids, top_logprobs = (fetch(x) for x in self.outputs)
+        return StepOutput(
+            tokens.reshape(dp, slots),
+            logprobs.reshape(dp, slots),
+            top_ids.reshape(dp, slots, -1),
+            top_logprobs.reshape(dp, slots, -1),
+        )
 
 
 def step_cache(kind: type, pools: tuple[jax.Array, ...], table: jax.Array) -> Any:
@@ -157,6 +183,7 @@ class PagedRunner:
         self._blocks = runner.config.layer_blocks(runner.options.scan_layers)
         self._specs = specs
         self._pools = self._new_pools()
+        self._no_draw = runner.place_array(np.zeros(dp * self.slots_per_rank, np.int32))
         self._programs: dict[int, Callable] = {}
 
     @property
@@ -207,13 +234,25 @@ class PagedRunner:
     def step(
         self, chunks: Sequence[Chunk], sampling: dict[tuple[int, int], SlotSampling]
     ) -> StepOutput:
-        """Runs `chunks` (at most one per slot, at most `max_rows` tokens per DP rank) in one
-        step: writes their keys and values into the pages `tables` names and draws a token for
-        each chunk with `sample`, with the parameters `sampling[rank, slot]` (greedy where
-        absent) and counter `start + len(tokens)` (the index of the position drawn).
+        """`launch` without a previous step, waited for (`Launched.fetch`)."""
+        return self.launch(chunks, sampling).fetch()
+
+    def launch(
+        self,
+        chunks: Sequence[Chunk],
+        sampling: dict[tuple[int, int], SlotSampling],
+        previous: Launched | None = None,
+    ) -> Launched:
+        """Dispatches `chunks` (at most one per slot, at most `max_rows` tokens per DP rank)
+        as one step and returns without waiting: it writes their keys and values into the pages
+        `tables` names and draws a token for each chunk with `sample`, with the parameters
+        `sampling[rank, slot]` (greedy where absent) and counter `start + len(tokens)` (the
+        index of the position drawn). A chunk with `previous` reads its last token from what
+        `previous` (the step launched before, still running or not) drew for its slot.
 
         Raises:
-          ValueError: A rank's chunks exceed `max_rows`, or two chunks share a slot.
+          ValueError: A rank's chunks exceed `max_rows`, two chunks share a slot, or a chunk
+            reads a previous step that is not given.
         """
         dp, slots = self.attn_dp, self.slots_per_rank
         used = np.zeros(dp, np.int64)
@@ -223,12 +262,15 @@ class PagedRunner:
             raise ValueError(f"a step holds at most {self.max_rows} rows per rank; got {used}")
         if len({(c.rank, c.slot) for c in chunks}) != len(chunks):
             raise ValueError("a step runs at most one chunk per slot")
+        if previous is None and any(c.previous for c in chunks):
+            raise ValueError("a chunk reads the previous step's draw; pass that step")
         rows = bucket(max(int(used.max(initial=1)), MIN_STEP_ROWS), self.runner.topology.attn_tp)
         reach = max((c.start + len(c.tokens) for c in chunks), default=1)
         pages = min(bucket(-(-reach // self.page_size)), self.pages_per_sequence)
         ids = np.zeros((dp, rows), np.int32)
         positions = np.zeros((dp, rows), np.int32)
         segments = np.full((dp, rows), -1, np.int32)
+        from_previous = np.full((dp, rows), -1, np.int32)
         last = np.full((dp, slots), -1, np.int32)
         params = np.zeros((5, dp, slots), np.float64)
         params[2] = 1.0
@@ -239,6 +281,8 @@ class PagedRunner:
             ids[where] = chunk.tokens
             positions[where] = np.arange(chunk.start, chunk.start + count)
             segments[where] = chunk.slot
+            if chunk.previous:
+                from_previous[chunk.rank, at + count - 1] = chunk.slot
             filled[chunk.rank] += count
             if chunk.sample:
                 last[chunk.rank, chunk.slot] = at + count - 1
@@ -255,8 +299,9 @@ class PagedRunner:
             ids.reshape(-1),
             positions.reshape(-1),
             segments.reshape(-1),
+            from_previous.reshape(-1),
             filled.astype(np.int32),
-            np.ascontiguousarray(self.tables[:, :, :pages]).reshape(dp * slots, pages),
+            self.tables[:, :, :pages].reshape(dp * slots, pages).copy(),
             last.reshape(-1),
             *(
                 values.reshape(-1).astype(dtype)
@@ -267,31 +312,28 @@ class PagedRunner:
         )
         mesh, rows_spec = runner.mesh, runner.row_spec
         specs = (
-            *(rows_spec,) * 3,
+            *(rows_spec,) * 4,
             PartitionSpec(),
             page_table_spec(runner.topology),
             *(PartitionSpec(rows_spec[0]),) * 6,
         )
         # One transfer for the step's host arrays.
         placed = jax.device_put(host, tuple(NamedSharding(mesh, spec) for spec in specs))
-        ids_, positions_, segments_, counts, table, last_, *per_slot = placed
+        ids_, positions_, segments_, from_previous_, counts, table, last_, *per_slot = placed
+        drawn = self._no_draw if previous is None else previous.tokens
         program = self._program(rows)
         outputs, self._pools = program(
             runner.leaves,
             TokenRows(ids_, positions_, segments_, RowsPhase.EXTEND),
+            from_previous_,
+            drawn,
             runner.batch_facts(counts),
             self._pools,
             table,
             last_,
             *per_slot,
         )
-        tokens, logprobs, top_ids, top_logprobs = (fetch(x) for x in outputs)
-        return StepOutput(
-            tokens.reshape(dp, slots),
-            logprobs.reshape(dp, slots),
-            top_ids.reshape(dp, slots, -1),
-            top_logprobs.reshape(dp, slots, -1),
-        )
+        return Launched(tuple(chunks), outputs[0], outputs, (dp, slots))
 
     def compiled_shapes(self) -> int:
         """Step programs compiled so far (one per rows bucket, per pages bucket)."""
@@ -309,7 +351,11 @@ class PagedRunner:
         kinds = [type(spec) for spec in self._specs]
         pool_specs = tuple(tuple(jax.tree_util.tree_leaves(spec)) for spec in self._specs)
 
-        def body(model, rows, batch, pools, table, last, temperature, top_k, top_p, seeds, count):
+        def body(model, rows, from_previous, drawn, batch, pools, table, last, *sampling):
+            # The rows whose token the previous step drew read it here, on the device.
+            taken = drawn[jnp.maximum(from_previous, 0)]
+            ids = jnp.where(from_previous >= 0, taken, rows.ids)
+            rows = TokenRows(ids, rows.positions, rows.segment_ids, rows.phase)
             caches = []
             for block, kind, pool in zip(blocks, kinds, pools, strict=True):
                 pages = table
@@ -318,7 +364,7 @@ class PagedRunner:
                 caches.append(step_cache(kind, pool, pages))
             hidden, caches = model.hidden(rows, batch, tuple(caches), last)
             logits = model.lm_head(hidden).astype(jnp.float32)
-            tokens = sample_rows(logits, temperature, top_k, top_p, seeds, count)
+            tokens = sample_rows(logits, *sampling)
             tokens = jnp.where(last >= 0, tokens, 0)
             chosen, top_ids, top = token_logprobs(logits, tokens)
             return (tokens, chosen, top_ids, top), tuple(cache_pools(c) for c in caches)
@@ -329,6 +375,8 @@ class PagedRunner:
             body,
             in_specs=(
                 row_spec,
+                row_spec,
+                slot_spec,
                 PartitionSpec(),
                 pool_specs,
                 page_table_spec(runner.topology),
@@ -336,5 +384,5 @@ class PagedRunner:
             ),
             out_specs=((slot_spec, slot_spec, top_spec, top_spec), pool_specs),
             check_vma=runner.check_vma,
-            donate_argnums=(2,),
+            donate_argnums=(4,),
         )

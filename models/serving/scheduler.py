@@ -52,6 +52,8 @@ class Request:
       finish: Why it stopped; None while it runs or waits.
       order: Its arrival order (the scheduler's): the oldest runs first, the newest is
         preempted first.
+      drawing: Draws launched for it and not recorded yet (`update` records them): the next
+        step may already run the token in flight (`Chunk.previous`), read on the device.
     """
 
     id: str
@@ -68,6 +70,7 @@ class Request:
     slot: int | None = None
     finish: Finish | None = None
     order: int = 0
+    drawing: int = 0
 
     @property
     def tokens(self) -> list[int]:
@@ -119,6 +122,7 @@ class Scheduler:
         self._reused_before = 0
         self._order = itertools.count()
         self._free_slots = [list(range(slots_per_rank - 1, -1, -1)) for _ in range(attn_dp)]
+        self._by_order: dict[int, Request] = {}
 
     @property
     def reused_pages(self) -> int:
@@ -174,6 +178,7 @@ class Scheduler:
         """
         self.check(request)
         request.order = next(self._order)
+        self._by_order[request.order] = request
         self.waiting.append(request)
 
     def abort(self, request: Request) -> bool:
@@ -185,6 +190,7 @@ class Scheduler:
         if request in self.running:
             self._retire(request)
         request.finish = Finish.ABORT
+        self._by_order.pop(request.order, None)
         return True
 
     @property
@@ -205,7 +211,7 @@ class Scheduler:
             chunk = self._next_chunk(request, budget)
             if chunk is not None:
                 chunks.append(chunk)
-        while self.waiting:
+        while self.waiting and not self.waiting[0].drawing:  # a draw in flight: recorded first
             request = self.waiting[0]
             rank = self._admission_rank(request, budget)
             if rank is None:
@@ -222,9 +228,15 @@ class Scheduler:
     def _next_chunk(
         self, request: Request, budget: list[int], *, admitting: bool = False
     ) -> Chunk | None:
+        """The request's next chunk (its pages allocated, its `computed` advanced, `drawing`
+        set where it samples), or None. A request whose token is being drawn runs that token
+        next (`Chunk.previous`), unless that token is its last by `max_tokens`."""
         rank = request.rank
         tokens = request.tokens
-        count = min(len(tokens) - request.computed, budget[rank])
+        if request.drawing and len(request.output) + request.drawing >= request.max_tokens:
+            return None
+        known = len(tokens) + request.drawing
+        count = min(known - request.computed, budget[rank])
         if count < 1:
             return None
         pool = self.pools[rank]
@@ -239,12 +251,13 @@ class Scheduler:
         request.pages.extend(pool.allocate(max(needed, 0)))
         budget[rank] -= count
         start = request.computed
+        previous = start + count > len(tokens)  # its last token is in flight
+        ids = tokens[start : start + count] + [0] * previous  # 0: the previous step's draw
+        request.computed += count
+        sample = start + count == known
+        request.drawing += sample
         return Chunk(
-            rank,
-            request.slot,
-            tuple(tokens[start : start + count]),
-            start,
-            start + count == len(tokens),
+            rank, request.slot, tuple(ids), start, sample, key=request.order, previous=previous
         )
 
     def _admission_rank(self, request: Request, budget: list[int]) -> int | None:
@@ -294,21 +307,19 @@ class Scheduler:
         request.pages, request.rank, request.slot = [], None, None
 
     def update(self, chunks: Sequence[Chunk], output: StepOutput) -> list[Token]:
-        """Records a step's work: each chunk's tokens are now cached (full pages named for
-        reuse); each sampling chunk's token joins its request, which retires at once if the
-        token ends it."""
-        by_slot = {(r.rank, r.slot): r for r in self.running}
+        """Records a step's draws (its chunks were counted as computed when scheduled): each
+        sampling chunk's token joins its request (a preempted one's too: it was computed
+        before), which retires at once if the token ends it; full pages of known tokens are
+        named for reuse. Chunks of requests aborted or finished since are skipped (a request
+        that met a stop id may have run one token more, never read)."""
         drawn = []
         for chunk in chunks:
-            request = by_slot.get((chunk.rank, chunk.slot))
-            if request is None or request.computed != chunk.start:
-                continue  # aborted while the step ran
-            request.computed += len(chunk.tokens)
-            self._name_pages(request)
-            if not chunk.sample:
+            request = self._by_order.get(chunk.key)
+            if request is None or not chunk.sample:
                 continue
             where = (chunk.rank, chunk.slot)
             token = int(output.tokens[where])
+            request.drawing -= 1
             request.output.append(token)
             finish = None
             if token in request.stop_ids:
@@ -317,7 +328,13 @@ class Scheduler:
                 finish = Finish.LENGTH
             if finish is not None:
                 request.finish = finish
-                self._retire(request)
+                del self._by_order[request.order]
+                if request in self.running:
+                    self._retire(request)
+                else:
+                    self.waiting.remove(request)
+            elif request in self.running:
+                self._name_pages(request)
             drawn.append(
                 Token(
                     request,
@@ -328,10 +345,13 @@ class Scheduler:
                     finish,
                 )
             )
+        for request in {self._by_order.get(c.key) for c in chunks if not c.sample} - {None}:
+            if request in self.running:
+                self._name_pages(request)
         return drawn
 
     def _name_pages(self, request: Request) -> None:
-        full = request.computed // self.page_size
+        full = min(request.computed, len(request.tokens)) // self.page_size
         first = request.named // self.page_size
         if full <= first:
             return

@@ -82,7 +82,7 @@ CASES = [
 
 
 @pytest.mark.parametrize(("case", "pages"), CASES)
-def test_paged_greedy_equals_generate(case, pages):
+def test_paged_greedy_equals_generate(case, pages, monkeypatch):
     """Chunked prefill (16 rows per step), decode rows beside it, shared prefixes and (with a
     small pool) preemption give each prompt's tokens of `generate` alone: grouped-query KV
     pages (with a sliding window), MLA latent pages (with MoE layers), Mamba2 states stepped
@@ -93,10 +93,20 @@ def test_paged_greedy_equals_generate(case, pages):
         paged = PagedRunner(
             runner, page_size=4, pages_per_rank=pages, slots_per_rank=4, max_rows=16
         )
+    launched = []
+    launch = paged.launch
+
+    def record(chunks, sampling, previous=None):
+        launched.extend(chunks)
+        return launch(chunks, sampling, previous)
+
+    monkeypatch.setattr(paged, "launch", record)
     engine = Engine(paged)
     requests = _serve(engine, prompts)
     np.testing.assert_array_equal([r.output for r in requests], want)
     assert all(r.finish is Finish.LENGTH for r in requests)
+    # Steps overlapped: decode tokens read on the device from the step before.
+    assert sum(chunk.previous for chunk in launched) > len(prompts)
     # Each token's log-probability is the forward's over the whole sequence (tighter than
     # the argmax: a stale state or a wrong page moves it).
     logits = runner.forward([r.prompt + r.output for r in requests])

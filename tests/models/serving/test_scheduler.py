@@ -164,11 +164,13 @@ def test_random_loads_keep_every_step_consistent():
     readmitted behind newer ones, prefix reuse), 10 loads: each step's chunks belong to running
     requests whose pages hold them, every page's references are the requests holding it, and
     every request ends with max_tokens tokens."""
-    preemptions = sum(_random_load(seed) for seed in range(10))
+    preemptions = sum(_random_load(seed, overlap) for seed in range(10) for overlap in (0, 1))
     assert preemptions > 0
 
 
-def _random_load(seed: int) -> int:
+def _random_load(seed: int, overlap: bool) -> int:
+    """One load; with `overlap` each step is scheduled before the previous one's draws are
+    recorded (as the engine runs)."""
     rng = np.random.default_rng(seed)
     scheduler = _scheduler(attn_dp=2, slots_per_rank=3, pages_per_rank=10, max_rows=12)
     shared = rng.integers(0, 50, 4).tolist()
@@ -178,7 +180,7 @@ def _random_load(seed: int) -> int:
         if index % 3 == 0:
             prompt = shared + prompt[:4]
         requests.append(Request(str(index), prompt, int(rng.integers(1, 28))))
-    pending = list(requests)
+    pending, in_flight = list(requests), []
     for _ in range(3000):
         if pending and rng.random() < 0.3:
             scheduler.add(pending.pop(0))
@@ -187,16 +189,42 @@ def _random_load(seed: int) -> int:
         assert len(by_slot) == len(scheduler.running)
         for chunk in chunks:
             request = by_slot[(chunk.rank, chunk.slot)]
-            assert chunk.start == request.computed
+            assert chunk.start + len(chunk.tokens) == request.computed
             assert len(request.pages) * 4 >= chunk.start + len(chunk.tokens)
         for rank, pool in enumerate(scheduler.pools):
             held = [p for r in scheduler.running if r.rank == rank for p in r.pages]
             for page in set(held):
                 assert pool.refs(page) == held.count(page)
+        if overlap:
+            chunks, in_flight = in_flight, chunks
         scheduler.update(chunks, _output(scheduler))
-        if not pending and scheduler.idle:
+        if not pending and scheduler.idle and not in_flight:
             break
     assert scheduler.idle and not pending
     assert all(len(r.output) == r.max_tokens and r.finish is Finish.LENGTH for r in requests)
     assert scheduler.used_pages == 0
     return scheduler.preemptions
+
+
+def test_overlapped_steps_run_the_token_in_flight_next():
+    """Scheduling step N + 1 before step N's draw is recorded: the request runs that token
+    (read on the device, `previous`), unless it is its last by max_tokens; a stop id recorded
+    late retires it, and the step already launched for it is ignored."""
+    scheduler = _scheduler()
+    request = Request("a", [1, 2, 3], 4, stop_ids=frozenset({7}))
+    scheduler.add(request)
+    first = scheduler.schedule()
+    second = scheduler.schedule()  # step 1 still running
+    assert [(c.start, c.previous, c.sample) for c in second] == [(3, True, True)]
+    scheduler.update(first, _output(scheduler, 5))
+    third = scheduler.schedule()
+    assert [(c.start, c.previous) for c in third] == [(4, True)]
+    scheduler.update(second, _output(scheduler, 7))  # the stop id
+    assert request.finish is Finish.STOP and scheduler.used_pages == 0 and scheduler.idle
+    assert scheduler.update(third, _output(scheduler, 9)) == []
+    assert request.output == [5, 7]
+    last = Request("b", [1], 2)
+    scheduler.add(last)
+    scheduler.schedule()
+    assert [c.start for c in scheduler.schedule()] == [1]
+    assert scheduler.schedule() == []  # its token in flight is its last

@@ -374,13 +374,13 @@ def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(served, engine, 
     heard = []
     broken = Request("broken", [5, 6, 7], 4)
     engine.submit(broken, heard.append)
-    step = served.engine.paged.step
+    launch = served.engine.paged.launch
 
     def fail(*args):
-        monkeypatch.setattr(served.engine.paged, "step", step)
+        monkeypatch.setattr(served.engine.paged, "launch", launch)
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(served.engine.paged, "step", fail)
+    monkeypatch.setattr(served.engine.paged, "launch", fail)
     engine.run_once()
     assert isinstance(heard[-1], RuntimeError) and broken.finish is Finish.ABORT
     assert engine.scheduler.used_pages == 0
