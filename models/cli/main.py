@@ -1,4 +1,4 @@
-"""The `boundary-jax` command line: demo, forward, generate, train, plan and launch.
+"""The `boundary-jax` command line: demo, forward, generate, serve, train, plan and launch.
 
 Every option and input file is checked before a model is built or loaded. Bad input (an option,
 a file, a path, a mesh the machine cannot hold, a model that runs out of memory, processes that
@@ -35,6 +35,7 @@ from .interrupts import interruption, report, signals_interrupt
 from .launch import launch
 from .lora import add_lora_args, lora_training
 from .options import InputError
+from .serve import add_serve_args, serve
 from .train import train
 
 EXIT_BAD_INPUT = 2
@@ -297,6 +298,16 @@ def _parser() -> argparse.ArgumentParser:
         help="text prompts: print one JSON list of {prompt, text, ids, stopped_at_eos}",
     )
     generate.set_defaults(run=commands.generate)
+
+    serving = commands_.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions), "
+        "continuously batched over a paged KV cache",
+    )
+    _model_args(serving)
+    _quantize_arg(serving)
+    add_serve_args(serving)
+    serving.set_defaults(run=serve, pp_split=None, microbatches=None)
 
     train_ = commands_.add_parser(
         "train", help="train on text (next-token loss, AdamW) and write a checkpoint directory"

@@ -29,10 +29,15 @@ class RowsPhase(enum.Enum):
     attend among themselves (and are written into the cache, if any).
     DECODE: one row per cache slot (row i is slot i's next token, segment id i or -1); each
     attends over its slot of the cache.
+    EXTEND: any tokens of sequences continuing in a paged cache (a chunk of a prompt, or one
+    decode token), packed from row 0, segment id the sequence's slot (-1: padding); each is
+    written into its sequence's pages at its position and attends to the sequence's cached
+    positions up to its own (`models.layers.attention.paged`).
     """
 
     PREFILL = "prefill"
     DECODE = "decode"
+    EXTEND = "extend"
 
 
 @functools.partial(

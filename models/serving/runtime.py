@@ -157,6 +157,23 @@ class ShardedCausalLM:
 
         return self._sharded.program(traced, **options)
 
+    def sharded_program(self, call: Callable, **options) -> Callable:
+        """A program of `call(model, *args)` over the placed model (`bj.ShardedModule.program`
+        with `options`: in/out specs of the args, donation), traced under the runner's matmul
+        precision; call it as `program(runner.leaves, *args)`. What a caller with a step of its
+        own (the paged server step) builds on."""
+        return self._program_of(call, **options)
+
+    @property
+    def leaves(self):
+        """The placed state's leaves, the first argument of every `sharded_program`."""
+        return self._leaves
+
+    @property
+    def row_spec(self) -> PartitionSpec:
+        """The `PartitionSpec` of token rows (and of per-slot arrays): split over attention DP."""
+        return self._rows
+
     @property
     def model(self) -> CausalLM:
         """The model over the placed (sharded) state; no copy is made."""
@@ -221,8 +238,11 @@ class ShardedCausalLM:
 
     def place_batch(self, token_counts: np.ndarray) -> bj.BatchFacts:
         """Placed batch facts of this runner's variant: [attn_dp] real rows per DP rank."""
-        counts = self.place_array(np.asarray(token_counts, np.int32), rows=False)
-        return bj.BatchFacts(self._variant, self.topology, counts)
+        return self.batch_facts(self.place_array(np.asarray(token_counts, np.int32), rows=False))
+
+    def batch_facts(self, token_counts: jax.Array) -> bj.BatchFacts:
+        """Batch facts of this runner's variant over counts already placed (replicated)."""
+        return bj.BatchFacts(self._variant, self.topology, token_counts)
 
     def new_caches(self, slots_per_rank: int, max_len: int) -> tuple[KVCache, ...]:
         """Zero decode caches of `slots_per_rank` slots per DP rank, sharded, as the model

@@ -91,3 +91,48 @@ def rank_key(key: jax.Array, topology: bj.Topology) -> jax.Array:
     independently."""
     entry = topology.spec_entry((bj.TokenAxis.ATTN_DP,))
     return key if entry is None else jax.random.fold_in(key, lax.axis_index(entry))
+
+
+TOP_LOGPROBS = 5
+"""How many most likely tokens (and their log-probabilities) a per-row draw reports."""
+
+
+def sample_rows(
+    logits: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    seeds: jax.Array,
+    counters: jax.Array,
+) -> jax.Array:
+    """int32 [R] next tokens from float32 [R, vocab] logits, each row drawn as its own
+    parameters say (a server's batch mixes requests): greedy (argmax, ties to the lowest id)
+    where `temperature` is 0, else temperature / top-k (0: all) / top-p (1: all) sampling with
+    the key `fold_in(key(seeds[r]), counters[r])`, so a request's draws depend on its seed and
+    its token index only, never on the batch it shares."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    vocab = logits.shape[-1]
+    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    order = jnp.argsort(-scaled, axis=-1)
+    values = jnp.take_along_axis(scaled, order, axis=-1)
+    ranks = jnp.arange(vocab)[None, :]
+    keep = (top_k[:, None] <= 0) | (ranks < top_k[:, None])
+    probs = jax.nn.softmax(jnp.where(keep, values, -jnp.inf), axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs
+    keep &= before < top_p[:, None]
+    values = jnp.where(keep, values, -jnp.inf)
+    keys = jax.vmap(lambda seed, count: jax.random.fold_in(jax.random.key(seed), count))(
+        seeds, counters
+    )
+    choice = jax.vmap(jax.random.categorical)(keys, values)
+    sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return jnp.where(temperature > 0, sampled, greedy)
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The model's log-probabilities (of the unscaled logits) of `tokens` [R], and the
+    `TOP_LOGPROBS` most likely ids and their log-probabilities, [R, TOP_LOGPROBS] each."""
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    top, ids = lax.top_k(logprobs, min(TOP_LOGPROBS, logits.shape[-1]))
+    return chosen, ids.astype(jnp.int32), top

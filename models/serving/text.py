@@ -184,7 +184,16 @@ class TokenizerCodec:
             raise ValueError(f"the chat template of {self.directory}: {error}") from None
 
     def encode_chat(self, text: str) -> list[int]:
-        rendered = self.render_chat([{"role": "user", "content": text}])
+        return self.encode_messages([{"role": "user", "content": text}])
+
+    def encode_messages(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """The ids of a conversation through the chat template, with the generation prompt
+        (`render_chat`'s text, encoded without adding special tokens again).
+
+        Raises:
+          ValueError: As `render_chat`.
+        """
+        rendered = self.render_chat(messages)
         return self._tokenizer.encode(rendered, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int]) -> str:

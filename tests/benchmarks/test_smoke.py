@@ -127,3 +127,13 @@ def test_lora_smoke_times_the_base_and_lora_steps():
     rows = table_rows(run_smoke("bench_lora", "--smoke"), "LoRA / base")
     assert [(row[1], row[2]) for row in rows] == [("decode 4 @ 16", "8 x r16")]
     assert rows[0][-1] != "0%", rows
+
+
+@SLOW
+def test_serve_smoke_reports_engine_and_static():
+    """bench_serve --smoke serves 16 requests through the engine and times the static
+    generate of the same requests."""
+    out = run_smoke("bench_serve", "--smoke", "--shared-prefix", "8")
+    rows = table_rows(out, "output tok/s")
+    assert rows[0][0].startswith("engine (") and rows[1][0] == "static generate", out
+    assert int(rows[0][7]) > 0  # pages reused from the shared prefix

@@ -49,6 +49,7 @@ from ...inputs.rows import RowsPhase
 from ..linear import ColumnParallelLinear, RowParallelLinear, group_size
 from .attend import accumulation_dtype, attend_latent, attend_packed
 from .cudnn import prefill_attention_cudnn
+from .paged import PagedLatentCache
 from .rope import apply_rope, rope_inv_freq
 from .self_attention import AttentionImpl
 
@@ -199,13 +200,13 @@ class MultiHeadLatentAttention(nnx.Module):
         h: jax.Array,
         positions: jax.Array,
         segment_ids: jax.Array,
-        cache: LatentCache | None = None,
+        cache: LatentCache | PagedLatentCache | None = None,
         *,
         phase: RowsPhase = RowsPhase.PREFILL,
         max_sequence_rows: int | None = None,
         window_rows: int | None = None,
         counts_bias: None = None,
-    ) -> tuple[jax.Array, LatentCache | None]:
+    ) -> tuple[jax.Array, LatentCache | PagedLatentCache | None]:
         """Attends each row to its sequence; with a cache, also stores this call's latents.
 
         Args:
@@ -218,7 +219,9 @@ class MultiHeadLatentAttention(nnx.Module):
             their latents are written into it. DECODE (needs a cache): row i is slot i's next
             token (segment id i, or -1 for an idle slot); its latent is written at its
             position and it attends, absorbed, to cached positions 0..position. Positions
-            >= max_len are not stored.
+            >= max_len are not stored. EXTEND (needs a `PagedLatentCache`): any tokens of the
+            slots' sequences, each written at its position and attending, absorbed, to its
+            sequence's pages up to it.
           max_sequence_rows: Static: no PREFILL sequence has more rows; the prefill then
             attends block by block to the keys within reach instead of all T x T pairs.
           window_rows: Static: a PREFILL's rows are windows of this many rows, each one
@@ -233,13 +236,19 @@ class MultiHeadLatentAttention(nnx.Module):
 
         Raises:
           ValueError: Mismatched row shapes, a DECODE call without a cache or with other than
-            one row per cache slot, or a cache of another latent width.
+            one row per cache slot, an EXTEND call without a `PagedLatentCache`, or a cache of
+            another latent width.
         """
         rows = h.shape[0]
         if positions.shape != (rows,) or segment_ids.shape != (rows,):
             raise ValueError(
                 f"positions and segment_ids must be [T] for h [T, hidden]; got {h.shape=}, "
                 f"{positions.shape=}, {segment_ids.shape=}"
+            )
+        if phase is RowsPhase.EXTEND and not isinstance(cache, PagedLatentCache):
+            raise ValueError(
+                "an EXTEND call reads and writes a paged cache; got "
+                f"{type(cache).__name__}. Run it through models.serving.paged.PagedRunner"
             )
         if phase is RowsPhase.DECODE and (cache is None or cache.latent.shape[0] != rows):
             slots = None if cache is None else cache.latent.shape[0]
@@ -270,10 +279,13 @@ class MultiHeadLatentAttention(nnx.Module):
                 max_segments=bound,
                 window_rows=window_rows,
             )
+        elif phase is RowsPhase.EXTEND:
+            cache = cache.write(latent, segment_ids, positions)
+            out = self._absorbed(q_nope, q_rope, cache.gather(segment_ids), positions, valid)
         else:
             slot_of_row = jnp.where(valid, jnp.arange(rows, dtype=segment_ids.dtype), -1)
             cache = _write(cache, latent, positions, slot_of_row)
-            out = self._absorbed(q_nope, q_rope, cache, positions, valid)
+            out = self._absorbed(q_nope, q_rope, cache.latent, positions, valid)
         out = out.astype(h.dtype).reshape(rows, self.local_heads * self.config.v_head_dim)
         return self.o_proj(out, counts_bias=counts_bias), cache
 
@@ -375,13 +387,15 @@ class MultiHeadLatentAttention(nnx.Module):
             and self.config.v_head_dim <= width
         )
 
-    def _absorbed(self, q_nope, q_rope, cache, positions, valid) -> jax.Array:
-        """Decode over the latent cache, one row per slot. Returns [T, heads, v]."""
+    def _absorbed(self, q_nope, q_rope, latents, positions, valid) -> jax.Array:
+        """Attention over cached latents, one set per row ([T, S, latent width]: a decode's
+        slots, or an EXTEND's gathered pages), to positions 0..position. Returns
+        [T, heads, v]."""
         acc = accumulation_dtype(q_nope.dtype)
         w_uk, w_uv = self._kv_b()
         q_latent = jnp.einsum("thd,chd->thc", q_nope, w_uk, preferred_element_type=acc)
         q = jnp.concatenate([q_latent.astype(q_nope.dtype), q_rope], axis=-1)
-        latents = cache.latent.astype(q.dtype)
+        latents = latents.astype(q.dtype)
         key_positions = jnp.arange(latents.shape[1], dtype=positions.dtype)
         mask = (key_positions[None, :] <= positions[:, None]) & valid[:, None]
         rank = self.config.kv_lora_rank

@@ -47,6 +47,7 @@ from .context_parallel import (
 )
 from .cudnn import decode_cache_cudnn, prefill_attention_cudnn, window_of_cache
 from .kv_cache import HeadSplit, KVCache
+from .paged import PagedKVCache, attend_paged
 from .rope import apply_rope, rope_inv_freq
 
 O_PROJ_BIAS = "o_proj bias"
@@ -258,7 +259,8 @@ class Attention(nnx.Module):
             (or their FP8 `Quantized` form, for FP8 projections).
           positions: [T] int32 position of each row within its sequence.
           segment_ids: [T] int32 sequence (cache slot) of each row; -1 marks padding.
-          cache: None to attend over these rows alone; else this rank's local cache.
+          cache: None to attend over these rows alone; else this rank's local cache (a
+            `PagedKVCache` for EXTEND rows).
           phase: PREFILL: each sequence's rows are all in this call, contiguous, at positions
             0, 1, ... (as `pack_sequences` lays them out); they attend among themselves and,
             with a cache, are written into it in place. DECODE (needs a cache): row i is slot
@@ -266,7 +268,9 @@ class Attention(nnx.Module):
             position and attends to cached positions 0..position. Positions >= max_len are
             not stored. Under attention CP a PREFILL's rows are this CP rank's zigzag share
             (`pack_sequences`), and a DECODE step's rows are alike on every CP rank, whose
-            cache shards each hold some positions of every slot (`KVCache`).
+            cache shards each hold some positions of every slot (`KVCache`). EXTEND (needs a
+            `PagedKVCache`): any tokens of the slots' sequences, each written at its position
+            and attending to its sequence's pages up to it (`attend_paged`).
           max_sequence_rows: Static: no PREFILL sequence has more rows (`TokenRows`). With it
             (or a sliding window) the `jnp` prefill attends block by block to the keys within
             reach instead of over all T x T row pairs.
@@ -286,13 +290,24 @@ class Attention(nnx.Module):
 
         Raises:
           ValueError: Mismatched row shapes, a DECODE call without a cache or with other than
-            one row per cache slot.
+            one row per cache slot, an EXTEND call without a `PagedKVCache`.
+          NotImplementedError: An EXTEND call under attention CP.
         """
         rows = h.shape[0]
         if positions.shape != (rows,) or segment_ids.shape != (rows,):
             raise ValueError(
                 f"positions and segment_ids must be [T] for h [T, hidden]; got {h.shape=}, "
                 f"{positions.shape=}, {segment_ids.shape=}"
+            )
+        if phase is RowsPhase.EXTEND and not isinstance(cache, PagedKVCache):
+            raise ValueError(
+                "an EXTEND call reads and writes a paged cache; got "
+                f"{type(cache).__name__}. Run it through models.serving.paged.PagedRunner"
+            )
+        if phase is RowsPhase.EXTEND and self.topology.attn_cp > 1:
+            raise NotImplementedError(
+                "the paged cache is not built under attention CP; got "
+                f"attn_cp={self.topology.attn_cp}. Serve on a mesh with attn_cp=1"
             )
         if phase is RowsPhase.DECODE and (cache is None or cache.k.shape[0] != rows):
             slots = None if cache is None else cache.k.shape[0]
@@ -328,7 +343,18 @@ class Attention(nnx.Module):
         valid = segment_ids >= 0
         cudnn = self.takes_cudnn(q.dtype)
         sinks = self._local_sinks()
-        if self.topology.attn_cp > 1:
+        if phase is RowsPhase.EXTEND:
+            cache = cache.write(k, v, segment_ids, positions)
+            out = attend_paged(
+                self._grouped(q),
+                cache,
+                positions,
+                segment_ids,
+                scale=self.scale,
+                sliding_window=self.spec.sliding_window,
+                sinks=sinks,
+            )
+        elif self.topology.attn_cp > 1:
             out, cache = self._context_parallel(q, k, v, positions, segment_ids, cache, phase)
         elif phase is RowsPhase.PREFILL:
             if cache is not None:

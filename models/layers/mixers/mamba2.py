@@ -386,6 +386,9 @@ class Mamba2Mixer(nnx.Module):
             from a zero state; with a cache, each slot with rows gets its sequence's final
             conv and SSM state (the other slots keep theirs). DECODE (needs a cache): row i is
             slot i's next token (segment id i, or -1 for an idle slot, whose state is kept).
+            EXTEND (a serving step, needs a cache of the step's slots): any tokens of the
+            slots' sequences (chunks of prompts, decode tokens), each stepping its slot's state
+            in row order, from zero at position 0.
 
         Returns:
           ([T, hidden] out_proj partial owing a sum over attention TP, zero on padding rows;
@@ -403,6 +406,8 @@ class Mamba2Mixer(nnx.Module):
             )
         if cache is not None:
             self._check_cache(cache)
+        if phase is RowsPhase.EXTEND and cache is None:
+            raise ValueError("an EXTEND call steps its slots' states; it needs a cache")
         if phase is RowsPhase.DECODE and (cache is None or cache.ssm.shape[0] != rows):
             slots = None if cache is None else cache.ssm.shape[0]
             raise ValueError(
@@ -417,6 +422,10 @@ class Mamba2Mixer(nnx.Module):
         weight, bias = self._conv_weights()
         dt = time_step(self.in_proj_dt(h), self.dt_bias[...], spec.time_step_limit)
         a = -jnp.exp(self.a_log[...].astype(dt.dtype))
+        if phase is RowsPhase.EXTEND:
+            y, cache = self._extend(xbc, dt, a, weight, bias, positions, segment_ids, cache)
+            y = self._gated_norm(y.reshape(rows, split.local_heads * spec.head_dim), z)
+            return self.out_proj(y.astype(h.dtype)), cache
         if phase is RowsPhase.PREFILL:
             conv = causal_conv1d(xbc, weight, bias, positions, segment_ids)
         else:
@@ -469,6 +478,42 @@ class Mamba2Mixer(nnx.Module):
             return weight, None
         bc_bias = self._group_columns(self.conv_bc.bias[...], axis=1).reshape(-1)
         return weight, jnp.concatenate([self.conv_x.bias[...], bc_bias])
+
+    def _extend(
+        self,
+        xbc: jax.Array,
+        dt: jax.Array,
+        a: jax.Array,
+        weight: jax.Array,
+        bias: jax.Array | None,
+        positions: jax.Array,
+        segment_ids: jax.Array,
+        cache: Mamba2Cache,
+    ) -> tuple[jax.Array, Mamba2Cache]:
+        """EXTEND rows, one after another (the reference): each row steps its slot's conv and
+        SSM state (from zero at position 0) and writes it back. Returns ([T, heads, P] outputs,
+        zero on padding rows; the updated cache)."""
+
+        def step(state: Mamba2Cache, row):
+            xbc_row, dt_row, position, segment = row
+            valid = segment >= 0
+            slot = jnp.maximum(segment, 0)
+            fresh = position == 0
+            conv_state = jnp.where(fresh, 0, state.conv[slot])[None]
+            ssm_state = jnp.where(fresh, 0, state.ssm[slot])[None]
+            conv, conv_state = causal_conv1d_step(
+                conv_state, xbc_row[None], weight, bias, valid[None]
+            )
+            x, b, c = self._split_channels(jax.nn.silu(conv).astype(xbc.dtype))
+            y, ssm_state = ssd_step(ssm_state, x, dt_row[None], a, b, c, self.d[...], valid[None])
+            state = Mamba2Cache(
+                conv=jnp.where(valid, state.conv.at[slot].set(conv_state[0]), state.conv),
+                ssm=jnp.where(valid, state.ssm.at[slot].set(ssm_state[0]), state.ssm),
+            )
+            return state, y[0]
+
+        cache, y = lax.scan(step, cache, (xbc.astype(cache.conv.dtype), dt, positions, segment_ids))
+        return y, cache
 
     def _split_channels(self, conv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """[T, local conv channels] -> x [T, local heads, P], B and C [T, local groups, N]."""

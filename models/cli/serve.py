@@ -1,0 +1,113 @@
+"""`serve`: the model of `--checkpoint` or `--preset` behind an OpenAI-compatible HTTP server,
+continuously batched over a paged KV cache (`models.serving.server`)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import jax
+
+from ..distributed import is_first_process
+from ..serving.engine import Engine
+from ..serving.paged import PagedRunner
+from ..serving.runtime import ShardedCausalLM
+from ..serving.server import Server, run_server
+from ..serving.text import eos_token_ids
+from . import options
+from .commands import checkpoint_dir, codec, console, runner, source_config, status
+from .options import InputError
+
+GIB = 1 << 30
+
+
+def add_serve_args(command: argparse.ArgumentParser) -> None:
+    """`serve`'s own options (the model options are `generate`'s)."""
+    command.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    command.add_argument("--port", type=options.positive_int, default=8000)
+    command.add_argument(
+        "--max-running",
+        type=options.positive_int,
+        default=64,
+        help="requests running at once over all attention-DP ranks (default 64)",
+    )
+    command.add_argument(
+        "--max-tokens-per-step",
+        type=options.positive_int,
+        default=512,
+        help="token rows per attention-DP rank in one step: decode tokens plus prefill chunks "
+        "(default 512)",
+    )
+    command.add_argument(
+        "--kv-cache-gb",
+        type=options.positive_float,
+        default=1.0,
+        help="GiB of paged KV cache per device (default 1)",
+    )
+    command.add_argument(
+        "--page-size", type=options.positive_int, default=16, help="positions per cache page"
+    )
+    command.add_argument(
+        "--served-model-name", help="the name clients put in `model` (default: the source's)"
+    )
+    command.add_argument(
+        "--grace-period",
+        type=options.non_negative_float,
+        default=30.0,
+        help="seconds SIGTERM lets running requests finish before cancelling them (default 30)",
+    )
+    command.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="recompute every prompt (default: reuse cached pages of shared prefixes)",
+    )
+
+
+def pages_per_rank(args: argparse.Namespace, model: ShardedCausalLM, slots: int) -> int:
+    """The pages `--kv-cache-gb` buys each attention-DP rank (every layer's pool on a device
+    takes `page_size` tokens a page), at most what `slots` sequences of the whole context use.
+
+    Raises:
+      InputError: Not one page fits.
+    """
+    per_token = model.model.cache_bytes_per_token(model.dtype) * model.config.num_layers
+    pages = int(args.kv_cache_gb * GIB) // (per_token * args.page_size)
+    per_sequence = -(-model.config.max_position_embeddings // args.page_size)
+    if pages < 1:
+        raise InputError(
+            f"--kv-cache-gb {args.kv_cache_gb} holds no page of {args.page_size} tokens "
+            f"({per_token * args.page_size} bytes per device); give it more"
+        )
+    return min(pages, slots * per_sequence)
+
+
+def serve(args: argparse.Namespace) -> None:
+    """`serve`: builds the model, then serves until SIGTERM or SIGINT (exit 0)."""
+    if options.pipelined(args):
+        raise InputError("serve runs the model as one program; drop pp from --mesh")
+    if jax.process_count() > 1:
+        raise InputError("serve runs in one process; drop `launch`")
+    out = console()
+    config = source_config(args)
+    model = runner(args, out, config)
+    text = codec(args, config)
+    eos = eos_token_ids(checkpoint_dir(args))
+    topology = model.topology
+    slots = -(-args.max_running // topology.attn_dp)
+    pages = pages_per_rank(args, model, slots)
+    with status(out, f"allocating {pages} pages of {args.page_size} tokens per DP rank"):
+        paged = PagedRunner(
+            model,
+            page_size=args.page_size,
+            pages_per_rank=pages,
+            slots_per_rank=slots,
+            max_rows=args.max_tokens_per_step,
+        )
+    out.log(f"KV cache: {paged.cache_bytes() / GIB:.3f} GiB over all devices")
+    engine = Engine(paged, prefix_caching=not args.no_prefix_caching)
+    name = args.served_model_name or args.preset or Path(args.checkpoint).resolve().name
+    server = Server(engine, text, model_name=name, eos_ids=eos)
+    if is_first_process():
+        out.log(f"serving {name} at http://{args.host}:{args.port}/v1 ({text.description})")
+    run_server(server, host=args.host, port=args.port, grace=args.grace_period)
+    out.log("stopped")

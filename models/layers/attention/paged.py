@@ -1,0 +1,191 @@
+"""A paged KV cache: fixed-size pages of keys and values, and a page table per sequence.
+
+The cache of one attention layer is a pool of pages, globally [pages, page_size, cache heads,
+head_dim], pages split over attention DP (each DP rank owns its pool and numbers its pages from
+0) and heads over attention TP as `KVCache`'s are; a latent attention's (`PagedLatentCache`) is
+[pages, page_size, latent width], replicated over attention TP as `LatentCache`'s is. A
+sequence held in the cache has a slot on its DP rank; `page_table[slot, j]` is the page that
+holds its positions [j * page_size, (j + 1) * page_size). Sequences that share a prompt prefix
+may name the same pages (the host's block manager counts their references); a page is written
+only by the sequence that owns its next position, so shared pages are only read.
+
+Rows of an `RowsPhase.EXTEND` call are any tokens of the sequences held (a chunk of a prompt,
+or one decode token each): every row is written at its position and then attends to its
+sequence's positions up to its own, read through the page table (`attend_paged`: the `jnp`
+reference gathers each row's pages; a paged GPU kernel belongs beside it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from boundary_jax import TokenAxis, Topology
+
+from .attend import attend, causal_visibility
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["k", "v", "page_table"], meta_fields=[]
+)
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
+    """One attention layer's paged key/value cache and the page table it is read through: a
+    registered pytree.
+
+    Inside `shard_map` a rank holds k and v [pages per rank, page_size, local kv heads,
+    head_dim] and page_table int32 [slots per rank, pages per sequence] (pages of its own pool).
+
+    Attributes:
+      k: Keys after q/k norm and RoPE.
+      v: Values.
+      page_table: Per slot, the page of each block of its positions (entries past the
+        sequence's last page are never read unmasked; any page id in range will do).
+    """
+
+    k: jax.Array
+    v: jax.Array
+    page_table: jax.Array
+
+    @property
+    def pools(self) -> tuple[jax.Array, ...]:
+        """The page pools (k, v), as `from_pools` takes them."""
+        return (self.k, self.v)
+
+    @classmethod
+    def from_pools(cls, pools: tuple[jax.Array, ...], page_table: jax.Array) -> PagedKVCache:
+        """The cache of pools (k, v) read through `page_table`."""
+        k, v = pools
+        return cls(k, v, page_table)
+
+    def write(
+        self, k: jax.Array, v: jax.Array, segment_ids: jax.Array, positions: jax.Array
+    ) -> PagedKVCache:
+        """Row i's key and value at position `positions[i]` of slot `segment_ids[i]` (-1: not
+        written); k and v are [T, local kv heads, head_dim]."""
+        page, offset = page_rows(self.page_table, segment_ids, positions, self.k.shape[:2])
+        return PagedKVCache(
+            put_rows(self.k, page, offset, k), put_rows(self.v, page, offset, v), self.page_table
+        )
+
+    def gather(self, segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Each row's sequence's keys and values in position order: [T, pages per sequence *
+        page_size, local kv heads, head_dim] each (the `jnp` reference's copy of the pages)."""
+        return (
+            gather_rows(self.k, self.page_table, segment_ids),
+            gather_rows(self.v, self.page_table, segment_ids),
+        )
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["latent", "page_table"], meta_fields=[]
+)
+@dataclasses.dataclass(frozen=True)
+class PagedLatentCache:
+    """One latent-attention (MLA) layer's paged cache: `LatentCache`'s latent per position
+    (the normed kv latent, then the rotated shared key), in pages, read through the page table.
+
+    Inside `shard_map` a rank holds latent [pages per rank, page_size, latent width] (alike on
+    every attention-TP rank, as every rank computes the same latent) and page_table int32
+    [slots per rank, pages per sequence].
+    """
+
+    latent: jax.Array
+    page_table: jax.Array
+
+    @property
+    def pools(self) -> tuple[jax.Array, ...]:
+        """The page pool (latent,), as `from_pools` takes it."""
+        return (self.latent,)
+
+    @classmethod
+    def from_pools(cls, pools: tuple[jax.Array, ...], page_table: jax.Array) -> PagedLatentCache:
+        """The cache of pool (latent,) read through `page_table`."""
+        (latent,) = pools
+        return cls(latent, page_table)
+
+    def write(
+        self, latent: jax.Array, segment_ids: jax.Array, positions: jax.Array
+    ) -> PagedLatentCache:
+        """Row i's latent [T, latent width] at position `positions[i]` of slot
+        `segment_ids[i]` (-1: not written)."""
+        page, offset = page_rows(self.page_table, segment_ids, positions, self.latent.shape[:2])
+        return PagedLatentCache(put_rows(self.latent, page, offset, latent), self.page_table)
+
+    def gather(self, segment_ids: jax.Array) -> jax.Array:
+        """Each row's sequence's latents in position order: [T, pages per sequence * page_size,
+        latent width]."""
+        return gather_rows(self.latent, self.page_table, segment_ids)
+
+
+def page_table_spec(topology: Topology) -> PartitionSpec:
+    """The page tables' `PartitionSpec`: slots over attention DP."""
+    return PartitionSpec(topology.spec_entry((TokenAxis.ATTN_DP,)), None)
+
+
+def page_rows(
+    page_table: jax.Array,
+    segment_ids: jax.Array,
+    positions: jax.Array,
+    pool: tuple[int, int],
+) -> tuple[jax.Array, jax.Array]:
+    """Where each row goes in a pool of `pool` = (pages, page_size): its page (through its
+    slot's page table) and offset. Padding rows (segment id -1) point past the pool, each at
+    its own offset: every index is distinct (XLA may scatter without atomics) and those drop."""
+    pages, size = pool
+    valid = segment_ids >= 0
+    slot = jnp.where(valid, segment_ids, 0)
+    block = jnp.clip(positions // size, 0, page_table.shape[1] - 1)
+    page = jnp.where(valid, page_table[slot, block], pages)
+    offset = jnp.where(valid, positions % size, jnp.arange(positions.shape[0]))
+    return page, offset
+
+
+def put_rows(pool: jax.Array, page: jax.Array, offset: jax.Array, rows: jax.Array) -> jax.Array:
+    """`pool` [pages, page_size, ...] with `rows` [T, ...] stored at (page, offset) (those out of
+    range dropped)."""
+    return pool.at[page, offset].set(rows.astype(pool.dtype), mode="drop", unique_indices=True)
+
+
+def gather_rows(pool: jax.Array, page_table: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    """Each row's sequence's entries of `pool` [pages, page_size, ...] in position order:
+    [T, pages per sequence * page_size, ...]."""
+    table = page_table[jnp.maximum(segment_ids, 0)]  # [T, pages per sequence]
+    rows = pool[table]  # [T, pages, page_size, ...]
+    return rows.reshape(rows.shape[0], -1, *rows.shape[3:])
+
+
+def attend_paged(
+    q: jax.Array,
+    cache: PagedKVCache,
+    positions: jax.Array,
+    segment_ids: jax.Array,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    sinks: jax.Array | None = None,
+) -> jax.Array:
+    """Each row attends to its sequence's cached positions 0..position (within the sliding
+    window), read through the page table: the `jnp` reference (it gathers every row's pages).
+
+    Args:
+      q: [T, kv, group, D] queries, grouped by the kv head they use.
+      cache: The layer's cache, holding this call's keys already (`PagedKVCache.write`).
+      positions: [T] position of each row in its sequence.
+      segment_ids: [T] slot of each row's sequence; -1 for padding (zero output).
+      scale: Factor of the scores.
+      sliding_window: As `attend_packed`'s.
+      sinks: [kv, group] each head's sink logit, or None.
+
+    Returns:
+      [T, kv, group, D].
+    """
+    keys, values = cache.gather(segment_ids)
+    key_positions = jnp.arange(keys.shape[1], dtype=positions.dtype)
+    mask = causal_visibility(positions, key_positions, sliding_window)
+    mask &= (segment_ids >= 0)[:, None]
+    return attend(q, keys.astype(q.dtype), values.astype(q.dtype), mask, "tskd", scale, sinks=sinks)

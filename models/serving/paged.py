@@ -1,0 +1,388 @@
+"""The device side of continuous batching: a paged KV cache on the mesh and one jitted step
+that runs prefill chunks and decode tokens of many sequences together.
+
+A step's rows are `RowsPhase.EXTEND` rows: per attention-DP rank a block of `rows` rows holding
+chunks of the sequences that rank serves (a chunk of a prompt, or one decode token), packed from
+row 0 with the rest padding, and the batch facts count the real rows per rank, as the
+boundaries take any packed rows. Each sequence has a slot on its DP rank; the page table maps
+its positions to pages of the rank's pool (`models.layers.attention.paged`). A slot whose chunk
+ends where a token is due (the prompt's last chunk, or a decode token) samples its next token
+from that row with its own sampling parameters; the others sample nothing. Only the tokens
+(and their log-probabilities) come back to the host.
+
+The step compiles once per (rows per rank, pages per sequence) bucket: both are rounded up to
+powers of two (`bucket`), the slots and the pool are fixed at construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from ..distributed import fetch
+from ..inputs.rows import RowsPhase, TokenRows
+from ..layers.attention.kv_cache import KVCache
+from ..layers.attention.latent import LatentCache
+from ..layers.attention.paged import PagedKVCache, PagedLatentCache, page_table_spec
+from ..layers.mixers.mamba2 import Mamba2Cache
+from .buckets import bucket
+from .runtime import ShardedCausalLM
+from .sampling import sample_rows, token_logprobs
+
+PAGED_FORMS = {KVCache: PagedKVCache, LatentCache: PagedLatentCache}
+"""The paged form of each slot-indexed cache a block of layers may hold."""
+SLOT_STATES = (Mamba2Cache,)
+"""Caches of a recurrent state: one slot per sequence, stepped in place, no pages."""
+MIN_STEP_ROWS = 16
+"""The smallest block of step rows per DP rank."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """Tokens of one sequence that a step runs: `tokens` at positions `start`, `start + 1`, ...
+    of the sequence in slot `slot` of DP rank `rank`; `sample`: its last row draws the
+    sequence's next token; `previous`: its last token is the one the previous step drew for
+    this slot, read on the device (its entry in `tokens` is a placeholder); `key`: the
+    caller's name for the sequence."""
+
+    rank: int
+    slot: int
+    tokens: tuple[int, ...]
+    start: int
+    sample: bool
+    key: int = -1
+    previous: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotSampling:
+    """One sequence's sampling parameters on the device: temperature 0 is greedy; top_k 0 and
+    top_p 1 keep every token; the seed and the index of the token drawn key the draw."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOutput:
+    """What a step drew, per (DP rank, slot): arrays [attn_dp, slots] (the ids and
+    log-probabilities of the most likely tokens [attn_dp, slots, TOP_LOGPROBS]); only the
+    slots of chunks with `sample` hold a draw."""
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class Launched:
+    """A step dispatched to the device, not waited for: its chunks and its outputs as device
+    arrays (`tokens` slot-ordered, what the next step's `Chunk.previous` rows read)."""
+
+    chunks: tuple[Chunk, ...]
+    tokens: jax.Array
+    outputs: tuple[jax.Array, ...]
+    shape: tuple[int, int]
+
+    def fetch(self) -> StepOutput:
+        """Waits for the step and copies what it drew to the host."""
+        dp, slots = self.shape
+        tokens, logprobs, top_ids, top_logprobs = (fetch(x) for x in self.outputs)
+        return StepOutput(
+            tokens.reshape(dp, slots),
+            logprobs.reshape(dp, slots),
+            top_ids.reshape(dp, slots, -1),
+            top_logprobs.reshape(dp, slots, -1),
+        )
+
+
+def step_cache(kind: type, pools: tuple[jax.Array, ...], table: jax.Array) -> Any:
+    """A block's cache in a step, from its pools: the paged form of keys, values or latents
+    read through `table`, a recurrent state as it is, None for a block without a cache."""
+    if kind in PAGED_FORMS:
+        return PAGED_FORMS[kind].from_pools(pools, table)
+    return kind(*pools) if pools else None
+
+
+def cache_pools(cache: Any) -> tuple[jax.Array, ...]:
+    """The pools of a step's cache (what `step_cache` took)."""
+    if isinstance(cache, PagedKVCache | PagedLatentCache):
+        return cache.pools
+    return tuple(jax.tree_util.tree_leaves(cache))
+
+
+class PagedRunner:
+    """A `ShardedCausalLM` serving many sequences from a paged KV cache, one step at a time.
+
+    Attributes:
+      runner: The sharded model.
+      page_size: Positions per page.
+      pages_per_rank: Pages in each DP rank's pool (every layer has its own pool of this many).
+      slots_per_rank: Sequences each DP rank holds at once.
+      max_rows: The most step rows per DP rank (the token budget of a step on one rank).
+      pages_per_sequence: Page-table width: pages of the longest context.
+      tables: int32 [attn_dp, slots, pages_per_sequence] host page tables, which the caller (the
+        scheduler) fills; each step places the part its sequences reach.
+    """
+
+    def __init__(
+        self,
+        runner: ShardedCausalLM,
+        *,
+        page_size: int,
+        pages_per_rank: int,
+        slots_per_rank: int,
+        max_rows: int,
+    ):
+        topology = runner.topology
+        specs = runner.model.cache_specs()
+        unknown = sorted(
+            {type(spec).__name__ for spec in specs if spec is not None}
+            - {kind.__name__ for kind in (*PAGED_FORMS, *SLOT_STATES)}
+        )
+        if unknown:
+            raise NotImplementedError(
+                f"the paged step holds attention keys and values, MLA latents and Mamba2 "
+                f"states; this model's layers also cache {unknown}: serve it with generate, or "
+                "add the paged form of its cache"
+            )
+        if runner.two_batch_overlap or runner.input_scattered:
+            raise NotImplementedError(
+                "the paged step runs one ordinary batch; build the runner without "
+                "two_batch_overlap and input_scattered"
+            )
+        if topology.attn_cp > 1 or topology.pp > 1:
+            raise NotImplementedError(
+                f"the paged step is not built under attention CP or pipeline stages; got "
+                f"{topology}. Serve on a mesh of attention DP x TP (and MoE axes)"
+            )
+        if page_size < 1 or pages_per_rank < 1 or slots_per_rank < 1 or max_rows < 1:
+            raise ValueError(
+                "page_size, pages_per_rank, slots_per_rank and max_rows must be >= 1; got "
+                f"{page_size=}, {pages_per_rank=}, {slots_per_rank=}, {max_rows=}"
+            )
+        self.runner = runner
+        self.page_size = page_size
+        self.pages_per_rank = pages_per_rank
+        tp = topology.attn_tp
+        self.slots_per_rank = bucket(slots_per_rank, tp)
+        self.max_rows = bucket(max(max_rows, MIN_STEP_ROWS), tp)
+        limit = runner.config.max_position_embeddings
+        self.pages_per_sequence = -(-limit // page_size)
+        dp = topology.attn_dp
+        self.tables = np.zeros((dp, self.slots_per_rank, self.pages_per_sequence), np.int32)
+        self._blocks = runner.config.layer_blocks(runner.options.scan_layers)
+        self._specs = specs
+        self._pools = self._new_pools()
+        self._no_draw = runner.place_array(np.zeros(dp * self.slots_per_rank, np.int32))
+        self._programs: dict[int, Callable] = {}
+
+    @property
+    def attn_dp(self) -> int:
+        return self.runner.topology.attn_dp
+
+    @property
+    def reuses_prefixes(self) -> bool:
+        """Whether cached pages alone hold a prefix (no layer keeps a recurrent state, which
+        pages cannot restore): the scheduler's prefix reuse is on only then."""
+        return not any(isinstance(spec, SLOT_STATES) for spec in self._specs)
+
+    def _new_pools(self) -> tuple[tuple[jax.Array, ...], ...]:
+        """Zero pools per block of layers, each array of the block's slot-indexed cache
+        (`CausalLM.new_caches`) placed as that cache is: with pages in place of slots and a page
+        in place of a sequence for keys, values and latents; a recurrent state as it is, one
+        slot per sequence slot."""
+        runner = self.runner
+        shapes = jax.eval_shape(
+            lambda: runner.model.new_caches(
+                slots=self.attn_dp, max_len=self.page_size, dtype=runner.dtype
+            )
+        )
+        pools = []
+        for block, spec, shape in zip(self._blocks, self._specs, shapes, strict=True):
+            lead = 1 if block.scanned else 0
+            count = self.slots_per_rank if isinstance(spec, SLOT_STATES) else self.pages_per_rank
+            arrays = []
+            for leaf, leaf_spec in zip(
+                jax.tree_util.tree_leaves(shape), jax.tree_util.tree_leaves(spec), strict=True
+            ):
+                dims = list(leaf.shape)
+                dims[lead] = count * self.attn_dp
+                placed = NamedSharding(runner.mesh, leaf_spec)
+                arrays.append(jnp.zeros(dims, leaf.dtype, device=placed))
+            pools.append(tuple(arrays))
+        return tuple(pools)
+
+    def reset(self) -> None:
+        """Fresh zero pools (after a step that failed may have consumed the donated ones)."""
+        self._pools = ()
+        self._pools = self._new_pools()
+
+    def cache_bytes(self) -> int:
+        """Bytes of the page pools over all devices."""
+        return sum(x.nbytes for pool in self._pools for x in pool)
+
+    def step(
+        self, chunks: Sequence[Chunk], sampling: dict[tuple[int, int], SlotSampling]
+    ) -> StepOutput:
+        """`launch` without a previous step, waited for (`Launched.fetch`)."""
+        return self.launch(chunks, sampling).fetch()
+
+    def launch(
+        self,
+        chunks: Sequence[Chunk],
+        sampling: dict[tuple[int, int], SlotSampling],
+        previous: Launched | None = None,
+    ) -> Launched:
+        """Dispatches `chunks` (at most one per slot, at most `max_rows` tokens per DP rank)
+        as one step and returns without waiting: it writes their keys and values into the pages
+        `tables` names and draws a token for each chunk with `sample`, with the parameters
+        `sampling[rank, slot]` (greedy where absent) and counter `start + len(tokens)` (the
+        index of the position drawn). A chunk with `previous` reads its last token from what
+        `previous` (the step launched before, still running or not) drew for its slot.
+
+        Raises:
+          ValueError: A rank's chunks exceed `max_rows`, two chunks share a slot, or a chunk
+            reads a previous step that is not given.
+        """
+        dp, slots = self.attn_dp, self.slots_per_rank
+        used = np.zeros(dp, np.int64)
+        for chunk in chunks:
+            used[chunk.rank] += len(chunk.tokens)
+        if used.max(initial=0) > self.max_rows:
+            raise ValueError(f"a step holds at most {self.max_rows} rows per rank; got {used}")
+        if len({(c.rank, c.slot) for c in chunks}) != len(chunks):
+            raise ValueError("a step runs at most one chunk per slot")
+        if previous is None and any(c.previous for c in chunks):
+            raise ValueError("a chunk reads the previous step's draw; pass that step")
+        rows = bucket(max(int(used.max(initial=1)), MIN_STEP_ROWS), self.runner.topology.attn_tp)
+        reach = max((c.start + len(c.tokens) for c in chunks), default=1)
+        pages = min(bucket(-(-reach // self.page_size)), self.pages_per_sequence)
+        ids = np.zeros((dp, rows), np.int32)
+        positions = np.zeros((dp, rows), np.int32)
+        segments = np.full((dp, rows), -1, np.int32)
+        from_previous = np.full((dp, rows), -1, np.int32)
+        last = np.full((dp, slots), -1, np.int32)
+        params = np.zeros((5, dp, slots), np.float64)
+        params[2] = 1.0
+        filled = np.zeros(dp, np.int64)
+        for chunk in chunks:
+            count, at = len(chunk.tokens), int(filled[chunk.rank])
+            where = (chunk.rank, slice(at, at + count))
+            ids[where] = chunk.tokens
+            positions[where] = np.arange(chunk.start, chunk.start + count)
+            segments[where] = chunk.slot
+            if chunk.previous:
+                from_previous[chunk.rank, at + count - 1] = chunk.slot
+            filled[chunk.rank] += count
+            if chunk.sample:
+                last[chunk.rank, chunk.slot] = at + count - 1
+                draw = sampling.get((chunk.rank, chunk.slot), SlotSampling())
+                params[:, chunk.rank, chunk.slot] = (
+                    draw.temperature,
+                    draw.top_k,
+                    draw.top_p,
+                    draw.seed,
+                    chunk.start + count,
+                )
+        runner = self.runner
+        host = (
+            ids.reshape(-1),
+            positions.reshape(-1),
+            segments.reshape(-1),
+            from_previous.reshape(-1),
+            filled.astype(np.int32),
+            self.tables[:, :, :pages].reshape(dp * slots, pages).copy(),
+            last.reshape(-1),
+            *(
+                values.reshape(-1).astype(dtype)
+                for values, dtype in zip(
+                    params, (np.float32, np.int32, np.float32, np.uint32, np.int32), strict=True
+                )
+            ),
+        )
+        mesh, rows_spec = runner.mesh, runner.row_spec
+        specs = (
+            *(rows_spec,) * 4,
+            PartitionSpec(),
+            page_table_spec(runner.topology),
+            *(PartitionSpec(rows_spec[0]),) * 6,
+        )
+        # One transfer for the step's host arrays.
+        placed = jax.device_put(host, tuple(NamedSharding(mesh, spec) for spec in specs))
+        ids_, positions_, segments_, from_previous_, counts, table, last_, *per_slot = placed
+        drawn = self._no_draw if previous is None else previous.tokens
+        program = self._program(rows)
+        outputs, self._pools = program(
+            runner.leaves,
+            TokenRows(ids_, positions_, segments_, RowsPhase.EXTEND),
+            from_previous_,
+            drawn,
+            runner.batch_facts(counts),
+            self._pools,
+            table,
+            last_,
+            *per_slot,
+        )
+        return Launched(tuple(chunks), outputs[0], outputs, (dp, slots))
+
+    def compiled_shapes(self) -> int:
+        """Step programs compiled so far (one per rows bucket, per pages bucket)."""
+        return sum(program.compiled_shapes() for program in self._programs.values())
+
+    def _program(self, rows: int) -> Callable:
+        if rows not in self._programs:
+            self._programs[rows] = self._build()
+        return self._programs[rows]
+
+    def _build(self) -> Callable:
+        runner = self.runner
+        row_spec = runner.row_spec
+        blocks = self._blocks
+        kinds = [type(spec) for spec in self._specs]
+        pool_specs = tuple(tuple(jax.tree_util.tree_leaves(spec)) for spec in self._specs)
+
+        def body(model, rows, from_previous, drawn, batch, pools, table, last, *sampling):
+            # The rows whose token the previous step drew read it here, on the device.
+            taken = drawn[jnp.maximum(from_previous, 0)]
+            ids = jnp.where(from_previous >= 0, taken, rows.ids)
+            rows = TokenRows(ids, rows.positions, rows.segment_ids, rows.phase)
+            caches = []
+            for block, kind, pool in zip(blocks, kinds, pools, strict=True):
+                pages = table
+                if block.scanned:
+                    pages = jnp.broadcast_to(table, (len(block.layers), *table.shape))
+                caches.append(step_cache(kind, pool, pages))
+            hidden, caches = model.hidden(rows, batch, tuple(caches), last)
+            logits = model.lm_head(hidden).astype(jnp.float32)
+            tokens = sample_rows(logits, *sampling)
+            tokens = jnp.where(last >= 0, tokens, 0)
+            chosen, top_ids, top = token_logprobs(logits, tokens)
+            return (tokens, chosen, top_ids, top), tuple(cache_pools(c) for c in caches)
+
+        slot_spec = PartitionSpec(row_spec[0])
+        top_spec = PartitionSpec(row_spec[0], None)
+        return runner.sharded_program(
+            body,
+            in_specs=(
+                row_spec,
+                row_spec,
+                slot_spec,
+                PartitionSpec(),
+                pool_specs,
+                page_table_spec(runner.topology),
+                *(slot_spec,) * 6,
+            ),
+            out_specs=((slot_spec, slot_spec, top_spec, top_spec), pool_specs),
+            check_vma=runner.check_vma,
+            donate_argnums=(4,),
+        )

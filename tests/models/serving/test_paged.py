@@ -1,0 +1,209 @@
+"""The paged step and the engine on a tiny model: greedy tokens through chunked prefill, mixed
+decode, prefix reuse and preemption equal `ShardedCausalLM.generate` of each prompt alone."""
+
+import dataclasses
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import boundary_jax as bj
+from models.build import build_model
+from models.config import PRESETS
+from models.inputs.rows import RowsPhase
+from models.layers.attention.kv_cache import KVCache
+from models.layers.attention.self_attention import Attention
+from models.options import BuildOptions
+from models.serving.engine import Engine
+from models.serving.paged import PagedRunner, SlotSampling
+from models.serving.runtime import ShardedCausalLM
+from models.serving.sampling import sample_rows
+from models.serving.scheduler import Finish, Request
+
+NEW_TOKENS = 8
+
+
+def _prompts() -> list[list[int]]:
+    """Mixed lengths (1 to 40 tokens, past the sliding window of 16), half sharing a prefix."""
+    rng = np.random.default_rng(0)
+    shared = rng.integers(0, 256, 18).tolist()
+    lengths = [1, 3, 40, 17, 9, 26]
+    own = [rng.integers(0, 256, n).tolist() for n in lengths]
+    return own + [shared + tail[:5] for tail in own]
+
+
+def _serve(engine: Engine, prompts, new_tokens=NEW_TOKENS, **fields) -> list[Request]:
+    """Runs the prompts to the end; each request's `logprobs` are those its tokens came with."""
+    requests = [Request(str(i), p, new_tokens, **fields) for i, p in enumerate(prompts)]
+    logprobs = {request.id: [] for request in requests}
+    for request in requests:
+        engine.submit(request, lambda token: logprobs[token.request.id].append(token.logprob))
+    while engine.run_once():
+        pass
+    for request in requests:
+        request.logprobs = logprobs[request.id]
+    return requests
+
+
+@functools.cache
+def _served(preset: str, dp: int, tp: int, scan: bool = False):
+    """A runner of the preset (5 layers when scanned), the prompts, `generate`'s tokens for
+    them, and a paged runner of 64 pages per rank shared by the tests (each with its own
+    engine)."""
+    topology = bj.Topology(attn_dp=dp, attn_tp=tp)
+    mesh = bj.make_mesh(topology)
+    config = PRESETS[preset]
+    if scan:
+        config = dataclasses.replace(config, num_layers=5)
+    model = build_model(config, topology, BuildOptions(scan_layers=scan), mesh=mesh)
+    runner = ShardedCausalLM(model, mesh)
+    prompts = _prompts()
+    roomy = PagedRunner(runner, page_size=4, pages_per_rank=64, slots_per_rank=4, max_rows=16)
+    return runner, prompts, runner.generate(prompts, NEW_TOKENS), roomy
+
+
+DEFAULT = ("tiny-mistral", 2, 2)
+SLOW = pytest.mark.slow
+CASES = [
+    pytest.param(DEFAULT, 64, id="kv-dp2-tp2"),
+    pytest.param(DEFAULT, 14, id="kv-dp2-tp2-preempting"),
+    pytest.param(("tiny-deepseek-v3", 2, 2), 64, id="latent-moe-dp2-tp2"),
+    pytest.param(("tiny-deepseek-v3", 2, 2), 14, id="latent-moe-preempting", marks=SLOW),
+    pytest.param(("tiny-nemotron-h", 2, 2), 64, id="hybrid-mamba2-dp2-tp2"),
+    pytest.param(("tiny-nemotron-h", 2, 2), 14, id="hybrid-preempting", marks=SLOW),
+    pytest.param(("tiny-mistral", 1, 1), 64, id="kv-one-device", marks=SLOW),
+    pytest.param(("tiny-mistral", 1, 1), 14, id="kv-one-device-preempting", marks=SLOW),
+    pytest.param(("tiny-mistral", 1, 2), 64, id="kv-tp2", marks=SLOW),
+    pytest.param(("tiny-mistral", 1, 2), 14, id="kv-tp2-preempting", marks=SLOW),
+    pytest.param(("tiny-qwen3", 2, 2, True), 64, id="kv-scanned-dp2-tp2", marks=SLOW),
+]
+
+
+@pytest.mark.parametrize(("case", "pages"), CASES)
+def test_paged_greedy_equals_generate(case, pages, monkeypatch):
+    """Chunked prefill (16 rows per step), decode rows beside it, shared prefixes and (with a
+    small pool) preemption give each prompt's tokens of `generate` alone: grouped-query KV
+    pages (with a sliding window), MLA latent pages (with MoE layers), Mamba2 states stepped
+    row by row in their slots (Nemotron-H), unrolled and scanned layers."""
+    runner, prompts, want, roomy = _served(*case)
+    paged = roomy
+    if pages != roomy.pages_per_rank:
+        paged = PagedRunner(
+            runner, page_size=4, pages_per_rank=pages, slots_per_rank=4, max_rows=16
+        )
+    launched = []
+    launch = paged.launch
+
+    def record(chunks, sampling, previous=None):
+        launched.extend(chunks)
+        return launch(chunks, sampling, previous)
+
+    monkeypatch.setattr(paged, "launch", record)
+    engine = Engine(paged)
+    requests = _serve(engine, prompts)
+    np.testing.assert_array_equal([r.output for r in requests], want)
+    assert all(r.finish is Finish.LENGTH for r in requests)
+    # Steps overlapped: decode tokens read on the device from the step before.
+    assert sum(chunk.previous for chunk in launched) > len(prompts)
+    # Each token's log-probability is the forward's over the whole sequence (tighter than
+    # the argmax: a stale state or a wrong page moves it).
+    logits = runner.forward([r.prompt + r.output for r in requests])
+    for request, row in zip(requests, logits, strict=True):
+        start = len(request.prompt) - 1
+        steps = np.arange(start, start + NEW_TOKENS)
+        shifted = row[steps] - row[steps].max(axis=-1, keepdims=True)
+        logprobs = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+        np.testing.assert_allclose(
+            request.logprobs, logprobs[np.arange(NEW_TOKENS), request.output], atol=2e-4
+        )
+    scheduler = engine.scheduler
+    assert scheduler.used_pages == 0 and scheduler.idle
+    # Pages cannot restore a recurrent state: no prefix reuse with Mamba2 layers.
+    assert (scheduler.reused_pages > 0) == paged.reuses_prefixes
+    if pages == 14:
+        assert scheduler.preemptions > 0
+    # One program per rows bucket: 16 rows, pages buckets 1..16 at most.
+    assert paged.compiled_shapes() <= 5
+
+
+def test_prefix_reuse_off_computes_every_token():
+    """Without prefix caching nothing is reused and every prompt token is computed; the
+    outputs are the same."""
+    _, prompts, want, roomy = _served(*DEFAULT)
+    engine = Engine(roomy, prefix_caching=False)
+    requests = _serve(engine, prompts)
+    np.testing.assert_array_equal([r.output for r in requests], want)
+    assert engine.scheduler.reused_pages == 0
+    assert engine.metrics.computed_tokens == sum(map(len, prompts)) + len(prompts) * (
+        NEW_TOKENS - 1
+    )
+
+
+def test_sampled_tokens_depend_on_seed_not_batch():
+    """A request's draws depend on its seed alone: alone or among others, the same tokens;
+    top_k=1 is greedy."""
+    _, prompts, want, roomy = _served(*DEFAULT)
+
+    def run(batch, sampling):
+        return [r.output for r in _serve(Engine(roomy), batch, sampling=sampling)]
+
+    sampling = SlotSampling(temperature=1.0, top_k=40, top_p=0.9, seed=7)
+    alone = run(prompts[:1], sampling)
+    together = run(prompts[:3], sampling)
+    assert together[0] == alone[0]
+    assert run(prompts[:2], SlotSampling(temperature=0.7, top_k=1, seed=3)) == want[:2].tolist()
+    other = run(prompts[:1], SlotSampling(temperature=1.0, top_k=40, top_p=0.9, seed=8))
+    assert other != alone
+
+
+def test_sample_rows_mixes_greedy_and_sampled_rows():
+    """Per row: temperature 0 is the argmax; top_k keeps only the k largest."""
+    logits = jnp.asarray(np.random.default_rng(1).normal(size=(4, 50)), jnp.float32)
+    tokens = sample_rows(
+        logits,
+        jnp.asarray([0.0, 1.0, 1.0, 2.0]),
+        jnp.asarray([0, 1, 3, 0]),
+        jnp.asarray([1.0, 1.0, 1.0, 0.5]),
+        jnp.arange(4, dtype=jnp.uint32),
+        jnp.zeros(4, jnp.int32),
+    )
+    order = np.argsort(-np.asarray(logits), axis=-1)
+    assert tokens[0] == order[0, 0] and tokens[1] == order[1, 0]
+    assert tokens[2] in order[2, :3]
+
+
+@pytest.mark.slow
+def test_paged_runner_refuses_unpaged_caches_and_layouts():
+    """LongCat-Flash's pair of latent caches per layer has no paged form; attention CP is not
+    built: clear errors at construction."""
+    topology = bj.Topology()
+    mesh = bj.make_mesh(topology)
+    longcat = build_model(PRESETS["tiny-longcat-flash"], topology, mesh=mesh)
+    with pytest.raises(NotImplementedError, match="LongcatCache"):
+        PagedRunner(
+            ShardedCausalLM(longcat, mesh),
+            page_size=4,
+            pages_per_rank=8,
+            slots_per_rank=2,
+            max_rows=16,
+        )
+    topology = bj.Topology(attn_cp=2)
+    mesh = bj.make_mesh(topology)
+    cp = ShardedCausalLM(build_model(PRESETS["tiny-mistral"], topology, mesh=mesh), mesh)
+    with pytest.raises(NotImplementedError, match="attention CP"):
+        PagedRunner(cp, page_size=4, pages_per_rank=8, slots_per_rank=2, max_rows=16)
+
+
+def test_extend_rows_need_a_paged_cache():
+    """An EXTEND call on a slot-indexed cache is refused, naming the paged runner."""
+    config = PRESETS["tiny-mistral"]
+    topology = bj.Topology()
+    attention = Attention(config.attention_spec(0), topology=topology, rngs=nnx.Rngs(0))
+    cache = KVCache.create(config, topology, slots=1, max_len=8)
+    rows = jnp.zeros((2, config.hidden_size))
+    with pytest.raises(ValueError, match="paged cache"):
+        attention(
+            rows, jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32), cache, phase=RowsPhase.EXTEND
+        )
