@@ -7,12 +7,14 @@ import sys
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from rich.console import Console
 from rich.table import Table
 
 import boundary_jax as bj
 from boundary_jax.report import KINDS, parse_hlo
 
+from ..decoder.model import CausalLM
 from ..decoder.moe import MoeCausalLM
 from ..layers.lora import LoraSpec
 from ..pipeline import PipelineCausalLM, split_microbatches
@@ -22,6 +24,13 @@ from ..serving.runtime import ShardedCausalLM
 # A batch with ragged sequences, so every boundary runs on padded blocks.
 PLAN_SEQUENCES = ([1] * 13, [2] * 5, [3] * 9, [4] * 2)
 PLAN_TOKENS = sum(len(sequence) for sequence in PLAN_SEQUENCES)
+
+
+def state_bytes(model: CausalLM, dtype: jnp.dtype) -> dict[str, int]:
+    """`{"state_bytes_per_slot": bytes}` of the recurrent state a model keeps per sequence slot,
+    or nothing for a model that keeps none."""
+    state = model.state_bytes_per_slot(dtype)
+    return {"state_bytes_per_slot": state} if state else {}
 
 
 def batch_description() -> str:
@@ -70,7 +79,8 @@ def plan_report(runner: ShardedCausalLM) -> dict[str, Any]:
     `decode_cache` gives the decode cache's kind (`KVCache`, or DeepSeek's `LatentCache`) and
     the bytes one token takes in it on one device, per layer and over the layers that keep
     one, and the bytes of fixed-size recurrent state one sequence slot takes on one device
-    (`state_bytes_per_slot`; Gated DeltaNet's conv and delta state). A branch's
+    (`state_bytes_per_slot`, present where a layer keeps one: Gated DeltaNet's conv and delta
+    state). A branch's
     first stage reports its `fork` (from its source's prepared input) in place of entries, and
     its last stage its `merge` (`boundary_jax.report.describe_path`).
     """
@@ -105,8 +115,8 @@ def plan_report(runner: ShardedCausalLM) -> dict[str, Any]:
             ),
             "bytes_per_token_per_layer": per_layer,
             "bytes_per_token": per_layer * model.token_cache_layers(),
-            "state_bytes_per_slot": model.state_bytes_per_slot(runner.dtype),
-        },
+        }
+        | state_bytes(model, runner.dtype),
         "stages": bj.report.describe_stages(stages, variant),
         "middle_layer": middle,
         "collectives_per_layer": report.counts(middle),
@@ -184,7 +194,7 @@ def print_plan(
             + (
                 f", and {cache['state_bytes_per_slot']:,} bytes of recurrent state per sequence "
                 "slot"
-                if cache["state_bytes_per_slot"]
+                if "state_bytes_per_slot" in cache
                 else ""
             )
         )

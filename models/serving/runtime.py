@@ -137,7 +137,7 @@ class ShardedCausalLM:
         specs = model.cache_specs()
         self._cache_specs = (specs, specs) if two_batch_overlap else specs
         tbo = two_batch_overlap
-        self._forward = self._program_of(
+        self._forward = self.sharded_program(
             lambda model, rows, batch: model.lm_head(
                 _hidden(model, rows, batch, tbo=tbo)[0]
             ).astype(jnp.float32),
@@ -147,8 +147,10 @@ class ShardedCausalLM:
         )
         self._programs: dict[tuple, Callable] = {}
 
-    def _program_of(self, call: Callable, **options) -> Callable:
-        """`ShardedModule.program` of `call`, traced under the runner's matmul precision."""
+    def sharded_program(self, call: Callable, **options) -> Callable:
+        """A program of `call(model, *args)` over the placed model (`bj.ShardedModule.program`
+        with `options`), traced under the runner's matmul precision, called as
+        `program(runner.leaves, *args)`: the runner's programs and the paged server's step."""
         precision = self.matmul_precision
 
         def traced(*args):
@@ -156,13 +158,6 @@ class ShardedCausalLM:
                 return call(*args)
 
         return self._sharded.program(traced, **options)
-
-    def sharded_program(self, call: Callable, **options) -> Callable:
-        """A program of `call(model, *args)` over the placed model (`bj.ShardedModule.program`
-        with `options`: in/out specs of the args, donation), traced under the runner's matmul
-        precision; call it as `program(runner.leaves, *args)`. What a caller with a step of its
-        own (the paged server step) builds on."""
-        return self._program_of(call, **options)
 
     @property
     def leaves(self):
@@ -342,7 +337,7 @@ class ShardedCausalLM:
                 hidden, captures = hidden_captured(model, rows_, batch, capture_layers)
                 return model.lm_head(hidden).astype(jnp.float32), captures
 
-            self._programs[name] = self._program_of(
+            self._programs[name] = self.sharded_program(
                 body,
                 in_specs=(rows, self._batch_spec),
                 out_specs=(self._logits_spec, PartitionSpec(None, rows[0], None)),
@@ -477,7 +472,7 @@ class ShardedCausalLM:
             held = share_over_cp((last_rows >= 0).astype(jnp.int32), self.topology) > 0
             return jnp.where(held, tokens, 0), caches
 
-        return self._program_of(
+        return self.sharded_program(
             body,
             in_specs=(
                 rows,
@@ -526,7 +521,7 @@ class ShardedCausalLM:
             _, _, caches, out = blocked_fori_loop(count, step, carry, block)
             return out, caches
 
-        return self._program_of(
+        return self.sharded_program(
             body,
             in_specs=(
                 rows,
