@@ -46,7 +46,7 @@ def table_rows(stdout: str, column: str) -> list[list[str]]:
     raise AssertionError(f"no table with a {column!r} column in:\n{stdout[-4000:]}")
 
 
-@pytest.mark.parametrize("devices", [1, 2])
+@pytest.mark.parametrize("devices", [1, pytest.param(2, marks=SLOW)])
 def test_e2e_smoke_runs_every_tp_the_devices_hold(devices):
     """bench_e2e --smoke times a prefill and a decode case at TP 1, and at TP 2 where two
     devices exist (both baselines' prefill logits within bf16 error of the project's), then
@@ -121,6 +121,7 @@ def test_pipeline_smoke_reports_both_programs():
     assert any(line.startswith("SPMD (switch + ppermute)") for line in out), out
 
 
+@SLOW
 def test_lora_smoke_times_the_base_and_lora_steps():
     """bench_lora --smoke times the base and the multi-LoRA decode step of one model; the
     adapters change the greedy tokens."""
