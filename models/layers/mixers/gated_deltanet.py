@@ -37,9 +37,31 @@ from .ssd import (
     accumulation_dtype,
     causal_conv1d,
     causal_conv1d_step,
-    conv_states,
-    last_rows,
+    prefill_slot_states,
 )
+
+
+def delta_rule_prefill(
+    rule: tuple[jax.Array, ...],
+    conv_input: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array,
+    cache: DeltaCache | None,
+    chunk_size: int,
+) -> tuple[jax.Array, DeltaCache | None]:
+    """A delta-rule mixer's prefill: the chunked rule over `rule` (q, k, v, gate, beta) from zero
+    states, and with a cache each reached slot's last conv inputs (of `conv_input`) and final
+    state. Returns (output [T, heads, v_dim], the cache or None)."""
+    slots = 0 if cache is None else cache.state.shape[0]
+    o, finals = gated_delta_rule_chunked(
+        *rule, positions, segment_ids, chunk_size=chunk_size, num_slots=slots
+    )
+    if cache is not None:
+        conv, state = prefill_slot_states(
+            cache.conv, cache.state, conv_input, finals, positions, segment_ids
+        )
+        cache = DeltaCache(conv=conv, state=state)
+    return o, cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,29 +312,11 @@ class GatedDeltaNet(nnx.Module):
         beta = jax.nn.sigmoid(b.astype(acc))
         rate = jnp.exp(self.a_log[...].astype(acc))
         g = -rate[None] * jax.nn.softplus(a.astype(acc) + self.dt_bias[...].astype(acc)[None])
+        rule = (q, k, v, g, beta)
         if phase is RowsPhase.PREFILL:
-            slots = 0 if cache is None else cache.state.shape[0]
-            o, finals = gated_delta_rule_chunked(
-                *(q, k, v, g, beta, positions, segment_ids),
-                chunk_size=spec.chunk_size,
-                num_slots=slots,
-            )
-            if cache is not None:
-                present = last_rows(segment_ids, slots)[1]
-                width = spec.conv_kernel - 1
-                states = conv_states(qkv, positions, segment_ids, num_slots=slots, width=width)
-                cache = DeltaCache(
-                    conv=jnp.where(
-                        present[:, None, None], states.astype(cache.conv.dtype), cache.conv
-                    ),
-                    state=jnp.where(
-                        present[:, None, None, None],
-                        finals.astype(cache.state.dtype),
-                        cache.state,
-                    ),
-                )
+            o, cache = delta_rule_prefill(rule, qkv, positions, segment_ids, cache, spec.chunk_size)
         else:
-            o, state = gated_delta_rule_step(cache.state, q, k, v, g, beta, valid)
+            o, state = gated_delta_rule_step(cache.state, *rule, valid)
             cache = DeltaCache(conv=conv_state, state=state)
         z = z.reshape(rows, split.local_v_heads, spec.v_dim)
         y = gated_head_norm(o.astype(h.dtype), z, self.norm_weight[...], eps=spec.eps)

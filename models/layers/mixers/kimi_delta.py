@@ -29,10 +29,10 @@ from boundary_jax.initializers import param
 from ...config.linear_attention import KimiDeltaSpec
 from ...inputs.rows import RowsPhase
 from ..linear import ColumnParallelLinear, RowParallelLinear, group_size
-from .delta_rule import gated_delta_rule_chunked, gated_delta_rule_step
-from .gated_deltanet import DeltaCache, DeltaSplit
+from .delta_rule import gated_delta_rule_step
+from .gated_deltanet import DeltaCache, DeltaSplit, delta_rule_prefill
 from .mamba2 import DepthwiseConvWeights, LogUniform, NormalAround, TimeStepBias
-from .ssd import accumulation_dtype, causal_conv1d, causal_conv1d_step, conv_states, last_rows
+from .ssd import accumulation_dtype, causal_conv1d, causal_conv1d_step
 
 
 def gated_sigmoid_norm(o: jax.Array, gate: jax.Array, weight: jax.Array, *, eps: float):
@@ -172,29 +172,11 @@ class KimiDeltaAttention(nnx.Module):
         rate = jnp.exp(self.a_log[...].astype(acc)).reshape(1, local_heads, 1)
         g = -rate * jax.nn.softplus(gate_in.reshape(rows, local_heads, head_dim))
         beta = jax.nn.sigmoid(self.b_proj(h).astype(acc))
+        rule = (q, k, v, g, beta)
         if phase is RowsPhase.PREFILL:
-            slots = 0 if cache is None else cache.state.shape[0]
-            o, finals = gated_delta_rule_chunked(
-                *(q, k, v, g, beta, positions, segment_ids),
-                chunk_size=spec.chunk_size,
-                num_slots=slots,
-            )
-            if cache is not None:
-                present = last_rows(segment_ids, slots)[1]
-                width = spec.conv_kernel - 1
-                states = conv_states(qkv, positions, segment_ids, num_slots=slots, width=width)
-                cache = DeltaCache(
-                    conv=jnp.where(
-                        present[:, None, None], states.astype(cache.conv.dtype), cache.conv
-                    ),
-                    state=jnp.where(
-                        present[:, None, None, None],
-                        finals.astype(cache.state.dtype),
-                        cache.state,
-                    ),
-                )
+            o, cache = delta_rule_prefill(rule, qkv, positions, segment_ids, cache, spec.chunk_size)
         else:
-            o, state = gated_delta_rule_step(cache.state, q, k, v, g, beta, valid)
+            o, state = gated_delta_rule_step(cache.state, *rule, valid)
             cache = DeltaCache(conv=conv_state, state=state)
         gate = self.g_b_proj(self.g_a_proj(h)).reshape(rows, local_heads, head_dim)
         y = gated_sigmoid_norm(o.astype(h.dtype), gate, self.norm_weight[...], eps=spec.eps)

@@ -38,9 +38,8 @@ from .ssd import (
     accumulation_dtype,
     causal_conv1d,
     causal_conv1d_step,
-    conv_states,
     gated_rms_norm,
-    last_rows,
+    prefill_slot_states,
     ssd_chunked_scan,
     ssd_step,
     time_step,
@@ -440,16 +439,8 @@ class Mamba2Mixer(nnx.Module):
                 num_slots=slots,
             )
             if cache is not None:
-                present = last_rows(segment_ids, slots)[1]
-                width = spec.conv_kernel - 1
-                states = conv_states(xbc, positions, segment_ids, num_slots=slots, width=width)
                 cache = Mamba2Cache(
-                    conv=jnp.where(
-                        present[:, None, None], states.astype(cache.conv.dtype), cache.conv
-                    ),
-                    ssm=jnp.where(
-                        present[:, None, None, None], finals.astype(cache.ssm.dtype), cache.ssm
-                    ),
+                    *prefill_slot_states(cache.conv, cache.ssm, xbc, finals, positions, segment_ids)
                 )
         else:
             y, ssm = ssd_step(cache.ssm, x, dt, a, b, c, self.d[...], valid)

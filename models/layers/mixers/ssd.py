@@ -350,6 +350,25 @@ def conv_states(
     return jnp.where(inside[..., None], x[jnp.maximum(rows, 0)], 0).astype(x.dtype)
 
 
+def prefill_slot_states(
+    conv_cache: jax.Array,
+    state_cache: jax.Array,
+    conv_input: jax.Array,
+    finals: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """A mixer's per-slot caches after a prefill: each slot this call's rows reach takes its
+    sequence's last conv inputs (`conv_states` of `conv_input`, as wide as `conv_cache`) and its
+    final recurrent state (`finals` [slots, ...]); the other slots keep theirs."""
+    slots, width = conv_cache.shape[:2]
+    present = last_rows(segment_ids, slots)[1]
+    states = conv_states(conv_input, positions, segment_ids, num_slots=slots, width=width)
+    conv = jnp.where(present[:, None, None], states.astype(conv_cache.dtype), conv_cache)
+    at = present.reshape(-1, *(1,) * (state_cache.ndim - 1))
+    return conv, jnp.where(at, finals.astype(state_cache.dtype), state_cache)
+
+
 @jax.jit
 def causal_conv1d_step(
     state: jax.Array,
