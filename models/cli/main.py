@@ -307,6 +307,7 @@ def _parser() -> argparse.ArgumentParser:
     _model_args(serving)
     _quantize_arg(serving)
     add_serve_args(serving)
+    add_lora_args(serving, prompts=False)
     serving.set_defaults(run=serve, pp_split=None, microbatches=None)
 
     train_ = commands_.add_parser(

@@ -106,7 +106,9 @@ def serve(args: argparse.Namespace) -> None:
     out.log(f"KV cache: {paged.cache_bytes() / GIB:.3f} GiB over all devices")
     engine = Engine(paged, prefix_caching=not args.no_prefix_caching)
     name = args.served_model_name or args.preset or Path(args.checkpoint).resolve().name
-    server = Server(engine, text, model_name=name, eos_ids=eos)
+    lora = model.options.lora
+    adapters = {} if lora is None else {adapter: lora.index(adapter) for adapter in lora.names}
+    server = Server(engine, text, model_name=name, eos_ids=eos, adapters=adapters)
     if is_first_process():
         out.log(f"serving {name} at http://{args.host}:{args.port}/v1 ({text.description})")
     run_server(server, host=args.host, port=args.port, grace=args.grace_period)

@@ -49,7 +49,8 @@ class Chunk:
     of the sequence in slot `slot` of DP rank `rank`; `sample`: its last row draws the
     sequence's next token; `previous`: its last token is the one the previous step drew for
     this slot, read on the device (its entry in `tokens` is a placeholder); `key`: the
-    caller's name for the sequence."""
+    caller's name for the sequence; `adapter`: the LoRA adapter index its rows run through (0:
+    none)."""
 
     rank: int
     slot: int
@@ -58,6 +59,7 @@ class Chunk:
     sample: bool
     key: int = -1
     previous: bool = False
+    adapter: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,6 +273,7 @@ class PagedRunner:
         positions = np.zeros((dp, rows), np.int32)
         segments = np.full((dp, rows), -1, np.int32)
         from_previous = np.full((dp, rows), -1, np.int32)
+        adapters = np.zeros((dp, rows), np.int32)
         last = np.full((dp, slots), -1, np.int32)
         params = np.zeros((5, dp, slots), np.float64)
         params[2] = 1.0
@@ -281,6 +284,7 @@ class PagedRunner:
             ids[where] = chunk.tokens
             positions[where] = np.arange(chunk.start, chunk.start + count)
             segments[where] = chunk.slot
+            adapters[where] = chunk.adapter
             if chunk.previous:
                 from_previous[chunk.rank, at + count - 1] = chunk.slot
             filled[chunk.rank] += count
@@ -300,6 +304,7 @@ class PagedRunner:
             positions.reshape(-1),
             segments.reshape(-1),
             from_previous.reshape(-1),
+            adapters.reshape(-1),
             filled.astype(np.int32),
             self.tables[:, :, :pages].reshape(dp * slots, pages).copy(),
             last.reshape(-1),
@@ -312,19 +317,22 @@ class PagedRunner:
         )
         mesh, rows_spec = runner.mesh, runner.row_spec
         specs = (
-            *(rows_spec,) * 4,
+            *(rows_spec,) * 5,
             PartitionSpec(),
             page_table_spec(runner.topology),
             *(PartitionSpec(rows_spec[0]),) * 6,
         )
         # One transfer for the step's host arrays.
         placed = jax.device_put(host, tuple(NamedSharding(mesh, spec) for spec in specs))
-        ids_, positions_, segments_, from_previous_, counts, table, last_, *per_slot = placed
+        ids_, positions_, segments_, from_previous_, adapters_, counts, table, last_, *per_slot = (
+            placed
+        )
+        lora = adapters_ if runner.options.lora is not None else None
         drawn = self._no_draw if previous is None else previous.tokens
         program = self._program(rows)
         outputs, self._pools = program(
             runner.leaves,
-            TokenRows(ids_, positions_, segments_, RowsPhase.EXTEND),
+            TokenRows(ids_, positions_, segments_, RowsPhase.EXTEND, adapters=lora),
             from_previous_,
             drawn,
             runner.batch_facts(counts),
@@ -355,7 +363,9 @@ class PagedRunner:
             # The rows whose token the previous step drew read it here, on the device.
             taken = drawn[jnp.maximum(from_previous, 0)]
             ids = jnp.where(from_previous >= 0, taken, rows.ids)
-            rows = TokenRows(ids, rows.positions, rows.segment_ids, rows.phase)
+            rows = TokenRows(
+                ids, rows.positions, rows.segment_ids, rows.phase, adapters=rows.adapters
+            )
             caches = []
             for block, kind, pool in zip(blocks, kinds, pools, strict=True):
                 pages = table

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 
 from .blocks import PagePool, page_hashes
 from .paged import Chunk, SlotSampling, StepOutput
@@ -43,7 +43,8 @@ class Request:
       max_tokens: The most new tokens.
       stop_ids: Ids that end it (kept as its last token).
       sampling: How its tokens are drawn.
-      adapter: The adapter it runs through (None: the base model); part of its pages' names.
+      adapter: The index of the LoRA adapter it runs through (`LoraSpec.index`; 0: the base
+        model); part of its pages' names, and of every row it runs.
       output: New tokens so far.
       computed: Leading tokens (prompt + output) whose keys and values are in the cache.
       pages: Its pages on its rank, in position order.
@@ -61,7 +62,7 @@ class Request:
     max_tokens: int
     stop_ids: frozenset[int] = frozenset()
     sampling: SlotSampling = SlotSampling()
-    adapter: Hashable = None
+    adapter: int = 0
     output: list[int] = dataclasses.field(default_factory=list)
     computed: int = 0
     pages: list[int] = dataclasses.field(default_factory=list)
@@ -257,7 +258,14 @@ class Scheduler:
         sample = start + count == known
         request.drawing += sample
         return Chunk(
-            rank, request.slot, tuple(ids), start, sample, key=request.order, previous=previous
+            rank,
+            request.slot,
+            tuple(ids),
+            start,
+            sample,
+            key=request.order,
+            previous=previous,
+            adapter=request.adapter,
         )
 
     def _admission_rank(self, request: Request, budget: list[int]) -> int | None:

@@ -56,7 +56,7 @@ class Server:
       codec: The model's text.
       model_name: The name clients put in `model`.
       eos_ids: Ids that end a choice unless `ignore_eos`.
-      adapters: Served adapters by name (`model` may name one); empty until adapters exist.
+      adapters: Served LoRA adapters: name -> index (`LoraSpec.index`); `model` may name one.
       stopping: Set once a shutdown began: new requests get 503.
     """
 
@@ -67,7 +67,7 @@ class Server:
         *,
         model_name: str,
         eos_ids: Sequence[int] = (),
-        adapters: Mapping[str, Any] | None = None,
+        adapters: Mapping[str, int] | None = None,
     ):
         self.engine = engine
         self.codec = codec
@@ -191,7 +191,7 @@ class Server:
                     max_tokens,
                     stop_ids=stop_ids,
                     sampling=sampling,
-                    adapter=spec.adapter,
+                    adapter=0 if spec.adapter is None else self.adapters[spec.adapter],
                 )
                 try:
                     self.engine.check(request)

@@ -1,5 +1,6 @@
 """`boundary-jax serve` refuses what it cannot serve in one error line (exit 2): pipeline
-stages, a model whose cache has no paged form, a KV cache budget that holds no page."""
+stages, a model whose cache has no paged form, a KV cache budget that holds no page, `--lora`
+as `generate` refuses it (on a preset, a folder without an adapter config)."""
 
 import pytest
 
@@ -10,6 +11,8 @@ CASES = [
     (["--preset", "tiny-longcat-flash"], "LongcatCache"),
     (["--preset", "tiny-mistral", "--kv-cache-gb", "0.0000001"], "holds no page of 16 tokens"),
     (["--preset", "tiny-mistral", "--mesh", "attn_cp=2"], "not built under attention CP"),
+    (["--preset", "tiny-mistral", "--lora", "a=tests"], "pass --checkpoint, not --preset"),
+    (["--checkpoint", "tests/golden/qwen3", "--lora", "a=tests"], "no adapter_config.json"),
 ]
 
 

@@ -3,6 +3,7 @@ decode, prefix reuse and preemption equal `ShardedCausalLM.generate` of each pro
 
 import dataclasses
 import functools
+import pathlib
 
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +11,7 @@ import pytest
 from flax import nnx
 
 import boundary_jax as bj
-from models.build import build_model
+from models.build import build_model, load_model
 from models.config import PRESETS
 from models.inputs.rows import RowsPhase
 from models.layers.attention.kv_cache import KVCache
@@ -79,6 +80,33 @@ CASES = [
     pytest.param(("tiny-mistral", 1, 2), 14, id="kv-tp2-preempting", marks=SLOW),
     pytest.param(("tiny-qwen3", 2, 2, True), 64, id="kv-scanned-dp2-tp2", marks=SLOW),
 ]
+
+
+def test_extend_rows_carry_each_request_adapter():
+    """Requests through LoRA adapter a1, a2 or none (tiny Qwen3 and its golden adapters, DP 2 x
+    TP 2) in one engine: prefill chunks and decode rows alike run through the request's adapter,
+    so each greedy answer equals `generate` of its prompt with its adapter."""
+    golden = pathlib.Path(__file__).parents[2] / "golden"
+    adapters = {name: golden / "lora" / "qwen3" / name for name in ("a1", "a2")}
+    topology = bj.Topology(attn_dp=2, attn_tp=2)
+    mesh = bj.make_mesh(topology)
+    model = load_model(golden / "qwen3", mesh, BuildOptions(), adapters=adapters)
+    runner = ShardedCausalLM(model, mesh)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 250, n).tolist() for n in (1, 9, 20, 9, 20, 5)]
+    names = ["a1", "a2", None, "a2", "a1", None]
+    want = runner.generate(prompts, NEW_TOKENS, adapters=names)
+    paged = PagedRunner(runner, page_size=4, pages_per_rank=32, slots_per_rank=2, max_rows=8)
+    engine = Engine(paged)
+    requests = [
+        Request(str(i), p, NEW_TOKENS, adapter=runner.options.lora.index(name) if name else 0)
+        for i, (p, name) in enumerate(zip(prompts, names, strict=True))
+    ]
+    for request in requests:
+        engine.submit(request, lambda token: None)
+    while engine.run_once():
+        pass
+    assert [r.output for r in requests] == [list(w) for w in want]
 
 
 @pytest.mark.parametrize(("case", "pages"), CASES)
