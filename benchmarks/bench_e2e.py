@@ -70,8 +70,10 @@ from .common import (
     kernel_ms,
     kv_bytes_per_gpu,
     median_wall_ms,
+    ms_or_oom,
     prefill_flops_per_gpu,
     print_table,
+    ratio,
     weight_bytes_per_gpu,
 )
 from .gspmd_baseline import (
@@ -208,25 +210,30 @@ def run_config(
             got, ref = np.asarray(got), np.asarray(want)
             errors[name] = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
         del want
-        caches = [runner.new_caches(packed.decode_rows_per_rank, length)]
 
-        def project_prefill():
-            tokens, caches[0] = runner.prefill(rows, batch, caches[0], last_rows, key)
-            return tokens
+        def project_prefill_ms():
+            caches = [runner.new_caches(packed.decode_rows_per_rank, length)]
 
-        times["project"] = median_wall_ms(project_prefill, cases.prefill_repeats)
-        del caches[0]
-        for name, (_, step, _) in baselines.items():
-            holder = [zero_caches(sequences, length)]
-
-            def baseline_prefill(step=step, holder=holder):
-                tokens, holder[0] = step(params, ids, holder[0])
+            def project_prefill():
+                tokens, caches[0] = runner.prefill(rows, batch, caches[0], last_rows, key)
                 return tokens
 
-            times[name] = median_wall_ms(baseline_prefill, cases.prefill_repeats)
-            del holder[0]
+            return median_wall_ms(project_prefill, cases.prefill_repeats)
+
+        times["project"] = ms_or_oom(project_prefill_ms)
+        for name, (_, step, _) in baselines.items():
+
+            def baseline_prefill_ms(step=step):
+                holder = [zero_caches(sequences, length)]
+
+                def baseline_prefill():
+                    tokens, holder[0] = step(params, ids, holder[0])
+                    return tokens
+
+                return median_wall_ms(baseline_prefill, cases.prefill_repeats)
+
+            times[name] = ms_or_oom(baseline_prefill_ms)
         flops = prefill_flops_per_gpu(config, tp, sequences, length)
-        roof = flops / PEAK_FLOPS * 1e3
         results.append(
             (
                 label,
@@ -234,9 +241,9 @@ def run_config(
                 times["project"],
                 times["cuDNN"],
                 times["jnp"],
-                times["cuDNN"] / times["project"],
-                times["jnp"] / times["project"],
-                f"{100 * roof / times['project']:.0f}% FLOP",
+                ratio(times["cuDNN"], times["project"]),
+                ratio(times["jnp"], times["project"]),
+                roofline(flops / PEAK_FLOPS * 1e3, times["project"], "FLOP"),
                 f"{errors['cuDNN']:.1e} / {errors['jnp']:.1e}",
             )
         )
@@ -249,28 +256,33 @@ def run_config(
         start = cache_len - steps - 1
         times = {}
         rows, batch = decode_inputs(runner, sequences, start)
-        caches = [runner.new_caches(sequences, cache_len)]
 
-        def project_decode():
-            out, caches[0] = runner.decode(rows, batch, caches[0], key, steps, capacity=steps)
-            return out
+        def project_decode_ms():
+            caches = [runner.new_caches(sequences, cache_len)]
 
-        times["project"] = median_wall_ms(project_decode, cases.decode_repeats) / steps
-        del caches[0]
+            def project_decode():
+                out, caches[0] = runner.decode(rows, batch, caches[0], key, steps, capacity=steps)
+                return out
+
+            return median_wall_ms(project_decode, cases.decode_repeats) / steps
+
+        times["project"] = ms_or_oom(project_decode_ms)
         tokens = jax.device_put(np.zeros(sequences, np.int32), replicated)
         positions = jax.device_put(np.full(sequences, start, np.int32), replicated)
         for name, (_, _, decode) in baselines.items():
-            holder = [zero_caches(sequences, cache_len)]
 
-            def baseline_decode(decode=decode, holder=holder):
-                out, holder[0] = decode(params, tokens, positions, holder[0], steps)
-                return out
+            def baseline_decode_ms(decode=decode):
+                holder = [zero_caches(sequences, cache_len)]
 
-            times[name] = median_wall_ms(baseline_decode, cases.decode_repeats) / steps
-            del holder[0]
+                def baseline_decode():
+                    out, holder[0] = decode(params, tokens, positions, holder[0], steps)
+                    return out
+
+                return median_wall_ms(baseline_decode, cases.decode_repeats) / steps
+
+            times[name] = ms_or_oom(baseline_decode_ms)
         context = start + steps / 2
         nbytes = weight_bytes_per_gpu(config, tp) + kv_bytes_per_gpu(config, tp, sequences, context)
-        roof = nbytes / HBM_BYTES_PER_S * 1e3
         results.append(
             (
                 label,
@@ -278,13 +290,18 @@ def run_config(
                 times["project"],
                 times["cuDNN"],
                 times["jnp"],
-                times["cuDNN"] / times["project"],
-                times["jnp"] / times["project"],
-                f"{100 * roof / times['project']:.0f}% HBM",
+                ratio(times["cuDNN"], times["project"]),
+                ratio(times["jnp"], times["project"]),
+                roofline(nbytes / HBM_BYTES_PER_S * 1e3, times["project"], "HBM"),
                 "-",
             )
         )
         print(results[-1], flush=True)
+
+
+def roofline(floor_ms: float, ms: float | str, unit: str) -> str:
+    """`ms` as a percentage of the roofline time `floor_ms` ("-" where it was not measured)."""
+    return "-" if isinstance(ms, str) else f"{100 * floor_ms / ms:.0f}% {unit}"
 
 
 def attention_kernels() -> None:

@@ -333,10 +333,20 @@ def prefill_flops(config: DecoderConfig, sequences: int, length: int, gpus: int)
 
 
 def run(
-    config: DecoderConfig, topology: bj.Topology, *, cache: int, prefills, decodes, steps: int
+    config: DecoderConfig,
+    topology: bj.Topology,
+    *,
+    cache: int,
+    prefills,
+    decodes,
+    steps: int,
+    fusions: str = "none",
 ) -> list[tuple]:
     mesh = bj.make_mesh(topology)
-    options = BuildOptions(dtype=jnp.bfloat16, moe_dispatch=bj.MoeDispatch.GATHER)
+    provider = bj.fusions.platform_fusions(topology) if fusions == "auto" else bj.fusions.NO_FUSIONS
+    options = BuildOptions(
+        dtype=jnp.bfloat16, moe_dispatch=bj.MoeDispatch.GATHER, fusions=provider
+    )
     model = build_model(config, topology, options, mesh=mesh)
     impl = model.grouped_matmul
     runner = ShardedCausalLM(model, mesh)
@@ -381,6 +391,12 @@ def main() -> None:
         default=["8x512", "1x4096"],
         help="prefill cases as SEQUENCESxLENGTH (4096 tokens each by default)",
     )
+    parser.add_argument(
+        "--fusions",
+        choices=("none", "auto"),
+        default="none",
+        help="the project's boundary fusions (auto: the platform's, e.g. the Pallas add + norm)",
+    )
     args = parser.parse_args()
     if args.profile:
         profile_into(args.profile)
@@ -397,11 +413,11 @@ def main() -> None:
         shape = dict(cache=args.cache, prefills=cases, decodes=(8, 64), steps=STEPS)
     if args.only:
         shape["decodes" if args.only == "prefill" else "prefills"] = ()
-    results = run(config, topology, **shape)
+    results = run(config, topology, **shape, fusions=args.fusions)
     print(
         f"\n## GPT-OSS-20B shape ({config.num_layers} layers), bf16, attention TP "
-        f"{args.attn_tp}, EP {args.moe_ep}: project vs one-jit GSPMD (ms; ratio: GSPMD / "
-        "project)"
+        f"{args.attn_tp}, EP {args.moe_ep}, fusions {args.fusions}: project vs one-jit GSPMD "
+        "(ms; ratio: GSPMD / project)"
     )
     print_table(
         ("case", "project ms", "GSPMD ms", "speedup", "project roofline", "logit err"), results

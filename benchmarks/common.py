@@ -320,6 +320,29 @@ def _trace(call: Callable, label: str) -> None:
             print(f"{ms / 3:9.3f} ms  x{count // 3:<5} {kernel}")
 
 
+OUT_OF_MEMORY = "OOM"
+"""What a table shows for a contender that could not run its case for lack of device memory."""
+
+
+def ms_or_oom(call: Callable[[], float]) -> float | str:
+    """`call()`'s milliseconds, or `OUT_OF_MEMORY` when the device had too little memory for it
+    (its buffers are dropped with the error, so the run goes on with the next contender)."""
+    try:
+        return call()
+    except jax.errors.JaxRuntimeError as error:
+        if "RESOURCE_EXHAUSTED" not in str(error):
+            raise
+        print(f"out of device memory: {str(error).splitlines()[0][:200]}", flush=True)
+        return OUT_OF_MEMORY
+
+
+def ratio(numerator: float | str, denominator: float | str) -> float | str:
+    """numerator / denominator, or "-" where either could not be measured."""
+    if isinstance(numerator, str) or isinstance(denominator, str):
+        return "-"
+    return numerator / denominator
+
+
 def relative_error(got, want) -> float:
     """max |got - want| / max |want| over all leaves, in float64; inf if anything is non-finite."""
     worst = 0.0

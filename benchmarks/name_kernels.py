@@ -170,12 +170,43 @@ def _instruction(module: Module, name: str) -> tuple[str, str] | None:
     )
 
 
-def describe(module: Module | None, name: str) -> tuple[str, str]:
-    """(project source, 'output shape, fused ops, op name') of one op, or ('-', '') for a kernel
-    without an HLO instruction (a custom call's)."""
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2}
+_BYTES |= {"s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+
+
+def _shape_bytes(text: str) -> int:
+    """The bytes of every array shape written in `text` (`bf16[8,4096]{1,0}` is 65536)."""
+    total = 0
+    for dtype, dims in re.findall(r"\b([a-z]+\d*[a-z\d]*)\[([\d,]*)\]", text):
+        size = 1
+        for dim in filter(None, dims.split(",")):
+            size *= int(dim)
+        total += _BYTES.get(dtype, 0) * size
+    return total
+
+
+def moved_bytes(text: str, instructions: dict[str, tuple[str, str]] | None = None) -> int:
+    """The bytes an instruction reads and writes at least once: its output shapes and its
+    operands' (a fusion reading part of an operand moves less). Operands the text names without
+    a shape, as XLA dumps them, are looked up in `instructions`."""
+    parts = re.match(r"^(\(.*?\)|\S+) [a-z][\w\-]*\(([^)]*)\)", text)
+    if parts is None:
+        return _shape_bytes(text)
+    total = _shape_bytes(parts.group(1))
+    for operand in filter(None, (o.strip() for o in parts.group(2).split(", "))):
+        if "[" in operand:
+            total += _shape_bytes(operand)
+        elif instructions and (found := instructions.get(operand.lstrip("%"))):
+            total += _shape_bytes(re.match(r"^(\(.*?\)|\S+)", found[0]).group(1))
+    return total
+
+
+def describe(module: Module | None, name: str) -> tuple[str, str, int]:
+    """(project source, 'output shape, fused ops, op name', bytes moved) of one op, or
+    ('-', '', 0) for a kernel without an HLO instruction (a custom call's)."""
     found = None if module is None else _instruction(module, name)
     if found is None:
-        return "-", ""
+        return "-", "", 0
     text, source = found
     ops = collections.Counter()
     called = re.search(r"calls=%?([\w.\-]+)", text)
@@ -184,8 +215,10 @@ def describe(module: Module | None, name: str) -> tuple[str, str]:
         ops[op.group(1) if op else "?"] += 1
     op_name = re.search(r'op_name="([^"]*)"', text)
     fused = ", ".join(f"{op} {count}" for op, count in ops.most_common(6))
-    return source or "-", (
-        f"{text.split(' ')[0][:40]} [{fused}] {op_name.group(1)[-60:] if op_name else ''}"
+    return (
+        source or "-",
+        f"{text.split(' ')[0][:40]} [{fused}] {op_name.group(1)[-60:] if op_name else ''}",
+        moved_bytes(text, module.instructions),
     )
 
 
@@ -203,10 +236,16 @@ def main() -> None:
     parser.add_argument("dump", type=pathlib.Path, help="the same process's --xla_dump_to")
     parser.add_argument("--top", type=int, default=30, help="ops listed per case")
     parser.add_argument("--calls", type=int, default=3, help="calls each trace holds")
+    parser.add_argument(
+        "--per",
+        type=int,
+        default=1,
+        help="report per this many repeats of a call's body (e.g. decode steps x layers: per layer)",
+    )
     args = parser.parse_args()
     modules = read_dump(args.dump)
     for case in sorted(p for p in args.profile.iterdir() if p.is_dir()):
-        ops = trace_ops(case, args.calls)
+        ops = trace_ops(case, args.calls * args.per)
         by_module = collections.defaultdict(list)
         for hlo_module, name in ops:
             by_module[hlo_module].append(name)
@@ -217,19 +256,26 @@ def main() -> None:
         rows.sort(reverse=True)
         print(f"\n## {case.name}: {sum(r[0] for r in rows):.3f} ms of kernels per call")
         sources = collections.defaultdict(lambda: [0.0, 0.0])
-        for ms, launches, _, source, _ in rows:
+        for ms, launches, _, source, _, _ in rows:
             sources[source][0] += ms
             sources[source][1] += launches
         print("\nby project source line (ms per call, launches per call):")
         for source, (ms, launches) in sorted(sources.items(), key=lambda s: -s[1][0])[: args.top]:
             print(f"{ms:9.3f}  x{launches:<6.0f} {source}")
-        idle, gaps = idle_gaps(case, args.calls)
+        idle, gaps = idle_gaps(case, args.calls * args.per)
         print(f"\nGPU idle {idle:.3f} ms per call (gaps >= 10 us; ms, gaps per call, between):")
         for ms, count, before, after in gaps[: args.top // 3]:
             print(f"{ms:9.3f}  x{count:<6} {before:40} -> {after}")
-        print(f"\nlargest {args.top} ops (ms per call, launches per call):")
-        for ms, launches, name, source, text in rows[: args.top]:
-            print(f"{ms:9.3f}  x{launches:<6.0f} {name[:40]:40} {source:40} {text}")
+        print(
+            f"\nlargest {args.top} ops (ms per call, launches per call, MB moved per launch, GB/s;"
+            " bytes from the HLO: outputs and operands once):"
+        )
+        for ms, launches, name, source, text, moved in rows[: args.top]:
+            rate = f"{moved / (ms / max(launches, 1)) / 1e6:6.0f}" if moved and ms else "     -"
+            print(
+                f"{ms:9.3f}  x{launches:<6.0f} {moved / 1e6:8.2f} {rate} {name[:40]:40} "
+                f"{source:40} {text}"
+            )
 
 
 if __name__ == "__main__":

@@ -1,12 +1,15 @@
 """Where the time goes: GPU kernel times of the project's and the GSPMD baseline's programs.
 
 Runs one case of `bench_e2e` (prefill or decode, Llama-3-8B shape) under `jax.profiler` with a
-Perfetto trace, sums device time per kernel name for each contender, and writes the optimized
-HLO of both programs next to the trace. `--scan` profiles scanned layers (the project with
+Perfetto trace (under OUT_DIR/traces/, one folder per contender, as `name_kernels` reads them),
+sums device time per kernel name for each contender, and writes the optimized HLO of both
+programs to OUT_DIR. `--scan` profiles scanned layers (the project with
 `scan_layers=True`, the baseline scanning its stacked layers), as `bench_e2e --scan` times them.
 Run on the GPU machine:
   python3 -m benchmarks.profile_e2e OUT_DIR --layers 8 --tp 2 --case prefill
   python3 -m benchmarks.profile_e2e OUT_DIR --layers 8 --tp 1 --case decode --scan --sequences 8
+Each decode call runs 8 steps: `name_kernels OUT_DIR/traces DUMP --calls 5 --per 256` lists
+the kernels per layer and step of a 32-layer decode (with the same process's HLO dump).
 """
 
 from __future__ import annotations
@@ -110,7 +113,7 @@ def main() -> None:
     for name, call in (("project", project), ("baseline", baseline)):
         for _ in range(3):
             jax.block_until_ready(call())
-        trace_dir = pathlib.Path("/tmp") / f"trace_{args.case}_{name}"
+        trace_dir = out / "traces" / f"{args.case}_{name}"
         with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
             for _ in range(5):
                 jax.block_until_ready(call())

@@ -393,7 +393,9 @@ def test_compiled_grouped_kernel_matches_reference():
         ((130, 256, 256), MosaicFp8Tiling(tile_n=128, grid_block_n=2)),
         ((40, 384, 256), MosaicFp8Tiling(tile_n=64, swap=True)),
         ((8, 256, 256), MosaicFp8Tiling(tile_n=32, split_k=2, grid_block_n=1, swap=True)),
-        ((300, 256, 256), MosaicFp8Tiling(tile_n=64, cluster=True)),
+        pytest.param(
+            (300, 256, 256), MosaicFp8Tiling(tile_n=64, cluster=True), marks=pytest.mark.slow
+        ),
     ],
     ids=["rows as A", "weight as A", "weight as A, split k", "clusters of two"],
 )

@@ -106,6 +106,7 @@ def test_forward_and_generate_load_the_trained_checkpoint(trained, tmp_path, cap
     assert np.asarray(tokens).shape == (1, 4)
 
 
+@pytest.mark.slow
 def test_train_continues_from_a_checkpoint_it_wrote(trained, tmp_path, capsys):
     """train --checkpoint (a directory without tokenizer.json: byte-level) starts from the
     trained weights, on another mesh: its first loss is the trained level, not the initial;
@@ -163,6 +164,7 @@ def test_a_non_finite_loss_stops_training_and_writes_nothing(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow
 def test_sigterm_stops_training_keeping_the_last_saved_checkpoint(tmp_path):
     """SIGTERM during a run with --save-every ends it with one line naming the step and the
     kept checkpoint, exit code 143; --out holds that complete checkpoint, nothing temporary."""

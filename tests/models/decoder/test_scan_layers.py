@@ -243,7 +243,9 @@ def test_runs_split_where_layers_differ():
 
 
 @SCAN_GROUP
-@pytest.mark.parametrize("name,layout", [("dense", DEFAULT_DENSE), ("moe", "DP2xTP2")])
+@pytest.mark.parametrize(
+    "name,layout", [("dense", DEFAULT_DENSE), pytest.param("moe", "DP2xTP2", marks=SLOW)]
+)
 def test_one_while_loop_per_run_and_the_same_collectives_per_layer(name, layout):
     """The scanned forward compiles one more while loop per run of two layers or more than the
     unrolled one (the layers really scan; XLA inlines a loop of one trip), and the plan

@@ -277,6 +277,7 @@ def adam_direction(before: np.ndarray, after: np.ndarray) -> np.ndarray:
     return (before - after) / lr - decay * before
 
 
+@pytest.mark.slow
 def test_one_apertus_step_on_dp2_tp2_equals_one_device_and_trains_the_alphas():
     """The loss, the gradients' norm and every updated parameter within 1e-5 (relative) of one
     device; each layer's alphas get a gradient (their step is more than the weight decay),

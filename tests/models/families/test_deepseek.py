@@ -299,6 +299,7 @@ def one_step(layout: MoeLayout) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_one_step_on_dp2_tp2_ep4_equals_the_single_device_step():
     """DP 2 x TP 2, experts over EP 4 all-to-all and the dense FFN data-parallel: the loss and
     every updated parameter within 1e-5 of one device's; every parameter moved but the
@@ -344,6 +345,7 @@ def test_config_reads_writes_back_and_names_every_tensor(name, caplog):
     assert len(notices) == bool(mtp) and all("[4]" in n for n in notices)
 
 
+@pytest.mark.slow
 def test_trained_checkpoint_keeps_its_biases_and_reads_back(tmp_path):
     """The sharded step's parameters written as a Hugging Face checkpoint: its config reads
     back, its correction bias is the untrained one, its router the trained one."""

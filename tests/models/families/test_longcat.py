@@ -248,6 +248,7 @@ def test_captured_hidden_states_match_transformers():
     assert relative_error(logits, reference["logits"]) <= 1e-4
 
 
+@pytest.mark.slow
 def test_generate_on_the_command_line_matches_transformers(capsys):
     """`generate` with the golden checkpoint on attention DP 2 x TP 2 with EP 4 all-to-all
     prints HF's greedy tokens."""

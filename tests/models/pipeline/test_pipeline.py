@@ -294,6 +294,7 @@ def _by_model_path(leaves, trainer: PipelineTrainer) -> dict[str, np.ndarray]:
     return flat
 
 
+@pytest.mark.slow
 def test_a_training_step_under_two_stages_equals_one_program():
     """Under PP 2 (two microbatches), the loss, every gradient and every parameter after one
     AdamW step with global-norm clipping equal the one-program trainer's within 1e-5."""

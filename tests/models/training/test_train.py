@@ -148,6 +148,7 @@ def test_one_step_equals_single_device(name, layout):
         ), path
 
 
+@pytest.mark.slow
 def test_a_sequence_bound_steps_like_the_unbounded_single_device():
     """Packed with `max_sequence_rows=13` (the longest sequence), the 52 rows attend in key
     blocks of 16 rows, two per query block; input-scattered TP 4 then steps like one device
@@ -185,6 +186,7 @@ def vocab_gathers(hlo: str) -> list[str]:
     return [line for line in hlo.splitlines() if "all-gather(" in line and ",256]" in line]
 
 
+@pytest.mark.slow
 def test_remat_gives_the_same_gradients_with_less_memory():
     """Per-layer remat (FULL, DOTS) gives the gradients of no remat (float32, 1e-5) while the
     compiled backward's temporary memory shrinks."""
@@ -289,6 +291,7 @@ class Taken:
         return result
 
 
+@pytest.mark.slow
 def test_a_step_with_the_pallas_kernels_bound_equals_the_step_without():
     """Trainer takes fusion candidates and Pallas expert kernels (check_vma stays on; each
     kernel differentiates as its reference). The MoE model on TP2 (gather, each expert's width

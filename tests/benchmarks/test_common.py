@@ -1,0 +1,45 @@
+"""The benchmarks' shared helpers that decide what a table shows."""
+
+import jax
+import pytest
+
+from benchmarks.common import OUT_OF_MEMORY, ms_or_oom, ratio
+from benchmarks.name_kernels import moved_bytes
+
+
+def _raise(message: str):
+    def call():
+        raise jax.errors.JaxRuntimeError(message)
+
+    return call
+
+
+def test_an_out_of_memory_contender_is_reported_and_the_run_goes_on():
+    assert ms_or_oom(lambda: 1.5) == 1.5
+    assert ms_or_oom(_raise("RESOURCE_EXHAUSTED: Out of memory allocating 62.00GiB")) == "OOM"
+    assert OUT_OF_MEMORY == "OOM"
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
+        ms_or_oom(_raise("INTERNAL: a kernel failed"))
+
+
+def test_ratios_leave_out_what_was_not_measured():
+    assert ratio(3.0, 1.5) == 2.0
+    assert ratio(OUT_OF_MEMORY, 1.5) == "-"
+    assert ratio(3.0, OUT_OF_MEMORY) == "-"
+
+
+def test_an_instructions_bytes_are_its_outputs_and_operands():
+    text = (
+        "(bf16[8,4096]{1,0}, f32[8]{0}) fusion(bf16[8,4096]{1,0} %p0, s32[4096]{0} %p1), "
+        'kind=kLoop, calls=%fused, metadata={op_name="f32[9]"}'
+    )
+    assert moved_bytes(text) == 2 * (8 * 4096 * 2) + 8 * 4 + 4096 * 4
+
+
+def test_operands_named_without_a_shape_are_looked_up():
+    instructions = {
+        "p0": ("bf16[8,4096]{1,0} parameter(0)", ""),
+        "w": ("bf16[4096,1024]{1,0} parameter(1)", ""),
+    }
+    text = "bf16[8,1024]{1,0} fusion(%p0, %w), kind=kCustom, calls=%gemm"
+    assert moved_bytes(text, instructions) == 2 * (8 * 1024 + 8 * 4096 + 4096 * 1024)
