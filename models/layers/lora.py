@@ -116,9 +116,13 @@ class LoraColumn(nnx.Module):
     as k and v or gate and up): its delta has the base output's shape on this rank.
 
     Attributes:
-      a: [adapters, in, parts, rank] (parts 1 without `parts`), whole on every rank.
-      b: [adapters, parts, rank, out], the out columns split over `group` like the base kernel.
+      a: [in, parts, adapters, rank] (parts 1 without `parts`), whole on every rank.
+      b: [parts, adapters, rank, out], the out columns split over `group` like the base kernel.
       parts: The base projection's parts, or None.
+
+    The stacks are laid out so that both products read them as they lie: the shrink is one
+    matmul of the rows with A as [in, parts x adapters x rank], each part's expand one matmul
+    with its B as [adapters x rank, out] (no transposed copy of a stack per step).
     """
 
     def __init__(
@@ -138,14 +142,14 @@ class LoraColumn(nnx.Module):
         # Random, not zeros as PEFT initializes B: a dropped or mis-sharded adapter shows.
         self.a = param(
             Normal(in_features**-0.5),
-            (spec.adapters, in_features, stacked, spec.rank),
+            (in_features, stacked, spec.adapters, spec.rank),
             dtype,
             rngs=rngs,
             sharding=(None, None, None, None),
         )
         self.b = param(
             Normal(spec.rank**-0.5),
-            (spec.adapters, stacked, spec.rank, out_features),
+            (stacked, spec.adapters, spec.rank, out_features),
             dtype,
             rngs=rngs,
             sharding=(None, None, None, entry),
@@ -163,10 +167,12 @@ class LoraColumn(nnx.Module):
 
     def _delta(self, x: jax.Array, adapters: jax.Array, b: jax.Array) -> jax.Array:
         a = self.a[...]
-        mask = selection(adapters, a.shape[0], x.dtype)
-        shrunk = jnp.einsum("ti,nipr->tnpr", x, a) * mask[:, :, None, None]
-        delta = jnp.einsum("tnpr,npro->tpo", shrunk, b)
-        return delta[:, 0] if self.parts is None else delta
+        features, parts, count, rank = a.shape
+        mask = selection(adapters, count, x.dtype)
+        shrunk = (x @ a.reshape(features, -1)).reshape(-1, parts, count, rank)
+        shrunk = (shrunk * mask[:, None, :, None]).reshape(-1, parts, count * rank)
+        deltas = [shrunk[:, part] @ b[part].reshape(count * rank, -1) for part in range(parts)]
+        return deltas[0] if self.parts is None else jnp.stack(deltas, axis=1)
 
 
 class LoraRow(nnx.Module):
@@ -174,7 +180,7 @@ class LoraRow(nnx.Module):
     LoRA product, joining the base projection's partial sum.
 
     Attributes:
-      a: [adapters, in, rank], the in rows split over `group` like the base kernel.
+      a: [in, adapters, rank], the in rows split over `group` like the base kernel.
       b: [adapters, rank, out], whole on every rank.
     """
 
@@ -191,10 +197,10 @@ class LoraRow(nnx.Module):
     ):
         self.a = param(
             Normal(in_features**-0.5),
-            (spec.adapters, in_features, spec.rank),
+            (in_features, spec.adapters, spec.rank),
             dtype,
             rngs=rngs,
-            sharding=(None, topology.shard_entry(group), None),
+            sharding=(topology.shard_entry(group), None, None),
         )
         self.b = param(
             Normal(spec.rank**-0.5),
@@ -207,10 +213,11 @@ class LoraRow(nnx.Module):
     def __call__(self, x: jax.Array, adapters: jax.Array) -> jax.Array:
         """This rank's [T, local in] rows and [T] adapter indices -> [T, out], this rank's
         partial of the delta (unreduced: the stage's one sum completes it)."""
-        a = self.a[...]
-        mask = selection(adapters, a.shape[0], x.dtype)
-        shrunk = jnp.einsum("ti,nir->tnr", x, a) * mask[:, :, None]
-        return jnp.einsum("tnr,nro->to", shrunk, self.b[...])
+        a, b = self.a[...], self.b[...]
+        features, count, rank = a.shape
+        mask = selection(adapters, count, x.dtype)
+        shrunk = (x @ a.reshape(features, -1)).reshape(-1, count, rank) * mask[:, :, None]
+        return shrunk.reshape(-1, count * rank) @ b.reshape(count * rank, -1)
 
 
 def column_lora(

@@ -235,8 +235,8 @@ def _stack(
     shape: tuple[int, ...],
 ) -> np.ndarray:
     """One stack's host array: adapter k's A (or B) of each target, zero where it has none and
-    past its rank. Column stacks are a [n, in, parts, R] and b [n, parts, R, out]; row
-    stacks a [n, in, R] and b [n, R, out]."""
+    past its rank. Column stacks are a [in, parts, n, R] and b [parts, n, R, out]; row
+    stacks a [in, n, R] and b [n, R, out] (`layers.lora`)."""
     stack = np.zeros(shape, np.float32)
     row = targets[0] in _ROW_TARGETS
     for k, adapter in enumerate(adapters):
@@ -246,13 +246,13 @@ def _stack(
             a, b = adapter.weights[layer, target]
             r = adapter.rank
             if row and which == "a":
-                stack[k, :, :r] = a
+                stack[:, k, :r] = a
             elif row:
                 stack[k, :r, :] = b
             elif which == "a":
-                stack[k, :, part, :r] = a
+                stack[:, part, k, :r] = a
             else:
-                stack[k, part, :r, :] = b
+                stack[part, k, :r, :] = b
     return stack
 
 
@@ -268,13 +268,16 @@ def peft_tensors(
         parts = path.split(".")
         if len(parts) != 5 or parts[0] != "layers" or tuple(parts[2:4]) not in STACKS:
             continue
-        stack = np.asarray(jax.device_get(value), np.float32)[index - 1]
+        targets = STACKS[tuple(parts[2:4])]
+        row = targets[0] in _ROW_TARGETS
+        axis = {("a", False): 2, ("b", False): 1, ("a", True): 1, ("b", True): 0}[parts[4], row]
+        stack = np.take(np.asarray(jax.device_get(value), np.float32), index - 1, axis=axis)
         module = "self_attn" if parts[2] == "attn" else "mlp"
-        for part, target in enumerate(STACKS[tuple(parts[2:4])]):
+        for part, target in enumerate(targets):
             if target not in spec.targets:
                 continue
             weight = stack
-            if target not in _ROW_TARGETS:  # a column stack: its parts on axis 1 (a) or 0 (b)
+            if not row:  # a column stack: its parts on axis 1 (a) or 0 (b)
                 weight = stack[:, part] if parts[4] == "a" else stack[part]
             if parts[4] == "a":
                 weight, kind = weight.T, "A"  # [in, r] -> [r, in]
