@@ -344,9 +344,7 @@ def run(
 ) -> list[tuple]:
     mesh = bj.make_mesh(topology)
     provider = bj.fusions.platform_fusions(topology) if fusions == "auto" else bj.fusions.NO_FUSIONS
-    options = BuildOptions(
-        dtype=jnp.bfloat16, moe_dispatch=bj.MoeDispatch.GATHER, fusions=provider
-    )
+    options = BuildOptions(dtype=jnp.bfloat16, moe_dispatch=bj.MoeDispatch.GATHER, fusions=provider)
     model = build_model(config, topology, options, mesh=mesh)
     impl = model.grouped_matmul
     runner = ShardedCausalLM(model, mesh)

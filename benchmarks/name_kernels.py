@@ -240,7 +240,7 @@ def main() -> None:
         "--per",
         type=int,
         default=1,
-        help="report per this many repeats of a call's body (e.g. decode steps x layers: per layer)",
+        help="report per this many repeats of a call's body (decode steps x layers: per layer)",
     )
     args = parser.parse_args()
     modules = read_dump(args.dump)
