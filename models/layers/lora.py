@@ -121,8 +121,9 @@ class LoraColumn(nnx.Module):
       parts: The base projection's parts, or None.
 
     The stacks are laid out so that both products read them as they lie: the shrink is one
-    matmul of the rows with A as [in, parts x adapters x rank], each part's expand one matmul
-    with its B as [adapters x rank, out] (no transposed copy of a stack per step).
+    matmul of the rows with A as [in, parts x adapters x rank], the expand one matmul batched
+    over the parts with B as [parts, adapters x rank, out] (no transposed copy of a stack per
+    step).
     """
 
     def __init__(
@@ -171,8 +172,8 @@ class LoraColumn(nnx.Module):
         mask = selection(adapters, count, x.dtype)
         shrunk = (x @ a.reshape(features, -1)).reshape(-1, parts, count, rank)
         shrunk = (shrunk * mask[:, None, :, None]).reshape(-1, parts, count * rank)
-        deltas = [shrunk[:, part] @ b[part].reshape(count * rank, -1) for part in range(parts)]
-        return deltas[0] if self.parts is None else jnp.stack(deltas, axis=1)
+        delta = jnp.einsum("tpk,pko->tpo", shrunk, b.reshape(parts, count * rank, -1))
+        return delta[:, 0] if self.parts is None else delta
 
 
 class LoraRow(nnx.Module):
