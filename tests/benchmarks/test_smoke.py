@@ -89,6 +89,7 @@ SLOW_SMOKES = {
     "moe-fp8": ("bench_moe", ("--smoke", "--fp8"), 1, {"fp8 vs XLA fp8": 1}),
     "nemotron-h": ("bench_nemotron_h", ("--smoke",), 1, {"logit err": 2, "rel err": 2}),
     "delta-rule": ("bench_delta_rule", ("--smoke",), 1, {"rel err vs lax.scan": 6}),
+    "qwen3-next": ("bench_qwen3_next", ("--smoke",), 1, {"logit err": 2}),
     "deepseek": ("bench_deepseek", ("--smoke",), 1, {"GSPMD ms": 4}),
     "gpt-oss": ("bench_gpt_oss", ("--smoke",), 1, {"GSPMD ms": 4}),
     "init": ("bench_init", ("--smoke",), 1, {"compile s": 2}),

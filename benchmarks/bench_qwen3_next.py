@@ -1,0 +1,382 @@
+"""A Qwen3-Next-80B-A3B-shaped stack of 8 layers on one GPU: prefill and decode against their
+rooflines, beside the same stack written as one `jax.jit`.
+
+Issue 45 asks, on one H200 (bf16, 8 layers in Qwen3-Next's pattern: three Gated DeltaNet layers,
+then one gated full-attention layer, each with a 512-expert top-10 MoE and a sigmoid-gated
+shared expert): prefill of 4096 tokens at >= 35% of the FLOP roofline, decode of 64 sequences
+@ 1024 at >= 60% of the HBM roofline, each at >= 1.0x the one-jit stack in the same run.
+
+The baseline is what a user writes first: the stack's layers (the project's own Gated DeltaNet,
+gated attention and MoE modules, built for one device, holding the project model's placed
+weights: the same buffers) called in order, `x + mixer(norm(x))`, `x + moe(norm(x))`, inside
+one `jax.jit` over global arrays, so XLA's GSPMD partitions it. "project / jit" isolates what
+the boundaries cost or gain. Before timing, the baseline's last-row logits are compared with the
+project's.
+
+Roofline: prefill, the stack's matmul FLOPs (each row through its top-k experts), causal
+attention and the chunked delta rule's matmuls, over dense bf16 peak (990 TFLOP/s); decode, the
+bytes one step must move (bf16 weights, of the experts only those the step's rows choose: the
+expected number of distinct experts under uniform routing; the KV cache up to each position;
+each Gated DeltaNet layer's float32 state and bf16 conv state, read and written) over HBM
+bandwidth (4.8 TB/s), as `bench_nemotron_h` counts them.
+
+Run from the repository root:
+  python3 -m benchmarks.bench_qwen3_next            # one H200
+  python3 -m benchmarks.bench_qwen3_next --smoke    # CPU: tiny shapes, every path once
+"""
+
+# ruff: noqa: B023 (each timed closure runs within its own loop iteration)
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
+
+import boundary_jax as bj
+from models.build import build_model
+from models.config import DecoderConfig, GatedDeltaNetSpec, LinearAttentionLayers, MoeConfig
+from models.families.qwen3_next import TINY, Qwen3NextForCausalLM
+from models.inputs.rows import RowsPhase, TokenRows, pack_sequences
+from models.layers.attention.self_attention import AttentionImpl
+from models.layers.mixers.gated_deltanet import GatedDeltaNet
+from models.options import BuildOptions
+from models.serving.runtime import ShardedCausalLM
+
+from .bench_delta_rule import chunked_flops
+from .bench_nemotron_h import HBM_BYTES_PER_S, PEAK_FLOPS, STEPS, to_auto
+from .common import header, median_wall_ms, print_table, profile_into, relative_error
+
+PATTERN = (True, True, True, False) * 2
+"""Gated DeltaNet (True) or full attention, per layer: Qwen3-Next's `full_attention_interval` 4."""
+
+
+def qwen3_next_80b(layers: tuple[bool, ...] = PATTERN) -> DecoderConfig:
+    """Qwen3-Next-80B-A3B's shapes (random weights, no checkpoint) with `layers`' kinds."""
+    spec = GatedDeltaNetSpec(
+        hidden_size=2048, num_k_heads=16, num_v_heads=32, k_dim=128, v_dim=128, conv_kernel=4
+    )
+    moe = MoeConfig(
+        num_experts=512,
+        top_k=10,
+        expert_intermediate_size=512,
+        renormalize=True,
+        shared_expert_intermediate_size=512,
+        shared_expert_gate=True,
+    )
+    return dataclasses.replace(
+        TINY,
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=5120,
+        num_layers=len(layers),
+        num_heads=16,
+        num_kv_heads=2,
+        head_dim=256,
+        rope_theta=10_000_000.0,
+        max_position_embeddings=8192,
+        rotary_dim=64,
+        linear_attention=LinearAttentionLayers(spec, layers),
+        moe=moe,
+    )
+
+
+def smoke(config: DecoderConfig) -> DecoderConfig:
+    """`config` at tiny widths (a CPU run of every path)."""
+    spec = GatedDeltaNetSpec(hidden_size=64, num_k_heads=4, num_v_heads=8, k_dim=8, v_dim=8)
+    moe = dataclasses.replace(
+        config.moe, num_experts=8, top_k=2, expert_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+    )  # fmt: skip
+    return dataclasses.replace(
+        TINY,
+        num_layers=config.num_layers,
+        linear_attention=LinearAttentionLayers(spec, config.linear_attention.layers),
+        moe=moe,
+    )
+
+
+# -- the one-jit baseline: the layers in order over global arrays ----------------------------
+
+
+def baseline_model(runner: ShardedCausalLM) -> Qwen3NextForCausalLM:
+    """The stack built for one device, holding the project's placed weights (`to_auto`)."""
+    config = runner.config
+    graphdef, _ = nnx.split(
+        nnx.eval_shape(
+            lambda: Qwen3NextForCausalLM(
+                config,
+                bj.Topology(),
+                BuildOptions(
+                    dtype=runner.dtype, attention=AttentionImpl.for_platform(jax.default_backend())
+                ),
+                rngs=nnx.Rngs(0),
+            )
+        )
+    )
+    return nnx.merge(graphdef, to_auto(runner.state, runner.mesh))
+
+
+def _layer(layer, x, rows: TokenRows, cache):
+    """`x + mixer(norm(x))`, then `x + ffn(norm(x))`, of one layer, without boundaries."""
+    h = layer.input_norm(x)
+    if isinstance(layer.attn, GatedDeltaNet):
+        y, cache = layer.attn(h, rows.positions, rows.segment_ids, cache, phase=rows.phase)
+    else:
+        y, cache = layer.attn(
+            h,
+            rows.positions,
+            rows.segment_ids,
+            cache,
+            phase=rows.phase,
+            max_sequence_rows=rows.max_sequence_rows,
+            window_rows=rows.window_rows,
+        )
+    x = x + y
+    h = layer.post_attn_norm(x)
+    # One program over the whole model (Topology()): every replicated part added once.
+    return x + layer.mlp(h, defer=False, counts=lambda name: True), cache
+
+
+def _hidden(model, rows: TokenRows, caches):
+    x = model.embed(rows.ids)
+    updated = []
+    for layer, cache in zip(model.layers, caches, strict=True):
+        x, cache = _layer(layer, x, rows, cache)
+        updated.append(cache)
+    return model.final_norm(x), tuple(updated)
+
+
+def make_baseline(graphdef):
+    """(last-row logits, prefill, decode) of the baseline, jitted; caches are donated."""
+
+    def logits(state, rows, last_rows, caches):
+        model = nnx.merge(graphdef, state)
+        hidden, _ = _hidden(model, rows, caches)
+        return model.lm_head(hidden[last_rows]).astype(jnp.float32)
+
+    def prefill(state, rows, last_rows, caches):
+        model = nnx.merge(graphdef, state)
+        hidden, caches = _hidden(model, rows, caches)
+        return model.lm_head.greedy(hidden[last_rows]), caches
+
+    def decode(state, rows, caches, steps):
+        model = nnx.merge(graphdef, state)
+
+        def step(_, carry):
+            ids, positions, caches = carry
+            now = TokenRows(ids, positions, rows.segment_ids, RowsPhase.DECODE)
+            hidden, caches = _hidden(model, now, caches)
+            return model.lm_head.greedy(hidden), positions + 1, caches
+
+        ids, _, caches = lax.fori_loop(0, steps, step, (rows.ids, rows.positions, caches))
+        return ids, caches
+
+    return (
+        jax.jit(logits),
+        jax.jit(prefill, donate_argnums=3),
+        jax.jit(decode, static_argnums=3, donate_argnums=2),
+    )
+
+
+# -- the rooflines ---------------------------------------------------------------------------
+
+
+def _mixer_weights(config: DecoderConfig, linear: bool) -> int:
+    """Matmul weights of one layer's token mixer (elements)."""
+    h = config.hidden_size
+    if linear:
+        s = config.linear_attention.spec
+        key, value = s.num_k_heads * s.k_dim, s.num_v_heads * s.v_dim
+        return h * (2 * key + 2 * value + 2 * s.num_v_heads) + value * h
+    heads, kv, d = config.num_heads, config.num_kv_heads, config.head_dim
+    return h * d * (2 * heads + 2 * kv) + heads * d * h  # q and its gate, k, v; o
+
+
+def _expert_weights(config: DecoderConfig) -> int:
+    return 3 * config.hidden_size * config.moe.expert_intermediate_size
+
+
+def _shared_weights(config: DecoderConfig) -> int:
+    moe = config.moe
+    return 3 * config.hidden_size * moe.shared_expert_intermediate_size + config.hidden_size
+
+
+def prefill_flops(config: DecoderConfig, lengths: tuple[int, ...]) -> float:
+    """Matmul, causal attention and chunked delta-rule FLOPs of a prefill of packed `lengths`
+    (each row through its top-k experts; the LM head on each sequence's last row)."""
+    h, tokens, moe = config.hidden_size, sum(lengths), config.moe
+    total = 2 * len(lengths) * h * config.vocab_size
+    ffn = moe.num_experts * h + moe.top_k * _expert_weights(config) + _shared_weights(config)
+    for linear in config.linear_attention.layers:
+        total += 2 * tokens * (_mixer_weights(config, linear) + ffn)
+        if linear:
+            s = config.linear_attention.spec
+            total += chunked_flops(tokens, s.chunk_size, s.num_v_heads, s.k_dim, s.v_dim)
+        else:
+            d, heads = config.head_dim, config.num_heads
+            total += 2 * 2 * heads * d * sum(n * (n + 1) / 2 for n in lengths)
+    return total
+
+
+def decode_bytes(config: DecoderConfig, sequences: int, context: float) -> float:
+    """Bytes one decode step must move: bf16 weights (of the experts, the expected number of
+    distinct ones `sequences` rows choose under uniform routing), each sequence's KV cache up to
+    `context`, each Gated DeltaNet layer's float32 state and bf16 conv state, read and written."""
+    h, moe = config.hidden_size, config.moe
+    chosen = moe.num_experts * (1 - (1 - moe.top_k / moe.num_experts) ** sequences)
+    ffn = moe.num_experts * h + chosen * _expert_weights(config) + _shared_weights(config)
+    weights = h * config.vocab_size + h
+    state = 0.0
+    for linear in config.linear_attention.layers:
+        weights += 2 * h + _mixer_weights(config, linear) + ffn
+        if linear:
+            s = config.linear_attention.spec
+            channels = 2 * s.num_k_heads * s.k_dim + s.num_v_heads * s.v_dim
+            delta = s.num_v_heads * s.k_dim * s.v_dim * 4
+            conv = (s.conv_kernel - 1) * channels * 2
+            state += 2 * sequences * (delta + conv)
+        else:
+            state += sequences * context * 2 * config.num_kv_heads * config.head_dim * 2
+    return 2 * weights + state
+
+
+# -- timing ----------------------------------------------------------------------------------
+
+
+def _decode_rows(runner: ShardedCausalLM, sequences: int, start: int):
+    ids = np.zeros(sequences, np.int32)
+    positions = np.full(sequences, start, np.int32)
+    segments = np.arange(sequences, dtype=np.int32)
+    rows = TokenRows(*(runner.place_array(a) for a in (ids, positions, segments)), RowsPhase.DECODE)
+    return rows, runner.place_batch(np.full(1, sequences, np.int32))
+
+
+def run(config: DecoderConfig, sequences: int, length: int, decoding: int, cache_len: int):
+    """The prefill and decode rows of the table: (case, project ms, jit ms, ratio, roofline)."""
+    topology = bj.Topology()
+    mesh = bj.make_mesh(topology)
+    attention = AttentionImpl.for_platform(jax.default_backend())
+    model = build_model(
+        config, topology, BuildOptions(dtype=jnp.bfloat16, attention=attention), mesh=mesh
+    )
+    runner = ShardedCausalLM(model, mesh)
+    del model
+    baseline = baseline_model(runner)
+    graphdef, state = nnx.split(baseline)
+    logits_of, prefill, decode = make_baseline(graphdef)
+    key = jax.device_put(jax.random.key(0), NamedSharding(mesh, PartitionSpec()))
+    rng = np.random.default_rng(0)
+    results = []
+
+    prompts = list(rng.integers(0, config.vocab_size, (sequences, length)).astype(np.int32))
+    packed = pack_sequences(prompts, topology, max_sequence_rows=length)
+    rows, batch = runner.place(packed)
+    last_rows = runner.place_array(packed.last_row_index())
+    last = packed.last_row_index()[packed.slot_order()]
+    want = np.asarray(runner.forward_placed(rows, batch))[last]
+    slots = packed.decode_rows_per_rank
+
+    def baseline_caches(slots, max_len):
+        caches = baseline.new_caches(slots=slots, max_len=max_len, dtype=runner.dtype, mesh=mesh)
+        return to_auto(caches, mesh)
+
+    rows_, last_ = to_auto((rows, runner.place_array(last)), mesh)
+    got = logits_of(state, rows_, last_, baseline_caches(slots, length))
+    error = relative_error(got, want)
+    caches = [runner.new_caches(slots, length)]
+
+    def project_prefill():
+        tokens, caches[0] = runner.prefill(rows, batch, caches[0], last_rows, key)
+        return tokens
+
+    project_ms = median_wall_ms(project_prefill, label="project prefill")
+    del caches[0]
+    holder = [baseline_caches(slots, length)]
+
+    def baseline_prefill():
+        tokens, holder[0] = prefill(state, rows_, last_, holder[0])
+        return tokens
+
+    jit_ms = median_wall_ms(baseline_prefill, label="one-jit prefill")
+    del holder[0]
+    roof = prefill_flops(config, (length,) * sequences) / PEAK_FLOPS * 1e3
+    results.append(
+        (
+            f"prefill {sequences} x {length}",
+            project_ms,
+            jit_ms,
+            jit_ms / project_ms,
+            f"{100 * roof / project_ms:.0f}% FLOP",
+            f"{error:.1e}",
+        )
+    )
+    print(results[-1], flush=True)
+
+    start = cache_len - STEPS - 1
+    rows, batch = _decode_rows(runner, decoding, start)
+    caches = [runner.new_caches(decoding, cache_len)]
+
+    def project_decode():
+        out, caches[0] = runner.decode(rows, batch, caches[0], key, STEPS, capacity=STEPS)
+        return out
+
+    project_ms = median_wall_ms(project_decode, 5, label="project decode") / STEPS
+    del caches[0]
+    holder = [baseline_caches(decoding, cache_len)]
+    rows_ = to_auto(rows, mesh)
+
+    def baseline_decode():
+        out, holder[0] = decode(state, rows_, holder[0], STEPS)
+        return out
+
+    jit_ms = median_wall_ms(baseline_decode, 5, label="one-jit decode") / STEPS
+    del holder[0]
+    roof = decode_bytes(config, decoding, start + STEPS / 2) / HBM_BYTES_PER_S * 1e3
+    results.append(
+        (
+            f"decode {decoding} @ {cache_len}",
+            project_ms,
+            jit_ms,
+            jit_ms / project_ms,
+            f"{100 * roof / project_ms:.0f}% HBM",
+            "-",
+        )
+    )
+    print(results[-1], flush=True)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check)")
+    parser.add_argument("--profile", default=None, help="trace each case here, print kernels")
+    parser.add_argument("--sequences", type=int, default=1, help="prefill sequences")
+    parser.add_argument("--length", type=int, default=4096, help="tokens per prefill sequence")
+    args = parser.parse_args()
+    if args.profile:
+        profile_into(args.profile)
+    config = qwen3_next_80b()
+    sequences, length, decoding, cache_len = args.sequences, args.length, 64, 1024
+    if args.smoke:
+        config = smoke(config)
+        sequences, length, decoding, cache_len = 2, 64, 8, 128
+    print(header(f"bench_qwen3_next: {config.num_layers} layers, bf16, one device"))
+    results = run(config, sequences, length, decoding, cache_len)
+    print(
+        f"\n## Qwen3-Next-80B-A3B shape, {config.num_layers} layers (DeltaNet x 3, attention) "
+        "x 2, bf16: project vs one jit (ms; ratio = speedup)"
+    )
+    print_table(
+        ("case", "project ms", "one-jit ms", "vs jit", "project roofline", "logit err"), results
+    )
+
+
+if __name__ == "__main__":
+    main()
