@@ -65,6 +65,7 @@ from .common import (
     PEAK_FLOPS,
     SMOKE_CASES,
     Cases,
+    decode_ids,
     decode_inputs,
     header,
     kernel_ms,
@@ -267,7 +268,7 @@ def run_config(
             return median_wall_ms(project_decode, cases.decode_repeats) / steps
 
         times["project"] = ms_or_oom(project_decode_ms)
-        tokens = jax.device_put(np.zeros(sequences, np.int32), replicated)
+        tokens = jax.device_put(decode_ids(config.vocab_size, sequences), replicated)
         positions = jax.device_put(np.full(sequences, start, np.int32), replicated)
         for name, (_, _, decode) in baselines.items():
 

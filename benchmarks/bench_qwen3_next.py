@@ -51,7 +51,14 @@ from models.serving.runtime import ShardedCausalLM
 
 from .bench_delta_rule import chunked_flops
 from .bench_nemotron_h import HBM_BYTES_PER_S, PEAK_FLOPS, STEPS, to_auto
-from .common import header, median_wall_ms, print_table, profile_into, relative_error
+from .common import (
+    decode_ids,
+    header,
+    median_wall_ms,
+    print_table,
+    profile_into,
+    relative_error,
+)
 
 PATTERN = (True, True, True, False) * 2
 """Gated DeltaNet (True) or full attention, per layer: Qwen3-Next's `full_attention_interval` 4."""
@@ -251,7 +258,7 @@ def decode_bytes(config: DecoderConfig, sequences: int, context: float) -> float
 
 
 def _decode_rows(runner: ShardedCausalLM, sequences: int, start: int):
-    ids = np.zeros(sequences, np.int32)
+    ids = decode_ids(runner.config.vocab_size, sequences)
     positions = np.full(sequences, start, np.int32)
     segments = np.arange(sequences, dtype=np.int32)
     rows = TokenRows(*(runner.place_array(a) for a in (ids, positions, segments)), RowsPhase.DECODE)

@@ -146,10 +146,18 @@ def prefill_flops_per_gpu(config: DecoderConfig, tp: int, sequences: int, length
     return (matmul + causal * config.num_layers + head) / tp
 
 
+def decode_ids(vocab_size: int, sequences: int) -> np.ndarray:
+    """Each decode row's token: random and fixed (a seed), so that rows differ. Rows alike
+    would all choose the same experts and a MoE step would read a few experts' weights, not the
+    ones a real batch reaches."""
+    return np.random.default_rng(7).integers(0, vocab_size, sequences).astype(np.int32)
+
+
 def decode_inputs(runner: ShardedCausalLM, sequences: int, start: int):
-    """Placed DECODE rows: `sequences` slots at position `start`, and their batch facts."""
+    """Placed DECODE rows: `sequences` slots at position `start` (tokens `decode_ids`), and
+    their batch facts."""
     slots = sequences // runner.topology.attn_dp
-    ids = np.zeros(sequences, np.int32)
+    ids = decode_ids(runner.config.vocab_size, sequences)
     positions = np.full(sequences, start, np.int32)
     segments = np.tile(np.arange(slots, dtype=np.int32), runner.topology.attn_dp)
     rows = TokenRows(

@@ -28,7 +28,7 @@ from models.layers.attention.kv_cache import KVCache
 from models.layers.attention.rope import apply_rope, rope_inv_freq
 from models.serving.runtime import ShardedCausalLM
 
-from .common import attention_kernel, decode_inputs, paired_wall_ms, relative_error
+from .common import attention_kernel, decode_ids, decode_inputs, paired_wall_ms, relative_error
 
 # -- the project's placed state, seen by a GSPMD program ------------------------------------
 
@@ -412,7 +412,7 @@ def _time_decode(runner, baseline, sequences, start, replicated, key, shape, rep
     cache, steps = shape
     rows, batch = decode_inputs(runner, sequences, start)
     holder = [runner.new_caches(sequences, cache), baseline.zero_caches(sequences, cache)]
-    tokens = jax.device_put(np.zeros(sequences, np.int32), replicated)
+    tokens = jax.device_put(decode_ids(runner.config.vocab_size, sequences), replicated)
     positions = jax.device_put(np.full(sequences, start, np.int32), replicated)
 
     def project():
