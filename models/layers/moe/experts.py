@@ -80,26 +80,17 @@ class ExpertBiases:
 
 CAPACITY_FACTORS = (1.25, 1.5)
 """`PADDED_BATCHED`'s capacities as multiples of the even share, smallest first."""
-SMALL_GROUP_FACTORS = (2.0, 3.0)
-"""The capacities `GPU_BY_SIZE` adds where the even share is under `SMALL_GROUP_ROWS`: its
-fallback, the Hopper kernel, then runs tiles of mostly empty rows (Qwen3-Next's 512 experts at
-80 rows each: 4.4 ms a projection against the matmul's 0.3 ms of FLOPs, `benchmarks/RESULTS.md`
-run 35), so padding to 3x the share is still the faster way."""
-SMALL_GROUP_ROWS = 128
-"""The Hopper kernel's row tile (`tuned_block_sizes`): a smaller even share fills few of it."""
 
 
-def capacity_buckets(
-    even_share: float, rows: int, factors: tuple[float, ...] = CAPACITY_FACTORS
-) -> tuple[int, ...]:
+def capacity_buckets(even_share: float, rows: int) -> tuple[int, ...]:
     """The static per-expert capacities `PADDED_BATCHED` picks from, smallest first.
 
-    Each is a `factors` multiple of `even_share` (the rows each local expert gets when the
-    routing is even) rounded up to a multiple of 64 rows (of 8 below 64, for small models), and
-    at most `rows` (the routed rows in all, which no expert can exceed).
+    Each is a `CAPACITY_FACTORS` multiple of `even_share` (the rows each local expert gets when
+    the routing is even) rounded up to a multiple of 64 rows (of 8 below 64, for small models),
+    and at most `rows` (the routed rows in all, which no expert can exceed).
     """
     buckets = []
-    for factor in factors:
+    for factor in CAPACITY_FACTORS:
         want = max(1.0, factor * even_share)
         step = 64 if want > 64 else 8
         buckets.append(min(rows, step * int(np.ceil(want / step))))
@@ -232,10 +223,7 @@ def _routed_outputs(
     if impl is not GroupedMatmulImpl.PADDED_BATCHED:
         return grouped()
     share = tokens * top_k / local if even_share is None else even_share
-    factors = CAPACITY_FACTORS
-    if fallback is GroupedMatmulImpl.GPU_BY_SIZE and share < SMALL_GROUP_ROWS:
-        factors += SMALL_GROUP_FACTORS
-    buckets = capacity_buckets(share, tokens * top_k, factors)
+    buckets = capacity_buckets(share, tokens * top_k)
     branches = [functools.partial(padded, capacity) for capacity in buckets]
     # The first bucket that holds the busiest expert; past the last, the grouped matmuls.
     pick = jnp.sum(jnp.asarray(buckets, jnp.int32) < jnp.max(sorted_rows.sizes))

@@ -306,9 +306,9 @@ def test_padded_batched_experts_match_float64_reference(monkeypatch, dp, tp, ep,
     )
     shares = []
 
-    def buckets(share, rows, factors):
+    def buckets(share, rows):
         shares.append(share)
-        return real_buckets(share, rows, factors)
+        return real_buckets(share, rows)
 
     monkeypatch.setattr(routed_experts, "capacity_buckets", buckets)
     monkeypatch.setattr(

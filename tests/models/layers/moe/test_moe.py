@@ -435,9 +435,6 @@ def test_capacity_buckets():
     assert routed_experts.capacity_buckets(6, 48) == (8, 16)
     assert routed_experts.capacity_buckets(24, 30) == (30,)
     assert routed_experts.capacity_buckets(0.25, 48) == (8,)
-    # Qwen3-Next's 512 experts at 4096 tokens, top 10: GPU_BY_SIZE's small-group buckets.
-    factors = routed_experts.CAPACITY_FACTORS + routed_experts.SMALL_GROUP_FACTORS
-    assert routed_experts.capacity_buckets(80, 40960, factors) == (128, 192, 256)
 
 
 def skewed_routing(busiest_load: int, tokens: int = TOKENS, experts: int = 8):
@@ -596,38 +593,3 @@ def test_gpu_by_size_prefill_matches_ragged_dot(skewed):  # pragma: no cover - G
         for impl in (GroupedMatmulImpl.RAGGED_DOT, GroupedMatmulImpl.GPU_BY_SIZE)
     ]
     chex.assert_trees_all_close(*(o.astype(jnp.float32) for o in outs), atol=5e-2)
-
-
-def test_gpu_by_size_pads_small_groups_up_to_three_times_their_share(monkeypatch):
-    """Where the even share is under the Hopper kernel's 128-row tile, GPU_BY_SIZE's padded
-    batched matmuls also take 2x and 3x the share before the Hopper kernel."""
-    ran = []
-
-    def hopper(rows, weights, group_sizes, *, tiling):
-        ran.append("hopper")
-        return grouped_matmul_reference(rows, weights, group_sizes)
-
-    padded = routed_experts.padded_expert_outputs
-
-    def record_padded(x, rows, weights, capacity, *rest):
-        ran.append(f"padded {capacity}")
-        return padded(x, rows, weights, capacity, *rest)
-
-    monkeypatch.setattr(grouped_matmul_ops, "hopper_ragged_dot", hopper)
-    monkeypatch.setattr(grouped_matmul_ops, "HOPPER_AVAILABLE", True)
-    monkeypatch.setattr(routed_experts, "padded_expert_outputs", record_padded)
-    rng = np.random.default_rng(0)
-    experts, tokens = 32, TRITON_MAX_ROUTED_ROWS // 2 + 4  # top-2: an even share of 64.25
-    gate_up = jnp.asarray(rng.standard_normal((experts, 64, 2, 32)) / 8, jnp.bfloat16)
-    down = jnp.asarray(rng.standard_normal((experts, 32, 64)) / 6, jnp.bfloat16)
-    x = jnp.asarray(rng.standard_normal((tokens, 64)), jnp.bfloat16)
-    chosen = np.stack([rng.permutation(experts)[:2] for _ in range(tokens)]).astype(np.int32)
-    routing = Routing(jnp.full((tokens, 2), 0.5), jnp.asarray(chosen))
-    got = routed_experts.expert_outputs(
-        x, routing, gate_up, down, impl=GroupedMatmulImpl.GPU_BY_SIZE
-    )
-    want = routed_experts.expert_outputs(
-        x, routing, gate_up, down, impl=GroupedMatmulImpl.RAGGED_DOT
-    )
-    chex.assert_trees_all_close(got.astype(jnp.float32), want.astype(jnp.float32), atol=5e-2)
-    assert ran == ["padded 128", "padded 192", "padded 256", "hopper", "hopper"]
