@@ -89,10 +89,12 @@ HYBRID_LAYOUTS = tuple(
 ) + (
     Layout("TP 8, EP 8 gather", 1, 8, moe_ep=8, moe_dispatch=GATHER),
     Layout("attention DP 2 x TP 4, EP 2 gather", 2, 4, moe_ep=2, moe_dispatch=GATHER),
+    Layout("attention DP 2 x TP 4, EP 8 all-to-all", 2, 4, moe_ep=8, moe_dispatch=ALL_TO_ALL),
 )
-"""The hybrid model's layouts: its mixers do not gather their input, so neither input-scattered
-rows nor an FFN on its own rows (attention DP 8's dense FFN, an all-to-all MoE) can precede
-one; its MoE layers run on gathered rows, their experts whole or split over EP."""
+"""The hybrid model's layouts: its MoE layers on gathered rows, their experts whole or split
+over EP, or sent all-to-all (the mixers then gather their input back over attention TP).
+Under the gather dispatch its mixers read their own rows, so neither input-scattered rows nor
+a fully data-parallel dense FFN (attention DP 8) precede one."""
 MLA_LAYOUTS = (
     Layout("TP 8", 1, 8, moe_dispatch=GATHER),
     Layout("attention DP 2 x TP 4, dense FFN DP", 2, 4, moe_dispatch=GATHER, dense_ffn_dp=True),

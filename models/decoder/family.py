@@ -31,7 +31,6 @@ class FamilyBase:
       cp_attention_modes: It takes `BuildOptions.cp_attention` other than the all-gather.
       hyper_connections: It builds with MHC hyper-connections.
       dense_ffn_dp: It takes `BuildOptions.dense_ffn_dp`.
-      moe_dispatches: The MoE dispatches it builds.
       captures_hidden_states: Its layers capture the residual entering them
         (`models.decoder.captures`).
       pipeline_stages: It builds as pipeline stages (a share of its layers each, each stage
@@ -48,7 +47,6 @@ class FamilyBase:
     cp_attention_modes: ClassVar[bool] = True
     hyper_connections: ClassVar[bool] = True
     dense_ffn_dp: ClassVar[bool] = False
-    moe_dispatches: ClassVar[frozenset[bj.MoeDispatch]] = frozenset(bj.MoeDispatch)
     captures_hidden_states: ClassVar[bool] = True
     pipeline_stages: ClassVar[bool] = True
     lora: ClassVar[bool] = False
@@ -179,9 +177,3 @@ class FamilyBase:
                     "options unset"
                 )
             return
-        dispatch = options.moe_dispatch or bj.MoeDispatch.GATHER
-        if dispatch not in cls.moe_dispatches:
-            raise NotImplementedError(
-                f"{name}'s MoE layers run on gathered rows (MoeDispatch.GATHER); got {dispatch}. "
-                "Its mixers do not gather their input, so no FFN on its own rows can precede one"
-            )

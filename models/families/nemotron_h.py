@@ -277,13 +277,21 @@ Cache = KVCache | Mamba2Cache | None
 
 
 def hybrid_stage(
-    layer: HybridLayer, replicated: tuple[bj.declare.Replicated, ...] = ()
+    layer: HybridLayer,
+    replicated: tuple[bj.declare.Replicated, ...] = (),
+    dispatch: bj.MoeDispatch = bj.MoeDispatch.GATHER,
 ) -> bj.StageDeclaration:
     """The one stage a hybrid layer declares (fresh, for `append_stages`), with its MoE's
-    replicated parts (`models.layers.moe.ffn.replicated_parts`)."""
+    replicated parts (`models.layers.moe.ffn.replicated_parts`), under the model's MoE
+    dispatch (every stage of the stack: a mixer behind an all-to-all MoE gathers its input)."""
     if layer.is_mixer:
-        return bj.declare_mixer()
-    return bj.declare_ffn(sparse=layer is HybridLayer.MOE, replicated=replicated)
+        # A mixer computes on complete rows, as attention does. Behind an all-to-all MoE (an
+        # FFN on its own rows) its boundary gathers that input from the MoE's row slices; with
+        # gathered MoE rows nothing precedes it on slices, and it declares no gather.
+        return bj.declare_mixer(gathers_attn_tp_input=dispatch is bj.MoeDispatch.ALL_TO_ALL)
+    if layer is HybridLayer.MOE:
+        return bj.declare_ffn(sparse=True, moe_dispatch=dispatch, replicated=replicated)
+    return bj.declare_ffn()
 
 
 class SingleStageLayer(nnx.Module):
@@ -343,8 +351,8 @@ class NemotronHForCausalLM(MoeCausalLM):
     Built as every decoder here (`CausalLM`: the vocab-parallel embedding owes its attention-TP
     sum to the first stage, the stack leaves through `final_norm`, HF `norm_f`); the MoE layers'
     experts split over `topology.moe_ep` on gathered rows. Not supported: scanned layers,
-    hyper-connections, captures of hidden states, and the all-to-all dispatch (the mixers do not
-    gather their input, so no FFN on its own rows can precede one).
+    hyper-connections and captures of hidden states. Under the all-to-all dispatch each MoE
+    layer takes its own rows, and the mixer after it gathers them back over attention TP.
     """
 
     architectures = (ARCHITECTURE,)
@@ -395,13 +403,6 @@ class NemotronHForCausalLM(MoeCausalLM):
             raise NotImplementedError(
                 "Nemotron-H with MHC hyper-connections is not supported; build it without"
             )
-        dispatch = options.moe_dispatch or bj.MoeDispatch.GATHER
-        if dispatch is not bj.MoeDispatch.GATHER:
-            raise NotImplementedError(
-                f"Nemotron-H's MoE layers run on gathered rows (MoeDispatch.GATHER); got "
-                f"{dispatch}. Its mixers do not gather their input, so no FFN on its own rows "
-                "can precede one"
-            )
         if config.hybrid.moe is None and topology.moe_ep != 1:
             raise ValueError(
                 f"the hybrid pattern {config.hybrid.pattern!r} has no MoE layer; got "
@@ -419,7 +420,7 @@ class NemotronHForCausalLM(MoeCausalLM):
         parts = ()
         if kind is HybridLayer.MOE:
             parts = replicated_parts(self.experts(), self.topology, self.moe_dispatch)
-        return (hybrid_stage(kind, parts),)
+        return (hybrid_stage(kind, parts, self.moe_dispatch),)
 
     def experts(self) -> MoeConfig:
         """The MoE layers' experts: DeepSeek's sigmoid routing over groups, a shared expert."""

@@ -56,7 +56,7 @@ def _launch(monkeypatch, processes: int, layout: str, out: pathlib.Path, **optio
 @pytest.mark.parametrize(
     "processes,layout,share",
     [
-        pytest.param(2, "twisted", 0.55, id="2-processes-tp-and-pp-across"),
+        pytest.param(2, "twisted", 0.55, id="2-processes-tp-and-pp-across", marks=pytest.mark.slow),
         pytest.param(
             4, "stages", 0.4, id="4-processes-tp-within-pp-across", marks=pytest.mark.slow
         ),

@@ -137,7 +137,7 @@ def relative(got: np.ndarray, want: np.ndarray) -> float:
 CASES = [
     pytest.param(1, 4, 1, R, id="cp4-ring", marks=pytest.mark.slow),
     pytest.param(1, 2, 2, G, id="cp2-tp2-all_gather"),
-    pytest.param(2, 2, 1, R, id="dp2-cp2-ring"),
+    pytest.param(2, 2, 1, R, id="dp2-cp2-ring", marks=pytest.mark.slow),
     pytest.param(1, 2, 1, G, id="cp2-all_gather", marks=pytest.mark.slow),
     pytest.param(1, 2, 1, R, id="cp2-ring", marks=pytest.mark.slow),
     pytest.param(1, 4, 1, G, id="cp4-all_gather", marks=pytest.mark.slow),

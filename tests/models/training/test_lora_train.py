@@ -36,6 +36,7 @@ def stepped(dp: int, tp: int) -> Trainer:
     return trainer
 
 
+@pytest.mark.slow
 def test_lora_step_trains_the_stacks_only_and_equals_one_device():
     """The optimizer holds the adapter stacks alone; one step on DP 2 x TP 2 gives one device's
     loss, gradient norm and updated A and B; the base parameters are untouched."""

@@ -274,6 +274,7 @@ def test_fp8_checkpoint_layout(root):
     assert not any(name.startswith("model.layers.0.mlp.gate.weight_") for name in layout)
 
 
+@pytest.mark.slow
 def test_random_fp8_weights_are_drawn_from_the_abstract_state():
     """build_model draws FP8 values and their block scales through the one initializer: the
     same on a mesh as without one, the scales varying by block, and a DEQUANTIZED model of the
