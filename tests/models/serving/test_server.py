@@ -30,6 +30,9 @@ from models.serving.scheduler import Finish, Request
 from models.serving.server import Server
 from models.serving.text import eos_token_ids, text_codec
 
+HTTP = httpx.Client(timeout=120)
+"""The tests' HTTP client: a first request may wait for a compile, past httpx's 5 s default."""
+
 TEXT = pathlib.Path(__file__).parents[2] / "golden" / "text"
 ROOT = pathlib.Path(__file__).parents[3]
 MODEL = "tiny"
@@ -87,7 +90,7 @@ class Served:
         return self.codec.decode([t for t in ids if t not in self.eos])
 
     def metric(self, name: str) -> float:
-        lines = httpx.get(f"{self.url}/metrics").text.splitlines()
+        lines = HTTP.get(f"{self.url}/metrics").text.splitlines()
         return float(next(line.split()[1] for line in lines if line.startswith(name + " ")))
 
     def close(self):
@@ -146,7 +149,7 @@ def test_raw_http_token_ids_logprobs_stream_and_chat(served):
     want = served.expected(ids, 6)
     body = {"model": MODEL, "prompt": ids, "max_tokens": 6, "temperature": 0, "logprobs": 5}
     events = []
-    with httpx.stream("POST", f"{served.url}/v1/completions", json={**body, "stream": True}) as r:
+    with HTTP.stream("POST", f"{served.url}/v1/completions", json={**body, "stream": True}) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():
             if line.startswith("data: "):
@@ -161,19 +164,19 @@ def test_raw_http_token_ids_logprobs_stream_and_chat(served):
         for top in c["choices"][0]["logprobs"]["top_logprobs"]
     ]
     assert len(tops) == len(want) and all(len(top) == 5 for top in tops)
-    whole = httpx.post(f"{served.url}/v1/completions", json=body).json()
+    whole = HTTP.post(f"{served.url}/v1/completions", json=body).json()
     logprobs = whole["choices"][0]["logprobs"]
     assert logprobs["token_logprobs"][0] == pytest.approx(max(logprobs["top_logprobs"][0].values()))
     messages = [{"role": "user", "content": "a quiet wind"}]
-    chat = httpx.post(
+    chat = HTTP.post(
         f"{served.url}/v1/chat/completions",
         json={"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0},
     ).json()
     want = served.expected(served.codec.encode_messages(messages), 8)
     assert chat["choices"][0]["message"] == {"role": "assistant", "content": served.text(want)}
     assert chat["usage"]["completion_tokens"] == len(want)
-    assert httpx.get(f"{served.url}/v1/models").json()["data"][0]["id"] == MODEL
-    assert httpx.get(f"{served.url}/health").json() == {"status": "ok"}
+    assert HTTP.get(f"{served.url}/v1/models").json()["data"][0]["id"] == MODEL
+    assert HTTP.get(f"{served.url}/health").json() == {"status": "ok"}
 
 
 def test_sampling_n_seed_and_stops(served):
@@ -196,7 +199,7 @@ def test_sampling_n_seed_and_stops(served):
     assert cut.choices[0].text == full[: full.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
     ids = served.expected(served.codec.encode("the market"), 10)
-    by_id = httpx.post(
+    by_id = HTTP.post(
         f"{served.url}/v1/completions",
         json={
             "model": MODEL,
@@ -216,7 +219,7 @@ def test_shared_prefix_reuses_pages_with_unchanged_outputs(served):
     before = served.metric("boundary_jax_prefix_reused_blocks_total")
     for tail in ("opened", "ran over", "roofs"):
         prompt = f"{system} {tail}"
-        answer = httpx.post(
+        answer = HTTP.post(
             f"{served.url}/v1/completions",
             json={"model": MODEL, "prompt": prompt, "max_tokens": 5, "temperature": 0},
         ).json()
@@ -277,13 +280,13 @@ def test_malformed_requests_get_400_and_good_ones_answers(served):
             assert error["param"] == param, (BAD[index // 2], error)
         else:
             assert answer.status_code == 200 and answer.json()["choices"][0]["text"] is not None
-    missing = httpx.post(f"{served.url}/v1/nothing", json={})
+    missing = HTTP.post(f"{served.url}/v1/nothing", json={})
     assert missing.status_code == 404 and "error" in missing.json()
 
 
 def test_request_that_cannot_fit_the_cache_is_refused(served):
     """Within the context but more pages than a rank holds: 400 at once, not a hung request."""
-    answer = httpx.post(
+    answer = HTTP.post(
         f"{served.url}/v1/completions",
         json={"model": MODEL, "prompt": "a b", "max_tokens": 110, "temperature": 0},
     )
@@ -297,7 +300,7 @@ def test_disconnect_mid_stream_frees_its_pages(served):
     body = {"model": MODEL, "prompt": "the", "max_tokens": 90, "temperature": 0}
     body.update(stream=True, ignore_eos=True)
     generated = served.metric("boundary_jax_generated_tokens_total")
-    with httpx.stream("POST", f"{served.url}/v1/completions", json=body) as answer:
+    with HTTP.stream("POST", f"{served.url}/v1/completions", json=body) as answer:
         next(answer.iter_lines())
     deadline = time.monotonic() + 30
     while not served.engine.scheduler.idle and time.monotonic() < deadline:
@@ -343,14 +346,14 @@ def test_sigterm_finishes_running_requests_and_exits_0(tmp_path):
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             try:
-                if httpx.get(f"{url}/health").status_code == 200:
+                if HTTP.get(f"{url}/health").status_code == 200:
                     break
             except httpx.TransportError:
                 time.sleep(0.2)
         body = {"model": MODEL, "prompt": "the market", "max_tokens": 40, "temperature": 0}
         body.update(stream=True, ignore_eos=True)
         pieces = []
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as answer:
+        with HTTP.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as answer:
             lines = answer.iter_lines()
             for line in lines:
                 if line.startswith("data: {"):
@@ -419,8 +422,8 @@ def test_a_handler_that_fails_answers_500_and_the_server_goes_on(served, monkeyp
     body = {"model": MODEL, "prompt": "a", "max_tokens": 2, "temperature": 0}
     with monkeypatch.context() as patch:
         patch.setattr(server_module, "parse_request", broken)
-        failed = httpx.post(f"{served.url}/v1/completions", json=body)
+        failed = HTTP.post(f"{served.url}/v1/completions", json=body)
     assert failed.status_code == 500
     assert failed.json()["error"]["type"] == "server_error"
     assert "tokenizer crashed" in failed.json()["error"]["message"]
-    assert httpx.post(f"{served.url}/v1/completions", json=body).status_code == 200
+    assert HTTP.post(f"{served.url}/v1/completions", json=body).status_code == 200

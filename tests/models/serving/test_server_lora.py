@@ -23,6 +23,9 @@ from models.serving.runtime import ShardedCausalLM
 from models.serving.server import Server
 from models.serving.text import eos_token_ids
 
+HTTP = httpx.Client(timeout=120)
+"""The tests' HTTP client: a first request may wait for a compile, past httpx's 5 s default."""
+
 GOLDEN = pathlib.Path(__file__).parents[2] / "golden"
 CHECKPOINT = GOLDEN / "qwen3"
 ADAPTERS = {name: GOLDEN / "lora" / "qwen3" / name for name in ("a1", "a2")}
@@ -82,10 +85,10 @@ class Served:
 
     def ask(self, ids: list[int], max_tokens: int, adapter: str | None) -> httpx.Response:
         body = {"model": adapter or MODEL, "prompt": ids, "max_tokens": max_tokens}
-        return httpx.post(f"{self.url}/v1/completions", json={**body, "temperature": 0})
+        return HTTP.post(f"{self.url}/v1/completions", json={**body, "temperature": 0})
 
     def metric(self, name: str) -> float:
-        lines = httpx.get(f"{self.url}/metrics").text.splitlines()
+        lines = HTTP.get(f"{self.url}/metrics").text.splitlines()
         return float(next(line.split()[1] for line in lines if line.startswith(name + " ")))
 
     def close(self):
@@ -106,7 +109,7 @@ def test_a_concurrent_batch_of_adapters_equals_generate_alone(served):
     adapter's `generate` alone (prefill chunks and decode rows through the request's adapter)."""
     prompts = [[208, 69, 209, 135, 76, 8, 40], [160, 183, 69, 46, 134, 176, 223, 194, 157, 4]]
     cases = [(ids, adapter) for ids in prompts for adapter in ("a1", "a2", None)]
-    models = httpx.get(f"{served.url}/v1/models").json()["data"]
+    models = HTTP.get(f"{served.url}/v1/models").json()["data"]
     assert [entry["id"] for entry in models] == [MODEL, "a1", "a2"]
 
     async def ask_all() -> list[dict]:
