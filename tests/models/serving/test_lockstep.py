@@ -2,20 +2,34 @@
 encoding and JAX's broadcast, and a follower replaying what process 0's engine sent writes the
 same cache pages and tables (so draws the same tokens) as process 0, simulated in one process."""
 
+import concurrent.futures
+import json
+import os
 import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
 
+import httpx
 import jax
 import numpy as np
+import pytest
 
 import boundary_jax as bj
 from models.build import load_model
 from models.serving.engine import Engine
+from models.serving.generation import generate_ids
 from models.serving.lockstep import Channel, Kind, decode, encode, follow
 from models.serving.paged import Chunk, PagedRunner, SlotSampling
 from models.serving.runtime import ShardedCausalLM
 from models.serving.scheduler import Finish, Request
+from models.serving.text import eos_token_ids, text_codec
 
 TEXT = pathlib.Path(__file__).parents[2] / "golden" / "text"
+ROOT = pathlib.Path(__file__).parents[3]
+PROMPTS = ["the market opened", "a quiet wind ran over", "the old town", "stitched roofs of"]
 
 
 def test_schedule_round_trips_through_encoding_and_broadcast():
@@ -50,10 +64,17 @@ def dataclass_without_key(chunk: Chunk) -> Chunk:
     )
 
 
-def pools(one: PagedRunner, other: PagedRunner) -> list[tuple[np.ndarray, np.ndarray]]:
-    """The two runners' cache pools, pair by pair, on the host."""
-    pairs = zip(jax.tree.leaves(one._pools), jax.tree.leaves(other._pools), strict=True)
-    return [(np.asarray(a), np.asarray(b)) for a, b in pairs]
+def snapshot(paged: PagedRunner) -> list[np.ndarray]:
+    """The runner's tables and cache pools on the host."""
+    return [paged.tables.copy(), *(np.asarray(pool) for pool in jax.tree.leaves(paged._pools))]
+
+
+def replay(paged: PagedRunner, channel: Channel) -> list[np.ndarray]:
+    """What a follower starting afresh on `paged` (its compiled programs kept) ends with."""
+    paged.reset()
+    paged.tables[:] = 0
+    follow(paged, channel)
+    return snapshot(paged)
 
 
 class Recorded(Channel):
@@ -76,12 +97,9 @@ def test_a_follower_replaying_the_schedule_writes_process_0s_cache():
     mesh = bj.make_mesh(bj.Topology())
     runner = ShardedCausalLM(load_model(TEXT, mesh), mesh)
 
-    def paged():
-        return PagedRunner(runner, page_size=4, pages_per_rank=16, slots_per_rank=4, max_rows=16)
-
+    paged = PagedRunner(runner, page_size=4, pages_per_rank=16, slots_per_rank=4, max_rows=16)
     channel = Recorded()
-    leader = paged()
-    engine = Engine(leader, channel=channel)
+    engine = Engine(paged, channel=channel)
     requests = [
         Request("a", [3, 4, 5, 6, 7], 6, sampling=SlotSampling(temperature=0.9, seed=3)),
         Request("b", [9, 8], 5),
@@ -95,14 +113,70 @@ def test_a_follower_replaying_the_schedule_writes_process_0s_cache():
     assert channel.messages[-1][0] is Kind.STOP
     messages = list(channel.messages)
 
-    follower = paged()
-    follow(follower, channel)
-    np.testing.assert_array_equal(follower.tables, leader.tables)
-    for ours, theirs in pools(follower, leader):
+    leader = snapshot(paged)
+    for ours, theirs in zip(replay(paged, channel), leader, strict=True):
         np.testing.assert_array_equal(ours, theirs)
 
     steps = [i for i, (kind, _) in enumerate(messages) if kind is Kind.STEP]
     channel.messages = messages[: steps[-3]] + messages[steps[-3] + 1 :]
-    stale = paged()
-    follow(stale, channel)
-    assert any(not np.array_equal(ours, theirs) for ours, theirs in pools(stale, leader))
+    stale = replay(paged, channel)
+    assert any(not np.array_equal(a, b) for a, b in zip(stale, leader, strict=True))
+
+
+def _ask(url: str, prompt: str, stream: bool) -> str:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    if not stream:
+        return httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0][
+            "text"
+        ]
+    text = ""
+    with httpx.stream(
+        "POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=120
+    ) as answer:
+        for line in answer.iter_lines():
+            if line.startswith("data: {"):
+                text += json.loads(line[6:])["choices"][0]["text"]
+    return text
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("multiprocess")
+def test_serve_under_launch_equals_generate_and_stops_every_process_cleanly():
+    """`launch --processes 2 -- serve` on a DP 2 x TP 2 mesh across both processes: concurrent
+    greedy completions (streamed and not) equal `generate` of each prompt alone in one
+    process; SIGTERM to the launcher stops every process with exit code 0."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "models.cli", "launch", "--processes", "2", "--", "serve"]
+    command += ["--checkpoint", str(TEXT), "--mesh", "attn_tp=2,attn_dp=2", "--port", str(port)]
+    command += ["--page-size", "4", "--kv-cache-gb", "0.01", "--max-running", "4"]
+    command += ["--max-tokens-per-step", "32", "--served-model-name", "tiny"]
+    launcher = subprocess.Popen(command, env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.5)
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            answers = list(
+                pool.map(_ask, [url] * len(PROMPTS), PROMPTS, [i % 2 == 0 for i in range(4)])
+            )
+        launcher.send_signal(signal.SIGTERM)
+        _, errors = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    mesh = bj.make_mesh(bj.Topology())
+    runner = ShardedCausalLM(load_model(TEXT, mesh), mesh)
+    codec, eos = text_codec(TEXT, runner.config.vocab_size), eos_token_ids(TEXT)
+    for prompt, answer in zip(PROMPTS, answers, strict=True):
+        ids = generate_ids(runner, [codec.encode(prompt)], 8, eos_ids=eos)[0]
+        assert answer == codec.decode([t for t in ids if t not in eos]), prompt
+    assert "exited with code" not in errors, errors
