@@ -169,6 +169,8 @@ class Engine:
         try:
             if chunks:
                 self._pending = self.paged.launch(chunks, sampling, pending)
+                if self.channel is not None:
+                    self.channel.settle(self._pending)
             output = None if pending is None else pending.fetch()
         except Exception as error:  # noqa: BLE001 - the running requests fail, the loop lives
             self._fail_running(error)

@@ -116,6 +116,16 @@ class Channel:
         """The other processes: the next message process 0 sent."""
         return self._broadcast(Kind.IDLE, np.zeros(0, np.int32))
 
+    @staticmethod
+    def settle(launched: Launched) -> None:
+        """Waits for a launched step where the mesh's collectives run on gloo (CPU devices over
+        several processes; `models.pipeline.transport.over_gloo` says why): the CPU client would
+        start the next program (a broadcast, a gather of draws) beside it, and gloo mixes their
+        messages. On GPUs the steps stay overlapped."""
+        platform = next(iter(launched.tokens.devices())).platform
+        if jax.process_count() > 1 and platform == "cpu":
+            jax.block_until_ready(launched.outputs)  # one program: its pools are done too
+
     def _broadcast(self, kind: Kind, payload: np.ndarray) -> tuple[Kind, np.ndarray]:
         source = jax.process_index() == 0
         header = np.asarray([int(kind), len(payload)], np.int32)
@@ -145,6 +155,7 @@ def follow(paged: PagedRunner, channel: Channel) -> None:
         try:
             if chunks:
                 pending = paged.launch(chunks, sampling, previous)
+                channel.settle(pending)
             if previous is not None:
                 previous.fetch()
         except Exception:  # noqa: BLE001 - process 0 meets the same error and resets too
