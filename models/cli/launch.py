@@ -130,14 +130,20 @@ def _wait(children: list[subprocess.Popen]) -> int:
 
 
 def _stop(children: list[subprocess.Popen]) -> None:
-    """Stops the children still running: terminate, then kill after `STOP_GRACE`."""
-    running = [child for child in children if child.poll() is None]
-    for child in running:
+    """Stops the children still running: terminate, then kill after `STOP_GRACE`; says which
+    of them did not exit 0 (a command that stops cleanly on SIGTERM, as `serve`, exits 0)."""
+    running = [(index, child) for index, child in enumerate(children) if child.poll() is None]
+    for _, child in running:
         child.terminate()
     deadline = time.monotonic() + STOP_GRACE
-    for child in running:
+    for index, child in running:
         try:
             child.wait(max(deadline - time.monotonic(), 0))
         except subprocess.TimeoutExpired:
             child.kill()
             child.wait()
+        if child.returncode != 0:
+            print(
+                f"boundary-jax launch: stopped process {index} exited with code {child.returncode}",
+                file=sys.stderr,
+            )

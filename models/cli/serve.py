@@ -4,18 +4,21 @@ continuously batched over a paged KV cache (`models.serving.server`)."""
 from __future__ import annotations
 
 import argparse
+import signal
 from pathlib import Path
 
 import jax
 
 from ..distributed import is_first_process
 from ..serving.engine import Engine
+from ..serving.lockstep import Channel, follow
 from ..serving.paged import PagedRunner
 from ..serving.runtime import ShardedCausalLM
 from ..serving.server import Server, run_server
 from ..serving.text import eos_token_ids
 from . import options
 from .commands import checkpoint_dir, codec, console, runner, source_config, status
+from .interrupts import SIGNALS
 from .options import InputError
 
 GIB = 1 << 30
@@ -81,12 +84,25 @@ def pages_per_rank(args: argparse.Namespace, model: ShardedCausalLM, slots: int)
     return min(pages, slots * per_sequence)
 
 
+def follow_quietly(paged: PagedRunner, channel: Channel) -> None:
+    """A follower's part under `launch`: runs process 0's steps until its server stops.
+    SIGINT and SIGTERM are ignored meanwhile: process 0 takes them and stops the group (a
+    follower leaving on its own would strand process 0 in a collective); the launcher kills a
+    follower left behind when process 0 dies."""
+    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in SIGNALS}
+    try:
+        follow(paged, channel)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
 def serve(args: argparse.Namespace) -> None:
-    """`serve`: builds the model, then serves until SIGTERM or SIGINT (exit 0)."""
+    """`serve`: builds the model, then serves until SIGTERM or SIGINT (exit 0). Under `launch`,
+    process 0 serves and sends each step's schedule to the others, which run it in lockstep
+    and end when process 0's server stops."""
     if options.pipelined(args):
         raise InputError("serve runs the model as one program; drop pp from --mesh")
-    if jax.process_count() > 1:
-        raise InputError("serve runs in one process; drop `launch`")
     out = console()
     config = source_config(args)
     model = runner(args, out, config)
@@ -104,12 +120,15 @@ def serve(args: argparse.Namespace) -> None:
             max_rows=args.max_tokens_per_step,
         )
     out.log(f"KV cache: {paged.cache_bytes() / GIB:.3f} GiB over all devices")
-    engine = Engine(paged, prefix_caching=not args.no_prefix_caching)
+    channel = Channel() if jax.process_count() > 1 else None
+    if channel is not None and not is_first_process():
+        follow_quietly(paged, channel)
+        return
+    engine = Engine(paged, prefix_caching=not args.no_prefix_caching, channel=channel)
     name = args.served_model_name or args.preset or Path(args.checkpoint).resolve().name
     lora = model.options.lora
     adapters = {} if lora is None else {adapter: lora.index(adapter) for adapter in lora.names}
     server = Server(engine, text, model_name=name, eos_ids=eos, adapters=adapters)
-    if is_first_process():
-        out.log(f"serving {name} at http://{args.host}:{args.port}/v1 ({text.description})")
+    out.log(f"serving {name} at http://{args.host}:{args.port}/v1 ({text.description})")
     run_server(server, host=args.host, port=args.port, grace=args.grace_period)
     out.log("stopped")

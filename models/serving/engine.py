@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from .lockstep import Channel, Kind, encode
 from .metrics import Metrics
 from .paged import Chunk, Launched, PagedRunner, SlotSampling, StepOutput
 from .scheduler import Finish, Request, RequestRefused, Scheduler, Token
@@ -39,10 +40,18 @@ class Engine:
       paged: The device side.
       scheduler: The host side.
       metrics: What `/metrics` reports.
+      channel: Where process 0 of several sends each step's schedule to the others
+        (`lockstep.follow`); None in one process.
     """
 
-    def __init__(self, paged: PagedRunner, *, prefix_caching: bool = True):
+    IDLE_BEAT = 1.0
+    """Seconds between the idle messages process 0 sends its followers."""
+
+    def __init__(
+        self, paged: PagedRunner, *, prefix_caching: bool = True, channel: Channel | None = None
+    ):
         self.paged = paged
+        self.channel = channel
         self.scheduler = Scheduler(
             attn_dp=paged.attn_dp,
             slots_per_rank=paged.slots_per_rank,
@@ -115,17 +124,31 @@ class Engine:
         self._wake.set()
         if self._thread is None:
             self._take_inbox()  # no loop: the aborts take effect here
+            self._release_followers()
         else:
             self._thread.join(timeout=max(grace, 1.0) + 5.0)
 
     # -- the loop's thread ----------------------------------------------------------------
 
     def _loop(self) -> None:
+        beat = time.monotonic()
         while self._running:
-            if not self.run_once():
-                self._wake.wait(0.05)
-                self._wake.clear()
+            if self.run_once():
+                beat = time.monotonic()
+                continue
+            self._wake.wait(0.05)
+            self._wake.clear()
+            if self.channel is not None and time.monotonic() - beat > self.IDLE_BEAT:
+                self.channel.send(Kind.IDLE)
+                beat = time.monotonic()
         self._take_inbox()
+        self._release_followers()
+
+    def _release_followers(self) -> None:
+        """Process 0 of several: tells the followers the server stopped."""
+        if self.channel is not None:
+            self.channel.send(Kind.STOP)
+            self.channel = None
 
     def run_once(self) -> bool:
         """One turn of the loop: takes queued work, launches the next step, then waits for the
@@ -140,9 +163,14 @@ class Engine:
         pending, self._pending = self._pending, None
         if not chunks and pending is None:
             return False
+        sampling = self._sampling(chunks)
+        if self.channel is not None:
+            self.channel.send(Kind.STEP, encode(chunks, sampling, self._rows(chunks)))
         try:
             if chunks:
-                self._pending = self.paged.launch(chunks, self._sampling(chunks), pending)
+                self._pending = self.paged.launch(chunks, sampling, pending)
+                if self.channel is not None:
+                    self.channel.settle(self._pending)
             output = None if pending is None else pending.fetch()
         except Exception as error:  # noqa: BLE001 - the running requests fail, the loop lives
             self._fail_running(error)
@@ -161,6 +189,11 @@ class Engine:
             tables[chunk.rank, chunk.slot, : len(request.pages)] = request.pages
             sampling[(chunk.rank, chunk.slot)] = request.sampling
         return sampling
+
+    def _rows(self, chunks: list[Chunk]) -> dict[tuple[int, int], list[int]]:
+        """The page-table row prefix `_sampling` wrote for each chunk's slot."""
+        by_slot = {(r.rank, r.slot): r for r in self.scheduler.running}
+        return {(c.rank, c.slot): list(by_slot[(c.rank, c.slot)].pages) for c in chunks}
 
     def _fail_running(self, error: Exception) -> None:
         """A step raised, and may have consumed the donated pools: every running request's
