@@ -11,6 +11,8 @@ transition between single-stage layers:
 * ``nemotron_h_f_e_m_e_a`` = ``-EME*``: an FFN at the start, an FFN after an FFN (-E), EM, ME,
   E*; Nemotron-3 MoE layers (sigmoid router with the score-correction bias, grouped top-k,
   scaled weights, relu^2 experts and a shared expert); 1 B/C group (shared at any TP > 1).
+* ``nemotron_h_a_e_f_m_e`` = ``*E-ME``: attention at the start, *E, E-, -M, ME, a MoE at the
+  end; the MoE settings above with 16 experts in 4 groups (EP 8 divides them).
 
 And one mixer alone, ``nemotron_h_mamba2_mixer/``: ``config.json`` and ``mixer.npz`` with
 the weights of one ``NemotronHMamba2Mixer`` under their Hugging Face names, random input rows
@@ -137,6 +139,9 @@ def model_spec(pattern: str, seed: int, extra: dict) -> dict:
 MODELS: dict[str, dict] = {
     "nemotron_h_mm_f_m_a_f": model_spec("MM-M*-", 1021, {"n_groups": 2}),
     "nemotron_h_f_e_m_e_a": model_spec("-EME*", 1022, {"n_groups": 1} | MOE),
+    "nemotron_h_a_e_f_m_e": model_spec(
+        "*E-ME", 1024, {"n_groups": 1} | MOE | {"n_routed_experts": 16, "n_group": 4}
+    ),
 }
 MIXER = "nemotron_h_mamba2_mixer"
 MIXER_CONFIG = (
@@ -282,6 +287,7 @@ def numpy_forward(
 VARIANTS = {
     "nemotron_h_mm_f_m_a_f": ("relu", "no-conv-bias", "interleaved-groups", "ungrouped-norm"),
     "nemotron_h_f_e_m_e_a": ("relu", "no-score-bias", "no-group-limit", "no-conv-bias"),
+    "nemotron_h_a_e_f_m_e": ("relu", "no-score-bias", "no-group-limit", "no-conv-bias"),
 }
 
 

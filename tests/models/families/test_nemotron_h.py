@@ -33,6 +33,7 @@ from tests.models.layers.mixers import test_mamba2
 
 GOLDEN = pathlib.Path(__file__).parents[2] / "golden"
 MAMBA, MOE = "nemotron_h_mm_f_m_a_f", "nemotron_h_f_e_m_e_a"
+ATTN_MOE = "nemotron_h_a_e_f_m_e"  # *E-ME: attention before a MoE, 16 experts (EP 8 divides)
 SLOW = (pytest.mark.slow,)
 # (name, attn_dp, attn_tp, moe_ep, marks): every layout the issue asks for (EP 2 inside TP 4 as
 # attention DP 2 x TP 2: an EP group is whole mesh axes). The two fast ones hold the most: B/C
@@ -92,25 +93,31 @@ def test_logits_and_greedy_tokens_match_transformers(name, dp, tp, ep):
 
 
 @pytest.mark.parametrize(
-    "dp,tp,ep",
-    [(2, 2, 2), pytest.param(1, 4, 4, marks=SLOW), pytest.param(1, 2, 2, marks=SLOW)],
+    "name,dp,tp,ep",
+    [
+        (MOE, 2, 2, 2),
+        pytest.param(MOE, 1, 4, 4, marks=SLOW),
+        pytest.param(MOE, 1, 2, 2, marks=SLOW),
+        pytest.param(ATTN_MOE, 1, 8, 8, marks=SLOW),
+        pytest.param(ATTN_MOE, 8, 1, 8, marks=SLOW),
+    ],
 )
-def test_all_to_all_moe_before_each_mixer_matches_transformers(dp, tp, ep):
+def test_all_to_all_moe_before_each_mixer_matches_transformers(name, dp, tp, ep):
     """Under the all-to-all dispatch (each MoE layer on its own rows, sent to the ranks that
     hold their experts, the next mixer gathering them back), float32 logits are within 1e-4 of
     HF's and the greedy tokens equal; each layer of the compiled forward runs the collectives
     docs/collectives.md lists for it (the MoE layers' all-to-alls among them)."""
-    prompts, reference = golden(MOE)
+    prompts, reference = golden(name)
     mesh = bj.make_mesh(bj.Topology(attn_dp=dp, attn_tp=tp, moe_ep=ep))
     options = BuildOptions(moe_dispatch=bj.MoeDispatch.ALL_TO_ALL)
-    run = ShardedCausalLM(load_model(GOLDEN / MOE, mesh, options, moe_ep=ep), mesh)
+    run = ShardedCausalLM(load_model(GOLDEN / name, mesh, options, moe_ep=ep), mesh)
     assert relative_error(run.forward(prompts), reference["logits"]) <= 1e-4
     report = parse_hlo(run.lower_forward(prompts).compile().as_text())
     documented = {
-        (int(row["dp"]), int(row["tp"]), int(row["ep"])): row
+        (row["golden (all-to-all)"], int(row["dp"]), int(row["tp"]), int(row["ep"])): row
         for row in documented_golden_rows("| golden (all-to-all) |")
     }
-    row = documented[dp, tp, ep]
+    row = documented[name, dp, tp, ep]
     for index in range(len(run.config.hybrid.layers)):
         assert report.sequence(index) == names(row[f"layer {index}"]), f"layer {index}"
     assert report.sequence(None) == names(row["outside layers"])
