@@ -25,6 +25,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from . import axes
+
 
 def _scan_kernel(
     values_ref,
@@ -122,6 +124,8 @@ def chunk_state_scan(
         return pl.BlockSpec((None, chunks, *tail), index)
 
     f32 = jnp.float32
+    # Under shard_map the outputs vary over every mesh axis an input does.
+    varying = axes.varying_axes(values, reads, scores, queries, keys, carried)
     out, new, states = pl.pallas_call(
         functools.partial(_scan_kernel, chunks=chunks, k_dim=k_dim, block_v=block_v),
         grid=(heads, v_dim // block_v),
@@ -139,9 +143,9 @@ def chunk_state_scan(
             by_head(k_dim, block_v, v_block=True),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((heads, chunks, length, v_dim), f32),
-            jax.ShapeDtypeStruct((heads, chunks, length, v_dim), f32),
-            jax.ShapeDtypeStruct((heads, chunks, k_dim, v_dim), f32),
+            axes.output_type((heads, chunks, length, v_dim), f32, varying),
+            axes.output_type((heads, chunks, length, v_dim), f32, varying),
+            axes.output_type((heads, chunks, k_dim, v_dim), f32, varying),
         ],
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,

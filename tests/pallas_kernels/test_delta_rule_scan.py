@@ -44,6 +44,7 @@ def test_interpreted_kernel_equals_jnp_chunks_and_the_recurrence():
     assert scale > 0.3 and not want_finals[4].any()
 
 
+@pytest.mark.slow
 def test_interpreted_kernel_gradient_is_the_jnp_forms():
     """The kernel differentiates as the `jnp` scan (`with_reference_vjp`)."""
     inputs, positions, segments = _inputs()
