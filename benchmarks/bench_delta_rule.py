@@ -1,6 +1,7 @@
 """The gated delta rule (Gated DeltaNet) over packed rows: the chunked WY / UT form against a
 row-by-row `lax.scan` of the recurrence, at 4096 and 32768 rows (issue 45 asks for >= 20x on
-one H200).
+one H200); the chunked form carries its state across chunks with a `jnp` `lax.scan` or with
+the Pallas Triton kernel (`pallas_kernels.delta_rule_scan`), both timed.
 
 The shapes are one Qwen3-Next-80B-A3B Gated DeltaNet layer on one GPU (16 key heads of 128, 32
 value heads of 128; bf16 q, k, v, float32 gates and state): four sequences packed into the
@@ -66,8 +67,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:
         shape, all_rows, chunks = (2, 4, 16, 16), (96, 200), (16, 32)
+        scans = ("jnp", "interpret")
     else:
         shape, all_rows, chunks = (K_HEADS, V_HEADS, K_DIM, V_DIM), ROWS, CHUNKS
+        scans = ("jnp", "pallas")
     slots = len(SHARES) + 1
     print(header(f"gated delta rule, k_heads/v_heads/k_dim/v_dim {shape}"))
     table = []
@@ -78,13 +81,17 @@ def main() -> None:
         base = kernel_ms(reference, [args_], wall=True, repeats=4)
         table.append((rows, "lax.scan, row by row", "-", base, "-", 1.0, 0.0))
         for chunk in chunks:
-            fn = jax.jit(
-                functools.partial(gated_delta_rule_chunked, chunk_size=chunk, num_slots=slots)
-            )
-            err = relative_error(fn(*args_), want)
-            ms = kernel_ms(fn, [args_], wall=True, repeats=16)
-            tflops = chunked_flops(rows, chunk, *shape[1:]) / ms / 1e9
-            table.append((rows, "chunked", chunk, ms, f"{tflops:.1f}", base / ms, err))
+            for scan in scans:
+                fn = jax.jit(
+                    functools.partial(
+                        gated_delta_rule_chunked, chunk_size=chunk, num_slots=slots, scan=scan
+                    )
+                )
+                err = relative_error(fn(*args_), want)
+                ms = kernel_ms(fn, [args_], wall=True, repeats=16)
+                tflops = chunked_flops(rows, chunk, *shape[1:]) / ms / 1e9
+                form = f"chunked, {scan} scan"
+                table.append((rows, form, chunk, ms, f"{tflops:.1f}", base / ms, err))
     headers = ("rows", "form", "chunk", "ms", "TFLOP/s", "x lax.scan", "rel err vs lax.scan")
     print_table(headers, table)
 

@@ -27,7 +27,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.delta_rule_scan import chunk_state_scan
+from pallas_kernels.vjp import with_reference_vjp
+
 from .ssd import accumulation_dtype, last_rows, sequence_runs, sequence_starts
+
+SCANS = ("jnp", "pallas", "interpret")
+"""How `gated_delta_rule_chunked` carries the state across chunks: a `lax.scan` of `jnp` matmuls,
+the Pallas Triton kernel `pallas_kernels.delta_rule_scan.chunk_state_scan` (GPU, scalar gate),
+or that kernel in the Pallas interpreter (CPU tests)."""
 
 L2_EPS = 1e-6
 """The epsilon inside the root of the q/k L2 norm (flash-linear-attention's and transformers')."""
@@ -134,7 +142,7 @@ def _pad_rows(x: jax.Array, rows: int, fill=0) -> jax.Array:
     return jnp.pad(x, [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
 
 
-@functools.partial(jax.jit, static_argnames=("chunk_size", "num_slots"))
+@functools.partial(jax.jit, static_argnames=("chunk_size", "num_slots", "scan"))
 def gated_delta_rule_chunked(
     q: jax.Array,
     k: jax.Array,
@@ -146,6 +154,7 @@ def gated_delta_rule_chunked(
     *,
     chunk_size: int = 64,
     num_slots: int = 0,
+    scan: str = "jnp",
 ) -> tuple[jax.Array, jax.Array]:
     """The recurrence of `gated_delta_rule_reference` in chunks of rows, as matmuls.
 
@@ -165,17 +174,25 @@ def gated_delta_rule_chunked(
     Args:
       q, k, v, g, beta, positions, segment_ids, num_slots: As `gated_delta_rule_reference`.
       chunk_size: Static rows per chunk (64, as flash-linear-attention's kernels).
+      scan: Static, one of `SCANS`: how the state crosses chunks. The kernel's gradient is the
+        `jnp` scan's.
 
     Returns:
       As `gated_delta_rule_reference`: (o [T, v_heads, v_dim], final states [num_slots,
       v_heads, k_dim, v_dim]).
 
     Raises:
-      ValueError: Mismatched shapes, or chunk_size < 1.
+      ValueError: Mismatched shapes, chunk_size < 1, an unknown scan, or the kernel asked for
+        a per-channel gate.
     """
     _check_shapes(q, k, v, g, beta, positions, segment_ids)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be at least 1; got {chunk_size=}")
+    if scan not in SCANS or (scan != "jnp" and g.shape != beta.shape):
+        raise ValueError(
+            f"scan must be one of {SCANS}, and the Pallas scan takes only a scalar gate per "
+            f"head (Kimi's per-channel gate keeps the jnp scan); got {scan=}, {g.shape=}"
+        )
     q, k, v, g, beta = _prepared(q, k, v, g, beta, segment_ids)
     rows, heads, k_dim = k.shape
     v_dim = v.shape[-1]
@@ -236,9 +253,23 @@ def gated_delta_rule_chunked(
         end = state * carried[..., None] + jnp.einsum("htk,htv->hkv", k_end, new)
         return end, (out, new, state if num_slots else None)
 
-    # Zeros shaped from the inputs, so that under shard_map the carry varies as they do.
-    state = jnp.zeros_like(k_end[0, :, 0, :, None] * v_beta[0, :, 0, None, :])  # [H, k, v]
-    _, (out, new, states) = lax.scan(step, state, (intra, q_entering, k_end, carried))
+    def jnp_scan(intra, q_entering, k_end, carried):
+        # Zeros shaped from the inputs, so that under shard_map the carry varies as they do.
+        state = jnp.zeros_like(k_end[0, :, 0, :, None] * v_beta[0, :, 0, None, :])  # [H, k, v]
+        return lax.scan(step, state, (intra, q_entering, k_end, carried))[1]
+
+    if scan == "jnp":
+        out, new, states = jnp_scan(intra, q_entering, k_end, carried)
+    else:
+
+        def pallas_scan(intra, q_entering, k_end, carried):
+            out, new, states = chunk_state_scan(
+                *intra, q_entering, k_end, carried[..., 0], interpret=scan == "interpret"
+            )
+            return out, new, states if num_slots else None
+
+        kernel = with_reference_vjp(pallas_scan, jnp_scan)
+        out, new, states = kernel(intra, q_entering, k_end, carried)
     o = jnp.moveaxis(out, 2, 1).reshape(padded, heads, v_dim)[:rows]
     o = jnp.where((segment_ids >= 0)[:, None, None], o, 0)
     if not num_slots:

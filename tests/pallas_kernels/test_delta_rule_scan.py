@@ -1,0 +1,91 @@
+"""The Pallas chunk scan of the gated delta rule (`pallas_kernels.delta_rule_scan`), through
+`gated_delta_rule_chunked(scan=...)`: in the Pallas interpreter against the `jnp` chunked form
+and the float64 recurrence, gradients the `jnp` form's, and on a GPU at the Qwen3-Next shape."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models.layers.mixers.delta_rule import gated_delta_rule_chunked
+from tests.models.layers.mixers.test_gated_deltanet import numpy_delta_rule, random_rule_inputs
+from tests.models.layers.mixers.test_mamba2 import layout_rows
+
+# Ragged packed rows (slot, length): sequences cross the 8-row chunks anywhere; slot 3 holds
+# two sequences one after the other; slot 4 has none.
+LAYOUT = ((0, 11), (2, 3), (3, 6), (3, 9), (1, 13))
+
+
+def _inputs(per_channel=False):
+    positions, segments = layout_rows(LAYOUT, padding=6)
+    inputs = random_rule_inputs(
+        len(positions), k_heads=2, v_heads=4, k_dim=16, v_dim=32, seed=3, per_channel=per_channel
+    )
+    return inputs, positions, segments
+
+
+def test_interpreted_kernel_equals_jnp_chunks_and_the_recurrence():
+    """Outputs and per-slot final states of the kernel (interpreted, float32) equal the `jnp`
+    chunked form's within 1e-5 relative and the float64 recurrence's within 1e-4: a wrong carry,
+    decay, mask or chunk index would be off by O(1)."""
+    inputs, positions, segments = _inputs()
+    want_out, want_finals = numpy_delta_rule(*inputs, positions, segments, slots=5)
+    args = [jnp.asarray(x, jnp.float32) for x in inputs]
+    rule = functools.partial(gated_delta_rule_chunked, chunk_size=8, num_slots=5)
+    out, finals = rule(*args, positions, segments, scan="interpret")
+    ref_out, ref_finals = rule(*args, positions, segments)
+    scale = np.abs(want_out).max()
+    np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-5 * scale)
+    np.testing.assert_allclose(finals, ref_finals, rtol=1e-5, atol=1e-5 * np.abs(want_finals).max())
+    np.testing.assert_allclose(out, want_out, atol=1e-4 * scale)
+    np.testing.assert_allclose(finals, want_finals, atol=1e-4 * np.abs(want_finals).max())
+    assert scale > 0.3 and not want_finals[4].any()
+
+
+@pytest.mark.slow
+def test_interpreted_kernel_gradient_is_the_jnp_forms():
+    """The kernel differentiates as the `jnp` scan (`with_reference_vjp`)."""
+    inputs, positions, segments = _inputs()
+    args = [jnp.asarray(x, jnp.float32) for x in inputs]
+
+    def loss(scan, q, v):
+        out, finals = gated_delta_rule_chunked(
+            q, args[1], v, *args[3:], positions, segments, chunk_size=8, num_slots=5, scan=scan
+        )
+        return jnp.sum(out * out) + jnp.sum(finals)
+
+    got = jax.grad(functools.partial(loss, "interpret"), argnums=(0, 1))(args[0], args[2])
+    want = jax.grad(functools.partial(loss, "jnp"), argnums=(0, 1))(args[0], args[2])
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_kernel_refuses_per_channel_gates_and_unknown_scans():
+    inputs, positions, segments = _inputs(per_channel=True)
+    with pytest.raises(ValueError, match="scalar gate"):
+        gated_delta_rule_chunked(*inputs, positions, segments, scan="pallas")
+    inputs, positions, segments = _inputs()
+    with pytest.raises(ValueError, match="scan must be one of"):
+        gated_delta_rule_chunked(*inputs, positions, segments, scan="triton")
+
+
+@pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="Triton runs on GPU only")
+def test_gpu_kernel_equals_jnp_chunks_at_qwen3_next_shape():  # pragma: no cover - GPU only
+    """At the Qwen3-Next mixer shape (16 k-heads, 32 v-heads, 128 x 128), 4096 packed rows of
+    three sequences, the compiled kernel equals the `jnp` chunked form (float32)."""
+    rows = 4096
+    layout = ((0, 1000), (1, 2500), (2, 590))
+    positions, segments = layout_rows(layout, padding=rows - 4090)
+    keys = jax.random.split(jax.random.key(0), 5)
+    q, k = (jax.random.normal(x, (rows, 16, 128)) for x in keys[:2])
+    v = jax.random.normal(keys[2], (rows, 32, 128))
+    g = -jax.random.uniform(keys[3], (rows, 32), minval=0.01, maxval=0.5)
+    beta = jax.random.uniform(keys[4], (rows, 32), minval=0.05, maxval=0.95)
+    rule = functools.partial(gated_delta_rule_chunked, num_slots=3)
+    out, finals = rule(q, k, v, g, beta, positions, segments, scan="pallas")
+    ref_out, ref_finals = rule(q, k, v, g, beta, positions, segments)
+    scale = float(jnp.abs(ref_out).max())
+    np.testing.assert_allclose(out, ref_out, atol=2e-3 * scale)
+    np.testing.assert_allclose(finals, ref_finals, atol=2e-3 * float(jnp.abs(ref_finals).max()))
