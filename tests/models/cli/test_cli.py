@@ -74,6 +74,7 @@ def test_forward_writes_captured_hidden_states_beside_the_logits(tmp_path):
     assert np.load(out).shape == (4, 12, 250)
 
 
+@pytest.mark.slow
 def test_generate_under_two_batch_overlap_gives_the_greedy_ids(capsys):
     """--two-batch-overlap's prefill and decode give HF's greedy tokens; with pipeline stages
     it is rejected."""
@@ -108,6 +109,7 @@ def test_generate_prints_the_greedy_ids_as_its_last_line(capsys):
     assert json.loads(last) == reference["generated"].tolist()
 
 
+@pytest.mark.slow
 def test_generate_under_context_parallelism_gives_the_greedy_ids(capsys):
     """generate under --mesh attn_cp=2,attn_tp=2 --cp-attention ring (a CP prefill, decode on
     the cache's CP shards) prints HF's greedy tokens; plan reports the mesh."""

@@ -134,6 +134,7 @@ def _word_tokenizer(directory: pathlib.Path) -> None:
     tokenizer.save(str(directory / "tokenizer.json"))
 
 
+@pytest.mark.slow
 def test_train_from_a_gemma3_checkpoint_keeps_its_config(tmp_path, capsys):
     """train on a Gemma 3 checkpoint (it crashed writing the config, as on OLMo 2 and EXAONE 4:
     test_save.py writes theirs) writes --out with the source's config.json (but for the dtype),

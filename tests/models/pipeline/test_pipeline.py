@@ -397,7 +397,7 @@ def _forward(checkpoint: pathlib.Path, out: pathlib.Path, *mesh: str) -> np.ndar
     [
         (3, 2, [[0, 2], [2, 3]]),
         (5, 2, [[0, 3], [3, 5]]),
-        (5, 4, [[0, 2], [2, 3], [3, 4], [4, 5]]),
+        pytest.param(5, 4, [[0, 2], [2, 3], [3, 4], [4, 5]], marks=SLOW),
     ],
 )
 def test_mesh_pp_splits_a_checkpoint_without_a_split_option(

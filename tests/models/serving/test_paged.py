@@ -68,7 +68,7 @@ def _served(preset: str, dp: int, tp: int, scan: bool = False):
 DEFAULT = ("tiny-mistral", 2, 2)
 SLOW = pytest.mark.slow
 CASES = [
-    pytest.param(DEFAULT, 64, id="kv-dp2-tp2"),
+    pytest.param(DEFAULT, 64, id="kv-dp2-tp2", marks=SLOW),
     pytest.param(DEFAULT, 14, id="kv-dp2-tp2-preempting"),
     pytest.param(("tiny-deepseek-v3", 2, 2), 64, id="latent-moe-dp2-tp2", marks=SLOW),
     pytest.param(("tiny-deepseek-v3", 2, 2), 14, id="latent-moe-preempting", marks=SLOW),

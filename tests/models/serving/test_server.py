@@ -30,8 +30,10 @@ from models.serving.scheduler import Finish, Request
 from models.serving.server import Server
 from models.serving.text import eos_token_ids, text_codec
 
-HTTP = httpx.Client(timeout=120)
-"""The tests' HTTP client: a first request may wait for a compile, past httpx's 5 s default."""
+HTTP = httpx.Client(timeout=120, limits=httpx.Limits(max_keepalive_connections=0))
+"""The tests' HTTP client: a first request may wait for a compile, past httpx's 5 s default;
+each request on a fresh connection, as `httpx.post` makes one (a server that drops a connection
+after a 500 must not fail the next request)."""
 
 TEXT = pathlib.Path(__file__).parents[2] / "golden" / "text"
 ROOT = pathlib.Path(__file__).parents[3]

@@ -240,6 +240,7 @@ def test_optimizer_state_is_sharded_like_the_parameters():
     assert all(leaf.is_deleted() for leaf in before)  # the step donated the whole state
 
 
+@pytest.mark.slow
 def test_saved_state_restores_on_another_mesh_and_continues(tmp_path):
     """A train state saved on DP2 x TP2 after two steps restores onto TP4 (and onto one
     device) and continues with the same losses as the run that never stopped. The vocabulary

@@ -365,6 +365,7 @@ def _dequantized_rows(x: jax.Array) -> np.ndarray:
     return np.asarray(dequantize_token_groups_reference(values, scales, x.dtype))
 
 
+@pytest.mark.slow
 def test_fp8_ffns_quantize_their_gated_activation():
     """An FP8 MLP and an FP8 expert compute down(q(silu(gate(q(x))) * up(q(x)))), q the
     token-group quantization, gate the first of the stacked parts: both equal that formula on
