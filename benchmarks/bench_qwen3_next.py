@@ -6,12 +6,10 @@ then one gated full-attention layer, each with a 512-expert top-10 MoE and a sig
 shared expert): prefill of 4096 tokens at >= 35% of the FLOP roofline, decode of 64 sequences
 @ 1024 at >= 60% of the HBM roofline, each at >= 1.0x the one-jit stack in the same run.
 
-The baseline is what a user writes first: the stack's layers (the project's own Gated DeltaNet,
-gated attention and MoE modules, built for one device, holding the project model's placed
-weights: the same buffers) called in order, `x + mixer(norm(x))`, `x + moe(norm(x))`, inside
-one `jax.jit` over global arrays, so XLA's GSPMD partitions it. "project / jit" isolates what
-the boundaries cost or gain. Before timing, the baseline's last-row logits are compared with the
-project's.
+The baseline (`layer_stack_jit`) is what a user writes first: the stack's layers (the project's
+own Gated DeltaNet, gated attention and MoE modules, built for one device, holding the project
+model's placed weights) called in order, `x + mixer(norm(x))`, `x + moe(norm(x))`, inside one
+`jax.jit` over global arrays.
 
 Roofline: prefill, the stack's matmul FLOPs (each row through its top-k experts), causal
 attention and the chunked delta rule's matmuls, over dense bf16 peak (990 TFLOP/s); decode, the
@@ -25,40 +23,19 @@ Run from the repository root:
   python3 -m benchmarks.bench_qwen3_next --smoke    # CPU: tiny shapes, every path once
 """
 
-# ruff: noqa: B023 (each timed closure runs within its own loop iteration)
-
 from __future__ import annotations
 
 import argparse
 import dataclasses
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
-from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec
-
-import boundary_jax as bj
-from models.build import build_model
 from models.config import DecoderConfig, GatedDeltaNetSpec, LinearAttentionLayers, MoeConfig
 from models.families.qwen3_next import TINY, Qwen3NextForCausalLM
-from models.inputs.rows import RowsPhase, TokenRows, pack_sequences
-from models.layers.attention.self_attention import AttentionImpl
+from models.inputs.rows import TokenRows
 from models.layers.mixers.gated_deltanet import GatedDeltaNet
-from models.options import BuildOptions
-from models.serving.runtime import ShardedCausalLM
 
+from . import layer_stack_jit
 from .bench_delta_rule import chunked_flops
-from .bench_nemotron_h import HBM_BYTES_PER_S, PEAK_FLOPS, STEPS, to_auto
-from .common import (
-    decode_ids,
-    header,
-    median_wall_ms,
-    print_table,
-    profile_into,
-    relative_error,
-)
+from .common import header, print_table, profile_into
 
 PATTERN = (True, True, True, False) * 2
 """Gated DeltaNet (True) or full attention, per layer: Qwen3-Next's `full_attention_interval` 4."""
@@ -109,25 +86,7 @@ def smoke(config: DecoderConfig) -> DecoderConfig:
     )
 
 
-# -- the one-jit baseline: the layers in order over global arrays ----------------------------
-
-
-def baseline_model(runner: ShardedCausalLM) -> Qwen3NextForCausalLM:
-    """The stack built for one device, holding the project's placed weights (`to_auto`)."""
-    config = runner.config
-    graphdef, _ = nnx.split(
-        nnx.eval_shape(
-            lambda: Qwen3NextForCausalLM(
-                config,
-                bj.Topology(),
-                BuildOptions(
-                    dtype=runner.dtype, attention=AttentionImpl.for_platform(jax.default_backend())
-                ),
-                rngs=nnx.Rngs(0),
-            )
-        )
-    )
-    return nnx.merge(graphdef, to_auto(runner.state, runner.mesh))
+# -- the one-jit baseline's layer (`layer_stack_jit`) -----------------------------------------
 
 
 def _layer(layer, x, rows: TokenRows, cache):
@@ -149,47 +108,6 @@ def _layer(layer, x, rows: TokenRows, cache):
     h = layer.post_attn_norm(x)
     # One program over the whole model (Topology()): every replicated part added once.
     return x + layer.mlp(h, defer=False, counts=lambda name: True), cache
-
-
-def _hidden(model, rows: TokenRows, caches):
-    x = model.embed(rows.ids)
-    updated = []
-    for layer, cache in zip(model.layers, caches, strict=True):
-        x, cache = _layer(layer, x, rows, cache)
-        updated.append(cache)
-    return model.final_norm(x), tuple(updated)
-
-
-def make_baseline(graphdef):
-    """(last-row logits, prefill, decode) of the baseline, jitted; caches are donated."""
-
-    def logits(state, rows, last_rows, caches):
-        model = nnx.merge(graphdef, state)
-        hidden, _ = _hidden(model, rows, caches)
-        return model.lm_head(hidden[last_rows]).astype(jnp.float32)
-
-    def prefill(state, rows, last_rows, caches):
-        model = nnx.merge(graphdef, state)
-        hidden, caches = _hidden(model, rows, caches)
-        return model.lm_head.greedy(hidden[last_rows]), caches
-
-    def decode(state, rows, caches, steps):
-        model = nnx.merge(graphdef, state)
-
-        def step(_, carry):
-            ids, positions, caches = carry
-            now = TokenRows(ids, positions, rows.segment_ids, RowsPhase.DECODE)
-            hidden, caches = _hidden(model, now, caches)
-            return model.lm_head.greedy(hidden), positions + 1, caches
-
-        ids, _, caches = lax.fori_loop(0, steps, step, (rows.ids, rows.positions, caches))
-        return ids, caches
-
-    return (
-        jax.jit(logits),
-        jax.jit(prefill, donate_argnums=3),
-        jax.jit(decode, static_argnums=3, donate_argnums=2),
-    )
 
 
 # -- the rooflines ---------------------------------------------------------------------------
@@ -254,112 +172,6 @@ def decode_bytes(config: DecoderConfig, sequences: int, context: float) -> float
     return 2 * weights + state
 
 
-# -- timing ----------------------------------------------------------------------------------
-
-
-def _decode_rows(runner: ShardedCausalLM, sequences: int, start: int):
-    ids = decode_ids(runner.config.vocab_size, sequences)
-    positions = np.full(sequences, start, np.int32)
-    segments = np.arange(sequences, dtype=np.int32)
-    rows = TokenRows(*(runner.place_array(a) for a in (ids, positions, segments)), RowsPhase.DECODE)
-    return rows, runner.place_batch(np.full(1, sequences, np.int32))
-
-
-def run(config: DecoderConfig, sequences: int, length: int, decoding: int, cache_len: int):
-    """The prefill and decode rows of the table: (case, project ms, jit ms, ratio, roofline)."""
-    topology = bj.Topology()
-    mesh = bj.make_mesh(topology)
-    attention = AttentionImpl.for_platform(jax.default_backend())
-    model = build_model(
-        config, topology, BuildOptions(dtype=jnp.bfloat16, attention=attention), mesh=mesh
-    )
-    runner = ShardedCausalLM(model, mesh)
-    del model
-    baseline = baseline_model(runner)
-    graphdef, state = nnx.split(baseline)
-    logits_of, prefill, decode = make_baseline(graphdef)
-    key = jax.device_put(jax.random.key(0), NamedSharding(mesh, PartitionSpec()))
-    rng = np.random.default_rng(0)
-    results = []
-
-    prompts = list(rng.integers(0, config.vocab_size, (sequences, length)).astype(np.int32))
-    packed = pack_sequences(prompts, topology, max_sequence_rows=length)
-    rows, batch = runner.place(packed)
-    last_rows = runner.place_array(packed.last_row_index())
-    last = packed.last_row_index()[packed.slot_order()]
-    want = np.asarray(runner.forward_placed(rows, batch))[last]
-    slots = packed.decode_rows_per_rank
-
-    def baseline_caches(slots, max_len):
-        caches = baseline.new_caches(slots=slots, max_len=max_len, dtype=runner.dtype, mesh=mesh)
-        return to_auto(caches, mesh)
-
-    rows_, last_ = to_auto((rows, runner.place_array(last)), mesh)
-    got = logits_of(state, rows_, last_, baseline_caches(slots, length))
-    error = relative_error(got, want)
-    caches = [runner.new_caches(slots, length)]
-
-    def project_prefill():
-        tokens, caches[0] = runner.prefill(rows, batch, caches[0], last_rows, key)
-        return tokens
-
-    project_ms = median_wall_ms(project_prefill, label="project prefill")
-    del caches[0]
-    holder = [baseline_caches(slots, length)]
-
-    def baseline_prefill():
-        tokens, holder[0] = prefill(state, rows_, last_, holder[0])
-        return tokens
-
-    jit_ms = median_wall_ms(baseline_prefill, label="one-jit prefill")
-    del holder[0]
-    roof = prefill_flops(config, (length,) * sequences) / PEAK_FLOPS * 1e3
-    results.append(
-        (
-            f"prefill {sequences} x {length}",
-            project_ms,
-            jit_ms,
-            jit_ms / project_ms,
-            f"{100 * roof / project_ms:.0f}% FLOP",
-            f"{error:.1e}",
-        )
-    )
-    print(results[-1], flush=True)
-
-    start = cache_len - STEPS - 1
-    rows, batch = _decode_rows(runner, decoding, start)
-    caches = [runner.new_caches(decoding, cache_len)]
-
-    def project_decode():
-        out, caches[0] = runner.decode(rows, batch, caches[0], key, STEPS, capacity=STEPS)
-        return out
-
-    project_ms = median_wall_ms(project_decode, 5, label="project decode") / STEPS
-    del caches[0]
-    holder = [baseline_caches(decoding, cache_len)]
-    rows_ = to_auto(rows, mesh)
-
-    def baseline_decode():
-        out, holder[0] = decode(state, rows_, holder[0], STEPS)
-        return out
-
-    jit_ms = median_wall_ms(baseline_decode, 5, label="one-jit decode") / STEPS
-    del holder[0]
-    roof = decode_bytes(config, decoding, start + STEPS / 2) / HBM_BYTES_PER_S * 1e3
-    results.append(
-        (
-            f"decode {decoding} @ {cache_len}",
-            project_ms,
-            jit_ms,
-            jit_ms / project_ms,
-            f"{100 * roof / project_ms:.0f}% HBM",
-            "-",
-        )
-    )
-    print(results[-1], flush=True)
-    return results
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check)")
@@ -375,7 +187,15 @@ def main() -> None:
         config = smoke(config)
         sequences, length, decoding, cache_len = 2, 64, 8, 128
     print(header(f"bench_qwen3_next: {config.num_layers} layers, bf16, one device"))
-    results = run(config, sequences, length, decoding, cache_len)
+    results = layer_stack_jit.run(
+        config,
+        Qwen3NextForCausalLM,
+        _layer,
+        prefill=(sequences, length),
+        decode=(decoding, cache_len),
+        prefill_flops=prefill_flops,
+        decode_bytes=decode_bytes,
+    )
     print(
         f"\n## Qwen3-Next-80B-A3B shape, {config.num_layers} layers (DeltaNet x 3, attention) "
         "x 2, bf16: project vs one jit (ms; ratio = speedup)"
