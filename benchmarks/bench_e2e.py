@@ -62,6 +62,7 @@ from . import bench_fp8
 from .common import (
     HBM_BYTES_PER_S,
     LLAMA3_8B,
+    LLAMA3_SMOKE,
     PEAK_FLOPS,
     SMOKE_CASES,
     Cases,
@@ -114,17 +115,6 @@ class GenerateCheck:
 
 SMOKE_GENERATE = GenerateCheck(prompts=2, prompt_tokens=8, new_tokens=3, cache=16, repeats=1)
 """`--smoke`: the generate() check at 2 prompts of 8 tokens, timed once."""
-SMOKE_CONFIG = dataclasses.replace(
-    LLAMA3_8B,
-    num_layers=2,
-    vocab_size=512,
-    hidden_size=128,
-    intermediate_size=256,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=32,
-)
-"""`--smoke`: the Llama shape shrunk to seconds of CPU compile time (`--layers` still applies)."""
 DEFAULT_TP = (1, 2)
 """The TPs a run measures unless `--tp` says; those the visible devices cannot hold are left out."""
 
@@ -403,7 +393,7 @@ def main() -> None:
         help="fp8: the project's bf16 step against its FP8 step (benchmarks.bench_fp8, e2e)",
     )
     args = parser.parse_args()
-    base = SMOKE_CONFIG if args.smoke else LLAMA3_8B
+    base = LLAMA3_SMOKE if args.smoke else LLAMA3_8B
     layers_list = args.layers or [base.num_layers if args.smoke else 8]
     if args.quantize == "fp8":
         fp8_args = ["--parts", "e2e", "--layers", str(layers_list[0])]

@@ -33,19 +33,7 @@ from models.layers.lora import ATTENTION_TARGETS, MLP_TARGETS, LoraSpec
 from models.options import BuildOptions
 from models.serving.runtime import ShardedCausalLM
 
-from .common import LLAMA3_8B, decode_inputs, header, paired_wall_ms, print_table
-
-SMOKE_CONFIG = dataclasses.replace(
-    LLAMA3_8B,
-    vocab_size=512,
-    hidden_size=128,
-    intermediate_size=256,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=32,
-)
-"""`--smoke`: the Llama shape shrunk to seconds of CPU compile time."""
+from .common import LLAMA3_8B, LLAMA3_SMOKE, decode_inputs, header, paired_wall_ms, print_table
 
 
 def lora_bytes(config, spec: LoraSpec, itemsize: int) -> int:
@@ -118,7 +106,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="decode steps per timed call")
     parser.add_argument("--smoke", action="store_true", help="a tiny config, one timed call")
     args = parser.parse_args()
-    base = SMOKE_CONFIG if args.smoke else LLAMA3_8B
+    base = LLAMA3_SMOKE if args.smoke else LLAMA3_8B
     config = dataclasses.replace(base, num_layers=args.layers or base.num_layers)
     sequences = args.sequences or ([4] if args.smoke else [64])
     cache = args.cache or (16 if args.smoke else 1024)

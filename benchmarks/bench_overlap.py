@@ -34,7 +34,7 @@ from models.build import build_model
 from models.options import BuildOptions
 from models.serving.runtime import ShardedCausalLM
 
-from .common import LLAMA3_8B, header, median_wall_ms
+from .common import LLAMA3_8B, LLAMA3_SMOKE, header, median_wall_ms
 
 _SCOPE = re.compile(r"microbatch_(\d)/")
 
@@ -106,15 +106,7 @@ def run(layers: int, dp: int, tp: int, sequences: int, tokens: int, smoke: bool)
     config = dataclasses.replace(LLAMA3_8B, num_layers=layers)
     dtype = jnp.bfloat16
     if smoke:
-        config = dataclasses.replace(
-            config,
-            vocab_size=512,
-            hidden_size=128,
-            intermediate_size=256,
-            num_heads=4,
-            num_kv_heads=2,
-            head_dim=32,
-        )
+        config = dataclasses.replace(LLAMA3_SMOKE, num_layers=layers)
         dtype = jnp.float32
     topology = bj.Topology(attn_dp=dp, attn_tp=tp)
     mesh = bj.make_mesh(topology, jax.devices()[: dp * tp])

@@ -39,20 +39,7 @@ from models.serving.paged import PagedRunner
 from models.serving.runtime import ShardedCausalLM
 from models.serving.scheduler import Request
 
-from .common import LLAMA3_8B, header, print_table
-
-SMOKE_CONFIG = dataclasses.replace(
-    LLAMA3_8B,
-    num_layers=2,
-    vocab_size=512,
-    hidden_size=128,
-    intermediate_size=256,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=32,
-    max_position_embeddings=256,
-)
-"""`--smoke`: the Llama shape shrunk to seconds of CPU compile time."""
+from .common import LLAMA3_8B, LLAMA3_SMOKE, header, print_table
 
 
 @dataclasses.dataclass
@@ -143,7 +130,7 @@ def main() -> None:
         args.prompt_tokens, args.output_tokens = (8, 40), (4, 16)
         args.shared_prefix = min(args.shared_prefix, 8)
         args.max_tokens_per_step, args.kv_cache_gb, args.page_size = 64, 0.01, 8
-        config = SMOKE_CONFIG
+        config = dataclasses.replace(LLAMA3_SMOKE, max_position_embeddings=256)
     else:
         config = dataclasses.replace(LLAMA3_8B, num_layers=args.layers)
     dtype = jnp.float32 if args.smoke else jnp.bfloat16

@@ -49,6 +49,17 @@ LLAMA3_8B = DecoderConfig(
     max_position_embeddings=8192,
 )
 """The Llama-3-8B shape the benchmarks measure (random weights; no checkpoint)."""
+LLAMA3_SMOKE = dataclasses.replace(
+    LLAMA3_8B,
+    num_layers=2,
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+)
+"""`--smoke`: the Llama shape shrunk to seconds of CPU compile time (2 layers)."""
 
 
 def attention_kernel() -> str:
