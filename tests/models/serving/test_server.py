@@ -11,13 +11,11 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 import boundary_jax as bj
 from models.build import load_model
@@ -29,11 +27,7 @@ from models.serving.runtime import ShardedCausalLM
 from models.serving.scheduler import Finish, Request
 from models.serving.server import Server
 from models.serving.text import eos_token_ids, text_codec
-
-HTTP = httpx.Client(timeout=120, limits=httpx.Limits(max_keepalive_connections=0))
-"""The tests' HTTP client: a first request may wait for a compile, past httpx's 5 s default;
-each request on a fresh connection, as `httpx.post` makes one (a server that drops a connection
-after a 500 must not fail the next request)."""
+from tests.models.serving.http_harness import HTTP, Listening
 
 TEXT = pathlib.Path(__file__).parents[2] / "golden" / "text"
 ROOT = pathlib.Path(__file__).parents[3]
@@ -58,7 +52,7 @@ WORDS = [
 ]
 
 
-class Served:
+class Served(Listening):
     """The model, its codec and eos ids, and a server on a free port of this host."""
 
     def __init__(self):
@@ -71,18 +65,7 @@ class Served:
             self.runner, page_size=4, pages_per_rank=24, slots_per_rank=8, max_rows=32
         )
         self.engine = Engine(paged)
-        self.server = Server(self.engine, self.codec, model_name=MODEL, eos_ids=self.eos)
-        self.engine.start()
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        config = uvicorn.Config(self.server.app, host="127.0.0.1", port=port, log_level="warning")
-        self.http = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.http.run, daemon=True)
-        self.thread.start()
-        while not self.http.started:
-            time.sleep(0.02)
-        self.url = f"http://127.0.0.1:{port}"
+        super().__init__(Server(self.engine, self.codec, model_name=MODEL, eos_ids=self.eos))
 
     def expected(self, ids: list[int], max_tokens: int) -> list[int]:
         """`generate` of this prompt alone, up to its first eos id."""
@@ -90,15 +73,6 @@ class Served:
 
     def text(self, ids: list[int]) -> str:
         return self.codec.decode([t for t in ids if t not in self.eos])
-
-    def metric(self, name: str) -> float:
-        lines = HTTP.get(f"{self.url}/metrics").text.splitlines()
-        return float(next(line.split()[1] for line in lines if line.startswith(name + " ")))
-
-    def close(self):
-        self.http.should_exit = True
-        self.thread.join(10)
-        self.server.drain(0.0)
 
 
 @pytest.fixture(scope="module")

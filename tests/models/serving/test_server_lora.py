@@ -5,13 +5,9 @@ adapters, and an unknown adapter is a 400."""
 
 import asyncio
 import pathlib
-import socket
-import threading
-import time
 
 import httpx
 import pytest
-import uvicorn
 
 import boundary_jax as bj
 from models.build import load_model
@@ -22,11 +18,7 @@ from models.serving.paged import PagedRunner
 from models.serving.runtime import ShardedCausalLM
 from models.serving.server import Server
 from models.serving.text import eos_token_ids
-
-HTTP = httpx.Client(timeout=120, limits=httpx.Limits(max_keepalive_connections=0))
-"""The tests' HTTP client: a first request may wait for a compile, past httpx's 5 s default;
-each request on a fresh connection, as `httpx.post` makes one (a server that drops a connection
-after a 500 must not fail the next request)."""
+from tests.models.serving.http_harness import HTTP, Listening
 
 GOLDEN = pathlib.Path(__file__).parents[2] / "golden"
 CHECKPOINT = GOLDEN / "qwen3"
@@ -50,7 +42,7 @@ class IdCodec:
         return "".join(chr(0x4E00 + i) for i in ids)
 
 
-class Served:
+class Served(Listening):
     """The checkpoint with both adapters behind a server on a free port of this host."""
 
     def __init__(self):
@@ -65,20 +57,9 @@ class Served:
         self.engine = Engine(paged)
         lora = self.runner.options.lora
         adapters = {name: lora.index(name) for name in lora.names}
-        self.server = Server(
-            self.engine, self.codec, model_name=MODEL, eos_ids=self.eos, adapters=adapters
+        super().__init__(
+            Server(self.engine, self.codec, model_name=MODEL, eos_ids=self.eos, adapters=adapters)
         )
-        self.engine.start()
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        config = uvicorn.Config(self.server.app, host="127.0.0.1", port=port, log_level="warning")
-        self.http = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.http.run, daemon=True)
-        self.thread.start()
-        while not self.http.started:
-            time.sleep(0.02)
-        self.url = f"http://127.0.0.1:{port}"
 
     def expected(self, ids: list[int], max_tokens: int, adapter: str | None) -> str:
         """`generate` of this prompt alone through `adapter`, as the server's text."""
@@ -88,15 +69,6 @@ class Served:
     def ask(self, ids: list[int], max_tokens: int, adapter: str | None) -> httpx.Response:
         body = {"model": adapter or MODEL, "prompt": ids, "max_tokens": max_tokens}
         return HTTP.post(f"{self.url}/v1/completions", json={**body, "temperature": 0})
-
-    def metric(self, name: str) -> float:
-        lines = HTTP.get(f"{self.url}/metrics").text.splitlines()
-        return float(next(line.split()[1] for line in lines if line.startswith(name + " ")))
-
-    def close(self):
-        self.http.should_exit = True
-        self.thread.join(10)
-        self.server.drain(0.0)
 
 
 @pytest.fixture(scope="module")
