@@ -71,6 +71,14 @@ def positive_int(text: str) -> int:
     return value
 
 
+def port(text: str) -> int:
+    """A TCP port to listen on: 1 to 65535."""
+    value = _int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port, 1 to 65535; got {text}")
+    return value
+
+
 def sequence_length(text: str) -> int:
     """`--seq-len`: an int >= 2 (a sequence of one token has no next token to predict)."""
     value = _int(text)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import socket
 from pathlib import Path
 
 import jax
@@ -27,7 +28,7 @@ GIB = 1 << 30
 def add_serve_args(command: argparse.ArgumentParser) -> None:
     """`serve`'s own options (the model options are `generate`'s)."""
     command.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    command.add_argument("--port", type=options.positive_int, default=8000)
+    command.add_argument("--port", type=options.port, default=8000)
     command.add_argument(
         "--max-running",
         type=options.positive_int,
@@ -84,6 +85,25 @@ def pages_per_rank(args: argparse.Namespace, model: ShardedCausalLM, slots: int)
     return min(pages, slots * per_sequence)
 
 
+def check_listening(host: str, port: int) -> None:
+    """Refuses an address this process cannot listen on (a port in use, a host not its own)
+    before the model is built.
+
+    Raises:
+      InputError: The address cannot be bound.
+    """
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))
+    except OSError as error:
+        raise InputError(
+            f"--host {host} --port {port}: cannot listen there ({error.strerror or error}); "
+            "choose a free port or an address of this host"
+        ) from None
+
+
 def follow_quietly(paged: PagedRunner, channel: Channel) -> None:
     """A follower's part under `launch`: runs process 0's steps until its server stops.
     SIGINT and SIGTERM are ignored meanwhile: process 0 takes them and stops the group (a
@@ -103,6 +123,8 @@ def serve(args: argparse.Namespace) -> None:
     and end when process 0's server stops."""
     if options.pipelined(args):
         raise InputError("serve runs the model as one program; drop pp from --mesh")
+    if is_first_process():
+        check_listening(args.host, args.port)
     out = console()
     config = source_config(args)
     model = runner(args, out, config)

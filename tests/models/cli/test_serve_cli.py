@@ -1,6 +1,9 @@
 """`boundary-jax serve` refuses what it cannot serve in one error line (exit 2): pipeline
 stages, a model whose cache has no paged form, a KV cache budget that holds no page, `--lora`
-as `generate` refuses it (on a preset, a folder without an adapter config)."""
+as `generate` refuses it (on a preset, a folder without an adapter config), an address it
+cannot listen on (checked before the model is built)."""
+
+import socket
 
 import pytest
 
@@ -16,8 +19,26 @@ CASES = [
 ]
 
 
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 @pytest.mark.parametrize(("args", "message"), CASES, ids=[m for _, m in CASES])
 def test_serve_refuses_in_one_line(args, message, capsys):
-    assert main(["serve", *args, "--port", "1"]) == 2
+    assert main(["serve", *args, "--port", str(free_port())]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("boundary-jax: error: ") and message in err[-1], err
+
+
+def test_serve_refuses_an_address_it_cannot_listen_on(capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--preset", "tiny-mistral", "--port", str(port)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--port {port}: cannot listen there" in err[0], err
+    assert main(["serve", "--preset", "tiny-mistral", "--port", "70000"]) == 2
+    assert "must be a TCP port" in capsys.readouterr().err
