@@ -131,7 +131,8 @@ def _wait(children: list[subprocess.Popen]) -> int:
 
 def _stop(children: list[subprocess.Popen]) -> None:
     """Stops the children still running: terminate, then kill after `STOP_GRACE`; says which
-    of them did not exit 0 (a command that stops cleanly on SIGTERM, as `serve`, exits 0)."""
+    of them exited with an error of their own (a command that stops cleanly on SIGTERM, as
+    `serve`, exits 0; one ended by the signal itself is not reported)."""
     running = [(index, child) for index, child in enumerate(children) if child.poll() is None]
     for _, child in running:
         child.terminate()
@@ -142,7 +143,7 @@ def _stop(children: list[subprocess.Popen]) -> None:
         except subprocess.TimeoutExpired:
             child.kill()
             child.wait()
-        if child.returncode != 0:
+        if child.returncode > 0:
             print(
                 f"boundary-jax launch: stopped process {index} exited with code {child.returncode}",
                 file=sys.stderr,
