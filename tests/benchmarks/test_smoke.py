@@ -142,3 +142,12 @@ def test_serve_smoke_reports_engine_and_static():
     assert rows[3][0].startswith("prefix 8, reuse on") and int(rows[3][7]) > 0, out
     warmed = int(out.split("warm-up: ")[1].split()[0])
     assert f"{warmed} step programs" in out, out
+
+
+@SLOW
+def test_paged_attention_smoke_matches_the_reference():
+    """bench_paged_attention --smoke runs the interpreted Pallas paged kernel, alone and from
+    the cache's layout, and both match the jnp reference."""
+    rows = table_rows(run_smoke("bench_paged_attention", "--smoke"), "max |diff| vs jnp")
+    assert [row[2] for row in rows] == ["kernel", "kernel + T", "jnp"], rows
+    assert all(float(row[-1]) < 1e-5 for row in rows), rows

@@ -85,7 +85,8 @@ def attend_paged_kernel(
       [T, kv, group, D].
 
     Raises:
-      NotImplementedError: A sliding window or sinks.
+      NotImplementedError: A sliding window or sinks; on the GPU, compute blocks under 16
+        positions (small pages).
       ValueError: An impl other than KERNEL_IMPLS.
     """
     _refuse_unsupported(sliding_window, sinks, "attend_paged_kernel")
@@ -95,6 +96,12 @@ def attend_paged_kernel(
     valid = segment_ids >= 0
     table = cache.page_table[jnp.maximum(segment_ids, 0)]  # [T, pages per sequence]
     padded, splits, block = kernel_blocks(table.shape[1], k_splits, pages_per_compute_block)
+    if impl is Impl.PALLAS_TRITON and block * cache.k.shape[1] < 16:
+        raise NotImplementedError(
+            "the Triton kernel's dots take blocks of >= 16 positions; got pages of "
+            f"{cache.k.shape[1]} positions, {block} per compute block. Use pages of >= 16 "
+            "positions or a wider page table (attend_paged_cudnn takes any)"
+        )
     table = jnp.pad(table, ((0, 0), (0, padded - table.shape[1])))
     lengths = jnp.where(valid, positions + 1, 0).astype(jnp.int32)
     out = pallas_paged_attention()(
