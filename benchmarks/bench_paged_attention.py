@@ -163,7 +163,7 @@ def main() -> None:
                     ]
                 )
     print_table(
-        ["rows @ context", "page", "form", "ms", "floor / form", "KV GB/s", "max |diff| vs jnp"],
+        ["rows @ context", "page", "form", "ms", "floor / form", "KV GB/s", "max diff vs jnp"],
         rows,
     )
 
