@@ -193,7 +193,15 @@ def main() -> None:
     parser.add_argument(
         "--no-scan-layers", action="store_true", help="unroll the layers (slower compiles)"
     )
+    parser.add_argument(
+        "--compilation-cache",
+        help="JAX's persistent compilation cache directory: calls split by --only on one "
+        "machine compile each step program once",
+    )
     args = parser.parse_args()
+    if args.compilation_cache:
+        jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     if args.smoke:
         args.requests, args.concurrency = 16, 4
         args.prompt_tokens, args.output_tokens = (8, 40), (4, 16)
