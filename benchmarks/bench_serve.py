@@ -4,20 +4,28 @@ and `ShardedCausalLM.generate` of the same requests batched ideally.
 
 The load: `--requests` requests whose prompt and output lengths are drawn uniformly from
 `--prompt-tokens` and `--output-tokens` (a fixed seed), arriving as a Poisson process at
-`--rate` requests/s, or all at once and held at `--concurrency` in flight (the default). With
-`--shared-prefix N` every prompt starts with the same N tokens (a system prompt); run it twice,
-once with `--no-prefix-caching`, to see what prefix reuse saves in time to first token.
+`--rate` requests/s, or all at once and held at `--concurrency` in flight (the default).
 
-Reported: output tokens/s, time to first token (TTFT) p50 / p99 / mean and inter-token latency
-(ITL) p50 / p99 of the engine; the static baseline's output tokens/s (requests sorted by output
-length, `--concurrency` per `generate` call, each call running its longest output; only the
-requested tokens count), and the ratio. Compile time is kept out of both: each runs the load
-once first (the engine without prefix reuse, so the measured run finds no page cached).
+Parts (`--only`, any of them; all by default, so a long run can be split over calls):
+  engine: output tokens/s, time to first token (TTFT) p50 / p99 / mean and inter-token latency
+    (ITL) p50 / p99 of the engine serving the load.
+  static: the baseline "batched ideally": the requests sorted by output length and cut into
+    batches of `--concurrency`, one `generate` call per batch, each decoding its longest
+    output (so a batch wastes little on finished rows, and no padding in prefill beyond its
+    buckets); only the requested output tokens count. Its output tokens/s, and the engine's
+    ratio to it when both run.
+  prefix: every prompt starts with the same `--shared-prefix` tokens (a system prompt; 1024
+    unless given), served with prefix reuse off and then on: mean TTFT of each, and the ratio.
+
+Compile time is kept out of every timing: before the engine runs, `PagedRunner.warm_up`
+compiles each step bucket the load can reach with one synthetic step (not the whole load);
+`--min-step-rows` and `--min-step-pages` bound the number of buckets. The static baseline runs
+its batches once to compile, then again timed.
 
   python3 -m benchmarks.bench_serve --smoke                        # CPU check, seconds
   python3 -m benchmarks.bench_serve --layers 32 --requests 256 --concurrency 64 \\
       --prompt-tokens 128 2048 --output-tokens 64 512 --kv-cache-gb 40   # one H200
-  python3 -m benchmarks.bench_serve --layers 32 --shared-prefix 1024 [--no-prefix-caching]
+  python3 -m benchmarks.bench_serve --layers 32 --only prefix
 """
 
 from __future__ import annotations
@@ -51,10 +59,13 @@ class Timing:
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
 
 
-def draw_load(args: argparse.Namespace, vocab: int) -> list[tuple[list[int], int]]:
-    """The requests' prompts and output lengths (a fixed seed)."""
+def draw_load(
+    args: argparse.Namespace, vocab: int, shared_prefix: int = 0
+) -> list[tuple[list[int], int]]:
+    """The requests' prompts (each starting with the same `shared_prefix` tokens) and output
+    lengths (a fixed seed)."""
     rng = np.random.default_rng(0)
-    shared = rng.integers(0, vocab, args.shared_prefix).tolist()
+    shared = rng.integers(0, vocab, shared_prefix).tolist()
     load = []
     for _ in range(args.requests):
         length = int(rng.integers(args.prompt_tokens[0], args.prompt_tokens[1] + 1))
@@ -107,9 +118,51 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) * 1e3 if values else float("nan")
 
 
+def serve(paged: PagedRunner, load, args: argparse.Namespace, *, prefix_caching: bool):
+    """Serves `load` through a fresh engine: (seconds, timings, pages reused, preemptions)."""
+    engine = Engine(paged, prefix_caching=prefix_caching)
+    engine.start()
+    seconds, timings = run_engine(engine, load, args)
+    engine.stop(0.0)
+    return seconds, timings, engine.scheduler.reused_pages, engine.scheduler.preemptions
+
+
+def engine_row(name: str, load, seconds: float, timings: list[Timing], reused, preempted):
+    """A table row of one engine run."""
+    outputs = sum(new for _, new in load)
+    ttft = [t.tokens[0] - t.arrived for t in timings]
+    itl = [b - a for t in timings for a, b in zip(t.tokens, t.tokens[1:], strict=False)]
+    return [
+        name,
+        f"{outputs / seconds:.1f}",
+        f"{percentile(ttft, 50):.1f}",
+        f"{percentile(ttft, 99):.1f}",
+        f"{np.mean(ttft) * 1e3:.1f}",
+        f"{percentile(itl, 50):.2f}",
+        f"{percentile(itl, 99):.2f}",
+        f"{reused}",
+        f"{preempted}",
+    ]
+
+
+COLUMNS = [
+    "run",
+    "output tok/s",
+    "TTFT p50 ms",
+    "TTFT p99 ms",
+    "TTFT mean ms",
+    "ITL p50 ms",
+    "ITL p99 ms",
+    "pages reused",
+    "preemptions",
+]
+PARTS = ("engine", "static", "prefix")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="a tiny config and load (CPU)")
+    parser.add_argument("--only", nargs="+", choices=PARTS, default=PARTS, help="parts to run")
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--dp", type=int, default=1)
@@ -118,25 +171,38 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals/s (0: all)")
     parser.add_argument("--prompt-tokens", type=int, nargs=2, default=(128, 2048))
     parser.add_argument("--output-tokens", type=int, nargs=2, default=(64, 512))
-    parser.add_argument("--shared-prefix", type=int, default=0)
-    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--shared-prefix", type=int, default=1024, help="for --only prefix")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--max-tokens-per-step", type=int, default=512)
+    parser.add_argument("--min-step-rows", type=int, default=64, help="smallest rows bucket")
+    parser.add_argument("--min-step-pages", type=int, default=32, help="smallest pages bucket")
     parser.add_argument("--kv-cache-gb", type=float, default=40.0)
-    parser.add_argument("--no-static", action="store_true", help="skip the generate baseline")
+    parser.add_argument(
+        "--no-scan-layers", action="store_true", help="unroll the layers (slower compiles)"
+    )
+    parser.add_argument(
+        "--compilation-cache",
+        help="JAX's persistent compilation cache directory: calls split by --only on one "
+        "machine compile each step program once",
+    )
     args = parser.parse_args()
+    if args.compilation_cache:
+        jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     if args.smoke:
         args.requests, args.concurrency = 16, 4
         args.prompt_tokens, args.output_tokens = (8, 40), (4, 16)
         args.shared_prefix = min(args.shared_prefix, 8)
         args.max_tokens_per_step, args.kv_cache_gb, args.page_size = 64, 0.01, 8
+        args.min_step_rows, args.min_step_pages = 16, 2
         config = dataclasses.replace(LLAMA3_SMOKE, max_position_embeddings=256)
     else:
         config = dataclasses.replace(LLAMA3_8B, num_layers=args.layers)
     dtype = jnp.float32 if args.smoke else jnp.bfloat16
     topology = bj.Topology(attn_dp=args.dp, attn_tp=args.tp)
     mesh = bj.make_mesh(topology)
-    model = build_model(config, topology, BuildOptions(dtype=dtype), mesh=mesh)
+    options = BuildOptions(dtype=dtype, scan_layers=not args.no_scan_layers)
+    model = build_model(config, topology, options, mesh=mesh)
     runner = ShardedCausalLM(model, mesh)
     per_token = model.cache_bytes_per_token(dtype) * config.num_layers
     slots = -(-args.concurrency // args.dp)
@@ -148,53 +214,47 @@ def main() -> None:
         pages_per_rank=pages,
         slots_per_rank=slots,
         max_rows=args.max_tokens_per_step,
+        min_rows=args.min_step_rows,
+        min_pages=args.min_step_pages,
     )
     load = draw_load(args, config.vocab_size)
     print(header(f"bench_serve: {config.num_layers}L {jnp.dtype(dtype).name} {topology}"))
-    warm = Engine(paged, prefix_caching=False)
-    warm.start()
-    run_engine(warm, load, args)  # every step shape the load reaches, compiled
-    warm.stop(0.0)
-    engine = Engine(paged, prefix_caching=not args.no_prefix_caching)
-    engine.start()
-    seconds, timings = run_engine(engine, load, args)
-    engine.stop(0.0)
-    outputs = sum(new for _, new in load)
-    ttft = [t.tokens[0] - t.arrived for t in timings]
-    itl = [b - a for t in timings for a, b in zip(t.tokens, t.tokens[1:], strict=False)]
-    rows = [
-        [
-            "engine",
-            f"{outputs / seconds:.1f}",
-            f"{percentile(ttft, 50):.1f}",
-            f"{percentile(ttft, 99):.1f}",
-            f"{np.mean(ttft) * 1e3:.1f}",
-            f"{percentile(itl, 50):.2f}",
-            f"{percentile(itl, 99):.2f}",
-            f"{engine.scheduler.reused_pages}",
-            f"{engine.scheduler.preemptions}",
-        ]
-    ]
-    if not args.no_static:
+    rows = []
+    if "engine" in args.only or "prefix" in args.only:
+        reach = args.prompt_tokens[1] + args.output_tokens[1]
+        if "prefix" in args.only:
+            reach = max(reach, args.shared_prefix + args.prompt_tokens[1] + args.output_tokens[1])
+        start = time.perf_counter()
+        count = paged.warm_up(reach)
+        # The engine's own small programs (outside the step), on two short requests.
+        serve(paged, [(prompt[:16], 2) for prompt, _ in load[:2]], args, prefix_caching=False)
+        print(f"warm-up: {count} step buckets in {time.perf_counter() - start:.1f} s")
+    engine_seconds = None
+    if "engine" in args.only:
+        result = serve(paged, load, args, prefix_caching=True)
+        engine_seconds = result[0]
+        rows.append(engine_row("engine", load, *result))
+    if "static" in args.only:
         run_static(runner, load, args.concurrency)  # compile
         static = run_static(runner, load, args.concurrency)
+        outputs = sum(new for _, new in load)
         rows.append(["static generate", f"{outputs / static:.1f}", *["-"] * 7])
-        rows[0][0] = f"engine ({static / seconds:.2f}x static)"
-    print_table(
-        [
-            "run",
-            "output tok/s",
-            "TTFT p50 ms",
-            "TTFT p99 ms",
-            "TTFT mean ms",
-            "ITL p50 ms",
-            "ITL p99 ms",
-            "pages reused",
-            "preemptions",
-        ],
-        rows,
+        if engine_seconds is not None:
+            rows[0][0] = f"engine ({static / engine_seconds:.2f}x static)"
+    if "prefix" in args.only:
+        shared = draw_load(args, config.vocab_size, args.shared_prefix)
+        means = {}
+        for reuse in (False, True):
+            result = serve(paged, shared, args, prefix_caching=reuse)
+            means[reuse] = np.mean([t.tokens[0] - t.arrived for t in result[1]])
+            name = f"prefix {args.shared_prefix}, reuse {'on' if reuse else 'off'}"
+            rows.append(engine_row(name, shared, *result))
+        rows[-1][0] += f" ({means[False] / means[True]:.2f}x lower mean TTFT)"
+    print_table(COLUMNS, rows)
+    print(
+        f"{len(load)} requests, {sum(new for _, new in load)} output tokens, "
+        f"{paged.compiled_shapes()} step programs, {jax.devices()[0].platform}"
     )
-    print(f"{len(load)} requests, {outputs} output tokens, {jax.devices()[0].platform}")
 
 
 if __name__ == "__main__":

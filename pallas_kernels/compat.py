@@ -55,3 +55,16 @@ def zeros_varying_like(result: jax.ShapeDtypeStruct) -> jax.Array:
     value = jax.numpy.zeros(result.shape, result.dtype)
     axes = varying_axes(result)
     return lax.pcast(value, axes, to="varying") if axes else value
+
+
+def pallas_paged_attention() -> Any:
+    """JAX's shipped Pallas (Triton) paged decode attention,
+    `jax.experimental.pallas.ops.gpu.paged_attention.paged_attention` (in 0.11.2 and 0.12; 0.12
+    warns on import that the Triton ops are deprecated, so the import is guarded here)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from jax.experimental.pallas.ops.gpu import paged_attention
+
+    return paged_attention.paged_attention

@@ -11,7 +11,8 @@ from that row with its own sampling parameters; the others sample nothing. Only 
 (and their log-probabilities) come back to the host.
 
 The step compiles once per (rows per rank, pages per sequence) bucket: both are rounded up to
-powers of two (`bucket`), the slots and the pool are fixed at construction.
+powers of two (`bucket`, from `min_rows` and `min_pages` up), the slots and the pool are fixed at
+construction; `warm_up` compiles every bucket a load can reach with one synthetic step each.
 """
 
 from __future__ import annotations
@@ -131,6 +132,10 @@ class PagedRunner:
       pages_per_rank: Pages in each DP rank's pool (every layer has its own pool of this many).
       slots_per_rank: Sequences each DP rank holds at once.
       max_rows: The most step rows per DP rank (the token budget of a step on one rank).
+      min_rows: The smallest rows bucket (fewer buckets, so fewer programs to compile, for
+        more padding rows in small steps).
+      min_pages: The smallest pages bucket (likewise: fewer programs, for more pages read by
+        the steps of short sequences).
       pages_per_sequence: Page-table width: pages of the longest context.
       tables: int32 [attn_dp, slots, pages_per_sequence] host page tables, which the caller (the
         scheduler) fills; each step places the part its sequences reach.
@@ -144,6 +149,8 @@ class PagedRunner:
         pages_per_rank: int,
         slots_per_rank: int,
         max_rows: int,
+        min_rows: int = MIN_STEP_ROWS,
+        min_pages: int = 1,
     ):
         topology = runner.topology
         specs = runner.model.cache_specs()
@@ -167,10 +174,12 @@ class PagedRunner:
                 f"the paged step is not built under attention CP or pipeline stages; got "
                 f"{topology}. Serve on a mesh of attention DP x TP (and MoE axes)"
             )
-        if page_size < 1 or pages_per_rank < 1 or slots_per_rank < 1 or max_rows < 1:
+        sizes = (page_size, pages_per_rank, slots_per_rank, max_rows, min_rows, min_pages)
+        if min(sizes) < 1:
             raise ValueError(
-                "page_size, pages_per_rank, slots_per_rank and max_rows must be >= 1; got "
-                f"{page_size=}, {pages_per_rank=}, {slots_per_rank=}, {max_rows=}"
+                "page_size, pages_per_rank, slots_per_rank, max_rows, min_rows and min_pages "
+                f"must be >= 1; got {page_size=}, {pages_per_rank=}, {slots_per_rank=}, "
+                f"{max_rows=}, {min_rows=}, {min_pages=}"
             )
         self.runner = runner
         self.page_size = page_size
@@ -178,8 +187,10 @@ class PagedRunner:
         tp = topology.attn_tp
         self.slots_per_rank = bucket(slots_per_rank, tp)
         self.max_rows = bucket(max(max_rows, MIN_STEP_ROWS), tp)
+        self.min_rows = min(bucket(max(min_rows, MIN_STEP_ROWS), tp), self.max_rows)
         limit = runner.config.max_position_embeddings
         self.pages_per_sequence = -(-limit // page_size)
+        self.min_pages = min_pages
         dp = topology.attn_dp
         self.tables = np.zeros((dp, self.slots_per_rank, self.pages_per_sequence), np.int32)
         self._blocks = runner.config.layer_blocks(runner.options.scan_layers)
@@ -266,9 +277,8 @@ class PagedRunner:
             raise ValueError("a step runs at most one chunk per slot")
         if previous is None and any(c.previous for c in chunks):
             raise ValueError("a chunk reads the previous step's draw; pass that step")
-        rows = bucket(max(int(used.max(initial=1)), MIN_STEP_ROWS), self.runner.topology.attn_tp)
         reach = max((c.start + len(c.tokens) for c in chunks), default=1)
-        pages = min(bucket(-(-reach // self.page_size)), self.pages_per_sequence)
+        rows, pages = self.step_bucket(int(used.max(initial=1)), reach)
         ids = np.zeros((dp, rows), np.int32)
         positions = np.zeros((dp, rows), np.int32)
         segments = np.full((dp, rows), -1, np.int32)
@@ -342,6 +352,50 @@ class PagedRunner:
             *per_slot,
         )
         return Launched(tuple(chunks), outputs[0], outputs, (dp, slots))
+
+    def step_bucket(self, rows: int, reach: int) -> tuple[int, int]:
+        """The (rows per rank, pages per sequence) bucket of a step whose busiest rank runs
+        `rows` rows and whose furthest sequence reaches `reach` positions."""
+        rows = bucket(max(rows, self.min_rows), self.runner.topology.attn_tp)
+        pages = bucket(max(-(-reach // self.page_size), self.min_pages))
+        return rows, min(pages, self.pages_per_sequence)
+
+    def step_buckets(self, reach: int) -> list[tuple[int, int]]:
+        """Every step bucket of sequences reaching at most `reach` positions."""
+        rows_buckets = sorted({self.step_bucket(r, 1)[0] for r in range(1, self.max_rows + 1)})
+        pages_buckets = sorted(
+            {
+                self.step_bucket(1, count * self.page_size)[1]
+                for count in range(1, -(-reach // self.page_size) + 1)
+            }
+        )
+        return [(rows, pages) for rows in rows_buckets for pages in pages_buckets]
+
+    def warm_up(self, reach: int) -> int:
+        """Compiles the step of every bucket that sequences reaching at most `reach` positions
+        can take (`step_buckets`), running one synthetic step each, then starts from fresh
+        pools. Call it with no sequence in flight; the page tables are left as they were.
+
+        Returns:
+          The number of buckets run.
+        """
+        tables = self.tables.copy()
+        # Distinct pages per slot where the pool has them; what the synthetic rows write is
+        # dropped with the pools at the end.
+        spread = np.arange(self.slots_per_rank * self.pages_per_sequence) % self.pages_per_rank
+        self.tables[:] = spread.reshape(self.tables.shape[1:]).astype(np.int32)
+        shapes = self.step_buckets(reach)
+        for rows, pages in shapes:
+            span = pages * self.page_size
+            chunks, slot, left = [], 0, rows
+            while left and slot < self.slots_per_rank:
+                count = min(left, span)
+                chunks.append(Chunk(0, slot, (0,) * count, span - count, False))
+                slot, left = slot + 1, left - count
+            self.step(chunks, {})
+        self.tables[:] = tables
+        self.reset()
+        return len(shapes)
 
     def compiled_shapes(self) -> int:
         """Step programs compiled so far (one per rows bucket, per pages bucket)."""

@@ -134,8 +134,21 @@ def test_lora_smoke_times_the_base_and_lora_steps():
 @SLOW
 def test_serve_smoke_reports_engine_and_static():
     """bench_serve --smoke serves 16 requests through the engine and times the static
-    generate of the same requests."""
-    out = run_smoke("bench_serve", "--smoke", "--shared-prefix", "8")
+    generate of the same requests, and the shared-prefix load with reuse off and on; the
+    warm-up compiles every step program the runs use."""
+    out = run_smoke("bench_serve", "--smoke")
     rows = table_rows(out, "output tok/s")
     assert rows[0][0].startswith("engine (") and rows[1][0] == "static generate", out
-    assert int(rows[0][7]) > 0  # pages reused from the shared prefix
+    assert rows[2][0].startswith("prefix 8, reuse off") and int(rows[2][7]) == 0, out
+    assert rows[3][0].startswith("prefix 8, reuse on") and int(rows[3][7]) > 0, out
+    warmed = int(out.split("warm-up: ")[1].split()[0])
+    assert f"{warmed} step programs" in out, out
+
+
+@SLOW
+def test_paged_attention_smoke_matches_the_reference():
+    """bench_paged_attention --smoke runs the interpreted Pallas paged kernel, alone and from
+    the cache's layout, and both match the jnp reference."""
+    rows = table_rows(run_smoke("bench_paged_attention", "--smoke"), "max diff vs jnp")
+    assert [row[2] for row in rows] == ["kernel", "kernel + T", "jnp"], rows
+    assert all(float(row[-1]) < 1e-5 for row in rows), rows

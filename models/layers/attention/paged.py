@@ -12,7 +12,7 @@ only by the sequence that owns its next position, so shared pages are only read.
 Rows of an `RowsPhase.EXTEND` call are any tokens of the sequences held (a chunk of a prompt,
 or one decode token each): every row is written at its position and then attends to its
 sequence's positions up to its own, read through the page table (`attend_paged`: the `jnp`
-reference gathers each row's pages; a paged GPU kernel belongs beside it).
+reference gathers each row's pages; `paged_gpu` holds its GPU forms).
 """
 
 from __future__ import annotations

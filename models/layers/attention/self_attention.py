@@ -48,6 +48,7 @@ from .context_parallel import (
 from .cudnn import decode_cache_cudnn, prefill_attention_cudnn, window_of_cache
 from .kv_cache import HeadSplit, KVCache
 from .paged import PagedKVCache, attend_paged
+from .paged_gpu import attend_paged_cudnn
 from .rope import apply_rope, rope_inv_freq
 
 O_PROJ_BIAS = "o_proj bias"
@@ -270,7 +271,7 @@ class Attention(nnx.Module):
             (`pack_sequences`), and a DECODE step's rows are alike on every CP rank, whose
             cache shards each hold some positions of every slot (`KVCache`). EXTEND (needs a
             `PagedKVCache`): any tokens of the slots' sequences, each written at its position
-            and attending to its sequence's pages up to it (`attend_paged`).
+            and attending to its sequence's pages (`attend_paged`; `attend_paged_cudnn` on cuDNN).
           max_sequence_rows: Static: no PREFILL sequence has more rows (`TokenRows`). With it
             (or a sliding window) the `jnp` prefill attends block by block to the keys within
             reach instead of over all T x T row pairs.
@@ -345,7 +346,8 @@ class Attention(nnx.Module):
         sinks = self._local_sinks()
         if phase is RowsPhase.EXTEND:
             cache = cache.write(k, v, segment_ids, positions)
-            out = attend_paged(
+            gathered = cudnn and self.spec.sliding_window is None and sinks is None
+            out = (attend_paged_cudnn if gathered else attend_paged)(
                 self._grouped(q),
                 cache,
                 positions,

@@ -156,6 +156,23 @@ def test_paged_greedy_equals_generate(case, pages, monkeypatch):
     assert paged.compiled_shapes() <= 5
 
 
+def test_warm_up_compiles_every_step_the_load_takes():
+    """`warm_up` runs one synthetic step per (rows, pages) bucket the prompts can reach (pages
+    buckets from `min_pages` up); serving them afterwards compiles nothing new, and the
+    synthetic steps leave no trace in the tokens."""
+    runner, prompts, want, _ = _served(*DEFAULT)
+    paged = PagedRunner(
+        runner, page_size=4, pages_per_rank=64, slots_per_rank=4, max_rows=16, min_pages=8
+    )
+    reach = max(map(len, prompts)) + NEW_TOKENS
+    assert paged.step_buckets(reach) == [(16, 8), (16, 16)]
+    assert paged.warm_up(reach) == 2 and paged.compiled_shapes() == 2
+    assert not paged.tables.any()
+    requests = _serve(Engine(paged), prompts)
+    np.testing.assert_array_equal([r.output for r in requests], want)
+    assert paged.compiled_shapes() == 2
+
+
 def test_prefix_reuse_off_computes_every_token():
     """Without prefix caching nothing is reused and every prompt token is computed; the
     outputs are the same."""
