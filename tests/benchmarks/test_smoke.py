@@ -147,8 +147,9 @@ def test_serve_smoke_reports_engine_and_static():
 
 @SLOW
 def test_paged_attention_smoke_matches_the_reference():
-    """bench_paged_attention --smoke runs the interpreted Pallas paged kernel, alone and from
-    the cache's layout, and both match the jnp reference."""
+    """bench_paged_attention --smoke runs the interpreted Pallas paged kernel on a decode and a
+    mixed step, and it matches the jnp reference on both."""
     rows = table_rows(run_smoke("bench_paged_attention", "--smoke"), "max diff vs jnp")
-    assert [row[2] for row in rows] == ["kernel", "kernel + T", "jnp"], rows
+    assert [row[2] for row in rows] == ["kernel 16/16", "jnp"] * 2, rows
+    assert [row[0].split()[0] for row in rows] == ["decode"] * 2 + ["mixed"] * 2, rows
     assert all(float(row[-1]) < 1e-5 for row in rows), rows

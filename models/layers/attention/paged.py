@@ -12,7 +12,8 @@ only by the sequence that owns its next position, so shared pages are only read.
 Rows of an `RowsPhase.EXTEND` call are any tokens of the sequences held (a chunk of a prompt,
 or one decode token each): every row is written at its position and then attends to its
 sequence's positions up to its own, read through the page table (`attend_paged`: the `jnp`
-reference gathers each row's pages; `paged_gpu` holds its GPU forms).
+reference gathers each row's pages; `attend_paged_kernel` reads them where they lie, by the
+Pallas kernel `pallas_kernels.paged_attention`, on a GPU).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from boundary_jax import TokenAxis, Topology
+from pallas_kernels import axes
+from pallas_kernels.paged_attention import kernel_supports, ragged_paged_attention
 
 from .attend import attend, causal_visibility
 
@@ -189,3 +192,58 @@ def attend_paged(
     mask = causal_visibility(positions, key_positions, sliding_window)
     mask &= (segment_ids >= 0)[:, None]
     return attend(q, keys.astype(q.dtype), values.astype(q.dtype), mask, "tskd", scale, sinks=sinks)
+
+
+def kernel_takes(cache: PagedKVCache, dtype: jnp.dtype) -> bool:
+    """Whether `attend_paged_kernel` takes queries of `dtype` over `cache` on a GPU: half
+    precision, pages and heads `kernel_supports` (else `attend_paged` computes the call)."""
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and (
+        kernel_supports(cache.k.shape[1], cache.k.shape[-1])
+    )
+
+
+def attend_paged_kernel(
+    q: jax.Array,
+    cache: PagedKVCache,
+    positions: jax.Array,
+    segment_ids: jax.Array,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    sinks: jax.Array | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """`attend_paged` with the pages read where they lie, by the Pallas paged kernel
+    (`pallas_kernels.paged_attention.ragged_paged_attention`; `interpret` runs its body in
+    the Pallas interpreter). Each sequence's rows must be one run of consecutive rows at
+    consecutive positions (an EXTEND step's layout: one chunk per slot)."""
+
+    def kernel(q, k, v, page_table, positions, segment_ids, sinks):
+        return ragged_paged_attention(
+            q,
+            k,
+            v,
+            page_table,
+            positions,
+            segment_ids,
+            scale=scale,
+            sliding_window=sliding_window,
+            sinks=sinks,
+            interpret=interpret,
+        )
+
+    def reference(q, k, v, page_table, positions, segment_ids, sinks):
+        cache = PagedKVCache(k, v, page_table)
+        return attend_paged(
+            q,
+            cache,
+            positions,
+            segment_ids,
+            scale=scale,
+            sliding_window=sliding_window,
+            sinks=sinks,
+        )
+
+    run = axes.interpreted(kernel, reference) if interpret else kernel
+    k, v = cache.k.astype(q.dtype), cache.v.astype(q.dtype)
+    return run(q, k, v, cache.page_table, positions, segment_ids, sinks)

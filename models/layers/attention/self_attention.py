@@ -47,8 +47,7 @@ from .context_parallel import (
 )
 from .cudnn import decode_cache_cudnn, prefill_attention_cudnn, window_of_cache
 from .kv_cache import HeadSplit, KVCache
-from .paged import PagedKVCache, attend_paged
-from .paged_gpu import attend_paged_cudnn
+from .paged import PagedKVCache, attend_paged, attend_paged_kernel, kernel_takes
 from .rope import apply_rope, rope_inv_freq
 
 O_PROJ_BIAS = "o_proj bias"
@@ -68,6 +67,8 @@ class AttentionImpl(enum.Enum):
     CUDNN: cuDNN fused attention (GPU): packed variable-length causal prefill and decode over
     the cache with per-slot key lengths, sliding windows and sinks. Where cuDNN does not take
     the call (float32, head_dim not a multiple of 8 or over 128) the layer uses XLA instead.
+    EXTEND rows over a paged cache go to the Pallas paged kernel (`attend_paged_kernel`)
+    instead, where it takes the pages and heads (`kernel_takes`).
     """
 
     XLA = "xla"
@@ -271,7 +272,8 @@ class Attention(nnx.Module):
             (`pack_sequences`), and a DECODE step's rows are alike on every CP rank, whose
             cache shards each hold some positions of every slot (`KVCache`). EXTEND (needs a
             `PagedKVCache`): any tokens of the slots' sequences, each written at its position
-            and attending to its sequence's pages (`attend_paged`; `attend_paged_cudnn` on cuDNN).
+            and attending to its sequence's pages (`attend_paged`; on the GPU the Pallas
+            paged kernel, `attend_paged_kernel`).
           max_sequence_rows: Static: no PREFILL sequence has more rows (`TokenRows`). With it
             (or a sliding window) the `jnp` prefill attends block by block to the keys within
             reach instead of over all T x T row pairs.
@@ -346,8 +348,8 @@ class Attention(nnx.Module):
         sinks = self._local_sinks()
         if phase is RowsPhase.EXTEND:
             cache = cache.write(k, v, segment_ids, positions)
-            gathered = cudnn and self.spec.sliding_window is None and sinks is None
-            out = (attend_paged_cudnn if gathered else attend_paged)(
+            kernel = self.impl is AttentionImpl.CUDNN and kernel_takes(cache, q.dtype)
+            out = (attend_paged_kernel if kernel else attend_paged)(
                 self._grouped(q),
                 cache,
                 positions,
