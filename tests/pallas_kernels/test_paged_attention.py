@@ -19,6 +19,7 @@ PAGES, KV, GROUP, HEAD_DIM, SLOTS, PER_SEQUENCE = 40, 2, 3, 16, 4, 8
 SEGMENTS = np.array([2] * 10 + [0, 3] + [1] * 5 + [-1] * 3, np.int32)
 POSITIONS = np.array([*range(3, 13), 20, 0, *range(5), 0, 0, 0], np.int32)
 SCALE = 0.3
+TOL = 2e-3 if ON_GPU else 1e-5  # the interpreter's float32 dots run as TF32 on a GPU
 
 
 def paged_inputs(dtype=jnp.float32, page_size: int = 4):
@@ -68,7 +69,7 @@ def test_kernel_interpreted_equals_reference(rows_per_block, window, with_sinks)
     q, cache, sinks = paged_inputs()
     sinks = sinks if with_sinks else None
     got = interpreted(q, cache, sinks, window, rows_per_block)
-    chex.assert_trees_all_close(got, reference(q, cache, sinks, window), atol=1e-5, rtol=1e-5)
+    chex.assert_trees_all_close(got, reference(q, cache, sinks, window), atol=TOL, rtol=TOL)
     assert not np.asarray(got[-3:]).any()
 
 
@@ -101,7 +102,7 @@ def test_attend_paged_kernel_takes_the_cache():
     q, cache, _ = paged_inputs()
     positions, segments = jnp.asarray(POSITIONS), jnp.asarray(SEGMENTS)
     got = attend_paged_kernel(q, cache, positions, segments, scale=SCALE, interpret=True)
-    chex.assert_trees_all_close(got, reference(q, cache), atol=1e-5, rtol=1e-5)
+    chex.assert_trees_all_close(got, reference(q, cache), atol=TOL, rtol=TOL)
 
 
 def test_kernel_refuses_shapes_it_cannot_tile():
@@ -141,12 +142,10 @@ def test_kernel_under_shard_map_over_attention_dp():
 
         stacked = [jnp.concatenate([x, x]) for x in (q, positions, segments)]
         mapped = jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=True)
-        return jax.jit(mapped)(
-            stacked[0], *pools, table, *stacked[1:]
-        )
+        return jax.jit(mapped)(stacked[0], *pools, table, *stacked[1:])
 
     got = run(functools.partial(attend_paged_kernel, interpret=True))
     want = run(attend_paged)
-    chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-5)
+    chex.assert_trees_all_close(got, want, atol=TOL, rtol=TOL)
     rows = len(SEGMENTS)
     assert np.abs(np.asarray(got[:rows]) - np.asarray(got[rows:])).max() > 1e-3

@@ -37,6 +37,14 @@ SCANS = ("jnp", "pallas", "interpret")
 the Pallas Triton kernel `pallas_kernels.delta_rule_scan.chunk_state_scan` (GPU, scalar gate),
 or that kernel in the Pallas interpreter (CPU tests)."""
 
+
+def default_scan(g: jax.Array, beta: jax.Array) -> str:
+    """The `SCANS` entry a prefill takes by default: the Pallas kernel on a GPU for a scalar gate
+    per head (24-26x a row-by-row `lax.scan` against the `jnp` scan's 16x on an H200,
+    `benchmarks/RESULTS.md` run 36), the `jnp` scan elsewhere and for per-channel gates."""
+    return "pallas" if jax.default_backend() == "gpu" and g.shape == beta.shape else "jnp"
+
+
 L2_EPS = 1e-6
 """The epsilon inside the root of the q/k L2 norm (flash-linear-attention's and transformers')."""
 

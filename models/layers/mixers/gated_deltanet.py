@@ -31,7 +31,7 @@ from boundary_jax.initializers import param
 from ...config.linear_attention import DeltaProjections, GatedDeltaNetSpec
 from ...inputs.rows import RowsPhase
 from ..linear import ColumnParallelLinear, RowParallelLinear, group_size
-from .delta_rule import gated_delta_rule_chunked, gated_delta_rule_step
+from .delta_rule import default_scan, gated_delta_rule_chunked, gated_delta_rule_step
 from .mamba2 import DepthwiseConvWeights, LogUniform, NormalAround, TimeStepBias
 from .ssd import (
     accumulation_dtype,
@@ -49,12 +49,18 @@ def delta_rule_prefill(
     cache: DeltaCache | None,
     chunk_size: int,
 ) -> tuple[jax.Array, DeltaCache | None]:
-    """A delta-rule mixer's prefill: the chunked rule over `rule` (q, k, v, gate, beta) from zero
-    states, and with a cache each reached slot's last conv inputs (of `conv_input`) and final
-    state. Returns (output [T, heads, v_dim], the cache or None)."""
+    """A delta-rule mixer's prefill: the chunked rule over `rule` (q, k, v, gate, beta; the state
+    carried across chunks as `default_scan` picks) from zero states, and with a cache each
+    reached slot's last conv inputs (of `conv_input`) and final state. Returns (output [T, heads,
+    v_dim], the cache or None)."""
     slots = 0 if cache is None else cache.state.shape[0]
     o, finals = gated_delta_rule_chunked(
-        *rule, positions, segment_ids, chunk_size=chunk_size, num_slots=slots
+        *rule,
+        positions,
+        segment_ids,
+        chunk_size=chunk_size,
+        num_slots=slots,
+        scan=default_scan(rule[3], rule[4]),
     )
     if cache is not None:
         conv, state = prefill_slot_states(
