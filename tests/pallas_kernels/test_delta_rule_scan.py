@@ -34,8 +34,9 @@ def test_interpreted_kernel_equals_jnp_chunks_and_the_recurrence():
     want_out, want_finals = numpy_delta_rule(*inputs, positions, segments, slots=5)
     args = [jnp.asarray(x, jnp.float32) for x in inputs]
     rule = functools.partial(gated_delta_rule_chunked, chunk_size=8, num_slots=5)
-    out, finals = rule(*args, positions, segments, scan="interpret")
-    ref_out, ref_finals = rule(*args, positions, segments)
+    with jax.default_matmul_precision("highest"):  # float32 dots, not TF32, on a GPU
+        out, finals = rule(*args, positions, segments, scan="interpret")
+        ref_out, ref_finals = rule(*args, positions, segments, scan="jnp")
     scale = np.abs(want_out).max()
     np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-5 * scale)
     np.testing.assert_allclose(finals, ref_finals, rtol=1e-5, atol=1e-5 * np.abs(want_finals).max())
