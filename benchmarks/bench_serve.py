@@ -178,11 +178,10 @@ def main() -> None:
     parser.add_argument(
         "--min-step-pages",
         type=int,
-        default=256,
-        help="smallest pages bucket (the GPU kernel walks only the pages a row reaches, so one "
-        "wide bucket costs only its page table and saves compiles)",
+        default=None,
+        help="smallest pages bucket (default: PagedRunner's, one bucket as wide as the context "
+        "where the GPU kernel reads pages in place)",
     )
-    parser.add_argument("--kv-cache-gb", type=float, default=40.0)
     parser.add_argument(
         "--scan-layers",
         action="store_true",

@@ -30,7 +30,13 @@ from ..distributed import fetch
 from ..inputs.rows import RowsPhase, TokenRows
 from ..layers.attention.kv_cache import KVCache
 from ..layers.attention.latent import LatentCache
-from ..layers.attention.paged import PagedKVCache, PagedLatentCache, page_table_spec
+from ..layers.attention.paged import (
+    PagedKVCache,
+    PagedLatentCache,
+    kernel_takes,
+    page_table_spec,
+)
+from ..layers.attention.self_attention import AttentionImpl
 from ..layers.mixers.mamba2 import Mamba2Cache
 from .buckets import bucket
 from .runtime import ShardedCausalLM
@@ -135,7 +141,9 @@ class PagedRunner:
       min_rows: The smallest rows bucket (fewer buckets, so fewer programs to compile, for
         more padding rows in small steps).
       min_pages: The smallest pages bucket (likewise: fewer programs, for more pages read by
-        the steps of short sequences).
+        the steps of short sequences; where every layer reads its pages in place,
+        `reads_pages_in_place`, a wide table costs nothing and the default is one bucket as
+        wide as the longest context).
       pages_per_sequence: Page-table width: pages of the longest context.
       tables: int32 [attn_dp, slots, pages_per_sequence] host page tables, which the caller (the
         scheduler) fills; each step places the part its sequences reach.
@@ -150,7 +158,7 @@ class PagedRunner:
         slots_per_rank: int,
         max_rows: int,
         min_rows: int = MIN_STEP_ROWS,
-        min_pages: int = 1,
+        min_pages: int | None = None,
     ):
         topology = runner.topology
         specs = runner.model.cache_specs()
@@ -174,7 +182,8 @@ class PagedRunner:
                 f"the paged step is not built under attention CP or pipeline stages; got "
                 f"{topology}. Serve on a mesh of attention DP x TP (and MoE axes)"
             )
-        sizes = (page_size, pages_per_rank, slots_per_rank, max_rows, min_rows, min_pages)
+        least_pages = 1 if min_pages is None else min_pages
+        sizes = (page_size, pages_per_rank, slots_per_rank, max_rows, min_rows, least_pages)
         if min(sizes) < 1:
             raise ValueError(
                 "page_size, pages_per_rank, slots_per_rank, max_rows, min_rows and min_pages "
@@ -190,11 +199,15 @@ class PagedRunner:
         self.min_rows = min(bucket(max(min_rows, MIN_STEP_ROWS), tp), self.max_rows)
         limit = runner.config.max_position_embeddings
         self.pages_per_sequence = -(-limit // page_size)
-        self.min_pages = min_pages
         dp = topology.attn_dp
         self.tables = np.zeros((dp, self.slots_per_rank, self.pages_per_sequence), np.int32)
         self._blocks = runner.config.layer_blocks(runner.options.scan_layers)
         self._specs = specs
+        self._shapes = jax.eval_shape(
+            lambda: runner.model.new_caches(slots=dp, max_len=page_size, dtype=runner.dtype)
+        )
+        wide = self.pages_per_sequence if self.reads_pages_in_place() else 1
+        self.min_pages = wide if min_pages is None else min_pages
         self._pools = self._new_pools()
         self._no_draw = runner.place_array(np.zeros(dp * self.slots_per_rank, np.int32))
         self._programs: dict[int, Callable] = {}
@@ -209,19 +222,29 @@ class PagedRunner:
         pages cannot restore): the scheduler's prefix reuse is on only then."""
         return not any(isinstance(spec, SLOT_STATES) for spec in self._specs)
 
+    def reads_pages_in_place(self) -> bool:
+        """Whether every paged layer reads its pages where they lie: grouped-query keys and
+        values on the GPU's paged attention kernel (`kernel_takes`), not gathered per row as the
+        `jnp` form and the MLA latents are."""
+        if self.runner.options.attention is not AttentionImpl.CUDNN:
+            return False
+        for spec, shape in zip(self._specs, self._shapes, strict=True):
+            if isinstance(spec, SLOT_STATES):
+                continue
+            if not isinstance(spec, KVCache):
+                return False
+            if not kernel_takes(self.page_size, shape.k.shape[-1], self.runner.dtype):
+                return False
+        return True
+
     def _new_pools(self) -> tuple[tuple[jax.Array, ...], ...]:
         """Zero pools per block of layers, each array of the block's slot-indexed cache
         (`CausalLM.new_caches`) placed as that cache is: with pages in place of slots and a page
         in place of a sequence for keys, values and latents; a recurrent state as it is, one
         slot per sequence slot."""
         runner = self.runner
-        shapes = jax.eval_shape(
-            lambda: runner.model.new_caches(
-                slots=self.attn_dp, max_len=self.page_size, dtype=runner.dtype
-            )
-        )
         pools = []
-        for block, spec, shape in zip(self._blocks, self._specs, shapes, strict=True):
+        for block, spec, shape in zip(self._blocks, self._specs, self._shapes, strict=True):
             lead = 1 if block.scanned else 0
             count = self.slots_per_rank if isinstance(spec, SLOT_STATES) else self.pages_per_rank
             arrays = []

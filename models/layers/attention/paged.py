@@ -194,12 +194,12 @@ def attend_paged(
     return attend(q, keys.astype(q.dtype), values.astype(q.dtype), mask, "tskd", scale, sinks=sinks)
 
 
-def kernel_takes(cache: PagedKVCache, dtype: jnp.dtype) -> bool:
-    """Whether `attend_paged_kernel` takes queries of `dtype` over `cache` on a GPU: half
-    precision, pages and heads `kernel_supports` (else `attend_paged` computes the call)."""
-    return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and (
-        kernel_supports(cache.k.shape[1], cache.k.shape[-1])
-    )
+def kernel_takes(page_size: int, head_dim: int, dtype: jnp.dtype) -> bool:
+    """Whether `attend_paged_kernel` takes queries of `dtype` over pages of `page_size` positions
+    and heads of `head_dim` on a GPU: half precision, and pages and heads `kernel_supports` (else
+    `attend_paged` computes the call)."""
+    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    return half and kernel_supports(page_size, head_dim)
 
 
 def attend_paged_kernel(

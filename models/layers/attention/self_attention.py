@@ -348,7 +348,9 @@ class Attention(nnx.Module):
         sinks = self._local_sinks()
         if phase is RowsPhase.EXTEND:
             cache = cache.write(k, v, segment_ids, positions)
-            kernel = self.impl is AttentionImpl.CUDNN and kernel_takes(cache, q.dtype)
+            kernel = self.impl is AttentionImpl.CUDNN and kernel_takes(
+                cache.k.shape[1], self.spec.head_dim, q.dtype
+            )
             out = (attend_paged_kernel if kernel else attend_paged)(
                 self._grouped(q),
                 cache,

@@ -144,7 +144,8 @@ def _ask(url: str, prompt: str, stream: bool) -> str:
 def test_serve_under_launch_equals_generate_and_stops_every_process_cleanly():
     """`launch --processes 2 -- serve` on a DP 2 x TP 2 mesh across both processes: concurrent
     greedy completions (streamed and not) equal `generate` of each prompt alone in one
-    process; SIGTERM to the launcher stops every process with exit code 0."""
+    process, after every process compiled the step programs in lockstep (`--warm-up`);
+    SIGTERM to the launcher stops every process with exit code 0."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -152,7 +153,7 @@ def test_serve_under_launch_equals_generate_and_stops_every_process_cleanly():
     command = [sys.executable, "-m", "models.cli", "launch", "--processes", "2", "--", "serve"]
     command += ["--checkpoint", str(TEXT), "--mesh", "attn_tp=2,attn_dp=2", "--port", str(port)]
     command += ["--page-size", "4", "--kv-cache-gb", "0.01", "--max-running", "4"]
-    command += ["--max-tokens-per-step", "32", "--served-model-name", "tiny"]
+    command += ["--max-tokens-per-step", "32", "--served-model-name", "tiny", "--warm-up"]
     launcher = subprocess.Popen(command, env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -180,3 +181,4 @@ def test_serve_under_launch_equals_generate_and_stops_every_process_cleanly():
         ids = generate_ids(runner, [codec.encode(prompt)], 8, eos_ids=eos)[0]
         assert answer == codec.decode([t for t in ids if t not in eos]), prompt
     assert "exited with code" not in errors, errors
+    assert "warm-up:" in errors and "step programs compiled" in errors, errors

@@ -15,7 +15,7 @@ from models.build import build_model, load_model
 from models.config import PRESETS
 from models.inputs.rows import RowsPhase
 from models.layers.attention.kv_cache import KVCache
-from models.layers.attention.self_attention import Attention
+from models.layers.attention.self_attention import Attention, AttentionImpl
 from models.options import BuildOptions
 from models.serving.engine import Engine
 from models.serving.paged import PagedRunner, SlotSampling
@@ -252,3 +252,37 @@ def test_extend_rows_need_a_paged_cache():
         attention(
             rows, jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32), cache, phase=RowsPhase.EXTEND
         )
+
+
+@pytest.mark.parametrize(
+    "preset, attention, dtype, page_size, in_place",
+    [
+        ("tiny-qwen3", AttentionImpl.CUDNN, jnp.bfloat16, 16, True),
+        ("tiny-gpt-oss", AttentionImpl.CUDNN, jnp.bfloat16, 16, True),
+        ("tiny-qwen3", AttentionImpl.XLA, jnp.bfloat16, 16, False),
+        ("tiny-qwen3", AttentionImpl.CUDNN, jnp.float32, 16, False),
+        ("tiny-qwen3", AttentionImpl.CUDNN, jnp.bfloat16, 12, False),
+        ("tiny-mistral", AttentionImpl.CUDNN, jnp.bfloat16, 16, False),
+        ("tiny-deepseek-v3", AttentionImpl.CUDNN, jnp.bfloat16, 16, False),
+    ],
+)
+def test_one_wide_pages_bucket_where_every_layer_reads_pages_in_place(
+    preset, attention, dtype, page_size, in_place
+):
+    """Where every paged layer runs on the GPU paged kernel (grouped-query KV, half precision,
+    pages and heads it tiles: not Mistral's 8-wide heads), a step's page table is as wide as
+    the context in one bucket: the kernel reads only the pages a row reaches. Otherwise (the
+    `jnp` gather, MLA latents) the pages buckets start from 1, since the gather reads the
+    table's whole width."""
+    topology = bj.Topology()
+    mesh = bj.make_mesh(topology)
+    options = BuildOptions(attention=attention, dtype=dtype)
+    runner = ShardedCausalLM(build_model(PRESETS[preset], topology, options, mesh=mesh), mesh)
+    paged = PagedRunner(
+        runner, page_size=page_size, pages_per_rank=8, slots_per_rank=2, max_rows=16
+    )
+    assert paged.reads_pages_in_place() is in_place
+    widest = paged.pages_per_sequence
+    assert paged.min_pages == (widest if in_place else 1)
+    pages_buckets = {pages for _, pages in paged.step_buckets(3 * page_size)}
+    assert pages_buckets == ({widest} if in_place else {1, 2, 4})
