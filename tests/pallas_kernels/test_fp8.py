@@ -270,7 +270,8 @@ def test_reference_is_the_dequantized_product():
 def test_dequantized_bf16_matmul_is_the_reference_to_bf16_rounding():
     """XLA's bf16 path (operands dequantized to bf16, float32 sums) differs from the reference
     only by one bf16 rounding of each operand."""
-    want = np.asarray(fp8_matmul_reference(*operands(), out_dtype=jnp.float32))
+    with jax.default_matmul_precision("highest"):  # float32 dots, not TF32, on a GPU
+        want = np.asarray(fp8_matmul_reference(*operands(), out_dtype=jnp.float32))
     got = fp8_matmul(*operands(), out_dtype=jnp.float32, impl=Fp8MatmulImpl.DEQUANTIZED_BF16)
     error = np.abs(np.asarray(got) - want).max() / np.abs(want).max()
     assert 0 < error < 2.0**-7
@@ -295,10 +296,11 @@ def test_gpu_by_size_takes_triton_for_few_rows_and_mosaic_above():
 def test_triton_decode_kernel_matches_reference(tiling):
     """The decode kernel (interpreted), with and without a split contraction and over several
     row blocks, equals the reference to float32 rounding."""
-    want = np.asarray(fp8_matmul_reference(*operands(), out_dtype=jnp.float32))
-    got = fp8_matmul(
-        *operands(), out_dtype=jnp.float32, impl=Fp8MatmulImpl.PALLAS_INTERPRET, tiling=tiling
-    )
+    with jax.default_matmul_precision("highest"):  # float32 dots, not TF32, on a GPU
+        want = np.asarray(fp8_matmul_reference(*operands(), out_dtype=jnp.float32))
+        got = fp8_matmul(
+            *operands(), out_dtype=jnp.float32, impl=Fp8MatmulImpl.PALLAS_INTERPRET, tiling=tiling
+        )
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-6 * np.abs(want).max())
 
 
@@ -381,7 +383,8 @@ def test_compiled_grouped_kernel_matches_reference():
         jax.random.normal(jax.random.key(2), (3, 128, 256))
     )
     args = (x_values, x_scales, w_values, w_scales, jnp.array([4, 0, 6], jnp.int32))
-    want = np.asarray(fp8_grouped_matmul_reference(*args, out_dtype=jnp.float32))
+    with jax.default_matmul_precision("highest"):
+        want = np.asarray(fp8_grouped_matmul_reference(*args, out_dtype=jnp.float32))
     got = fp8_grouped_matmul(*args, out_dtype=jnp.float32, impl=Fp8GroupedImpl.PALLAS_TRITON)
     np.testing.assert_allclose(np.asarray(got)[:10], want[:10], atol=1e-5 * np.abs(want).max())
 
@@ -423,8 +426,9 @@ def test_grouped_kernel_matches_reference():
     w_values, w_scales = quantize_blocks_reference(w)
     sizes = jnp.array([4, 0, 6], jnp.int32)
     args = (x_values, x_scales, w_values, w_scales, sizes)
-    want = np.asarray(fp8_grouped_matmul_reference(*args, out_dtype=jnp.float32))
-    got = fp8_grouped_matmul(*args, out_dtype=jnp.float32, impl=Fp8GroupedImpl.PALLAS_INTERPRET)
+    with jax.default_matmul_precision("highest"):  # float32 dots, not TF32, on a GPU
+        want = np.asarray(fp8_grouped_matmul_reference(*args, out_dtype=jnp.float32))
+        got = fp8_grouped_matmul(*args, out_dtype=jnp.float32, impl=Fp8GroupedImpl.PALLAS_INTERPRET)
     np.testing.assert_allclose(np.asarray(got)[:10], want[:10], atol=1e-6 * np.abs(want).max())
     assert np.all(want[10:] == 0)
 
@@ -447,7 +451,8 @@ def test_kernel_types_its_output_inside_shard_map():
         for a, s in zip((x_values, x_scales, w_values, w_scales), specs, strict=True)
     ]
     run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(None, "attn_tp")))
-    want = fp8_matmul_reference(x_values, x_scales, w_values, w_scales, out_dtype=jnp.float32)
+    with jax.default_matmul_precision("highest"):  # float32 dots, not TF32, on a GPU
+        want = fp8_matmul_reference(x_values, x_scales, w_values, w_scales, out_dtype=jnp.float32)
     chex.assert_trees_all_close(run(*placed), want, atol=1e-6 * float(jnp.abs(want).max()))
 
 

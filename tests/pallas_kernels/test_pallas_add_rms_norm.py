@@ -203,6 +203,8 @@ def test_unit_offset_scales_by_one_plus_weight():
 def test_invalid_calls_raise_clear_errors(call, error, match):
     """Bad shapes, dtypes, eps or backends fail at trace time with a message naming the rule
     (on the CPU, where the GPU kernel cannot run)."""
+    if error is NotImplementedError and jax.default_backend() == "gpu":
+        pytest.skip("on a GPU platform the GPU kernel takes the call")
     with jax.default_device(jax.devices("cpu")[0]):
         x, residual, weight = make_inputs((4, 128), jnp.bfloat16)
         with pytest.raises(error, match=match):

@@ -166,6 +166,7 @@ def test_tpu_kernel_has_no_races(algorithm):
     assert_close(got, want, jnp.float32)
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the default of a CPU platform")
 def test_default_on_cpu_is_psum_then_add_rms_norm():
     """impl=None on CPU is psum + add_rms_norm, bit for bit, with one all-reduce in the HLO."""
     mesh = make_mesh((4,), ("tp",))
