@@ -9,7 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.layers.attention.paged import PagedKVCache, attend_paged, attend_paged_kernel
+from models.layers.attention.paged import (
+    PagedKVCache,
+    attend_paged,
+    attend_paged_kernel,
+    paged_attention,
+)
 from pallas_kernels.paged_attention import kernel_supports, ragged_paged_attention
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -103,6 +108,17 @@ def test_attend_paged_kernel_takes_the_cache():
     positions, segments = jnp.asarray(POSITIONS), jnp.asarray(SEGMENTS)
     got = attend_paged_kernel(q, cache, positions, segments, scale=SCALE, interpret=True)
     chex.assert_trees_all_close(got, reference(q, cache), atol=TOL, rtol=TOL)
+
+
+def test_the_layer_takes_the_kernel_on_a_gpu_where_it_tiles():
+    """`paged_attention` (the attention layer's choice) gives the kernel for a GPU layer of half
+    precision over pages and heads it tiles, and the `jnp` reference otherwise."""
+    _, cache, _ = paged_inputs(page_size=16)
+    assert paged_attention(True, cache, jnp.bfloat16) is attend_paged_kernel
+    assert paged_attention(False, cache, jnp.bfloat16) is attend_paged
+    assert paged_attention(True, cache, jnp.float32) is attend_paged
+    _, narrow, _ = paged_inputs(page_size=3)
+    assert paged_attention(True, narrow, jnp.bfloat16) is attend_paged
 
 
 def test_kernel_refuses_shapes_it_cannot_tile():

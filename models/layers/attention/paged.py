@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -200,6 +201,14 @@ def kernel_takes(page_size: int, head_dim: int, dtype: jnp.dtype) -> bool:
     `attend_paged` computes the call)."""
     half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     return half and kernel_supports(page_size, head_dim)
+
+
+def paged_attention(gpu: bool, cache: PagedKVCache, dtype: jnp.dtype) -> Callable[..., jax.Array]:
+    """The form of `attend_paged` a layer runs: the Pallas kernel (`attend_paged_kernel`) on a
+    `gpu` where it takes the cache and `dtype` (`kernel_takes`), the `jnp` reference otherwise."""
+    if gpu and kernel_takes(cache.k.shape[1], cache.k.shape[-1], dtype):
+        return attend_paged_kernel
+    return attend_paged
 
 
 def attend_paged_kernel(

@@ -47,7 +47,7 @@ from .context_parallel import (
 )
 from .cudnn import decode_cache_cudnn, prefill_attention_cudnn, window_of_cache
 from .kv_cache import HeadSplit, KVCache
-from .paged import PagedKVCache, attend_paged, attend_paged_kernel, kernel_takes
+from .paged import PagedKVCache, paged_attention
 from .rope import apply_rope, rope_inv_freq
 
 O_PROJ_BIAS = "o_proj bias"
@@ -67,8 +67,7 @@ class AttentionImpl(enum.Enum):
     CUDNN: cuDNN fused attention (GPU): packed variable-length causal prefill and decode over
     the cache with per-slot key lengths, sliding windows and sinks. Where cuDNN does not take
     the call (float32, head_dim not a multiple of 8 or over 128) the layer uses XLA instead.
-    EXTEND rows over a paged cache go to the Pallas paged kernel (`attend_paged_kernel`)
-    instead, where it takes the pages and heads (`kernel_takes`).
+    EXTEND rows over a paged cache take the Pallas paged kernel instead (`paged_attention`).
     """
 
     XLA = "xla"
@@ -272,8 +271,7 @@ class Attention(nnx.Module):
             (`pack_sequences`), and a DECODE step's rows are alike on every CP rank, whose
             cache shards each hold some positions of every slot (`KVCache`). EXTEND (needs a
             `PagedKVCache`): any tokens of the slots' sequences, each written at its position
-            and attending to its sequence's pages (`attend_paged`; on the GPU the Pallas
-            paged kernel, `attend_paged_kernel`).
+            and attending to its sequence's pages (in the form `paged_attention` picks).
           max_sequence_rows: Static: no PREFILL sequence has more rows (`TokenRows`). With it
             (or a sliding window) the `jnp` prefill attends block by block to the keys within
             reach instead of over all T x T row pairs.
@@ -348,10 +346,8 @@ class Attention(nnx.Module):
         sinks = self._local_sinks()
         if phase is RowsPhase.EXTEND:
             cache = cache.write(k, v, segment_ids, positions)
-            kernel = self.impl is AttentionImpl.CUDNN and kernel_takes(
-                cache.k.shape[1], self.spec.head_dim, q.dtype
-            )
-            out = (attend_paged_kernel if kernel else attend_paged)(
+            attend_rows = paged_attention(self.impl is AttentionImpl.CUDNN, cache, q.dtype)
+            out = attend_rows(
                 self._grouped(q),
                 cache,
                 positions,
