@@ -37,6 +37,7 @@ from ..layers.attention.paged import (
     page_table_spec,
 )
 from ..layers.attention.self_attention import AttentionImpl
+from ..layers.mixers.gated_deltanet import DeltaCache
 from ..layers.mixers.mamba2 import Mamba2Cache
 from .buckets import bucket
 from .runtime import ShardedCausalLM
@@ -44,8 +45,9 @@ from .sampling import sample_rows, token_logprobs
 
 PAGED_FORMS = {KVCache: PagedKVCache, LatentCache: PagedLatentCache}
 """The paged form of each slot-indexed cache a block of layers may hold."""
-SLOT_STATES = (Mamba2Cache,)
-"""Caches of a recurrent state: one slot per sequence, stepped in place, no pages."""
+SLOT_STATES = (Mamba2Cache, DeltaCache)
+"""Caches of a recurrent state (Mamba2's, the delta rule's): one slot per sequence, stepped in
+place, no pages."""
 MIN_STEP_ROWS = 16
 """The smallest block of step rows per DP rank."""
 
@@ -168,8 +170,9 @@ class PagedRunner:
         )
         if unknown:
             raise NotImplementedError(
-                f"the paged step holds attention keys and values, MLA latents and Mamba2 "
-                f"states; this model's layers also cache {unknown}: serve it with generate, or "
+                "the paged step holds attention keys and values, MLA latents and recurrent "
+                f"states (Mamba2, the delta rule); this model's layers also cache {unknown}: "
+                "serve it with generate, or "
                 "add the paged form of its cache"
             )
         if runner.two_batch_overlap or runner.input_scattered:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -67,6 +68,72 @@ def delta_rule_prefill(
             cache.conv, cache.state, conv_input, finals, positions, segment_ids
         )
         cache = DeltaCache(conv=conv, state=state)
+    return o, cache
+
+
+def check_stepped_rows(phase: RowsPhase, rows: int, cache: DeltaCache | None) -> None:
+    """Refuses a DECODE call without a cache or with other than one row per slot, and an
+    EXTEND call without a cache (both step the slots' states).
+
+    Raises:
+      ValueError: As said.
+    """
+    if phase is RowsPhase.EXTEND and cache is None:
+        raise ValueError("an EXTEND call steps its slots' states; it needs a cache")
+    if phase is RowsPhase.DECODE and (cache is None or cache.state.shape[0] != rows):
+        slots = None if cache is None else cache.state.shape[0]
+        raise ValueError(
+            "a DECODE call needs a cache and one row per cache slot (row i is slot i); "
+            f"got {rows} rows and cache slots {slots}. Use `decode_rows` to lay them out."
+        )
+
+
+def delta_rule_extend(
+    conv_input: jax.Array,
+    weight: jax.Array,
+    heads: Callable[[jax.Array], tuple[jax.Array, jax.Array, jax.Array]],
+    g: jax.Array,
+    beta: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array,
+    cache: DeltaCache,
+) -> tuple[jax.Array, DeltaCache]:
+    """A delta-rule mixer's EXTEND rows (a serving step: chunks of prompts and decode tokens of
+    the cache's slots), one after another, the reference form as Mamba2's: each row steps its
+    slot's conv and recurrent state (from zero at position 0) and writes them back.
+
+    Args:
+      conv_input: [T, local conv channels] the conv's input rows; weight [K, channels].
+      heads: Maps one row's conv output [1, channels] to its (q, k, v) (the activation and the
+        channel split).
+      g, beta: The rows' gates and betas, as `gated_delta_rule_step` takes them.
+      positions, segment_ids: [T]; segment id -1 marks padding.
+      cache: This rank's `DeltaCache` of the step's slots.
+
+    Returns:
+      (o [T, v_heads, v_dim], zero on padding rows; the updated cache).
+    """
+
+    def step(state: DeltaCache, row):
+        x, g_row, beta_row, position, segment = row
+        valid = segment >= 0
+        slot = jnp.maximum(segment, 0)
+        fresh = position == 0
+        conv_state = jnp.where(fresh, 0, state.conv[slot])[None]
+        rule_state = jnp.where(fresh, 0, state.state[slot])[None]
+        conv, conv_state = causal_conv1d_step(conv_state, x[None], weight, None, valid[None])
+        q, k, v = heads(conv)
+        o, rule_state = gated_delta_rule_step(
+            rule_state, q, k, v, g_row[None], beta_row[None], valid[None]
+        )
+        state = DeltaCache(
+            conv=jnp.where(valid, state.conv.at[slot].set(conv_state[0]), state.conv),
+            state=jnp.where(valid, state.state.at[slot].set(rule_state[0]), state.state),
+        )
+        return state, o[0]
+
+    rows = (conv_input.astype(cache.conv.dtype), g, beta, positions, segment_ids)
+    cache, o = lax.scan(step, cache, rows)
     return o, cache
 
 
@@ -276,7 +343,10 @@ class GatedDeltaNet(nnx.Module):
           phase: PREFILL: whole sequences packed in rows, each starting from a zero state; with
             a cache, each slot with rows gets its sequence's final conv and recurrent state (the
             other slots keep theirs). DECODE (needs a cache): row i is slot i's next token
-            (segment id i, or -1 for an idle slot, whose state is kept).
+            (segment id i, or -1 for an idle slot, whose state is kept). EXTEND (a serving
+            step, needs a cache of the step's slots): any tokens of the slots' sequences, each
+            stepping its slot's state in row order, from zero at position 0
+            (`delta_rule_extend`).
 
         Returns:
           ([T, hidden] out_proj partial owing a sum over attention TP, zero on padding rows;
@@ -284,7 +354,8 @@ class GatedDeltaNet(nnx.Module):
 
         Raises:
           ValueError: Mismatched row shapes, a DECODE call without a cache or with other than
-            one row per slot, or a cache of another shape than this rank's.
+            one row per slot, an EXTEND call without a cache, or a cache of another shape than
+            this rank's.
         """
         rows = h.shape[0]
         if positions.shape != (rows,) or segment_ids.shape != (rows,):
@@ -294,12 +365,7 @@ class GatedDeltaNet(nnx.Module):
             )
         if cache is not None:
             self._check_cache(cache)
-        if phase is RowsPhase.DECODE and (cache is None or cache.state.shape[0] != rows):
-            slots = None if cache is None else cache.state.shape[0]
-            raise ValueError(
-                "a DECODE call needs a cache and one row per cache slot (row i is slot i); "
-                f"got {rows} rows and cache slots {slots}. Use `decode_rows` to lay them out."
-            )
+        check_stepped_rows(phase, rows, cache)
         spec, split = self.spec, self.split
         qkv, z, b, a = self._project(h)
         weight = jnp.concatenate(
@@ -308,21 +374,24 @@ class GatedDeltaNet(nnx.Module):
                 self.conv_v.weight[...][:, 0],
             ]
         ).T  # [K, local q, k, v channels]
-        if phase is RowsPhase.PREFILL:
-            conv = causal_conv1d(qkv, weight, None, positions, segment_ids)
-        else:
-            valid = segment_ids >= 0
-            conv, conv_state = causal_conv1d_step(cache.conv, qkv, weight, None, valid)
-        q, k, v = self._split_channels(jax.nn.silu(conv).astype(h.dtype))
         acc = accumulation_dtype(h.dtype)
         beta = jax.nn.sigmoid(b.astype(acc))
         rate = jnp.exp(self.a_log[...].astype(acc))
         g = -rate[None] * jax.nn.softplus(a.astype(acc) + self.dt_bias[...].astype(acc)[None])
-        rule = (q, k, v, g, beta)
-        if phase is RowsPhase.PREFILL:
+
+        def heads(conv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+            return self._split_channels(jax.nn.silu(conv).astype(h.dtype))
+
+        if phase is RowsPhase.EXTEND:
+            o, cache = delta_rule_extend(qkv, weight, heads, g, beta, positions, segment_ids, cache)
+        elif phase is RowsPhase.PREFILL:
+            conv = causal_conv1d(qkv, weight, None, positions, segment_ids)
+            rule = (*heads(conv), g, beta)
             o, cache = delta_rule_prefill(rule, qkv, positions, segment_ids, cache, spec.chunk_size)
         else:
-            o, state = gated_delta_rule_step(cache.state, *rule, valid)
+            valid = segment_ids >= 0
+            conv, conv_state = causal_conv1d_step(cache.conv, qkv, weight, None, valid)
+            o, state = gated_delta_rule_step(cache.state, *heads(conv), g, beta, valid)
             cache = DeltaCache(conv=conv_state, state=state)
         z = z.reshape(rows, split.local_v_heads, spec.v_dim)
         y = gated_head_norm(o.astype(h.dtype), z, self.norm_weight[...], eps=spec.eps)

@@ -30,7 +30,13 @@ from ...config.linear_attention import KimiDeltaSpec
 from ...inputs.rows import RowsPhase
 from ..linear import ColumnParallelLinear, RowParallelLinear, group_size
 from .delta_rule import gated_delta_rule_step
-from .gated_deltanet import DeltaCache, DeltaSplit, delta_rule_prefill
+from .gated_deltanet import (
+    DeltaCache,
+    DeltaSplit,
+    check_stepped_rows,
+    delta_rule_extend,
+    delta_rule_prefill,
+)
 from .mamba2 import DepthwiseConvWeights, LogUniform, NormalAround, TimeStepBias
 from .ssd import accumulation_dtype, causal_conv1d, causal_conv1d_step
 
@@ -150,33 +156,31 @@ class KimiDeltaAttention(nnx.Module):
             )
         if cache is not None:
             self._check_cache(cache)
-        if phase is RowsPhase.DECODE and (cache is None or cache.state.shape[0] != rows):
-            slots = None if cache is None else cache.state.shape[0]
-            raise ValueError(
-                "a DECODE call needs a cache and one row per cache slot (row i is slot i); "
-                f"got {rows} rows and cache slots {slots}. Use `decode_rows` to lay them out."
-            )
+        check_stepped_rows(phase, rows, cache)
         spec, split = self.spec, self.split
         local_heads, head_dim = split.local_v_heads, spec.head_dim
         qkv = self.qkv_proj(h).reshape(rows, -1)  # [T, local q, k, v channels]
         weight = self.conv.weight[...][:, :, 0].reshape(-1, spec.conv_kernel).T
-        if phase is RowsPhase.PREFILL:
-            conv = causal_conv1d(qkv, weight, None, positions, segment_ids)
-        else:
-            valid = segment_ids >= 0
-            conv, conv_state = causal_conv1d_step(cache.conv, qkv, weight, None, valid)
-        qkv_heads = jax.nn.silu(conv).astype(h.dtype).reshape(rows, 3, local_heads, head_dim)
-        q, k, v = qkv_heads[:, 0], qkv_heads[:, 1], qkv_heads[:, 2]
         acc = accumulation_dtype(h.dtype)
         gate_in = self.f_b_proj(self.f_a_proj(h)).astype(acc) + self.dt_bias[...].astype(acc)[None]
         rate = jnp.exp(self.a_log[...].astype(acc)).reshape(1, local_heads, 1)
         g = -rate * jax.nn.softplus(gate_in.reshape(rows, local_heads, head_dim))
         beta = jax.nn.sigmoid(self.b_proj(h).astype(acc))
-        rule = (q, k, v, g, beta)
-        if phase is RowsPhase.PREFILL:
+
+        def heads(conv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+            qkv_heads = jax.nn.silu(conv).astype(h.dtype).reshape(-1, 3, local_heads, head_dim)
+            return qkv_heads[:, 0], qkv_heads[:, 1], qkv_heads[:, 2]
+
+        if phase is RowsPhase.EXTEND:
+            o, cache = delta_rule_extend(qkv, weight, heads, g, beta, positions, segment_ids, cache)
+        elif phase is RowsPhase.PREFILL:
+            conv = causal_conv1d(qkv, weight, None, positions, segment_ids)
+            rule = (*heads(conv), g, beta)
             o, cache = delta_rule_prefill(rule, qkv, positions, segment_ids, cache, spec.chunk_size)
         else:
-            o, state = gated_delta_rule_step(cache.state, *rule, valid)
+            valid = segment_ids >= 0
+            conv, conv_state = causal_conv1d_step(cache.conv, qkv, weight, None, valid)
+            o, state = gated_delta_rule_step(cache.state, *heads(conv), g, beta, valid)
             cache = DeltaCache(conv=conv_state, state=state)
         gate = self.g_b_proj(self.g_a_proj(h)).reshape(rows, local_heads, head_dim)
         y = gated_sigmoid_norm(o.astype(h.dtype), gate, self.norm_weight[...], eps=spec.eps)

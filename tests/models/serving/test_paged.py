@@ -3,6 +3,7 @@ decode, prefix reuse and preemption equal `ShardedCausalLM.generate` of each pro
 
 import dataclasses
 import functools
+import json
 import pathlib
 
 import jax.numpy as jnp
@@ -13,6 +14,7 @@ from flax import nnx
 import boundary_jax as bj
 from models.build import build_model, load_model
 from models.config import PRESETS
+from models.config.registry import read_hf_config
 from models.inputs.rows import RowsPhase
 from models.layers.attention.kv_cache import KVCache
 from models.layers.attention.self_attention import Attention, AttentionImpl
@@ -48,6 +50,12 @@ def _serve(engine: Engine, prompts, new_tokens=NEW_TOKENS, **fields) -> list[Req
     return requests
 
 
+def golden_config(name: str):
+    """The config of the golden checkpoint `tests/golden/<name>` (its weights are not read)."""
+    path = pathlib.Path(__file__).parents[2] / "golden" / name / "config.json"
+    return read_hf_config(json.loads(path.read_text()))
+
+
 @functools.cache
 def _served(preset: str, dp: int, tp: int, scan: bool = False):
     """A runner of the preset (5 layers when scanned), the prompts, `generate`'s tokens for
@@ -55,12 +63,12 @@ def _served(preset: str, dp: int, tp: int, scan: bool = False):
     engine)."""
     topology = bj.Topology(attn_dp=dp, attn_tp=tp)
     mesh = bj.make_mesh(topology)
-    config = PRESETS[preset]
+    config = PRESETS.get(preset) or golden_config(preset)
     if scan:
         config = dataclasses.replace(config, num_layers=5)
     model = build_model(config, topology, BuildOptions(scan_layers=scan), mesh=mesh)
     runner = ShardedCausalLM(model, mesh)
-    prompts = _prompts()
+    prompts = [[token % config.vocab_size for token in p] for p in _prompts()]
     roomy = PagedRunner(runner, page_size=4, pages_per_rank=64, slots_per_rank=4, max_rows=16)
     return runner, prompts, runner.generate(prompts, NEW_TOKENS), roomy
 
@@ -74,6 +82,9 @@ CASES = [
     pytest.param(("tiny-deepseek-v3", 2, 2), 14, id="latent-moe-preempting", marks=SLOW),
     pytest.param(("tiny-nemotron-h", 2, 2), 64, id="hybrid-mamba2-dp2-tp2"),
     pytest.param(("tiny-nemotron-h", 2, 2), 14, id="hybrid-preempting", marks=SLOW),
+    pytest.param(("tiny-qwen3-next", 2, 2), 64, id="hybrid-delta-dp2-tp2"),
+    pytest.param(("tiny-qwen3-next", 2, 2), 14, id="hybrid-delta-preempting", marks=SLOW),
+    pytest.param(("kimi_linear", 2, 2), 64, id="kimi-delta-latent-dp2-tp2", marks=SLOW),
     pytest.param(("tiny-mistral", 1, 1), 64, id="kv-one-device", marks=SLOW),
     pytest.param(("tiny-mistral", 1, 1), 14, id="kv-one-device-preempting", marks=SLOW),
     pytest.param(("tiny-mistral", 1, 2), 64, id="kv-tp2", marks=SLOW),
@@ -113,8 +124,9 @@ def test_extend_rows_carry_each_request_adapter():
 def test_paged_greedy_equals_generate(case, pages, monkeypatch):
     """Chunked prefill (16 rows per step), decode rows beside it, shared prefixes and (with a
     small pool) preemption give each prompt's tokens of `generate` alone: grouped-query KV
-    pages (with a sliding window), MLA latent pages (with MoE layers), Mamba2 states stepped
-    row by row in their slots (Nemotron-H), unrolled and scanned layers."""
+    pages (with a sliding window), MLA latent pages (with MoE layers), Mamba2 states and
+    delta-rule states stepped row by row in their slots (Nemotron-H, Qwen3-Next, Kimi-Linear),
+    unrolled and scanned layers."""
     runner, prompts, want, roomy = _served(*case)
     paged = roomy
     if pages != roomy.pages_per_rank:
