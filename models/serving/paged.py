@@ -116,11 +116,32 @@ class Launched:
         )
 
 
-def step_cache(kind: type, pools: tuple[jax.Array, ...], table: jax.Array) -> Any:
-    """A block's cache in a step, from its pools: the paged form of keys, values or latents
-    read through `table`, a recurrent state as it is, None for a block without a cache."""
+def cache_parts(spec: Any) -> tuple[str, ...]:
+    """The fields of a cache made of caches that have paged forms (LongCat-Flash's latent cache
+    per attention), each paged on its own, as a spec tree or in its paged form; () for any
+    other cache."""
+    forms = (*PAGED_FORMS, *PAGED_FORMS.values())
+    if type(spec) in forms or not dataclasses.is_dataclass(spec):
+        return ()
+    names = tuple(field.name for field in dataclasses.fields(spec))
+    return names if all(type(getattr(spec, n)) in forms for n in names) else ()
+
+
+def step_cache(spec: Any, pools: tuple[jax.Array, ...], table: jax.Array) -> Any:
+    """A block's cache in a step, from its pools and its cache's spec tree `spec`: the paged
+    form of keys, values or latents read through `table` (of each part, for a cache of parts),
+    a recurrent state as it is, None for a block without a cache."""
+    kind = type(spec)
     if kind in PAGED_FORMS:
         return PAGED_FORMS[kind].from_pools(pools, table)
+    if parts := cache_parts(spec):
+        paged, start = {}, 0
+        for name in parts:
+            part = getattr(spec, name)
+            count = len(jax.tree_util.tree_leaves(part))
+            paged[name] = PAGED_FORMS[type(part)].from_pools(pools[start : start + count], table)
+            start += count
+        return kind(**paged)
     return kind(*pools) if pools else None
 
 
@@ -128,6 +149,8 @@ def cache_pools(cache: Any) -> tuple[jax.Array, ...]:
     """The pools of a step's cache (what `step_cache` took)."""
     if isinstance(cache, PagedKVCache | PagedLatentCache):
         return cache.pools
+    if parts := cache_parts(cache):
+        return tuple(pool for name in parts for pool in getattr(cache, name).pools)
     return tuple(jax.tree_util.tree_leaves(cache))
 
 
@@ -165,7 +188,7 @@ class PagedRunner:
         topology = runner.topology
         specs = runner.model.cache_specs()
         unknown = sorted(
-            {type(spec).__name__ for spec in specs if spec is not None}
+            {type(spec).__name__ for spec in specs if spec is not None and not cache_parts(spec)}
             - {kind.__name__ for kind in (*PAGED_FORMS, *SLOT_STATES)}
         )
         if unknown:
@@ -436,7 +459,7 @@ class PagedRunner:
         runner = self.runner
         row_spec = runner.row_spec
         blocks = self._blocks
-        kinds = [type(spec) for spec in self._specs]
+        specs = self._specs
         pool_specs = tuple(tuple(jax.tree_util.tree_leaves(spec)) for spec in self._specs)
 
         def body(model, rows, from_previous, drawn, batch, pools, table, last, *sampling):
@@ -447,11 +470,11 @@ class PagedRunner:
                 ids, rows.positions, rows.segment_ids, rows.phase, adapters=rows.adapters
             )
             caches = []
-            for block, kind, pool in zip(blocks, kinds, pools, strict=True):
+            for block, spec, pool in zip(blocks, specs, pools, strict=True):
                 pages = table
                 if block.scanned:
                     pages = jnp.broadcast_to(table, (len(block.layers), *table.shape))
-                caches.append(step_cache(kind, pool, pages))
+                caches.append(step_cache(spec, pool, pages))
             hidden, caches = model.hidden(rows, batch, tuple(caches), last)
             logits = model.lm_head(hidden).astype(jnp.float32)
             tokens = sample_rows(logits, *sampling)

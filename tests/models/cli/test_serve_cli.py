@@ -11,7 +11,6 @@ from models.cli.main import main
 
 CASES = [
     (["--preset", "tiny-mistral", "--mesh", "pp=2"], "serve runs the model as one program"),
-    (["--preset", "tiny-longcat-flash"], "LongcatCache"),
     (["--preset", "tiny-mistral", "--kv-cache-gb", "0.0000001"], "holds no page of 16 tokens"),
     (["--preset", "tiny-mistral", "--mesh", "attn_cp=2"], "not built under attention CP"),
     (["--preset", "tiny-mistral", "--lora", "a=tests"], "pass --checkpoint, not --preset"),

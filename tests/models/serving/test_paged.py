@@ -85,6 +85,7 @@ CASES = [
     pytest.param(("tiny-qwen3-next", 2, 2), 64, id="hybrid-delta-dp2-tp2"),
     pytest.param(("tiny-qwen3-next", 2, 2), 14, id="hybrid-delta-preempting", marks=SLOW),
     pytest.param(("kimi_linear", 2, 2), 64, id="kimi-delta-latent-dp2-tp2", marks=SLOW),
+    pytest.param(("tiny-longcat-flash", 2, 2), 64, id="longcat-latent-pairs-dp2-tp2"),
     pytest.param(("tiny-mistral", 1, 1), 64, id="kv-one-device", marks=SLOW),
     pytest.param(("tiny-mistral", 1, 1), 14, id="kv-one-device-preempting", marks=SLOW),
     pytest.param(("tiny-mistral", 1, 2), 64, id="kv-tp2", marks=SLOW),
@@ -124,9 +125,9 @@ def test_extend_rows_carry_each_request_adapter():
 def test_paged_greedy_equals_generate(case, pages, monkeypatch):
     """Chunked prefill (16 rows per step), decode rows beside it, shared prefixes and (with a
     small pool) preemption give each prompt's tokens of `generate` alone: grouped-query KV
-    pages (with a sliding window), MLA latent pages (with MoE layers), Mamba2 states and
-    delta-rule states stepped row by row in their slots (Nemotron-H, Qwen3-Next, Kimi-Linear),
-    unrolled and scanned layers."""
+    pages (with a sliding window), MLA latent pages (with MoE layers; LongCat-Flash's pair per
+    layer), Mamba2 and delta-rule states stepped row by row in their slots (Nemotron-H,
+    Qwen3-Next, Kimi-Linear), unrolled and scanned layers."""
     runner, prompts, want, roomy = _served(*case)
     paged = roomy
     if pages != roomy.pages_per_rank:
@@ -231,21 +232,22 @@ def test_sample_rows_mixes_greedy_and_sampled_rows():
     assert tokens[2] in order[2, :3]
 
 
-@pytest.mark.slow
-def test_paged_runner_refuses_unpaged_caches_and_layouts():
-    """LongCat-Flash's pair of latent caches per layer has no paged form; attention CP is not
-    built: clear errors at construction."""
-    topology = bj.Topology()
-    mesh = bj.make_mesh(topology)
-    longcat = build_model(PRESETS["tiny-longcat-flash"], topology, mesh=mesh)
-    with pytest.raises(NotImplementedError, match="LongcatCache"):
-        PagedRunner(
-            ShardedCausalLM(longcat, mesh),
-            page_size=4,
-            pages_per_rank=8,
-            slots_per_rank=2,
-            max_rows=16,
-        )
+@dataclasses.dataclass(frozen=True)
+class UnpagedCache:
+    """A cache kind the paged step does not know (a new family's, say)."""
+
+    table: object
+
+
+def test_paged_runner_refuses_unpaged_caches_and_layouts(monkeypatch):
+    """A cache kind with no paged form, or attention CP: clear errors at construction."""
+    runner = _served(*DEFAULT)[0]
+    model_type = type(runner.model)
+    specs = runner.model.cache_specs()
+    monkeypatch.setattr(model_type, "cache_specs", lambda self: (UnpagedCache(None), *specs[1:]))
+    with pytest.raises(NotImplementedError, match="UnpagedCache"):
+        PagedRunner(runner, page_size=4, pages_per_rank=8, slots_per_rank=2, max_rows=16)
+    monkeypatch.undo()
     topology = bj.Topology(attn_cp=2)
     mesh = bj.make_mesh(topology)
     cp = ShardedCausalLM(build_model(PRESETS["tiny-mistral"], topology, mesh=mesh), mesh)
