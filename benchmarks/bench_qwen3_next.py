@@ -32,6 +32,7 @@ from models.config import DecoderConfig, GatedDeltaNetSpec, LinearAttentionLayer
 from models.families.qwen3_next import TINY, Qwen3NextForCausalLM
 from models.inputs.rows import TokenRows
 from models.layers.mixers.gated_deltanet import GatedDeltaNet
+from pallas_kernels.grouped_matmul import GroupedMatmulImpl
 
 from . import layer_stack_jit
 from .bench_delta_rule import chunked_flops
@@ -172,12 +173,28 @@ def decode_bytes(config: DecoderConfig, sequences: int, context: float) -> float
     return 2 * weights + state
 
 
+GROUPED_MATMULS = {
+    "auto": None,
+    "triton": GroupedMatmulImpl.PALLAS_TRITON,
+    "hopper": GroupedMatmulImpl.PALLAS_GPU,
+    "padded": GroupedMatmulImpl.PADDED_BATCHED,
+}
+"""`--grouped-matmul`'s choices: 512 experts of ~80 rows each at a 4096-token prefill are far
+from the Qwen3-30B-A3B shape that set `GPU_BY_SIZE`'s crossover (128 experts of 256 rows)."""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check)")
     parser.add_argument("--profile", default=None, help="trace each case here, print kernels")
     parser.add_argument("--sequences", type=int, default=1, help="prefill sequences")
     parser.add_argument("--length", type=int, default=4096, help="tokens per prefill sequence")
+    parser.add_argument(
+        "--grouped-matmul",
+        choices=sorted(GROUPED_MATMULS),
+        default="auto",
+        help="the experts' grouped matmul in both models (auto: the platform's default)",
+    )
     args = parser.parse_args()
     if args.profile:
         profile_into(args.profile)
@@ -195,6 +212,7 @@ def main() -> None:
         decode=(decoding, cache_len),
         prefill_flops=prefill_flops,
         decode_bytes=decode_bytes,
+        grouped_matmul=GROUPED_MATMULS[args.grouped_matmul],
     )
     print(
         f"\n## Qwen3-Next-80B-A3B shape, {config.num_layers} layers (DeltaNet x 3, attention) "

@@ -32,6 +32,7 @@ from models.inputs.rows import RowsPhase, TokenRows, pack_sequences
 from models.layers.attention.self_attention import AttentionImpl
 from models.options import BuildOptions
 from models.serving.runtime import ShardedCausalLM
+from pallas_kernels.grouped_matmul import GroupedMatmulImpl
 
 from .common import decode_inputs, median_wall_ms, relative_error
 
@@ -59,19 +60,16 @@ def to_auto(tree, mesh: jax.sharding.Mesh):
 
 
 def baseline_model(runner: ShardedCausalLM, family: type) -> nnx.Module:
-    """`family`'s stack built for one device, holding the project's placed weights."""
+    """`family`'s stack built for one device, holding the project's placed weights, with the
+    project's attention and grouped matmul."""
     config = runner.config
+    options = BuildOptions(
+        dtype=runner.dtype,
+        attention=runner.options.attention,
+        grouped_matmul=runner.options.grouped_matmul,
+    )
     graphdef, _ = nnx.split(
-        nnx.eval_shape(
-            lambda: family(
-                config,
-                bj.Topology(),
-                BuildOptions(
-                    dtype=runner.dtype, attention=AttentionImpl.for_platform(jax.default_backend())
-                ),
-                rngs=nnx.Rngs(0),
-            )
-        )
+        nnx.eval_shape(lambda: family(config, bj.Topology(), options, rngs=nnx.Rngs(0)))
     )
     return nnx.merge(graphdef, to_auto(runner.state, runner.mesh))
 
@@ -125,16 +123,17 @@ def run(
     decode: tuple[int, int],
     prefill_flops: Callable[[DecoderConfig, tuple[int, ...]], float],
     decode_bytes: Callable[[DecoderConfig, int, float], float],
+    grouped_matmul: GroupedMatmulImpl | None = None,
 ) -> list[tuple]:
     """The prefill (`prefill` = (sequences, length)) and decode (`decode` = (sequences, cache
     length)) rows of a stack benchmark's table: (case, project ms, jit ms, ratio, roofline,
-    logit error), on one device."""
+    logit error), on one device; both models' experts through `grouped_matmul` (None: the
+    platform's default)."""
     topology = bj.Topology()
     mesh = bj.make_mesh(topology)
     attention = AttentionImpl.for_platform(jax.default_backend())
-    model = build_model(
-        config, topology, BuildOptions(dtype=jnp.bfloat16, attention=attention), mesh=mesh
-    )
+    options = BuildOptions(dtype=jnp.bfloat16, attention=attention, grouped_matmul=grouped_matmul)
+    model = build_model(config, topology, options, mesh=mesh)
     runner = ShardedCausalLM(model, mesh)
     del model
     baseline = baseline_model(runner, family)
