@@ -255,7 +255,7 @@ class PagedRunner:
         if self.runner.options.attention is not AttentionImpl.CUDNN:
             return False
         for spec, shape in zip(self._specs, self._shapes, strict=True):
-            if isinstance(spec, SLOT_STATES):
+            if spec is None or isinstance(spec, SLOT_STATES):
                 continue
             if not isinstance(spec, KVCache):
                 return False

@@ -273,6 +273,7 @@ def test_extend_rows_need_a_paged_cache():
     [
         ("tiny-qwen3", AttentionImpl.CUDNN, jnp.bfloat16, 16, True),
         ("tiny-gpt-oss", AttentionImpl.CUDNN, jnp.bfloat16, 16, True),
+        ("tiny-qwen3-next", AttentionImpl.CUDNN, jnp.bfloat16, 16, True),
         ("tiny-qwen3", AttentionImpl.XLA, jnp.bfloat16, 16, False),
         ("tiny-qwen3", AttentionImpl.CUDNN, jnp.float32, 16, False),
         ("tiny-qwen3", AttentionImpl.CUDNN, jnp.bfloat16, 12, False),
@@ -284,10 +285,10 @@ def test_one_wide_pages_bucket_where_every_layer_reads_pages_in_place(
     preset, attention, dtype, page_size, in_place
 ):
     """Where every paged layer runs on the GPU paged kernel (grouped-query KV, half precision,
-    pages and heads it tiles: not Mistral's 8-wide heads), a step's page table is as wide as
-    the context in one bucket: the kernel reads only the pages a row reaches. Otherwise (the
-    `jnp` gather, MLA latents) the pages buckets start from 1, since the gather reads the
-    table's whole width."""
+    pages and heads it tiles: not Mistral's 8-wide heads; recurrent states have no pages), a
+    step's page table is as wide as the context in one bucket: the kernel reads only the pages
+    a row reaches. Otherwise (the `jnp` gather, MLA latents) the pages buckets start from 1,
+    since the gather reads the table's whole width."""
     topology = bj.Topology()
     mesh = bj.make_mesh(topology)
     options = BuildOptions(attention=attention, dtype=dtype)
