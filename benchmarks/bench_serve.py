@@ -185,8 +185,8 @@ def main() -> None:
     parser.add_argument(
         "--scan-layers",
         action="store_true",
-        help="scan the layers: faster compiles, but each step copies every layer's page pools "
-        "out of the stacked pools and back (4x slower steps on the H200)",
+        help="scan the layers: faster compiles; each step copies every layer's weight slices "
+        "(run 36 measured 4.5x slower steps, when the page pools were copied as well)",
     )
     parser.add_argument(
         "--compilation-cache",

@@ -54,6 +54,7 @@ from .policy import ReductionPolicy as ReductionPolicy
 from .report import collective_report as collective_report
 from .residual_stream import OwedOutput as OwedOutput
 from .residual_stream import ResidualStream as ResidualStream
+from .scan import LayerStacked as LayerStacked
 from .scan import StackedLayers as StackedLayers
 from .sharding import ShardedModule as ShardedModule
 from .sharding import make_mesh as make_mesh

@@ -13,7 +13,7 @@ before the scan, from its slice, under `layer_<start>`.)
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +29,37 @@ def _stacked_variable(*variables: nnx.Variable) -> nnx.Variable:
     if sharding is None:
         return first.replace(value=value)
     return first.replace(value=value, out_sharding=(None, *sharding))
+
+
+@runtime_checkable
+class LayerStacked(Protocol):
+    """Per-layer state of a scanned run that is not sliced along a leading layer axis: each
+    layer gets a view of it (`layer`) and hands back its updated view (`written`). A paged KV
+    cache is one: every layer's pool lives in one flat pool that each layer's view reads and
+    writes in place through offset page ids, where slicing a layer's pool out of a stacked one
+    would copy it (a kernel needs its operand as a buffer of its own)."""
+
+    def layer(self, index: jax.Array | int) -> Any:
+        """Layer `index`'s view."""
+
+    def written(self, index: jax.Array | int, view: Any) -> Any:
+        """The state with layer `index`'s updated `view` in place."""
+
+
+def _is_stacked(value: Any) -> bool:
+    return isinstance(value, LayerStacked)
+
+
+def layer_slice(per_layer: Any, index: jax.Array | int) -> Any:
+    """Layer `index`'s part of `per_layer`: its slice of each leaf along the leading layer axis,
+    and its view of each `LayerStacked` entry."""
+
+    def take(value):
+        if _is_stacked(value):
+            return value.layer(index)
+        return jax.lax.dynamic_index_in_dim(value, index, 0, False)
+
+    return jax.tree.map(take, per_layer, is_leaf=_is_stacked)
 
 
 def run_scope(start: int, stop: int) -> str:
@@ -97,7 +128,8 @@ class StackedLayers(nnx.Module):
           carry: What flows from layer to layer, e.g. `(output, stream)`; an `OwedOutput` has
             no leaves, so it scans as static structure.
           per_layer: A pytree whose leaves have a leading axis of the run's length (e.g. the
-            run's stacked KV caches), sliced per layer; None for none.
+            run's stacked KV caches), sliced per layer; with `in_place` also `LayerStacked`
+            entries, viewed per layer; None for none.
           in_place: `out` is layer i's `per_layer[i]` updated (a KV cache): the stacked
             `per_layer` rides in the loop's carry and each layer writes its slice back in place,
             instead of the scan stacking a fresh copy of all of it.
@@ -120,7 +152,7 @@ class StackedLayers(nnx.Module):
         if remat:
             body = jax.checkpoint(body, policy=policy)
         stacked = (state, per_layer)
-        first = jax.tree.map(lambda leaf: leaf[0], stacked)
+        first = (jax.tree.map(lambda leaf: leaf[0], state), layer_slice(per_layer, 0))
         scanned_from = 0 if _same_type(carry, jax.eval_shape(body, carry, first)[0]) else 1
         if in_place:
             return self._scan_in_place(body, carry, state, per_layer, scanned_from)
@@ -139,10 +171,14 @@ class StackedLayers(nnx.Module):
         """`scan` with `in_place`: layer i reads and writes back slice i of `updated`."""
 
         def step(carry, updated, state, index):
-            xs = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index, 0, False), updated)
-            carry, out = body(carry, (state, xs))
-            write = lambda a, o: jax.lax.dynamic_update_index_in_dim(a, o, index, 0)  # noqa: E731
-            return carry, jax.tree.map(write, updated, out)
+            carry, out = body(carry, (state, layer_slice(updated, index)))
+
+            def write(value, written):
+                if _is_stacked(value):
+                    return value.written(index, written)
+                return jax.lax.dynamic_update_index_in_dim(value, written, index, 0)
+
+            return carry, jax.tree.map(write, updated, out, is_leaf=_is_stacked)
 
         if scanned_from:
             with jax.named_scope(f"layer_{self.start}"):

@@ -148,10 +148,10 @@ def serve(args: argparse.Namespace) -> None:
             max_rows=args.max_tokens_per_step,
         )
     out.log(f"KV cache: {paged.cache_bytes() / GIB:.3f} GiB over all devices")
-    if model.options.scan_layers and paged.reads_pages_in_place():
+    if model.options.scan_layers:
         out.log(
-            "note: with --scan-layers each step copies every layer's page pools out of the "
-            "stacked pools and back (4x slower steps on an H200); serve unrolled layers"
+            "note: with --scan-layers each step copies every scanned layer's weight slices "
+            "(XLA; benchmarks/RESULTS.md run 15): serve unrolled layers for speed"
         )
     if args.warm_up:
         with status(out, "compiling the step programs"):

@@ -31,6 +31,7 @@ from ..inputs.rows import RowsPhase, TokenRows
 from ..layers.attention.kv_cache import KVCache
 from ..layers.attention.latent import LatentCache
 from ..layers.attention.paged import (
+    LayerPages,
     PagedKVCache,
     PagedLatentCache,
     kernel_takes,
@@ -146,9 +147,11 @@ def step_cache(spec: Any, pools: tuple[jax.Array, ...], table: jax.Array) -> Any
 
 
 def cache_pools(cache: Any) -> tuple[jax.Array, ...]:
-    """The pools of a step's cache (what `step_cache` took)."""
+    """The pools of a step's cache (what `step_cache` or `LayerPages.of` took)."""
     if isinstance(cache, PagedKVCache | PagedLatentCache):
         return cache.pools
+    if isinstance(cache, LayerPages):
+        return cache.stacked()
     if parts := cache_parts(cache):
         return tuple(pool for name in parts for pool in getattr(cache, name).pools)
     return tuple(jax.tree_util.tree_leaves(cache))
@@ -471,6 +474,9 @@ class PagedRunner:
             )
             caches = []
             for block, spec, pool in zip(blocks, specs, pools, strict=True):
+                if block.scanned and type(spec) in PAGED_FORMS:
+                    caches.append(LayerPages.of(pool, table, PAGED_FORMS[type(spec)]))
+                    continue
                 pages = table
                 if block.scanned:
                     pages = jnp.broadcast_to(table, (len(block.layers), *table.shape))
