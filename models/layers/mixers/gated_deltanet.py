@@ -38,6 +38,7 @@ from .ssd import (
     accumulation_dtype,
     causal_conv1d,
     causal_conv1d_step,
+    extend_chunks,
     prefill_slot_states,
 )
 
@@ -99,12 +100,13 @@ def delta_rule_extend(
     cache: DeltaCache,
 ) -> tuple[jax.Array, DeltaCache]:
     """A delta-rule mixer's EXTEND rows (a serving step: chunks of prompts and decode tokens of
-    the cache's slots), one after another, the reference form as Mamba2's: each row steps its
-    slot's conv and recurrent state (from zero at position 0) and writes them back.
+    the cache's slots) through the recurrence, every chunk's rows side by side
+    (`extend_chunks`): each chunk steps its slot's conv and recurrent state (from zero at
+    position 0) and leaves them in the slot.
 
     Args:
       conv_input: [T, local conv channels] the conv's input rows; weight [K, channels].
-      heads: Maps one row's conv output [1, channels] to its (q, k, v) (the activation and the
+      heads: Maps conv outputs [C, channels] to their (q, k, v) (the activation and the
         channel split).
       g, beta: The rows' gates and betas, as `gated_delta_rule_step` takes them.
       positions, segment_ids: [T]; segment id -1 marks padding.
@@ -114,27 +116,16 @@ def delta_rule_extend(
       (o [T, v_heads, v_dim], zero on padding rows; the updated cache).
     """
 
-    def step(state: DeltaCache, row):
-        x, g_row, beta_row, position, segment = row
-        valid = segment >= 0
-        slot = jnp.maximum(segment, 0)
-        fresh = position == 0
-        conv_state = jnp.where(fresh, 0, state.conv[slot])[None]
-        rule_state = jnp.where(fresh, 0, state.state[slot])[None]
-        conv, conv_state = causal_conv1d_step(conv_state, x[None], weight, None, valid[None])
-        q, k, v = heads(conv)
-        o, rule_state = gated_delta_rule_step(
-            rule_state, q, k, v, g_row[None], beta_row[None], valid[None]
-        )
-        state = DeltaCache(
-            conv=jnp.where(valid, state.conv.at[slot].set(conv_state[0]), state.conv),
-            state=jnp.where(valid, state.state.at[slot].set(rule_state[0]), state.state),
-        )
-        return state, o[0]
+    def step(states, row, valid):
+        conv_state, rule_state = states
+        x, g_row, beta_row = row
+        conv, conv_state = causal_conv1d_step(conv_state, x, weight, None, valid)
+        o, rule_state = gated_delta_rule_step(rule_state, *heads(conv), g_row, beta_row, valid)
+        return o, (conv_state, rule_state)
 
-    rows = (conv_input.astype(cache.conv.dtype), g, beta, positions, segment_ids)
-    cache, o = lax.scan(step, cache, rows)
-    return o, cache
+    rows = (conv_input.astype(cache.conv.dtype), g, beta)
+    o, (conv, state) = extend_chunks(step, rows, positions, segment_ids, (cache.conv, cache.state))
+    return o, DeltaCache(conv=conv, state=state)
 
 
 @dataclasses.dataclass(frozen=True)

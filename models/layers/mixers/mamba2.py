@@ -38,6 +38,7 @@ from .ssd import (
     accumulation_dtype,
     causal_conv1d,
     causal_conv1d_step,
+    extend_chunks,
     gated_rms_norm,
     prefill_slot_states,
     ssd_chunked_scan,
@@ -481,30 +482,22 @@ class Mamba2Mixer(nnx.Module):
         segment_ids: jax.Array,
         cache: Mamba2Cache,
     ) -> tuple[jax.Array, Mamba2Cache]:
-        """EXTEND rows, one after another (the reference): each row steps its slot's conv and
-        SSM state (from zero at position 0) and writes it back. Returns ([T, heads, P] outputs,
-        zero on padding rows; the updated cache)."""
+        """EXTEND rows through the recurrence, every chunk's rows side by side
+        (`extend_chunks`): each chunk steps its slot's conv and SSM state (from zero at
+        position 0) and leaves them in the slot. Returns ([T, heads, P] outputs, zero on
+        padding rows; the updated cache)."""
 
-        def step(state: Mamba2Cache, row):
-            xbc_row, dt_row, position, segment = row
-            valid = segment >= 0
-            slot = jnp.maximum(segment, 0)
-            fresh = position == 0
-            conv_state = jnp.where(fresh, 0, state.conv[slot])[None]
-            ssm_state = jnp.where(fresh, 0, state.ssm[slot])[None]
-            conv, conv_state = causal_conv1d_step(
-                conv_state, xbc_row[None], weight, bias, valid[None]
-            )
+        def step(states, row, valid):
+            conv_state, ssm_state = states
+            xbc_row, dt_row = row
+            conv, conv_state = causal_conv1d_step(conv_state, xbc_row, weight, bias, valid)
             x, b, c = self._split_channels(jax.nn.silu(conv).astype(xbc.dtype))
-            y, ssm_state = ssd_step(ssm_state, x, dt_row[None], a, b, c, self.d[...], valid[None])
-            state = Mamba2Cache(
-                conv=jnp.where(valid, state.conv.at[slot].set(conv_state[0]), state.conv),
-                ssm=jnp.where(valid, state.ssm.at[slot].set(ssm_state[0]), state.ssm),
-            )
-            return state, y[0]
+            y, ssm_state = ssd_step(ssm_state, x, dt_row, a, b, c, self.d[...], valid)
+            return y, (conv_state, ssm_state)
 
-        cache, y = lax.scan(step, cache, (xbc.astype(cache.conv.dtype), dt, positions, segment_ids))
-        return y, cache
+        rows = (xbc.astype(cache.conv.dtype), dt)
+        y, (conv, ssm) = extend_chunks(step, rows, positions, segment_ids, (cache.conv, cache.ssm))
+        return y, Mamba2Cache(conv=conv, ssm=ssm)
 
     def _split_channels(self, conv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """[T, local conv channels] -> x [T, local heads, P], B and C [T, local groups, N]."""

@@ -20,6 +20,8 @@ float64 for float64 inputs.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -409,3 +411,76 @@ def gated_rms_norm(
     mean_square = jnp.mean(grouped * grouped, axis=-1, keepdims=True)
     normed = (grouped * lax.rsqrt(mean_square + eps)).reshape(gated.shape)
     return weight[None] * normed.astype(y.dtype)
+
+
+def extend_chunks(
+    step: Callable[[Any, Any, jax.Array], tuple[jax.Array, Any]],
+    rows: Any,
+    positions: jax.Array,
+    segment_ids: jax.Array,
+    states: Any,
+) -> tuple[jax.Array, Any]:
+    """A recurrence over a serving step's EXTEND rows, every chunk's rows side by side.
+
+    A step's rows are chunks: each slot's tokens, one run of consecutive rows at consecutive
+    positions. Iteration j steps the j-th row of every chunk at once (`step` batched over the
+    chunks), as many iterations as the longest chunk has rows: a decode step (one row per
+    chunk) is one batched step, not one step per row. Each chunk starts from its slot's state
+    (zero at position 0) and leaves its final state in its slot.
+
+    Args:
+      step: `(states [C, ...], rows [C, ...], valid bool [C]) -> (out [C, ...], states)`: one
+        row of each of C chunks; a chunk without a row this iteration (not `valid`) keeps its
+        state.
+      rows: A pytree of [T, ...] per-row inputs.
+      positions, segment_ids: [T]; segment id -1 marks padding.
+      states: A pytree of [slots, ...] per-slot states.
+
+    Returns:
+      ([T, ...] outputs, zero on padding rows; the states with each chunk's slot updated).
+    """
+    count = positions.shape[0]
+    chunks = min(count, jax.tree.leaves(states)[0].shape[0])
+    valid = segment_ids >= 0
+    index = jnp.arange(count, dtype=jnp.int32)
+    before_segment = jnp.concatenate([jnp.full((1,), -2, jnp.int32), segment_ids[:-1]])
+    before_position = jnp.concatenate([jnp.full((1,), -2, jnp.int32), positions[:-1]])
+    opens = valid & ((segment_ids != before_segment) | (positions != before_position + 1))
+    chunk = jnp.where(valid, jnp.cumsum(opens) - 1, chunks)
+    first = jnp.zeros((chunks,), jnp.int32).at[jnp.where(opens, chunk, chunks)].set(index)
+    length = jnp.zeros((chunks,), jnp.int32).at[chunk].add(1, mode="drop")
+    live = length > 0
+    slot = jnp.where(live, jnp.maximum(segment_ids[first], 0), 0)
+    fresh = positions[first] == 0
+
+    def entering(state):
+        held = state[slot]
+        return jnp.where(_rows_mask(fresh, held), 0, held)
+
+    def iteration(j, carry):
+        chunk_states, out = carry
+        taken = (j < length) & live
+        at = jnp.minimum(first + j, count - 1)
+        inputs = jax.tree.map(lambda x: x[at], rows)
+        result, chunk_states = step(chunk_states, inputs, taken)
+        out = out.at[jnp.where(taken, at, count)].set(result.astype(out.dtype), mode="drop")
+        return chunk_states, out
+
+    chunk_states = jax.tree.map(entering, states)
+    shape = jax.eval_shape(step, chunk_states, jax.tree.map(lambda x: x[:chunks], rows), live)[0]
+    out = jnp.zeros((count, *shape.shape[1:]), shape.dtype)
+    # The first iteration outside the loop types the outputs as the rows vary (in shard_map).
+    carry = iteration(0, (chunk_states, out))
+    chunk_states, out = lax.fori_loop(1, jnp.max(length), iteration, carry)
+    target = jnp.where(live, slot, jax.tree.leaves(states)[0].shape[0])
+    states = jax.tree.map(
+        lambda state, final: state.at[target].set(final.astype(state.dtype), mode="drop"),
+        states,
+        chunk_states,
+    )
+    return out, states
+
+
+def _rows_mask(mask: jax.Array, like: jax.Array) -> jax.Array:
+    """`mask` [C] shaped to broadcast over `like` [C, ...]."""
+    return mask.reshape(mask.shape + (1,) * (like.ndim - 1))
