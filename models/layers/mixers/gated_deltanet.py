@@ -38,6 +38,7 @@ from .ssd import (
     accumulation_dtype,
     causal_conv1d,
     causal_conv1d_step,
+    check_stepped_rows,
     extend_chunks,
     prefill_slot_states,
 )
@@ -70,23 +71,6 @@ def delta_rule_prefill(
         )
         cache = DeltaCache(conv=conv, state=state)
     return o, cache
-
-
-def check_stepped_rows(phase: RowsPhase, rows: int, cache: DeltaCache | None) -> None:
-    """Refuses a DECODE call without a cache or with other than one row per slot, and an
-    EXTEND call without a cache (both step the slots' states).
-
-    Raises:
-      ValueError: As said.
-    """
-    if phase is RowsPhase.EXTEND and cache is None:
-        raise ValueError("an EXTEND call steps its slots' states; it needs a cache")
-    if phase is RowsPhase.DECODE and (cache is None or cache.state.shape[0] != rows):
-        slots = None if cache is None else cache.state.shape[0]
-        raise ValueError(
-            "a DECODE call needs a cache and one row per cache slot (row i is slot i); "
-            f"got {rows} rows and cache slots {slots}. Use `decode_rows` to lay them out."
-        )
 
 
 def delta_rule_extend(
@@ -349,14 +333,10 @@ class GatedDeltaNet(nnx.Module):
             this rank's.
         """
         rows = h.shape[0]
-        if positions.shape != (rows,) or segment_ids.shape != (rows,):
-            raise ValueError(
-                f"positions and segment_ids must be [T] for h [T, hidden]; got {h.shape=}, "
-                f"{positions.shape=}, {segment_ids.shape=}"
-            )
+        slots = None if cache is None else cache.state.shape[0]
+        check_stepped_rows(h, positions, segment_ids, phase, slots)
         if cache is not None:
             self._check_cache(cache)
-        check_stepped_rows(phase, rows, cache)
         spec, split = self.spec, self.split
         qkv, z, b, a = self._project(h)
         weight = jnp.concatenate(

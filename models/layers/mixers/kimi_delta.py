@@ -33,12 +33,11 @@ from .delta_rule import gated_delta_rule_step
 from .gated_deltanet import (
     DeltaCache,
     DeltaSplit,
-    check_stepped_rows,
     delta_rule_extend,
     delta_rule_prefill,
 )
 from .mamba2 import DepthwiseConvWeights, LogUniform, NormalAround, TimeStepBias
-from .ssd import accumulation_dtype, causal_conv1d, causal_conv1d_step
+from .ssd import accumulation_dtype, causal_conv1d, causal_conv1d_step, check_stepped_rows
 
 
 def gated_sigmoid_norm(o: jax.Array, gate: jax.Array, weight: jax.Array, *, eps: float):
@@ -149,14 +148,10 @@ class KimiDeltaAttention(nnx.Module):
         padding rows, and the updated cache or None.
         """
         rows = h.shape[0]
-        if positions.shape != (rows,) or segment_ids.shape != (rows,):
-            raise ValueError(
-                f"positions and segment_ids must be [T] for h [T, hidden]; got {h.shape=}, "
-                f"{positions.shape=}, {segment_ids.shape=}"
-            )
+        slots = None if cache is None else cache.state.shape[0]
+        check_stepped_rows(h, positions, segment_ids, phase, slots)
         if cache is not None:
             self._check_cache(cache)
-        check_stepped_rows(phase, rows, cache)
         spec, split = self.spec, self.split
         local_heads, head_dim = split.local_v_heads, spec.head_dim
         qkv = self.qkv_proj(h).reshape(rows, -1)  # [T, local q, k, v channels]

@@ -38,6 +38,7 @@ from .ssd import (
     accumulation_dtype,
     causal_conv1d,
     causal_conv1d_step,
+    check_stepped_rows,
     extend_chunks,
     gated_rms_norm,
     prefill_slot_states,
@@ -399,21 +400,10 @@ class Mamba2Mixer(nnx.Module):
             one row per slot, or a cache of another shape than this rank's.
         """
         rows = h.shape[0]
-        if positions.shape != (rows,) or segment_ids.shape != (rows,):
-            raise ValueError(
-                f"positions and segment_ids must be [T] for h [T, hidden]; got {h.shape=}, "
-                f"{positions.shape=}, {segment_ids.shape=}"
-            )
+        slots = None if cache is None else cache.ssm.shape[0]
+        check_stepped_rows(h, positions, segment_ids, phase, slots)
         if cache is not None:
             self._check_cache(cache)
-        if phase is RowsPhase.EXTEND and cache is None:
-            raise ValueError("an EXTEND call steps its slots' states; it needs a cache")
-        if phase is RowsPhase.DECODE and (cache is None or cache.ssm.shape[0] != rows):
-            slots = None if cache is None else cache.ssm.shape[0]
-            raise ValueError(
-                "a DECODE call needs a cache and one row per cache slot (row i is slot i); "
-                f"got {rows} rows and cache slots {slots}. Use `decode_rows` to lay them out."
-            )
         spec, split = self.spec, self.split
         zx = self.in_proj_zx(h)  # [T, 2, local I]
         z, x = zx[:, 0], zx[:, 1]

@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ...inputs.rows import RowsPhase
+
 
 def accumulation_dtype(dtype: jnp.dtype) -> jnp.dtype:
     """Float32, or the input's dtype where that is wider (float64 stays float64)."""
@@ -484,3 +486,32 @@ def extend_chunks(
 def _rows_mask(mask: jax.Array, like: jax.Array) -> jax.Array:
     """`mask` [C] shaped to broadcast over `like` [C, ...]."""
     return mask.reshape(mask.shape + (1,) * (like.ndim - 1))
+
+
+def check_stepped_rows(
+    h: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array,
+    phase: RowsPhase,
+    slots: int | None,
+) -> None:
+    """Refuses a recurrent mixer's call whose rows do not fit it: positions or segment ids not
+    [T] for h [T, hidden], a DECODE call without a cache (`slots` None) or with other than one
+    row per slot, an EXTEND call without a cache (both step the slots' states).
+
+    Raises:
+      ValueError: As said.
+    """
+    rows = h.shape[0]
+    if positions.shape != (rows,) or segment_ids.shape != (rows,):
+        raise ValueError(
+            f"positions and segment_ids must be [T] for h [T, hidden]; got {h.shape=}, "
+            f"{positions.shape=}, {segment_ids.shape=}"
+        )
+    if phase is RowsPhase.EXTEND and slots is None:
+        raise ValueError("an EXTEND call steps its slots' states; it needs a cache")
+    if phase is RowsPhase.DECODE and slots != rows:
+        raise ValueError(
+            "a DECODE call needs a cache and one row per cache slot (row i is slot i); "
+            f"got {rows} rows and cache slots {slots}. Use `decode_rows` to lay them out."
+        )
