@@ -111,15 +111,7 @@ def _layer(layer, x, rows: TokenRows, cache):
         case HybridLayer.MAMBA2:
             y, cache = layer.mixer(h, rows.positions, rows.segment_ids, cache, phase=rows.phase)
         case HybridLayer.ATTENTION:
-            y, cache = layer.mixer(
-                h,
-                rows.positions,
-                rows.segment_ids,
-                cache,
-                phase=rows.phase,
-                max_sequence_rows=rows.max_sequence_rows,
-                window_rows=rows.window_rows,
-            )
+            y, cache = layer_stack_jit.attention(layer.mixer, h, rows, cache)
         case HybridLayer.MLP:
             y = layer.mixer(h)
         case HybridLayer.MOE:

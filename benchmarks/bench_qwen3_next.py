@@ -96,15 +96,7 @@ def _layer(layer, x, rows: TokenRows, cache):
     if isinstance(layer.attn, GatedDeltaNet):
         y, cache = layer.attn(h, rows.positions, rows.segment_ids, cache, phase=rows.phase)
     else:
-        y, cache = layer.attn(
-            h,
-            rows.positions,
-            rows.segment_ids,
-            cache,
-            phase=rows.phase,
-            max_sequence_rows=rows.max_sequence_rows,
-            window_rows=rows.window_rows,
-        )
+        y, cache = layer_stack_jit.attention(layer.attn, h, rows, cache)
     x = x + y
     h = layer.post_attn_norm(x)
     # One program over the whole model (Topology()): every replicated part added once.

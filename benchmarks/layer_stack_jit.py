@@ -17,6 +17,7 @@ steps (one program), so dispatch is amortized.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +58,20 @@ def to_auto(tree, mesh: jax.sharding.Mesh):
         return jax.make_array_from_single_device_arrays(x.shape, sharding, shards)
 
     return jax.tree.map(rewrap, tree)
+
+
+def attention(attn: nnx.Module, h: jax.Array, rows: TokenRows, cache) -> tuple[jax.Array, Any]:
+    """An attention's output and updated cache on `rows`, without boundaries: what a baseline
+    layer calls (with the rows' phase and layout facts)."""
+    return attn(
+        h,
+        rows.positions,
+        rows.segment_ids,
+        cache,
+        phase=rows.phase,
+        max_sequence_rows=rows.max_sequence_rows,
+        window_rows=rows.window_rows,
+    )
 
 
 def baseline_model(runner: ShardedCausalLM, family: type) -> nnx.Module:
