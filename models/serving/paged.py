@@ -119,39 +119,43 @@ class Launched:
 
 def cache_parts(spec: Any) -> tuple[str, ...]:
     """The fields of a cache made of caches that have paged forms (LongCat-Flash's latent cache
-    per attention), each paged on its own, as a spec tree or in its paged form; () for any
-    other cache."""
-    forms = (*PAGED_FORMS, *PAGED_FORMS.values())
+    per attention), each paged on its own, as a spec tree or in its step form; () for any other
+    cache."""
+    forms = (*PAGED_FORMS, *PAGED_FORMS.values(), LayerPages)
     if type(spec) in forms or not dataclasses.is_dataclass(spec):
         return ()
     names = tuple(field.name for field in dataclasses.fields(spec))
     return names if all(type(getattr(spec, n)) in forms for n in names) else ()
 
 
-def step_cache(spec: Any, pools: tuple[jax.Array, ...], table: jax.Array) -> Any:
+def step_cache(spec: Any, pools: tuple[jax.Array, ...], table: jax.Array, scanned: bool) -> Any:
     """A block's cache in a step, from its pools and its cache's spec tree `spec`: the paged
-    form of keys, values or latents read through `table` (of each part, for a cache of parts),
-    a recurrent state as it is, None for a block without a cache."""
+    form of keys, values or latents read through `table` (of each part, for a cache of parts;
+    a `scanned` run's as `LayerPages`, read in place), a recurrent state as it is, None for a
+    block without a cache."""
+
+    def paged(kind: type, pools: tuple[jax.Array, ...]) -> Any:
+        form = PAGED_FORMS[kind]
+        return LayerPages.of(pools, table, form) if scanned else form.from_pools(pools, table)
+
     kind = type(spec)
     if kind in PAGED_FORMS:
-        return PAGED_FORMS[kind].from_pools(pools, table)
+        return paged(kind, pools)
     if parts := cache_parts(spec):
-        paged, start = {}, 0
+        caches, start = {}, 0
         for name in parts:
             part = getattr(spec, name)
             count = len(jax.tree_util.tree_leaves(part))
-            paged[name] = PAGED_FORMS[type(part)].from_pools(pools[start : start + count], table)
+            caches[name] = paged(type(part), pools[start : start + count])
             start += count
-        return kind(**paged)
+        return kind(**caches)
     return kind(*pools) if pools else None
 
 
 def cache_pools(cache: Any) -> tuple[jax.Array, ...]:
-    """The pools of a step's cache (what `step_cache` or `LayerPages.of` took)."""
-    if isinstance(cache, PagedKVCache | PagedLatentCache):
+    """The pools of a step's cache (what `step_cache` took)."""
+    if isinstance(cache, PagedKVCache | PagedLatentCache | LayerPages):
         return cache.pools
-    if isinstance(cache, LayerPages):
-        return cache.stacked()
     if parts := cache_parts(cache):
         return tuple(pool for name in parts for pool in getattr(cache, name).pools)
     return tuple(jax.tree_util.tree_leaves(cache))
@@ -474,13 +478,7 @@ class PagedRunner:
             )
             caches = []
             for block, spec, pool in zip(blocks, specs, pools, strict=True):
-                if block.scanned and type(spec) in PAGED_FORMS:
-                    caches.append(LayerPages.of(pool, table, PAGED_FORMS[type(spec)]))
-                    continue
-                pages = table
-                if block.scanned:
-                    pages = jnp.broadcast_to(table, (len(block.layers), *table.shape))
-                caches.append(step_cache(spec, pool, pages))
+                caches.append(step_cache(spec, pool, table, block.scanned))
             hidden, caches = model.hidden(rows, batch, tuple(caches), last)
             logits = model.lm_head(hidden).astype(jnp.float32)
             tokens = sample_rows(logits, *sampling)

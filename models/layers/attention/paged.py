@@ -127,7 +127,7 @@ class PagedLatentCache:
 
 
 @functools.partial(
-    jax.tree_util.register_dataclass, data_fields=["pools", "tables"], meta_fields=["form"]
+    jax.tree_util.register_dataclass, data_fields=["flat", "tables"], meta_fields=["form"]
 )
 @dataclasses.dataclass(frozen=True)
 class LayerPages:
@@ -137,34 +137,35 @@ class LayerPages:
     (slicing layer i's pool out of stacked pools copies it on every step).
 
     Attributes:
-      pools: The form's pools, each [layers * pages per layer, page_size, ...].
+      flat: The form's pools, each [layers * pages per layer, page_size, ...].
       tables: int32 [layers, slots, pages per sequence] each layer's page table (its own page
         ids, from 0).
       form: `PagedKVCache` or `PagedLatentCache`.
     """
 
-    pools: tuple[jax.Array, ...]
+    flat: tuple[jax.Array, ...]
     tables: jax.Array
     form: type
 
     @classmethod
-    def of(cls, stacked: tuple[jax.Array, ...], table: jax.Array, form: type) -> LayerPages:
-        """The run's pools `stacked` ([layers, pages, ...] each) read through `table` (the same
-        page table for every layer, as a serving step's)."""
-        layers = stacked[0].shape[0]
-        pools = tuple(pool.reshape(-1, *pool.shape[2:]) for pool in stacked)
-        return cls(pools, jnp.broadcast_to(table, (layers, *table.shape)), form)
+    def of(cls, pools: tuple[jax.Array, ...], table: jax.Array, form: type) -> LayerPages:
+        """The run's `pools` ([layers, pages, ...] each) read through `table` (the same page
+        table for every layer, as a serving step's)."""
+        layers = pools[0].shape[0]
+        flat = tuple(pool.reshape(-1, *pool.shape[2:]) for pool in pools)
+        return cls(flat, jnp.broadcast_to(table, (layers, *table.shape)), form)
 
-    def stacked(self) -> tuple[jax.Array, ...]:
+    @property
+    def pools(self) -> tuple[jax.Array, ...]:
         """The pools as [layers, pages, ...] again (what `of` took)."""
         layers = self.tables.shape[0]
-        return tuple(pool.reshape(layers, -1, *pool.shape[1:]) for pool in self.pools)
+        return tuple(pool.reshape(layers, -1, *pool.shape[1:]) for pool in self.flat)
 
     def layer(self, index: jax.Array | int) -> PagedKVCache | PagedLatentCache:
         """Layer `index`'s cache: the flat pools through its offset page table."""
-        pages = self.pools[0].shape[0] // self.tables.shape[0]
+        pages = self.flat[0].shape[0] // self.tables.shape[0]
         table = jax.lax.dynamic_index_in_dim(self.tables, index, 0, False)
-        return self.form.from_pools(self.pools, table + index * pages)
+        return self.form.from_pools(self.flat, table + index * pages)
 
     def written(self, index: jax.Array | int, view: PagedKVCache | PagedLatentCache) -> LayerPages:
         """The run's caches after layer `index` wrote `view` (its pools are the flat pools)."""

@@ -53,8 +53,7 @@ def scanned(stacked, table, x, positions, segments, in_place_pages: bool):
         tables = jnp.broadcast_to(table, (LAYERS, *table.shape))
         cache = PagedKVCache(*stacked, tables)
     x, cache = RUN.scan(call, x, cache, in_place=True)
-    pools = cache.stacked() if in_place_pages else cache.pools
-    return x, pools
+    return x, cache.pools
 
 
 def test_layer_pages_equal_sliced_pools():
