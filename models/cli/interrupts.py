@@ -63,6 +63,14 @@ def interruption(error: BaseException) -> Interrupted | None:
     return None
 
 
+def raise_pending() -> None:
+    """Raises `Interrupted` for a signal received within `signals_interrupt` whose exception
+    was dropped (raised inside a callback that swallowed it, as a compile's can): for long
+    loops of device work, between their steps."""
+    if _received:
+        raise Interrupted(_received[-1])
+
+
 def report(interrupted: Interrupted) -> int:
     """Says on stderr, in one line, what stopped the command; returns its exit code."""
     _received.clear()

@@ -19,7 +19,7 @@ from ..serving.server import Server, run_server
 from ..serving.text import eos_token_ids
 from . import options
 from .commands import checkpoint_dir, codec, console, runner, source_config, status
-from .interrupts import SIGNALS
+from .interrupts import SIGNALS, raise_pending
 from .options import InputError
 
 GIB = 1 << 30
@@ -155,7 +155,7 @@ def serve(args: argparse.Namespace) -> None:
         )
     if args.warm_up:
         with status(out, "compiling the step programs"):
-            programs = paged.warm_up(model.config.max_position_embeddings)
+            programs = paged.warm_up(model.config.max_position_embeddings, raise_pending)
         out.log(f"warm-up: {programs} step programs compiled")
     channel = Channel() if jax.process_count() > 1 else None
     if channel is not None and not is_first_process():

@@ -427,10 +427,15 @@ class PagedRunner:
         )
         return [(rows, pages) for rows in rows_buckets for pages in pages_buckets]
 
-    def warm_up(self, reach: int) -> int:
+    def warm_up(self, reach: int, between: Callable[[], None] | None = None) -> int:
         """Compiles the step of every bucket that sequences reaching at most `reach` positions
         can take (`step_buckets`), running one synthetic step each, then starts from fresh
         pools. Call it with no sequence in flight; the page tables are left as they were.
+
+        Args:
+          reach: The longest sequence the load can hold.
+          between: Called after each bucket (e.g. to stop on a signal a compile held back);
+            what it raises ends the warm-up, the tables and pools restored.
 
         Returns:
           The number of buckets run.
@@ -441,16 +446,20 @@ class PagedRunner:
         spread = np.arange(self.slots_per_rank * self.pages_per_sequence) % self.pages_per_rank
         self.tables[:] = spread.reshape(self.tables.shape[1:]).astype(np.int32)
         shapes = self.step_buckets(reach)
-        for rows, pages in shapes:
-            span = pages * self.page_size
-            chunks, slot, left = [], 0, rows
-            while left and slot < self.slots_per_rank:
-                count = min(left, span)
-                chunks.append(Chunk(0, slot, (0,) * count, span - count, False))
-                slot, left = slot + 1, left - count
-            self.step(chunks, {})
-        self.tables[:] = tables
-        self.reset()
+        try:
+            for rows, pages in shapes:
+                span = pages * self.page_size
+                chunks, slot, left = [], 0, rows
+                while left and slot < self.slots_per_rank:
+                    count = min(left, span)
+                    chunks.append(Chunk(0, slot, (0,) * count, span - count, False))
+                    slot, left = slot + 1, left - count
+                self.step(chunks, {})
+                if between is not None:
+                    between()
+        finally:
+            self.tables[:] = tables
+            self.reset()
         return len(shapes)
 
     def compiled_shapes(self) -> int:

@@ -232,6 +232,27 @@ def test_sample_rows_mixes_greedy_and_sampled_rows():
     assert tokens[2] in order[2, :3]
 
 
+def test_warm_up_stopped_between_buckets_restores_the_tables():
+    """What `between` raises after a bucket ends the warm-up (a signal a compile held back),
+    with the page tables as they were."""
+    runner = _served(*DEFAULT)[0]
+    paged = PagedRunner(
+        runner, page_size=4, pages_per_rank=64, slots_per_rank=4, max_rows=16, min_pages=8
+    )
+    paged.tables[0, 1, :3] = [5, 6, 7]
+    before = paged.tables.copy()
+    ran = []
+
+    def stop():
+        ran.append(paged.compiled_shapes())
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        paged.warm_up(40, between=stop)
+    assert ran == [1]
+    np.testing.assert_array_equal(paged.tables, before)
+
+
 @dataclasses.dataclass(frozen=True)
 class UnpagedCache:
     """A cache kind the paged step does not know (a new family's, say)."""
