@@ -4,6 +4,7 @@ tilings, and the choice between them by size."""
 from .kernel_hopper import HOPPER_AVAILABLE as HOPPER_AVAILABLE
 from .kernel_hopper import hopper_ragged_dot as hopper_ragged_dot
 from .kernel_triton import expert_matmul as expert_matmul
+from .ops import HOPPER_MAX_GROUPS as HOPPER_MAX_GROUPS
 from .ops import TRITON_MAX_ROUTED_ROWS as TRITON_MAX_ROUTED_ROWS
 from .ops import GroupedMatmulImpl as GroupedMatmulImpl
 from .ops import Tiling as Tiling

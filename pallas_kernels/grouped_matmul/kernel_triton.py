@@ -26,6 +26,8 @@ def _expert_matmul_kernel(
     active_ref, offsets_ref, rows_ref, weights_ref, out_ref, *, num_experts, tiling, depth
 ):
     slot, column = pl.program_id(0), pl.program_id(1)
+    if tiling.columns_inner:
+        slot, column = column, slot
     expert = active_ref[slot]
     columns = pl.ds(pl.multiple_of(column * tiling.block_n, tiling.block_n), tiling.block_n)
 
@@ -70,7 +72,7 @@ def expert_matmul(
       rows: Rows sorted by group: group g's rows follow group g - 1's.
       weights: One [K, N] matrix per group, `rows.dtype`.
       group_sizes: Rows per group; rows past their sum are not written (unspecified).
-      tiling: The tiling; None for `triton_tiling`'s (the tuned default).
+      tiling: The tiling; None for `triton_tiling`'s by the mean rows per group.
       interpret: Run in the Pallas interpreter (CPU tests) instead of compiling for Triton.
 
     Returns:
@@ -87,7 +89,7 @@ def expert_matmul(
             f"expert_matmul takes rows [M, K], weights [G, K, N] of rows' dtype and group_sizes "
             f"[G]; got {rows.shape=}, {weights.shape=}, {weights.dtype=}, {group_sizes.shape=}"
         )
-    tiling = tiling or triton_tiling(k, n, rows.dtype)
+    tiling = tiling or triton_tiling(k, n, rows.dtype, rows_per_group=m / groups)
     if not tiling.divides(k, n):
         raise ValueError(f"{tiling} does not divide K={k}, N={n}")
     kernel = functools.partial(_expert_matmul_call, tiling=tiling, interpret=interpret)
@@ -112,7 +114,7 @@ def _expert_matmul_call(
     call = pl.pallas_call(
         functools.partial(_expert_matmul_kernel, num_experts=groups, tiling=tiling, depth=k),
         out_shape=axes.output_type((m + tiling.block_rows, n), rows.dtype, varying),
-        grid=(slots, n // tiling.block_n),
+        grid=tiling.grid(slots, n // tiling.block_n),
         compiler_params=pltriton.CompilerParams(
             num_warps=tiling.num_warps, num_stages=tiling.num_stages
         ),

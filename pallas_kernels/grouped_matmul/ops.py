@@ -42,14 +42,15 @@ class GroupedMatmulImpl(enum.Enum):
         more rows than the even share. Where an expert gets more rows than the largest
         bucket, the layer runs RAGGED_DOT (PALLAS_GPU under GPU_BY_SIZE) instead, so no row is
         dropped.
-      GPU_BY_SIZE: By the (static) routed row count: PALLAS_TRITON up to
-        `TRITON_MAX_ROUTED_ROWS` rows, else PADDED_BATCHED falling back to PALLAS_GPU; RAGGED_DOT
-        for shapes the chosen kernel's tiles do not divide (`grouped_matmul_by_size`). On an
-        H200 (Qwen3-30B-A3B layer, benchmarks/RESULTS.md runs 9 and 15) PALLAS_TRITON read the
-        chosen experts' weights at 75-86% of the copy bandwidth at 64-512 routed rows where
-        PALLAS_GPU reached 23-64%; both took ~0.5 ms at 2048 rows; at 32768 rows the layer took
-        1.20 ms with PALLAS_GPU and 0.87 ms with PADDED_BATCHED (wall clock, run 16, finalized
-        inside the branch).
+      GPU_BY_SIZE: By the (static) routed row count and expert count: PALLAS_TRITON up to
+        `TRITON_MAX_ROUTED_ROWS` rows, else PADDED_BATCHED falling back to PALLAS_GPU, or to
+        PALLAS_TRITON with its prefill tiling for more than `HOPPER_MAX_GROUPS` experts;
+        RAGGED_DOT for shapes the chosen kernel's tiles do not divide
+        (`grouped_matmul_by_size`). On an H200 (Qwen3-30B-A3B layer, benchmarks/RESULTS.md runs
+        9 and 15) PALLAS_TRITON read the chosen experts' weights at 75-86% of the copy bandwidth
+        at 64-512 routed rows where PALLAS_GPU reached 23-64%; both took ~0.5 ms at 2048 rows;
+        at 32768 rows the layer took 1.20 ms with PALLAS_GPU and 0.87 ms with PADDED_BATCHED
+        (wall clock, run 16, finalized inside the branch).
     """
 
     DENSE = enum.auto()
@@ -62,7 +63,15 @@ class GroupedMatmulImpl(enum.Enum):
 
 
 TRITON_MAX_ROUTED_ROWS = 2048
-"""The most routed rows `GPU_BY_SIZE` gives the Triton kernel (the measured crossover)."""
+"""The most routed rows `GPU_BY_SIZE` gives the Triton kernel at any expert count (the measured
+crossover at 128 experts)."""
+
+HOPPER_MAX_GROUPS = 128
+"""The most groups (experts) `GPU_BY_SIZE` gives JAX's Hopper kernel; above, the Triton kernel
+with its prefill tiling. The Hopper kernel finds each tile's group by a loop over all groups,
+unrolled: on an H200 (benchmarks/RESULTS.md run 37) at 128 experts it took Qwen3-30B-A3B's
+projections in 0.54 / 0.39 ms against the Triton kernel's 0.71 / 0.41, at 512 experts
+Qwen3-Next's in 3.72 / 4.88 ms against 0.74 / 0.45."""
 
 Tiling = TritonTiling | HopperTiling
 TilingTable = Callable[[int, int, jnp.dtype], Tiling]
@@ -88,12 +97,15 @@ def default_grouped_matmul_impl(
     return GroupedMatmulImpl.RAGGED_DOT
 
 
-def grouped_matmul_by_size(m: int, k: int, n: int, dtype: jnp.dtype) -> GroupedMatmulImpl:
-    """`GPU_BY_SIZE`'s pick for [m, k] rows x [G, k, n] weights: the Triton kernel up to
-    `TRITON_MAX_ROUTED_ROWS` rows, JAX's Hopper kernel above; `RAGGED_DOT` where the picked
-    kernel's tiles do not divide the shape (tiny test models) or JAX lacks the Hopper kernel."""
+def grouped_matmul_by_size(
+    m: int, k: int, n: int, dtype: jnp.dtype, groups: int = 1
+) -> GroupedMatmulImpl:
+    """`GPU_BY_SIZE`'s pick for [m, k] rows x [groups, k, n] weights: the Triton kernel up to
+    `TRITON_MAX_ROUTED_ROWS` rows or for more than `HOPPER_MAX_GROUPS` groups, JAX's Hopper
+    kernel otherwise; `RAGGED_DOT` where the picked kernel's tiles do not divide the shape (tiny
+    test models) or JAX lacks the Hopper kernel."""
     del dtype
-    if m <= TRITON_MAX_ROUTED_ROWS:
+    if m <= TRITON_MAX_ROUTED_ROWS or groups > HOPPER_MAX_GROUPS:
         if TritonTiling().divides(k, n):
             return GroupedMatmulImpl.PALLAS_TRITON
     elif HOPPER_AVAILABLE and n % 64 == 0 and k % 16 == 0:
@@ -131,7 +143,7 @@ def grouped_matmul(
     """
     k, n = rows.shape[1], weights.shape[2]
     if impl is GroupedMatmulImpl.GPU_BY_SIZE:
-        impl = grouped_matmul_by_size(rows.shape[0], k, n, rows.dtype)
+        impl = grouped_matmul_by_size(rows.shape[0], k, n, rows.dtype, weights.shape[0])
     weights = weights.astype(rows.dtype)
     match impl:
         case GroupedMatmulImpl.RAGGED_DOT:

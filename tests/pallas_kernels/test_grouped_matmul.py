@@ -2,6 +2,8 @@
 it covers, in the Pallas interpreter (CPU) and compiled for Triton (GPU only); the choice by
 size, the tuned tilings and the platform defaults."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +13,7 @@ from models.layers.moe import experts as routed_experts
 from models.layers.moe import routing as moe_routing
 from pallas_kernels.grouped_matmul import (
     HOPPER_AVAILABLE,
+    HOPPER_MAX_GROUPS,
     TRITON_MAX_ROUTED_ROWS,
     GroupedMatmulImpl,
     TritonTiling,
@@ -19,8 +22,10 @@ from pallas_kernels.grouped_matmul import (
     grouped_matmul,
     hopper_tiling,
     ops,
+    triton_tiling,
 )
 from pallas_kernels.grouped_matmul import grouped_matmul_reference as expert_matmul_reference
+from pallas_kernels.grouped_matmul.tuned_block_sizes import PREFILL_ROWS_PER_GROUP
 
 TILING = TritonTiling(block_rows=16, block_n=128, block_k=64)
 
@@ -34,17 +39,19 @@ def case(group_sizes, k=128, n=256, dtype=jnp.float32, seed=0):
     return rows, weights, jnp.asarray(group_sizes, jnp.int32)
 
 
+@pytest.mark.parametrize("columns_inner", [False, True], ids=["experts-inner", "columns-inner"])
 @pytest.mark.parametrize(
     "group_sizes",
     [(3, 0, 17, 0, 0, 1), (0, 0, 0, 5), (40,)],
     ids=["empty-and-two-row-blocks", "last-only", "one-group-three-blocks"],
 )
-def test_interpreted_kernel_matches_ragged_dot(group_sizes):
+def test_interpreted_kernel_matches_ragged_dot(group_sizes, columns_inner):
     """Every covered row equals ragged_dot's: empty groups skipped, a group spanning several
-    row blocks, groups starting mid-block."""
+    row blocks, groups starting mid-block; in either launch order."""
     rows, weights, sizes = case(group_sizes)
     covered = sum(group_sizes)
-    got = expert_matmul(rows, weights, sizes, tiling=TILING, interpret=True)[:covered]
+    tiling = dataclasses.replace(TILING, columns_inner=columns_inner)
+    got = expert_matmul(rows, weights, sizes, tiling=tiling, interpret=True)[:covered]
     want = expert_matmul_reference(rows, weights, sizes)[:covered]
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
 
@@ -84,9 +91,46 @@ def test_pallas_triton_layer_matches_ragged_dot_on_gpu():  # pragma: no cover - 
     assert np.max(np.abs(got - want)) <= 2e-2 * np.max(np.abs(want))
 
 
+@pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="Triton runs on GPU only")
+def test_prefill_tiling_matches_ragged_dot_on_gpu():  # pragma: no cover - GPU only
+    """On a GPU, the Triton kernel's prefill tiling (128-row blocks, one expert's columns
+    launched together) equals ragged_dot on uneven groups of 0 to 300 rows (bf16)."""
+    rng = np.random.default_rng(1)
+    sizes = rng.integers(0, 300, 48).astype(np.int32)
+    sizes[[3, 17]] = 0
+    rows, weights, group_sizes = case(tuple(sizes), k=512, n=256, dtype=jnp.bfloat16)
+    tiling = triton_tiling(512, 256, jnp.bfloat16, rows_per_group=float(sizes.mean()))
+    assert tiling.block_rows == 128 and tiling.columns_inner
+    covered = int(sizes.sum())
+    got = expert_matmul(rows, weights, group_sizes)[:covered]
+    want = expert_matmul_reference(
+        rows.astype(jnp.float32), weights.astype(jnp.float32), group_sizes
+    )[:covered]
+    got, want = np.asarray(got, np.float32), np.asarray(want)
+    assert np.max(np.abs(got - want)) <= 2e-2 * np.max(np.abs(want))
+
+
+def test_tuned_triton_tilings():
+    """The Triton kernel's table: 16-row blocks at decode sizes; one expert's columns launched
+    together, in 64-row blocks from PREFILL_ROWS_PER_GROUP rows per expert and 128-row blocks
+    from 48; narrower tiles where the default does not divide the shape."""
+    decode = triton_tiling(2048, 1024, jnp.bfloat16, rows_per_group=PREFILL_ROWS_PER_GROUP - 1)
+    assert (decode.block_rows, decode.block_n, decode.columns_inner) == (16, 128, False)
+    middle = triton_tiling(2048, 1024, jnp.bfloat16, rows_per_group=PREFILL_ROWS_PER_GROUP)
+    assert (middle.block_rows, middle.block_n, middle.num_warps) == (64, 128, 8)
+    prefill = triton_tiling(2048, 1024, jnp.bfloat16, rows_per_group=48.0)
+    assert (prefill.block_rows, prefill.block_n, prefill.num_warps) == (128, 128, 8)
+    assert middle.columns_inner and prefill.columns_inner
+    narrow = triton_tiling(48, 96, jnp.bfloat16, rows_per_group=80.0)
+    assert (narrow.block_rows, narrow.block_n, narrow.block_k) == (128, 32, 16)
+    with pytest.raises(NotImplementedError, match="k % 16"):
+        triton_tiling(24, 128, jnp.bfloat16)
+
+
 def test_gpu_by_size_picks_the_kernel_by_routed_rows(monkeypatch):
     """GPU_BY_SIZE runs the Triton kernel up to TRITON_MAX_ROUTED_ROWS rows, the Hopper kernel
-    above (both stood in for by ragged_dot, recording which ran)."""
+    above, and the Triton kernel again for more than HOPPER_MAX_GROUPS experts (both stood in
+    for by ragged_dot, recording which ran)."""
     ran = []
 
     def triton(rows, weights, group_sizes, *, tiling, interpret):
@@ -107,6 +151,12 @@ def test_gpu_by_size_picks_the_kernel_by_routed_rows(monkeypatch):
         rows = jnp.zeros((m, 128), jnp.bfloat16)
         grouped_matmul(rows, weights, sizes, impl=GroupedMatmulImpl.GPU_BY_SIZE)
     assert ran == [("triton", 8), ("triton", limit), ("hopper", limit + 8)]
+    ran.clear()
+    many = jnp.zeros((HOPPER_MAX_GROUPS + 1, 128, 128), jnp.bfloat16)
+    many_sizes = jnp.zeros((HOPPER_MAX_GROUPS + 1,), jnp.int32).at[0].set(limit + 8)
+    grouped_matmul(rows, many, many_sizes, impl=GroupedMatmulImpl.GPU_BY_SIZE)
+    grouped_matmul(rows, many[:-1], many_sizes[:-1], impl=GroupedMatmulImpl.GPU_BY_SIZE)
+    assert ran == [("triton", limit + 8), ("hopper", limit + 8)]
     # Expert widths neither kernel tiles (a tiny test model's 16) fall back to ragged_dot.
     ran.clear()
     narrow = jnp.ones((4, 128, 16), jnp.bfloat16)
