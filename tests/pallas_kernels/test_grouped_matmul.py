@@ -157,9 +157,15 @@ def test_gpu_by_size_picks_the_kernel_by_routed_rows(monkeypatch):
     grouped_matmul(rows, many, many_sizes, impl=GroupedMatmulImpl.GPU_BY_SIZE)
     grouped_matmul(rows, many[:-1], many_sizes[:-1], impl=GroupedMatmulImpl.GPU_BY_SIZE)
     assert ran == [("triton", limit + 8), ("hopper", limit + 8)]
-    # Expert widths neither kernel tiles (a tiny test model's 16) fall back to ragged_dot.
+    # Widths that are not a multiple of the default tile still take the Triton kernel with
+    # narrower tiles (GPT-OSS's down projection, 2880 wide); widths no tile of 16 divides fall
+    # back to ragged_dot.
     ran.clear()
-    narrow = jnp.ones((4, 128, 16), jnp.bfloat16)
+    wide = jnp.zeros((4, 128, 2880), jnp.bfloat16)
+    grouped_matmul(rows[:8], wide, sizes, impl=GroupedMatmulImpl.GPU_BY_SIZE)
+    assert ran == [("triton", 8)]
+    ran.clear()
+    narrow = jnp.ones((4, 128, 8), jnp.bfloat16)
     for m in (8, limit + 8):
         rows = jnp.ones((m, 128), jnp.bfloat16)
         got = grouped_matmul(rows, narrow, sizes, impl=GroupedMatmulImpl.GPU_BY_SIZE)
