@@ -69,9 +69,10 @@ crossover at 128 experts)."""
 HOPPER_MAX_GROUPS = 128
 """The most groups (experts) `GPU_BY_SIZE` gives JAX's Hopper kernel; above, the Triton kernel
 with its prefill tiling. The Hopper kernel finds each tile's group by a loop over all groups,
-unrolled: on an H200 (benchmarks/RESULTS.md run 37) at 128 experts it took Qwen3-30B-A3B's
-projections in 0.54 / 0.39 ms against the Triton kernel's 0.71 / 0.41, at 512 experts
-Qwen3-Next's in 3.72 / 4.88 ms against 0.74 / 0.45."""
+unrolled. On an H200 (`bench_grouped_matmul`, benchmarks/RESULTS.md run 37) it took
+Qwen3-30B-A3B's projections (128 experts) in 0.535 / 0.395 ms against the Triton kernel's
+0.699 / 0.403; at 256 experts 0.608 / 0.625 ms against 0.558 / 0.324; at 512 (Qwen3-Next)
+3.78 / 5.82 ms against 0.727 / 0.445."""
 
 Tiling = TritonTiling | HopperTiling
 TilingTable = Callable[[int, int, jnp.dtype], Tiling]

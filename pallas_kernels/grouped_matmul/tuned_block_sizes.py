@@ -69,11 +69,12 @@ def triton_tiling(k: int, n: int, dtype, rows_per_group: float = 0.0) -> TritonT
 
     Prefill sizes: 128 columns, 8 warps, 3 stages, one expert's column blocks launched together
     (`columns_inner`), 128-row blocks from 48 rows per group on average, 64-row blocks below.
-    On an H200 (run 37, 512 experts of Qwen3-Next's shape) at 80 rows per expert it took the
-    gate | up projection in 0.735 ms and the down projection in 0.445 ms, against 1.01 / 0.58 ms
-    with every expert's first column block launched first and 1.19 / 0.55 ms with 64-row
-    blocks; at 31 rows per expert 64-row blocks took 0.586 ms against 0.605 with 128, at 16
-    rows 0.545 ms against 0.566 (and more with 16-row blocks).
+    On an H200 (`bench_grouped_matmul`, run 37, 512 experts of Qwen3-Next's shape) at 80 rows
+    per expert it took the gate | up projection in 0.727 ms and the down projection in 0.445
+    ms, against 0.988 / 0.568 ms with every expert's first column block launched first and
+    1.174 / 0.547 ms with 64-row blocks; at 31 rows per expert 64-row blocks took 0.592 ms
+    against 0.606 with 128; at 16 rows (a sweep) 0.543 ms against 0.566, and more with 16-row
+    blocks.
 
     Raises:
       NotImplementedError: No tile of at least 16 divides the shape.
