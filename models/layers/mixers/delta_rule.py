@@ -299,15 +299,39 @@ def _ut_transform(
     """U = (I + A)^-1 (beta v) and W = (I + A)^-1 (beta k exp(G)), A the strictly lower part of
     `products` [..., t, s] (beta_t (k_t . k_s) decayed from s to t)."""
     length = products.shape[-1]
-    shape = (1,) * (products.ndim - 2) + (length, length)
-    strictly_lower = jnp.tril(jnp.ones((length, length), bool), -1).reshape(shape)
-    system = jnp.where(strictly_lower, products, 0) + jnp.eye(length, dtype=products.dtype).reshape(
-        shape
-    )
-    solve = functools.partial(
-        lax.linalg.triangular_solve, left_side=True, lower=True, unit_diagonal=True
-    )
-    return solve(system, v_beta), solve(system, k_reads)
+    strictly_lower = jnp.tril(jnp.ones((length, length), bool), -1)
+    inverse = _unit_lower_inverse(jnp.where(strictly_lower, products, 0))
+    apply = functools.partial(jnp.einsum, "...ts,...sd->...td", precision=lax.Precision.HIGHEST)
+    return apply(inverse, v_beta), apply(inverse, k_reads)
+
+
+def _unit_lower_inverse(lower: jax.Array) -> jax.Array:
+    """(I + N)^-1 [..., L, L] for N strictly lower triangular, by doubling blocks: the inverses
+    of the diagonal blocks of size b give those of size 2b, the new corner being
+    -inv(bottom) N21 inv(top). Batched matmuls where a batched triangular solve (cuBLAS's, the
+    GPU's) runs one small system at a time; as stable as substitution (no powers of N)."""
+    length = lower.shape[-1]
+    full = 1 << (length - 1).bit_length()
+    if full != length:  # identity rows and columns past L leave the top-left block alone
+        pad = [(0, 0)] * (lower.ndim - 2) + [(0, full - length)] * 2
+        lower = jnp.pad(lower, pad)
+    batch = lower.shape[:-2]
+    inverse = jnp.ones((*batch, full, 1, 1), lower.dtype)  # the diagonal blocks of size 1
+    size = 1
+    while size < full:
+        pairs = full // (2 * size)
+        top, bottom = inverse[..., 0::2, :, :], inverse[..., 1::2, :, :]
+        starts = 2 * size * jnp.arange(pairs)[:, None] + jnp.arange(size)[None, :]
+        corner = lower[..., (starts + size)[:, :, None], starts[:, None, :]]  # [..., pairs, b, b]
+        product = functools.partial(
+            jnp.einsum, "...ij,...jk->...ik", precision=lax.Precision.HIGHEST
+        )
+        corner = -product(product(bottom, corner), top)
+        upper = jnp.concatenate([top, jnp.zeros_like(top)], axis=-1)
+        below = jnp.concatenate([corner, bottom], axis=-1)
+        inverse = jnp.concatenate([upper, below], axis=-2)
+        size *= 2
+    return inverse[..., 0, :length, :length]
 
 
 def _final_states(k, new, states, cumulative, entering, run, segment_ids, num_slots):

@@ -140,6 +140,21 @@ def test_chunked_rule_float32_is_float32_and_close():
     np.testing.assert_allclose(finals, want_finals, atol=1e-5 * np.abs(want_finals).max())
 
 
+def test_chunked_rule_float32_with_aligned_keys():
+    """Keys all alike and betas near 1 make the chunk's system I + A all ones below the diagonal
+    (its powers grow as binomials): the float32 chunked form still follows the recurrence."""
+    rows = 128
+    q, k, v, g, beta = random_rule_inputs(rows, k_heads=2, v_heads=2, k_dim=16, v_dim=8, seed=3)
+    k = np.broadcast_to(k[:1], k.shape)
+    beta = np.ones_like(beta)
+    g = np.zeros_like(g)
+    positions, segments = np.arange(rows), np.zeros(rows, np.int32)
+    want_out, _ = numpy_delta_rule(q, k, v, g, beta, positions, segments, slots=1)
+    single = [np.asarray(x, np.float32) for x in (q, k, v, g, beta)]
+    out, _ = gated_delta_rule_chunked(*single, positions, segments, chunk_size=64, num_slots=1)
+    np.testing.assert_allclose(out, want_out, atol=1e-4 * np.abs(want_out).max())
+
+
 # A mixer with 4 key heads of 8, 2 value heads each of 6, conv 4, chunks of 8 (so that the
 # tests' sequences cross chunks); the tests share its compiled one-device prefill and decode.
 SPEC = GatedDeltaNetSpec(
