@@ -40,6 +40,7 @@ def _fp8_grouped_kernel(
     operand_dtype: jnp.dtype,
 ):
     slot, column = pl.program_id(0), pl.program_id(1)
+    last_window = x_values_ref.shape[0] - block_rows  # a block's window ends by the last row
     group = active_ref[slot]
     columns = pl.ds(pl.multiple_of(column * block_n, block_n), block_n)
     scale_row = column * block_n // SCALE_BLOCK
@@ -49,14 +50,16 @@ def _fp8_grouped_kernel(
         start, end = offsets_ref[group], offsets_ref[group + 1]
 
         def row_block(index, carry):
-            first = start + index * block_rows
+            # A block past the last row slides back; the rows it then covers twice are masked.
+            own = start + index * block_rows
+            first = jnp.minimum(own, last_window)
             row_ids = first + lax.broadcasted_iota(jnp.int32, (block_rows, 1), 0)
-            valid = row_ids < end
+            valid = (row_ids >= own) & (row_ids < end)
             rows = pl.ds(first, block_rows)
 
             def step(depth_block, acc):
                 depth = pl.ds(pl.multiple_of(depth_block * SCALE_BLOCK, SCALE_BLOCK), SCALE_BLOCK)
-                # Rows past the group are finite FP8 (the next group's, or the zero padding):
+                # Rows outside the block's own are finite FP8 (other rows, or the zero padding):
                 # their scale loads as 0 and they are not stored.
                 x = x_values_ref[rows, depth].astype(operand_dtype)
                 w = w_values_ref[group, columns, depth].astype(operand_dtype)
@@ -150,9 +153,9 @@ def _expert_call(
     group_sizes = group_sizes.astype(jnp.int32)
     (active,) = jnp.nonzero(group_sizes > 0, size=slots, fill_value=groups)
     offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(group_sizes)])
-    # Padding rows keep every block's window inside the arrays (masked lanes touch no data).
-    x_values = jnp.pad(x_values, ((0, block_rows), (0, 0)))
-    x_scales = jnp.pad(x_scales, ((0, block_rows), (0, 0)))
+    # Fewer rows than one block: padded to one, so that every block's window fits.
+    x_values = jnp.pad(x_values, ((0, max(0, block_rows - m)), (0, 0)))
+    x_scales = jnp.pad(x_scales, ((0, max(0, block_rows - m)), (0, 0)))
     reference = functools.partial(fp8_grouped_matmul_reference, out_dtype=out_dtype)
     (varying,) = axes.reference_varying(
         reference, x_values[:m], x_scales[:m], w_values, w_scales, group_sizes
@@ -167,7 +170,7 @@ def _expert_call(
     )
     call = pl.pallas_call(
         kernel,
-        out_shape=axes.output_type((m + block_rows, n), out_dtype, varying),
+        out_shape=axes.output_type((x_values.shape[0], n), out_dtype, varying),
         grid=(slots, n // tiling.block_n),
         compiler_params=pltriton.CompilerParams(
             num_warps=tiling.num_warps, num_stages=tiling.num_stages

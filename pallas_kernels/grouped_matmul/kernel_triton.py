@@ -25,6 +25,7 @@ from .tuned_block_sizes import TritonTiling, triton_tiling
 def _expert_matmul_kernel(
     active_ref, offsets_ref, rows_ref, weights_ref, out_ref, *, num_experts, tiling, depth
 ):
+    last_window = rows_ref.shape[0] - tiling.block_rows  # a block's window ends by the last row
     slot, column = pl.program_id(0), pl.program_id(1)
     if tiling.columns_inner:
         slot, column = column, slot
@@ -36,9 +37,11 @@ def _expert_matmul_kernel(
         start, end = offsets_ref[expert], offsets_ref[expert + 1]
 
         def row_block(index, carry):
-            first = start + index * tiling.block_rows
+            # A block past the last row slides back; the rows it then covers twice are masked.
+            own = start + index * tiling.block_rows
+            first = jnp.minimum(own, last_window)
             row_ids = first + lax.broadcasted_iota(jnp.int32, (tiling.block_rows, 1), 0)
-            valid = row_ids < end
+            valid = (row_ids >= own) & (row_ids < end)
             row_slice = pl.ds(first, tiling.block_rows)
 
             def step(k, acc):
@@ -108,12 +111,12 @@ def _expert_matmul_call(
     group_sizes = group_sizes.astype(jnp.int32)
     (active,) = jnp.nonzero(group_sizes > 0, size=slots, fill_value=groups)
     offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(group_sizes)])
-    # Padding rows keep every block's window inside the arrays (masked lanes touch no data).
-    padded = jnp.pad(rows, ((0, tiling.block_rows), (0, 0)))
+    # Fewer rows than one block: padded to one, so that every block's window fits.
+    padded = jnp.pad(rows, ((0, max(0, tiling.block_rows - m)), (0, 0)))
     (varying,) = axes.reference_varying(grouped_matmul_reference, rows, weights, group_sizes)
     call = pl.pallas_call(
         functools.partial(_expert_matmul_kernel, num_experts=groups, tiling=tiling, depth=k),
-        out_shape=axes.output_type((m + tiling.block_rows, n), rows.dtype, varying),
+        out_shape=axes.output_type(padded.shape[:1] + (n,), rows.dtype, varying),
         grid=tiling.grid(slots, n // tiling.block_n),
         compiler_params=pltriton.CompilerParams(
             num_warps=tiling.num_warps, num_stages=tiling.num_stages
