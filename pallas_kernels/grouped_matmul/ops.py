@@ -99,7 +99,7 @@ def default_grouped_matmul_impl(
 
 
 def grouped_matmul_by_size(
-    m: int, k: int, n: int, dtype: jnp.dtype, groups: int = 1
+    m: int, k: int, n: int, dtype: jnp.dtype, groups: int
 ) -> GroupedMatmulImpl:
     """`GPU_BY_SIZE`'s pick for [m, k] rows x [groups, k, n] weights: the Triton kernel up to
     `TRITON_MAX_ROUTED_ROWS` rows or for more than `HOPPER_MAX_GROUPS` groups, JAX's Hopper
