@@ -44,7 +44,7 @@ from models.layers.mixers.ssd import ssd_chunked_scan, ssd_reference
 from . import layer_stack_jit
 from .bench_ssd import chunked_flops
 from .bench_ssd import inputs as ssd_inputs
-from .common import header, kernel_ms, print_table, profile_into, relative_error
+from .common import header, kernel_ms, print_table, profile_into, relative_error, smoke_widths
 
 PATTERN = "M-M-M*-M"
 
@@ -89,16 +89,7 @@ def smoke(config: DecoderConfig) -> DecoderConfig:
             state_size=16,
             chunk_size=32,
         )
-    return dataclasses.replace(
-        config,
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=32,
-        hybrid=dataclasses.replace(config.hybrid, mamba=mamba),
-    )
+    return smoke_widths(config, hybrid=dataclasses.replace(config.hybrid, mamba=mamba))
 
 
 # -- the one-jit baseline's layer (`layer_stack_jit`) -----------------------------------------
@@ -216,12 +207,7 @@ def main() -> None:
         prefill_flops=prefill_flops,
         decode_bytes=decode_bytes,
     )
-    print(
-        f"\n## Nemotron-H-8B shape, {args.pattern}, bf16: project vs one jit (ms; ratio = speedup)"
-    )
-    print_table(
-        ("case", "project ms", "one-jit ms", "vs jit", "project roofline", "logit err"), results
-    )
+    layer_stack_jit.print_results(f"Nemotron-H-8B shape, {args.pattern}, bf16", results)
     if config.hybrid.mamba is not None:
         rows = sum(scan_lengths)
         print(f"\n## SSD scan, {rows} packed rows ({len(scan_lengths)} sequences)")

@@ -36,7 +36,7 @@ from pallas_kernels.grouped_matmul import GroupedMatmulImpl
 
 from . import layer_stack_jit
 from .bench_delta_rule import chunked_flops
-from .common import header, print_table, profile_into
+from .common import header, profile_into
 
 PATTERN = (True, True, True, False) * 2
 """Gated DeltaNet (True) or full attention, per layer: Qwen3-Next's `full_attention_interval` 4."""
@@ -206,13 +206,8 @@ def main() -> None:
         decode_bytes=decode_bytes,
         grouped_matmul=GROUPED_MATMULS[args.grouped_matmul],
     )
-    print(
-        f"\n## Qwen3-Next-80B-A3B shape, {config.num_layers} layers (DeltaNet x 3, attention) "
-        "x 2, bf16: project vs one jit (ms; ratio = speedup)"
-    )
-    print_table(
-        ("case", "project ms", "one-jit ms", "vs jit", "project roofline", "logit err"), results
-    )
+    title = f"Qwen3-Next-80B-A3B shape, {config.num_layers} layers (DeltaNet x 3, attention) x 2"
+    layer_stack_jit.print_results(f"{title}, bf16", results)
 
 
 if __name__ == "__main__":

@@ -49,16 +49,24 @@ LLAMA3_8B = DecoderConfig(
     max_position_embeddings=8192,
 )
 """The Llama-3-8B shape the benchmarks measure (random weights; no checkpoint)."""
-LLAMA3_SMOKE = dataclasses.replace(
-    LLAMA3_8B,
-    num_layers=2,
-    vocab_size=512,
-    hidden_size=128,
-    intermediate_size=256,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=32,
-)
+
+
+def smoke_widths(config: DecoderConfig, **changes) -> DecoderConfig:
+    """`config` with the vocabulary, widths and heads of a `--smoke` run (seconds of CPU compile
+    time per layer), and `changes` (the parts that must shrink with them)."""
+    return dataclasses.replace(
+        config,
+        **changes,
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+    )
+
+
+LLAMA3_SMOKE = smoke_widths(dataclasses.replace(LLAMA3_8B, num_layers=2))
 """`--smoke`: the Llama shape shrunk to seconds of CPU compile time (2 layers)."""
 
 

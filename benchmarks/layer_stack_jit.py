@@ -35,7 +35,7 @@ from models.options import BuildOptions
 from models.serving.runtime import ShardedCausalLM
 from pallas_kernels.grouped_matmul import GroupedMatmulImpl
 
-from .common import decode_inputs, median_wall_ms, relative_error
+from .common import decode_inputs, median_wall_ms, print_table, relative_error
 
 HBM_BYTES_PER_S = 4.8e12
 PEAK_FLOPS = 990e12
@@ -236,3 +236,11 @@ def run(
     )
     print(results[-1], flush=True)
     return results
+
+
+def print_results(title: str, results: list[tuple]) -> None:
+    """`run`'s rows as a table under `title` (the model's shape and dtype)."""
+    print(f"\n## {title}: project vs one jit (ms; ratio = speedup)")
+    print_table(
+        ("case", "project ms", "one-jit ms", "vs jit", "project roofline", "logit err"), results
+    )
