@@ -316,6 +316,7 @@ def _unit_lower_inverse(lower: jax.Array) -> jax.Array:
         pad = [(0, 0)] * (lower.ndim - 2) + [(0, full - length)] * 2
         lower = jnp.pad(lower, pad)
     batch = lower.shape[:-2]
+    product = functools.partial(jnp.einsum, "...ij,...jk->...ik", precision=lax.Precision.HIGHEST)
     inverse = jnp.ones((*batch, full, 1, 1), lower.dtype)  # the diagonal blocks of size 1
     size = 1
     while size < full:
@@ -323,9 +324,6 @@ def _unit_lower_inverse(lower: jax.Array) -> jax.Array:
         top, bottom = inverse[..., 0::2, :, :], inverse[..., 1::2, :, :]
         starts = 2 * size * jnp.arange(pairs)[:, None] + jnp.arange(size)[None, :]
         corner = lower[..., (starts + size)[:, :, None], starts[:, None, :]]  # [..., pairs, b, b]
-        product = functools.partial(
-            jnp.einsum, "...ij,...jk->...ik", precision=lax.Precision.HIGHEST
-        )
         corner = -product(product(bottom, corner), top)
         upper = jnp.concatenate([top, jnp.zeros_like(top)], axis=-1)
         below = jnp.concatenate([corner, bottom], axis=-1)
