@@ -30,13 +30,7 @@ from ..layers.attention.kv_cache import KVCache
 from ..layers.lora import adapter_indices
 from ..options import BuildOptions
 from ..precision import matmul_precision_scope
-from .buckets import (
-    MIN_ROWS,
-    blocked_fori_loop,
-    bucket,
-    decode_block,
-    pack_bucketed,
-)
+from .buckets import MIN_ROWS, PlacedCounts, blocked_fori_loop, bucket, decode_block, pack_bucketed
 from .generation import check_prompts, token_chunks
 from .overlap import check_two_batch_overlap, microbatch_facts, pack_two_batches, two_batch_hidden
 from .sampling import GREEDY, Sampling, head_tokens, rank_key
@@ -146,6 +140,7 @@ class ShardedCausalLM:
             check_vma=check_vma,
         )
         self._programs: dict[tuple, Callable] = {}
+        self._step_count = PlacedCounts(mesh)
 
     def sharded_program(self, call: Callable, **options) -> Callable:
         """A program of `call(model, *args)` over the placed model (`bj.ShardedModule.program`
@@ -404,7 +399,7 @@ class ShardedCausalLM:
           (int32 [capacity, attn_dp * slots per rank] tokens, rows past `steps` zero; caches).
         """
         program = self._program(self._decode_program, sampling, capacity)
-        steps, first_step = jnp.asarray(steps, jnp.int32), jnp.asarray(first_step, jnp.int32)
+        steps, first_step = self._step_count(steps), self._step_count(first_step)
         return program(self._leaves, rows, batch, caches, key, steps, first_step)
 
     def lower_prefill(
@@ -434,7 +429,7 @@ class ShardedCausalLM:
     ):
         """The lowered (not yet compiled) `decode` program for these placed inputs."""
         program = self._program(self._decode_program, sampling, capacity)
-        steps, first_step = jnp.asarray(steps, jnp.int32), jnp.asarray(0, jnp.int32)
+        steps, first_step = self._step_count(steps), self._step_count(0)
         return program.lower(self._leaves, rows, batch, caches, key, steps, first_step)
 
     def compiled_shapes(self) -> dict[tuple, int]:
