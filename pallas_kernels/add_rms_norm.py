@@ -161,6 +161,47 @@ def _add_rms_norm_gpu_kernel(
             out_ref[r] = (summed * inv_rms * scale).astype(out_ref.dtype)
 
 
+def _add_rms_norm_triton_kernel(
+    *refs,
+    rows_per_program: int,
+    chunks: tuple[tuple[int, int], ...],
+    hidden: int,
+    eps: float,
+    unit_offset: bool,
+    has_residual: bool,
+):
+    """Triton: `rows_per_program` whole rows per program, read once and kept in registers.
+
+    A row is read in power-of-two chunks of lanes (`row_chunks`) that tile it exactly, so no
+    array is padded and no lane is masked at any width. The last program slides back to end at
+    the last row: the rows it shares with the previous program get equal values again.
+    """
+    if has_residual:
+        x_ref, residual_ref, weight_ref, out_ref, residual_out_ref = refs
+    else:
+        x_ref, weight_ref, out_ref = refs
+    rows = x_ref.shape[0]
+    first = jnp.minimum(pl.program_id(0) * rows_per_program, rows - rows_per_program)
+    row_slice = pl.ds(first, rows_per_program)
+    sums, sum_of_squares = [], 0.0
+    for offset, size in chunks:
+        lanes = pl.ds(offset, size)
+        summed = pltriton.load(x_ref.at[row_slice, lanes]).astype(jnp.float32)
+        if has_residual:
+            summed = summed + pltriton.load(residual_ref.at[row_slice, lanes]).astype(jnp.float32)
+            stored = summed.astype(residual_out_ref.dtype)
+            pltriton.store(residual_out_ref.at[row_slice, lanes], stored)
+        sums.append(summed)
+        sum_of_squares = sum_of_squares + jnp.sum(summed * summed, axis=1, keepdims=True)
+    inv_rms = inverse_rms(sum_of_squares, hidden=hidden, eps=eps)
+    for (offset, size), summed in zip(chunks, sums, strict=True):
+        lanes = pl.ds(offset, size)
+        scale = weight_factor(pltriton.load(weight_ref.at[:, lanes]), unit_offset=unit_offset)
+        pltriton.store(
+            out_ref.at[row_slice, lanes], (summed * inv_rms * scale).astype(out_ref.dtype)
+        )
+
+
 # ---------------------------------------------------------------------------------------------
 # Block sizes
 
@@ -200,6 +241,10 @@ _TPU_BLOCK_BYTES = 512 * 1024
 _TPU_MAX_HIDDEN = 16384  # a minimal block (8-16 rows), double-buffered, stays within ~8 MiB of VMEM
 _INTERPRET_BLOCK_ROWS = 8  # small, so CPU tests cover multi-block grids and ragged last blocks
 _TRITON_BLOCK_ELEMENTS = 8192
+# Measured on H200 at GPT-OSS's width (benchmarks/RESULTS.md run 38): the Triton kernel 28.9 us
+# against XLA's 35.9 at 4096 rows, 7.4 against 8.2 at 1024, 4.5 against 2.7 at 256.
+TRITON_MIN_ROWS = 1024
+_TRITON_MIN_CHUNK = 8  # the Triton kernel's narrowest lane chunk: widths are multiples of it
 # Measured on H200 (benchmarks/RESULTS.md run 1): one program per row, scheduled by the hardware,
 # beat 1-8 persistent programs per SM by 3-5% at 4096-32768 rows; 2 rows per step did not help.
 _GPU_ROWS_PER_STEP = 1
@@ -266,7 +311,7 @@ def add_rms_norm_supported(
     """
     check_impl(impl)
     if impl is None:
-        impl = platform_kernel(platform)
+        impl = _platform_impl(platform, rows, hidden, dtype)
         if impl is Impl.XLA:
             return False
     if np.dtype(dtype) not in SUPPORTED_DTYPES or rows < 1 or hidden < 1:
@@ -279,13 +324,26 @@ def add_rms_norm_supported(
         case Impl.PALLAS_GPU_INTERPRET:
             return compat.gpu_interpret_params() is not None and _gpu_kernel_fits(hidden, dtype)
         case Impl.PALLAS_TRITON:
-            return platform in ("gpu", "cuda") and hidden <= MAX_HIDDEN_GPU
+            return platform in ("gpu", "cuda") and _triton_kernel_fits(hidden)
         case Impl.PALLAS_TPU:
             return platform == "tpu" and hidden <= _TPU_MAX_HIDDEN
 
 
 def _gpu_kernel_fits(hidden: int, dtype: jnp.dtype) -> bool:
     return hidden <= MAX_HIDDEN_GPU and gpu_vector_size(hidden, dtype) > 0
+
+
+def _triton_kernel_fits(hidden: int) -> bool:
+    return hidden <= MAX_HIDDEN_GPU and hidden % _TRITON_MIN_CHUNK == 0
+
+
+def _platform_impl(platform: str, rows: int, hidden: int, dtype: jnp.dtype) -> Impl:
+    """The platform's kernel for this call: on GPU, Mosaic GPU where its layout divides the row;
+    Triton at other widths (GPT-OSS's 2880, for one) from TRITON_MIN_ROWS rows; XLA below."""
+    impl = platform_kernel(platform)
+    if impl is Impl.PALLAS_GPU and not _gpu_kernel_fits(hidden, dtype):
+        return Impl.PALLAS_TRITON if rows >= TRITON_MIN_ROWS else Impl.XLA
+    return impl
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "unit_offset", "impl"))
@@ -310,7 +368,8 @@ def add_rms_norm(
       eps: Added to the mean of squares.
       unit_offset: Scale by `1 + weight` instead of `weight` (the weight holds its offset from
         one, as Gemma's norms store it).
-      impl: The backend. None picks the platform's kernel (Mosaic GPU on GPU, Mosaic TPU on TPU)
+      impl: The backend. None picks the platform's kernel (on GPU Mosaic GPU where its layout
+        divides the row, Triton at other widths from `TRITON_MIN_ROWS` rows; Mosaic TPU on TPU)
         when `add_rms_norm_supported` says it takes the shape, and the XLA reference otherwise.
 
     Returns:
@@ -330,7 +389,7 @@ def add_rms_norm(
     rows = math.prod(x.shape[:-1])
     platform = jax.default_backend()
     if impl is None:
-        impl = platform_kernel(platform)
+        impl = _platform_impl(platform, rows, hidden, x.dtype)
         if not add_rms_norm_supported(platform=platform, rows=rows, hidden=hidden, dtype=x.dtype):
             impl = Impl.XLA
     elif not add_rms_norm_supported(
@@ -373,6 +432,8 @@ def _add_rms_norm_kernels(
             launch=gpu_launch(rows, hidden, x.dtype),
             interpret=None if impl is Impl.PALLAS_GPU else compat.gpu_interpret_params(),
         )
+    elif impl is Impl.PALLAS_TRITON:
+        outs = triton_add_rms_norm(x_rows, residual_rows, weight, eps=eps, unit_offset=unit_offset)
     else:
         outs = _pallas_call_add_rms_norm(
             x_rows, residual_rows, weight, eps=eps, unit_offset=unit_offset, impl=impl
@@ -432,6 +493,64 @@ def mosaic_gpu_add_rms_norm(
     outs = call(x, residual, weight) if has_residual else call(x, weight)
     # Mosaic GPU types its outputs invariant; they vary as the reference's do.
     return tuple(map(axes.mark_varying, outs, varying))
+
+
+def row_chunks(hidden: int) -> tuple[tuple[int, int], ...]:
+    """(offset, size) of the power-of-two lane chunks that tile a row of `hidden` lanes, largest
+    first (2880: 2048, 512, 256, 64)."""
+    chunks, offset = [], 0
+    for bit in reversed(range(hidden.bit_length())):
+        if hidden & (1 << bit):
+            chunks.append((offset, 1 << bit))
+            offset += 1 << bit
+    return tuple(chunks)
+
+
+def triton_add_rms_norm(
+    x: jax.Array,  # [rows, hidden]
+    residual: jax.Array | None,  # [rows, hidden]
+    weight: jax.Array,  # [hidden]
+    *,
+    eps: float,
+    unit_offset: bool,
+    interpret: bool = False,
+) -> tuple[jax.Array, ...]:
+    """Runs the Triton kernel: one pass over memory at any width `_triton_kernel_fits` takes.
+
+    Args:
+      x, residual, weight, eps, unit_offset: As for `add_rms_norm`, already flattened to rows and
+        validated (at least one row).
+      interpret: Run the kernel body in the Pallas interpreter (CPU tests).
+
+    Returns:
+      `(normed,)`, or `(normed, new_residual)` when a residual is given, varying over the mesh
+      axes `add_rms_norm_reference`'s outputs would.
+    """
+    rows, hidden = x.shape
+    per_program = min(
+        pl.next_power_of_2(max(1, _TRITON_BLOCK_ELEMENTS // hidden) + 1) // 2,
+        pl.next_power_of_2(rows + 1) // 2,
+    )
+    has_residual = residual is not None
+    varying = axes.reference_varying(add_rms_norm_reference, x, residual, weight, eps=eps)
+    operands = (x, residual) if has_residual else (x,)
+    out_shape = tuple(axes.output_type(x.shape, x.dtype, v) for v in varying[: len(operands)])
+    call = pl.pallas_call(
+        functools.partial(
+            _add_rms_norm_triton_kernel,
+            rows_per_program=per_program,
+            chunks=row_chunks(hidden),
+            hidden=hidden,
+            eps=eps,
+            unit_offset=unit_offset,
+            has_residual=has_residual,
+        ),
+        out_shape=out_shape,
+        grid=(pl.cdiv(rows, per_program),),
+        compiler_params=pltriton.CompilerParams(num_warps=8 if per_program * hidden > 2048 else 4),
+        interpret=interpret,
+    )
+    return tuple(call(*operands, weight.reshape(1, hidden)))
 
 
 def _pallas_call_add_rms_norm(

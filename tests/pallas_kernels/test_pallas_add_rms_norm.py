@@ -16,7 +16,7 @@ from pallas_kernels import (
     compat,
     round_residual,
 )
-from pallas_kernels.add_rms_norm import GpuLaunch, mosaic_gpu_add_rms_norm
+from pallas_kernels.add_rms_norm import GpuLaunch, mosaic_gpu_add_rms_norm, triton_add_rms_norm
 
 # Max error relative to the largest reference value: float32 to 1e-6, 16-bit to one rounding.
 TOL = {jnp.float32: 1e-6, jnp.bfloat16: 2.0**-7, jnp.float16: 2.0**-10}
@@ -126,6 +126,22 @@ def test_gpu_kernel_multi_row_steps_cover_every_row(rows_per_step):
     assert_close(got, reference(x, residual, weight), jnp.float32)
 
 
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_interpreted_triton_kernel_matches_reference(case):
+    """The Triton kernel in the interpreter equals the reference: rows read in power-of-two lane
+    chunks (1000 lanes: six chunks), whole rows per program, the last program sliding back over
+    rows the one before it wrote (37 rows, 32 per program)."""
+    shape, dtype, unit_offset, with_residual = case
+    x, residual, weight = make_inputs(shape, dtype)
+    x, residual = x.reshape(-1, shape[-1]), residual.reshape(-1, shape[-1])
+    residual = residual if with_residual else None
+    got = triton_add_rms_norm(
+        x, residual, weight, eps=1e-6, unit_offset=unit_offset, interpret=True
+    )
+    want = reference(x, residual, weight, unit_offset=unit_offset)
+    assert_close(got, want[: len(got)], dtype)
+
+
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 @pytest.mark.parametrize("impl", [Impl.PALLAS_TRITON, Impl.PALLAS_GPU], ids=["triton", "mosaic"])
 @pytest.mark.parametrize("case", CASES, ids=case_id)
@@ -217,6 +233,8 @@ def test_invalid_calls_raise_clear_errors(call, error, match):
         (dict(platform="cpu", rows=8, hidden=4096, dtype=jnp.bfloat16), False),
         (dict(platform="gpu", rows=8, hidden=4096, dtype=jnp.bfloat16), True),
         (dict(platform="gpu", rows=8, hidden=1000, dtype=jnp.bfloat16), False),
+        (dict(platform="gpu", rows=4096, hidden=1000, dtype=jnp.bfloat16), True),  # Triton
+        (dict(platform="gpu", rows=4096, hidden=1004, dtype=jnp.bfloat16), False),
         (dict(platform="gpu", rows=8, hidden=32768, dtype=jnp.bfloat16), False),
         (
             dict(platform="gpu", rows=8, hidden=1000, dtype=jnp.bfloat16, impl=Impl.PALLAS_TRITON),
