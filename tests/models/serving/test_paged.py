@@ -80,7 +80,7 @@ CASES = [
     pytest.param(DEFAULT, 14, id="kv-dp2-tp2-preempting"),
     pytest.param(("tiny-deepseek-v3", 2, 2), 64, id="latent-moe-dp2-tp2", marks=SLOW),
     pytest.param(("tiny-deepseek-v3", 2, 2), 14, id="latent-moe-preempting", marks=SLOW),
-    pytest.param(("tiny-nemotron-h", 2, 2), 64, id="hybrid-mamba2-dp2-tp2"),
+    pytest.param(("tiny-nemotron-h", 2, 2), 64, id="hybrid-mamba2-dp2-tp2", marks=SLOW),
     pytest.param(("tiny-nemotron-h", 2, 2), 14, id="hybrid-preempting", marks=SLOW),
     pytest.param(("tiny-qwen3-next", 2, 2), 64, id="hybrid-delta-dp2-tp2"),
     pytest.param(("tiny-qwen3-next", 2, 2), 14, id="hybrid-delta-preempting", marks=SLOW),
