@@ -527,10 +527,8 @@ def triton_add_rms_norm(
       axes `add_rms_norm_reference`'s outputs would.
     """
     rows, hidden = x.shape
-    per_program = min(
-        pl.next_power_of_2(max(1, _TRITON_BLOCK_ELEMENTS // hidden) + 1) // 2,
-        pl.next_power_of_2(rows + 1) // 2,
-    )
+    # Whole rows of at most _TRITON_BLOCK_ELEMENTS per program, a power of two, at most `rows`.
+    per_program = 1 << (min(max(1, _TRITON_BLOCK_ELEMENTS // hidden), rows).bit_length() - 1)
     has_residual = residual is not None
     varying = axes.reference_varying(add_rms_norm_reference, x, residual, weight, eps=eps)
     operands = (x, residual) if has_residual else (x,)
