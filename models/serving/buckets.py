@@ -91,9 +91,9 @@ def blocked_fori_loop(count: jax.Array, body: Callable, carry, block: int | None
 
 class PlacedCounts:
     """Decode step counts and indices as replicated int32 scalars on `mesh`, a Python int placed
-    once: a decode call then copies nothing from the host (on an H200 each copy held the GPU
-    idle while the call was issued, about 1% of a GPT-OSS decode step: `benchmarks/RESULTS.md`
-    run 38)."""
+    once: a decode call then copies nothing from the host (on an H200 the GPU idled for those
+    copies, 1-2% of an 8-layer GPT-OSS decode call of 32 steps: `benchmarks/RESULTS.md` run
+    38)."""
 
     def __init__(self, mesh: jax.sharding.Mesh):
         self._sharding = NamedSharding(mesh, PartitionSpec())
