@@ -96,7 +96,7 @@ def round_residual(summed: jax.Array, dtype: jnp.dtype) -> jax.Array:
 
 
 def _add_rms_norm_kernel(*refs, hidden: int, eps: float, unit_offset: bool, has_residual: bool):
-    """One [block_rows, block_hidden] block; lanes past `hidden` (Triton padding) are masked."""
+    """One [block_rows, hidden] block (Mosaic TPU, the interpreter)."""
     if has_residual:
         x_ref, residual_ref, weight_ref, out_ref, residual_out_ref = refs
     else:
@@ -105,9 +105,6 @@ def _add_rms_norm_kernel(*refs, hidden: int, eps: float, unit_offset: bool, has_
     if has_residual:
         summed = summed + residual_ref[...].astype(jnp.float32)
         residual_out_ref[...] = summed.astype(residual_out_ref.dtype)
-    if summed.shape[1] != hidden:
-        lanes = lax.broadcasted_iota(jnp.int32, summed.shape, 1)
-        summed = jnp.where(lanes < hidden, summed, 0.0)
     inv_rms = inverse_rms(jnp.sum(summed * summed, axis=1, keepdims=True), hidden=hidden, eps=eps)
     scale = weight_factor(weight_ref[...], unit_offset=unit_offset)
     out_ref[...] = (summed * inv_rms * scale).astype(out_ref.dtype)
@@ -530,9 +527,7 @@ def triton_add_rms_norm(
     # Whole rows of at most _TRITON_BLOCK_ELEMENTS per program, a power of two, at most `rows`.
     per_program = 1 << (min(max(1, _TRITON_BLOCK_ELEMENTS // hidden), rows).bit_length() - 1)
     has_residual = residual is not None
-    varying = axes.reference_varying(add_rms_norm_reference, x, residual, weight, eps=eps)
-    operands = (x, residual) if has_residual else (x,)
-    out_shape = tuple(axes.output_type(x.shape, x.dtype, v) for v in varying[: len(operands)])
+    operands, out_shape = _operands_and_outputs(x, residual, weight, eps=eps)
     call = pl.pallas_call(
         functools.partial(
             _add_rms_norm_triton_kernel,
@@ -551,6 +546,16 @@ def triton_add_rms_norm(
     return tuple(call(*operands, weight.reshape(1, hidden)))
 
 
+def _operands_and_outputs(
+    x: jax.Array, residual: jax.Array | None, weight: jax.Array, *, eps: float
+) -> tuple[tuple[jax.Array, ...], tuple[jax.ShapeDtypeStruct, ...]]:
+    """A BlockSpec or Triton kernel's row operands (x, and the residual where given) and output
+    types, varying over the mesh axes `add_rms_norm_reference`'s outputs would."""
+    varying = axes.reference_varying(add_rms_norm_reference, x, residual, weight, eps=eps)
+    operands = (x,) if residual is None else (x, residual)
+    return operands, tuple(axes.output_type(x.shape, x.dtype, v) for v in varying[: len(operands)])
+
+
 def _pallas_call_add_rms_norm(
     x: jax.Array,  # [rows, hidden]
     residual: jax.Array | None,  # [rows, hidden]
@@ -560,22 +565,16 @@ def _pallas_call_add_rms_norm(
     unit_offset: bool,
     impl: Impl,
 ) -> tuple[jax.Array, ...]:
+    """The BlockSpec kernel (Mosaic TPU, or the interpreter): whole rows, blocks of rows."""
     rows, hidden = x.shape
     blocks = block_shape(impl, rows, hidden, x.dtype)
     row_block = pl.BlockSpec((blocks.block_rows, blocks.block_hidden), lambda i: (i, 0))
     weight_block = pl.BlockSpec((1, blocks.block_hidden), lambda i: (0, 0))
     has_residual = residual is not None
-    varying = axes.reference_varying(add_rms_norm_reference, x, residual, weight, eps=eps)
-    weight, x, residual = whole_blocks(impl, blocks, weight, x, residual)
-    operands = (x, residual) if has_residual else (x,)
-    out_shape = tuple(axes.output_type(x.shape, x.dtype, v) for v in varying[: len(operands)])
-    match impl:
-        case Impl.PALLAS_TRITON:
-            compiler_params = pltriton.CompilerParams(num_warps=blocks.num_warps)
-        case Impl.PALLAS_TPU:
-            compiler_params = pltpu.CompilerParams(dimension_semantics=("parallel",))
-        case _:
-            compiler_params = None
+    operands, out_shape = _operands_and_outputs(x, residual, weight, eps=eps)
+    compiler_params = None
+    if impl is Impl.PALLAS_TPU:
+        compiler_params = pltpu.CompilerParams(dimension_semantics=("parallel",))
     call = pl.pallas_call(
         functools.partial(
             _add_rms_norm_kernel,
@@ -591,4 +590,4 @@ def _pallas_call_add_rms_norm(
         compiler_params=compiler_params,
         interpret=impl is Impl.PALLAS_INTERPRET,
     )
-    return tuple(out[:rows, :hidden] for out in call(*operands, weight))
+    return tuple(call(*operands, weight.reshape(1, hidden)))

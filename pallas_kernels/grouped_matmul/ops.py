@@ -10,7 +10,7 @@ from jax import lax
 
 from .kernel_hopper import HOPPER_AVAILABLE, hopper_ragged_dot
 from .kernel_triton import expert_matmul
-from .tuned_block_sizes import HopperTiling, TritonTiling
+from .tuned_block_sizes import HopperTiling, TritonTiling, triton_tiles_fit
 
 
 class GroupedMatmulImpl(enum.Enum):
@@ -107,7 +107,7 @@ def grouped_matmul_by_size(
     test models) or JAX lacks the Hopper kernel."""
     del dtype
     if m <= TRITON_MAX_ROUTED_ROWS or groups > HOPPER_MAX_GROUPS:
-        if k % 16 == 0 and n % 16 == 0:  # `triton_tiling` has tiles for these
+        if triton_tiles_fit(k, n):
             return GroupedMatmulImpl.PALLAS_TRITON
     elif HOPPER_AVAILABLE and n % 64 == 0 and k % 16 == 0:
         return GroupedMatmulImpl.PALLAS_GPU

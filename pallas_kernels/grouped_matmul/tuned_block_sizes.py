@@ -84,14 +84,20 @@ def triton_tiling(k: int, n: int, dtype, rows_per_group: float = 0.0) -> TritonT
     if rows_per_group >= PREFILL_ROWS_PER_GROUP:
         block_rows = 128 if rows_per_group >= 48 else 64
         default = TritonTiling(block_rows, num_warps=8, num_stages=3, columns_inner=True)
-    block_n = next((b for b in (default.block_n, 64, 32, 16) if n % b == 0), None)
-    block_k = next((b for b in (default.block_k, 32, 16) if k % b == 0), None)
-    if block_n is None or block_k is None:
+    if not triton_tiles_fit(k, n):
         raise NotImplementedError(
             f"GroupedMatmulImpl.PALLAS_TRITON needs k % 16 == 0 and n % 16 == 0; got {k=}, "
             f"{n=}. Use GroupedMatmulImpl.RAGGED_DOT"
         )
+    block_n = next(b for b in (default.block_n, 64, 32, 16) if n % b == 0)
+    block_k = next(b for b in (default.block_k, 32, 16) if k % b == 0)
     return dataclasses.replace(default, block_n=block_n, block_k=block_k)
+
+
+def triton_tiles_fit(k: int, n: int) -> bool:
+    """Whether `triton_tiling` has a tiling for [*, k] x [*, k, n]: 16 (the tensor cores'
+    smallest tile) divides both."""
+    return k % 16 == 0 and n % 16 == 0
 
 
 def hopper_tiling(k: int, n: int, dtype) -> HopperTiling:
