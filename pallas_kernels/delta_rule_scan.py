@@ -83,7 +83,9 @@ def chunk_state_scan(
         not in the chunk's last run).
       carried: [C, H] the factor the entering state keeps at the chunk's end.
       block_v: Static value columns per program (a power of two dividing v_dim; default
-        min(64, v_dim)).
+        min(32, v_dim): at Qwen3-Next's shape, 64 chunks x 32 heads x 128 x 128, on an H200
+        0.50 ms against 0.60 for 64 columns and 1.10 for 128, 4 warps each; 16 columns took
+        0.50 ms too, benchmarks/RESULTS.md run 39).
       num_warps: Static Triton warps per program.
       interpret: Static: run the Pallas interpreter (CPU tests).
 
@@ -96,7 +98,7 @@ def chunk_state_scan(
     """
     chunks, heads, length, v_dim = values.shape
     k_dim = reads.shape[-1]
-    block_v = block_v or min(64, v_dim)
+    block_v = block_v or min(32, v_dim)
     if (
         reads.shape != (chunks, heads, length, k_dim)
         or queries.shape != reads.shape
@@ -111,17 +113,17 @@ def chunk_state_scan(
             f"{reads.shape=}, {scores.shape=}, {queries.shape=}, {keys.shape=}, "
             f"{carried.shape=}, {block_v=}"
         )
-    # Head-major, so that one program's chunks are one block.
     values, reads, scores, queries, keys = (
-        jnp.swapaxes(x, 0, 1).astype(jnp.float32) for x in (values, reads, scores, queries, keys)
+        x.astype(jnp.float32) for x in (values, reads, scores, queries, keys)
     )
-    carried = jnp.swapaxes(carried, 0, 1).astype(jnp.float32)[..., None, None]  # [H, C, 1, 1]
+    carried = carried.astype(jnp.float32)[..., None, None]  # [C, H, 1, 1]
 
     def by_head(*tail, v_block=False):
+        # One program's chunks, strided over the heads in place: no head-major copy.
         def index(h, j):
-            return (h, 0, 0, j if v_block else 0)
+            return (0, h, 0, j if v_block else 0)
 
-        return pl.BlockSpec((None, chunks, *tail), index)
+        return pl.BlockSpec((chunks, None, *tail), index)
 
     f32 = jnp.float32
     # Under shard_map the outputs vary over every mesh axis an input does.
@@ -143,11 +145,11 @@ def chunk_state_scan(
             by_head(k_dim, block_v, v_block=True),
         ],
         out_shape=[
-            axes.output_type((heads, chunks, length, v_dim), f32, varying),
-            axes.output_type((heads, chunks, length, v_dim), f32, varying),
-            axes.output_type((heads, chunks, k_dim, v_dim), f32, varying),
+            axes.output_type((chunks, heads, length, v_dim), f32, varying),
+            axes.output_type((chunks, heads, length, v_dim), f32, varying),
+            axes.output_type((chunks, heads, k_dim, v_dim), f32, varying),
         ],
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
     )(values, reads, scores, queries, keys, carried)
-    return tuple(jnp.swapaxes(x, 0, 1) for x in (out, new, states))
+    return out, new, states

@@ -11,6 +11,7 @@ the same rows: exact, at the reference's cost, in training only.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,17 @@ from .attend import attend, attend_packed
 from .kv_cache import KVCache
 
 _cudnn = cudnn_fused_attention()
+
+
+@functools.cache
+def max_head_dim() -> int:
+    """The widest query/key head cuDNN's flash attention takes on this machine's GPU: 256 from
+    Hopper (compute capability 9.0) on, 128 before; 128 without a GPU."""
+    try:
+        capability = jax.devices("gpu")[0].compute_capability
+    except RuntimeError:
+        return 128
+    return 256 if float(capability) >= 9.0 else 128
 
 
 @dataclasses.dataclass(frozen=True)

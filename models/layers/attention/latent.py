@@ -48,7 +48,7 @@ from ...config import MlaConfig as MlaConfig
 from ...inputs.rows import RowsPhase
 from ..linear import ColumnParallelLinear, RowParallelLinear, group_size
 from .attend import accumulation_dtype, attend_latent, attend_packed
-from .cudnn import prefill_attention_cudnn
+from .cudnn import max_head_dim, prefill_attention_cudnn
 from .paged import PagedLatentCache
 from .rope import apply_rope, rope_inv_freq
 from .self_attention import AttentionImpl
@@ -376,14 +376,14 @@ class MultiHeadLatentAttention(nnx.Module):
         return out[:, :, 0]
 
     def _takes_cudnn(self, dtype: jnp.dtype) -> bool:
-        """Whether cuDNN computes the prefill attention: 16-bit inputs, a query/key width up
-        to 256 and a multiple of 8, and a value no wider."""
+        """Whether cuDNN computes the prefill attention: 16-bit inputs, a query/key width a
+        multiple of 8 up to `cudnn.max_head_dim`, and a value no wider."""
         width = self.config.qk_head_dim
         return (
             self.impl is AttentionImpl.CUDNN
             and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
             and width % 8 == 0
-            and width <= 256
+            and width <= max_head_dim()
             and self.config.v_head_dim <= width
         )
 

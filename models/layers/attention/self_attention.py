@@ -45,7 +45,7 @@ from .context_parallel import (
     cp_decode_writes,
     cp_prefill_cache_index,
 )
-from .cudnn import decode_cache_cudnn, prefill_attention_cudnn, window_of_cache
+from .cudnn import decode_cache_cudnn, max_head_dim, prefill_attention_cudnn, window_of_cache
 from .kv_cache import HeadSplit, KVCache
 from .paged import PagedKVCache, paged_attention
 from .rope import apply_rope, rope_inv_freq
@@ -66,7 +66,8 @@ class AttentionImpl(enum.Enum):
     XLA: plain `jnp` einsums with float32 scores (the reference; every platform, every dtype).
     CUDNN: cuDNN fused attention (GPU): packed variable-length causal prefill and decode over
     the cache with per-slot key lengths, sliding windows and sinks. Where cuDNN does not take
-    the call (float32, head_dim not a multiple of 8 or over 128) the layer uses XLA instead.
+    the call (float32, head_dim not a multiple of 8 or wider than `cudnn.max_head_dim`: 256
+    from Hopper on) the layer uses XLA instead.
     EXTEND rows over a paged cache take the Pallas paged kernel instead (`paged_attention`).
     """
 
@@ -540,7 +541,7 @@ class Attention(nnx.Module):
             self.impl is AttentionImpl.CUDNN
             and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
             and self.spec.head_dim % 8 == 0
-            and self.spec.head_dim <= 128
+            and self.spec.head_dim <= max_head_dim()
         )
 
     def _project_kv(

@@ -9,7 +9,11 @@ import numpy as np
 import pytest
 
 from models.layers.attention.attend import attend_packed
-from models.layers.attention.cudnn import decode_cache_cudnn, prefill_attention_cudnn
+from models.layers.attention.cudnn import (
+    decode_cache_cudnn,
+    max_head_dim,
+    prefill_attention_cudnn,
+)
 from models.layers.attention.kv_cache import KVCache
 
 # form: (segment of each row's run as (segment, rows), max_segments, window_rows)
@@ -47,14 +51,17 @@ def _reference(q, k, v, runs, scale, window=None, sinks=None):
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs a GPU")
-@pytest.mark.parametrize("v_dim", [64, 32])
+@pytest.mark.parametrize(("dim", "v_dim"), [(64, 64), (64, 32), (256, 256)])
 @pytest.mark.parametrize("form", FORMS)
-def test_cudnn_prefill_forms(form, v_dim):
+def test_cudnn_prefill_forms(form, dim, v_dim):
     """Each form equals causal attention over each sequence (grouped kv heads, bf16), with the
-    value as wide as the key and narrower; every padding row (an idle window, rows past the
-    last whole window, rows after the segments) comes out exactly 0."""
+    value as wide as the key and narrower, and at Qwen3-Next's head width 256 (Hopper's
+    widest); every padding row (an idle window, rows past the last whole window, rows after
+    the segments) comes out exactly 0."""
+    if dim > max_head_dim():
+        pytest.skip(f"this GPU's cuDNN takes heads up to {max_head_dim()} wide")
     runs, max_segments, window_rows = FORMS[form]
-    rows, heads, kv, dim = sum(n for _, n in runs), 8, 2, 64
+    rows, heads, kv = sum(n for _, n in runs), 8, 2
     q, k, v = (
         jax.random.normal(jax.random.key(i), (rows, n, d), jnp.bfloat16)
         for i, n, d in ((0, heads, dim), (1, kv, dim), (2, kv, v_dim))
@@ -62,22 +69,25 @@ def test_cudnn_prefill_forms(form, v_dim):
     segments = jnp.array([s for s, n in runs for _ in range(n)], jnp.int32)
     attend = jax.jit(
         lambda q, k, v, s: prefill_attention_cudnn(
-            q, k, v, s, max_segments=max_segments, scale=0.125, window_rows=window_rows
+            q, k, v, s, max_segments=max_segments, scale=dim**-0.5, window_rows=window_rows
         )
     )
     got = np.asarray(attend(q, k, v, segments), np.float64)
     assert got.shape == (rows, heads, v_dim)
-    want = _reference(q, k, v, runs, 0.125)
+    want = _reference(q, k, v, runs, dim**-0.5)
     real = np.asarray(segments) >= 0
     assert np.max(np.abs(got[real] - want[real])) <= 2e-2 * np.max(np.abs(want))
     assert np.all(got[~real] == 0)
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs a GPU")
-def test_cudnn_windows_gradient_with_a_narrower_value():
-    """The windows form's backward, value narrower than the key, equals XLA's float32
-    attention's (each window a sequence) within bf16 rounding."""
-    windows, length, heads, dim, v_dim = 3, 32, 4, 96, 64
+@pytest.mark.parametrize(("dim", "v_dim"), [(96, 64), (256, 256)])
+def test_cudnn_windows_gradient(dim, v_dim):
+    """The windows form's backward, value narrower than the key or both 256 wide, equals XLA's
+    float32 attention's (each window a sequence) within bf16 rounding."""
+    if dim > max_head_dim():
+        pytest.skip(f"this GPU's cuDNN takes heads up to {max_head_dim()} wide")
+    windows, length, heads = 3, 32, 4
     q, k, v, cotangent = (
         jax.random.normal(jax.random.key(i), (windows * length, heads, d), jnp.bfloat16)
         for i, d in ((0, dim), (1, dim), (2, v_dim), (3, v_dim))
@@ -196,12 +206,15 @@ def test_cudnn_prefill_with_sinks_differentiates_as_the_jnp_form():
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs a GPU")
+@pytest.mark.parametrize("dim", [64, 256])
 @pytest.mark.parametrize("window", [None, 6])
-def test_cudnn_decode_with_sinks_and_a_window(window):
+def test_cudnn_decode_with_sinks_and_a_window(window, dim):
     """cuDNN's decode with sinks over each row's window (rows before, at and past the window's
     length, at the cache's end) equals float64 attention over the whole cache under the causal
-    window mask with the sink in the denominator."""
-    slots, max_len, heads, kv, dim = 5, 32, 8, 2, 64
+    window mask with the sink in the denominator; heads 64 and 256 wide."""
+    if dim > max_head_dim():
+        pytest.skip(f"this GPU's cuDNN takes heads up to {max_head_dim()} wide")
+    slots, max_len, heads, kv = 5, 32, 8, 2
     k, v = (
         jax.random.normal(jax.random.key(i), (slots, max_len, kv, dim), jnp.bfloat16)
         for i in (0, 1)
@@ -211,7 +224,7 @@ def test_cudnn_decode_with_sinks_and_a_window(window):
     positions = jnp.array([0, 4, 5, 19, 31], jnp.int32)
     got = jax.jit(
         lambda q, cache, p, s: decode_cache_cudnn(
-            q, cache, p, 0.125, sliding_window=window, sinks=s
+            q, cache, p, dim**-0.5, sliding_window=window, sinks=s
         )
     )(q, KVCache(k, v), positions, sinks)
     got = np.asarray(got, np.float64)
@@ -221,5 +234,5 @@ def test_cudnn_decode_with_sinks_and_a_window(window):
         qs = np.concatenate(
             [np.zeros((int(position), heads, dim)), np.asarray(q[row : row + 1], np.float64)]
         )
-        want = _reference(qs, k[row, keys], v[row, keys], runs, 0.125, window, sinks)[-1]
+        want = _reference(qs, k[row, keys], v[row, keys], runs, dim**-0.5, window, sinks)[-1]
         assert np.max(np.abs(got[row] - want)) <= 2e-2 * np.max(np.abs(want))
