@@ -28,12 +28,12 @@ _cudnn = cudnn_fused_attention()
 @functools.cache
 def max_head_dim() -> int:
     """The widest query/key head cuDNN's flash attention takes on this machine's GPU: 256 from
-    Hopper (compute capability 9.0) on, 128 before; 128 without a GPU."""
+    Hopper (compute capability 9.0) on, 128 before; 128 without an NVIDIA GPU."""
     try:
-        capability = jax.devices("gpu")[0].compute_capability
+        capability = getattr(jax.devices("gpu")[0], "compute_capability", None)
     except RuntimeError:
         return 128
-    return 256 if float(capability) >= 9.0 else 128
+    return 256 if capability is not None and float(capability) >= 9.0 else 128
 
 
 @dataclasses.dataclass(frozen=True)
