@@ -66,8 +66,7 @@ class AttentionImpl(enum.Enum):
     XLA: plain `jnp` einsums with float32 scores (the reference; every platform, every dtype).
     CUDNN: cuDNN fused attention (GPU): packed variable-length causal prefill and decode over
     the cache with per-slot key lengths, sliding windows and sinks. Where cuDNN does not take
-    the call (float32, head_dim not a multiple of 8 or wider than `cudnn.max_head_dim`: 256
-    from Hopper on) the layer uses XLA instead.
+    the call (float32, head_dim not a multiple of 8 or over `cudnn.max_head_dim`) XLA does.
     EXTEND rows over a paged cache take the Pallas paged kernel instead (`paged_attention`).
     """
 
