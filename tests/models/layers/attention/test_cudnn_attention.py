@@ -1,13 +1,21 @@
 """cuDNN's packed prefill forms (GPU only): windows (sequences filling windows of equal rows, or
 one sequence), and the ragged layout, against float64 attention of each sequence alone, with a
 value as wide as the key and a narrower one (latent attention's); with attention sinks and a
-sliding window in prefill (values and gradients) and in decode."""
+sliding window in prefill (values and gradients) and in decode. On any platform: the widest
+head cuDNN is given, by the GPU's compute capability."""
+
+import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
+import boundary_jax as bj
+from models.config import PRESETS
+from models.layers.attention import cudnn
 from models.layers.attention.attend import attend_packed
 from models.layers.attention.cudnn import (
     decode_cache_cudnn,
@@ -15,6 +23,7 @@ from models.layers.attention.cudnn import (
     prefill_attention_cudnn,
 )
 from models.layers.attention.kv_cache import KVCache
+from models.layers.attention.self_attention import Attention, AttentionImpl
 
 # form: (segment of each row's run as (segment, rows), max_segments, window_rows)
 FORMS = {
@@ -236,3 +245,47 @@ def test_cudnn_decode_with_sinks_and_a_window(window, dim):
         )
         want = _reference(qs, k[row, keys], v[row, keys], runs, dim**-0.5, window, sinks)[-1]
         assert np.max(np.abs(got[row] - want)) <= 2e-2 * np.max(np.abs(want))
+
+
+def _no_gpu():
+    raise RuntimeError(
+        "Unknown backend: 'gpu' requested, but no platforms that are instances of gpu are present."
+    )
+
+
+@pytest.fixture
+def fresh_max_head_dim():
+    """`max_head_dim` recomputed inside the test and again after it (it is cached)."""
+    max_head_dim.cache_clear()
+    yield
+    max_head_dim.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("gpus", "widest"),
+    [
+        (lambda: [types.SimpleNamespace(compute_capability="9.0")], 256),
+        (lambda: [types.SimpleNamespace(compute_capability="10.0")], 256),
+        (lambda: [types.SimpleNamespace(compute_capability="8.0")], 128),
+        (lambda: [types.SimpleNamespace()], 128),
+        (_no_gpu, 128),
+    ],
+    ids=["hopper", "blackwell", "ampere", "not-nvidia", "no-gpu"],
+)
+def test_cudnn_takes_heads_as_wide_as_the_gpu_allows(monkeypatch, fresh_max_head_dim, gpus, widest):
+    """256-wide heads (Qwen3-Next's) go to cuDNN from Hopper on and to the jnp form before, on a
+    GPU that is not NVIDIA's and without a GPU; 128-wide heads go to cuDNN everywhere."""
+    layers = {
+        width: Attention(
+            dataclasses.replace(PRESETS["tiny-qwen3"].attention_spec(0), head_dim=width),
+            topology=bj.Topology(),
+            impl=AttentionImpl.CUDNN,
+            rngs=nnx.Rngs(0),
+        )
+        for width in (128, 256)
+    }
+    monkeypatch.setattr(cudnn.jax, "devices", lambda backend=None: gpus())
+    assert max_head_dim() == widest
+    for width, layer in layers.items():
+        assert layer.takes_cudnn(jnp.bfloat16) == (width <= widest)
+        assert not layer.takes_cudnn(jnp.float32)
