@@ -16,7 +16,9 @@ drawn in Hugging Face's [out, in] layout).
 Part "moe" (also `bench_moe --fp8`): the MoE layer as the model runs it (`MoeFfn.finalized` with
 the model default grouped matmuls, against `Fp8MoeFfn`: the Triton FP8 expert kernel at decode
 sizes) at 8 and 64 tokens (CUPTI) and 4096 (wall clock), checked against the same FP8 layer
-through XLA's reference. Target: decode >= 1.5x bf16.
+through XLA's reference; one row per FP8 variant of the experts' products (`--moe-experts`; by
+default the platform's and the experts padded to capacity buckets through the Mosaic wgmma
+kernel, `Fp8GroupedImpl.PADDED_GPU`). Targets: decode >= 1.5x bf16, every case >= 1.0x.
 
 Part "matmul": one [4096 -> 14336] projection at 8 / 64 / 512 / 4096 rows: bf16 `jnp.dot`, the FP8
 weight dequantized by XLA in the program (the issue's 0.38-0.94x), and the FP8 kernels over a few
@@ -54,11 +56,14 @@ from models.layers.moe.ffn import MoeFfn
 from models.layers.moe.fp8 import Fp8MoeFfn
 from models.options import BuildOptions
 from models.serving.runtime import ShardedCausalLM
+from pallas_kernels import compat
 from pallas_kernels.fp8_matmul import (
     SWAP_MAX_ROWS,
+    Fp8GroupedImpl,
     Fp8MatmulImpl,
     MosaicFp8Tiling,
     TritonFp8Tiling,
+    default_fp8_grouped_impl,
     fp8_matmul,
 )
 from pallas_kernels.grouped_matmul import default_grouped_matmul_impl
@@ -235,10 +240,21 @@ def _row(config, case, times, roofs, unit, error=None) -> tuple:
 MOE = dict(hidden=2048, experts=128, top_k=8, width=768)  # Qwen3-30B-A3B
 
 
-def moe_layers() -> dict[str, tuple]:
-    """The bf16 and FP8 layers (graph, state) on one device, same shapes and routing (their
-    experts differ: the FP8 ones are drawn in Hugging Face's [out, in] layout), and the FP8
-    layer again through XLA's reference (the same FP8 weights: the kernels' check)."""
+def moe_variants() -> tuple[Fp8GroupedImpl, ...]:
+    """Part moe's FP8 layers by default: the platform's grouped products beside the experts padded
+    to capacity buckets through the Mosaic wgmma kernel (in the interpreter for a smoke run,
+    where JAX has one)."""
+    if SMOKE:
+        interpreted = compat.gpu_interpret_params() is not None
+        return (Fp8GroupedImpl.XLA,) + ((Fp8GroupedImpl.PADDED_GPU_INTERPRET,) * interpreted)
+    return (default_fp8_grouped_impl(jax.default_backend()), Fp8GroupedImpl.PADDED_GPU)
+
+
+def moe_layers(variants: tuple[Fp8GroupedImpl, ...]) -> dict[str, tuple]:
+    """The bf16 layer and an FP8 layer per variant of the experts' products (graph, state) on one
+    device, same shapes and routing (the experts differ: the FP8 ones are drawn in Hugging Face's
+    [out, in] layout), and the FP8 layer again through XLA's reference (the same FP8 weights: the
+    kernels' check)."""
     hidden, experts, top_k, width = MOE["hidden"], MOE["experts"], MOE["top_k"], MOE["width"]
     config = MoeConfig(
         num_experts=experts, top_k=top_k, expert_intermediate_size=width, renormalize=True
@@ -253,7 +269,8 @@ def moe_layers() -> dict[str, tuple]:
         rngs=nnx.Rngs(0),
     )
     layers = {"bf16": nnx.split(bf16)}
-    for name, quantized in (("fp8", quantization()), ("fp8 xla", Fp8Quantization())):
+    named = {impl.name: dataclasses.replace(quantization(), grouped=impl) for impl in variants}
+    for name, quantized in {**named, "fp8 xla": Fp8Quantization()}.items():
         fp8 = Fp8MoeFfn(
             hidden, config, topology, quantization=quantized, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)
         )
@@ -261,8 +278,8 @@ def moe_layers() -> dict[str, tuple]:
     return layers
 
 
-def moe(tokens_list) -> list[tuple]:
-    layers = moe_layers()
+def moe(tokens_list, variants: tuple[Fp8GroupedImpl, ...]) -> list[tuple]:
+    layers = moe_layers(variants)
     results = []
     hidden, width = MOE["hidden"], MOE["width"]
     for tokens in tokens_list:
@@ -280,22 +297,24 @@ def moe(tokens_list) -> list[tuple]:
             outs[name] = fn(state, *sets[0])
             if name != "fp8 xla":
                 times[name] = timed_ms(fn, [(state, *s) for s in sets], wall=wall)
-        roofs = {
-            name: chosen * 3 * hidden * width * size / times[name] / 1e9 / (HBM_BYTES_PER_S / 1e12)
-            for name, size in (("bf16", 2), ("fp8", 1 + 4 / 128**2))
-        }
-        results.append(
-            (
-                "MoE layer" + (" [wall clock]" if wall else ""),
-                f"{tokens} tokens",
-                times["bf16"],
-                times["fp8"],
-                times["bf16"] / times["fp8"],
-                f"{100 * roofs['bf16']:.0f}% / {100 * roofs['fp8']:.0f}% HBM",
-                f"{relative_error(outs['fp8'], outs['fp8 xla']):.2e}",
+        bf16_roof = chosen * 3 * hidden * width * 2 / times["bf16"] / 1e9
+        for impl in variants:
+            ms = times[impl.name]
+            fp8_roof = chosen * 3 * hidden * width * (1 + 4 / 128**2) / ms / 1e9
+            roofs = [100 * roof / (HBM_BYTES_PER_S / 1e12) for roof in (bf16_roof, fp8_roof)]
+            results.append(
+                (
+                    "MoE layer" + (" [wall clock]" if wall else ""),
+                    f"{tokens} tokens",
+                    impl.name,
+                    times["bf16"],
+                    ms,
+                    times["bf16"] / ms,
+                    f"{roofs[0]:.0f}% / {roofs[1]:.0f}% HBM",
+                    f"{relative_error(outs[impl.name], outs['fp8 xla']):.2e}",
+                )
             )
-        )
-        print(results[-1], flush=True)
+            print(results[-1], flush=True)
     return results
 
 
@@ -426,6 +445,14 @@ def main(argv=None) -> None:
         help="parts e2e and moe: quantize the projections' inputs by the platform's kernel "
         "(pallas_kernels.quantize_rows) or by XLA",
     )
+    parser.add_argument(
+        "--moe-experts",
+        nargs="+",
+        choices=[impl.name for impl in Fp8GroupedImpl],
+        default=None,
+        help="part moe: the FP8 layers' expert products, one row each (default: the platform's "
+        "and PADDED_GPU)",
+    )
     parser.add_argument("--profile", default=None, help="part e2e: trace each case here")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU")
     args = parser.parse_args(argv)
@@ -461,9 +488,21 @@ def main(argv=None) -> None:
         )
     if "moe" in parts:
         print(f"\n## MoE layer {MOE}, 1 GPU: bf16 vs FP8 experts (ms)")
+        variants = moe_variants()
+        if args.moe_experts:
+            variants = tuple(Fp8GroupedImpl[name] for name in args.moe_experts)
         print_table(
-            ("layer", "case", "bf16 ms", "fp8 ms", "fp8 speedup", "roofline", "fp8 vs XLA fp8"),
-            moe(tokens),
+            (
+                "layer",
+                "case",
+                "fp8 experts",
+                "bf16 ms",
+                "fp8 ms",
+                "fp8 speedup",
+                "roofline",
+                "fp8 vs XLA fp8",
+            ),
+            moe(tokens, variants),
         )
     if "matmul" in parts:
         k, n = args.shape or shape

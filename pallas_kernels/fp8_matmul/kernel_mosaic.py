@@ -28,46 +28,56 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .. import axes
-from .reference import fp8_matmul_reference
+from .reference import fp8_batched_matmul_reference, fp8_matmul_reference
 from .tuned_block_sizes import COMPUTE_WARPGROUPS, NUM_SMS, SCALE_BLOCK, WGMMA_ROWS, MosaicFp8Tiling
 
 _SMS = "sm"
 _WG = "wg"
 _CLUSTER = "cluster"
-_TILE_A = WGMMA_ROWS * COMPUTE_WARPGROUPS
 # FP8 operand blocks are 128 bytes deep: TMA writes them in 8-row tiles with the 128-byte swizzle
 # that wgmma reads.
 _OPERAND_TRANSFORMS = (plgpu.TilingTransform((8, SCALE_BLOCK)), plgpu.SwizzleTransform(128))
 
 
 def _fp8_matmul_kernel(
-    a_gmem,  # [Ma, K]
-    b_gmem,  # [Nb, K]
-    a_scales_gmem,  # [K / 128, Ma]
-    b_scales_gmem,  # [K / 128, Nb]
-    out_gmem,  # [split_k, Ma, Nb]
+    a_gmem,  # [G * Ma, K]
+    b_gmem,  # [G * Nb, K]
+    a_scales_gmem,  # [K / 128, G * Ma]
+    b_scales_gmem,  # [K / 128, G * Nb]
+    out_gmem,  # [split_k, G * Ma, Nb]
     *,
     tiling: MosaicFp8Tiling,
+    groups: int,
 ):
-    ma, k = a_gmem.shape
-    nb = b_gmem.shape[0]
-    tile_b = tiling.tile_n
+    k = a_gmem.shape[1]
+    ma, nb = a_gmem.shape[0] // groups, b_gmem.shape[0] // groups
+    tile_a, tile_b = tiling.tile_a, tiling.tile_n
+    # Each compute warpgroup's share of a tile: (its A rows, its B rows) within the tile.
+    wg_a = WGMMA_ROWS
+    wg_b = tile_b // COMPUTE_WARPGROUPS if tiling.split_columns else tile_b
     pair = 2 if tiling.cluster else 1
-    grid = (ma // (_TILE_A * pair), nb // tile_b)
+    grid = (ma // (tile_a * pair), nb // tile_b)
     steps = k // SCALE_BLOCK // tiling.split_k
     tiles = grid[0] * grid[1]
 
+    def shares():
+        """This warpgroup's A rows and B rows within the tile."""
+        wg = lax.axis_index(_WG)
+        if tiling.split_columns:
+            return pl.ds(0, wg_a), pl.ds(wg * wg_b, wg_b)
+        return pl.ds(wg * wg_a, wg_a), pl.ds(0, wg_b)
+
     def step(_, a_smem, b_smem, a_scales_smem, b_scales_smem, total):
-        wg_rows = pl.ds(lax.axis_index(_WG) * WGMMA_ROWS, WGMMA_ROWS)
+        a_rows, b_rows = shares()
 
         def block(acc_ref):
-            plgpu.wgmma(acc_ref, a_smem.at[wg_rows], b_smem.transpose((1, 0)))
+            plgpu.wgmma(acc_ref, a_smem.at[a_rows], b_smem.at[b_rows].transpose((1, 0)))
             return acc_ref[...]
 
-        partial = pl.run_scoped(block, plgpu.ACC((WGMMA_ROWS, tile_b), jnp.float32))
-        row_scales = plgpu.load(a_scales_smem.at[0, wg_rows], layout=plgpu.Layout.WGMMA.reduce(1))
-        column_scales = plgpu.load(b_scales_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
-        shape = (WGMMA_ROWS, tile_b)
+        partial = pl.run_scoped(block, plgpu.ACC((wg_a, wg_b), jnp.float32))
+        row_scales = plgpu.load(a_scales_smem.at[0, a_rows], layout=plgpu.Layout.WGMMA.reduce(1))
+        column_scales = plgpu.load(b_scales_smem.at[0, b_rows], layout=plgpu.Layout.WGMMA.reduce(0))
+        shape = (wg_a, wg_b)
         scales = lax.broadcast_in_dim(row_scales, shape, [0]) * lax.broadcast_in_dim(
             column_scales, shape, [1]
         )
@@ -80,7 +90,7 @@ def _fp8_matmul_kernel(
             memory_registers=40,
             in_specs=[
                 plgpu.BlockSpec(
-                    (_TILE_A, SCALE_BLOCK), lambda d: (0, d), transforms=_OPERAND_TRANSFORMS
+                    (tile_a, SCALE_BLOCK), lambda d: (0, d), transforms=_OPERAND_TRANSFORMS
                 ),
                 plgpu.BlockSpec(
                     (tile_b, SCALE_BLOCK),
@@ -88,7 +98,7 @@ def _fp8_matmul_kernel(
                     transforms=_OPERAND_TRANSFORMS,
                     collective_axes=(_CLUSTER,) if tiling.cluster else (),
                 ),
-                plgpu.BlockSpec((1, _TILE_A), lambda d: (d, 0)),
+                plgpu.BlockSpec((1, tile_a), lambda d: (d, 0)),
                 plgpu.BlockSpec((1, tile_b), lambda d: (d, 0)),
             ],
             wg_axis=_WG,
@@ -103,32 +113,40 @@ def _fp8_matmul_kernel(
     @functools.partial(
         pl.run_scoped,
         allocations=pipeline(ignore, ignore).get_allocations(*operands),
-        out_smem=plgpu.SMEM((COMPUTE_WARPGROUPS, WGMMA_ROWS, tile_b), out_gmem.dtype),
+        out_smem=plgpu.SMEM((COMPUTE_WARPGROUPS, wg_a, wg_b), out_gmem.dtype),
         collective_axes=_WG,
     )
     def _scope(allocations, out_smem):
-        @plgpu.nd_loop((tiles * tiling.split_k,), collective_axes=_SMS)
+        # Units in order (group, split part, tile): the programs running at once share a
+        # group's B operand (an expert's weight) in the L2.
+        @plgpu.nd_loop((groups * tiling.split_k * tiles,), collective_axes=_SMS)
         def _unit(info: plgpu.NDLoopInfo):
-            part, tile = lax.div(info.index[0], tiles), lax.rem(info.index[0], tiles)
+            group, rest = (
+                lax.div(info.index[0], tiles * tiling.split_k),
+                lax.rem(info.index[0], tiles * tiling.split_k),
+            )
+            part, tile = lax.div(rest, tiles), lax.rem(rest, tiles)
             a_tile, b_tile = plgpu.planar_snake(tile, grid, 1, tiling.grid_block_n)
             if tiling.cluster:
                 a_tile = a_tile * 2 + lax.axis_index(_CLUSTER)
-            a_rows = pl.ds(a_tile * _TILE_A, _TILE_A)
-            b_rows = pl.ds(b_tile * tile_b, tile_b)
+            a_rows = pl.ds(group * ma + a_tile * tile_a, tile_a)
+            b_rows = pl.ds(group * nb + b_tile * tile_b, tile_b)
             depth = pl.ds(part * steps * SCALE_BLOCK, steps * SCALE_BLOCK)
             blocks = pl.ds(part * steps, steps)
 
             def compute_context(run):
                 wg = lax.axis_index(_WG)
-                zeros = jnp.full((WGMMA_ROWS, tile_b), 0, jnp.float32)
+                zeros = jnp.full((wg_a, wg_b), 0, jnp.float32)
                 total = run(plgpu.layout_cast(zeros, plgpu.Layout.WGMMA))
                 # The previous unit's store has read its staging buffer: that store ran while
                 # this unit multiplied.
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 out_smem[wg] = total.astype(out_smem.dtype)
                 plgpu.commit_smem()
-                rows = pl.ds(a_tile * _TILE_A + wg * WGMMA_ROWS, WGMMA_ROWS)
-                plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[part, rows, b_rows])
+                own_a, own_b = shares()
+                rows = pl.ds(a_rows.start + own_a.start, wg_a)
+                columns = pl.ds(b_tile * tile_b + own_b.start, wg_b)
+                plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[part, rows, columns])
 
             pipeline(step, compute_context)(
                 a_gmem.at[a_rows, depth],
@@ -143,32 +161,44 @@ def _fp8_matmul_kernel(
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "tiling", "interpret"))
 def fp8_matmul_mosaic(
-    x_values: jax.Array,  # [M, K] float8_e4m3fn
-    x_scales: jax.Array,  # [M, K / 128] float32
-    w_values: jax.Array,  # [N, K] float8_e4m3fn
-    w_scales: jax.Array,  # [N / 128, K / 128] float32
+    x_values: jax.Array,  # [M, K] or [G, M, K] float8_e4m3fn
+    x_scales: jax.Array,  # [M, K / 128] or [G, M, K / 128] float32
+    w_values: jax.Array,  # [N, K] or [G, N, K] float8_e4m3fn
+    w_scales: jax.Array,  # [N / 128, K / 128] or [G, N / 128, K / 128] float32
     *,
     out_dtype: jnp.dtype,
     tiling: MosaicFp8Tiling,
     interpret: object = None,
 ) -> jax.Array:
-    """`fp8_matmul_reference` through the Mosaic GPU wgmma kernel, with an explicit tiling.
+    """`fp8_matmul_reference` through the Mosaic GPU wgmma kernel, with an explicit tiling; with
+    a leading group axis on every operand, one product per group in one kernel
+    (`fp8_batched_matmul_reference`: experts padded to a capacity).
 
-    Shapes are checked by `fp8_matmul`; rows are padded to whole tiles (zero rows with zero
-    scales, which add nothing). Not differentiable: FP8 weights are for inference.
+    Shapes are checked by `fp8_matmul` / `fp8_batched_matmul`; rows are padded to whole tiles
+    (zero rows with zero scales, which add nothing). Not differentiable: FP8 weights are for
+    inference.
 
     Args:
       interpret: None to compile for the GPU, or Mosaic GPU interpret parameters (CPU).
 
     Returns:
-      [M, N] in `out_dtype`, varying (inside `shard_map`) over the mesh axes the reference's
-      output would.
+      [M, N] (or [G, M, N]) in `out_dtype`, varying (inside `shard_map`) over the mesh axes the
+      reference's output would.
     """
-    m, k = x_values.shape
-    n = w_values.shape[0]
+    batched = x_values.ndim == 3
+    reference = fp8_batched_matmul_reference if batched else fp8_matmul_reference
+    (varying,) = axes.reference_varying(
+        functools.partial(reference, out_dtype=out_dtype), x_values, x_scales, w_values, w_scales
+    )
+    if not batched:
+        x_values, x_scales, w_values, w_scales = (
+            a[None] for a in (x_values, x_scales, w_values, w_scales)
+        )
+    groups, m, k = x_values.shape
+    n = w_values.shape[1]
     pair = 2 if tiling.cluster else 1
-    row_tile = tiling.tile_n if tiling.swap else _TILE_A * pair
-    weight_tile = _TILE_A * pair if tiling.swap else tiling.tile_n
+    row_tile = tiling.tile_n if tiling.swap else tiling.tile_a * pair
+    weight_tile = tiling.tile_a * pair if tiling.swap else tiling.tile_n
     if n % weight_tile or (k // SCALE_BLOCK) % tiling.split_k:
         raise ValueError(
             f"{tiling} needs N={n} a multiple of {weight_tile} and K={k} of "
@@ -176,29 +206,26 @@ def fp8_matmul_mosaic(
         )
     padded = pl.cdiv(m, row_tile) * row_tile
     if padded != m:
-        x_values = jnp.pad(x_values, ((0, padded - m), (0, 0)))
-        x_scales = jnp.pad(x_scales, ((0, padded - m), (0, 0)))
-    (varying,) = axes.reference_varying(
-        functools.partial(fp8_matmul_reference, out_dtype=out_dtype),
-        x_values,
-        x_scales,
-        w_values,
-        w_scales,
-    )
-    row_scales = x_scales.T  # [K / 128, M]
-    column_scales = jnp.repeat(w_scales.T, SCALE_BLOCK, axis=1)  # [K / 128, N]
-    operands = (x_values, w_values, row_scales, column_scales)
+        x_values = jnp.pad(x_values, ((0, 0), (0, padded - m), (0, 0)))
+        x_scales = jnp.pad(x_scales, ((0, 0), (0, padded - m), (0, 0)))
+    blocks = k // SCALE_BLOCK
+    # Per-row scales, [K / 128, G * rows]: a 128 x 128 weight block's scale for each of its rows.
+    row_scales = jnp.moveaxis(x_scales, 2, 0).reshape(blocks, groups * padded)
+    column_scales = jnp.moveaxis(jnp.repeat(w_scales, SCALE_BLOCK, axis=1), 2, 0)
+    column_scales = column_scales.reshape(blocks, groups * n)
+    rows, weights = x_values.reshape(groups * padded, k), w_values.reshape(groups * n, k)
+    operands = (rows, weights, row_scales, column_scales)
+    shape = (padded, n)
     if tiling.swap:
-        operands = (w_values, x_values, column_scales, row_scales)
-    shape = (operands[0].shape[0], operands[1].shape[0])
+        operands, shape = (weights, rows, column_scales, row_scales), (n, padded)
     partial_dtype = jnp.float32 if tiling.split_k > 1 else out_dtype
-    # One program per SM at most (a cluster of two per pair of SMs), each walking the (tile,
-    # split) units with the grid's stride.
-    units = (shape[0] // (_TILE_A * pair)) * (shape[1] // tiling.tile_n) * tiling.split_k
+    # One program per SM at most (a cluster of two per pair of SMs), each walking the (group,
+    # split, tile) units with the grid's stride.
+    units = groups * (shape[0] // (tiling.tile_a * pair)) * (shape[1] // tiling.tile_n)
     call = plgpu.kernel(
-        functools.partial(_fp8_matmul_kernel, tiling=tiling),
-        out_type=jax.ShapeDtypeStruct((tiling.split_k, *shape), partial_dtype),
-        grid=(min(NUM_SMS // pair, units),),
+        functools.partial(_fp8_matmul_kernel, tiling=tiling, groups=groups),
+        out_type=jax.ShapeDtypeStruct((tiling.split_k, groups * shape[0], shape[1]), partial_dtype),
+        grid=(min(NUM_SMS // pair, units * tiling.split_k),),
         grid_names=(_SMS,),
         cluster=(pair,),
         cluster_names=(_CLUSTER,),
@@ -209,6 +236,7 @@ def fp8_matmul_mosaic(
     )
     parts = call(*operands)
     out = jnp.sum(parts, axis=0) if tiling.split_k > 1 else parts[0]
-    out = (out.T if tiling.swap else out)[:m].astype(out_dtype)
+    out = out.reshape(groups, *shape)
+    out = (jnp.swapaxes(out, 1, 2) if tiling.swap else out)[:, :m].astype(out_dtype)
     # Mosaic GPU types its output invariant; it varies as the reference's does.
-    return axes.mark_varying(out, varying)
+    return axes.mark_varying(out if batched else out[0], varying)

@@ -1,5 +1,6 @@
-"""The block-scaled FP8 matmuls of FP8 linear layers and MoE experts: implementations, the choice
-between them, and the public wrappers."""
+"""The block-scaled FP8 matmuls of FP8 linear layers and MoE experts (dense, batched over experts
+padded to a capacity, grouped over rows sorted by expert): implementations, the choice between
+them, and the public wrappers."""
 
 import enum
 
@@ -12,11 +13,16 @@ from ..quantize import dequantize_blocks_reference, dequantize_token_groups_refe
 from .kernel_grouped_triton import fp8_expert_matmul
 from .kernel_mosaic import fp8_matmul_mosaic
 from .kernel_triton import fp8_matmul_triton
-from .reference import fp8_grouped_matmul_reference, fp8_matmul_reference
+from .reference import (
+    fp8_batched_matmul_reference,
+    fp8_grouped_matmul_reference,
+    fp8_matmul_reference,
+)
 from .tuned_block_sizes import (
     SCALE_BLOCK,
     MosaicFp8Tiling,
     TritonFp8Tiling,
+    mosaic_fp8_batched_tiling,
     mosaic_fp8_tiling,
     triton_fp8_tiling,
 )
@@ -132,12 +138,7 @@ def fp8_matmul(
             chosen = _tiling(tiling, MosaicFp8Tiling, mosaic_fp8_tiling, m, k, n)
             interpret = None
             if impl is Fp8MatmulImpl.PALLAS_GPU_INTERPRET:
-                interpret = compat.gpu_interpret_params()
-                if interpret is None:
-                    raise NotImplementedError(
-                        "Fp8MatmulImpl.PALLAS_GPU_INTERPRET needs JAX's Mosaic GPU "
-                        "interpreter (JAX >= 0.12); use PALLAS_INTERPRET or XLA"
-                    )
+                interpret = _gpu_interpreter(impl)
 
             def kernel(*args):
                 return fp8_matmul_mosaic(
@@ -175,12 +176,92 @@ def _check(x_values, x_scales, w_values, w_scales) -> None:
         )
 
 
+def _gpu_interpreter(impl: Fp8MatmulImpl) -> object:
+    interpret = compat.gpu_interpret_params()
+    if interpret is None:
+        raise NotImplementedError(
+            f"{impl} needs JAX's Mosaic GPU interpreter (JAX >= 0.12); use PALLAS_INTERPRET or XLA"
+        )
+    return interpret
+
+
 def _tiling(tiling, kind: type, table, m: int, k: int, n: int) -> Fp8Tiling:
     if tiling is None:
         return table(m, k, n)
     if not isinstance(tiling, kind):
         raise TypeError(f"this kernel takes a {kind.__name__}; got {tiling=}")
     return tiling
+
+
+def fp8_batched_matmul(
+    x_values: jax.Array,  # [G, M, K] float8_e4m3fn
+    x_scales: jax.Array,  # [G, M, K / 128] float32
+    w_values: jax.Array,  # [G, N, K] float8_e4m3fn
+    w_scales: jax.Array,  # [G, N / 128, K / 128] float32
+    *,
+    out_dtype: jnp.dtype,
+    impl: Fp8MatmulImpl = Fp8MatmulImpl.XLA,
+    tiling: MosaicFp8Tiling | None = None,
+) -> jax.Array:
+    """`out[g] = x[g] @ w[g].T` for every group at once (MoE experts padded to a capacity of M
+    rows each): `fp8_batched_matmul_reference` is the specification.
+
+    Args:
+      x_values, x_scales: Each group's rows, quantized per 128-feature token group.
+      w_values, w_scales: Each group's [N, K] weight with its block scales.
+      out_dtype: The result's dtype.
+      impl: XLA (the reference), PALLAS_GPU (the Mosaic wgmma kernel, every group in one
+        launch; also GPU_BY_SIZE), PALLAS_GPU_INTERPRET (its body in the Mosaic GPU
+        interpreter) or DEQUANTIZED_BF16 (both dequantized to bf16 and XLA's batched matmul).
+      tiling: The Mosaic kernel's tiling; None for `mosaic_fp8_batched_tiling`.
+
+    Returns:
+      [G, M, N] in `out_dtype`, varying inside `shard_map` as the reference's would. Not
+      differentiable.
+
+    Raises:
+      ValueError: Shapes off the format, or an impl with no batched form (the Triton kernels).
+      NotImplementedError: The Mosaic GPU interpreter on a JAX without one.
+    """
+    if x_values.ndim != 3 or w_values.ndim != 3 or x_values.shape[0] != w_values.shape[0]:
+        raise ValueError(
+            f"fp8_batched_matmul takes x [G, M, K] and w [G, N, K] with the same G; got "
+            f"{x_values.shape=}, {w_values.shape=}"
+        )
+    args = (x_values, x_scales, w_values, w_scales)
+    _check(*(jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in args))  # one group's shapes
+    match impl:
+        case Fp8MatmulImpl.XLA:
+            return fp8_batched_matmul_reference(*args, out_dtype=out_dtype)
+        case Fp8MatmulImpl.DEQUANTIZED_BF16:
+            rows = dequantize_token_groups_reference(x_values, x_scales, jnp.bfloat16)
+            weight = dequantize_blocks_reference(w_values, w_scales, jnp.bfloat16)
+            out = jnp.einsum("gmk,gnk->gmn", rows, weight, preferred_element_type=jnp.float32)
+            return out.astype(out_dtype)
+        case (
+            Fp8MatmulImpl.PALLAS_GPU
+            | Fp8MatmulImpl.GPU_BY_SIZE
+            | Fp8MatmulImpl.PALLAS_GPU_INTERPRET
+        ):
+            pass
+        case _:
+            raise ValueError(
+                f"fp8_batched_matmul has no {impl} form; use XLA, PALLAS_GPU, "
+                "PALLAS_GPU_INTERPRET or DEQUANTIZED_BF16"
+            )
+    _, m, k = x_values.shape
+    chosen = _tiling(tiling, MosaicFp8Tiling, mosaic_fp8_batched_tiling, m, k, w_values.shape[1])
+    if impl is not Fp8MatmulImpl.PALLAS_GPU_INTERPRET:
+        return fp8_matmul_mosaic(*args, out_dtype=out_dtype, tiling=chosen)
+    interpret = _gpu_interpreter(impl)
+
+    def kernel(*args):
+        return fp8_matmul_mosaic(*args, out_dtype=out_dtype, tiling=chosen, interpret=interpret)
+
+    def reference(*args):
+        return fp8_batched_matmul_reference(*args, out_dtype=out_dtype)
+
+    return axes.interpreted(kernel, reference)(*args)
 
 
 class Fp8GroupedImpl(enum.Enum):
@@ -196,12 +277,33 @@ class Fp8GroupedImpl(enum.Enum):
         above, the weights dequantized to bf16 in the program and the bf16 grouped matmul
         (`GroupedMatmulImpl.GPU_BY_SIZE`) on the dequantized rows: prefill is bound by its
         FLOPs, not by the weights' bytes.
+      PADDED_GPU: A strategy of the MoE layer around the products, as
+        `GroupedMatmulImpl.PADDED_BATCHED` is for bf16 experts: the quantized rows copied
+        expert-major into [local experts, C, hidden], C the smallest capacity bucket that holds
+        the busiest expert, and both products through `fp8_batched_matmul` on the Mosaic wgmma
+        kernel (`PADDED_PRODUCTS`); past the buckets, and in `fp8_grouped_matmul` itself,
+        GPU_BY_SIZE. FP8 tensor-core products where GPU_BY_SIZE dequantizes.
+      PADDED_GPU_INTERPRET: PADDED_GPU with the kernel in the Mosaic GPU interpreter, and XLA
+        past the buckets (tests, any platform with JAX >= 0.12).
     """
 
     XLA = enum.auto()
     PALLAS_TRITON = enum.auto()
     PALLAS_INTERPRET = enum.auto()
     GPU_BY_SIZE = enum.auto()
+    PADDED_GPU = enum.auto()
+    PADDED_GPU_INTERPRET = enum.auto()
+
+
+PADDED_PRODUCTS: dict[Fp8GroupedImpl, tuple[Fp8MatmulImpl, Fp8GroupedImpl]] = {
+    Fp8GroupedImpl.PADDED_GPU: (Fp8MatmulImpl.PALLAS_GPU, Fp8GroupedImpl.GPU_BY_SIZE),
+    Fp8GroupedImpl.PADDED_GPU_INTERPRET: (
+        Fp8MatmulImpl.PALLAS_GPU_INTERPRET,
+        Fp8GroupedImpl.XLA,
+    ),
+}
+"""The padded strategies: each one's batched product (`fp8_batched_matmul`) and the grouped
+products it falls back to past its capacity buckets."""
 
 
 def default_fp8_grouped_impl(platform: str) -> Fp8GroupedImpl:
@@ -236,6 +338,8 @@ def fp8_grouped_matmul(
       differentiable.
     """
     m = x_values.shape[0]
+    if impl in PADDED_PRODUCTS:
+        impl = PADDED_PRODUCTS[impl][1]
     if impl is Fp8GroupedImpl.GPU_BY_SIZE:
         if m > TRITON_MAX_ROUTED_ROWS:
             rows = dequantize_token_groups_reference(x_values, x_scales, jnp.bfloat16)

@@ -1,5 +1,5 @@
-"""The specifications of the block-scaled FP8 matmuls (dense and grouped by expert): both
-operands dequantized, float32 sums."""
+"""The specifications of the block-scaled FP8 matmuls (dense, batched, and grouped by expert):
+both operands dequantized, float32 sums."""
 
 import jax
 import jax.numpy as jnp
@@ -63,5 +63,28 @@ def fp8_grouped_matmul_reference(
     w = jnp.swapaxes(dequantize_blocks_reference(w_values, w_scales, acc), 1, 2)  # [G, K, N]
     out = lax.ragged_dot(
         x, w, group_sizes, precision=lax.Precision.HIGHEST, preferred_element_type=acc
+    )
+    return out.astype(out_dtype)
+
+
+def fp8_batched_matmul_reference(
+    x_values: jax.Array,  # [G, M, K] float8_e4m3fn
+    x_scales: jax.Array,  # [G, M, K / 128] float32
+    w_values: jax.Array,  # [G, N, K] float8_e4m3fn
+    w_scales: jax.Array,  # [G, N / 128, K / 128] float32
+    *,
+    out_dtype: jnp.dtype,
+) -> jax.Array:
+    """`fp8_matmul_reference` of each group's rows and weight: `out[g] = x[g] @ w[g].T`, both
+    dequantized, sums in float32 (float64 for a float64 `out_dtype`).
+
+    Returns:
+      [G, M, N] in `out_dtype`.
+    """
+    acc = jnp.promote_types(out_dtype, jnp.float32)
+    x = dequantize_token_groups_reference(x_values, x_scales, acc)
+    w = dequantize_blocks_reference(w_values, w_scales, acc)
+    out = jnp.einsum(
+        "gmk,gnk->gmn", x, w, precision=lax.Precision.HIGHEST, preferred_element_type=acc
     )
     return out.astype(out_dtype)

@@ -75,8 +75,10 @@ SWAP_MAX_ROWS = 128
 
 @dataclasses.dataclass(frozen=True)
 class MosaicFp8Tiling:
-    """Tiling of the Mosaic GPU kernel (`fp8_matmul_mosaic`). Its A operand comes in tiles of 128
-    rows (two compute warpgroups of 64); this sets the B operand's tile and the schedule.
+    """Tiling of the Mosaic GPU kernel (`fp8_matmul_mosaic`). Each of its two compute warpgroups
+    multiplies 64 rows of A by a B tile: by default the two take neighbouring 64 rows of a 128-row
+    A tile and share the B tile; `split_columns` gives them one 64-row A tile and a half of the B
+    tile each. This sets the B operand's tile, the split and the schedule.
 
     Attributes:
       tile_n: Rows of the B operand per tile (a multiple of 32, at most 256: TMA writes each
@@ -87,7 +89,10 @@ class MosaicFp8Tiling:
       split_k: Programs the contraction is split over (their float32 partials summed after).
       swap: Multiply the weight as A and the rows as B (decode: few rows, wide weights).
       cluster: Run the programs in clusters of two that take neighbouring A tiles of one B tile
-        and multicast each B block to both (A's extent then a multiple of 256).
+        and multicast each B block to both (A's extent then a multiple of two A tiles).
+      split_columns: A tiles of 64 rows, each compute warpgroup multiplying it by half of the B
+        tile (`tile_n / 2` rows, so `tile_n` a multiple of 64): for A extents that are multiples
+        of 64 but not of 128, such as experts padded to a capacity.
     """
 
     tile_n: int = 128
@@ -96,12 +101,20 @@ class MosaicFp8Tiling:
     split_k: int = 1
     swap: bool = False
     cluster: bool = False
+    split_columns: bool = False
 
     def __post_init__(self):
         if self.tile_n % 32 or not 32 <= self.tile_n <= 256:
             raise ValueError(f"tile_n must be a multiple of 32 in [32, 256]; got {self}")
+        if self.split_columns and self.tile_n % 64:
+            raise ValueError(f"split_columns halves tile_n: a multiple of 64; got {self}")
         if self.split_k < 1 or self.max_concurrent_steps < 1 or self.grid_block_n < 1:
             raise ValueError(f"split_k, max_concurrent_steps and grid_block_n must be >= 1; {self}")
+
+    @property
+    def tile_a(self) -> int:
+        """Rows of the A operand per tile (one program's; a cluster takes two tiles)."""
+        return WGMMA_ROWS * (1 if self.split_columns else COMPUTE_WARPGROUPS)
 
 
 def triton_fp8_tiling(m: int, k: int, n: int) -> TritonFp8Tiling:
@@ -147,3 +160,18 @@ def mosaic_fp8_tiling(m: int, k: int, n: int) -> MosaicFp8Tiling:
         return MosaicFp8Tiling(tile_n=192, grid_block_n=2)
     tiles = n // 128
     return MosaicFp8Tiling(grid_block_n=next(b for b in (4, 2, 1) if tiles % b == 0))
+
+
+def mosaic_fp8_batched_tiling(m: int, k: int, n: int) -> MosaicFp8Tiling:
+    """The Mosaic kernel's tiling for groups of [m, k] x [n, k] (experts padded to a capacity of
+    `m` rows): 64-row A tiles with the B tile split between the warpgroups where `m` is not a
+    multiple of 128 (256 weight rows per tile where they divide N, else 192, else 128), the dense
+    table's prefill tiles otherwise; one B tile per grid step (a group's weight is small enough
+    to stay in the L2 while its row tiles pass). Not yet measured: `bench_fp8 --parts moe` runs it
+    beside the bf16 layer."""
+    del k
+    if m % (WGMMA_ROWS * COMPUTE_WARPGROUPS):
+        tile = next(t for t in (256, 192, 128) if n % t == 0)
+        return MosaicFp8Tiling(tile_n=tile, grid_block_n=1, split_columns=True)
+    tile = next(t for t in (192, 128) if n % t == 0)
+    return MosaicFp8Tiling(tile_n=tile, grid_block_n=1)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -223,10 +224,19 @@ def _routed_outputs(
     if impl is not GroupedMatmulImpl.PADDED_BATCHED:
         return grouped()
     share = tokens * top_k / local if even_share is None else even_share
-    buckets = capacity_buckets(share, tokens * top_k)
+    return by_capacity(sorted_rows.sizes, capacity_buckets(share, tokens * top_k), padded, grouped)
+
+
+def by_capacity(
+    sizes: jax.Array,
+    buckets: tuple[int, ...],
+    padded: Callable[[int], jax.Array],
+    grouped: Callable[[], jax.Array],
+) -> jax.Array:
+    """`padded(capacity)` for the first of `buckets` that holds the busiest expert (`sizes`: rows
+    per local expert), or `grouped()` past the last, so no row is dropped: one `lax.switch`."""
     branches = [functools.partial(padded, capacity) for capacity in buckets]
-    # The first bucket that holds the busiest expert; past the last, the grouped matmuls.
-    pick = jnp.sum(jnp.asarray(buckets, jnp.int32) < jnp.max(sorted_rows.sizes))
+    pick = jnp.sum(jnp.asarray(buckets, jnp.int32) < jnp.max(sizes))
     return jax.lax.switch(pick, [*branches, grouped])
 
 
@@ -334,6 +344,28 @@ def grouped_expert_outputs(
     return jnp.take(out, rows.positions, axis=0)
 
 
+def capacity_places(rows: SortedRows, capacity: int) -> tuple[jax.Array, jax.Array]:
+    """Where the rows go when each local expert gets `capacity` places, expert-major.
+
+    Returns:
+      `(source, slot)`: source [local * capacity] the token whose row fills each place (expert
+      e's rows in its first `sizes[e]` places, any token in the rest, which no row reads back),
+      and slot [T * k] the place of each (token, choice) row's output (any place for rows held
+      elsewhere). Both materialized: fused into the gathers that use them, XLA recomputed them
+      per element (2 ms instead of 40 us for a 32768-row layer on an H200).
+    """
+    local = rows.sizes.shape[0]
+    routed = rows.order.shape[0]
+    starts = jnp.cumsum(rows.sizes) - rows.sizes
+    place = jnp.arange(capacity, dtype=starts.dtype)
+    sorted_place = jnp.minimum(starts[:, None] + place[None, :], routed - 1)  # [local, C]
+    source = jnp.take(rows.order, sorted_place.reshape(-1)) // rows.top_k
+    expert = rows.local_expert
+    slot = expert * capacity + rows.positions - jnp.take(starts, expert)
+    slot = jnp.clip(slot, 0, local * capacity - 1)
+    return jax.lax.optimization_barrier((source, slot))
+
+
 def padded_expert_outputs(
     x: jax.Array,
     rows: SortedRows,
@@ -347,17 +379,7 @@ def padded_expert_outputs(
     rest padding that no row reads back. One branch of `expert_outputs` (PADDED_BATCHED)."""
     gate_up, down = weights
     local, hidden, _ = gate_up.shape
-    routed = rows.order.shape[0]
-    starts = jnp.cumsum(rows.sizes) - rows.sizes
-    place = jnp.arange(capacity, dtype=starts.dtype)
-    sorted_place = jnp.minimum(starts[:, None] + place[None, :], routed - 1)  # [local, C]
-    source = jnp.take(rows.order, sorted_place.reshape(-1)) // rows.top_k
-    expert = rows.local_expert
-    slot = expert * capacity + rows.positions - jnp.take(starts, expert)
-    slot = jnp.clip(slot, 0, local * capacity - 1)  # rows held elsewhere: any slot
-    # Materialized: fused into the gathers below, XLA recomputed this per element (2 ms
-    # instead of 40 us for a 32768-row layer on an H200).
-    source, slot = jax.lax.optimization_barrier((source, slot))
+    source, slot = capacity_places(rows, capacity)
     padded = jnp.take(x, source, axis=0).reshape(local, capacity, hidden)
     # Full precision keeps float32 models exact; 16-bit matmuls take XLA's default.
     full = jnp.finfo(x.dtype).bits > 16

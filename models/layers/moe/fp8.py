@@ -6,8 +6,10 @@ The router reads the stage's input unquantized; the rows sent to the experts are
 activation again before the down projection. Each expert's weights are stored as Hugging Face
 stores them, [out, in] per expert: `gate_up_proj` [experts, parts, width, hidden] (gate and up
 stacked, one matmul; the up projection alone for RELU2 experts) and `down_proj` [experts,
-hidden, width], with their block scales. The grouped products run through
-`pallas_kernels.fp8_matmul.fp8_grouped_matmul`. Under
+hidden, width], with their block scales. The products run through
+`pallas_kernels.fp8_matmul.fp8_grouped_matmul` on the rows sorted by expert, or, under a padded
+strategy (`Fp8GroupedImpl.PADDED_GPU`), through `fp8_batched_matmul` on the rows copied into
+capacity buckets as the bf16 layer's `PADDED_BATCHED` does. Under
 `Fp8Weights.DEQUANTIZED` the weights are `values * scales` in the model's dtype and the rows are
 quantized and dequantized alike: the float64 reference. Inference only.
 """
@@ -21,11 +23,17 @@ from flax import nnx
 from jax import lax
 
 import boundary_jax as bj
-from pallas_kernels.fp8_matmul import SCALE_BLOCK, fp8_grouped_matmul
+from pallas_kernels.fp8_matmul import (
+    PADDED_PRODUCTS,
+    SCALE_BLOCK,
+    fp8_batched_matmul,
+    fp8_grouped_matmul,
+)
 
 from ...config import MoeConfig
 from ..activations import ExpertActivation
 from ..fp8_linear import Fp8Quantization, check_blocks, fp8_weight
+from .experts import SortedRows, by_capacity, capacity_buckets, capacity_places
 from .ffn import MoeFfn
 from .routing import MoeOutput, Routing, finalize
 from .sparse import GroupedMatmulImpl, PartitionEntry
@@ -126,7 +134,6 @@ class Fp8MoeFfn(MoeFfn):
         combine: bool = False,
         count_down_bias: bool | jax.Array = True,
     ) -> jax.Array:
-        del even_share  # no capacity buckets: the grouped FP8 products take ragged groups
         del count_down_bias  # FP8 experts hold no biases
         tokens, top_k = routing.experts.shape
         local = self.gate_up_proj.shape[0]
@@ -134,24 +141,55 @@ class Fp8MoeFfn(MoeFfn):
         held = (flat >= 0) & (flat < local)
         # Rows of experts held elsewhere sort last, as group `local`, which no product covers.
         order, positions, sizes = bj.ops.group_order(jnp.where(held, flat, local), local + 1)
+        sorted_rows = SortedRows(order, positions, sizes[:local], jnp.where(held, flat, 0), top_k)
         rows = self.quantization.quantize(x)  # once per token, then sorted
-        sorted_rows = jax.tree.map(lambda leaf: jnp.take(leaf, order // top_k, axis=0), rows)
-        gate_up = self._product(sorted_rows, self.gate_up_proj, self.gate_up_proj_scale_inv, sizes)
+        impl = self.quantization.grouped
+
+        def finish(out: jax.Array) -> jax.Array:  # [T*k, hidden], held elsewhere unspecified
+            out = jnp.where(held[:, None], out, jnp.zeros_like(out)).reshape(tokens, top_k, -1)
+            return finalize(MoeOutput(out, routing, shared)) if combine else out
+
+        def grouped() -> jax.Array:
+            gathered = jax.tree.map(lambda leaf: jnp.take(leaf, order // top_k, axis=0), rows)
+            out = self._experts(gathered, lambda *args: self._grouped(*args, sizes[:local]))
+            return finish(jnp.take(out, positions, axis=0))
+
+        def padded(capacity: int) -> jax.Array:
+            source, slot = capacity_places(sorted_rows, capacity)
+            gathered = jax.tree.map(lambda leaf: jnp.take(leaf, source, axis=0), rows)
+            out = self._experts(gathered, lambda *args: self._batched(*args, capacity))
+            return finish(jnp.take(out, slot, axis=0))
+
+        if impl not in PADDED_PRODUCTS or self.gate_up_proj_scale_inv is None:
+            return grouped()
+        share = tokens * top_k / local if even_share is None else even_share
+        return by_capacity(
+            sorted_rows.sizes, capacity_buckets(share, tokens * top_k), padded, grouped
+        )
+
+    def _experts(self, rows: bj.designs.Quantized, product) -> jax.Array:
+        """down(activation(gate_up(rows))) of quantized rows in some expert-major order, through
+        `product(rows, weight, scales)` -> [R, parts x out] in the model's dtype."""
+        gate_up = product(rows, self.gate_up_proj, self.gate_up_proj_scale_inv)
         parts = self.activation.parts
         stacked = gate_up.reshape(gate_up.shape[0], parts, -1) if parts > 1 else gate_up
         hidden = self.quantization.quantize(stacked, self.activation.function)
-        out = self._product(hidden, self.down_proj, self.down_proj_scale_inv, sizes)
-        out = jnp.take(out, positions, axis=0)
-        out = jnp.where(held[:, None], out, jnp.zeros_like(out)).reshape(tokens, top_k, -1)
-        return finalize(MoeOutput(out, routing, shared)) if combine else out
+        return product(hidden, self.down_proj, self.down_proj_scale_inv)
 
-    def _product(self, rows, weight: nnx.Param, scales: nnx.Param | None, sizes) -> jax.Array:
-        """[R, in] quantized rows sorted by expert times each row's expert's [out, in] weight
-        (with parts, their outputs side by side) -> [R, parts x out] in the model's dtype."""
+    def _weight(self, weight: nnx.Param, scales: nnx.Param | None):
+        """An [experts, (parts,) out, in] weight as [experts, parts x out, in], with its scales."""
         values = weight[...]
         local, *_, depth = values.shape
         values = values.reshape(local, -1, depth)
-        group_sizes = sizes[:local]
+        if scales is None:
+            return values, None
+        return values, scales[...].reshape(local, -1, depth // SCALE_BLOCK)
+
+    def _grouped(self, rows, weight: nnx.Param, scales: nnx.Param | None, sizes) -> jax.Array:
+        """[R, in] quantized rows sorted by expert times each row's expert's [out, in] weight
+        (with parts, their outputs side by side) -> [R, parts x out] in the model's dtype."""
+        values, scales = self._weight(weight, scales)
+        group_sizes = sizes[: values.shape[0]]
         if scales is None:  # DEQUANTIZED: the reference, in the model's dtype
             return lax.ragged_dot(
                 rows.dequantize(self.out_dtype),
@@ -163,8 +201,24 @@ class Fp8MoeFfn(MoeFfn):
             rows.values,
             rows.scales,
             values,
-            scales[...].reshape(local, -1, depth // SCALE_BLOCK),
+            scales,
             group_sizes,
             out_dtype=self.out_dtype,
             impl=self.quantization.grouped,
         )
+
+    def _batched(self, rows, weight: nnx.Param, scales: nnx.Param | None, capacity: int):
+        """[local x capacity, in] quantized rows, expert-major, times their expert's weight ->
+        [local x capacity, parts x out] in the model's dtype (`fp8_batched_matmul`)."""
+        values, scales = self._weight(weight, scales)
+        local = values.shape[0]
+        product, _ = PADDED_PRODUCTS[self.quantization.grouped]
+        out = fp8_batched_matmul(
+            rows.values.reshape(local, capacity, -1),
+            rows.scales.reshape(local, capacity, -1),
+            values,
+            scales,
+            out_dtype=self.out_dtype,
+            impl=product,
+        )
+        return out.reshape(local * capacity, -1)
