@@ -20,6 +20,11 @@ through XLA's reference; one row per FP8 variant of the experts' products (`--mo
 default the platform's and the experts padded to capacity buckets through the Mosaic wgmma
 kernel, `Fp8GroupedImpl.PADDED_GPU`). Targets: decode >= 1.5x bf16, every case >= 1.0x.
 
+Part "experts": the MoE layer's two expert products alone, its experts padded to capacities of
+320 and 384 rows (the bf16 layer's buckets at 4096 tokens): the bf16 batched einsum, the FP8
+weights dequantized to bf16, and the batched Mosaic wgmma kernel over a sweep of tilings, for
+tuning `mosaic_fp8_batched_tiling`.
+
 Part "matmul": one [4096 -> 14336] projection at 8 / 64 / 512 / 4096 rows: bf16 `jnp.dot`, the FP8
 weight dequantized by XLA in the program (the issue's 0.38-0.94x), and the FP8 kernels over a few
 tilings (their `tiling` argument), each checked against XLA's FP8 reference, for tuning
@@ -27,6 +32,7 @@ tilings (their `tiling` argument), each checked against XLA's FP8 reference, for
 
     python3 -m benchmarks.bench_fp8                     # every part, on the GPU machine
     python3 -m benchmarks.bench_fp8 --parts moe matmul
+    python3 -m benchmarks.bench_fp8 --parts experts moe   # the padded FP8 experts
     python3 -m benchmarks.bench_fp8 --parts matmul --wide --rows 8 64   # the decode kernel's grid
     python3 -m benchmarks.bench_fp8 --smoke             # CPU: tiny shapes, XLA / interpreted
 """
@@ -64,6 +70,7 @@ from pallas_kernels.fp8_matmul import (
     MosaicFp8Tiling,
     TritonFp8Tiling,
     default_fp8_grouped_impl,
+    fp8_batched_matmul,
     fp8_matmul,
 )
 from pallas_kernels.grouped_matmul import default_grouped_matmul_impl
@@ -415,13 +422,84 @@ def matmul(k: int, n: int, rows_list, *, wide: bool = False) -> list[tuple]:
     return results
 
 
+# -- part experts ------------------------------------------------------------------------------
+
+EXPERTS_SWEEP = (
+    None,  # the table's pick (`mosaic_fp8_batched_tiling`)
+    MosaicFp8Tiling(tile_n=256, max_concurrent_steps=3, grid_block_n=1, split_columns=True),
+    MosaicFp8Tiling(tile_n=256, max_concurrent_steps=6, grid_block_n=1, split_columns=True),
+    MosaicFp8Tiling(tile_n=256, max_concurrent_steps=4, grid_block_n=2, split_columns=True),
+    MosaicFp8Tiling(tile_n=192, max_concurrent_steps=4, grid_block_n=1, split_columns=True),
+    MosaicFp8Tiling(tile_n=128, max_concurrent_steps=4, grid_block_n=1, split_columns=True),
+    MosaicFp8Tiling(
+        tile_n=256, max_concurrent_steps=4, grid_block_n=1, split_columns=True, cluster=True
+    ),
+    MosaicFp8Tiling(tile_n=192, max_concurrent_steps=4, grid_block_n=1),
+    MosaicFp8Tiling(tile_n=128, max_concurrent_steps=4, grid_block_n=2),
+)
+"""The batched kernel's tilings for experts padded to a capacity (rows split between the
+warpgroups only where the capacity is a multiple of 128)."""
+
+
+def experts(capacities, *, groups: int, hidden: int, width: int) -> list[tuple]:
+    """The padded experts' two products alone ([groups, capacity, hidden] -> 2 x width, then
+    width -> hidden): the bf16 layer's batched matmul, the FP8 weights dequantized to bf16, and
+    the batched wgmma kernel over `EXPERTS_SWEEP`, each checked against XLA's FP8 reference."""
+    mosaic = Fp8MatmulImpl.PALLAS_GPU_INTERPRET if SMOKE else Fp8MatmulImpl.PALLAS_GPU
+    results = []
+    for capacity in capacities:
+        for name, k, n in (("gate|up", hidden, 2 * width), ("down", width, hidden)):
+            kx, kw = jax.random.split(jax.random.key(capacity + k))
+            x = jax.random.normal(kx, (groups, capacity, k)).astype(jnp.bfloat16)
+            w = (jax.random.normal(kw, (groups, n, k)) / np.sqrt(k)).astype(jnp.bfloat16)
+            args = (*quantize_token_groups_reference(x), *quantize_blocks_reference(w))
+            want = fp8_batched_matmul(*args, out_dtype=jnp.float32)
+            w_t = jnp.swapaxes(w, 1, 2)
+            base = timed_ms(jax.jit(lambda x, w: jnp.einsum("gck,gkn->gcn", x, w)), [(x, w_t)])
+            flops = 2 * groups * capacity * k * n
+            case = f"{name} [{groups} x {capacity}, {k} -> {n}]"
+            results.append((case, "bf16 batched einsum", base * 1e3, 1.0, flops / base / 1e9, 0.0))
+            variants = [("fp8 dequantized to bf16", Fp8MatmulImpl.DEQUANTIZED_BF16, None)]
+            sweep = EXPERTS_SWEEP[:2] if SMOKE else EXPERTS_SWEEP
+            variants += [(f"fp8 mosaic {_tiling_label(t)}", mosaic, t) for t in sweep]
+            for label, impl, tiling in variants:
+                if tiling is not None and (n % tiling.tile_n or capacity % tiling.tile_a):
+                    continue
+                fn = jax.jit(
+                    lambda *a, impl=impl, tiling=tiling: fp8_batched_matmul(
+                        *a, out_dtype=jnp.bfloat16, impl=impl, tiling=tiling
+                    )
+                )
+                try:
+                    error = relative_error(fn(*args), want)
+                    ms = timed_ms(fn, [args])
+                except Exception as failure:  # one failing tiling must not end the run
+                    print(f"  {label} @ {case}: {type(failure).__name__}: {str(failure)[:400]}")
+                    continue
+                results.append((case, label, ms * 1e3, base / ms, flops / ms / 1e9, error))
+                print(results[-1], flush=True)
+    return results
+
+
+def _tiling_label(tiling: MosaicFp8Tiling | None) -> str:
+    """A Mosaic tiling in a few characters: weight rows / steps in flight / tiles per grid step,
+    and its options."""
+    if tiling is None:
+        return "table"
+    options = [name for name in ("split_columns", "cluster") if getattr(tiling, name)]
+    steps = f"{tiling.tile_n}/{tiling.max_concurrent_steps}/{tiling.grid_block_n}"
+    return " ".join([steps, *options])
+
+
 # -- main --------------------------------------------------------------------------------------
 
 
 def main(argv=None) -> None:
     global SMOKE, MATMUL, ROWS_BY_XLA
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", nargs="+", choices=("e2e", "moe", "matmul"), default=None)
+    parser.add_argument(
+        "--parts", nargs="+", choices=("e2e", "moe", "matmul", "experts"), default=None
+    )
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--fp8-fusions", choices=("none", "auto"), default="auto")
     parser.add_argument("--cases", nargs="+", default=None, help="e.g. 'decode 64 @ 1024'")
@@ -461,7 +539,7 @@ def main(argv=None) -> None:
     SMOKE = args.smoke
     MATMUL = None if args.matmul is None else Fp8MatmulImpl[args.matmul]
     ROWS_BY_XLA = args.quantize_rows == "xla"
-    parts = args.parts or ("e2e", "moe", "matmul")
+    parts = args.parts or ("e2e", "moe", "experts", "matmul")
     print(header("bench_fp8"))
     config = dataclasses.replace(LLAMA3_8B, num_layers=args.layers)
     tokens, shape, rows = (8, 64, 4096), (4096, 14336), (8, 64, 512, 4096)
@@ -503,6 +581,14 @@ def main(argv=None) -> None:
                 "fp8 vs XLA fp8",
             ),
             moe(tokens, variants),
+        )
+    if "experts" in parts:
+        capacities = (64,) if SMOKE else (320, 384)
+        groups = 2 if SMOKE else MOE["experts"]
+        print(f"\n## MoE experts padded to a capacity, {MOE}: the batched products (us)")
+        print_table(
+            ("product", "variant", "us", "x bf16", "TFLOP/s", "err vs fp8 reference"),
+            experts(capacities, groups=groups, hidden=MOE["hidden"], width=MOE["width"]),
         )
     if "matmul" in parts:
         k, n = args.shape or shape
