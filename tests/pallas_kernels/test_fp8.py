@@ -22,21 +22,16 @@ from pallas_kernels import (
     quantize_rows_supported,
 )
 from pallas_kernels.fp8_matmul import (
-    SCALE_BLOCK,
     TRITON_MAX_ROWS,
     Fp8GroupedImpl,
     Fp8MatmulImpl,
     MosaicFp8Tiling,
     TritonFp8Tiling,
-    fp8_batched_matmul,
-    fp8_batched_matmul_reference,
     fp8_grouped_matmul,
     fp8_grouped_matmul_reference,
     fp8_matmul,
     fp8_matmul_by_size,
-    fp8_matmul_mosaic,
     fp8_matmul_reference,
-    mosaic_fp8_batched_tiling,
     mosaic_fp8_tiling,
     triton_fp8_tiling,
 )
@@ -343,19 +338,6 @@ def test_compiled_gpu_kernels_match_reference(impl, tiling):
 
 
 @ON_GPU
-@pytest.mark.parametrize(
-    "shape", [(3, 320, 512, 256), (2, 384, 768, 384)], ids=["columns split", "rows split"]
-)
-def test_compiled_batched_kernel_matches_reference(shape):
-    """The batched wgmma kernel as the GPU compiles it, at the table's tilings: 64-row tiles
-    with the weight tile split (a capacity of 320 rows), 128-row tiles (384), bf16 out."""
-    args = batched_operands(*shape)
-    want = fp8_batched_matmul_reference(*args, out_dtype=jnp.bfloat16)
-    got = fp8_batched_matmul(*args, out_dtype=jnp.bfloat16, impl=Fp8MatmulImpl.PALLAS_GPU)
-    chex.assert_trees_all_close(got, want, rtol=2.0**-7, atol=2.0**-7 * float(jnp.abs(want).max()))
-
-
-@ON_GPU
 @pytest.mark.parametrize("shape", [(8, 2, 14336), (33, 2, 1408), (4096, 4096)])
 def test_compiled_quantize_rows_kernel_matches_reference(shape):
     """The Triton kernel as the GPU compiles it: SiLU's float32 may differ from XLA's by a
@@ -432,95 +414,6 @@ def test_mosaic_kernel_matches_reference(shape, tiling):
         *args, out_dtype=jnp.float32, impl=Fp8MatmulImpl.PALLAS_GPU_INTERPRET, tiling=tiling
     )
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-6 * np.abs(want).max())
-
-
-@functools.cache
-def batched_operands(groups, m, k, n, seed=0):
-    """Groups of rows and weights whose magnitudes differ by group, row, weight row and feature
-    block, so an operand, scale or output placed in the wrong group, row or column shows."""
-    kx, kw = jax.random.split(jax.random.key(seed))
-    blocks = (1 + jnp.arange(k) // SCALE_BLOCK)[None, None, :]
-    x = jax.random.normal(kx, (groups, m, k)) * jnp.linspace(0.5, 4.0, m)[None, :, None] * blocks
-    weight_rows = jnp.linspace(0.1, 3.0, n)[None, :, None]
-    w = (
-        jax.random.normal(kw, (groups, n, k))
-        * weight_rows
-        * jnp.arange(1, groups + 1)[:, None, None]
-    )
-    return (*quantize_token_groups_reference(x), *quantize_blocks_reference(w))
-
-
-@GPU_INTERPRET
-@pytest.mark.parametrize(
-    "shape, tiling",
-    [
-        ((3, 64, 256, 256), MosaicFp8Tiling(tile_n=128, grid_block_n=1, split_columns=True)),
-        (
-            (2, 192, 256, 128),
-            MosaicFp8Tiling(tile_n=64, split_k=2, grid_block_n=2, split_columns=True),
-        ),
-        ((2, 128, 384, 256), MosaicFp8Tiling(tile_n=128, grid_block_n=2)),
-        ((2, 40, 256, 256), MosaicFp8Tiling(tile_n=64, grid_block_n=1, swap=True)),
-        pytest.param(
-            (2, 128, 256, 256),
-            MosaicFp8Tiling(tile_n=128, grid_block_n=1, cluster=True, split_columns=True),
-            marks=pytest.mark.slow,
-        ),
-    ],
-    ids=["columns split", "columns split, split k", "rows split", "weight as A", "clusters"],
-)
-def test_mosaic_kernel_multiplies_every_group_by_its_own_weight(shape, tiling):
-    """The batched wgmma kernel (interpreted) equals each group's reference product to float32
-    rounding: 64-row tiles with the weight tile split between the warpgroups, 128-row tiles,
-    the contraction split, the weight as A (rows padded per group), clusters of two."""
-    args = batched_operands(*shape)
-    want = np.asarray(fp8_batched_matmul_reference(*args, out_dtype=jnp.float32))
-    got = fp8_batched_matmul(
-        *args, out_dtype=jnp.float32, impl=Fp8MatmulImpl.PALLAS_GPU_INTERPRET, tiling=tiling
-    )
-    np.testing.assert_allclose(np.asarray(got), want, atol=2e-6 * np.abs(want).max())
-
-
-def test_batched_reference_is_each_groups_product():
-    """The batched reference is `fp8_matmul_reference` group by group; the dequantized bf16
-    form is it to bf16 rounding; the Triton kernels have no batched form."""
-    args = batched_operands(3, 16, 256, 128)
-    got = np.asarray(fp8_batched_matmul(*args, out_dtype=jnp.float32))
-    for g in range(3):
-        want = fp8_matmul_reference(*(a[g] for a in args), out_dtype=jnp.float32)
-        np.testing.assert_allclose(got[g], np.asarray(want), rtol=1e-6, atol=1e-6)
-    bf16 = fp8_batched_matmul(*args, out_dtype=jnp.float32, impl=Fp8MatmulImpl.DEQUANTIZED_BF16)
-    assert 0 < np.abs(np.asarray(bf16) - got).max() / np.abs(got).max() < 2.0**-7
-    with pytest.raises(ValueError, match="no Fp8MatmulImpl.PALLAS_TRITON form"):
-        fp8_batched_matmul(*args, out_dtype=jnp.float32, impl=Fp8MatmulImpl.PALLAS_TRITON)
-    with pytest.raises(ValueError, match="the same G"):
-        fp8_batched_matmul(*args[:2], *(a[:2] for a in args[2:]), out_dtype=jnp.float32)
-
-
-@pytest.mark.parametrize(
-    "shape",
-    [(128, 320, 2048, 1536), (128, 320, 768, 2048), (128, 384, 2048, 1536), (1, 4096, 4096, 6144)],
-    ids=["experts' gate|up", "experts' down", "128-row capacity", "dense prefill"],
-)
-def test_mosaic_kernel_lowers_for_hopper_at_model_shapes(shape):
-    """The table's tilings at Qwen3-30B-A3B's experts (capacity 320 and 384) and a dense
-    prefill lower to a Mosaic GPU kernel for CUDA on any machine: layouts, shared memory and
-    warp specialization are checked here, not first on the GPU."""
-    groups, m, k, n = shape
-    fp8 = jnp.float8_e4m3fn
-    args = [
-        jax.ShapeDtypeStruct((groups, m, k), fp8),
-        jax.ShapeDtypeStruct((groups, m, k // SCALE_BLOCK), jnp.float32),
-        jax.ShapeDtypeStruct((groups, n, k), fp8),
-        jax.ShapeDtypeStruct((groups, n // SCALE_BLOCK, k // SCALE_BLOCK), jnp.float32),
-    ]
-    table = mosaic_fp8_batched_tiling if groups > 1 else mosaic_fp8_tiling
-    tiling = table(m, k, n)
-    if groups == 1:
-        args = [jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in args]
-    call = functools.partial(fp8_matmul_mosaic, out_dtype=jnp.bfloat16, tiling=tiling)
-    lowered = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",))
-    assert "mosaic_gpu" in lowered.as_text()
 
 
 def test_grouped_kernel_matches_reference():
@@ -612,18 +505,3 @@ def test_mosaic_tiling_table_swaps_for_decode_and_splits_within_one_wave():
     )
     assert not mosaic_fp8_tiling(129, 4096, 4096).swap
     assert mosaic_fp8_tiling(129, 4096, 4096).tile_n == 128
-
-
-def test_batched_tiling_table_splits_columns_for_capacities_off_128_rows():
-    """Capacities that are multiples of 64 but not of 128 take 64-row tiles with the weight tile
-    split between the warpgroups; multiples of 128 take 128-row tiles; a split needs tile_n
-    in multiples of 64."""
-    assert mosaic_fp8_batched_tiling(320, 2048, 1536) == MosaicFp8Tiling(
-        tile_n=256, grid_block_n=1, split_columns=True
-    )
-    assert mosaic_fp8_batched_tiling(320, 768, 640).tile_n == 128
-    assert mosaic_fp8_batched_tiling(384, 2048, 1536) == MosaicFp8Tiling(tile_n=192, grid_block_n=1)
-    assert MosaicFp8Tiling(tile_n=128, split_columns=True).tile_a == 64
-    assert MosaicFp8Tiling(tile_n=128).tile_a == 128
-    with pytest.raises(ValueError, match="multiple of 64"):
-        MosaicFp8Tiling(tile_n=96, split_columns=True)
