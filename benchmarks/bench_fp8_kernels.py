@@ -95,23 +95,16 @@ def matmul(
             if smoke:  # the table's pick and one more: each interpreted call takes a second
                 mosaic_sweep = mosaic_sweep[:2]
             variants += [
-                (f"fp8 mosaic {t or 'table'}", mosaic, t)
+                (f"fp8 mosaic {_tiling_label(t)}", mosaic, t)
                 for t in mosaic_sweep
                 if t is None or t.swap or n % t.tile_n == 0
             ]
         for name, impl, tiling in variants[1:]:
-            fn = jax.jit(
-                lambda *a, impl=impl, tiling=tiling: fp8_matmul(
-                    *a, out_dtype=jnp.bfloat16, impl=impl, tiling=tiling
-                )
-            )
             args = (x_values, x_scales, w_values, w_scales)
-            try:
-                error = relative_error(fn(*args), want)
-                ms = timed_ms(fn, [args])
-            except Exception as failure:  # one failing tiling must not end the run
-                print(f"  {name} @ {rows}: {type(failure).__name__}: {str(failure)[:400]}")
+            timed = _checked(fp8_matmul, impl, tiling, args, want, timed_ms, f"{name} @ {rows}")
+            if timed is None:
                 continue
+            ms, error = timed
             tb_s = (w_values.nbytes + w_scales.nbytes) / ms / 1e9
             tflop_s = 2 * rows * k * n / ms / 1e9
             results.append((rows, name, ms * 1e3, base / ms, tb_s, tflop_s, error))
@@ -165,27 +158,35 @@ def experts(
             for label, impl, tiling in variants:
                 if tiling is not None and (n % tiling.tile_n or capacity % tiling.tile_a):
                     continue
-                fn = jax.jit(
-                    lambda *a, impl=impl, tiling=tiling: fp8_batched_matmul(
-                        *a, out_dtype=jnp.bfloat16, impl=impl, tiling=tiling
-                    )
+                timed = _checked(
+                    fp8_batched_matmul, impl, tiling, args, want, timed_ms, f"{label} @ {case}"
                 )
-                try:
-                    error = relative_error(fn(*args), want)
-                    ms = timed_ms(fn, [args])
-                except Exception as failure:  # one failing tiling must not end the run
-                    print(f"  {label} @ {case}: {type(failure).__name__}: {str(failure)[:400]}")
+                if timed is None:
                     continue
+                ms, error = timed
                 results.append((case, label, ms * 1e3, base / ms, flops / ms / 1e9, error))
                 print(results[-1], flush=True)
     return results
 
 
+def _checked(product, impl, tiling, args, want, timed_ms, label) -> tuple[float, float] | None:
+    """(ms, error against `want`) of `product(*args)` jitted with `impl` and `tiling`, bf16 out;
+    None, with a line saying why, where it fails (one failing tiling must not end the run)."""
+    fn = jax.jit(lambda *a: product(*a, out_dtype=jnp.bfloat16, impl=impl, tiling=tiling))
+    try:
+        return timed_ms(fn, [args]), relative_error(fn(*args), want)
+    except Exception as failure:
+        print(f"  {label}: {type(failure).__name__}: {str(failure)[:400]}")
+        return None
+
+
 def _tiling_label(tiling: MosaicFp8Tiling | None) -> str:
-    """A Mosaic tiling in a few characters: weight rows / steps in flight / tiles per grid step,
-    and its options."""
+    """A Mosaic tiling in a few characters: B tile rows / steps in flight / B tiles per grid
+    step, and its options."""
     if tiling is None:
         return "table"
-    options = [name for name in ("split_columns", "cluster") if getattr(tiling, name)]
+    options = [name for name in ("swap", "cluster", "split_columns") if getattr(tiling, name)]
+    if tiling.split_k > 1:
+        options.append(f"split_k={tiling.split_k}")
     steps = f"{tiling.tile_n}/{tiling.max_concurrent_steps}/{tiling.grid_block_n}"
     return " ".join([steps, *options])

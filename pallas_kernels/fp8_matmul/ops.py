@@ -121,10 +121,7 @@ def fp8_matmul(
         case Fp8MatmulImpl.XLA:
             return fp8_matmul_reference(*args, out_dtype=out_dtype)
         case Fp8MatmulImpl.DEQUANTIZED_BF16:
-            rows = dequantize_token_groups_reference(x_values, x_scales, jnp.bfloat16)
-            weight = dequantize_blocks_reference(w_values, w_scales, jnp.bfloat16)
-            out = jnp.einsum("mk,nk->mn", rows, weight, preferred_element_type=jnp.float32)
-            return out.astype(out_dtype)
+            return _dequantized_bf16(*args, out_dtype=out_dtype)
         case Fp8MatmulImpl.PALLAS_TRITON | Fp8MatmulImpl.PALLAS_INTERPRET:
             chosen = _tiling(tiling, TritonFp8Tiling, triton_fp8_tiling, m, k, n)
             interpret = impl is Fp8MatmulImpl.PALLAS_INTERPRET
@@ -174,6 +171,15 @@ def _check(x_values, x_scales, w_values, w_scales) -> None:
             f"fp8_matmul multiplies float8_e4m3fn values; got {x_values.dtype=}, "
             f"{w_values.dtype=}. Quantize them first (pallas_kernels.quantize)"
         )
+
+
+def _dequantized_bf16(x_values, x_scales, w_values, w_scales, *, out_dtype) -> jax.Array:
+    """DEQUANTIZED_BF16: both operands dequantized to bf16, XLA's matmul with float32 sums
+    (batched over any leading axes the operands share)."""
+    rows = dequantize_token_groups_reference(x_values, x_scales, jnp.bfloat16)
+    weight = dequantize_blocks_reference(w_values, w_scales, jnp.bfloat16)
+    out = jnp.einsum("...mk,...nk->...mn", rows, weight, preferred_element_type=jnp.float32)
+    return out.astype(out_dtype)
 
 
 def _gpu_interpreter(impl: Fp8MatmulImpl) -> object:
@@ -234,10 +240,7 @@ def fp8_batched_matmul(
         case Fp8MatmulImpl.XLA:
             return fp8_batched_matmul_reference(*args, out_dtype=out_dtype)
         case Fp8MatmulImpl.DEQUANTIZED_BF16:
-            rows = dequantize_token_groups_reference(x_values, x_scales, jnp.bfloat16)
-            weight = dequantize_blocks_reference(w_values, w_scales, jnp.bfloat16)
-            out = jnp.einsum("gmk,gnk->gmn", rows, weight, preferred_element_type=jnp.float32)
-            return out.astype(out_dtype)
+            return _dequantized_bf16(*args, out_dtype=out_dtype)
         case (
             Fp8MatmulImpl.PALLAS_GPU
             | Fp8MatmulImpl.GPU_BY_SIZE
