@@ -28,12 +28,14 @@ from models.config import PRESETS
 from models.layers.fp8_linear import VALUE_SPREAD, Fp8Linears, Fp8Quantization, Fp8Weights
 from models.layers.hyper_connections import HyperConnections
 from models.layers.mlp import SwiGLU
+from models.layers.moe import fp8 as fp8_moe
 from models.layers.moe.fp8 import Fp8MoeFfn
 from models.layers.moe.routing import Routing
 from models.options import BuildOptions
 from models.serving.runtime import ShardedCausalLM
 from models.weights import save_checkpoint
 from models.weights.fp8 import FP8_CONFIG, read_stored_fp8, write_fp8_checkpoint
+from pallas_kernels.fp8_matmul import Fp8GroupedImpl, Fp8MatmulImpl
 from pallas_kernels.quantize import (
     dequantize_token_groups_reference,
     quantize_token_groups_reference,
@@ -408,3 +410,36 @@ def test_fp8_ffns_quantize_their_gated_activation():
         activated = _dequantized_rows(silu_product(gate, up).reshape(tokens * top_k, width))
         want = np.einsum("tkw,tkhw->tkh", activated.reshape(tokens, top_k, width), down[chosen])
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+# Three sequences of 70 tokens: with top-2 of 8 experts an even share of 52 rows, capacity
+# buckets of 72 and 80, which the busiest expert's rows fit on every mesh below.
+LONG_SEQUENCES = tuple(
+    [int(t) for t in np.random.default_rng(seed).integers(0, 256, 70)] for seed in range(3)
+)
+
+
+@pytest.mark.parametrize("mesh", ["EP 4", "TP 4"])
+def test_fp8_experts_padded_to_capacity_inside_the_sharded_model(mesh, root, monkeypatch):
+    """The experts padded to capacity buckets inside the sharded model, in float64, equal the
+    grouped products: on EP 4 all-to-all (each rank its two experts' received rows) and TP 4
+    (each rank a slice of every expert's width). The products' float64 reference stands in
+    for the wgmma kernel, which tests/models/layers/moe/test_fp8_moe.py runs in the Mosaic GPU
+    interpreter (one device at a time). The grouped fallback is poisoned in the padded model,
+    so every layer runs a bucket."""
+    _, fp8 = checkpoints("moe", root)
+    reference = functools.partial(fp8_moe.fp8_batched_matmul, impl=Fp8MatmulImpl.XLA)
+    monkeypatch.setattr(
+        fp8_moe, "fp8_batched_matmul", lambda *args, impl, **kw: reference(*args, **kw)
+    )
+    with jax.enable_x64(True):
+        want = _runner(fp8, mesh, dtype=jnp.float64).forward(LONG_SEQUENCES)
+        grouped = fp8_moe.fp8_grouped_matmul
+        monkeypatch.setattr(
+            fp8_moe,
+            "fp8_grouped_matmul",
+            lambda *args, **kw: jnp.full_like(grouped(*args, **kw), jnp.nan),
+        )
+        padded = Fp8Quantization(grouped=Fp8GroupedImpl.PADDED_GPU_INTERPRET)
+        got = _runner(fp8, mesh, dtype=jnp.float64, quantization=padded).forward(LONG_SEQUENCES)
+    np.testing.assert_allclose(got, want, atol=1e-10 * np.abs(want).max(), rtol=0)
