@@ -331,12 +331,6 @@ def check_pipeline(args: argparse.Namespace, config: DecoderConfig) -> PipelineS
         return None
     pp = args.mesh.get(bj.MeshAxis.PP.value, 1)
     where = f"--mesh {mesh_text(args.mesh)}"
-    if not family_of(config).pipeline_stages:
-        kind = "latent attention" if config.mla is not None else "Mamba2 layers"
-        raise InputError(
-            f"{where}: {config.architecture} ({kind}) is not built as pipeline stages (they "
-            "keep the KV caches of standard attention); run it with pp=1"
-        )
     if args.mesh.get(bj.MeshAxis.ATTN_CP.value, 1) > 1:
         raise InputError(
             f"{where}: context parallelism is not built for pipeline stages; use attn_cp with pp=1"

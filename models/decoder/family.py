@@ -33,8 +33,6 @@ class FamilyBase:
       dense_ffn_dp: It takes `BuildOptions.dense_ffn_dp`.
       captures_hidden_states: Its layers capture the residual entering them
         (`models.decoder.captures`).
-      pipeline_stages: It builds as pipeline stages (a share of its layers each, each stage
-        holding its own layers' decode caches, `CausalLM.new_caches`).
       lora: It builds LoRA adapter stacks (`BuildOptions.lora`) on its attention and gated MLP
         projections (a family with experts: on its attention only).
     """
@@ -48,7 +46,6 @@ class FamilyBase:
     hyper_connections: ClassVar[bool] = True
     dense_ffn_dp: ClassVar[bool] = False
     captures_hidden_states: ClassVar[bool] = True
-    pipeline_stages: ClassVar[bool] = True
     lora: ClassVar[bool] = False
 
     @classmethod

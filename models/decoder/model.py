@@ -93,11 +93,6 @@ class CausalLM(FamilyBase, nnx.Module):
         quantization = options.quantization
         self.linears: Linears = DENSE_LINEARS if quantization is None else Fp8Linears(quantization)
         self.layer_range = _layer_range(config, layer_range, options.scan_layers)
-        if len(self.layer_range) != config.num_layers and not self.pipeline_stages:
-            raise NotImplementedError(
-                f"{type(self).__name__} is not built as pipeline stages; got layers "
-                f"{self.layer_range} of {config.num_layers}. Build the whole model"
-            )
         first, last = self.holds_first, self.holds_last
         self.design = self.layer_design()
         self.embed = (

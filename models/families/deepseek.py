@@ -278,7 +278,6 @@ class DeepseekCausalLM(MoeCausalLM):
     """
 
     quantizable = False
-    pipeline_stages = False
     dense_ffn_dp = True
 
     @classmethod

@@ -287,10 +287,9 @@ class KimiLinearLayer(MoeDecoderLayer):
 class KimiLinearForCausalLM(DeepseekCausalLM):
     """Kimi-Linear: Kimi Delta Attention and NoPE latent attention layers, DeepSeek's MoE. As
     DeepSeek's (`DeepseekCausalLM`), without FP8, scanned layers or attention CP; as pipeline
-    stages too (each stage holds its layers' latent caches and delta states)."""
+    stages, each stage holds its layers' latent caches and delta states."""
 
     architectures = (ARCHITECTURE,)
-    pipeline_stages = True
     model_type = "kimi_linear"
     layer_class = KimiLinearLayer
     hyper_connections = False

@@ -371,14 +371,14 @@ class LongcatFlashForCausalLM(MoeCausalLM):
     input (`LongcatDecoderLayer`). Every layer is sparse.
 
     Not built (each rejected when the model is built): hyper-connections, scanned runs of
-    layers, pipeline stages and FP8; a stack with branches binds no input-scattered path.
+    layers and FP8; a stack with branches binds no input-scattered path. As pipeline stages,
+    each stage holds its layers' two latent caches each.
     """
 
     architectures = (ARCHITECTURE,)
     model_type = "longcat_flash"
     quantizable = False
     hyper_connections = False
-    pipeline_stages = False
 
     @classmethod
     def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:

@@ -352,13 +352,13 @@ class NemotronHForCausalLM(MoeCausalLM):
     sum to the first stage, the stack leaves through `final_norm`, HF `norm_f`); the MoE layers'
     experts split over `topology.moe_ep` on gathered rows. Not supported: scanned layers,
     hyper-connections and captures of hidden states. Under the all-to-all dispatch each MoE
-    layer takes its own rows, and the mixer after it gathers them back over attention TP.
+    layer takes its own rows, and the mixer after it gathers them back over attention TP. As
+    pipeline stages, each stage holds its layers' decode states (`cache_specs`).
     """
 
     architectures = (ARCHITECTURE,)
     model_type = "nemotron_h"
     quantizable = False
-    pipeline_stages = False
     hyper_connections = False
     captures_hidden_states = False
 
@@ -485,23 +485,28 @@ class NemotronHForCausalLM(MoeCausalLM):
         return SingleStageLayer(kind, mixer, stage, norm=norm, dtype=dtype)
 
     def cache_specs(self) -> tuple:
-        """Per layer, its decode state's `PartitionSpec` tree (None for an FFN layer)."""
+        """Per layer this module holds, its decode state's `PartitionSpec` tree (None for an
+        FFN layer)."""
         specs = {
             HybridLayer.MAMBA2: Mamba2Cache.specs(self.topology),
             HybridLayer.ATTENTION: KVCache.specs(self.topology),
         }
-        return tuple(specs.get(kind) for kind in self.config.hybrid.layers)
+        return tuple(specs.get(kind) for kind in self._held_kinds())
+
+    def _held_kinds(self) -> tuple[HybridLayer, ...]:
+        """The kinds of the layers this module holds (all, or a pipeline stage's share)."""
+        return tuple(self.config.hybrid.layers[index] for index in self.layer_range)
 
     def new_caches(
         self, *, slots: int, max_len: int, dtype: jnp.dtype, mesh: Mesh | None = None
     ) -> tuple[Cache, ...]:
-        """Per layer, a zero decode state for `slots` sequences (over all attention-DP ranks):
-        a KV cache of `max_len` positions for attention, the conv and SSM state for Mamba2 (the
-        SSM state in float32), None for an FFN layer; on `mesh`, each device allocates its
-        shard."""
+        """Per layer this module holds, a zero decode state for `slots` sequences (over all
+        attention-DP ranks): a KV cache of `max_len` positions for attention, the conv and SSM
+        state for Mamba2 (the SSM state in float32), None for an FFN layer; on `mesh`, each
+        device allocates its shard."""
         config, topology = self.config, self.topology
         caches = []
-        for kind in config.hybrid.layers:
+        for kind in self._held_kinds():
             if kind is HybridLayer.MAMBA2:
                 spec = config.hybrid.mamba
                 caches.append(

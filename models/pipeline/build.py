@@ -98,7 +98,7 @@ def build_pipeline(
     Raises:
       ValueError: The split does not fit the model or the mesh, or `weights` lacks a stage's
         parameter or holds it in another shape.
-      NotImplementedError: `options.scan_layers`, or a family that is not built as stages.
+      NotImplementedError: `options.scan_layers`.
     """
     split = pipeline_split(config, _mesh_topology(mesh, topology), split)
     options = _stage_options(options, mesh)

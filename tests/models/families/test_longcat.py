@@ -24,6 +24,7 @@ from models.config import (
 from models.families.longcat import LongcatDecoderLayer
 from models.layers.moe import sparse as moe
 from models.options import BuildOptions
+from models.pipeline import PipelineCausalLM, load_pipeline
 from models.serving.runtime import ShardedCausalLM
 from models.training.trainer import TrainConfig, Trainer
 from models.weights import load_config
@@ -224,6 +225,21 @@ def test_logits_and_greedy_tokens_match_transformers(layout):
     """HF's float32 logits within 1e-4 (relative to the largest) and HF's greedy tokens
     (teacher-forced) on every layout."""
     assert transformers_error(runner(layout).forward(teacher_forced())) <= 1e-4
+
+
+def test_pipeline_stages_match_transformers():
+    """Two pipeline stages (a layer each) on attention TP 2 with EP 2 all-to-all, two
+    microbatches, each stage holding its layer's two latent caches: HF's logits and greedy
+    tokens (teacher-forced), and `generate` over the stages' caches gives HF's tokens."""
+    mesh = bj.make_mesh(bj.Topology(attn_tp=2, pp=2, moe_ep=2))
+    options = BuildOptions(moe_dispatch=ALL_TO_ALL)
+    stages = load_pipeline(GOLDEN, mesh, options, moe_ep=2)
+    run = PipelineCausalLM(stages, mesh, microbatches=2)
+    assert [stage.layers for stage in run.stages] == [range(0, 1), range(1, 2)]
+    assert transformers_error(run.forward(teacher_forced())) <= 1e-4
+    prompts, reference = golden()
+    tokens = run.generate(prompts, reference["generated"].shape[1])
+    np.testing.assert_array_equal(tokens, reference["generated"])
 
 
 def test_generate_over_the_latent_caches_matches_transformers():

@@ -279,7 +279,11 @@ def test_the_gpipe_schedule_runs_each_microbatch_through_the_stages_in_order():
     assert all(tick == s + m for s, m, tick in seen)
 
 
-TRAIN = dataclasses.replace(PRESETS["tiny-qwen3"], num_layers=2, tie_word_embeddings=False)
+TRAIN = {
+    "dense": dataclasses.replace(PRESETS["tiny-qwen3"], num_layers=2, tie_word_embeddings=False),
+    # Mamba2, attention, relu^2 MLP and MoE layers: a stage's layers of every kind train.
+    "hybrid": PRESETS["tiny-nemotron-h"],
+}
 SEQUENCES = [[5, 7, 9, 11, 2, 4, 6], [3, 9, 1], [8, 8, 1, 4, 6, 2, 9, 3], [17, 4, 5]]
 
 
@@ -295,20 +299,22 @@ def _by_model_path(leaves, trainer: PipelineTrainer) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.slow
-def test_a_training_step_under_two_stages_equals_one_program():
+@pytest.mark.parametrize("family", sorted(TRAIN))
+def test_a_training_step_under_two_stages_equals_one_program(family):
     """Under PP 2 (two microbatches), the loss, every gradient and every parameter after one
     AdamW step with global-norm clipping equal the one-program trainer's within 1e-5."""
     train = TrainConfig(learning_rate=1e-2, total_steps=10, warmup_steps=1, clip_norm=0.5)
     one = bj.Topology(attn_tp=TP)
-    model = build_model(TRAIN, one)
-    trainer = Trainer(build_model(TRAIN, one), bj.make_mesh(one), train.optimizer())
+    config = TRAIN[family]
+    model = build_model(config, one)
+    trainer = Trainer(build_model(config, one), bj.make_mesh(one), train.optimizer())
     batch = trainer.pack(SEQUENCES)
     loss, grads = trainer.gradients(batch)
     metrics = trainer.step(batch)
     topology = bj.Topology(pp=2, attn_tp=TP)
     mesh = bj.make_mesh(topology)
     piped = PipelineTrainer(
-        build_pipeline(TRAIN, topology, mesh, weights=model), mesh, train, microbatches=2
+        build_pipeline(config, topology, mesh, weights=model), mesh, train, microbatches=2
     )
     piped_batch = piped.pack(SEQUENCES)
     piped_loss, piped_grads = piped.gradients(piped_batch)
@@ -497,13 +503,13 @@ def test_the_command_line_runs_a_checkpoint_in_pipeline_stages(tmp_path, capsys)
             "train runs one program; --mesh pp=2 (pipeline stages) is for forward",
         ),
         (["plan", "--scan-layers"], "pipeline stages run their layers unrolled"),
-        (["plan", "--preset", "tiny-deepseek-v3"], "DeepseekV3ForCausalLM (latent attention)"),
+        (["plan", "--quantize", "fp8"], "--quantize is not built for pipeline stages"),
     ],
 )
 def test_the_command_line_refuses_what_pipeline_stages_do_not_build(
     tmp_path, capsys, args, message
 ):
-    """train, --scan-layers and latent-attention models under --mesh pp=2 end with one line."""
+    """train, --scan-layers and FP8 quantization under --mesh pp=2 end with one line."""
     command, *rest = args
     preset = [] if "--preset" in rest else ["--preset", "tiny-qwen3"]
     out = ["--out", str(tmp_path / "o")] if command == "train" else []
