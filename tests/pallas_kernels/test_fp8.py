@@ -16,7 +16,6 @@ from pallas_kernels import (
     add_rms_norm_quantize,
     add_rms_norm_quantize_reference,
     add_rms_norm_quantize_supported,
-    compat,
     quantize_rows,
     quantize_rows_reference,
     quantize_rows_supported,
@@ -42,11 +41,8 @@ from pallas_kernels.quantize import (
     quantize_blocks_reference,
     quantize_token_groups_reference,
 )
+from tests.markers import GPU_INTERPRET, ON_GPU
 from tests.meshes import make_mesh
-
-GPU_INTERPRET = pytest.mark.skipif(
-    compat.gpu_interpret_params() is None, reason="this JAX has no Mosaic GPU interpreter"
-)
 
 
 def fp8_steps(values: np.ndarray) -> np.ndarray:
@@ -302,9 +298,6 @@ def test_triton_decode_kernel_matches_reference(tiling):
             *operands(), out_dtype=jnp.float32, impl=Fp8MatmulImpl.PALLAS_INTERPRET, tiling=tiling
         )
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-6 * np.abs(want).max())
-
-
-ON_GPU = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 
 
 @ON_GPU

@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import compat
 from pallas_kernels.fp8_matmul import (
     SCALE_BLOCK,
     Fp8MatmulImpl,
@@ -23,11 +22,7 @@ from pallas_kernels.fp8_matmul import (
     mosaic_fp8_tiling,
 )
 from pallas_kernels.quantize import quantize_blocks_reference, quantize_token_groups_reference
-
-GPU_INTERPRET = pytest.mark.skipif(
-    compat.gpu_interpret_params() is None, reason="this JAX has no Mosaic GPU interpreter"
-)
-ON_GPU = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+from tests.markers import GPU_INTERPRET, ON_GPU
 
 
 @functools.cache

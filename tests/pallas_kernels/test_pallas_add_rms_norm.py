@@ -17,13 +17,10 @@ from pallas_kernels import (
     round_residual,
 )
 from pallas_kernels.add_rms_norm import GpuLaunch, mosaic_gpu_add_rms_norm, triton_add_rms_norm
+from tests.markers import GPU_INTERPRET
 
 # Max error relative to the largest reference value: float32 to 1e-6, 16-bit to one rounding.
 TOL = {jnp.float32: 1e-6, jnp.bfloat16: 2.0**-7, jnp.float16: 2.0**-10}
-
-GPU_INTERPRET = pytest.mark.skipif(
-    compat.gpu_interpret_params() is None, reason="this JAX has no Mosaic GPU interpreter"
-)
 
 
 def make_inputs(shape, dtype, seed=0):
