@@ -74,13 +74,14 @@ def add_serve_args(command: argparse.ArgumentParser) -> None:
 
 
 def pages_per_rank(args: argparse.Namespace, model: ShardedCausalLM, slots: int) -> int:
-    """The pages `--kv-cache-gb` buys each attention-DP rank (every layer's pool on a device
-    takes `page_size` tokens a page), at most what `slots` sequences of the whole context use.
+    """The pages `--kv-cache-gb` buys each attention-DP rank (every paged layer's pool on a
+    device takes `page_size` tokens a page; a layer with a recurrent state keeps no pages), at
+    most what `slots` sequences of the whole context use.
 
     Raises:
       InputError: Not one page fits.
     """
-    per_token = model.model.cache_bytes_per_token(model.dtype) * model.config.num_layers
+    per_token = model.model.cache_bytes_per_token(model.dtype) * model.model.token_cache_layers()
     pages = int(args.kv_cache_gb * GIB) // (per_token * args.page_size)
     per_sequence = -(-model.config.max_position_embeddings // args.page_size)
     if pages < 1:

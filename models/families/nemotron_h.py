@@ -493,6 +493,17 @@ class NemotronHForCausalLM(MoeCausalLM):
         }
         return tuple(specs.get(kind) for kind in self._held_kinds())
 
+    def token_cache_layers(self) -> int:
+        """The attention layers (each keeps a KV cache)."""
+        return self.config.hybrid.layers.count(HybridLayer.ATTENTION)
+
+    def state_bytes_per_slot(self, dtype: jnp.dtype) -> int:
+        """Each Mamba2 layer's conv inputs (in `dtype`) and float32 SSM state of one slot on one
+        device, over the layers."""
+        hybrid = self.config.hybrid
+        one = Mamba2Cache.bytes_per_slot(hybrid.mamba, self.topology, dtype)
+        return one * hybrid.layers.count(HybridLayer.MAMBA2)
+
     def _held_kinds(self) -> tuple[HybridLayer, ...]:
         """The kinds of the layers this module holds (all, or a pipeline stage's share)."""
         return tuple(self.config.hybrid.layers[index] for index in self.layer_range)

@@ -174,6 +174,15 @@ class Mamba2Cache:
         return split.local_heads * spec.head_dim + 2 * split.local_groups * spec.state_size
 
     @classmethod
+    def bytes_per_slot(cls, spec: Mamba2Spec, topology: Topology, dtype: jnp.dtype) -> int:
+        """Bytes one sequence slot's state takes on one device: its conv inputs in `dtype`, its
+        heads' SSM state in float32."""
+        split = Mamba2Split.of(spec, topology)
+        conv = (spec.conv_kernel - 1) * cls.local_conv_channels(spec, split)
+        ssm = split.local_heads * spec.head_dim * spec.state_size
+        return conv * jnp.dtype(dtype).itemsize + ssm * 4
+
+    @classmethod
     def specs(cls, topology: Topology, *, stacked: bool = False) -> Mamba2Cache:
         """The `PartitionSpec` tree for `shard_map`: slots over attention DP, channels and heads
         over attention TP; `stacked` adds a leading, unsplit layer axis."""

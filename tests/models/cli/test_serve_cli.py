@@ -1,13 +1,20 @@
 """`boundary-jax serve` refuses what it cannot serve in one error line (exit 2): pipeline
 stages, a model whose cache has no paged form, a KV cache budget that holds no page, `--lora`
 as `generate` refuses it (on a preset, a folder without an adapter config), an address it
-cannot listen on (checked before the model is built)."""
+cannot listen on (checked before the model is built); the cache budget buys pages for the
+layers that keep them."""
 
+import argparse
 import socket
 
 import pytest
 
+import boundary_jax as bj
+from models.build import build_model
 from models.cli.main import main
+from models.cli.serve import pages_per_rank
+from models.config import PRESETS
+from models.serving.runtime import ShardedCausalLM
 
 CASES = [
     (["--preset", "tiny-mistral", "--mesh", "pp=2"], "serve runs the model as one program"),
@@ -41,3 +48,17 @@ def test_serve_refuses_an_address_it_cannot_listen_on(capsys):
     assert len(err) == 1 and f"--port {port}: cannot listen there" in err[0], err
     assert main(["serve", "--preset", "tiny-mistral", "--port", "70000"]) == 2
     assert "must be a TCP port" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen3-next"])
+def test_the_cache_budget_buys_pages_for_the_paged_layers_only(preset):
+    """`--kv-cache-gb` is divided over the layers that keep pages: every layer of a dense
+    model, only the full-attention layers of a hybrid (its Gated DeltaNet layers keep a state
+    per slot)."""
+    config = PRESETS[preset]
+    runner = ShardedCausalLM(build_model(config, bj.Topology()), bj.make_mesh(bj.Topology()))
+    paged = sum(1 for spec in runner.model.cache_specs() if "KVCache" in type(spec).__name__)
+    assert paged == (config.num_layers if preset == "tiny-qwen3" else 2)
+    page_bytes = runner.model.cache_bytes_per_token(runner.dtype) * paged * 16
+    args = argparse.Namespace(kv_cache_gb=1000 * page_bytes / 2**30, page_size=16)
+    assert pages_per_rank(args, runner, slots=10**6) == 1000

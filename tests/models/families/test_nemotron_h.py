@@ -420,7 +420,8 @@ def test_a_compute_mutant_moves_the_logits(monkeypatch, mutant):
 def test_plan_names_each_mixer_exit(capsys):
     """`plan --preset tiny-nemotron-h --json` lists one stage per layer; under attention DP
     the Mamba2 mixer before the attention mixer completes its sum at its exit, the attention
-    mixer leaves its sum to the MLP's input."""
+    mixer leaves its sum to the MLP's input. Its decode cache per device: the one attention
+    layer's KV bytes per token, the one Mamba2 layer's state per sequence slot."""
     args = ["plan", "--preset", "tiny-nemotron-h", "--mesh", "attn_dp=2,attn_tp=2", "--json"]
     assert main(args) == 0
     report = json.loads(capsys.readouterr().out.splitlines()[-1])
@@ -432,6 +433,11 @@ def test_plan_names_each_mixer_exit(capsys):
     assert stages[:2] == [(0, "linear_attention", completes), (1, "full_attention", leaves)]
     assert [s[1] for s in stages[2:]] == ["mlp", "moe"]
     assert report["architecture"] == "NemotronHForCausalLM"
+    # TP 2, float32: 1 kv head of 8 (keys and values) in one attention layer; a Mamba2 layer's 3
+    # conv rows of 4 heads x 8 + 1 group x 2 x 16 channels and 4 heads' 8 x 16 SSM states.
+    cache = report["decode_cache"]
+    assert (cache["bytes_per_token_per_layer"], cache["bytes_per_token"]) == (64, 64)
+    assert cache["state_bytes_per_slot"] == (3 * (4 * 8 + 2 * 16) + 4 * 8 * 16) * 4
 
 
 @pytest.mark.parametrize(
