@@ -38,6 +38,8 @@ MOE_PRESET = "tiny-qwen3-moe"
 HYBRID_PRESET = "tiny-nemotron-h"
 MLA_PRESET = "tiny-deepseek-v3"
 GPT_OSS_PRESET = "tiny-gpt-oss"
+DELTA_PRESET = "tiny-qwen3-next"
+KIMI_PRESET = "tiny-kimi-linear"
 P = bj.ReductionPolicy
 GATHER, ALL_TO_ALL = bj.MoeDispatch.GATHER, bj.MoeDispatch.ALL_TO_ALL
 
@@ -113,6 +115,20 @@ GPT_OSS_LAYOUTS = (
 """The GPT-OSS model's layouts: its sinks split with their heads, its o bias counted on one
 attention-TP rank, its experts (and their biases) whole, over EP with gathered rows, or sent
 all-to-all (with EP 4 on DP 2 x TP 4, each expert's width split over 2 ranks)."""
+DELTA_LAYOUTS = (
+    Layout("TP 4", 1, 4, moe_dispatch=GATHER),
+    Layout("input-scattered TP 4", 1, 4, input_scattered=True, moe_dispatch=GATHER),
+    Layout("attention DP 2 x TP 4, EP 8 all-to-all", 2, 4, moe_ep=8, moe_dispatch=ALL_TO_ALL),
+)
+"""Qwen3-Next's layouts: its Gated DeltaNet layers' key heads (with their value heads and conv
+channels) over attention TP, on ordinary and input-scattered rows, its experts gathered or sent
+all-to-all."""
+KIMI_LAYOUTS = (
+    Layout("TP 4", 1, 4, moe_dispatch=GATHER),
+    Layout("attention DP 2 x TP 4, EP 8 all-to-all", 2, 4, moe_ep=8, moe_dispatch=ALL_TO_ALL),
+)
+"""Kimi-Linear's layouts: its Kimi Delta Attention heads and latent attention heads over
+attention TP, its experts gathered or sent all-to-all."""
 SIMULATED_CPUS = 8
 """CPU devices the demo simulates for the layouts the machine's accelerators cannot hold."""
 
@@ -189,7 +205,7 @@ def devices_label(devices: tuple[jax.Device, ...]) -> str:
 
 def demo_config(preset: str, layers: int) -> DecoderConfig:
     """`preset` with `layers` decoder layers (its dense-only layers kept where they exist; a
-    hybrid stack's pattern repeated or cut to `layers`)."""
+    hybrid stack's pattern, or its linear-attention layers', repeated or cut to `layers`)."""
     config = PRESETS[preset]
     hybrid = config.hybrid
     if hybrid is not None:
@@ -206,7 +222,12 @@ def demo_config(preset: str, layers: int) -> DecoderConfig:
     kinds = config.layer_types
     if kinds is not None:  # the pattern of attention kinds repeated or cut to `layers`
         kinds = (kinds * layers)[:layers]
-    return dataclasses.replace(config, num_layers=layers, moe=moe, layer_types=kinds)
+    linear = config.linear_attention
+    if linear is not None:  # the linear-attention layers' pattern, alike
+        linear = dataclasses.replace(linear, layers=(linear.layers * layers)[:layers])
+    return dataclasses.replace(
+        config, num_layers=layers, moe=moe, layer_types=kinds, linear_attention=linear
+    )
 
 
 def demo_prompts(vocab_size: int) -> list[list[int]]:
@@ -312,10 +333,12 @@ def run_demo(
         (HYBRID_PRESET, HYBRID_LAYOUTS),
         (MLA_PRESET, MLA_LAYOUTS),
         (GPT_OSS_PRESET, GPT_OSS_LAYOUTS),
+        (DELTA_PRESET, DELTA_LAYOUTS),
+        (KIMI_PRESET, KIMI_LAYOUTS),
     )
+    presets = [preset for preset, _ in runs]
     out.print(
-        f"[bold]boundary-jax demo[/]: {PRESET}, {MOE_PRESET}, {HYBRID_PRESET}, {MLA_PRESET} "
-        f"and {GPT_OSS_PRESET} "
+        f"[bold]boundary-jax demo[/]: {', '.join(presets[:-1])} and {presets[-1]} "
         f"({layers} layers, random weights), "
         f"{len(demo_prompts(PRESETS[PRESET].vocab_size))} ragged prompts, on {devices.describe()}"
     )

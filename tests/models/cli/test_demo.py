@@ -82,3 +82,13 @@ def test_a_layout_runs_on_the_devices_it_is_given():
     assert headers[:3] == ["model", "layout", "devices"]
     assert list(summary_table([row], devices_column=True).columns[2].cells) == ["1 cpu"]
     assert "devices" not in [c.header for c in summary_table([row], devices_column=False).columns]
+
+
+def test_the_hybrids_layer_patterns_are_cut_to_the_demos_layers():
+    """The demo's 4-layer Qwen3-Next and Kimi-Linear keep their presets' first four layer kinds
+    (linear attention on 0 and 1, full attention on 2 and 3) and dense layers."""
+    for preset, dense in (("tiny-qwen3-next", (1, 3)), ("tiny-kimi-linear", (0,))):
+        config = demo_config(preset, 4)
+        assert config.num_layers == 4
+        assert config.linear_attention.layers == (True, True, False, False)
+        assert config.moe.mlp_only_layers == dense

@@ -3,6 +3,7 @@ DP and expert parallelism (gathered rows and all-to-all): Kimi Delta Attention a
 attention layers, a dense first layer and DeepSeek-style MoE layers; its config reads back as
 written, in the checkpoint's keys too."""
 
+import dataclasses
 import functools
 import json
 import pathlib
@@ -12,7 +13,7 @@ import pytest
 
 import boundary_jax as bj
 from models.build import load_model
-from models.config import KimiDeltaSpec, read_hf_config
+from models.config import PRESETS, KimiDeltaSpec, read_hf_config
 from models.families.kimi_linear import KimiLinearForCausalLM
 from models.layers.attention.latent import LatentCache, MultiHeadLatentAttention
 from models.layers.mixers.gated_deltanet import DeltaCache
@@ -105,6 +106,7 @@ def test_model_layers_and_config():
     assert specs == [DeltaCache, DeltaCache, LatentCache, LatentCache, DeltaCache]
     config = load_config(CHECKPOINT)
     assert not config.mla.rotary and isinstance(config.linear_attention.spec, KimiDeltaSpec)
+    assert PRESETS["tiny-kimi-linear"] == dataclasses.replace(config, vocab_size=256)
     written = KimiLinearForCausalLM.write_config(config)
     assert read_hf_config(written) == config
     spec = config.linear_attention.spec
