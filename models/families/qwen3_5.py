@@ -6,11 +6,13 @@ RoPE sections (`mrope_section`) rotate alike when every axis holds the token's p
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ..config import DecoderConfig, DeltaProjections
-from ..config.registry import register
+from ..config import DecoderConfig, DeltaProjections, LinearAttentionLayers
+from ..config.registry import add_presets, register
+from .qwen3_next import TINY as QWEN3_NEXT_TINY
 from .qwen3_next import Qwen3NextBase, read_qwen3_next, write_qwen3_next
 
 UNREAD_PREFIXES = ("mtp.", "model.visual.")
@@ -84,3 +86,26 @@ class Qwen3_5MoeForCausalLM(Qwen3_5Base):
         ):
             out.pop(key, None)
         return out
+
+
+# Qwen3.5 and Qwen3.5-MoE: Qwen3-Next's small stack with Gated DeltaNet's separate projections
+# on layers 0 and 3, gated attention on 1 and 2; the MoE one with experts on every layer.
+TINY = dataclasses.replace(
+    QWEN3_NEXT_TINY,
+    architecture="Qwen3_5ForCausalLM",
+    num_layers=4,
+    moe=None,
+    linear_attention=LinearAttentionLayers(
+        dataclasses.replace(
+            QWEN3_NEXT_TINY.linear_attention.spec, projections=DeltaProjections.SEPARATE
+        ),
+        (True, False, False, True),
+    ),
+)
+TINY_MOE = dataclasses.replace(
+    TINY,
+    architecture="Qwen3_5MoeForCausalLM",
+    intermediate_size=32,
+    moe=dataclasses.replace(QWEN3_NEXT_TINY.moe, mlp_only_layers=()),
+)
+add_presets({"tiny-qwen3-5": TINY, "tiny-qwen3-5-moe": TINY_MOE})

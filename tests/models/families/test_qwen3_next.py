@@ -16,7 +16,7 @@ import boundary_jax as bj
 import pallas_kernels as pk
 from boundary_jax.fusions import MoeFinalizeAddRmsNorm, platform_fusions
 from models.build import load_model
-from models.config import DeltaProjections, read_hf_config
+from models.config import PRESETS, DeltaProjections, read_hf_config
 from models.families.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 from models.families.qwen3_next import TINY, Qwen3NextForCausalLM
 from models.layers.attention.self_attention import Attention
@@ -149,6 +149,9 @@ def test_qwen3_5_families():
         assert read_hf_config(family.write_config(config)) == config
     moe = load_config(GOLDEN / "qwen3_5_moe").moe
     assert moe.renormalize and moe.shared_expert_gate and moe.mlp_only_layers == ()
+    for name in ("qwen3_5", "qwen3_5_moe"):  # the presets are the goldens' configs
+        preset = PRESETS["tiny-" + name.replace("_", "-")]
+        assert preset == dataclasses.replace(load_config(GOLDEN / name), vocab_size=256)
 
 
 def test_refuses_what_it_does_not_build():
