@@ -80,7 +80,7 @@ def test_no_private_name_is_imported_across_modules():
 
 PLAIN_FAMILIES = {
     "qwen2": r"qwen[-_ ]?2(?![-_ .]?moe|\.5)",
-    "qwen3": r"qwen[-_ ]?3(?![-_ .]?moe|[-_ ]?next|[._]5)",
+    "qwen3": r"qwen[-_ ]?3(?![-_ .]?moe|[-_ ]?next|[-._]5)",
     "llama": r"llama(?![-_ ]?3)",
     "mistral": r"mistral",
     "mixtral": r"mixtral",
