@@ -50,6 +50,7 @@ from ..inputs.rows import TokenRows
 from ..layers.attention.latent import LatentCache
 from ..layers.mixers.gated_deltanet import DeltaCache
 from ..layers.mixers.kimi_delta import KimiDeltaAttention
+from .deepseek import TINY as DEEPSEEK_TINY
 from .deepseek import DeepseekCausalLM
 
 ARCHITECTURE = "KimiLinearForCausalLM"
@@ -386,58 +387,28 @@ class KimiLinearForCausalLM(DeepseekCausalLM):
         return one * linear.layers.count(True)
 
 
-# Kimi-Linear: Kimi Delta Attention (4 heads of 8) on layers 0, 1 and 4, unrotated latent
-# attention (q LoRA, a 32-wide latent) on 2 and 3; a dense first layer, then 8 experts (top 2 of
-# the best group of 2) with the correction bias and a shared expert.
-TINY = DecoderConfig(
+# Kimi-Linear: DeepSeek-V3's small stack (`tiny-deepseek-v3`) with 4 heads, unrotated latent
+# attention on layers 2 and 3, Kimi Delta Attention (4 heads of 8) on 0, 1 and 4; a dense first
+# layer, then 8 experts (top 2 of the best group of 2) with the correction bias and a shared
+# expert.
+TINY = dataclasses.replace(
+    DEEPSEEK_TINY,
     architecture=ARCHITECTURE,
-    vocab_size=256,
-    hidden_size=64,
     intermediate_size=96,
     num_layers=5,
     num_heads=4,
     num_kv_heads=4,
-    head_dim=24,
     rms_norm_eps=1e-5,
-    rope_theta=10_000.0,
     rope_scaling=None,
-    qk_norm=False,
-    tie_word_embeddings=False,
-    sliding_window=None,
-    max_position_embeddings=128,
-    mla=MlaConfig(
-        hidden_size=64,
-        num_heads=4,
-        q_lora_rank=32,
-        kv_lora_rank=32,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=8,
-        v_head_dim=16,
-        rope_theta=10_000.0,
-        rope_scaling=None,
-        rotary=False,
-    ),
+    mla=dataclasses.replace(DEEPSEEK_TINY.mla, num_heads=4, rope_scaling=None, rotary=False),
     linear_attention=LinearAttentionLayers(
         KimiDeltaSpec(hidden_size=64, num_heads=4, head_dim=8), (True, True, False, False, True)
     ),
-    moe=MoeConfig(
-        num_experts=8,
-        top_k=2,
+    moe=dataclasses.replace(
+        DEEPSEEK_TINY.moe,
         expert_intermediate_size=16,
-        renormalize=True,
         shared_expert_intermediate_size=16,
-        mlp_only_layers=(0,),
-        routing=DeepseekRouting(
-            8,
-            2,
-            ExpertScoring.SIGMOID,
-            num_groups=2,
-            topk_groups=1,
-            group_score=GroupScore.TOP2_SUM,
-            correction_bias=True,
-            renormalize=True,
-            scaling_factor=2.5,
-        ),
+        routing=dataclasses.replace(DEEPSEEK_TINY.moe.routing, num_groups=2, topk_groups=1),
     ),
 )
 add_presets({"tiny-kimi-linear": TINY})
