@@ -133,13 +133,7 @@ class RopeType(enum.StrEnum):
     YARN = "yarn"
 
 
-PLAIN_ROPE = frozenset({RopeType.DEFAULT, RopeType.LINEAR, RopeType.LLAMA3})
-"""The RoPE kinds whose cos and sin are unscaled (every kind but YaRN)."""
-
-
-def read_rope(
-    config: Mapping[str, Any], *, types: frozenset[RopeType] = PLAIN_ROPE
-) -> tuple[float, RopeScaling | None]:
+def read_rope(config: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
     """The RoPE base and frequency scaling of a `config.json` (as a dict).
 
     Reads transformers 5's `rope_parameters` and the legacy top-level `rope_theta` +
@@ -148,10 +142,9 @@ def read_rope(
 
     Args:
       config: The config as a dict.
-      types: The RoPE kinds the family computes; any other is refused.
 
     Raises:
-      ValueError: No `rope_theta`, a kind outside `types`, or a scaling missing a key.
+      ValueError: No `rope_theta`, a kind outside `RopeType`, or a scaling missing a key.
     """
     parameters = config.get("rope_parameters") or {}
     theta = parameters.get("rope_theta", config.get("rope_theta"))
@@ -161,39 +154,41 @@ def read_rope(
             "required to build the decoder"
         )
     scaling = config.get("rope_scaling") or parameters
-    return float(theta), rope_scaling(scaling, config, types=types)
+    return float(theta), rope_scaling(scaling, config)
 
 
 def rope_scaling(
-    scaling: Mapping[str, Any],
-    config: Mapping[str, Any] | None = None,
-    *,
-    types: frozenset[RopeType] = PLAIN_ROPE,
+    scaling: Mapping[str, Any], config: Mapping[str, Any] | None = None
 ) -> RopeScaling | None:
-    """The frequency scaling one RoPE entry names (None for `default`); `config` gives a YaRN
-    factor's default.
+    """The frequency scaling one RoPE entry names (None for `default`).
+
+    As transformers does, a llama3 or YaRN entry without `original_max_position_embeddings`
+    takes the config's top-level one, else its `max_position_embeddings`; a YaRN entry without
+    `factor` takes `max_position_embeddings / original_max_position_embeddings`.
 
     Raises:
-      ValueError: A kind outside `types`, or a scaling missing a key.
+      ValueError: A kind outside `RopeType` (dynamic NTK, longrope...), or a scaling missing a
+        key.
     """
     name = scaling.get("rope_type", scaling.get("type", RopeType.DEFAULT.value))
-    if name not in {kind.value for kind in types}:
-        supported = ", ".join(repr(kind.value) for kind in sorted(types))
+    if name not in {kind.value for kind in RopeType}:
+        supported = ", ".join(repr(kind.value) for kind in RopeType)
         raise ValueError(f"RoPE type {name!r} is not supported; supported: {supported}")
     kind = RopeType(name)
     if kind is RopeType.DEFAULT:
         return None
+    config = config or {}
+    original = config.get("original_max_position_embeddings") or scaling.get(
+        "original_max_position_embeddings", config.get("max_position_embeddings")
+    )
     required = {
         RopeType.LINEAR: ("factor",),
-        RopeType.LLAMA3: (
-            "factor",
-            "low_freq_factor",
-            "high_freq_factor",
-            "original_max_position_embeddings",
-        ),
-        RopeType.YARN: ("original_max_position_embeddings",),
+        RopeType.LLAMA3: ("factor", "low_freq_factor", "high_freq_factor"),
+        RopeType.YARN: (),
     }[kind]
     missing = [key for key in required if key not in scaling]
+    if kind is not RopeType.LINEAR and original is None:
+        missing.append("original_max_position_embeddings")
     if missing:
         raise ValueError(f"{kind.value} RoPE scaling is missing {missing}; got {dict(scaling)!r}")
     if kind is RopeType.LINEAR:
@@ -203,12 +198,12 @@ def rope_scaling(
             factor=float(scaling["factor"]),
             low_freq_factor=float(scaling["low_freq_factor"]),
             high_freq_factor=float(scaling["high_freq_factor"]),
-            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+            original_max_position_embeddings=int(original),
         )
-    original = int(scaling["original_max_position_embeddings"])
+    original = int(original)
     factor = scaling.get("factor")
     if factor is None:
-        if config is None or config.get("max_position_embeddings") is None:
+        if config.get("max_position_embeddings") is None:
             raise ValueError(f"yarn RoPE scaling has no factor; got {dict(scaling)!r}")
         factor = config["max_position_embeddings"] / original
     return YarnRopeScaling(

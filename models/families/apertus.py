@@ -56,7 +56,7 @@ class ApertusForCausalLM(CausalLM):
 
         Raises:
           ValueError: Biases (`attention_bias`, `mlp_bias`), a `hidden_act` other than xielu, a
-            RoPE type other than default, linear or llama3, or a missing key.
+            RoPE type outside `RopeType`, or a missing key.
         """
         architecture = cls.architectures[0]
         refuse_true(hf_config, architecture, ("attention_bias", "mlp_bias"))

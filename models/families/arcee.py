@@ -12,7 +12,7 @@ from flax import nnx
 from ..config import Activation, DecoderConfig, YarnRopeScaling
 from ..config.hf import plain_decoder, plain_decoder_json, read_activation, refuse_true
 from ..config.registry import add_presets, register
-from ..config.rope_scaling import PLAIN_ROPE, RopeType, read_rope
+from ..config.rope_scaling import read_rope
 from ..config.tensors import (
     ATTENTION_TENSORS,
     NORM_TENSORS,
@@ -23,9 +23,6 @@ from ..config.tensors import (
 from ..decoder.model import CausalLM
 from ..layers.activations import relu2
 from ..layers.ungated_mlp import UngatedMlp
-
-ROPE_TYPES = PLAIN_ROPE | {RopeType.YARN}
-"""The RoPE kinds AFM configs name: YaRN (AFM-4.5B), or a plain one."""
 
 
 @register
@@ -42,8 +39,7 @@ class ArceeForCausalLM(CausalLM):
 
     @classmethod
     def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:
-        """Reads the plain decoder's keys with relu^2 and a default, linear, llama3 or YaRN
-        RoPE.
+        """Reads the plain decoder's keys with relu^2 (and YaRN RoPE, as AFM-4.5B asks for).
 
         Raises:
           ValueError: Biases (`attention_bias`, `mlp_bias`), a `hidden_act` other than relu2,
@@ -52,7 +48,7 @@ class ArceeForCausalLM(CausalLM):
         architecture = cls.architectures[0]
         refuse_true(hf_config, architecture, ("attention_bias", "mlp_bias"))
         activation = read_activation(hf_config, Activation.RELU2)
-        rope = read_rope(hf_config, types=ROPE_TYPES)
+        rope = read_rope(hf_config)
         return plain_decoder(hf_config, architecture, rope=rope, activation=activation)
 
     @classmethod

@@ -99,7 +99,7 @@ def _read_rope(config: Mapping[str, Any]) -> tuple[float, RopeScaling | None, fl
     parameters = config.get("rope_parameters")
     if parameters is None:
         theta = float(config.get("rope_theta", 1_000_000.0))
-        scaling = rope_scaling(config.get("rope_scaling") or {})
+        scaling = rope_scaling(config.get("rope_scaling") or {}, config)
         return theta, scaling, float(config.get("rope_local_base_freq", 10_000.0))
     full = parameters.get(AttentionKind.FULL.value)
     local = parameters.get(AttentionKind.SLIDING.value)
@@ -112,4 +112,4 @@ def _read_rope(config: Mapping[str, Any]) -> tuple[float, RopeScaling | None, fl
         raise ValueError(
             f"RoPE scaling on Gemma 3's sliding-window layers is not supported; got {local!r}"
         )
-    return float(full["rope_theta"]), rope_scaling(full), float(local["rope_theta"])
+    return float(full["rope_theta"]), rope_scaling(full, config), float(local["rope_theta"])

@@ -33,7 +33,7 @@ from ..config.hf import (
     required,
 )
 from ..config.registry import add_presets, register
-from ..config.rope_scaling import PLAIN_ROPE, RopeType, read_rope
+from ..config.rope_scaling import read_rope
 from ..config.tensors import (
     ATTENTION_TENSORS,
     NORM_TENSORS,
@@ -85,7 +85,7 @@ class GptOssForCausalLM(MoeCausalLM):
         return plain_decoder(
             hf_config,
             architecture,
-            rope=read_rope(hf_config, types=PLAIN_ROPE | {RopeType.YARN}),
+            rope=read_rope(hf_config),
             qkv_bias=bias,
             o_bias=bias,
             attention_sinks=True,

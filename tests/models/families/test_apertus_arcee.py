@@ -166,8 +166,8 @@ def test_tensor_names_are_the_checkpoints():
         ("apertus", {"hidden_act": "relu2"}, "MLP here computes xIELU only"),
         (
             "apertus",
-            {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
-            "RoPE type 'yarn' is not supported",
+            {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}},
+            "RoPE type 'dynamic' is not supported",
         ),
         ("arcee", {"attention_bias": True}, "attention_bias=true is not supported"),
         ("arcee", {"mlp_bias": True}, "mlp_bias=true is not supported"),
