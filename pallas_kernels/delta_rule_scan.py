@@ -2,17 +2,18 @@
 (`models.layers.mixers.delta_rule.gated_delta_rule_chunked`, scalar gate per head).
 
 The chunked form first builds, per chunk c and head h, its intra-chunk terms with batched
-matmuls (the UT transform's values U and state reads W, the decayed causal scores, the queries
-and keys weighted by the gates). What remains is a scan over chunks carrying the state
-S [k_dim, v_dim]:
+matmuls (the UT transform's values U and state reads W, the keys weighted by the gates). What
+remains sequential is the state S [k_dim, v_dim] carried over the chunks:
 
     new_c = U_c - W_c S                  (the chunk's corrected values)
-    out_c = Q_c S + scores_c new_c       (its outputs)
     S     = carried_c S + K_c^T new_c    (the state at its end)
 
 `lax.scan` runs that as one small XLA loop iteration per chunk; this kernel runs it as one
 program per (head, block of value columns) that keeps its block of S in registers across all
-chunks and does the three products with `jnp.dot` on the tensor cores.
+chunks and does the two products with `jnp.dot` on the tensor cores. It writes each chunk's
+entering state, so that the outputs, `Q_c S_c + scores_c new_c`, are batched matmuls over all
+chunks at once outside the sequential loop (as flash-linear-attention splits its
+`chunk_gated_delta_rule_fwd_h` from `chunk_fwd_o`).
 """
 
 from __future__ import annotations
@@ -31,11 +32,8 @@ from . import axes
 def _scan_kernel(
     values_ref,
     reads_ref,
-    scores_ref,
-    queries_ref,
     keys_ref,
     carried_ref,
-    out_ref,
     new_ref,
     states_ref,
     *,
@@ -48,12 +46,8 @@ def _scan_kernel(
     def chunk(c, state):
         states_ref[c] = state
         new = values_ref[c] - jnp.dot(reads_ref[c], state)
-        out = jnp.dot(queries_ref[c], state)
-        out = out + jnp.dot(scores_ref[c], new)
-        out_ref[c] = out.astype(out_ref.dtype)
         new_ref[c] = new.astype(new_ref.dtype)
-        end = jnp.dot(keys_ref[c].T, new)
-        return state * carried_ref[c] + end
+        return state * carried_ref[c] + jnp.dot(keys_ref[c].T, new)
 
     lax.fori_loop(0, chunks, chunk, jnp.zeros((k_dim, block_v), jnp.float32))
 
@@ -62,36 +56,31 @@ def _scan_kernel(
 def chunk_state_scan(
     values: jax.Array,
     reads: jax.Array,
-    scores: jax.Array,
-    queries: jax.Array,
     keys: jax.Array,
     carried: jax.Array,
     *,
     block_v: int | None = None,
     num_warps: int = 4,
     interpret: bool = False,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The scan over chunks of the chunked gated delta rule (scalar gate per head).
+) -> tuple[jax.Array, jax.Array]:
+    """The state's scan over chunks of the chunked gated delta rule (scalar gate per head).
 
     Args:
       values: [C, H, L, v_dim] U, the chunk's values before the entering state is subtracted.
       reads: [C, H, L, k_dim] W, what reads the entering state.
-      scores: [C, H, L, L] the decayed causal scores within the chunk.
-      queries: [C, H, L, k_dim] the queries weighted by the decay from the chunk's start
-        (zero on rows past a sequence start).
       keys: [C, H, L, k_dim] the keys weighted by the decay to the chunk's end (zero on rows
         not in the chunk's last run).
       carried: [C, H] the factor the entering state keeps at the chunk's end.
       block_v: Static value columns per program (a power of two dividing v_dim; default
-        min(32, v_dim): at Qwen3-Next's shape, 64 chunks x 32 heads x 128 x 128, on an H200
-        0.50 ms against 0.60 for 64 columns and 1.10 for 128, 4 warps each; 16 columns took
-        0.50 ms too, benchmarks/RESULTS.md run 39).
+        min(32, v_dim): with the outputs still in the kernel, at Qwen3-Next's shape, 64
+        chunks x 32 heads x 128 x 128, on an H200 0.50 ms against 0.60 for 64 columns and 1.10
+        for 128, 4 warps each; 16 columns took 0.50 ms too, benchmarks/RESULTS.md run 39).
       num_warps: Static Triton warps per program.
       interpret: Static: run the Pallas interpreter (CPU tests).
 
     Returns:
-      (out [C, H, L, v_dim], new [C, H, L, v_dim], entering states [C, H, k_dim, v_dim]), as
-      the `lax.scan` of `gated_delta_rule_chunked`, all float32.
+      (new [C, H, L, v_dim] the corrected values, entering states [C, H, k_dim, v_dim]), as
+      the `lax.scan` of `gated_delta_rule_chunked`, both float32.
 
     Raises:
       ValueError: Shapes that do not match, or block_v not dividing v_dim.
@@ -101,21 +90,16 @@ def chunk_state_scan(
     block_v = block_v or min(32, v_dim)
     if (
         reads.shape != (chunks, heads, length, k_dim)
-        or queries.shape != reads.shape
         or keys.shape != reads.shape
-        or scores.shape != (chunks, heads, length, length)
         or carried.shape != (chunks, heads)
         or v_dim % block_v
     ):
         raise ValueError(
-            "chunk_state_scan takes values [C, H, L, v], reads, queries, keys [C, H, L, k], "
-            f"scores [C, H, L, L], carried [C, H], block_v dividing v; got {values.shape=}, "
-            f"{reads.shape=}, {scores.shape=}, {queries.shape=}, {keys.shape=}, "
+            "chunk_state_scan takes values [C, H, L, v], reads and keys [C, H, L, k], carried "
+            f"[C, H], block_v dividing v; got {values.shape=}, {reads.shape=}, {keys.shape=}, "
             f"{carried.shape=}, {block_v=}"
         )
-    values, reads, scores, queries, keys = (
-        x.astype(jnp.float32) for x in (values, reads, scores, queries, keys)
-    )
+    values, reads, keys = (x.astype(jnp.float32) for x in (values, reads, keys))
     carried = carried.astype(jnp.float32)[..., None, None]  # [C, H, 1, 1]
 
     def by_head(*tail, v_block=False):
@@ -127,29 +111,25 @@ def chunk_state_scan(
 
     f32 = jnp.float32
     # Under shard_map the outputs vary over every mesh axis an input does.
-    varying = axes.varying_axes(values, reads, scores, queries, keys, carried)
-    out, new, states = pl.pallas_call(
+    varying = axes.varying_axes(values, reads, keys, carried)
+    new, states = pl.pallas_call(
         functools.partial(_scan_kernel, chunks=chunks, k_dim=k_dim, block_v=block_v),
         grid=(heads, v_dim // block_v),
         in_specs=[
             by_head(length, block_v, v_block=True),
-            by_head(length, k_dim),
-            by_head(length, length),
             by_head(length, k_dim),
             by_head(length, k_dim),
             by_head(1, 1),
         ],
         out_specs=[
             by_head(length, block_v, v_block=True),
-            by_head(length, block_v, v_block=True),
             by_head(k_dim, block_v, v_block=True),
         ],
         out_shape=[
-            axes.output_type((chunks, heads, length, v_dim), f32, varying),
             axes.output_type((chunks, heads, length, v_dim), f32, varying),
             axes.output_type((chunks, heads, k_dim, v_dim), f32, varying),
         ],
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
-    )(values, reads, scores, queries, keys, carried)
-    return out, new, states
+    )(values, reads, keys, carried)
+    return new, states

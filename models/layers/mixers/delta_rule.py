@@ -33,9 +33,10 @@ from pallas_kernels.vjp import with_reference_vjp
 from .ssd import accumulation_dtype, last_rows, sequence_runs, sequence_starts
 
 SCANS = ("jnp", "pallas", "interpret")
-"""How `gated_delta_rule_chunked` carries the state across chunks: a `lax.scan` of `jnp` matmuls,
-the Pallas Triton kernel `pallas_kernels.delta_rule_scan.chunk_state_scan` (GPU, scalar gate),
-or that kernel in the Pallas interpreter (CPU tests)."""
+"""How `gated_delta_rule_chunked` carries the state across chunks: a `lax.scan` of `jnp` matmuls
+(the outputs inside the loop), the Pallas Triton kernel `pallas_kernels.delta_rule_scan.
+chunk_state_scan` (GPU, scalar gate; the state alone in the loop, the outputs batched matmuls
+after it), or that kernel in the Pallas interpreter (CPU tests)."""
 
 
 def default_scan(g: jax.Array, beta: jax.Array) -> str:
@@ -271,9 +272,12 @@ def gated_delta_rule_chunked(
     else:
 
         def pallas_scan(intra, q_entering, k_end, carried):
-            out, new, states = chunk_state_scan(
-                *intra, q_entering, k_end, carried[..., 0], interpret=scan == "interpret"
+            values, reads, scores = intra
+            new, states = chunk_state_scan(
+                values, reads, k_end, carried[..., 0], interpret=scan == "interpret"
             )
+            out = jnp.einsum("chtk,chkv->chtv", q_entering, states)
+            out = out + jnp.einsum("chts,chsv->chtv", scores, new)
             return out, new, states if num_slots else None
 
         kernel = with_reference_vjp(pallas_scan, jnp_scan)
