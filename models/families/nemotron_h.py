@@ -285,10 +285,10 @@ def hybrid_stage(
     replicated parts (`models.layers.moe.ffn.replicated_parts`), under the model's MoE
     dispatch (every stage of the stack: a mixer behind an all-to-all MoE gathers its input)."""
     if layer.is_mixer:
-        # A mixer computes on complete rows, as attention does. Behind an all-to-all MoE (an
-        # FFN on its own rows) its boundary gathers that input from the MoE's row slices; with
-        # gathered MoE rows nothing precedes it on slices, and it declares no gather.
-        return bj.declare_mixer(gathers_attn_tp_input=dispatch is bj.MoeDispatch.ALL_TO_ALL)
+        # A mixer computes on complete rows, as attention does: its boundary gathers its input
+        # where the residual arrives on attention-TP slices (an input-scattered batch, or behind
+        # an all-to-all MoE, an FFN on its own rows).
+        return bj.declare_mixer(gathers_attn_tp_input=True)
     if layer is HybridLayer.MOE:
         return bj.declare_ffn(sparse=True, moe_dispatch=dispatch, replicated=replicated)
     return bj.declare_ffn()
