@@ -439,6 +439,28 @@ class CausalLM(FamilyBase, nnx.Module):
                 "models.pipeline.PipelineCausalLM"
             )
 
+    def check_batch_variant(self, variant: bj.BatchVariant) -> None:
+        """Raises unless every stage of this model's layers bound a path for `variant` (an
+        input-scattered batch where a stage reads only whole rows, or where branches move
+        ordinary rows only).
+
+        Raises:
+          NotImplementedError: The first stage without one, with the binder's reason.
+        """
+        for index in self.layer_range:
+            for name, boundary in self.layer_structure(index).stages():
+                plan = boundary.plan
+                if any(path.variant is variant for path in plan.paths):
+                    continue
+                reason = dict(plan.rejected).get(variant)
+                kinds = ", ".join(_batch_kind(path.variant) for path in plan.paths)
+                raise NotImplementedError(
+                    f"{self.config.architecture} does not run {_batch_kind(variant)} batches: "
+                    f"layer {index}'s {name} stage binds only {kinds} batches"
+                    + (f" ({reason})" if reason else "")
+                    + ". Run it without input scattering"
+                )
+
     def layer_structure(self, index: int) -> nnx.Module:
         """The module that runs layer `index`, for its structure (bound plans, options): the
         layer itself, or in a scanned run the run's layer (whose parameters hold every layer of
@@ -512,3 +534,7 @@ def _layer_range(config: DecoderConfig, layers: range | None, scan_layers: bool)
             f"{count}); build the stages unscanned"
         )
     return layers
+
+
+def _batch_kind(variant: bj.BatchVariant) -> str:
+    return variant.value.lower().replace("_", "-")

@@ -277,6 +277,8 @@ class PipelineCausalLM:
         self.variant = (
             bj.BatchVariant.INPUT_SCATTERED if input_scattered else bj.BatchVariant.ORDINARY
         )
+        for model in stages:
+            model.check_batch_variant(self.variant)
         self.sends = tuple(Transfer(a, b) for a, b in zip(meshes[:-1], meshes[1:], strict=True))
         self._loop = Transfer(meshes[-1], meshes[0]) if len(meshes) > 1 else None
         self._collect = Collect(meshes)

@@ -125,6 +125,7 @@ class ShardedCausalLM:
         self._variant = (
             bj.BatchVariant.INPUT_SCATTERED if input_scattered else bj.BatchVariant.ORDINARY
         )
+        model.check_batch_variant(self._variant)
         batch_spec = bj.BatchFacts(self._variant, model.topology, PartitionSpec())
         self._batch_spec = (batch_spec, batch_spec) if two_batch_overlap else batch_spec
         self._logits_spec = PartitionSpec(rows[0], None)

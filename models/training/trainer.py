@@ -253,6 +253,7 @@ class Trainer:
         self._variant = (
             bj.BatchVariant.INPUT_SCATTERED if input_scattered else bj.BatchVariant.ORDINARY
         )
+        model.check_batch_variant(self._variant)
         init = jax.jit(
             lambda params: TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32)),
             out_shardings=self._state_shardings,
