@@ -56,6 +56,15 @@ def read_activation(config: Mapping[str, Any], supported: Activation, *keys: str
     return supported
 
 
+def attention_bias(config: Mapping[str, Any]) -> dict[str, bool]:
+    """`qkv_bias` and `o_bias` as `attention_bias` sets them, for the families whose
+    transformers attention biases its q, k, v and o projections alike by that key (Llama,
+    Qwen3, OLMo 2, Gemma 3, Apertus, Arcee, Qwen3-Next...); the o bias is counted once in its
+    sum over attention TP."""
+    bias = bool(config.get("attention_bias", False))
+    return {"qkv_bias": bias, "o_bias": bias}
+
+
 def plain_decoder(
     config: Mapping[str, Any],
     architecture: str,
@@ -115,7 +124,7 @@ def plain_decoder_json(config: DecoderConfig, model_type: str) -> dict[str, Any]
         "rope_parameters": rope_parameters(config.rope_theta, config.rope_scaling),
         "tie_word_embeddings": config.tie_word_embeddings,
         "max_position_embeddings": config.max_position_embeddings,
-        "attention_bias": False,
+        "attention_bias": config.o_bias,
         "hidden_act": config.activation.value,
         "sliding_window": None,
         "use_sliding_window": False,

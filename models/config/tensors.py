@@ -295,16 +295,24 @@ def mamba2_tensors(spec: Mamba2Spec) -> dict[str, HFTensor]:
     return tensors
 
 
-def dense_layer_tensors(config: DecoderConfig) -> dict[str, HFTensor]:
-    """A layer of grouped-query attention and a gated MLP, with its residual design's norms,
-    its q/k norms and q/k/v biases where the config has them (layer-relative)."""
+O_BIAS_TENSORS = {"attn.o_proj.bias": HFTensor("self_attn.o_proj.bias")}
+
+
+def attention_tensors(config: DecoderConfig) -> dict[str, HFTensor]:
+    """Grouped-query attention's projections with the q/k norms, q/k/v biases and o bias the
+    config has (layer-relative)."""
     return (
-        NORM_TENSORS[config.residual_design]
-        | ATTENTION_TENSORS
+        ATTENTION_TENSORS
         | (QK_NORM_TENSORS if config.qk_norm else {})
         | (QKV_BIAS_TENSORS if config.qkv_bias else {})
-        | GATED_MLP_TENSORS
+        | (O_BIAS_TENSORS if config.o_bias else {})
     )
+
+
+def dense_layer_tensors(config: DecoderConfig) -> dict[str, HFTensor]:
+    """A layer of grouped-query attention (`attention_tensors`) and a gated MLP, with its
+    residual design's norms (layer-relative)."""
+    return NORM_TENSORS[config.residual_design] | attention_tensors(config) | GATED_MLP_TENSORS
 
 
 def decoder_tensor_names(

@@ -12,13 +12,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..config import Activation, DecoderConfig, Llama3RopeScaling
-from ..config.hf import plain_decoder, plain_decoder_json, read_activation, refuse_true
+from ..config.hf import attention_bias, plain_decoder, plain_decoder_json, read_activation
 from ..config.registry import add_presets, register
 from ..config.tensors import (
-    ATTENTION_TENSORS,
-    QK_NORM_TENSORS,
     UNGATED_MLP_TENSORS,
     HFTensor,
+    attention_tensors,
     decoder_tensor_names,
 )
 from ..decoder.model import CausalLM
@@ -52,16 +51,21 @@ class ApertusForCausalLM(CausalLM):
 
     @classmethod
     def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:
-        """Reads the plain decoder's keys with per-head q/k norms and xIELU.
+        """Reads the plain decoder's keys with per-head q/k norms, xIELU and `attention_bias`.
 
         Raises:
-          ValueError: Biases (`attention_bias`, `mlp_bias`), a `hidden_act` other than xielu, a
-            RoPE type outside `RopeType`, or a missing key.
+          ValueError: A `hidden_act` other than xielu, a RoPE type outside `RopeType`, or a
+            missing key.
         """
         architecture = cls.architectures[0]
-        refuse_true(hf_config, architecture, ("attention_bias", "mlp_bias"))
         activation = read_activation(hf_config, Activation.XIELU)
-        return plain_decoder(hf_config, architecture, qk_norm=True, activation=activation)
+        return plain_decoder(
+            hf_config,
+            architecture,
+            **attention_bias(hf_config),
+            qk_norm=True,
+            activation=activation,
+        )
 
     @classmethod
     def write_config(cls, config: DecoderConfig) -> dict[str, Any]:
@@ -69,32 +73,31 @@ class ApertusForCausalLM(CausalLM):
 
     @classmethod
     def check_config(cls, config: DecoderConfig) -> None:
-        """Raises unless `config` has per-head q/k norms and xIELU, without biases or a window
-        (what the family builds).
+        """Raises unless `config` has per-head q/k norms and xIELU, q/k/v and o biases alike
+        (`attention_bias`) or none, and no window (what the family builds).
 
         Raises:
           ValueError: Another activation, no q/k norm or one over the whole projection, q/k/v
-            biases or a sliding window.
+            biases without the o bias (or the reverse), or a sliding window.
         """
         super().check_config(config)
         if (
             config.activation is not Activation.XIELU
             or not config.qk_norm
             or config.qk_norm_whole
-            or config.qkv_bias
+            or config.qkv_bias != config.o_bias
             or config.sliding_window is not None
         ):
             raise ValueError(
-                "an ApertusForCausalLM config has xIELU, per-head q/k norms, no biases and no "
-                f"window; got {config.activation=}, {config.qk_norm=}, {config.qk_norm_whole=}, "
-                f"{config.qkv_bias=}, {config.sliding_window=}"
+                "an ApertusForCausalLM config has xIELU, per-head q/k norms, q/k/v/o biases alike "
+                f"and no window; got {config.activation=}, {config.qk_norm=}, "
+                f"{config.qk_norm_whole=}, {config.qkv_bias=}, {config.o_bias=}, "
+                f"{config.sliding_window=}"
             )
 
     @classmethod
     def tensor_names(cls, config: DecoderConfig, *, scan_layers: bool) -> dict[str, HFTensor]:
-        dense = (
-            NORM_TENSORS | ATTENTION_TENSORS | QK_NORM_TENSORS | UNGATED_MLP_TENSORS | XIELU_TENSORS
-        )
+        dense = NORM_TENSORS | attention_tensors(config) | UNGATED_MLP_TENSORS | XIELU_TENSORS
         return decoder_tensor_names(config, scan_layers=scan_layers, dense=dense)
 
     def make_mlp(self, index: int, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> UngatedMlp:

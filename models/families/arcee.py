@@ -10,14 +10,20 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..config import Activation, DecoderConfig, YarnRopeScaling
-from ..config.hf import plain_decoder, plain_decoder_json, read_activation, refuse_true
+from ..config.hf import (
+    attention_bias,
+    plain_decoder,
+    plain_decoder_json,
+    read_activation,
+    refuse_true,
+)
 from ..config.registry import add_presets, register
 from ..config.rope_scaling import read_rope
 from ..config.tensors import (
-    ATTENTION_TENSORS,
     NORM_TENSORS,
     UNGATED_MLP_TENSORS,
     HFTensor,
+    attention_tensors,
     decoder_tensor_names,
 )
 from ..decoder.model import CausalLM
@@ -42,14 +48,16 @@ class ArceeForCausalLM(CausalLM):
         """Reads the plain decoder's keys with relu^2 (and YaRN RoPE, as AFM-4.5B asks for).
 
         Raises:
-          ValueError: Biases (`attention_bias`, `mlp_bias`), a `hidden_act` other than relu2,
+          ValueError: MLP biases (`mlp_bias`), a `hidden_act` other than relu2,
             another RoPE type, or a missing key.
         """
         architecture = cls.architectures[0]
-        refuse_true(hf_config, architecture, ("attention_bias", "mlp_bias"))
+        refuse_true(hf_config, architecture, ("mlp_bias",))
         activation = read_activation(hf_config, Activation.RELU2)
         rope = read_rope(hf_config)
-        return plain_decoder(hf_config, architecture, rope=rope, activation=activation)
+        return plain_decoder(
+            hf_config, architecture, **attention_bias(hf_config), rope=rope, activation=activation
+        )
 
     @classmethod
     def write_config(cls, config: DecoderConfig) -> dict[str, Any]:
@@ -57,28 +65,31 @@ class ArceeForCausalLM(CausalLM):
 
     @classmethod
     def check_config(cls, config: DecoderConfig) -> None:
-        """Raises unless `config` has relu^2 and plain grouped-query attention (no q/k norm, bias
-        or window).
+        """Raises unless `config` has relu^2 and plain grouped-query attention (no q/k norm or
+        window; q/k/v and o biases alike, `attention_bias`, or none).
 
         Raises:
-          ValueError: Another activation, q/k norms, q/k/v biases or a sliding window.
+          ValueError: Another activation, q/k norms, q/k/v biases without the o bias (or the
+            reverse), or a sliding window.
         """
         super().check_config(config)
         if (
             config.activation is not Activation.RELU2
             or config.qk_norm
-            or config.qkv_bias
+            or config.qkv_bias != config.o_bias
             or config.sliding_window is not None
         ):
             raise ValueError(
-                "an ArceeForCausalLM config has relu^2 and no q/k norm, bias or window; got "
-                f"{config.activation=}, {config.qk_norm=}, {config.qkv_bias=}, "
+                "an ArceeForCausalLM config has relu^2, q/k/v/o biases alike and no q/k norm or "
+                "window; got "
+                f"{config.activation=}, {config.qk_norm=}, {config.qkv_bias=}, {config.o_bias=}, "
                 f"{config.sliding_window=}"
             )
 
     @classmethod
     def tensor_names(cls, config: DecoderConfig, *, scan_layers: bool) -> dict[str, HFTensor]:
-        dense = NORM_TENSORS[config.residual_design] | ATTENTION_TENSORS | UNGATED_MLP_TENSORS
+        dense = NORM_TENSORS[config.residual_design] | attention_tensors(config)
+        dense |= UNGATED_MLP_TENSORS
         return decoder_tensor_names(config, scan_layers=scan_layers, dense=dense)
 
     def make_mlp(self, index: int, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> UngatedMlp:

@@ -15,7 +15,6 @@ from ..config.hf import (
     plain_decoder,
     plain_decoder_json,
     read_activation,
-    refuse_true,
     required,
     window_json,
 )
@@ -33,7 +32,6 @@ class Exaone4ForCausalLM(CausalLM):
     @classmethod
     def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:
         architecture = cls.architectures[0]
-        refuse_true(hf_config, architecture, ("attention_bias", "mlp_bias"))
         read_activation(hf_config, Activation.SILU)
         layers = required(hf_config, "num_hidden_layers")
         default = None

@@ -12,13 +12,13 @@ from typing import Any
 
 from ..config import Activation, AttentionKind, DecoderConfig, ResidualDesign, RopeScaling
 from ..config.hf import (
+    attention_bias,
     every_nth_full,
     integral,
     layer_windows,
     plain_decoder,
     plain_decoder_json,
     read_activation,
-    refuse_true,
     required,
     window_json,
 )
@@ -37,7 +37,6 @@ class Gemma3ForCausalLM(CausalLM):
     @classmethod
     def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:
         architecture = cls.architectures[0]
-        refuse_true(hf_config, architecture, ("attention_bias", "mlp_bias"))
         for key in ("final_logit_softcapping", "attn_logit_softcapping"):
             if hf_config.get(key) is not None:
                 raise ValueError(
@@ -63,6 +62,7 @@ class Gemma3ForCausalLM(CausalLM):
         return plain_decoder(
             hf_config,
             architecture,
+            **attention_bias(hf_config),
             rope=(theta, scaling),
             tie_word_embeddings=True,
             qk_norm=True,

@@ -35,10 +35,9 @@ from ..config.hf import (
 from ..config.registry import add_presets, register
 from ..config.rope_scaling import read_rope
 from ..config.tensors import (
-    ATTENTION_TENSORS,
     NORM_TENSORS,
-    QKV_BIAS_TENSORS,
     HFTensor,
+    attention_tensors,
     decoder_tensor_names,
 )
 from ..decoder.moe import MoeCausalLM
@@ -136,10 +135,8 @@ class GptOssForCausalLM(MoeCausalLM):
 
     @classmethod
     def tensor_names(cls, config: DecoderConfig, *, scan_layers: bool) -> dict[str, HFTensor]:
-        attention = NORM_TENSORS[config.residual_design] | ATTENTION_TENSORS
+        attention = NORM_TENSORS[config.residual_design] | attention_tensors(config)
         attention |= {"attn.sinks": HFTensor("self_attn.sinks")}
-        if config.qkv_bias:
-            attention |= QKV_BIAS_TENSORS | {"attn.o_proj.bias": HFTensor("self_attn.o_proj.bias")}
         experts = "mlp.experts."
         gate_up = {"parts": ("gate", "up"), "interleaved": True}
         sparse = {

@@ -7,7 +7,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..config import Activation, DecoderConfig, Llama3RopeScaling
-from ..config.hf import plain_decoder, plain_decoder_json, read_activation, refuse_true
+from ..config.hf import (
+    attention_bias,
+    plain_decoder,
+    plain_decoder_json,
+    read_activation,
+    refuse_true,
+)
 from ..config.registry import add_presets, register
 from ..decoder.model import CausalLM
 
@@ -23,9 +29,9 @@ class LlamaForCausalLM(CausalLM):
     @classmethod
     def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:
         architecture = cls.architectures[0]
-        refuse_true(hf_config, architecture, ("attention_bias", "mlp_bias"))
+        refuse_true(hf_config, architecture, ("mlp_bias",))
         read_activation(hf_config, Activation.SILU)
-        return plain_decoder(hf_config, architecture)
+        return plain_decoder(hf_config, architecture, **attention_bias(hf_config))
 
     @classmethod
     def write_config(cls, config: DecoderConfig) -> dict[str, Any]:

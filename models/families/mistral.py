@@ -11,7 +11,6 @@ from ..config.hf import (
     plain_decoder,
     plain_decoder_json,
     read_activation,
-    refuse_true,
     window_json,
 )
 from ..config.registry import add_presets, register
@@ -29,7 +28,6 @@ class MistralForCausalLM(CausalLM):
     @classmethod
     def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:
         architecture = cls.architectures[0]
-        refuse_true(hf_config, architecture, ("attention_bias", "mlp_bias"))
         read_activation(hf_config, Activation.SILU)
         window = hf_config.get("sliding_window") or None
         return plain_decoder(hf_config, architecture, sliding_window=window)

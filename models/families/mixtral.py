@@ -13,7 +13,6 @@ from ..config.hf import (
     plain_decoder_json,
     plain_moe,
     read_activation,
-    refuse_true,
     window_json,
 )
 from ..config.registry import register
@@ -31,7 +30,6 @@ class MixtralForCausalLM(MoeCausalLM):
     @classmethod
     def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:
         architecture = cls.architectures[0]
-        refuse_true(hf_config, architecture, ("attention_bias", "mlp_bias"))
         read_activation(hf_config, Activation.SILU)
         moe = plain_moe(
             hf_config,

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..config import Activation, DecoderConfig, ResidualDesign
-from ..config.hf import plain_decoder, plain_decoder_json, read_activation, refuse_true
+from ..config.hf import attention_bias, plain_decoder, plain_decoder_json, read_activation
 from ..config.registry import register
 from ..decoder.model import CausalLM
 
@@ -23,11 +23,11 @@ class Olmo2ForCausalLM(CausalLM):
     @classmethod
     def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:
         architecture = cls.architectures[0]
-        refuse_true(hf_config, architecture, ("attention_bias", "mlp_bias"))
         read_activation(hf_config, Activation.SILU)
         return plain_decoder(
             hf_config,
             architecture,
+            **attention_bias(hf_config),
             qk_norm=True,
             qk_norm_whole=True,
             residual_design=ResidualDesign.POST_NORM,

@@ -16,7 +16,6 @@ from ..config.hf import (
     plain_moe,
     plain_moe_json,
     read_activation,
-    refuse_true,
     required,
     window_json,
 )
@@ -35,7 +34,6 @@ class Qwen2MoeForCausalLM(MoeCausalLM):
     @classmethod
     def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:
         architecture = cls.architectures[0]
-        refuse_true(hf_config, architecture, ("attention_bias", "mlp_bias"))
         read_activation(hf_config, Activation.SILU)
         layers = required(hf_config, "num_hidden_layers")
         first = hf_config.get("max_window_layers", layers)

@@ -10,11 +10,11 @@ from typing import Any
 
 from ..config import Activation, DecoderConfig
 from ..config.hf import (
+    attention_bias,
     opt_in_windows,
     plain_decoder,
     plain_decoder_json,
     read_activation,
-    refuse_true,
     required,
     window_json,
 )
@@ -33,13 +33,17 @@ class Qwen3ForCausalLM(CausalLM):
     @classmethod
     def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:
         architecture = cls.architectures[0]
-        refuse_true(hf_config, architecture, ("attention_bias", "mlp_bias"))
         read_activation(hf_config, Activation.SILU)
         layers = required(hf_config, "num_hidden_layers")
         first = hf_config.get("max_window_layers", layers)
         window, kinds = opt_in_windows(hf_config, layers, [i >= first for i in range(layers)])
         return plain_decoder(
-            hf_config, architecture, qk_norm=True, sliding_window=window, layer_types=kinds
+            hf_config,
+            architecture,
+            **attention_bias(hf_config),
+            qk_norm=True,
+            sliding_window=window,
+            layer_types=kinds,
         )
 
     @classmethod

@@ -10,13 +10,13 @@ from typing import Any
 
 from ..config import Activation, DecoderConfig, MoeConfig
 from ..config.hf import (
+    attention_bias,
     opt_in_windows,
     plain_decoder,
     plain_decoder_json,
     plain_moe,
     plain_moe_json,
     read_activation,
-    refuse_true,
     required,
     window_json,
 )
@@ -37,12 +37,12 @@ class Qwen3MoeForCausalLM(MoeCausalLM):
     @classmethod
     def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:
         architecture = cls.architectures[0]
-        refuse_true(hf_config, architecture, ("attention_bias", "mlp_bias"))
         read_activation(hf_config, Activation.SILU)
         window, _ = opt_in_windows(hf_config, required(hf_config, "num_hidden_layers"), None)
         return plain_decoder(
             hf_config,
             architecture,
+            **attention_bias(hf_config),
             qk_norm=True,
             sliding_window=window,
             moe=plain_moe(hf_config, architecture),

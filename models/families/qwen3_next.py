@@ -34,21 +34,20 @@ from ..config import (
     MoeConfig,
 )
 from ..config.hf import (
+    attention_bias,
     plain_decoder,
     plain_decoder_json,
     plain_moe,
     plain_moe_json,
     read_activation,
-    refuse_true,
     required,
 )
 from ..config.registry import add_presets, register
 from ..config.tensors import (
-    ATTENTION_TENSORS,
     GATED_MLP_TENSORS,
     NORM_TENSORS,
-    QK_NORM_TENSORS,
     HFTensor,
+    attention_tensors,
     sparse_ffn_tensors,
     whole_model_names,
 )
@@ -103,7 +102,6 @@ def read_qwen3_next(
       ValueError: A missing key, bad `layer_types`.
       NotImplementedError: Attention biases or an activation other than SiLU.
     """
-    refuse_true(hf_config, architecture, ("attention_bias",))
     read_activation(hf_config, Activation.SILU)
     layers = required(hf_config, "num_hidden_layers")
     heads = required(hf_config, "num_attention_heads")
@@ -120,6 +118,7 @@ def read_qwen3_next(
     return plain_decoder(
         hf_config,
         architecture,
+        **attention_bias(hf_config),
         qk_norm=True,
         unit_offset_norms=True,
         rotary_dim=read_partial_rotary(hf_config, head_dim),
@@ -234,7 +233,7 @@ class Qwen3NextBase(MoeCausalLM):
         (`mlp.*`: the experts and the gated shared expert, or the dense MLP)."""
         config.layer_blocks(scan_layers)  # raises for scanned layers
         linear = config.linear_attention
-        full = ATTENTION_TENSORS | QK_NORM_TENSORS
+        full = attention_tensors(config)
         names = {}
         for index in range(config.num_layers):
             mixer = delta_net_tensors(linear.spec) if linear.layers[index] else full

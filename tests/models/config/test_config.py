@@ -161,7 +161,6 @@ def test_qwen3_sliding_window_only_when_enabled():
     [
         ({"architectures": ["GemmaForCausalLM"]}, "exactly one architecture"),
         ({"architectures": None}, "exactly one architecture"),
-        ({"attention_bias": True}, "attention_bias=true is not supported"),
         ({"hidden_act": "gelu"}, "SiLU"),
         ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}}, "'dynamic' is not"),
         ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}, "llama3 RoPE scaling is"),
