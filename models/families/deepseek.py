@@ -275,10 +275,13 @@ class DeepseekCausalLM(MoeCausalLM):
     Attributes (besides `MoeCausalLM`'s):
       dense_ffn_dp: The dense layers' FFN is fully data-parallel (whole weights on every rank,
         run on the rank's own rows) instead of split over the full TP group.
+      dense_layers_first: The config format counts the dense layers (`first_k_dense_replace`),
+        so they are the first ones; False where it names each layer's kind.
     """
 
     quantizable = False
     dense_ffn_dp = True
+    dense_layers_first = True
 
     @classmethod
     def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:
@@ -290,8 +293,8 @@ class DeepseekCausalLM(MoeCausalLM):
 
     @classmethod
     def check_config(cls, config: DecoderConfig) -> None:
-        """A DeepSeek config has latent attention, DeepSeek's router, and its dense layers
-        first (`first_k_dense_replace`), the rest sparse."""
+        """A DeepSeek config has latent attention, DeepSeek's router, and (`dense_layers_first`)
+        its dense layers first (`first_k_dense_replace`), the rest sparse."""
         super().check_config(config)
         if config.mla is None or config.moe.routing is None:
             raise ValueError(
@@ -299,7 +302,9 @@ class DeepseekCausalLM(MoeCausalLM):
                 f"(moe.routing) are its facts; got mla={config.mla!r}, moe={config.moe!r}"
             )
         dense = config.moe.mlp_only_layers
-        if dense != tuple(range(len(dense))) or config.moe.decoder_sparse_step != 1:
+        if config.moe.decoder_sparse_step != 1 or (
+            cls.dense_layers_first and dense != tuple(range(len(dense)))
+        ):
             raise ValueError(
                 "DeepSeek's dense layers are the first first_k_dense_replace ones, the rest "
                 f"sparse; got mlp_only_layers={dense}, "

@@ -155,16 +155,15 @@ def read_kimi_linear(config: Mapping[str, Any]) -> DecoderConfig:
         scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
     )
     kinds = config.get("mlp_layer_types")
-    dense = (
-        min(config.get("first_k_dense_replace", 1), layers)
-        if kinds is None
-        else kinds.count("dense")
-    )
-    if kinds is not None and kinds != ["dense"] * dense + ["sparse"] * (layers - dense):
+    if kinds is None:  # transformers' default: first_k_dense_replace dense layers
+        first = config.get("first_k_dense_replace", 1)
+        kinds = ["dense" if index < first else "sparse" for index in range(layers)]
+    if len(kinds) != layers or not set(kinds) <= {"dense", "sparse"}:
         raise ValueError(
-            f"Kimi-Linear's dense layers are the first ones, the rest sparse; got "
-            f"mlp_layer_types={kinds}"
+            f"Kimi-Linear's mlp_layer_types names each of the {layers} layers 'dense' or "
+            f"'sparse'; got {kinds}"
         )
+    dense = tuple(index for index, kind in enumerate(kinds) if kind == "dense")
     shared = _read(config, "num_shared_experts") or 0
     return DecoderConfig(
         architecture=ARCHITECTURE,
@@ -188,7 +187,7 @@ def read_kimi_linear(config: Mapping[str, Any]) -> DecoderConfig:
             expert_intermediate_size=width,
             renormalize=routing.renormalize,
             shared_expert_intermediate_size=shared * width or None,
-            mlp_only_layers=tuple(range(dense)),
+            mlp_only_layers=dense,
             routing=routing,
         ),
         mla=mla,
@@ -223,7 +222,7 @@ def write_kimi_linear(config: DecoderConfig) -> dict[str, Any]:
         "tie_word_embeddings": config.tie_word_embeddings,
         "max_position_embeddings": config.max_position_embeddings,
         "attention_bias": False,
-        "first_k_dense_replace": len(moe.mlp_only_layers),
+        "mlp_layer_types": ["sparse" if sparse else "dense" for sparse in config.sparse_layers],
         "moe_intermediate_size": moe.expert_intermediate_size,
         "num_experts": routing.num_experts,
         "num_experts_per_token": routing.top_k,
@@ -293,6 +292,7 @@ class KimiLinearForCausalLM(DeepseekCausalLM):
     architectures = (ARCHITECTURE,)
     model_type = "kimi_linear"
     layer_class = KimiLinearLayer
+    dense_layers_first = False  # mlp_layer_types names each layer's kind
     hyper_connections = False
     captures_hidden_states = False
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import boundary_jax as bj
-from models.build import load_model
+from models.build import build_model, load_model
 from models.config import PRESETS, KimiDeltaSpec, read_hf_config
 from models.families.kimi_linear import KimiLinearForCausalLM
 from models.layers.attention.latent import LatentCache, MultiHeadLatentAttention
@@ -119,3 +119,36 @@ def test_model_layers_and_config():
         "short_conv_kernel_size": spec.conv_kernel,
     }
     assert read_hf_config(hub) == config
+
+
+def test_mlp_layer_types_place_dense_layers_anywhere():
+    """`mlp_layer_types` names each layer's FFN, as transformers reads it (a dense layer after
+    a sparse one too; `first_k_dense_replace` only where the key is absent), and writes back;
+    DeepSeek's format counts its dense layers, so a DeepSeek config keeps them first. The model
+    with its dense layer second is one model on every mesh: DP 2 x TP 2 with the experts over
+    EP 4 all-to-all equals one device (random weights of one seed)."""
+    raw = json.loads((CHECKPOINT / "config.json").read_text())
+    kinds = ["sparse", "dense", "sparse", "sparse", "dense"]
+    config = read_hf_config(raw | {"mlp_layer_types": kinds})
+    assert config.moe.mlp_only_layers == (1, 4)
+    assert config.sparse_layers == (True, False, True, True, False)
+    assert read_hf_config(KimiLinearForCausalLM.write_config(config)) == config
+    bare = {k: v for k, v in raw.items() if k != "mlp_layer_types"} | {"first_k_dense_replace": 2}
+    assert read_hf_config(bare).moe.mlp_only_layers == (0, 1)
+    with pytest.raises(ValueError, match="names each of the 5 layers 'dense' or 'sparse'"):
+        read_hf_config(raw | {"mlp_layer_types": ["dense", "moe", "sparse", "sparse", "sparse"]})
+    deepseek = PRESETS["tiny-deepseek-v3"]
+    moved = dataclasses.replace(deepseek.moe, mlp_only_layers=(1,))
+    with pytest.raises(ValueError, match="dense layers are the first"):
+        dataclasses.replace(deepseek, moe=moved)
+    tiny = PRESETS["tiny-kimi-linear"]
+    tiny = dataclasses.replace(tiny, moe=dataclasses.replace(tiny.moe, mlp_only_layers=(1,)))
+    prompts = [[5, 7, 9, 11, 2, 3, 4], [3], [8, 8, 1, 6]]
+    outputs = []
+    for layout in (MoeLayout(1, 1), DEFAULT):
+        topology = bj.Topology(attn_dp=layout.dp, attn_tp=layout.tp, moe_ep=layout.ep)
+        options = BuildOptions(moe_dispatch=layout.dispatch if layout.ep > 1 else None)
+        model = build_model(tiny, topology, options)
+        assert [isinstance(layer.mlp, MoeFfn) for layer in model.layers][:2] == [True, False]
+        outputs.append(ShardedCausalLM(model, bj.make_mesh(topology)).forward(prompts))
+    assert np.max(np.abs(outputs[0] - outputs[1])) <= 1e-5 * np.max(np.abs(outputs[0]))
