@@ -200,6 +200,44 @@ def _stops(body: Mapping[str, Any], vocab_size: int) -> tuple[tuple[str, ...], f
     return strings, frozenset(_ids(numbers + ids, vocab_size, "stop"))
 
 
+UNSERVED_DEFAULTS = {
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "repetition_penalty": (1,),
+    "min_p": (0,),
+    "min_tokens": (0,),
+    "logit_bias": ({},),
+    "functions": ([],),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+}
+"""Request fields that change what is sampled, which this server does not compute: each is
+refused unless absent, null or one of its neutral values (OpenAI's defaults)."""
+
+
+def _refuse_unserved(body: Mapping[str, Any]) -> None:
+    """Refuses a field that would change the sampled tokens but is not computed here (a
+    penalty, a logit bias, a structured output, tool calls), rather than ignore it."""
+    for name, neutral in UNSERVED_DEFAULTS.items():
+        value = body.get(name)
+        if value is not None and value not in neutral:
+            raise ApiError(f"'{name}' is not served (got {value!r:.60})", param=name)
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        raise ApiError(
+            "'response_format' other than {'type': 'text'} is not served (no structured output)",
+            param="response_format",
+        )
+    if body.get("tools") and body.get("tool_choice", "auto") != "none":
+        raise ApiError(
+            "tool calls are not served (no tool-call parser); send no 'tools', or "
+            "'tool_choice': 'none'",
+            param="tools",
+        )
+
+
 def parse_request(
     body: Any,
     endpoint: Endpoint,
@@ -213,7 +251,9 @@ def parse_request(
 
     Raises:
       ApiError: A field of the wrong type or out of range, an unknown model, an unsupported
-        option (`echo`, `best_of`, `suffix`), a prompt that encodes to nothing.
+        option (`echo`, `best_of`, `suffix`, `UNSERVED_DEFAULTS`' fields away from their
+        neutral values, a structured `response_format`, `tools`), a prompt that encodes to
+        nothing.
     """
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
@@ -230,6 +270,7 @@ def parse_request(
     for name in ("echo", "suffix"):
         if body.get(name):
             raise ApiError(f"'{name}' is not served", param=name)
+    _refuse_unserved(body)
     if _integer(body, "best_of", 1, 1) != 1:
         raise ApiError("'best_of' other than 1 is not served", param="best_of")
     if endpoint is Endpoint.CHAT:

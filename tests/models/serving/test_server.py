@@ -157,7 +157,8 @@ def test_raw_http_token_ids_logprobs_stream_and_chat(served):
 
 def test_sampling_n_seed_and_stops(served):
     """n choices with a seed are reproducible and differ; a stop string cuts the text before
-    it; a stop id ends the choice without its text."""
+    it; a stop id ends the choice without its text; penalties, a logit bias, a response format
+    and tools at their neutral values change nothing."""
     client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0)
     options = dict(model=MODEL, prompt="the market", max_tokens=10, temperature=1.0, top_p=0.9)
     first = client.completions.create(**options, n=3, seed=5, extra_body={"top_k": 50})
@@ -168,6 +169,18 @@ def test_sampling_n_seed_and_stops(served):
         model=MODEL, prompt="the market", max_tokens=10, temperature=0
     )
     full = greedy.choices[0].text
+    neutral = {
+        "presence_penalty": 0,
+        "frequency_penalty": 0.0,
+        "logit_bias": {},
+        "response_format": {"type": "text"},
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        "tool_choice": "none",
+    }
+    plain = client.completions.create(
+        model=MODEL, prompt="the market", max_tokens=10, temperature=0, extra_body=neutral
+    )
+    assert plain.choices[0].text == full  # the refused fields' neutral values are served
     stop = full[3:5]
     cut = client.completions.create(
         model=MODEL, prompt="the market", max_tokens=10, temperature=0, stop=[stop]
@@ -224,6 +237,13 @@ BAD = [
     ({"model": MODEL, "prompt": "a", "stream": "yes"}, "stream"),
     ({"model": MODEL, "prompt": "a", "seed": 1.5}, "seed"),
     ({"model": MODEL, "prompt": "a", "echo": True}, "echo"),
+    ({"model": MODEL, "prompt": "a", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"model": MODEL, "prompt": "a", "logit_bias": {"5": 10}}, "logit_bias"),
+    (
+        {"model": MODEL, "prompt": "a", "response_format": {"type": "json_object"}},
+        "response_format",
+    ),
+    ({"model": MODEL, "prompt": "a", "tools": [{"type": "function"}]}, "tools"),
     ({"model": MODEL, "messages": "hi"}, "messages"),
 ]
 
