@@ -524,7 +524,7 @@ class DecoderConfig:
         count = self.num_layers
         if scan_layers and self.linear_attention is not None:
             raise NotImplementedError(
-                "scanned runs of a stack with Gated DeltaNet layers are not supported: build "
+                "scanned runs of a stack with linear-attention (delta rule) layers are not supported: build "
                 "it without scan_layers"
             )
         if scan_layers and self.hybrid is not None:
