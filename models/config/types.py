@@ -524,8 +524,8 @@ class DecoderConfig:
         count = self.num_layers
         if scan_layers and self.linear_attention is not None:
             raise NotImplementedError(
-                "scanned runs of a stack with linear-attention (delta rule) layers are not supported: build "
-                "it without scan_layers"
+                "scanned runs of a stack with linear-attention (delta rule) layers are not "
+                "supported: build it without scan_layers"
             )
         if scan_layers and self.hybrid is not None:
             raise NotImplementedError(
