@@ -1,6 +1,7 @@
 """The few JAX API differences between 0.11.2 (the GPU machine) and 0.12 (CPU CI), in one place
 for every package of the project (`boundary_jax` imports its guards from here)."""
 
+import contextlib
 from typing import Any
 
 import jax
@@ -16,6 +17,24 @@ def gpu_interpret_params() -> Any | None:
     """
     params = getattr(plgpu, "InterpretGPUParams", None)
     return None if params is None else params()
+
+
+def cuda_lowering_target() -> contextlib.AbstractContextManager | None:
+    """A context in which Pallas Triton kernels lower for an H200 on any machine (an abstract
+    mesh naming the device, which the Triton lowering reads for the compute capability), so
+    that `jit(...).trace(...).lower(lowering_platforms=("cuda",))` checks a kernel's Triton IR
+    in CI. None where this JAX's abstract mesh cannot name a device.
+    """
+    device = getattr(jax.sharding, "AbstractDevice", None)
+    if device is None:
+        return None
+    h200 = device(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+    auto = (jax.sharding.AxisType.Auto,)
+    try:
+        mesh = jax.sharding.AbstractMesh((1,), ("lowering",), axis_types=auto, abstract_device=h200)
+    except TypeError:  # an AbstractMesh that names no device
+        return None
+    return jax.sharding.use_abstract_mesh(mesh)
 
 
 def tpu_interpret_races_found() -> bool:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from models.layers.mixers.delta_rule import gated_delta_rule_chunked
+from pallas_kernels import compat
 from tests.models.layers.mixers.test_gated_deltanet import numpy_delta_rule, random_rule_inputs
 from tests.models.layers.mixers.test_mamba2 import layout_rows
 
@@ -61,6 +62,30 @@ def test_interpreted_kernel_gradient_is_the_jnp_forms():
     want = jax.grad(functools.partial(loss, "jnp"), argnums=(0, 1))(args[0], args[2])
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(
+    compat.cuda_lowering_target() is None, reason="this JAX cannot name an abstract GPU"
+)
+def test_kernel_lowers_to_triton_for_an_h200_at_qwen3_next_shape():
+    """The chunked rule with the kernel lowers for CUDA on any machine (an abstract H200) at
+    the Qwen3-Next mixer shape, 4096 rows of bf16: the kernel's block shapes and its Triton IR
+    are checked here, not first on the GPU."""
+    rows = 4096
+    shape = jax.ShapeDtypeStruct
+    args = (
+        shape((rows, 16, 128), jnp.bfloat16),
+        shape((rows, 16, 128), jnp.bfloat16),
+        shape((rows, 32, 128), jnp.bfloat16),
+        shape((rows, 32), jnp.float32),
+        shape((rows, 32), jnp.float32),
+        shape((rows,), jnp.int32),
+        shape((rows,), jnp.int32),
+    )
+    rule = functools.partial(gated_delta_rule_chunked.__wrapped__, num_slots=3, scan="pallas")
+    with compat.cuda_lowering_target():
+        lowered = jax.jit(rule).trace(*args).lower(lowering_platforms=("cuda",))
+    assert lowered.as_text().count("custom_call @__gpu$xla.gpu.triton") == 1
 
 
 def test_kernel_refuses_per_channel_gates_and_unknown_scans():
