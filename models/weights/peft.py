@@ -6,9 +6,11 @@ A PEFT LoRA folder holds `adapter_config.json` (`r`, `lora_alpha`, `use_rslora`,
 `base_model.model.model.layers.{i}.{self_attn|mlp}.{proj}.lora_{A|B}.weight`: A [r, in] and
 B [out, r], as `nn.Linear` stores them. The delta of a projection is `x @ A^T @ B^T * scaling`
 with `scaling = lora_alpha / r` (rsLoRA: `lora_alpha / sqrt(r)`); the scaling is folded into B
-here. The attention's q/k/v/o and the gated MLP's gate/up/down projections take adapters; an
-adapter on MoE experts, on other modules, or with a PEFT option that changes the product (DoRA,
-LoRA biases, per-module ranks, ...) is refused when it is read.
+here. A module's own rank and alpha (`rank_pattern`, `alpha_pattern`) scale its own pair, and an
+adapter of some layers only (`layers_to_transform`) holds no pair for the others. The
+attention's q/k/v/o and the gated MLP's gate/up/down projections take adapters; an adapter on
+MoE experts, on other modules, or with a PEFT option that changes the product otherwise (DoRA,
+LoRA biases, ...) is refused when it is read.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import dataclasses
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import jax
@@ -27,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding
 from safetensors.numpy import load_file, save_file
 
 from ..config import DecoderConfig
-from ..layers.lora import LoraSpec, LoraTarget
+from ..layers.lora import ATTENTION_TARGETS, LoraSpec, LoraTarget
 from .load import read_json
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -42,9 +44,6 @@ _REFUSED = {
     "bias": "none",
     "lora_bias": False,
     "modules_to_save": None,
-    "rank_pattern": {},
-    "alpha_pattern": {},
-    "layers_to_transform": None,
     "layer_replication": None,
     "target_parameters": None,
     "use_qalora": False,
@@ -68,10 +67,10 @@ class PeftAdapter:
 
     Attributes:
       name: What batches call it.
-      rank: Its `r`.
+      rank: Its largest rank (`r`, or a module's from `rank_pattern`).
       targets: The projections it adapts.
-      weights: `{(layer, target): (A [in, r], B [r, out])}` in float32, B scaled by
-        `lora_alpha / r` (rsLoRA: `/ sqrt(r)`).
+      weights: `{(layer, target): (A [in, r], B [r, out])}` in float32 (r the module's rank),
+        B scaled by `lora_alpha / r` (rsLoRA: `/ sqrt(r)`), each with the module's own.
     """
 
     name: str
@@ -120,8 +119,8 @@ def read_peft_adapter(directory: str | Path, name: str, config: DecoderConfig) -
     missing = [key for key in ("r", "lora_alpha") if not isinstance(settings.get(key), int | float)]
     if missing:
         raise ValueError(f"{directory / ADAPTER_CONFIG} needs numbers {missing}")
-    rank, alpha = int(settings["r"]), float(settings["lora_alpha"])
-    scaling = alpha / (math.sqrt(rank) if settings.get("use_rslora") else rank)
+    ranks = _patterns(settings, "rank_pattern", int(settings["r"]), directory)
+    alphas = _patterns(settings, "alpha_pattern", float(settings["lora_alpha"]), directory)
     weights_file = directory / ADAPTER_WEIGHTS
     if not weights_file.is_file():
         raise FileNotFoundError(f"no {ADAPTER_WEIGHTS} in adapter folder {directory}")
@@ -134,6 +133,8 @@ def read_peft_adapter(directory: str | Path, name: str, config: DecoderConfig) -
         if set(pair) != {"A", "B"}:
             raise ValueError(f"{directory}: layer {layer} {target.value} lacks lora_A or lora_B")
         a, b = pair["A"], pair["B"]
+        module = f"model.layers.{layer}.{_MODULES[target]}.{target.value}"
+        rank, alpha = ranks(module), alphas(module)
         want = projection_shape(config, target)
         if a.shape != (rank, want[0]) or b.shape != (want[1], rank):
             raise ValueError(
@@ -141,11 +142,37 @@ def read_peft_adapter(directory: str | Path, name: str, config: DecoderConfig) -
                 f"{b.shape}; a rank-{rank} adapter of this model needs {(rank, want[0])} and "
                 f"{(want[1], rank)}. Is it an adapter of another base model?"
             )
+        scaling = alpha / (math.sqrt(rank) if settings.get("use_rslora") else rank)
         weights[layer, target] = (a.T, b.T * np.float32(scaling))
     if not weights:
         raise ValueError(f"{weights_file} holds no LoRA tensors")
     targets = frozenset(target for _, target in weights)
+    rank = max(a.shape[1] for a, _ in weights.values())
     return PeftAdapter(name, rank, targets, weights)
+
+
+_MODULES = {target: "self_attn" if target in ATTENTION_TARGETS else "mlp" for target in LoraTarget}
+
+
+def _patterns(
+    settings: Mapping[str, object], key: str, default: float, directory: Path
+) -> Callable[[str], float]:
+    """A module's value of `rank_pattern` or `alpha_pattern` (`{pattern: value}`), as PEFT
+    resolves it: the first pattern that matches the end of the module's name at a dot (a
+    regular expression), else `default`."""
+    patterns = settings.get(key) or {}
+    if not isinstance(patterns, dict) or not all(
+        isinstance(v, int | float) for v in patterns.values()
+    ):
+        raise ValueError(f"{directory / ADAPTER_CONFIG}: {key} must map patterns to numbers")
+
+    def value(module: str) -> float:
+        for pattern, number in patterns.items():
+            if re.match(rf"(.*\.)?({pattern})$", module):
+                return type(default)(number)
+        return default
+
+    return value
 
 
 def _parse(tensor: str, directory: Path, config: DecoderConfig) -> tuple[tuple, str]:
@@ -244,7 +271,7 @@ def _stack(
             if (layer, target) not in adapter.weights:
                 continue
             a, b = adapter.weights[layer, target]
-            r = adapter.rank
+            r = a.shape[1]
             if row and which == "a":
                 stack[:, k, :r] = a
             elif row:

@@ -163,7 +163,7 @@ def _copy_adapter(tmp_path: pathlib.Path, **changes) -> pathlib.Path:
 
 def test_peft_reader_folds_scaling_and_refuses_other_options(tmp_path):
     """The reader folds lora_alpha / r (rsLoRA: / sqrt(r)) into B and refuses DoRA, biases and
-    per-module ranks with the option named."""
+    extra trained modules with the option named."""
     config = load_config(GOLDEN / "llama")
     a1 = read_peft_adapter(GOLDEN / "lora" / "llama" / "a1", "a1", config)
     stored = load_file(GOLDEN / "lora" / "llama" / "a1" / "adapter_model.safetensors")
@@ -174,11 +174,66 @@ def test_peft_reader_folds_scaling_and_refuses_other_options(tmp_path):
     stored = load_file(GOLDEN / "lora" / "llama" / "a2" / "adapter_model.safetensors")
     b = stored["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"]
     np.testing.assert_allclose(a2.weights[0, LoraTarget.Q][1], b.T * 4 / 8**0.5, rtol=1e-6)
-    for option, value in (("use_dora", True), ("bias", "all"), ("rank_pattern", {"q_proj": 2})):
+    refused = (("use_dora", True), ("bias", "all"), ("modules_to_save", ["lm_head"]))
+    for option, value in refused:
         with pytest.raises(NotImplementedError, match=option):
             read_peft_adapter(_copy_adapter(tmp_path / option, **{option: value}), "x", config)
     with pytest.raises(ValueError, match="LORA"):
         read_peft_adapter(_copy_adapter(tmp_path / "ia3", peft_type="IA3"), "x", config)
+
+
+def test_per_module_ranks_and_some_layers_equal_the_uniform_adapter(tmp_path):
+    """`rank_pattern` / `alpha_pattern` give a module its own rank and scale (PEFT's pattern
+    match on the module's name), `layers_to_transform` an adapter of some layers only. Llama's
+    a1 with each v_proj at rank 6 (A gains two random rows, B two zero columns) and alpha 12
+    (the same product), and without layer 1 (layers 0 and 2), gives a1's logits with layer 1's
+    B zero, on DP 2 x TP 2."""
+    source = GOLDEN / "lora" / "llama" / "a1"
+    stored = load_file(source / "adapter_model.safetensors")
+    rng = np.random.default_rng(0)
+    patterned, zeroed = {}, {}
+    for name, value in stored.items():
+        layer_one = ".layers.1." in name
+        zeroed[name] = np.zeros_like(value) if layer_one and "lora_B" in name else value
+        if layer_one:
+            continue
+        if ".v_proj.lora_A" in name:
+            value = np.concatenate([value, rng.normal(size=(2, value.shape[1]))])
+        elif ".v_proj.lora_B" in name:
+            value = np.concatenate([value, np.zeros((value.shape[0], 2))], axis=1)
+        patterned[name] = np.ascontiguousarray(value, np.float32)
+    settings = json.loads((source / "adapter_config.json").read_text())
+    folders = {}
+    for name, tensors, changes in (
+        ("zeroed", zeroed, {}),
+        (
+            "patterned",
+            patterned,
+            {
+                "rank_pattern": {"v_proj": 6},
+                "alpha_pattern": {"v_proj": 12},
+                "layers_to_transform": [0, 2],
+            },
+        ),
+    ):
+        folders[name] = tmp_path / name
+        folders[name].mkdir()
+        (folders[name] / "adapter_config.json").write_text(json.dumps(settings | changes))
+        save_file(tensors, folders[name] / "adapter_model.safetensors")
+    config = load_config(GOLDEN / "llama")
+    adapter = read_peft_adapter(folders["patterned"], "p", config)
+    assert adapter.rank == 6 and (1, LoraTarget.Q) not in adapter.weights
+    prompts, _, _ = golden("llama")
+    topology = bj.Topology(attn_dp=2, attn_tp=2)
+    mesh = bj.make_mesh(topology)
+    model = load_model(GOLDEN / "llama", mesh, adapters=folders)
+    run = ShardedCausalLM(model, mesh)
+    zeroed_logits = run.forward(prompts, adapters=["zeroed"] * len(prompts))
+    patterned_logits = run.forward(prompts, adapters=["patterned"] * len(prompts))
+    base = run.forward(prompts)
+    scale = np.max(np.abs(zeroed_logits))
+    assert np.max(np.abs(patterned_logits - zeroed_logits)) <= 1e-5 * scale
+    assert np.max(np.abs(zeroed_logits - base)) > 1e-2 * scale  # the adapter matters
 
 
 def test_peft_reader_refuses_experts_and_other_modules(tmp_path):
