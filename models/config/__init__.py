@@ -17,6 +17,7 @@ from .registry import family_of as family_of
 from .registry import hf_name_map as hf_name_map
 from .registry import read_hf_config as read_hf_config
 from .registry import write_hf_config as write_hf_config
+from .rope_scaling import DynamicNtkRopeScaling as DynamicNtkRopeScaling
 from .rope_scaling import LinearRopeScaling as LinearRopeScaling
 from .rope_scaling import Llama3RopeScaling as Llama3RopeScaling
 from .rope_scaling import RopeScaling as RopeScaling

@@ -1,5 +1,5 @@
-"""RoPE frequency scalings a config may name (Hugging Face `rope_type`: llama3, linear, yarn), and
-the one reader and writer of a `config.json`'s RoPE keys every family shares."""
+"""RoPE frequency scalings a config may name (Hugging Face `rope_type`: llama3, linear, yarn,
+dynamic), and the one reader and writer of a `config.json`'s RoPE keys every family shares."""
 
 from __future__ import annotations
 
@@ -55,6 +55,24 @@ class LinearRopeScaling:
     def __post_init__(self):
         if not self.factor > 0:
             raise ValueError(f"linear RoPE scaling needs a positive factor; got {self.factor=}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicNtkRopeScaling:
+    """Dynamic NTK RoPE scaling (Hugging Face `rope_type: "dynamic"`): the base grows once a
+    sequence passes `max_position_embeddings`, and not before, so within the context, which
+    every runtime here holds inputs to, the frequencies are the unscaled ones. Kept to write
+    the config back as it was read.
+
+    Attributes:
+      factor: The growth factor past the context (> 0).
+    """
+
+    factor: float
+
+    def __post_init__(self):
+        if not self.factor > 0:
+            raise ValueError(f"dynamic RoPE scaling needs a positive factor; got {self.factor=}")
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -121,7 +139,7 @@ class YarnRopeScaling:
         return yarn_mscale(self.factor, self.mscale_all_dim) ** 2
 
 
-RopeScaling = Llama3RopeScaling | LinearRopeScaling | YarnRopeScaling
+RopeScaling = Llama3RopeScaling | LinearRopeScaling | YarnRopeScaling | DynamicNtkRopeScaling
 
 
 class RopeType(enum.StrEnum):
@@ -131,6 +149,7 @@ class RopeType(enum.StrEnum):
     LINEAR = "linear"
     LLAMA3 = "llama3"
     YARN = "yarn"
+    DYNAMIC = "dynamic"
 
 
 def read_rope(config: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
@@ -185,14 +204,17 @@ def rope_scaling(
         RopeType.LINEAR: ("factor",),
         RopeType.LLAMA3: ("factor", "low_freq_factor", "high_freq_factor"),
         RopeType.YARN: (),
+        RopeType.DYNAMIC: ("factor",),
     }[kind]
     missing = [key for key in required if key not in scaling]
-    if kind is not RopeType.LINEAR and original is None:
+    if kind in (RopeType.LLAMA3, RopeType.YARN) and original is None:
         missing.append("original_max_position_embeddings")
     if missing:
         raise ValueError(f"{kind.value} RoPE scaling is missing {missing}; got {dict(scaling)!r}")
     if kind is RopeType.LINEAR:
         return LinearRopeScaling(float(scaling["factor"]))
+    if kind is RopeType.DYNAMIC:
+        return DynamicNtkRopeScaling(float(scaling["factor"]))
     if kind is RopeType.LLAMA3:
         return Llama3RopeScaling(
             factor=float(scaling["factor"]),
@@ -237,6 +259,8 @@ def rope_parameters(theta: float | None, scaling: RopeScaling | None) -> dict[st
         rope |= {key: value for key, value in yarn.items() if value is not None}
     elif isinstance(scaling, LinearRopeScaling):
         rope |= {"rope_type": RopeType.LINEAR.value, "factor": scaling.factor}
+    elif isinstance(scaling, DynamicNtkRopeScaling):
+        rope |= {"rope_type": RopeType.DYNAMIC.value, "factor": scaling.factor}
     elif isinstance(scaling, Llama3RopeScaling):
         rope |= dataclasses.asdict(scaling) | {"rope_type": RopeType.LLAMA3.value}
     return rope

@@ -16,7 +16,8 @@ from ...config import LinearRopeScaling, Llama3RopeScaling, RopeScaling, YarnRop
 @functools.cache
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:
     """The [head_dim // 2] float32 inverse frequencies, with optional linear, llama3 or YaRN
-    scaling.
+    scaling (dynamic NTK scaling leaves them unscaled within the context, where every input
+    here stays: `DynamicNtkRopeScaling`).
 
     Follows transformers' `_compute_default_rope_parameters`, `_compute_linear_scaling_rope_
     parameters`, `_compute_llama3_parameters` and `_compute_yarn_parameters` step by step in

@@ -2,15 +2,20 @@
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+import boundary_jax as bj
+from models.build import load_model
 from models.config import (
     PRESETS,
     Activation,
     AttentionKind,
     DecoderConfig,
+    DynamicNtkRopeScaling,
     LayerAttention,
     LinearRopeScaling,
     Llama3RopeScaling,
@@ -21,6 +26,7 @@ from models.config import (
     read_hf_config,
     write_hf_config,
 )
+from models.serving.runtime import ShardedCausalLM
 
 F, S = AttentionKind.FULL, AttentionKind.SLIDING
 
@@ -137,6 +143,25 @@ def test_rope_scaling_context_defaults_as_transformers():
     assert scaling == Llama3RopeScaling(8.0, 1.0, 4.0, 128)
 
 
+def test_dynamic_ntk_rope_is_the_unscaled_rope_within_the_context(tmp_path):
+    """Dynamic NTK scaling grows the base only past max_position_embeddings (transformers'
+    `dynamic_rope_update`), which no input here reaches: the Qwen3 golden with `dynamic` RoPE
+    gives transformers' logits of the unscaled model, and writes `dynamic` back."""
+    raw = golden_config("qwen3")
+    rope = raw["rope_parameters"] | {"rope_type": "dynamic", "factor": 4.0}
+    config = read_hf_config(raw | {"rope_parameters": rope})
+    assert config.rope_scaling == DynamicNtkRopeScaling(4.0)
+    assert read_hf_config(write_hf_config(config)) == config
+    checkpoint = tmp_path / "qwen3"
+    shutil.copytree(GOLDEN / "qwen3", checkpoint)
+    (checkpoint / "config.json").write_text(json.dumps(raw | {"rope_parameters": rope}))
+    prompts = json.loads((GOLDEN / "qwen3" / "prompts.json").read_text())
+    want = np.load(GOLDEN / "qwen3" / "reference.npz")["logits"]
+    mesh = bj.make_mesh(bj.Topology(attn_tp=2))
+    logits = ShardedCausalLM(load_model(checkpoint, mesh), mesh).forward(prompts)
+    assert np.max(np.abs(logits - want)) <= 1e-4 * np.max(np.abs(want))
+
+
 def test_head_dim_defaults_to_hidden_over_heads():
     """Without a head_dim key, head_dim is hidden_size // num_attention_heads."""
     raw = golden_config("mistral")
@@ -162,7 +187,7 @@ def test_qwen3_sliding_window_only_when_enabled():
         ({"architectures": ["GemmaForCausalLM"]}, "exactly one architecture"),
         ({"architectures": None}, "exactly one architecture"),
         ({"hidden_act": "gelu"}, "SiLU"),
-        ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}}, "'dynamic' is not"),
+        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "'longrope' is not"),
         ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}, "llama3 RoPE scaling is"),
         ({"vocab_size": None}, "no 'vocab_size'"),
     ],

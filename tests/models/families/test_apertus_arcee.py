@@ -164,8 +164,8 @@ def test_tensor_names_are_the_checkpoints():
         ("apertus", {"hidden_act": "relu2"}, "MLP here computes xIELU only"),
         (
             "apertus",
-            {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}},
-            "RoPE type 'dynamic' is not supported",
+            {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "factor": 4.0}},
+            "RoPE type 'longrope' is not supported",
         ),
         ("arcee", {"mlp_bias": True}, "mlp_bias=true is not supported"),
         ("arcee", {"hidden_act": "silu"}, "MLP here computes relu\\^2 only"),
