@@ -13,6 +13,8 @@ import importlib
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+from .multimodal import language_model_config
+
 if TYPE_CHECKING:  # the config types import this table to check themselves
     from .tensors import HFTensor
     from .types import DecoderConfig
@@ -166,14 +168,16 @@ def family_for(hf_config: Mapping[str, Any]) -> type[Family]:
 
 
 def read_hf_config(hf_config: Mapping[str, Any]) -> DecoderConfig:
-    """Reads a Hugging Face `config.json` (as a dict) of a registered family.
+    """Reads a Hugging Face `config.json` (as a dict) of a registered family, or of an
+    image-text model whose language model is one (`multimodal.language_model_config`).
 
     Raises:
       ValueError: The family is not registered, or its reader refuses the file (a key it does
         not compute, a missing key; the message names the key and the fix).
       NotImplementedError: An option its layers do not compute.
     """
-    return family_for(hf_config).read_config(hf_config)
+    text = language_model_config(hf_config)
+    return family_for(text).read_config(text)
 
 
 def write_hf_config(config: DecoderConfig) -> dict[str, Any]:

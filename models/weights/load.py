@@ -40,6 +40,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from safetensors import SafetensorError, safe_open
 
 from ..config import DecoderConfig, family_of, hf_name_map, read_hf_config
+from ..config.multimodal import image_text_layout
 from ..config.tensors import IGNORED_SUFFIXES, HFTensor
 from ..layers.fp8_linear import Fp8Quantization
 from .fp8 import FP8_DTYPE, STORED_FP8, Fp8Source, fp8_sources, read_stored_fp8, stored_fp8
@@ -433,7 +434,9 @@ def _read_tensor(
 
 
 class _Checkpoint(contextlib.AbstractContextManager):
-    """The tensors of one checkpoint directory, each file opened (memory-mapped) once."""
+    """The tensors of one checkpoint directory, each file opened (memory-mapped) once; an
+    image-text checkpoint's language model's, named as its text checkpoint's
+    (`models.config.multimodal`), the vision tower's left out."""
 
     def __init__(self, directory: Path):
         self._directory = directory
@@ -455,6 +458,16 @@ class _Checkpoint(contextlib.AbstractContextManager):
             raise FileNotFoundError(
                 f"checkpoint directory {directory} has neither {SINGLE_FILE} nor {INDEX_FILE}"
             )
+        self._stored = {name: name for name in self._file_of}
+        layout = (
+            image_text_layout(read_hf_config_file(directory))
+            if (directory / CONFIG_FILE).is_file()
+            else None
+        )
+        if layout is not None:  # the language model's tensors, named as its text checkpoint's
+            texts = {name: layout.text_name(name) for name in self._file_of}
+            self._stored = {text: name for name, text in texts.items() if text is not None}
+            self._file_of = {text: self._file_of[name] for text, name in self._stored.items()}
         if (directory / CONFIG_FILE).is_file() and stored_mxfp4(directory):
             self._mxfp4 = Mxfp4Tensors.of(self._file_of)
 
@@ -470,14 +483,16 @@ class _Checkpoint(contextlib.AbstractContextManager):
             raise ValueError(
                 f"checkpoint {self._directory} has no tensor {name!r}, needed for parameter {path}"
             )
-        return tuple(self._open(self._file_of[name]).get_slice(name).get_shape())
+        stored = self._stored[name]
+        return tuple(self._open(self._file_of[name]).get_slice(stored).get_shape())
 
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         if name in self._mxfp4.pairs:
             return self._mxfp4.read(name, index, self.read)
-        tensor = self._open(self._file_of[name]).get_slice(name)
+        stored = self._stored[name]
+        tensor = self._open(self._file_of[name]).get_slice(stored)
         if tensor.get_dtype() in STORED_FP8:  # the safetensors numpy reader cannot slice FP8
-            return read_stored_fp8(self._directory / self._file_of[name], name, index)
+            return read_stored_fp8(self._directory / self._file_of[name], stored, index)
         return tensor[index]
 
     def open_all(self) -> None:

@@ -1,0 +1,91 @@
+"""The language model of an image-text checkpoint (Qwen3.5's and Gemma 3's
+`...ForConditionalGeneration`, as released): its `text_config` read as the text family's, its
+tensors under the checkpoint's prefix, the vision tower's left unread, and saved as the text
+family's checkpoint. Each checkpoint here is a text golden repackaged in the image-text layout
+transformers writes (random tiny image-text models matched transformers' logits on text
+prompts the same way, closing note of 2026-12-05): its logits must be the golden's."""
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+import boundary_jax as bj
+from models.build import load_model
+from models.config import read_hf_config
+from models.config.multimodal import LAYOUTS, language_model_config
+from models.serving.runtime import ShardedCausalLM
+from models.training.trainer import FlatParams
+from models.weights import load_config, save_checkpoint
+from tests.models.families.test_decoder import golden
+
+GOLDEN = pathlib.Path(__file__).parents[2] / "golden"
+VISION = {"model.visual.patch_embed.proj.weight", "vision_tower.embeddings.patch.weight"}
+IMAGE_TEXT = {
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "gemma3": "Gemma3ForConditionalGeneration",
+}
+
+
+def image_text_checkpoint(name: str, directory: pathlib.Path) -> pathlib.Path:
+    """The text golden `name` as an image-text checkpoint: its config as `text_config`, its
+    tensors under the layout's prefix, and a vision tensor the loader must leave unread."""
+    architecture = IMAGE_TEXT[name]
+    layout = LAYOUTS[architecture]
+    text = json.loads((GOLDEN / name / "config.json").read_text())
+    tied = text.pop("tie_word_embeddings", False)
+    config = {
+        "architectures": [architecture],
+        "model_type": "image_text",
+        "text_config": {k: v for k, v in text.items() if k != "architectures"},
+        "vision_config": {"hidden_size": 8},
+        "tie_word_embeddings": tied,
+    }
+    tensors = {}
+    for tensor, value in load_file(GOLDEN / name / "model.safetensors").items():
+        stored = layout.lm_head if tensor == "lm_head.weight" else layout.prefix + tensor[6:]
+        tensors[stored] = value
+    tensors.update({vision: np.ones((2, 2), np.float32) for vision in VISION})
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(config))
+    save_file(tensors, directory / "model.safetensors")
+    return directory
+
+
+@pytest.mark.parametrize("name,dp,tp", [("qwen3_5", 1, 2), ("gemma3", 2, 2)])
+def test_language_model_of_an_image_text_checkpoint_is_the_golden(tmp_path, name, dp, tp):
+    """The image-text checkpoint reads as its text family's config and loads the golden's
+    weights (the vision tensors left unread): transformers' logits of the text golden."""
+    checkpoint = image_text_checkpoint(name, tmp_path / name)
+    assert load_config(checkpoint) == load_config(GOLDEN / name)
+    prompts, reference = golden(name)
+    mesh = bj.make_mesh(bj.Topology(attn_dp=dp, attn_tp=tp))
+    logits = ShardedCausalLM(load_model(checkpoint, mesh), mesh).forward(prompts)
+    want = reference["logits"]
+    assert np.max(np.abs(logits - want)) <= 1e-4 * np.max(np.abs(want))
+
+
+def test_a_trained_image_text_language_model_saves_as_its_text_family(tmp_path):
+    """Saved with its source's config.json kept (as `train` keeps it), the language model
+    writes the text family's config and tensor names, which load back as the golden."""
+    checkpoint = image_text_checkpoint("qwen3_5", tmp_path / "source")
+    source = json.loads((checkpoint / "config.json").read_text())
+    assert language_model_config(source)["architectures"] == ["Qwen3_5ForCausalLM"]
+    model = load_model(checkpoint, bj.make_mesh(bj.Topology()))
+    state = nnx.state(model)
+    out = tmp_path / "saved"
+    save_checkpoint(model.config, FlatParams(state).flatten(state), out, hf_config=source)
+    written = json.loads((out / "config.json").read_text())
+    assert written["architectures"] == ["Qwen3_5ForCausalLM"] and "text_config" not in written
+    assert set(load_file(out / "model.safetensors")) == set(
+        load_file(GOLDEN / "qwen3_5" / "model.safetensors")
+    )
+    assert read_hf_config(written) == load_config(GOLDEN / "qwen3_5")
+
+
+def test_an_image_text_config_without_its_text_config_is_refused():
+    with pytest.raises(ValueError, match="needs a text_config object"):
+        read_hf_config({"architectures": ["Qwen3_5ForConditionalGeneration"]})
