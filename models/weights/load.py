@@ -40,7 +40,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from safetensors import SafetensorError, safe_open
 
 from ..config import DecoderConfig, family_of, hf_name_map, read_hf_config
-from ..config.multimodal import image_text_layout
+from ..config.multimodal import is_image_text, language_model_tensors
 from ..config.tensors import IGNORED_SUFFIXES, HFTensor
 from ..layers.fp8_linear import Fp8Quantization
 from .fp8 import FP8_DTYPE, STORED_FP8, Fp8Source, fp8_sources, read_stored_fp8, stored_fp8
@@ -459,14 +459,9 @@ class _Checkpoint(contextlib.AbstractContextManager):
                 f"checkpoint directory {directory} has neither {SINGLE_FILE} nor {INDEX_FILE}"
             )
         self._stored = {name: name for name in self._file_of}
-        layout = (
-            image_text_layout(read_hf_config_file(directory))
-            if (directory / CONFIG_FILE).is_file()
-            else None
-        )
-        if layout is not None:  # the language model's tensors, named as its text checkpoint's
-            texts = {name: layout.text_name(name) for name in self._file_of}
-            self._stored = {text: name for name, text in texts.items() if text is not None}
+        if (directory / CONFIG_FILE).is_file() and is_image_text(read_hf_config_file(directory)):
+            # The language model's tensors, named as its text checkpoint's.
+            self._stored = language_model_tensors(self._file_of)
             self._file_of = {text: self._file_of[name] for text, name in self._stored.items()}
         if (directory / CONFIG_FILE).is_file() and stored_mxfp4(directory):
             self._mxfp4 = Mxfp4Tensors.of(self._file_of)

@@ -16,25 +16,35 @@ from safetensors.numpy import load_file, save_file
 import boundary_jax as bj
 from models.build import load_model
 from models.config import read_hf_config
-from models.config.multimodal import LAYOUTS, language_model_config
+from models.config.multimodal import language_model_config
 from models.serving.runtime import ShardedCausalLM
 from models.training.trainer import FlatParams
 from models.weights import load_config, save_checkpoint
 from tests.models.families.test_decoder import golden
 
 GOLDEN = pathlib.Path(__file__).parents[2] / "golden"
-VISION = {"model.visual.patch_embed.proj.weight", "vision_tower.embeddings.patch.weight"}
+VISION = {
+    "model.visual.patch_embed.proj.weight",
+    "vision_tower.embeddings.patch.weight",
+    "visual.blocks.0.attn.qkv.weight",
+}
+# Each golden's image-text architecture, with the layout its released checkpoints have (the
+# older Qwen2.5-VL files: a flat config, the language model's tensors under `model.`).
 IMAGE_TEXT = {
-    "qwen3_5": "Qwen3_5ForConditionalGeneration",
-    "gemma3": "Gemma3ForConditionalGeneration",
+    "qwen3_5": ("Qwen3_5ForConditionalGeneration", "model.language_model.", "lm_head.weight"),
+    "gemma3": (
+        "Gemma3ForConditionalGeneration",
+        "language_model.model.",
+        "language_model.lm_head.weight",
+    ),
+    "qwen2": ("Qwen2_5_VLForConditionalGeneration", "model.", "lm_head.weight"),
 }
 
 
 def image_text_checkpoint(name: str, directory: pathlib.Path) -> pathlib.Path:
     """The text golden `name` as an image-text checkpoint: its config as `text_config`, its
     tensors under the layout's prefix, and a vision tensor the loader must leave unread."""
-    architecture = IMAGE_TEXT[name]
-    layout = LAYOUTS[architecture]
+    architecture, prefix, head = IMAGE_TEXT[name]
     text = json.loads((GOLDEN / name / "config.json").read_text())
     tied = text.pop("tie_word_embeddings", False)
     config = {
@@ -44,9 +54,11 @@ def image_text_checkpoint(name: str, directory: pathlib.Path) -> pathlib.Path:
         "vision_config": {"hidden_size": 8},
         "tie_word_embeddings": tied,
     }
+    if prefix == "model.":
+        config = {**config.pop("text_config"), **config}
     tensors = {}
     for tensor, value in load_file(GOLDEN / name / "model.safetensors").items():
-        stored = layout.lm_head if tensor == "lm_head.weight" else layout.prefix + tensor[6:]
+        stored = head if tensor == "lm_head.weight" else prefix + tensor.removeprefix("model.")
         tensors[stored] = value
     tensors.update({vision: np.ones((2, 2), np.float32) for vision in VISION})
     directory.mkdir()
@@ -55,10 +67,11 @@ def image_text_checkpoint(name: str, directory: pathlib.Path) -> pathlib.Path:
     return directory
 
 
-@pytest.mark.parametrize("name,dp,tp", [("qwen3_5", 1, 2), ("gemma3", 2, 2)])
+@pytest.mark.parametrize("name,dp,tp", [("qwen3_5", 1, 2), ("gemma3", 2, 2), ("qwen2", 1, 2)])
 def test_language_model_of_an_image_text_checkpoint_is_the_golden(tmp_path, name, dp, tp):
-    """The image-text checkpoint reads as its text family's config and loads the golden's
-    weights (the vision tensors left unread): transformers' logits of the text golden."""
+    """The image-text checkpoint (nested or flat config) reads as its text family's config and
+    loads the golden's weights (the vision tensors left unread): transformers' logits of the
+    text golden."""
     checkpoint = image_text_checkpoint(name, tmp_path / name)
     assert load_config(checkpoint) == load_config(GOLDEN / name)
     prompts, reference = golden(name)
@@ -86,6 +99,9 @@ def test_a_trained_image_text_language_model_saves_as_its_text_family(tmp_path):
     assert read_hf_config(written) == load_config(GOLDEN / "qwen3_5")
 
 
-def test_an_image_text_config_without_its_text_config_is_refused():
-    with pytest.raises(ValueError, match="needs a text_config object"):
-        read_hf_config({"architectures": ["Qwen3_5ForConditionalGeneration"]})
+def test_an_image_text_checkpoint_without_a_language_model_is_refused(tmp_path):
+    checkpoint = image_text_checkpoint("qwen3_5", tmp_path / "qwen3_5")
+    vision = {name: np.ones((2, 2), np.float32) for name in VISION}
+    save_file(vision, checkpoint / "model.safetensors")
+    with pytest.raises(ValueError, match="holds no embed_tokens.weight"):
+        load_model(checkpoint, bj.make_mesh(bj.Topology()))
