@@ -17,6 +17,7 @@ import boundary_jax as bj
 from models.build import load_model
 from models.config import read_hf_config
 from models.config.multimodal import language_model_config
+from models.families.gemma3 import TEXT_CONFIG_DEFAULTS
 from models.serving.runtime import ShardedCausalLM
 from models.training.trainer import FlatParams
 from models.weights import load_config, save_checkpoint
@@ -105,3 +106,21 @@ def test_an_image_text_checkpoint_without_a_language_model_is_refused(tmp_path):
     save_file(vision, checkpoint / "model.safetensors")
     with pytest.raises(ValueError, match="holds no embed_tokens.weight"):
         load_model(checkpoint, bj.make_mesh(bj.Topology()))
+
+
+def test_a_sparse_gemma3_text_config_takes_transformers_defaults():
+    """Gemma 3's released image-text configs name only what differs from transformers'
+    `Gemma3TextConfig` (a random tiny one so written matched transformers, closing note of
+    2026-12-05): the golden's config without the keys equal to those defaults reads as the
+    whole one, and without `layer_types` its layers follow the default pattern (every sixth
+    full, here none of three)."""
+    full = json.loads((GOLDEN / "gemma3" / "config.json").read_text())
+    sparse = {k: v for k, v in full.items() if TEXT_CONFIG_DEFAULTS.get(k, object()) != v}
+    assert {
+        "num_attention_heads",
+        "rms_norm_eps",
+        "hidden_activation",
+    } <= full.keys() - sparse.keys()
+    assert read_hf_config(sparse) == read_hf_config(full)
+    patterned = read_hf_config({k: v for k, v in sparse.items() if k != "layer_types"})
+    assert {patterned.layer_attention(i).sliding_window for i in range(3)} == {4}
