@@ -58,9 +58,8 @@ def read_activation(config: Mapping[str, Any], supported: Activation, *keys: str
 
 def attention_bias(config: Mapping[str, Any]) -> dict[str, bool]:
     """`qkv_bias` and `o_bias` as `attention_bias` sets them, for the families whose
-    transformers attention biases its q, k, v and o projections alike by that key (Llama,
-    Qwen3, OLMo 2, Gemma 3, Apertus, Arcee, Qwen3-Next...); the o bias is counted once in its
-    sum over attention TP."""
+    transformers attention biases its q, k, v and o projections alike by that key; the o bias
+    is counted once in its sum over attention TP."""
     bias = bool(config.get("attention_bias", False))
     return {"qkv_bias": bias, "o_bias": bias}
 

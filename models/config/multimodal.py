@@ -1,10 +1,10 @@
 """The language model of a Hugging Face image-text checkpoint (`...ForConditionalGeneration`,
-as Qwen3.5, Gemma 3, Mistral Small 3 and the Qwen VL models are released): its `text_config`
-read as the text family's config, its tensors found under the checkpoint's prefix, the vision
+as several families' models are released): its `text_config` read as its text family's config
+(the family names the image-text architectures it is the language model of,
+`image_text_architectures`), its tensors found under the checkpoint's prefix, the vision
 tower's left unread. The model is the checkpoint's language model as transformers runs it on a
 prompt without images (where every position of a multimodal RoPE, M-RoPE, is the token's own,
-so it rotates as the text family's RoPE); it saves as the text family's checkpoint
-(`...ForCausalLM`).
+so it rotates as the text family's RoPE); it saves as the text family's checkpoint.
 """
 
 from __future__ import annotations
@@ -12,44 +12,29 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-TEXT_ARCHITECTURES = {
-    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
-    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
-    "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
-    "Mistral3ForConditionalGeneration": "MistralForCausalLM",
-    "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM",
-    "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",
-}
-"""The image-text architectures whose language model loads: the text family of each."""
-
 PREFIXES = ("model.language_model.", "language_model.model.", "model.")
-"""Where image-text checkpoints keep the text model's `model.` tensors: transformers 5's
-module layout, the layout Gemma 3 and Mistral 3 were released in, and Qwen2.5-VL's."""
+"""Where image-text checkpoints keep the text model's `model.` tensors: transformers 5's module
+layout, the layout some were released in, and (beside a `visual.` tower) the oldest."""
 LM_HEADS = ("lm_head.weight", "language_model.lm_head.weight")
 """Where they keep an untied LM head."""
 INHERITED = ("tie_word_embeddings", "quantization_config", "bos_token_id", "eos_token_id")
 """Keys an image-text config states for the whole model, which its language model takes."""
 
 
-def is_image_text(hf_config: Mapping[str, Any]) -> bool:
-    """Whether a `config.json` (as a dict) is an image-text model's whose language model
-    loads."""
-    names = hf_config.get("architectures")
-    return isinstance(names, list) and len(names) == 1 and names[0] in TEXT_ARCHITECTURES
-
-
-def language_model_config(hf_config: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The text family's `config.json` of an image-text config: its `text_config` (or, in the
-    flat form of older Qwen2.5-VL files, its own keys but the vision tower's) with the text
-    architecture and the whole model's `INHERITED` keys; any other config as it is."""
-    if not is_image_text(hf_config):
+def language_model_config(
+    hf_config: Mapping[str, Any], text_architecture: str | None
+) -> Mapping[str, Any]:
+    """The text family's `config.json` of an image-text config whose language model is
+    `text_architecture`'s: its `text_config` (or, in the flat form of older files, its own keys
+    but the vision tower's) with that architecture and the whole model's `INHERITED` keys. None:
+    `hf_config` as it is."""
+    if text_architecture is None:
         return hf_config
     text = hf_config.get("text_config")
     if not isinstance(text, Mapping):
         text = {k: v for k, v in hf_config.items() if k != "vision_config"}
     inherited = {key: hf_config[key] for key in INHERITED if hf_config.get(key) is not None}
-    architecture = TEXT_ARCHITECTURES[hf_config["architectures"][0]]
-    return {**text, **inherited, "architectures": [architecture]}
+    return {**text, **inherited, "architectures": [text_architecture]}
 
 
 def language_model_tensors(names: Iterable[str]) -> dict[str, str]:
@@ -68,7 +53,7 @@ def language_model_tensors(names: Iterable[str]) -> dict[str, str]:
             "one holds no embed_tokens.weight under any"
         )
     text = {"model." + n.removeprefix(prefix): n for n in names if n.startswith(prefix)}
-    if prefix == "model.":  # the vision tower sits beside the language model
+    if prefix == "model.":  # the vision tower may sit beside the language model
         text = {
             t: n for t, n in text.items() if not t.startswith(("model.visual.", "model.vision"))
         }

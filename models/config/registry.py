@@ -30,10 +30,13 @@ class Family(Protocol):
     Attributes:
       architectures: The `config.json` `architectures` names it builds.
       model_type: Its `config.json` `model_type`.
+      image_text_architectures: The image-text architectures whose language model it is
+        (`models.config.multimodal`): their checkpoints load as this family's model.
     """
 
     architectures: ClassVar[tuple[str, ...]]
     model_type: ClassVar[str]
+    image_text_architectures: ClassVar[tuple[str, ...]]
 
     @classmethod
     def check_config(cls, config: DecoderConfig) -> None:
@@ -60,6 +63,7 @@ class Family(Protocol):
 
 
 _BY_ARCHITECTURE: dict[str, type[Family]] = {}
+_BY_IMAGE_TEXT: dict[str, type[Family]] = {}
 _PRESETS: dict[str, DecoderConfig] = {}
 
 
@@ -94,20 +98,36 @@ byte-level text."""
 
 
 def register[F: type[Family]](family: F) -> F:
-    """Registers a family class under each of its `architectures`; every `DecoderConfig` of
-    those architectures is then checked by its `check_config`.
+    """Registers a family class under each of its `architectures` (and its
+    `image_text_architectures`); every `DecoderConfig` of those architectures is then checked
+    by its `check_config`.
 
     Raises:
       ValueError: Another class already builds one of its architectures.
     """
     if not family.architectures:
         raise ValueError(f"{family.__name__} names no architectures to build")
-    for architecture in family.architectures:
-        held = _BY_ARCHITECTURE.get(architecture)
-        if held is not None and held is not family:
-            raise ValueError(f"{architecture} is built by {held.__name__} already")
-        _BY_ARCHITECTURE[architecture] = family
+    for table, names in (
+        (_BY_ARCHITECTURE, family.architectures),
+        (_BY_IMAGE_TEXT, family.image_text_architectures),
+    ):
+        for architecture in names:
+            held = table.get(architecture)
+            if held is not None and held is not family:
+                raise ValueError(f"{architecture} is built by {held.__name__} already")
+            table[architecture] = family
     return family
+
+
+def as_text_model(hf_config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A `config.json` (as a dict) as its text family reads it: an image-text model's
+    language model's (`multimodal.language_model_config`), any other as it is."""
+    names = hf_config.get("architectures")
+    if not isinstance(names, list) or len(names) != 1:
+        return hf_config
+    load_families()
+    family = _BY_IMAGE_TEXT.get(names[0])
+    return language_model_config(hf_config, None if family is None else family.architectures[0])
 
 
 def add_presets(presets: Mapping[str, DecoderConfig]) -> None:
@@ -169,14 +189,14 @@ def family_for(hf_config: Mapping[str, Any]) -> type[Family]:
 
 def read_hf_config(hf_config: Mapping[str, Any]) -> DecoderConfig:
     """Reads a Hugging Face `config.json` (as a dict) of a registered family, or of an
-    image-text model whose language model is one (`multimodal.language_model_config`).
+    image-text model whose language model is one (`as_text_model`).
 
     Raises:
       ValueError: The family is not registered, or its reader refuses the file (a key it does
         not compute, a missing key; the message names the key and the fix).
       NotImplementedError: An option its layers do not compute.
     """
-    text = language_model_config(hf_config)
+    text = as_text_model(hf_config)
     return family_for(text).read_config(text)
 
 

@@ -190,7 +190,7 @@ def rope_scaling(
         key.
     """
     name = scaling.get("rope_type", scaling.get("type", RopeType.DEFAULT.value))
-    if name == "mrope":  # Qwen2-VL's legacy name of its M-RoPE, the default RoPE on text
+    if name == "mrope":  # a legacy name of M-RoPE (multimodal RoPE), the default RoPE on text
         name = RopeType.DEFAULT.value
     if name not in {kind.value for kind in RopeType}:
         supported = ", ".join(repr(kind.value) for kind in RopeType)

@@ -24,6 +24,9 @@ class FamilyBase:
     Attributes:
       architectures: The `config.json` `architectures` names the class builds.
       model_type: Its `config.json` `model_type`.
+      image_text_architectures: The image-text (`...ForConditionalGeneration`) architectures
+        whose language model it is: their checkpoints load as its model, on text
+        (`models.config.multimodal`).
       has_experts: Its configs hold a sparse FFN (`DecoderConfig.moe`), and it takes the MoE
         options.
       quantizable: It builds with FP8 projections (`BuildOptions.quantization`).
@@ -39,6 +42,7 @@ class FamilyBase:
 
     architectures: ClassVar[tuple[str, ...]] = ()
     model_type: ClassVar[str] = ""
+    image_text_architectures: ClassVar[tuple[str, ...]] = ()
     has_experts: ClassVar[bool] = False
     quantizable: ClassVar[bool] = True
     context_parallel: ClassVar[bool] = True

@@ -49,6 +49,7 @@ class Gemma3ForCausalLM(CausalLM):
     """Gemma 3 (text): sandwich norms, `1 + w` norms, scaled embeddings, GeGLU."""
 
     architectures = ("Gemma3ForCausalLM",)
+    image_text_architectures = ("Gemma3ForConditionalGeneration",)
     model_type = "gemma3_text"
 
     @classmethod

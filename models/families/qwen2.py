@@ -25,6 +25,7 @@ class Qwen2ForCausalLM(CausalLM):
     """Qwen2 / Qwen2.5: q/k/v biases, no q/k norm."""
 
     architectures = ("Qwen2ForCausalLM",)
+    image_text_architectures = ("Qwen2_5_VLForConditionalGeneration",)
     model_type = "qwen2"
     lora = True
 

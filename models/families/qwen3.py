@@ -27,6 +27,7 @@ class Qwen3ForCausalLM(CausalLM):
     """Qwen3: q/k RMSNorm per head before RoPE, usually tied embeddings."""
 
     architectures = ("Qwen3ForCausalLM",)
+    image_text_architectures = ("Qwen3VLForConditionalGeneration",)
     model_type = "qwen3"
     lora = True
 

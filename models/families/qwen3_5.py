@@ -44,6 +44,7 @@ class Qwen3_5ForCausalLM(Qwen3_5Base):
     """Qwen3.5 (dense): Gated DeltaNet and gated attention, a dense gated MLP on every layer."""
 
     architectures = ("Qwen3_5ForCausalLM",)
+    image_text_architectures = ("Qwen3_5ForConditionalGeneration",)
     model_type = "qwen3_5_text"
     has_experts = False
 
@@ -65,6 +66,7 @@ class Qwen3_5MoeForCausalLM(Qwen3_5Base):
     on every layer, its top-k weights always renormalized."""
 
     architectures = ("Qwen3_5MoeForCausalLM",)
+    image_text_architectures = ("Qwen3_5MoeForConditionalGeneration",)
     model_type = "qwen3_5_moe_text"
 
     @classmethod

@@ -20,7 +20,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from ..config import DecoderConfig, hf_name_map, read_hf_config, write_hf_config
-from ..config.multimodal import language_model_config
+from ..config.registry import as_text_model
 from .load import CONFIG_FILE, SINGLE_FILE
 
 SAVED_DTYPE = "float32"
@@ -143,7 +143,7 @@ def _config_json(config: DecoderConfig, hf_config: Mapping[str, Any] | None) -> 
     if hf_config is None:
         return write_hf_config(config)
     # An image-text source's language model saves as its text family's checkpoint.
-    hf_config = language_model_config(hf_config)
+    hf_config = as_text_model(hf_config)
     written = {key: value for key, value in hf_config.items() if key != "torch_dtype"}
     written["dtype"] = SAVED_DTYPE
     if read_hf_config(written) != config:

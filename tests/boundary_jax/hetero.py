@@ -43,7 +43,7 @@ class Kind(enum.Enum):
 
     ATTN = "attention that always leaves its sum"
     MIXER = "mixer whose exit may leave its sum"
-    HYBRID_MIXER = "mixer whose exit may leave its sum, on inputs it does not gather (Nemotron-H)"
+    HYBRID_MIXER = "mixer whose exit may leave its sum, on inputs it does not gather"
     FFN = "dense FFN over the full TP group"
     FFN_DP = "dense FFN fully data-parallel"
     MOE = "sparse FFN with a deferred finalize"

@@ -26,8 +26,8 @@ from tests.boundary_jax.standin import HIDDEN, ROWS, count_patterns
 P = bj.ReductionPolicy
 E = bj.plan.ExitKind
 STAND_INS = {
-    HybridLayer.MAMBA2: Kind.HYBRID_MIXER,
-    HybridLayer.ATTENTION: Kind.HYBRID_MIXER,
+    HybridLayer.MAMBA2: Kind.MIXER,
+    HybridLayer.ATTENTION: Kind.MIXER,
     HybridLayer.MLP: Kind.FFN,
     HybridLayer.MOE: Kind.MOE,
 }

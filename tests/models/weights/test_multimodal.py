@@ -16,7 +16,7 @@ from safetensors.numpy import load_file, save_file
 import boundary_jax as bj
 from models.build import load_model
 from models.config import read_hf_config
-from models.config.multimodal import language_model_config
+from models.config.registry import as_text_model
 from models.families.gemma3 import TEXT_CONFIG_DEFAULTS
 from models.serving.runtime import ShardedCausalLM
 from models.training.trainer import FlatParams
@@ -87,7 +87,7 @@ def test_a_trained_image_text_language_model_saves_as_its_text_family(tmp_path):
     writes the text family's config and tensor names, which load back as the golden."""
     checkpoint = image_text_checkpoint("qwen3_5", tmp_path / "source")
     source = json.loads((checkpoint / "config.json").read_text())
-    assert language_model_config(source)["architectures"] == ["Qwen3_5ForCausalLM"]
+    assert as_text_model(source)["architectures"] == ["Qwen3_5ForCausalLM"]
     model = load_model(checkpoint, bj.make_mesh(bj.Topology()))
     state = nnx.state(model)
     out = tmp_path / "saved"
