@@ -12,6 +12,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+ANY_TEXT_MODEL = (
+    "LlavaForConditionalGeneration",
+    "LlavaNextForConditionalGeneration",
+    "LlavaOnevisionForConditionalGeneration",
+)
+"""Image-text architectures whose language model may be any family's: the one whose
+`model_type` its `text_config` names."""
 PREFIXES = ("model.language_model.", "language_model.model.", "model.")
 """Where image-text checkpoints keep the text model's `model.` tensors: transformers 5's module
 layout, the layout some were released in, and (beside a `visual.` tower) the oldest."""

@@ -13,7 +13,7 @@ import importlib
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from .multimodal import language_model_config
+from .multimodal import ANY_TEXT_MODEL, language_model_config
 
 if TYPE_CHECKING:  # the config types import this table to check themselves
     from .tensors import HFTensor
@@ -32,11 +32,13 @@ class Family(Protocol):
       model_type: Its `config.json` `model_type`.
       image_text_architectures: The image-text architectures whose language model it is
         (`models.config.multimodal`): their checkpoints load as this family's model.
+      config_defaults: transformers' defaults of the keys a sparse `config.json` leaves out.
     """
 
     architectures: ClassVar[tuple[str, ...]]
     model_type: ClassVar[str]
     image_text_architectures: ClassVar[tuple[str, ...]]
+    config_defaults: ClassVar[Mapping[str, Any]]
 
     @classmethod
     def check_config(cls, config: DecoderConfig) -> None:
@@ -64,6 +66,7 @@ class Family(Protocol):
 
 _BY_ARCHITECTURE: dict[str, type[Family]] = {}
 _BY_IMAGE_TEXT: dict[str, type[Family]] = {}
+_BY_MODEL_TYPE: dict[str, type[Family]] = {}
 _PRESETS: dict[str, DecoderConfig] = {}
 
 
@@ -116,6 +119,7 @@ def register[F: type[Family]](family: F) -> F:
             if held is not None and held is not family:
                 raise ValueError(f"{architecture} is built by {held.__name__} already")
             table[architecture] = family
+    _BY_MODEL_TYPE.setdefault(family.model_type, family)
     return family
 
 
@@ -127,6 +131,9 @@ def as_text_model(hf_config: Mapping[str, Any]) -> Mapping[str, Any]:
         return hf_config
     load_families()
     family = _BY_IMAGE_TEXT.get(names[0])
+    text = hf_config.get("text_config")
+    if names[0] in ANY_TEXT_MODEL and isinstance(text, Mapping):
+        family = _BY_MODEL_TYPE.get(text.get("model_type"))
     return language_model_config(hf_config, None if family is None else family.architectures[0])
 
 
@@ -189,7 +196,8 @@ def family_for(hf_config: Mapping[str, Any]) -> type[Family]:
 
 def read_hf_config(hf_config: Mapping[str, Any]) -> DecoderConfig:
     """Reads a Hugging Face `config.json` (as a dict) of a registered family, or of an
-    image-text model whose language model is one (`as_text_model`).
+    image-text model whose language model is one (`as_text_model`), the family's
+    `config_defaults` standing in for the keys it leaves out.
 
     Raises:
       ValueError: The family is not registered, or its reader refuses the file (a key it does
@@ -197,7 +205,8 @@ def read_hf_config(hf_config: Mapping[str, Any]) -> DecoderConfig:
       NotImplementedError: An option its layers do not compute.
     """
     text = as_text_model(hf_config)
-    return family_for(text).read_config(text)
+    family = family_for(text)
+    return family.read_config({**family.config_defaults, **text})
 
 
 def write_hf_config(config: DecoderConfig) -> dict[str, Any]:

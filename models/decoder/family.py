@@ -24,6 +24,9 @@ class FamilyBase:
     Attributes:
       architectures: The `config.json` `architectures` names the class builds.
       model_type: Its `config.json` `model_type`.
+      config_defaults: transformers' config-class defaults of keys a sparse `config.json`
+        leaves out (as the text configs of released image-text checkpoints do); the file's own
+        keys win.
       image_text_architectures: The image-text (`...ForConditionalGeneration`) architectures
         whose language model it is: their checkpoints load as its model, on text
         (`models.config.multimodal`).
@@ -43,6 +46,7 @@ class FamilyBase:
     architectures: ClassVar[tuple[str, ...]] = ()
     model_type: ClassVar[str] = ""
     image_text_architectures: ClassVar[tuple[str, ...]] = ()
+    config_defaults: ClassVar[Mapping[str, Any]] = {}
     has_experts: ClassVar[bool] = False
     quantizable: ClassVar[bool] = True
     context_parallel: ClassVar[bool] = True

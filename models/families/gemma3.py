@@ -26,38 +26,34 @@ from ..config.registry import register
 from ..config.rope_scaling import rope_parameters, rope_scaling
 from ..decoder.model import CausalLM
 
-TEXT_CONFIG_DEFAULTS = {
-    "vocab_size": 262208,
-    "hidden_size": 2304,
-    "intermediate_size": 9216,
-    "num_hidden_layers": 26,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "head_dim": 256,
-    "hidden_activation": "gelu_pytorch_tanh",
-    "max_position_embeddings": 131072,
-    "rms_norm_eps": 1e-6,
-    "query_pre_attn_scalar": 256,
-    "sliding_window": 4096,
-}
-"""transformers' `Gemma3TextConfig` defaults, which the released image-text checkpoints'
-`text_config` leaves out (it names only what differs, e.g. hidden size, layers and RoPE)."""
-
 
 @register
 class Gemma3ForCausalLM(CausalLM):
     """Gemma 3 (text): sandwich norms, `1 + w` norms, scaled embeddings, GeGLU."""
 
     architectures = ("Gemma3ForCausalLM",)
+    # transformers' Gemma3TextConfig defaults: released image-text checkpoints' text_config
+    # names only what differs (e.g. hidden size, layers and RoPE).
+    config_defaults = {
+        "vocab_size": 262208,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-6,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+    }
     image_text_architectures = ("Gemma3ForConditionalGeneration",)
     model_type = "gemma3_text"
 
     @classmethod
     def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:
-        """Reads a Gemma 3 text config, transformers' defaults (`TEXT_CONFIG_DEFAULTS`) where
-        it leaves a key out."""
         architecture = cls.architectures[0]
-        hf_config = TEXT_CONFIG_DEFAULTS | dict(hf_config)
         for key in ("final_logit_softcapping", "attn_logit_softcapping"):
             if hf_config.get(key) is not None:
                 raise ValueError(

@@ -23,6 +23,18 @@ class LlamaForCausalLM(CausalLM):
     """Llama (with llama3 RoPE scaling)."""
 
     architectures = ("LlamaForCausalLM",)
+    # transformers' LlamaConfig defaults (LLaVA checkpoints' text_config leaves most out).
+    config_defaults = {
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "hidden_act": "silu",
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+    }
     model_type = "llama"
     lora = True
 

@@ -25,7 +25,22 @@ class Qwen2ForCausalLM(CausalLM):
     """Qwen2 / Qwen2.5: q/k/v biases, no q/k norm."""
 
     architectures = ("Qwen2ForCausalLM",)
-    image_text_architectures = ("Qwen2_5_VLForConditionalGeneration",)
+    # transformers' Qwen2Config defaults, for sparse text configs of image-text checkpoints.
+    config_defaults = {
+        "vocab_size": 151936,
+        "hidden_size": 4096,
+        "intermediate_size": 22016,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "hidden_act": "silu",
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+    }
+    image_text_architectures = (
+        "Qwen2VLForConditionalGeneration",
+        "Qwen2_5_VLForConditionalGeneration",
+    )
     model_type = "qwen2"
     lora = True
 

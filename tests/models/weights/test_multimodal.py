@@ -16,8 +16,8 @@ from safetensors.numpy import load_file, save_file
 import boundary_jax as bj
 from models.build import load_model
 from models.config import read_hf_config
-from models.config.registry import as_text_model
-from models.families.gemma3 import TEXT_CONFIG_DEFAULTS
+from models.config.registry import as_text_model, family_for
+from models.families.gemma3 import Gemma3ForCausalLM
 from models.serving.runtime import ShardedCausalLM
 from models.training.trainer import FlatParams
 from models.weights import load_config, save_checkpoint
@@ -39,6 +39,11 @@ IMAGE_TEXT = {
         "language_model.lm_head.weight",
     ),
     "qwen2": ("Qwen2_5_VLForConditionalGeneration", "model.", "lm_head.weight"),
+    "llama": (
+        "LlavaForConditionalGeneration",
+        "language_model.model.",
+        "language_model.lm_head.weight",
+    ),
 }
 
 
@@ -48,6 +53,9 @@ def image_text_checkpoint(name: str, directory: pathlib.Path) -> pathlib.Path:
     architecture, prefix, head = IMAGE_TEXT[name]
     text = json.loads((GOLDEN / name / "config.json").read_text())
     tied = text.pop("tie_word_embeddings", False)
+    if architecture.startswith("Llava"):  # a sparse text_config, as LLaVA's released ones
+        defaults = family_for(text).config_defaults
+        text = {k: v for k, v in text.items() if defaults.get(k, object()) != v}
     config = {
         "architectures": [architecture],
         "model_type": "image_text",
@@ -58,7 +66,8 @@ def image_text_checkpoint(name: str, directory: pathlib.Path) -> pathlib.Path:
     if prefix == "model.":
         config = {**config.pop("text_config"), **config}
     tensors = {}
-    for tensor, value in load_file(GOLDEN / name / "model.safetensors").items():
+    stored_files = sorted((GOLDEN / name).glob("model*.safetensors"))  # llama's is sharded
+    for tensor, value in {k: v for f in stored_files for k, v in load_file(f).items()}.items():
         stored = head if tensor == "lm_head.weight" else prefix + tensor.removeprefix("model.")
         tensors[stored] = value
     tensors.update({vision: np.ones((2, 2), np.float32) for vision in VISION})
@@ -68,9 +77,12 @@ def image_text_checkpoint(name: str, directory: pathlib.Path) -> pathlib.Path:
     return directory
 
 
-@pytest.mark.parametrize("name,dp,tp", [("qwen3_5", 1, 2), ("gemma3", 2, 2), ("qwen2", 1, 2)])
+@pytest.mark.parametrize(
+    "name,dp,tp", [("qwen3_5", 1, 2), ("gemma3", 2, 2), ("qwen2", 1, 2), ("llama", 2, 2)]
+)
 def test_language_model_of_an_image_text_checkpoint_is_the_golden(tmp_path, name, dp, tp):
-    """The image-text checkpoint (nested or flat config) reads as its text family's config and
+    """The image-text checkpoint (nested or flat config; LLaVA's text_config naming the family
+    by model_type and leaving transformers' defaults out) reads as its text family's config and
     loads the golden's weights (the vision tensors left unread): transformers' logits of the
     text golden."""
     checkpoint = image_text_checkpoint(name, tmp_path / name)
@@ -115,7 +127,9 @@ def test_a_sparse_gemma3_text_config_takes_transformers_defaults():
     whole one, and without `layer_types` its layers follow the default pattern (every sixth
     full, here none of three)."""
     full = json.loads((GOLDEN / "gemma3" / "config.json").read_text())
-    sparse = {k: v for k, v in full.items() if TEXT_CONFIG_DEFAULTS.get(k, object()) != v}
+    sparse = {
+        k: v for k, v in full.items() if Gemma3ForCausalLM.config_defaults.get(k, object()) != v
+    }
     assert {
         "num_attention_heads",
         "rms_norm_eps",
