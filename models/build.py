@@ -99,8 +99,9 @@ def load_model(
     reading only its shard of each layer's tensor.
 
     A fine-grained FP8 checkpoint (`quantization_config` with `quant_method: fp8`) loads as an
-    FP8 model (`options.quantization` None: `Fp8Quantization.for_platform`); a quantization
-    given quantizes any other checkpoint on load, each device its own blocks (`weights.fp8`).
+    FP8 model (`options.quantization` None: `Fp8Quantization.for_platform`), or, for a family
+    that builds no FP8 projections, dequantized to `options.dtype`; a quantization given
+    quantizes any other checkpoint on load, each device its own blocks (`weights.fp8`).
 
     `adapters` (`{name: PEFT LoRA folder}`) are served over the base model: the model is built
     with their stacks (`BuildOptions.lora`; a batch picks each sequence's adapter by name or
@@ -114,7 +115,8 @@ def load_model(
     if adapters:
         peft = read_adapters(adapters, config)
         options = options.replace(lora=lora_spec(peft))
-    if options.quantization is None and stored_fp8(checkpoint_dir):
+    fp8 = options.quantization is None and stored_fp8(checkpoint_dir)
+    if fp8 and family_of(config).quantizable:
         options = options.replace(quantization=Fp8Quantization.for_platform(platform))
     topology = bj.Topology.from_mesh(mesh, moe_ep=moe_ep)
     graphdef, lora_state, abstract_state = nnx.split(

@@ -23,7 +23,7 @@ import dataclasses
 import enum
 import functools
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import ml_dtypes
@@ -232,6 +232,54 @@ def _check_aligned(index: tuple[slice, ...], shape: tuple[int, ...], role: Fp8Ro
                 f"cuts a {BLOCK} x {BLOCK} block (and its scale); split FP8 weights on block "
                 "edges: fewer ranks for this group"
             )
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Dequantized:
+    """A fine-grained FP8 checkpoint's weights seen as the float tensors they encode, for a
+    model built without FP8 (a family that does not build it, or pipeline stages): each device
+    reads its block of the FP8 values and the 128 x 128 scales covering it, wherever its block
+    starts and ends, and multiplies them in float32.
+
+    Attributes:
+      scales: Each FP8 weight's name and its `weight_scale_inv`'s.
+    """
+
+    scales: dict[str, str]
+
+    @classmethod
+    def of(cls, names: Iterable[str]) -> Fp8Dequantized:
+        """The weights among a checkpoint's tensor `names` that have a `weight_scale_inv`."""
+        names = set(names)
+        scale = lambda name: name.removesuffix(".weight") + ".weight_scale_inv"  # noqa: E731
+        return cls({n: scale(n) for n in names if n.endswith(".weight") and scale(n) in names})
+
+    def names(self, stored: Iterable[str]) -> list[str]:
+        """`stored` without the scales (each read with its weight)."""
+        hidden = set(self.scales.values())
+        return [name for name in stored if name not in hidden]
+
+    def read(
+        self,
+        name: str,
+        index: tuple[slice, ...],
+        read_stored: Callable[[str, tuple[slice, ...]], np.ndarray],
+    ) -> np.ndarray:
+        """The block `index` ([out, in] slices with explicit bounds) of weight `name`,
+        dequantized to float32 (`read_stored` reads a block of a stored tensor)."""
+        values = np.asarray(read_stored(name, index), np.float32)
+        first = tuple(part.start // BLOCK for part in index)
+        blocks = tuple(
+            slice(f, -(-part.stop // BLOCK)) for f, part in zip(first, index, strict=True)
+        )
+        scales = np.asarray(read_stored(self.scales[name], blocks), np.float32)
+        for axis in (0, 1):
+            scales = np.repeat(scales, BLOCK, axis=axis)
+        crop = tuple(
+            slice(part.start - f * BLOCK, part.stop - f * BLOCK)
+            for f, part in zip(first, index, strict=True)
+        )
+        return values * scales[crop]
 
 
 def quantize_blocks(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -44,7 +44,15 @@ from ..config.multimodal import language_model_tensors
 from ..config.registry import as_text_model
 from ..config.tensors import IGNORED_SUFFIXES, HFTensor
 from ..layers.fp8_linear import Fp8Quantization
-from .fp8 import FP8_DTYPE, STORED_FP8, Fp8Source, fp8_sources, read_stored_fp8, stored_fp8
+from .fp8 import (
+    FP8_DTYPE,
+    STORED_FP8,
+    Fp8Dequantized,
+    Fp8Source,
+    fp8_sources,
+    read_stored_fp8,
+    stored_fp8,
+)
 from .mxfp4 import Mxfp4Tensors, stored_mxfp4
 
 _LOG = logging.getLogger(__name__)
@@ -146,7 +154,8 @@ def load_params(
         where the stage does): its layers' tensors must all be there, and the checkpoint's
         other tensors are the other stages'. None: the whole model.
       quantization: The model was built with FP8 projections (`models.weights.fp8`): read
-        from a fine-grained FP8 checkpoint, or quantized on load from another.
+        from a fine-grained FP8 checkpoint, or quantized on load from another. None: a
+        fine-grained FP8 checkpoint's weights are dequantized on load (`Fp8Dequantized`).
 
     Returns:
       `abstract_state` with every leaf replaced by a global array sharded as its metadata says.
@@ -154,8 +163,7 @@ def load_params(
     Raises:
       FileNotFoundError: The directory lacks the config or weights files.
       ValueError: A parameter has no tensor in the map or checkpoint, a tensor's shape does not
-        fit its parameter, the checkpoint holds tensors the model has no parameter for, or it
-        is an FP8 checkpoint and the model is not FP8.
+        fit its parameter, or the checkpoint holds tensors the model has no parameter for.
     """
     config = load_config(checkpoint_dir)
     sources = hf_name_map(config, scan_layers=scan_layers)
@@ -164,11 +172,6 @@ def load_params(
     fp8 = stored_fp8(checkpoint_dir)
     if quantization is not None:
         sources = fp8_sources(sources, quantization, stored=fp8)
-    elif fp8:
-        raise ValueError(
-            f"{checkpoint_dir} holds FP8 weights; build the model with an Fp8Quantization "
-            "(load_model does for an FP8 checkpoint)"
-        )
     leaves = nnx.to_flat_state(abstract_state)
     specs = dict(nnx.to_flat_state(nnx.get_partition_spec(abstract_state)))
     paths = {_dotted(path) for path, _ in leaves}
@@ -186,7 +189,8 @@ def load_params(
             f"the checkpoint's config needs parameters {absent}, which the model lacks; build "
             f"the model from the same config as {checkpoint_dir}"
         )
-    with _Checkpoint(Path(checkpoint_dir)) as checkpoint:
+    dequantize = fp8 and quantization is None
+    with _Checkpoint(Path(checkpoint_dir), dequantize_fp8=dequantize) as checkpoint:
         used = {name for path in paths for name in sources[path].tensor_names()}
         unread, notice = family_of(config).unread_tensors(config, checkpoint.names)
         if notice is not None:
@@ -443,11 +447,12 @@ class _Checkpoint(contextlib.AbstractContextManager):
     image-text checkpoint's language model's, named as its text checkpoint's
     (`models.config.multimodal`), the vision tower's left out."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, *, dequantize_fp8: bool = False):
         self._directory = directory
         self._files = contextlib.ExitStack()
         self._handles: dict[str, object] = {}
         self._mxfp4 = Mxfp4Tensors({})
+        self._fp8 = Fp8Dequantized({})
         index = directory / INDEX_FILE
         if index.is_file():
             weight_map = read_json(index)
@@ -471,11 +476,14 @@ class _Checkpoint(contextlib.AbstractContextManager):
             self._file_of = {text: self._file_of[name] for text, name in self._stored.items()}
         if (directory / CONFIG_FILE).is_file() and stored_mxfp4(directory):
             self._mxfp4 = Mxfp4Tensors.of(self._file_of)
+        if dequantize_fp8:
+            self._fp8 = Fp8Dequantized.of(self._file_of)
 
     @property
     def names(self) -> list[str]:
-        """The tensors' names, an MXFP4 pair's as the name of the tensor it encodes."""
-        return self._mxfp4.names(self._file_of)
+        """The tensors' names, an MXFP4 pair's as the name of the tensor it encodes, and an FP8
+        weight's scale left out where the weights are dequantized."""
+        return self._fp8.names(self._mxfp4.names(self._file_of))
 
     def shape(self, name: str, path: str) -> tuple[int, ...]:
         if name in self._mxfp4.pairs:
@@ -490,6 +498,11 @@ class _Checkpoint(contextlib.AbstractContextManager):
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         if name in self._mxfp4.pairs:
             return self._mxfp4.read(name, index, self.read)
+        if name in self._fp8.scales:
+            return self._fp8.read(name, index, self._read_stored)
+        return self._read_stored(name, index)
+
+    def _read_stored(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         stored = self._stored[name]
         tensor = self._open(self._file_of[name]).get_slice(stored)
         if tensor.get_dtype() in STORED_FP8:  # the safetensors numpy reader cannot slice FP8
