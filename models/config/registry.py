@@ -123,17 +123,25 @@ def register[F: type[Family]](family: F) -> F:
     return family
 
 
+def image_text_family(hf_config: Mapping[str, Any]) -> type[Family] | None:
+    """The family whose model is the language model of an image-text `config.json` (as a
+    dict): the one naming its architecture in `image_text_architectures`, or for a wrapper of
+    any text model (`multimodal.ANY_TEXT_MODEL`) the one of its `text_config`'s `model_type`.
+    None for any other config."""
+    names = hf_config.get("architectures")
+    if not isinstance(names, list) or len(names) != 1:
+        return None
+    load_families()
+    text = hf_config.get("text_config")
+    if names[0] in ANY_TEXT_MODEL and isinstance(text, Mapping):
+        return _BY_MODEL_TYPE.get(text.get("model_type"))
+    return _BY_IMAGE_TEXT.get(names[0])
+
+
 def as_text_model(hf_config: Mapping[str, Any]) -> Mapping[str, Any]:
     """A `config.json` (as a dict) as its text family reads it: an image-text model's
     language model's (`multimodal.language_model_config`), any other as it is."""
-    names = hf_config.get("architectures")
-    if not isinstance(names, list) or len(names) != 1:
-        return hf_config
-    load_families()
-    family = _BY_IMAGE_TEXT.get(names[0])
-    text = hf_config.get("text_config")
-    if names[0] in ANY_TEXT_MODEL and isinstance(text, Mapping):
-        family = _BY_MODEL_TYPE.get(text.get("model_type"))
+    family = image_text_family(hf_config)
     return language_model_config(hf_config, None if family is None else family.architectures[0])
 
 

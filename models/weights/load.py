@@ -41,7 +41,7 @@ from safetensors import SafetensorError, safe_open
 
 from ..config import DecoderConfig, family_of, hf_name_map, read_hf_config
 from ..config.multimodal import language_model_tensors
-from ..config.registry import as_text_model
+from ..config.registry import image_text_family
 from ..config.tensors import IGNORED_SUFFIXES, HFTensor
 from ..layers.fp8_linear import Fp8Quantization
 from .fp8 import (
@@ -438,10 +438,6 @@ def _read_tensor(
     return stored.T if source.transpose else stored
 
 
-def _is_image_text(hf_config: dict[str, Any]) -> bool:
-    return as_text_model(hf_config) is not hf_config
-
-
 class _Checkpoint(contextlib.AbstractContextManager):
     """The tensors of one checkpoint directory, each file opened (memory-mapped) once; an
     image-text checkpoint's language model's, named as its text checkpoint's
@@ -470,7 +466,7 @@ class _Checkpoint(contextlib.AbstractContextManager):
             )
         self._stored = {name: name for name in self._file_of}
         config_file = directory / CONFIG_FILE
-        if config_file.is_file() and _is_image_text(read_hf_config_file(directory)):
+        if config_file.is_file() and image_text_family(read_hf_config_file(directory)):
             # The language model's tensors, named as its text checkpoint's.
             self._stored = language_model_tensors(self._file_of)
             self._file_of = {text: self._file_of[name] for text, name in self._stored.items()}
