@@ -73,13 +73,15 @@ def test_mosaic_kernel_multiplies_every_group_by_its_own_weight(shape, tiling):
 
 
 def test_batched_reference_is_each_groups_product():
-    """The batched reference is `fp8_matmul_reference` group by group; the dequantized bf16
-    form is it to bf16 rounding; the Triton kernels have no batched form."""
+    """The batched reference is `fp8_matmul_reference` group by group (to float32 rounding); the
+    dequantized bf16 form is it to bf16 rounding; the Triton kernels have no batched form."""
     args = batched_operands(3, 16, 256, 128)
     got = np.asarray(fp8_batched_matmul(*args, out_dtype=jnp.float32))
     for g in range(3):
-        want = fp8_matmul_reference(*(a[g] for a in args), out_dtype=jnp.float32)
-        np.testing.assert_allclose(got[g], np.asarray(want), rtol=1e-6, atol=1e-6)
+        want = np.asarray(fp8_matmul_reference(*(a[g] for a in args), out_dtype=jnp.float32))
+        # Float32 rounding of the largest product: a GPU's batched and single matmuls sum in
+        # different orders (7e-5 on products near 90 on an H200).
+        np.testing.assert_allclose(got[g], want, rtol=0, atol=2e-6 * np.abs(want).max())
     bf16 = fp8_batched_matmul(*args, out_dtype=jnp.float32, impl=Fp8MatmulImpl.DEQUANTIZED_BF16)
     assert 0 < np.abs(np.asarray(bf16) - got).max() / np.abs(got).max() < 2.0**-7
     with pytest.raises(ValueError, match="no Fp8MatmulImpl.PALLAS_TRITON form"):
