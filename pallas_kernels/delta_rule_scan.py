@@ -52,7 +52,7 @@ def _scan_kernel(
     lax.fori_loop(0, chunks, chunk, jnp.zeros((k_dim, block_v), jnp.float32))
 
 
-@functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "num_stages", "interpret"))
 def chunk_state_scan(
     values: jax.Array,
     reads: jax.Array,
@@ -61,6 +61,7 @@ def chunk_state_scan(
     *,
     block_v: int | None = None,
     num_warps: int = 4,
+    num_stages: int = 3,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """The state's scan over chunks of the chunked gated delta rule (scalar gate per head).
@@ -72,10 +73,12 @@ def chunk_state_scan(
         not in the chunk's last run).
       carried: [C, H] the factor the entering state keeps at the chunk's end.
       block_v: Static value columns per program (a power of two dividing v_dim; default
-        min(32, v_dim): with the outputs still in the kernel, at Qwen3-Next's shape, 64
-        chunks x 32 heads x 128 x 128, on an H200 0.50 ms against 0.60 for 64 columns and 1.10
-        for 128, 4 warps each; 16 columns took 0.50 ms too, benchmarks/RESULTS.md run 39).
+        min(32, v_dim)).
       num_warps: Static Triton warps per program.
+      num_stages: Static Triton pipeline stages: 3 loads the next chunks' blocks while the
+        current chunk's two dots run. At Qwen3-Next's shape (64 chunks x 32 heads x 64 rows x
+        128 x 128) on an H200, 32 columns, 4 warps: 0.216 ms at 3 stages, 0.238 at 2, 0.344 at
+        1; 16 columns 0.308-0.411 ms; 2 or 8 warps slower (benchmarks/RESULTS.md run 40).
       interpret: Static: run the Pallas interpreter (CPU tests).
 
     Returns:
@@ -129,7 +132,7 @@ def chunk_state_scan(
             axes.output_type((chunks, heads, length, v_dim), f32, varying),
             axes.output_type((chunks, heads, k_dim, v_dim), f32, varying),
         ],
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
     )(values, reads, keys, carried)
     return new, states
