@@ -9,6 +9,7 @@ from .kernel_mosaic import fp8_matmul_mosaic as fp8_matmul_mosaic
 from .kernel_triton import fp8_matmul_triton as fp8_matmul_triton
 from .ops import PADDED_PRODUCTS as PADDED_PRODUCTS
 from .ops import TRITON_MAX_ROWS as TRITON_MAX_ROWS
+from .ops import padded_strategy as padded_strategy
 from .ops import Fp8GroupedImpl as Fp8GroupedImpl
 from .ops import Fp8MatmulImpl as Fp8MatmulImpl
 from .ops import Fp8Tiling as Fp8Tiling

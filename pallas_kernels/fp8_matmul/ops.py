@@ -277,9 +277,12 @@ class Fp8GroupedImpl(enum.Enum):
         dequantized in registers (decode).
       PALLAS_INTERPRET: PALLAS_TRITON's body in the Pallas interpreter (tests).
       GPU_BY_SIZE: PALLAS_TRITON up to `grouped_matmul.TRITON_MAX_ROUTED_ROWS` routed rows;
-        above, the weights dequantized to bf16 in the program and the bf16 grouped matmul
-        (`GroupedMatmulImpl.GPU_BY_SIZE`) on the dequantized rows: prefill is bound by its
-        FLOPs, not by the weights' bytes.
+        above, the MoE layer runs PADDED_GPU (`padded_strategy`), and `fp8_grouped_matmul`
+        itself (PADDED_GPU's fallback past its buckets) dequantizes the weights and rows to
+        bf16 in the program for the bf16 grouped matmul (`GroupedMatmulImpl.GPU_BY_SIZE`). On
+        an H200 (Qwen3-30B-A3B layer at 4096 tokens, benchmarks/RESULTS.md run 40) the padded
+        products took the layer to 0.997x the bf16 layer's time where dequantizing reached
+        0.483x.
       PADDED_GPU: A strategy of the MoE layer around the products, as
         `GroupedMatmulImpl.PADDED_BATCHED` is for bf16 experts: the quantized rows copied
         expert-major into [local experts, C, hidden], C the smallest capacity bucket that holds
@@ -307,6 +310,18 @@ PADDED_PRODUCTS: dict[Fp8GroupedImpl, tuple[Fp8MatmulImpl, Fp8GroupedImpl]] = {
 }
 """The padded strategies: each one's batched product (`fp8_batched_matmul`) and the grouped
 products it falls back to past its capacity buckets."""
+
+
+def padded_strategy(impl: Fp8GroupedImpl, routed_rows: int) -> Fp8GroupedImpl | None:
+    """The padded strategy (a key of `PADDED_PRODUCTS`) the MoE layer runs for `impl` at a
+    static count of routed rows, or None for the grouped products on rows sorted by expert:
+    PADDED_GPU and PADDED_GPU_INTERPRET at any count, GPU_BY_SIZE's PADDED_GPU above
+    `TRITON_MAX_ROUTED_ROWS`."""
+    if impl in PADDED_PRODUCTS:
+        return impl
+    if impl is Fp8GroupedImpl.GPU_BY_SIZE and routed_rows > TRITON_MAX_ROUTED_ROWS:
+        return Fp8GroupedImpl.PADDED_GPU
+    return None
 
 
 def default_fp8_grouped_impl(platform: str) -> Fp8GroupedImpl:

@@ -8,8 +8,9 @@ stores them, [out, in] per expert: `gate_up_proj` [experts, parts, width, hidden
 stacked, one matmul; the up projection alone for RELU2 experts) and `down_proj` [experts,
 hidden, width], with their block scales. The products run through
 `pallas_kernels.fp8_matmul.fp8_grouped_matmul` on the rows sorted by expert, or, under a padded
-strategy (`Fp8GroupedImpl.PADDED_GPU`), through `fp8_batched_matmul` on the rows copied into
-capacity buckets as the bf16 layer's `PADDED_BATCHED` does. Under
+strategy (`Fp8GroupedImpl.PADDED_GPU`, also `GPU_BY_SIZE`'s above 2048 routed rows:
+`padded_strategy`), through `fp8_batched_matmul` on the rows copied into capacity buckets as
+the bf16 layer's `PADDED_BATCHED` does. Under
 `Fp8Weights.DEQUANTIZED` the weights are `values * scales` in the model's dtype and the rows are
 quantized and dequantized alike: the float64 reference. Inference only.
 """
@@ -28,6 +29,7 @@ from pallas_kernels.fp8_matmul import (
     SCALE_BLOCK,
     fp8_batched_matmul,
     fp8_grouped_matmul,
+    padded_strategy,
 )
 
 from ...config import MoeConfig
@@ -143,7 +145,6 @@ class Fp8MoeFfn(MoeFfn):
         order, positions, sizes = bj.ops.group_order(jnp.where(held, flat, local), local + 1)
         sorted_rows = SortedRows(order, positions, sizes[:local], jnp.where(held, flat, 0), top_k)
         rows = self.quantization.quantize(x)  # once per token, then sorted
-        impl = self.quantization.grouped
 
         def finish(out: jax.Array) -> jax.Array:  # [T*k, hidden], held elsewhere unspecified
             out = jnp.where(held[:, None], out, jnp.zeros_like(out)).reshape(tokens, top_k, -1)
@@ -154,13 +155,16 @@ class Fp8MoeFfn(MoeFfn):
             out = self._experts(gathered, lambda *args: self._grouped(*args, sizes[:local]))
             return finish(jnp.take(out, positions, axis=0))
 
+        strategy = padded_strategy(self.quantization.grouped, tokens * top_k)
+
         def padded(capacity: int) -> jax.Array:
             source, slot = capacity_places(sorted_rows, capacity)
             gathered = jax.tree.map(lambda leaf: jnp.take(leaf, source, axis=0), rows)
-            out = self._experts(gathered, lambda *args: self._batched(*args, capacity))
+            product = PADDED_PRODUCTS[strategy][0]
+            out = self._experts(gathered, lambda *args: self._batched(*args, capacity, product))
             return finish(jnp.take(out, slot, axis=0))
 
-        if impl not in PADDED_PRODUCTS or self.gate_up_proj_scale_inv is None:
+        if strategy is None or self.gate_up_proj_scale_inv is None:
             return grouped()
         share = tokens * top_k / local if even_share is None else even_share
         return by_capacity(
@@ -207,12 +211,12 @@ class Fp8MoeFfn(MoeFfn):
             impl=self.quantization.grouped,
         )
 
-    def _batched(self, rows, weight: nnx.Param, scales: nnx.Param | None, capacity: int):
+    def _batched(self, rows, weight: nnx.Param, scales: nnx.Param | None, capacity: int, product):
         """[local x capacity, in] quantized rows, expert-major, times their expert's weight ->
-        [local x capacity, parts x out] in the model's dtype (`fp8_batched_matmul`)."""
+        [local x capacity, parts x out] in the model's dtype (`fp8_batched_matmul` by
+        `product`, an `Fp8MatmulImpl`)."""
         values, scales = self._weight(weight, scales)
         local = values.shape[0]
-        product, _ = PADDED_PRODUCTS[self.quantization.grouped]
         out = fp8_batched_matmul(
             rows.values.reshape(local, capacity, -1),
             rows.scales.reshape(local, capacity, -1),

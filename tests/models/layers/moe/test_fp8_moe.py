@@ -14,7 +14,7 @@ from models.layers.moe import fp8 as fp8_moe
 from models.layers.moe.fp8 import Fp8MoeFfn
 from models.layers.moe.routing import Routing
 from pallas_kernels import compat
-from pallas_kernels.fp8_matmul import Fp8GroupedImpl
+from pallas_kernels.fp8_matmul import Fp8GroupedImpl, Fp8MatmulImpl
 
 pytestmark = pytest.mark.skipif(
     compat.gpu_interpret_params() is None, reason="this JAX has no Mosaic GPU interpreter"
@@ -106,3 +106,36 @@ def test_padded_fp8_experts_of_one_expert_parallel_rank_finalize_their_share():
     got, want = run(Fp8GroupedImpl.PADDED_GPU_INTERPRET, True), run(Fp8GroupedImpl.XLA, True)
     np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max())
     assert np.abs(want - np.asarray(shared)).max() > 1e-2  # the experts' share matters
+
+
+@pytest.mark.parametrize("tokens, path", [(1024, "grouped"), (1032, "padded")])
+def test_gpu_by_size_pads_the_experts_above_the_triton_rows(monkeypatch, tokens, path):
+    """GPU_BY_SIZE runs the grouped products up to 2048 routed rows and the padded wgmma products
+    (`PALLAS_GPU`) above: each product records the kernel asked for and runs XLA's reference, so
+    the layer equals the XLA layer whichever path it takes."""
+    chosen = np.stack([np.arange(tokens) % EXPERTS, (np.arange(tokens) + 1) % EXPERTS], 1)
+    routing = Routing(jnp.full((tokens, 2), 0.5), jnp.asarray(chosen, jnp.int32))
+    x = jax.random.normal(jax.random.key(1), (tokens, HIDDEN))
+    want = np.asarray(jax.jit(layer(Fp8GroupedImpl.XLA).routed)(x, routing))
+    batched, grouped, asked = fp8_moe.fp8_batched_matmul, fp8_moe.fp8_grouped_matmul, []
+
+    def recorded(product, reference):
+        def call(*args, impl, **kwargs):
+            asked.append(impl)
+            return product(*args, impl=reference, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(fp8_moe, "fp8_batched_matmul", recorded(batched, Fp8MatmulImpl.XLA))
+    monkeypatch.setattr(fp8_moe, "fp8_grouped_matmul", recorded(grouped, Fp8GroupedImpl.XLA))
+    got = np.asarray(jax.jit(layer(Fp8GroupedImpl.GPU_BY_SIZE).routed)(x, routing))
+    # Equal but for a few activations whose FP8 rounding flips (the two forms of the first
+    # product differ in float32 rounding): a few hundred outputs of half a million.
+    off = np.abs(got - want) > 1e-5 * np.abs(want).max()
+    assert off.mean() < 2e-3 and np.abs(got - want).max() < 1e-2 * np.abs(want).max()
+    if path == "grouped":
+        assert asked == [Fp8GroupedImpl.GPU_BY_SIZE] * 2
+    else:  # both products of each capacity branch, then the grouped fallback's two
+        assert asked[:-2] == [Fp8MatmulImpl.PALLAS_GPU] * (len(asked) - 2) and len(asked) > 2
+        assert asked[-2:] == [Fp8GroupedImpl.GPU_BY_SIZE] * 2
+
