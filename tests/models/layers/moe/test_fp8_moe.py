@@ -138,4 +138,3 @@ def test_gpu_by_size_pads_the_experts_above_the_triton_rows(monkeypatch, tokens,
     else:  # both products of each capacity branch, then the grouped fallback's two
         assert asked[:-2] == [Fp8MatmulImpl.PALLAS_GPU] * (len(asked) - 2) and len(asked) > 2
         assert asked[-2:] == [Fp8GroupedImpl.GPU_BY_SIZE] * 2
-
