@@ -156,16 +156,16 @@ class Fp8MoeFfn(MoeFfn):
             return finish(jnp.take(out, positions, axis=0))
 
         strategy = padded_strategy(self.quantization.grouped, tokens * top_k)
+        if strategy is None or self.gate_up_proj_scale_inv is None:
+            return grouped()
+        product = PADDED_PRODUCTS[strategy][0]
 
         def padded(capacity: int) -> jax.Array:
             source, slot = capacity_places(sorted_rows, capacity)
             gathered = jax.tree.map(lambda leaf: jnp.take(leaf, source, axis=0), rows)
-            product = PADDED_PRODUCTS[strategy][0]
             out = self._experts(gathered, lambda *args: self._batched(*args, capacity, product))
             return finish(jnp.take(out, slot, axis=0))
 
-        if strategy is None or self.gate_up_proj_scale_inv is None:
-            return grouped()
         share = tokens * top_k / local if even_share is None else even_share
         return by_capacity(
             sorted_rows.sizes, capacity_buckets(share, tokens * top_k), padded, grouped
