@@ -334,7 +334,8 @@ def randomize_(model: torch.nn.Module, seed: int, resid_gain: float = 1.0) -> No
 
     The residual-writing projections (o_proj, down_proj) get N(0, resid_gain^2/fan_in). Stacked
     expert weights (transformers 5 holds them as [experts, out, in]; `save_pretrained` writes one
-    [out, in] tensor per expert) get N(0, 1/in), so every expert differs; q/k/v biases N(0, 0.25).
+    [out, in] tensor per expert) get N(0, 1/in), so every expert differs; the attention's and
+    the MLP's biases N(0, 0.25).
     """
     gen = torch.Generator(device="cpu").manual_seed(seed)
     # named_parameters() de-duplicates tied parameters (Qwen3 lm_head is embed_tokens).
@@ -351,7 +352,7 @@ def randomize_(model: torch.nn.Module, seed: int, resid_gain: float = 1.0) -> No
         elif p.ndim == 3 and ".experts." in name:  # [experts, out, in]
             gain = resid_gain if name.endswith("down_proj") else 1.0
             p.copy_(noise * (gain / math.sqrt(p.shape[2])))
-        elif p.ndim == 1 and name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
+        elif p.ndim == 1 and name.endswith("_proj.bias"):  # attention and MLP biases
             p.copy_(0.5 * noise)
         else:
             raise ValueError(f"unexpected parameter {name} {tuple(p.shape)}")
@@ -644,11 +645,13 @@ def numpy_forward(
         s = np.exp(s - s.max(-1, keepdims=True))
         s /= s.sum(-1, keepdims=True)
         a = np.einsum("hts,shd->thd", s, v).reshape(T, nh * hd)
-        x = x + a @ w[p + "self_attn.o_proj.weight"].T
+        x = x + proj(a, p + "self_attn.o_proj")
         h = rms(x, w[p + "post_attention_layernorm.weight"])
         sparse = moe_prefix(cfg, w, i)
         if sparse is None:
-            x = x + swiglu(h, *(w[p + f"mlp.{n}_proj.weight"] for n in ("gate", "up", "down")))
+            gate = proj(h, p + "mlp.gate_proj")
+            hidden = gate / (1 + np.exp(-gate)) * proj(h, p + "mlp.up_proj")
+            x = x + proj(hidden, p + "mlp.down_proj")
         else:
             x = x + numpy_moe(cfg, w, sparse, h, routing)
     x = rms(x, w["model.norm.weight"])

@@ -208,6 +208,10 @@ def numpy_forward(
         x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
         return x * cos[:, None, :] + np.concatenate([-x2, x1], axis=-1) * sin[:, None, :]
 
+    def proj(h, name):  # nn.Linear, with its bias where the checkpoint has one
+        y = h @ w[name + ".weight"].T
+        return y + w[name + ".bias"] if name + ".bias" in w else y
+
     norms = ("attention_layernorm", "feedforward_layernorm") if apertus else None
     norms = norms or ("input_layernorm", "post_attention_layernorm")
     causal = np.tril(np.ones((T, T), dtype=bool))
@@ -215,9 +219,9 @@ def numpy_forward(
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         h = rms(x, w[p + norms[0] + ".weight"])
-        q = (h @ w[p + "self_attn.q_proj.weight"].T).reshape(T, nh, hd)
-        k = (h @ w[p + "self_attn.k_proj.weight"].T).reshape(T, nkv, hd)
-        v = (h @ w[p + "self_attn.v_proj.weight"].T).reshape(T, nkv, hd)
+        q = proj(h, p + "self_attn.q_proj").reshape(T, nh, hd)
+        k = proj(h, p + "self_attn.k_proj").reshape(T, nkv, hd)
+        v = proj(h, p + "self_attn.v_proj").reshape(T, nkv, hd)
         if apertus:  # per-head RMSNorm over head_dim, before RoPE
             q = rms(q, w[p + "self_attn.q_norm.weight"])
             k = rms(k, w[p + "self_attn.k_norm.weight"])
@@ -229,14 +233,14 @@ def numpy_forward(
         s = np.exp(s - s.max(-1, keepdims=True))
         s /= s.sum(-1, keepdims=True)
         o = np.einsum("hts,shd->thd", s, v).reshape(T, nh * hd)
-        x = x + o @ w[p + "self_attn.o_proj.weight"].T
+        x = x + proj(o, p + "self_attn.o_proj")
         h = rms(x, w[p + norms[1] + ".weight"])
-        up = h @ w[p + "mlp.up_proj.weight"].T
+        up = proj(h, p + "mlp.up_proj")
         if ups is not None:
             ups.append(up)
         relu2 = np.square(np.maximum(up, 0))
         act = xielu(up, w, p + "mlp.act_fn.", variant) if apertus else relu2
-        x = x + act @ w[p + "mlp.down_proj.weight"].T
+        x = x + proj(act, p + "mlp.down_proj")
     x = rms(x, w["model.norm.weight"])
     return x @ w["lm_head.weight"].T
 

@@ -199,12 +199,21 @@ GATED_MLP_TENSORS = {
     "mlp.down_proj.kernel": HFTensor("mlp.down_proj.weight", transpose=True),
 }
 """The gated MLP's projections (gate and up stacked in one parameter), layer-relative."""
+GATED_MLP_BIAS_TENSORS = {
+    "mlp.gate_up_proj.bias": HFTensor("mlp.{part}_proj.bias", parts=("gate", "up"), part_axis=0),
+    "mlp.down_proj.bias": HFTensor("mlp.down_proj.bias"),
+}
+"""The gated MLP's biases (`DecoderConfig.mlp_bias`), layer-relative."""
 UNGATED_MLP_TENSORS = {
     f"mlp.{name}_proj.kernel": HFTensor(f"mlp.{name}_proj.weight", transpose=True)
     for name in ("up", "down")
 }
 """The ungated MLP's projections (`layers.ungated_mlp.UngatedMlp` held as `mlp`),
 layer-relative."""
+UNGATED_MLP_BIAS_TENSORS = {
+    f"mlp.{name}_proj.bias": HFTensor(f"mlp.{name}_proj.bias") for name in ("up", "down")
+}
+"""The ungated MLP's biases (`DecoderConfig.mlp_bias`), layer-relative."""
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # a buffer some older checkpoints store
 
 
@@ -310,9 +319,10 @@ def attention_tensors(config: DecoderConfig) -> dict[str, HFTensor]:
 
 
 def dense_layer_tensors(config: DecoderConfig) -> dict[str, HFTensor]:
-    """A layer of grouped-query attention (`attention_tensors`) and a gated MLP, with its
-    residual design's norms (layer-relative)."""
-    return NORM_TENSORS[config.residual_design] | attention_tensors(config) | GATED_MLP_TENSORS
+    """A layer of grouped-query attention (`attention_tensors`) and a gated MLP (with the
+    biases `mlp_bias` asks for), with its residual design's norms (layer-relative)."""
+    mlp = GATED_MLP_TENSORS | (GATED_MLP_BIAS_TENSORS if config.mlp_bias else {})
+    return NORM_TENSORS[config.residual_design] | attention_tensors(config) | mlp
 
 
 def decoder_tensor_names(

@@ -306,6 +306,9 @@ class DecoderConfig:
       embedding_scale: The factor the embedding's output is multiplied by (in the embedding's
         dtype), or None.
       o_bias: The attention's o projection adds a bias.
+      mlp_bias: The dense MLP's projections add biases (the down projection's counted once in
+        its sum over full TP); built by the families that read `mlp_bias`
+        (`FamilyBase.mlp_biases`).
       attention_sinks: Each attention head has a learned sink logit in its softmax's
         denominator.
       rotary_dim: The RoPE rotates each head's first `rotary_dim` channels; None: all.
@@ -343,6 +346,7 @@ class DecoderConfig:
     unit_offset_norms: bool = False
     embedding_scale: float | None = None
     o_bias: bool = False
+    mlp_bias: bool = False
     attention_sinks: bool = False
     rotary_dim: int | None = None
     attention_output_gate: bool = False

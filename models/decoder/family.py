@@ -41,6 +41,7 @@ class FamilyBase:
         (`models.decoder.captures`).
       lora: It builds LoRA adapter stacks (`BuildOptions.lora`) on its attention and gated MLP
         projections (a family with experts: on its attention only).
+      mlp_biases: Its dense MLP adds the biases `DecoderConfig.mlp_bias` asks for.
     """
 
     architectures: ClassVar[tuple[str, ...]] = ()
@@ -55,6 +56,7 @@ class FamilyBase:
     dense_ffn_dp: ClassVar[bool] = False
     captures_hidden_states: ClassVar[bool] = True
     lora: ClassVar[bool] = False
+    mlp_biases: ClassVar[bool] = False
 
     @classmethod
     def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:
@@ -69,7 +71,8 @@ class FamilyBase:
     @classmethod
     def check_config(cls, config: DecoderConfig) -> None:
         """Raises unless `config` is one this family builds (run on every `DecoderConfig` of
-        its architectures): a sparse FFN exactly when the family has experts.
+        its architectures): a sparse FFN exactly when the family has experts, MLP biases only
+        where it builds them.
 
         Raises:
           ValueError: The config holds what the family does not build.
@@ -78,6 +81,11 @@ class FamilyBase:
             raise ValueError(
                 f"{config.architecture} {'needs' if config.moe is None else 'takes no'} MoE "
                 f"settings; got moe={config.moe!r}"
+            )
+        if config.mlp_bias and not cls.mlp_biases:
+            raise ValueError(
+                f"{config.architecture} builds its MLPs without biases; got mlp_bias=True. Set "
+                "it False (its transformers model has no MLP biases either)"
             )
 
     @classmethod

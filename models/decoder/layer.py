@@ -16,11 +16,20 @@ import boundary_jax as bj
 from ..inputs.rows import TokenRows
 from ..layers.attention.kv_cache import KVCache
 from ..layers.attention.self_attention import O_PROJ_BIAS, Attention
-from ..layers.mlp import SwiGLU
+from ..layers.mlp import DOWN_PROJ_BIAS, SwiGLU
 from .designs import LayerDesign, StageDesigns
 
 Declare = Callable[[StageDesigns], tuple[bj.StageDeclaration, ...]]
 """A layer's stage declarations, from what its residual design built (`CausalLM.stage_facts`)."""
+
+
+def declared_counts(
+    boundary: bj.StageBoundary, name: str, stream: bj.ResidualStream
+) -> bool | jax.Array | None:
+    """Whether this rank adds the replicated part `name` of `boundary`'s stage
+    (`StageBoundary.counts`), or None where the stage declares no such part."""
+    declared = {part.name for part in boundary.declaration.replicated}
+    return boundary.counts(name, stream) if name in declared else None
 
 
 def attend_rows(
@@ -36,8 +45,7 @@ def attend_rows(
     its stage (`boundary`) declares the o projection's bias replicated, the bias is added on
     the ranks the boundary counts it on; with `adapters` ([T] LoRA adapter of each of `h`'s
     rows) each row's adapter joins it."""
-    declared = {part.name for part in boundary.declaration.replicated}
-    counts_bias = boundary.counts(O_PROJ_BIAS, stream) if O_PROJ_BIAS in declared else None
+    counts_bias = declared_counts(boundary, O_PROJ_BIAS, stream)
     call = functools.partial(
         attn,
         h,
@@ -143,7 +151,8 @@ class DecoderLayer(AttentionFirstLayer):
             x, stream = self.run_ffn(h, stream)
         else:
             adapters = bj.adapters.lora_rows(self.ffn_boundary, stream, rows.adapters)
-            x, stream = self.ffn_boundary.finish(self.mlp(h, adapters=adapters), stream)
+            y = self.mlp(h, adapters=adapters, **self.mlp_bias_counts(stream))
+            x, stream = self.ffn_boundary.finish(y, stream)
         return x, stream, cache
 
     def attend(
@@ -152,14 +161,19 @@ class DecoderLayer(AttentionFirstLayer):
         """The attention's compute: its o_proj partial on `h`'s rows, and the updated cache."""
         return attend_rows(self.attn, h, rows, cache, self.attn_boundary, stream)
 
+    def mlp_bias_counts(self, stream: bj.ResidualStream) -> dict[str, bool | jax.Array]:
+        """The keyword a dense MLP with biases takes: whether this rank adds its down
+        projection's bias (`counts_bias`); empty where the FFN stage declares no such bias."""
+        counts = declared_counts(self.ffn_boundary, DOWN_PROJ_BIAS, stream)
+        return {} if counts is None else {"counts_bias": counts}
+
     def run_ffn(
         self, h: jax.Array, stream: bj.ResidualStream
     ) -> tuple[bj.OwedOutput, bj.ResidualStream]:
         """The FFN's compute and exit; a layer whose FFN may hand on a finalize overrides it."""
-        return self.ffn_boundary.finish(self.mlp(h), stream)
+        return self.ffn_boundary.finish(self.ffn_compute(h, stream), stream)
 
     def ffn_compute(self, h: jax.Array, stream: bj.ResidualStream) -> jax.Array:
         """The FFN's compute alone on the stream its stage prepared, its output finalized (for
         an exit run apart from compute, as two-batch overlap's `complete_now`)."""
-        del stream
-        return self.mlp(h)
+        return self.mlp(h, **self.mlp_bias_counts(stream))

@@ -29,6 +29,7 @@ from ..layers.attention.self_attention import Attention, HeadSplit, replicated_p
 from ..layers.fp8_linear import Fp8Linears
 from ..layers.linear import DENSE_LINEARS, Linears, ParallelLMHead, VocabParallelEmbedding
 from ..layers.mlp import SwiGLU
+from ..layers.mlp import replicated_parts as mlp_parts
 from ..options import BuildOptions, Remat
 from .designs import (
     HyperConnected,
@@ -189,7 +190,7 @@ class CausalLM(FamilyBase, nnx.Module):
         stages = self.quantized(self.design.facts() if stages is None else stages)
         return (
             stages.attn.declare_attn(replicated=replicated_parts(self.config.o_bias)),
-            stages.ffn.declare_ffn(),
+            stages.ffn.declare_ffn(replicated=mlp_parts(self.config.mlp_bias)),
         )
 
     def quantized(self, stages: StageDesigns, *, ffn: bool = True) -> StageDesigns:
@@ -220,6 +221,7 @@ class CausalLM(FamilyBase, nnx.Module):
             config.hidden_size,
             config.intermediate_size,
             activation=config.activation,
+            bias=config.mlp_bias,
             topology=self.topology,
             dtype=dtype,
             init_std=config.initializer_range,

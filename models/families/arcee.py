@@ -1,5 +1,6 @@
 """Arcee AFM (Hugging Face `ArceeForCausalLM`): grouped-query attention with YaRN RoPE where
-the config asks for it (its cos/sin factor included), and an ungated MLP, `down(relu(up(x))^2)`."""
+the config asks for it (its cos/sin factor included), and an ungated MLP, `down(relu(up(x))^2)`,
+with biases where `mlp_bias` asks for them."""
 
 from __future__ import annotations
 
@@ -15,12 +16,12 @@ from ..config.hf import (
     plain_decoder,
     plain_decoder_json,
     read_activation,
-    refuse_true,
 )
 from ..config.registry import add_presets, register
 from ..config.rope_scaling import read_rope
 from ..config.tensors import (
     NORM_TENSORS,
+    UNGATED_MLP_BIAS_TENSORS,
     UNGATED_MLP_TENSORS,
     HFTensor,
     attention_tensors,
@@ -42,26 +43,28 @@ class ArceeForCausalLM(CausalLM):
     architectures = ("ArceeForCausalLM",)
     model_type = "arcee"
     quantizable = False
+    mlp_biases = True
 
     @classmethod
     def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:
         """Reads the plain decoder's keys with relu^2 (and YaRN RoPE, as AFM-4.5B asks for).
 
         Raises:
-          ValueError: MLP biases (`mlp_bias`), a `hidden_act` other than relu2,
-            another RoPE type, or a missing key.
+          ValueError: A `hidden_act` other than relu2, another RoPE type, or a missing key.
         """
-        architecture = cls.architectures[0]
-        refuse_true(hf_config, architecture, ("mlp_bias",))
         activation = read_activation(hf_config, Activation.RELU2)
-        rope = read_rope(hf_config)
         return plain_decoder(
-            hf_config, architecture, **attention_bias(hf_config), rope=rope, activation=activation
+            hf_config,
+            cls.architectures[0],
+            **attention_bias(hf_config),
+            mlp_bias=bool(hf_config.get("mlp_bias", False)),
+            rope=read_rope(hf_config),
+            activation=activation,
         )
 
     @classmethod
     def write_config(cls, config: DecoderConfig) -> dict[str, Any]:
-        return plain_decoder_json(config, cls.model_type) | {"mlp_bias": False}
+        return plain_decoder_json(config, cls.model_type) | {"mlp_bias": config.mlp_bias}
 
     @classmethod
     def check_config(cls, config: DecoderConfig) -> None:
@@ -89,7 +92,7 @@ class ArceeForCausalLM(CausalLM):
     @classmethod
     def tensor_names(cls, config: DecoderConfig, *, scan_layers: bool) -> dict[str, HFTensor]:
         dense = NORM_TENSORS[config.residual_design] | attention_tensors(config)
-        dense |= UNGATED_MLP_TENSORS
+        dense |= UNGATED_MLP_TENSORS | (UNGATED_MLP_BIAS_TENSORS if config.mlp_bias else {})
         return decoder_tensor_names(config, scan_layers=scan_layers, dense=dense)
 
     def make_mlp(self, index: int, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> UngatedMlp:
@@ -101,6 +104,7 @@ class ArceeForCausalLM(CausalLM):
             config.intermediate_size,
             activation=relu2,
             topology=self.topology,
+            bias=config.mlp_bias,
             dtype=dtype,
             init_std=config.initializer_range,
             rngs=rngs,

@@ -1,5 +1,6 @@
 """Llama (Hugging Face `LlamaForCausalLM`): grouped-query attention with llama3 RoPE scaling where
-the config asks for it, no window, no q/k norm."""
+the config asks for it, no window, no q/k norm; attention and MLP biases where `attention_bias`
+and `mlp_bias` ask for them."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from ..config.hf import (
     plain_decoder,
     plain_decoder_json,
     read_activation,
-    refuse_true,
 )
 from ..config.registry import add_presets, register
 from ..decoder.model import CausalLM
@@ -37,17 +37,21 @@ class LlamaForCausalLM(CausalLM):
     }
     model_type = "llama"
     lora = True
+    mlp_biases = True
 
     @classmethod
     def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:
-        architecture = cls.architectures[0]
-        refuse_true(hf_config, architecture, ("mlp_bias",))
         read_activation(hf_config, Activation.SILU)
-        return plain_decoder(hf_config, architecture, **attention_bias(hf_config))
+        return plain_decoder(
+            hf_config,
+            cls.architectures[0],
+            **attention_bias(hf_config),
+            mlp_bias=bool(hf_config.get("mlp_bias", False)),
+        )
 
     @classmethod
     def write_config(cls, config: DecoderConfig) -> dict[str, Any]:
-        return plain_decoder_json(config, cls.model_type)
+        return plain_decoder_json(config, cls.model_type) | {"mlp_bias": config.mlp_bias}
 
 
 add_presets(

@@ -372,12 +372,13 @@ class NemotronHForCausalLM(MoeCausalLM):
 
     @classmethod
     def check_config(cls, config: DecoderConfig) -> None:
-        """A hybrid stack's config: its layer pattern (`hybrid`) and no `moe` (its MoE layers'
-        facts are the pattern's)."""
-        if config.hybrid is None or config.moe is not None:
+        """A hybrid stack's config: its layer pattern (`hybrid`), no `moe` (its MoE layers'
+        facts are the pattern's) and no MLP biases."""
+        if config.hybrid is None or config.moe is not None or config.mlp_bias:
             raise ValueError(
-                f"{config.architecture} needs hybrid layer settings and takes no MoE settings; "
-                f"got hybrid={config.hybrid!r}, moe={config.moe!r}"
+                f"{config.architecture} needs hybrid layer settings and takes no MoE settings or "
+                f"MLP biases; got hybrid={config.hybrid!r}, moe={config.moe!r}, "
+                f"mlp_bias={config.mlp_bias}"
             )
 
     @classmethod

@@ -23,8 +23,11 @@ class UngatedMlp(nnx.Module):
     elementwise: each rank applies it to its own columns.
 
     Attributes:
-      up_proj: [hidden, intermediate], columns split over `SumGroup.FULL_TP`.
-      down_proj: [intermediate, hidden], rows split over `SumGroup.FULL_TP`.
+      up_proj: [hidden, intermediate], columns split over `SumGroup.FULL_TP` (with `bias`, its
+        bias split alike).
+      down_proj: [intermediate, hidden], rows split over `SumGroup.FULL_TP` (with `bias`, a
+        [hidden] bias whole on every rank, added where the stage boundary counts it:
+        `mlp.replicated_parts`).
       act_fn: The activation: a function (`activations.relu2`), or a module whose parameters
         are the layer's (`activations.Xielu`, replicated on every rank).
 
@@ -39,6 +42,7 @@ class UngatedMlp(nnx.Module):
         *,
         activation: Callable[[jax.Array], jax.Array],
         topology: Topology,
+        bias: bool = False,
         dtype: jnp.dtype = jnp.float32,
         init_std: float | None = None,
         rngs: nnx.Rngs,
@@ -52,6 +56,7 @@ class UngatedMlp(nnx.Module):
         common = {
             "group": SumGroup.FULL_TP,
             "topology": topology,
+            "bias": bias,
             "dtype": dtype,
             "init_std": init_std,
             "rngs": rngs,
@@ -60,6 +65,8 @@ class UngatedMlp(nnx.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, **common)
         self.act_fn = activation
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """[T, hidden] complete rows -> [T, hidden] partial, owing a sum over full TP."""
-        return self.down_proj(self.act_fn(self.up_proj(x)))
+    def __call__(self, x: jax.Array, *, counts_bias: bool | jax.Array | None = None) -> jax.Array:
+        """[T, hidden] complete rows -> [T, hidden] partial, owing a sum over full TP. With
+        biases, `counts_bias` says whether this rank adds the down projection's (the stage
+        boundary's `counts(mlp.DOWN_PROJ_BIAS, stream)`)."""
+        return self.down_proj(self.act_fn(self.up_proj(x)), counts_bias=counts_bias)
