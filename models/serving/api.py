@@ -201,10 +201,6 @@ def _stops(body: Mapping[str, Any], vocab_size: int) -> tuple[tuple[str, ...], f
 
 
 UNSERVED_DEFAULTS = {
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
-    "repetition_penalty": (1,),
-    "min_p": (0,),
     "min_tokens": (0,),
     "logit_bias": ({},),
     "functions": ([],),
@@ -215,6 +211,8 @@ UNSERVED_DEFAULTS = {
 }
 """Request fields that change what is sampled, which this server does not compute: each is
 refused unless absent, null or one of its neutral values (OpenAI's defaults)."""
+MAX_REPETITION_PENALTY = 10.0
+"""The largest `repetition_penalty` taken (1: none; transformers' and vLLM's extension)."""
 
 
 def _refuse_unserved(body: Mapping[str, Any]) -> None:
@@ -294,11 +292,18 @@ def parse_request(
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
     if top_p == 0:
         raise ApiError("'top_p' must be in (0, 1]; got 0", param="top_p")
+    repetition = _number(body, "repetition_penalty", 1.0, 0.0, MAX_REPETITION_PENALTY)
+    if repetition == 0:
+        raise ApiError("'repetition_penalty' must be > 0 (1: none); got 0", "repetition_penalty")
     sampling = SlotSampling(
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_k=max(top_k, 0),
         top_p=top_p,
         seed=random.getrandbits(31) if seed is None else seed % 2**32,
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=repetition,
     )
     stream_options = _field(body, "stream_options", (dict,), {})
     strings, ids = _stops(body, vocab_size)

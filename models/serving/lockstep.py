@@ -23,7 +23,7 @@ from .paged import Chunk, Launched, PagedRunner, SlotSampling
 
 MIN_PAYLOAD = 64
 """The smallest payload sent (int32 words)."""
-CHUNK_WORDS = 12
+CHUNK_WORDS = 17
 """Words of one chunk's fixed fields in the payload."""
 
 
@@ -66,12 +66,17 @@ def encode(
             int(chunk.sample),
             int(chunk.previous),
             chunk.adapter,
+            chunk.prompt_length,
             len(chunk.tokens),
             len(row),
             _bits(draw.temperature),
             int(draw.top_k),
             _bits(draw.top_p),
             int(np.asarray(draw.seed % (1 << 32), np.uint32).view(np.int32)),
+            _bits(draw.min_p),
+            _bits(draw.presence_penalty),
+            _bits(draw.frequency_penalty),
+            _bits(draw.repetition_penalty),
         ]
         words += [int(token) for token in chunk.tokens]
         words += [int(page) for page in row]
@@ -87,18 +92,31 @@ def decode(
     at = 1
     for _ in range(int(words[0])):
         fields = [int(w) for w in words[at : at + CHUNK_WORDS]]
-        rank, slot, start, sample, previous, adapter, count, width = fields[:8]
-        temperature, top_k, top_p, seed = fields[8:]
+        rank, slot, start, sample, previous, adapter, prompt_length, count, width = fields[:9]
+        temperature, top_k, top_p, seed, min_p, presence, frequency, repetition = fields[9:]
         at += CHUNK_WORDS
         tokens = tuple(int(t) for t in words[at : at + count])
         at += count
         pages[(rank, slot)] = words[at : at + width].copy()
         at += width
         chunks.append(
-            Chunk(rank, slot, tokens, start, bool(sample), previous=bool(previous), adapter=adapter)
+            Chunk(
+                rank,
+                slot,
+                tokens,
+                start,
+                bool(sample),
+                previous=bool(previous),
+                adapter=adapter,
+                prompt_length=prompt_length,
+            )
         )
         sampling[(rank, slot)] = SlotSampling(
-            _float(temperature), top_k, _float(top_p), int(np.int32(seed).view(np.uint32))
+            _float(temperature),
+            top_k,
+            _float(top_p),
+            int(np.int32(seed).view(np.uint32)),
+            *(_float(bits) for bits in (min_p, presence, frequency, repetition)),
         )
     return chunks, sampling, pages
 

@@ -42,7 +42,7 @@ from ..layers.mixers.gated_deltanet import DeltaCache
 from ..layers.mixers.mamba2 import Mamba2Cache
 from .buckets import bucket
 from .runtime import ShardedCausalLM
-from .sampling import sample_rows, token_logprobs
+from .sampling import penalize, record_rows, sample_rows, token_logprobs
 
 PAGED_FORMS = {KVCache: PagedKVCache, LatentCache: PagedLatentCache}
 """The paged form of each slot-indexed cache a block of layers may hold."""
@@ -51,6 +51,21 @@ SLOT_STATES = (Mamba2Cache, DeltaCache)
 place, no pages."""
 MIN_STEP_ROWS = 16
 """The smallest block of step rows per DP rank."""
+SLOT_PARAMS = {
+    "temperature": np.float32,
+    "top_k": np.int32,
+    "top_p": np.float32,
+    "seed": np.uint32,
+    "counter": np.int32,
+    "min_p": np.float32,
+    "presence_penalty": np.float32,
+    "frequency_penalty": np.float32,
+    "repetition_penalty": np.float32,
+    "prompt_length": np.int32,
+}
+"""What a step reads per sequence slot, in order, and its dtype: the sampling parameters of a
+slot that draws (`SlotSampling`, and the index of the position drawn), the prompt length of
+every slot that runs rows."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +75,8 @@ class Chunk:
     sequence's next token; `previous`: its last token is the one the previous step drew for
     this slot, read on the device (its entry in `tokens` is a placeholder); `key`: the
     caller's name for the sequence; `adapter`: the LoRA adapter index its rows run through (0:
-    none)."""
+    none); `prompt_length`: its sequence's prompt length (rows from that position on are
+    generated tokens, which the penalties count)."""
 
     rank: int
     slot: int
@@ -70,17 +86,31 @@ class Chunk:
     key: int = -1
     previous: bool = False
     adapter: int = 0
+    prompt_length: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
 class SlotSampling:
-    """One sequence's sampling parameters on the device: temperature 0 is greedy; top_k 0 and
-    top_p 1 keep every token; the seed and the index of the token drawn key the draw."""
+    """One sequence's sampling parameters on the device: temperature 0 is greedy; top_k 0,
+    top_p 1 and min_p 0 keep every token; the seed and the index of the token drawn key the
+    draw. The penalties (`sampling.penalize`; neutral at 0, 0 and 1) apply before the draw,
+    greedy or not."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty reads the sequence's token history (so every token of it must run
+        as a row: no cached prefix)."""
+        penalties = (self.presence_penalty, self.frequency_penalty, self.repetition_penalty)
+        return penalties != (0.0, 0.0, 1.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,6 +272,7 @@ class PagedRunner:
         wide = self.pages_per_sequence if self.reads_pages_in_place() else 1
         self.min_pages = wide if min_pages is None else min_pages
         self._pools = self._new_pools()
+        self._history = self._new_history()
         self._no_draw = runner.place_array(np.zeros(dp * self.slots_per_rank, np.int32))
         self._programs: dict[int, Callable] = {}
 
@@ -291,10 +322,20 @@ class PagedRunner:
             pools.append(tuple(arrays))
         return tuple(pools)
 
+    def _new_history(self) -> tuple[jax.Array, jax.Array]:
+        """Each slot's token history for the penalties (`sampling.record_rows`), empty: int32
+        counts and bool prompt marks [attn_dp * slots, vocab], slots over attention DP."""
+        runner = self.runner
+        shape = (self.attn_dp * self.slots_per_rank, runner.config.vocab_size)
+        placed = NamedSharding(runner.mesh, PartitionSpec(runner.row_spec[0], None))
+        return jnp.zeros(shape, jnp.int32, device=placed), jnp.zeros(shape, bool, device=placed)
+
     def reset(self) -> None:
-        """Fresh zero pools (after a step that failed may have consumed the donated ones)."""
-        self._pools = ()
+        """Fresh zero pools and token histories (after a step that failed may have consumed
+        the donated ones)."""
+        self._pools = self._history = ()
         self._pools = self._new_pools()
+        self._history = self._new_history()
 
     def cache_bytes(self) -> int:
         """Bytes of the page pools over all devices."""
@@ -341,8 +382,9 @@ class PagedRunner:
         from_previous = np.full((dp, rows), -1, np.int32)
         adapters = np.zeros((dp, rows), np.int32)
         last = np.full((dp, slots), -1, np.int32)
-        params = np.zeros((5, dp, slots), np.float64)
-        params[2] = 1.0
+        params = np.zeros((len(SLOT_PARAMS), dp, slots), np.float64)
+        names = list(SLOT_PARAMS)
+        params[names.index("top_p")] = params[names.index("repetition_penalty")] = 1.0
         filled = np.zeros(dp, np.int64)
         for chunk in chunks:
             count, at = len(chunk.tokens), int(filled[chunk.rank])
@@ -354,15 +396,20 @@ class PagedRunner:
             if chunk.previous:
                 from_previous[chunk.rank, at + count - 1] = chunk.slot
             filled[chunk.rank] += count
+            params[-1, chunk.rank, chunk.slot] = chunk.prompt_length
             if chunk.sample:
                 last[chunk.rank, chunk.slot] = at + count - 1
                 draw = sampling.get((chunk.rank, chunk.slot), SlotSampling())
-                params[:, chunk.rank, chunk.slot] = (
+                params[:-1, chunk.rank, chunk.slot] = (
                     draw.temperature,
                     draw.top_k,
                     draw.top_p,
                     draw.seed,
                     chunk.start + count,
+                    draw.min_p,
+                    draw.presence_penalty,
+                    draw.frequency_penalty,
+                    draw.repetition_penalty,
                 )
         runner = self.runner
         host = (
@@ -376,9 +423,7 @@ class PagedRunner:
             last.reshape(-1),
             *(
                 values.reshape(-1).astype(dtype)
-                for values, dtype in zip(
-                    params, (np.float32, np.int32, np.float32, np.uint32, np.int32), strict=True
-                )
+                for values, dtype in zip(params, SLOT_PARAMS.values(), strict=True)
             ),
         )
         mesh, rows_spec = runner.mesh, runner.row_spec
@@ -386,7 +431,7 @@ class PagedRunner:
             *(rows_spec,) * 5,
             PartitionSpec(),
             page_table_spec(runner.topology),
-            *(PartitionSpec(rows_spec[0]),) * 6,
+            *(PartitionSpec(rows_spec[0]),) * (1 + len(SLOT_PARAMS)),
         )
         # One transfer for the step's host arrays.
         placed = jax.device_put(host, tuple(NamedSharding(mesh, spec) for spec in specs))
@@ -396,13 +441,14 @@ class PagedRunner:
         lora = adapters_ if runner.options.lora is not None else None
         drawn = self._no_draw if previous is None else previous.tokens
         program = self._program(rows)
-        outputs, self._pools = program(
+        outputs, self._pools, self._history = program(
             runner.leaves,
             TokenRows(ids_, positions_, segments_, RowsPhase.EXTEND, adapters=lora),
             from_previous_,
             drawn,
             runner.batch_facts(counts),
             self._pools,
+            self._history,
             table,
             last_,
             *per_slot,
@@ -478,25 +524,32 @@ class PagedRunner:
         specs = self._specs
         pool_specs = tuple(tuple(jax.tree_util.tree_leaves(spec)) for spec in self._specs)
 
-        def body(model, rows, from_previous, drawn, batch, pools, table, last, *sampling):
+        def body(model, rows, from_previous, drawn, batch, pools, history, table, last, *slot):
             # The rows whose token the previous step drew read it here, on the device.
             taken = drawn[jnp.maximum(from_previous, 0)]
             ids = jnp.where(from_previous >= 0, taken, rows.ids)
             rows = TokenRows(
                 ids, rows.positions, rows.segment_ids, rows.phase, adapters=rows.adapters
             )
+            counts, prompted = record_rows(
+                *history, ids, rows.positions, rows.segment_ids, slot[-1]
+            )
             caches = []
             for block, spec, pool in zip(blocks, specs, pools, strict=True):
                 caches.append(step_cache(spec, pool, table, block.scanned))
             hidden, caches = model.hidden(rows, batch, tuple(caches), last)
             logits = model.lm_head(hidden).astype(jnp.float32)
-            tokens = sample_rows(logits, *sampling)
+            temperature, top_k, top_p, seeds, counters, min_p, *penalties, _ = slot
+            scored = penalize(logits, counts, prompted, *penalties)
+            tokens = sample_rows(scored, temperature, top_k, top_p, seeds, counters, min_p)
             tokens = jnp.where(last >= 0, tokens, 0)
             chosen, top_ids, top = token_logprobs(logits, tokens)
-            return (tokens, chosen, top_ids, top), tuple(cache_pools(c) for c in caches)
+            pools = tuple(cache_pools(c) for c in caches)
+            return (tokens, chosen, top_ids, top), pools, (counts, prompted)
 
         slot_spec = PartitionSpec(row_spec[0])
         top_spec = PartitionSpec(row_spec[0], None)
+        history_specs = (top_spec, top_spec)
         return runner.sharded_program(
             body,
             in_specs=(
@@ -505,10 +558,11 @@ class PagedRunner:
                 slot_spec,
                 PartitionSpec(),
                 pool_specs,
+                history_specs,
                 page_table_spec(runner.topology),
-                *(slot_spec,) * 6,
+                *(slot_spec,) * (1 + len(SLOT_PARAMS)),
             ),
-            out_specs=((slot_spec, slot_spec, top_spec, top_spec), pool_specs),
+            out_specs=((slot_spec, slot_spec, top_spec, top_spec), pool_specs, history_specs),
             check_vma=runner.check_vma,
-            donate_argnums=(4,),
+            donate_argnums=(4, 5),
         )

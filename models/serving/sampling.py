@@ -1,4 +1,6 @@
-"""Choosing the next token from logits on the device: greedy, or temperature / top-k / top-p."""
+"""Choosing the next token from logits on the device: greedy, or temperature / min-p / top-k /
+top-p; a server's presence, frequency and repetition penalties over each sequence's token
+history."""
 
 from __future__ import annotations
 
@@ -97,6 +99,61 @@ TOP_LOGPROBS = 5
 """How many most likely tokens (and their log-probabilities) a per-row draw reports."""
 
 
+def record_rows(
+    counts: jax.Array,
+    prompted: jax.Array,
+    ids: jax.Array,
+    positions: jax.Array,
+    slots: jax.Array,
+    prompt_lengths: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """Each sequence slot's token history after a step's rows, for the penalties
+    (`penalize`): `counts` int32 [S, vocab] the occurrences of each generated token, `prompted`
+    bool [S, vocab] the prompt's tokens, of a rank's S slots.
+
+    A slot whose rows start at position 0 starts afresh (a new sequence, or one recomputed
+    after preemption); then row r, token `ids[r]` at position `positions[r]` of slot
+    `slots[r]` (-1: a padding row), is a generated token where its position reaches its slot's
+    prompt length (`prompt_lengths` [S]), a prompt token otherwise. A sequence whose every
+    token runs as a row once, from position 0, is counted exactly (the scheduler reuses no
+    cached prefix for a penalized request).
+    """
+    size = counts.shape[0]
+
+    def only(where: jax.Array) -> jax.Array:
+        # The rows' slots where `where` holds; elsewhere, and on padding rows, out of bounds
+        # (a scatter drops them).
+        return jnp.where(where & (slots >= 0), slots, size)
+
+    fresh = jnp.zeros(size, bool).at[only(positions == 0)].set(True, mode="drop")
+    counts = jnp.where(fresh[:, None], 0, counts)
+    prompted = prompted & ~fresh[:, None]
+    generated = positions >= prompt_lengths[jnp.clip(slots, 0, size - 1)]
+    counts = counts.at[only(generated), ids].add(1, mode="drop")
+    prompted = prompted.at[only(~generated), ids].set(True, mode="drop")
+    return counts, prompted
+
+
+def penalize(
+    logits: jax.Array,
+    counts: jax.Array,
+    prompted: jax.Array,
+    presence: jax.Array,
+    frequency: jax.Array,
+    repetition: jax.Array,
+) -> jax.Array:
+    """float32 [R, vocab] logits with each row's penalties, as vLLM applies OpenAI's and
+    transformers' (`record_rows` gives `counts` and `prompted`): a token of the prompt or
+    generated so far has its logit divided by `repetition` [R] where positive and multiplied
+    where not; then each generated token's logit drops by `frequency` [R] per occurrence and by
+    `presence` [R] once. Neutral values (0, 0, 1) leave the logits as they are."""
+    seen = prompted | (counts > 0)
+    scale = repetition[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / scale, logits * scale), logits)
+    occurrences = counts.astype(logits.dtype)
+    return logits - frequency[:, None] * occurrences - presence[:, None] * (counts > 0)
+
+
 def sample_rows(
     logits: jax.Array,
     temperature: jax.Array,
@@ -104,12 +161,14 @@ def sample_rows(
     top_p: jax.Array,
     seeds: jax.Array,
     counters: jax.Array,
+    min_p: jax.Array | None = None,
 ) -> jax.Array:
     """int32 [R] next tokens from float32 [R, vocab] logits, each row drawn as its own
     parameters say (a server's batch mixes requests): greedy (argmax, ties to the lowest id)
-    where `temperature` is 0, else temperature / top-k (0: all) / top-p (1: all) sampling with
-    the key `fold_in(key(seeds[r]), counters[r])`, so a request's draws depend on its seed and
-    its token index only, never on the batch it shares."""
+    where `temperature` is 0, else temperature / min-p (0: all) / top-k (0: all) / top-p (1:
+    all) sampling with the key `fold_in(key(seeds[r]), counters[r])`, so a request's draws
+    depend on its seed and its token index only, never on the batch it shares. Min-p keeps the
+    tokens whose probability (after the temperature) is at least `min_p` times the largest."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     vocab = logits.shape[-1]
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
@@ -117,6 +176,9 @@ def sample_rows(
     values = jnp.take_along_axis(scaled, order, axis=-1)
     ranks = jnp.arange(vocab)[None, :]
     keep = (top_k[:, None] <= 0) | (ranks < top_k[:, None])
+    if min_p is not None:
+        # Probability ratios to the largest (sorted first): exp(v - v_max).
+        keep &= jnp.exp(values - values[:, :1]) >= min_p[:, None]
     probs = jax.nn.softmax(jnp.where(keep, values, -jnp.inf), axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs
     keep &= before < top_p[:, None]

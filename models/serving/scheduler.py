@@ -266,13 +266,14 @@ class Scheduler:
             key=request.order,
             previous=previous,
             adapter=request.adapter,
+            prompt_length=len(request.prompt),
         )
 
     def _admission_rank(self, request: Request, budget: list[int]) -> int | None:
         """The rank a waiting request goes to: one with a free slot and budget, the most of its
         prefix cached, then the most pages available; None if no rank takes it now."""
         tokens = request.tokens
-        hashes = self._hashes(request, (len(tokens) - 1) // self.page_size)
+        hashes = self._reusable(request)
         best, best_key = None, None
         for rank, pool in enumerate(self.pools):
             if not self._free_slots[rank] or budget[rank] < 1:
@@ -287,8 +288,7 @@ class Scheduler:
         return best
 
     def _admit(self, request: Request, rank: int) -> None:
-        tokens = request.tokens
-        hashes = self._hashes(request, (len(tokens) - 1) // self.page_size)
+        hashes = self._reusable(request)
         request.rank, request.slot = rank, self._free_slots[rank].pop()
         request.pages = self.pools[rank].match(hashes)
         request.computed = request.named = len(request.pages) * self.page_size
@@ -296,6 +296,14 @@ class Scheduler:
 
     def _hashes(self, request: Request, pages: int) -> list[int]:
         return page_hashes(request.tokens, self.page_size, pages, request.adapter)
+
+    def _reusable(self, request: Request) -> list[int]:
+        """The names of the request's full pages it may take from the prefix cache (all but
+        its last token's); none for a penalized request, whose every token must run as a row
+        to be counted (`sampling.record_rows`)."""
+        if request.sampling.penalized:
+            return []
+        return self._hashes(request, (len(request.tokens) - 1) // self.page_size)
 
     def _preempt(self, request: Request, *, counted: bool = True) -> None:
         """Returns a running request's pages and slot; it waits again (in arrival order) to

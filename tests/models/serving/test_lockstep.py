@@ -3,6 +3,7 @@ encoding and JAX's broadcast, and a follower replaying what process 0's engine s
 same cache pages and tables (so draws the same tokens) as process 0, simulated in one process."""
 
 import concurrent.futures
+import dataclasses
 import json
 import os
 import pathlib
@@ -33,40 +34,36 @@ PROMPTS = ["the market opened", "a quiet wind ran over", "the old town", "stitch
 
 
 def test_schedule_round_trips_through_encoding_and_broadcast():
-    """Chunks, their sampling (a seed above 2**31, a float temperature, greedy where absent)
-    and page rows come back as sent, through `Channel`'s broadcast too."""
+    """Chunks (their prompt lengths too), their sampling (a seed above 2**31, float
+    temperature, min-p and penalties, greedy where absent) and page rows come back as sent,
+    through `Channel`'s broadcast too."""
     chunks = [
-        Chunk(0, 3, (5, 6, 7), 4, True, key=9, adapter=2),
-        Chunk(1, 0, (8,), 11, True, previous=True),
+        Chunk(0, 3, (5, 6, 7), 4, True, key=9, adapter=2, prompt_length=6),
+        Chunk(1, 0, (8,), 11, True, previous=True, prompt_length=3),
         Chunk(1, 2, (1, 2), 0, False),
     ]
-    sampling = {(0, 3): SlotSampling(0.7, 40, 0.9, 2**32 - 5)}
+    sampling = {(0, 3): SlotSampling(0.7, 40, 0.9, 2**32 - 5, 0.05, 0.5, -0.25, 1.2)}
     pages = {(0, 3): [4, 1, 2], (1, 0): [7]}
     words = encode(chunks, sampling, pages)
     kind, words = Channel()._broadcast(Kind.STEP, words)
     got_chunks, got_sampling, got_pages = decode(words)
     assert kind is Kind.STEP
     assert got_chunks == [dataclass_without_key(c) for c in chunks]
-    assert got_sampling[(0, 3)] == SlotSampling(np.float32(0.7), 40, np.float32(0.9), 2**32 - 5)
+    floats = (np.float32(x) for x in (0.05, 0.5, -0.25, 1.2))
+    want = SlotSampling(np.float32(0.7), 40, np.float32(0.9), 2**32 - 5, *floats)
+    assert got_sampling[(0, 3)] == want
     assert got_sampling[(1, 0)] == SlotSampling() == got_sampling[(1, 2)]
     assert [list(got_pages[w]) for w in ((0, 3), (1, 0), (1, 2))] == [[4, 1, 2], [7], []]
 
 
 def dataclass_without_key(chunk: Chunk) -> Chunk:
-    return Chunk(
-        chunk.rank,
-        chunk.slot,
-        chunk.tokens,
-        chunk.start,
-        chunk.sample,
-        previous=chunk.previous,
-        adapter=chunk.adapter,
-    )
+    return dataclasses.replace(chunk, key=-1)
 
 
 def snapshot(paged: PagedRunner) -> list[np.ndarray]:
-    """The runner's tables and cache pools on the host."""
-    return [paged.tables.copy(), *(np.asarray(pool) for pool in jax.tree.leaves(paged._pools))]
+    """The runner's tables, cache pools and token histories on the host."""
+    state = jax.tree.leaves((paged._pools, paged._history))
+    return [paged.tables.copy(), *(np.asarray(array) for array in state)]
 
 
 def replay(paged: PagedRunner, channel: Channel) -> list[np.ndarray]:
@@ -102,7 +99,9 @@ def test_a_follower_replaying_the_schedule_writes_process_0s_cache():
     engine = Engine(paged, channel=channel)
     requests = [
         Request("a", [3, 4, 5, 6, 7], 6, sampling=SlotSampling(temperature=0.9, seed=3)),
-        Request("b", [9, 8], 5),
+        Request(
+            "b", [9, 8], 5, sampling=SlotSampling(repetition_penalty=1.3, presence_penalty=0.2)
+        ),
     ]
     for request in requests:
         engine.submit(request, lambda token: None)

@@ -216,6 +216,69 @@ def test_sampled_tokens_depend_on_seed_not_batch():
     assert other != alone
 
 
+PENALTIES = (
+    SlotSampling(),
+    SlotSampling(presence_penalty=0.1),
+    SlotSampling(frequency_penalty=-0.1),  # rewards repeats: tokens generated twice or more
+    SlotSampling(repetition_penalty=0.8),  # < 1 rewards what the sequence holds
+    SlotSampling(presence_penalty=0.1, frequency_penalty=-0.1, repetition_penalty=1.3),
+)
+"""Each request's penalties, round robin; the tiny model's logits are within 0.7 of 0, so these
+are of the size of its logits' gaps."""
+
+
+def penalized_reference(
+    runner: ShardedCausalLM, prompts: list[list[int]], sampling: list[SlotSampling]
+) -> list[list[int]]:
+    """Greedy tokens with `sampling`'s penalties, each step from the forward of the whole
+    sequence so far: a token seen in the prompt or generated has its logit divided by the
+    repetition penalty where positive (multiplied where not), then each generated token's
+    logit drops by the frequency penalty per occurrence and by the presence penalty once."""
+    outputs: list[list[int]] = [[] for _ in prompts]
+    for _ in range(NEW_TOKENS):
+        logits = runner.forward([p + o for p, o in zip(prompts, outputs, strict=True)])
+        for index, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
+            row = logits[index, len(prompt) + len(output) - 1]
+            counts = np.bincount(output, minlength=row.shape[0]).astype(np.float32)
+            seen = counts > 0
+            seen[prompt] = True
+            draw = sampling[index]
+            scale = np.float32(draw.repetition_penalty)
+            row = np.where(seen, np.where(row > 0, row / scale, row * scale), row)
+            row = row - np.float32(draw.frequency_penalty) * counts
+            row = row - np.float32(draw.presence_penalty) * (counts > 0)
+            output.append(int(np.argmax(row)))
+    return outputs
+
+
+@pytest.mark.parametrize("pages", [64, pytest.param(14, id="preempting")])
+def test_penalties_equal_the_full_sequence_reference(pages):
+    """Greedy requests with presence, frequency and repetition penalties (each alone, and all
+    three) beside unpenalized ones, through chunked prefill, decode rows read on the device
+    and (with 14 pages) preemption and recompute: each answer equals the reference over the
+    whole sequence, which differs from `generate`'s for 5 of the 12 prompts."""
+    runner, prompts, want, roomy = _served(*DEFAULT)
+    paged = roomy
+    if pages != roomy.pages_per_rank:
+        paged = PagedRunner(
+            runner, page_size=4, pages_per_rank=pages, slots_per_rank=4, max_rows=16
+        )
+    sampling = [PENALTIES[i % len(PENALTIES)] for i in range(len(prompts))]
+    reference = penalized_reference(runner, prompts, sampling)
+    assert sum(r != w for r, w in zip(reference, want.tolist(), strict=True)) >= 4
+    engine = Engine(paged)
+    requests = [
+        Request(str(i), p, NEW_TOKENS, sampling=draw)
+        for i, (p, draw) in enumerate(zip(prompts, sampling, strict=True))
+    ]
+    for request in requests:
+        engine.submit(request, lambda token: None)
+    while engine.run_once():
+        pass
+    assert [r.output for r in requests] == reference
+    assert (engine.scheduler.preemptions > 0) == (pages == 14)
+
+
 def test_sample_rows_mixes_greedy_and_sampled_rows():
     """Per row: temperature 0 is the argmax; top_k keeps only the k largest."""
     logits = jnp.asarray(np.random.default_rng(1).normal(size=(4, 50)), jnp.float32)

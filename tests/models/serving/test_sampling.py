@@ -5,7 +5,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.serving.sampling import GREEDY, Sampling, sample_tokens
+from models.serving.sampling import (
+    GREEDY,
+    Sampling,
+    penalize,
+    record_rows,
+    sample_rows,
+    sample_tokens,
+)
 
 LOGITS = jax.random.normal(jax.random.key(0), (6, 50), jnp.float32) * 3
 
@@ -57,3 +64,74 @@ def test_invalid_settings_fail_at_construction():
         Sampling(1.0, top_p=1.5)
     with pytest.raises(ValueError, match="need a temperature"):
         Sampling(top_k=5)
+
+
+def reference_history(slots, rows, prompt_lengths, vocab):
+    """The counts and prompt marks of `record_rows`, one row at a time."""
+    counts = np.zeros((slots, vocab), np.int32)
+    prompted = np.zeros((slots, vocab), bool)
+    for token, position, slot in rows:
+        if slot < 0:
+            continue
+        if position >= prompt_lengths[slot]:
+            counts[slot, token] += 1
+        else:
+            prompted[slot, token] = True
+    return counts, prompted
+
+
+def test_record_rows_counts_generated_tokens_and_marks_prompts():
+    """Rows of three slots and padding: a slot whose rows start at position 0 starts afresh;
+    rows past their slot's prompt length count as generated (twice where a token repeats),
+    the others mark the prompt; padding rows (slot -1) change nothing."""
+    vocab, prompt_lengths = 7, np.asarray([2, 3, 1], np.int32)
+    counts = np.zeros((3, vocab), np.int32)
+    counts[1, 4] = counts[2, 6] = 5  # slot 1 restarts; slot 2 continues
+    prompted = np.zeros((3, vocab), bool)
+    prompted[1, 0] = prompted[2, 5] = True
+    rows = [(3, 0, 1), (3, 1, 1), (2, 2, 1), (2, 3, 1), (1, 4, 2), (6, 5, 2), (0, 0, -1)]
+    ids, positions, slots = (np.asarray(column, np.int32) for column in zip(*rows, strict=True))
+    got = record_rows(
+        jnp.asarray(counts), jnp.asarray(prompted), ids, positions, slots, prompt_lengths
+    )
+    want_counts, want_prompted = reference_history(3, rows, prompt_lengths, vocab)
+    want_counts[2, 6] += 5
+    want_prompted[2, 5] = True
+    np.testing.assert_array_equal(got[0], want_counts)
+    np.testing.assert_array_equal(got[1], want_prompted)
+
+
+def test_penalize_is_vllms_order_of_penalties():
+    """Repetition divides positive and multiplies negative logits of every token seen
+    (prompt or generated); frequency and presence then lower generated tokens by count and
+    once; neutral values change nothing."""
+    logits = np.asarray([[2.0, -1.0, 0.5, 3.0], [1.0, -2.0, 4.0, 0.0]], np.float32)
+    counts = np.asarray([[0, 2, 0, 1], [0, 0, 0, 0]], np.int32)
+    prompted = np.asarray([[True, False, False, False], [False, True, False, False]])
+    got = penalize(
+        jnp.asarray(logits),
+        jnp.asarray(counts),
+        jnp.asarray(prompted),
+        jnp.asarray([0.5, 0.0]),
+        jnp.asarray([0.25, 0.0]),
+        jnp.asarray([2.0, 1.0]),
+    )
+    want = np.asarray([[1.0, -2.0 - 0.5 - 0.5, 0.5, 1.5 - 0.25 - 0.5], logits[1]], np.float32)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_min_p_keeps_tokens_near_the_most_likely():
+    """min_p 1 leaves only the argmax; min_p 0.3 draws only tokens at least 0.3 times as
+    likely as the most likely one (after the temperature)."""
+    rows = LOGITS.shape[0]
+    draw = jax.jit(sample_rows)
+    ones, zeros = jnp.ones(rows), jnp.zeros(rows, jnp.int32)
+    seeds = jnp.arange(rows, dtype=jnp.uint32)
+    got = draw(LOGITS, ones, zeros, ones, seeds, zeros, jnp.ones(rows))
+    np.testing.assert_array_equal(got, np.argmax(LOGITS, axis=-1))
+    scaled = np.asarray(LOGITS) / 2.0
+    ratio = np.exp(scaled - scaled.max(axis=-1, keepdims=True))
+    for counter in range(50):
+        counters = jnp.full(rows, counter, jnp.int32)
+        got = draw(LOGITS, 2 * ones, zeros, ones, seeds, counters, jnp.full(rows, 0.3))
+        assert np.all(ratio[np.arange(rows), np.asarray(got)] >= 0.3 - 1e-6)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from models.serving.blocks import PagePool, page_hashes
-from models.serving.paged import StepOutput
+from models.serving.paged import SlotSampling, StepOutput
 from models.serving.scheduler import Finish, Request, RequestRefused, Scheduler
 
 
@@ -137,6 +137,26 @@ def test_shared_prefix_pages_are_reused_not_recomputed():
     assert extend.start == 8 and extend.tokens == (8, 60, 61)
     assert second.pages[:2] == first.pages[:2] and scheduler.reused_pages == 2
     assert scheduler.pools[0].refs(first.pages[0]) == 2
+
+
+def test_a_penalized_request_reuses_no_prefix_and_carries_its_prompt_length():
+    """A request with a penalty computes its whole prompt from position 0 though its prefix is
+    cached (its token history counts every row); its pages are still named for others. Every
+    chunk carries its request's prompt length."""
+    scheduler = _scheduler()
+    first = Request("a", list(range(9)) + [50], 2)
+    scheduler.add(first)
+    scheduler.update(scheduler.schedule(), _output(scheduler))
+    assert not SlotSampling(min_p=0.1).penalized  # min-p reads no history
+    penalized = Request(
+        "b", list(range(9)) + [60, 61], 2, sampling=SlotSampling(frequency_penalty=1)
+    )
+    scheduler.add(penalized)
+    chunks = scheduler.schedule()
+    extend = next(c for c in chunks if c.slot == penalized.slot)
+    assert extend.start == 0 and extend.tokens == tuple(range(len(extend.tokens)))
+    assert scheduler.reused_pages == 0
+    assert {(c.slot, c.prompt_length) for c in chunks} == {(first.slot, 10), (extend.slot, 11)}
 
 
 def test_abort_returns_pages():

@@ -22,12 +22,13 @@ from models.build import load_model
 from models.serving import server as server_module
 from models.serving.engine import Engine
 from models.serving.generation import generate_ids
-from models.serving.paged import PagedRunner
+from models.serving.paged import PagedRunner, SlotSampling
 from models.serving.runtime import ShardedCausalLM
 from models.serving.scheduler import Finish, Request
 from models.serving.server import Server
 from models.serving.text import eos_token_ids, text_codec
 from tests.models.serving.http_harness import HTTP, Listening
+from tests.models.serving.test_paged import NEW_TOKENS, penalized_reference
 
 TEXT = pathlib.Path(__file__).parents[2] / "golden" / "text"
 ROOT = pathlib.Path(__file__).parents[3]
@@ -172,6 +173,9 @@ def test_sampling_n_seed_and_stops(served):
     neutral = {
         "presence_penalty": 0,
         "frequency_penalty": 0.0,
+        "repetition_penalty": 1,
+        "min_p": 0,
+        "min_tokens": 0,
         "logit_bias": {},
         "response_format": {"type": "text"},
         "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
@@ -199,6 +203,30 @@ def test_sampling_n_seed_and_stops(served):
         },
     ).json()["choices"][0]
     assert by_id["text"] == served.text(ids[:2]) and by_id["finish_reason"] == "stop"
+
+
+def test_penalties_and_min_p_are_served(served):
+    """Presence, frequency and repetition penalties reach the draw: a greedy completion with
+    them is the full-sequence reference's (`test_paged.penalized_reference`), not the plain
+    greedy one; min_p 1 at temperature 1 is greedy, whatever the seed."""
+    prompt = "the market opened the market opened the"
+    ids = served.codec.encode(prompt)
+    # Negative values reward repeats (this model's greedy answer repeats nothing).
+    penalties = {"presence_penalty": -1.0, "frequency_penalty": -0.5, "repetition_penalty": 0.7}
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": NEW_TOKENS, "ignore_eos": True}
+    answer = HTTP.post(
+        f"{served.url}/v1/completions", json=body | penalties | {"temperature": 0}
+    ).json()["choices"][0]["text"]
+    (want,) = penalized_reference(served.runner, [ids], [SlotSampling(**penalties)])
+    assert answer == served.codec.decode(want)
+    assert answer != served.codec.decode(generate_ids(served.runner, [ids], NEW_TOKENS)[0])
+    greedy = HTTP.post(f"{served.url}/v1/completions", json=body | {"temperature": 0}).json()[
+        "choices"
+    ][0]["text"]
+    for seed in (1, 2):
+        narrow = body | {"temperature": 1.0, "min_p": 1.0, "seed": seed}
+        text = HTTP.post(f"{served.url}/v1/completions", json=narrow).json()
+        assert text["choices"][0]["text"] == greedy
 
 
 def test_shared_prefix_reuses_pages_with_unchanged_outputs(served):
@@ -237,7 +265,11 @@ BAD = [
     ({"model": MODEL, "prompt": "a", "stream": "yes"}, "stream"),
     ({"model": MODEL, "prompt": "a", "seed": 1.5}, "seed"),
     ({"model": MODEL, "prompt": "a", "echo": True}, "echo"),
-    ({"model": MODEL, "prompt": "a", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"model": MODEL, "prompt": "a", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"model": MODEL, "prompt": "a", "frequency_penalty": "x"}, "frequency_penalty"),
+    ({"model": MODEL, "prompt": "a", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"model": MODEL, "prompt": "a", "min_p": 1.5}, "min_p"),
+    ({"model": MODEL, "prompt": "a", "min_tokens": 3}, "min_tokens"),
     ({"model": MODEL, "prompt": "a", "logit_bias": {"5": 10}}, "logit_bias"),
     (
         {"model": MODEL, "prompt": "a", "response_format": {"type": "json_object"}},
@@ -249,7 +281,7 @@ BAD = [
 
 
 def test_malformed_requests_get_400_and_good_ones_answers(served):
-    """20 bad requests interleaved with good ones, concurrently: every bad one is a 400 with an
+    """24 bad requests interleaved with good ones, concurrently: every bad one is a 400 with an
     OpenAI error body naming the field; every good one is answered."""
 
     async def send(client: httpx.AsyncClient, index: int):
