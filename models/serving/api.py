@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .paged import SlotSampling
-from .sampling import TOP_LOGPROBS
+from .sampling import MAX_LOGIT_BIAS, TOP_LOGPROBS
 from .text import TextCodec, TextStream, TokenizerCodec
 
 MAX_CHOICES = 16
@@ -189,6 +189,27 @@ def _chat_prompt(body: Mapping[str, Any], codec: TextCodec) -> tuple[int, ...]:
     return ids
 
 
+def _logit_bias(body: Mapping[str, Any], vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """`logit_bias` as (token id, bias) pairs: an object of token ids (as strings, OpenAI's
+    form) to biases in [-100, 100], at most `MAX_LOGIT_BIAS` of them."""
+    bias = _field(body, "logit_bias", (dict,), {})
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ApiError(
+            f"'logit_bias' names at most {MAX_LOGIT_BIAS} tokens; got {len(bias)}", "logit_bias"
+        )
+    pairs = []
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.strip().lstrip("-").isdigit() else None
+        if token is None or not 0 <= token < vocab_size:
+            raise ApiError(
+                f"'logit_bias' keys are token ids in [0, {vocab_size}); got {key!r:.20}",
+                "logit_bias",
+            )
+        number = _number({"logit_bias": value}, "logit_bias", 0.0, -100.0, 100.0)
+        pairs.append((token, number))
+    return tuple(sorted(pairs))
+
+
 def _stops(body: Mapping[str, Any], vocab_size: int) -> tuple[tuple[str, ...], frozenset[int]]:
     stop = body.get("stop")
     items = [] if stop is None else [stop] if isinstance(stop, str | int) else stop
@@ -202,7 +223,6 @@ def _stops(body: Mapping[str, Any], vocab_size: int) -> tuple[tuple[str, ...], f
 
 UNSERVED_DEFAULTS = {
     "min_tokens": (0,),
-    "logit_bias": ({},),
     "functions": ([],),
     "guided_json": (),
     "guided_regex": (),
@@ -217,7 +237,7 @@ MAX_REPETITION_PENALTY = 10.0
 
 def _refuse_unserved(body: Mapping[str, Any]) -> None:
     """Refuses a field that would change the sampled tokens but is not computed here (a
-    penalty, a logit bias, a structured output, tool calls), rather than ignore it."""
+    minimum of tokens, a structured output, tool calls), rather than ignore it."""
     for name, neutral in UNSERVED_DEFAULTS.items():
         value = body.get(name)
         if value is not None and value not in neutral:
@@ -304,6 +324,7 @@ def parse_request(
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         repetition_penalty=repetition,
+        logit_bias=_logit_bias(body, vocab_size),
     )
     stream_options = _field(body, "stream_options", (dict,), {})
     strings, ids = _stops(body, vocab_size)

@@ -23,7 +23,7 @@ from .paged import Chunk, Launched, PagedRunner, SlotSampling
 
 MIN_PAYLOAD = 64
 """The smallest payload sent (int32 words)."""
-CHUNK_WORDS = 17
+CHUNK_WORDS = 19
 """Words of one chunk's fixed fields in the payload."""
 
 
@@ -53,7 +53,8 @@ def encode(
 ) -> np.ndarray:
     """A step's schedule as int32 words: per chunk its fields, its sampling parameters (those
     `launch` reads, greedy where absent) and its tokens, then the page-table row prefix written
-    for its slot (`pages[rank, slot]`, empty where absent)."""
+    for its slot (`pages[rank, slot]`, empty where absent), then its logit bias's ids and
+    values (a first chunk's)."""
     words: list[int] = [len(chunks)]
     for chunk in chunks:
         where = (chunk.rank, chunk.slot)
@@ -67,6 +68,8 @@ def encode(
             int(chunk.previous),
             chunk.adapter,
             chunk.prompt_length,
+            int(chunk.first),
+            len(chunk.logit_bias),
             len(chunk.tokens),
             len(row),
             _bits(draw.temperature),
@@ -80,6 +83,8 @@ def encode(
         ]
         words += [int(token) for token in chunk.tokens]
         words += [int(page) for page in row]
+        words += [int(token) for token, _ in chunk.logit_bias]
+        words += [_bits(value) for _, value in chunk.logit_bias]
     return np.asarray(words, np.int32)
 
 
@@ -92,13 +97,17 @@ def decode(
     at = 1
     for _ in range(int(words[0])):
         fields = [int(w) for w in words[at : at + CHUNK_WORDS]]
-        rank, slot, start, sample, previous, adapter, prompt_length, count, width = fields[:9]
-        temperature, top_k, top_p, seed, min_p, presence, frequency, repetition = fields[9:]
+        rank, slot, start, sample, previous, adapter, prompt_length, first = fields[:8]
+        biased, count, width = fields[8:11]
+        temperature, top_k, top_p, seed, min_p, presence, frequency, repetition = fields[11:]
         at += CHUNK_WORDS
         tokens = tuple(int(t) for t in words[at : at + count])
         at += count
         pages[(rank, slot)] = words[at : at + width].copy()
         at += width
+        bias_ids = [int(t) for t in words[at : at + biased]]
+        bias_values = [_float(int(b)) for b in words[at + biased : at + 2 * biased]]
+        at += 2 * biased
         chunks.append(
             Chunk(
                 rank,
@@ -109,6 +118,8 @@ def decode(
                 previous=bool(previous),
                 adapter=adapter,
                 prompt_length=prompt_length,
+                first=bool(first),
+                logit_bias=tuple(zip(bias_ids, bias_values, strict=True)),
             )
         )
         sampling[(rank, slot)] = SlotSampling(

@@ -29,26 +29,21 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ..distributed import fetch
 from ..inputs.rows import RowsPhase, TokenRows
 from ..layers.attention.kv_cache import KVCache
-from ..layers.attention.latent import LatentCache
-from ..layers.attention.paged import (
-    LayerPages,
-    PagedKVCache,
-    PagedLatentCache,
-    kernel_takes,
-    page_table_spec,
-)
+from ..layers.attention.paged import kernel_takes, page_table_spec
 from ..layers.attention.self_attention import AttentionImpl
-from ..layers.mixers.gated_deltanet import DeltaCache
-from ..layers.mixers.mamba2 import Mamba2Cache
 from .buckets import bucket
 from .runtime import ShardedCausalLM
-from .sampling import penalize, record_rows, sample_rows, token_logprobs
+from .sampling import (
+    MAX_LOGIT_BIAS,
+    bias_entries,
+    penalize,
+    record_rows,
+    sample_rows,
+    token_logprobs,
+    write_bias,
+)
+from .step_caches import PAGED_FORMS, SLOT_STATES, cache_parts, cache_pools, step_cache
 
-PAGED_FORMS = {KVCache: PagedKVCache, LatentCache: PagedLatentCache}
-"""The paged form of each slot-indexed cache a block of layers may hold."""
-SLOT_STATES = (Mamba2Cache, DeltaCache)
-"""Caches of a recurrent state (Mamba2's, the delta rule's): one slot per sequence, stepped in
-place, no pages."""
 MIN_STEP_ROWS = 16
 """The smallest block of step rows per DP rank."""
 SLOT_PARAMS = {
@@ -76,7 +71,9 @@ class Chunk:
     this slot, read on the device (its entry in `tokens` is a placeholder); `key`: the
     caller's name for the sequence; `adapter`: the LoRA adapter index its rows run through (0:
     none); `prompt_length`: its sequence's prompt length (rows from that position on are
-    generated tokens, which the penalties count)."""
+    generated tokens, which the penalties count); `first`: the first chunk of its sequence in
+    this slot, which writes the slot's logit bias, `logit_bias` ((token id, bias) pairs, none
+    for no bias)."""
 
     rank: int
     slot: int
@@ -87,14 +84,17 @@ class Chunk:
     previous: bool = False
     adapter: int = 0
     prompt_length: int = 0
+    first: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
 class SlotSampling:
     """One sequence's sampling parameters on the device: temperature 0 is greedy; top_k 0,
     top_p 1 and min_p 0 keep every token; the seed and the index of the token drawn key the
-    draw. The penalties (`sampling.penalize`; neutral at 0, 0 and 1) apply before the draw,
-    greedy or not."""
+    draw. A logit bias ((token id, bias) pairs, at most `MAX_LOGIT_BIAS`) is added to the
+    logits, then the penalties (`sampling.penalize`; neutral at 0, 0 and 1) apply, before the
+    draw, greedy or not."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -104,6 +104,13 @@ class SlotSampling:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    def __post_init__(self):
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(
+                f"a logit bias holds at most {MAX_LOGIT_BIAS} tokens; got {len(self.logit_bias)}"
+            )
 
     @property
     def penalized(self) -> bool:
@@ -145,50 +152,6 @@ class Launched:
             top_ids.reshape(dp, slots, -1),
             top_logprobs.reshape(dp, slots, -1),
         )
-
-
-def cache_parts(spec: Any) -> tuple[str, ...]:
-    """The fields of a cache made of caches that have paged forms (LongCat-Flash's latent cache
-    per attention), each paged on its own, as a spec tree or in its step form; () for any other
-    cache."""
-    forms = (*PAGED_FORMS, *PAGED_FORMS.values(), LayerPages)
-    if type(spec) in forms or not dataclasses.is_dataclass(spec):
-        return ()
-    names = tuple(field.name for field in dataclasses.fields(spec))
-    return names if all(type(getattr(spec, n)) in forms for n in names) else ()
-
-
-def step_cache(spec: Any, pools: tuple[jax.Array, ...], table: jax.Array, scanned: bool) -> Any:
-    """A block's cache in a step, from its pools and its cache's spec tree `spec`: the paged
-    form of keys, values or latents read through `table` (of each part, for a cache of parts;
-    a `scanned` run's as `LayerPages`, read in place), a recurrent state as it is, None for a
-    block without a cache."""
-
-    def paged(kind: type, pools: tuple[jax.Array, ...]) -> Any:
-        form = PAGED_FORMS[kind]
-        return LayerPages.of(pools, table, form) if scanned else form.from_pools(pools, table)
-
-    kind = type(spec)
-    if kind in PAGED_FORMS:
-        return paged(kind, pools)
-    if parts := cache_parts(spec):
-        caches, start = {}, 0
-        for name in parts:
-            part = getattr(spec, name)
-            count = len(jax.tree_util.tree_leaves(part))
-            caches[name] = paged(type(part), pools[start : start + count])
-            start += count
-        return kind(**caches)
-    return kind(*pools) if pools else None
-
-
-def cache_pools(cache: Any) -> tuple[jax.Array, ...]:
-    """The pools of a step's cache (what `step_cache` took)."""
-    if isinstance(cache, PagedKVCache | PagedLatentCache | LayerPages):
-        return cache.pools
-    if parts := cache_parts(cache):
-        return tuple(pool for name in parts for pool in getattr(cache, name).pools)
-    return tuple(jax.tree_util.tree_leaves(cache))
 
 
 class PagedRunner:
@@ -271,8 +234,9 @@ class PagedRunner:
         )
         wide = self.pages_per_sequence if self.reads_pages_in_place() else 1
         self.min_pages = wide if min_pages is None else min_pages
-        self._pools = self._new_pools()
-        self._history = self._new_history()
+        self._pools = self._history = self._bias = ()
+        self.reset()
+        self._write_bias = jax.jit(write_bias, donate_argnums=0)
         self._no_draw = runner.place_array(np.zeros(dp * self.slots_per_rank, np.int32))
         self._programs: dict[int, Callable] = {}
 
@@ -322,20 +286,21 @@ class PagedRunner:
             pools.append(tuple(arrays))
         return tuple(pools)
 
-    def _new_history(self) -> tuple[jax.Array, jax.Array]:
-        """Each slot's token history for the penalties (`sampling.record_rows`), empty: int32
-        counts and bool prompt marks [attn_dp * slots, vocab], slots over attention DP."""
+    def _per_slot(self, dtype: Any) -> jax.Array:
+        """Zeros [attn_dp * slots, vocab] of `dtype`, slots over attention DP: a token history
+        part (`sampling.record_rows`) or the logit biases (`sampling.write_bias`)."""
         runner = self.runner
         shape = (self.attn_dp * self.slots_per_rank, runner.config.vocab_size)
         placed = NamedSharding(runner.mesh, PartitionSpec(runner.row_spec[0], None))
-        return jnp.zeros(shape, jnp.int32, device=placed), jnp.zeros(shape, bool, device=placed)
+        return jnp.zeros(shape, dtype, device=placed)
 
     def reset(self) -> None:
-        """Fresh zero pools and token histories (after a step that failed may have consumed
-        the donated ones)."""
-        self._pools = self._history = ()
+        """Fresh zero pools, token histories and logit biases (after a step that failed may
+        have consumed the donated ones)."""
+        self._pools = self._history = self._bias = ()
         self._pools = self._new_pools()
-        self._history = self._new_history()
+        self._history = (self._per_slot(jnp.int32), self._per_slot(bool))
+        self._bias = self._per_slot(jnp.float32)
 
     def cache_bytes(self) -> int:
         """Bytes of the page pools over all devices."""
@@ -411,6 +376,11 @@ class PagedRunner:
                     draw.frequency_penalty,
                     draw.repetition_penalty,
                 )
+        for chunk in chunks:
+            if chunk.first:
+                self._bias = self._write_bias(
+                    self._bias, chunk.rank * slots + chunk.slot, *bias_entries(chunk.logit_bias)
+                )
         runner = self.runner
         host = (
             ids.reshape(-1),
@@ -449,6 +419,7 @@ class PagedRunner:
             runner.batch_facts(counts),
             self._pools,
             self._history,
+            self._bias,
             table,
             last_,
             *per_slot,
@@ -498,7 +469,7 @@ class PagedRunner:
                 chunks, slot, left = [], 0, rows
                 while left and slot < self.slots_per_rank:
                     count = min(left, span)
-                    chunks.append(Chunk(0, slot, (0,) * count, span - count, False))
+                    chunks.append(Chunk(0, slot, (0,) * count, span - count, False, first=True))
                     slot, left = slot + 1, left - count
                 self.step(chunks, {})
                 if between is not None:
@@ -524,7 +495,9 @@ class PagedRunner:
         specs = self._specs
         pool_specs = tuple(tuple(jax.tree_util.tree_leaves(spec)) for spec in self._specs)
 
-        def body(model, rows, from_previous, drawn, batch, pools, history, table, last, *slot):
+        def body(
+            model, rows, from_previous, drawn, batch, pools, history, bias, table, last, *slot
+        ):
             # The rows whose token the previous step drew read it here, on the device.
             taken = drawn[jnp.maximum(from_previous, 0)]
             ids = jnp.where(from_previous >= 0, taken, rows.ids)
@@ -540,7 +513,7 @@ class PagedRunner:
             hidden, caches = model.hidden(rows, batch, tuple(caches), last)
             logits = model.lm_head(hidden).astype(jnp.float32)
             temperature, top_k, top_p, seeds, counters, min_p, *penalties, _ = slot
-            scored = penalize(logits, counts, prompted, *penalties)
+            scored = penalize(logits + bias, counts, prompted, *penalties)
             tokens = sample_rows(scored, temperature, top_k, top_p, seeds, counters, min_p)
             tokens = jnp.where(last >= 0, tokens, 0)
             chosen, top_ids, top = token_logprobs(logits, tokens)
@@ -559,6 +532,7 @@ class PagedRunner:
                 PartitionSpec(),
                 pool_specs,
                 history_specs,
+                top_spec,
                 page_table_spec(runner.topology),
                 *(slot_spec,) * (1 + len(SLOT_PARAMS)),
             ),

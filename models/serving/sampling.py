@@ -8,6 +8,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 import boundary_jax as bj
@@ -93,6 +94,30 @@ def rank_key(key: jax.Array, topology: bj.Topology) -> jax.Array:
     independently."""
     entry = topology.spec_entry((bj.TokenAxis.ATTN_DP,))
     return key if entry is None else jax.random.fold_in(key, lax.axis_index(entry))
+
+
+MAX_LOGIT_BIAS = 300
+"""The most tokens one sequence's logit bias names (OpenAI's bound)."""
+
+
+def bias_entries(logit_bias: tuple[tuple[int, float], ...]) -> tuple[np.ndarray, np.ndarray]:
+    """A logit bias as `MAX_LOGIT_BIAS` token ids (-1 past its entries) and float32 biases."""
+    ids = np.full(MAX_LOGIT_BIAS, -1, np.int32)
+    values = np.zeros(MAX_LOGIT_BIAS, np.float32)
+    for index, (token, value) in enumerate(logit_bias):
+        ids[index], values[index] = token, value
+    return ids, values
+
+
+def write_bias(bias: jax.Array, row: jax.Array, ids: jax.Array, values: jax.Array) -> jax.Array:
+    """`bias` [slots, vocab] with row `row` set to `values` at `ids` (-1: none) and 0
+    elsewhere: a sequence's logit bias, written when its first chunk runs in the slot."""
+    vocab = bias.shape[-1]
+    written = (
+        jnp.zeros(vocab, bias.dtype).at[jnp.where(ids >= 0, ids, vocab)].set(values, mode="drop")
+    )
+    # A select, not a scatter into the slots' rows: they are split over attention DP.
+    return jnp.where((jnp.arange(bias.shape[0]) == row)[:, None], written[None], bias)
 
 
 TOP_LOGPROBS = 5

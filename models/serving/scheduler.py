@@ -267,6 +267,8 @@ class Scheduler:
             previous=previous,
             adapter=request.adapter,
             prompt_length=len(request.prompt),
+            first=admitting,
+            logit_bias=request.sampling.logit_bias if admitting else (),
         )
 
     def _admission_rank(self, request: Request, budget: list[int]) -> int | None:

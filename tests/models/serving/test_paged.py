@@ -222,27 +222,32 @@ PENALTIES = (
     SlotSampling(frequency_penalty=-0.1),  # rewards repeats: tokens generated twice or more
     SlotSampling(repetition_penalty=0.8),  # < 1 rewards what the sequence holds
     SlotSampling(presence_penalty=0.1, frequency_penalty=-0.1, repetition_penalty=1.3),
+    SlotSampling(logit_bias=((17, 0.5), (42, 0.3), (99, -100.0))),
+    SlotSampling(repetition_penalty=1.3, logit_bias=((17, 0.5), (200, 0.2))),
 )
-"""Each request's penalties, round robin; the tiny model's logits are within 0.7 of 0, so these
-are of the size of its logits' gaps."""
+"""Each request's logit bias and penalties, round robin; the tiny model's logits are within
+0.7 of 0, so these are of the size of its logits' gaps."""
 
 
 def penalized_reference(
     runner: ShardedCausalLM, prompts: list[list[int]], sampling: list[SlotSampling]
 ) -> list[list[int]]:
-    """Greedy tokens with `sampling`'s penalties, each step from the forward of the whole
-    sequence so far: a token seen in the prompt or generated has its logit divided by the
-    repetition penalty where positive (multiplied where not), then each generated token's
-    logit drops by the frequency penalty per occurrence and by the presence penalty once."""
+    """Greedy tokens with `sampling`'s logit bias and penalties, each step from the forward of
+    the whole sequence so far: the bias added, then a token seen in the prompt or generated
+    has its logit divided by the repetition penalty where positive (multiplied where not),
+    then each generated token's logit drops by the frequency penalty per occurrence and by the
+    presence penalty once."""
     outputs: list[list[int]] = [[] for _ in prompts]
     for _ in range(NEW_TOKENS):
         logits = runner.forward([p + o for p, o in zip(prompts, outputs, strict=True)])
         for index, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
-            row = logits[index, len(prompt) + len(output) - 1]
+            row = logits[index, len(prompt) + len(output) - 1].copy()
             counts = np.bincount(output, minlength=row.shape[0]).astype(np.float32)
             seen = counts > 0
             seen[prompt] = True
             draw = sampling[index]
+            for token, bias in draw.logit_bias:
+                row[token] += np.float32(bias)
             scale = np.float32(draw.repetition_penalty)
             row = np.where(seen, np.where(row > 0, row / scale, row * scale), row)
             row = row - np.float32(draw.frequency_penalty) * counts
@@ -254,9 +259,10 @@ def penalized_reference(
 @pytest.mark.parametrize("pages", [64, pytest.param(14, id="preempting")])
 def test_penalties_equal_the_full_sequence_reference(pages):
     """Greedy requests with presence, frequency and repetition penalties (each alone, and all
-    three) beside unpenalized ones, through chunked prefill, decode rows read on the device
-    and (with 14 pages) preemption and recompute: each answer equals the reference over the
-    whole sequence, which differs from `generate`'s for 5 of the 12 prompts."""
+    three) and logit biases (alone, and with a penalty) beside plain ones, through chunked
+    prefill, decode rows read on the device and (with 14 pages) preemption and recompute, the
+    slots passing between requests of each kind: each answer equals the reference over the
+    whole sequence, which differs from `generate`'s for most of the 12 prompts."""
     runner, prompts, want, roomy = _served(*DEFAULT)
     paged = roomy
     if pages != roomy.pages_per_rank:

@@ -205,10 +205,11 @@ def test_sampling_n_seed_and_stops(served):
     assert by_id["text"] == served.text(ids[:2]) and by_id["finish_reason"] == "stop"
 
 
-def test_penalties_and_min_p_are_served(served):
+def test_penalties_min_p_and_logit_bias_are_served(served):
     """Presence, frequency and repetition penalties reach the draw: a greedy completion with
     them is the full-sequence reference's (`test_paged.penalized_reference`), not the plain
-    greedy one; min_p 1 at temperature 1 is greedy, whatever the seed."""
+    greedy one; min_p 1 at temperature 1 is greedy, whatever the seed; a logit bias of 100 on
+    one token makes every token that one."""
     prompt = "the market opened the market opened the"
     ids = served.codec.encode(prompt)
     # Negative values reward repeats (this model's greedy answer repeats nothing).
@@ -227,6 +228,10 @@ def test_penalties_and_min_p_are_served(served):
         narrow = body | {"temperature": 1.0, "min_p": 1.0, "seed": seed}
         text = HTTP.post(f"{served.url}/v1/completions", json=narrow).json()
         assert text["choices"][0]["text"] == greedy
+    forced = served.codec.encode(" town")[-1]
+    biased = body | {"temperature": 0, "logit_bias": {str(forced): 100}}
+    text = HTTP.post(f"{served.url}/v1/completions", json=biased).json()["choices"][0]["text"]
+    assert text == served.codec.decode([forced] * NEW_TOKENS)
 
 
 def test_shared_prefix_reuses_pages_with_unchanged_outputs(served):
@@ -270,7 +275,9 @@ BAD = [
     ({"model": MODEL, "prompt": "a", "repetition_penalty": 0}, "repetition_penalty"),
     ({"model": MODEL, "prompt": "a", "min_p": 1.5}, "min_p"),
     ({"model": MODEL, "prompt": "a", "min_tokens": 3}, "min_tokens"),
-    ({"model": MODEL, "prompt": "a", "logit_bias": {"5": 10}}, "logit_bias"),
+    ({"model": MODEL, "prompt": "a", "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"model": MODEL, "prompt": "a", "logit_bias": {"five": 1}}, "logit_bias"),
+    ({"model": MODEL, "prompt": "a", "logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
     (
         {"model": MODEL, "prompt": "a", "response_format": {"type": "json_object"}},
         "response_format",
@@ -281,7 +288,7 @@ BAD = [
 
 
 def test_malformed_requests_get_400_and_good_ones_answers(served):
-    """24 bad requests interleaved with good ones, concurrently: every bad one is a 400 with an
+    """26 bad requests interleaved with good ones, concurrently: every bad one is a 400 with an
     OpenAI error body naming the field; every good one is answered."""
 
     async def send(client: httpx.AsyncClient, index: int):
