@@ -1,13 +1,14 @@
 """Generate the multi-LoRA golden fixtures under ``tests/golden/lora/`` with PyTorch ``peft``.
 
-For each of the tiny ``qwen3``, ``llama`` and ``qwen3_moe`` checkpoints of ``tests/golden/``
-(written by ``scripts/make_golden.py``), two PEFT LoRA adapters, in
-``tests/golden/lora/<name>/``:
+For each of the tiny ``qwen3``, ``llama``, ``qwen3_moe``, ``gemma3``, ``olmo2``, ``exaone4``,
+``mixtral``, ``qwen2_moe`` and ``gpt_oss`` checkpoints of ``tests/golden/`` (written by
+``scripts/make_golden*.py``), two PEFT LoRA adapters, in ``tests/golden/lora/<name>/``:
 
 * ``a1/`` and ``a2/``: ``adapter_config.json`` + ``adapter_model.safetensors`` as
   ``PeftModel.save_pretrained`` writes them. ``a1``: r 4, lora_alpha 8, every attention and MLP
   projection. ``a2``: r 8, lora_alpha 4, rsLoRA (scaling alpha / sqrt(r)), on q, v, up and down
-  only. On ``qwen3_moe`` (whose experts take no adapters) the attention's projections only.
+  only. On the models with experts (``MOE``, whose experts take no adapters) the attention's
+  projections only.
   A and B are random (A ~ N(0, 1/in), B ~ N(0, 0.5^2 / r)), not PEFT's zero B, so each
   adapter moves the logits by about as much as the base model's own spread.
 * ``prompts.json``: the golden prompts of the base checkpoint, each an object
@@ -45,8 +46,18 @@ from transformers import AutoModelForCausalLM
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "golden"
 OUT = GOLDEN / "lora"
-NAMES = ("qwen3", "llama", "qwen3_moe")
-MOE = ("qwen3_moe",)
+NAMES = (
+    "qwen3",
+    "llama",
+    "qwen3_moe",
+    "gemma3",
+    "olmo2",
+    "exaone4",
+    "mixtral",
+    "qwen2_moe",
+    "gpt_oss",
+)
+MOE = ("qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss")
 ADAPTERS = ("a1", "a2")
 NEW_TOKENS = 6
 PROMPT_ADAPTERS = ("a1", "a2", None, "a1")

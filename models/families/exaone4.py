@@ -28,6 +28,7 @@ class Exaone4ForCausalLM(CausalLM):
 
     architectures = ("Exaone4ForCausalLM",)
     model_type = "exaone4"
+    lora = True
 
     @classmethod
     def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:

@@ -50,6 +50,7 @@ class Gemma3ForCausalLM(CausalLM):
     }
     image_text_architectures = ("Gemma3ForConditionalGeneration",)
     model_type = "gemma3_text"
+    lora = True
 
     @classmethod
     def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:

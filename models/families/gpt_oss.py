@@ -59,6 +59,7 @@ class GptOssForCausalLM(MoeCausalLM):
 
     architectures = ("GptOssForCausalLM",)
     model_type = "gpt_oss"
+    lora = True
     quantizable = False  # the FP8 experts carry no biases and no clamp
 
     @classmethod

@@ -26,6 +26,7 @@ class MixtralForCausalLM(MoeCausalLM):
 
     architectures = ("MixtralForCausalLM",)
     model_type = "mixtral"
+    lora = True
 
     @classmethod
     def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:

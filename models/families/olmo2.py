@@ -19,6 +19,7 @@ class Olmo2ForCausalLM(CausalLM):
 
     architectures = ("Olmo2ForCausalLM",)
     model_type = "olmo2"
+    lora = True
 
     @classmethod
     def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:

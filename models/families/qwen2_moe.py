@@ -30,6 +30,7 @@ class Qwen2MoeForCausalLM(MoeCausalLM):
 
     architectures = ("Qwen2MoeForCausalLM",)
     model_type = "qwen2_moe"
+    lora = True
 
     @classmethod
     def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:

@@ -1,4 +1,5 @@
-"""Multi-LoRA serving: PEFT adapters over a tiny Qwen3 and a tiny Llama equal `peft`'s float32
+"""Multi-LoRA serving: PEFT adapters over tiny Qwen3, Llama, Gemma 3, OLMo 2 and EXAONE 4 (and
+over the attention of tiny Qwen3-MoE, Mixtral, Qwen2-MoE and GPT-OSS) equal `peft`'s float32
 logits and greedy tokens (golden files of scripts/make_golden_lora.py) on every mesh, a batch
 mixing adapter 1, adapter 2 and no adapter; the PEFT reader refuses what it does not build."""
 
@@ -23,7 +24,18 @@ from models.weights.load import load_config
 from models.weights.peft import read_peft_adapter
 
 GOLDEN = pathlib.Path(__file__).parents[1] / "golden"
-NAMES = ("qwen3", "llama", "qwen3_moe")  # Qwen3-MoE: adapters on its attention only
+NAMES = (
+    "qwen3",
+    "llama",
+    "qwen3_moe",
+    "gemma3",
+    "olmo2",
+    "exaone4",
+    "mixtral",
+    "qwen2_moe",
+    "gpt_oss",
+)
+EXPERTS = ("qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss")  # adapters on their attention only
 # (layout, attn_dp, attn_tp, input-scattered, pp, attn_cp)
 LAYOUTS = {
     "TP 1": (1, 1, False, 1, 1),
@@ -41,6 +53,9 @@ DEFAULT_LOGITS = {("llama", layout) for layout in LAYOUTS if "CP" not in layout}
     ("qwen3", "input-scattered TP 4"),
     ("qwen3", "pipeline 2"),
     ("qwen3_moe", "DP 2 x TP 2"),
+    ("gemma3", "DP 2 x TP 2"),  # sandwich norms, `1 + w` q/k norms
+    ("olmo2", "input-scattered TP 4"),  # post-norm, q/k norms over the whole projection
+    ("gpt_oss", "DP 2 x TP 2"),  # sinks, q/k/v/o biases, experts
 }
 DEFAULT_DECODE = {("qwen3", "input-scattered TP 4"), ("llama", "DP 2 x TP 2")}
 
@@ -55,7 +70,7 @@ def cases(default: set[tuple[str, str]]) -> list:
         )
         for name in NAMES
         for layout in LAYOUTS
-        if (name, layout) != ("qwen3_moe", "DP 2 x CP 2 x TP 2")  # no CP with experts yet
+        if not (name in EXPERTS and "CP" in layout)  # no CP with experts yet
     ]
 
 
@@ -76,7 +91,8 @@ def runner(name: str, layout: str):
     mesh = bj.make_mesh(topology)
     if pp > 1:
         config = load_config(GOLDEN / name)
-        split = PipelineSplit.of_sizes((2, 1), config.num_layers)
+        layers = config.num_layers
+        split = PipelineSplit.of_sizes((layers - layers // 2, layers // 2), layers)
         stages = load_pipeline(GOLDEN / name, mesh, split=split, adapters=adapter_dirs(name))
         return PipelineCausalLM(stages, mesh, microbatches=2)
     model = load_model(GOLDEN / name, mesh, BuildOptions(), adapters=adapter_dirs(name))
