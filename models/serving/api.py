@@ -222,7 +222,6 @@ def _stops(body: Mapping[str, Any], vocab_size: int) -> tuple[tuple[str, ...], f
 
 
 UNSERVED_DEFAULTS = {
-    "min_tokens": (0,),
     "functions": ([],),
     "guided_json": (),
     "guided_regex": (),
@@ -237,7 +236,7 @@ MAX_REPETITION_PENALTY = 10.0
 
 def _refuse_unserved(body: Mapping[str, Any]) -> None:
     """Refuses a field that would change the sampled tokens but is not computed here (a
-    minimum of tokens, a structured output, tool calls), rather than ignore it."""
+    structured output, tool calls), rather than ignore it."""
     for name, neutral in UNSERVED_DEFAULTS.items():
         value = body.get(name)
         if value is not None and value not in neutral:
@@ -325,7 +324,13 @@ def parse_request(
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         repetition_penalty=repetition,
         logit_bias=_logit_bias(body, vocab_size),
+        min_tokens=_integer(body, "min_tokens", 0, 0),
     )
+    if max_tokens is not None and sampling.min_tokens > max_tokens:
+        raise ApiError(
+            f"'min_tokens' ({sampling.min_tokens}) is more than max_tokens ({max_tokens})",
+            param="min_tokens",
+        )
     stream_options = _field(body, "stream_options", (dict,), {})
     strings, ids = _stops(body, vocab_size)
     return GenerationSpec(
@@ -349,19 +354,28 @@ class ChoiceText:
     """The text of one choice as its tokens come: final text only (`TextStream`), held back
     while it may still become a stop string, and cut where a stop string begins."""
 
-    def __init__(self, codec: TextCodec, stop_strings: Sequence[str]):
+    def __init__(self, codec: TextCodec, stop_strings: Sequence[str], min_tokens: int = 0):
         self._stream = TextStream(codec)
         self._stops = tuple(stop_strings)
         self._hold = max((len(s) for s in self._stops), default=1) - 1
+        self._min_tokens = min_tokens
+        self._tokens = 0
+        self._floor = 0 if min_tokens == 0 else None  # where stop strings may begin
         self.text = ""
         self._sent = 0
         self.stopped = False
 
     def push(self, ids: Sequence[int]) -> str:
-        """Adds tokens; returns the text to send now ('' once a stop string was met)."""
+        """Adds tokens; returns the text to send now ('' once a stop string was met). Until it
+        holds `min_tokens` tokens no stop string ends it, and none may begin in the text before
+        the token that reaches them (as vLLM checks only new text)."""
         if self.stopped:
             return ""
+        before = len(self.text)
         self.text += self._stream.push(ids)
+        self._tokens += len(ids)
+        if self._floor is None and self._tokens >= self._min_tokens:
+            self._floor = max(before - self._hold, 0)
         return self._take(final=False)
 
     def finish(self) -> str:
@@ -371,8 +385,8 @@ class ChoiceText:
         return self._take(final=True)
 
     def _take(self, *, final: bool) -> str:
-        if not self.stopped and self._stops:
-            start = max(0, self._sent - self._hold)
+        if not self.stopped and self._stops and self._floor is not None:
+            start = max(self._floor, self._sent - self._hold)
             found = [i for i in (self.text.find(s, start) for s in self._stops) if i >= 0]
             if found:
                 self.text, self.stopped = self.text[: min(found)], True

@@ -23,7 +23,7 @@ from .paged import Chunk, Launched, PagedRunner, SlotSampling
 
 MIN_PAYLOAD = 64
 """The smallest payload sent (int32 words)."""
-CHUNK_WORDS = 19
+CHUNK_WORDS = 21
 """Words of one chunk's fixed fields in the payload."""
 
 
@@ -54,7 +54,7 @@ def encode(
     """A step's schedule as int32 words: per chunk its fields, its sampling parameters (those
     `launch` reads, greedy where absent) and its tokens, then the page-table row prefix written
     for its slot (`pages[rank, slot]`, empty where absent), then its logit bias's ids and
-    values (a first chunk's)."""
+    values and its held stop ids (a first chunk's)."""
     words: list[int] = [len(chunks)]
     for chunk in chunks:
         where = (chunk.rank, chunk.slot)
@@ -70,6 +70,7 @@ def encode(
             chunk.prompt_length,
             int(chunk.first),
             len(chunk.logit_bias),
+            len(chunk.held_stops),
             len(chunk.tokens),
             len(row),
             _bits(draw.temperature),
@@ -80,11 +81,13 @@ def encode(
             _bits(draw.presence_penalty),
             _bits(draw.frequency_penalty),
             _bits(draw.repetition_penalty),
+            draw.min_tokens,
         ]
         words += [int(token) for token in chunk.tokens]
         words += [int(page) for page in row]
         words += [int(token) for token, _ in chunk.logit_bias]
         words += [_bits(value) for _, value in chunk.logit_bias]
+        words += list(chunk.held_stops)
     return np.asarray(words, np.int32)
 
 
@@ -98,8 +101,9 @@ def decode(
     for _ in range(int(words[0])):
         fields = [int(w) for w in words[at : at + CHUNK_WORDS]]
         rank, slot, start, sample, previous, adapter, prompt_length, first = fields[:8]
-        biased, count, width = fields[8:11]
-        temperature, top_k, top_p, seed, min_p, presence, frequency, repetition = fields[11:]
+        biased, held, count, width = fields[8:12]
+        temperature, top_k, top_p, seed, min_p, presence, frequency, repetition = fields[12:20]
+        min_tokens = fields[20]
         at += CHUNK_WORDS
         tokens = tuple(int(t) for t in words[at : at + count])
         at += count
@@ -108,6 +112,8 @@ def decode(
         bias_ids = [int(t) for t in words[at : at + biased]]
         bias_values = [_float(int(b)) for b in words[at + biased : at + 2 * biased]]
         at += 2 * biased
+        held_stops = tuple(int(t) for t in words[at : at + held])
+        at += held
         chunks.append(
             Chunk(
                 rank,
@@ -120,6 +126,7 @@ def decode(
                 prompt_length=prompt_length,
                 first=bool(first),
                 logit_bias=tuple(zip(bias_ids, bias_values, strict=True)),
+                held_stops=held_stops,
             )
         )
         sampling[(rank, slot)] = SlotSampling(
@@ -128,6 +135,7 @@ def decode(
             _float(top_p),
             int(np.int32(seed).view(np.uint32)),
             *(_float(bits) for bits in (min_p, presence, frequency, repetition)),
+            min_tokens=min_tokens,
         )
     return chunks, sampling, pages
 

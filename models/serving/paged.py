@@ -35,12 +35,13 @@ from .buckets import bucket
 from .runtime import ShardedCausalLM
 from .sampling import (
     MAX_LOGIT_BIAS,
-    bias_entries,
+    hold_stops,
     penalize,
     record_rows,
     sample_rows,
+    slot_entries,
     token_logprobs,
-    write_bias,
+    write_slot,
 )
 from .step_caches import PAGED_FORMS, SLOT_STATES, cache_parts, cache_pools, step_cache
 
@@ -56,6 +57,7 @@ SLOT_PARAMS = {
     "presence_penalty": np.float32,
     "frequency_penalty": np.float32,
     "repetition_penalty": np.float32,
+    "min_tokens": np.int32,
     "prompt_length": np.int32,
 }
 """What a step reads per sequence slot, in order, and its dtype: the sampling parameters of a
@@ -73,7 +75,7 @@ class Chunk:
     none); `prompt_length`: its sequence's prompt length (rows from that position on are
     generated tokens, which the penalties count); `first`: the first chunk of its sequence in
     this slot, which writes the slot's logit bias, `logit_bias` ((token id, bias) pairs, none
-    for no bias)."""
+    for no bias), and the stop ids it holds back until its `min_tokens`, `held_stops`."""
 
     rank: int
     slot: int
@@ -86,6 +88,7 @@ class Chunk:
     prompt_length: int = 0
     first: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()
+    held_stops: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,8 +96,9 @@ class SlotSampling:
     """One sequence's sampling parameters on the device: temperature 0 is greedy; top_k 0,
     top_p 1 and min_p 0 keep every token; the seed and the index of the token drawn key the
     draw. A logit bias ((token id, bias) pairs, at most `MAX_LOGIT_BIAS`) is added to the
-    logits, then the penalties (`sampling.penalize`; neutral at 0, 0 and 1) apply, before the
-    draw, greedy or not."""
+    logits, then the penalties (`sampling.penalize`; neutral at 0, 0 and 1) apply, then the
+    sequence's stop ids are held back until it has `min_tokens` tokens, before the draw,
+    greedy or not."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -105,6 +109,7 @@ class SlotSampling:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
 
     def __post_init__(self):
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
@@ -234,9 +239,9 @@ class PagedRunner:
         )
         wide = self.pages_per_sequence if self.reads_pages_in_place() else 1
         self.min_pages = wide if min_pages is None else min_pages
-        self._pools = self._history = self._bias = ()
+        self._pools = self._history = self._written = ()
         self.reset()
-        self._write_bias = jax.jit(write_bias, donate_argnums=0)
+        self._write_slot = jax.jit(write_slot, donate_argnums=(0, 1))
         self._no_draw = runner.place_array(np.zeros(dp * self.slots_per_rank, np.int32))
         self._programs: dict[int, Callable] = {}
 
@@ -288,19 +293,20 @@ class PagedRunner:
 
     def _per_slot(self, dtype: Any) -> jax.Array:
         """Zeros [attn_dp * slots, vocab] of `dtype`, slots over attention DP: a token history
-        part (`sampling.record_rows`) or the logit biases (`sampling.write_bias`)."""
+        part (`sampling.record_rows`), or what a sequence's first chunk writes, its logit bias
+        and held stop ids (`sampling.write_slot`)."""
         runner = self.runner
         shape = (self.attn_dp * self.slots_per_rank, runner.config.vocab_size)
         placed = NamedSharding(runner.mesh, PartitionSpec(runner.row_spec[0], None))
         return jnp.zeros(shape, dtype, device=placed)
 
     def reset(self) -> None:
-        """Fresh zero pools, token histories and logit biases (after a step that failed may
-        have consumed the donated ones)."""
-        self._pools = self._history = self._bias = ()
+        """Fresh zero pools, token histories, logit biases and held stops (after a step that
+        failed may have consumed the donated ones)."""
+        self._pools = self._history = self._written = ()
         self._pools = self._new_pools()
         self._history = (self._per_slot(jnp.int32), self._per_slot(bool))
-        self._bias = self._per_slot(jnp.float32)
+        self._written = (self._per_slot(jnp.float32), self._per_slot(bool))
 
     def cache_bytes(self) -> int:
         """Bytes of the page pools over all devices."""
@@ -375,11 +381,14 @@ class PagedRunner:
                     draw.presence_penalty,
                     draw.frequency_penalty,
                     draw.repetition_penalty,
+                    draw.min_tokens,
                 )
         for chunk in chunks:
             if chunk.first:
-                self._bias = self._write_bias(
-                    self._bias, chunk.rank * slots + chunk.slot, *bias_entries(chunk.logit_bias)
+                self._written = self._write_slot(
+                    *self._written,
+                    chunk.rank * slots + chunk.slot,
+                    *slot_entries(chunk.logit_bias, chunk.held_stops),
                 )
         runner = self.runner
         host = (
@@ -419,7 +428,7 @@ class PagedRunner:
             runner.batch_facts(counts),
             self._pools,
             self._history,
-            self._bias,
+            self._written,
             table,
             last_,
             *per_slot,
@@ -496,7 +505,7 @@ class PagedRunner:
         pool_specs = tuple(tuple(jax.tree_util.tree_leaves(spec)) for spec in self._specs)
 
         def body(
-            model, rows, from_previous, drawn, batch, pools, history, bias, table, last, *slot
+            model, rows, from_previous, drawn, batch, pools, history, written, table, last, *slot
         ):
             # The rows whose token the previous step drew read it here, on the device.
             taken = drawn[jnp.maximum(from_previous, 0)]
@@ -512,8 +521,10 @@ class PagedRunner:
                 caches.append(step_cache(spec, pool, table, block.scanned))
             hidden, caches = model.hidden(rows, batch, tuple(caches), last)
             logits = model.lm_head(hidden).astype(jnp.float32)
-            temperature, top_k, top_p, seeds, counters, min_p, *penalties, _ = slot
+            temperature, top_k, top_p, seeds, counters, min_p, *penalties, held = slot[:-1]
+            bias, stops = written
             scored = penalize(logits + bias, counts, prompted, *penalties)
+            scored = hold_stops(scored, stops, counters, slot[-1], held)
             tokens = sample_rows(scored, temperature, top_k, top_p, seeds, counters, min_p)
             tokens = jnp.where(last >= 0, tokens, 0)
             chosen, top_ids, top = token_logprobs(logits, tokens)
@@ -532,7 +543,7 @@ class PagedRunner:
                 PartitionSpec(),
                 pool_specs,
                 history_specs,
-                top_spec,
+                history_specs,
                 page_table_spec(runner.topology),
                 *(slot_spec,) * (1 + len(SLOT_PARAMS)),
             ),

@@ -100,24 +100,58 @@ MAX_LOGIT_BIAS = 300
 """The most tokens one sequence's logit bias names (OpenAI's bound)."""
 
 
-def bias_entries(logit_bias: tuple[tuple[int, float], ...]) -> tuple[np.ndarray, np.ndarray]:
-    """A logit bias as `MAX_LOGIT_BIAS` token ids (-1 past its entries) and float32 biases."""
+MAX_HELD_STOPS = 64
+"""The most stop ids one sequence holds back until its `min_tokens` (eos ids included)."""
+
+
+def slot_entries(
+    logit_bias: tuple[tuple[int, float], ...], held: tuple[int, ...]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A sequence's logit bias as `MAX_LOGIT_BIAS` token ids (-1 past its entries) and float32
+    biases, and the ids it holds back until its `min_tokens` as `MAX_HELD_STOPS` ids (-1 past
+    them): what `write_slot` takes."""
     ids = np.full(MAX_LOGIT_BIAS, -1, np.int32)
     values = np.zeros(MAX_LOGIT_BIAS, np.float32)
     for index, (token, value) in enumerate(logit_bias):
         ids[index], values[index] = token, value
-    return ids, values
+    stops = np.full(MAX_HELD_STOPS, -1, np.int32)
+    stops[: len(held)] = held
+    return ids, values, stops
 
 
-def write_bias(bias: jax.Array, row: jax.Array, ids: jax.Array, values: jax.Array) -> jax.Array:
-    """`bias` [slots, vocab] with row `row` set to `values` at `ids` (-1: none) and 0
-    elsewhere: a sequence's logit bias, written when its first chunk runs in the slot."""
+def write_slot(
+    bias: jax.Array,
+    held: jax.Array,
+    row: jax.Array,
+    ids: jax.Array,
+    values: jax.Array,
+    stops: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """`bias` float32 and `held` bool, [slots, vocab], with row `row` written for a sequence
+    whose first chunk runs in the slot: its logit bias (`values` at `ids`, 0 elsewhere) and the
+    stop ids it holds back until its `min_tokens` (`stops`); -1 entries write nothing."""
     vocab = bias.shape[-1]
     written = (
         jnp.zeros(vocab, bias.dtype).at[jnp.where(ids >= 0, ids, vocab)].set(values, mode="drop")
     )
+    marked = jnp.zeros(vocab, bool).at[jnp.where(stops >= 0, stops, vocab)].set(True, mode="drop")
     # A select, not a scatter into the slots' rows: they are split over attention DP.
-    return jnp.where((jnp.arange(bias.shape[0]) == row)[:, None], written[None], bias)
+    target = (jnp.arange(bias.shape[0]) == row)[:, None]
+    return jnp.where(target, written[None], bias), jnp.where(target, marked[None], held)
+
+
+def hold_stops(
+    logits: jax.Array,
+    held: jax.Array,
+    counters: jax.Array,
+    prompt_lengths: jax.Array,
+    min_tokens: jax.Array,
+) -> jax.Array:
+    """[R, vocab] logits with each row's held stop ids (`held` [R, vocab]) at -inf while it has
+    generated fewer than `min_tokens` [R] tokens: `counters - prompt_lengths`, the position it
+    draws less its prompt."""
+    early = (counters - prompt_lengths < min_tokens)[:, None]
+    return jnp.where(early & held, -jnp.inf, logits)
 
 
 TOP_LOGPROBS = 5

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 from .blocks import PagePool, page_hashes
 from .paged import Chunk, SlotSampling, StepOutput
+from .sampling import MAX_HELD_STOPS
 
 
 class RequestRefused(ValueError):
@@ -152,11 +153,17 @@ class Scheduler:
 
         Raises:
           RequestRefused: No prompt or `max_tokens` < 1, prompt + max_tokens past the context,
-            or more pages than a rank's pool holds.
+            more pages than a rank's pool holds, or `min_tokens` with more stop ids than a slot
+            holds back.
         """
         total = len(request.prompt) + request.max_tokens
         if not request.prompt or request.max_tokens < 1:
             raise RequestRefused("a request needs a non-empty prompt and max_tokens >= 1")
+        if request.sampling.min_tokens and len(request.stop_ids) > MAX_HELD_STOPS:
+            raise RequestRefused(
+                f"min_tokens holds back at most {MAX_HELD_STOPS} stop ids (eos ids included); "
+                f"the request has {len(request.stop_ids)}"
+            )
         if total > self.max_context:
             raise RequestRefused(
                 f"the prompt has {len(request.prompt)} tokens and max_tokens is "
@@ -269,6 +276,9 @@ class Scheduler:
             prompt_length=len(request.prompt),
             first=admitting,
             logit_bias=request.sampling.logit_bias if admitting else (),
+            held_stops=tuple(sorted(request.stop_ids))
+            if admitting and request.sampling.min_tokens
+            else (),
         )
 
     def _admission_rank(self, request: Request, budget: list[int]) -> int | None:

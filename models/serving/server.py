@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException
 
 from .api import ApiError, ChoiceText, Endpoint, GenerationSpec, parse_request
 from .engine import Engine
+from .sampling import MAX_HELD_STOPS
 from .scheduler import Finish, Request, RequestRefused, Token
 from .text import TextCodec
 
@@ -176,6 +177,12 @@ class Server:
     ) -> list[_Choice]:
         """Every choice's request, all checked before any is queued."""
         stop_ids = spec.stop_ids | (frozenset() if spec.ignore_eos else self.eos_ids)
+        if spec.sampling.min_tokens and len(stop_ids) > MAX_HELD_STOPS:
+            raise ApiError(
+                f"'min_tokens' holds back at most {MAX_HELD_STOPS} stop ids (eos ids included); "
+                f"this request has {len(stop_ids)}",
+                param="min_tokens",
+            )
         choices = []
         for prompt in spec.prompts:
             for offset in range(spec.n):
@@ -199,9 +206,8 @@ class Server:
                     raise ApiError(
                         str(error), param="max_tokens", code="context_length_exceeded"
                     ) from None
-                choices.append(
-                    _Choice(len(choices), request, ChoiceText(self.codec, spec.stop_strings))
-                )
+                text = ChoiceText(self.codec, spec.stop_strings, spec.sampling.min_tokens)
+                choices.append(_Choice(len(choices), request, text))
         for choice in choices:
 
             def listener(item: Token | BaseException, index: int = choice.index) -> None:

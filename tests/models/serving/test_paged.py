@@ -285,6 +285,32 @@ def test_penalties_equal_the_full_sequence_reference(pages):
     assert (engine.scheduler.preemptions > 0) == (pages == 14)
 
 
+def test_min_tokens_holds_the_stop_ids_back():
+    """A request whose greedy answer's first two tokens are its stop ids, with min_tokens 5:
+    its first five tokens are the argmax over the other ids, then the first stop id drawn
+    ends it (the reference masks the stop ids for the first five draws); without min_tokens
+    it ends at once; another request with the same stop ids and min_tokens 0 beside it is
+    unaffected (the held ids are each slot's own)."""
+    runner, prompts, want, roomy = _served(*DEFAULT)
+    prompt, stops = prompts[2], frozenset(int(t) for t in want[2][:2])
+    output: list[int] = []
+    while len(output) < NEW_TOKENS and (not output or output[-1] not in stops):
+        row = runner.forward([prompt + output])[0, len(prompt) + len(output) - 1].copy()
+        if len(output) < 5:
+            row[sorted(stops)] = -np.inf
+        output.append(int(np.argmax(row)))
+    assert len(output) > 5 and not stops & set(output[:5])
+    engine = Engine(roomy)
+    held = Request("held", prompt, NEW_TOKENS, stops, sampling=SlotSampling(min_tokens=5))
+    plain = Request("plain", prompt, NEW_TOKENS, stops)
+    for request in (held, plain):
+        engine.submit(request, lambda token: None)
+    while engine.run_once():
+        pass
+    assert held.output == output
+    assert plain.output == [int(want[2][0])] and plain.finish is Finish.STOP
+
+
 def test_sample_rows_mixes_greedy_and_sampled_rows():
     """Per row: temperature 0 is the argmax; top_k keeps only the k largest."""
     logits = jnp.asarray(np.random.default_rng(1).normal(size=(4, 50)), jnp.float32)

@@ -8,6 +8,7 @@ import pytest
 from models.serving.sampling import (
     GREEDY,
     Sampling,
+    hold_stops,
     penalize,
     record_rows,
     sample_rows,
@@ -135,3 +136,15 @@ def test_min_p_keeps_tokens_near_the_most_likely():
         counters = jnp.full(rows, counter, jnp.int32)
         got = draw(LOGITS, 2 * ones, zeros, ones, seeds, counters, jnp.full(rows, 0.3))
         assert np.all(ratio[np.arange(rows), np.asarray(got)] >= 0.3 - 1e-6)
+
+
+def test_hold_stops_masks_held_ids_until_min_tokens():
+    """A row's held ids are -inf while it has generated fewer than min_tokens tokens (its
+    position drawn less its prompt length), as they are afterwards."""
+    logits = jnp.zeros((3, 4))
+    held = jnp.asarray([[True, False, True, False]] * 3)
+    got = hold_stops(
+        logits, held, jnp.asarray([5, 7, 9]), jnp.asarray([5, 5, 5]), jnp.asarray([3, 3, 3])
+    )
+    assert np.isneginf(got[0, 0]) and np.isneginf(got[1, 2]) and not np.isinf(got[0, 1])
+    np.testing.assert_array_equal(got[2], np.zeros(4))

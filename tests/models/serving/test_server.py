@@ -20,6 +20,7 @@ import pytest
 import boundary_jax as bj
 from models.build import load_model
 from models.serving import server as server_module
+from models.serving.api import ChoiceText
 from models.serving.engine import Engine
 from models.serving.generation import generate_ids
 from models.serving.paged import PagedRunner, SlotSampling
@@ -205,11 +206,12 @@ def test_sampling_n_seed_and_stops(served):
     assert by_id["text"] == served.text(ids[:2]) and by_id["finish_reason"] == "stop"
 
 
-def test_penalties_min_p_and_logit_bias_are_served(served):
+def test_sampling_options_are_served(served):
     """Presence, frequency and repetition penalties reach the draw: a greedy completion with
     them is the full-sequence reference's (`test_paged.penalized_reference`), not the plain
-    greedy one; min_p 1 at temperature 1 is greedy, whatever the seed; a logit bias of 100 on
-    one token makes every token that one."""
+    greedy one; min_p 1 at temperature 1 is greedy, whatever the seed; min_tokens holds a stop
+    id (the greedy first token) back for that many tokens; a logit bias of 100 on one token
+    makes every token that one."""
     prompt = "the market opened the market opened the"
     ids = served.codec.encode(prompt)
     # Negative values reward repeats (this model's greedy answer repeats nothing).
@@ -228,6 +230,14 @@ def test_penalties_min_p_and_logit_bias_are_served(served):
         narrow = body | {"temperature": 1.0, "min_p": 1.0, "seed": seed}
         text = HTTP.post(f"{served.url}/v1/completions", json=narrow).json()
         assert text["choices"][0]["text"] == greedy
+    first = served.expected(ids, 1)[0]
+    stopped = body | {"temperature": 0, "stop_token_ids": [first]}
+    for min_tokens, at_least in ((0, 1), (3, 3)):
+        answer = HTTP.post(
+            f"{served.url}/v1/completions", json=stopped | {"min_tokens": min_tokens}
+        )
+        count = answer.json()["usage"]["completion_tokens"]
+        assert count == 1 if min_tokens == 0 else count >= at_least
     forced = served.codec.encode(" town")[-1]
     biased = body | {"temperature": 0, "logit_bias": {str(forced): 100}}
     text = HTTP.post(f"{served.url}/v1/completions", json=biased).json()["choices"][0]["text"]
@@ -274,7 +284,12 @@ BAD = [
     ({"model": MODEL, "prompt": "a", "frequency_penalty": "x"}, "frequency_penalty"),
     ({"model": MODEL, "prompt": "a", "repetition_penalty": 0}, "repetition_penalty"),
     ({"model": MODEL, "prompt": "a", "min_p": 1.5}, "min_p"),
-    ({"model": MODEL, "prompt": "a", "min_tokens": 3}, "min_tokens"),
+    ({"model": MODEL, "prompt": "a", "min_tokens": 20, "max_tokens": 5}, "min_tokens"),
+    ({"model": MODEL, "prompt": "a", "min_tokens": -1}, "min_tokens"),
+    (
+        {"model": MODEL, "prompt": "a", "min_tokens": 2, "stop_token_ids": list(range(70))},
+        "min_tokens",
+    ),
     ({"model": MODEL, "prompt": "a", "logit_bias": {"5": 101}}, "logit_bias"),
     ({"model": MODEL, "prompt": "a", "logit_bias": {"five": 1}}, "logit_bias"),
     ({"model": MODEL, "prompt": "a", "logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
@@ -288,7 +303,7 @@ BAD = [
 
 
 def test_malformed_requests_get_400_and_good_ones_answers(served):
-    """26 bad requests interleaved with good ones, concurrently: every bad one is a 400 with an
+    """28 bad requests interleaved with good ones, concurrently: every bad one is a 400 with an
     OpenAI error body naming the field; every good one is answered."""
 
     async def send(client: httpx.AsyncClient, index: int):
@@ -462,3 +477,19 @@ def test_a_handler_that_fails_answers_500_and_the_server_goes_on(served, monkeyp
     assert failed.json()["error"]["type"] == "server_error"
     assert "tokenizer crashed" in failed.json()["error"]["message"]
     assert HTTP.post(f"{served.url}/v1/completions", json=body).status_code == 200
+
+
+def test_stop_strings_wait_for_min_tokens():
+    """A stop string cuts the text where it begins; with min_tokens, none ends the text before
+    it holds that many tokens, and one that began before the token reaching them is not
+    matched later (vLLM checks only new text), so the second occurrence cuts it."""
+    codec = text_codec(TEXT, 256)
+    ids = codec.encode("the market opened the market closed")
+    full = codec.decode(ids)
+
+    def streamed(min_tokens: int) -> str:
+        text = ChoiceText(codec, ["market"], min_tokens)
+        return "".join(text.push([token]) for token in ids) + text.finish()
+
+    assert streamed(0) == full[: full.index("market")]
+    assert streamed(6) == full[: full.rindex("market")]
