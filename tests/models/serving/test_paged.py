@@ -219,41 +219,48 @@ def test_sampled_tokens_depend_on_seed_not_batch():
 PENALTIES = (
     SlotSampling(),
     SlotSampling(presence_penalty=0.1),
-    SlotSampling(frequency_penalty=-0.1),  # rewards repeats: tokens generated twice or more
+    # Rewards a token's second occurrence, penalizes its third: the count matters.
+    SlotSampling(presence_penalty=-0.3, frequency_penalty=0.2),
     SlotSampling(repetition_penalty=0.8),  # < 1 rewards what the sequence holds
     SlotSampling(presence_penalty=0.1, frequency_penalty=-0.1, repetition_penalty=1.3),
     SlotSampling(logit_bias=((17, 0.5), (42, 0.3), (99, -100.0))),
-    SlotSampling(repetition_penalty=1.3, logit_bias=((17, 0.5), (200, 0.2))),
+    # Every logit negative: the repetition penalty multiplies them.
+    SlotSampling(repetition_penalty=1.3, logit_bias=tuple((t, -1.0) for t in range(256))),
 )
 """Each request's logit bias and penalties, round robin; the tiny model's logits are within
 0.7 of 0, so these are of the size of its logits' gaps."""
 
 
-def penalized_reference(
-    runner: ShardedCausalLM, prompts: list[list[int]], sampling: list[SlotSampling]
+def penalized_choices(
+    runner: ShardedCausalLM,
+    prompts: list[list[int]],
+    outputs: list[list[int]],
+    sampling: list[SlotSampling],
 ) -> list[list[int]]:
-    """Greedy tokens with `sampling`'s logit bias and penalties, each step from the forward of
-    the whole sequence so far: the bias added, then a token seen in the prompt or generated
-    has its logit divided by the repetition penalty where positive (multiplied where not),
-    then each generated token's logit drops by the frequency penalty per occurrence and by the
-    presence penalty once."""
-    outputs: list[list[int]] = [[] for _ in prompts]
-    for _ in range(NEW_TOKENS):
-        logits = runner.forward([p + o for p, o in zip(prompts, outputs, strict=True)])
-        for index, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
-            row = logits[index, len(prompt) + len(output) - 1].copy()
-            counts = np.bincount(output, minlength=row.shape[0]).astype(np.float32)
+    """The greedy choice with `sampling`'s logit bias and penalties at each step of `outputs`,
+    from one forward of each whole sequence (each step's logits seeing the tokens before it):
+    the bias added, then a token seen in the prompt or generated before the step has its
+    logit divided by the repetition penalty where positive (multiplied where not), then each
+    generated token's logit drops by the frequency penalty per occurrence and by the presence
+    penalty once. Greedy penalized answers are exactly those equal to their choices."""
+    logits = runner.forward([p + o for p, o in zip(prompts, outputs, strict=True)])
+    choices: list[list[int]] = []
+    for index, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
+        draw = sampling[index]
+        choices.append([])
+        for step in range(len(output)):
+            row = logits[index, len(prompt) + step - 1].copy()
+            counts = np.bincount(output[:step], minlength=row.shape[0]).astype(np.float32)
             seen = counts > 0
             seen[prompt] = True
-            draw = sampling[index]
             for token, bias in draw.logit_bias:
                 row[token] += np.float32(bias)
             scale = np.float32(draw.repetition_penalty)
             row = np.where(seen, np.where(row > 0, row / scale, row * scale), row)
             row = row - np.float32(draw.frequency_penalty) * counts
             row = row - np.float32(draw.presence_penalty) * (counts > 0)
-            output.append(int(np.argmax(row)))
-    return outputs
+            choices[-1].append(int(np.argmax(row)))
+    return choices
 
 
 @pytest.mark.parametrize("pages", [64, pytest.param(14, id="preempting")])
@@ -261,8 +268,9 @@ def test_penalties_equal_the_full_sequence_reference(pages):
     """Greedy requests with presence, frequency and repetition penalties (each alone, and all
     three) and logit biases (alone, and with a penalty) beside plain ones, through chunked
     prefill, decode rows read on the device and (with 14 pages) preemption and recompute, the
-    slots passing between requests of each kind: each answer equals the reference over the
-    whole sequence, which differs from `generate`'s for most of the 12 prompts."""
+    slots passing between requests of each kind: each answer is its greedy penalized choice at
+    every step by the forward of its whole sequence, and differs from `generate`'s for most of
+    the 12 prompts."""
     runner, prompts, want, roomy = _served(*DEFAULT)
     paged = roomy
     if pages != roomy.pages_per_rank:
@@ -270,8 +278,6 @@ def test_penalties_equal_the_full_sequence_reference(pages):
             runner, page_size=4, pages_per_rank=pages, slots_per_rank=4, max_rows=16
         )
     sampling = [PENALTIES[i % len(PENALTIES)] for i in range(len(prompts))]
-    reference = penalized_reference(runner, prompts, sampling)
-    assert sum(r != w for r, w in zip(reference, want.tolist(), strict=True)) >= 4
     engine = Engine(paged)
     requests = [
         Request(str(i), p, NEW_TOKENS, sampling=draw)
@@ -281,25 +287,20 @@ def test_penalties_equal_the_full_sequence_reference(pages):
         engine.submit(request, lambda token: None)
     while engine.run_once():
         pass
-    assert [r.output for r in requests] == reference
+    outputs = [r.output for r in requests]
+    assert outputs == penalized_choices(runner, prompts, outputs, sampling)
+    assert sum(o != w for o, w in zip(outputs, want.tolist(), strict=True)) >= 4
     assert (engine.scheduler.preemptions > 0) == (pages == 14)
 
 
 def test_min_tokens_holds_the_stop_ids_back():
     """A request whose greedy answer's first two tokens are its stop ids, with min_tokens 5:
-    its first five tokens are the argmax over the other ids, then the first stop id drawn
-    ends it (the reference masks the stop ids for the first five draws); without min_tokens
-    it ends at once; another request with the same stop ids and min_tokens 0 beside it is
-    unaffected (the held ids are each slot's own)."""
+    its first five tokens are the argmax over the other ids, then it runs greedily until the
+    first stop id drawn ends it (checked step by step against the forward of its whole
+    sequence); another request with the same stop ids and min_tokens 0 beside it ends at
+    once (the held ids are each slot's own)."""
     runner, prompts, want, roomy = _served(*DEFAULT)
     prompt, stops = prompts[2], frozenset(int(t) for t in want[2][:2])
-    output: list[int] = []
-    while len(output) < NEW_TOKENS and (not output or output[-1] not in stops):
-        row = runner.forward([prompt + output])[0, len(prompt) + len(output) - 1].copy()
-        if len(output) < 5:
-            row[sorted(stops)] = -np.inf
-        output.append(int(np.argmax(row)))
-    assert len(output) > 5 and not stops & set(output[:5])
     engine = Engine(roomy)
     held = Request("held", prompt, NEW_TOKENS, stops, sampling=SlotSampling(min_tokens=5))
     plain = Request("plain", prompt, NEW_TOKENS, stops)
@@ -307,8 +308,16 @@ def test_min_tokens_holds_the_stop_ids_back():
         engine.submit(request, lambda token: None)
     while engine.run_once():
         pass
-    assert held.output == output
     assert plain.output == [int(want[2][0])] and plain.finish is Finish.STOP
+    output = held.output
+    assert len(output) > 5 and not stops & set(output[:5])
+    assert held.finish is Finish.LENGTH or output[-1] in stops and not stops & set(output[:-1])
+    logits = runner.forward([prompt + output])[0, len(prompt) - 1 :]
+    for step, token in enumerate(output):
+        row = logits[step].copy()
+        if step < 5:
+            row[sorted(stops)] = -np.inf
+        assert token == int(np.argmax(row)), step
 
 
 def test_sample_rows_mixes_greedy_and_sampled_rows():

@@ -29,7 +29,7 @@ from models.serving.scheduler import Finish, Request
 from models.serving.server import Server
 from models.serving.text import eos_token_ids, text_codec
 from tests.models.serving.http_harness import HTTP, Listening
-from tests.models.serving.test_paged import NEW_TOKENS, penalized_reference
+from tests.models.serving.test_paged import NEW_TOKENS, penalized_choices
 
 TEXT = pathlib.Path(__file__).parents[2] / "golden" / "text"
 ROOT = pathlib.Path(__file__).parents[3]
@@ -208,7 +208,7 @@ def test_sampling_n_seed_and_stops(served):
 
 def test_sampling_options_are_served(served):
     """Presence, frequency and repetition penalties reach the draw: a greedy completion with
-    them is the full-sequence reference's (`test_paged.penalized_reference`), not the plain
+    them is the greedy penalized one (`test_paged.penalized_choices` step by step), not the plain
     greedy one; min_p 1 at temperature 1 is greedy, whatever the seed; min_tokens holds a stop
     id (the greedy first token) back for that many tokens; a logit bias of 100 on one token
     makes every token that one."""
@@ -220,7 +220,12 @@ def test_sampling_options_are_served(served):
     answer = HTTP.post(
         f"{served.url}/v1/completions", json=body | penalties | {"temperature": 0}
     ).json()["choices"][0]["text"]
-    (want,) = penalized_reference(served.runner, [ids], [SlotSampling(**penalties)])
+    want: list[int] = []
+    for _ in range(NEW_TOKENS):  # each step's choice from the forward of the tokens so far
+        (choices,) = penalized_choices(
+            served.runner, [ids], [want + [0]], [SlotSampling(**penalties)]
+        )
+        want.append(choices[-1])
     assert answer == served.codec.decode(want)
     assert answer != served.codec.decode(generate_ids(served.runner, [ids], NEW_TOKENS)[0])
     greedy = HTTP.post(f"{served.url}/v1/completions", json=body | {"temperature": 0}).json()[
