@@ -1,14 +1,15 @@
 """Generate the multi-LoRA golden fixtures under ``tests/golden/lora/`` with PyTorch ``peft``.
 
 For each of the tiny ``qwen3``, ``llama``, ``qwen3_moe``, ``gemma3``, ``olmo2``, ``exaone4``,
-``mixtral``, ``qwen2_moe`` and ``gpt_oss`` checkpoints of ``tests/golden/`` (written by
-``scripts/make_golden*.py``), two PEFT LoRA adapters, in ``tests/golden/lora/<name>/``:
+``mixtral``, ``qwen2_moe``, ``gpt_oss``, ``apertus`` and ``arcee`` checkpoints of
+``tests/golden/`` (written by ``scripts/make_golden*.py``), two PEFT LoRA adapters, in
+``tests/golden/lora/<name>/``:
 
 * ``a1/`` and ``a2/``: ``adapter_config.json`` + ``adapter_model.safetensors`` as
   ``PeftModel.save_pretrained`` writes them. ``a1``: r 4, lora_alpha 8, every attention and MLP
-  projection. ``a2``: r 8, lora_alpha 4, rsLoRA (scaling alpha / sqrt(r)), on q, v, up and down
-  only. On the models with experts (``MOE``, whose experts take no adapters) the attention's
-  projections only.
+  projection (the ungated MLPs of ``apertus`` and ``arcee`` have no gate). ``a2``: r 8,
+  lora_alpha 4, rsLoRA (scaling alpha / sqrt(r)), on q, v, up and down only. On the models with
+  experts (``MOE``, whose experts take no adapters) the attention's projections only.
   A and B are random (A ~ N(0, 1/in), B ~ N(0, 0.5^2 / r)), not PEFT's zero B, so each
   adapter moves the logits by about as much as the base model's own spread.
 * ``prompts.json``: the golden prompts of the base checkpoint, each an object
@@ -56,8 +57,11 @@ NAMES = (
     "mixtral",
     "qwen2_moe",
     "gpt_oss",
+    "apertus",
+    "arcee",
 )
 MOE = ("qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss")
+UNGATED = ("apertus", "arcee")
 ADAPTERS = ("a1", "a2")
 NEW_TOKENS = 6
 PROMPT_ADAPTERS = ("a1", "a2", None, "a1")
@@ -70,7 +74,8 @@ def adapter_config(name: str, adapter: str) -> LoraConfig:
     MoE model (whose experts take no adapters) the attention's projections only."""
     moe = name in MOE
     if adapter == "a1":
-        targets = ATTENTION if moe else ATTENTION + MLP
+        mlp = [m for m in MLP if m != "gate_proj"] if name in UNGATED else MLP
+        targets = ATTENTION if moe else ATTENTION + mlp
         return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets)
     targets = ["q_proj", "v_proj"] + ([] if moe else ["up_proj", "down_proj"])
     return LoraConfig(r=8, lora_alpha=4, use_rslora=True, lora_dropout=0.0, target_modules=targets)

@@ -17,6 +17,7 @@ from ..inputs.rows import TokenRows
 from ..layers.attention.kv_cache import KVCache
 from ..layers.attention.self_attention import O_PROJ_BIAS, Attention
 from ..layers.mlp import DOWN_PROJ_BIAS, SwiGLU
+from ..layers.ungated_mlp import UngatedMlp
 from .designs import LayerDesign, StageDesigns
 
 Declare = Callable[[StageDesigns], tuple[bj.StageDeclaration, ...]]
@@ -146,7 +147,7 @@ class DecoderLayer(AttentionFirstLayer):
             )
         x, stream = self.attn_boundary.finish(y, stream)
         h, stream = self.ffn_boundary.prepare(x, stream)
-        if rows.adapters is None or not isinstance(self.mlp, SwiGLU):
+        if rows.adapters is None or not isinstance(self.mlp, SwiGLU | UngatedMlp):
             # A MoE FFN takes no adapters (a model with experts adapts its attention only).
             x, stream = self.run_ffn(h, stream)
         else:

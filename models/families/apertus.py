@@ -47,6 +47,7 @@ class ApertusForCausalLM(CausalLM):
 
     architectures = ("ApertusForCausalLM",)
     model_type = "apertus"
+    lora = True
     quantizable = False
 
     @classmethod
@@ -111,6 +112,7 @@ class ApertusForCausalLM(CausalLM):
             topology=self.topology,
             dtype=dtype,
             init_std=config.initializer_range,
+            lora=self.options.lora,
             rngs=rngs,
         )
 

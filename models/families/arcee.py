@@ -42,6 +42,7 @@ class ArceeForCausalLM(CausalLM):
 
     architectures = ("ArceeForCausalLM",)
     model_type = "arcee"
+    lora = True
     quantizable = False
     mlp_biases = True
 
@@ -107,6 +108,7 @@ class ArceeForCausalLM(CausalLM):
             bias=config.mlp_bias,
             dtype=dtype,
             init_std=config.initializer_range,
+            lora=self.options.lora,
             rngs=rngs,
         )
 

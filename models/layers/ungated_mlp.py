@@ -12,6 +12,7 @@ from flax import nnx
 from boundary_jax import SumGroup, Topology
 
 from .linear import ColumnParallelLinear, RowParallelLinear, group_size
+from .lora import LoraSpec, LoraTarget, column_lora, row_lora
 
 
 class UngatedMlp(nnx.Module):
@@ -30,6 +31,8 @@ class UngatedMlp(nnx.Module):
         `mlp.replicated_parts`).
       act_fn: The activation: a function (`activations.relu2`), or a module whose parameters
         are the layer's (`activations.Xielu`, replicated on every rank).
+      up_lora, down_lora: The adapter stacks of the projections (`layers.lora`), or None where
+        no adapter targets them.
 
     Both projections are dense, in the model's dtype (not FP8: they take no `linears`), drawn
     from N(0, init_std^2) (`linear.weight_init`; None: std 1/sqrt(fan_in)).
@@ -45,6 +48,7 @@ class UngatedMlp(nnx.Module):
         bias: bool = False,
         dtype: jnp.dtype = jnp.float32,
         init_std: float | None = None,
+        lora: LoraSpec | None = None,
         rngs: nnx.Rngs,
     ):
         tp = group_size(topology, SumGroup.FULL_TP)
@@ -64,9 +68,26 @@ class UngatedMlp(nnx.Module):
         self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, **common)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, **common)
         self.act_fn = activation
+        stacks = {"group": SumGroup.FULL_TP, "topology": topology, "dtype": dtype, "rngs": rngs}
+        self.up_lora = column_lora(lora, (LoraTarget.UP,), hidden_size, intermediate_size, **stacks)
+        self.down_lora = row_lora(lora, LoraTarget.DOWN, intermediate_size, hidden_size, **stacks)
 
-    def __call__(self, x: jax.Array, *, counts_bias: bool | jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self,
+        x: jax.Array,
+        adapters: jax.Array | None = None,
+        *,
+        counts_bias: bool | jax.Array | None = None,
+    ) -> jax.Array:
         """[T, hidden] complete rows -> [T, hidden] partial, owing a sum over full TP. With
-        biases, `counts_bias` says whether this rank adds the down projection's (the stage
-        boundary's `counts(mlp.DOWN_PROJ_BIAS, stream)`)."""
-        return self.down_proj(self.act_fn(self.up_proj(x)), counts_bias=counts_bias)
+        `adapters` ([T] LoRA adapter of each row, 0 for none) each row's adapter deltas join
+        its projections; with biases, `counts_bias` says whether this rank adds the down
+        projection's (the stage boundary's `counts(mlp.DOWN_PROJ_BIAS, stream)`)."""
+        up = self.up_proj(x)
+        if adapters is not None and self.up_lora is not None:
+            up = up + self.up_lora(x, adapters)
+        hidden = self.act_fn(up)
+        y = self.down_proj(hidden, counts_bias=counts_bias)
+        if adapters is not None and self.down_lora is not None:
+            y = y + self.down_lora(hidden, adapters)
+        return y

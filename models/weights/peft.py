@@ -56,6 +56,7 @@ STACKS = {
     ("attn", "kv_lora"): (LoraTarget.K, LoraTarget.V),
     ("attn", "o_lora"): (LoraTarget.OUT,),
     ("mlp", "gate_up_lora"): (LoraTarget.GATE, LoraTarget.UP),
+    ("mlp", "up_lora"): (LoraTarget.UP,),
     ("mlp", "down_lora"): (LoraTarget.DOWN,),
 }
 _ROW_TARGETS = frozenset({LoraTarget.OUT, LoraTarget.DOWN})

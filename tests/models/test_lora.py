@@ -1,7 +1,8 @@
-"""Multi-LoRA serving: PEFT adapters over tiny Qwen3, Llama, Gemma 3, OLMo 2 and EXAONE 4 (and
-over the attention of tiny Qwen3-MoE, Mixtral, Qwen2-MoE and GPT-OSS) equal `peft`'s float32
-logits and greedy tokens (golden files of scripts/make_golden_lora.py) on every mesh, a batch
-mixing adapter 1, adapter 2 and no adapter; the PEFT reader refuses what it does not build."""
+"""Multi-LoRA serving: PEFT adapters over tiny Qwen3, Llama, Gemma 3, OLMo 2, EXAONE 4, Apertus
+and Arcee (and over the attention of tiny Qwen3-MoE, Mixtral, Qwen2-MoE and GPT-OSS) equal
+`peft`'s float32 logits and greedy tokens (golden files of scripts/make_golden_lora.py) on every
+mesh, a batch mixing adapter 1, adapter 2 and no adapter; the PEFT reader refuses what it does
+not build."""
 
 import functools
 import json
@@ -34,6 +35,8 @@ NAMES = (
     "mixtral",
     "qwen2_moe",
     "gpt_oss",
+    "apertus",
+    "arcee",
 )
 EXPERTS = ("qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss")  # adapters on their attention only
 # (layout, attn_dp, attn_tp, input-scattered, pp, attn_cp)
@@ -56,6 +59,7 @@ DEFAULT_LOGITS = {("llama", layout) for layout in LAYOUTS if "CP" not in layout}
     ("gemma3", "DP 2 x TP 2"),  # sandwich norms, `1 + w` q/k norms
     ("olmo2", "input-scattered TP 4"),  # post-norm, q/k norms over the whole projection
     ("gpt_oss", "DP 2 x TP 2"),  # sinks, q/k/v/o biases, experts
+    ("arcee", "DP 2 x TP 2"),  # the ungated MLP's up and down
 }
 DEFAULT_DECODE = {("qwen3", "input-scattered TP 4"), ("llama", "DP 2 x TP 2")}
 
@@ -280,3 +284,12 @@ def test_lora_is_refused_where_it_is_not_built():
         build_model(PRESETS["tiny-qwen3-moe"], bj.Topology(), BuildOptions(lora=mlp))
     with pytest.raises(NotImplementedError, match="scan_layers"):
         build_model(PRESETS["tiny-qwen3"], bj.Topology(), BuildOptions(lora=spec, scan_layers=True))
+
+
+def test_a_gate_adapter_is_refused_on_an_ungated_mlp():
+    """An adapter stack on gate_proj over Arcee's ungated MLP (it has none) is refused when the
+    model is built, naming the projections it has."""
+    config = load_config(GOLDEN / "arcee")
+    spec = LoraSpec(("a1",), 4, frozenset({LoraTarget.Q, LoraTarget.GATE}))
+    with pytest.raises(NotImplementedError, match="no gate_proj.*Target up_proj and down_proj"):
+        build_model(config, bj.Topology(), BuildOptions(lora=spec))
