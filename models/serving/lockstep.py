@@ -53,8 +53,8 @@ def encode(
 ) -> np.ndarray:
     """A step's schedule as int32 words: per chunk its fields, its sampling parameters (those
     `launch` reads, greedy where absent) and its tokens, then the page-table row prefix written
-    for its slot (`pages[rank, slot]`, empty where absent), then its logit bias's ids and
-    values and its held stop ids (a first chunk's)."""
+    for its slot (`pages[rank, slot]`, empty where absent), then its sampling's logit bias (ids
+    and values) and its held stop ids (a first chunk's)."""
     words: list[int] = [len(chunks)]
     for chunk in chunks:
         where = (chunk.rank, chunk.slot)
@@ -69,7 +69,7 @@ def encode(
             chunk.adapter,
             chunk.prompt_length,
             int(chunk.first),
-            len(chunk.logit_bias),
+            len(draw.logit_bias),
             len(chunk.held_stops),
             len(chunk.tokens),
             len(row),
@@ -85,8 +85,8 @@ def encode(
         ]
         words += [int(token) for token in chunk.tokens]
         words += [int(page) for page in row]
-        words += [int(token) for token, _ in chunk.logit_bias]
-        words += [_bits(value) for _, value in chunk.logit_bias]
+        words += [int(token) for token, _ in draw.logit_bias]
+        words += [_bits(value) for _, value in draw.logit_bias]
         words += list(chunk.held_stops)
     return np.asarray(words, np.int32)
 
@@ -125,7 +125,6 @@ def decode(
                 adapter=adapter,
                 prompt_length=prompt_length,
                 first=bool(first),
-                logit_bias=tuple(zip(bias_ids, bias_values, strict=True)),
                 held_stops=held_stops,
             )
         )
@@ -135,6 +134,7 @@ def decode(
             _float(top_p),
             int(np.int32(seed).view(np.uint32)),
             *(_float(bits) for bits in (min_p, presence, frequency, repetition)),
+            logit_bias=tuple(zip(bias_ids, bias_values, strict=True)),
             min_tokens=min_tokens,
         )
     return chunks, sampling, pages

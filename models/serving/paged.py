@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..distributed import fetch
@@ -74,8 +75,8 @@ class Chunk:
     caller's name for the sequence; `adapter`: the LoRA adapter index its rows run through (0:
     none); `prompt_length`: its sequence's prompt length (rows from that position on are
     generated tokens, which the penalties count); `first`: the first chunk of its sequence in
-    this slot, which writes the slot's logit bias, `logit_bias` ((token id, bias) pairs, none
-    for no bias), and the stop ids it holds back until its `min_tokens`, `held_stops`."""
+    this slot, which writes the slot's logit bias (its `SlotSampling.logit_bias`) and the stop
+    ids it holds back until its `min_tokens`, `held_stops` (a first chunk's)."""
 
     rank: int
     slot: int
@@ -87,7 +88,6 @@ class Chunk:
     adapter: int = 0
     prompt_length: int = 0
     first: bool = False
-    logit_bias: tuple[tuple[int, float], ...] = ()
     held_stops: tuple[int, ...] = ()
 
 
@@ -116,6 +116,12 @@ class SlotSampling:
             raise ValueError(
                 f"a logit bias holds at most {MAX_LOGIT_BIAS} tokens; got {len(self.logit_bias)}"
             )
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether anything changes the model's logits before the draw (a step runs its token
+        histories, biases and held stops only where some sequence's does)."""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
 
     @property
     def penalized(self) -> bool:
@@ -385,11 +391,13 @@ class PagedRunner:
                 )
         for chunk in chunks:
             if chunk.first:
+                draw = sampling.get((chunk.rank, chunk.slot), SlotSampling())
                 self._written = self._write_slot(
                     *self._written,
                     chunk.rank * slots + chunk.slot,
-                    *slot_entries(chunk.logit_bias, chunk.held_stops),
+                    *slot_entries(draw.logit_bias, chunk.held_stops),
                 )
+        adjusts = any(sampling.get((c.rank, c.slot), SlotSampling()).adjusts for c in chunks)
         runner = self.runner
         host = (
             ids.reshape(-1),
@@ -397,7 +405,7 @@ class PagedRunner:
             segments.reshape(-1),
             from_previous.reshape(-1),
             adapters.reshape(-1),
-            filled.astype(np.int32),
+            np.asarray([*filled, adjusts], np.int32),
             self.tables[:, :, :pages].reshape(dp * slots, pages).copy(),
             last.reshape(-1),
             *(
@@ -414,7 +422,7 @@ class PagedRunner:
         )
         # One transfer for the step's host arrays.
         placed = jax.device_put(host, tuple(NamedSharding(mesh, spec) for spec in specs))
-        ids_, positions_, segments_, from_previous_, adapters_, counts, table, last_, *per_slot = (
+        ids_, positions_, segments_, from_previous_, adapters_, facts, table, last_, *per_slot = (
             placed
         )
         lora = adapters_ if runner.options.lora is not None else None
@@ -425,7 +433,8 @@ class PagedRunner:
             TokenRows(ids_, positions_, segments_, RowsPhase.EXTEND, adapters=lora),
             from_previous_,
             drawn,
-            runner.batch_facts(counts),
+            runner.batch_facts(facts[:dp]),
+            facts[dp],
             self._pools,
             self._history,
             self._written,
@@ -505,7 +514,18 @@ class PagedRunner:
         pool_specs = tuple(tuple(jax.tree_util.tree_leaves(spec)) for spec in self._specs)
 
         def body(
-            model, rows, from_previous, drawn, batch, pools, history, written, table, last, *slot
+            model,
+            rows,
+            from_previous,
+            drawn,
+            batch,
+            adjusts,
+            pools,
+            history,
+            written,
+            table,
+            last,
+            *slot,
         ):
             # The rows whose token the previous step drew read it here, on the device.
             taken = drawn[jnp.maximum(from_previous, 0)]
@@ -513,23 +533,32 @@ class PagedRunner:
             rows = TokenRows(
                 ids, rows.positions, rows.segment_ids, rows.phase, adapters=rows.adapters
             )
-            counts, prompted = record_rows(
-                *history, ids, rows.positions, rows.segment_ids, slot[-1]
-            )
             caches = []
             for block, spec, pool in zip(blocks, specs, pools, strict=True):
                 caches.append(step_cache(spec, pool, table, block.scanned))
             hidden, caches = model.hidden(rows, batch, tuple(caches), last)
             logits = model.lm_head(hidden).astype(jnp.float32)
             temperature, top_k, top_p, seeds, counters, min_p, *penalties, held = slot[:-1]
-            bias, stops = written
-            scored = penalize(logits + bias, counts, prompted, *penalties)
-            scored = hold_stops(scored, stops, counters, slot[-1], held)
+
+            def adjusted(logits, counts, prompted):
+                counts, prompted = record_rows(
+                    counts, prompted, ids, rows.positions, rows.segment_ids, slot[-1]
+                )
+                bias, stops = written
+                scored = penalize(logits + bias, counts, prompted, *penalties)
+                scored = hold_stops(scored, stops, counters, slot[-1], held)
+                return scored, counts, prompted
+
+            # A step where no sequence has a penalty, a bias or held stops skips them (and
+            # records no history: a penalized sequence's rows always run with it).
+            scored, *history = lax.cond(
+                adjusts > 0, adjusted, lambda *unchanged: unchanged, logits, *history
+            )
             tokens = sample_rows(scored, temperature, top_k, top_p, seeds, counters, min_p)
             tokens = jnp.where(last >= 0, tokens, 0)
             chosen, top_ids, top = token_logprobs(logits, tokens)
             pools = tuple(cache_pools(c) for c in caches)
-            return (tokens, chosen, top_ids, top), pools, (counts, prompted)
+            return (tokens, chosen, top_ids, top), pools, tuple(history)
 
         slot_spec = PartitionSpec(row_spec[0])
         top_spec = PartitionSpec(row_spec[0], None)
@@ -541,6 +570,7 @@ class PagedRunner:
                 row_spec,
                 slot_spec,
                 PartitionSpec(),
+                PartitionSpec(),
                 pool_specs,
                 history_specs,
                 history_specs,
@@ -549,5 +579,5 @@ class PagedRunner:
             ),
             out_specs=((slot_spec, slot_spec, top_spec, top_spec), pool_specs, history_specs),
             check_vma=runner.check_vma,
-            donate_argnums=(4, 5),
+            donate_argnums=(5, 6),
         )

@@ -275,7 +275,6 @@ class Scheduler:
             adapter=request.adapter,
             prompt_length=len(request.prompt),
             first=admitting,
-            logit_bias=request.sampling.logit_bias if admitting else (),
             held_stops=tuple(sorted(request.stop_ids))
             if admitting and request.sampling.min_tokens
             else (),

@@ -39,11 +39,14 @@ def test_schedule_round_trips_through_encoding_and_broadcast():
     where absent) and page rows come back as sent, through `Channel`'s broadcast too."""
     chunks = [
         Chunk(0, 3, (5, 6, 7), 4, True, key=9, adapter=2, prompt_length=6, first=True),
-        Chunk(0, 1, (4,), 0, False, first=True, logit_bias=((3, 0.5),), held_stops=(2, 7)),
+        Chunk(0, 1, (4,), 0, False, first=True, held_stops=(2, 7)),
         Chunk(1, 0, (8,), 11, True, previous=True, prompt_length=3),
         Chunk(1, 2, (1, 2), 0, False),
     ]
-    sampling = {(0, 3): SlotSampling(0.7, 40, 0.9, 2**32 - 5, 0.05, 0.5, -0.25, 1.2, min_tokens=3)}
+    sampling = {
+        (0, 3): SlotSampling(0.7, 40, 0.9, 2**32 - 5, 0.05, 0.5, -0.25, 1.2, min_tokens=3),
+        (0, 1): SlotSampling(logit_bias=((3, 0.5), (9, -100.0))),
+    }
     pages = {(0, 3): [4, 1, 2], (1, 0): [7]}
     words = encode(chunks, sampling, pages)
     kind, words = Channel()._broadcast(Kind.STEP, words)
@@ -53,6 +56,7 @@ def test_schedule_round_trips_through_encoding_and_broadcast():
     floats = (np.float32(x) for x in (0.05, 0.5, -0.25, 1.2))
     want = SlotSampling(np.float32(0.7), 40, np.float32(0.9), 2**32 - 5, *floats, min_tokens=3)
     assert got_sampling[(0, 3)] == want
+    assert got_sampling[(0, 1)] == sampling[(0, 1)]
     assert got_sampling[(1, 0)] == SlotSampling() == got_sampling[(1, 2)]
     assert [list(got_pages[w]) for w in ((0, 3), (1, 0), (1, 2), (0, 1))] == [
         [4, 1, 2],

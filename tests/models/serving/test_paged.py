@@ -293,6 +293,18 @@ def test_penalties_equal_the_full_sequence_reference(pages):
     assert (engine.scheduler.preemptions > 0) == (pages == 14)
 
 
+def test_steps_without_adjusted_requests_skip_the_token_history():
+    """Steps whose requests have no penalty, bias or held stops run none of it (the history
+    stays empty); a penalized request's steps record its prompt and answer."""
+    _, prompts, _, roomy = _served(*DEFAULT)
+    roomy.reset()
+    _serve(Engine(roomy), prompts[:2])
+    assert not any(np.asarray(part).any() for part in roomy._history)
+    _serve(Engine(roomy), prompts[2:3], sampling=SlotSampling(presence_penalty=0.5))
+    counts, prompted = (np.asarray(part) for part in roomy._history)
+    assert counts.sum() == NEW_TOKENS - 1 and prompted.any()
+
+
 def test_min_tokens_holds_the_stop_ids_back():
     """A request whose greedy answer's first two tokens are its stop ids, with min_tokens 5:
     its first five tokens are the argmax over the other ids, then it runs greedily until the
