@@ -791,6 +791,35 @@ def verify(name: str) -> dict:
     }
 
 
+def begin(models: dict[str, dict]) -> list[str]:
+    """Sets torch deterministic on one CPU thread and quiets transformers; returns the fixture
+    names the command line asks for (all of `models` by default)."""
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)  # CPU reductions in a fixed order
+    transformers.logging.set_verbosity_error()
+    print(f"torch {torch.__version__}  transformers {transformers.__version__}")
+    names = sys.argv[1:] or list(models)
+    unknown = sorted(set(names) - models.keys())
+    if unknown:
+        raise SystemExit(f"unknown golden names {unknown}; choose among {sorted(models)}")
+    return names
+
+
+def summarize(name: str, made: dict, n_params: int, size: int, numpy_err: float) -> None:
+    """Prints the lines every fixture reports: its size, logits, gaps, bf16 error and the
+    NumPy forward's agreement (`write_reference`'s summary `made`)."""
+    print(f"\n== {name}: {n_params} params, {size / 1e3:.1f} kB")
+    print(
+        f"   max|logit| {made['max_abs_logit']:.3f}   min top-2 gap {made['min_gap']:.4f}"
+        f"   prompt seed {made['prompt_seed']}"
+    )
+    print(
+        f"   bf16 max|dlogit| {made['bf16_max_err']:.4f}   bf16 greedy == fp32 greedy: "
+        f"{made['bf16_greedy_same']}"
+    )
+    print(f"   numpy float64 re-implementation max|dlogit| {numpy_err:.2e}")
+
+
 def main() -> int:
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)  # CPU reductions in a fixed order

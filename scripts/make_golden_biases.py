@@ -34,7 +34,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import transformers
 from peft import PeftModel
 from safetensors.numpy import save_file
 from transformers import AutoModelForCausalLM
@@ -145,30 +144,13 @@ def verify(name: str) -> dict:
 
 
 def main() -> int:
-    torch.use_deterministic_algorithms(True)
-    torch.set_num_threads(1)
-    transformers.logging.set_verbosity_error()
-    print(f"torch {torch.__version__}  transformers {transformers.__version__}")
-    names = sys.argv[1:] or list(MODELS)
-    unknown = sorted(set(names) - MODELS.keys())
-    if unknown:
-        raise SystemExit(f"unknown golden names {unknown}; choose among {sorted(MODELS)}")
-    for name in names:
+    for name in base.begin(MODELS):
         made, ref, _ = base.write_reference(name, MODELS[name])
         assert type(ref) is MODELS[name]["model_cls"], type(ref)
         if name == "llama_biased":
             print(f"   the LoRA adapters move the logits by {add_lora_logits(name):.2f}")
         checked = verify(name)
-        print(f"\n== {name}: {checked['n_params']} params, {checked['size'] / 1e3:.1f} kB")
-        print(
-            f"   max|logit| {made['max_abs_logit']:.3f}   min top-2 gap {made['min_gap']:.4f}"
-            f"   prompt seed {made['prompt_seed']}"
-        )
-        print(
-            f"   bf16 max|dlogit| {made['bf16_max_err']:.4f}   bf16 greedy == fp32 greedy: "
-            f"{made['bf16_greedy_same']}"
-        )
-        print(f"   numpy float64 re-implementation max|dlogit| {checked['numpy_max_err']:.2e}")
+        base.summarize(name, made, checked["n_params"], checked["size"], checked["numpy_max_err"])
         print(f"   max|dlogit| without each kind of bias: {checked['effects']}")
     return 0
 
