@@ -42,6 +42,7 @@ import os
 import shutil
 import sys
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -789,6 +790,34 @@ def verify(name: str) -> dict:
         "router_margin": router_margin,
         "window_effect": window_effect,
     }
+
+
+@torch.no_grad()
+def check_reloaded(
+    name: str, model_cls: type, forward: Callable
+) -> tuple[torch.nn.Module, list, float]:
+    """Re-loads fixture `name` from disk (as `model_cls`) and checks it against its
+    reference.npz: each prompt's logits (within 1e-6) and greedy tokens, and its NumPy forward
+    `forward(directory, ids)` within 1e-3. Returns the model, the prompts and that largest
+    NumPy error."""
+    out = GOLDEN / name
+    ref = np.load(out / "reference.npz")
+    prompts = json.loads((out / "prompts.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    assert type(model) is model_cls, type(model)
+    max_np_err = 0.0
+    for b, p in enumerate(prompts):
+        n = int(ref["lengths"][b])
+        assert n == len(p) and ref["input_ids"][b, :n].tolist() == p
+        got = logits_alone(model, p)
+        assert np.abs(got - ref["logits"][b, :n]).max() <= 1e-6, name
+        max_np_err = max(max_np_err, float(np.abs(forward(out, p) - got).max()))
+        gen, _ = greedy_no_cache(model, p)
+        assert gen == ref["generated"][b].tolist(), (name, b)
+    assert max_np_err < 1e-3, (name, max_np_err)
+    return model, prompts, max_np_err
 
 
 def begin(models: dict[str, dict]) -> list[str]:

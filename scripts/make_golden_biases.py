@@ -109,23 +109,8 @@ def verify(name: str) -> dict:
     """Re-load from disk and compare everything against reference.npz and the NumPy forward;
     the max |logit| change without each kind of bias."""
     out = base.GOLDEN / name
-    ref = np.load(out / "reference.npz")
-    prompts = json.loads((out / "prompts.json").read_text())
-    model = AutoModelForCausalLM.from_pretrained(
-        out, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    assert type(model) is MODELS[name]["model_cls"], type(model)
     forward = FORWARD[name]
-    max_np_err = 0.0
-    for b, p in enumerate(prompts):
-        n = int(ref["lengths"][b])
-        assert n == len(p) and ref["input_ids"][b, :n].tolist() == p
-        got = base.logits_alone(model, p)
-        assert np.abs(got - ref["logits"][b, :n]).max() <= 1e-6, name
-        max_np_err = max(max_np_err, float(np.abs(forward(out, p) - got).max()))
-        gen, _ = base.greedy_no_cache(model, p)
-        assert gen == ref["generated"][b].tolist(), (name, b)
-    assert max_np_err < 1e-3, (name, max_np_err)
+    model, prompts, max_np_err = base.check_reloaded(name, MODELS[name]["model_cls"], forward)
     longest = max(prompts, key=len)
     exact = forward(out, longest)
     effects = {}
