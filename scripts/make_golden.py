@@ -850,14 +850,7 @@ def summarize(name: str, made: dict, n_params: int, size: int, numpy_err: float)
 
 
 def main() -> int:
-    torch.use_deterministic_algorithms(True)
-    torch.set_num_threads(1)  # CPU reductions in a fixed order
-    transformers.logging.set_verbosity_error()
-    print(f"torch {torch.__version__}  transformers {transformers.__version__}")
-    names = sys.argv[1:] or list(MODELS)
-    unknown = sorted(set(names) - MODELS.keys())
-    if unknown:
-        raise SystemExit(f"unknown golden names {unknown}; choose among {sorted(MODELS)}")
+    names = begin(MODELS)
     made = [make_one(name, MODELS[name]) for name in names]
     checked = [verify(name) for name in names]
     total = 0
