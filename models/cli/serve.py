@@ -149,6 +149,10 @@ def serve(args: argparse.Namespace) -> None:
             max_rows=args.max_tokens_per_step,
         )
     out.log(f"KV cache: {paged.cache_bytes() / GIB:.3f} GiB over all devices")
+    out.log(
+        f"sampling state (token histories, logit biases): {paged.slot_bytes() / GIB:.3f} GiB "
+        "on each device, beside the KV cache"
+    )
     if model.options.scan_layers:
         out.log(
             "note: with --scan-layers each step copies every scanned layer's weight slices "

@@ -318,6 +318,12 @@ class PagedRunner:
         """Bytes of the page pools over all devices."""
         return sum(x.nbytes for pool in self._pools for x in pool)
 
+    def slot_bytes(self) -> int:
+        """Bytes of the per-slot sampling state on each device: the token histories, logit
+        biases and held stops of its DP rank's slots (`sampling.record_rows`, `write_slot`)."""
+        arrays = (*self._history, *self._written)
+        return sum(x.nbytes for x in arrays) // self.attn_dp
+
     def step(
         self, chunks: Sequence[Chunk], sampling: dict[tuple[int, int], SlotSampling]
     ) -> StepOutput:

@@ -295,8 +295,10 @@ def test_penalties_equal_the_full_sequence_reference(pages):
 
 def test_steps_without_adjusted_requests_skip_the_token_history():
     """Steps whose requests have no penalty, bias or held stops run none of it (the history
-    stays empty); a penalized request's steps record its prompt and answer."""
-    _, prompts, _, roomy = _served(*DEFAULT)
+    stays empty); a penalized request's steps record its prompt and answer. The state takes
+    10 bytes per slot and token id on each device."""
+    runner, prompts, _, roomy = _served(*DEFAULT)
+    assert roomy.slot_bytes() == 10 * roomy.slots_per_rank * runner.config.vocab_size
     roomy.reset()
     _serve(Engine(roomy), prompts[:2])
     assert not any(np.asarray(part).any() for part in roomy._history)
