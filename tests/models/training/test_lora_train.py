@@ -89,3 +89,29 @@ def test_train_command_writes_a_peft_adapter(tmp_path, capsys):
     assert settings["target_modules"] == ["down_proj", "q_proj", "v_proj"]
     assert main([*args, "--train-lora", "r=4,alpha=8,targets=lm_head"]) == 2
     assert "targets among" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_an_ungated_mlp_adapter_trains_and_round_trips(tmp_path):
+    """Arcee's adapter on its attention and its ungated MLP's up and down: one step on DP 2 x
+    TP 2 equals one device's, and the PEFT folder it writes loads back with its logits."""
+    spec = LoraSpec(("t",), 4, frozenset((*ATTENTION_TARGETS, LoraTarget.UP, LoraTarget.DOWN)))
+    trained = []
+    for dp, tp in ((1, 1), (2, 2)):
+        mesh = bj.make_mesh(bj.Topology(attn_dp=dp, attn_tp=tp))
+        model = load_model(GOLDEN / "arcee", mesh, BuildOptions(lora=spec))
+        trainer = Trainer(model, mesh, OPTIMIZER, trainable=is_lora_parameter)
+        trainer.metrics = trainer.step(trainer.pack(SEQUENCES, adapters=[1] * len(SEQUENCES)))
+        trained.append(trainer)
+    one, sharded = trained
+    assert one.metrics == pytest.approx(sharded.metrics, rel=1e-5)
+    assert "layers.0.mlp.up_lora.a" in sharded.state.params
+    for path, want in one.state.params.items():
+        got = np.asarray(sharded.state.params[path])
+        np.testing.assert_allclose(got, np.asarray(want), rtol=1e-4, atol=1e-6, err_msg=path)
+    write_peft_adapter(sharded.state.params, spec, tmp_path, alpha=ALPHA, base="arcee")
+    mesh = bj.make_mesh(bj.Topology(attn_tp=2))
+    loaded = ShardedCausalLM(load_model(GOLDEN / "arcee", mesh, adapters={"t": tmp_path}), mesh)
+    want = ShardedCausalLM(sharded.model, sharded.mesh).forward(SEQUENCES, adapters=[1, 0, 1, 1])
+    got = loaded.forward(SEQUENCES, adapters=["t", None, "t", "t"])
+    assert np.max(np.abs(got - want)) <= 1e-5 * np.max(np.abs(want))
