@@ -14,6 +14,9 @@ Parts (`--only`, any of them; all by default, so a long run can be split over ca
     output (so a batch wastes little on finished rows, and no padding in prefill beyond its
     buckets); only the requested output tokens count. Its output tokens/s, and the engine's
     ratio to it when both run.
+  penalties: the engine part's load with every request penalized (presence 0.5, frequency
+    0.5, repetition 1.1: each step records the token histories and adjusts the logits, and no
+    prefix is reused), and its output tokens/s against the plain engine's when both run.
   prefix: every prompt starts with the same `--shared-prefix` tokens (a system prompt; 1024
     unless given), served with prefix reuse off and then on: mean TTFT of each, and the ratio.
 
@@ -43,11 +46,15 @@ import boundary_jax as bj
 from models.build import build_model
 from models.options import BuildOptions
 from models.serving.engine import Engine
-from models.serving.paged import PagedRunner
+from models.serving.paged import PagedRunner, SlotSampling
 from models.serving.runtime import ShardedCausalLM
 from models.serving.scheduler import Request
 
 from .common import LLAMA3_8B, LLAMA3_SMOKE, header, print_table
+
+GREEDY_SLOT = SlotSampling()
+PENALIZED = SlotSampling(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1)
+"""What the penalties part asks of every request."""
 
 
 @dataclasses.dataclass
@@ -76,7 +83,9 @@ def draw_load(
     return load
 
 
-def run_engine(engine: Engine, load, args: argparse.Namespace) -> tuple[float, list[Timing]]:
+def run_engine(
+    engine: Engine, load, args: argparse.Namespace, sampling: SlotSampling
+) -> tuple[float, list[Timing]]:
     """Seconds to serve `load`, and each request's timing."""
     timings = [Timing() for _ in load]
     gaps = np.random.default_rng(1).exponential(1 / args.rate, len(load)) if args.rate else None
@@ -98,7 +107,8 @@ def run_engine(engine: Engine, load, args: argparse.Namespace) -> tuple[float, l
         else:
             in_flight.acquire()
         timing.arrived = time.perf_counter()
-        engine.submit(Request(str(index), prompt, new), listener(timing))
+        request = Request(str(index), prompt, new, sampling=sampling)
+        engine.submit(request, listener(timing))
     for timing in timings:
         timing.done.wait()
     return time.perf_counter() - start, timings
@@ -118,11 +128,19 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) * 1e3 if values else float("nan")
 
 
-def serve(paged: PagedRunner, load, args: argparse.Namespace, *, prefix_caching: bool):
-    """Serves `load` through a fresh engine: (seconds, timings, pages reused, preemptions)."""
+def serve(
+    paged: PagedRunner,
+    load,
+    args: argparse.Namespace,
+    *,
+    prefix_caching: bool,
+    sampling: SlotSampling = GREEDY_SLOT,
+):
+    """Serves `load` through a fresh engine, each request drawn as `sampling` says: (seconds,
+    timings, pages reused, preemptions)."""
     engine = Engine(paged, prefix_caching=prefix_caching)
     engine.start()
-    seconds, timings = run_engine(engine, load, args)
+    seconds, timings = run_engine(engine, load, args, sampling)
     engine.stop(0.0)
     return seconds, timings, engine.scheduler.reused_pages, engine.scheduler.preemptions
 
@@ -156,7 +174,7 @@ COLUMNS = [
     "pages reused",
     "preemptions",
 ]
-PARTS = ("engine", "static", "prefix")
+PARTS = ("engine", "static", "penalties", "prefix")
 
 
 def main() -> None:
@@ -228,7 +246,7 @@ def main() -> None:
     load = draw_load(args, config.vocab_size)
     print(header(f"bench_serve: {config.num_layers}L {jnp.dtype(dtype).name} {topology}"))
     rows = []
-    if "engine" in args.only or "prefix" in args.only:
+    if {"engine", "penalties", "prefix"} & set(args.only):
         reach = args.prompt_tokens[1] + args.output_tokens[1]
         if "prefix" in args.only:
             reach = max(reach, args.shared_prefix + args.prompt_tokens[1] + args.output_tokens[1])
@@ -249,6 +267,11 @@ def main() -> None:
         rows.append(["static generate", f"{outputs / static:.1f}", *["-"] * 7])
         if engine_seconds is not None:
             rows[0][0] = f"engine ({static / engine_seconds:.2f}x static)"
+    if "penalties" in args.only:
+        result = serve(paged, load, args, prefix_caching=True, sampling=PENALIZED)
+        rows.append(engine_row("engine, penalized", load, *result))
+        if engine_seconds is not None:
+            rows[-1][0] += f" ({engine_seconds / result[0]:.2f}x plain)"
     if "prefix" in args.only:
         shared = draw_load(args, config.vocab_size, args.shared_prefix)
         means = {}

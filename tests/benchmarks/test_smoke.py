@@ -145,13 +145,15 @@ def test_lora_smoke_times_the_base_and_lora_steps():
 @SLOW
 def test_serve_smoke_reports_engine_and_static():
     """bench_serve --smoke serves 16 requests through the engine and times the static
-    generate of the same requests, and the shared-prefix load with reuse off and on; the
-    warm-up compiles every step program the runs use."""
+    generate of the same requests, the same load penalized (no prefix reused), and the
+    shared-prefix load with reuse off and on; the warm-up compiles every step program the runs
+    use."""
     out = run_smoke("bench_serve", "--smoke")
     rows = table_rows(out, "output tok/s")
     assert rows[0][0].startswith("engine (") and rows[1][0] == "static generate", out
-    assert rows[2][0].startswith("prefix 8, reuse off") and int(rows[2][7]) == 0, out
-    assert rows[3][0].startswith("prefix 8, reuse on") and int(rows[3][7]) > 0, out
+    assert rows[2][0].startswith("engine, penalized (") and int(rows[2][7]) == 0, out
+    assert rows[3][0].startswith("prefix 8, reuse off") and int(rows[3][7]) == 0, out
+    assert rows[4][0].startswith("prefix 8, reuse on") and int(rows[4][7]) > 0, out
     warmed = int(out.split("warm-up: ")[1].split()[0])
     assert f"{warmed} step programs" in out, out
 
