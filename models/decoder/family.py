@@ -13,7 +13,7 @@ import boundary_jax as bj
 from ..config import DecoderConfig, ResidualDesign
 from ..config.tensors import HFTensor, decoder_tensor_names, dense_layer_tensors
 from ..layers.attention.context_parallel import CpAttentionMode
-from ..layers.lora import ATTENTION_TARGETS, LoraTarget
+from ..layers.lora import ATTENTION_TARGETS
 from ..options import BuildOptions
 
 
@@ -177,12 +177,6 @@ class FamilyBase:
             )
         if options.lora is not None:
             cls.check_lora(options)
-            if LoraTarget.GATE in options.lora.targets and not config.activation.gated:
-                raise NotImplementedError(
-                    f"{name}'s MLP is ungated ({config.activation.value}): it has no gate_proj "
-                    "for an adapter to target. Target up_proj and down_proj (and the "
-                    "attention's projections)"
-                )
         if options.dense_ffn_dp and not cls.dense_ffn_dp:
             raise ValueError(
                 f"dense_ffn_dp (a fully data-parallel dense FFN) is a DeepSeek option; got a "

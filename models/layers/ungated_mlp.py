@@ -35,7 +35,8 @@ class UngatedMlp(nnx.Module):
         no adapter targets them.
 
     Both projections are dense, in the model's dtype (not FP8: they take no `linears`), drawn
-    from N(0, init_std^2) (`linear.weight_init`; None: std 1/sqrt(fan_in)).
+    from N(0, init_std^2) (`linear.weight_init`; None: std 1/sqrt(fan_in)). A LoRA spec that
+    targets gate_proj is refused (NotImplementedError): there is no gate.
     """
 
     def __init__(
@@ -51,6 +52,12 @@ class UngatedMlp(nnx.Module):
         lora: LoraSpec | None = None,
         rngs: nnx.Rngs,
     ):
+        if lora is not None and LoraTarget.GATE in lora.targets:
+            raise NotImplementedError(
+                "an ungated MLP has no gate_proj for an adapter to target; got targets "
+                f"{sorted(t.value for t in lora.targets)}. Target up_proj and down_proj (and the "
+                "attention's projections)"
+            )
         tp = group_size(topology, SumGroup.FULL_TP)
         if intermediate_size % tp:
             raise ValueError(

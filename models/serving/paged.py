@@ -369,7 +369,16 @@ class PagedRunner:
         names = list(SLOT_PARAMS)
         params[names.index("top_p")] = params[names.index("repetition_penalty")] = 1.0
         filled = np.zeros(dp, np.int64)
+        adjusts = False
         for chunk in chunks:
+            draw = sampling.get((chunk.rank, chunk.slot), SlotSampling())
+            adjusts |= draw.adjusts
+            if chunk.first:
+                self._written = self._write_slot(
+                    *self._written,
+                    chunk.rank * slots + chunk.slot,
+                    *slot_entries(draw.logit_bias, chunk.held_stops),
+                )
             count, at = len(chunk.tokens), int(filled[chunk.rank])
             where = (chunk.rank, slice(at, at + count))
             ids[where] = chunk.tokens
@@ -382,7 +391,6 @@ class PagedRunner:
             params[-1, chunk.rank, chunk.slot] = chunk.prompt_length
             if chunk.sample:
                 last[chunk.rank, chunk.slot] = at + count - 1
-                draw = sampling.get((chunk.rank, chunk.slot), SlotSampling())
                 params[:-1, chunk.rank, chunk.slot] = (
                     draw.temperature,
                     draw.top_k,
@@ -395,15 +403,6 @@ class PagedRunner:
                     draw.repetition_penalty,
                     draw.min_tokens,
                 )
-        for chunk in chunks:
-            if chunk.first:
-                draw = sampling.get((chunk.rank, chunk.slot), SlotSampling())
-                self._written = self._write_slot(
-                    *self._written,
-                    chunk.rank * slots + chunk.slot,
-                    *slot_entries(draw.logit_bias, chunk.held_stops),
-                )
-        adjusts = any(sampling.get((c.rank, c.slot), SlotSampling()).adjusts for c in chunks)
         runner = self.runner
         host = (
             ids.reshape(-1),

@@ -22,7 +22,16 @@ from .sampling import MAX_HELD_STOPS
 
 
 class RequestRefused(ValueError):
-    """A request that can never run: its prompt and output exceed the context or the cache."""
+    """A request that can never run: its prompt and output exceed the context or the cache, or
+    it holds back more stop ids than a slot can.
+
+    Attributes:
+      param: The request field at fault ("max_tokens" for the context or the cache).
+    """
+
+    def __init__(self, message: str, param: str = "max_tokens"):
+        super().__init__(message)
+        self.param = param
 
 
 class Finish(enum.Enum):
@@ -161,8 +170,9 @@ class Scheduler:
             raise RequestRefused("a request needs a non-empty prompt and max_tokens >= 1")
         if request.sampling.min_tokens and len(request.stop_ids) > MAX_HELD_STOPS:
             raise RequestRefused(
-                f"min_tokens holds back at most {MAX_HELD_STOPS} stop ids (eos ids included); "
-                f"the request has {len(request.stop_ids)}"
+                f"'min_tokens' holds back at most {MAX_HELD_STOPS} stop ids (eos ids included); "
+                f"the request has {len(request.stop_ids)}",
+                param="min_tokens",
             )
         if total > self.max_context:
             raise RequestRefused(

@@ -31,7 +31,6 @@ from starlette.exceptions import HTTPException
 
 from .api import ApiError, ChoiceText, Endpoint, GenerationSpec, parse_request
 from .engine import Engine
-from .sampling import MAX_HELD_STOPS
 from .scheduler import Finish, Request, RequestRefused, Token
 from .text import TextCodec
 
@@ -177,12 +176,6 @@ class Server:
     ) -> list[_Choice]:
         """Every choice's request, all checked before any is queued."""
         stop_ids = spec.stop_ids | (frozenset() if spec.ignore_eos else self.eos_ids)
-        if spec.sampling.min_tokens and len(stop_ids) > MAX_HELD_STOPS:
-            raise ApiError(
-                f"'min_tokens' holds back at most {MAX_HELD_STOPS} stop ids (eos ids included); "
-                f"this request has {len(stop_ids)}",
-                param="min_tokens",
-            )
         choices = []
         for prompt in spec.prompts:
             for offset in range(spec.n):
@@ -203,9 +196,9 @@ class Server:
                 try:
                     self.engine.check(request)
                 except RequestRefused as error:
-                    raise ApiError(
-                        str(error), param="max_tokens", code="context_length_exceeded"
-                    ) from None
+                    context = error.param == "max_tokens"
+                    code = "context_length_exceeded" if context else None
+                    raise ApiError(str(error), param=error.param, code=code) from None
                 text = ChoiceText(self.codec, spec.stop_strings, spec.sampling.min_tokens)
                 choices.append(_Choice(len(choices), request, text))
         for choice in choices:
