@@ -45,6 +45,17 @@ if os.environ.get("PYTEST_XDIST_TESTRUNUID"):
     jax.config.update("jax_compilation_cache_include_metadata_in_key", True)
 
 
+def pytest_collection_modifyitems(items):
+    """Sends each module's tests to one xdist worker, except those a test groups itself.
+
+    A module's tests share its cached models and compiled programs; spread over both workers,
+    each worker loaded, traced and compiled them again.
+    """
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
 def mapped_regions() -> tuple[int, int]:
     """This process's memory mappings and the kernel's limit on them (0, 0 where unknown)."""
     try:

@@ -269,7 +269,8 @@ def test_one_while_loop_per_run_and_the_same_collectives_per_layer(name, layout)
 
 @SCAN_GROUP
 @pytest.mark.parametrize(
-    "name,layout", [("dense", DEFAULT_DENSE), pytest.param("moe", "DP2xTP2", marks=SLOW)]
+    "name,layout",
+    [pytest.param("dense", DEFAULT_DENSE, marks=SLOW), pytest.param("moe", "DP2xTP2", marks=SLOW)],
 )
 def test_trained_scanned_model_round_trips_through_a_checkpoint(
     tmp_path, monkeypatch, name, layout

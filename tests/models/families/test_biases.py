@@ -205,6 +205,7 @@ def test_mlp_biases_are_refused_where_they_are_not_built():
         pytest.param(
             dataclasses.replace(PRESETS["tiny-qwen3-next"], qkv_bias=True, o_bias=True),
             id="qwen3-next-gated",
+            marks=pytest.mark.slow,
         ),
     ],
 )

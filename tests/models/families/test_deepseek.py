@@ -130,7 +130,10 @@ def test_logits_and_greedy_tokens_match_transformers(name, layout):
 
 @pytest.mark.parametrize(
     "name,sizes,ep",
-    [("deepseek_v3", (1, 3), 2), pytest.param("deepseek_v2", (2, 2), 1, marks=pytest.mark.slow)],
+    [
+        pytest.param("deepseek_v3", (1, 3), 2, marks=pytest.mark.slow),
+        pytest.param("deepseek_v2", (2, 2), 1, marks=pytest.mark.slow),
+    ],
 )
 def test_pipeline_stages_match_transformers(name, sizes, ep):
     """Two pipeline stages on attention TP 2 (V3: the dense first layer alone, then the MoE

@@ -121,6 +121,7 @@ def test_model_layers_and_config():
     assert read_hf_config(hub) == config
 
 
+@pytest.mark.slow
 def test_mlp_layer_types_place_dense_layers_anywhere():
     """`mlp_layer_types` names each layer's FFN, as transformers reads it (a dense layer after
     a sparse one too; `first_k_dense_replace` only where the key is absent), and writes back;

@@ -171,6 +171,8 @@ LAYOUTS = (
 deferred finalize), attention DP 2 x TP 2, and EP 4 in both dispatch modes (all-to-all from
 each TP 4 rank's own rows, its last MoE merging into the final read; gathered rows under
 attention DP 2 x TP 2)."""
+SLOW = {MoeLayout(1, 1), MoeLayout(2, 2)}
+"""Under -m slow: TP 1, and DP 2 x TP 2 without EP (the EP 4 layouts run its rows' path)."""
 
 
 @functools.cache
@@ -220,7 +222,13 @@ def transformers_error(logits: np.ndarray) -> float:
     return relative_error(prompt_logits, want)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param(layout, id=str(layout), marks=[pytest.mark.slow] if layout in SLOW else [])
+        for layout in LAYOUTS
+    ],
+)
 def test_logits_and_greedy_tokens_match_transformers(layout):
     """HF's float32 logits within 1e-4 (relative to the largest) and HF's greedy tokens
     (teacher-forced) on every layout."""

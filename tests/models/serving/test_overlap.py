@@ -30,8 +30,12 @@ CONFIG = dataclasses.replace(
 )
 """Two layers; weights large enough that greedy decoding does not repeat one token."""
 LENGTHS = (13, 3, 22, 7, 5)
-PARALLEL = [(1, 2), pytest.param(1, 4, marks=pytest.mark.slow), (2, 2)]
-"""(attn_dp, attn_tp) meshes; TP 4 (TP 2's path over more ranks) under -m slow."""
+PARALLEL = [
+    pytest.param(1, 2, marks=pytest.mark.slow),
+    pytest.param(1, 4, marks=pytest.mark.slow),
+    (2, 2),
+]
+"""(attn_dp, attn_tp) meshes; TP 2 and TP 4 (DP 2 x TP 2's path on one DP rank) under -m slow."""
 TOL = 1e-5
 
 
@@ -63,7 +67,12 @@ def relative(got: np.ndarray, want: np.ndarray) -> float:
 
 @pytest.mark.parametrize(
     ("dp", "tp", "scattered"),
-    [(1, 2, False), pytest.param(1, 4, False, marks=pytest.mark.slow), (2, 2, False), (1, 2, True)],
+    [
+        pytest.param(1, 2, False, marks=pytest.mark.slow),
+        pytest.param(1, 4, False, marks=pytest.mark.slow),
+        (2, 2, False),
+        (1, 2, True),
+    ],
 )
 def test_two_batch_overlap_logits_equal_one_batch(dp, tp, scattered):
     """Every row's logits under TBO (each microbatch input-scattered where asked) equal the

@@ -62,10 +62,10 @@ MESHES = {
 }
 # Dense TP 4 runs in float32 below; the float64 reference itself runs on TP 1. By default each
 # mesh once over the two families (MoE DP 2 x TP 2 repeats dense DP 2 x TP 2's attention and
-# MoE TP 4's experts: under -m slow).
+# MoE TP 4's experts, and EP 4's experts run padded below: under -m slow).
 CASES = [("dense", "TP 1"), ("dense", "DP 2 x TP 2"), ("moe", "TP 4")]
 CASES += [("moe", "DP 2 x TP 2"), ("moe", "EP 4"), ("shared-kv", "TP 4")]
-SLOW_CASES = {("moe", "DP 2 x TP 2")}
+SLOW_CASES = {("moe", "DP 2 x TP 2"), ("moe", "EP 4")}
 FP8_FORMAT = Fp8Quantization().activations
 SEQUENCES = ([3, 1, 4, 1, 5, 9, 2], [6, 5, 3], [5, 8, 9, 7, 9])
 
@@ -419,7 +419,7 @@ LONG_SEQUENCES = tuple(
 )
 
 
-@pytest.mark.parametrize("mesh", ["EP 4", "TP 4"])
+@pytest.mark.parametrize("mesh", ["EP 4", pytest.param("TP 4", marks=pytest.mark.slow)])
 def test_fp8_experts_padded_to_capacity_inside_the_sharded_model(mesh, root, monkeypatch):
     """The experts padded to capacity buckets inside the sharded model, in float64, equal the
     grouped products: on EP 4 all-to-all (each rank its two experts' received rows) and TP 4
