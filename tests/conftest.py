@@ -45,11 +45,13 @@ if os.environ.get("PYTEST_XDIST_TESTRUNUID"):
     jax.config.update("jax_compilation_cache_include_metadata_in_key", True)
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
     """Sends each module's tests to one xdist worker, except those a test groups itself.
 
     A module's tests share its cached models and compiled programs; spread over both workers,
-    each worker loaded, traced and compiled them again.
+    each worker loaded, traced and compiled them again. (First, before xdist's own hook reads
+    the groups into the test ids.)
     """
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
