@@ -735,14 +735,22 @@ def make_one(name: str, spec: dict) -> dict:
 
 
 @torch.no_grad()
-def verify(name: str) -> dict:
-    """Re-load from disk and compare everything against reference.npz."""
+def reloaded(name: str) -> tuple[Path, np.lib.npyio.NpzFile, list[list[int]], torch.nn.Module]:
+    """Fixture `name` read back as a user reads it: its directory, its reference.npz, its prompts
+    and its float32 model with eager attention."""
     out = GOLDEN / name
     ref = np.load(out / "reference.npz")
     prompts = json.loads((out / "prompts.json").read_text())
     model = AutoModelForCausalLM.from_pretrained(
         out, dtype=torch.float32, attn_implementation="eager"
     ).eval()
+    return out, ref, prompts, model
+
+
+@torch.no_grad()
+def verify(name: str) -> dict:
+    """Re-load from disk and compare everything against reference.npz."""
+    out, ref, prompts, model = reloaded(name)
     assert next(model.parameters()).dtype == torch.float32
     max_np_err = 0.0
     routing: list = []  # over every prompt with its greedy continuation
@@ -800,12 +808,7 @@ def check_reloaded(
     reference.npz: each prompt's logits (within 1e-6) and greedy tokens, and its NumPy forward
     `forward(directory, ids)` within 1e-3. Returns the model, the prompts and that largest
     NumPy error."""
-    out = GOLDEN / name
-    ref = np.load(out / "reference.npz")
-    prompts = json.loads((out / "prompts.json").read_text())
-    model = AutoModelForCausalLM.from_pretrained(
-        out, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    out, ref, prompts, model = reloaded(name)
     assert type(model) is model_cls, type(model)
     max_np_err = 0.0
     for b, p in enumerate(prompts):

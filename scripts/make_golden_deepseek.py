@@ -45,7 +45,6 @@ import torch
 import transformers
 from safetensors.numpy import load_file, save_file
 from transformers import (
-    AutoModelForCausalLM,
     DeepseekV2Config,
     DeepseekV2ForCausalLM,
     DeepseekV3Config,
@@ -437,13 +436,8 @@ def make_one(name: str, spec: dict) -> dict:
 @torch.no_grad()
 def verify(name: str) -> dict:
     """Re-load from disk and compare against reference.npz, modules.npz and the NumPy forward."""
-    out = GOLDEN / name
-    ref = np.load(out / "reference.npz")
+    out, ref, prompts, model = base.reloaded(name)
     modules = np.load(out / "modules.npz")
-    prompts = json.loads((out / "prompts.json").read_text())
-    model = AutoModelForCausalLM.from_pretrained(
-        out, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
     captured = capture_modules(model, prompts)
     for key, value in captured.items():
         # A re-load moves torch's float32 CPU results by a few 1e-6.

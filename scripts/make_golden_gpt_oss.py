@@ -343,12 +343,7 @@ def make() -> dict:
 @torch.no_grad()
 def verify() -> dict:
     """Re-load from disk and compare against reference.npz and the NumPy forward."""
-    out = GOLDEN / NAME
-    ref = np.load(out / "reference.npz")
-    prompts = json.loads((out / "prompts.json").read_text())
-    model = AutoModelForCausalLM.from_pretrained(
-        out, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    out, ref, prompts, model = base.reloaded(NAME)
     max_np_err, margins, stats = 0.0, [], []
     for b, p in enumerate(prompts):
         n = int(ref["lengths"][b])

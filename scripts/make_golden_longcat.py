@@ -48,7 +48,7 @@ import numpy as np
 import torch
 import transformers
 from safetensors.numpy import load_file
-from transformers import AutoModelForCausalLM, LongcatFlashConfig, LongcatFlashForCausalLM
+from transformers import LongcatFlashConfig, LongcatFlashForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_golden as base  # noqa: E402
@@ -303,12 +303,7 @@ def make() -> dict:
 @torch.no_grad()
 def verify() -> dict:
     """Re-load from disk and compare against reference.npz and the NumPy forward."""
-    out = GOLDEN / NAME
-    ref = np.load(out / "reference.npz")
-    prompts = json.loads((out / "prompts.json").read_text())
-    model = AutoModelForCausalLM.from_pretrained(
-        out, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    out, ref, prompts, model = base.reloaded(NAME)
     max_np_err = 0.0
     for b, p in enumerate(prompts):
         n = int(ref["lengths"][b])

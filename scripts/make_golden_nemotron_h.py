@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, NemotronHConfig, NemotronHForCausalLM
+from transformers import NemotronHConfig, NemotronHForCausalLM
 from transformers.cache_utils import DynamicCache
 from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
 
@@ -299,13 +299,8 @@ VARIANTS = {
 @torch.no_grad()
 def verify(name: str) -> dict:
     """Re-load from disk and compare everything against reference.npz and the NumPy forward."""
-    out = GOLDEN / name
-    ref = np.load(out / "reference.npz")
-    prompts = json.loads((out / "prompts.json").read_text())
+    out, ref, prompts, model = base.reloaded(name)
     cfg = json.loads((out / "config.json").read_text())
-    model = AutoModelForCausalLM.from_pretrained(
-        out, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
     max_np_err, smallest_dt, routing = 0.0, math.inf, []
     for b, p in enumerate(prompts):
         n = int(ref["lengths"][b])

@@ -32,9 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import transformers
 from transformers import (
-    AutoModelForCausalLM,
     Exaone4Config,
     Exaone4ForCausalLM,
     Gemma3ForCausalLM,
@@ -258,12 +256,7 @@ VARIANTS = {
 @torch.no_grad()
 def verify(name: str) -> dict:
     """Re-load from disk and compare everything against reference.npz and the NumPy forward."""
-    out = GOLDEN / name
-    ref = np.load(out / "reference.npz")
-    prompts = json.loads((out / "prompts.json").read_text())
-    model = AutoModelForCausalLM.from_pretrained(
-        out, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    out, ref, prompts, model = base.reloaded(name)
     max_np_err = 0.0
     for b, p in enumerate(prompts):
         n = int(ref["lengths"][b])
@@ -290,28 +283,11 @@ def verify(name: str) -> dict:
 
 
 def main() -> int:
-    torch.use_deterministic_algorithms(True)
-    torch.set_num_threads(1)
-    transformers.logging.set_verbosity_error()
-    print(f"torch {torch.__version__}  transformers {transformers.__version__}")
-    names = sys.argv[1:] or list(MODELS)
-    unknown = sorted(set(names) - MODELS.keys())
-    if unknown:
-        raise SystemExit(f"unknown golden names {unknown}; choose among {sorted(MODELS)}")
-    for name in names:
+    for name in base.begin(MODELS):
         made = make_one(name, MODELS[name])
         checked = verify(name)
         size = sum(checked["files"].values())
-        print(f"\n== {name}: {checked['n_params']} params, {size / 1e3:.1f} kB")
-        print(
-            f"   max|logit| {made['max_abs_logit']:.3f}   min top-2 gap {made['min_gap']:.4f}"
-            f"   prompt seed {made['prompt_seed']}"
-        )
-        print(
-            f"   bf16 max|dlogit| {made['bf16_max_err']:.4f}   bf16 greedy == fp32 greedy: "
-            f"{made['bf16_greedy_same']}"
-        )
-        print(f"   numpy float64 re-implementation max|dlogit| {checked['numpy_max_err']:.2e}")
+        base.summarize(name, made, checked["n_params"], size, checked["numpy_max_err"])
         print(f"   max|dlogit| with one detail broken: {checked['effects']}")
     return 0
 

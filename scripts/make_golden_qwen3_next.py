@@ -24,7 +24,6 @@ Run (from the repository root; needs the Python 3.11 CPU-torch venv, see tests/g
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -34,7 +33,6 @@ import numpy as np
 import torch
 import transformers
 from transformers import (
-    AutoModelForCausalLM,
     Qwen3_5ForCausalLM,
     Qwen3_5MoeForCausalLM,
     Qwen3_5MoeTextConfig,
@@ -173,12 +171,7 @@ MODELS["qwen3_5_moe"] = MODELS["qwen3_next"] | {
 @torch.no_grad()
 def verify(name: str) -> dict:
     """Re-loads the checkpoint and compares logits and greedy tokens with reference.npz."""
-    out = GOLDEN / name
-    ref = np.load(out / "reference.npz")
-    prompts = json.loads((out / "prompts.json").read_text())
-    model = AutoModelForCausalLM.from_pretrained(
-        out, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    out, ref, prompts, model = base.reloaded(name)
     for b, p in enumerate(prompts):
         n = int(ref["lengths"][b])
         assert n == len(p) and ref["input_ids"][b, :n].tolist() == p
