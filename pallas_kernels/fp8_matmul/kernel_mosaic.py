@@ -48,6 +48,7 @@ def _fp8_matmul_kernel(
     *,
     tiling: MosaicFp8Tiling,
     groups: int,
+    programs: int,
 ):
     k = a_gmem.shape[1]
     ma, nb = a_gmem.shape[0] // groups, b_gmem.shape[0] // groups
@@ -59,6 +60,14 @@ def _fp8_matmul_kernel(
     grid = (ma // (tile_a * pair), nb // tile_b)
     steps = k // SCALE_BLOCK // tiling.split_k
     tiles = grid[0] * grid[1]
+    # Consecutive units chain their pipelines (the memory warpgroup loads the next unit's blocks
+    # while the compute warpgroups finish this one) where every program has two units or more
+    # and the pipeline's slots wrap evenly at a unit's end.
+    chained = (
+        tiling.chain
+        and groups * tiling.split_k * tiles >= 2 * programs
+        and steps % min(steps, tiling.max_concurrent_steps) == 0
+    )
 
     def shares():
         """This warpgroup's A rows and B rows within the tile."""
@@ -83,7 +92,7 @@ def _fp8_matmul_kernel(
         )
         return total + partial * scales
 
-    def pipeline(body, compute_context):
+    def pipeline(body, compute_context, state=None):
         return plgpu.emit_pipeline_warp_specialized(
             body,
             grid=(steps,),
@@ -105,6 +114,7 @@ def _fp8_matmul_kernel(
             num_compute_wgs=COMPUTE_WARPGROUPS,
             max_concurrent_steps=tiling.max_concurrent_steps,
             compute_context=compute_context,
+            pipeline_state=state,
         )
 
     ignore = lambda *_, **__: None  # noqa: E731 (allocations do not depend on the functions)
@@ -121,6 +131,17 @@ def _fp8_matmul_kernel(
         # group's B operand (an expert's weight) in the L2.
         @plgpu.nd_loop((groups * tiling.split_k * tiles,), collective_axes=_SMS)
         def _unit(info: plgpu.NDLoopInfo):
+            state = None
+            if chained:
+                state = jnp.where(
+                    info.local_index == 0,
+                    int(plgpu.PipelinePipeline.START),
+                    jnp.where(
+                        info.local_index == info.num_local_steps - 1,
+                        int(plgpu.PipelinePipeline.STOP),
+                        int(plgpu.PipelinePipeline.STEADY),
+                    ),
+                )
             group, rest = (
                 lax.div(info.index[0], tiles * tiling.split_k),
                 lax.rem(info.index[0], tiles * tiling.split_k),
@@ -148,7 +169,7 @@ def _fp8_matmul_kernel(
                 columns = pl.ds(b_tile * tile_b + own_b.start, wg_b)
                 plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[part, rows, columns])
 
-            pipeline(step, compute_context)(
+            pipeline(step, compute_context, state)(
                 a_gmem.at[a_rows, depth],
                 b_gmem.at[b_rows, depth],
                 a_scales_gmem.at[blocks, a_rows],
@@ -222,10 +243,11 @@ def fp8_matmul_mosaic(
     # One program per SM at most (a cluster of two per pair of SMs), each walking the (group,
     # split, tile) units with the grid's stride.
     units = groups * (shape[0] // (tiling.tile_a * pair)) * (shape[1] // tiling.tile_n)
+    programs = min((tiling.programs or NUM_SMS) // pair, units * tiling.split_k)
     call = plgpu.kernel(
-        functools.partial(_fp8_matmul_kernel, tiling=tiling, groups=groups),
+        functools.partial(_fp8_matmul_kernel, tiling=tiling, groups=groups, programs=programs),
         out_type=jax.ShapeDtypeStruct((tiling.split_k, groups * shape[0], shape[1]), partial_dtype),
-        grid=(min(NUM_SMS // pair, units * tiling.split_k),),
+        grid=(programs,),
         grid_names=(_SMS,),
         cluster=(pair,),
         cluster_names=(_CLUSTER,),

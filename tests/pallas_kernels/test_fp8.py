@@ -311,6 +311,15 @@ def test_triton_decode_kernel_matches_reference(tiling):
         (Fp8MatmulImpl.PALLAS_GPU, MosaicFp8Tiling(tile_n=32, split_k=2, swap=True)),
         (Fp8MatmulImpl.PALLAS_GPU, MosaicFp8Tiling(tile_n=64, cluster=True)),
         (Fp8MatmulImpl.PALLAS_GPU, None),
+        (Fp8MatmulImpl.PALLAS_GPU, MosaicFp8Tiling(tile_n=64, max_concurrent_steps=2, programs=2)),
+        (
+            Fp8MatmulImpl.PALLAS_GPU,
+            MosaicFp8Tiling(tile_n=32, split_k=2, swap=True, max_concurrent_steps=2, programs=2),
+        ),
+        (
+            Fp8MatmulImpl.PALLAS_GPU,
+            MosaicFp8Tiling(tile_n=64, cluster=True, max_concurrent_steps=2, programs=2),
+        ),
     ],
     ids=[
         "triton",
@@ -320,11 +329,15 @@ def test_triton_decode_kernel_matches_reference(tiling):
         "mosaic swap",
         "mosaic cluster",
         "mosaic table",
+        "mosaic chained",
+        "mosaic swap chained",
+        "mosaic cluster chained",
     ],
 )
 def test_compiled_gpu_kernels_match_reference(impl, tiling):
     """The kernels as the GPU compiles them (the interpreter accepts indexing that the Triton and
-    Mosaic lowerings refuse), bf16 out."""
+    Mosaic lowerings refuse), bf16 out; with two programs walking the tiles, their pipelines
+    chained from tile to tile."""
     want = fp8_matmul_reference(*operands(k=512, n=256), out_dtype=jnp.bfloat16)
     got = fp8_matmul(*operands(k=512, n=256), out_dtype=jnp.bfloat16, impl=impl, tiling=tiling)
     chex.assert_trees_all_close(got, want, rtol=2.0**-7, atol=2.0**-7 * float(jnp.abs(want).max()))

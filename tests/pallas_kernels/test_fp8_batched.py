@@ -118,14 +118,31 @@ def test_mosaic_kernel_lowers_for_hopper_at_model_shapes(shape):
 
 @ON_GPU
 @pytest.mark.parametrize(
-    "shape", [(3, 320, 512, 256), (2, 384, 768, 384)], ids=["columns split", "rows split"]
+    "shape, tiling",
+    [
+        ((3, 320, 512, 256), None),
+        ((2, 384, 768, 384), None),
+        (
+            (3, 320, 512, 256),
+            MosaicFp8Tiling(tile_n=128, max_concurrent_steps=2, split_columns=True, programs=4),
+        ),
+        (
+            (2, 384, 768, 384),
+            MosaicFp8Tiling(tile_n=128, max_concurrent_steps=3, grid_block_n=1, programs=5),
+        ),
+    ],
+    ids=["columns split", "rows split", "columns split, chained", "rows split, chained"],
 )
-def test_compiled_batched_kernel_matches_reference(shape):
+def test_compiled_batched_kernel_matches_reference(shape, tiling):
     """The batched wgmma kernel as the GPU compiles it, at the table's tilings: 64-row tiles
-    with the weight tile split (a capacity of 320 rows), 128-row tiles (384), bf16 out."""
+    with the weight tile split (a capacity of 320 rows), 128-row tiles (384), bf16 out; and with
+    few programs, each walking several tiles with their pipelines chained (4 and 6 steps deep,
+    2 and 3 in flight), so a block loaded into the wrong slot or tile shows."""
     args = batched_operands(*shape)
     want = fp8_batched_matmul_reference(*args, out_dtype=jnp.bfloat16)
-    got = fp8_batched_matmul(*args, out_dtype=jnp.bfloat16, impl=Fp8MatmulImpl.PALLAS_GPU)
+    got = fp8_batched_matmul(
+        *args, out_dtype=jnp.bfloat16, impl=Fp8MatmulImpl.PALLAS_GPU, tiling=tiling
+    )
     chex.assert_trees_all_close(got, want, rtol=2.0**-7, atol=2.0**-7 * float(jnp.abs(want).max()))
 
 
@@ -137,6 +154,8 @@ def test_batched_tiling_table_splits_columns_for_capacities_off_128_rows():
         tile_n=256, grid_block_n=1, split_columns=True
     )
     assert mosaic_fp8_batched_tiling(320, 768, 640).tile_n == 128
+    # Six steps of contraction: three in flight, so that consecutive tiles chain.
+    assert mosaic_fp8_batched_tiling(320, 768, 2048).max_concurrent_steps == 3
     assert mosaic_fp8_batched_tiling(384, 2048, 1536) == MosaicFp8Tiling(tile_n=192, grid_block_n=1)
     assert MosaicFp8Tiling(tile_n=128, split_columns=True).tile_a == 64
     assert MosaicFp8Tiling(tile_n=128).tile_a == 128
