@@ -15,8 +15,11 @@ weight, so its many output features fill the wgmma's 64-row side and the few row
 and the contraction can be split over programs (their float32 partials summed after) so that
 every SM streams weights. With `MosaicFp8Tiling.cluster`, two programs of a cluster take
 neighbouring A tiles of one B tile and each loads half of every B block for both (TMA multicast),
-so B crosses the L2 once per pair. Runs on NVIDIA Hopper GPUs, or on CPU in the Mosaic GPU
-interpreter (JAX >= 0.12).
+so B crosses the L2 once per pair. Each program walks its tiles in turn; their pipelines are
+chained (`MosaicFp8Tiling.chain`: the memory warpgroup loads the next tile's first blocks while
+the compute warpgroups finish this tile and store it). Runs on NVIDIA Hopper GPUs, or on CPU in
+the Mosaic GPU interpreter (JAX >= 0.12), which runs each tile's pipeline on its own: chained,
+its threads wait on each other forever (JAX 0.12.0.1).
 """
 
 import functools
@@ -49,6 +52,7 @@ def _fp8_matmul_kernel(
     tiling: MosaicFp8Tiling,
     groups: int,
     programs: int,
+    chain: bool,
 ):
     k = a_gmem.shape[1]
     ma, nb = a_gmem.shape[0] // groups, b_gmem.shape[0] // groups
@@ -64,7 +68,7 @@ def _fp8_matmul_kernel(
     # while the compute warpgroups finish this one) where every program has two units or more
     # and the pipeline's slots wrap evenly at a unit's end.
     chained = (
-        tiling.chain
+        chain
         and groups * tiling.split_k * tiles >= 2 * programs
         and steps % min(steps, tiling.max_concurrent_steps) == 0
     )
@@ -245,7 +249,13 @@ def fp8_matmul_mosaic(
     units = groups * (shape[0] // (tiling.tile_a * pair)) * (shape[1] // tiling.tile_n)
     programs = min((tiling.programs or NUM_SMS) // pair, units * tiling.split_k)
     call = plgpu.kernel(
-        functools.partial(_fp8_matmul_kernel, tiling=tiling, groups=groups, programs=programs),
+        functools.partial(
+            _fp8_matmul_kernel,
+            tiling=tiling,
+            groups=groups,
+            programs=programs,
+            chain=tiling.chain and interpret is None,
+        ),
         out_type=jax.ShapeDtypeStruct((tiling.split_k, groups * shape[0], shape[1]), partial_dtype),
         grid=(programs,),
         grid_names=(_SMS,),
