@@ -245,6 +245,30 @@ def kernel_ms(
     return statistics.median(times)
 
 
+def interleaved_wall_ms(
+    contenders: dict[str, tuple[Callable, Sequence[Sequence]]],
+    *,
+    warmup: int = 3,
+    rounds: int = 12,
+    calls: int = 16,
+) -> dict[str, float]:
+    """Median wall-clock ms per call of each contender (name -> (fn, arg sets)), timed in turns:
+    each round times `calls` calls of every contender dispatched back to back, so a drift of the
+    GPU's speed during the run reaches all of them alike (a ratio of two programs timed one after
+    the other moved by 4% between timings of one program, `benchmarks/RESULTS.md` run 40)."""
+    for fn, arg_sets in contenders.values():
+        for i in range(warmup):
+            jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
+    times = {name: [] for name in contenders}
+    for _ in range(rounds):
+        for name, (fn, arg_sets) in contenders.items():
+            start = time.perf_counter()
+            outs = [fn(*arg_sets[i % len(arg_sets)]) for i in range(calls)]
+            jax.block_until_ready(outs)
+            times[name].append((time.perf_counter() - start) * 1e3 / calls)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
 def wall_ms(fn: Callable, args: Sequence, *, warmup: int = 3, repeats: int = 30) -> float:
     """Median wall-clock time in ms of one blocking call of `fn` (for jitted loops)."""
     for _ in range(warmup):
