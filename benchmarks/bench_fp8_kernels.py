@@ -41,10 +41,10 @@ MOSAIC_SWEEP = (
     MosaicFp8Tiling(tile_n=128, max_concurrent_steps=4, grid_block_n=8),
     MosaicFp8Tiling(tile_n=224, max_concurrent_steps=3, grid_block_n=2),
     MosaicFp8Tiling(tile_n=224, max_concurrent_steps=2, grid_block_n=2),
-    MosaicFp8Tiling(tile_n=224, max_concurrent_steps=2, grid_block_n=2, chain=False),
+    MosaicFp8Tiling(tile_n=224, max_concurrent_steps=2, grid_block_n=2, chain=True),
     MosaicFp8Tiling(tile_n=224, max_concurrent_steps=3, grid_block_n=2, cluster=True),
     MosaicFp8Tiling(tile_n=192, max_concurrent_steps=4, grid_block_n=2),
-    MosaicFp8Tiling(tile_n=192, max_concurrent_steps=4, grid_block_n=2, chain=False),
+    MosaicFp8Tiling(tile_n=192, max_concurrent_steps=4, grid_block_n=2, chain=True),
     MosaicFp8Tiling(tile_n=192, max_concurrent_steps=4, grid_block_n=2, cluster=True),
     MosaicFp8Tiling(tile_n=128, max_concurrent_steps=4, grid_block_n=4, cluster=True),
 )
@@ -121,11 +121,11 @@ EXPERTS_SWEEP = (
     None,  # the table's pick (`mosaic_fp8_batched_tiling`)
     MosaicFp8Tiling(tile_n=256, max_concurrent_steps=4, grid_block_n=1, split_columns=True),
     MosaicFp8Tiling(
-        tile_n=256, max_concurrent_steps=4, grid_block_n=1, split_columns=True, chain=False
+        tile_n=256, max_concurrent_steps=4, grid_block_n=1, split_columns=True, chain=True
     ),
     MosaicFp8Tiling(tile_n=256, max_concurrent_steps=3, grid_block_n=1, split_columns=True),
     MosaicFp8Tiling(
-        tile_n=256, max_concurrent_steps=3, grid_block_n=1, split_columns=True, chain=False
+        tile_n=256, max_concurrent_steps=3, grid_block_n=1, split_columns=True, chain=True
     ),
     MosaicFp8Tiling(tile_n=256, max_concurrent_steps=2, grid_block_n=1, split_columns=True),
     MosaicFp8Tiling(tile_n=256, max_concurrent_steps=6, grid_block_n=1, split_columns=True),
@@ -196,8 +196,8 @@ def _tiling_label(tiling: MosaicFp8Tiling | None) -> str:
     if tiling is None:
         return "table"
     options = [name for name in ("swap", "cluster", "split_columns") if getattr(tiling, name)]
-    if not tiling.chain:
-        options.append("unchained")
+    if tiling.chain:
+        options.append("chained")
     if tiling.split_k > 1:
         options.append(f"split_k={tiling.split_k}")
     steps = f"{tiling.tile_n}/{tiling.max_concurrent_steps}/{tiling.grid_block_n}"

@@ -15,11 +15,12 @@ weight, so its many output features fill the wgmma's 64-row side and the few row
 and the contraction can be split over programs (their float32 partials summed after) so that
 every SM streams weights. With `MosaicFp8Tiling.cluster`, two programs of a cluster take
 neighbouring A tiles of one B tile and each loads half of every B block for both (TMA multicast),
-so B crosses the L2 once per pair. Each program walks its tiles in turn; their pipelines are
-chained (`MosaicFp8Tiling.chain`: the memory warpgroup loads the next tile's first blocks while
-the compute warpgroups finish this tile and store it). Runs on NVIDIA Hopper GPUs, or on CPU in
-the Mosaic GPU interpreter (JAX >= 0.12), which runs each tile's pipeline on its own: chained,
-its threads wait on each other forever (JAX 0.12.0.1).
+so B crosses the L2 once per pair. Each program walks its tiles in turn; their pipelines can be
+chained (`MosaicFp8Tiling.chain`, off by default until a GPU has measured it): the memory
+warpgroup then loads the next tile's first blocks while the compute warpgroups finish this tile
+and store it. Runs on NVIDIA Hopper GPUs, or on CPU in the Mosaic GPU interpreter (JAX >= 0.12),
+which runs each tile's pipeline on its own: chained, its threads wait on each other forever
+(JAX 0.12.0.1).
 """
 
 import functools

@@ -97,7 +97,8 @@ class MosaicFp8Tiling:
         one per SM (per pair of SMs in clusters).
       chain: Chain the pipelines of a program's consecutive tiles, so that the memory warpgroup
         loads the next tile's first blocks while the compute warpgroups finish this one (where
-        every program has two tiles or more and the steps in flight divide a tile's steps).
+        every program has two tiles or more and the steps in flight divide a tile's steps). Off
+        by default until a GPU has run it (`benchmarks/NOTES.md`).
     """
 
     tile_n: int = 128
@@ -108,7 +109,7 @@ class MosaicFp8Tiling:
     cluster: bool = False
     split_columns: bool = False
     programs: int | None = None
-    chain: bool = True
+    chain: bool = False
 
     def __post_init__(self):
         if self.tile_n % 32 or not 32 <= self.tile_n <= 256:
@@ -176,16 +177,12 @@ def mosaic_fp8_batched_tiling(m: int, k: int, n: int) -> MosaicFp8Tiling:
     `m` rows): 64-row A tiles with the B tile split between the warpgroups where `m` is not a
     multiple of 128 (256 weight rows per tile where they divide N, else 192, else 128), the dense
     table's prefill tiles otherwise; one B tile per grid step (a group's weight is small enough
-    to stay in the L2 while its row tiles pass); 4 steps in flight, or 3 or 2 where 4 does not
-    divide the contraction's steps (so consecutive tiles chain their pipelines). Measured on one
-    H200 at Qwen3-30B-A3B's experts (`bench_fp8 --parts experts`, `benchmarks/RESULTS.md` run
-    40): gate|up 1.04x the bf16 batched matmul, down (6 steps) 0.85x before the chaining."""
-    steps = k // SCALE_BLOCK
-    in_flight = next((s for s in (4, 3, 2) if steps % s == 0), 4)
+    to stay in the L2 while its row tiles pass). Measured on one H200 at Qwen3-30B-A3B's experts
+    (`bench_fp8 --parts experts`, `benchmarks/RESULTS.md` run 40): gate|up 1.04x the bf16
+    batched matmul, down 0.85x."""
+    del k
     if m % (WGMMA_ROWS * COMPUTE_WARPGROUPS):
         tile = next(t for t in (256, 192, 128) if n % t == 0)
-        return MosaicFp8Tiling(
-            tile_n=tile, max_concurrent_steps=in_flight, grid_block_n=1, split_columns=True
-        )
+        return MosaicFp8Tiling(tile_n=tile, grid_block_n=1, split_columns=True)
     tile = next(t for t in (192, 128) if n % t == 0)
-    return MosaicFp8Tiling(tile_n=tile, max_concurrent_steps=in_flight, grid_block_n=1)
+    return MosaicFp8Tiling(tile_n=tile, grid_block_n=1)

@@ -311,14 +311,21 @@ def test_triton_decode_kernel_matches_reference(tiling):
         (Fp8MatmulImpl.PALLAS_GPU, MosaicFp8Tiling(tile_n=32, split_k=2, swap=True)),
         (Fp8MatmulImpl.PALLAS_GPU, MosaicFp8Tiling(tile_n=64, cluster=True)),
         (Fp8MatmulImpl.PALLAS_GPU, None),
-        (Fp8MatmulImpl.PALLAS_GPU, MosaicFp8Tiling(tile_n=64, max_concurrent_steps=2, programs=2)),
         (
             Fp8MatmulImpl.PALLAS_GPU,
-            MosaicFp8Tiling(tile_n=32, split_k=2, swap=True, max_concurrent_steps=2, programs=2),
+            MosaicFp8Tiling(tile_n=64, max_concurrent_steps=2, programs=2, chain=True),
         ),
         (
             Fp8MatmulImpl.PALLAS_GPU,
-            MosaicFp8Tiling(tile_n=64, cluster=True, max_concurrent_steps=2, programs=2),
+            MosaicFp8Tiling(
+                tile_n=32, split_k=2, swap=True, max_concurrent_steps=2, programs=2, chain=True
+            ),
+        ),
+        (
+            Fp8MatmulImpl.PALLAS_GPU,
+            MosaicFp8Tiling(
+                tile_n=64, cluster=True, max_concurrent_steps=2, programs=2, chain=True
+            ),
         ),
     ],
     ids=[
