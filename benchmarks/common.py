@@ -237,12 +237,15 @@ def kernel_ms(
         except Exception as error:  # CUPTI missing or busy: fall back to the wall clock
             print(f"  (CUPTI failed: {type(error).__name__}: {error}; wall clock instead)")
     if not times:
-        for _ in range(max(5, repeats // 8)):
-            start = time.perf_counter()
-            outs = [fn(*arg_sets[i % len(arg_sets)]) for i in range(16)]
-            jax.block_until_ready(outs)
-            times.append((time.perf_counter() - start) * 1e3 / 16)
+        times = [_burst_ms(fn, arg_sets, 16) for _ in range(max(5, repeats // 8))]
     return statistics.median(times)
+
+
+def _burst_ms(fn: Callable, arg_sets: Sequence[Sequence], calls: int) -> float:
+    """Wall-clock ms per call of `calls` calls of `fn` dispatched back to back."""
+    start = time.perf_counter()
+    jax.block_until_ready([fn(*arg_sets[i % len(arg_sets)]) for i in range(calls)])
+    return (time.perf_counter() - start) * 1e3 / calls
 
 
 def interleaved_wall_ms(
@@ -262,10 +265,7 @@ def interleaved_wall_ms(
     times = {name: [] for name in contenders}
     for _ in range(rounds):
         for name, (fn, arg_sets) in contenders.items():
-            start = time.perf_counter()
-            outs = [fn(*arg_sets[i % len(arg_sets)]) for i in range(calls)]
-            jax.block_until_ready(outs)
-            times[name].append((time.perf_counter() - start) * 1e3 / calls)
+            times[name].append(_burst_ms(fn, arg_sets, calls))
     return {name: statistics.median(values) for name, values in times.items()}
 
 

@@ -163,3 +163,5 @@ def test_batched_tiling_table_splits_columns_for_capacities_off_128_rows():
     assert MosaicFp8Tiling(tile_n=128).tile_a == 128
     with pytest.raises(ValueError, match="multiple of 64"):
         MosaicFp8Tiling(tile_n=96, split_columns=True)
+    with pytest.raises(ValueError, match="programs"):
+        MosaicFp8Tiling(cluster=True, programs=1)
