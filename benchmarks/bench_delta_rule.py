@@ -1,7 +1,8 @@
 """The gated delta rule (Gated DeltaNet) over packed rows: the chunked WY / UT form against a
 row-by-row `lax.scan` of the recurrence, at 4096 and 32768 rows (issue 45 asks for >= 20x on
 one H200); the chunked form carries its state across chunks with a `jnp` `lax.scan` or with
-the Pallas Triton kernel (`pallas_kernels.delta_rule_scan`), both timed.
+the Pallas Triton kernel (`pallas_kernels.delta_rule_scan`), both timed, each with the terms
+between its matmuls stored in float32 (the default) and in bf16 (flash-linear-attention's).
 
 The shapes are one Qwen3-Next-80B-A3B Gated DeltaNet layer on one GPU (16 key heads of 128, 32
 value heads of 128; bf16 q, k, v, float32 gates and state): four sequences packed into the
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +30,7 @@ K_HEADS, V_HEADS, K_DIM, V_DIM = 16, 32, 128, 128
 ROWS = (4096, 32768)
 SHARES = (0.5, 0.25, 0.17)  # of the rows, for three sequences; the fourth takes the rest
 CHUNKS = (64,)
+STORAGES = (None, jnp.bfloat16)  # the chunked form's row-sized terms: float32 (default) or bf16
 
 
 def lengths_of(rows: int) -> tuple[int, ...]:
@@ -81,16 +84,20 @@ def main() -> None:
         base = kernel_ms(reference, [args_], wall=True, repeats=4)
         table.append((rows, "lax.scan, row by row", "-", base, "-", 1.0, 0.0))
         for chunk in chunks:
-            for scan in scans:
+            for scan, storage in itertools.product(scans, STORAGES):
                 fn = jax.jit(
                     functools.partial(
-                        gated_delta_rule_chunked, chunk_size=chunk, num_slots=slots, scan=scan
+                        gated_delta_rule_chunked,
+                        chunk_size=chunk,
+                        num_slots=slots,
+                        scan=scan,
+                        storage=storage,
                     )
                 )
                 err = relative_error(fn(*args_), want)
                 ms = kernel_ms(fn, [args_], wall=True, repeats=16)
                 tflops = chunked_flops(rows, chunk, *shape[1:]) / ms / 1e9
-                form = f"chunked, {scan} scan"
+                form = f"chunked, {scan} scan, {jnp.dtype(storage or jnp.float32).name} storage"
                 table.append((rows, form, chunk, ms, f"{tflops:.1f}", base / ms, err))
     headers = ("rows", "form", "chunk", "ms", "TFLOP/s", "x lax.scan", "rel err vs lax.scan")
     print_table(headers, table)

@@ -43,11 +43,16 @@ def _scan_kernel(
 ):
     """One program: one head's block of value columns, through all chunks."""
 
+    f32 = jnp.float32
+
     def chunk(c, state):
-        states_ref[c] = state
-        new = values_ref[c] - jnp.dot(reads_ref[c], state)
-        new_ref[c] = new.astype(new_ref.dtype)
-        return state * carried_ref[c] + jnp.dot(keys_ref[c].T, new)
+        entered = state.astype(states_ref.dtype)
+        states_ref[c] = entered
+        new = values_ref[c].astype(f32)
+        new = new - jnp.dot(reads_ref[c], entered, preferred_element_type=f32)
+        new = new.astype(new_ref.dtype)
+        new_ref[c] = new
+        return state * carried_ref[c] + jnp.dot(keys_ref[c].T, new, preferred_element_type=f32)
 
     lax.fori_loop(0, chunks, chunk, jnp.zeros((k_dim, block_v), jnp.float32))
 
@@ -66,6 +71,10 @@ def chunk_state_scan(
 ) -> tuple[jax.Array, jax.Array]:
     """The state's scan over chunks of the chunked gated delta rule (scalar gate per head).
 
+    The state is carried in float32. values, reads and keys share one float dtype (bf16 or
+    float32), in which the products read the state and the corrected values (both products
+    summing in float32) and the outputs are stored.
+
     Args:
       values: [C, H, L, v_dim] U, the chunk's values before the entering state is subtracted.
       reads: [C, H, L, k_dim] W, what reads the entering state.
@@ -83,10 +92,10 @@ def chunk_state_scan(
 
     Returns:
       (new [C, H, L, v_dim] the corrected values, entering states [C, H, k_dim, v_dim]), as
-      the `lax.scan` of `gated_delta_rule_chunked`, both float32.
+      the `lax.scan` of `gated_delta_rule_chunked`, both in the inputs' dtype.
 
     Raises:
-      ValueError: Shapes that do not match, or block_v not dividing v_dim.
+      ValueError: Shapes or dtypes that do not match, or block_v not dividing v_dim.
     """
     chunks, heads, length, v_dim = values.shape
     k_dim = reads.shape[-1]
@@ -96,13 +105,14 @@ def chunk_state_scan(
         or keys.shape != reads.shape
         or carried.shape != (chunks, heads)
         or v_dim % block_v
+        or not reads.dtype == keys.dtype == values.dtype
     ):
         raise ValueError(
             "chunk_state_scan takes values [C, H, L, v], reads and keys [C, H, L, k], carried "
-            f"[C, H], block_v dividing v; got {values.shape=}, {reads.shape=}, {keys.shape=}, "
-            f"{carried.shape=}, {block_v=}"
+            f"[C, H], block_v dividing v, one dtype for values, reads and keys; got "
+            f"{values.shape=}, {reads.shape=}, {keys.shape=}, {carried.shape=}, {block_v=}, "
+            f"{values.dtype=}, {reads.dtype=}, {keys.dtype=}"
         )
-    values, reads, keys = (x.astype(jnp.float32) for x in (values, reads, keys))
     carried = carried.astype(jnp.float32)[..., None, None]  # [C, H, 1, 1]
 
     def by_head(*tail, v_block=False):
@@ -112,7 +122,7 @@ def chunk_state_scan(
 
         return pl.BlockSpec((chunks, None, *tail), index)
 
-    f32 = jnp.float32
+    stored = values.dtype
     # Under shard_map the outputs vary over every mesh axis an input does.
     varying = axes.varying_axes(values, reads, keys, carried)
     new, states = pl.pallas_call(
@@ -129,8 +139,8 @@ def chunk_state_scan(
             by_head(k_dim, block_v, v_block=True),
         ],
         out_shape=[
-            axes.output_type((chunks, heads, length, v_dim), f32, varying),
-            axes.output_type((chunks, heads, k_dim, v_dim), f32, varying),
+            axes.output_type((chunks, heads, length, v_dim), stored, varying),
+            axes.output_type((chunks, heads, k_dim, v_dim), stored, varying),
         ],
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,

@@ -46,6 +46,40 @@ def test_interpreted_kernel_equals_jnp_chunks_and_the_recurrence():
     assert scale > 0.3 and not want_finals[4].any()
 
 
+@pytest.mark.parametrize("per_channel", [False, True], ids=["head", "channel"])
+def test_bf16_storage_rounds_between_the_matmuls_only(per_channel):
+    """bf16 storage of the terms between the matmuls (float32 inputs, state and sums): the
+    kernel (interpreted; scalar gates) and the `jnp` scan round at the same places, so they
+    agree within 1e-3 relative of the output's scale; both stay within 1e-2 of the float64
+    recurrence yet differ from it by more than float32 storage would (1e-4), so the rounding
+    happened; the final states stay float32."""
+    inputs, positions, segments = _inputs(per_channel)
+    want_out, want_finals = numpy_delta_rule(*inputs, positions, segments, slots=5)
+    args = [jnp.asarray(x, jnp.float32) for x in inputs]
+    rule = functools.partial(
+        gated_delta_rule_chunked, chunk_size=8, num_slots=5, storage=jnp.bfloat16
+    )
+    scale, state_scale = np.abs(want_out).max(), np.abs(want_finals).max()
+    with jax.default_matmul_precision("highest"):
+        ref_out, ref_finals = rule(*args, positions, segments, scan="jnp")
+        if not per_channel:
+            out, finals = rule(*args, positions, segments, scan="interpret")
+            np.testing.assert_allclose(out, ref_out, atol=1e-3 * scale)
+            np.testing.assert_allclose(finals, ref_finals, atol=1e-3 * state_scale)
+    assert ref_out.dtype == ref_finals.dtype == jnp.float32
+    np.testing.assert_allclose(ref_out, want_out, atol=1e-2 * scale)
+    np.testing.assert_allclose(ref_finals, want_finals, atol=1e-2 * state_scale)
+    assert np.abs(ref_out - want_out).max() > 1e-4 * scale
+
+
+def test_storage_must_be_a_float_no_wider_than_the_sums():
+    inputs, positions, segments = _inputs()
+    args = [jnp.asarray(x, jnp.float32) for x in inputs]
+    for storage in (jnp.int32, jnp.float64):
+        with pytest.raises(ValueError, match="storage must be a float dtype"):
+            gated_delta_rule_chunked(*args, positions, segments, storage=storage)
+
+
 @pytest.mark.slow
 def test_interpreted_kernel_gradient_is_the_jnp_forms():
     """The kernel differentiates as the `jnp` scan (`with_reference_vjp`)."""
@@ -67,10 +101,11 @@ def test_interpreted_kernel_gradient_is_the_jnp_forms():
 @pytest.mark.skipif(
     compat.cuda_lowering_target() is None, reason="this JAX cannot name an abstract GPU"
 )
-def test_kernel_lowers_to_triton_for_an_h200_at_qwen3_next_shape():
+@pytest.mark.parametrize("storage", [None, jnp.bfloat16], ids=["float32", "bf16"])
+def test_kernel_lowers_to_triton_for_an_h200_at_qwen3_next_shape(storage):
     """The chunked rule with the kernel lowers for CUDA on any machine (an abstract H200) at
-    the Qwen3-Next mixer shape, 4096 rows of bf16: the kernel's block shapes and its Triton IR
-    are checked here, not first on the GPU."""
+    the Qwen3-Next mixer shape, 4096 rows of bf16, float32 or bf16 storage: the kernel's block
+    shapes and its Triton IR are checked here, not first on the GPU."""
     rows = 4096
     shape = jax.ShapeDtypeStruct
     args = (
@@ -82,7 +117,9 @@ def test_kernel_lowers_to_triton_for_an_h200_at_qwen3_next_shape():
         shape((rows,), jnp.int32),
         shape((rows,), jnp.int32),
     )
-    rule = functools.partial(gated_delta_rule_chunked.__wrapped__, num_slots=3, scan="pallas")
+    rule = functools.partial(
+        gated_delta_rule_chunked.__wrapped__, num_slots=3, scan="pallas", storage=storage
+    )
     with compat.cuda_lowering_target():
         lowered = jax.jit(rule).trace(*args).lower(lowering_platforms=("cuda",))
     assert lowered.as_text().count("custom_call @__gpu$xla.gpu.triton") == 1
@@ -98,11 +135,14 @@ def test_kernel_refuses_per_channel_gates_and_unknown_scans():
 
 
 @pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="Triton runs on GPU only")
-@pytest.mark.parametrize("rows", [4096, 4000])
-def test_gpu_kernel_equals_jnp_chunks_at_qwen3_next_shape(rows):  # pragma: no cover - GPU only
+@pytest.mark.parametrize(
+    "rows, storage, bound", [(4096, None, 2e-3), (4000, None, 2e-3), (4096, jnp.bfloat16, 1e-2)]
+)
+def test_gpu_kernel_equals_jnp_chunks_at_qwen3_next_shape(rows, storage, bound):  # pragma: no cover
     """At the Qwen3-Next mixer shape (16 k-heads, 32 v-heads, 128 x 128), packed rows of three
     sequences in 64 chunks, or 63 (a count no power of two), the compiled kernel equals the
-    `jnp` chunked form (float32)."""
+    `jnp` chunked form (float32 inputs; float32 or bf16 storage, where the two sum their
+    bf16 products in different orders and so round some stored terms differently)."""
     layout = ((0, 1000), (1, 2400), (2, 590))
     positions, segments = layout_rows(layout, padding=rows - 3990)
     keys = jax.random.split(jax.random.key(0), 5)
@@ -110,9 +150,9 @@ def test_gpu_kernel_equals_jnp_chunks_at_qwen3_next_shape(rows):  # pragma: no c
     v = jax.random.normal(keys[2], (rows, 32, 128))
     g = -jax.random.uniform(keys[3], (rows, 32), minval=0.01, maxval=0.5)
     beta = jax.random.uniform(keys[4], (rows, 32), minval=0.05, maxval=0.95)
-    rule = functools.partial(gated_delta_rule_chunked, num_slots=3)
+    rule = functools.partial(gated_delta_rule_chunked, num_slots=3, storage=storage)
     out, finals = rule(q, k, v, g, beta, positions, segments, scan="pallas")
     ref_out, ref_finals = rule(q, k, v, g, beta, positions, segments)
     scale = float(jnp.abs(ref_out).max())
-    np.testing.assert_allclose(out, ref_out, atol=2e-3 * scale)
-    np.testing.assert_allclose(finals, ref_finals, atol=2e-3 * float(jnp.abs(ref_finals).max()))
+    np.testing.assert_allclose(out, ref_out, atol=bound * scale)
+    np.testing.assert_allclose(finals, ref_finals, atol=bound * float(jnp.abs(ref_finals).max()))

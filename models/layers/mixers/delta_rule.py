@@ -151,7 +151,7 @@ def _pad_rows(x: jax.Array, rows: int, fill=0) -> jax.Array:
     return jnp.pad(x, [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
 
 
-@functools.partial(jax.jit, static_argnames=("chunk_size", "num_slots", "scan"))
+@functools.partial(jax.jit, static_argnames=("chunk_size", "num_slots", "scan", "storage"))
 def gated_delta_rule_chunked(
     q: jax.Array,
     k: jax.Array,
@@ -164,6 +164,7 @@ def gated_delta_rule_chunked(
     chunk_size: int = 64,
     num_slots: int = 0,
     scan: str = "jnp",
+    storage: jnp.dtype | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """The recurrence of `gated_delta_rule_reference` in chunks of rows, as matmuls.
 
@@ -180,19 +181,29 @@ def gated_delta_rule_chunked(
     update only pair rows of one sequence, and only rows still in the sequence the chunk
     entered read (and decay) the carried state, wherever the chunk boundaries fall.
 
+    The gates, A and its inverse, the carried state and every matmul's sums are in the
+    accumulation dtype (float32, or float64 for float64 inputs). The row-sized terms between
+    the matmuls (q and k, U and W, the decayed keys and queries, the scores, the corrected
+    values and each chunk's entering state) are stored in `storage`: by default the
+    accumulation dtype; bf16 halves their bytes, as flash-linear-attention's kernels store them
+    for bf16 inputs, at a relative error against the float32 recurrence of about 4e-3 where
+    float32 storage gives 3e-7 (bf16 inputs, a CPU).
+
     Args:
       q, k, v, g, beta, positions, segment_ids, num_slots: As `gated_delta_rule_reference`.
       chunk_size: Static rows per chunk (64, as flash-linear-attention's kernels).
       scan: Static, one of `SCANS`: how the state crosses chunks. The kernel's gradient is the
         `jnp` scan's.
+      storage: Static float dtype of the row-sized terms between the matmuls, no wider than
+        the accumulation dtype; None: the accumulation dtype.
 
     Returns:
       As `gated_delta_rule_reference`: (o [T, v_heads, v_dim], final states [num_slots,
       v_heads, k_dim, v_dim]).
 
     Raises:
-      ValueError: Mismatched shapes, chunk_size < 1, an unknown scan, or the kernel asked for
-        a per-channel gate.
+      ValueError: Mismatched shapes, chunk_size < 1, an unknown scan, the kernel asked for a
+        per-channel gate, or a storage dtype that is no float or wider than the accumulation.
     """
     _check_shapes(q, k, v, g, beta, positions, segment_ids)
     if chunk_size < 1:
@@ -202,6 +213,8 @@ def gated_delta_rule_chunked(
             f"scan must be one of {SCANS}, and the Pallas scan takes only a scalar gate per "
             f"head (Kimi's per-channel gate keeps the jnp scan); got {scan=}, {g.shape=}"
         )
+    acc = accumulation_dtype(v.dtype)
+    store = _storage_dtype(storage, acc)
     q, k, v, g, beta = _prepared(q, k, v, g, beta, segment_ids)
     rows, heads, k_dim = k.shape
     v_dim = v.shape[-1]
@@ -217,6 +230,10 @@ def gated_delta_rule_chunked(
         value = _pad_rows(value, padded).reshape(chunks, length, *value.shape[1:])
         return jnp.moveaxis(value, 1, 2)
 
+    def kept(value: jax.Array) -> jax.Array:
+        return value.astype(store)
+
+    dot = functools.partial(jnp.einsum, preferred_element_type=acc)
     g = _channel_gates(g, beta)  # [T, H, 1] for a scalar gate, else [T, H, k_dim]
     q, k, v, g, beta = (chunked(x) for x in (q, k, v, g, beta))
     cumulative = jnp.cumsum(g, axis=2)  # [C, H, L, 1 or k_dim]: G_t, from the chunk's start
@@ -227,23 +244,22 @@ def gated_delta_rule_chunked(
     carries = (run == before[:, None])[:, None, :, None]  # [C, 1, L, 1]
     entering = jnp.where(carries, jnp.exp(cumulative), 0)
     k_beta = k * beta[..., None]
-    v_beta = v * beta[..., None]
-    q_entering = q * entering
+    v_beta = kept(v * beta[..., None])
+    q_entering = kept(q * entering)
     # The end-of-chunk state sums the rows of the chunk's last run, decayed to its end.
     in_last = (run == run[:, -1:])[:, None, :, None]  # [C, 1, L, 1]
-    k_end = k * jnp.where(in_last, jnp.exp(cumulative[:, :, -1:] - cumulative), 0)
+    k_end = kept(k * jnp.where(in_last, jnp.exp(cumulative[:, :, -1:] - cumulative), 0))
     carried = jnp.where(carries[:, :, -1], jnp.exp(cumulative[:, :, -1]), 0)  # [C, H, 1 | k]
     per_channel = g.shape[-1] > 1
     if per_channel:
         # Per-channel decays pair every two rows in every key channel: [H, L, L, k_dim] per
         # chunk, made inside the scan so that only one chunk's are alive at a time.
-        intra = (q, k, k_beta, v_beta, entering, cumulative, same)
+        intra = (kept(q), kept(k), kept(k_beta), v_beta, entering, cumulative, same)
     else:
         pair = _pair_decays(cumulative[..., 0], same[:, None])  # [C, H, t, s]
-        scores = jnp.einsum("chtk,chsk->chts", q, k) * pair
-        values, reads = _ut_transform(
-            jnp.einsum("chtk,chsk->chts", k_beta, k) * pair, v_beta, k_beta * entering
-        )
+        scores = kept(dot("chtk,chsk->chts", kept(q), kept(k)) * pair)
+        products = dot("chtk,chsk->chts", kept(k_beta), kept(k)) * pair
+        values, reads = _ut_transform(products, v_beta, kept(k_beta * entering))
         intra = (values, reads, scores)
 
     def step(state, chunk):
@@ -251,20 +267,20 @@ def gated_delta_rule_chunked(
         if per_channel:
             q, k, k_beta, v_beta, entering, cumulative, same = intra
             pair = _pair_decays(jnp.moveaxis(cumulative, -1, 0), same[None, None])  # [c, H, t, s]
-            scores = jnp.einsum("htc,hsc,chts->hts", q, k, pair)
-            products = jnp.einsum("htc,hsc,chts->hts", k_beta, k, pair)
-            values, reads = _ut_transform(products, v_beta, k_beta * entering)
+            scores = kept(dot("htc,hsc,chts->hts", q, k, pair))
+            products = dot("htc,hsc,chts->hts", k_beta, k, pair)
+            values, reads = _ut_transform(products, v_beta, kept(k_beta * entering))
         else:
             values, reads, scores = intra
-        new = values - jnp.einsum("htk,hkv->htv", reads, state)
-        out = jnp.einsum("htk,hkv->htv", q_entering, state)
-        out = out + jnp.einsum("hts,hsv->htv", scores, new)
-        end = state * carried[..., None] + jnp.einsum("htk,htv->hkv", k_end, new)
-        return end, (out, new, state if num_slots else None)
+        entered = kept(state)
+        new = values - dot("htk,hkv->htv", reads, entered)
+        out = dot("htk,hkv->htv", q_entering, entered) + dot("hts,hsv->htv", scores, kept(new))
+        end = state * carried[..., None] + dot("htk,htv->hkv", k_end, kept(new))
+        return end, (out, kept(new), entered if num_slots else None)
 
     def jnp_scan(intra, q_entering, k_end, carried):
         # Zeros shaped from the inputs, so that under shard_map the carry varies as they do.
-        state = jnp.zeros_like(k_end[0, :, 0, :, None] * v_beta[0, :, 0, None, :])  # [H, k, v]
+        state = jnp.zeros_like(k_end[0, :, 0, :, None] * v_beta[0, :, 0, None, :], acc)
         return lax.scan(step, state, (intra, q_entering, k_end, carried))[1]
 
     if scan == "jnp":
@@ -276,8 +292,8 @@ def gated_delta_rule_chunked(
             new, states = chunk_state_scan(
                 values, reads, k_end, carried[..., 0], interpret=scan == "interpret"
             )
-            out = jnp.einsum("chtk,chkv->chtv", q_entering, states)
-            out = out + jnp.einsum("chts,chsv->chtv", scores, new)
+            out = dot("chtk,chkv->chtv", q_entering, states)
+            out = out + dot("chts,chsv->chtv", scores, new)
             return out, new, states if num_slots else None
 
         kernel = with_reference_vjp(pallas_scan, jnp_scan)
@@ -285,8 +301,22 @@ def gated_delta_rule_chunked(
     o = jnp.moveaxis(out, 2, 1).reshape(padded, heads, v_dim)[:rows]
     o = jnp.where((segment_ids >= 0)[:, None, None], o, 0)
     if not num_slots:
-        return o, jnp.zeros((0, heads, k_dim, v_dim), v.dtype)
+        return o, jnp.zeros((0, heads, k_dim, v_dim), acc)
     return o, _final_states(k, new, states, cumulative, entering, run, segment_ids, num_slots)
+
+
+def _storage_dtype(storage: jnp.dtype | None, acc: jnp.dtype) -> jnp.dtype:
+    """`gated_delta_rule_chunked`'s storage dtype: `storage`, checked, or the accumulation
+    dtype `acc`."""
+    if storage is None:
+        return jnp.dtype(acc)
+    storage = jnp.dtype(storage)
+    if not jnp.issubdtype(storage, jnp.floating) or storage.itemsize > jnp.dtype(acc).itemsize:
+        raise ValueError(
+            f"storage must be a float dtype no wider than the accumulation dtype {acc}; "
+            f"got {storage=}"
+        )
+    return storage
 
 
 def _pair_decays(cumulative: jax.Array, same: jax.Array) -> jax.Array:
@@ -301,17 +331,24 @@ def _ut_transform(
     products: jax.Array, v_beta: jax.Array, k_reads: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
     """U = (I + A)^-1 (beta v) and W = (I + A)^-1 (beta k exp(G)), A the strictly lower part of
-    `products` [..., t, s] (beta_t (k_t . k_s) decayed from s to t).
+    `products` [..., t, s] (beta_t (k_t . k_s) decayed from s to t), U and W in `v_beta`'s and
+    `k_reads`' (the storage) dtype.
 
-    The inverse is built at HIGHEST precision; its two applications run at the ambient one
-    (TF32 on a GPU, where flash-linear-attention multiplies in bf16): on an H200 at Qwen3-Next's
-    shape the rule then took 1.05 against 1.08 ms at 4096 rows with an error against the
-    recurrence no larger (benchmarks/RESULTS.md run 40)."""
+    The inverse is built at HIGHEST precision in `products`' dtype; its two applications run
+    at the ambient one from the inverse in the storage dtype (TF32 or bf16 on a GPU, where
+    flash-linear-attention multiplies in bf16): on an H200 at Qwen3-Next's shape the rule then
+    took 1.05 against 1.08 ms at 4096 rows with an error against the recurrence no larger
+    (float32 storage, benchmarks/RESULTS.md run 40)."""
     length = products.shape[-1]
     strictly_lower = jnp.tril(jnp.ones((length, length), bool), -1)
     inverse = _unit_lower_inverse(jnp.where(strictly_lower, products, 0))
-    apply = functools.partial(jnp.einsum, "...ts,...sd->...td")
-    return apply(inverse, v_beta), apply(inverse, k_reads)
+    inverse = inverse.astype(v_beta.dtype)
+
+    def apply(x: jax.Array) -> jax.Array:
+        out = jnp.einsum("...ts,...sd->...td", inverse, x, preferred_element_type=products.dtype)
+        return out.astype(x.dtype)
+
+    return apply(v_beta), apply(k_reads)
 
 
 def _unit_lower_inverse(lower: jax.Array) -> jax.Array:
