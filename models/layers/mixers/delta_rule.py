@@ -26,6 +26,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.typing import DTypeLike
 
 from pallas_kernels.delta_rule_scan import chunk_state_scan
 from pallas_kernels.vjp import with_reference_vjp
@@ -164,7 +165,7 @@ def gated_delta_rule_chunked(
     chunk_size: int = 64,
     num_slots: int = 0,
     scan: str = "jnp",
-    storage: jnp.dtype | None = None,
+    storage: DTypeLike | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """The recurrence of `gated_delta_rule_reference` in chunks of rows, as matmuls.
 
@@ -305,7 +306,7 @@ def gated_delta_rule_chunked(
     return o, _final_states(k, new, states, cumulative, entering, run, segment_ids, num_slots)
 
 
-def _storage_dtype(storage: jnp.dtype | None, acc: jnp.dtype) -> jnp.dtype:
+def _storage_dtype(storage: DTypeLike | None, acc: jnp.dtype) -> jnp.dtype:
     """`gated_delta_rule_chunked`'s storage dtype: `storage`, checked, or the accumulation
     dtype `acc`."""
     if storage is None:

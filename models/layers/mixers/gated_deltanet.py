@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from boundary_jax import SumGroup, TokenAxis, Topology
 from boundary_jax.initializers import param
 
-from ...config.linear_attention import DeltaProjections, GatedDeltaNetSpec
+from ...config.linear_attention import DeltaProjections, GatedDeltaNetSpec, KimiDeltaSpec
 from ...inputs.rows import RowsPhase
 from ..linear import ColumnParallelLinear, RowParallelLinear, group_size
 from .delta_rule import default_scan, gated_delta_rule_chunked, gated_delta_rule_step
@@ -50,20 +50,21 @@ def delta_rule_prefill(
     positions: jax.Array,
     segment_ids: jax.Array,
     cache: DeltaCache | None,
-    chunk_size: int,
+    spec: GatedDeltaNetSpec | KimiDeltaSpec,
 ) -> tuple[jax.Array, DeltaCache | None]:
     """A delta-rule mixer's prefill: the chunked rule over `rule` (q, k, v, gate, beta; the state
-    carried across chunks as `default_scan` picks) from zero states, and with a cache each
-    reached slot's last conv inputs (of `conv_input`) and final state. Returns (output [T, heads,
-    v_dim], the cache or None)."""
+    carried across chunks as `default_scan` picks; chunks and storage as `spec` says) from zero
+    states, and with a cache each reached slot's last conv inputs (of `conv_input`) and final
+    state. Returns (output [T, heads, v_dim], the cache or None)."""
     slots = 0 if cache is None else cache.state.shape[0]
     o, finals = gated_delta_rule_chunked(
         *rule,
         positions,
         segment_ids,
-        chunk_size=chunk_size,
+        chunk_size=spec.chunk_size,
         num_slots=slots,
         scan=default_scan(rule[3], rule[4]),
+        storage=spec.chunk_storage,
     )
     if cache is not None:
         conv, state = prefill_slot_states(
@@ -358,7 +359,7 @@ class GatedDeltaNet(nnx.Module):
         elif phase is RowsPhase.PREFILL:
             conv = causal_conv1d(qkv, weight, None, positions, segment_ids)
             rule = (*heads(conv), g, beta)
-            o, cache = delta_rule_prefill(rule, qkv, positions, segment_ids, cache, spec.chunk_size)
+            o, cache = delta_rule_prefill(rule, qkv, positions, segment_ids, cache, spec)
         else:
             valid = segment_ids >= 0
             conv, conv_state = causal_conv1d_step(cache.conv, qkv, weight, None, valid)

@@ -171,7 +171,7 @@ class KimiDeltaAttention(nnx.Module):
         elif phase is RowsPhase.PREFILL:
             conv = causal_conv1d(qkv, weight, None, positions, segment_ids)
             rule = (*heads(conv), g, beta)
-            o, cache = delta_rule_prefill(rule, qkv, positions, segment_ids, cache, spec.chunk_size)
+            o, cache = delta_rule_prefill(rule, qkv, positions, segment_ids, cache, spec)
         else:
             valid = segment_ids >= 0
             conv, conv_state = causal_conv1d_step(cache.conv, qkv, weight, None, valid)

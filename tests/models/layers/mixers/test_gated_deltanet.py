@@ -323,3 +323,26 @@ def test_rejects_bad_splits_and_caches():
     wrong = DeltaCache.create(dataclasses.replace(SPEC, v_dim=4), bj.Topology(), slots=4)
     with pytest.raises(ValueError, match="Gated DeltaNet cache must be"):
         mixer(h, rows, rows, wrong)
+
+
+def test_spec_chunk_storage_reaches_the_chunked_rule():
+    """`chunk_storage='bfloat16'` makes the mixer's prefill round the chunked form's terms: its
+    output moves off the float32-storage one by more than float32 noise and less than bf16's
+    error, and its cached state stays float32; a dtype name that is no float of at most 32
+    bits is refused."""
+    bf16 = dataclasses.replace(SPEC, chunk_storage="bfloat16")
+    state = params_of(GatedDeltaNet(SPEC, topology=bj.Topology(), rngs=nnx.Rngs(3)))
+    h = jax.random.normal(jax.random.key(4), (ROWS, SPEC.hidden_size))
+    positions, segments = layout_rows(((0, 20), (1, 9)), padding=ROWS - 29)
+    empty = DeltaCache.create(SPEC, bj.Topology(), slots=SLOTS)
+    want, want_cache = one_device(SPEC)[0](state, h, positions, segments, empty)
+    got, cache = one_device(bf16)[0](state, h, positions, segments, empty)
+    gap = float(jnp.abs(got - want).max() / jnp.abs(want).max())
+    assert 1e-5 < gap < 2e-2, gap
+    assert cache.state.dtype == jnp.float32
+    chex.assert_trees_all_close(
+        cache.state, want_cache.state, atol=2e-2 * float(jnp.abs(want_cache.state).max())
+    )
+    for bad in ("int8", "float64", "no-such-type"):
+        with pytest.raises(ValueError, match="chunk_storage"):
+            dataclasses.replace(SPEC, chunk_storage=bad)
