@@ -97,8 +97,9 @@ class MosaicFp8Tiling:
         one per SM (per pair of SMs in clusters).
       chain: Chain the pipelines of a program's consecutive tiles, so that the memory warpgroup
         loads the next tile's first blocks while the compute warpgroups finish this one (where
-        every program has two tiles or more and the steps in flight divide a tile's steps). Off
-        by default until a GPU has run it (`benchmarks/NOTES.md`).
+        every program has two tiles or more and the steps in flight divide a tile's steps). The
+        batched table takes it (`mosaic_fp8_batched_tiling`); the dense one has not been
+        measured with it.
     """
 
     tile_n: int = 128
@@ -174,15 +175,28 @@ def mosaic_fp8_tiling(m: int, k: int, n: int) -> MosaicFp8Tiling:
 
 def mosaic_fp8_batched_tiling(m: int, k: int, n: int) -> MosaicFp8Tiling:
     """The Mosaic kernel's tiling for groups of [m, k] x [n, k] (experts padded to a capacity of
-    `m` rows): 64-row A tiles with the B tile split between the warpgroups where `m` is not a
-    multiple of 128 (256 weight rows per tile where they divide N, else 192, else 128), the dense
-    table's prefill tiles otherwise; one B tile per grid step (a group's weight is small enough
-    to stay in the L2 while its row tiles pass). Measured on one H200 at Qwen3-30B-A3B's experts
-    (`bench_fp8 --parts experts`, `benchmarks/RESULTS.md` run 40): gate|up 1.04x the bf16
-    batched matmul, down 0.85x."""
-    del k
+    `m` rows): where 256 divides N, 64-row A tiles with a 256-row B tile split between the
+    warpgroups and each program's tiles chained into one pipeline, 4 steps in flight where they
+    divide the K / 128 scale blocks, else 3 where those do (the chain needs the steps in flight
+    to divide a tile's steps); one B tile per grid step (a group's weight is small enough to
+    stay in the L2 while its row tiles pass). Otherwise, unchained: 64-row tiles with the B
+    tile split (192 or 128 rows) where `m` is not a multiple of 128, the dense table's prefill
+    tiles where it is. Measured on one H100 at Qwen3-30B-A3B's experts (`bench_fp8 --parts
+    experts`, `benchmarks/RESULTS.md` run 41): at 320 rows gate|up (16 steps, 4 in flight)
+    313 us chained against 335 unchained, down (6 steps, 3 in flight) 190 against 222; at 384
+    rows 361 against 368 and 224 against 265."""
+    steps = k // SCALE_BLOCK
+    if n % 256 == 0:
+        in_flight = 4 if steps % 4 == 0 or steps % 3 else 3
+        return MosaicFp8Tiling(
+            tile_n=256,
+            max_concurrent_steps=in_flight,
+            grid_block_n=1,
+            split_columns=True,
+            chain=True,
+        )
     if m % (WGMMA_ROWS * COMPUTE_WARPGROUPS):
-        tile = next(t for t in (256, 192, 128) if n % t == 0)
+        tile = next(t for t in (192, 128) if n % t == 0)
         return MosaicFp8Tiling(tile_n=tile, grid_block_n=1, split_columns=True)
     tile = next(t for t in (192, 128) if n % t == 0)
     return MosaicFp8Tiling(tile_n=tile, grid_block_n=1)

@@ -2,6 +2,7 @@
 tiles with the weight tile split between its warpgroups, or 128-row tiles) equals the reference
 group by group, lowers for Hopper at the model's shapes, and its tiling table."""
 
+import dataclasses
 import functools
 
 import chex
@@ -122,6 +123,7 @@ def test_mosaic_kernel_lowers_for_hopper_at_model_shapes(shape):
     [
         ((3, 320, 512, 256), None),
         ((2, 384, 768, 384), None),
+        ((16, 320, 768, 1024), None),
         (
             (3, 320, 512, 256),
             MosaicFp8Tiling(
@@ -135,13 +137,20 @@ def test_mosaic_kernel_lowers_for_hopper_at_model_shapes(shape):
             ),
         ),
     ],
-    ids=["columns split", "rows split", "columns split, chained", "rows split, chained"],
+    ids=[
+        "columns split",
+        "rows split",
+        "table, chained",
+        "columns split, chained",
+        "rows split, chained",
+    ],
 )
 def test_compiled_batched_kernel_matches_reference(shape, tiling):
     """The batched wgmma kernel as the GPU compiles it, at the table's tilings: 64-row tiles
-    with the weight tile split (a capacity of 320 rows), 128-row tiles (384), bf16 out; and with
-    few programs, each walking several tiles with their pipelines chained (4 and 6 steps deep,
-    2 and 3 in flight), so a block loaded into the wrong slot or tile shows."""
+    with the weight tile split (a capacity of 320 rows), 128-row tiles (384), and enough
+    256-wide tiles (320 over 132 programs) for the table's chain of 6 steps, 3 in flight; bf16
+    out; and with few programs, each walking several tiles with their pipelines chained (4 and
+    6 steps deep, 2 and 3 in flight), so a block loaded into the wrong slot or tile shows."""
     args = batched_operands(*shape)
     want = fp8_batched_matmul_reference(*args, out_dtype=jnp.bfloat16)
     got = fp8_batched_matmul(
@@ -150,15 +159,23 @@ def test_compiled_batched_kernel_matches_reference(shape, tiling):
     chex.assert_trees_all_close(got, want, rtol=2.0**-7, atol=2.0**-7 * float(jnp.abs(want).max()))
 
 
-def test_batched_tiling_table_splits_columns_for_capacities_off_128_rows():
-    """Capacities that are multiples of 64 but not of 128 take 64-row tiles with the weight tile
-    split between the warpgroups; multiples of 128 take 128-row tiles; a split needs tile_n
-    in multiples of 64."""
-    assert mosaic_fp8_batched_tiling(320, 2048, 1536) == MosaicFp8Tiling(
-        tile_n=256, grid_block_n=1, split_columns=True
+def test_batched_tiling_table_chains_split_tiles_where_256_divides_the_columns():
+    """Where 256 divides N: 64-row tiles, the 256-row weight tile split between the
+    warpgroups, chained, with 4 steps in flight where they divide the scale blocks, else 3
+    where that does (6 blocks deep: 3). Elsewhere unchained: capacities that are multiples of
+    64 but not of 128 take 64-row tiles with the weight tile split, multiples of 128 take
+    128-row tiles; a split needs tile_n in multiples of 64."""
+    chained = MosaicFp8Tiling(tile_n=256, grid_block_n=1, split_columns=True, chain=True)
+    assert mosaic_fp8_batched_tiling(320, 2048, 1536) == chained
+    assert mosaic_fp8_batched_tiling(384, 2048, 1536) == chained
+    assert mosaic_fp8_batched_tiling(320, 768, 2048) == dataclasses.replace(
+        chained, max_concurrent_steps=3
     )
-    assert mosaic_fp8_batched_tiling(320, 768, 640).tile_n == 128
-    assert mosaic_fp8_batched_tiling(384, 2048, 1536) == MosaicFp8Tiling(tile_n=192, grid_block_n=1)
+    assert mosaic_fp8_batched_tiling(320, 640, 2048).max_concurrent_steps == 4
+    assert mosaic_fp8_batched_tiling(320, 768, 640) == MosaicFp8Tiling(
+        tile_n=128, grid_block_n=1, split_columns=True
+    )
+    assert mosaic_fp8_batched_tiling(384, 2048, 576) == MosaicFp8Tiling(tile_n=192, grid_block_n=1)
     assert MosaicFp8Tiling(tile_n=128, split_columns=True).tile_a == 64
     assert MosaicFp8Tiling(tile_n=128).tile_a == 128
     with pytest.raises(ValueError, match="multiple of 64"):
