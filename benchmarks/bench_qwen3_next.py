@@ -21,7 +21,7 @@ bandwidth (4.8 TB/s), as `bench_nemotron_h` counts them.
 Run from the repository root:
   python3 -m benchmarks.bench_qwen3_next            # one H200
   python3 -m benchmarks.bench_qwen3_next --smoke    # CPU: tiny shapes, every path once
-  python3 -m benchmarks.bench_qwen3_next --delta-storage bfloat16   # the rule's terms in bf16
+  python3 -m benchmarks.bench_qwen3_next --delta-storage float32    # the rule's terms in float32
 """
 
 from __future__ import annotations
@@ -191,8 +191,9 @@ def main() -> None:
     parser.add_argument(
         "--delta-storage",
         choices=("float32", "bfloat16"),
-        default="float32",
-        help="the chunked delta rule's stored terms between matmuls, in both models",
+        default=None,
+        help="the chunked delta rule's stored terms between matmuls, in both models "
+        "(default: the activations' dtype, bf16)",
     )
     args = parser.parse_args()
     if args.profile:
@@ -202,7 +203,7 @@ def main() -> None:
     if args.smoke:
         config = smoke(config)
         sequences, length, decoding, cache_len = 2, 64, 8, 128
-    if args.delta_storage != "float32":
+    if args.delta_storage:
         spec = dataclasses.replace(config.linear_attention.spec, chunk_storage=args.delta_storage)
         layers = LinearAttentionLayers(spec, config.linear_attention.layers)
         config = dataclasses.replace(config, linear_attention=layers)
@@ -218,7 +219,7 @@ def main() -> None:
         grouped_matmul=GROUPED_MATMULS[args.grouped_matmul],
     )
     title = f"Qwen3-Next-80B-A3B shape, {config.num_layers} layers (DeltaNet x 3, attention) x 2"
-    title += f", delta rule storage {args.delta_storage}"
+    title += f", delta rule storage {args.delta_storage or 'bfloat16 (default)'}"
     layer_stack_jit.print_results(f"{title}, bf16", results)
 
 

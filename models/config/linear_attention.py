@@ -56,8 +56,9 @@ class GatedDeltaNetSpec:
         (`linear_conv_kernel_dim`).
       chunk_size: Rows per chunk of the prefill's chunked form.
       chunk_storage: The dtype name in which the chunked form stores its row-sized terms
-        between matmuls (`gated_delta_rule_chunked`'s `storage`): None for float32, or
-        "bfloat16" (half the bytes, as flash-linear-attention; about 4e-3 relative error).
+        between matmuls (`gated_delta_rule_chunked`'s `storage`): None for the activations'
+        dtype (bf16 in a bf16 model, as flash-linear-attention), or "float32" (twice the bytes,
+        a tenth of bf16's error).
       eps: Epsilon of the gated output RMSNorm (`rms_norm_eps`).
       projections: How the checkpoint holds the input projections.
     """

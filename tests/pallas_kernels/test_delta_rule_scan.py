@@ -4,6 +4,7 @@ and the float64 recurrence, gradients the `jnp` form's, and on a GPU at the Qwen
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -70,6 +71,22 @@ def test_bf16_storage_rounds_between_the_matmuls_only(per_channel):
     np.testing.assert_allclose(ref_out, want_out, atol=1e-2 * scale)
     np.testing.assert_allclose(ref_finals, want_finals, atol=1e-2 * state_scale)
     assert np.abs(ref_out - want_out).max() > 1e-4 * scale
+
+
+def test_bf16_inputs_store_in_bf16_by_default():
+    """bf16 inputs store the terms in bf16 unless told otherwise: the default's results are the
+    explicit bf16 storage's, and float32 storage's differ from them; float32 inputs keep
+    float32 storage (the default equals it)."""
+    inputs, positions, segments = _inputs()
+    rule = functools.partial(gated_delta_rule_chunked, chunk_size=8, num_slots=5)
+    for dtype, same, other in (
+        (jnp.bfloat16, jnp.bfloat16, jnp.float32),
+        (jnp.float32, jnp.float32, jnp.bfloat16),
+    ):
+        args = [jnp.asarray(x, dtype) for x in inputs[:3]] + [jnp.asarray(x) for x in inputs[3:]]
+        default = rule(*args, positions, segments)
+        chex.assert_trees_all_equal(default, rule(*args, positions, segments, storage=same))
+        assert np.abs(default[0] - rule(*args, positions, segments, storage=other)[0]).max() > 0
 
 
 def test_storage_must_be_a_float_no_wider_than_the_sums():
