@@ -54,7 +54,7 @@ def _scan_kernel(
         new_ref[c] = new
         return state * carried_ref[c] + jnp.dot(keys_ref[c].T, new, preferred_element_type=f32)
 
-    lax.fori_loop(0, chunks, chunk, jnp.zeros((k_dim, block_v), jnp.float32))
+    lax.fori_loop(0, chunks, chunk, jnp.zeros((k_dim, block_v), f32))
 
 
 @functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "num_stages", "interpret"))
