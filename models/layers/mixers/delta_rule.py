@@ -77,14 +77,18 @@ def _check_shapes(q, k, v, g, beta, positions, segment_ids) -> None:
         )
 
 
+def _by_value_head(x: jax.Array, v_heads: int, axis: int = 1) -> jax.Array:
+    """A per-key-head array expanded to the `v_heads` value heads along `axis` (value head h
+    reads key head h // (v_heads // k_heads))."""
+    return jnp.repeat(x, v_heads // x.shape[axis], axis=axis)
+
+
 def _prepared(q, k, v, g, beta, segment_ids):
-    """q, k normalized (q scaled), expanded to the value heads; v, and g and beta zero on padding
-    rows; all in the accumulation dtype."""
+    """q, k normalized (q scaled), per key head; v, and g and beta zero on padding rows; all in
+    the accumulation dtype."""
     acc = accumulation_dtype(v.dtype)
-    per_key = v.shape[1] // q.shape[1]
     q = l2_normalize(q.astype(acc)) * q.shape[-1] ** -0.5
     k = l2_normalize(k.astype(acc))
-    q, k = (jnp.repeat(x, per_key, axis=1) for x in (q, k))
     valid = (segment_ids >= 0)[:, None]
     g = jnp.where(valid if g.ndim == 2 else valid[..., None], g, 0).astype(acc)
     beta = jnp.where(valid, beta, 0).astype(acc)
@@ -123,6 +127,7 @@ def gated_delta_rule_reference(
     """
     _check_shapes(q, k, v, g, beta, positions, segment_ids)
     q, k, v, g, beta = _prepared(q, k, v, g, beta, segment_ids)
+    q, k = (_by_value_head(x, v.shape[1]) for x in (q, k))
     starts = sequence_starts(positions, segment_ids)
 
     def step(carry, row):
@@ -219,8 +224,8 @@ def gated_delta_rule_chunked(
     acc = accumulation_dtype(v.dtype)
     store = _storage_dtype(storage, v.dtype, acc)
     q, k, v, g, beta = _prepared(q, k, v, g, beta, segment_ids)
-    rows, heads, k_dim = k.shape
-    v_dim = v.shape[-1]
+    rows, heads, v_dim = v.shape
+    k_dim = k.shape[-1]
     length = chunk_size
     chunks = -(-rows // length)
     padded = chunks * length
@@ -238,7 +243,8 @@ def gated_delta_rule_chunked(
 
     dot = functools.partial(jnp.einsum, preferred_element_type=acc)
     g = _channel_gates(g, beta)  # [T, H, 1] for a scalar gate, else [T, H, k_dim]
-    q, k, v, g, beta = (chunked(x) for x in (q, k, v, g, beta))
+    q_keys, k_keys, v, g, beta = (chunked(x) for x in (q, k, v, g, beta))
+    q, k = (_by_value_head(x, heads) for x in (q_keys, k_keys))  # [C, H, L, k_dim]
     cumulative = jnp.cumsum(g, axis=2)  # [C, H, L, 1 or k_dim]: G_t, from the chunk's start
     causal = jnp.arange(length)[:, None] >= jnp.arange(length)[None, :]
     same = (run[:, :, None] == run[:, None, :]) & causal[None]  # [C, t, s]
@@ -259,9 +265,11 @@ def gated_delta_rule_chunked(
         # chunk, made inside the scan so that only one chunk's are alive at a time.
         intra = (kept(q), kept(k), kept(k_beta), v_beta, entering, cumulative, same)
     else:
+        # q k^T and k k^T per key head, then decayed and weighted per value head.
         pair = _pair_decays(cumulative[..., 0], same[:, None])  # [C, H, t, s]
-        scores = kept(dot("chtk,chsk->chts", kept(q), kept(k)) * pair)
-        products = dot("chtk,chsk->chts", kept(k_beta), kept(k)) * pair
+        q_k, k_k = (dot("cgtk,cgsk->cgts", kept(x), kept(k_keys)) for x in (q_keys, k_keys))
+        scores = kept(_by_value_head(q_k, heads) * pair)
+        products = _by_value_head(k_k, heads) * (beta[..., None] * pair)
         values, reads = _ut_transform(products, v_beta, kept(k_beta * entering))
         intra = (values, reads, scores)
 
@@ -418,10 +426,9 @@ def gated_delta_rule_step(
       (o [S, v_heads, v_dim] in the state's dtype, zero for idle slots; the new states).
     """
     acc = state.dtype
-    per_key = v.shape[1] // q.shape[1]
     q = l2_normalize(q.astype(acc)) * q.shape[-1] ** -0.5
     k = l2_normalize(k.astype(acc))
-    q, k = (jnp.repeat(x, per_key, axis=1) for x in (q, k))
+    q, k = (_by_value_head(x, v.shape[1]) for x in (q, k))
     decayed = state * jnp.exp(_channel_gates(g, beta).astype(acc))[..., None]
     delta = beta.astype(acc)[..., None] * (v.astype(acc) - jnp.einsum("shkv,shk->shv", decayed, k))
     new = decayed + k[..., :, None] * delta[..., None, :]
