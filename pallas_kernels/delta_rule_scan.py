@@ -86,8 +86,10 @@ def chunk_state_scan(
       num_warps: Static Triton warps per program.
       num_stages: Static Triton pipeline stages: 3 loads the next chunks' blocks while the
         current chunk's two dots run. At Qwen3-Next's shape (64 chunks x 32 heads x 64 rows x
-        128 x 128) on an H200, 32 columns, 4 warps: 0.216 ms at 3 stages, 0.238 at 2, 0.344 at
-        1; 16 columns 0.308-0.411 ms; 2 or 8 warps slower (benchmarks/RESULTS.md run 40).
+        128 x 128) on an H200, float32 terms, 32 columns, 4 warps: 0.216 ms at 3 stages, 0.238
+        at 2, 0.344 at 1; 16 columns 0.308-0.411 ms; 2 or 8 warps slower (benchmarks/RESULTS.md
+        run 40). On an H100, bf16 terms: 0.108 ms, level with 16 columns and best of 2-4 stages
+        and 4 or 8 warps (run 41).
       interpret: Static: run the Pallas interpreter (CPU tests).
 
     Returns:
