@@ -127,19 +127,16 @@ EXPERTS_SWEEP = (
     MosaicFp8Tiling(
         tile_n=256, max_concurrent_steps=3, grid_block_n=1, split_columns=True, chain=True
     ),
-    MosaicFp8Tiling(tile_n=256, max_concurrent_steps=2, grid_block_n=1, split_columns=True),
-    MosaicFp8Tiling(tile_n=256, max_concurrent_steps=6, grid_block_n=1, split_columns=True),
-    MosaicFp8Tiling(tile_n=256, max_concurrent_steps=4, grid_block_n=2, split_columns=True),
     MosaicFp8Tiling(tile_n=192, max_concurrent_steps=4, grid_block_n=1, split_columns=True),
-    MosaicFp8Tiling(tile_n=128, max_concurrent_steps=4, grid_block_n=1, split_columns=True),
-    MosaicFp8Tiling(
-        tile_n=256, max_concurrent_steps=4, grid_block_n=1, split_columns=True, cluster=True
-    ),
     MosaicFp8Tiling(tile_n=192, max_concurrent_steps=4, grid_block_n=1),
+    MosaicFp8Tiling(tile_n=192, max_concurrent_steps=4, grid_block_n=1, chain=True),
     MosaicFp8Tiling(tile_n=128, max_concurrent_steps=4, grid_block_n=2),
 )
 """The batched kernel's tilings for experts padded to a capacity (rows split between the
-warpgroups only where the capacity is a multiple of 128)."""
+warpgroups only where the capacity is a multiple of 128). Dropped after run 41 (an H100), where
+each was slower than the 256-wide split tiles at every shape or did not fit: 2 or 6 steps in
+flight (6 exceeds shared memory), 2 column blocks per grid step, 128-wide split tiles and
+clusters."""
 
 
 def experts(
