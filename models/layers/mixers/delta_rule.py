@@ -77,10 +77,10 @@ def _check_shapes(q, k, v, g, beta, positions, segment_ids) -> None:
         )
 
 
-def _by_value_head(x: jax.Array, v_heads: int, axis: int = 1) -> jax.Array:
-    """A per-key-head array expanded to the `v_heads` value heads along `axis` (value head h
-    reads key head h // (v_heads // k_heads))."""
-    return jnp.repeat(x, v_heads // x.shape[axis], axis=axis)
+def _by_value_head(x: jax.Array, v_heads: int) -> jax.Array:
+    """[N, k_heads, ...] per key head expanded to [N, v_heads, ...] (value head h reads key head
+    h // (v_heads // k_heads))."""
+    return jnp.repeat(x, v_heads // x.shape[1], axis=1)
 
 
 def _prepared(q, k, v, g, beta, segment_ids):
