@@ -16,11 +16,11 @@ and the contraction can be split over programs (their float32 partials summed af
 every SM streams weights. With `MosaicFp8Tiling.cluster`, two programs of a cluster take
 neighbouring A tiles of one B tile and each loads half of every B block for both (TMA multicast),
 so B crosses the L2 once per pair. Each program walks its tiles in turn; their pipelines can be
-chained (`MosaicFp8Tiling.chain`, off by default until a GPU has measured it): the memory
-warpgroup then loads the next tile's first blocks while the compute warpgroups finish this tile
-and store it. Runs on NVIDIA Hopper GPUs, or on CPU in the Mosaic GPU interpreter (JAX >= 0.12),
-which runs each tile's pipeline on its own: chained, its threads wait on each other forever
-(JAX 0.12.0.1).
+chained (`MosaicFp8Tiling.chain`, which the batched table takes): the memory warpgroup then
+loads the next tile's first blocks while the compute warpgroups finish this tile and store it.
+Runs on NVIDIA Hopper GPUs, or on CPU in the Mosaic GPU interpreter (JAX >= 0.12), which runs
+each tile's pipeline on its own: chained, the interpreter's threads wait on each other forever
+(JAX 0.12.0.1), where a compiled Hopper kernel runs them (benchmarks/RESULTS.md run 41).
 """
 
 import functools

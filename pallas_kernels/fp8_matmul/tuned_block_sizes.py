@@ -187,7 +187,7 @@ def mosaic_fp8_batched_tiling(m: int, k: int, n: int) -> MosaicFp8Tiling:
     rows 361 against 368 and 224 against 265."""
     steps = k // SCALE_BLOCK
     if n % 256 == 0:
-        in_flight = 4 if steps % 4 == 0 or steps % 3 else 3
+        in_flight = 3 if steps % 4 and steps % 3 == 0 else 4
         return MosaicFp8Tiling(
             tile_n=256,
             max_concurrent_steps=in_flight,
@@ -195,8 +195,6 @@ def mosaic_fp8_batched_tiling(m: int, k: int, n: int) -> MosaicFp8Tiling:
             split_columns=True,
             chain=True,
         )
-    if m % (WGMMA_ROWS * COMPUTE_WARPGROUPS):
-        tile = next(t for t in (192, 128) if n % t == 0)
-        return MosaicFp8Tiling(tile_n=tile, grid_block_n=1, split_columns=True)
     tile = next(t for t in (192, 128) if n % t == 0)
-    return MosaicFp8Tiling(tile_n=tile, grid_block_n=1)
+    split = m % (WGMMA_ROWS * COMPUTE_WARPGROUPS) != 0
+    return MosaicFp8Tiling(tile_n=tile, grid_block_n=1, split_columns=split)

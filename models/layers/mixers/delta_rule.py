@@ -284,10 +284,10 @@ def gated_delta_rule_chunked(
         else:
             values, reads, scores = intra
         entered = kept(state)
-        new = values - dot("htk,hkv->htv", reads, entered)
-        out = dot("htk,hkv->htv", q_entering, entered) + dot("hts,hsv->htv", scores, kept(new))
-        end = state * carried[..., None] + dot("htk,htv->hkv", k_end, kept(new))
-        return end, (out, kept(new), entered if num_slots else None)
+        new = kept(values - dot("htk,hkv->htv", reads, entered))
+        out = dot("htk,hkv->htv", q_entering, entered) + dot("hts,hsv->htv", scores, new)
+        end = state * carried[..., None] + dot("htk,htv->hkv", k_end, new)
+        return end, (out, new, entered if num_slots else None)
 
     def jnp_scan(intra, q_entering, k_end, carried):
         # Zeros shaped from the inputs, so that under shard_map the carry varies as they do.
