@@ -12,12 +12,13 @@ grouped expert matmuls (`deepseek_route`, `finalized_expert_outputs`), so "proje
 isolates what the boundaries and packed rows cost or gain. Before timing, the last-row prefill
 logits of the baseline are compared with the project's forward.
 
-Cases: decode of 8 and 64 sequences over a 4096-token latent cache (a jitted loop of `STEPS`
-greedy steps; time per step), and prefill of 4096 tokens (8 x 512 and 1 x 4096) writing the
-cache and sampling each last row. Roofline: decode, the bytes a step must read per GPU (every
-dense weight, the experts the step's tokens route to, in expectation under even routing, the LM
-head, and the latent cache up to each sequence's position) over the HBM bandwidth (4.8 TB/s);
-prefill, its matmul and causal attention FLOPs over the dense bf16 peak (990 TFLOP/s).
+Cases: decode of 8 and 64 sequences over a 4096-token latent cache (a jitted loop of `STEPS` greedy
+steps; time per step), and prefill of 4096 tokens (8 x 512 and 1 x 4096) writing the cache and
+sampling each last row. Roofline: decode, the bytes a step must read per GPU (every dense weight,
+the experts the step's tokens route to, in expectation under even routing, the LM head, and the
+latent cache up to each sequence's position) over the bandwidth a device copy reaches
+(`common.hbm_bytes_per_s`); prefill, its matmul and causal attention FLOPs over the dense bf16 peak
+(990 TFLOP/s).
 
 Run on the GPU machine from the repository root (one H200):
   python3 -m benchmarks.bench_deepseek
@@ -49,9 +50,9 @@ from models.options import BuildOptions
 from models.serving.runtime import ShardedCausalLM
 
 from .common import (
-    HBM_BYTES_PER_S,
     PEAK_FLOPS,
     attention_kernel,
+    hbm_bytes_per_s,
     header,
     print_table,
     profile_into,
@@ -341,7 +342,7 @@ def run(
         steps=steps,
         repeats=REPEATS,
         prefill_roof_ms=lambda s, n: prefill_flops(config, s, n) / PEAK_FLOPS * 1e3,
-        decode_roof_ms=lambda s, c: decode_bytes(config, s, c) / HBM_BYTES_PER_S * 1e3,
+        decode_roof_ms=lambda s, c: decode_bytes(config, s, c) / hbm_bytes_per_s() * 1e3,
         label=fusions,
     )
 

@@ -1,17 +1,17 @@
 """FP8 weights on one H200: the whole Llama-3-8B-shaped model, the Qwen3-30B-A3B MoE layer and the
 block-scaled matmuls, each against the project's bf16 counterpart measured in the same run.
 
-Part "e2e" (also `bench_e2e --quantize fp8`): the project model with bf16 weights (its default
-step, no fusions) and the same model with FP8 projection weights (`Fp8Quantization.for_platform`:
-the Triton decode kernel up to 16 rows, the Mosaic GPU wgmma kernel above; quantized reads fused
-into add + RMSNorm + quantize with `--fp8-fusions auto`): decode 8 and 64 sequences at a 1024-token
-cache (a jitted loop of 32 greedy steps, time per step) and prefill 4096 tokens (8 x 512).
-Rooflines: decode, the bytes a step reads (FP8: one byte per projection weight, its block scales,
-the bf16 LM head and KV cache) over 4.8 TB/s; prefill, the FLOPs over 990 (bf16) or 1979 (FP8)
-TFLOP/s. Targets (issue 25): decode >= 1.6x bf16 and >= 70% of the FP8 bytes' roofline; prefill
->= 1.3x. The FP8 prefill's last-row logits are checked against the same FP8 weights through
-XLA's reference matmuls (the bf16 and FP8 models' random weights differ: the FP8 ones are
-drawn in Hugging Face's [out, in] layout).
+Part "e2e" (also `bench_e2e --quantize fp8`): the project model with bf16 weights (its default step,
+no fusions) and the same model with FP8 projection weights (`Fp8Quantization.for_platform`: the
+Triton decode kernel up to 16 rows, the Mosaic GPU wgmma kernel above; quantized reads fused into
+add + RMSNorm + quantize with `--fp8-fusions auto`): decode 8 and 64 sequences at a 1024-token cache
+(a jitted loop of 32 greedy steps, time per step) and prefill 4096 tokens (8 x 512). Rooflines:
+decode, the bytes a step reads (FP8: one byte per projection weight, its block scales, the bf16 LM
+head and KV cache) over the bandwidth a device copy reaches (measured in the run); prefill, the
+FLOPs over 990 (bf16) or 1979 (FP8) TFLOP/s. Targets (issue 25): decode >= 1.6x bf16 and >= 70% of
+the FP8 bytes' roofline; prefill >= 1.3x. The FP8 prefill's last-row logits are checked against the
+same FP8 weights through XLA's reference matmuls (the bf16 and FP8 models' random weights differ:
+the FP8 ones are drawn in Hugging Face's [out, in] layout).
 
 Part "moe" (also `bench_moe --fp8`): the MoE layer as the model runs it (`MoeFfn.finalized` with
 the model default grouped matmuls, against `Fp8MoeFfn`: the Triton FP8 expert kernel at decode
@@ -75,12 +75,12 @@ from pallas_kernels.impl import Impl
 
 from .bench_fp8_kernels import experts, matmul
 from .common import (
-    HBM_BYTES_PER_S,
     LLAMA3_8B,
     PEAK_FLOPS,
     SMOKE_CASES,
     Cases,
     decode_inputs,
+    hbm_bytes_per_s,
     header,
     interleaved_wall_ms,
     kernel_ms,
@@ -193,7 +193,7 @@ def e2e(
             nbytes = bytes_of[name](config, 1) + kv_bytes_per_gpu(
                 config, 1, sequences, start + steps / 2
             )
-            roofs[name] = nbytes / HBM_BYTES_PER_S * 1e3 / times[name]
+            roofs[name] = nbytes / hbm_bytes_per_s() * 1e3 / times[name]
         results.append(_row(config, case, times, roofs, "HBM"))
         print(results[-1], flush=True)
     length = cases.prefill_length
@@ -313,7 +313,7 @@ def moe(tokens_list, variants: tuple[Fp8GroupedImpl, ...]) -> list[tuple]:
         for impl in variants:
             ms = times[impl.name]
             fp8_roof = chosen * 3 * hidden * width * (1 + 4 / 128**2) / ms / 1e9
-            roofs = [100 * roof / (HBM_BYTES_PER_S / 1e12) for roof in (bf16_roof, fp8_roof)]
+            roofs = [100 * roof / (hbm_bytes_per_s() / 1e12) for roof in (bf16_roof, fp8_roof)]
             results.append(
                 (
                     "MoE layer" + (" [wall clock]" if wall else ""),

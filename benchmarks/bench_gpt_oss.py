@@ -52,9 +52,9 @@ from models.options import BuildOptions
 from models.serving.runtime import ShardedCausalLM
 
 from .common import (
-    HBM_BYTES_PER_S,
     PEAK_FLOPS,
     attention_kernel,
+    hbm_bytes_per_s,
     header,
     print_table,
     profile_into,
@@ -368,7 +368,7 @@ def run(
         steps=steps,
         repeats=REPEATS,
         prefill_roof_ms=lambda s, n: prefill_flops(config, s, n, gpus) / PEAK_FLOPS * 1e3,
-        decode_roof_ms=lambda s, c: decode_bytes(config, s, c, gpus) / HBM_BYTES_PER_S * 1e3,
+        decode_roof_ms=lambda s, c: decode_bytes(config, s, c, gpus) / hbm_bytes_per_s() * 1e3,
     )
 
 

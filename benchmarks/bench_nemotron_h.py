@@ -10,11 +10,11 @@ The baseline (`layer_stack_jit`) is what a user writes first: the stack's layers
 own Mamba2, attention, relu^2 MLP modules, built for one device, holding the project model's
 placed weights) called in order, `x + mixer(norm(x))`, inside one `jax.jit` over global arrays.
 
-Roofline: prefill, the stack's matmul, causal attention and chunked-scan FLOPs / dense bf16
-peak (990 TFLOP/s); decode, the bytes one step reads and writes (bf16 weights, the KV cache
-up to each position, each Mamba2 layer's conv state (bf16) and SSM state (float32), read and
-written) / HBM bandwidth (4.8 TB/s). Times are wall-clock medians of blocking calls; a decode
-call runs `STEPS` steps (one program), so dispatch is amortized.
+Roofline: prefill, the stack's matmul, causal attention and chunked-scan FLOPs / dense bf16 peak
+(990 TFLOP/s); decode, the bytes one step reads and writes (bf16 weights, the KV cache up to each
+position, each Mamba2 layer's conv state (bf16) and SSM state (float32), read and written) / the
+bandwidth a device copy reaches (measured in the run). Times are wall-clock medians of blocking
+calls; a decode call runs `STEPS` steps (one program), so dispatch is amortized.
 
 Run from the repository root:
   python3 -m benchmarks.bench_nemotron_h            # one H200

@@ -16,7 +16,7 @@ attention and the chunked delta rule's matmuls, over dense bf16 peak (990 TFLOP/
 bytes one step must move (bf16 weights, of the experts only those the step's rows choose: the
 expected number of distinct experts under uniform routing; the KV cache up to each position;
 each Gated DeltaNet layer's float32 state and bf16 conv state, read and written) over HBM
-bandwidth (4.8 TB/s), as `bench_nemotron_h` counts them.
+bandwidth a device copy reaches (measured in the run), as `bench_nemotron_h` counts them.
 
 Run from the repository root:
   python3 -m benchmarks.bench_qwen3_next            # one H200

@@ -8,6 +8,7 @@ many back-to-back calls, which includes dispatch; the header line says which clo
 import collections
 import dataclasses
 import datetime
+import functools
 import glob
 import gzip
 import json
@@ -19,6 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental.mosaic.gpu import profiler
 
@@ -26,10 +28,10 @@ from models.config import DecoderConfig
 from models.inputs.rows import RowsPhase, TokenRows
 from models.serving.runtime import ShardedCausalLM
 
-HBM_BYTES_PER_S = 4.8e12
-"""One H200's HBM bandwidth: the decode rooflines' denominator."""
 PEAK_FLOPS = 990e12
-"""One H200's dense bf16 peak: the prefill and train rooflines' denominator."""
+"""An H100's or H200's dense bf16 peak: the prefill and train rooflines' denominator."""
+COPY_BYTES = 2**31
+"""Bytes `hbm_bytes_per_s` copies on a GPU (64 MiB elsewhere)."""
 
 LLAMA3_8B = DecoderConfig(
     architecture="LlamaForCausalLM",
@@ -205,8 +207,22 @@ def header(title: str) -> str:
         f"== {title}\n"
         f"date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}\n"
         f"jax {jax.__version__}, devices: {jax.devices()}\n"
-        f"nvidia-smi: {gpus.replace(chr(10), ' | ')}"
+        f"nvidia-smi: {gpus.replace(chr(10), ' | ')}\n"
+        f"HBM roofline: {hbm_bytes_per_s() / 1e12:.2f} TB/s, a device copy measured here"
     )
+
+
+@functools.cache
+def hbm_bytes_per_s() -> float:
+    """The bandwidth a device copy reaches on the default device (bytes read and written per
+    second of CUPTI time, an elementwise pass over COPY_BYTES), measured once per process: the
+    decode rooflines' denominator, as issue 47 defines it (4.3 TB/s on an H200, RESULTS run 3).
+    Measured rather than the data sheet's peak, which no kernel reaches."""
+    on_gpu = jax.default_backend() == "gpu"
+    words = (COPY_BYTES if on_gpu else 2**26) // 4
+    values = [jnp.full((words,), i, jnp.uint32) for i in range(2)]
+    ms = kernel_ms(jax.jit(lambda x: x + 1), [(x,) for x in values], wall=not on_gpu)
+    return 2 * 4 * words / (ms * 1e-3)
 
 
 def _cupti_ms(fn: Callable, args: Sequence) -> float:

@@ -8,8 +8,8 @@ in order without boundaries (a benchmark's `layer` function), inside one `jax.ji
 arrays, so XLA's GSPMD partitions it. "project / jit" then isolates what the boundaries cost or
 gain. Before timing, the baseline's last-row logits are compared with the project's.
 
-Roofline constants: dense bf16 peak 990 TFLOP/s, HBM 4.8 TB/s; a decode call runs `STEPS`
-steps (one program), so dispatch is amortized.
+Rooflines: dense bf16 peak 990 TFLOP/s, HBM the bandwidth a device copy reaches; a decode call runs
+`STEPS` steps (one program), so dispatch is amortized.
 """
 
 # ruff: noqa: B023 (each timed closure runs within its own loop iteration)
@@ -35,10 +35,15 @@ from models.options import BuildOptions
 from models.serving.runtime import ShardedCausalLM
 from pallas_kernels.grouped_matmul import GroupedMatmulImpl
 
-from .common import decode_inputs, median_wall_ms, print_table, relative_error
+from .common import (
+    PEAK_FLOPS,
+    decode_inputs,
+    hbm_bytes_per_s,
+    median_wall_ms,
+    print_table,
+    relative_error,
+)
 
-HBM_BYTES_PER_S = 4.8e12
-PEAK_FLOPS = 990e12
 STEPS = 32
 
 Layer = Callable[[nnx.Module, jax.Array, TokenRows, object], tuple[jax.Array, object]]
@@ -223,7 +228,7 @@ def run(
 
     jit_ms = median_wall_ms(baseline_decode, 5, label="one-jit decode") / STEPS
     del holder[0]
-    roof = decode_bytes(config, decoding, start + STEPS / 2) / HBM_BYTES_PER_S * 1e3
+    roof = decode_bytes(config, decoding, start + STEPS / 2) / hbm_bytes_per_s() * 1e3
     results.append(
         (
             f"decode {decoding} @ {cache_len}",
