@@ -45,6 +45,7 @@ def main() -> None:
     parser.add_argument("--cache", type=int, default=1024, help="decode cache length")
     args = parser.parse_args()
     out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     config = dataclasses.replace(LLAMA3_8B, num_layers=args.layers)
     topology = bj.Topology(attn_tp=args.tp)
     mesh = bj.make_mesh(topology)
