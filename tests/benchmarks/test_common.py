@@ -3,7 +3,8 @@
 import jax
 import pytest
 
-from benchmarks.common import OUT_OF_MEMORY, ms_or_oom, ratio
+from benchmarks import common
+from benchmarks.common import OUT_OF_MEMORY, hbm_bytes_per_s, header, ms_or_oom, ratio
 from benchmarks.name_kernels import moved_bytes
 
 
@@ -43,3 +44,19 @@ def test_operands_named_without_a_shape_are_looked_up():
     }
     text = "bf16[8,1024]{1,0} fusion(%p0, %w), kind=kCustom, calls=%gemm"
     assert moved_bytes(text, instructions) == 2 * (8 * 1024 + 8 * 4096 + 4096 * 1024)
+
+
+def test_the_roofline_bandwidth_is_the_faster_copy_measured_once(monkeypatch):
+    """The decode roofline divides by the faster of the two copies, timed once per process and
+    printed in every benchmark's header."""
+    hbm_bytes_per_s.cache_clear()
+    calls = []
+    monkeypatch.setattr(common, "kernel_ms", lambda *a, **k: calls.append("pass") or 2.0)
+    monkeypatch.setattr(common, "median_wall_ms", lambda *a, **k: calls.append("copy") or 0.5)
+    try:
+        bandwidth = hbm_bytes_per_s()
+        assert bandwidth == 2 * 2**22 / 0.5e-3  # the memcpy's 0.5 ms, not the pass's 2 ms
+        assert "HBM roofline: 0.02 TB/s" in header("x")
+        assert calls == ["pass", "copy"]  # the header reused the measurement
+    finally:
+        hbm_bytes_per_s.cache_clear()
