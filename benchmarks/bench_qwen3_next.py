@@ -15,7 +15,7 @@ Roofline: prefill, the stack's matmul FLOPs (each row through its top-k experts)
 attention and the chunked delta rule's matmuls, over dense bf16 peak (990 TFLOP/s); decode, the
 bytes one step must move (bf16 weights, of the experts only those the step's rows choose: the
 expected number of distinct experts under uniform routing; the KV cache up to each position;
-each Gated DeltaNet layer's float32 state and bf16 conv state, read and written) over HBM
+each Gated DeltaNet layer's float32 state and bf16 conv state, read and written) over the
 bandwidth a device copy reaches (measured in the run), as `bench_nemotron_h` counts them.
 
 Run from the repository root:
