@@ -104,6 +104,7 @@ class ShardedModule:
         out_specs: Any,
         check_vma: bool = True,
         donate_argnums: tuple[int, ...] = (),
+        compiler_options: dict[str, Any] | None = None,
     ) -> Callable[..., Any]:
         """A jitted `shard_map` program: `program(leaves, *args)` (`leaves` this module's or a
         tuple of the same structure) runs `call(module, *args)` on every rank, the module
@@ -117,9 +118,11 @@ class ShardedModule:
           check_vma: `shard_map`'s varying-axes check (the Pallas kernels keep it: each declares
             how its outputs vary).
           donate_argnums: Indices into `args` whose buffers the program may reuse.
+          compiler_options: XLA options for compiling this program alone (`jax.jit`'s).
         """
         sharded = self.sharded(call, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
-        return _Program(jax.jit(sharded, donate_argnums=tuple(1 + i for i in donate_argnums)))
+        donated = tuple(1 + i for i in donate_argnums)
+        return _Program(jax.jit(sharded, donate_argnums=donated, compiler_options=compiler_options))
 
     def sharded(
         self,

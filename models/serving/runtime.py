@@ -30,7 +30,15 @@ from ..layers.attention.kv_cache import KVCache
 from ..layers.lora import adapter_indices
 from ..options import BuildOptions
 from ..precision import matmul_precision_scope
-from .buckets import MIN_ROWS, PlacedCounts, blocked_fori_loop, bucket, decode_block, pack_bucketed
+from .buckets import (
+    MIN_ROWS,
+    PlacedCounts,
+    blocked_fori_loop,
+    bucket,
+    decode_block,
+    decode_compiler_options,
+    pack_bucketed,
+)
 from .generation import check_prompts, token_chunks
 from .overlap import check_two_batch_overlap, microbatch_facts, pack_two_batches, two_batch_hidden
 from .sampling import GREEDY, Sampling, head_tokens, rank_key
@@ -513,7 +521,7 @@ class ShardedCausalLM:
 
             carry = (jnp.where(active, rows_.ids, 0), rows_.positions, caches, out)
             count = jnp.minimum(steps, capacity)
-            block = decode_block(self._platform, capacity)
+            block = decode_block(self._platform, capacity, self.mesh.size)
             _, _, caches, out = blocked_fori_loop(count, step, carry, block)
             return out, caches
 
@@ -530,6 +538,7 @@ class ShardedCausalLM:
             out_specs=(PartitionSpec(None, *rows), self._cache_specs),
             check_vma=self.check_vma,
             donate_argnums=(2,),
+            compiler_options=decode_compiler_options(self._platform, self.mesh.size),
         )
 
     def generate(

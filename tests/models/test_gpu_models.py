@@ -19,6 +19,7 @@ from models.build import load_model
 from models.inputs.rows import pack_sequences
 from models.layers.attention.self_attention import AttentionImpl
 from models.options import BuildOptions
+from models.serving import runtime
 from models.serving.runtime import ShardedCausalLM
 
 GOLDEN = pathlib.Path(__file__).resolve().parents[1] / "golden"
@@ -91,3 +92,17 @@ def test_moe_model_with_gpu_expert_kernels_matches_transformers():
         model = load_model(GOLDEN / "qwen3_moe", mesh, BuildOptions(dtype=jnp.bfloat16), moe_ep=tp)
         got = ShardedCausalLM(model, mesh).forward(prompts)
         assert _relative(got, reference["logits_bf16"]) < 5e-2, tp
+
+
+def test_graphed_decode_loop_gives_the_blocked_loops_tokens(monkeypatch):
+    """On one GPU the decode loop runs inside CUDA graphs (`decode_compiler_options`); its greedy
+    tokens equal those of the same model decoding in blocks of static trip count under XLA's
+    default options, over a step count that leaves a remainder past the blocks."""
+    prompts, _ = _golden("llama")
+    mesh = bj.make_mesh(bj.Topology())
+    model = load_model(GOLDEN / "llama", mesh, BuildOptions(dtype=jnp.bfloat16))
+    graphed = ShardedCausalLM(model, mesh).generate(prompts, 23)
+    monkeypatch.setattr(runtime, "decode_compiler_options", lambda platform, devices: None)
+    monkeypatch.setattr(runtime, "decode_block", lambda platform, capacity, devices: 4)
+    blocked = ShardedCausalLM(model, mesh).generate(prompts, 23)
+    np.testing.assert_array_equal(graphed, blocked)

@@ -20,6 +20,7 @@ from models.serving.buckets import (
     bucket,
     cache_length,
     decode_block,
+    decode_compiler_options,
 )
 from models.serving.runtime import ShardedCausalLM
 from models.serving.sampling import Sampling
@@ -188,10 +189,21 @@ def test_blocked_fori_loop_runs_each_index_once_in_order(block):
         assert tuple(int(x) for x in run(jnp.int32(count))) == want
 
 
-def test_decode_runs_in_blocks_of_static_trip_count_on_gpu_only():
-    """GPU decode loops run DECODE_BLOCK steps (at most the capacity) per loop of static trip
-    count; elsewhere one loop, so the step is compiled once."""
-    assert decode_block("gpu", 64) == DECODE_BLOCK
-    assert decode_block("gpu", 8) == 8
-    assert decode_block("cpu", 64) is None
-    assert decode_block("tpu", 64) is None
+def test_one_gpu_decodes_in_one_graphed_loop_and_gpu_meshes_in_blocks():
+    """On one GPU the decode program is compiled with its loop in CUDA graphs (WHILE and
+    CONDITIONAL added to XLA's default command types) and runs one loop; a GPU mesh of several
+    devices keeps XLA's defaults and runs DECODE_BLOCK steps (at most the capacity) per loop of
+    static trip count; other platforms run one loop under XLA's defaults."""
+    options = decode_compiler_options("gpu", 1)
+    types = options["xla_gpu_enable_command_buffer"].split(",")
+    assert {"FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL", "CUDNN", "WHILE", "CONDITIONAL"} == set(
+        types
+    )
+    assert decode_block("gpu", 64, 1) is None
+    assert decode_compiler_options("gpu", 2) is None
+    assert decode_block("gpu", 64, 2) == DECODE_BLOCK
+    assert decode_block("gpu", 8, 4) == 8
+    for platform in ("cpu", "tpu"):
+        assert decode_compiler_options(platform, 1) is None
+        assert decode_block(platform, 64, 1) is None
+        assert decode_block(platform, 64, 8) is None
