@@ -56,6 +56,7 @@ def attend_rows(
         phase=rows.phase,
         max_sequence_rows=rows.max_sequence_rows,
         window_rows=rows.window_rows,
+        slots=rows.slots,
         counts_bias=counts_bias,
     )
     return call() if adapters is None else call(adapters=adapters)

@@ -43,7 +43,7 @@ class RowsPhase(enum.Enum):
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["ids", "positions", "segment_ids", "adapters"],
-    meta_fields=["phase", "max_sequence_rows", "equal_sequences"],
+    meta_fields=["phase", "max_sequence_rows", "equal_sequences", "slots"],
 )
 @dataclasses.dataclass(frozen=True)
 class TokenRows:
@@ -63,6 +63,11 @@ class TokenRows:
         it where that holds; rows built by hand must keep it.
       adapters: int32 LoRA adapter of each row's sequence (0: none, and on padding rows;
         `layers.lora`), or None for a batch without adapters.
+      slots: Static: every segment id is below this (the slots per DP rank,
+        `PackedBatch.decode_rows_per_rank`), or None: below the rows per rank. cuDNN's ragged
+        prefill without a cache keeps an entry per possible segment (with attention sinks, a
+        float32 log-sum-exp per entry, head and row: quadratic in the rows under the loose
+        bound). `pack_sequences` sets it; rows built by hand must keep it.
     """
 
     ids: np.ndarray | jax.Array
@@ -72,10 +77,13 @@ class TokenRows:
     max_sequence_rows: int | None = None
     equal_sequences: bool = False
     adapters: np.ndarray | jax.Array | None = None
+    slots: int | None = None
 
     def __post_init__(self):
         if self.max_sequence_rows is not None and self.max_sequence_rows < 1:
             raise ValueError(f"max_sequence_rows must be >= 1; got {self.max_sequence_rows}")
+        if self.slots is not None and self.slots < 1:
+            raise ValueError(f"slots must be >= 1; got {self.slots}")
         if self.equal_sequences and self.max_sequence_rows is None:
             raise ValueError("equal_sequences needs the sequences' length as max_sequence_rows")
 
@@ -279,6 +287,7 @@ def pack_sequences(
             max_sequence_rows=max_sequence_rows,
             equal_sequences=cp == 1 and all(len(s) == max_sequence_rows for s in sequences),
             adapters=None if adapters is None else adapter_rows,
+            slots=slots,
         ),
         token_counts=counts,
         rank=tuple(rank_of),

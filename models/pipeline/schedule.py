@@ -93,6 +93,7 @@ def _microbatch(packed: PackedBatch, group: Sequence[int], block: int) -> Microb
         max_sequence_rows=packed.rows.max_sequence_rows,
         equal_sequences=packed.rows.equal_sequences,
         adapters=None if packed.adapters is None else adapters,
+        slots=packed.rows.slots,
     )
     part = dataclasses.replace(
         packed,

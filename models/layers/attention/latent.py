@@ -205,6 +205,7 @@ class MultiHeadLatentAttention(nnx.Module):
         phase: RowsPhase = RowsPhase.PREFILL,
         max_sequence_rows: int | None = None,
         window_rows: int | None = None,
+        slots: int | None = None,
         counts_bias: None = None,
     ) -> tuple[jax.Array, LatentCache | PagedLatentCache | None]:
         """Attends each row to its sequence; with a cache, also stores this call's latents.
@@ -227,6 +228,9 @@ class MultiHeadLatentAttention(nnx.Module):
           window_rows: Static: a PREFILL's rows are windows of this many rows, each one
             sequence's from its first row, or padding (`TokenRows.window_rows`); the cuDNN
             prefill then attends window by window.
+          slots: Static: a PREFILL's segment ids are below this (`TokenRows.slots`), or None:
+            below the rows. Without a cache it bounds the segments of cuDNN's ragged prefill
+            (with a cache, the cache's slots do).
           counts_bias: None: the o projection has no bias (the argument is `Attention`'s, so a
             layer calls either alike).
 
@@ -251,10 +255,10 @@ class MultiHeadLatentAttention(nnx.Module):
                 f"{type(cache).__name__}. Run it through models.serving.paged.PagedRunner"
             )
         if phase is RowsPhase.DECODE and (cache is None or cache.latent.shape[0] != rows):
-            slots = None if cache is None else cache.latent.shape[0]
+            cache_slots = None if cache is None else cache.latent.shape[0]
             raise ValueError(
                 "a DECODE call needs a cache and one row per cache slot (row i is slot i); "
-                f"got {rows} rows and cache slots {slots}. Use `decode_rows` to lay them out."
+                f"got {rows} rows and cache slots {cache_slots}. Use `decode_rows` to lay them out."
             )
         if cache is not None and cache.latent.shape[2:] != (self.config.latent_width,):
             raise ValueError(
@@ -268,7 +272,7 @@ class MultiHeadLatentAttention(nnx.Module):
         if phase is RowsPhase.PREFILL:
             if cache is not None:
                 cache = _write(cache, latent, positions, segment_ids)
-            bound = rows if cache is None else cache.latent.shape[0]
+            bound = (slots or rows) if cache is None else cache.latent.shape[0]
             out = self._expanded(
                 q_nope,
                 q_rope,

@@ -250,6 +250,7 @@ class Attention(nnx.Module):
         phase: RowsPhase = RowsPhase.PREFILL,
         max_sequence_rows: int | None = None,
         window_rows: int | None = None,
+        slots: int | None = None,
         adapters: jax.Array | None = None,
         counts_bias: bool | jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
@@ -278,6 +279,9 @@ class Attention(nnx.Module):
           window_rows: Static: a PREFILL's rows are windows of this many rows, each one
             sequence's from its first row, or padding (`TokenRows.window_rows`); the cuDNN
             prefill then attends window by window.
+          slots: Static: a PREFILL's segment ids are below this (`TokenRows.slots`), or None:
+            below the rows. Without a cache it bounds the segments of cuDNN's ragged prefill
+            (with a cache, the cache's slots do).
           adapters: [T] int32 LoRA adapter of each row (0: none; `layers.lora`), or None to
             run the base projections alone.
           counts_bias: With `spec.o_bias`, whether this rank adds the o projection's bias (the
@@ -311,10 +315,10 @@ class Attention(nnx.Module):
                 f"attn_cp={self.topology.attn_cp}. Serve on a mesh with attn_cp=1"
             )
         if phase is RowsPhase.DECODE and (cache is None or cache.k.shape[0] != rows):
-            slots = None if cache is None else cache.k.shape[0]
+            cache_slots = None if cache is None else cache.k.shape[0]
             raise ValueError(
                 "a DECODE call needs a cache and one row per cache slot (row i is slot i); "
-                f"got {rows} rows and cache slots {slots}. Use `decode_rows` to lay them out."
+                f"got {rows} rows and cache slots {cache_slots}. Use `decode_rows` to lay them out."
             )
         head_dim = self.spec.head_dim
         q = self.q_proj(h)
@@ -363,7 +367,7 @@ class Attention(nnx.Module):
                 cache = self._write(cache, k, v, segment_ids, positions)
             if cudnn:
                 # Segment ids are cache slots, so the slots bound the segments per call.
-                bound = rows if cache is None else cache.k.shape[0]
+                bound = (slots or rows) if cache is None else cache.k.shape[0]
                 out = prefill_attention_cudnn(
                     q,
                     k,

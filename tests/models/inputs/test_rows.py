@@ -151,6 +151,23 @@ def test_slots_per_rank_must_hold_the_sequences_and_split_over_tp():
         pack_sequences([[1]], topology, slots_per_rank=3)
 
 
+def test_prefill_rows_carry_their_slots_as_the_segment_bound():
+    """Packed prefill rows carry the decode block's slots per rank (what bounds their segment
+    ids), the given `slots_per_rank` where there is one, and pipeline microbatches keep it."""
+    topology = bj.Topology(attn_dp=2, attn_tp=2)
+    sequences = [[1] * 3, [2] * 5, [3] * 2, [4]]
+    packed = pack_sequences(sequences, topology)
+    assert packed.rows.slots == packed.decode_rows_per_rank == 2
+    assert packed.rows.segment_ids.max() < packed.rows.slots
+    assert pack_sequences(sequences, topology, slots_per_rank=8).rows.slots == 8
+    single = pack_sequences([[5] * 9], bj.Topology())
+    assert single.rows.slots == 1 and single.rows.ids.shape == (9,)
+    for part in split_microbatches(packed, 2, topology):
+        assert part.packed.rows.slots == 2
+    with pytest.raises(ValueError, match="slots must be >= 1"):
+        TokenRows(np.zeros(2), np.zeros(2), np.zeros(2), slots=0)
+
+
 def test_decode_rows_put_row_i_in_slot_i():
     """Decode rows are DECODE phase, one per slot: row i of a rank is slot i (or padding)."""
     packed = pack_sequences([[1] * 3, [2] * 5, [3] * 2], bj.Topology(attn_dp=2), slots_per_rank=4)

@@ -2,9 +2,11 @@
 one sequence), and the ragged layout, against float64 attention of each sequence alone, with a
 value as wide as the key and a narrower one (latent attention's); with attention sinks and a
 sliding window in prefill (values and gradients) and in decode. On any platform: the widest
-head cuDNN is given, by the GPU's compute capability."""
+head cuDNN is given, by the GPU's compute capability, and the segment bound a cache-less forward
+gives its ragged prefill."""
 
 import dataclasses
+import importlib
 import types
 
 import jax
@@ -14,6 +16,7 @@ import pytest
 from flax import nnx
 
 import boundary_jax as bj
+from models.build import build_model
 from models.config import PRESETS
 from models.layers.attention import cudnn
 from models.layers.attention.attend import attend_packed
@@ -24,6 +27,8 @@ from models.layers.attention.cudnn import (
 )
 from models.layers.attention.kv_cache import KVCache
 from models.layers.attention.self_attention import Attention, AttentionImpl
+from models.options import BuildOptions
+from models.serving.runtime import ShardedCausalLM
 
 # form: (segment of each row's run as (segment, rows), max_segments, window_rows)
 FORMS = {
@@ -289,3 +294,33 @@ def test_cudnn_takes_heads_as_wide_as_the_gpu_allows(monkeypatch, fresh_max_head
     for width, layer in layers.items():
         assert layer.takes_cudnn(jnp.bfloat16) == (width <= widest)
         assert not layer.takes_cudnn(jnp.float32)
+
+
+@pytest.mark.parametrize(
+    "preset, module",
+    [
+        ("tiny-gpt-oss", "models.layers.attention.self_attention"),
+        ("tiny-deepseek-v3", "models.layers.attention.latent"),
+    ],
+)
+def test_cudnn_prefill_without_a_cache_is_bounded_by_the_packed_slots(monkeypatch, preset, module):
+    """A cache-less forward hands cuDNN's ragged prefill the packed slots as its segment bound,
+    not the rows (with sinks its log-sum-exps were [rows, heads, rows] float32: 4 GiB a layer
+    for GPT-OSS-20B at 4096 rows), in self-attention and in latent attention alike. Any
+    platform: the cuDNN call is replaced by one that records its bound."""
+    bounds = []
+
+    def recording(q, k, v, segment_ids, *, max_segments, **_):
+        bounds.append(max_segments)
+        return jnp.zeros((*q.shape[:2], v.shape[-1]), q.dtype)
+
+    monkeypatch.setattr(importlib.import_module(module), "prefill_attention_cudnn", recording)
+    topology = bj.Topology(attn_tp=min(2, jax.device_count()))
+    mesh = bj.make_mesh(topology)
+    options = BuildOptions(dtype=jnp.bfloat16, attention=AttentionImpl.CUDNN)
+    runner = ShardedCausalLM(build_model(PRESETS[preset], topology, options, mesh=mesh), mesh)
+    prompts = [[3] * 9, [5] * 4, [7] * 6]
+    runner.forward(prompts)
+    packed = runner.pack(prompts)
+    assert packed.decode_rows_per_rank < packed.rows_per_rank
+    assert bounds and set(bounds) == {packed.decode_rows_per_rank}
