@@ -134,37 +134,50 @@ def initialize_params(
     )
 
 
+MAX_BATCH_BYTES = 1 << 30
+"""The most bytes (at the global shape) one batched draw makes. A larger unit is drawn in
+batches of fewer layers, so the initializer's peak stays near the model's size: GPT-OSS-20B's 24
+expert gate|up units (1 GiB each) drawn as one batch, held whole beside the parameters cut from
+it, made a 66.6 GiB program for 39 GiB of weights, more than an 80 GB H100 gives JAX."""
+
+
 @functools.cache
 def sharded_initializer(
-    draws: tuple[ParamDraw, ...], mesh: Mesh
+    draws: tuple[ParamDraw, ...], mesh: Mesh, max_batch_bytes: int = MAX_BATCH_BYTES
 ) -> Callable[[jax.Array], list[jax.Array]]:
     """The jitted initializer of `draws` on `mesh`: seed key -> every parameter, in its shards.
 
     The draws of one unit and sharding (the same projection of every layer) are made as one
-    batched draw, so the program holds one random-number computation per unit however many
-    layers the model has. Each batch is kept whole (an optimization barrier) before the
-    parameters are cut from it: XLA could otherwise fuse the draw into every parameter's copy
-    and merge those copies across layers into a few kernels whose compile time grows faster
-    than the layer count (benchmarks/RESULTS.md run 15).
+    batched draw of at most `max_batch_bytes` (more batches where the layers' units exceed it),
+    so the program holds a few random-number computations per unit however many layers the
+    model has. Each batch is kept whole (an optimization barrier) before the parameters are cut
+    from it: XLA could otherwise fuse the draw into every parameter's copy and merge those
+    copies across layers into a few kernels whose compile time grows faster than the layer
+    count (benchmarks/RESULTS.md run 15). The same barrier holds the next batch's keys, so the
+    batches run one after another and their temporaries never meet.
     """
-    batches: dict[tuple[Unit, PartitionSpec], list[tuple[int, str]]] = {}
+    grouped: dict[tuple[Unit, PartitionSpec], list[list[tuple[int, str]]]] = {}
     for index, draw in enumerate(draws):
-        members = batches.setdefault((draw.unit, draw.unit_spec), [])
-        members.extend((index, key) for key in draw.keys)
-    hashes = np.array(
-        [path_hash(key) for members in batches.values() for _, key in members], np.uint32
-    )
+        shape, dtype, _ = draw.unit
+        per_batch = max(1, max_batch_bytes // (int(np.prod(shape)) * np.dtype(dtype).itemsize))
+        groups = grouped.setdefault((draw.unit, draw.unit_spec), [[]])
+        for key in draw.keys:
+            if len(groups[-1]) == per_batch:
+                groups.append([])
+            groups[-1].append((index, key))
+    batches = [(unit, members) for unit, groups in grouped.items() for members in groups]
+    hashes = np.array([path_hash(key) for _, members in batches for _, key in members], np.uint32)
 
     def initialize(seed: jax.Array) -> list[jax.Array]:
         keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(seed, hashes)
         values: list[list[jax.Array]] = [[] for _ in draws]
         start = 0
-        for (unit, spec), members in batches.items():
+        for (unit, spec), members in batches:
             unit_keys = keys[start : start + len(members)]
             start += len(members)
             batch = jax.vmap(functools.partial(_draw, unit))(unit_keys)
             batch = _laid_out(batch, NamedSharding(mesh, PartitionSpec(None, *spec)))
-            batch = jax.lax.optimization_barrier(batch)
+            batch, keys = jax.lax.optimization_barrier((batch, keys))
             for position, (index, _) in enumerate(members):
                 values[index].append(batch[position])
         return [

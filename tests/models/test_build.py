@@ -91,6 +91,33 @@ def test_one_initializer_draws_each_unit_once_whatever_the_layer_count():
     assert many > few and many_draws == few_draws > 0
 
 
+def test_draws_past_the_batch_bytes_come_in_smaller_batches_with_the_same_values():
+    """Units larger than a share of `max_batch_bytes` are drawn in batches of fewer layers, one
+    batch after another, so the initializer's temporaries stay within about one batch (they
+    held every layer's expert units at once: more than an 80 GB GPU gives JAX for GPT-OSS-20B);
+    the values are those of one batch per unit."""
+    config = PRESETS["tiny-gpt-oss"]
+    topology = bj.Topology(attn_tp=2)
+    mesh = bj.make_mesh(topology)
+    model = nnx.eval_shape(lambda: build_model(config, topology))
+    draws = param_draws(nnx.state(model), config.layer_blocks(False))
+    largest = max(int(np.prod(d.unit[0])) * np.dtype(d.dtype).itemsize for d in draws)
+    whole, capped = (
+        sharded_initializer(draws, mesh, cap).lower(jax.random.key(3)).compile()
+        for cap in (64 * largest, largest)
+    )
+    batches = {cap: 0 for cap in (64 * largest, largest)}
+    for cap in batches:
+        text = sharded_initializer(draws, mesh, cap).lower(jax.random.key(3)).as_text()
+        batches[cap] = text.count("stablehlo.optimization_barrier")
+    units = len({(draw.unit, draw.unit_spec) for draw in draws})
+    assert batches[64 * largest] == units < batches[largest]
+    temp = [c.memory_analysis().temp_size_in_bytes for c in (whole, capped)]
+    assert temp[1] < temp[0] / 2, temp
+    for got, want in zip(capped(jax.random.key(3)), whole(jax.random.key(3)), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_initializers_follow_hugging_face():
     """Projections and embeddings ~ N(0, initializer_range); norms ones (Gemma's `1 + w` norms
     zeros); q/k/v biases small but nonzero (a dropped bias shows); vocab padding zero."""
