@@ -74,18 +74,21 @@ GPT-OSS-20B decode took 0.5-0.8% less per step than with 16-step blocks (benchma
 run 43)."""
 
 
-def decode_block(platform: str, capacity: int, devices: int) -> int | None:
-    """The decode loop's block of static trip count: DECODE_BLOCK steps (at most `capacity`) on
-    a GPU mesh of several devices, whose collectives keep the loop out of CUDA graphs; None (one
-    loop) where the condition stays on the device: off GPU, and on one GPU under
-    `decode_compiler_options`."""
-    return min(capacity, DECODE_BLOCK) if platform == "gpu" and devices > 1 else None
+def decode_loop(
+    platform: str, capacity: int, devices: int
+) -> tuple[int | None, dict[str, object] | None]:
+    """The decode loop's form: (its block of static trip count, or None for one loop; the decode
+    program's XLA compiler options, or None for XLA's defaults).
 
-
-def decode_compiler_options(platform: str, devices: int) -> dict[str, object] | None:
-    """The decode program's XLA compiler options: `DECODE_GRAPH_OPTIONS` on one GPU, else None
-    (XLA's defaults)."""
-    return dict(DECODE_GRAPH_OPTIONS) if platform == "gpu" and devices == 1 else None
+    On one GPU, one loop under `DECODE_GRAPH_OPTIONS`, its condition read on the device. On a
+    GPU mesh of several devices, whose collectives keep the loop out of CUDA graphs, blocks of
+    DECODE_BLOCK steps (at most `capacity`). Elsewhere one loop under XLA's defaults.
+    """
+    if platform != "gpu":
+        return None, None
+    if devices == 1:
+        return None, dict(DECODE_GRAPH_OPTIONS)
+    return min(capacity, DECODE_BLOCK), None
 
 
 def blocked_fori_loop(count: jax.Array, body: Callable, carry, block: int | None):
@@ -93,7 +96,7 @@ def blocked_fori_loop(count: jax.Array, body: Callable, carry, block: int | None
     steps (a static trip count) and then the remainder; one loop where `block` is None.
 
     XLA:GPU copies a loop's condition to the host every iteration unless it knows the trip
-    count or runs the loop in a CUDA graph (`decode_compiler_options`); a step then waits for
+    count or runs the loop in a CUDA graph (`decode_loop`); a step then waits for
     the previous one before its kernels launch (on an H200, about 0.1 ms per Nemotron-H-8B
     decode step). Here that wait comes once per `block` steps. The price is the body traced and
     compiled twice, which other platforms need not pay.

@@ -30,15 +30,7 @@ from ..layers.attention.kv_cache import KVCache
 from ..layers.lora import adapter_indices
 from ..options import BuildOptions
 from ..precision import matmul_precision_scope
-from .buckets import (
-    MIN_ROWS,
-    PlacedCounts,
-    blocked_fori_loop,
-    bucket,
-    decode_block,
-    decode_compiler_options,
-    pack_bucketed,
-)
+from .buckets import MIN_ROWS, PlacedCounts, blocked_fori_loop, bucket, decode_loop, pack_bucketed
 from .generation import check_prompts, token_chunks
 from .overlap import check_two_batch_overlap, microbatch_facts, pack_two_batches, two_batch_hidden
 from .sampling import GREEDY, Sampling, head_tokens, rank_key
@@ -492,6 +484,7 @@ class ShardedCausalLM:
 
     def _decode_program(self, sampling: Sampling, capacity: int) -> Callable:
         rows = self._rows
+        block, compiler_options = decode_loop(self._platform, capacity, self.mesh.size)
 
         def body(model, rows_, batch, caches, key, steps, first_step):
             key = self._rank_key(key)
@@ -521,7 +514,6 @@ class ShardedCausalLM:
 
             carry = (jnp.where(active, rows_.ids, 0), rows_.positions, caches, out)
             count = jnp.minimum(steps, capacity)
-            block = decode_block(self._platform, capacity, self.mesh.size)
             _, _, caches, out = blocked_fori_loop(count, step, carry, block)
             return out, caches
 
@@ -538,7 +530,7 @@ class ShardedCausalLM:
             out_specs=(PartitionSpec(None, *rows), self._cache_specs),
             check_vma=self.check_vma,
             donate_argnums=(2,),
-            compiler_options=decode_compiler_options(self._platform, self.mesh.size),
+            compiler_options=compiler_options,
         )
 
     def generate(

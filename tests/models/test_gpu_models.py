@@ -95,14 +95,13 @@ def test_moe_model_with_gpu_expert_kernels_matches_transformers():
 
 
 def test_graphed_decode_loop_gives_the_blocked_loops_tokens(monkeypatch):
-    """On one GPU the decode loop runs inside CUDA graphs (`decode_compiler_options`); its greedy
+    """On one GPU the decode loop runs inside CUDA graphs (`decode_loop`); its greedy
     tokens equal those of the same model decoding in blocks of static trip count under XLA's
     default options, over a step count that leaves a remainder past the blocks."""
     prompts, _ = _golden("llama")
     mesh = bj.make_mesh(bj.Topology())
     model = load_model(GOLDEN / "llama", mesh, BuildOptions(dtype=jnp.bfloat16))
     graphed = ShardedCausalLM(model, mesh).generate(prompts, 23)
-    monkeypatch.setattr(runtime, "decode_compiler_options", lambda platform, devices: None)
-    monkeypatch.setattr(runtime, "decode_block", lambda platform, capacity, devices: 4)
+    monkeypatch.setattr(runtime, "decode_loop", lambda platform, capacity, devices: (4, None))
     blocked = ShardedCausalLM(model, mesh).generate(prompts, 23)
     np.testing.assert_array_equal(graphed, blocked)

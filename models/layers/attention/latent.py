@@ -228,9 +228,8 @@ class MultiHeadLatentAttention(nnx.Module):
           window_rows: Static: a PREFILL's rows are windows of this many rows, each one
             sequence's from its first row, or padding (`TokenRows.window_rows`); the cuDNN
             prefill then attends window by window.
-          slots: Static: a PREFILL's segment ids are below this (`TokenRows.slots`), or None:
-            below the rows. Without a cache it bounds the segments of cuDNN's ragged prefill
-            (with a cache, the cache's slots do).
+          slots: Static: a PREFILL's segment ids (cache slots) are below this (`TokenRows.slots`),
+            or None: below the rows; the cuDNN prefill's segment bound without a cache.
           counts_bias: None: the o projection has no bias (the argument is `Attention`'s, so a
             layer calls either alike).
 

@@ -279,9 +279,8 @@ class Attention(nnx.Module):
           window_rows: Static: a PREFILL's rows are windows of this many rows, each one
             sequence's from its first row, or padding (`TokenRows.window_rows`); the cuDNN
             prefill then attends window by window.
-          slots: Static: a PREFILL's segment ids are below this (`TokenRows.slots`), or None:
-            below the rows. Without a cache it bounds the segments of cuDNN's ragged prefill
-            (with a cache, the cache's slots do).
+          slots: Static: a PREFILL's segment ids (cache slots) are below this (`TokenRows.slots`),
+            or None: below the rows; the cuDNN prefill's segment bound without a cache.
           adapters: [T] int32 LoRA adapter of each row (0: none; `layers.lora`), or None to
             run the base projections alone.
           counts_bias: With `spec.o_bias`, whether this rank adds the o projection's bias (the
@@ -366,14 +365,12 @@ class Attention(nnx.Module):
             if cache is not None:
                 cache = self._write(cache, k, v, segment_ids, positions)
             if cudnn:
-                # Segment ids are cache slots, so the slots bound the segments per call.
-                bound = (slots or rows) if cache is None else cache.k.shape[0]
                 out = prefill_attention_cudnn(
                     q,
                     k,
                     v,
                     segment_ids,
-                    max_segments=bound,
+                    max_segments=(slots or rows) if cache is None else cache.k.shape[0],
                     scale=self.scale,
                     window_rows=window_rows,
                     sliding_window=self.spec.sliding_window,
@@ -406,9 +403,8 @@ class Attention(nnx.Module):
                 )
             else:
                 out = self._decode_jnp(q, cache, positions, valid, sinks)
-        # The jnp paths give padding rows zero weights. A cuDNN decode row of an idle slot
-        # reads its slot's first key (finite values): masking it would cost a kernel per layer
-        # and step, and the batch's token counts (or the caller) ignore that row.
+        # Padding rows: zero weights on the jnp paths; on cuDNN's decode an idle slot's row reads
+        # its first key (finite), which the token counts ignore (masking costs a kernel a layer).
         out = out.astype(q.dtype).reshape(rows, self.heads.local_heads * head_dim)
         if self.spec.output_gate:
             out = out * jax.nn.sigmoid(gate.reshape(out.shape))

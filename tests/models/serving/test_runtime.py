@@ -19,8 +19,7 @@ from models.serving.buckets import (
     blocked_fori_loop,
     bucket,
     cache_length,
-    decode_block,
-    decode_compiler_options,
+    decode_loop,
 )
 from models.serving.runtime import ShardedCausalLM
 from models.serving.sampling import Sampling
@@ -194,16 +193,14 @@ def test_one_gpu_decodes_in_one_graphed_loop_and_gpu_meshes_in_blocks():
     CONDITIONAL added to XLA's default command types) and runs one loop; a GPU mesh of several
     devices keeps XLA's defaults and runs DECODE_BLOCK steps (at most the capacity) per loop of
     static trip count; other platforms run one loop under XLA's defaults."""
-    options = decode_compiler_options("gpu", 1)
+    block, options = decode_loop("gpu", 64, 1)
+    assert block is None
     types = options["xla_gpu_enable_command_buffer"].split(",")
     assert {"FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL", "CUDNN", "WHILE", "CONDITIONAL"} == set(
         types
     )
-    assert decode_block("gpu", 64, 1) is None
-    assert decode_compiler_options("gpu", 2) is None
-    assert decode_block("gpu", 64, 2) == DECODE_BLOCK
-    assert decode_block("gpu", 8, 4) == 8
+    assert decode_loop("gpu", 64, 2) == (DECODE_BLOCK, None)
+    assert decode_loop("gpu", 8, 4) == (8, None)
     for platform in ("cpu", "tpu"):
-        assert decode_compiler_options(platform, 1) is None
-        assert decode_block(platform, 64, 1) is None
-        assert decode_block(platform, 64, 8) is None
+        for devices in (1, 8):
+            assert decode_loop(platform, 64, devices) == (None, None)
