@@ -18,7 +18,6 @@ from boundary_jax.report import parse_hlo
 from models.build import build_model, load_model
 from models.cli.plan import PLAN_SEQUENCES
 from models.config import PRESETS
-from models.inputs.rows import TokenRows
 from models.options import BuildOptions
 from models.serving.runtime import ShardedCausalLM
 
@@ -213,7 +212,7 @@ def deepstack_program(dp: int, tp: int, scattered: bool, by_hand: bool):
     program = module.program(
         _deepstack_body(by_hand),
         in_specs=(
-            TokenRows(rows, rows, rows),
+            rows,
             bj.BatchFacts(_variant(run), topology, PartitionSpec()),
             extra_spec,
         ),

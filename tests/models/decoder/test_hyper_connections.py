@@ -16,7 +16,6 @@ from boundary_jax import designs, residual_stream
 from models.build import build_model
 from models.cli.plan import collective_report
 from models.config import PRESETS
-from models.inputs.rows import TokenRows
 from models.layers.hyper_connections import HyperConnections
 from models.options import BuildOptions
 from models.serving.runtime import ShardedCausalLM
@@ -120,7 +119,7 @@ def _gradients(dp: int, tp: int) -> dict:
     program = module.program(
         lambda model, rows_, batch: model(rows_, batch)[0],
         in_specs=(
-            TokenRows(rows, rows, rows),
+            rows,
             bj.BatchFacts(_variant(run), topology, PartitionSpec()),
         ),
         out_specs=PartitionSpec(rows[0], None),
@@ -173,7 +172,7 @@ def test_snapshot_of_an_mhc_stream_raises_the_guides_message():
     module = bj.ShardedModule(run.model, run.mesh)
     program = module.program(
         body,
-        in_specs=(TokenRows(rows, rows, rows), bj.BatchFacts(_variant(run), run.topology, rows)),
+        in_specs=(rows, bj.BatchFacts(_variant(run), run.topology, rows)),
         out_specs=rows,
     )
     with pytest.raises(NotImplementedError, match="snapshot requires a plain residual update"):
