@@ -31,17 +31,34 @@ class ExpertActivation(enum.Enum):
         """The projections stacked in the expert's first weight: gate and up, or up alone."""
         return 2 if self is ExpertActivation.SWIGLU else 1
 
-    def apply(self, projected: jax.Array) -> jax.Array:
-        """[..., parts x width] first-projection output -> [..., width] activation."""
+    def apply(self, projected: jax.Array, bias: jax.Array | None = None) -> jax.Array:
+        """[..., parts x width] first-projection output, plus `bias` (broadcast against it)
+        where given -> [..., width] activation."""
         if self.parts == 1:
-            return self.function(projected)
-        gate, up = jnp.split(projected, 2, axis=-1)
+            (up,) = biased_parts(projected, bias, 1)
+            return self.function(up)
+        gate, up = biased_parts(projected, bias, 2)
         return self.function(gate) * up
 
     @property
     def function(self) -> Callable[[jax.Array], jax.Array]:
         """The elementwise function: SiLU on the gate, or `relu2` on the up projection."""
         return relu2 if self is ExpertActivation.RELU2 else jax.nn.silu
+
+
+def biased_parts(projected: jax.Array, bias: jax.Array | None, parts: int) -> list[jax.Array]:
+    """The `parts` stacked projections in `projected` [..., parts x width], each plus its slice
+    of `bias` (broadcast against it, cast to `projected`'s dtype) where given.
+
+    The bias is added after the split, inside the activation's pass: added to the whole product,
+    XLA makes it the matmul's epilogue, and where cuBLAS then wins the tiling search the add runs
+    as a pass of its own over the product (GPT-OSS's experts, run 43).
+    """
+    pieces = jnp.split(projected, parts, axis=-1)
+    if bias is None:
+        return pieces
+    biases = jnp.split(bias, parts, axis=-1)
+    return [piece + part.astype(piece.dtype) for piece, part in zip(pieces, biases, strict=True)]
 
 
 def relu2(x: jax.Array) -> jax.Array:

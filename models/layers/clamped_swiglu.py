@@ -17,6 +17,8 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
+from .activations import biased_parts
+
 
 @dataclasses.dataclass(frozen=True)
 class ClampedSwiGlu:
@@ -38,9 +40,10 @@ class ClampedSwiGlu:
         if not self.limit > 0:
             raise ValueError(f"the clamped SwiGLU's limit must be positive; got {self.limit=}")
 
-    def apply(self, projected: jax.Array) -> jax.Array:
-        """[..., 2 x width] gate | up projection outputs -> [..., width], in their dtype."""
-        gate, up = jnp.split(projected, 2, axis=-1)
+    def apply(self, projected: jax.Array, bias: jax.Array | None = None) -> jax.Array:
+        """[..., 2 x width] gate | up projection outputs, plus `bias` (broadcast against them)
+        where given -> [..., width], in their dtype."""
+        gate, up = biased_parts(projected, bias, 2)
         gate = jnp.minimum(gate, self.limit)
         up = jnp.clip(up, -self.limit, self.limit)
         return (up + 1) * (gate * jax.nn.sigmoid(self.alpha * gate))

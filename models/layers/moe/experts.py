@@ -285,9 +285,7 @@ def _dense_expert_outputs(x, flat, held, gate_up, down, activation, biases) -> j
     hp = jax.lax.Precision.HIGHEST
     projected = jnp.einsum("th,lhpi->tlpi", x, gate_up, precision=hp)
     projected = projected.reshape(*projected.shape[:2], -1)
-    if biases is not None:
-        projected = projected + biases[0][None].astype(projected.dtype)
-    hidden_rows = activation.apply(projected)
+    hidden_rows = activation.apply(projected, None if biases is None else biases[0][None])
     all_out = jnp.einsum("tli,lih->tlh", hidden_rows, down, precision=hp)  # [T, L, hidden]
     if biases is not None:
         all_out = all_out + biases[1][None].astype(all_out.dtype)
@@ -335,13 +333,11 @@ def grouped_expert_outputs(
     sorted_x = jnp.take(x, rows.order // rows.top_k, axis=0)
     matmul = functools.partial(grouped_matmul, group_sizes=rows.sizes, impl=impl, tiling=tiling)
     projected = matmul(sorted_x, gate_up)
+    bias = None
     if biases is not None:  # each sorted row's own expert's bias
-        expert = jnp.take(rows.local_expert, rows.order)
-        projected = projected + jnp.take(biases[0], expert, axis=0).astype(projected.dtype)
-    out = matmul(activation.apply(projected), down)
-    if biases is not None:
-        out = out + jnp.take(biases[1], expert, axis=0).astype(out.dtype)
-    return jnp.take(out, rows.positions, axis=0)
+        bias = jnp.take(biases[0], jnp.take(rows.local_expert, rows.order), axis=0)
+    out = matmul(activation.apply(projected, bias), down)
+    return _down_biased(jnp.take(out, rows.positions, axis=0), rows, biases)
 
 
 def capacity_places(rows: SortedRows, capacity: int) -> tuple[jax.Array, jax.Array]:
@@ -385,9 +381,17 @@ def padded_expert_outputs(
     full = jnp.finfo(x.dtype).bits > 16
     batched = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST if full else None)
     projected = batched("eck,ekn->ecn", padded, gate_up.astype(x.dtype))
-    if biases is not None:
-        projected = projected + biases[0][:, None].astype(x.dtype)
-    out = batched("ecw,ewh->ech", activation.apply(projected), down.astype(x.dtype))
-    if biases is not None:
-        out = out + biases[1][:, None].astype(x.dtype)
-    return jnp.take(out.reshape(local * capacity, hidden), slot, axis=0)
+    bias = None if biases is None else biases[0][:, None]
+    out = batched("ecw,ewh->ech", activation.apply(projected, bias), down.astype(x.dtype))
+    out = jnp.take(out.reshape(local * capacity, hidden), slot, axis=0)
+    return _down_biased(out, rows, biases)
+
+
+def _down_biased(
+    out: jax.Array, rows: SortedRows, biases: tuple[jax.Array, jax.Array] | None
+) -> jax.Array:
+    """`out` [T*k, hidden] in (token, choice) order plus each row's expert's down bias, added
+    in the gather that puts the rows back in order rather than as a pass over the product."""
+    if biases is None:
+        return out
+    return out + jnp.take(biases[1], rows.local_expert, axis=0).astype(out.dtype)

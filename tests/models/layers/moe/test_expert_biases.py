@@ -122,6 +122,22 @@ def test_every_grouped_path_adds_the_biases_of_the_rows_own_experts(impl):
     """A rank holding experts 2..5 of 8: each held (token, choice) row gets its own expert's
     gate/up bias before the clamped SwiGLU and its down bias after; rows of experts held
     elsewhere stay zero (no bias)."""
+    call, (x, gate_up, down, biases), experts = held_experts_call(impl)
+    got = jax.jit(call)(x, gate_up, down, biases)
+    want = np.zeros((TOKENS, 3, HIDDEN))
+    for t in range(TOKENS):
+        for j, e in enumerate(experts[t]):
+            if 2 <= e < 6:
+                local = e - 2
+                gate = x[t] @ gate_up[local, :, 0] + np.asarray(biases.gate_up)[local, 0]
+                up = x[t] @ gate_up[local, :, 1] + np.asarray(biases.gate_up)[local, 1]
+                want[t, j] = clamped_swiglu(gate, up) @ down[local] + np.asarray(biases.down)[local]
+    chex.assert_trees_all_close(np.asarray(got), want, atol=1e-5)
+
+
+def held_experts_call(impl: GroupedMatmulImpl):
+    """`expert_outputs` on a rank holding experts 2..5 of 8, as a function of (x, gate_up,
+    down, biases); those arguments (random); and each token's 3 experts [TOKENS, 3]."""
     rng = np.random.default_rng(2)
     x = rng.standard_normal((TOKENS, HIDDEN)).astype(np.float32)
     experts = np.stack([rng.permutation(8)[:3] for _ in range(TOKENS)]).astype(np.int32)
@@ -133,8 +149,9 @@ def test_every_grouped_path_adds_the_biases_of_the_rows_own_experts(impl):
     )
     routing = route(jnp.asarray(x), jnp.zeros((HIDDEN, 8)), top_k=3, renormalize=True)
     routing = type(routing)(routing.weights, jnp.asarray(experts))
-    got = jax.jit(
-        lambda x, gate_up, down, biases: expert_outputs(
+
+    def call(x, gate_up, down, biases):
+        return expert_outputs(
             x,
             routing,
             gate_up,
@@ -144,16 +161,49 @@ def test_every_grouped_path_adds_the_biases_of_the_rows_own_experts(impl):
             activation=ACTIVATION,
             biases=biases,
         )
-    )(x, gate_up, down, biases)
-    want = np.zeros((TOKENS, 3, HIDDEN))
-    for t in range(TOKENS):
-        for j, e in enumerate(experts[t]):
-            if 2 <= e < 6:
-                local = e - 2
-                gate = x[t] @ gate_up[local, :, 0] + np.asarray(biases.gate_up)[local, 0]
-                up = x[t] @ gate_up[local, :, 1] + np.asarray(biases.gate_up)[local, 1]
-                want[t, j] = clamped_swiglu(gate, up) @ down[local] + np.asarray(biases.down)[local]
-    chex.assert_trees_all_close(np.asarray(got), want, atol=1e-5)
+
+    return call, (x, gate_up, down, biases), experts
+
+
+JAXPRS = (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr)
+
+
+def adds_on_products(jaxpr) -> tuple[int, list[bool]]:
+    """(the adds in `jaxpr` and the calls inside it that take a whole matmul product as an
+    operand, which of `jaxpr`'s outputs are such products), looking through nested calls."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    products, adds = set(), 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("dot_general", "ragged_dot_general"):
+            products.update(eqn.outvars)
+            continue
+        if eqn.primitive.name == "add":
+            adds += any(isinstance(v, jax.extend.core.Var) and v in products for v in eqn.invars)
+        for inner in (p for p in eqn.params.values() if isinstance(p, JAXPRS)):
+            inner_adds, outputs = adds_on_products(inner)
+            adds += inner_adds
+            if len(outputs) == len(eqn.outvars):  # a call: its outputs are the callee's
+                products.update(
+                    v for v, product in zip(eqn.outvars, outputs, strict=True) if product
+                )
+        for branch in eqn.params.get("branches", ()):
+            adds += adds_on_products(branch)[0]
+    return adds, [isinstance(v, jax.extend.core.Var) and v in products for v in jaxpr.outvars]
+
+
+@pytest.mark.parametrize("impl", [GroupedMatmulImpl.RAGGED_DOT, GroupedMatmulImpl.PADDED_BATCHED])
+def test_no_bias_is_added_to_a_whole_product(impl):
+    """The gate/up bias is added after the product is split into its parts, the down bias after
+    the rows are gathered back: added to a whole product, XLA makes the add the matmul's
+    epilogue, and where cuBLAS wins the tiling search the add runs as a pass of its own over
+    the product (GPT-OSS-20B's prefill, run 44). A product plus a bias counts 1."""
+    call, args, _ = held_experts_call(impl)
+    assert adds_on_products(jax.make_jaxpr(call)(*args))[0] == 0
+    x, gate_up, down, biases = args
+    products_plus_bias = jax.make_jaxpr(lambda x, w, b: x @ w + b[None])(
+        x, gate_up[0, :, 0], biases.gate_up[0, 0]
+    )
+    assert adds_on_products(products_plus_bias)[0] == 1
 
 
 LAYOUTS = (  # (dp, tp, moe_ep, dispatch): every kind of split, and the finalize deferred
