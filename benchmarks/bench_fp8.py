@@ -16,11 +16,9 @@ the FP8 ones are drawn in Hugging Face's [out, in] layout).
 Part "moe" (also `bench_moe --fp8`): the MoE layer as the model runs it (`MoeFfn.finalized` with
 the model default grouped matmuls, against `Fp8MoeFfn`: the Triton FP8 expert kernel at decode
 sizes, the padded wgmma products above 2048 routed rows) at 8 and 64 tokens (CUPTI, or the wall
-clock where a padded strategy runs) and 4096 (wall clock), checked against the same FP8 layer
+clock where the rows are padded) and 4096 (wall clock), checked against the same FP8 layer
 through XLA's reference; one row per FP8 variant of the experts' products (`--moe-experts`; by
-default the platform's and the experts padded to capacity buckets through the Mosaic wgmma
-kernel at every size, `Fp8GroupedImpl.PADDED_GPU`). Targets: decode >= 1.5x bf16, every case
->= 1.0x.
+default the platform's). Targets: decode >= 1.5x bf16, every case >= 1.0x.
 
 Part "experts": the MoE layer's two expert products alone, its experts padded to capacities of
 320 and 384 rows (the bf16 layer's buckets at 4096 tokens): the bf16 batched einsum, the FP8
@@ -246,13 +244,12 @@ MOE = dict(hidden=2048, experts=128, top_k=8, width=768)  # Qwen3-30B-A3B
 
 
 def moe_variants() -> tuple[Fp8GroupedImpl, ...]:
-    """Part moe's FP8 layers by default: the platform's grouped products beside the experts padded
-    to capacity buckets through the Mosaic wgmma kernel (in the interpreter for a smoke run,
-    where JAX has one)."""
+    """Part moe's FP8 layers by default: the platform's expert products (for a smoke run, XLA's
+    beside the padded products in the Mosaic GPU interpreter, where JAX has one)."""
     if SMOKE:
         interpreted = compat.gpu_interpret_params() is not None
         return (Fp8GroupedImpl.XLA,) + ((Fp8GroupedImpl.PADDED_GPU_INTERPRET,) * interpreted)
-    return (default_fp8_grouped_impl(jax.default_backend()), Fp8GroupedImpl.PADDED_GPU)
+    return (default_fp8_grouped_impl(jax.default_backend()),)
 
 
 def moe_layers(variants: tuple[Fp8GroupedImpl, ...]) -> dict[str, tuple]:
@@ -293,7 +290,7 @@ def moe(tokens_list, variants: tuple[Fp8GroupedImpl, ...]) -> list[tuple]:
             for i in range(4)
         ]
         # CUPTI misses the kernels of a branch XLA runs from a conditional (the padded
-        # strategies' capacity buckets, the bf16 layer's above 2048 routed rows).
+        # products' capacity buckets, the bf16 layer's above 2048 routed rows).
         padded = any(padded_strategy(impl, tokens * MOE["top_k"]) for impl in variants)
         wall = SMOKE or tokens > 256 or padded
         outs, contenders = {}, {}
@@ -372,8 +369,7 @@ def main(argv=None) -> None:
         nargs="+",
         choices=[impl.name for impl in Fp8GroupedImpl],
         default=None,
-        help="part moe: the FP8 layers' expert products, one row each (default: the platform's "
-        "and PADDED_GPU)",
+        help="part moe: the FP8 layers' expert products, one row each (default: the platform's)",
     )
     parser.add_argument("--profile", default=None, help="part e2e: trace each case here")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU")

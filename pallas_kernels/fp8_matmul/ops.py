@@ -276,51 +276,47 @@ class Fp8GroupedImpl(enum.Enum):
       PALLAS_TRITON: `fp8_expert_matmul`: only the chosen experts' FP8 weights read,
         dequantized in registers (decode).
       PALLAS_INTERPRET: PALLAS_TRITON's body in the Pallas interpreter (tests).
-      GPU_BY_SIZE: PALLAS_TRITON up to `grouped_matmul.TRITON_MAX_ROUTED_ROWS` routed rows;
-        above, the MoE layer runs PADDED_GPU (`padded_strategy`), and `fp8_grouped_matmul`
-        itself (PADDED_GPU's fallback past its buckets) dequantizes the weights and rows to
-        bf16 in the program for the bf16 grouped matmul (`GroupedMatmulImpl.GPU_BY_SIZE`). On
-        an H200 (Qwen3-30B-A3B layer at 4096 tokens, benchmarks/RESULTS.md run 40) the padded
-        products took the layer to 0.997x the bf16 layer's time where dequantizing reached
-        0.483x.
-      PADDED_GPU: A strategy of the MoE layer around the products, as
-        `GroupedMatmulImpl.PADDED_BATCHED` is for bf16 experts: the quantized rows copied
-        expert-major into [local experts, C, hidden], C the smallest capacity bucket that holds
-        the busiest expert, and both products through `fp8_batched_matmul` on the Mosaic wgmma
-        kernel (`PADDED_PRODUCTS`); past the buckets, and in `fp8_grouped_matmul` itself,
-        GPU_BY_SIZE. FP8 tensor-core products where GPU_BY_SIZE dequantizes.
-      PADDED_GPU_INTERPRET: PADDED_GPU with the kernel in the Mosaic GPU interpreter, and XLA
-        past the buckets (tests, any platform with JAX >= 0.12).
+      GPU_BY_SIZE: PALLAS_TRITON up to `grouped_matmul.TRITON_MAX_ROUTED_ROWS` routed rows.
+        Above, the MoE layer pads (`padded_strategy`), as `GroupedMatmulImpl.PADDED_BATCHED`
+        does for bf16 experts: the quantized rows copied expert-major into [local experts, C,
+        hidden], C the smallest capacity bucket that holds the busiest expert, and both products
+        through `fp8_batched_matmul` on the Mosaic wgmma kernel (`PADDED_PRODUCTS`). Past the
+        buckets, and in `fp8_grouped_matmul` itself, the weights and rows are dequantized to
+        bf16 in the program for the bf16 grouped matmul (`GroupedMatmulImpl.GPU_BY_SIZE`). On an
+        H200 (Qwen3-30B-A3B layer, benchmarks/RESULTS.md run 44) the layer runs 1.10x the bf16
+        layer's speed at 8 tokens, 1.49x at 64 and 1.02x at 4096; padding at decode sizes too
+        was slower than bf16 (0.61x at 8 tokens), so no strategy pads there.
+      PADDED_GPU_INTERPRET: The padded products at any count, with the kernel in the Mosaic GPU
+        interpreter, and XLA past the buckets (tests, any platform with JAX >= 0.12).
     """
 
     XLA = enum.auto()
     PALLAS_TRITON = enum.auto()
     PALLAS_INTERPRET = enum.auto()
     GPU_BY_SIZE = enum.auto()
-    PADDED_GPU = enum.auto()
     PADDED_GPU_INTERPRET = enum.auto()
 
 
 PADDED_PRODUCTS: dict[Fp8GroupedImpl, tuple[Fp8MatmulImpl, Fp8GroupedImpl]] = {
-    Fp8GroupedImpl.PADDED_GPU: (Fp8MatmulImpl.PALLAS_GPU, Fp8GroupedImpl.GPU_BY_SIZE),
+    Fp8GroupedImpl.GPU_BY_SIZE: (Fp8MatmulImpl.PALLAS_GPU, Fp8GroupedImpl.GPU_BY_SIZE),
     Fp8GroupedImpl.PADDED_GPU_INTERPRET: (
         Fp8MatmulImpl.PALLAS_GPU_INTERPRET,
         Fp8GroupedImpl.XLA,
     ),
 }
-"""The padded strategies: each one's batched product (`fp8_batched_matmul`) and the grouped
-products it falls back to past its capacity buckets."""
+"""The impls that pad the experts' rows (where `padded_strategy` says): each one's batched
+product (`fp8_batched_matmul`) and the grouped products it falls back to past its capacity
+buckets."""
 
 
 def padded_strategy(impl: Fp8GroupedImpl, routed_rows: int) -> Fp8GroupedImpl | None:
-    """The padded strategy (a key of `PADDED_PRODUCTS`) the MoE layer runs for `impl` at a
-    static count of routed rows, or None for the grouped products on rows sorted by expert:
-    PADDED_GPU and PADDED_GPU_INTERPRET at any count, GPU_BY_SIZE's PADDED_GPU above
-    `TRITON_MAX_ROUTED_ROWS`."""
-    if impl in PADDED_PRODUCTS:
+    """`impl` where the MoE layer pads its rows under it at a static count of routed rows (a key
+    of `PADDED_PRODUCTS`), or None for the grouped products on rows sorted by expert:
+    PADDED_GPU_INTERPRET at any count, GPU_BY_SIZE above `TRITON_MAX_ROUTED_ROWS`."""
+    if impl is Fp8GroupedImpl.PADDED_GPU_INTERPRET:
         return impl
     if impl is Fp8GroupedImpl.GPU_BY_SIZE and routed_rows > TRITON_MAX_ROUTED_ROWS:
-        return Fp8GroupedImpl.PADDED_GPU
+        return impl
     return None
 
 

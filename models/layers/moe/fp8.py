@@ -7,10 +7,10 @@ activation again before the down projection. Each expert's weights are stored as
 stores them, [out, in] per expert: `gate_up_proj` [experts, parts, width, hidden] (gate and up
 stacked, one matmul; the up projection alone for RELU2 experts) and `down_proj` [experts,
 hidden, width], with their block scales. The products run through
-`pallas_kernels.fp8_matmul.fp8_grouped_matmul` on the rows sorted by expert, or, under a padded
-strategy (`Fp8GroupedImpl.PADDED_GPU`, also `GPU_BY_SIZE`'s above 2048 routed rows:
-`padded_strategy`), through `fp8_batched_matmul` on the rows copied into capacity buckets as
-the bf16 layer's `PADDED_BATCHED` does. Under
+`pallas_kernels.fp8_matmul.fp8_grouped_matmul` on the rows sorted by expert, or, where the impl
+pads (`Fp8GroupedImpl.GPU_BY_SIZE` above 2048 routed rows: `padded_strategy`), through
+`fp8_batched_matmul` on the rows copied into capacity buckets as the bf16 layer's
+`PADDED_BATCHED` does. Under
 `Fp8Weights.DEQUANTIZED` the weights are `values * scales` in the model's dtype and the rows are
 quantized and dequantized alike: the float64 reference. Inference only.
 """

@@ -1,5 +1,6 @@
-"""FP8 experts padded to capacity buckets (`Fp8GroupedImpl.PADDED_GPU`, its wgmma kernel in the
-Mosaic GPU interpreter) against the same layer's grouped reference products."""
+"""FP8 experts padded to capacity buckets (`Fp8GroupedImpl.PADDED_GPU_INTERPRET`: the wgmma
+kernel in the Mosaic GPU interpreter; `GPU_BY_SIZE` above 2048 routed rows) against the same
+layer's grouped reference products."""
 
 import jax
 import jax.numpy as jnp
