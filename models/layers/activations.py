@@ -52,7 +52,7 @@ def biased_parts(projected: jax.Array, bias: jax.Array | None, parts: int) -> li
 
     The bias is added after the split, inside the activation's pass: added to the whole product,
     XLA makes it the matmul's epilogue, and where cuBLAS then wins the tiling search the add runs
-    as a pass of its own over the product (GPT-OSS's experts, run 43).
+    as a pass of its own over the product (GPT-OSS's experts, runs 43-44).
     """
     pieces = jnp.split(projected, parts, axis=-1)
     if bias is None:
