@@ -66,7 +66,7 @@ from pallas_kernels.fp8_matmul import (
     Fp8GroupedImpl,
     Fp8MatmulImpl,
     default_fp8_grouped_impl,
-    padded_strategy,
+    padded_product,
 )
 from pallas_kernels.grouped_matmul import default_grouped_matmul_impl
 from pallas_kernels.impl import Impl
@@ -291,7 +291,7 @@ def moe(tokens_list, variants: tuple[Fp8GroupedImpl, ...]) -> list[tuple]:
         ]
         # CUPTI misses the kernels of a branch XLA runs from a conditional (the padded
         # products' capacity buckets, the bf16 layer's above 2048 routed rows).
-        padded = any(padded_strategy(impl, tokens * MOE["top_k"]) for impl in variants)
+        padded = any(padded_product(impl, tokens * MOE["top_k"]) for impl in variants)
         wall = SMOKE or tokens > 256 or padded
         outs, contenders = {}, {}
         graph, state = layers["bf16"]

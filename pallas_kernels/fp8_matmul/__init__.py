@@ -7,7 +7,6 @@ only: none has a VJP (FP8 weights are not trained)."""
 from .kernel_grouped_triton import fp8_expert_matmul as fp8_expert_matmul
 from .kernel_mosaic import fp8_matmul_mosaic as fp8_matmul_mosaic
 from .kernel_triton import fp8_matmul_triton as fp8_matmul_triton
-from .ops import PADDED_PRODUCTS as PADDED_PRODUCTS
 from .ops import TRITON_MAX_ROWS as TRITON_MAX_ROWS
 from .ops import Fp8GroupedImpl as Fp8GroupedImpl
 from .ops import Fp8MatmulImpl as Fp8MatmulImpl
@@ -18,7 +17,7 @@ from .ops import fp8_batched_matmul as fp8_batched_matmul
 from .ops import fp8_grouped_matmul as fp8_grouped_matmul
 from .ops import fp8_matmul as fp8_matmul
 from .ops import fp8_matmul_by_size as fp8_matmul_by_size
-from .ops import padded_strategy as padded_strategy
+from .ops import padded_product as padded_product
 from .reference import fp8_batched_matmul_reference as fp8_batched_matmul_reference
 from .reference import fp8_grouped_matmul_reference as fp8_grouped_matmul_reference
 from .reference import fp8_matmul_reference as fp8_matmul_reference

@@ -277,10 +277,10 @@ class Fp8GroupedImpl(enum.Enum):
         dequantized in registers (decode).
       PALLAS_INTERPRET: PALLAS_TRITON's body in the Pallas interpreter (tests).
       GPU_BY_SIZE: PALLAS_TRITON up to `grouped_matmul.TRITON_MAX_ROUTED_ROWS` routed rows.
-        Above, the MoE layer pads (`padded_strategy`), as `GroupedMatmulImpl.PADDED_BATCHED`
+        Above, the MoE layer pads (`padded_product`), as `GroupedMatmulImpl.PADDED_BATCHED`
         does for bf16 experts: the quantized rows copied expert-major into [local experts, C,
         hidden], C the smallest capacity bucket that holds the busiest expert, and both products
-        through `fp8_batched_matmul` on the Mosaic wgmma kernel (`PADDED_PRODUCTS`). Past the
+        through `fp8_batched_matmul` on the Mosaic wgmma kernel. Past the
         buckets, and in `fp8_grouped_matmul` itself, the weights and rows are dequantized to
         bf16 in the program for the bf16 grouped matmul (`GroupedMatmulImpl.GPU_BY_SIZE`). On an
         H200 (Qwen3-30B-A3B layer, benchmarks/RESULTS.md run 44) the layer runs 1.10x the bf16
@@ -297,26 +297,17 @@ class Fp8GroupedImpl(enum.Enum):
     PADDED_GPU_INTERPRET = enum.auto()
 
 
-PADDED_PRODUCTS: dict[Fp8GroupedImpl, tuple[Fp8MatmulImpl, Fp8GroupedImpl]] = {
-    Fp8GroupedImpl.GPU_BY_SIZE: (Fp8MatmulImpl.PALLAS_GPU, Fp8GroupedImpl.GPU_BY_SIZE),
-    Fp8GroupedImpl.PADDED_GPU_INTERPRET: (
-        Fp8MatmulImpl.PALLAS_GPU_INTERPRET,
-        Fp8GroupedImpl.XLA,
-    ),
-}
-"""The impls that pad the experts' rows (where `padded_strategy` says): each one's batched
-product (`fp8_batched_matmul`) and the grouped products it falls back to past its capacity
-buckets."""
-
-
-def padded_strategy(impl: Fp8GroupedImpl, routed_rows: int) -> Fp8GroupedImpl | None:
-    """`impl` where the MoE layer pads its rows under it at a static count of routed rows (a key
-    of `PADDED_PRODUCTS`), or None for the grouped products on rows sorted by expert:
-    PADDED_GPU_INTERPRET at any count, GPU_BY_SIZE above `TRITON_MAX_ROUTED_ROWS`."""
+def padded_product(impl: Fp8GroupedImpl, routed_rows: int) -> Fp8MatmulImpl | None:
+    """How the MoE layer multiplies its rows padded to capacity buckets under `impl` at a static
+    count of routed rows (`fp8_batched_matmul`'s impl), or None where it runs the grouped
+    products on rows sorted by expert instead: the Mosaic GPU interpreter under
+    PADDED_GPU_INTERPRET at any count, the wgmma kernel under GPU_BY_SIZE above
+    `TRITON_MAX_ROUTED_ROWS`. Past the buckets the layer falls back to `fp8_grouped_matmul`
+    with `impl`."""
     if impl is Fp8GroupedImpl.PADDED_GPU_INTERPRET:
-        return impl
+        return Fp8MatmulImpl.PALLAS_GPU_INTERPRET
     if impl is Fp8GroupedImpl.GPU_BY_SIZE and routed_rows > TRITON_MAX_ROUTED_ROWS:
-        return impl
+        return Fp8MatmulImpl.PALLAS_GPU
     return None
 
 
@@ -352,8 +343,8 @@ def fp8_grouped_matmul(
       differentiable.
     """
     m = x_values.shape[0]
-    if impl in PADDED_PRODUCTS:
-        impl = PADDED_PRODUCTS[impl][1]
+    if impl is Fp8GroupedImpl.PADDED_GPU_INTERPRET:
+        impl = Fp8GroupedImpl.XLA
     if impl is Fp8GroupedImpl.GPU_BY_SIZE:
         if m > TRITON_MAX_ROUTED_ROWS:
             rows = dequantize_token_groups_reference(x_values, x_scales, jnp.bfloat16)

@@ -8,7 +8,7 @@ stores them, [out, in] per expert: `gate_up_proj` [experts, parts, width, hidden
 stacked, one matmul; the up projection alone for RELU2 experts) and `down_proj` [experts,
 hidden, width], with their block scales. The products run through
 `pallas_kernels.fp8_matmul.fp8_grouped_matmul` on the rows sorted by expert, or, where the impl
-pads (`Fp8GroupedImpl.GPU_BY_SIZE` above 2048 routed rows: `padded_strategy`), through
+pads (`Fp8GroupedImpl.GPU_BY_SIZE` above 2048 routed rows: `padded_product`), through
 `fp8_batched_matmul` on the rows copied into capacity buckets as the bf16 layer's
 `PADDED_BATCHED` does. Under
 `Fp8Weights.DEQUANTIZED` the weights are `values * scales` in the model's dtype and the rows are
@@ -25,11 +25,10 @@ from jax import lax
 
 import boundary_jax as bj
 from pallas_kernels.fp8_matmul import (
-    PADDED_PRODUCTS,
     SCALE_BLOCK,
     fp8_batched_matmul,
     fp8_grouped_matmul,
-    padded_strategy,
+    padded_product,
 )
 
 from ...config import MoeConfig
@@ -155,10 +154,9 @@ class Fp8MoeFfn(MoeFfn):
             out = self._experts(gathered, lambda *args: self._grouped(*args, sizes[:local]))
             return finish(jnp.take(out, positions, axis=0))
 
-        strategy = padded_strategy(self.quantization.grouped, tokens * top_k)
-        if strategy is None or self.gate_up_proj_scale_inv is None:
+        product = padded_product(self.quantization.grouped, tokens * top_k)
+        if product is None or self.gate_up_proj_scale_inv is None:
             return grouped()
-        product = PADDED_PRODUCTS[strategy][0]
 
         def padded(capacity: int) -> jax.Array:
             source, slot = capacity_places(sorted_rows, capacity)
