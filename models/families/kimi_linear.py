@@ -178,7 +178,9 @@ def read_kimi_linear(config: Mapping[str, Any]) -> DecoderConfig:
         rope_theta=NO_ROPE_THETA,
         rope_scaling=None,
         qk_norm=False,
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        # transformers' KimiLinearForCausalLM never ties its head, whatever the key says: it
+        # reads the checkpoint's lm_head.weight.
+        tie_word_embeddings=False,
         sliding_window=None,
         max_position_embeddings=_read(config, "model_max_length"),
         moe=MoeConfig(
@@ -219,7 +221,7 @@ def write_kimi_linear(config: DecoderConfig) -> dict[str, Any]:
         "linear_conv_kernel_dim": linear.spec.conv_kernel,
         "hidden_act": "silu",
         "rms_norm_eps": config.rms_norm_eps,
-        "tie_word_embeddings": config.tie_word_embeddings,
+        "tie_word_embeddings": False,
         "max_position_embeddings": config.max_position_embeddings,
         "attention_bias": False,
         "mlp_layer_types": ["sparse" if sparse else "dense" for sparse in config.sparse_layers],
@@ -306,8 +308,14 @@ class KimiLinearForCausalLM(DeepseekCausalLM):
 
     @classmethod
     def check_config(cls, config: DecoderConfig) -> None:
-        """DeepSeek's facts, and Kimi Delta Attention on its linear layers."""
+        """DeepSeek's facts, an LM head of its own, and Kimi Delta Attention on its linear
+        layers."""
         super().check_config(config)
+        if config.tie_word_embeddings:
+            raise ValueError(
+                f"{config.architecture} has its own LM head (transformers never ties it to the "
+                "embeddings); got tie_word_embeddings=True"
+            )
         linear = config.linear_attention
         if linear is None or not isinstance(linear.spec, KimiDeltaSpec):
             raise ValueError(

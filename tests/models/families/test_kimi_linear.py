@@ -94,7 +94,8 @@ def test_pipeline_stages_match_transformers():
 def test_model_layers_and_config():
     """The checkpoint builds KimiLinearForCausalLM with Kimi Delta Attention on layers 0, 1, 4
     and unrotated latent attention on 2, 3, a dense layer 0; its config reads back as written,
-    and the checkpoint's own keys (`linear_attn_config`, 1-indexed layers) read alike."""
+    and the checkpoint's own keys (`linear_attn_config`, 1-indexed layers) read alike; the LM
+    head is its own whatever `tie_word_embeddings` says, as transformers reads it."""
     model = runner(DEFAULT).model
     assert isinstance(model, KimiLinearForCausalLM)
     mixers = [type(layer.attn) for layer in model.layers]
@@ -119,6 +120,9 @@ def test_model_layers_and_config():
         "short_conv_kernel_size": spec.conv_kernel,
     }
     assert read_hf_config(hub) == config
+    assert read_hf_config(written | {"tie_word_embeddings": True}) == config
+    with pytest.raises(ValueError, match="never ties it"):
+        dataclasses.replace(config, tie_word_embeddings=True)
 
 
 @pytest.mark.slow
