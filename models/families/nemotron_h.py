@@ -118,7 +118,9 @@ def read_nemotron_h(config: Mapping[str, Any]) -> DecoderConfig:
         rope_theta=NO_ROPE_THETA,
         rope_scaling=None,
         qk_norm=False,
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        # transformers' NemotronHForCausalLM never ties its head, whatever the key says: it
+        # reads the checkpoint's lm_head.weight.
+        tie_word_embeddings=False,
         sliding_window=None,
         max_position_embeddings=required(config, "max_position_embeddings"),
         nope_full_layers=True,
@@ -190,7 +192,7 @@ def write_nemotron_h(config: DecoderConfig) -> dict[str, Any]:
         "head_dim": config.head_dim,
         "layer_norm_epsilon": config.rms_norm_eps,
         "mlp_hidden_act": "relu2",
-        "tie_word_embeddings": config.tie_word_embeddings,
+        "tie_word_embeddings": False,
         "max_position_embeddings": config.max_position_embeddings,
         "attention_bias": False,
         "mlp_bias": False,
@@ -373,12 +375,17 @@ class NemotronHForCausalLM(MoeCausalLM):
     @classmethod
     def check_config(cls, config: DecoderConfig) -> None:
         """A hybrid stack's config: its layer pattern (`hybrid`), no `moe` (its MoE layers'
-        facts are the pattern's) and no MLP biases."""
+        facts are the pattern's), no MLP biases and an LM head of its own."""
         if config.hybrid is None or config.moe is not None or config.mlp_bias:
             raise ValueError(
                 f"{config.architecture} needs hybrid layer settings and takes no MoE settings or "
                 f"MLP biases; got hybrid={config.hybrid!r}, moe={config.moe!r}, "
                 f"mlp_bias={config.mlp_bias}"
+            )
+        if config.tie_word_embeddings:
+            raise ValueError(
+                f"{config.architecture} has its own LM head (transformers never ties it to the "
+                "embeddings); got tie_word_embeddings=True"
             )
 
     @classmethod

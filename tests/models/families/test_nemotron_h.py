@@ -4,6 +4,7 @@ MixerExit decisions in its plan and compiled HLO; compute mutants caught."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import pathlib
@@ -196,7 +197,8 @@ def hf_config(name: str) -> dict:
 
 def test_config_reads_both_layer_spellings_and_writes_back():
     """`layers_block_type` and the older `hybrid_override_pattern` read alike; the config
-    written back reads to the same `DecoderConfig`; the class is the registry's."""
+    written back reads to the same `DecoderConfig`; the class is the registry's; the LM head is
+    its own whatever `tie_word_embeddings` says, as transformers reads it."""
     for name, pattern in ((MAMBA, "MM-M*-"), (MOE, "-EME*")):
         config = read_hf_config(hf_config(name))
         assert config.hybrid.pattern == pattern and config.num_layers == len(pattern)
@@ -204,6 +206,9 @@ def test_config_reads_both_layer_spellings_and_writes_back():
         assert read_hf_config(legacy | {"hybrid_override_pattern": pattern}) == config
         assert read_hf_config(write_hf_config(config)) == config
         assert family_of(config) is NemotronHForCausalLM
+        assert read_hf_config(hf_config(name) | {"tie_word_embeddings": True}) == config
+        with pytest.raises(ValueError, match="never ties it"):
+            dataclasses.replace(config, tie_word_embeddings=True)
     moe = read_hf_config(hf_config(MOE)).hybrid.moe
     assert (moe.num_groups, moe.topk_groups, moe.scaling_factor) == (3, 2, 2.5)
     assert moe.shared_expert_intermediate_size == 32
