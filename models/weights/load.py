@@ -163,7 +163,8 @@ def load_params(
     Raises:
       FileNotFoundError: The directory lacks the config or weights files.
       ValueError: A parameter has no tensor in the map or checkpoint, a tensor's shape does not
-        fit its parameter, or the checkpoint holds tensors the model has no parameter for.
+        fit its parameter, or the checkpoint holds tensors the model has no parameter for
+        (other than tensors of no elements).
     """
     config = load_config(checkpoint_dir)
     sources = hf_name_map(config, scan_layers=scan_layers)
@@ -204,6 +205,8 @@ def load_params(
             and name not in unread
             and (name != "lm_head.weight" or "lm_head.kernel" in sources)
             and layers is None  # a stage's: the other stages read the rest
+            # Nothing to read (transformers writes them for a Kimi-Linear of no shared experts).
+            and 0 not in checkpoint.shape(name, name)
         )
         if unused:
             raise ValueError(

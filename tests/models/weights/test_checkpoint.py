@@ -202,10 +202,15 @@ def test_misshaped_tensor_is_named(tmp_path):
 
 
 def test_unused_tensor_and_wrong_model_rejected(tmp_path):
-    """Tensors the model would ignore, or a model built from another config, are errors."""
+    """Tensors the model would ignore, or a model built from another config, are errors; an
+    extra tensor of no elements holds nothing to ignore, and loads."""
+    empty = {"model.layers.0.mlp.shared_experts.up_proj.weight": np.zeros((0, 64), np.float32)}
+    directory = copy_checkpoint(GOLDEN / "mistral", tmp_path / "empty", lambda t: t | empty)
+    mesh = make_mesh(1, 2)
+    loaded = load_params(directory, abstract_params(directory, mesh), mesh, jnp.float32)
+    check_loaded(directory, loaded, mesh, jnp.float32)
     extra = lambda t: t | {"model.layers.9.mlp.up_proj.weight": t["model.norm.weight"]}  # noqa: E731
     directory = copy_checkpoint(GOLDEN / "mistral", tmp_path / "extra", extra)
-    mesh = make_mesh(1, 2)
     with pytest.raises(ValueError, match="does not use.*layers.9"):
         load_params(directory, abstract_params(directory, mesh), mesh, jnp.float32)
     shallow = dataclasses.replace(load_config(GOLDEN / "llama"), num_layers=2)
