@@ -349,6 +349,8 @@ def deepseek_v3(r):
         "mscale_all_dim": 1.0,
     }
     heads = r.choice([2, 4, 8])
+    per_group, kept = r.choice([2, 4]), r.randint(1, groups)
+    top_k = r.choice([k for k in (1, 2, 4) if k <= kept * per_group])  # as released configs
     config = {
         "vocab_size": VOCAB,
         "hidden_size": r.choice([32, 64]),
@@ -361,10 +363,10 @@ def deepseek_v3(r):
         "qk_nope_head_dim": r.choice([8, 16]),
         "qk_rope_head_dim": r.choice([4, 8]),
         "v_head_dim": r.choice([8, 16]),
-        "n_routed_experts": groups * r.choice([2, 4]),
-        "num_experts_per_tok": r.choice([1, 2, 4]),
+        "n_routed_experts": groups * per_group,
+        "num_experts_per_tok": top_k,
         "n_group": groups,
-        "topk_group": r.randint(1, groups),
+        "topk_group": kept,
         "moe_intermediate_size": r.choice([16, 32]),
         "n_shared_experts": r.choice([1, 2]),
         "first_k_dense_replace": r.randint(0, 2),
