@@ -510,7 +510,11 @@ def make(family: str, seed: int, out: Path) -> dict:
     model = (model.to(torch.bfloat16) if bf16 else model.float()).eval()
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
-    model = model.float()  # the references: float32 from the stored (maybe bf16) weights
+    # The references: float32 from the stored (maybe bf16) weights, read back as a user would
+    # (a float cast in place would keep RoPE's inverse frequencies rounded to bf16).
+    model = getattr(transformers, drawn.model_class).from_pretrained(
+        out, dtype=torch.float32, attn_implementation="eager"
+    )
     lengths = [r.randint(1, 12), r.choice([20, 70, 130]), r.randint(1, 30), r.randint(5, 20)]
     prompts = [[r.randrange(1, VOCAB) for _ in range(n)] for n in lengths]
     logits = np.zeros((len(prompts), max(lengths), VOCAB), np.float32)
