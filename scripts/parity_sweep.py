@@ -7,7 +7,7 @@ each as transformers saves it, and checks the project's logits and greedy tokens
 named. It runs in two environments, as the golden scripts do:
 
 ``make`` (the torch venv of ``tests/golden/README.md``) draws the config of each (family, seed)
-from the seed alone, randomizes every weight (the golden scripts' schemes), saves the checkpoint
+from the seed alone, randomizes every weight (the golden scripts' randomizers), saves the checkpoint
 and its references: each prompt's float32 logits alone, and 4 greedy tokens by recomputation
 (transformers' cache raises on some Nemotron-H patterns) with their smallest top-2 gap::
 
@@ -56,7 +56,7 @@ DEFAULT_OUT = Path("/tmp/parity-sweep")
 @dataclasses.dataclass(frozen=True)
 class Draw:
     """One drawn configuration: transformers' config and model class names, the config's
-    keys, and the weights' scheme ("generic", "one_plus" for `1 + w` norms, or a family's)."""
+    keys, the weights' scheme (`RANDOMIZERS`), and whether it has experts."""
 
     config_class: str
     model_class: str
@@ -192,7 +192,7 @@ def gemma3(r):
         ),
         "final_logit_softcapping": None,
     }
-    return Draw("Gemma3TextConfig", "Gemma3ForCausalLM", config, "one_plus")
+    return Draw("Gemma3TextConfig", "Gemma3ForCausalLM", config)
 
 
 def olmo2(r):
@@ -290,17 +290,17 @@ def qwen3_next(r):
         "decoder_sparse_step": r.choice([1, 1, 2]),
         "mlp_only_layers": _sparse_layers(r, config["num_hidden_layers"]),
     }
-    return Draw("Qwen3NextConfig", "Qwen3NextForCausalLM", config, "one_plus", moe=True)
+    return Draw("Qwen3NextConfig", "Qwen3NextForCausalLM", config, "gated_deltanet", moe=True)
 
 
 def qwen3_5(r):
     config = _gated_deltanet(r) | {"intermediate_size": r.choice([48, 96])}
-    return Draw("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", config, "one_plus")
+    return Draw("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", config, "gated_deltanet")
 
 
 def qwen3_5_moe(r):
     config = _gated_deltanet(r) | _gated_deltanet_experts(r)
-    return Draw("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", config, "one_plus", moe=True)
+    return Draw("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", config, "gated_deltanet", moe=True)
 
 
 def kimi_linear(r):
@@ -333,7 +333,7 @@ def kimi_linear(r):
         "max_position_embeddings": 512,
         "tie_word_embeddings": r.random() < 0.3,  # transformers never ties Kimi-Linear's head
     }
-    return Draw("KimiLinearConfig", "KimiLinearForCausalLM", config, moe=True)
+    return Draw("KimiLinearConfig", "KimiLinearForCausalLM", config, "kimi_linear", moe=True)
 
 
 def deepseek_v3(r):
@@ -449,47 +449,22 @@ def _script(name: str):
     return module
 
 
-def randomize(model, seed: int, scheme: str) -> None:
-    """Every parameter random (the golden scripts' schemes), so a wrong layout or sum shows."""
-    import torch
+RANDOMIZERS = {
+    "generic": ("make_golden", "randomize_"),
+    "gated_deltanet": ("make_golden_qwen3_next", "randomize_qwen3_next_"),
+    "kimi_linear": ("make_golden_kimi_linear", "randomize_kimi_linear_"),
+    "apertus": ("make_golden_apertus_arcee", "randomize_apertus_"),
+    "gpt_oss": ("make_golden_gpt_oss", "randomize"),
+    "nemotron_h": ("make_golden_nemotron_h", "randomize_nemotron_"),
+}
+"""Each weight scheme's golden script and function: every parameter random, so a wrong layout
+or sum shows."""
 
-    if scheme == "apertus":
-        return _script("make_golden_apertus_arcee").randomize_apertus_(model, seed)
-    if scheme == "gpt_oss":
-        return _script("make_golden_gpt_oss").randomize(model, seed)
-    if scheme == "nemotron_h":
-        return _script("make_golden_nemotron_h").randomize_nemotron_(model, seed)
-    gen = torch.Generator().manual_seed(seed)
-    tensors = dict(model.named_parameters()) | {
-        n: b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")
-    }
-    with torch.no_grad():
-        for name, p in sorted(tensors.items()):
-            noise = torch.randn(p.shape, generator=gen)
-            uniform = torch.rand(p.shape, generator=gen)
-            leaf = name.rsplit(".", 1)[-1]
-            if name.endswith(("linear_attn.norm.weight", "o_norm.weight")):  # gated norms: w
-                p.copy_(1.0 + 0.2 * noise)
-            elif name.endswith("norm.weight"):
-                p.copy_((0.0 if scheme == "one_plus" else 1.0) + 0.2 * noise)
-            elif "embed_tokens" in name:
-                p.copy_(noise)
-            elif leaf == "A_log":
-                p.copy_(torch.log(0.5 + 3.5 * uniform))
-            elif leaf == "dt_bias":
-                p.copy_(-2.0 + 2.0 * uniform)
-            elif leaf == "e_score_correction_bias":
-                p.copy_(0.3 * noise)
-            elif name.endswith("conv1d.weight"):  # [channels, 1, K]
-                p.copy_(noise / math.sqrt(p.shape[-1]))
-            elif leaf.endswith("bias"):
-                p.copy_(0.5 * noise)
-            elif p.ndim == 2:  # nn.Linear [out, in]
-                p.copy_(noise / math.sqrt(p.shape[1]))
-            elif p.ndim == 3 and "experts" in name:  # [experts, out, in]
-                p.copy_(noise / math.sqrt(p.shape[2]))
-            else:
-                raise ValueError(f"unexpected parameter {name} {tuple(p.shape)}")
+
+def randomize(model, seed: int, scheme: str) -> None:
+    """Overwrites every parameter of `model` by the golden scripts' `scheme`."""
+    module, function = RANDOMIZERS[scheme]
+    getattr(_script(module), function)(model, seed)
 
 
 def make(family: str, seed: int, out: Path) -> dict:
