@@ -33,12 +33,15 @@ class Family(Protocol):
       image_text_architectures: The image-text architectures whose language model it is
         (`models.config.multimodal`): their checkpoints load as this family's model.
       config_defaults: transformers' defaults of the keys a sparse `config.json` leaves out.
+      ties_head: transformers ties its LM head to the embeddings where `tie_word_embeddings`
+        says so (False: its model reads `lm_head.weight` whatever the key says).
     """
 
     architectures: ClassVar[tuple[str, ...]]
     model_type: ClassVar[str]
     image_text_architectures: ClassVar[tuple[str, ...]]
     config_defaults: ClassVar[Mapping[str, Any]]
+    ties_head: ClassVar[bool]
 
     @classmethod
     def check_config(cls, config: DecoderConfig) -> None:

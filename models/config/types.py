@@ -432,7 +432,13 @@ class DecoderConfig:
             )
         self._check_hybrid()
         self._check_mla()
-        registry.family_named(self.architecture).check_config(self)
+        family = registry.family_named(self.architecture)
+        if self.tie_word_embeddings and not family.ties_head:
+            raise ValueError(
+                f"{self.architecture} has its own LM head (transformers never ties it to the "
+                "embeddings); got tie_word_embeddings=True"
+            )
+        family.check_config(self)
 
     def _check_hybrid(self) -> None:
         hybrid = self.hybrid

@@ -42,6 +42,9 @@ class FamilyBase:
       lora: It builds LoRA adapter stacks (`BuildOptions.lora`) on its attention and MLP
         projections (a family with experts: on its attention only).
       mlp_biases: Its dense MLP adds the biases `DecoderConfig.mlp_bias` asks for.
+      ties_head: transformers ties its LM head to the embeddings where `tie_word_embeddings`
+        says so; a family whose transformers model never does refuses a tied config
+        (`DecoderConfig`).
     """
 
     architectures: ClassVar[tuple[str, ...]] = ()
@@ -57,6 +60,7 @@ class FamilyBase:
     captures_hidden_states: ClassVar[bool] = True
     lora: ClassVar[bool] = False
     mlp_biases: ClassVar[bool] = False
+    ties_head: ClassVar[bool] = True
 
     @classmethod
     def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:

@@ -297,6 +297,7 @@ class KimiLinearForCausalLM(DeepseekCausalLM):
     dense_layers_first = False  # mlp_layer_types names each layer's kind
     hyper_connections = False
     captures_hidden_states = False
+    ties_head = False
 
     @classmethod
     def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:
@@ -308,14 +309,8 @@ class KimiLinearForCausalLM(DeepseekCausalLM):
 
     @classmethod
     def check_config(cls, config: DecoderConfig) -> None:
-        """DeepSeek's facts, an LM head of its own, and Kimi Delta Attention on its linear
-        layers."""
+        """DeepSeek's facts, and Kimi Delta Attention on its linear layers."""
         super().check_config(config)
-        if config.tie_word_embeddings:
-            raise ValueError(
-                f"{config.architecture} has its own LM head (transformers never ties it to the "
-                "embeddings); got tie_word_embeddings=True"
-            )
         linear = config.linear_attention
         if linear is None or not isinstance(linear.spec, KimiDeltaSpec):
             raise ValueError(

@@ -361,6 +361,7 @@ class NemotronHForCausalLM(MoeCausalLM):
     architectures = (ARCHITECTURE,)
     model_type = "nemotron_h"
     quantizable = False
+    ties_head = False
     hyper_connections = False
     captures_hidden_states = False
 
@@ -375,17 +376,12 @@ class NemotronHForCausalLM(MoeCausalLM):
     @classmethod
     def check_config(cls, config: DecoderConfig) -> None:
         """A hybrid stack's config: its layer pattern (`hybrid`), no `moe` (its MoE layers'
-        facts are the pattern's), no MLP biases and an LM head of its own."""
+        facts are the pattern's) and no MLP biases."""
         if config.hybrid is None or config.moe is not None or config.mlp_bias:
             raise ValueError(
                 f"{config.architecture} needs hybrid layer settings and takes no MoE settings or "
                 f"MLP biases; got hybrid={config.hybrid!r}, moe={config.moe!r}, "
                 f"mlp_bias={config.mlp_bias}"
-            )
-        if config.tie_word_embeddings:
-            raise ValueError(
-                f"{config.architecture} has its own LM head (transformers never ties it to the "
-                "embeddings); got tie_word_embeddings=True"
             )
 
     @classmethod
