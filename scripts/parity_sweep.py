@@ -24,7 +24,9 @@ build)::
 A layout is ``DP.TP`` then any of ``.epN`` (experts over N ranks, gathered rows), ``.epNa``
 (all-to-all), ``.s`` (input-scattered rows), ``.ppN`` (pipeline stages) and ``.scan``
 (scanned layers), e.g. ``2.2.ep4a``; the default list is every family's, plus the expert
-layouts for the MoE families. ``check`` exits 1 when a layout is ``BAD``.
+layouts for the MoE families. ``check`` exits 1 when a layout is ``BAD``; either command
+exits 2 with one line for bad arguments, a folder that is not a sweep checkpoint (``make`` also
+writes ``sweep.json``), an unwritable ``--out`` or an interrupt.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import importlib.util
 import json
 import math
 import random
+import shutil
 import sys
 import time
 import zlib
@@ -51,6 +54,8 @@ NEAR_TIE = 1e-3
 LAYOUTS = ("1.1", "1.2", "1.4", "2.2", "1.4.s", "8.1", "1.8", "4.2", "1.2.pp2", "2.2.pp2")
 MOE_LAYOUTS = ("1.4.ep4", "2.2.ep4a", "1.8.ep8a", "1.2.ep2a", "2.2.ep2", "4.2.ep8a")
 DEFAULT_OUT = Path("/tmp/parity-sweep")
+SWEEP_FILE = "sweep.json"
+CHECK_FILES = ("config.json", "prompts.json", "reference.npz", SWEEP_FILE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -469,7 +474,21 @@ def randomize(model, seed: int, scheme: str) -> None:
 
 def make(family: str, seed: int, out: Path) -> dict:
     """Writes the checkpoint of (family, seed) to `out` (bf16 for even seeds) with
-    `prompts.json` and `reference.npz`; returns the drawn config."""
+    `prompts.json`, `reference.npz` and `sweep.json` (its family, seed and whether it has
+    experts); returns the drawn config. The files are written beside `out` and moved there
+    whole, so an interrupted run leaves no half-written checkpoint."""
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        made = _write(family, seed, partial)
+        shutil.rmtree(out, ignore_errors=True)
+        partial.rename(out)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return made
+
+
+def _write(family: str, seed: int, out: Path) -> dict:
     import torch
     import transformers
 
@@ -516,7 +535,9 @@ def make(family: str, seed: int, out: Path) -> dict:
         gaps=np.array(gaps),
         lengths=np.array(lengths),
     )
-    return {"family": family, "seed": seed, "bf16": bf16} | drawn.config
+    made = {"family": family, "seed": seed, "bf16": bf16, "moe": drawn.moe}
+    (out / SWEEP_FILE).write_text(json.dumps(made))
+    return made | drawn.config
 
 
 # --------------------------------------------------------------------------------------------
@@ -524,37 +545,65 @@ def make(family: str, seed: int, out: Path) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
-def runner(checkpoint: Path, layout: str):
-    """The project's runner of `checkpoint` on `layout` (module docstring)."""
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A mesh and its options, as `DP.TP[.epN[a]][.s][.ppN][.scan]` names them."""
+
+    text: str
+    dp: int
+    tp: int
+    ep: int = 1
+    all_to_all: bool = False
+    scattered: bool = False
+    pp: int = 1
+    scan: bool = False
+    experts: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> Layout:
+        """Raises ValueError for text not in the form above (argparse's type)."""
+        pieces, fields = text.split("."), {}
+        try:
+            fields.update(dp=int(pieces[0]), tp=int(pieces[1]))
+            for part in pieces[2:]:
+                if part.startswith("ep"):
+                    fields.update(ep=int(part[2:].removesuffix("a")), experts=True)
+                    fields["all_to_all"] = part.endswith("a")
+                elif part.startswith("pp"):
+                    fields["pp"] = int(part[2:])
+                elif part in ("s", "scan"):
+                    fields["scattered" if part == "s" else "scan"] = True
+                else:
+                    raise ValueError(part)
+        except (ValueError, IndexError):
+            raise ValueError(f"not a layout (DP.TP[.epN[a]][.s][.ppN][.scan]): {text!r}") from None
+        if min(fields["dp"], fields["tp"], fields.get("ep", 1), fields.get("pp", 1)) < 1:
+            raise ValueError(f"a layout's sizes are >= 1: {text!r}")
+        return cls(text, **fields)
+
+
+def runner(checkpoint: Path, layout: Layout):
+    """The project's runner of `checkpoint` on `layout`."""
     import boundary_jax as bj
     from models.build import load_model
     from models.options import BuildOptions
     from models.pipeline import PipelineCausalLM, load_pipeline
     from models.serving.runtime import ShardedCausalLM
 
-    dp, tp, *parts = layout.split(".")
-    ep, pp, dispatch, scattered, scan = 1, 1, None, False, False
-    for part in parts:
-        if part.startswith("ep"):
-            dispatch = bj.MoeDispatch.ALL_TO_ALL if part.endswith("a") else bj.MoeDispatch.GATHER
-            ep = int(part[2:].rstrip("a"))
-        elif part.startswith("pp"):
-            pp = int(part[2:])
-        elif part in ("s", "scan"):
-            scattered, scan = scattered or part == "s", scan or part == "scan"
-        else:
-            raise ValueError(f"unknown layout part {part!r} in {layout!r}")
-    topology = bj.Topology(pp=pp, attn_dp=int(dp), attn_tp=int(tp), moe_ep=ep)
+    topology = bj.Topology(pp=layout.pp, attn_dp=layout.dp, attn_tp=layout.tp, moe_ep=layout.ep)
     mesh = bj.make_mesh(topology)
-    options = BuildOptions(moe_dispatch=dispatch, scan_layers=scan)
-    if pp > 1:
-        stages = load_pipeline(checkpoint, mesh, options, moe_ep=ep)
+    dispatch = bj.MoeDispatch.ALL_TO_ALL if layout.all_to_all else bj.MoeDispatch.GATHER
+    options = BuildOptions(
+        moe_dispatch=dispatch if layout.experts else None, scan_layers=layout.scan
+    )
+    if layout.pp > 1:
+        stages = load_pipeline(checkpoint, mesh, options, moe_ep=layout.ep)
         return PipelineCausalLM(stages, mesh, microbatches=2)
-    model = load_model(checkpoint, mesh, options, moe_ep=ep)
-    return ShardedCausalLM(model, mesh, input_scattered=scattered)
+    model = load_model(checkpoint, mesh, options, moe_ep=layout.ep)
+    return ShardedCausalLM(model, mesh, input_scattered=layout.scattered)
 
 
-def check(checkpoint: Path, layouts: tuple[str, ...]) -> int:
+def check(checkpoint: Path, layouts: tuple[Layout, ...]) -> int:
     """Prints one line per layout; returns how many were BAD."""
     prompts = json.loads((checkpoint / "prompts.json").read_text())
     reference = np.load(checkpoint / "reference.npz")
@@ -569,7 +618,7 @@ def check(checkpoint: Path, layouts: tuple[str, ...]) -> int:
             got = run.forward(prompts)
             tokens = np.asarray(run.generate(prompts, NEW_TOKENS))
         except (ValueError, NotImplementedError) as error:
-            print(f"{checkpoint.name} {layout}: ERR {str(error).splitlines()[0][:240]}")
+            print(f"{checkpoint.name} {layout.text}: ERR {str(error).splitlines()[0][:240]}")
             continue
         error = float(np.max(np.abs(got - want))) / largest
         tail = any(np.any(got[i, n:]) for i, n in enumerate(lengths))
@@ -579,11 +628,21 @@ def check(checkpoint: Path, layouts: tuple[str, ...]) -> int:
         detail = f"error {error:.1e}" + ("" if same else f", tokens {tokens.tolist()}")
         detail += ", rows past an end" if tail else ""
         seconds = time.time() - start
-        print(f"{checkpoint.name} {layout}: {'ok' if ok else 'BAD'} {detail} ({seconds:.0f} s)")
+        verdict = "ok" if ok else "BAD"
+        print(f"{checkpoint.name} {layout.text}: {verdict} {detail} ({seconds:.0f} s)")
     return bad
 
 
+def _layout_argument(text: str) -> Layout:
+    try:
+        return Layout.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def main() -> int:
+    """Exit 0 (all ok), 1 (a layout BAD) or 2 (bad arguments, files or an interrupt), the last
+    two with one line saying why."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     made = commands.add_parser("make", help="draw and write checkpoints (torch environment)")
@@ -592,22 +651,43 @@ def main() -> int:
     made.add_argument("--out", type=Path, default=DEFAULT_OUT)
     checked = commands.add_parser("check", help="load and compare (the project's environment)")
     checked.add_argument("checkpoints", nargs="+", type=Path)
-    checked.add_argument("--layouts", nargs="+", default=None, help="default: module docstring")
+    checked.add_argument(
+        "--layouts",
+        nargs="+",
+        type=_layout_argument,
+        default=None,
+        help="default: module docstring",
+    )
     args = parser.parse_args()
-    if args.command == "make":
-        for family in args.families:
-            for seed in args.seeds:
-                print(json.dumps(make(family, seed, args.out / f"{family}-{seed}")))
-        return 0
-    import jax
+    try:
+        if args.command == "make":
+            try:
+                args.out.mkdir(parents=True, exist_ok=True)
+                (args.out / ".written").touch()
+                (args.out / ".written").unlink()
+            except OSError as error:
+                parser.error(f"--out {args.out} is not a writable folder: {error.strerror}")
+            for family in args.families:
+                for seed in args.seeds:
+                    print(json.dumps(make(family, seed, args.out / f"{family}-{seed}")))
+            return 0
+        sweeps = {}
+        for checkpoint in args.checkpoints:
+            missing = [name for name in CHECK_FILES if not (checkpoint / name).is_file()]
+            if missing:
+                parser.error(f"{checkpoint} is not a sweep checkpoint: no {', '.join(missing)}")
+            sweeps[checkpoint] = json.loads((checkpoint / SWEEP_FILE).read_text())
+        import jax
 
-    jax.config.update("jax_num_cpu_devices", 8)
-    bad = 0
-    for checkpoint in args.checkpoints:
-        family = checkpoint.name.rsplit("-", 1)[0]
-        moe = family in FAMILIES and draw(family, int(checkpoint.name.rsplit("-", 1)[1]))[0].moe
-        bad += check(checkpoint, tuple(args.layouts or LAYOUTS + MOE_LAYOUTS * moe))
-    return 1 if bad else 0
+        jax.config.update("jax_num_cpu_devices", 8)
+        bad = 0
+        for checkpoint, sweep in sweeps.items():
+            layouts = LAYOUTS + MOE_LAYOUTS * sweep["moe"]
+            bad += check(checkpoint, tuple(args.layouts or map(Layout.parse, layouts)))
+        return 1 if bad else 0
+    except KeyboardInterrupt:
+        print("parity_sweep: interrupted", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
