@@ -102,6 +102,59 @@ class KVCache:
     v: jax.Array
     positions: jax.Array | None = None
 
+    def put_rows(
+        self,
+        k: jax.Array,
+        v: jax.Array,
+        slots: jax.Array,
+        index: jax.Array,
+        positions: jax.Array | None = None,
+    ) -> KVCache:
+        """Row i's key and value into slot `slots[i]` (-1: not written) at row `index[i]` of the
+        slot, and under context parallelism its position with them; rows past the end drop."""
+        # Padding rows point past the last slot, each at its own row index, so every index is
+        # distinct (XLA may then scatter without atomics) and the out-of-range ones drop.
+        valid = slots >= 0
+        slot = jnp.where(valid, slots, self.k.shape[0])
+        index = jnp.where(valid, index, jnp.arange(index.shape[0], dtype=index.dtype))
+
+        def put(values: jax.Array, new: jax.Array) -> jax.Array:
+            return values.at[slot, index].set(
+                new.astype(values.dtype), mode="drop", unique_indices=True
+            )
+
+        return KVCache(
+            k=put(self.k, k),
+            v=put(self.v, v),
+            positions=None if self.positions is None else put(self.positions, positions),
+        )
+
+    def put_windows(
+        self, k: jax.Array, v: jax.Array, segment_ids: jax.Array, window_rows: int
+    ) -> KVCache:
+        """A PREFILL's keys and values whose rows are windows of `window_rows` rows, each one
+        sequence's from its first row or padding (`TokenRows.window_rows`): each sequence's
+        window goes whole into its slot from row 0, one block per window where `put_rows`
+        moves row by row. Needs `window_rows` <= the cache's rows, and no CP positions."""
+        if window_rows > self.k.shape[1] or self.positions is not None:
+            raise ValueError(
+                f"window writes need windows ({window_rows} rows) within the cache's "
+                f"{self.k.shape[1]} rows and a cache without CP positions"
+            )
+        windows = segment_ids.shape[0] // window_rows
+        first = segment_ids[: windows * window_rows : window_rows]
+        # A padding window points past the last slot, each at its own slot, and drops.
+        beyond = self.k.shape[0] + jnp.arange(windows, dtype=first.dtype)
+        slot = jnp.where(first >= 0, first, beyond)
+
+        def put(values: jax.Array, new: jax.Array) -> jax.Array:
+            blocks = new[: windows * window_rows].reshape(windows, window_rows, *new.shape[1:])
+            return values.at[slot, :window_rows].set(
+                blocks.astype(values.dtype), mode="drop", unique_indices=True
+            )
+
+        return KVCache(k=put(self.k, k), v=put(self.v, v))
+
     @staticmethod
     def rows_per_cp_rank(max_len: int, cp: int) -> int:
         """Rows of each slot that one of `cp` CP ranks holds for `max_len` positions: its

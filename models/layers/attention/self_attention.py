@@ -363,7 +363,7 @@ class Attention(nnx.Module):
             out, cache = self._context_parallel(q, k, v, positions, segment_ids, cache, phase)
         elif phase is RowsPhase.PREFILL:
             if cache is not None:
-                cache = self._write(cache, k, v, segment_ids, positions)
+                cache = self._write(cache, k, v, segment_ids, positions, window_rows=window_rows)
             if cudnn:
                 out = prefill_attention_cudnn(
                     q,
@@ -571,10 +571,14 @@ class Attention(nnx.Module):
         segment_ids: jax.Array,
         index: jax.Array,
         positions: jax.Array | None = None,
+        *,
+        window_rows: int | None = None,
     ) -> KVCache:
         """Row i's key and value into cache slot `segment_ids[i]` (-1: not written), at row
         `index[i]` of the slot; under context parallelism its position goes with it
-        (`KVCache.positions`). Rows past the cache's end are not stored."""
+        (`KVCache.positions`). Rows past the cache's end are not stored. `window_rows`: the
+        rows are a PREFILL's windows (`TokenRows.window_rows`), written window by window where
+        they fit the cache."""
         expected = (self.heads.local_kv_heads, self.spec.head_dim)
         if cache.k.shape[2:] != expected or cache.v.shape != cache.k.shape:
             raise ValueError(
@@ -582,19 +586,6 @@ class Attention(nnx.Module):
                 f"(local kv heads, head_dim)={expected}; got k {cache.k.shape}, v "
                 f"{cache.v.shape}. Pass KVCache.specs(topology) as the cache's shard_map spec."
             )
-        # Padding rows point past the last slot, each at its own row index, so every index is
-        # distinct (XLA may then scatter without atomics) and the out-of-range ones drop.
-        valid = segment_ids >= 0
-        slot = jnp.where(valid, segment_ids, cache.k.shape[0])
-        index = jnp.where(valid, index, jnp.arange(index.shape[0], dtype=index.dtype))
-
-        def put(values: jax.Array, new: jax.Array) -> jax.Array:
-            return values.at[slot, index].set(
-                new.astype(values.dtype), mode="drop", unique_indices=True
-            )
-
-        return KVCache(
-            k=put(cache.k, k),
-            v=put(cache.v, v),
-            positions=None if cache.positions is None else put(cache.positions, positions),
-        )
+        if window_rows is not None and window_rows <= cache.k.shape[1] and positions is None:
+            return cache.put_windows(k, v, segment_ids, window_rows)
+        return cache.put_rows(k, v, segment_ids, index, positions)
