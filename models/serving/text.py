@@ -46,9 +46,12 @@ UNREAD_TOKENIZER_FILES = (
     "vocab.json",
     "merges.txt",
     "vocab.txt",
+    "tiktoken.model",
 )
 """Tokenizer files of other formats: a checkpoint holding one but no `tokenizer.json` has a
-tokenizer this reader cannot use (rather than none)."""
+tokenizer this reader cannot use (rather than none). Kimi-Linear ships a tiktoken vocabulary
+(`tiktoken.model`) with its own Python tokenizer, which transformers does not save as
+`tokenizer.json`; transformers' `TikTokenConverter` writes one."""
 TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token")
 """The special tokens a chat template sees by name, as in transformers."""
 
@@ -207,13 +210,20 @@ def text_codec(checkpoint: str | Path | None, vocab_size: int) -> TextCodec:
 
     Raises:
       ValueError: The checkpoint has a tokenizer in another format only (e.g. a SentencePiece
-        `tokenizer.model`), or bytes do not fit the vocabulary.
+        `tokenizer.model` or a tiktoken `tiktoken.model`), or bytes do not fit the vocabulary.
     """
     if checkpoint is not None:
         directory = Path(checkpoint)
         if (directory / TOKENIZER_FILE).is_file():
             return TokenizerCodec.from_directory(directory)
         others = [name for name in UNREAD_TOKENIZER_FILES if (directory / name).is_file()]
+        if others == ["tiktoken.model"]:
+            raise ValueError(
+                f"{directory} has a tiktoken vocabulary (tiktoken.model) but no {TOKENIZER_FILE}; "
+                "write one with transformers: convert_slow_tokenizer.TikTokenConverter(vocab_file="
+                "DIR/tiktoken.model, pattern=the model's split pattern, extra_special_tokens=its "
+                "special tokens).converted().save(DIR/tokenizer.json)"
+            )
         if others:
             raise ValueError(
                 f"{directory} has a tokenizer in {others} but no {TOKENIZER_FILE}; write one with "

@@ -145,6 +145,23 @@ def test_a_byte_level_tokenizer_streams_whole_characters(tmp_path):
     assert len(ids) > len(text)  # the CJK characters took several byte tokens each
 
 
+@pytest.mark.parametrize(
+    ("name", "advice"),
+    [
+        ("tokenizer.model", r"AutoTokenizer\.from_pretrained"),
+        ("tiktoken.model", r"TikTokenConverter\(vocab_file="),
+    ],
+)
+def test_a_tokenizer_in_another_format_is_refused_not_read_as_bytes(tmp_path, name, advice):
+    """A checkpoint whose tokenizer is a SentencePiece or tiktoken file and no tokenizer.json
+    (Kimi-Linear ships `tiktoken.model`) is refused with how to write one, though its
+    vocabulary could hold UTF-8 bytes; without any tokenizer file the same model reads bytes."""
+    assert isinstance(text_codec(tmp_path, vocab_size=163840), ByteCodec)
+    (tmp_path / name).write_bytes(b"aGVsbG8= 0\n")
+    with pytest.raises(ValueError, match=f"{name}.* but no tokenizer.json; .*{advice}"):
+        text_codec(tmp_path, vocab_size=163840)
+
+
 def test_forward_takes_text_as_generate_does(tmp_path):
     """forward --prompt writes transformers' logits of the encoded prompt."""
     case = CASES["stops"]
