@@ -101,6 +101,9 @@ def make_fixtures(tmp: Path) -> Path:
     sentencepiece = checkpoint("sentencepiece", text)
     sentencepiece.joinpath("tokenizer.json").unlink()
     sentencepiece.joinpath("tokenizer.model").write_bytes(b"\x00")
+    tiktoken = checkpoint("tiktoken", text)
+    tiktoken.joinpath("tokenizer.json").unlink()
+    tiktoken.joinpath("tiktoken.model").write_text("aGk= 0\n")
     (tmp / "ids.json").write_text("[[1, 2, 3], [4, 5]]")
     (tmp / "not_json.json").write_text("1 2 3")
     (tmp / "strings.json").write_text('[[1, 2], [3, "a"]]')
@@ -191,6 +194,9 @@ CASES = (
     _case(F, "a SentencePiece tokenizer without tokenizer.json",
           "generate --checkpoint {tmp}/sentencepiece --prompt hi --max-new-tokens 2",
           "has a tokenizer in .* but no tokenizer.json"),
+    _case(F, "a tiktoken vocabulary without tokenizer.json",
+          "generate --checkpoint {tmp}/tiktoken --prompt hi --max-new-tokens 2",
+          "has a tiktoken vocabulary .* but no tokenizer.json"),
     _case(F, "train text missing",
           "train --preset tiny-qwen3 --text {tmp}/none.txt --steps 2 --out {tmp}/o",
           "no text file or directory"),
