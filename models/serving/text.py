@@ -50,8 +50,8 @@ UNREAD_TOKENIZER_FILES = (
 )
 """Tokenizer files of other formats: a checkpoint holding one but no `tokenizer.json` has a
 tokenizer this reader cannot use (rather than none). Kimi-Linear ships a tiktoken vocabulary
-(`tiktoken.model`) with its own Python tokenizer, which transformers does not save as
-`tokenizer.json`; transformers' `TikTokenConverter` writes one."""
+(`tiktoken.model`) that its own Python tokenizer reads; transformers' `TikTokenConverter`
+writes a `tokenizer.json` from it."""
 TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token")
 """The special tokens a chat template sees by name, as in transformers."""
 
