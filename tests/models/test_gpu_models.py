@@ -105,3 +105,26 @@ def test_graphed_decode_loop_gives_the_blocked_loops_tokens(monkeypatch):
     monkeypatch.setattr(runtime, "decode_loop", lambda platform, capacity, devices: (4, None))
     blocked = ShardedCausalLM(model, mesh).generate(prompts, 23)
     np.testing.assert_array_equal(graphed, blocked)
+
+
+def test_prefill_does_not_concatenate_the_q_and_kv_weights():
+    """The prefill's q and kv products stay two products: merged by XLA's dot merger (they share
+    their input), they would concatenate both weights on every call; the decode loop keeps the
+    merge, whose concatenation it hoists out of the loop."""
+    prompts, _ = _golden("llama")
+    config = json.loads((GOLDEN / "llama" / "config.json").read_text())
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    merged = (heads + 2 * config["num_key_value_heads"]) * head_dim
+    mesh = bj.make_mesh(bj.Topology())
+    runner = ShardedCausalLM(
+        load_model(GOLDEN / "llama", mesh, BuildOptions(dtype=jnp.bfloat16)), mesh
+    )
+    compiled = runner.lower_forward(prompts).compile().as_text()
+    concatenated = [
+        line
+        for line in compiled.splitlines()
+        if "concatenate(" in line
+        and (f"[{hidden},{merged}]" in line or f"[{merged},{hidden}]" in line)
+    ]
+    assert not concatenated, concatenated[0]

@@ -326,7 +326,11 @@ class Attention(nnx.Module):
         q = q.reshape(rows, self.heads.local_heads, -1)
         # With an output gate, each head's q_proj columns are its query, then its gate.
         q, gate = q[..., :head_dim], q[..., head_dim:]
-        k, v = self._project_kv(h, adapters)
+        # Outside decode, XLA's GPU dot merger would join the q and kv products (they share h)
+        # by concatenating their weights on every call (GPT-OSS-20B's prefill: 22 us a layer,
+        # benchmarks/RESULTS.md runs 44-45); the decode loop hoists that concatenation out.
+        kv_input = h if phase is RowsPhase.DECODE else lax.optimization_barrier(h)
+        k, v = self._project_kv(kv_input, adapters)
         if self.spec.qk_norm is QkNorm.WHOLE_PROJECTION:
             q, k = self._whole_qk_norm(q, k)
         elif self.q_norm is not None:
