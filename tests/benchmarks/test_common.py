@@ -1,11 +1,14 @@
 """The benchmarks' shared helpers that decide what a table shows."""
 
+import gzip
+import json
+
 import jax
 import pytest
 
 from benchmarks import common
 from benchmarks.common import OUT_OF_MEMORY, hbm_bytes_per_s, header, ms_or_oom, ratio
-from benchmarks.name_kernels import moved_bytes
+from benchmarks.name_kernels import moved_bytes, trace_ops
 
 
 def _raise(message: str):
@@ -60,3 +63,32 @@ def test_the_roofline_bandwidth_is_the_faster_copy_measured_once(monkeypatch):
         assert calls == ["pass", "copy"]  # the header reused the measurement
     finally:
         hbm_bytes_per_s.cache_clear()
+
+
+def test_kernels_a_trace_leaves_without_a_module_count_under_the_case_s_module(tmp_path):
+    """A GPU stream's kernel without `hlo_module` counts under the module of the case's other
+    kernels; host events without one, and the XLA Ops line's copies, are left out."""
+    meta = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "Stream #7"}},
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 8, "args": {"name": "Stream #8"}},
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 9, "args": {"name": "XLA Ops"}},
+    ]
+    module = {"hlo_module": "jit_body"}
+    kernels = [
+        {"ph": "X", "pid": 1, "tid": 7, "name": "gemm", "dur": 300, "args": module},
+        {"ph": "X", "pid": 1, "tid": 7, "name": "gemm", "dur": 300, "args": module},
+        {"ph": "X", "pid": 1, "tid": 8, "name": "branch_kernel", "dur": 500, "args": {}},
+        {"ph": "X", "pid": 1, "tid": 8, "name": "branch_kernel", "dur": 700, "args": {}},
+        {"ph": "X", "pid": 1, "tid": 9, "name": "branch_kernel", "dur": 900, "args": {}},
+        {"ph": "X", "pid": 2, "tid": 1, "name": "PjitFunction", "dur": 4000, "args": {}},
+    ]
+    folder = tmp_path / "case" / "plugins"
+    folder.mkdir(parents=True)
+    with gzip.open(folder / "t.trace.json.gz", "wt") as stream:
+        json.dump({"traceEvents": meta + kernels}, stream)
+    assert trace_ops(tmp_path / "case", calls=2) == {
+        ("jit_body", "gemm"): [0.3, 1.0],
+        ("jit_body", "branch_kernel"): [0.6, 1.0],
+    }
