@@ -109,8 +109,7 @@ def test_graphed_decode_loop_gives_the_blocked_loops_tokens(monkeypatch):
 
 def test_prefill_does_not_concatenate_the_q_and_kv_weights():
     """The prefill's q and kv products stay two products: merged by XLA's dot merger (they share
-    their input), they would concatenate both weights on every call; the decode loop keeps the
-    merge, whose concatenation it hoists out of the loop."""
+    their input), they would concatenate both weights on every call."""
     prompts, _ = _golden("llama")
     config = json.loads((GOLDEN / "llama" / "config.json").read_text())
     hidden, heads = config["hidden_size"], config["num_attention_heads"]

@@ -328,7 +328,7 @@ class Attention(nnx.Module):
         q, gate = q[..., :head_dim], q[..., head_dim:]
         # Outside decode, XLA's GPU dot merger would join the q and kv products (they share h)
         # by concatenating their weights on every call (GPT-OSS-20B's prefill: 22 us a layer,
-        # benchmarks/RESULTS.md runs 44-45); the decode loop hoists that concatenation out.
+        # benchmarks/RESULTS.md runs 44-45). Decode keeps the merge: one product of few rows.
         kv_input = h if phase is RowsPhase.DECODE else lax.optimization_barrier(h)
         k, v = self._project_kv(kv_input, adapters)
         if self.spec.qk_norm is QkNorm.WHOLE_PROJECTION:
