@@ -40,18 +40,21 @@ TEXT_FILES = (
 )
 """The files beside a checkpoint's weights that say how text maps to ids and when generation
 stops (`train` keeps them in the checkpoint it writes)."""
-UNREAD_TOKENIZER_FILES = (
-    "tokenizer.model",
-    "spiece.model",
-    "vocab.json",
-    "merges.txt",
-    "vocab.txt",
-    "tiktoken.model",
-)
-"""Tokenizer files of other formats: a checkpoint holding one but no `tokenizer.json` has a
-tokenizer this reader cannot use (rather than none). Kimi-Linear ships a tiktoken vocabulary
-(`tiktoken.model`) that its own Python tokenizer reads; transformers' `TikTokenConverter`
-writes a `tokenizer.json` from it."""
+_SAVE_PRETRAINED = "AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)"
+UNREAD_TOKENIZER_FILES = {
+    "tokenizer.model": _SAVE_PRETRAINED,
+    "spiece.model": _SAVE_PRETRAINED,
+    "vocab.json": _SAVE_PRETRAINED,
+    "merges.txt": _SAVE_PRETRAINED,
+    "vocab.txt": _SAVE_PRETRAINED,
+    "tiktoken.model": "convert_slow_tokenizer.TikTokenConverter(vocab_file=DIR/tiktoken.model, "
+    "pattern=the model's split pattern, extra_special_tokens=its special tokens).converted()"
+    ".save(DIR/tokenizer.json)",
+}
+"""Tokenizer files of other formats, each with how transformers writes a `tokenizer.json` from
+it: a checkpoint holding one but no `tokenizer.json` has a tokenizer this reader cannot use
+(rather than none). Kimi-Linear ships a tiktoken vocabulary (`tiktoken.model`) that its own
+Python tokenizer reads."""
 TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token")
 """The special tokens a chat template sees by name, as in transformers."""
 
@@ -217,17 +220,10 @@ def text_codec(checkpoint: str | Path | None, vocab_size: int) -> TextCodec:
         if (directory / TOKENIZER_FILE).is_file():
             return TokenizerCodec.from_directory(directory)
         others = [name for name in UNREAD_TOKENIZER_FILES if (directory / name).is_file()]
-        if others == ["tiktoken.model"]:
-            raise ValueError(
-                f"{directory} has a tiktoken vocabulary (tiktoken.model) but no {TOKENIZER_FILE}; "
-                "write one with transformers: convert_slow_tokenizer.TikTokenConverter(vocab_file="
-                "DIR/tiktoken.model, pattern=the model's split pattern, extra_special_tokens=its "
-                "special tokens).converted().save(DIR/tokenizer.json)"
-            )
         if others:
             raise ValueError(
                 f"{directory} has a tokenizer in {others} but no {TOKENIZER_FILE}; write one with "
-                "transformers: AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)"
+                f"transformers: {UNREAD_TOKENIZER_FILES[others[0]]}"
             )
     if vocab_size < 256:
         raise ValueError(
