@@ -1,12 +1,12 @@
 """Decode-sized weight matmuls on one GPU: XLA against a split-K Pallas kernel (issue 8).
 
-A decode step at TP 2 multiplies 8-64 rows by each layer's weight shard; those matmuls read
-the weights once and are bound by HBM. This measures how close XLA's own kernels come to the
-bandwidth, for the Llama-3-8B shapes a TP 2 rank holds, with the projections separate (as the
-models keep them) and fused (q/k/v in one matrix, gate/up in one), and against a Pallas Triton
-kernel that splits K over programs so that even a narrow N fills the GPU.
+A decode step multiplies 8-64 rows by each layer's weight shard; those matmuls read the
+weights once and are bound by HBM. This measures how close XLA's own kernels come to the
+bandwidth (its default choice, and cuBLAS alone), for the Llama-3-8B shapes a TP rank holds,
+with the projections separate and fused (q/k/v in one matrix, gate/up in one), and against a
+Pallas Triton kernel that splits K over programs so that even a narrow N fills the GPU.
 
-    python3 -m benchmarks.bench_gemm            # on the GPU machine
+    python3 -m benchmarks.bench_gemm --tp 1     # on the GPU machine (default: TP 2's shards)
     python3 -m benchmarks.bench_gemm --smoke    # CPU: the kernel in interpret mode, tiny shapes
 """
 
@@ -22,18 +22,23 @@ from jax.experimental import pallas as pl
 
 from .common import header, kernel_ms, relative_error
 
-# Per-GPU shards of the Llama-3-8B shape at TP 2 (hidden 4096, 32 heads, 8 kv heads, head 128,
-# intermediate 14336, vocab 128256): (name, K, N).
-SHAPES = (
-    ("q", 4096, 2048),
-    ("k or v", 4096, 512),
-    ("qkv fused", 4096, 3072),
-    ("o", 2048, 4096),
-    ("gate or up", 4096, 7168),
-    ("gate+up fused", 4096, 14336),
-    ("down", 7168, 4096),
-    ("lm head", 4096, 64128),
-)
+
+def shapes(tp: int) -> tuple[tuple[str, int, int], ...]:
+    """(name, K, N) of each weight shard a TP `tp` rank holds at the Llama-3-8B shape (hidden
+    4096, 32 heads, 8 kv heads, head 128, intermediate 14336, vocab 128256)."""
+    q, kv, ffn, vocab = 4096 // tp, 1024 // tp, 14336 // tp, 128256 // tp
+    return (
+        ("q", 4096, q),
+        ("k or v", 4096, kv),
+        ("qkv fused", 4096, q + 2 * kv),
+        ("o", q, 4096),
+        ("gate or up", 4096, ffn),
+        ("gate+up fused", 4096, 2 * ffn),
+        ("down", ffn, 4096),
+        ("lm head", 4096, vocab),
+    )
+
+
 # (block_n, block_k, split_k, num_warps, num_stages)
 CONFIGS = (
     (128, 128, 1, 4, 4),
@@ -44,6 +49,10 @@ CONFIGS = (
     (256, 128, 4, 8, 4),
     (64, 128, 8, 4, 4),
     (256, 256, 2, 8, 3),
+    (64, 128, 4, 4, 4),
+    (128, 128, 2, 4, 4),
+    (128, 128, 8, 4, 4),
+    (64, 256, 8, 4, 3),
 )
 
 
@@ -90,6 +99,8 @@ def split_k_matmul(x: jax.Array, w: jax.Array, *, config: tuple, interpret: bool
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--tp", type=int, default=2, help="the TP size whose shards to time")
+    parser.add_argument("--rows", type=int, nargs="+", default=[8, 64])
     args = parser.parse_args()
     if args.smoke:
         x = jax.random.normal(jax.random.key(0), (8, 256), jnp.float32)
@@ -97,23 +108,29 @@ def main() -> None:
         got = split_k_matmul(x, w, config=(64, 64, 2, 4, 3), interpret=True)
         print("smoke rel err", relative_error(got, x @ w))
         return
-    print(header("decode-sized matmuls, one GPU"))
+    print(header(f"decode-sized matmuls, one GPU, TP {args.tp} shards"))
     xla = jax.jit(lambda x, w: x @ w)
-    columns = ("shape (K x N)", "M", "MB", "XLA us", "XLA TB/s", "best Pallas us", "TB/s")
-    print("| " + " | ".join((*columns, "config", "vs XLA")) + " |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for name, k, n in SHAPES:
+    columns = ("shape (K x N)", "M", "MB", "XLA us", "XLA TB/s", "cuBLAS us", "best Pallas us")
+    print("| " + " | ".join((*columns, "TB/s", "config", "vs XLA")) + " |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, k, n in shapes(args.tp):
         nbytes = k * n * 2
         copies = max(2, -(-240_000_000 // nbytes))
         ws = [
             jax.random.normal(jax.random.key(i), (k, n), jnp.bfloat16) / k**0.5
             for i in range(copies)
         ]
-        for m in (8, 64):
+        for m in args.rows:
             x = jax.random.normal(jax.random.key(99), (m, k), jnp.bfloat16)
             sets = [(x, w) for w in ws]
             want = xla(x, ws[0])
             base = kernel_ms(xla, sets)
+            cublas = (
+                jax.jit(lambda x, w: x @ w)
+                .lower(x, ws[0])
+                .compile(compiler_options={"xla_gpu_enable_triton_gemm": False})
+            )
+            cublas_ms = kernel_ms(cublas, sets)
             best = None
             for config in CONFIGS:
                 block_n, block_k, split_k = config[:3]
@@ -132,7 +149,7 @@ def main() -> None:
                 if best is None or ms < best[0]:
                     best = (ms, config)
             cells = [f"{name} ({k} x {n})", m, f"{nbytes / 1e6:.1f}"]
-            cells += [f"{base * 1e3:.1f}", f"{nbytes / base / 1e9:.2f}"]
+            cells += [f"{base * 1e3:.1f}", f"{nbytes / base / 1e9:.2f}", f"{cublas_ms * 1e3:.1f}"]
             if best is None:
                 cells += ["-", "-", "-", "-"]
             else:

@@ -107,17 +107,29 @@ def test_graphed_decode_loop_gives_the_blocked_loops_tokens(monkeypatch):
     np.testing.assert_array_equal(graphed, blocked)
 
 
-def test_prefill_does_not_concatenate_the_q_and_kv_weights():
+def _merged_width(config: dict) -> int:
+    """The output width of the q and kv products of `config`'s attention joined into one."""
+    heads = config["num_attention_heads"]
+    if "kv_lora_rank" in config:  # latent attention: q (or q_a) beside kv_a
+        latent = config["kv_lora_rank"] + config["qk_rope_head_dim"]
+        query = config["q_lora_rank"] or heads * (
+            config["qk_nope_head_dim"] + config["qk_rope_head_dim"]
+        )
+        return query + latent
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    return (heads + 2 * config["num_key_value_heads"]) * head_dim
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v2", "deepseek_v3"])
+def test_prefill_does_not_concatenate_the_q_and_kv_weights(family):
     """The prefill's q and kv products stay two products: merged by XLA's dot merger (they share
     their input), they would concatenate both weights on every call."""
-    prompts, _ = _golden("llama")
-    config = json.loads((GOLDEN / "llama" / "config.json").read_text())
-    hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    head_dim = config.get("head_dim") or hidden // heads
-    merged = (heads + 2 * config["num_key_value_heads"]) * head_dim
+    prompts, _ = _golden(family)
+    config = json.loads((GOLDEN / family / "config.json").read_text())
+    hidden, merged = config["hidden_size"], _merged_width(config)
     mesh = bj.make_mesh(bj.Topology())
     runner = ShardedCausalLM(
-        load_model(GOLDEN / "llama", mesh, BuildOptions(dtype=jnp.bfloat16)), mesh
+        load_model(GOLDEN / family, mesh, BuildOptions(dtype=jnp.bfloat16)), mesh
     )
     compiled = runner.lower_forward(prompts).compile().as_text()
     concatenated = [

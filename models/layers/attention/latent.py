@@ -40,6 +40,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from boundary_jax import RMSNorm, SumGroup, TokenAxis, Topology
@@ -266,7 +267,11 @@ class MultiHeadLatentAttention(nnx.Module):
                 "Pass LatentCache.specs(topology) as the cache's shard_map spec."
             )
         q_nope, q_rope = self._queries(h, positions)
-        latent = self._latent(h, positions)
+        # Outside decode, keep XLA's GPU dot merger from joining the q and kv_a products (they
+        # share h) by concatenating their weights on every call (benchmarks/RESULTS.md run 46).
+        latent = self._latent(
+            h if phase is RowsPhase.DECODE else lax.optimization_barrier(h), positions
+        )
         valid = segment_ids >= 0
         if phase is RowsPhase.PREFILL:
             if cache is not None:
