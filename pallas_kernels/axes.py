@@ -8,8 +8,8 @@ and Mosaic GPU's `plgpu.kernel` (so also JAX's Hopper `ragged_dot`) returns outp
 invariant whatever they hold. So each kernel here declares its outputs' varying axes: the
 wrappers read them from the kernel's reference (`reference_varying`), build `out_shape` with
 them (`output_type`) and re-type Mosaic GPU outputs (`mark_varying`). The interpreters run
-with the check off around them (`interpreted`). Outside `shard_map`, or with the check off,
-all of this is inert. The same public JAX API on 0.11.2 and 0.12.
+on operands typed invariant (`interpreted`, `index_operand`). Outside `shard_map`, or with the
+check off, all of this is inert. The same public JAX API on 0.11.2 and 0.12.
 """
 
 import functools
@@ -18,7 +18,6 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
 AxisName = str | tuple[str, ...]
 """A mesh axis, or a tuple of mesh axes, as `lax.psum` takes it."""
@@ -66,16 +65,29 @@ def mark_varying(value: jax.Array, varying: frozenset[str]) -> jax.Array:
     return lax.pcast(value, missing, to="varying") if missing else value
 
 
-def interpreted(kernel: Callable, reference: Callable) -> Callable:
-    """`kernel` run by a Pallas interpreter: inside `shard_map`, with the varying-axes check off
-    around it and its outputs typed as `reference`'s.
+def index_operand(axis_name: AxisName, *, interpret: bool) -> jax.Array:
+    """This device's linear index along `axis_name`, int32[1], for a kernel to read from SMEM.
 
-    The interpreters (HLO, TPU, Mosaic GPU) evaluate a kernel's body on its inputs' own types,
-    where an operation mixing a varying block with a constant fails the check. So the kernel
-    runs inside an inner `shard_map` over the already-manual axes (it makes no axis manual)
-    with `check_vma=False`, its inputs copied there (a copy made with the check off is typed
-    invariant); its outputs come out typed invariant and are typed back as the reference's.
-    For tests only: compiled kernels declare their types (`output_type`, `mark_varying`).
+    For kernels that address their peers: the TPU interpreter evaluates `lax.axis_index` in a
+    kernel's body as a value varying over the axis, which fails the varying-axes check beside
+    the body's constants (see `interpreted`); read from an operand typed invariant, the same
+    index passes it. Compiled kernels get the index as it is.
+    """
+    index = lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
+    return invariant_copy(index) if interpret else index
+
+
+def interpreted(kernel: Callable, reference: Callable) -> Callable:
+    """`kernel` run by a Pallas interpreter: inside `shard_map`, on copies of its inputs typed
+    invariant, with its outputs typed as `reference`'s.
+
+    The interpreters (HLO, TPU, Mosaic GPU) evaluate a kernel's body when the program is
+    lowered, on its operands' own types and with the varying-axes check on, where an operation
+    mixing a varying block with a constant fails it; and JAX (from 0.12.1) has no public switch
+    for the check inside a `shard_map` whose axes are all manual already. So the kernel gets
+    its varying inputs as copies typed invariant (`invariant_copy`: each device's copy holds its
+    own data), and its outputs, typed invariant in turn, are typed back as the reference's. For
+    tests only: compiled kernels declare their types (`output_type`, `mark_varying`).
 
     Args:
       kernel: A function of arrays (pytrees; None allowed) running an interpreted kernel.
@@ -86,18 +98,22 @@ def interpreted(kernel: Callable, reference: Callable) -> Callable:
     """
 
     def call(*args):
-        manual = frozenset(jax.sharding.get_abstract_mesh().manual_axes)
-        if not manual:  # outside shard_map
+        if not jax.sharding.get_abstract_mesh().manual_axes:  # outside shard_map
             return kernel(*args)
         varying = reference_varying(reference, *args)
-
-        def unchecked(*args):
-            return kernel(*jax.tree.map(lambda a: a + jnp.zeros((), a.dtype), args))
-
-        outs = jax.shard_map(
-            unchecked, in_specs=P(), out_specs=P(), axis_names=manual, check_vma=False
-        )(*args)
+        outs = kernel(*jax.tree.map(invariant_copy, args))
         leaves, tree = jax.tree.flatten(outs)
         return jax.tree.unflatten(tree, list(map(mark_varying, leaves, varying)))
 
     return call
+
+
+def invariant_copy(value: jax.Array) -> jax.Array:
+    """`value` typed invariant, for an interpreted kernel's operands: each device's own data,
+    copied through the host (a callback's results carry no varying axes). Not for compiled
+    kernels: the copy leaves the device."""
+    if not varying_axes(value):
+        return value
+    return jax.pure_callback(
+        lambda data: data, jax.ShapeDtypeStruct(value.shape, value.dtype), value
+    )

@@ -2,6 +2,7 @@
 
 Both kernels keep whole [rows, hidden] arrays in VMEM and give every DMA its own send and
 receive semaphore (no semaphore or buffer is reused within a call, so no capacity handshakes).
+Each reads its device index from an SMEM operand (`axes.index_operand`).
 """
 
 import functools
@@ -43,6 +44,7 @@ def _barrier(axis_name: AxisName, peers: list[jax.Array]) -> None:
 
 
 def _one_shot_kernel(
+    index_ref,
     *refs,
     axis_name: AxisName,
     num_devices: int,
@@ -60,7 +62,7 @@ def _one_shot_kernel(
         x_ref, weight_ref, out_ref, residual_out_ref, *scratch = refs
         residual_ref = None
     gathered_ref, send_sems, recv_sems = scratch
-    me = lax.axis_index(axis_name)
+    me = index_ref[0]
     offsets = range(1, num_devices)
     _barrier(axis_name, [lax.rem(me + k, num_devices) for k in offsets])
 
@@ -100,6 +102,7 @@ def _one_shot_kernel(
 
 
 def _ring_kernel(
+    index_ref,
     *refs,
     axis_name: AxisName,
     num_devices: int,
@@ -123,7 +126,7 @@ def _ring_kernel(
     received_ref, partial_ref, rs_send, rs_recv, ag_send, ag_recv = scratch
     n = num_devices
     chunk_rows = x_ref.shape[0] // n
-    me = lax.axis_index(axis_name)
+    me = index_ref[0]
     right = device_id(axis_name, lax.rem(me + 1, n))
     _barrier(axis_name, [lax.rem(me + 1, n), lax.rem(me + n - 1, n)])
 
@@ -230,11 +233,12 @@ def tpu_all_reduce_add_rms_norm(
             has_residual=has_residual,
         ),
         out_shape=tuple(axes.output_type(x.shape, x.dtype, v) for v in varying),
-        in_specs=[vmem] * (len(operands) + 1),
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM)] + [vmem] * (len(operands) + 1),
         out_specs=(vmem, vmem),
         scratch_shapes=scratch_shapes,
         compiler_params=pltpu.CompilerParams(collective_id=0),
         interpret=interpret,
     )
-    normed, new_residual = call(*operands, weight.reshape(1, hidden))
+    index = axes.index_operand(axis_name, interpret=interpret is not False)
+    normed, new_residual = call(index, *operands, weight.reshape(1, hidden))
     return normed, new_residual

@@ -3,8 +3,9 @@
 `_block_kernel` (no sum owed) runs on Mosaic TPU and in the Pallas interpreter, a block of rows
 per grid step. `_one_shot_kernel` also completes a sum over remote DMAs: each device combines its
 own choices in float32, sends that partial to every peer and sums all partials in rank order, so
-every device gets bit-identical sums; whole arrays live in VMEM and every DMA has its own
-semaphores (nothing is reused within a call).
+every device gets bit-identical sums; whole arrays live in VMEM, every DMA has its own
+semaphores (nothing is reused within a call), and the device index comes from an SMEM operand
+(`axes.index_operand`).
 """
 
 import functools
@@ -61,7 +62,13 @@ def _block_kernel(*refs, eps: float, unit_offset: bool, has_residual: bool):
 
 
 def _one_shot_kernel(
-    *refs, axis_name: AxisName, num_devices: int, eps: float, unit_offset: bool, has_residual: bool
+    index_ref,
+    *refs,
+    axis_name: AxisName,
+    num_devices: int,
+    eps: float,
+    unit_offset: bool,
+    has_residual: bool,
 ):
     """Combine locally, exchange the float32 partials with every peer, sum in rank order."""
     if has_residual:
@@ -70,7 +77,7 @@ def _one_shot_kernel(
         outputs_ref, weights_ref, weight_ref, normed_ref, residual_out_ref = refs[:5]
         residual_ref = None
     gathered_ref, send_sems, recv_sems = refs[-3:]
-    me = lax.axis_index(axis_name)
+    me = index_ref[0]
     offsets = range(1, num_devices)
     barrier = pltpu.get_barrier_semaphore()
     for k in offsets:  # every peer's VMEM scratch exists before anything is sent to it
@@ -190,7 +197,7 @@ def tpu_moe_finalize_all_reduce_add_rms_norm(
             has_residual=has_residual,
         ),
         out_shape=tuple(axes.output_type((rows, hidden), outputs.dtype, v) for v in varying),
-        in_specs=[vmem] * (len(operands) + 1),
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM)] + [vmem] * (len(operands) + 1),
         out_specs=(vmem, vmem),
         scratch_shapes=[
             pltpu.VMEM((num_devices, rows, hidden), jnp.float32),
@@ -200,5 +207,6 @@ def tpu_moe_finalize_all_reduce_add_rms_norm(
         compiler_params=pltpu.CompilerParams(collective_id=0),
         interpret=interpret,
     )
-    normed, new_residual = call(*operands, norm_weight.reshape(1, hidden))
+    index = axes.index_operand(axis_name, interpret=interpret is not False)
+    normed, new_residual = call(index, *operands, norm_weight.reshape(1, hidden))
     return normed, new_residual
