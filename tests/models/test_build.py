@@ -83,10 +83,10 @@ def test_one_initializer_draws_each_unit_once_whatever_the_layer_count():
         config = dataclasses.replace(PRESETS["tiny-mistral"], num_layers=layers)
         model = nnx.eval_shape(lambda config=config: build_model(config, topology))
         draws = param_draws(nnx.state(model), config.layer_blocks(False))
-        text = sharded_initializer(draws, mesh).lower(jax.random.key(0)).as_text()
+        traced = sharded_initializer(draws, mesh).trace(jax.random.key(0))
         units = len({(draw.unit, draw.unit_spec) for draw in draws})
-        assert text.count("stablehlo.optimization_barrier") == units
-        counts.append((len(draws), text.count("threefry2x32")))
+        assert traced.lower().as_text().count("stablehlo.optimization_barrier") == units
+        counts.append((len(draws), str(traced.jaxpr).count("random_bits")))
     (few, few_draws), (many, many_draws) = counts
     assert many > few and many_draws == few_draws > 0
 

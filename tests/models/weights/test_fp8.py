@@ -178,13 +178,16 @@ def test_fp8_model_under_context_parallelism(root):
 
 
 def test_float32_fp8_model(root):
-    """In float32 (float32 sums around FP8 products) the dense FP8 model on TP 4 stays within
-    1e-5 of the float64 reference where, as here, no activation rounds to the other FP8
-    neighbour."""
+    """In float32 (float32 sums around FP8 products) the dense FP8 model on TP 4 stays within a
+    few FP8 roundings of the float64 reference. An activation within float32's error of an
+    FP8 rounding boundary may round to the other neighbour, and which one turns on the float32
+    summation order (it differs between meshes and JAX releases: 1-1.4% of the largest logit
+    seen), so the bound is 5% of it; the float64 tests above hold every mesh to 1e-5, and a
+    missing or doubled sum moves the logits by their own size."""
     _, fp8 = checkpoints("dense", root)
     got = _runner(fp8, "TP 4").forward(SEQUENCES)
     want = reference_logits("dense", root)
-    np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(), rtol=0)
+    np.testing.assert_allclose(got, want, atol=5e-2 * np.abs(want).max(), rtol=0)
 
 
 def test_each_device_reads_its_blocks_and_their_scales(root):
