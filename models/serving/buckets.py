@@ -3,6 +3,7 @@ decode loop's blocks of static trip count, and its step counts placed once."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import jax
@@ -72,23 +73,58 @@ CUDA graphs: XLA's default command types (fusions, cuBLAS, cuDNN, custom calls) 
 CONDITIONAL, so no step waits for the host to read the loop's condition. On an H100 the 8-layer
 GPT-OSS-20B decode took 0.5-0.8% less per step than with 16-step blocks (benchmarks/RESULTS.md
 run 43)."""
+CUBLAS_DECODE_ROWS = 64
+"""Rows per device from which a one-GPU decode program multiplies through cuBLAS
+(`CUBLAS_DECODE_OPTIONS`)."""
+CUBLAS_DECODE_OPTIONS = {
+    "xla_gpu_enable_triton_gemm": False,
+    "xla_disable_hlo_passes": "dot-merger",
+}
+"""XLA's compiler options for a decode program whose products read their weights at cuBLAS's
+bandwidth rather than at that of XLA's autotuned Triton GEMMs. On an H100 at 64 rows XLA's
+choice multiplied by Llama-3-8B's q and o weights 2x slower than cuBLAS alone, by down 1.15x;
+at 8 rows it was level. The dot merger goes off with them: it joins the products that share an
+input (q and kv) by concatenating their weights, which a Triton GEMM reads in place but cuBLAS
+needs written, every step. Llama-3-8B's 32-layer decode at 64 sequences took 8.94 ms a step
+against 9.29, at 8 sequences 6.40 against 6.05 (benchmarks/RESULTS.md run 47), hence the
+threshold."""
 
 
-def decode_loop(
-    platform: str, capacity: int, devices: int
-) -> tuple[int | None, dict[str, object] | None]:
-    """The decode loop's form: (its block of static trip count, or None for one loop; the decode
-    program's XLA compiler options, or None for XLA's defaults).
+@dataclasses.dataclass(frozen=True)
+class DecodeLoop:
+    """The decode program's loop form and compilation (`decode_loop`).
 
-    On one GPU, one loop under `DECODE_GRAPH_OPTIONS`, its condition read on the device. On a
+    Attributes:
+      block: Steps per loop of static trip count, or None for one loop (`blocked_fori_loop`).
+      options: XLA's compiler options for the program alone, as sorted (name, value) pairs;
+        empty for XLA's defaults.
+    """
+
+    block: int | None = None
+    options: tuple[tuple[str, object], ...] = ()
+
+    @property
+    def compiler_options(self) -> dict[str, object] | None:
+        """`options` as `jax.jit` takes them (None for XLA's defaults)."""
+        return dict(self.options) or None
+
+
+def decode_loop(platform: str, capacity: int, devices: int, rows: int) -> DecodeLoop:
+    """The decode loop's form for `rows` decode rows per device.
+
+    On one GPU, one loop under `DECODE_GRAPH_OPTIONS`, its condition read on the device, and
+    from `CUBLAS_DECODE_ROWS` rows its products through cuBLAS (`CUBLAS_DECODE_OPTIONS`). On a
     GPU mesh of several devices, whose collectives keep the loop out of CUDA graphs, blocks of
     DECODE_BLOCK steps (at most `capacity`). Elsewhere one loop under XLA's defaults.
     """
     if platform != "gpu":
-        return None, None
-    if devices == 1:
-        return None, dict(DECODE_GRAPH_OPTIONS)
-    return min(capacity, DECODE_BLOCK), None
+        return DecodeLoop()
+    if devices > 1:
+        return DecodeLoop(block=min(capacity, DECODE_BLOCK))
+    options = dict(DECODE_GRAPH_OPTIONS)
+    if rows >= CUBLAS_DECODE_ROWS:
+        options.update(CUBLAS_DECODE_OPTIONS)
+    return DecodeLoop(options=tuple(sorted(options.items())))
 
 
 def blocked_fori_loop(count: jax.Array, body: Callable, carry, block: int | None):

@@ -30,7 +30,15 @@ from ..layers.attention.kv_cache import KVCache
 from ..layers.lora import adapter_indices
 from ..options import BuildOptions
 from ..precision import matmul_precision_scope
-from .buckets import MIN_ROWS, PlacedCounts, blocked_fori_loop, bucket, decode_loop, pack_bucketed
+from .buckets import (
+    MIN_ROWS,
+    DecodeLoop,
+    PlacedCounts,
+    blocked_fori_loop,
+    bucket,
+    decode_loop,
+    pack_bucketed,
+)
 from .generation import check_prompts, token_chunks
 from .overlap import check_two_batch_overlap, microbatch_facts, pack_two_batches, two_batch_hidden
 from .sampling import GREEDY, Sampling, head_tokens, rank_key
@@ -399,7 +407,9 @@ class ShardedCausalLM:
         Returns:
           (int32 [capacity, attn_dp * slots per rank] tokens, rows past `steps` zero; caches).
         """
-        program = self._program(self._decode_program, sampling, capacity)
+        program = self._program(
+            self._decode_program, sampling, capacity, self._loop(rows, capacity)
+        )
         steps, first_step = self._step_count(steps), self._step_count(first_step)
         return program(self._leaves, rows, batch, caches, key, steps, first_step)
 
@@ -429,7 +439,9 @@ class ShardedCausalLM:
         sampling: Sampling = GREEDY,
     ):
         """The lowered (not yet compiled) `decode` program for these placed inputs."""
-        program = self._program(self._decode_program, sampling, capacity)
+        program = self._program(
+            self._decode_program, sampling, capacity, self._loop(rows, capacity)
+        )
         steps, first_step = self._step_count(steps), self._step_count(0)
         return program.lower(self._leaves, rows, batch, caches, key, steps, first_step)
 
@@ -439,18 +451,23 @@ class ShardedCausalLM:
         programs = {("forward",): self._forward, **self._programs}
         return {name: program.compiled_shapes() for name, program in programs.items()}
 
-    def _program(self, make: Callable, sampling: Sampling, capacity: int = 0) -> Callable:
-        """The program `make(sampling, capacity)` builds, built once per runner."""
-        name = (make.__name__, sampling, capacity)
+    def _program(self, make: Callable, sampling: Sampling, *args) -> Callable:
+        """The program `make(sampling, *args)` builds, built once per runner."""
+        name = (make.__name__, sampling, *args)
         if name not in self._programs:
-            self._programs[name] = make(sampling, capacity)
+            self._programs[name] = make(sampling, *args)
         return self._programs[name]
+
+    def _loop(self, rows: TokenRows, capacity: int) -> DecodeLoop:
+        """The decode loop's form for these DECODE rows (`decode_loop`): each (attention DP,
+        CP) block of the rows is what one device multiplies."""
+        per_rank = rows.ids.shape[0] // (self.topology.attn_dp * self.topology.attn_cp)
+        return decode_loop(self._platform, capacity, self.mesh.size, per_rank)
 
     def _rank_key(self, key: jax.Array) -> jax.Array:
         return rank_key(key, self.topology)
 
-    def _prefill_program(self, sampling: Sampling, capacity: int) -> Callable:
-        del capacity
+    def _prefill_program(self, sampling: Sampling) -> Callable:
         rows = self._rows
 
         def body(model, rows_, batch, caches, last_rows, key):
@@ -482,9 +499,8 @@ class ShardedCausalLM:
             donate_argnums=(2,),
         )
 
-    def _decode_program(self, sampling: Sampling, capacity: int) -> Callable:
+    def _decode_program(self, sampling: Sampling, capacity: int, loop: DecodeLoop) -> Callable:
         rows = self._rows
-        block, compiler_options = decode_loop(self._platform, capacity, self.mesh.size)
 
         def body(model, rows_, batch, caches, key, steps, first_step):
             key = self._rank_key(key)
@@ -514,7 +530,7 @@ class ShardedCausalLM:
 
             carry = (jnp.where(active, rows_.ids, 0), rows_.positions, caches, out)
             count = jnp.minimum(steps, capacity)
-            _, _, caches, out = blocked_fori_loop(count, step, carry, block)
+            _, _, caches, out = blocked_fori_loop(count, step, carry, loop.block)
             return out, caches
 
         return self.sharded_program(
@@ -530,7 +546,7 @@ class ShardedCausalLM:
             out_specs=(PartitionSpec(None, *rows), self._cache_specs),
             check_vma=self.check_vma,
             donate_argnums=(2,),
-            compiler_options=compiler_options,
+            compiler_options=loop.compiler_options,
         )
 
     def generate(

@@ -19,7 +19,8 @@ from models.build import load_model
 from models.inputs.rows import pack_sequences
 from models.layers.attention.self_attention import AttentionImpl
 from models.options import BuildOptions
-from models.serving import runtime
+from models.serving import buckets, runtime
+from models.serving.buckets import CUBLAS_DECODE_ROWS, DecodeLoop
 from models.serving.runtime import ShardedCausalLM
 
 GOLDEN = pathlib.Path(__file__).resolve().parents[1] / "golden"
@@ -102,9 +103,29 @@ def test_graphed_decode_loop_gives_the_blocked_loops_tokens(monkeypatch):
     mesh = bj.make_mesh(bj.Topology())
     model = load_model(GOLDEN / "llama", mesh, BuildOptions(dtype=jnp.bfloat16))
     graphed = ShardedCausalLM(model, mesh).generate(prompts, 23)
-    monkeypatch.setattr(runtime, "decode_loop", lambda platform, capacity, devices: (4, None))
+    monkeypatch.setattr(
+        runtime, "decode_loop", lambda platform, capacity, devices, rows: DecodeLoop(block=4)
+    )
     blocked = ShardedCausalLM(model, mesh).generate(prompts, 23)
     np.testing.assert_array_equal(graphed, blocked)
+
+
+def test_cublas_decode_gives_the_default_gemms_tokens(monkeypatch):
+    """From CUBLAS_DECODE_ROWS rows a one-GPU decode program multiplies through cuBLAS with XLA's
+    dot merger off (`decode_loop`); with float32 products its greedy tokens equal those of the
+    same decode under XLA's default GEMMs."""
+    prompts, _ = _golden("llama")
+    prompts = (prompts * CUBLAS_DECODE_ROWS)[:CUBLAS_DECODE_ROWS]
+    mesh = bj.make_mesh(bj.Topology())
+    model = load_model(GOLDEN / "llama", mesh, BuildOptions(dtype=jnp.float32))
+    with jax.default_matmul_precision("float32"):
+        runner = ShardedCausalLM(model, mesh)
+        cublas = runner.generate(prompts, 9)
+        monkeypatch.setattr(buckets, "CUBLAS_DECODE_ROWS", 10**9)
+        default = ShardedCausalLM(model, mesh).generate(prompts, 9)
+    forms = [name[-1] for name in runner.compiled_shapes() if name[0] == "_decode_program"]
+    assert [dict(form.options)["xla_gpu_enable_triton_gemm"] for form in forms] == [False]
+    np.testing.assert_array_equal(cublas, default)
 
 
 def _merged_width(config: dict) -> int:

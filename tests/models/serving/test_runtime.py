@@ -14,8 +14,12 @@ from models.families.qwen3_moe import Qwen3MoeForCausalLM
 from models.inputs.rows import pack_sequences
 from models.layers.moe.sparse import GroupedMatmulImpl
 from models.options import BuildOptions
+from models.serving import runtime as runtime_module
 from models.serving.buckets import (
+    CUBLAS_DECODE_OPTIONS,
+    CUBLAS_DECODE_ROWS,
     DECODE_BLOCK,
+    DecodeLoop,
     blocked_fori_loop,
     bucket,
     cache_length,
@@ -190,17 +194,54 @@ def test_blocked_fori_loop_runs_each_index_once_in_order(block):
 
 def test_one_gpu_decodes_in_one_graphed_loop_and_gpu_meshes_in_blocks():
     """On one GPU the decode program is compiled with its loop in CUDA graphs (WHILE and
-    CONDITIONAL added to XLA's default command types) and runs one loop; a GPU mesh of several
-    devices keeps XLA's defaults and runs DECODE_BLOCK steps (at most the capacity) per loop of
-    static trip count; other platforms run one loop under XLA's defaults."""
-    block, options = decode_loop("gpu", 64, 1)
-    assert block is None
+    CONDITIONAL added to XLA's default command types) and runs one loop, its products through
+    cuBLAS without the dot merger from CUBLAS_DECODE_ROWS rows; a GPU mesh of several devices
+    keeps XLA's defaults and runs DECODE_BLOCK steps (at most the capacity) per loop of static
+    trip count; other platforms run one loop under XLA's defaults."""
+    narrow = decode_loop("gpu", 64, 1, CUBLAS_DECODE_ROWS - 1)
+    assert narrow.block is None
+    options = narrow.compiler_options
     types = options["xla_gpu_enable_command_buffer"].split(",")
     assert {"FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL", "CUDNN", "WHILE", "CONDITIONAL"} == set(
         types
     )
-    assert decode_loop("gpu", 64, 2) == (DECODE_BLOCK, None)
-    assert decode_loop("gpu", 8, 4) == (8, None)
-    for platform in ("cpu", "tpu"):
-        for devices in (1, 8):
-            assert decode_loop(platform, 64, devices) == (None, None)
+    assert not set(CUBLAS_DECODE_OPTIONS) & set(options)
+    assert decode_loop("gpu", 64, 1, 8) == narrow
+    wide = decode_loop("gpu", 64, 1, CUBLAS_DECODE_ROWS)
+    assert wide.block is None
+    assert wide.compiler_options == options | CUBLAS_DECODE_OPTIONS
+    assert wide.compiler_options["xla_gpu_enable_triton_gemm"] is False
+    assert wide.compiler_options["xla_disable_hlo_passes"] == "dot-merger"
+    assert decode_loop("gpu", 64, 1, 4 * CUBLAS_DECODE_ROWS) == wide
+    for rows in (8, CUBLAS_DECODE_ROWS):
+        assert decode_loop("gpu", 64, 2, rows) == DecodeLoop(block=DECODE_BLOCK)
+        assert decode_loop("gpu", 8, 4, rows) == DecodeLoop(block=8)
+        for platform in ("cpu", "tpu"):
+            for devices in (1, 8):
+                loop = decode_loop(platform, 64, devices, rows)
+                assert loop == DecodeLoop() and loop.compiler_options is None
+
+
+def test_decode_programs_follow_the_rows_each_dp_rank_multiplies(runner, monkeypatch):
+    """The runner asks `decode_loop` with the decode rows one device multiplies and builds
+    one decode program per loop form, so batches whose forms differ run programs of their own."""
+    from models.inputs.rows import RowsPhase, TokenRows, decode_rows
+
+    asked = []
+
+    def loop(platform, capacity, devices, rows):
+        asked.append((devices, rows))
+        return DecodeLoop(block=rows)
+
+    monkeypatch.setattr(runtime_module, "decode_loop", loop)
+    for prompts in (PROMPTS, PROMPTS * 3):
+        packed = runner.pack(prompts, bucketed=True)
+        caches = runner.new_caches(packed.decode_rows_per_rank, 128)
+        lengths = np.asarray(packed.lengths, np.int32)
+        rows, batch = runner.place(decode_rows(packed, np.zeros_like(lengths), lengths))
+        rows = TokenRows(rows.ids, rows.positions, rows.segment_ids, RowsPhase.DECODE)
+        runner.decode(rows, batch, caches, jax.random.key(0), 2, capacity=4)
+        assert asked[-1] == (4, packed.decode_rows_per_rank)
+    assert len({rows for _, rows in asked}) == 2
+    forms = {name[-1] for name in runner.compiled_shapes() if name[0] == "_decode_program"}
+    assert {DecodeLoop(block=rows) for _, rows in asked} <= forms
