@@ -415,7 +415,7 @@ def main() -> None:
     if args.kernels:
         attention_kernels()
         return
-    cases = SMOKE_CASES if args.smoke else Cases()
+    cases = (SMOKE_CASES if args.smoke else Cases()).naming(args.cases)
     results, memory = [], []
     for layers in layers_list:
         for tp in tps:

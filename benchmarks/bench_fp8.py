@@ -402,7 +402,12 @@ def main(argv=None) -> None:
                 "roofline bf16 / fp8",
                 "fp8 logits vs XLA fp8",
             ),
-            e2e(config, args.fp8_fusions, SMOKE_CASES if SMOKE else E2E_CASES, args.cases),
+            e2e(
+                config,
+                args.fp8_fusions,
+                (SMOKE_CASES if SMOKE else E2E_CASES).naming(args.cases),
+                args.cases,
+            ),
         )
     if "moe" in parts:
         print(f"\n## MoE layer {MOE}, 1 GPU: bf16 vs FP8 experts (ms)")

@@ -114,6 +114,25 @@ class Cases:
                 "or take fewer steps"
             )
 
+    def naming(self, names: Sequence[str] | None) -> "Cases":
+        """These cases with the decode sequences and cache lengths that `names` ("decode
+        <sequences> @ <cache>") name, where any does, so a run can time sizes the defaults leave
+        out (the other names still only filter)."""
+        decodes = [name.split() for name in names or () if name.startswith("decode ")]
+        if not decodes:
+            return self
+        try:
+            sizes = [(int(words[1]), int(words[3])) for words in decodes if words[2] == "@"]
+        except (IndexError, ValueError):
+            sizes = []
+        if len(sizes) != len(decodes):
+            raise ValueError(f"decode cases are named 'decode <sequences> @ <cache>'; got {names}")
+        return dataclasses.replace(
+            self,
+            decode_sequences=tuple(sorted({n for n, _ in sizes})),
+            decode_caches=tuple(sorted({c for _, c in sizes})),
+        )
+
     def prefills(self) -> tuple[tuple[str, int], ...]:
         """(case name, sequences) of each prefill case."""
         return tuple(

@@ -7,7 +7,7 @@ import jax
 import pytest
 
 from benchmarks import common
-from benchmarks.common import OUT_OF_MEMORY, hbm_bytes_per_s, header, ms_or_oom, ratio
+from benchmarks.common import OUT_OF_MEMORY, Cases, hbm_bytes_per_s, header, ms_or_oom, ratio
 from benchmarks.name_kernels import moved_bytes, trace_ops
 
 
@@ -30,6 +30,20 @@ def test_ratios_leave_out_what_was_not_measured():
     assert ratio(3.0, 1.5) == 2.0
     assert ratio(OUT_OF_MEMORY, 1.5) == "-"
     assert ratio(3.0, OUT_OF_MEMORY) == "-"
+
+
+def test_named_decode_cases_set_the_decode_sizes():
+    """Decode cases named on the command line are timed even where the defaults leave them out;
+    prefill names and no names keep the defaults."""
+    cases = Cases()
+    named = cases.naming(["decode 16 @ 1024", "decode 32 @ 4096", "prefill 4096"])
+    assert named.decode_sequences == (16, 32) and named.decode_caches == (1024, 4096)
+    assert ("decode 32 @ 4096", 32, 4096) in named.decodes()
+    assert named.prefills() == cases.prefills()
+    assert cases.naming(None) == cases and cases.naming(["prefill 512"]) == cases
+    for wrong in ("decode 16", "decode 16 at 1024", "decode x @ 1024"):
+        with pytest.raises(ValueError, match="decode <sequences> @ <cache>"):
+            cases.naming([wrong])
 
 
 def test_an_instructions_bytes_are_its_outputs_and_operands():
