@@ -40,16 +40,8 @@ from .buckets import (
     pack_bucketed,
 )
 from .generation import check_prompts, token_chunks
-from .overlap import check_two_batch_overlap, microbatch_facts, pack_two_batches, two_batch_hidden
+from .overlap import check_two_batch_overlap, hidden_states, microbatch_facts, pack_two_batches
 from .sampling import GREEDY, Sampling, head_tokens, rank_key
-
-
-def _hidden(model: CausalLM, rows: TokenRows, batch, caches=None, last_rows=None, *, tbo: bool):
-    """`model.hidden`, or under two-batch overlap (`batch` a pair of microbatch facts)
-    `two_batch_hidden`."""
-    if tbo:
-        return two_batch_hidden(model, rows, batch, caches, last_rows)
-    return model.hidden(rows, batch, caches, last_rows)
 
 
 def _next_tokens(
@@ -65,8 +57,8 @@ def _next_tokens(
 ) -> tuple[jax.Array, tuple[KVCache, ...]]:
     """The next token per row (or per `last_rows` entry), and the updated caches
     (`head_tokens` of the model's final-norm output)."""
-    hidden, caches = _hidden(model, rows, batch, caches, last_rows, tbo=tbo)
-    return head_tokens(model, hidden, key, sampling), caches
+    out, caches = hidden_states(model, rows, batch, caches, last_rows, tbo=tbo)
+    return head_tokens(model, out, key, sampling), caches
 
 
 class ShardedCausalLM:
@@ -142,7 +134,7 @@ class ShardedCausalLM:
         tbo = two_batch_overlap
         self._forward = self.sharded_program(
             lambda model, rows, batch: model.lm_head(
-                _hidden(model, rows, batch, tbo=tbo)[0]
+                hidden_states(model, rows, batch, tbo=tbo)[0]
             ).astype(jnp.float32),
             in_specs=(rows, self._batch_spec),
             out_specs=self._logits_spec,
@@ -407,9 +399,7 @@ class ShardedCausalLM:
         Returns:
           (int32 [capacity, attn_dp * slots per rank] tokens, rows past `steps` zero; caches).
         """
-        program = self._program(
-            self._decode_program, sampling, capacity, self._loop(rows, capacity)
-        )
+        program = self._decode(rows, sampling, capacity)
         steps, first_step = self._step_count(steps), self._step_count(first_step)
         return program(self._leaves, rows, batch, caches, key, steps, first_step)
 
@@ -439,9 +429,7 @@ class ShardedCausalLM:
         sampling: Sampling = GREEDY,
     ):
         """The lowered (not yet compiled) `decode` program for these placed inputs."""
-        program = self._program(
-            self._decode_program, sampling, capacity, self._loop(rows, capacity)
-        )
+        program = self._decode(rows, sampling, capacity)
         steps, first_step = self._step_count(steps), self._step_count(0)
         return program.lower(self._leaves, rows, batch, caches, key, steps, first_step)
 
@@ -458,14 +446,12 @@ class ShardedCausalLM:
             self._programs[name] = make(sampling, *args)
         return self._programs[name]
 
-    def _loop(self, rows: TokenRows, capacity: int) -> DecodeLoop:
-        """The decode loop's form for these DECODE rows (`decode_loop`): each (attention DP,
-        CP) block of the rows is what one device multiplies."""
+    def _decode(self, rows: TokenRows, sampling: Sampling, capacity: int) -> Callable:
+        """The decode program for these DECODE rows, one per loop form (`decode_loop`): one
+        device multiplies one (attention DP, CP) block of the rows."""
         per_rank = rows.ids.shape[0] // (self.topology.attn_dp * self.topology.attn_cp)
-        return decode_loop(self._platform, capacity, self.mesh.size, per_rank)
-
-    def _rank_key(self, key: jax.Array) -> jax.Array:
-        return rank_key(key, self.topology)
+        loop = decode_loop(self._platform, capacity, self.mesh.size, per_rank)
+        return self._program(self._decode_program, sampling, capacity, loop)
 
     def _prefill_program(self, sampling: Sampling) -> Callable:
         rows = self._rows
@@ -477,7 +463,7 @@ class ShardedCausalLM:
                 batch,
                 caches,
                 last_rows,
-                self._rank_key(key),
+                rank_key(key, self.topology),
                 sampling,
                 tbo=self.two_batch_overlap,
             )
@@ -503,7 +489,7 @@ class ShardedCausalLM:
         rows = self._rows
 
         def body(model, rows_, batch, caches, key, steps, first_step):
-            key = self._rank_key(key)
+            key = rank_key(key, self.topology)
             active = rows_.segment_ids >= 0
             # Built from the rows, so the buffer varies over the same mesh axes as the tokens.
             out = jnp.broadcast_to(rows_.ids * 0, (capacity, *rows_.ids.shape))
