@@ -65,10 +65,16 @@ def check_two_batch_overlap(model: CausalLM) -> None:
 
 
 def hidden_states(
-    model: CausalLM, rows: TokenRows, batch, caches=None, last_rows=None, *, tbo: bool
-):
-    """`model.hidden`, or under two-batch overlap (`batch` a pair of microbatch facts)
-    `two_batch_hidden`."""
+    model: CausalLM,
+    rows: TokenRows,
+    batch: bj.BatchFacts | tuple[bj.BatchFacts, bj.BatchFacts],
+    caches: tuple | None = None,
+    last_rows: jax.Array | None = None,
+    *,
+    tbo: bool,
+) -> tuple[jax.Array, tuple | None]:
+    """`model.hidden` (the final norm's output and the caches), or under two-batch overlap
+    (`batch` a pair of microbatch facts, `caches` a pair) `two_batch_hidden`."""
     if tbo:
         return two_batch_hidden(model, rows, batch, caches, last_rows)
     return model.hidden(rows, batch, caches, last_rows)
