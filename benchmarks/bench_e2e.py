@@ -394,6 +394,10 @@ def main() -> None:
         help="fp8: the project's bf16 step against its FP8 step (benchmarks.bench_fp8, e2e)",
     )
     args = parser.parse_args()
+    try:
+        cases = (SMOKE_CASES if args.smoke else Cases()).naming(args.cases)
+    except ValueError as error:
+        parser.error(str(error))
     base = LLAMA3_SMOKE if args.smoke else LLAMA3_8B
     layers_list = args.layers or [base.num_layers if args.smoke else 8]
     if args.quantize == "fp8":
@@ -415,7 +419,6 @@ def main() -> None:
     if args.kernels:
         attention_kernels()
         return
-    cases = (SMOKE_CASES if args.smoke else Cases()).naming(args.cases)
     results, memory = [], []
     for layers in layers_list:
         for tp in tps:

@@ -374,6 +374,10 @@ def main(argv=None) -> None:
     parser.add_argument("--profile", default=None, help="part e2e: trace each case here")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU")
     args = parser.parse_args(argv)
+    try:
+        e2e_cases = (SMOKE_CASES if args.smoke else E2E_CASES).naming(args.cases)
+    except ValueError as error:
+        parser.error(str(error))
     if args.profile:
         profile_into(args.profile)
     SMOKE = args.smoke
@@ -405,7 +409,7 @@ def main(argv=None) -> None:
             e2e(
                 config,
                 args.fp8_fusions,
-                (SMOKE_CASES if SMOKE else E2E_CASES).naming(args.cases),
+                e2e_cases,
                 args.cases,
             ),
         )

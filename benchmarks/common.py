@@ -118,15 +118,18 @@ class Cases:
         """These cases with the decode sequences and cache lengths that `names` ("decode
         <sequences> @ <cache>") name, where any does, so a run can time sizes the defaults leave
         out (the other names still only filter)."""
-        decodes = [name.split() for name in names or () if name.startswith("decode ")]
-        if not decodes:
+        sizes = []
+        for name in names or ():
+            words = name.split()
+            if words[:1] != ["decode"]:
+                continue
+            if len(words) != 4 or words[2] != "@" or not (words[1] + words[3]).isdigit():
+                raise ValueError(
+                    f"decode cases are named 'decode <sequences> @ <cache>'; got {name!r}"
+                )
+            sizes.append((int(words[1]), int(words[3])))
+        if not sizes:
             return self
-        try:
-            sizes = [(int(words[1]), int(words[3])) for words in decodes if words[2] == "@"]
-        except (IndexError, ValueError):
-            sizes = []
-        if len(sizes) != len(decodes):
-            raise ValueError(f"decode cases are named 'decode <sequences> @ <cache>'; got {names}")
         return dataclasses.replace(
             self,
             decode_sequences=tuple(sorted({n for n, _ in sizes})),
