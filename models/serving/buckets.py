@@ -86,8 +86,8 @@ choice multiplied by Llama-3-8B's q and o weights 2x slower than cuBLAS alone, b
 at 8 rows it was level. The dot merger goes off with them: it joins the products that share an
 input (q and kv) by concatenating their weights, which a Triton GEMM reads in place but cuBLAS
 needs written, every step. Llama-3-8B's 32-layer decode at 64 sequences took 8.94 ms a step
-against 9.29; at 8 sequences cuBLAS over the products kept apart took 6.40 against 6.05
-(benchmarks/RESULTS.md run 47), hence the threshold."""
+against 9.29; at 8, 16 and 32 sequences cuBLAS took 6.40 / 6.72 / 7.47 against XLA's
+6.05 / 6.45 / 7.36 (benchmarks/RESULTS.md runs 47 and 48), hence the threshold."""
 
 
 @dataclasses.dataclass(frozen=True)
