@@ -406,12 +406,7 @@ def main(argv=None) -> None:
                 "roofline bf16 / fp8",
                 "fp8 logits vs XLA fp8",
             ),
-            e2e(
-                config,
-                args.fp8_fusions,
-                e2e_cases,
-                args.cases,
-            ),
+            e2e(config, args.fp8_fusions, e2e_cases, args.cases),
         )
     if "moe" in parts:
         print(f"\n## MoE layer {MOE}, 1 GPU: bf16 vs FP8 experts (ms)")

@@ -11,7 +11,7 @@ from boundary_jax.fusions import AddRmsNorm, FusionProvider
 from models.build import build_model
 from models.config import PRESETS
 from models.families.qwen3_moe import Qwen3MoeForCausalLM
-from models.inputs.rows import pack_sequences
+from models.inputs.rows import RowsPhase, TokenRows, decode_rows, pack_sequences
 from models.layers.moe.sparse import GroupedMatmulImpl
 from models.options import BuildOptions
 from models.serving import runtime as runtime_module
@@ -83,8 +83,6 @@ def test_placed_prefill_then_decode_equals_generate(runner):
     key = jax.random.key(0)
     last_rows = runner.place_array(packed.last_row_index())
     first, caches = runner.prefill(*runner.place(packed), caches, last_rows, key)
-    from models.inputs.rows import RowsPhase, TokenRows, decode_rows
-
     lengths = np.asarray(packed.lengths, np.int32)
     rows, batch = runner.place(decode_rows(packed, np.zeros_like(lengths), lengths))
     rows = TokenRows(first, rows.positions, rows.segment_ids, RowsPhase.DECODE)
@@ -225,8 +223,6 @@ def test_one_gpu_decodes_in_one_graphed_loop_and_gpu_meshes_in_blocks():
 def test_decode_programs_follow_the_rows_each_dp_rank_multiplies(runner, monkeypatch):
     """The runner asks `decode_loop` with the decode rows one device multiplies and builds
     one decode program per loop form, so batches whose forms differ run programs of their own."""
-    from models.inputs.rows import RowsPhase, TokenRows, decode_rows
-
     asked = []
 
     def loop(platform, capacity, devices, rows):
