@@ -16,9 +16,7 @@ Cases (Llama-3-8B shape, bf16, `--layers` layers, TP 1 and 2):
 Roofline: decode, weights + KV bytes read per GPU / the bandwidth a device copy reaches
 (measured in the run, `common.hbm_bytes_per_s`); prefill, matmul + causal attention FLOPs per
 GPU / dense bf16 peak (990 TFLOP/s). Times are wall-clock medians of blocking calls (a decode
-call runs 32 steps, so dispatch is amortized), the project and both baselines timed in turn
-(A B C A B C ...), so that a drift of the GPU's speed reaches all three alike; each alone where
-the device cannot hold all their caches at once. The TPs default to those of 1 and 2 that the
+call runs 32 steps, so dispatch is amortized). The TPs default to those of 1 and 2 that the
 visible devices hold.
 
 With `--scan` the project model is built with `scan_layers=True` and both baselines run their
@@ -75,7 +73,7 @@ from .common import (
     kernel_ms,
     kv_bytes_per_gpu,
     median_wall_ms,
-    paired_or_alone_ms,
+    ms_or_oom,
     prefill_flops_per_gpu,
     print_table,
     ratio,
@@ -198,38 +196,35 @@ def run_config(
         last = packed.last_row_index()[packed.slot_order()]
         want = runner.forward_placed(rows, batch)[last]
         ids = jax.device_put(prompts, replicated)
-        errors = {}
+        times, errors = {}, {}
         for name, (logits_of, _, _) in baselines.items():
             got = logits_of(params, ids)
             got, ref = np.asarray(got), np.asarray(want)
             errors[name] = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
         del want
 
-        def project_prefill():
+        def project_prefill_ms():
             caches = [runner.new_caches(packed.decode_rows_per_rank, length)]
 
-            def call():
+            def project_prefill():
                 tokens, caches[0] = runner.prefill(rows, batch, caches[0], last_rows, key)
                 return tokens
 
-            return call
+            return median_wall_ms(project_prefill, cases.prefill_repeats)
 
-        def baseline_prefill(step):
-            def make():
+        times["project"] = ms_or_oom(project_prefill_ms)
+        for name, (_, step, _) in baselines.items():
+
+            def baseline_prefill_ms(step=step):
                 holder = [zero_caches(sequences, length)]
 
-                def call():
+                def baseline_prefill():
                     tokens, holder[0] = step(params, ids, holder[0])
                     return tokens
 
-                return call
+                return median_wall_ms(baseline_prefill, cases.prefill_repeats)
 
-            return make
-
-        makers = {"project": project_prefill}
-        makers |= {name: baseline_prefill(step) for name, (_, step, _) in baselines.items()}
-        per_call = paired_or_alone_ms(list(makers.values()), cases.prefill_repeats)
-        times = dict(zip(makers, per_call, strict=True))
+            times[name] = ms_or_oom(baseline_prefill_ms)
         flops = prefill_flops_per_gpu(config, tp, sequences, length)
         results.append(
             (
@@ -251,38 +246,33 @@ def run_config(
         if not wanted(case):
             continue
         start = cache_len - steps - 1
+        times = {}
         rows, batch = decode_inputs(runner, sequences, start)
-        tokens = jax.device_put(decode_ids(config.vocab_size, sequences), replicated)
-        positions = jax.device_put(np.full(sequences, start, np.int32), replicated)
 
-        def project_decode():
+        def project_decode_ms():
             caches = [runner.new_caches(sequences, cache_len)]
 
-            def call():
+            def project_decode():
                 out, caches[0] = runner.decode(rows, batch, caches[0], key, steps, capacity=steps)
                 return out
 
-            return call
+            return median_wall_ms(project_decode, cases.decode_repeats) / steps
 
-        def baseline_decode(decode):
-            def make():
+        times["project"] = ms_or_oom(project_decode_ms)
+        tokens = jax.device_put(decode_ids(config.vocab_size, sequences), replicated)
+        positions = jax.device_put(np.full(sequences, start, np.int32), replicated)
+        for name, (_, _, decode) in baselines.items():
+
+            def baseline_decode_ms(decode=decode):
                 holder = [zero_caches(sequences, cache_len)]
 
-                def call():
+                def baseline_decode():
                     out, holder[0] = decode(params, tokens, positions, holder[0], steps)
                     return out
 
-                return call
+                return median_wall_ms(baseline_decode, cases.decode_repeats) / steps
 
-            return make
-
-        makers = {"project": project_decode}
-        makers |= {name: baseline_decode(decode) for name, (_, _, decode) in baselines.items()}
-        per_call = paired_or_alone_ms(list(makers.values()), cases.decode_repeats)
-        times = {
-            name: ms if isinstance(ms, str) else ms / steps
-            for name, ms in zip(makers, per_call, strict=True)
-        }
+            times[name] = ms_or_oom(baseline_decode_ms)
         context = start + steps / 2
         nbytes = weight_bytes_per_gpu(config, tp) + kv_bytes_per_gpu(config, tp, sequences, context)
         results.append(

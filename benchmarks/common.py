@@ -433,29 +433,6 @@ def ms_or_oom(call: Callable[[], float]) -> float | str:
         return OUT_OF_MEMORY
 
 
-def paired_or_alone_ms(
-    makers: Sequence[Callable[[], Callable]], repeats: int = 7
-) -> list[float | str]:
-    """Median wall ms of the call each maker returns (a maker allocates its call's buffers, a
-    KV cache say), timed in turn as `paired_wall_ms` does; where the device cannot hold every
-    call's buffers at once, each call alone, after the others' buffers are freed
-    (`OUT_OF_MEMORY` for one that does not fit alone either)."""
-    calls = []
-    try:
-        calls = [make() for make in makers]
-        return paired_wall_ms(calls, repeats)
-    except jax.errors.JaxRuntimeError as error:
-        if "RESOURCE_EXHAUSTED" not in str(error):
-            raise
-        print(
-            f"out of device memory timed together ({str(error).splitlines()[0][:120]}); "
-            "timing each alone",
-            flush=True,
-        )
-    calls.clear()
-    return [ms_or_oom(lambda make=make: median_wall_ms(make(), repeats)) for make in makers]
-
-
 def ratio(numerator: float | str, denominator: float | str) -> float | str:
     """numerator / denominator, or "-" where either could not be measured."""
     if isinstance(numerator, str) or isinstance(denominator, str):

@@ -7,15 +7,7 @@ import jax
 import pytest
 
 from benchmarks import common
-from benchmarks.common import (
-    OUT_OF_MEMORY,
-    Cases,
-    hbm_bytes_per_s,
-    header,
-    ms_or_oom,
-    paired_or_alone_ms,
-    ratio,
-)
+from benchmarks.common import OUT_OF_MEMORY, Cases, hbm_bytes_per_s, header, ms_or_oom, ratio
 from benchmarks.name_kernels import moved_bytes, trace_ops
 
 
@@ -32,65 +24,6 @@ def test_an_out_of_memory_contender_is_reported_and_the_run_goes_on():
     assert OUT_OF_MEMORY == "OOM"
     with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
         ms_or_oom(_raise("INTERNAL: a kernel failed"))
-
-
-class _Device:
-    """A device that holds `room` contenders' buffers at a time; a buffer is freed with the call
-    that holds it. Records the order in which the calls ran."""
-
-    def __init__(self, room: dict[str, int], run_room: int = 8):
-        self.room, self.run_room, self.held, self.ran = room, run_room, [], []
-
-    def maker(self, name: str):
-        device = self
-
-        class Buffer:
-            def __del__(self):
-                device.held.remove(name)
-
-        def make():
-            if len(self.held) >= self.room[name]:
-                raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating")
-            self.held.append(name)
-            buffer = Buffer()
-
-            def call():
-                assert buffer is not None
-                if len(self.held) > self.run_room:
-                    raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory running")
-                self.ran.append(name)
-                return jax.numpy.zeros(())
-
-            return call
-
-        return make
-
-
-def test_contenders_are_timed_in_turn_and_alone_where_they_do_not_fit_together():
-    """Calls that fit together are timed in turn (after two warm-ups each); where the second's
-    buffers, or a call's program, do not fit beside the first's, every buffer is freed and each
-    call is timed alone; one that does not fit alone is reported as out of memory, and other
-    errors are raised."""
-    device = _Device({"a": 2, "b": 2})
-    times = paired_or_alone_ms([device.maker("a"), device.maker("b")], repeats=3)
-    assert all(isinstance(ms, float) for ms in times) and len(times) == 2
-    assert device.ran == ["a", "a", "b", "b", "a", "b", "a", "b", "a", "b"]
-    assert device.held == []
-
-    device = _Device({"a": 1, "b": 1, "c": 0})
-    times = paired_or_alone_ms([device.maker(n) for n in "abc"], repeats=2)
-    assert isinstance(times[0], float) and isinstance(times[1], float)
-    assert times[2] == OUT_OF_MEMORY
-    assert device.ran == ["a"] * 4 + ["b"] * 4 and device.held == []
-
-    # Both fit, but a call's program does not beside the other's buffers.
-    device = _Device({"a": 2, "b": 2}, run_room=1)
-    times = paired_or_alone_ms([device.maker("a"), device.maker("b")], repeats=2)
-    assert all(isinstance(ms, float) for ms in times)
-    assert device.ran == ["a"] * 4 + ["b"] * 4 and device.held == []
-
-    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
-        paired_or_alone_ms([lambda: _raise("INTERNAL: a kernel failed")], repeats=1)
 
 
 def test_ratios_leave_out_what_was_not_measured():
