@@ -33,6 +33,7 @@ class Family(Protocol):
       image_text_architectures: The image-text architectures whose language model it is
         (`models.config.multimodal`): their checkpoints load as this family's model.
       config_defaults: transformers' defaults of the keys a sparse `config.json` leaves out.
+      config_aliases: Pairs of names transformers reads one key under (its `attribute_map`).
       ties_head: transformers ties its LM head to the embeddings where `tie_word_embeddings`
         says so (False: its model reads `lm_head.weight` whatever the key says).
     """
@@ -41,6 +42,7 @@ class Family(Protocol):
     model_type: ClassVar[str]
     image_text_architectures: ClassVar[tuple[str, ...]]
     config_defaults: ClassVar[Mapping[str, Any]]
+    config_aliases: ClassVar[Mapping[str, str]]
     ties_head: ClassVar[bool]
 
     @classmethod
@@ -208,16 +210,30 @@ def family_for(hf_config: Mapping[str, Any]) -> type[Family]:
 def read_hf_config(hf_config: Mapping[str, Any]) -> DecoderConfig:
     """Reads a Hugging Face `config.json` (as a dict) of a registered family, or of an
     image-text model whose language model is one (`as_text_model`), the family's
-    `config_defaults` standing in for the keys it leaves out.
+    `config_defaults` (transformers' defaults) standing in for the keys it leaves out under
+    both names of its `config_aliases`.
 
     Raises:
       ValueError: The family is not registered, or its reader refuses the file (a key it does
         not compute, a missing key; the message names the key and the fix).
       NotImplementedError: An option its layers do not compute.
     """
-    text = as_text_model(hf_config)
+    text = dict(as_text_model(hf_config))
     family = family_for(text)
-    return family.read_config({**family.config_defaults, **text})
+    for one, other in family.config_aliases.items():
+        for given, missing in ((one, other), (other, one)):
+            if given in text and missing not in text:
+                text[missing] = text[given]
+    defaults = dict(family.config_defaults)
+    if "rope_scaling" in text:  # transformers builds rope_parameters from the legacy keys then
+        defaults.pop("rope_parameters", None)
+    try:
+        return family.read_config({**defaults, **text})
+    except KeyError as missing:
+        raise ValueError(
+            f"config.json has no {missing.args[0]!r}; {family.architectures[0]} needs it and "
+            "transformers gives it no default"
+        ) from None
 
 
 def write_hf_config(config: DecoderConfig) -> dict[str, Any]:

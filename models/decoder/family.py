@@ -27,6 +27,9 @@ class FamilyBase:
       config_defaults: transformers' config-class defaults of keys a sparse `config.json`
         leaves out (as the text configs of released image-text checkpoints do); the file's own
         keys win.
+      config_aliases: transformers' `attribute_map` for its config class: pairs of names a
+        `config.json` may give one key under (`read_hf_config` fills the other from the one
+        present, before the defaults).
       image_text_architectures: The image-text (`...ForConditionalGeneration`) architectures
         whose language model it is: their checkpoints load as its model, on text
         (`models.config.multimodal`).
@@ -51,6 +54,7 @@ class FamilyBase:
     model_type: ClassVar[str] = ""
     image_text_architectures: ClassVar[tuple[str, ...]] = ()
     config_defaults: ClassVar[Mapping[str, Any]] = {}
+    config_aliases: ClassVar[Mapping[str, str]] = {}
     has_experts: ClassVar[bool] = False
     quantizable: ClassVar[bool] = True
     context_parallel: ClassVar[bool] = True

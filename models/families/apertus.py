@@ -47,6 +47,29 @@ class ApertusForCausalLM(CausalLM):
 
     architectures = ("ApertusForCausalLM",)
     model_type = "apertus"
+    # transformers' ApertusConfig defaults: a key config.json leaves out reads as there.
+    config_defaults = {
+        "attention_bias": False,
+        "hidden_act": "xielu",
+        "hidden_size": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": 14336,
+        "max_position_embeddings": 65536,
+        "num_attention_heads": 32,
+        "num_hidden_layers": 32,
+        "rms_norm_eps": 1e-05,
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "rope_theta": 12000000.0,
+            "factor": 8.0,
+            "original_max_position_embeddings": 8192,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+        },
+        "rope_theta": 12000000.0,
+        "tie_word_embeddings": False,
+        "vocab_size": 131072,
+    }
     lora = True
     quantizable = False
 

@@ -42,6 +42,22 @@ class ArceeForCausalLM(CausalLM):
 
     architectures = ("ArceeForCausalLM",)
     model_type = "arcee"
+    # transformers' ArceeConfig defaults: a key config.json leaves out reads as there.
+    config_defaults = {
+        "attention_bias": False,
+        "hidden_act": "relu2",
+        "hidden_size": 2560,
+        "initializer_range": 0.02,
+        "intermediate_size": 18432,
+        "max_position_embeddings": 4096,
+        "mlp_bias": False,
+        "num_attention_heads": 32,
+        "num_hidden_layers": 32,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "vocab_size": 32000,
+    }
     lora = True
     quantizable = False
     mlp_biases = True

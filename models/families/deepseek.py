@@ -422,6 +422,37 @@ class DeepseekV2ForCausalLM(DeepseekCausalLM):
 
     architectures = (V2,)
     model_type = MODEL_TYPES[V2]
+    # transformers' attribute_map: two names config.json may give one key.
+    config_aliases = {
+        "num_experts": "n_routed_experts",
+    }
+    # transformers' DeepseekV2Config defaults: a key config.json leaves out reads as there.
+    config_defaults = {
+        "attention_bias": False,
+        "first_k_dense_replace": 0,
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "kv_lora_rank": 512,
+        "max_position_embeddings": 2048,
+        "mlp_bias": False,
+        "moe_intermediate_size": 1407,
+        "n_routed_experts": 64,
+        "n_shared_experts": 2,
+        "norm_topk_prob": False,
+        "num_attention_heads": 32,
+        "num_hidden_layers": 32,
+        "q_lora_rank": 1536,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 10000.0,
+        "routed_scaling_factor": 1.0,
+        "tie_word_embeddings": False,
+        "topk_method": "greedy",
+        "v_head_dim": 128,
+        "vocab_size": 102400,
+    }
 
 
 @register
@@ -431,6 +462,41 @@ class DeepseekV3ForCausalLM(DeepseekCausalLM):
 
     architectures = (V3,)
     model_type = MODEL_TYPES[V3]
+    # transformers' attribute_map: two names config.json may give one key.
+    config_aliases = {
+        "num_local_experts": "n_routed_experts",
+        "num_mtp_layers": "num_nextn_predict_layers",
+    }
+    # transformers' DeepseekV3Config defaults: a key config.json leaves out reads as there.
+    config_defaults = {
+        "attention_bias": False,
+        "first_k_dense_replace": 3,
+        "hidden_act": "silu",
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "kv_lora_rank": 512,
+        "max_position_embeddings": 4096,
+        "moe_intermediate_size": 2048,
+        "n_group": 8,
+        "n_routed_experts": 256,
+        "n_shared_experts": 1,
+        "norm_topk_prob": True,
+        "num_attention_heads": 128,
+        "num_experts_per_tok": 8,
+        "num_hidden_layers": 61,
+        "num_key_value_heads": 128,
+        "q_lora_rank": 1536,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "rms_norm_eps": 1e-06,
+        "rope_interleave": True,
+        "rope_theta": 10000.0,
+        "routed_scaling_factor": 2.5,
+        "tie_word_embeddings": False,
+        "topk_group": 4,
+        "v_head_dim": 128,
+        "vocab_size": 129280,
+    }
 
 
 # DeepSeek-V3-style: latent attention with q LoRA and YaRN, one dense layer then three sparse

@@ -28,6 +28,22 @@ class Exaone4ForCausalLM(CausalLM):
 
     architectures = ("Exaone4ForCausalLM",)
     model_type = "exaone4"
+    # transformers' Exaone4Config defaults: a key config.json leaves out reads as there.
+    config_defaults = {
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": 16384,
+        "max_position_embeddings": 2048,
+        "num_attention_heads": 32,
+        "num_hidden_layers": 32,
+        "num_key_value_heads": 32,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 10000.0,
+        "sliding_window": 4096,
+        "tie_word_embeddings": False,
+        "vocab_size": 102400,
+    }
     lora = True
 
     @classmethod

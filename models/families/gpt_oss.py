@@ -59,6 +59,41 @@ class GptOssForCausalLM(MoeCausalLM):
 
     architectures = ("GptOssForCausalLM",)
     model_type = "gpt_oss"
+    # transformers' attribute_map: two names config.json may give one key.
+    config_aliases = {
+        "num_experts": "num_local_experts",
+    }
+    # transformers' GptOssConfig defaults: a key config.json leaves out reads as there.
+    config_defaults = {
+        "attention_bias": True,
+        "head_dim": 64,
+        "hidden_act": "silu",
+        "hidden_size": 2880,
+        "initializer_range": 0.02,
+        "intermediate_size": 2880,
+        "max_position_embeddings": 131072,
+        "num_attention_heads": 64,
+        "num_experts_per_tok": 4,
+        "num_hidden_layers": 36,
+        "num_key_value_heads": 8,
+        "num_local_experts": 128,
+        "output_router_logits": False,
+        "rms_norm_eps": 1e-05,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+        "rope_theta": 150000.0,
+        "sliding_window": 128,
+        "swiglu_alpha": 1.702,
+        "swiglu_limit": 7.0,
+        "tie_word_embeddings": False,
+        "vocab_size": 201088,
+    }
     lora = True
     quantizable = False  # the FP8 experts carry no biases and no clamp
 

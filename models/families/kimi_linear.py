@@ -293,6 +293,35 @@ class KimiLinearForCausalLM(DeepseekCausalLM):
 
     architectures = (ARCHITECTURE,)
     model_type = "kimi_linear"
+    config_aliases = ALIASES
+    # transformers' KimiLinearConfig defaults: a key config.json leaves out reads as there.
+    config_defaults = {
+        "attention_bias": False,
+        "hidden_act": "silu",
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "kv_lora_rank": 512,
+        "linear_conv_kernel_dim": 4,
+        "linear_head_dim": 128,
+        "linear_num_heads": 32,
+        "max_position_embeddings": 1048576,
+        "moe_intermediate_size": 1024,
+        "n_group": 1,
+        "n_shared_experts": 1,
+        "norm_topk_prob": True,
+        "num_attention_heads": 32,
+        "num_experts_per_tok": 8,
+        "num_hidden_layers": 27,
+        "num_key_value_heads": 32,
+        "num_local_experts": 256,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "rms_norm_eps": 1e-05,
+        "routed_scaling_factor": 2.446,
+        "topk_group": 1,
+        "v_head_dim": 128,
+        "vocab_size": 163840,
+    }
     layer_class = KimiLinearLayer
     dense_layers_first = False  # mlp_layer_types names each layer's kind
     hyper_connections = False

@@ -23,19 +23,23 @@ class LlamaForCausalLM(CausalLM):
     """Llama (with llama3 RoPE scaling)."""
 
     architectures = ("LlamaForCausalLM",)
-    # transformers' LlamaConfig defaults (LLaVA checkpoints' text_config leaves most out).
-    config_defaults = {
-        "vocab_size": 32000,
-        "hidden_size": 4096,
-        "intermediate_size": 11008,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "hidden_act": "silu",
-        "max_position_embeddings": 2048,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-    }
     model_type = "llama"
+    # transformers' LlamaConfig defaults: a key config.json leaves out reads as there.
+    config_defaults = {
+        "attention_bias": False,
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": 11008,
+        "max_position_embeddings": 2048,
+        "mlp_bias": False,
+        "num_attention_heads": 32,
+        "num_hidden_layers": 32,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "vocab_size": 32000,
+    }
     lora = True
     mlp_biases = True
 

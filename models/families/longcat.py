@@ -377,6 +377,20 @@ class LongcatFlashForCausalLM(MoeCausalLM):
 
     architectures = (ARCHITECTURE,)
     model_type = "longcat_flash"
+    # transformers' attribute_map: two names config.json may give one key.
+    config_aliases = {
+        "num_local_experts": "n_routed_experts",
+        "num_experts_per_tok": "moe_topk",
+        "intermediate_size": "ffn_hidden_size",
+        "moe_intermediate_size": "expert_ffn_hidden_size",
+    }
+    # transformers' LongcatFlashConfig defaults: a key config.json leaves out reads as there
+    # (but num_layers: a file may give num_hidden_layers instead, twice the layers).
+    config_defaults = {
+        "rope_theta": 10000000.0,
+        "routed_scaling_factor": 6.0,
+        "zero_expert_num": 256,
+    }
     quantizable = False
     hyper_connections = False
 

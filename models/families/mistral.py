@@ -22,22 +22,24 @@ class MistralForCausalLM(CausalLM):
     """Mistral: every layer within `sliding_window` (or full attention without one)."""
 
     architectures = ("MistralForCausalLM",)
-    # transformers' MistralConfig defaults, for sparse text configs of image-text checkpoints.
-    config_defaults = {
-        "vocab_size": 32000,
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "hidden_act": "silu",
-        "max_position_embeddings": 131072,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "sliding_window": 4096,
-    }
     image_text_architectures = ("Mistral3ForConditionalGeneration",)
     model_type = "mistral"
+    # transformers' MistralConfig defaults: a key config.json leaves out reads as there.
+    config_defaults = {
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": 14336,
+        "max_position_embeddings": 131072,
+        "num_attention_heads": 32,
+        "num_hidden_layers": 32,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 10000.0,
+        "sliding_window": 4096,
+        "tie_word_embeddings": False,
+        "vocab_size": 32000,
+    }
     lora = True
 
     @classmethod

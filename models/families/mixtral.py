@@ -26,6 +26,27 @@ class MixtralForCausalLM(MoeCausalLM):
 
     architectures = ("MixtralForCausalLM",)
     model_type = "mixtral"
+    # transformers' attribute_map: two names config.json may give one key.
+    config_aliases = {
+        "num_experts": "num_local_experts",
+    }
+    # transformers' MixtralConfig defaults: a key config.json leaves out reads as there.
+    config_defaults = {
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": 14336,
+        "max_position_embeddings": 131072,
+        "num_attention_heads": 32,
+        "num_experts_per_tok": 2,
+        "num_hidden_layers": 32,
+        "num_key_value_heads": 8,
+        "num_local_experts": 8,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+        "vocab_size": 32000,
+    }
     lora = True
 
     @classmethod

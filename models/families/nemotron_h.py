@@ -360,6 +360,15 @@ class NemotronHForCausalLM(MoeCausalLM):
 
     architectures = (ARCHITECTURE,)
     model_type = "nemotron_h"
+    # transformers' attribute_map: two names config.json may give one key.
+    config_aliases = {
+        "layer_types": "layers_block_type",
+        "num_local_experts": "n_routed_experts",
+    }
+    # transformers' NemotronHConfig defaults: a key config.json leaves out reads as there.
+    config_defaults = {
+        "head_dim": 128,
+    }
     quantizable = False
     ties_head = False
     hyper_connections = False

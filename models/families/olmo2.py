@@ -19,6 +19,21 @@ class Olmo2ForCausalLM(CausalLM):
 
     architectures = ("Olmo2ForCausalLM",)
     model_type = "olmo2"
+    # transformers' Olmo2Config defaults: a key config.json leaves out reads as there.
+    config_defaults = {
+        "attention_bias": False,
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": 11008,
+        "max_position_embeddings": 2048,
+        "num_attention_heads": 32,
+        "num_hidden_layers": 32,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "vocab_size": 50304,
+    }
     lora = True
 
     @classmethod

@@ -25,23 +25,28 @@ class Qwen2ForCausalLM(CausalLM):
     """Qwen2 / Qwen2.5: q/k/v biases, no q/k norm."""
 
     architectures = ("Qwen2ForCausalLM",)
-    # transformers' Qwen2Config defaults, for sparse text configs of image-text checkpoints.
-    config_defaults = {
-        "vocab_size": 151936,
-        "hidden_size": 4096,
-        "intermediate_size": 22016,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "hidden_act": "silu",
-        "max_position_embeddings": 32768,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-    }
     image_text_architectures = (
         "Qwen2VLForConditionalGeneration",
         "Qwen2_5_VLForConditionalGeneration",
     )
     model_type = "qwen2"
+    # transformers' Qwen2Config defaults: a key config.json leaves out reads as there.
+    config_defaults = {
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": 22016,
+        "max_position_embeddings": 32768,
+        "max_window_layers": 28,
+        "num_attention_heads": 32,
+        "num_hidden_layers": 32,
+        "num_key_value_heads": 32,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+        "vocab_size": 151936,
+    }
     lora = True
 
     @classmethod

@@ -30,6 +30,30 @@ class Qwen2MoeForCausalLM(MoeCausalLM):
 
     architectures = ("Qwen2MoeForCausalLM",)
     model_type = "qwen2_moe"
+    # transformers' Qwen2MoeConfig defaults: a key config.json leaves out reads as there.
+    config_defaults = {
+        "decoder_sparse_step": 1,
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "initializer_range": 0.02,
+        "intermediate_size": 5632,
+        "max_position_embeddings": 32768,
+        "max_window_layers": 28,
+        "moe_intermediate_size": 1408,
+        "norm_topk_prob": False,
+        "num_attention_heads": 16,
+        "num_experts": 60,
+        "num_experts_per_tok": 4,
+        "num_hidden_layers": 24,
+        "num_key_value_heads": 16,
+        "qkv_bias": True,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 10000.0,
+        "shared_expert_intermediate_size": 5632,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+        "vocab_size": 151936,
+    }
     lora = True
 
     @classmethod

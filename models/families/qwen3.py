@@ -29,6 +29,25 @@ class Qwen3ForCausalLM(CausalLM):
     architectures = ("Qwen3ForCausalLM",)
     image_text_architectures = ("Qwen3VLForConditionalGeneration",)
     model_type = "qwen3"
+    # transformers' Qwen3Config defaults: a key config.json leaves out reads as there.
+    config_defaults = {
+        "attention_bias": False,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": 22016,
+        "max_position_embeddings": 32768,
+        "max_window_layers": 28,
+        "num_attention_heads": 32,
+        "num_hidden_layers": 32,
+        "num_key_value_heads": 32,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+        "vocab_size": 151936,
+    }
     lora = True
 
     @classmethod

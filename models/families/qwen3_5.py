@@ -46,6 +46,28 @@ class Qwen3_5ForCausalLM(Qwen3_5Base):
     architectures = ("Qwen3_5ForCausalLM",)
     image_text_architectures = ("Qwen3_5ForConditionalGeneration",)
     model_type = "qwen3_5_text"
+    # transformers' Qwen3_5TextConfig defaults: a key config.json leaves out reads as there.
+    config_defaults = {
+        "attention_bias": False,
+        "head_dim": 256,
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": 12288,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_value_head_dim": 128,
+        "max_position_embeddings": 32768,
+        "num_attention_heads": 16,
+        "num_hidden_layers": 32,
+        "num_key_value_heads": 4,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "vocab_size": 248320,
+    }
     has_experts = False
 
     @classmethod
@@ -68,6 +90,31 @@ class Qwen3_5MoeForCausalLM(Qwen3_5Base):
     architectures = ("Qwen3_5MoeForCausalLM",)
     image_text_architectures = ("Qwen3_5MoeForConditionalGeneration",)
     model_type = "qwen3_5_moe_text"
+    # transformers' Qwen3_5MoeTextConfig defaults: a key config.json leaves out reads as there.
+    config_defaults = {
+        "attention_bias": False,
+        "head_dim": 256,
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "initializer_range": 0.02,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_value_head_dim": 128,
+        "max_position_embeddings": 32768,
+        "moe_intermediate_size": 512,
+        "num_attention_heads": 16,
+        "num_experts": 256,
+        "num_experts_per_tok": 8,
+        "num_hidden_layers": 40,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 10000.0,
+        "shared_expert_intermediate_size": 512,
+        "tie_word_embeddings": False,
+        "vocab_size": 248320,
+    }
 
     @classmethod
     def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:

@@ -32,6 +32,32 @@ class Qwen3MoeForCausalLM(MoeCausalLM):
 
     architectures = ("Qwen3MoeForCausalLM",)
     model_type = "qwen3_moe"
+    # transformers' attribute_map: two names config.json may give one key.
+    config_aliases = {
+        "num_experts": "num_local_experts",
+    }
+    # transformers' Qwen3MoeConfig defaults: a key config.json leaves out reads as there.
+    config_defaults = {
+        "attention_bias": False,
+        "decoder_sparse_step": 1,
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "initializer_range": 0.02,
+        "intermediate_size": 6144,
+        "max_position_embeddings": 32768,
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": False,
+        "num_attention_heads": 32,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "num_hidden_layers": 24,
+        "num_key_value_heads": 4,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+        "vocab_size": 151936,
+    }
     lora = True
 
     @classmethod

@@ -328,6 +328,34 @@ class Qwen3NextForCausalLM(Qwen3NextBase):
 
     architectures = ("Qwen3NextForCausalLM",)
     model_type = "qwen3_next"
+    # transformers' Qwen3NextConfig defaults: a key config.json leaves out reads as there.
+    config_defaults = {
+        "attention_bias": False,
+        "decoder_sparse_step": 1,
+        "head_dim": 256,
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "initializer_range": 0.02,
+        "intermediate_size": 5632,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_value_head_dim": 128,
+        "max_position_embeddings": 32768,
+        "moe_intermediate_size": 512,
+        "norm_topk_prob": True,
+        "num_attention_heads": 16,
+        "num_experts": 512,
+        "num_experts_per_tok": 10,
+        "num_hidden_layers": 48,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 10000.0,
+        "shared_expert_intermediate_size": 512,
+        "tie_word_embeddings": False,
+        "vocab_size": 151936,
+    }
 
 
 # Qwen3-Next: Gated DeltaNet (4 key heads of 8, 8 value heads of 8) on layers 0, 1 and 4, gated
