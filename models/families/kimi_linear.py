@@ -58,7 +58,8 @@ NO_ROPE_THETA = 10_000.0
 """The RoPE base a Kimi-Linear config carries: its latent attention rotates nothing
 (`MlaConfig.rotary` false), so the value is never read."""
 LINEAR, FULL = "linear_attention", "full_attention"
-# transformers' `KimiLinearConfig.attribute_map`: a config.json may hold either name.
+# transformers' `KimiLinearConfig.attribute_map`: a config.json may hold either name
+# (`read_hf_config` gives the reader both); the reader reads the first.
 ALIASES = {
     "num_experts": "num_local_experts",
     "num_experts_per_token": "num_experts_per_tok",
@@ -67,13 +68,6 @@ ALIASES = {
     "num_shared_experts": "n_shared_experts",
     "model_max_length": "max_position_embeddings",
 }
-
-
-def _read(config: Mapping[str, Any], key: str, default: Any = None) -> Any:
-    """`config[key]`, or its alias's value (`ALIASES`), or `default`."""
-    if key in config:
-        return config[key]
-    return config.get(ALIASES.get(key, key), default)
 
 
 def read_kimi_layers(config: Mapping[str, Any], layers: int) -> tuple[bool, ...]:
@@ -141,17 +135,17 @@ def read_kimi_linear(config: Mapping[str, Any]) -> DecoderConfig:
         rope_theta=NO_ROPE_THETA,
         rotary=False,
     )
-    experts = _read(config, "num_experts")
+    experts = config.get("num_experts")
     width = required(config, "moe_intermediate_size")
     routing = DeepseekRouting(
         experts,
-        _read(config, "num_experts_per_token"),
+        config.get("num_experts_per_token"),
         ExpertScoring.SIGMOID,
-        num_groups=_read(config, "num_expert_group") or 1,
+        num_groups=config.get("num_expert_group") or 1,
         topk_groups=config.get("topk_group") or 1,
         group_score=GroupScore.TOP2_SUM,
         correction_bias=True,
-        renormalize=bool(_read(config, "moe_renormalize", True)),
+        renormalize=bool(config.get("moe_renormalize", True)),
         scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
     )
     kinds = config.get("mlp_layer_types")
@@ -164,7 +158,7 @@ def read_kimi_linear(config: Mapping[str, Any]) -> DecoderConfig:
             f"'sparse'; got {kinds}"
         )
     dense = tuple(index for index, kind in enumerate(kinds) if kind == "dense")
-    shared = _read(config, "num_shared_experts") or 0
+    shared = config.get("num_shared_experts") or 0
     return DecoderConfig(
         architecture=ARCHITECTURE,
         vocab_size=required(config, "vocab_size"),
@@ -182,7 +176,7 @@ def read_kimi_linear(config: Mapping[str, Any]) -> DecoderConfig:
         # reads the checkpoint's lm_head.weight.
         tie_word_embeddings=False,
         sliding_window=None,
-        max_position_embeddings=_read(config, "model_max_length"),
+        max_position_embeddings=config.get("model_max_length"),
         moe=MoeConfig(
             num_experts=experts,
             top_k=routing.top_k,
@@ -304,16 +298,16 @@ class KimiLinearForCausalLM(DeepseekCausalLM):
         "linear_conv_kernel_dim": 4,
         "linear_head_dim": 128,
         "linear_num_heads": 32,
-        "max_position_embeddings": 1048576,
+        "model_max_length": 1048576,
         "moe_intermediate_size": 1024,
-        "n_group": 1,
-        "n_shared_experts": 1,
-        "norm_topk_prob": True,
+        "moe_renormalize": True,
         "num_attention_heads": 32,
-        "num_experts_per_tok": 8,
+        "num_expert_group": 1,
+        "num_experts": 256,
+        "num_experts_per_token": 8,
         "num_hidden_layers": 27,
         "num_key_value_heads": 32,
-        "num_local_experts": 256,
+        "num_shared_experts": 1,
         "qk_nope_head_dim": 128,
         "qk_rope_head_dim": 64,
         "rms_norm_eps": 1e-05,
