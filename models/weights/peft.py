@@ -9,8 +9,9 @@ with `scaling = lora_alpha / r` (rsLoRA: `lora_alpha / sqrt(r)`); the scaling is
 here. A module's own rank and alpha (`rank_pattern`, `alpha_pattern`) scale its own pair, and an
 adapter of some layers only (`layers_to_transform`) holds no pair for the others. The
 attention's q/k/v/o and the gated MLP's gate/up/down projections take adapters; an adapter on
-MoE experts, on other modules, or with a PEFT option that changes the product otherwise (DoRA,
-LoRA biases, ...) is refused when it is read.
+MoE experts, on other modules, with a PEFT option that changes the product otherwise (DoRA,
+LoRA biases, ...) or with an initialization that PEFT applies to the base weights on load
+(PiSSA, OLoRA, ...) is refused when it is read.
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ _REFUSED = {
     "alora_invocation_tokens": None,
     "trainable_token_indices": None,
 }
+# `init_lora_weights` values with which PEFT, loading the adapter, rewrites each targeted base
+# weight (PiSSA and CorDA: W minus its principal part; OLoRA: minus its QR's first columns;
+# LoftQ: quantized): the adapter is trained against that residual, not against the checkpoint.
+_BASE_REWRITING_INITS = re.compile(r"(pissa|corda|olora|loftq)(_.*)?", re.IGNORECASE)
 # The stacks a layer's modules hold (`layers.lora`), by module path, with the targets they stack.
 STACKS = {
     ("attn", "q_lora"): (LoraTarget.Q,),
@@ -101,7 +106,8 @@ def read_peft_adapter(directory: str | Path, name: str, config: DecoderConfig) -
     Raises:
       FileNotFoundError: The folder lacks `adapter_config.json` or `adapter_model.safetensors`.
       NotImplementedError: An adapter on MoE experts or another module than the attention and
-        MLP projections, or a PEFT option that changes the product (DoRA, biases, ...).
+        MLP projections, a PEFT option that changes the product (DoRA, biases, ...), or an
+        initialization that rewrites the base weights when PEFT loads the adapter (PiSSA, ...).
       ValueError: Not a LoRA adapter, or its tensors do not fit `config`.
     """
     directory = Path(directory)
@@ -117,6 +123,14 @@ def read_peft_adapter(directory: str | Path, name: str, config: DecoderConfig) -
                 f"{directory}: the PEFT option {option}={settings[option]!r} is not built; "
                 f"adapters with {option} left at {default!r} load"
             )
+    init = settings.get("init_lora_weights")
+    if isinstance(init, str) and _BASE_REWRITING_INITS.fullmatch(init):
+        raise NotImplementedError(
+            f"{directory}: init_lora_weights={init!r}: PEFT rewrites the base model's targeted "
+            "weights when it loads such an adapter, which a base model shared by adapters does "
+            "not; convert it to a plain LoRA adapter first (PEFT's save_pretrained with "
+            "path_initial_model_for_weight_conversion)"
+        )
     missing = [key for key in ("r", "lora_alpha") if not isinstance(settings.get(key), int | float)]
     if missing:
         raise ValueError(f"{directory / ADAPTER_CONFIG} needs numbers {missing}")

@@ -202,6 +202,23 @@ def test_peft_reader_folds_scaling_and_refuses_other_options(tmp_path):
         read_peft_adapter(_copy_adapter(tmp_path / "ia3", peft_type="IA3"), "x", config)
 
 
+@pytest.mark.parametrize("init", ["pissa", "pissa_niter_4", "olora", "corda", "loftq"])
+def test_inits_that_rewrite_the_base_weights_are_refused(tmp_path, init):
+    """PEFT applies these initializations to the base model when it loads the adapter (the
+    targeted weights become residuals), so the adapter read over the checkpoint's weights would
+    give other logits: refused with the option named. Initializations that touch only A and B
+    read as the plain adapter."""
+    config = load_config(GOLDEN / "llama")
+    with pytest.raises(NotImplementedError, match=f"init_lora_weights='{init}'"):
+        read_peft_adapter(_copy_adapter(tmp_path / init, init_lora_weights=init), "x", config)
+    plain = read_peft_adapter(GOLDEN / "lora" / "llama" / "a1", "a1", config)
+    other = read_peft_adapter(_copy_adapter(tmp_path / "eva", init_lora_weights="eva"), "x", config)
+    assert other.weights.keys() == plain.weights.keys()
+    for key, (a, b) in plain.weights.items():
+        np.testing.assert_array_equal(other.weights[key][0], a)
+        np.testing.assert_array_equal(other.weights[key][1], b)
+
+
 def test_per_module_ranks_and_some_layers_equal_the_uniform_adapter(tmp_path):
     """`rank_pattern` / `alpha_pattern` give a module its own rank and scale (PEFT's pattern
     match on the module's name), `layers_to_transform` an adapter of some layers only. Llama's
