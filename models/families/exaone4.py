@@ -1,14 +1,14 @@
 """EXAONE 4.0 (Hugging Face `Exaone4ForCausalLM`): post-norm layers (each stage reads the residual
 as is and adds the norm of its output), q/k RMSNorm per head, sliding-window and global layers
 from `layer_types` (or every `sliding_window_pattern`-th layer global), and no RoPE on the
-global layers of a model with a window."""
+global layers of a model with a window (also where every layer is global)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-from ..config import Activation, DecoderConfig, ResidualDesign
+from ..config import Activation, AttentionKind, DecoderConfig, ResidualDesign
 from ..config.hf import (
     every_nth_full,
     layer_windows,
@@ -62,10 +62,19 @@ class Exaone4ForCausalLM(CausalLM):
             qk_norm=True,
             sliding_window=window,
             layer_types=kinds,
-            nope_full_layers=window is not None,
+            # transformers rotates no global layer of a config with a window, even where no
+            # layer slides.
+            nope_full_layers=bool(hf_config.get("sliding_window")),
             residual_design=ResidualDesign.POST_NORM,
         )
 
     @classmethod
     def write_config(cls, config: DecoderConfig) -> dict[str, Any]:
-        return plain_decoder_json(config, cls.model_type) | window_json(config)
+        keys = plain_decoder_json(config, cls.model_type) | window_json(config)
+        if config.nope_full_layers and config.sliding_window is None:
+            # Global layers without RoPE and none sliding: a window that no layer uses.
+            keys |= {
+                "sliding_window": config.max_position_embeddings,
+                "layer_types": [AttentionKind.FULL.value] * config.num_layers,
+            }
+        return keys

@@ -363,6 +363,13 @@ def test_exaone4_golden_config():
     assert read_hf_config(raw).layer_types == (S, S, F)
     with pytest.raises(ValueError, match="integer sliding_window_pattern"):
         read_hf_config(raw | {"sliding_window_pattern": "LLG"})
+    # A window with no sliding layer (all global by layer_types or a pattern of 1): as in
+    # transformers, no layer rotates; written back, it reads the same.
+    for every_layer_global in ({"layer_types": [F.value] * 3}, {"sliding_window_pattern": 1}):
+        nope = read_hf_config(raw | every_layer_global)
+        assert nope.sliding_window is None and nope.layer_types is None
+        assert [nope.layer_attention(i) for i in range(3)] == [LayerAttention(None, None)] * 3
+        assert read_hf_config(write_hf_config(nope)) == nope
 
 
 def test_olmo2_golden_config():
