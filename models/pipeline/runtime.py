@@ -298,8 +298,10 @@ class PipelineCausalLM:
         adapters: Sequence[str | int | None] | None = None,
     ) -> PackedBatch:
         """Packs sequences (each with its LoRA adapter, given `adapters`) onto the DP ranks as
-        `ShardedCausalLM.pack` does (checked by `check_prompts` and `adapter_indices`)."""
+        `ShardedCausalLM.pack` does (checked by `check_prompts`, `check_context` and
+        `adapter_indices`)."""
         sequences = check_prompts(sequences, self.config.vocab_size)
+        check_context(sequences, 0, self.config.max_position_embeddings)
         indices = adapter_indices(self.stages[0].model.options.lora, adapters, len(sequences))
         return pack_bucketed(sequences, self.topology, bucketed=bucketed, adapters=indices)
 

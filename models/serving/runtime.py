@@ -39,7 +39,7 @@ from .buckets import (
     decode_loop,
     pack_bucketed,
 )
-from .generation import check_prompts, token_chunks
+from .generation import check_context, check_prompts, token_chunks
 from .overlap import check_two_batch_overlap, hidden_states, microbatch_facts, pack_two_batches
 from .sampling import GREEDY, Sampling, head_tokens, rank_key
 
@@ -190,10 +190,12 @@ class ShardedCausalLM:
         or index, None for none; `LoraSpec.index`).
 
         Raises:
-          TypeError, ValueError: A sequence is text or holds an id outside the vocabulary
-            (`check_prompts`), or an adapter is not loaded (`adapter_indices`).
+          TypeError, ValueError: A sequence is text, holds an id outside the vocabulary
+            (`check_prompts`) or is longer than the model's context (`check_context`), or an
+            adapter is not loaded (`adapter_indices`).
         """
         sequences = check_prompts(sequences, self.config.vocab_size)
+        check_context(sequences, 0, self.config.max_position_embeddings)
         indices = adapter_indices(self.options.lora, adapters, len(sequences))
         if not self.two_batch_overlap:
             return pack_bucketed(sequences, self.topology, bucketed=bucketed, adapters=indices)

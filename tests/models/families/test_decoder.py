@@ -125,10 +125,16 @@ def test_random_weights_are_the_same_on_every_mesh():
     assert np.max(np.abs(outputs[0] - outputs[1])) <= 1e-5 * np.max(np.abs(outputs[0]))
 
 
-def test_generation_rejects_contexts_past_the_model_limit():
-    """Prompt plus new tokens must fit max_position_embeddings."""
+def test_generation_and_forward_reject_contexts_past_the_model_limit():
+    """Prompt plus new tokens must fit max_position_embeddings, and so must a forward's
+    sequences (past it, dynamic NTK RoPE would grow its base, which no runtime here does)."""
     topology = bj.Topology()
-    model = build_model(PRESETS["tiny-qwen3"], topology)
+    config = PRESETS["tiny-qwen3"]
+    model = build_model(config, topology)
     run = ShardedCausalLM(model, make_mesh(topology))
     with pytest.raises(ValueError, match="exceed max_position_embeddings"):
         run.generate([[1] * 120], 20)
+    limit = config.max_position_embeddings
+    with pytest.raises(ValueError, match=f"{limit + 1} tokens.*exceed max_position_embeddings"):
+        run.forward([[1] * 3, [1] * (limit + 1)])
+    assert run.forward([[1] * limit]).shape[1] == limit

@@ -180,6 +180,9 @@ def test_generation_streams_the_one_program_tokens_in_chunks():
     assert [piece.shape[1] for piece in pieces] == [1, 2, 2, 1]
     np.testing.assert_array_equal(np.concatenate(pieces, axis=1), want)
     np.testing.assert_array_equal(runner.generate(PROMPTS, 6, sampling=sampling, seed=1), want)
+    limit = runner.config.max_position_embeddings
+    with pytest.raises(ValueError, match=f"{limit + 1} tokens.*exceed max_position_embeddings"):
+        runner.forward([*PROMPTS, [1] * (limit + 1)])
 
 
 @pytest.mark.xdist_group("dense")
