@@ -190,9 +190,8 @@ class ShardedCausalLM:
         or index, None for none; `LoraSpec.index`).
 
         Raises:
-          TypeError, ValueError: A sequence is text, holds an id outside the vocabulary
-            (`check_prompts`) or is longer than the model's context (`check_context`), or an
-            adapter is not loaded (`adapter_indices`).
+          TypeError, ValueError: A sequence is text, holds an id outside the vocabulary or
+            passes the context (`check_prompts`, `check_context`), or an adapter is not loaded.
         """
         sequences = check_prompts(sequences, self.config.vocab_size)
         check_context(sequences, 0, self.config.max_position_embeddings)

@@ -17,8 +17,8 @@ from models.layers.attention.context_parallel import CpAttentionMode
 from models.options import BuildOptions
 from models.serving.runtime import ShardedCausalLM
 
-CONFIG = dataclasses.replace(PRESETS["tiny-qwen3"], num_layers=1)
 TOKENS = 32768
+CONFIG = dataclasses.replace(PRESETS["tiny-qwen3"], num_layers=1, max_position_embeddings=TOKENS)
 
 
 @functools.cache
