@@ -227,9 +227,26 @@ UNSERVED_DEFAULTS = {
     "guided_regex": (),
     "guided_choice": (),
     "guided_grammar": (),
+    "structured_outputs": (),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "logits_processors": ([],),
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "truncate_prompt_tokens": (),
+    "prompt_logprobs": (),
+    "use_beam_search": (False,),
+    "length_penalty": (1.0,),
+    "typical_p": (1.0,),
+    "add_generation_prompt": (True,),
+    "continue_final_message": (False,),
+    "chat_template": (),
+    "chat_template_kwargs": ({},),
 }
-"""Request fields that change what is sampled, which this server does not compute: each is
-refused unless absent, null or one of its neutral values (OpenAI's defaults)."""
+"""Request fields that change the prompt, what is sampled or what is answered, which this
+server does not compute (OpenAI's and the vLLM / SGLang extensions): each is refused unless
+absent, null or one of its neutral values (the defaults, under which the answer is this
+server's)."""
 MAX_REPETITION_PENALTY = 10.0
 """The largest `repetition_penalty` taken (1: none; transformers' and vLLM's extension)."""
 
@@ -294,9 +311,12 @@ def parse_request(
         prompts = [_chat_prompt(body, codec)]
         wants_logprobs = _field(body, "logprobs", (bool,), False)
         top = _integer(body, "top_logprobs", 0, 0)
+        if top and not wants_logprobs:
+            raise ApiError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
         logprobs = top if wants_logprobs else None
-        max_tokens = _integer(body, "max_completion_tokens", None, 1)
-        max_tokens = _integer(body, "max_tokens", max_tokens, 1)
+        # OpenAI's max_completion_tokens replaces max_tokens, and wins where both are sent.
+        max_tokens = _integer(body, "max_tokens", None, 1)
+        max_tokens = _integer(body, "max_completion_tokens", max_tokens, 1)
     else:
         prompts = _prompts(body, codec, vocab_size)
         logprobs = _integer(body, "logprobs", None, 0)

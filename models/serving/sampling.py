@@ -22,7 +22,8 @@ class Sampling:
 
     Attributes:
       temperature: 0 for greedy (argmax); else logits are divided by it before drawing.
-      top_k: Draw among the k most likely tokens only (None: all).
+      top_k: Draw among the k most likely tokens only, and those tied with the k-th (as
+        transformers and vLLM; None: all).
       top_p: Draw among the smallest set of most likely tokens whose probability reaches p
         (nucleus sampling; None: all).
     """
@@ -60,19 +61,18 @@ def sample_tokens(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.
     if sampling.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits.astype(jnp.float32) / sampling.temperature
-    vocab = logits.shape[-1]
-    if sampling.top_k is not None and sampling.top_k < vocab:
-        values, ids = jax.lax.top_k(logits, sampling.top_k)  # sorted, largest first
-    else:
-        order = jnp.argsort(-logits, axis=-1)
-        ids = order.astype(jnp.int32)
-        values = jnp.take_along_axis(logits, order, axis=-1)
-    if sampling.top_p is not None:
-        probs = jax.nn.softmax(values, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # probability of the tokens ahead of each
-        values = jnp.where(before < sampling.top_p, values, -jnp.inf)
+    if sampling.top_k is not None and sampling.top_k < logits.shape[-1]:
+        kth = lax.top_k(logits, sampling.top_k)[0][:, -1:]
+        logits = jnp.where(logits >= kth, logits, -jnp.inf)
+    if sampling.top_p is None:
+        return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+    order = jnp.argsort(-logits, axis=-1)
+    values = jnp.take_along_axis(logits, order, axis=-1)
+    probs = jax.nn.softmax(values, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # probability of the tokens ahead of each
+    values = jnp.where(before < sampling.top_p, values, -jnp.inf)
     choice = jax.random.categorical(key, values, axis=-1)
-    return jnp.take_along_axis(ids, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
 def head_tokens(
@@ -224,17 +224,18 @@ def sample_rows(
 ) -> jax.Array:
     """int32 [R] next tokens from float32 [R, vocab] logits, each row drawn as its own
     parameters say (a server's batch mixes requests): greedy (argmax, ties to the lowest id)
-    where `temperature` is 0, else temperature / min-p (0: all) / top-k (0: all) / top-p (1:
-    all) sampling with the key `fold_in(key(seeds[r]), counters[r])`, so a request's draws
-    depend on its seed and its token index only, never on the batch it shares. Min-p keeps the
-    tokens whose probability (after the temperature) is at least `min_p` times the largest."""
+    where `temperature` is 0, else temperature / min-p (0: all) / top-k (0: all; ties with the
+    k-th kept) / top-p (1: all; over the tokens min-p and top-k keep, as vLLM) sampling with
+    the key `fold_in(key(seeds[r]), counters[r])`, so a request's draws depend on its seed and
+    its token index only, never on the batch it shares. Min-p keeps the tokens whose
+    probability (after the temperature) is at least `min_p` times the largest."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     vocab = logits.shape[-1]
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
     order = jnp.argsort(-scaled, axis=-1)
     values = jnp.take_along_axis(scaled, order, axis=-1)
-    ranks = jnp.arange(vocab)[None, :]
-    keep = (top_k[:, None] <= 0) | (ranks < top_k[:, None])
+    kth = jnp.take_along_axis(values, jnp.clip(top_k - 1, 0, vocab - 1)[:, None], axis=-1)
+    keep = (top_k[:, None] <= 0) | (values >= kth)  # the k-th's ties too
     if min_p is not None:
         # Probability ratios to the largest (sorted first): exp(v - v_max).
         keep &= jnp.exp(values - values[:, :1]) >= min_p[:, None]

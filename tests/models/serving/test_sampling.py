@@ -44,6 +44,30 @@ def test_top_k_draws_only_among_the_k_largest():
     np.testing.assert_array_equal(again, sample_tokens(LOGITS, jax.random.key(3), sampling))
 
 
+def test_top_k_keeps_the_ties_of_the_kth_logit():
+    """As transformers and vLLM: top_k=1 over logits (1, 1, 1, 0) draws each of the three tied
+    tokens, never the fourth, in `generate`'s sampler (with and without top_p) and the
+    server's (top_k 1, and top_k 2 with min_p 0)."""
+    logits = jnp.asarray([[1.0, 1.0, 1.0, 0.0]])
+    keys = jax.random.split(jax.random.key(5), 300)
+    for sampling in (Sampling(1.0, top_k=1), Sampling(1.0, top_k=1, top_p=0.99)):
+        draws = jax.vmap(lambda key, s=sampling: sample_tokens(logits, key, s))(keys)
+        assert set(np.asarray(draws).ravel().tolist()) == {0, 1, 2}
+    rows = 300
+    ones = jnp.ones(rows)
+    for top_k in (1, 2):
+        draws = jax.jit(sample_rows)(
+            jnp.tile(logits, (rows, 1)),
+            ones,
+            jnp.full(rows, top_k, jnp.int32),
+            ones,
+            jnp.arange(rows, dtype=jnp.uint32),
+            jnp.zeros(rows, jnp.int32),
+            jnp.zeros(rows),
+        )
+        assert set(np.asarray(draws).tolist()) == {0, 1, 2}
+
+
 def test_top_p_keeps_the_smallest_set_reaching_p():
     """With probabilities (0.5, 0.3, 0.2) and top_p=0.7, only the first two are ever drawn."""
     logits = jnp.log(jnp.array([[0.2, 0.5, 0.3]], jnp.float32))

@@ -20,7 +20,7 @@ import pytest
 import boundary_jax as bj
 from models.build import load_model
 from models.serving import server as server_module
-from models.serving.api import ChoiceText
+from models.serving.api import UNSERVED_DEFAULTS, ApiError, ChoiceText, Endpoint, parse_request
 from models.serving.engine import Engine
 from models.serving.generation import generate_ids
 from models.serving.paged import PagedRunner, SlotSampling
@@ -303,12 +303,21 @@ BAD = [
         "response_format",
     ),
     ({"model": MODEL, "prompt": "a", "tools": [{"type": "function"}]}, "tools"),
+    (
+        {"model": MODEL, "prompt": "a", "include_stop_str_in_output": True},
+        "include_stop_str_in_output",
+    ),
+    ({"model": MODEL, "prompt": "a", "allowed_token_ids": [1, 2]}, "allowed_token_ids"),
     ({"model": MODEL, "messages": "hi"}, "messages"),
+    (
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+        "top_logprobs",
+    ),
 ]
 
 
 def test_malformed_requests_get_400_and_good_ones_answers(served):
-    """28 bad requests interleaved with good ones, concurrently: every bad one is a 400 with an
+    """31 bad requests interleaved with good ones, concurrently: every bad one is a 400 with an
     OpenAI error body naming the field; every good one is answered."""
 
     async def send(client: httpx.AsyncClient, index: int):
@@ -498,3 +507,40 @@ def test_stop_strings_wait_for_min_tokens():
 
     assert streamed(0) == full[: full.index("market")]
     assert streamed(6) == full[: full.rindex("market")]
+
+
+def _away_from(neutral: tuple) -> object:
+    """A value of a refused field's type that none of its neutral values equals."""
+    if not neutral:
+        return "x"
+    value = neutral[0]
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, float):
+        return value / 2
+    return {"a": 1} if isinstance(value, dict) else [1]
+
+
+def test_fields_that_change_the_answer_are_refused_unless_neutral():
+    """Each field the server does not compute (vLLM's and SGLang's extensions, structured
+    output) is a 400 naming it away from its neutral value, and read as absent at it; chat's
+    max_completion_tokens wins over max_tokens, and top_logprobs needs logprobs."""
+    codec = text_codec(TEXT, 256)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "seed": 0}
+
+    def parse(body):
+        return parse_request(
+            body, Endpoint.CHAT, codec=codec, vocab_size=256, model_name=MODEL, adapters={}
+        )
+
+    for name, neutral in UNSERVED_DEFAULTS.items():
+        with pytest.raises(ApiError) as refused:
+            parse(chat | {name: _away_from(neutral)})
+        assert refused.value.param == name
+        for value in (None, *neutral):
+            assert parse(chat | {name: value}) == parse(chat), (name, value)
+    assert parse(chat | {"max_tokens": 9, "max_completion_tokens": 4}).max_tokens == 4
+    assert parse(chat | {"max_tokens": 9}).max_tokens == 9
+    with pytest.raises(ApiError, match="needs 'logprobs'"):
+        parse(chat | {"top_logprobs": 2})
+    assert parse(chat | {"top_logprobs": 2, "logprobs": True}).logprobs == 2
