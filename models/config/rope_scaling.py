@@ -176,6 +176,27 @@ def read_rope(config: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
     return float(theta), rope_scaling(scaling, config)
 
 
+def read_latent_rope(config: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
+    """`read_rope` of a latent attention (DeepSeek, LongCat-Flash), whose softmax scale
+    transformers multiplies by `yarn_mscale(factor, mscale_all_dim) ** 2` under any scaling:
+    here only YaRN carries that factor.
+
+    Raises:
+      ValueError: As `read_rope`, or an `mscale_all_dim` that scales under another RoPE type.
+    """
+    theta, scaling = read_rope(config)
+    entry = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    factor = entry.get("factor") or 1
+    if entry.get("mscale_all_dim") and factor > 1 and not isinstance(scaling, YarnRopeScaling):
+        kind = entry.get("rope_type", entry.get("type"))
+        raise ValueError(
+            f"mscale_all_dim={entry['mscale_all_dim']!r} under {kind!r} RoPE scaling "
+            "(transformers then scales the latent attention's softmax) is not built; it is "
+            "read with yarn scaling"
+        )
+    return theta, scaling
+
+
 def rope_scaling(
     scaling: Mapping[str, Any], config: Mapping[str, Any] | None = None
 ) -> RopeScaling | None:

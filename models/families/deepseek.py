@@ -43,7 +43,7 @@ from ..config import (
     YarnRopeScaling,
 )
 from ..config.registry import add_presets, register
-from ..config.rope_scaling import read_rope, rope_parameters
+from ..config.rope_scaling import read_latent_rope, rope_parameters
 from ..config.tensors import (
     GATED_MLP_TENSORS,
     NORM_TENSORS,
@@ -89,7 +89,7 @@ def read_mla(config: Mapping[str, Any]) -> MlaConfig:
             f"must equal num_attention_heads ({heads}); got {config['num_key_value_heads']}"
         )
     interleaved = model_type == "deepseek_v2" or config.get("rope_interleave", True)
-    theta, scaling = read_rope(config)
+    theta, scaling = read_latent_rope(config)
     return MlaConfig(
         hidden_size=config["hidden_size"],
         num_heads=heads,

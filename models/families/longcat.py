@@ -41,7 +41,7 @@ import boundary_jax as bj
 
 from ..config import DecoderConfig, DeepseekRouting, ExpertScoring, MlaConfig, MoeConfig
 from ..config.registry import add_presets, register
-from ..config.rope_scaling import read_rope, rope_parameters
+from ..config.rope_scaling import read_latent_rope, rope_parameters
 from ..config.tensors import (
     GATED_MLP_TENSORS,
     HFTensor,
@@ -112,7 +112,7 @@ def read_longcat_config(config: Mapping[str, Any]) -> DecoderConfig:
             "required to build the decoder"
         )
     _check_unsupported(config)
-    theta, scaling = read_rope(config)
+    theta, scaling = read_latent_rope(config)
     heads = config["num_attention_heads"]
     if config.get("num_key_value_heads") not in (None, heads):
         raise ValueError(

@@ -432,3 +432,20 @@ def test_layer_types_invariants():
         dataclasses.replace(config, layer_types=["sliding_attention"] * 3)
     with pytest.raises(ValueError, match="needs qk_norm=True"):
         dataclasses.replace(config, qk_norm=False, qk_norm_whole=True)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v2", "deepseek_v3", "longcat_flash"])
+def test_latent_attention_refuses_mscale_all_dim_under_other_rope_than_yarn(name):
+    """transformers scales a latent attention's softmax by yarn_mscale(factor,
+    mscale_all_dim) ** 2 under any RoPE scaling; here only YaRN carries it, so another type
+    with an effective mscale_all_dim is refused, and without it (or at factor 1) reads."""
+    raw = golden_config(name)
+    base = raw.get("rope_parameters") or {"rope_theta": raw["rope_theta"]}
+    linear = {"rope_theta": base["rope_theta"], "rope_type": "linear", "factor": 2.0}
+    with pytest.raises(ValueError, match="mscale_all_dim=1.0 under 'linear'"):
+        read_hf_config(raw | {"rope_parameters": linear | {"mscale_all_dim": 1.0}})
+    assert read_hf_config(raw | {"rope_parameters": linear}).mla.softmax_scale == pytest.approx(
+        read_hf_config(raw).mla.qk_head_dim ** -0.5
+    )
+    one = linear | {"factor": 1.0, "mscale_all_dim": 1.0}
+    assert read_hf_config(raw | {"rope_parameters": one}).mla.rope_scaling == LinearRopeScaling(1.0)
