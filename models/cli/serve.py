@@ -11,12 +11,13 @@ from pathlib import Path
 import jax
 
 from ..distributed import is_first_process
+from ..serving.api import sampling_defaults
 from ..serving.engine import Engine
 from ..serving.lockstep import Channel, follow
 from ..serving.paged import PagedRunner
 from ..serving.runtime import ShardedCausalLM
 from ..serving.server import Server, run_server
-from ..serving.text import eos_token_ids
+from ..serving.text import eos_token_ids, generation_config
 from . import options
 from .commands import checkpoint_dir, codec, console, runner, source_config, status
 from .interrupts import SIGNALS, raise_pending
@@ -65,6 +66,14 @@ def add_serve_args(command: argparse.ArgumentParser) -> None:
         type=options.non_negative_float,
         default=30.0,
         help="seconds SIGTERM lets running requests finish before cancelling them (default 30)",
+    )
+    command.add_argument(
+        "--sampling-defaults",
+        choices=("model", "openai"),
+        default="model",
+        help="what a request leaving out temperature, top_k, top_p, min_p or "
+        "repetition_penalty samples with: the checkpoint's generation_config.json where it "
+        "sets them (model, the default, as SGLang and vLLM), or OpenAI's defaults",
     )
     command.add_argument(
         "--no-prefix-caching",
@@ -137,6 +146,11 @@ def serve(args: argparse.Namespace) -> None:
     model = runner(args, out, config)
     text = codec(args, config)
     eos = eos_token_ids(checkpoint_dir(args))
+    defaults = {}
+    if args.sampling_defaults == "model":
+        defaults = sampling_defaults(generation_config(checkpoint_dir(args)))
+        if defaults:
+            out.log(f"sampling defaults from generation_config.json: {defaults}")
     topology = model.topology
     slots = -(-args.max_running // topology.attn_dp)
     pages = pages_per_rank(args, model, slots)
@@ -170,7 +184,9 @@ def serve(args: argparse.Namespace) -> None:
     name = args.served_model_name or args.preset or Path(args.checkpoint).resolve().name
     lora = model.options.lora
     adapters = {} if lora is None else {adapter: lora.index(adapter) for adapter in lora.names}
-    server = Server(engine, text, model_name=name, eos_ids=eos, adapters=adapters)
+    server = Server(
+        engine, text, model_name=name, eos_ids=eos, adapters=adapters, sampling_defaults=defaults
+    )
     out.log(f"serving {name} at http://{args.host}:{args.port}/v1 ({text.description})")
     run_server(server, host=args.host, port=args.port, grace=args.grace_period)
     out.log("stopped")

@@ -272,6 +272,44 @@ def _refuse_unserved(body: Mapping[str, Any]) -> None:
         )
 
 
+MODEL_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+"""The sampling fields a checkpoint's `generation_config.json` may default (as SGLang's
+`--sampling-defaults model` and vLLM's `--generation-config auto` read them)."""
+
+
+def _model_sampling(body: Mapping[str, Any]) -> dict[str, float]:
+    """`MODEL_SAMPLING_FIELDS` of `body`, checked, as `SlotSampling` takes them."""
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    if top_p == 0:
+        raise ApiError("'top_p' must be in (0, 1]; got 0", param="top_p")
+    repetition = _number(body, "repetition_penalty", 1.0, 0.0, MAX_REPETITION_PENALTY)
+    if repetition == 0:
+        raise ApiError("'repetition_penalty' must be > 0 (1: none); got 0", "repetition_penalty")
+    return {
+        "temperature": _number(body, "temperature", 1.0, 0.0, 2.0),
+        "top_k": max(_integer(body, "top_k", 0, -1), 0),
+        "top_p": top_p,
+        "min_p": _number(body, "min_p", 0.0, 0.0, 1.0),
+        "repetition_penalty": repetition,
+    }
+
+
+def sampling_defaults(generation_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The `MODEL_SAMPLING_FIELDS` a checkpoint's `generation_config.json` (as a dict) sets:
+    what a request that leaves them out samples with.
+
+    Raises:
+      ValueError: A value that a request could not send either.
+    """
+    defaults = {k: generation_config[k] for k in MODEL_SAMPLING_FIELDS if k in generation_config}
+    defaults = {k: v for k, v in defaults.items() if v is not None}
+    try:
+        _model_sampling(defaults)
+    except ApiError as error:
+        raise ValueError(f"generation_config.json's sampling defaults: {error}") from None
+    return defaults
+
+
 def parse_request(
     body: Any,
     endpoint: Endpoint,
@@ -280,8 +318,10 @@ def parse_request(
     vocab_size: int,
     model_name: str,
     adapters: Mapping[str, Any],
+    defaults: Mapping[str, Any] | None = None,
 ) -> GenerationSpec:
-    """Checks an OpenAI request body into a `GenerationSpec`.
+    """Checks an OpenAI request body into a `GenerationSpec`; a sampling field the body leaves
+    out takes its value in `defaults` (`sampling_defaults`), else OpenAI's.
 
     Raises:
       ApiError: A field of the wrong type or out of range, an unknown model, an unsupported
@@ -327,22 +367,11 @@ def parse_request(
     if n > MAX_CHOICES:
         raise ApiError(f"'n' must be at most {MAX_CHOICES}; got {n}", param="n")
     seed = _field(body, "seed", (int,), None)
-    top_k = _integer(body, "top_k", 0, -1)
-    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
-    if top_p == 0:
-        raise ApiError("'top_p' must be in (0, 1]; got 0", param="top_p")
-    repetition = _number(body, "repetition_penalty", 1.0, 0.0, MAX_REPETITION_PENALTY)
-    if repetition == 0:
-        raise ApiError("'repetition_penalty' must be > 0 (1: none); got 0", "repetition_penalty")
     sampling = SlotSampling(
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_k=max(top_k, 0),
-        top_p=top_p,
+        **_model_sampling({**(defaults or {}), **{k: v for k, v in body.items() if v is not None}}),
         seed=random.getrandbits(31) if seed is None else seed % 2**32,
-        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        repetition_penalty=repetition,
         logit_bias=_logit_bias(body, vocab_size),
         min_tokens=_integer(body, "min_tokens", 0, 0),
     )

@@ -57,6 +57,8 @@ class Server:
       model_name: The name clients put in `model`.
       eos_ids: Ids that end a choice unless `ignore_eos`.
       adapters: Served LoRA adapters: name -> index (`LoraSpec.index`); `model` may name one.
+      sampling_defaults: What a request leaving out a sampling field takes
+        (`api.sampling_defaults` of the checkpoint's generation_config.json; {}: OpenAI's).
       stopping: Set once a shutdown began: new requests get 503.
     """
 
@@ -68,8 +70,10 @@ class Server:
         model_name: str,
         eos_ids: Sequence[int] = (),
         adapters: Mapping[str, int] | None = None,
+        sampling_defaults: Mapping[str, Any] | None = None,
     ):
         self.engine = engine
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.codec = codec
         self.model_name = model_name
         self.eos_ids = frozenset(eos_ids)
@@ -155,6 +159,7 @@ class Server:
             vocab_size=self.vocab_size,
             model_name=self.model_name,
             adapters=self.adapters,
+            defaults=self.sampling_defaults,
         )
         queue: asyncio.Queue = asyncio.Queue()
         choices = self._submit(spec, queue, asyncio.get_running_loop())

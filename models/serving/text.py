@@ -286,6 +286,15 @@ class TextStream:
         return new
 
 
+def generation_config(checkpoint: str | Path | None) -> dict[str, Any]:
+    """The checkpoint's `generation_config.json` as a dict ({} for a preset or without one).
+
+    Raises:
+      ValueError: The file is not a JSON object.
+    """
+    return {} if checkpoint is None else _json_object(Path(checkpoint) / GENERATION_CONFIG_FILE)
+
+
 def _json_object(path: Path) -> dict[str, Any]:
     """A JSON file's object, or {} without the file."""
     if not path.is_file():

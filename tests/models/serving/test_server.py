@@ -20,14 +20,21 @@ import pytest
 import boundary_jax as bj
 from models.build import load_model
 from models.serving import server as server_module
-from models.serving.api import UNSERVED_DEFAULTS, ApiError, ChoiceText, Endpoint, parse_request
+from models.serving.api import (
+    UNSERVED_DEFAULTS,
+    ApiError,
+    ChoiceText,
+    Endpoint,
+    parse_request,
+    sampling_defaults,
+)
 from models.serving.engine import Engine
 from models.serving.generation import generate_ids
 from models.serving.paged import PagedRunner, SlotSampling
 from models.serving.runtime import ShardedCausalLM
 from models.serving.scheduler import Finish, Request
 from models.serving.server import Server
-from models.serving.text import eos_token_ids, text_codec
+from models.serving.text import eos_token_ids, generation_config, text_codec
 from tests.models.serving.http_harness import HTTP, Listening
 from tests.models.serving.test_paged import NEW_TOKENS, penalized_choices
 
@@ -544,3 +551,39 @@ def test_fields_that_change_the_answer_are_refused_unless_neutral():
     with pytest.raises(ApiError, match="needs 'logprobs'"):
         parse(chat | {"top_logprobs": 2})
     assert parse(chat | {"top_logprobs": 2, "logprobs": True}).logprobs == 2
+
+
+def test_generation_config_sampling_defaults_fill_what_a_request_leaves_out(tmp_path):
+    """A checkpoint's generation_config.json temperature / top_k / top_p / min_p /
+    repetition_penalty are what a request without those fields samples with (SGLang's and
+    vLLM's default); a field the request sends wins; other keys and a preset give none; a
+    value no request could send fails when read."""
+    codec = text_codec(TEXT, 256)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "seed": 0}
+    written = {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "min_p": 0.1, "do_sample": True}
+    (tmp_path / "generation_config.json").write_text(json.dumps(written | {"max_length": 9}))
+    defaults = sampling_defaults(generation_config(tmp_path))
+    assert defaults == {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "min_p": 0.1}
+    assert sampling_defaults(generation_config(TEXT)) == {} == generation_config(None)
+
+    def sampled(body, given=defaults):
+        spec = parse_request(
+            body,
+            Endpoint.CHAT,
+            codec=codec,
+            vocab_size=256,
+            model_name=MODEL,
+            adapters={},
+            defaults=given,
+        )
+        s = spec.sampling
+        return s.temperature, s.top_k, s.top_p, s.min_p, s.repetition_penalty
+
+    assert sampled(chat) == (0.6, 20, 0.95, 0.1, 1.0)
+    assert sampled(chat | {"temperature": 0, "top_k": None}) == (0.0, 20, 0.95, 0.1, 1.0)
+    assert sampled(chat | {"top_p": 0.5, "repetition_penalty": 1.2})[2:] == (0.5, 0.1, 1.2)
+    assert sampled(chat, {}) == (1.0, 0, 1.0, 0.0, 1.0)
+    with pytest.raises(ValueError, match="top_p"):
+        sampling_defaults({"top_p": 0})
+    with pytest.raises(ValueError, match="temperature"):
+        sampling_defaults({"temperature": "warm"})
