@@ -31,6 +31,7 @@ class HFTensor:
         stacked experts: each expert's [out, in] becomes [in, out] behind the expert axis).
       padded_axis: The parameter axis padded past the checkpoint's vocab size with zeros, or
         None when the shapes must match exactly.
+      padded_from: The checkpoint's size on `padded_axis` (the config's vocab size).
       experts: For a stack of per-expert tensors, their number: parameter axis 0 runs over the
         experts 0 .. experts - 1, and expert e comes from `name.format(expert=e)`. None for one
         tensor.
@@ -58,6 +59,7 @@ class HFTensor:
     name: str
     transpose: bool = False
     padded_axis: int | None = None
+    padded_from: int | None = None
     experts: int | None = None
     layers: tuple[int, ...] | None = None
     parts: tuple[str, ...] | None = None
@@ -67,6 +69,11 @@ class HFTensor:
     interleaved: bool = False
 
     def __post_init__(self):
+        if (self.padded_axis is None) != (self.padded_from is None):
+            raise ValueError(
+                f"a padded axis needs the size it pads from; got {self.padded_axis=}, "
+                f"{self.padded_from=}"
+            )
         stacked = "{expert}" in self.name
         if stacked != (self.experts is not None):
             raise ValueError(
@@ -369,9 +376,14 @@ def whole_model_names(
     """`layers`' names with the embedding (`{prefix}{embedding}.weight`, vocab-padded), the
     final norm (`{prefix}{final_norm}.weight`) and, without tied embeddings, the LM head
     (`lm_head.weight`, transposed, vocab-padded)."""
-    names = {"embed.embedding": HFTensor(f"{prefix}{embedding}.weight", padded_axis=0)}
+    vocab = config.vocab_size
+    names = {
+        "embed.embedding": HFTensor(f"{prefix}{embedding}.weight", padded_axis=0, padded_from=vocab)
+    }
     names |= layers
     names["final_norm.weight"] = HFTensor(f"{prefix}{final_norm}.weight")
     if not config.tie_word_embeddings:
-        names["lm_head.kernel"] = HFTensor("lm_head.weight", transpose=True, padded_axis=1)
+        names["lm_head.kernel"] = HFTensor(
+            "lm_head.weight", transpose=True, padded_axis=1, padded_from=vocab
+        )
     return names

@@ -61,11 +61,17 @@ def stored_fp8(checkpoint_dir: str | Path) -> bool:
     """Whether a checkpoint directory's `config.json` declares fine-grained FP8 weights.
 
     Raises:
-      NotImplementedError: It declares another quantization, other blocks than 128 x 128, or
-        static activation scales.
+      NotImplementedError: It declares another quantization, other blocks than 128 x 128,
+        static activation scales, or a quantization of its text model's own.
     """
     config = json.loads((Path(checkpoint_dir) / "config.json").read_text())
     quantization = config.get("quantization_config")
+    inner = (config.get("text_config") or {}).get("quantization_config")
+    if inner is not None and inner != quantization:
+        raise NotImplementedError(
+            f"{checkpoint_dir}: text_config has its own quantization_config {inner}; only the "
+            "top-level one is read"
+        )
     if quantization is None or quantization.get("quant_method") == MXFP4_METHOD:
         return False  # MXFP4 experts load dequantized (`models.weights.mxfp4`)
     method = quantization.get("quant_method")

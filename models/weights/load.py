@@ -212,6 +212,8 @@ def load_params(
             raise ValueError(
                 f"checkpoint {checkpoint_dir} has tensors the model does not use: {unused}"
             )
+        if "lm_head.kernel" not in sources and "lm_head.weight" in checkpoint.names:
+            _check_tied_head(checkpoint, sources["embed.embedding"].name, checkpoint_dir)
         # Check every tensor's presence and shape before reading any data.
         stored_shapes = {
             path: _fitted_shape(checkpoint, sources[_dotted(path)], _dotted(path), variable.shape)
@@ -356,7 +358,7 @@ def _fitted_shape(
     else:
         stored, logical = (source.experts, *one), (source.experts, *one_logical)
     fits = len(logical) == len(shape) and all(
-        have == want or (axis == source.padded_axis and have <= want)
+        have == want or (axis == source.padded_axis and have == source.padded_from)
         for axis, (have, want) in enumerate(zip(logical, shape, strict=False))
     )
     if not fits:
@@ -441,6 +443,25 @@ def _read_tensor(
     return stored.T if source.transpose else stored
 
 
+def _check_tied_head(checkpoint: _Checkpoint, embedding: str, checkpoint_dir: Path) -> None:
+    """A tied model's checkpoint may hold `lm_head.weight` too (torch's files hold both):
+    equal to the embedding, it is the same head.
+
+    Raises:
+      ValueError: It differs: transformers then unties the two, which the config read here
+        does not say.
+    """
+    whole = (slice(None), slice(None))
+    if not np.array_equal(
+        checkpoint.read("lm_head.weight", whole), checkpoint.read(embedding, whole)
+    ):
+        raise ValueError(
+            f"checkpoint {checkpoint_dir}'s config.json ties the embeddings, but its "
+            f"lm_head.weight differs from {embedding} (transformers then unties them); set "
+            "tie_word_embeddings to false in config.json"
+        )
+
+
 class _Checkpoint(contextlib.AbstractContextManager):
     """The tensors of one checkpoint directory, each file opened (memory-mapped) once; an
     image-text checkpoint's language model's, named as its text checkpoint's
@@ -453,7 +474,9 @@ class _Checkpoint(contextlib.AbstractContextManager):
         self._mxfp4 = Mxfp4Tensors({})
         self._fp8 = Fp8Dequantized({})
         index = directory / INDEX_FILE
-        if index.is_file():
+        if (directory / SINGLE_FILE).is_file():  # beside an index, it wins (as in transformers)
+            self._file_of = {name: SINGLE_FILE for name in self._open(SINGLE_FILE).keys()}  # noqa: SIM118
+        elif index.is_file():
             weight_map = read_json(index)
             weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
             if not isinstance(weight_map, Mapping) or not all(
@@ -461,8 +484,6 @@ class _Checkpoint(contextlib.AbstractContextManager):
             ):
                 raise ValueError(f"{index} must hold a 'weight_map' of tensor names to files")
             self._file_of = dict(weight_map)
-        elif (directory / SINGLE_FILE).is_file():
-            self._file_of = {name: SINGLE_FILE for name in self._open(SINGLE_FILE).keys()}  # noqa: SIM118
         else:
             raise FileNotFoundError(
                 f"checkpoint directory {directory} has neither {SINGLE_FILE} nor {INDEX_FILE}"

@@ -70,12 +70,12 @@ def abstract_params(directory: Path, mesh, dtype=jnp.float32, config=None) -> nn
 
 
 def hf_tensors(directory: Path) -> dict[str, np.ndarray]:
-    """Every tensor of a checkpoint (single file or index + shards), read whole."""
+    """Every tensor of a checkpoint (single file, which wins, or index + shards), read whole."""
     index = directory / checkpoint.INDEX_FILE
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
+    if (directory / checkpoint.SINGLE_FILE).exists():
         files = [checkpoint.SINGLE_FILE]
+    else:
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     tensors = {}
     for file in files:
         tensors |= load_file(str(directory / file))
@@ -217,6 +217,49 @@ def test_unused_tensor_and_wrong_model_rejected(tmp_path):
     state = abstract_params(GOLDEN / "llama", mesh, config=shallow)
     with pytest.raises(ValueError, match="model lacks"):
         load_params(GOLDEN / "llama", state, mesh, jnp.float32)
+
+
+def test_a_tied_checkpoints_lm_head_must_equal_its_embedding(tmp_path):
+    """A tied model's checkpoint holding lm_head.weight as well loads where the two are equal
+    (torch's files hold both); where they differ transformers unties them, so it is refused
+    with the key to set."""
+    mesh = make_mesh(1, 2)
+    embed = "model.embed_tokens.weight"
+    for name, head in (("equal", lambda t: t[embed]), ("differs", lambda t: t[embed] * 2)):
+        directory = copy_checkpoint(
+            GOLDEN / "qwen3", tmp_path / name, lambda t, head=head: t | {"lm_head.weight": head(t)}
+        )
+        state = abstract_params(directory, mesh)
+        if name == "equal":
+            check_loaded(
+                directory, load_params(directory, state, mesh, jnp.float32), mesh, jnp.float32
+            )
+            continue
+        with pytest.raises(ValueError, match="lm_head.weight differs.*tie_word_embeddings"):
+            load_params(directory, state, mesh, jnp.float32)
+
+
+@pytest.mark.parametrize("name", ["model.embed_tokens.weight", "lm_head.weight"])
+def test_vocab_rows_short_of_the_vocab_size_are_refused(tmp_path, name):
+    """The vocab axis is padded past the checkpoint's vocab size, never past its tensors: an
+    embedding or head with fewer rows than config.json's vocab_size is refused, named."""
+    short = lambda t: t | {name: t[name][:-8]}  # noqa: E731
+    directory = copy_checkpoint(GOLDEN / "mistral", tmp_path / "short", short)
+    mesh = make_mesh(1, 2)
+    with pytest.raises(ValueError, match=rf"{name} has shape"):
+        load_params(directory, abstract_params(directory, mesh), mesh, jnp.float32)
+
+
+def test_a_single_file_beside_an_index_is_the_one_read(tmp_path):
+    """As transformers: model.safetensors wins over a (stale) index and its shards."""
+    directory = copy_checkpoint(GOLDEN / "mistral", tmp_path / "both", lambda t: t)
+    tensors = load_file(str(directory / checkpoint.SINGLE_FILE))
+    save_file({k: v * 2 for k, v in tensors.items()}, str(directory / "stale.safetensors"))
+    weight_map = {"weight_map": dict.fromkeys(tensors, "stale.safetensors")}
+    (directory / checkpoint.INDEX_FILE).write_text(json.dumps(weight_map))
+    mesh = make_mesh(1, 2)
+    loaded = load_params(directory, abstract_params(directory, mesh), mesh, jnp.float32)
+    check_loaded(directory, loaded, mesh, jnp.float32)
 
 
 def test_missing_files(tmp_path):

@@ -270,8 +270,10 @@ def test_hf_tensor_validates_stacking():
         HFTensor("model.layers.0.mlp.experts.0.w1.weight", experts=8)
     with pytest.raises(ValueError, match="both an {expert} field"):
         HFTensor("model.layers.0.mlp.experts.{expert}.w1.weight")
+    with pytest.raises(ValueError, match="needs the size it pads from"):
+        HFTensor("x.w", padded_axis=0)
     with pytest.raises(ValueError, match="no padded axis"):
-        HFTensor("x.{expert}.w", experts=2, padded_axis=0)
+        HFTensor("x.{expert}.w", experts=2, padded_axis=0, padded_from=4)
     assert json.dumps(HFTensor("x.{expert}.w", experts=2).tensor_names()) == '["x.0.w", "x.1.w"]'
     named = r"a {part} field in its name \(or part_rows of one tensor\), parts=.* and part_axis"
     with pytest.raises(ValueError, match=named):
@@ -279,7 +281,7 @@ def test_hf_tensor_validates_stacking():
     with pytest.raises(ValueError, match="a {part} field in its name"):
         HFTensor("x.k.w", parts=("k", "v"), part_axis=1)
     with pytest.raises(ValueError, match="stacked parts take no padded axis"):
-        HFTensor("x.{part}.w", parts=("k",), part_axis=1, padded_axis=0)
+        HFTensor("x.{part}.w", parts=("k",), part_axis=1, padded_axis=0, padded_from=4)
     gate_up = HFTensor("x.{expert}.{part}.w", experts=2, parts=("g", "u"), part_axis=2)
     assert gate_up.tensor_names() == ("x.0.g.w", "x.1.g.w", "x.0.u.w", "x.1.u.w")
     kv = HFTensor("x.{part}.w", parts=("k", "v"), part_axis=1)

@@ -120,6 +120,18 @@ def test_an_image_text_checkpoint_without_a_language_model_is_refused(tmp_path):
         load_model(checkpoint, bj.make_mesh(bj.Topology()))
 
 
+def test_a_quantization_of_the_text_model_alone_is_refused(tmp_path):
+    """transformers quantizes by a `quantization_config` inside `text_config` too; one there
+    that the top level does not carry is refused, never read as float weights."""
+    checkpoint = image_text_checkpoint("qwen3_5", tmp_path / "qwen3_5")
+    config = json.loads((checkpoint / "config.json").read_text())
+    gptq = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    config["text_config"]["quantization_config"] = gptq
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    with pytest.raises(NotImplementedError, match="text_config has its own quantization_config"):
+        load_model(checkpoint, bj.make_mesh(bj.Topology()))
+
+
 def test_a_sparse_gemma3_text_config_takes_transformers_defaults():
     """Gemma 3's released image-text configs name only what differs from transformers'
     `Gemma3TextConfig` (a random tiny one so written matched transformers, closing note of
