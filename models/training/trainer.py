@@ -41,7 +41,9 @@ class TrainConfig:
       total_steps: Steps the schedule spans (it decays to `final_fraction` of the peak there).
       warmup_steps: Linear warmup from zero to the peak (fewer than `total_steps`).
       final_fraction: The learning rate at `total_steps`, as a fraction of the peak.
-      weight_decay: AdamW's decoupled weight decay.
+      weight_decay: AdamW's decoupled weight decay, on every parameter (norms, biases and
+        embeddings too, as `torch.optim.AdamW` over `model.parameters()`; the Hugging Face
+        Trainer exempts biases and norm weights).
       clip_norm: Gradients are scaled down to this global norm at most.
       b1: Adam's first-moment decay.
       b2: Adam's second-moment decay.
