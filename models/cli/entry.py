@@ -3,7 +3,7 @@ line (JAX, the models), so an interrupt during those imports also ends in one li
 
 from __future__ import annotations
 
-from .interrupts import interruption, report, signals_interrupt
+from .interrupts import interruption, report, signals_held, signals_interrupt
 
 
 def main() -> int:
@@ -11,7 +11,8 @@ def main() -> int:
     imports included, ends with one line and 128 + the signal's number."""
     try:
         with signals_interrupt():
-            from .main import main as command
+            with signals_held():
+                from .main import main as command
 
             return command()
     except BaseException as error:

@@ -41,9 +41,27 @@ class Interrupted(KeyboardInterrupt):
         return 128 + self.signum
 
 
+_held: list[bool] = []
+"""Non-empty inside `signals_held`."""
+
+
 def _raise_interrupted(signum: int, frame) -> None:
     _received.append(signum)
-    raise Interrupted(signum)
+    if not _held:
+        raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """Inside `signals_interrupt`: a signal received in the block is raised as it ends, not
+    where it lands. For imports: an exception raised inside an extension module's C-level
+    import can be printed there, traceback and all, before it reaches the command."""
+    _held.append(True)
+    try:
+        yield
+    finally:
+        _held.pop()
+    raise_pending()
 
 
 def interruption(error: BaseException) -> Interrupted | None:
