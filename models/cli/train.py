@@ -113,6 +113,23 @@ def sequence_length(args: argparse.Namespace, context: int, tokens: int) -> int:
     return args.seq_len
 
 
+def refuse_router_loss(hf_config: dict | None) -> None:
+    """Refuses a checkpoint whose config asks transformers to add the MoE router's auxiliary loss
+    to the training loss (`output_router_logits`): `train` minimizes the next-token loss alone.
+
+    Raises:
+      InputError: The config, or its `text_config`, sets `output_router_logits`.
+    """
+    for config in (hf_config or {}, (hf_config or {}).get("text_config") or {}):
+        if config.get("output_router_logits"):
+            raise InputError(
+                "train minimizes the next-token loss alone, and this checkpoint's config asks "
+                "for the MoE router's auxiliary loss too (output_router_logits=true, "
+                f"router_aux_loss_coef={config.get('router_aux_loss_coef')}); set "
+                "output_router_logits to false in its config.json to train without it"
+            )
+
+
 def train(args: argparse.Namespace) -> None:
     """`train`: see the module docstring."""
     out = commands.console()
@@ -128,6 +145,9 @@ def train(args: argparse.Namespace) -> None:
             "models train through models.training.Trainer instead"
         )
     config = commands.source_config(args)
+    source = commands.checkpoint_dir(args)
+    hf_config = None if source is None else read_hf_config_file(source)
+    refuse_router_loss(hf_config)
     options.check_output_directory("--out", args.out, overwrite=args.overwrite)
     codec = commands.codec(args, config)
     texts, skipped = read_text(args.text)
@@ -135,8 +155,6 @@ def train(args: argparse.Namespace) -> None:
         out.log(f"--text: skipped {len(skipped)} binary files, e.g. {skipped[0]}")
     tokens = tokenize(texts, codec)
     length = sequence_length(args, config.max_position_embeddings, len(tokens))
-    source = commands.checkpoint_dir(args)
-    hf_config = None if source is None else read_hf_config_file(source)
     keep = [] if source is None else [source / n for n in TEXT_FILES if (source / n).is_file()]
     out.log(f"{len(tokens):,} tokens of text encoded with {codec.description}")
     lora = args.train_lora

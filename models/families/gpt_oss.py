@@ -9,9 +9,9 @@ Its checkpoints store each layer's experts fused: `mlp.experts.gate_up_proj` [ex
 router `mlp.router.weight` [experts, hidden], `mlp.router.bias`; the released checkpoints hold
 the two projections in MXFP4 (`models.weights.mxfp4`), which load dequantized.
 
-What it refuses: FP8 quantization (its experts' biases and clamp are not in the FP8 experts),
-attention CP (as every MoE family), and a config whose router would train with an auxiliary loss
-(`output_router_logits`).
+What it refuses: FP8 quantization (its experts' biases and clamp are not in the FP8 experts) and
+attention CP (as every MoE family). As in transformers, `hidden_act` is not read: the experts
+compute the clamped SwiGLU whatever it names.
 """
 
 from __future__ import annotations
@@ -22,14 +22,12 @@ from typing import Any
 import jax.numpy as jnp
 from flax import nnx
 
-from ..config import Activation, AttentionKind, DecoderConfig, MoeConfig, YarnRopeScaling
+from ..config import AttentionKind, DecoderConfig, MoeConfig, YarnRopeScaling
 from ..config.hf import (
     layer_windows,
     plain_decoder,
     plain_decoder_json,
     plain_moe,
-    read_activation,
-    refuse_true,
     required,
 )
 from ..config.registry import add_presets, register
@@ -100,8 +98,6 @@ class GptOssForCausalLM(MoeCausalLM):
     @classmethod
     def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:
         architecture = cls.architectures[0]
-        refuse_true(hf_config, architecture, ("output_router_logits",))
-        read_activation(hf_config, Activation.SILU)
         layers = required(hf_config, "num_hidden_layers")
         window, kinds = layer_windows(hf_config, layers, _alternating(layers))
         bias = bool(hf_config.get("attention_bias", True))

@@ -1,7 +1,8 @@
 """Training a sharded decoder: next-token loss through the boundaries, an optax step, checkpoints.
 
 The loss runs inside `jax.shard_map` (the model's forward, then a cross-entropy on the
-vocab-parallel logits that never gathers them); `jax.value_and_grad` differentiates through the
+vocab-parallel logits that never gathers them; the loss is that cross-entropy alone, with no MoE
+router auxiliary loss); `jax.value_and_grad` differentiates through the
 `shard_map`, so every sum a boundary completes in the forward has its transposed collective in
 the backward. The optimizer runs outside it on the global (sharded) arrays: its global-norm
 clipping counts every parameter once, however many ranks hold a copy, and its state is sharded

@@ -214,6 +214,19 @@ def _train_args(tmp, *extra: str, text: str | None = None) -> list[str]:
     return ["train", "--preset", "tiny-qwen3", "--text", text, "--out", str(tmp / "o"), *extra]
 
 
+def _router_loss_args(tmp, family: str, nested: bool) -> list[str]:
+    """train from a copy of the golden `family` checkpoint whose config (or its text_config)
+    asks for the router's auxiliary loss."""
+    checkpoint = tmp / family
+    shutil.copytree(GOLDEN / family, checkpoint)
+    config = json.loads((checkpoint / "config.json").read_text())
+    flag = {"output_router_logits": True, "router_aux_loss_coef": 0.01}
+    config = config | ({"text_config": flag} if nested else flag)
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    args = _train_args(tmp, "--steps", "2", "--seq-len", "8")
+    return [*args[:1], "--checkpoint", str(checkpoint), *args[3:]]
+
+
 BAD_INPUT = {
     "no text file": (
         lambda tmp: _train_args(tmp, "--steps", "2", text=str(tmp / "none")),
@@ -224,6 +237,14 @@ BAD_INPUT = {
     "a mesh larger than the devices": (
         lambda tmp: _train_args(tmp, "--steps", "2", "--mesh", "attn_dp=4,attn_tp=4"),
         "needs 16 devices",
+    ),
+    "a MoE config asking for the router's auxiliary loss": (
+        lambda tmp: _router_loss_args(tmp, "gpt_oss", nested=False),
+        r"output_router_logits=true, router_aux_loss_coef=0.01\)",
+    ),
+    "a text_config asking for it": (
+        lambda tmp: _router_loss_args(tmp, "mixtral", nested=True),
+        "the next-token loss alone",
     ),
     "a mesh the heads do not divide over": (
         lambda tmp: _train_args(tmp, "--steps", "2", "--mesh", "attn_tp=3", "--devices", "3"),

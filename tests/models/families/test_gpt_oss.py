@@ -327,10 +327,16 @@ def test_configs_read_and_write_back():
     assert names == set(load_file(str(CHECKPOINT / "model.safetensors")))
 
 
+def test_keys_transformers_does_not_read_for_inference_leave_the_model_alone():
+    """As in transformers, `hidden_act` (the experts compute the clamped SwiGLU) and
+    `output_router_logits` (a training loss term; `train` refuses it) change nothing."""
+    released = read_hf_config(RELEASED_CONFIG)
+    unread = {"hidden_act": "gelu", "output_router_logits": True, "router_aux_loss_coef": 0.5}
+    assert read_hf_config(RELEASED_CONFIG | unread) == released
+
+
 def test_what_gpt_oss_does_not_build_is_refused():
-    """FP8 experts, attention CP and the router's auxiliary loss are refused, naming the fix."""
-    with pytest.raises(ValueError, match="output_router_logits=true is not supported"):
-        read_hf_config(RELEASED_CONFIG | {"output_router_logits": True})
+    """FP8 experts and attention CP are refused, naming the fix."""
     config = PRESETS["tiny-gpt-oss"]
     with pytest.raises(NotImplementedError, match="FP8 quantization is built for"):
         build_model(config, bj.Topology(), BuildOptions(quantization=Fp8Quantization()))
