@@ -259,8 +259,11 @@ def plain_moe(
 
 
 def plain_moe_json(config: DecoderConfig) -> dict[str, Any]:
-    """The `config.json` keys `plain_moe` reads."""
+    """The `config.json` keys `plain_moe` reads; `num_experts: 0` for a config without experts
+    (transformers' Qwen MoE families build every FFN dense then)."""
     moe = config.moe
+    if moe is None:
+        return {"num_experts": 0}
     out = {
         "num_experts_per_tok": moe.top_k,
         "num_local_experts": moe.num_experts,

@@ -35,6 +35,8 @@ class FamilyBase:
         (`models.config.multimodal`).
       has_experts: Its configs hold a sparse FFN (`DecoderConfig.moe`), and it takes the MoE
         options.
+      experts_optional: A family with experts whose transformers model builds every layer's
+        FFN dense where `num_experts` is 0: a config without `moe` is one it builds too.
       quantizable: It builds with FP8 projections (`BuildOptions.quantization`).
       context_parallel: It builds under attention CP (`attn_cp > 1`).
       cp_attention_modes: It takes `BuildOptions.cp_attention` other than the all-gather.
@@ -56,6 +58,7 @@ class FamilyBase:
     config_defaults: ClassVar[Mapping[str, Any]] = {}
     config_aliases: ClassVar[Mapping[str, str]] = {}
     has_experts: ClassVar[bool] = False
+    experts_optional: ClassVar[bool] = False
     quantizable: ClassVar[bool] = True
     context_parallel: ClassVar[bool] = True
     cp_attention_modes: ClassVar[bool] = True
@@ -79,13 +82,15 @@ class FamilyBase:
     @classmethod
     def check_config(cls, config: DecoderConfig) -> None:
         """Raises unless `config` is one this family builds (run on every `DecoderConfig` of
-        its architectures): a sparse FFN exactly when the family has experts, MLP biases only
-        where it builds them.
+        its architectures): a sparse FFN only when the family has experts, and always unless
+        they are optional; MLP biases only where it builds them.
 
         Raises:
           ValueError: The config holds what the family does not build.
         """
-        if (config.moe is not None) != cls.has_experts:
+        if (config.moe is not None) != cls.has_experts and not (
+            config.moe is None and cls.experts_optional
+        ):
             raise ValueError(
                 f"{config.architecture} {'needs' if config.moe is None else 'takes no'} MoE "
                 f"settings; got moe={config.moe!r}"
@@ -190,7 +195,7 @@ class FamilyBase:
                 f"dense_ffn_dp (a fully data-parallel dense FFN) is a DeepSeek option; got a "
                 f"{config.architecture} config. Leave it unset"
             )
-        if not cls.has_experts:
+        if config.num_experts is None:
             if options.moe_dispatch is not None or topology.moe_ep != 1:
                 raise ValueError(
                     f"{config.architecture} has no experts; got moe_dispatch="

@@ -55,6 +55,7 @@ class Qwen2MoeForCausalLM(MoeCausalLM):
         "vocab_size": 151936,
     }
     lora = True
+    experts_optional = True
 
     @classmethod
     def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:
@@ -64,12 +65,16 @@ class Qwen2MoeForCausalLM(MoeCausalLM):
         first = hf_config.get("max_window_layers", layers)
         default = [bool((i + 1) % 2) and i < first for i in range(layers)]
         window, kinds = opt_in_windows(hf_config, layers, default)
-        moe = plain_moe(
-            hf_config,
-            architecture,
-            shared_expert_intermediate_size=required(hf_config, "shared_expert_intermediate_size"),
-            shared_expert_gate=True,
-        )
+        moe = None
+        if hf_config.get("num_experts"):
+            moe = plain_moe(
+                hf_config,
+                architecture,
+                shared_expert_intermediate_size=required(
+                    hf_config, "shared_expert_intermediate_size"
+                ),
+                shared_expert_gate=True,
+            )
         return plain_decoder(
             hf_config,
             architecture,
@@ -95,5 +100,5 @@ class Qwen2MoeForCausalLM(MoeCausalLM):
             config,
             scan_layers=scan_layers,
             dense=dense_layer_tensors(config),
-            sparse=sparse_ffn_tensors(config),
+            sparse=None if config.moe is None else sparse_ffn_tensors(config),
         )

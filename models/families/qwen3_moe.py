@@ -59,6 +59,7 @@ class Qwen3MoeForCausalLM(MoeCausalLM):
         "vocab_size": 151936,
     }
     lora = True
+    experts_optional = True
 
     @classmethod
     def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:
@@ -71,7 +72,7 @@ class Qwen3MoeForCausalLM(MoeCausalLM):
             **attention_bias(hf_config),
             qk_norm=True,
             sliding_window=window,
-            moe=plain_moe(hf_config, architecture),
+            moe=plain_moe(hf_config, architecture) if hf_config.get("num_experts") else None,
         )
 
     @classmethod
@@ -88,7 +89,7 @@ class Qwen3MoeForCausalLM(MoeCausalLM):
             config,
             scan_layers=scan_layers,
             dense=dense_layer_tensors(config),
-            sparse=sparse_ffn_tensors(config),
+            sparse=None if config.moe is None else sparse_ffn_tensors(config),
         )
 
 

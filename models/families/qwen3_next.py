@@ -142,13 +142,7 @@ def write_qwen3_next(config: DecoderConfig, model_type: str) -> dict[str, Any]:
         "linear_conv_kernel_dim": spec.conv_kernel,
     }
     out["rope_parameters"] |= {"partial_rotary_factor": config.rotary_dim / config.head_dim}
-    if config.moe is None:
-        return out | {"num_experts": 0}
-    return (
-        out
-        | plain_moe_json(config)
-        | {"shared_expert_intermediate_size": config.moe.shared_expert_intermediate_size}
-    )
+    return out | plain_moe_json(config)
 
 
 def delta_net_tensors(spec: GatedDeltaNetSpec) -> dict[str, HFTensor]:
@@ -328,6 +322,7 @@ class Qwen3NextForCausalLM(Qwen3NextBase):
 
     architectures = ("Qwen3NextForCausalLM",)
     model_type = "qwen3_next"
+    experts_optional = True
     # transformers' Qwen3NextConfig defaults: a key config.json leaves out reads as there.
     config_defaults = {
         "attention_bias": False,

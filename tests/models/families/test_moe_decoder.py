@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import json
 import pathlib
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +20,7 @@ import models.decoder.moe
 from boundary_jax import make_mesh
 from models.build import build_model, load_model
 from models.cli.plan import collective_report
-from models.config import MoeConfig, read_hf_config
+from models.config import MoeConfig, read_hf_config, write_hf_config
 from models.families.mixtral import MixtralForCausalLM
 from models.families.qwen2_moe import Qwen2MoeForCausalLM
 from models.families.qwen3_moe import Qwen3MoeForCausalLM
@@ -120,6 +121,33 @@ def test_logits_and_greedy_tokens_match_transformers(name, layout):
         assert not np.any(logits[index, length:])
     tokens = run.generate(prompts, reference["generated"].shape[1])
     np.testing.assert_array_equal(tokens, reference["generated"])
+
+
+@pytest.mark.parametrize(
+    "dense,architecture", [("qwen3", "Qwen3MoeForCausalLM"), ("qwen2", "Qwen2MoeForCausalLM")]
+)
+def test_a_qwen_moe_config_without_experts_is_its_dense_model(dense, architecture, tmp_path):
+    """transformers builds every FFN of a Qwen MoE config with `num_experts: 0` as the dense
+    MLP, so the dense golden checkpoint renamed to the MoE architecture gives the dense golden's
+    logits on TP 2; its config writes back as read, and the MoE options are refused."""
+    shutil.copytree(GOLDEN / dense, tmp_path / "ckpt")
+    path = tmp_path / "ckpt" / "config.json"
+    moe_type = architecture.removesuffix("ForCausalLM").lower().replace("moe", "_moe")
+    config = json.loads(path.read_text()) | {
+        "architectures": [architecture],
+        "model_type": moe_type,
+        "num_experts": 0,
+    }
+    path.write_text(json.dumps(config))
+    read = load_config(tmp_path / "ckpt")
+    assert read.moe is None and read.architecture == architecture
+    assert read_hf_config(write_hf_config(read)) == read
+    mesh = make_mesh(bj.Topology(attn_tp=2))
+    run = ShardedCausalLM(load_model(tmp_path / "ckpt", mesh), mesh)
+    prompts, reference = golden(dense)
+    assert relative_error(run.forward(prompts), reference["logits"]) <= 1e-4
+    with pytest.raises(ValueError, match="has no experts"):
+        load_model(tmp_path / "ckpt", make_mesh(bj.Topology(attn_tp=2, moe_ep=2)), moe_ep=2)
 
 
 def test_model_classes_and_sparse_layers():

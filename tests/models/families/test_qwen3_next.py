@@ -155,15 +155,17 @@ def test_qwen3_5_families():
 
 
 def test_refuses_what_it_does_not_build():
-    """Scanned layers, bad layer types and a Qwen3-Next without experts are refused; layer
-    kinds default to every `full_attention_interval`-th layer attending."""
+    """Scanned layers and bad layer types are refused; layer kinds default to every
+    `full_attention_interval`-th layer attending; a Qwen3-Next without experts (transformers
+    builds its FFNs dense) reads and writes back."""
     with pytest.raises(NotImplementedError, match="scanned runs"):
         TINY.layer_blocks(True)
     written = Qwen3NextForCausalLM.write_config(TINY)
     with pytest.raises(ValueError, match="layer_types must name"):
         read_hf_config(written | {"layer_types": ["linear_attention"]})
-    with pytest.raises(ValueError, match="needs MoE settings"):
-        read_hf_config(written | {"num_experts": 0})
+    dense = read_hf_config(written | {"num_experts": 0})
+    assert dense == dataclasses.replace(TINY, moe=None)
+    assert read_hf_config(Qwen3NextForCausalLM.write_config(dense)) == dense
     kinds = read_hf_config(
         {k: v for k, v in written.items() if k != "layer_types"}
         | {"full_attention_interval": 5, "mlp_only_layers": []}
