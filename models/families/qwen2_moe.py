@@ -66,7 +66,7 @@ class Qwen2MoeForCausalLM(MoeCausalLM):
         default = [bool((i + 1) % 2) and i < first for i in range(layers)]
         window, kinds = opt_in_windows(hf_config, layers, default)
         moe = None
-        if hf_config.get("num_experts"):
+        if hf_config.get("num_experts") != 0:
             moe = plain_moe(
                 hf_config,
                 architecture,

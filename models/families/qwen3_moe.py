@@ -72,7 +72,7 @@ class Qwen3MoeForCausalLM(MoeCausalLM):
             **attention_bias(hf_config),
             qk_norm=True,
             sliding_window=window,
-            moe=plain_moe(hf_config, architecture) if hf_config.get("num_experts") else None,
+            moe=None if hf_config.get("num_experts") == 0 else plain_moe(hf_config, architecture),
         )
 
     @classmethod
