@@ -12,13 +12,22 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-ANY_TEXT_MODEL = (
-    "LlavaForConditionalGeneration",
-    "LlavaNextForConditionalGeneration",
-    "LlavaOnevisionForConditionalGeneration",
-)
+ANY_TEXT_MODEL = {
+    "LlavaForConditionalGeneration": "llama",
+    "LlavaNextForConditionalGeneration": "llama",
+    "LlavaOnevisionForConditionalGeneration": "qwen2",
+    "Mistral3ForConditionalGeneration": "mistral",
+}
 """Image-text architectures whose language model may be any family's: the one whose
-`model_type` its `text_config` names."""
+`model_type` its `text_config` names (transformers' default where it names none)."""
+TIES_FROM_TEXT = (
+    "LlavaForConditionalGeneration",
+    "LlavaOnevisionForConditionalGeneration",
+    "Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
+)
+"""Image-text architectures whose config ties the LM head where its `text_config` says so and
+its own `tie_word_embeddings` is false (transformers' reading of files saved before v5)."""
 PREFIXES = ("model.language_model.", "language_model.model.", "model.")
 """Where image-text checkpoints keep the text model's `model.` tensors: transformers 5's module
 layout, the layout some were released in, and (beside a `visual.` tower) the oldest."""
@@ -41,6 +50,8 @@ def language_model_config(
     if not isinstance(text, Mapping):
         text = {k: v for k, v in hf_config.items() if k != "vision_config"}
     inherited = {key: hf_config[key] for key in INHERITED if hf_config.get(key) is not None}
+    if hf_config["architectures"][0] in TIES_FROM_TEXT and text.get("tie_word_embeddings"):
+        inherited["tie_word_embeddings"] = True
     return {**text, **inherited, "architectures": [text_architecture]}
 
 

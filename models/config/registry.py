@@ -33,6 +33,8 @@ class Family(Protocol):
       image_text_architectures: The image-text architectures whose language model it is
         (`models.config.multimodal`): their checkpoints load as this family's model.
       config_defaults: transformers' defaults of the keys a sparse `config.json` leaves out.
+      image_text_defaults: Per image-text architecture, the defaults of its text config class
+        where they differ from `config_defaults`.
       config_aliases: Pairs of names transformers reads one key under (its `attribute_map`).
       ties_head: transformers ties its LM head to the embeddings where `tie_word_embeddings`
         says so (False: its model reads `lm_head.weight` whatever the key says).
@@ -42,6 +44,7 @@ class Family(Protocol):
     model_type: ClassVar[str]
     image_text_architectures: ClassVar[tuple[str, ...]]
     config_defaults: ClassVar[Mapping[str, Any]]
+    image_text_defaults: ClassVar[Mapping[str, Mapping[str, Any]]]
     config_aliases: ClassVar[Mapping[str, str]]
     ties_head: ClassVar[bool]
 
@@ -132,14 +135,26 @@ def image_text_family(hf_config: Mapping[str, Any]) -> type[Family] | None:
     """The family whose model is the language model of an image-text `config.json` (as a
     dict): the one naming its architecture in `image_text_architectures`, or for a wrapper of
     any text model (`multimodal.ANY_TEXT_MODEL`) the one of its `text_config`'s `model_type`.
-    None for any other config."""
+    None for any other config.
+
+    Raises:
+      ValueError: A wrapper of any text model whose `text_config` names a model no family
+        builds.
+    """
     names = hf_config.get("architectures")
     if not isinstance(names, list) or len(names) != 1:
         return None
     load_families()
     text = hf_config.get("text_config")
     if names[0] in ANY_TEXT_MODEL and isinstance(text, Mapping):
-        return _BY_MODEL_TYPE.get(text.get("model_type"))
+        model_type = text.get("model_type") or ANY_TEXT_MODEL[names[0]]
+        if model_type not in _BY_MODEL_TYPE:
+            raise ValueError(
+                f"{names[0]}'s language model is a {model_type!r} model (its text_config's "
+                f"model_type), which no family builds; the families build "
+                f"{sorted(_BY_MODEL_TYPE)}"
+            )
+        return _BY_MODEL_TYPE[model_type]
     return _BY_IMAGE_TEXT.get(names[0])
 
 
@@ -210,8 +225,9 @@ def family_for(hf_config: Mapping[str, Any]) -> type[Family]:
 def read_hf_config(hf_config: Mapping[str, Any]) -> DecoderConfig:
     """Reads a Hugging Face `config.json` (as a dict) of a registered family, or of an
     image-text model whose language model is one (`as_text_model`), the family's
-    `config_defaults` (transformers' defaults) standing in for the keys it leaves out under
-    both names of its `config_aliases`.
+    `config_defaults` (transformers' defaults; an image-text model's text config class's, its
+    `image_text_defaults`) standing in for the keys it leaves out under both names of its
+    `config_aliases`.
 
     Raises:
       ValueError: The family is not registered, or its reader refuses the file (a key it does
@@ -224,7 +240,9 @@ def read_hf_config(hf_config: Mapping[str, Any]) -> DecoderConfig:
         for given, missing in ((one, other), (other, one)):
             if given in text and missing not in text:
                 text[missing] = text[given]
-    defaults = dict(family.config_defaults)
+    names = hf_config.get("architectures")
+    outer = names[0] if isinstance(names, list) and len(names) == 1 else None
+    defaults = dict(family.config_defaults) | dict(family.image_text_defaults.get(outer, {}))
     if "rope_scaling" in text:  # transformers builds rope_parameters from the legacy keys then
         defaults.pop("rope_parameters", None)
     try:

@@ -27,6 +27,8 @@ class FamilyBase:
       config_defaults: transformers' config-class defaults of keys a sparse `config.json`
         leaves out (as the text configs of released image-text checkpoints do); the file's own
         keys win.
+      image_text_defaults: Per image-text architecture, its text config class's defaults
+        where they differ from `config_defaults` (Qwen2-VL's text config, say, has its own).
       config_aliases: transformers' `attribute_map` for its config class: pairs of names a
         `config.json` may give one key under (`read_hf_config` fills the other from the one
         present, before the defaults).
@@ -56,6 +58,7 @@ class FamilyBase:
     model_type: ClassVar[str] = ""
     image_text_architectures: ClassVar[tuple[str, ...]] = ()
     config_defaults: ClassVar[Mapping[str, Any]] = {}
+    image_text_defaults: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
     config_aliases: ClassVar[Mapping[str, str]] = {}
     has_experts: ClassVar[bool] = False
     experts_optional: ClassVar[bool] = False

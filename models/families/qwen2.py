@@ -47,6 +47,21 @@ class Qwen2ForCausalLM(CausalLM):
         "use_sliding_window": False,
         "vocab_size": 151936,
     }
+    # transformers' Qwen2VLTextConfig and Qwen2_5_VLTextConfig defaults, where they differ.
+    image_text_defaults = dict.fromkeys(
+        image_text_architectures,
+        {
+            "hidden_size": 8192,
+            "intermediate_size": 29568,
+            "max_window_layers": 80,
+            "num_attention_heads": 64,
+            "num_hidden_layers": 80,
+            "num_key_value_heads": 8,
+            "rms_norm_eps": 1e-05,
+            "rope_theta": 1000000.0,
+            "vocab_size": 152064,
+        },
+    )
     lora = True
 
     @classmethod

@@ -48,6 +48,13 @@ class Qwen3ForCausalLM(CausalLM):
         "use_sliding_window": False,
         "vocab_size": 151936,
     }
+    # transformers' Qwen3VLTextConfig defaults, where they differ.
+    image_text_defaults = {
+        "Qwen3VLForConditionalGeneration": {
+            "max_position_embeddings": 128000,
+            "rope_theta": 500000.0,
+        }
+    }
     lora = True
 
     @classmethod

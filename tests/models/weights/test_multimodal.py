@@ -150,3 +150,69 @@ def test_a_sparse_gemma3_text_config_takes_transformers_defaults():
     assert read_hf_config(sparse) == read_hf_config(full)
     patterned = read_hf_config({k: v for k, v in sparse.items() if k != "layer_types"})
     assert {patterned.layer_attention(i).sliding_window for i in range(3)} == {4}
+
+
+def nested(name: str, architecture: str, drop: tuple[str, ...] = (), **top) -> dict:
+    """The text golden `name`'s config as `architecture`'s `text_config`, without `drop`."""
+    text = json.loads((GOLDEN / name / "config.json").read_text())
+    text = {k: v for k, v in text.items() if k not in {"architectures", *drop}}
+    return {"architectures": [architecture], "text_config": text, **top}
+
+
+def test_a_sparse_vl_text_config_takes_its_own_class_defaults():
+    """Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's text config classes have defaults of their own
+    (a helper's tiny checkpoints without these keys were 0.9-1.0 off transformers)."""
+    drop = ("rope_parameters", "rms_norm_eps", "max_position_embeddings")
+    for architecture in ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"):
+        config = read_hf_config(nested("qwen2", architecture, drop))
+        assert (config.rope_theta, config.rms_norm_eps) == (1e6, 1e-5)
+        assert config.max_position_embeddings == 32768
+    config = read_hf_config(nested("qwen3", "Qwen3VLForConditionalGeneration", drop))
+    assert (config.rope_theta, config.rms_norm_eps) == (5e5, 1e-6)
+    assert config.max_position_embeddings == 128000
+    assert read_hf_config(nested("qwen2", "Qwen2ForCausalLM", drop)["text_config"] | {
+        "architectures": ["Qwen2ForCausalLM"]
+    }).rope_theta == 1e4  # fmt: skip
+
+
+def test_the_head_ties_where_transformers_ties_it():
+    """LLaVA, LLaVA-OneVision, Qwen2-VL and Qwen2.5-VL tie where their text_config says so and
+    the top level says false (files saved before transformers 5); Qwen3-VL and LLaVA-NeXT
+    follow the top level; a top-level true ties everywhere."""
+    for architecture, name, ties in (
+        ("LlavaForConditionalGeneration", "llama", True),
+        ("LlavaOnevisionForConditionalGeneration", "qwen2", True),
+        ("Qwen2VLForConditionalGeneration", "qwen2", True),
+        ("Qwen2_5_VLForConditionalGeneration", "qwen2", True),
+        ("Qwen3VLForConditionalGeneration", "qwen3", False),
+        ("LlavaNextForConditionalGeneration", "llama", False),
+    ):
+        config = nested(name, architecture, tie_word_embeddings=False)
+        config["text_config"]["tie_word_embeddings"] = True
+        assert read_hf_config(config).tie_word_embeddings is ties, architecture
+        config["text_config"]["tie_word_embeddings"] = False
+        assert not read_hf_config(config).tie_word_embeddings
+        assert read_hf_config(config | {"tie_word_embeddings": True}).tie_word_embeddings
+
+
+def test_a_wrapper_of_any_text_model_reads_the_text_model_it_names():
+    """LLaVA's, LLaVA-NeXT's, LLaVA-OneVision's and Mistral 3's language model is the family
+    its text_config's model_type names (transformers' default where it names none); one that
+    no family builds is refused, naming it (Mistral 3's `ministral3`: its position-dependent
+    query scaling is not built)."""
+    for architecture, name, family in (
+        ("LlavaForConditionalGeneration", "llama", "LlamaForCausalLM"),
+        ("LlavaNextForConditionalGeneration", "llama", "LlamaForCausalLM"),
+        ("LlavaOnevisionForConditionalGeneration", "qwen2", "Qwen2ForCausalLM"),
+        ("Mistral3ForConditionalGeneration", "mistral", "MistralForCausalLM"),
+        ("Mistral3ForConditionalGeneration", "llama", "LlamaForCausalLM"),
+    ):
+        config = nested(name, architecture)
+        assert as_text_model(config)["architectures"] == [family]
+        del config["text_config"]["model_type"]
+        if name != "llama" or not architecture.startswith("Mistral3"):
+            assert read_hf_config(config) == load_config(GOLDEN / name)
+    config = nested("mistral", "Mistral3ForConditionalGeneration")
+    config["text_config"]["model_type"] = "ministral3"
+    with pytest.raises(ValueError, match="a 'ministral3' model .* which no family builds"):
+        read_hf_config(config)
