@@ -81,7 +81,7 @@ def test_no_private_name_is_imported_across_modules():
 PLAIN_FAMILIES = {
     "qwen2": r"qwen[-_ ]?2(?![-_ .]?moe|\.5)",
     "qwen3": r"qwen[-_ ]?3(?![-_ .]?moe|[-_ ]?next|[-._]5)",
-    "llama": r"llama(?![-_ ]?3)",
+    "llama": r"llama(?![-_ ]?[34])",
     "mistral": r"mistral",
     "mixtral": r"mixtral",
     "qwen2_moe": r"qwen[-_ ]?2[-_ ]?moe",

@@ -20,6 +20,7 @@ from .registry import write_hf_config as write_hf_config
 from .rope_scaling import DynamicNtkRopeScaling as DynamicNtkRopeScaling
 from .rope_scaling import LinearRopeScaling as LinearRopeScaling
 from .rope_scaling import Llama3RopeScaling as Llama3RopeScaling
+from .rope_scaling import QueryScaling as QueryScaling
 from .rope_scaling import RopeScaling as RopeScaling
 from .rope_scaling import YarnRopeScaling as YarnRopeScaling
 from .rope_scaling import yarn_mscale as yarn_mscale

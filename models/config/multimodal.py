@@ -12,22 +12,18 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-ANY_TEXT_MODEL = {
-    "LlavaForConditionalGeneration": "llama",
-    "LlavaNextForConditionalGeneration": "llama",
-    "LlavaOnevisionForConditionalGeneration": "qwen2",
-    "Mistral3ForConditionalGeneration": "mistral",
-}
-"""Image-text architectures whose language model may be any family's: the one whose
-`model_type` its `text_config` names (transformers' default where it names none)."""
-TIES_FROM_TEXT = (
+ANY_TEXT_MODEL = (
     "LlavaForConditionalGeneration",
+    "LlavaNextForConditionalGeneration",
     "LlavaOnevisionForConditionalGeneration",
-    "Qwen2VLForConditionalGeneration",
-    "Qwen2_5_VLForConditionalGeneration",
 )
-"""Image-text architectures whose config ties the LM head where its `text_config` says so and
-its own `tie_word_embeddings` is false (transformers' reading of files saved before v5)."""
+"""Image-text architectures whose language model may be any family's: the one whose
+`model_type` its `text_config` names (where it names none, transformers' default: the family
+naming the architecture in its `image_text_architectures`)."""
+TIES_FROM_TEXT = ("LlavaForConditionalGeneration", "LlavaOnevisionForConditionalGeneration")
+"""Image-text architectures (besides a family's `text_tie_architectures`) whose config ties the
+LM head where its `text_config` says so and its own `tie_word_embeddings` is false
+(transformers' reading of files saved before v5)."""
 PREFIXES = ("model.language_model.", "language_model.model.", "model.")
 """Where image-text checkpoints keep the text model's `model.` tensors: transformers 5's module
 layout, the layout some were released in, and (beside a `visual.` tower) the oldest."""
@@ -38,11 +34,12 @@ INHERITED = ("tie_word_embeddings", "quantization_config", "bos_token_id", "eos_
 
 
 def language_model_config(
-    hf_config: Mapping[str, Any], text_architecture: str | None
+    hf_config: Mapping[str, Any], text_architecture: str | None, *, ties_from_text: bool = False
 ) -> Mapping[str, Any]:
     """The text family's `config.json` of an image-text config whose language model is
     `text_architecture`'s: its `text_config` (or, in the flat form of older files, its own keys
-    but the vision tower's) with that architecture and the whole model's `INHERITED` keys. None:
+    but the vision tower's) with that architecture and the whole model's `INHERITED` keys (its
+    `tie_word_embeddings` true where `ties_from_text` and the `text_config` ties). None:
     `hf_config` as it is."""
     if text_architecture is None:
         return hf_config
@@ -50,7 +47,7 @@ def language_model_config(
     if not isinstance(text, Mapping):
         text = {k: v for k, v in hf_config.items() if k != "vision_config"}
     inherited = {key: hf_config[key] for key in INHERITED if hf_config.get(key) is not None}
-    if hf_config["architectures"][0] in TIES_FROM_TEXT and text.get("tie_word_embeddings"):
+    if ties_from_text and text.get("tie_word_embeddings"):
         inherited["tie_word_embeddings"] = True
     return {**text, **inherited, "architectures": [text_architecture]}
 

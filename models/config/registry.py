@@ -13,7 +13,7 @@ import importlib
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from .multimodal import ANY_TEXT_MODEL, language_model_config
+from .multimodal import ANY_TEXT_MODEL, TIES_FROM_TEXT, language_model_config
 
 if TYPE_CHECKING:  # the config types import this table to check themselves
     from .tensors import HFTensor
@@ -35,6 +35,8 @@ class Family(Protocol):
       config_defaults: transformers' defaults of the keys a sparse `config.json` leaves out.
       image_text_defaults: Per image-text architecture, the defaults of its text config class
         where they differ from `config_defaults`.
+      text_tie_architectures: Its image-text architectures that tie the head where their
+        `text_config` says so under a top-level false.
       config_aliases: Pairs of names transformers reads one key under (its `attribute_map`).
       ties_head: transformers ties its LM head to the embeddings where `tie_word_embeddings`
         says so (False: its model reads `lm_head.weight` whatever the key says).
@@ -45,6 +47,7 @@ class Family(Protocol):
     image_text_architectures: ClassVar[tuple[str, ...]]
     config_defaults: ClassVar[Mapping[str, Any]]
     image_text_defaults: ClassVar[Mapping[str, Mapping[str, Any]]]
+    text_tie_architectures: ClassVar[tuple[str, ...]]
     config_aliases: ClassVar[Mapping[str, str]]
     ties_head: ClassVar[bool]
 
@@ -133,9 +136,9 @@ def register[F: type[Family]](family: F) -> F:
 
 def image_text_family(hf_config: Mapping[str, Any]) -> type[Family] | None:
     """The family whose model is the language model of an image-text `config.json` (as a
-    dict): the one naming its architecture in `image_text_architectures`, or for a wrapper of
-    any text model (`multimodal.ANY_TEXT_MODEL`) the one of its `text_config`'s `model_type`.
-    None for any other config.
+    dict): the one its `text_config`'s `model_type` names where one does (always so for a
+    wrapper of any text model, `multimodal.ANY_TEXT_MODEL`), else the one naming its
+    architecture in `image_text_architectures`. None for any other config.
 
     Raises:
       ValueError: A wrapper of any text model whose `text_config` names a model no family
@@ -146,23 +149,27 @@ def image_text_family(hf_config: Mapping[str, Any]) -> type[Family] | None:
         return None
     load_families()
     text = hf_config.get("text_config")
-    if names[0] in ANY_TEXT_MODEL and isinstance(text, Mapping):
-        model_type = text.get("model_type") or ANY_TEXT_MODEL[names[0]]
-        if model_type not in _BY_MODEL_TYPE:
-            raise ValueError(
-                f"{names[0]}'s language model is a {model_type!r} model (its text_config's "
-                f"model_type), which no family builds; the families build "
-                f"{sorted(_BY_MODEL_TYPE)}"
-            )
-        return _BY_MODEL_TYPE[model_type]
-    return _BY_IMAGE_TEXT.get(names[0])
+    model_type = text.get("model_type") if isinstance(text, Mapping) else None
+    if names[0] in ANY_TEXT_MODEL and model_type is not None and model_type not in _BY_MODEL_TYPE:
+        raise ValueError(
+            f"{names[0]}'s language model is a {model_type!r} model (its text_config's "
+            f"model_type), which no family builds; the families build {sorted(_BY_MODEL_TYPE)}"
+        )
+    default = _BY_IMAGE_TEXT.get(names[0])
+    if default is None and names[0] not in ANY_TEXT_MODEL:
+        return None
+    return _BY_MODEL_TYPE.get(model_type, default)
 
 
 def as_text_model(hf_config: Mapping[str, Any]) -> Mapping[str, Any]:
     """A `config.json` (as a dict) as its text family reads it: an image-text model's
     language model's (`multimodal.language_model_config`), any other as it is."""
     family = image_text_family(hf_config)
-    return language_model_config(hf_config, None if family is None else family.architectures[0])
+    if family is None:
+        return hf_config
+    outer = hf_config["architectures"][0]
+    ties = outer in TIES_FROM_TEXT or outer in family.text_tie_architectures
+    return language_model_config(hf_config, family.architectures[0], ties_from_text=ties)
 
 
 def add_presets(presets: Mapping[str, DecoderConfig]) -> None:

@@ -142,6 +142,25 @@ class YarnRopeScaling:
 RopeScaling = Llama3RopeScaling | LinearRopeScaling | YarnRopeScaling | DynamicNtkRopeScaling
 
 
+@dataclasses.dataclass(frozen=True)
+class QueryScaling:
+    """Llama 4's position-dependent query scale (Ministral 3's `llama_4_scaling_beta`): the
+    query at position p is multiplied, after its RoPE, by `1 + beta * log(1 + floor(p /
+    period))`, so it is unscaled within the first `period` positions.
+
+    Attributes:
+      beta: The scale's slope (`llama_4_scaling_beta`).
+      period: The positions each step of the scale spans (`original_max_position_embeddings`).
+    """
+
+    beta: float
+    period: int
+
+    def __post_init__(self):
+        if not isinstance(self.period, int) or self.period < 1:
+            raise ValueError(f"QueryScaling.period must be a positive int; got {self.period!r}")
+
+
 class RopeType(enum.StrEnum):
     """The RoPE kinds a `config.json` names (`rope_type`, or the legacy `type`)."""
 

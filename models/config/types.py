@@ -17,7 +17,7 @@ from . import registry
 from .hybrid import HybridConfig, HybridLayer
 from .linear_attention import LinearAttentionLayers
 from .mla import MlaConfig
-from .rope_scaling import RopeScaling
+from .rope_scaling import QueryScaling, RopeScaling
 from .routing import DeepseekRouting
 
 
@@ -231,6 +231,7 @@ class AttentionSpec:
         None: all of them.
       output_gate: q_proj also gives, per head, a gate: the attention output is multiplied by
         its sigmoid before o_proj (Qwen3-Next's gated attention).
+      query_scaling: The queries' position-dependent scale after RoPE, or None.
     """
 
     hidden_size: int
@@ -250,6 +251,7 @@ class AttentionSpec:
     sinks: bool = False
     rotary_dim: int | None = None
     output_gate: bool = False
+    query_scaling: QueryScaling | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,6 +316,7 @@ class DecoderConfig:
       rotary_dim: The RoPE rotates each head's first `rotary_dim` channels; None: all.
       attention_output_gate: Attention's q_proj also gives a per-head output gate.
       linear_attention: The layers whose token mixer is Gated DeltaNet, or None.
+      query_scaling: Grouped-query attention's position-dependent query scale, or None.
     """
 
     architecture: str
@@ -351,6 +354,7 @@ class DecoderConfig:
     rotary_dim: int | None = None
     attention_output_gate: bool = False
     linear_attention: LinearAttentionLayers | None = None
+    query_scaling: QueryScaling | None = None
 
     def __post_init__(self):
         if not isinstance(self.architecture, str) or not self.architecture:
@@ -522,6 +526,7 @@ class DecoderConfig:
             sinks=self.attention_sinks,
             rotary_dim=self.rotary_dim,
             output_gate=self.attention_output_gate,
+            query_scaling=self.query_scaling,
         )
 
     def layer_blocks(self, scan_layers: bool) -> tuple[LayerBlock, ...]:

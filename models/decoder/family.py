@@ -28,7 +28,10 @@ class FamilyBase:
         leaves out (as the text configs of released image-text checkpoints do); the file's own
         keys win.
       image_text_defaults: Per image-text architecture, its text config class's defaults
-        where they differ from `config_defaults` (Qwen2-VL's text config, say, has its own).
+        where they differ from `config_defaults`.
+      text_tie_architectures: Its image-text architectures whose config ties the LM head where
+        their `text_config` says so and their own `tie_word_embeddings` is false (transformers'
+        reading of files saved before v5).
       config_aliases: transformers' `attribute_map` for its config class: pairs of names a
         `config.json` may give one key under (`read_hf_config` fills the other from the one
         present, before the defaults).
@@ -49,6 +52,7 @@ class FamilyBase:
       lora: It builds LoRA adapter stacks (`BuildOptions.lora`) on its attention and MLP
         projections (a family with experts: on its attention only).
       mlp_biases: Its dense MLP adds the biases `DecoderConfig.mlp_bias` asks for.
+      query_scaling: It builds `DecoderConfig.query_scaling` (Ministral 3).
       ties_head: transformers ties its LM head to the embeddings where `tie_word_embeddings`
         says so; a family whose transformers model never does refuses a tied config
         (`DecoderConfig`).
@@ -59,6 +63,7 @@ class FamilyBase:
     image_text_architectures: ClassVar[tuple[str, ...]] = ()
     config_defaults: ClassVar[Mapping[str, Any]] = {}
     image_text_defaults: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
+    text_tie_architectures: ClassVar[tuple[str, ...]] = ()
     config_aliases: ClassVar[Mapping[str, str]] = {}
     has_experts: ClassVar[bool] = False
     experts_optional: ClassVar[bool] = False
@@ -70,6 +75,7 @@ class FamilyBase:
     captures_hidden_states: ClassVar[bool] = True
     lora: ClassVar[bool] = False
     mlp_biases: ClassVar[bool] = False
+    query_scaling: ClassVar[bool] = False
     ties_head: ClassVar[bool] = True
 
     @classmethod
@@ -97,6 +103,11 @@ class FamilyBase:
             raise ValueError(
                 f"{config.architecture} {'needs' if config.moe is None else 'takes no'} MoE "
                 f"settings; got moe={config.moe!r}"
+            )
+        if config.query_scaling is not None and not cls.query_scaling:
+            raise ValueError(
+                f"{config.architecture} builds no position-dependent query scale; got "
+                f"query_scaling={config.query_scaling}. Leave it None"
             )
         if config.mlp_bias and not cls.mlp_biases:
             raise ValueError(

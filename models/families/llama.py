@@ -23,6 +23,11 @@ class LlamaForCausalLM(CausalLM):
     """Llama (with llama3 RoPE scaling)."""
 
     architectures = ("LlamaForCausalLM",)
+    # LLaVA's and LLaVA-NeXT's language model where their text_config names no other.
+    image_text_architectures = (
+        "LlavaForConditionalGeneration",
+        "LlavaNextForConditionalGeneration",
+    )
     model_type = "llama"
     # transformers' LlamaConfig defaults: a key config.json leaves out reads as there.
     config_defaults = {

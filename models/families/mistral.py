@@ -22,6 +22,7 @@ class MistralForCausalLM(CausalLM):
     """Mistral: every layer within `sliding_window` (or full attention without one)."""
 
     architectures = ("MistralForCausalLM",)
+    image_text_architectures = ("Mistral3ForConditionalGeneration",)
     model_type = "mistral"
     # transformers' MistralConfig defaults: a key config.json leaves out reads as there.
     config_defaults = {

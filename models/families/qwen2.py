@@ -19,16 +19,17 @@ from ..config.hf import (
 from ..config.registry import register
 from ..decoder.model import CausalLM
 
+QWEN2_VL = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+
 
 @register
 class Qwen2ForCausalLM(CausalLM):
     """Qwen2 / Qwen2.5: q/k/v biases, no q/k norm."""
 
     architectures = ("Qwen2ForCausalLM",)
-    image_text_architectures = (
-        "Qwen2VLForConditionalGeneration",
-        "Qwen2_5_VLForConditionalGeneration",
-    )
+    # Qwen2-VL's and Qwen2.5-VL's language model, and LLaVA-OneVision's by default.
+    image_text_architectures = (*QWEN2_VL, "LlavaOnevisionForConditionalGeneration")
+    text_tie_architectures = QWEN2_VL
     model_type = "qwen2"
     # transformers' Qwen2Config defaults: a key config.json leaves out reads as there.
     config_defaults = {
@@ -49,7 +50,7 @@ class Qwen2ForCausalLM(CausalLM):
     }
     # transformers' Qwen2VLTextConfig and Qwen2_5_VLTextConfig defaults, where they differ.
     image_text_defaults = dict.fromkeys(
-        image_text_architectures,
+        QWEN2_VL,
         {
             "hidden_size": 8192,
             "intermediate_size": 29568,

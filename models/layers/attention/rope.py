@@ -10,7 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ...config import LinearRopeScaling, Llama3RopeScaling, RopeScaling, YarnRopeScaling
+from ...config import (
+    LinearRopeScaling,
+    Llama3RopeScaling,
+    QueryScaling,
+    RopeScaling,
+    YarnRopeScaling,
+)
 
 
 @functools.cache
@@ -118,3 +124,10 @@ def apply_rope(
         cos, sin = cos * attention_factor, sin * attention_factor
     cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
     return x * cos + rotate_half(x) * sin
+
+
+def query_scale(positions: jax.Array, scaling: QueryScaling) -> jax.Array:
+    """[T] float32 factors of the queries at `positions` [T] (`QueryScaling`), as transformers'
+    `get_llama_4_attn_scale` computes them (1 at a padding row's negative position)."""
+    steps = jnp.floor(jnp.maximum(positions, 0).astype(jnp.float32) / scaling.period)
+    return 1 + jnp.float32(scaling.beta) * jnp.log(1 + steps)

@@ -48,7 +48,7 @@ from .context_parallel import (
 from .cudnn import decode_cache_cudnn, max_head_dim, prefill_attention_cudnn, window_of_cache
 from .kv_cache import HeadSplit, KVCache
 from .paged import PagedKVCache, paged_attention
-from .rope import apply_rope, rope_inv_freq
+from .rope import apply_rope, query_scale, rope_inv_freq
 
 O_PROJ_BIAS = "o_proj bias"
 """The replicated part an attention with `AttentionSpec.o_bias` declares on its stage."""
@@ -348,6 +348,8 @@ class Attention(nnx.Module):
                 )
                 for x in (q, k)
             )
+        if self.spec.query_scaling is not None:
+            q = q * query_scale(positions, self.spec.query_scaling).astype(q.dtype)[:, None, None]
         valid = segment_ids >= 0
         cudnn = self.takes_cudnn(q.dtype)
         sinks = self._local_sinks()

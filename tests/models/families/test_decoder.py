@@ -1,4 +1,5 @@
-"""Qwen3, Llama, Mistral and Qwen2 on boundaries equal Hugging Face transformers (golden files)."""
+"""Qwen3, Llama, Mistral, Qwen2 and Ministral 3 on boundaries equal Hugging Face transformers
+(golden files)."""
 
 import functools
 import json
@@ -33,12 +34,13 @@ LAYOUTS = (
 # slow: Qwen3 TP 8 and input-scattered TP 4, Llama DP 2 x TP 2 (its untied head and llama3 RoPE
 # with rows split over DP), Mistral on one device, Qwen2 TP 4 (its q/k/v biases split with their
 # heads, its 2 kv heads shared by ranks; the runner test_model_classes_check_their_architecture
-# loads).
+# loads), Ministral 3 DP 2 x TP 2 (its queries scaled by position on each rank's rows).
 DEFAULT_LAYOUTS = {
     "qwen3": {"TP 8", "input-scattered TP 4"},
     "llama": {"DP 2 x TP 2"},
     "mistral": {"TP 1"},
     "qwen2": {"TP 4"},
+    "ministral3": {"DP 2 x TP 2"},
 }
 CASES = [
     pytest.param(
@@ -48,7 +50,7 @@ CASES = [
         marks=[pytest.mark.xdist_group(name)]
         + ([] if layout[0] in DEFAULT_LAYOUTS[name] else [pytest.mark.slow]),
     )
-    for name in (*NAMES, "qwen2")
+    for name in (*NAMES, "qwen2", "ministral3")
     for layout in LAYOUTS
     if (name, layout[0]) != ("qwen2", "TP 8")
 ]

@@ -39,6 +39,7 @@ IMAGE_TEXT = {
         "language_model.lm_head.weight",
     ),
     "qwen2": ("Qwen2_5_VLForConditionalGeneration", "model.", "lm_head.weight"),
+    "ministral3": ("Mistral3ForConditionalGeneration", "model.language_model.", "lm_head.weight"),
     "llama": (
         "LlavaForConditionalGeneration",
         "language_model.model.",
@@ -78,7 +79,8 @@ def image_text_checkpoint(name: str, directory: pathlib.Path) -> pathlib.Path:
 
 
 @pytest.mark.parametrize(
-    "name,dp,tp", [("qwen3_5", 1, 2), ("gemma3", 2, 2), ("qwen2", 1, 2), ("llama", 2, 2)]
+    "name,dp,tp",
+    [("qwen3_5", 1, 2), ("gemma3", 2, 2), ("qwen2", 1, 2), ("llama", 2, 2), ("ministral3", 1, 2)],
 )
 def test_language_model_of_an_image_text_checkpoint_is_the_golden(tmp_path, name, dp, tp):
     """The image-text checkpoint (nested or flat config; LLaVA's text_config naming the family
@@ -197,22 +199,23 @@ def test_the_head_ties_where_transformers_ties_it():
 
 def test_a_wrapper_of_any_text_model_reads_the_text_model_it_names():
     """LLaVA's, LLaVA-NeXT's, LLaVA-OneVision's and Mistral 3's language model is the family
-    its text_config's model_type names (transformers' default where it names none); one that
-    no family builds is refused, naming it (Mistral 3's `ministral3`: its position-dependent
-    query scaling is not built)."""
+    its text_config's model_type names (transformers' default where it names none; Mistral 3
+    over `ministral3` is Ministral 3, not Mistral); one that no family builds is refused,
+    naming it."""
     for architecture, name, family in (
         ("LlavaForConditionalGeneration", "llama", "LlamaForCausalLM"),
         ("LlavaNextForConditionalGeneration", "llama", "LlamaForCausalLM"),
         ("LlavaOnevisionForConditionalGeneration", "qwen2", "Qwen2ForCausalLM"),
         ("Mistral3ForConditionalGeneration", "mistral", "MistralForCausalLM"),
         ("Mistral3ForConditionalGeneration", "llama", "LlamaForCausalLM"),
+        ("Mistral3ForConditionalGeneration", "ministral3", "Ministral3ForCausalLM"),
     ):
         config = nested(name, architecture)
         assert as_text_model(config)["architectures"] == [family]
         del config["text_config"]["model_type"]
-        if name != "llama" or not architecture.startswith("Mistral3"):
+        if name not in ("llama", "ministral3") or not architecture.startswith("Mistral3"):
             assert read_hf_config(config) == load_config(GOLDEN / name)
-    config = nested("mistral", "Mistral3ForConditionalGeneration")
-    config["text_config"]["model_type"] = "ministral3"
-    with pytest.raises(ValueError, match="a 'ministral3' model .* which no family builds"):
+    config = nested("llama", "LlavaForConditionalGeneration")
+    config["text_config"]["model_type"] = "gpt2"
+    with pytest.raises(ValueError, match="a 'gpt2' model .* which no family builds"):
         read_hf_config(config)
