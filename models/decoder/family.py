@@ -209,7 +209,7 @@ class FamilyBase:
                 f"dense_ffn_dp (a fully data-parallel dense FFN) is a DeepSeek option; got a "
                 f"{config.architecture} config. Leave it unset"
             )
-        if config.num_experts is None:
+        if not cls.has_experts or config.moe is None and cls.experts_optional:
             if options.moe_dispatch is not None or topology.moe_ep != 1:
                 raise ValueError(
                     f"{config.architecture} has no experts; got moe_dispatch="
