@@ -46,6 +46,7 @@ class Ministral3ForCausalLM(CausalLM):
             "mscale": 1.0,
             BETA: 0.1,
         },
+        "rope_theta": 10000.0,  # its default_theta, for a rope_parameters that names none
         "sliding_window": None,
         "tie_word_embeddings": False,
         "vocab_size": 131072,

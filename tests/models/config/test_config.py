@@ -449,3 +449,15 @@ def test_latent_attention_refuses_mscale_all_dim_under_other_rope_than_yarn(name
     )
     one = linear | {"factor": 1.0, "mscale_all_dim": 1.0}
     assert read_hf_config(raw | {"rope_parameters": one}).mla.rope_scaling == LinearRopeScaling(1.0)
+
+
+def test_a_ministral3_rope_entry_without_a_base_takes_its_default_theta():
+    """transformers' Ministral3Config fills a rope_parameters without rope_theta with its
+    default_theta (1e4), not the 1e6 of its default RoPE entry."""
+    config = golden_config("ministral3")
+    del config["rope_parameters"]["rope_theta"]
+    assert read_hf_config(config).rope_theta == 1e4
+    assert (
+        read_hf_config({k: v for k, v in config.items() if k != "rope_parameters"}).rope_theta
+        == 1e6
+    )
