@@ -72,7 +72,7 @@ class Qwen3_5ForCausalLM(Qwen3_5Base):
 
     @classmethod
     def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:
-        dense = {key: value for key, value in hf_config.items() if key != "num_experts"}
+        dense = dict(hf_config) | {"num_experts": 0}
         return read_qwen3_next(dense, cls.architectures[0], cls.projections)
 
     @classmethod

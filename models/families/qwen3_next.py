@@ -107,7 +107,7 @@ def read_qwen3_next(
     heads = required(hf_config, "num_attention_heads")
     head_dim = hf_config.get("head_dim") or required(hf_config, "hidden_size") // heads
     moe = None
-    if hf_config.get("num_experts", 0):
+    if hf_config.get("num_experts") != 0:  # transformers builds every FFN dense at 0
         moe = plain_moe(
             hf_config,
             architecture,
