@@ -409,22 +409,23 @@ class ChoiceText:
         self._hold = max((len(s) for s in self._stops), default=1) - 1
         self._min_tokens = min_tokens
         self._tokens = 0
-        self._floor = 0 if min_tokens == 0 else None  # where stop strings may begin
+        # Where each stop string may begin: None until `min_tokens` tokens came.
+        self._floors = (0,) * len(self._stops) if min_tokens == 0 else None
         self.text = ""
         self._sent = 0
         self.stopped = False
 
     def push(self, ids: Sequence[int]) -> str:
         """Adds tokens; returns the text to send now ('' once a stop string was met). Until it
-        holds `min_tokens` tokens no stop string ends it, and none may begin in the text before
-        the token that reaches them (as vLLM checks only new text)."""
+        holds `min_tokens` tokens no stop string ends it, and from then on one must end past the
+        text before the token that reached them (as vLLM checks only new text)."""
         if self.stopped:
             return ""
         before = len(self.text)
         self.text += self._stream.push(ids)
         self._tokens += len(ids)
-        if self._floor is None and self._tokens >= self._min_tokens:
-            self._floor = max(before - self._hold, 0)
+        if self._floors is None and self._tokens >= self._min_tokens:
+            self._floors = tuple(max(before - len(s) + 1, 0) for s in self._stops)
         return self._take(final=False)
 
     def finish(self) -> str:
@@ -434,9 +435,13 @@ class ChoiceText:
         return self._take(final=True)
 
     def _take(self, *, final: bool) -> str:
-        if not self.stopped and self._stops and self._floor is not None:
-            start = max(self._floor, self._sent - self._hold)
-            found = [i for i in (self.text.find(s, start) for s in self._stops) if i >= 0]
+        if not self.stopped and self._stops and self._floors is not None:
+            low = self._sent - self._hold
+            found = [
+                i
+                for stop, floor in zip(self._stops, self._floors, strict=True)
+                if (i := self.text.find(stop, max(floor, low))) >= 0
+            ]
             if found:
                 self.text, self.stopped = self.text[: min(found)], True
         end = len(self.text) if final or self.stopped else len(self.text) - self._hold
