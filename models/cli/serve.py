@@ -180,7 +180,12 @@ def serve(args: argparse.Namespace) -> None:
     if channel is not None and not is_first_process():
         follow_quietly(paged, channel)
         return
-    engine = Engine(paged, prefix_caching=not args.no_prefix_caching, channel=channel)
+    engine = Engine(
+        paged,
+        prefix_caching=not args.no_prefix_caching,
+        channel=channel,
+        max_running=args.max_running,
+    )
     name = args.served_model_name or args.preset or Path(args.checkpoint).resolve().name
     lora = model.options.lora
     adapters = {} if lora is None else {adapter: lora.index(adapter) for adapter in lora.names}

@@ -48,7 +48,12 @@ class Engine:
     """Seconds between the idle messages process 0 sends its followers."""
 
     def __init__(
-        self, paged: PagedRunner, *, prefix_caching: bool = True, channel: Channel | None = None
+        self,
+        paged: PagedRunner,
+        *,
+        prefix_caching: bool = True,
+        channel: Channel | None = None,
+        max_running: int | None = None,
     ):
         self.paged = paged
         self.channel = channel
@@ -60,6 +65,7 @@ class Engine:
             max_rows=paged.max_rows,
             max_context=paged.runner.config.max_position_embeddings,
             prefix_caching=prefix_caching and paged.reuses_prefixes,
+            max_running=max_running,
         )
         self.metrics = Metrics()
         self._entries: dict[int, _Entry] = {}

@@ -108,6 +108,7 @@ class Scheduler:
       running: Requests holding a slot, oldest first.
       waiting: Requests waiting for a slot, oldest first.
       preemptions: Requests preempted so far.
+      max_running: Requests holding a slot at once over all ranks (None: every slot).
     """
 
     def __init__(
@@ -120,8 +121,10 @@ class Scheduler:
         max_rows: int,
         max_context: int,
         prefix_caching: bool = True,
+        max_running: int | None = None,
     ):
         self.attn_dp = attn_dp
+        self.max_running = max_running
         self.slots_per_rank = slots_per_rank
         self.page_size = page_size
         self.max_rows = max_rows
@@ -293,6 +296,8 @@ class Scheduler:
     def _admission_rank(self, request: Request, budget: list[int]) -> int | None:
         """The rank a waiting request goes to: one with a free slot and budget, the most of its
         prefix cached, then the most pages available; None if no rank takes it now."""
+        if self.max_running is not None and len(self.running) >= self.max_running:
+            return None
         tokens = request.tokens
         hashes = self._reusable(request)
         best, best_key = None, None

@@ -66,6 +66,19 @@ def test_chunked_prefill_under_the_token_budget_then_decode():
     assert scheduler.used_pages == 0
 
 
+def test_max_running_bounds_admission_over_all_ranks():
+    """Five running at most over two ranks of three slots each: the sixth waits, and takes
+    the slot a finished request frees."""
+    scheduler = _scheduler(attn_dp=2, slots_per_rank=3, max_running=5)
+    for name in "abcdefg":
+        scheduler.add(Request(name, [1, 2], 1))
+    chunks = scheduler.schedule()
+    assert len(chunks) == 5 and len(scheduler.running) == 5
+    assert sorted(c.rank for c in chunks) == [0, 0, 0, 1, 1]
+    scheduler.update(chunks, _output(scheduler))
+    assert len(scheduler.schedule()) == 2 and len(scheduler.running) == 2
+
+
 def test_budget_is_shared_and_slots_bound_admission():
     """Decode tokens of running requests come first; prompts fill what the budget leaves; no more
     requests run than slots."""
