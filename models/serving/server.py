@@ -46,6 +46,7 @@ class _Choice:
     text: ChoiceText
     finish: str | None = None
     logprobs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    tokens: int = 0  # taken before it finished: the engine may run on until its abort lands
 
 
 class Server:
@@ -232,6 +233,7 @@ class Server:
         entries = []
         delta = ""
         if item.token >= 0:
+            choice.tokens += 1
             ended_by_id = item.finish is Finish.STOP and item.token in choice.request.stop_ids
             if not ended_by_id:
                 delta = choice.text.push([item.token])
@@ -296,7 +298,7 @@ class Server:
 
     def _usage(self, spec: GenerationSpec, choices: list[_Choice]) -> dict[str, int]:
         prompt = sum(len(p) for p in spec.prompts)
-        completion = sum(len(c.request.output) for c in choices)
+        completion = sum(c.tokens for c in choices)
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
@@ -345,7 +347,7 @@ class Server:
     ) -> AsyncIterator[str]:
         chat = spec.endpoint is Endpoint.CHAT
         created = int(time.time())
-        sent = [0] * len(choices)
+        offsets = [0] * len(choices)  # characters of each choice's tokens so far
 
         def event(shaped: list[dict], usage: dict | None = None) -> str:
             chunk = {
@@ -369,8 +371,8 @@ class Server:
                 choice, text, entries = self._take(spec, choices, *await queue.get())
                 if not text and not entries and choice.finish is None:
                     continue
-                logprobs = self._logprobs(spec, entries, sent[choice.index])
-                sent[choice.index] += len(text)
+                logprobs = self._logprobs(spec, entries, offsets[choice.index])
+                offsets[choice.index] += sum(len(e["token"]) for e in entries)
                 shaped = {"index": choice.index, "logprobs": logprobs}
                 if chat:
                     shaped["delta"] = {"content": text} if text else {}

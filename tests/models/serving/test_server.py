@@ -133,6 +133,7 @@ def test_raw_http_token_ids_logprobs_stream_and_chat(served):
     ids = served.codec.encode("the old town")
     want = served.expected(ids, 6)
     body = {"model": MODEL, "prompt": ids, "max_tokens": 6, "temperature": 0, "logprobs": 5}
+    body["stop"] = ["a stop string never met"]  # holds text back while the stream runs
     events = []
     with HTTP.stream("POST", f"{served.url}/v1/completions", json={**body, "stream": True}) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
@@ -152,6 +153,14 @@ def test_raw_http_token_ids_logprobs_stream_and_chat(served):
     whole = HTTP.post(f"{served.url}/v1/completions", json=body).json()
     logprobs = whole["choices"][0]["logprobs"]
     assert logprobs["token_logprobs"][0] == pytest.approx(max(logprobs["top_logprobs"][0].values()))
+    streamed_offsets = [
+        offset
+        for c in chunks
+        if c["choices"][0]["logprobs"]
+        for offset in c["choices"][0]["logprobs"]["text_offset"]
+    ]
+    assert streamed_offsets == logprobs["text_offset"]
+    assert logprobs["text_offset"][-1] == len("".join(logprobs["tokens"][:-1]))
     messages = [{"role": "user", "content": "a quiet wind"}]
     chat = HTTP.post(
         f"{served.url}/v1/chat/completions",
@@ -211,6 +220,34 @@ def test_sampling_n_seed_and_stops(served):
         },
     ).json()["choices"][0]
     assert by_id["text"] == served.text(ids[:2]) and by_id["finish_reason"] == "stop"
+
+
+def test_usage_counts_the_tokens_up_to_the_stop_string(served, monkeypatch):
+    """completion_tokens counts the tokens up to the one completing a stop string, streamed or
+    not, though the engine runs on until the abort reaches it (here the abort holds the
+    response's thread while the engine runs)."""
+    ids = served.codec.encode("the market")
+    full = served.expected(ids, 12)
+    stop = served.text(full[1:3])
+    text, taken = ChoiceText(served.codec, [stop]), 0
+    while not text.stopped:
+        text.push([full[taken]])
+        taken += 1
+    abort = served.engine.abort
+
+    def late_abort(request: Request) -> None:
+        time.sleep(0.5)
+        abort(request)
+
+    monkeypatch.setattr(served.engine, "abort", late_abort)
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 12, "temperature": 0, "stop": [stop]}
+    whole = HTTP.post(f"{served.url}/v1/completions", json=body).json()
+    assert whole["choices"][0]["finish_reason"] == "stop"
+    assert whole["usage"]["completion_tokens"] == taken
+    stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with HTTP.stream("POST", f"{served.url}/v1/completions", json=stream) as r:
+        events = [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
+    assert json.loads(events[-2])["usage"]["completion_tokens"] == taken
 
 
 def test_sampling_options_are_served(served):
@@ -503,17 +540,19 @@ def test_a_handler_that_fails_answers_500_and_the_server_goes_on(served, monkeyp
 def test_stop_strings_wait_for_min_tokens():
     """A stop string cuts the text where it begins; with min_tokens, none ends the text before
     it holds that many tokens, and one that began before the token reaching them is not
-    matched later (vLLM checks only new text), so the second occurrence cuts it."""
+    matched later (vLLM checks only new text), so the second occurrence cuts it; a longer stop
+    string beside it, never met, changes nothing."""
     codec = text_codec(TEXT, 256)
     ids = codec.encode("the market opened the market closed")
     full = codec.decode(ids)
 
-    def streamed(min_tokens: int) -> str:
-        text = ChoiceText(codec, ["market"], min_tokens)
+    def streamed(min_tokens: int, stops: tuple[str, ...] = ("market",)) -> str:
+        text = ChoiceText(codec, stops, min_tokens)
         return "".join(text.push([token]) for token in ids) + text.finish()
 
     assert streamed(0) == full[: full.index("market")]
     assert streamed(6) == full[: full.rindex("market")]
+    assert streamed(6, ("market", "a stop string never met")) == full[: full.rindex("market")]
 
 
 def _away_from(neutral: tuple) -> object:
