@@ -154,8 +154,9 @@ class LoraTraining:
     base, written as a PEFT folder.
 
     Attributes:
-      spec: The model's stacks: one adapter of rank `r` on the targets.
-      alpha: PEFT's `lora_alpha` (the delta is scaled by alpha / r).
+      spec: The model's stacks: one adapter of rank `r` on the targets, its delta scaled by
+        alpha / r (`LoraSpec.scaling`: B trains in PEFT's units).
+      alpha: PEFT's `lora_alpha`.
     """
 
     spec: LoraSpec
@@ -191,4 +192,4 @@ def lora_training(text: str) -> LoraTraining:
             f"alpha={alpha}, unknown targets {unknown}"
         )
     targets = frozenset(TARGET_NAMES[t] for t in fields["targets"])
-    return LoraTraining(LoraSpec((TRAINED_ADAPTER,), rank, targets), alpha)
+    return LoraTraining(LoraSpec((TRAINED_ADAPTER,), rank, targets, alpha / rank), alpha)

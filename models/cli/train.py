@@ -29,7 +29,7 @@ from ..layers.attention.self_attention import AttentionImpl
 from ..serving.text import TEXT_FILES, TextCodec
 from ..training.trainer import TrainConfig, Trainer
 from ..weights import read_hf_config_file, replace_directory, stage_checkpoint
-from ..weights.peft import is_lora_parameter, write_peft_adapter, zero_lora_b
+from ..weights.peft import is_lora_parameter, peft_start, write_peft_adapter
 from . import commands, options
 from .interrupts import Interrupted, interruption, signals_deferred
 from .options import InputError
@@ -163,7 +163,7 @@ def train(args: argparse.Namespace) -> None:
         args, out, attention=AttentionImpl.XLA, lora=None if lora is None else lora.spec
     )
     if lora is not None:
-        model = zero_lora_b(model)
+        model = peft_start(model, args.seed)
         out.log(f"training a rank-{lora.spec.rank} LoRA adapter over the frozen base")
     schedule = TrainConfig(
         learning_rate=args.lr,

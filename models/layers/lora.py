@@ -3,7 +3,8 @@
 A batch serves several adapters at once (as Punica and S-LoRA batch them): the adapters of a
 projection are stacked on a leading axis, and each token row names its adapter by index, 0 for
 none (adapter k >= 1 is stack entry k - 1). Row t's delta is `(x[t] @ A[k]) @ B[k]`, the
-adapter's scaling (`lora_alpha / r`, or `/ sqrt(r)` with rsLoRA) folded into B when it is loaded.
+adapter's scaling (`lora_alpha / r`, or `/ sqrt(r)` with rsLoRA) folded into B when it is loaded;
+an adapter being trained keeps PEFT's B and its scaling apart (`LoraSpec.scaling`).
 Each row selects its adapter by a one-hot mask over the stack: every adapter's A shrinks every
 row ([T, adapters, r], as cheap as one projection of adapters x r columns), the mask keeps each
 row's own, and one matmul over the stacked B expands it; so each adapter's weights are read once
@@ -59,18 +60,27 @@ class LoraSpec:
       names: The adapters' names, in stack order: `names[k - 1]` is row index k (0: none).
       rank: The stacks' rank: the largest adapter's `r` (smaller ones are zero-padded).
       targets: The projections that carry adapter stacks (every adapter's targets together).
+      scaling: A factor on every delta: 1 where each loaded adapter's scaling is folded into
+        its B; an adapter being trained keeps B in PEFT's units and its `lora_alpha / r` here,
+        so the optimizer steps the B that PEFT steps.
     """
 
     names: tuple[str, ...]
     rank: int
     targets: frozenset[LoraTarget]
+    scaling: float = 1.0
 
     def __post_init__(self):
         object.__setattr__(self, "names", tuple(self.names))
-        if not self.names or len(set(self.names)) != len(self.names) or self.rank < 1:
+        if (
+            not self.names
+            or len(set(self.names)) != len(self.names)
+            or self.rank < 1
+            or not self.scaling > 0
+        ):
             raise ValueError(
-                f"a LoRA spec stacks at least one adapter, each named once, of rank >= 1; got "
-                f"{self.names=}, {self.rank=}"
+                f"a LoRA spec stacks at least one adapter, each named once, of rank >= 1, "
+                f"scaled by a positive factor; got {self.names=}, {self.rank=}, {self.scaling=}"
             )
         if not self.targets or not all(isinstance(t, LoraTarget) for t in self.targets):
             raise TypeError(
@@ -156,6 +166,7 @@ class LoraColumn(nnx.Module):
             sharding=(None, None, None, entry),
         )
         self.parts = parts
+        self.scaling = spec.scaling
 
     def __call__(self, x: jax.Array, adapters: jax.Array) -> jax.Array:
         """[T, in] complete rows and [T] adapter indices -> this rank's [T, local out] delta
@@ -169,7 +180,7 @@ class LoraColumn(nnx.Module):
     def _delta(self, x: jax.Array, adapters: jax.Array, b: jax.Array) -> jax.Array:
         a = self.a[...]
         features, parts, count, rank = a.shape
-        mask = selection(adapters, count, x.dtype)
+        mask = selection(adapters, count, x.dtype) * self.scaling
         shrunk = (x @ a.reshape(features, -1)).reshape(-1, parts, count, rank)
         shrunk = (shrunk * mask[:, None, :, None]).reshape(-1, parts, count * rank)
         delta = jnp.einsum("tpk,pko->tpo", shrunk, b.reshape(parts, count * rank, -1))
@@ -210,13 +221,14 @@ class LoraRow(nnx.Module):
             rngs=rngs,
             sharding=(None, None, None),
         )
+        self.scaling = spec.scaling
 
     def __call__(self, x: jax.Array, adapters: jax.Array) -> jax.Array:
         """This rank's [T, local in] rows and [T] adapter indices -> [T, out], this rank's
         partial of the delta (unreduced: the stage's one sum completes it)."""
         a, b = self.a[...], self.b[...]
         features, count, rank = a.shape
-        mask = selection(adapters, count, x.dtype)
+        mask = selection(adapters, count, x.dtype) * self.scaling
         shrunk = (x @ a.reshape(features, -1)).reshape(-1, count, rank) * mask[:, :, None]
         return shrunk.reshape(-1, count * rank) @ b.reshape(count * rank, -1)
 

@@ -341,8 +341,9 @@ def write_peft_adapter(
 ) -> None:
     """Writes adapter `index` of a model's stacks as a PEFT LoRA folder that `peft` (and
     `read_peft_adapter`) loads: `adapter_config.json` (rank `spec.rank`, `lora_alpha` `alpha`,
-    the targets) and `adapter_model.safetensors`. `directory` must exist."""
-    tensors = peft_tensors(params, spec, index=index, scaling=alpha / spec.rank)
+    the targets) and `adapter_model.safetensors`, B with what of `alpha / r` the stacks fold in
+    (all of it but `spec.scaling`) taken out. `directory` must exist."""
+    tensors = peft_tensors(params, spec, index=index, scaling=alpha / spec.rank / spec.scaling)
     settings = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -366,15 +367,21 @@ def is_lora_parameter(path: str) -> bool:
     return is_lora_path(tuple(path.split(".")))
 
 
-def zero_lora_b(model: nnx.Module) -> nnx.Module:
-    """`model` with every adapter stack's B zero, as PEFT starts a new adapter (A stays
-    random): it starts equal to its base model. Each B keeps its sharding."""
+def peft_start(model: nnx.Module, seed: int) -> nnx.Module:
+    """`model` with every adapter stack as PEFT starts a new adapter: B zero, so it starts equal
+    to its base model, and A uniform in +-1 / sqrt(in features) (PEFT's kaiming-uniform with
+    a = sqrt(5)), drawn from `seed`. Each stack keeps its sharding."""
+    rng = np.random.default_rng(seed)
     graphdef, state = nnx.split(model)
     flat = []
     for path, variable in nnx.to_flat_state(state):
-        if is_lora_path(path) and path[-1] == "b":
+        if is_lora_path(path):
             value = variable.get_value()
-            zero = jax.device_put(np.zeros(value.shape, value.dtype), value.sharding)
-            variable = variable.replace(value=zero)
+            if path[-1] == "b":
+                start = np.zeros(value.shape, value.dtype)
+            else:
+                bound = value.shape[0] ** -0.5  # every A stack is [in features, ...]
+                start = rng.uniform(-bound, bound, value.shape).astype(value.dtype)
+            variable = variable.replace(value=jax.device_put(start, value.sharding))
         flat.append((path, variable))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))

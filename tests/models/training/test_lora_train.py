@@ -1,6 +1,6 @@
 """LoRA training: optax on the adapter stacks only, the base frozen; one step on attention DP 2 x
-TP 2 equals one device's, and the adapter written in the PEFT layout loads back with the trained
-model's logits."""
+TP 2 equals one device's; three steps from PEFT's start equal `peft` trained by torch's AdamW; the
+adapter written in the PEFT layout loads back with the trained model's logits."""
 
 import functools
 import json
@@ -9,15 +9,18 @@ import pathlib
 import numpy as np
 import optax
 import pytest
+from flax import nnx
+from safetensors.numpy import load_file
 
 import boundary_jax as bj
 from models.build import load_model
+from models.cli.lora import lora_training
 from models.cli.main import main
 from models.layers.lora import ATTENTION_TARGETS, LoraSpec, LoraTarget
 from models.options import BuildOptions
 from models.serving.runtime import ShardedCausalLM
-from models.training.trainer import Trainer
-from models.weights.peft import is_lora_parameter, write_peft_adapter
+from models.training.trainer import TrainConfig, Trainer
+from models.weights.peft import is_lora_parameter, is_lora_path, peft_start, write_peft_adapter
 
 GOLDEN = pathlib.Path(__file__).parents[2] / "golden"
 SPEC = LoraSpec(("trained",), 4, frozenset((*ATTENTION_TARGETS, LoraTarget.DOWN)))
@@ -73,6 +76,45 @@ def test_written_peft_adapter_loads_back_with_the_trained_logits(tmp_path):
     want = trained.forward(SEQUENCES, adapters=[1, 0, 1, 1])
     got = loaded.forward(SEQUENCES, adapters=adapters)
     assert np.max(np.abs(got - want)) <= 1e-5 * np.max(np.abs(want))
+
+
+def test_three_steps_from_peft_start_equal_peft_trained_by_torch(tmp_path):
+    """From the adapter PEFT starts (B zero, A drawn by the golden script), three steps of
+    `TrainConfig`'s optimizer on TP 2 give torch's losses, gradient norms and trained adapter
+    (tests/golden/lora_train: alpha 16 over r 4, so B stepped with the scaling folded in
+    differs)."""
+    golden = GOLDEN / "lora_train"
+    reference = json.loads((golden / "reference.json").read_text())
+    lora = lora_training(reference["train_lora"])
+    mesh = bj.make_mesh(bj.Topology(attn_tp=2))
+    model = load_model(GOLDEN / "qwen3", mesh, BuildOptions(lora=lora.spec))
+    start = load_model(GOLDEN / "qwen3", mesh, adapters={"trained": golden / "start"})
+    nnx.update(model, nnx.state(start, is_lora_path))  # B is zero: no scaling folded in
+    optimizer = TrainConfig(**reference["config"]).optimizer()
+    trainer = Trainer(model, mesh, optimizer, trainable=is_lora_parameter)
+    sequences = reference["sequences"]
+    batch = trainer.pack(sequences, adapters=[1] * len(sequences))
+    steps = [trainer.step(batch) for _ in reference["losses"]]
+    np.testing.assert_allclose([m["loss"] for m in steps], reference["losses"], rtol=1e-5)
+    np.testing.assert_allclose([m["grad_norm"] for m in steps], reference["grad_norms"], rtol=1e-5)
+    write_peft_adapter(trainer.state.params, lora.spec, tmp_path, alpha=lora.alpha, base="qwen3")
+    got = load_file(tmp_path / "adapter_model.safetensors")
+    want = load_file(golden / "trained" / "adapter_model.safetensors")
+    assert sorted(got) == sorted(want)
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, rtol=0, atol=1e-3 * np.abs(value).max())
+
+
+def test_peft_start_zeroes_b_and_draws_a_as_peft():
+    """B zero (the model starts as its base), A uniform within PEFT's +-1 / sqrt(in)."""
+    mesh = bj.make_mesh(bj.Topology(attn_tp=2))
+    model = peft_start(load_model(GOLDEN / "qwen3", mesh, BuildOptions(lora=SPEC)), seed=3)
+    q, o = model.layers[0].attn.q_lora, model.layers[0].attn.o_lora
+    assert not np.any(np.asarray(q.b[...])) and not np.any(np.asarray(o.b[...]))
+    for a in (np.asarray(q.a[...]), np.asarray(o.a[...])):
+        bound = a.shape[0] ** -0.5
+        assert np.abs(a).max() <= bound and np.abs(a).max() > 0.9 * bound
+        assert np.std(a) == pytest.approx(bound / 3**0.5, rel=0.15)
 
 
 def test_train_command_writes_a_peft_adapter(tmp_path, capsys):
