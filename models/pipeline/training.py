@@ -9,7 +9,8 @@ stage's sum and handing the input's cotangent to the previous stage. The last st
 its microbatch's summed next-token loss; the step's loss is the sum over microbatches over the
 batch's labelled rows, as `Trainer`'s mean. The optimizer is `TrainConfig`'s: the gradients'
 norm over every stage (each parameter once) scales them as `optax.clip_by_global_norm` does, then
-each stage runs AdamW on its own parameters.
+each stage runs AdamW on its own parameters. A stage's `Buffer`s are not trained, as `Trainer`
+leaves them: their gradients are dropped before the norm and their updates after AdamW.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -30,6 +32,7 @@ from boundary_jax import residual_stream
 from ..decoder.model import CausalLM
 from ..inputs.rows import pack_sequences
 from ..layers.attention.self_attention import AttentionImpl
+from ..layers.buffer import Buffer
 from ..training.trainer import TrainConfig, next_token_labels
 from .runtime import PipelineCausalLM, Stage, enter_stage
 from .schedule import Microbatch, gpipe_ticks, split_microbatches
@@ -98,6 +101,7 @@ class PipelineTrainer:
             weight_decay=train.weight_decay,
         )
         self.params = [stage.leaves for stage in self.runner.stages]
+        self._buffers = [_buffer_leaves(stage) for stage in self.runner.stages]
         self.opt_state = [
             stage.run(self._init_program(stage), leaves=params)
             for stage, params in zip(self.runner.stages, self.params, strict=True)
@@ -184,22 +188,25 @@ class PipelineTrainer:
 
     def _update_program(self, stage: Stage):
         optimizer, clip = self._optimizer, self.train.clip_norm
+        buffers = self._buffers[stage.index]
 
         def update(params, grads, opt_state, norm):
             # optax.clip_by_global_norm, with the norm taken over every stage's gradients.
             grads = jax.tree.map(
-                lambda g: jax.lax.select(norm < clip, g, (g / norm.astype(g.dtype)) * clip), grads
+                lambda g: jax.lax.select(norm < clip, g, (g / norm.astype(g.dtype)) * clip),
+                _drop(grads, buffers),
             )
             updates, opt_state = optimizer.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state
+            return optax.apply_updates(params, _drop(updates, buffers)), opt_state
 
         return stage.cached(("update",), lambda: jax.jit(update, donate_argnums=(0, 2)))
 
     def _square_program(self, stage: Stage):
-        """`f(grads)`: the sum of the squares of every gradient of the stage."""
+        """`f(grads)`: the sum of the squares of the stage's gradients, its buffers' left out."""
+        buffers = self._buffers[stage.index]
 
         def squares(grads):
-            return sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads))
+            return sum(jnp.sum(jnp.square(g)) for g in _drop(grads, buffers))
 
         return stage.cached(("square",), lambda: jax.jit(squares))
 
@@ -257,9 +264,14 @@ class PipelineTrainer:
         return batch.labels[microbatch] if stage == len(self.runner.stages) - 1 else ()
 
     def _zeros_program(self, stage: Stage):
-        return stage.cached(
-            ("zeros",), lambda: jax.jit(lambda leaves: jax.tree.map(jnp.zeros_like, leaves))
-        )
+        # Placed as the leaves: a scalar's zeros depend on no input, so jit would not place
+        # them on the stage's devices (xIELU's scalars on attention TP 2 failed to lower).
+        shardings = tuple(NamedSharding(stage.mesh, spec) for spec in stage.leaf_specs)
+
+        def zeros(leaves):
+            return jax.tree.map(jnp.zeros_like, leaves)
+
+        return stage.cached(("zeros",), lambda: jax.jit(zeros, out_shardings=shardings))
 
     def step(self, batch: PipelineTrainBatch) -> dict[str, float]:
         """One optimizer step on `batch`; returns its `loss` (before the update) and the
@@ -284,6 +296,24 @@ class PipelineTrainer:
             )
         self.step_count += 1
         return {"loss": loss, "grad_norm": norm}
+
+
+def _buffer_leaves(stage: Stage) -> tuple[bool, ...]:
+    """Whether each of the stage's `leaves` is a `Buffer`'s."""
+    marks = jax.tree.map(
+        lambda variable: isinstance(variable, Buffer),
+        stage.state,
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )
+    return tuple(jax.tree.leaves(marks))
+
+
+def _drop(leaves: tuple, buffers: tuple[bool, ...]) -> tuple:
+    """`leaves` (gradients or updates of a stage's `leaves`) with the buffers' zeroed."""
+    return tuple(
+        jnp.zeros_like(leaf) if buffer else leaf
+        for leaf, buffer in zip(leaves, buffers, strict=True)
+    )
 
 
 def _host_scalars(stage: Stage, values: list) -> list[float]:

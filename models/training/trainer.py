@@ -174,9 +174,10 @@ class Trainer:
     reference: the trainer keeps the graph and the placed state only, and the step donates
     (reuses) the parameter and optimizer buffers.
 
-    The model's `Buffer`s (DeepSeek-V3's `e_score_correction_bias`) are not trained: the step
-    drops the optimizer's updates of them (no step, no weight decay), as Hugging Face leaves its
-    buffers out of the parameters.
+    The model's `Buffer`s (DeepSeek-V3's `e_score_correction_bias`, xIELU's beta and eps) are
+    not trained, as Hugging Face leaves its buffers out of the parameters: the step drops their
+    gradients before the optimizer (so neither the clipping's norm nor `grad_norm` counts them)
+    and its updates of them (no weight decay).
 
     With `trainable` only the parameters it selects are trained (a LoRA adapter's stacks over a
     frozen base): the optimizer, its state, its clipping and the gradients see those alone, and
@@ -351,6 +352,10 @@ class Trainer:
         self, state: TrainState, batch: TrainBatch, fixed: dict[str, jax.Array]
     ) -> tuple[TrainState, dict[str, jax.Array]]:
         loss, grads = jax.value_and_grad(self.sharded_loss)(state.params, batch, fixed)
+        grads = {
+            path: jnp.zeros_like(grad) if path in self.frozen else grad
+            for path, grad in grads.items()
+        }
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         updates = {
             path: jnp.zeros_like(update) if path in self.frozen else update

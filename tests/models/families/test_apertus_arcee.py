@@ -296,6 +296,21 @@ def test_one_apertus_step_on_dp2_tp2_equals_one_device_and_trains_the_alphas():
     assert not any(".alpha_" in path for path in got["frozen"])
 
 
+def test_the_step_clips_and_reports_a_norm_without_the_buffers_gradients():
+    """beta and eps get gradients (`Trainer.gradients`), but the step's `grad_norm`, which the
+    clipping scales by, is the norm of the parameters' alone, as transformers' buffers have no
+    gradient."""
+    mesh = bj.make_mesh(bj.Topology())
+    trainer = Trainer(load_model(GOLDEN / "apertus", mesh), mesh, OPTIMIZER.optimizer())
+    batch = trainer.pack(SEQUENCES)
+    _, grads = trainer.gradients(batch)
+    squares = {path: float(np.sum(np.square(np.asarray(g)))) for path, g in grads.items()}
+    buffers = sum(squares[path] for path in trainer.frozen)
+    parameters = sum(value for path, value in squares.items() if path not in trainer.frozen)
+    assert buffers > 1e-3 * parameters  # enough to show in the norm
+    assert trainer.step(batch)["grad_norm"] == pytest.approx(parameters**0.5, rel=1e-6)
+
+
 def test_fresh_apertus_starts_at_transformers_xielu():
     """A fresh Apertus model's xIELU in every layer starts where transformers' does:
     softplus(alpha_p) = 0.8 and beta + softplus(alpha_n) = 0.8."""
