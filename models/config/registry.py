@@ -9,6 +9,7 @@ and imports no family module by name.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -252,13 +253,27 @@ def read_hf_config(hf_config: Mapping[str, Any]) -> DecoderConfig:
     defaults = dict(family.config_defaults) | dict(family.image_text_defaults.get(outer, {}))
     if "rope_scaling" in text:  # transformers builds rope_parameters from the legacy keys then
         defaults.pop("rope_parameters", None)
+    merged = {**defaults, **text}
     try:
-        return family.read_config({**defaults, **text})
+        config = family.read_config(merged)
     except KeyError as missing:
         raise ValueError(
             f"config.json has no {missing.args[0]!r}; {family.architectures[0]} needs it and "
             "transformers gives it no default"
         ) from None
+    if not family.embedding_padding:
+        return config
+    return dataclasses.replace(
+        config, padding_id=_padding_id(merged.get("pad_token_id"), config.vocab_size)
+    )
+
+
+def _padding_id(pad: Any, vocab_size: int) -> int | None:
+    """`pad_token_id` as `nn.Embedding` takes it (a negative id counts from the end); None for
+    none, or for an id past the vocabulary (no lookup reaches it)."""
+    if not isinstance(pad, int) or isinstance(pad, bool) or not -vocab_size <= pad < vocab_size:
+        return None
+    return pad % vocab_size
 
 
 def write_hf_config(config: DecoderConfig) -> dict[str, Any]:
@@ -268,7 +283,7 @@ def write_hf_config(config: DecoderConfig) -> dict[str, Any]:
     Raises:
       ValueError: `config` has no Hugging Face form (its family's file cannot say it).
     """
-    written = family_of(config).write_config(config)
+    written = family_of(config).write_config(config) | {"pad_token_id": config.padding_id}
     if read_hf_config(written) != config:
         raise ValueError(
             f"{config.architecture}'s config.json cannot say this configuration (it would read "

@@ -317,6 +317,8 @@ class DecoderConfig:
       attention_output_gate: Attention's q_proj also gives a per-head output gate.
       linear_attention: The layers whose token mixer is Gated DeltaNet, or None.
       query_scaling: Grouped-query attention's position-dependent query scale, or None.
+      padding_id: The token whose embedding row takes no gradient from lookups (transformers'
+        `nn.Embedding(padding_idx=pad_token_id)`), or None.
     """
 
     architecture: str
@@ -355,6 +357,7 @@ class DecoderConfig:
     attention_output_gate: bool = False
     linear_attention: LinearAttentionLayers | None = None
     query_scaling: QueryScaling | None = None
+    padding_id: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.architecture, str) or not self.architecture:
@@ -436,7 +439,11 @@ class DecoderConfig:
             )
         self._check_hybrid()
         self._check_mla()
+        if self.padding_id is not None and not 0 <= self.padding_id < self.vocab_size:
+            raise ValueError(f"padding_id must be a token id; got {self.padding_id!r}")
         family = registry.family_named(self.architecture)
+        if self.padding_id is not None and not family.embedding_padding:
+            raise ValueError(f"{self.architecture}'s embedding takes no padding id")
         if self.tie_word_embeddings and not family.ties_head:
             raise ValueError(
                 f"{self.architecture} has its own LM head (transformers never ties it to the "

@@ -56,6 +56,8 @@ class FamilyBase:
       ties_head: transformers ties its LM head to the embeddings where `tie_word_embeddings`
         says so; a family whose transformers model never does refuses a tied config
         (`DecoderConfig`).
+      embedding_padding: transformers' embedding takes `pad_token_id` as its `padding_idx`
+        (`DecoderConfig.padding_id`, read by `read_hf_config`).
     """
 
     architectures: ClassVar[tuple[str, ...]] = ()
@@ -77,6 +79,7 @@ class FamilyBase:
     mlp_biases: ClassVar[bool] = False
     query_scaling: ClassVar[bool] = False
     ties_head: ClassVar[bool] = True
+    embedding_padding: ClassVar[bool] = True
 
     @classmethod
     def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:

@@ -104,6 +104,7 @@ class CausalLM(FamilyBase, nnx.Module):
                 topology=topology,
                 dtype=dtype,
                 init_std=config.initializer_range,
+                padding_id=config.padding_id,
                 rngs=rngs,
             )
             if first or (last and config.tie_word_embeddings)

@@ -69,6 +69,7 @@ class ApertusForCausalLM(CausalLM):
         "rope_theta": 12000000.0,
         "tie_word_embeddings": False,
         "vocab_size": 131072,
+        "pad_token_id": 3,
     }
     lora = True
     quantizable = False

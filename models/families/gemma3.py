@@ -47,6 +47,7 @@ class Gemma3ForCausalLM(CausalLM):
         "rms_norm_eps": 1e-6,
         "query_pre_attn_scalar": 256,
         "sliding_window": 4096,
+        "pad_token_id": 0,
     }
     image_text_architectures = ("Gemma3ForConditionalGeneration",)
     model_type = "gemma3_text"

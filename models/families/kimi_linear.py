@@ -308,6 +308,7 @@ class KimiLinearForCausalLM(DeepseekCausalLM):
         "num_hidden_layers": 27,
         "num_key_value_heads": 32,
         "num_shared_experts": 1,
+        "pad_token_id": 163839,
         "qk_nope_head_dim": 128,
         "qk_rope_head_dim": 64,
         "rms_norm_eps": 1e-05,

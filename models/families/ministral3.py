@@ -50,6 +50,7 @@ class Ministral3ForCausalLM(CausalLM):
         "sliding_window": None,
         "tie_word_embeddings": False,
         "vocab_size": 131072,
+        "pad_token_id": 11,
     }
     lora = True
     query_scaling = True

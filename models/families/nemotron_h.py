@@ -371,6 +371,7 @@ class NemotronHForCausalLM(MoeCausalLM):
     }
     quantizable = False
     ties_head = False
+    embedding_padding = False
     hyper_connections = False
     captures_hidden_states = False
 

@@ -29,6 +29,7 @@ class Olmo2ForCausalLM(CausalLM):
         "max_position_embeddings": 2048,
         "num_attention_heads": 32,
         "num_hidden_layers": 32,
+        "pad_token_id": 1,
         "rms_norm_eps": 1e-05,
         "rope_theta": 10000.0,
         "tie_word_embeddings": False,

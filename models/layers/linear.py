@@ -325,6 +325,8 @@ class VocabParallelEmbedding(nnx.Module):
       topology: The parallel topology the table is split for.
       scale: A factor the embeddings are multiplied by, rounded to the table's dtype first (as
         a scaled embedding does), or None.
+      padding_id: A token whose row takes no gradient from lookups (`nn.Embedding`'s
+        `padding_idx`; a tied head's gradient still reaches it), or None.
     """
 
     def __init__(
@@ -336,6 +338,7 @@ class VocabParallelEmbedding(nnx.Module):
         dtype: jnp.dtype = jnp.float32,
         scale: float | None = None,
         init_std: float = 1.0,
+        padding_id: int | None = None,
         rngs: nnx.Rngs,
     ):
         rows = padded_vocab(vocab_size, group_size(topology, SumGroup.ATTN_TP))
@@ -350,6 +353,7 @@ class VocabParallelEmbedding(nnx.Module):
         self.vocab_size = vocab_size
         self.topology = topology
         self.scale = scale
+        self.padding_id = padding_id
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         """[T] int ids -> [T, hidden]: this rank's partial, owing a sum over attention TP.
@@ -361,6 +365,9 @@ class VocabParallelEmbedding(nnx.Module):
         local = ids - shard_index(self.topology, SumGroup.ATTN_TP) * rows
         mine = (local >= 0) & (local < rows) & (ids < self.vocab_size)
         gathered = jnp.take(table, jnp.where(mine, local, 0), axis=0)
+        if self.padding_id is not None:
+            padding = (ids == self.padding_id)[:, None]
+            gathered = jnp.where(padding, lax.stop_gradient(gathered), gathered)
         if self.scale is not None:
             # Only the owning rank's row is nonzero, so scaling before the sum scales the sum.
             gathered = gathered * jnp.asarray(self.scale, table.dtype)

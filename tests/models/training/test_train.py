@@ -5,6 +5,9 @@ counts each parameter once; a train state saved on one mesh restores on another.
 
 import dataclasses
 import functools
+import json
+import pathlib
+import shutil
 
 import jax
 import numpy as np
@@ -13,7 +16,7 @@ from flax import nnx
 
 import boundary_jax as bj
 import pallas_kernels as pk
-from models.build import build_model
+from models.build import build_model, load_model
 from models.config import PRESETS
 from models.families.qwen3_moe import Qwen3MoeForCausalLM
 from models.inputs.rows import pack_sequences
@@ -342,3 +345,28 @@ def test_a_float32_step_multiplies_in_float32():
     lowered = jax.jit(jax.grad(trainer.sharded_loss)).lower(trainer.state.params, batch)
     dots = [line for line in lowered.as_text().splitlines() if "stablehlo.dot_general" in line]
     assert dots and all("precision = [HIGHEST, HIGHEST]" in line for line in dots)
+
+
+@pytest.mark.parametrize("golden", ["llama", "qwen3"])
+def test_the_pad_token_row_takes_no_gradient_from_lookups(golden, tmp_path):
+    """A checkpoint's pad_token_id is transformers' `nn.Embedding(padding_idx)`: where it
+    occurs, its lookups give its row no gradient (llama's untied row none at all), while
+    a tied head's gradient still reaches it (qwen3); the rows of the other tokens train."""
+    source = pathlib.Path(__file__).parents[2] / "golden" / golden
+    checkpoint = tmp_path / golden
+    shutil.copytree(source, checkpoint)
+    settings = json.loads((checkpoint / "config.json").read_text())
+    pad = 8
+    (checkpoint / "config.json").write_text(json.dumps(settings | {"pad_token_id": pad}))
+    mesh = bj.make_mesh(bj.Topology(attn_tp=2))
+    trainer = Trainer(load_model(checkpoint, mesh), mesh, OPTIMIZER.optimizer())
+    sequences = [[5, 7, pad, 11, 2, 30, pad], [3, pad, 1], [17, 4, 99, 12]]
+    _, grads = trainer.gradients(trainer.pack(sequences))
+    table = np.asarray(grads["embed.embedding"])
+    assert np.all(table[[3, 5, 7, 11, 17]] != 0)
+    if settings["tie_word_embeddings"]:
+        plain = Trainer(load_model(source, mesh), mesh, OPTIMIZER.optimizer())
+        with_lookups = np.asarray(plain.gradients(plain.pack(sequences))[1]["embed.embedding"])
+        assert np.all(table[pad] != 0) and np.max(np.abs(table[pad] - with_lookups[pad])) > 1e-3
+    else:
+        assert not np.any(table[pad])
