@@ -21,6 +21,7 @@ from ..serving.text import eos_token_ids, generation_config
 from . import options
 from .commands import checkpoint_dir, codec, console, runner, source_config, status
 from .interrupts import SIGNALS, raise_pending
+from .lora import lora_sources
 from .options import InputError
 
 GIB = 1 << 30
@@ -139,6 +140,13 @@ def serve(args: argparse.Namespace) -> None:
     and end when process 0's server stops."""
     if options.pipelined(args):
         raise InputError("serve runs the model as one program; drop pp from --mesh")
+    name = args.served_model_name or args.preset or Path(args.checkpoint).resolve().name
+    if name in (lora_sources(args) or {}):
+        raise InputError(
+            f"--lora adapter {name!r} has the served model's name, so a request naming it "
+            "would run the base model; name the adapter otherwise (--lora NAME=DIR) or set "
+            "--served-model-name"
+        )
     if is_first_process():
         check_listening(args.host, args.port)
     out = console()
@@ -186,7 +194,6 @@ def serve(args: argparse.Namespace) -> None:
         channel=channel,
         max_running=args.max_running,
     )
-    name = args.served_model_name or args.preset or Path(args.checkpoint).resolve().name
     lora = model.options.lora
     adapters = {} if lora is None else {adapter: lora.index(adapter) for adapter in lora.names}
     server = Server(

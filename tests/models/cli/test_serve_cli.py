@@ -1,8 +1,8 @@
 """`boundary-jax serve` refuses what it cannot serve in one error line (exit 2): pipeline
 stages, a model whose cache has no paged form, a KV cache budget that holds no page, `--lora`
-as `generate` refuses it (on a preset, a folder without an adapter config), an address it
-cannot listen on (checked before the model is built); the cache budget buys pages for the
-layers that keep them."""
+as `generate` refuses it (on a preset, a folder without an adapter config) and an adapter named
+as the served model, an address it cannot listen on (checked before the model is built); the
+cache budget buys pages for the layers that keep them."""
 
 import argparse
 import socket
@@ -22,6 +22,15 @@ CASES = [
     (["--preset", "tiny-mistral", "--mesh", "attn_cp=2"], "not built under attention CP"),
     (["--preset", "tiny-mistral", "--lora", "a=tests"], "pass --checkpoint, not --preset"),
     (["--checkpoint", "tests/golden/qwen3", "--lora", "a=tests"], "no adapter_config.json"),
+    (
+        ["--checkpoint", "tests/golden/qwen3", "--lora", "qwen3=tests/golden/lora/qwen3/a1"],
+        "adapter 'qwen3' has the served model's name",
+    ),
+    (
+        ["--checkpoint", "tests/golden/qwen3", "--served-model-name", "a1"]
+        + ["--lora", "tests/golden/lora/qwen3/a1"],
+        "adapter 'a1' has the served model's name",
+    ),
 ]
 
 
