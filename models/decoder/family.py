@@ -136,6 +136,15 @@ class FamilyBase:
         return (), None
 
     @classmethod
+    def check_builds_lora(cls) -> None:
+        """Raises `NotImplementedError` unless this family builds LoRA adapter stacks."""
+        if not cls.lora:
+            raise NotImplementedError(
+                f"{cls.__name__} builds its layers without LoRA adapter stacks; LoRA is built "
+                "for the grouped-query decoders whose family sets `FamilyBase.lora`"
+            )
+
+    @classmethod
     def check_lora(cls, options: BuildOptions) -> None:
         """Raises unless this family builds LoRA adapter stacks with `options`.
 
@@ -151,12 +160,7 @@ class FamilyBase:
                 f"LoRA adapters on MoE experts are not built; {name} has experts, and the "
                 f"adapters target {mlp}. Adapt its attention projections (q, k, v, o) only"
             )
-        if not cls.lora:
-            raise NotImplementedError(
-                f"{name} builds its layers without LoRA adapter stacks; LoRA is built for the "
-                "dense grouped-query decoders with a gated MLP whose family sets "
-                "`FamilyBase.lora`"
-            )
+        cls.check_builds_lora()
         for option in ("quantization", "scan_layers", "two_batch_overlap"):
             if getattr(options, option):
                 raise NotImplementedError(

@@ -29,7 +29,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from safetensors.numpy import load_file, save_file
 
-from ..config import DecoderConfig
+from ..config import DecoderConfig, family_of
 from ..layers.lora import ATTENTION_TARGETS, LoraSpec, LoraTarget
 from .load import read_json
 
@@ -39,9 +39,9 @@ _TENSOR = re.compile(
     r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight"
 )
 # PEFT options whose set value changes the adapter's product: refused, each with its default.
+# (`fan_in_fan_out` is not one: PEFT sets it back to False on the nn.Linear projections here.)
 _REFUSED = {
     "use_dora": False,
-    "fan_in_fan_out": False,
     "bias": "none",
     "lora_bias": False,
     "modules_to_save": None,
@@ -50,6 +50,10 @@ _REFUSED = {
     "use_qalora": False,
     "alora_invocation_tokens": None,
     "trainable_token_indices": None,
+    "use_bdlora": None,
+    "kasa_config": None,
+    "arrow_config": None,
+    "monteclora_config": None,
 }
 # `init_lora_weights` values with which PEFT, loading the adapter, rewrites each targeted base
 # weight (PiSSA and CorDA: W minus its principal part; OLoRA: minus its QR's first columns;
@@ -213,7 +217,9 @@ def _parse(tensor: str, directory: Path, config: DecoderConfig) -> tuple[tuple, 
 def read_adapters(
     sources: Mapping[str, str | Path], config: DecoderConfig
 ) -> tuple[PeftAdapter, ...]:
-    """The adapters of `{name: folder}`, in that order (`read_peft_adapter` each)."""
+    """The adapters of `{name: folder}`, in that order (`read_peft_adapter` each), for a
+    family that builds adapter stacks (`FamilyBase.check_builds_lora`)."""
+    family_of(config).check_builds_lora()
     return tuple(read_peft_adapter(folder, name, config) for name, folder in sources.items())
 
 

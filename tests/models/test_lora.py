@@ -182,8 +182,9 @@ def _copy_adapter(tmp_path: pathlib.Path, **changes) -> pathlib.Path:
 
 
 def test_peft_reader_folds_scaling_and_refuses_other_options(tmp_path):
-    """The reader folds lora_alpha / r (rsLoRA: / sqrt(r)) into B and refuses DoRA, biases and
-    extra trained modules with the option named."""
+    """The reader folds lora_alpha / r (rsLoRA: / sqrt(r)) into B and refuses DoRA, biases,
+    extra trained modules and the variants that change the product with the option named;
+    fan_in_fan_out, which PEFT resets on nn.Linear, reads as the plain adapter."""
     config = load_config(GOLDEN / "llama")
     a1 = read_peft_adapter(GOLDEN / "lora" / "llama" / "a1", "a1", config)
     stored = load_file(GOLDEN / "lora" / "llama" / "a1" / "adapter_model.safetensors")
@@ -194,7 +195,17 @@ def test_peft_reader_folds_scaling_and_refuses_other_options(tmp_path):
     stored = load_file(GOLDEN / "lora" / "llama" / "a2" / "adapter_model.safetensors")
     b = stored["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"]
     np.testing.assert_allclose(a2.weights[0, LoraTarget.Q][1], b.T * 4 / 8**0.5, rtol=1e-6)
-    refused = (("use_dora", True), ("bias", "all"), ("modules_to_save", ["lm_head"]))
+    refused = (
+        ("use_dora", True),
+        ("bias", "all"),
+        ("modules_to_save", ["lm_head"]),
+        ("use_bdlora", {"target_modules_bd_a": ["q_proj"]}),
+        ("kasa_config", {"svd_rank": 4}),
+    )
+    flipped = read_peft_adapter(_copy_adapter(tmp_path / "fifo", fan_in_fan_out=True), "x", config)
+    np.testing.assert_array_equal(
+        flipped.weights[1, LoraTarget.DOWN][1], a1.weights[1, LoraTarget.DOWN][1]
+    )
     for option, value in refused:
         with pytest.raises(NotImplementedError, match=option):
             read_peft_adapter(_copy_adapter(tmp_path / option, **{option: value}), "x", config)
@@ -274,7 +285,8 @@ def test_per_module_ranks_and_some_layers_equal_the_uniform_adapter(tmp_path):
 
 
 def test_peft_reader_refuses_experts_and_other_modules(tmp_path):
-    """An adapter on MoE experts, on the LM head, or of another base model is refused."""
+    """An adapter on MoE experts, on the LM head, or of another base model is refused; one over
+    a family without adapter stacks says so before reading its tensors."""
     config = load_config(GOLDEN / "llama")
     for bad, error, match in (
         ("mlp.experts.0.gate_proj", NotImplementedError, "MoE expert"),
@@ -290,6 +302,11 @@ def test_peft_reader_refuses_experts_and_other_modules(tmp_path):
     qwen3 = load_config(GOLDEN / "qwen3")
     with pytest.raises(ValueError, match="another base model"):
         read_peft_adapter(GOLDEN / "lora" / "llama" / "a1", "x", qwen3)
+    adapter = GOLDEN / "lora" / "llama" / "a1"
+    with pytest.raises(
+        NotImplementedError, match="DeepseekV3ForCausalLM builds its layers without"
+    ):
+        load_model(GOLDEN / "deepseek_v3", bj.make_mesh(bj.Topology()), adapters={"a": adapter})
 
 
 def test_lora_is_refused_where_it_is_not_built():
