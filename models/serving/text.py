@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -79,6 +80,13 @@ class TextCodec(Protocol):
         """The text of `ids`, special tokens left out."""
         ...
 
+    @property
+    def byte_ids(self) -> frozenset[int]:
+        """Ids decoded together with the ids of the same kind next to them (byte-fallback
+        `<0xNN>` tokens: a run that is not UTF-8 becomes U+FFFD as a whole), so their text may
+        change until another id follows."""
+        ...
+
 
 @dataclasses.dataclass(frozen=True)
 class ByteCodec:
@@ -98,6 +106,10 @@ class ByteCodec:
 
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    @property
+    def byte_ids(self) -> frozenset[int]:
+        return frozenset()  # a complete character's bytes decode the same whatever follows
 
 
 class TokenizerCodec:
@@ -121,6 +133,7 @@ class TokenizerCodec:
         self.chat_template = chat_template
         self._template_tokens = dict(template_tokens or {})
         self._template = None if chat_template is None else _compile(chat_template, directory)
+        self._byte_ids = _byte_fallback_ids(tokenizer)
 
     @classmethod
     def from_directory(cls, directory: str | Path) -> TokenizerCodec:
@@ -205,6 +218,20 @@ class TokenizerCodec:
     def decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=True)
 
+    @property
+    def byte_ids(self) -> frozenset[int]:
+        return self._byte_ids
+
+
+def _byte_fallback_ids(tokenizer: Tokenizer) -> frozenset[int]:
+    """The ids of the `<0xNN>` tokens of a tokenizer whose decoder joins their runs
+    (`ByteFallback`, as Llama 2's and Mistral's), else none."""
+    decoder = json.loads(tokenizer.to_str()).get("decoder")
+    if "ByteFallback" not in json.dumps(decoder):
+        return frozenset()
+    vocab = tokenizer.get_vocab(with_added_tokens=False)
+    return frozenset(i for token, i in vocab.items() if re.fullmatch(r"<0x[0-9A-F]{2}>", token))
+
 
 def text_codec(checkpoint: str | Path | None, vocab_size: int) -> TextCodec:
     """How the model of `checkpoint` (None: a preset) reads and writes text: its
@@ -257,12 +284,15 @@ def eos_token_ids(checkpoint: str | Path | None) -> tuple[int, ...]:
 class TextStream:
     """The text of a growing sequence of ids, handed out as it becomes final: `push` returns
     the text not yet returned, holding back a tail that decodes to U+FFFD (the first bytes of
-    a character whose other bytes are still to come)."""
+    a character whose other bytes are still to come) and the text of a trailing run of
+    byte-fallback ids (`TextCodec.byte_ids`: the run decodes as a whole). Where the decoded text
+    no longer extends what was returned, what was returned stands and the text goes on from its
+    length."""
 
     def __init__(self, codec: TextCodec):
         self._codec = codec
         self._ids: list[int] = []
-        self._shown = ""
+        self._shown = 0
 
     @property
     def pushed(self) -> int:
@@ -272,17 +302,20 @@ class TextStream:
     def push(self, ids: Sequence[int]) -> str:
         """Adds `ids`; returns the new text that is final."""
         self._ids.extend(ids)
-        text = self._codec.decode(self._ids)
-        if text.endswith("\ufffd") or not text.startswith(self._shown):
+        if self._ids and self._ids[-1] in self._codec.byte_ids:
             return ""
-        new, self._shown = text[len(self._shown) :], text
-        return new
+        text = self._codec.decode(self._ids)
+        if text.endswith("\ufffd"):
+            return ""
+        return self._take(text)
 
     def finish(self) -> str:
         """The text not returned yet, held-back tail included."""
-        text = self._codec.decode(self._ids)
-        new = text[len(self._shown) :] if text.startswith(self._shown) else ""
-        self._shown = text
+        return self._take(self._codec.decode(self._ids))
+
+    def _take(self, text: str) -> str:
+        new = text[self._shown :]
+        self._shown += len(new)
         return new
 
 

@@ -14,6 +14,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from models.cli.main import main
+from models.serving.api import ChoiceText
 from models.serving.text import (
     TEXT_FILES,
     ByteCodec,
@@ -143,6 +144,29 @@ def test_a_byte_level_tokenizer_streams_whole_characters(tmp_path):
     assert "".join(pieces) + stream.finish() == text
     assert all("\ufffd" not in piece for piece in pieces)
     assert len(ids) > len(text)  # the CJK characters took several byte tokens each
+
+
+def test_a_byte_fallback_run_streams_as_it_decodes_as_a_whole(tmp_path):
+    """With byte fallback (as Llama 2's and Mistral's), a run of <0xNN> tokens that is not UTF-8
+    decodes to U+FFFD as a whole, so a newline byte shown before the run went on would differ
+    from the whole text: the stream holds a run's text until another token closes it, and the
+    pieces join to the whole decoded text (a stop string after the run still ends it)."""
+    tokens = ["<unk>", "Hell", "o", "<0x0A>", "<0xE4>", "▁the▁", "do", "g"]
+    vocab = {token: i for i, token in enumerate(tokens)}
+    tokenizer = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    codec = TokenizerCodec.from_directory(tmp_path)
+    ids = list(range(1, len(tokens)))
+    whole = codec.decode(ids)
+    assert whole == "Hello\ufffd\ufffd the dog" and codec.decode(ids[:3]) == "Hello\n"
+    stream = TextStream(codec)
+    pieces = [stream.push([i]) for i in ids]
+    assert pieces[2:4] == ["", ""] and "".join(pieces) + stream.finish() == whole
+    text = ChoiceText(codec, ["dog"])
+    assert "".join(text.push([i]) for i in ids) + text.finish() == "Hello\ufffd\ufffd the "
 
 
 @pytest.mark.parametrize(
