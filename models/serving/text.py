@@ -22,6 +22,8 @@ from typing import Any, Protocol
 
 import jinja2
 import jinja2.ext
+import jinja2.nodes
+import jinja2.parser
 import jinja2.sandbox
 from tokenizers import Tokenizer
 
@@ -372,9 +374,21 @@ def _strftime_now(format: str) -> str:
     return datetime.datetime.now().strftime(format)
 
 
+class _Generation(jinja2.ext.Extension):
+    """transformers' `{% generation %}...{% endgeneration %}` block, which marks the assistant's
+    text for training masks: rendered as its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
 def _compile(source: str, directory: Path) -> jinja2.Template:
     environment = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _Generation]
     )
     environment.filters["tojson"] = _tojson
     environment.globals["raise_exception"] = _raise_exception

@@ -169,6 +169,25 @@ def test_a_byte_fallback_run_streams_as_it_decodes_as_a_whole(tmp_path):
     assert "".join(text.push([i]) for i in ids) + text.finish() == "Hello\ufffd\ufffd the "
 
 
+def test_a_template_marking_the_assistant_for_training_renders_its_text(tmp_path):
+    """transformers' `{% generation %}` block (a training mask's marker) renders as its body,
+    as `apply_chat_template` renders it."""
+    tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    turn = "{{ m.role }}: {{ m.content }};"
+    template = (
+        "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}"
+        + turn
+        + "{% endgeneration %}{% else %}"
+        + turn
+        + "{% endif %}{% endfor %}"
+    )
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    codec = TokenizerCodec.from_directory(tmp_path)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    assert codec.render_chat(messages) == "user: hi;assistant: yo;"
+
+
 @pytest.mark.parametrize(
     ("name", "advice"),
     [
