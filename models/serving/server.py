@@ -29,7 +29,15 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from .api import ApiError, ChoiceText, Endpoint, GenerationSpec, parse_request
+from .api import (
+    TOKEN_CONTEXT,
+    ApiError,
+    ChoiceText,
+    Endpoint,
+    GenerationSpec,
+    parse_request,
+    token_text,
+)
 from .engine import Engine
 from .scheduler import Finish, Request, RequestRefused, Token
 from .text import TextCodec
@@ -46,7 +54,8 @@ class _Choice:
     text: ChoiceText
     finish: str | None = None
     logprobs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    tokens: int = 0  # taken before it finished: the engine may run on until its abort lands
+    # The ids taken before it finished: the engine may run on until its abort lands.
+    ids: list[int] = dataclasses.field(default_factory=list)
 
 
 class Server:
@@ -233,12 +242,13 @@ class Server:
         entries = []
         delta = ""
         if item.token >= 0:
-            choice.tokens += 1
+            before = choice.ids[-TOKEN_CONTEXT:]
+            choice.ids.append(item.token)
             ended_by_id = item.finish is Finish.STOP and item.token in choice.request.stop_ids
             if not ended_by_id:
                 delta = choice.text.push([item.token])
             if spec.logprobs is not None:
-                entries.append(self._logprob_entry(spec, item))
+                entries.append(self._logprob_entry(spec, item, before))
                 choice.logprobs.extend(entries)
         if item.finish is not None:
             delta += choice.text.finish()
@@ -248,9 +258,11 @@ class Server:
             self.engine.abort(choice.request)
         return choice, delta, entries
 
-    def _logprob_entry(self, spec: GenerationSpec, token: Token) -> dict[str, Any]:
+    def _logprob_entry(
+        self, spec: GenerationSpec, token: Token, before: list[int]
+    ) -> dict[str, Any]:
         def word(token_id: int) -> str:
-            return self.codec.decode([token_id])
+            return token_text(self.codec, before, token_id)
 
         top = list(zip(token.top_ids, token.top_logprobs, strict=True))[: spec.logprobs]
         return {
@@ -298,7 +310,7 @@ class Server:
 
     def _usage(self, spec: GenerationSpec, choices: list[_Choice]) -> dict[str, int]:
         prompt = sum(len(p) for p in spec.prompts)
-        completion = sum(c.tokens for c in choices)
+        completion = sum(len(c.ids) for c in choices)
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,

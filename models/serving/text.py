@@ -6,8 +6,9 @@ and decodes exactly as transformers' fast tokenizers do (its post-processor adds
 tokens, e.g. `<s>`). A chat template (`chat_template.jinja`, or `chat_template` in
 `tokenizer_config.json`) is rendered with jinja2 in a sandbox, in the environment transformers
 gives it (`trim_blocks`, `lstrip_blocks`, loop controls, `raise_exception`, `strftime_now`, a
-`tojson` that keeps non-ASCII, `{% generation %}` blocks), and the rendered text is encoded without adding special tokens
-again. Generation stops at `generation_config.json`'s `eos_token_id` (else `config.json`'s).
+`tojson` that keeps non-ASCII, `{% generation %}` blocks), and the rendered text is encoded
+without adding special tokens again. Generation stops at `generation_config.json`'s
+`eos_token_id` (else `config.json`'s).
 """
 
 from __future__ import annotations

@@ -1,21 +1,24 @@
 """The HTTP side without a server: a request's fields as `parse_request` reads them (the
-checkpoint's sampling defaults, the fields it refuses) and a choice's text as stop strings cut
-it (`ChoiceText`)."""
+checkpoint's sampling defaults, the fields it refuses), a choice's text as stop strings cut it
+(`ChoiceText`) and a log-probability entry's token text (`token_text`)."""
 
 import json
 import pathlib
 
 import pytest
+from tokenizers import Tokenizer, decoders, models
 
 from models.serving.api import (
+    TOKEN_CONTEXT,
     UNSERVED_DEFAULTS,
     ApiError,
     ChoiceText,
     Endpoint,
     parse_request,
     sampling_defaults,
+    token_text,
 )
-from models.serving.text import generation_config, text_codec
+from models.serving.text import TokenizerCodec, generation_config, text_codec
 
 TEXT = pathlib.Path(__file__).parents[2] / "golden" / "text"
 MODEL = "tiny"
@@ -110,3 +113,18 @@ def test_generation_config_sampling_defaults_fill_what_a_request_leaves_out(tmp_
         sampling_defaults({"top_p": 0})
     with pytest.raises(ValueError, match="temperature"):
         sampling_defaults({"temperature": "warm"})
+
+
+def test_a_log_probability_token_is_the_text_it_adds(tmp_path):
+    """Under a Metaspace decoder (Llama 2, Mistral) a token decoded alone loses its leading
+    space; a log-probability entry's token is the text it adds after the ids before it, so the
+    tokens join to the text."""
+    tokens = ["<unk>", "▁Hello", "▁the", "▁do", "g", "▁cat"]
+    tokenizer = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, [], unk_token="<unk>"))
+    tokenizer.decoder = decoders.Metaspace()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    codec = TokenizerCodec.from_directory(tmp_path)
+    ids = [1, 2, 3, 4, 2, 5]
+    words = [token_text(codec, ids[max(i - TOKEN_CONTEXT, 0) : i], t) for i, t in enumerate(ids)]
+    assert words == ["Hello", " the", " do", "g", " the", " cat"]
+    assert "".join(words) == codec.decode(ids) and codec.decode([2]) == "the"
