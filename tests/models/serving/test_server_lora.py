@@ -31,6 +31,7 @@ class IdCodec:
     an answer's text names its ids exactly."""
 
     description = "one character per id"
+    byte_ids = frozenset()
 
     def encode(self, text: str) -> list[int]:
         return [ord(char) - 0x4E00 for char in text]
