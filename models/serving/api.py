@@ -457,7 +457,7 @@ TOKEN_CONTEXT = 4
 def token_text(codec: TextCodec, before: Sequence[int], token: int) -> str:
     """The text `token` adds after the ids `before` it (the last `TOKEN_CONTEXT` of a choice's
     ids): a log-probability entry's token. Decoded alone, a token loses its leading space under
-    a Metaspace decoder (Llama 2's, Mistral's)."""
+    a Metaspace decoder."""
     shown = codec.decode(before)
     text = codec.decode([*before, token])
     return text[len(shown) :] if text.startswith(shown) else codec.decode([token])

@@ -228,7 +228,7 @@ class TokenizerCodec:
 
 def _byte_fallback_ids(tokenizer: Tokenizer) -> frozenset[int]:
     """The ids of the `<0xNN>` tokens of a tokenizer whose decoder joins their runs
-    (`ByteFallback`, as Llama 2's and Mistral's), else none."""
+    (`ByteFallback`, as SentencePiece-converted ones do), else none."""
     decoder = json.loads(tokenizer.to_str()).get("decoder")
     if "ByteFallback" not in json.dumps(decoder):
         return frozenset()
