@@ -4,6 +4,7 @@ the config's registered family builds the model and refuses what it does not com
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -22,6 +23,8 @@ from .weights import load_config, load_params
 from .weights.fp8 import stored_fp8
 from .weights.initialization import initialize_params
 from .weights.peft import is_lora_path, lora_spec, read_adapters, stacked_adapters
+
+_LOG = logging.getLogger(__name__)
 
 
 def mesh_platform(mesh: Mesh | None) -> str:
@@ -115,13 +118,13 @@ def load_model(
     if adapters:
         peft = read_adapters(adapters, config)
         options = options.replace(lora=lora_spec(peft))
+    topology = bj.Topology.from_mesh(mesh, moe_ep=moe_ep)
     fp8 = options.quantization is None and stored_fp8(checkpoint_dir)
     if fp8 and family_of(config).quantizable:
-        options = options.replace(quantization=Fp8Quantization.for_platform(platform))
-    topology = bj.Topology.from_mesh(mesh, moe_ep=moe_ep)
-    graphdef, lora_state, abstract_state = nnx.split(
-        abstract_model(config, topology, options), is_lora_path, ...
-    )
+        model, options = _stored_fp8_model(config, topology, options, platform, checkpoint_dir)
+    else:
+        model = abstract_model(config, topology, options)
+    graphdef, lora_state, abstract_state = nnx.split(model, is_lora_path, ...)
     params = load_params(
         checkpoint_dir,
         abstract_state,
@@ -140,3 +143,35 @@ def load_model(
         peft, lora_state, mesh, np.dtype(options.dtype), layers=range(config.num_layers)
     )
     return nnx.merge(graphdef, stacks, params)
+
+
+def _stored_fp8_model(
+    config: DecoderConfig,
+    topology: bj.Topology,
+    options: BuildOptions,
+    platform: str,
+    checkpoint_dir: str | Path,
+) -> tuple[CausalLM, BuildOptions]:
+    """The abstract model of a fine-grained FP8 checkpoint and the options that built it: with
+    FP8 projections where the family builds them at the checkpoint's sizes; otherwise (shared
+    experts, a residual design or projection FP8 layers do not take, widths that are no multiple
+    of 128) without, its weights then dequantized on load, with a warning. A mesh that splits
+    the FP8 blocks stays refused, as for `--quantize fp8`: fewer ranks fix it."""
+    quantized = options.replace(quantization=Fp8Quantization.for_platform(platform))
+    try:
+        return abstract_model(config, topology, quantized), quantized
+    except (NotImplementedError, ValueError) as error:
+        try:
+            abstract_model(config, bj.Topology(), quantized)
+        except (NotImplementedError, ValueError):
+            reason = str(error)
+        else:
+            raise
+    model = abstract_model(config, topology, options)
+    _LOG.warning(
+        "%s: its FP8 weights load dequantized to %s (%s)",
+        checkpoint_dir,
+        np.dtype(options.dtype).name,
+        reason,
+    )
+    return model, options

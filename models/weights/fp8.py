@@ -41,6 +41,8 @@ BLOCK = 128
 FP8_DTYPE = np.dtype(ml_dtypes.float8_e4m3fn)
 STORED_FP8 = {"F8_E4M3": FP8_DTYPE}
 """Safetensors dtype codes of FP8 tensors, which the safetensors numpy reader cannot slice."""
+OTHER_FP8 = ("F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "F8_E8M0")
+"""Safetensors codes of 8-bit float formats no checkpoint here stores its weights in."""
 
 FP8_CONFIG = {
     "quant_method": "fp8",
@@ -264,6 +266,17 @@ class Fp8Dequantized:
         """`stored` without the scales (each read with its weight)."""
         hidden = set(self.scales.values())
         return [name for name in stored if name not in hidden]
+
+    def check(self, name: str, shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> None:
+        """Raises a ValueError unless weight `name` is [out, in] and its scales hold one value
+        per 128 x 128 block of it (the last blocks of a row or column may be partial)."""
+        want = tuple(-(-size // BLOCK) for size in shape)
+        if len(shape) != 2 or tuple(scale_shape) != want:
+            raise ValueError(
+                f"FP8 weight {name} is {tuple(shape)}, so its {self.scales[name]} must be {want} "
+                f"(one scale per {BLOCK} x {BLOCK} block, as the quantization_config's "
+                f"weight_block_size says); the checkpoint has {tuple(scale_shape)}"
+            )
 
     def read(
         self,

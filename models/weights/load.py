@@ -46,6 +46,7 @@ from ..config.tensors import IGNORED_SUFFIXES, HFTensor
 from ..layers.fp8_linear import Fp8Quantization
 from .fp8 import (
     FP8_DTYPE,
+    OTHER_FP8,
     STORED_FP8,
     Fp8Dequantized,
     Fp8Source,
@@ -473,6 +474,7 @@ class _Checkpoint(contextlib.AbstractContextManager):
         self._handles: dict[str, object] = {}
         self._mxfp4 = Mxfp4Tensors({})
         self._fp8 = Fp8Dequantized({})
+        self._dequantize_fp8 = dequantize_fp8
         index = directory / INDEX_FILE
         if (directory / SINGLE_FILE).is_file():  # beside an index, it wins (as in transformers)
             self._file_of = {name: SINGLE_FILE for name in self._open(SINGLE_FILE).keys()}  # noqa: SIM118
@@ -512,8 +514,21 @@ class _Checkpoint(contextlib.AbstractContextManager):
             raise ValueError(
                 f"checkpoint {self._directory} has no tensor {name!r}, needed for parameter {path}"
             )
-        stored = self._stored[name]
-        return tuple(self._open(self._file_of[name]).get_slice(stored).get_shape())
+        tensor = self._open(self._file_of[name]).get_slice(self._stored[name])
+        shape = tuple(tensor.get_shape())
+        if tensor.get_dtype() in OTHER_FP8:
+            raise ValueError(
+                f"checkpoint {self._directory} stores {name} as {tensor.get_dtype()}; FP8 "
+                "weights load from float8_e4m3fn (F8_E4M3) tensors only"
+            )
+        if name in self._fp8.scales:
+            self._fp8.check(name, shape, self.shape(self._fp8.scales[name], path))
+        elif self._dequantize_fp8 and tensor.get_dtype() in STORED_FP8:
+            raise ValueError(
+                f"checkpoint {self._directory} stores {name} in FP8 without its "
+                f"{name.removesuffix('.weight')}.weight_scale_inv"
+            )
+        return shape
 
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         if name in self._mxfp4.pairs:

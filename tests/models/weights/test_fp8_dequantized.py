@@ -5,12 +5,13 @@ projections written as FP8 (partial blocks: its widths are under 128) load as th
 their dequantized values, logit for logit, on attention DP 2 x TP 2 with EP 4 all-to-all."""
 
 import json
+import logging
 import pathlib
-import shutil
 
 import ml_dtypes
 import numpy as np
-from safetensors.numpy import load_file, save_file
+import pytest
+from safetensors.numpy import load_file
 
 import boundary_jax as bj
 from models.build import load_model
@@ -48,29 +49,39 @@ def quantized(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return values, scales, dequantized
 
 
-def test_fp8_checkpoint_of_a_family_without_fp8_loads_dequantized(tmp_path):
-    tensors = load_file(GOLDEN / "model.safetensors")
+def fp8_and_plain(golden_dir: pathlib.Path) -> tuple[dict, dict]:
+    """A golden checkpoint's 2-D projections quantized (FP8 values and their scales), and the
+    same checkpoint with those projections' dequantized values."""
     fp8, plain = {}, {}
-    for name, value in tensors.items():
+    for name, value in load_file(golden_dir / "model.safetensors").items():
         if name.endswith("proj.weight") and value.ndim == 2:
             values, scales, dequantized = quantized(value)
             fp8[name], fp8[name.removesuffix(".weight") + ".weight_scale_inv"] = values, scales
             plain[name] = dequantized
         else:
             fp8[name] = plain[name] = value
+    return fp8, plain
+
+
+def write(folder: pathlib.Path, golden_dir: pathlib.Path, weights: dict, fp8: bool) -> pathlib.Path:
+    """`weights` as a checkpoint with the golden's config (an FP8 `quantization_config` where
+    `fp8`)."""
+    folder.mkdir()
+    config = json.loads((golden_dir / "config.json").read_text())
+    if fp8:
+        config["quantization_config"] = FP8_CONFIG
+    (folder / "config.json").write_text(json.dumps(config))
+    write_safetensors(weights, folder / "model.safetensors")
+    return folder
+
+
+def test_fp8_checkpoint_of_a_family_without_fp8_loads_dequantized(tmp_path):
+    fp8, plain = fp8_and_plain(GOLDEN)
     assert sum(name.endswith("_scale_inv") for name in fp8) > 20
-    folders = {}
-    for kind, weights in (("fp8", fp8), ("plain", plain)):
-        folders[kind] = tmp_path / kind
-        folders[kind].mkdir()
-        shutil.copy(GOLDEN / "prompts.json", folders[kind])
-        config = json.loads((GOLDEN / "config.json").read_text())
-        if kind == "fp8":
-            config["quantization_config"] = FP8_CONFIG
-            write_safetensors(weights, folders[kind] / "model.safetensors")
-        else:
-            save_file(weights, folders[kind] / "model.safetensors")
-        (folders[kind] / "config.json").write_text(json.dumps(config))
+    folders = {
+        "fp8": write(tmp_path / "fp8", GOLDEN, fp8, fp8=True),
+        "plain": write(tmp_path / "plain", GOLDEN, plain, fp8=False),
+    }
     prompts, reference = golden("deepseek_v3")
     mesh = bj.make_mesh(bj.Topology(attn_dp=2, attn_tp=2, moe_ep=4))
     options = BuildOptions(moe_dispatch=bj.MoeDispatch.ALL_TO_ALL)
@@ -82,6 +93,57 @@ def test_fp8_checkpoint_of_a_family_without_fp8_loads_dequantized(tmp_path):
     assert np.max(np.abs(logits["fp8"] - logits["plain"])) <= 1e-6 * scale
     # FP8's rounding moves the logits off the unquantized golden's: the values were read.
     assert np.max(np.abs(logits["fp8"] - reference["logits"])) > 1e-2 * scale
+
+
+def test_fp8_checkpoint_whose_widths_fp8_layers_do_not_take_loads_dequantized(tmp_path, caplog):
+    """Qwen3 builds FP8 projections, but not at the golden's widths (no multiple of 128): its FP8
+    checkpoint loads dequantized, with a warning saying why, as the dequantized checkpoint."""
+    qwen3 = GOLDEN.parent / "qwen3"
+    fp8, plain = fp8_and_plain(qwen3)
+    mesh = bj.make_mesh(bj.Topology(attn_tp=2))
+    prompts, reference = golden("qwen3")
+    with caplog.at_level(logging.WARNING, logger="models.build"):
+        model = load_model(write(tmp_path / "fp8", qwen3, fp8, fp8=True), mesh)
+    assert "FP8 weights load dequantized to float32" in caplog.text
+    assert "multiples of 128" in caplog.text
+    got = ShardedCausalLM(model, mesh).forward(prompts)
+    plain_model = load_model(write(tmp_path / "plain", qwen3, plain, fp8=False), mesh)
+    want = ShardedCausalLM(plain_model, mesh).forward(prompts)
+    scale = np.max(np.abs(reference["logits"]))
+    assert np.max(np.abs(got - want)) <= 1e-6 * scale
+    assert np.max(np.abs(got - reference["logits"])) > 1e-3 * scale
+
+
+def _retyped(path: pathlib.Path, name: str, code: str) -> None:
+    """Rewrites the safetensors dtype code of tensor `name` in file `path` (a code of the same
+    length and element size)."""
+    data = path.read_bytes()
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + size])
+    header[name]["dtype"] = code
+    encoded = json.dumps(header, separators=(",", ":")).encode().ljust(size)
+    assert len(encoded) == size
+    path.write_bytes(data[:8] + encoded + data[8 + size :])
+
+
+def test_a_malformed_fp8_checkpoint_is_refused_naming_the_tensor(tmp_path):
+    """Where the weights are dequantized on load: scales on another grid than 128 x 128 blocks,
+    an FP8 weight without its scales, and an FP8 format other than e4m3 are refused before any
+    value is read (transformers' dequantization reads the first two as weights)."""
+    fp8, _ = fp8_and_plain(GOLDEN)
+    mesh = bj.make_mesh(bj.Topology())
+    expert = "model.layers.1.mlp.experts.2.up_proj"
+    grid = dict(fp8)
+    grid[expert + ".weight_scale_inv"] = np.ones((2, 2), np.float32)
+    with pytest.raises(ValueError, match=rf"{expert}.weight_scale_inv must be \(1, 1\)"):
+        load_model(write(tmp_path / "grid", GOLDEN, grid, fp8=True), mesh)
+    missing = {k: v for k, v in fp8.items() if k != expert + ".weight_scale_inv"}
+    with pytest.raises(ValueError, match=f"stores {expert}.weight in FP8 without its"):
+        load_model(write(tmp_path / "missing", GOLDEN, missing, fp8=True), mesh)
+    folder = write(tmp_path / "e5m2", GOLDEN, fp8, fp8=True)
+    _retyped(folder / "model.safetensors", expert + ".weight", "F8_E5M2")
+    with pytest.raises(ValueError, match=f"stores {expert}.weight as F8_E5M2"):
+        load_model(folder, mesh)
 
 
 def test_a_block_of_a_weight_dequantizes_with_the_scales_covering_it():
