@@ -86,14 +86,17 @@ def add_serve_args(command: argparse.ArgumentParser) -> None:
 def pages_per_rank(args: argparse.Namespace, model: ShardedCausalLM, slots: int) -> int:
     """The pages `--kv-cache-gb` buys each attention-DP rank (every paged layer's pool on a
     device takes `page_size` tokens a page; a layer with a recurrent state keeps no pages), at
-    most what `slots` sequences of the whole context use.
+    most what `slots` sequences of the whole context use (that many where no layer keeps
+    pages: they cost nothing).
 
     Raises:
       InputError: Not one page fits.
     """
     per_token = model.model.cache_bytes_per_token(model.dtype) * model.model.token_cache_layers()
-    pages = int(args.kv_cache_gb * GIB) // (per_token * args.page_size)
     per_sequence = -(-model.config.max_position_embeddings // args.page_size)
+    if per_token == 0:
+        return slots * per_sequence
+    pages = int(args.kv_cache_gb * GIB) // (per_token * args.page_size)
     if pages < 1:
         raise InputError(
             f"--kv-cache-gb {args.kv_cache_gb} holds no page of {args.page_size} tokens "
@@ -170,7 +173,9 @@ def serve(args: argparse.Namespace) -> None:
             slots_per_rank=slots,
             max_rows=args.max_tokens_per_step,
         )
-    out.log(f"KV cache: {paged.cache_bytes() / GIB:.3f} GiB over all devices")
+    page_bytes, state_bytes = paged.cache_bytes()
+    states = f", recurrent states {state_bytes / GIB:.3f} GiB" if state_bytes else ""
+    out.log(f"KV cache: pages {page_bytes / GIB:.3f} GiB{states}, over all devices")
     out.log(
         f"sampling state (token histories, logit biases): {paged.slot_bytes() / GIB:.3f} GiB "
         "on each device, beside the KV cache"

@@ -314,9 +314,18 @@ class PagedRunner:
         self._history = (self._per_slot(jnp.int32), self._per_slot(bool))
         self._written = (self._per_slot(jnp.float32), self._per_slot(bool))
 
-    def cache_bytes(self) -> int:
-        """Bytes of the page pools over all devices."""
-        return sum(x.nbytes for pool in self._pools for x in pool)
+    def cache_bytes(self) -> tuple[int, int]:
+        """Bytes of the page pools and of the recurrent states, summed over the devices: each
+        device's shard counts, so a pool every attention-TP rank keeps whole (a latent cache)
+        counts once per rank."""
+        held = [0, 0]
+        for spec, pool in zip(self._specs, self._pools, strict=True):
+            for x in pool:
+                shard = np.prod(x.sharding.shard_shape(x.shape), dtype=np.int64)
+                held[isinstance(spec, SLOT_STATES)] += (
+                    int(shard) * x.dtype.itemsize * len(x.sharding.device_set)
+                )
+        return held[0], held[1]
 
     def slot_bytes(self) -> int:
         """Bytes of the per-slot sampling state on each device: the token histories, logit

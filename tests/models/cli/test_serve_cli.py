@@ -5,6 +5,7 @@ as the served model, an address it cannot listen on (checked before the model is
 cache budget buys pages for the layers that keep them."""
 
 import argparse
+import dataclasses
 import socket
 
 import pytest
@@ -14,6 +15,8 @@ from models.build import build_model
 from models.cli.main import main
 from models.cli.serve import pages_per_rank
 from models.config import PRESETS
+from models.config.hybrid import HybridLayer
+from models.serving.paged import PagedRunner
 from models.serving.runtime import ShardedCausalLM
 
 CASES = [
@@ -71,3 +74,33 @@ def test_the_cache_budget_buys_pages_for_the_paged_layers_only(preset):
     page_bytes = runner.model.cache_bytes_per_token(runner.dtype) * paged * 16
     args = argparse.Namespace(kv_cache_gb=1000 * page_bytes / 2**30, page_size=16)
     assert pages_per_rank(args, runner, slots=10**6) == 1000
+
+
+def test_a_model_without_paged_layers_takes_the_pages_of_its_slots():
+    """Nemotron-H's layers without its attention layer keep no pages: they cost nothing, so
+    every slot gets its whole context's."""
+    config = PRESETS["tiny-nemotron-h"]
+    kinds = tuple(kind for kind in config.hybrid.layers if kind is not HybridLayer.ATTENTION)
+    config = dataclasses.replace(
+        config, num_layers=len(kinds), hybrid=dataclasses.replace(config.hybrid, layers=kinds)
+    )
+    runner = ShardedCausalLM(build_model(config, bj.Topology()), bj.make_mesh(bj.Topology()))
+    assert runner.model.token_cache_layers() == 0
+    args = argparse.Namespace(kv_cache_gb=1e-9, page_size=16)
+    per_sequence = -(-config.max_position_embeddings // 16)
+    assert pages_per_rank(args, runner, slots=3) == 3 * per_sequence
+
+
+@pytest.mark.parametrize("preset", ["tiny-deepseek-v3", "tiny-qwen3-next"])
+def test_the_logged_cache_counts_each_devices_pages_and_states(preset):
+    """The server's cache line sums every device's pages (a latent pool is whole on each
+    attention-TP rank; each DP rank has its own pages) and the recurrent states apart."""
+    topology = bj.Topology(attn_dp=2, attn_tp=2)
+    mesh = bj.make_mesh(topology)
+    runner = ShardedCausalLM(build_model(PRESETS[preset], topology, mesh=mesh), mesh)
+    paged = PagedRunner(runner, page_size=4, pages_per_rank=8, slots_per_rank=3, max_rows=8)
+    model = runner.model
+    pages = model.cache_bytes_per_token(runner.dtype) * model.token_cache_layers() * 4 * 8
+    states = model.state_bytes_per_slot(runner.dtype) * paged.slots_per_rank
+    assert pages > 0 and (states > 0) == (preset == "tiny-qwen3-next")
+    assert paged.cache_bytes() == (4 * pages, 4 * states)
