@@ -183,7 +183,7 @@ class Scheduler:
                 f"{request.max_tokens}: {total} positions, past the model's context of "
                 f"{self.max_context}"
             )
-        pages = -(-total // self.page_size)
+        pages = -(-(total - 1) // self.page_size)  # the last token drawn is never run
         if pages > self.pools[0].pages:
             raise RequestRefused(
                 f"the prompt and max_tokens need {pages} cache pages of {self.page_size} "

@@ -115,6 +115,20 @@ def test_refuses_what_cannot_fit_even_alone():
     assert scheduler.idle
 
 
+def test_a_request_whose_run_positions_fill_the_pool_runs_alone():
+    """The last token drawn is never run, so prompt + max_tokens - 1 positions are cached: 13
+    + 4 tokens in 4 pages of 4 run to the end without preemption; one token more is refused."""
+    scheduler = _scheduler(pages_per_rank=4, max_rows=16)
+    request = Request("a", list(range(13)), 4)
+    scheduler.add(request)
+    while not scheduler.idle:
+        scheduler.update(scheduler.schedule(), _output(scheduler))
+    assert request.finish is Finish.LENGTH and len(request.output) == 4
+    assert scheduler.preemptions == 0 and scheduler.used_pages == 0
+    with pytest.raises(RequestRefused, match="need 5 cache pages"):
+        scheduler.add(Request("b", list(range(13)), 5))
+
+
 def test_full_cache_preempts_the_newest_which_recomputes():
     """Two requests that outgrow the pool: the newer one is preempted (its pages returned) and
     readmitted later to recompute its prompt and tokens; both finish."""
