@@ -105,6 +105,18 @@ def pages_per_rank(args: argparse.Namespace, model: ShardedCausalLM, slots: int)
     return min(pages, slots * per_sequence)
 
 
+def short_pool_note(pages: int, page_size: int, context: int) -> str | None:
+    """A note where a rank's pages hold fewer tokens than the model's context: a request
+    without `max_tokens` (which asks for the rest of the context) is then always refused."""
+    if pages * page_size >= context - 1:
+        return None
+    return (
+        f"note: the cache holds {pages * page_size} tokens per DP rank, less than the context "
+        f"of {context}: requests must set max_tokens (without it a request asks for the rest "
+        "of the context and is refused); a larger --kv-cache-gb lifts this"
+    )
+
+
 def check_listening(host: str, port: int) -> None:
     """Refuses an address this process cannot listen on (a port in use, a host not its own)
     before the model is built.
@@ -180,6 +192,9 @@ def serve(args: argparse.Namespace) -> None:
         f"sampling state (token histories, logit biases): {paged.slot_bytes() / GIB:.3f} GiB "
         "on each device, beside the KV cache"
     )
+    short = short_pool_note(pages, args.page_size, model.config.max_position_embeddings)
+    if short is not None:
+        out.log(short)
     if model.options.scan_layers:
         out.log(
             "note: with --scan-layers each step copies every scanned layer's weight slices "

@@ -13,7 +13,7 @@ import pytest
 import boundary_jax as bj
 from models.build import build_model
 from models.cli.main import main
-from models.cli.serve import pages_per_rank
+from models.cli.serve import pages_per_rank, short_pool_note
 from models.config import PRESETS
 from models.config.hybrid import HybridLayer
 from models.serving.paged import PagedRunner
@@ -104,3 +104,12 @@ def test_the_logged_cache_counts_each_devices_pages_and_states(preset):
     states = model.state_bytes_per_slot(runner.dtype) * paged.slots_per_rank
     assert pages > 0 and (states > 0) == (preset == "tiny-qwen3-next")
     assert paged.cache_bytes() == (4 * pages, 4 * states)
+
+
+def test_a_pool_shorter_than_the_context_is_noted():
+    """Pages for fewer positions than a default request runs (the context less its last
+    token) are noted; a pool that holds them is not."""
+    note = short_pool_note(pages=4, page_size=16, context=128)
+    assert note is not None and "holds 64 tokens" in note and "max_tokens" in note
+    assert short_pool_note(pages=8, page_size=16, context=129) is None
+    assert short_pool_note(pages=7, page_size=16, context=129) is not None
