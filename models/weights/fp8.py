@@ -41,7 +41,7 @@ BLOCK = 128
 FP8_DTYPE = np.dtype(ml_dtypes.float8_e4m3fn)
 STORED_FP8 = {"F8_E4M3": FP8_DTYPE}
 """Safetensors dtype codes of FP8 tensors, which the safetensors numpy reader cannot slice."""
-OTHER_FP8 = ("F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "F8_E8M0")
+OTHER_FP8 = ("F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ")
 """Safetensors codes of 8-bit float formats no checkpoint here stores its weights in."""
 
 FP8_CONFIG = {
