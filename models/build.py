@@ -169,7 +169,8 @@ def _stored_fp8_model(
             raise
     model = abstract_model(config, topology, options)
     _LOG.warning(
-        "%s: its FP8 weights load dequantized to %s (%s)",
+        "%s: its FP8 weights load dequantized to %s: no mesh builds FP8 layers for it, even "
+        "one device (%s)",
         checkpoint_dir,
         np.dtype(options.dtype).name,
         reason,
