@@ -2,9 +2,7 @@
 
 import gc
 import os
-import shutil
 import sys
-import tempfile
 
 import pytest
 
@@ -25,24 +23,6 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_rank_promotion", "raise")
-
-
-def compilation_cache_dir(run: str) -> str:
-    """Where the xdist workers of test run `run` share their compiled programs."""
-    return os.path.join(tempfile.gettempdir(), "boundary-jax-tests", run)
-
-
-if os.environ.get("PYTEST_XDIST_TESTRUNUID"):
-    # The workers of one run share their compilations: a program one worker compiled, another
-    # loads instead of compiling it again (about a sixth of the suite's time on 2 cores).
-    jax.config.update(
-        "jax_compilation_cache_dir", compilation_cache_dir(os.environ["PYTEST_XDIST_TESTRUNUID"])
-    )
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    # Tests read layers and source lines from compiled HLO: an executable compiled for another
-    # program of the same structure would carry that program's names.
-    jax.config.update("jax_compilation_cache_include_metadata_in_key", True)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -103,18 +83,3 @@ def pytest_terminal_summary(terminalreporter):
     )
     if cuts:
         terminalreporter.write_line(f"pipeline cuts checked at binding level: {cuts:,}")
-
-
-_RUNS: set[str] = set()
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_configure_node(node):
-    """(xdist's controller) Remembers the run whose workers share a compilation cache."""
-    _RUNS.add(node.workerinput["testrunuid"])
-
-
-def pytest_sessionfinish(session):
-    """(xdist's controller) Removes the run's compilation cache."""
-    for run in _RUNS:
-        shutil.rmtree(compilation_cache_dir(run), ignore_errors=True)

@@ -2,6 +2,9 @@
 `docs/` page names in an inline code span is in the repository, read with `ast`."""
 
 import ast
+import dataclasses
+import functools
+import os
 import pathlib
 import re
 import subprocess
@@ -27,9 +30,24 @@ DOTTED = re.compile(r"\b(?:[A-Za-z_]\w*\.)+[A-Za-z_]\w*")
 CALL = re.compile(r"^([a-z_]\w*)\(")
 
 
-def _index():
-    """Per module basename its top-level names; per class name its members; every function
-    and method name; every module's dotted name."""
+@dataclasses.dataclass(frozen=True)
+class Index:
+    """What the code defines, and every file and folder name in the repository (`index`)."""
+
+    modules: dict[str, set[str]]
+    classes: dict[str, set[str]]
+    bases: dict[str, set[str]]
+    functions: set[str]
+    dotted_modules: set[str]
+    names: set[str]
+    file_names: set[str]
+
+
+@functools.cache
+def index() -> Index:
+    """The repository's names, read once per worker that runs a docs test (not at collection):
+    per module basename its top-level names; per class name its members and bases; every
+    function and method name; every module's dotted name; every file and folder name."""
     modules: dict[str, set[str]] = {}
     classes: dict[str, set[str]] = {}
     bases: dict[str, set[str]] = {}
@@ -67,7 +85,13 @@ def _index():
                             and item.value.id in ("self", "cls")
                         ):
                             members.add(item.attr)
-    return modules, classes, bases, functions, dotted
+    names = set(functions) | set(classes) | {name for found in modules.values() for name in found}
+    file_names = set()
+    for _, subdirectories, files in os.walk(ROOT):
+        # Hidden folders (.venv, .git) hold no file a page names; .ci does.
+        subdirectories[:] = [d for d in subdirectories if d == ".ci" or not d.startswith(".")]
+        file_names |= set(files) | set(subdirectories)
+    return Index(modules, classes, bases, functions, dotted, names, file_names)
 
 
 def _bound(node: ast.stmt) -> set[str]:
@@ -90,14 +114,12 @@ def _bound(node: ast.stmt) -> set[str]:
     return set()
 
 
-MODULES, CLASSES, BASES, FUNCTIONS, DOTTED_MODULES = _index()
-
-
 def _members(cls: str, seen=()) -> set[str]:
     """A class's members, its project bases' included."""
-    members = set(CLASSES.get(cls, ()))
-    for base in BASES.get(cls, ()):
-        if base in CLASSES and base not in seen:
+    classes = index().classes
+    members = set(classes.get(cls, ()))
+    for base in index().bases.get(cls, ()):
+        if base in classes and base not in seen:
             members |= _members(base, (*seen, cls))
     return members
 
@@ -107,11 +129,6 @@ def _spans(doc: pathlib.Path):
     for line_number, line in enumerate(text.splitlines(), 1):
         for span in SPAN.findall(line):
             yield line_number, span
-
-
-FILE_NAMES = {
-    path.name for path in ROOT.rglob("*") if ".venv" not in path.parts and ".git" not in path.parts
-}
 
 
 def _problem(span: str) -> str | None:
@@ -125,7 +142,7 @@ def _problem(span: str) -> str | None:
             return None if any((home / span).exists() for home in homes) else f"no file {span}"
         return None
     if re.fullmatch(r"[\w.\-]+", span) and span.endswith(FILE_SUFFIXES + DATA_SUFFIXES):
-        if span.endswith(DATA_SUFFIXES) or span in FILE_NAMES:
+        if span.endswith(DATA_SUFFIXES) or span in index().file_names:
             return None
         return f"no file named {span}"
     for match in DOTTED.finditer(span):
@@ -135,7 +152,7 @@ def _problem(span: str) -> str | None:
         if problem:
             return problem
     call = CALL.match(span)
-    if call and "_" in call.group(1) and call.group(1) not in FUNCTIONS | _builtins():
+    if call and "_" in call.group(1) and call.group(1) not in index().functions | _builtins():
         return f"no function {call.group(1)}"
     return None
 
@@ -149,13 +166,13 @@ def _dotted_problem(name: str) -> str | None:
     if parts[0] in PACKAGES:
         for cut in range(len(parts), 0, -1):
             module = ".".join(parts[:cut])
-            if module in DOTTED_MODULES:
+            if module in index().dotted_modules:
                 return _attribute_problem(parts[cut - 1], parts[cut:], name)
         return f"no module {name}"
     head, rest = parts[0], parts[1:]
     if any(part.isdigit() for part in parts) or head in INSTANCE_WORDS:
         return None
-    if head in CLASSES or head in MODULES:
+    if head in index().classes or head in index().modules:
         return _attribute_problem(head, rest, name)
     return None
 
@@ -166,14 +183,13 @@ def _attribute_problem(owner: str, rest: list[str], name: str) -> str | None:
     if not rest:
         return None
     attribute = rest[0]
-    if attribute in MODULES.get(owner, set()) | _members(owner):
+    if attribute in index().modules.get(owner, set()) | _members(owner):
         return None
-    if attribute in CLASSES or attribute in MODULES:  # a name re-exported through a package
+    if (
+        attribute in index().classes or attribute in index().modules
+    ):  # a name re-exported through a package
         return None
     return f"{name}: {owner} has no {attribute}"
-
-
-NAMES = set(FUNCTIONS) | set(CLASSES) | {name for names in MODULES.values() for name in names}
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda path: str(path.relative_to(ROOT)))
@@ -181,7 +197,7 @@ def test_docs_hold_no_placeholder(doc):
     """No page holds a placeholder for a number still to be measured (an ALL_CAPS token that
     names nothing in the code)."""
     text = SPAN.sub("", FENCE.sub("", doc.read_text()))
-    placeholders = sorted(set(PLACEHOLDER.findall(text)) - NAMES)
+    placeholders = sorted(set(PLACEHOLDER.findall(text)) - index().names)
     assert not placeholders, placeholders
 
 
