@@ -48,17 +48,16 @@ LAYOUTS = (
     MoeLayout(8, 1, ep=8, dispatch=ALL_TO_ALL),
     MoeLayout(1, 4, ep=4, dispatch=ALL_TO_ALL, scattered=True),
 )
-# Every case below runs under -m slow. By default each golden checkpoint runs, on layouts that
+# Every case below runs under -m slow. By default each architecture runs once, on layouts that
 # together cover each kind: Qwen3-MoE on attention DP 8 with the largest EP (all-to-all),
-# Qwen2-MoE's shared expert on input-scattered rows sent all-to-all over TP 4, Mixtral's sliding
-# windows on DP 2 x TP 2, plain Mixtral on one device. EP with gathered rows, TP without EP, each
-# expert's width split over attention TP and the deferred layouts run layer by layer below
-# (float64 reference and compiled collectives) and in the shared-expert model test.
+# Qwen2-MoE's shared expert on input-scattered rows sent all-to-all over TP 4, Mixtral (with
+# sliding windows) on DP 2 x TP 2. EP with gathered rows, TP without EP, each expert's width
+# split over attention TP and the deferred layouts run layer by layer below (float64 reference
+# and compiled collectives) and in the shared-expert model test.
 DEFAULT_CASES = {
     ("qwen3_moe", MoeLayout(8, 1, ep=8, dispatch=ALL_TO_ALL)),
     ("qwen2_moe", MoeLayout(1, 4, ep=4, dispatch=ALL_TO_ALL, scattered=True)),
     ("mixtral_sliding", MoeLayout(2, 2, ep=4, dispatch=ALL_TO_ALL)),
-    ("mixtral", MoeLayout(1, 1)),
 }
 GOLDEN_CASES = (
     [(name, layout) for name in ("qwen3_moe", "mixtral", "qwen2_moe") for layout in LAYOUTS]
