@@ -96,22 +96,38 @@ def test_fp8_checkpoint_of_a_family_without_fp8_loads_dequantized(tmp_path):
 
 
 def test_fp8_checkpoint_whose_widths_fp8_layers_do_not_take_loads_dequantized(tmp_path, caplog):
-    """Qwen3 builds FP8 projections, but not at the golden's widths (no multiple of 128): its FP8
-    checkpoint loads dequantized, with a warning saying why, as the dequantized checkpoint."""
+    """Qwen3 builds FP8 projections, but not at the golden's widths (no multiple of 128), nor
+    with LoRA adapters: its FP8 checkpoint loads dequantized, with a warning saying why, as the
+    dequantized checkpoint, and with an adapter as that checkpoint with the adapter."""
     qwen3 = GOLDEN.parent / "qwen3"
     fp8, plain = fp8_and_plain(qwen3)
+    folders = {
+        "fp8": write(tmp_path / "fp8", qwen3, fp8, fp8=True),
+        "plain": write(tmp_path / "plain", qwen3, plain, fp8=False),
+    }
     mesh = bj.make_mesh(bj.Topology(attn_tp=2))
     prompts, reference = golden("qwen3")
     with caplog.at_level(logging.WARNING, logger="models.build"):
-        model = load_model(write(tmp_path / "fp8", qwen3, fp8, fp8=True), mesh)
+        model = load_model(folders["fp8"], mesh)
     assert "FP8 weights load dequantized to float32" in caplog.text
     assert "multiples of 128" in caplog.text
     got = ShardedCausalLM(model, mesh).forward(prompts)
-    plain_model = load_model(write(tmp_path / "plain", qwen3, plain, fp8=False), mesh)
-    want = ShardedCausalLM(plain_model, mesh).forward(prompts)
+    want = ShardedCausalLM(load_model(folders["plain"], mesh), mesh).forward(prompts)
     scale = np.max(np.abs(reference["logits"]))
     assert np.max(np.abs(got - want)) <= 1e-6 * scale
     assert np.max(np.abs(got - reference["logits"])) > 1e-3 * scale
+
+    adapters = {"a1": GOLDEN.parent / "lora" / "qwen3" / "a1"}
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="models.build"):
+        model = load_model(folders["fp8"], mesh, adapters=adapters)
+    assert "LoRA adapters are not built with quantization" in caplog.text
+    names = ["a1"] * len(prompts)
+    adapted = ShardedCausalLM(model, mesh).forward(prompts, adapters=names)
+    plain_model = load_model(folders["plain"], mesh, adapters=adapters)
+    want = ShardedCausalLM(plain_model, mesh).forward(prompts, adapters=names)
+    assert np.max(np.abs(adapted - want)) <= 1e-6 * scale
+    assert np.max(np.abs(adapted - got)) > 1e-2 * scale
 
 
 def _retyped(path: pathlib.Path, name: str, code: str) -> None:
