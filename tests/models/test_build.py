@@ -96,7 +96,8 @@ def test_draws_past_the_batch_bytes_come_in_smaller_batches_with_the_same_values
     batch after another, so the initializer's temporaries stay within about one batch (they
     held every layer's expert units at once: more than an 80 GB GPU gives JAX for GPT-OSS-20B);
     the values are those of one batch per unit."""
-    config = PRESETS["tiny-gpt-oss"]
+    gpt_oss = PRESETS["tiny-gpt-oss"]
+    config = dataclasses.replace(gpt_oss, num_layers=2, layer_types=gpt_oss.layer_types[:2])
     topology = bj.Topology(attn_tp=2)
     mesh = bj.make_mesh(topology)
     model = nnx.eval_shape(lambda: build_model(config, topology))
