@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import random
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -23,6 +25,10 @@ MAX_STOPS = 8
 """The most stop strings one request may give."""
 DEFAULT_COMPLETION_TOKENS = 16
 """`max_tokens` of a completion that names none (OpenAI's default)."""
+MAX_INTEGER = 2**31 - 1
+"""The largest integer field a request may send: the device holds them as int32."""
+TOKEN_ID = re.compile(r"[0-9]+")
+"""A `logit_bias` key: a token id in ASCII digits (`int` also reads other scripts' digits)."""
 
 
 class ApiError(Exception):
@@ -111,16 +117,20 @@ def _field(body: Mapping[str, Any], name: str, kinds: tuple[type, ...], default:
 
 
 def _number(body: Mapping[str, Any], name: str, default: float, low: float, high: float) -> float:
-    value = float(_field(body, name, (int, float), default))
+    value = _field(body, name, (int, float), default)
+    if isinstance(value, int) and not low <= value <= high:
+        value = math.inf  # an integer past float's range has no float value
+    value = float(value)
     if not low <= value <= high:
-        raise ApiError(f"'{name}' must be in [{low}, {high}]; got {value}", param=name)
+        raise ApiError(f"'{name}' must be in [{low}, {high}]; got {body[name]!r:.30}", param=name)
     return value
 
 
 def _integer(body: Mapping[str, Any], name: str, default: int | None, low: int) -> int | None:
+    """An integer field in [low, `MAX_INTEGER`] (the device holds them as int32)."""
     value = _field(body, name, (int,), default)
-    if value is not None and value < low:
-        raise ApiError(f"'{name}' must be >= {low}; got {value}", param=name)
+    if value is not None and not low <= value <= MAX_INTEGER:
+        raise ApiError(f"'{name}' must be in [{low}, {MAX_INTEGER}]; got {value}", param=name)
     return value
 
 
@@ -197,17 +207,18 @@ def _logit_bias(body: Mapping[str, Any], vocab_size: int) -> tuple[tuple[int, fl
         raise ApiError(
             f"'logit_bias' names at most {MAX_LOGIT_BIAS} tokens; got {len(bias)}", "logit_bias"
         )
-    pairs = []
+    pairs: dict[int, float] = {}
     for key, value in bias.items():
-        token = int(key) if isinstance(key, str) and key.strip().lstrip("-").isdigit() else None
+        token = int(key) if isinstance(key, str) and TOKEN_ID.fullmatch(key) else None
         if token is None or not 0 <= token < vocab_size:
             raise ApiError(
                 f"'logit_bias' keys are token ids in [0, {vocab_size}); got {key!r:.20}",
                 "logit_bias",
             )
-        number = _number({"logit_bias": value}, "logit_bias", 0.0, -100.0, 100.0)
-        pairs.append((token, number))
-    return tuple(sorted(pairs))
+        if token in pairs:
+            raise ApiError(f"'logit_bias' names token {token} twice", "logit_bias")
+        pairs[token] = _number({"logit_bias": value}, "logit_bias", 0.0, -100.0, 100.0)
+    return tuple(sorted(pairs.items()))
 
 
 def _stops(body: Mapping[str, Any], vocab_size: int) -> tuple[tuple[str, ...], frozenset[int]]:
@@ -395,7 +406,7 @@ def parse_request(
         ignore_eos=_field(body, "ignore_eos", (bool,), False),
         logprobs=logprobs,
         stream=_field(body, "stream", (bool,), False),
-        include_usage=bool(stream_options.get("include_usage", False)),
+        include_usage=_field(stream_options, "include_usage", (bool,), False),
     )
 
 

@@ -170,9 +170,9 @@ class Engine:
         if not chunks and pending is None:
             return False
         sampling = self._sampling(chunks)
-        if self.channel is not None:
-            self.channel.send(Kind.STEP, encode(chunks, sampling, self._rows(chunks)))
         try:
+            if self.channel is not None:
+                self.channel.send(Kind.STEP, encode(chunks, sampling, self._rows(chunks)))
             if chunks:
                 self._pending = self.paged.launch(chunks, sampling, pending)
                 if self.channel is not None:

@@ -15,13 +15,18 @@ import boundary_jax as bj
 
 from ..decoder.model import CausalLM
 
+GREEDY_BELOW = 1e-5
+"""Temperatures under this draw greedily, as vLLM's do: dividing logits by them overflows
+float32, and several overflowed logits would tie."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
     """How the next token is drawn; static (part of the compiled step).
 
     Attributes:
-      temperature: 0 for greedy (argmax); else logits are divided by it before drawing.
+      temperature: 0 (or under `GREEDY_BELOW`) for greedy (argmax); else logits are divided by
+        it before drawing.
       top_k: Draw among the k most likely tokens only, and those tied with the k-th (as
         transformers and vLLM; None: all).
       top_p: Draw among the smallest set of most likely tokens whose probability reaches p
@@ -47,7 +52,7 @@ class Sampling:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 GREEDY = Sampling()
@@ -64,7 +69,7 @@ def sample_tokens(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.
     if sampling.top_k is not None and sampling.top_k < logits.shape[-1]:
         kth = lax.top_k(logits, sampling.top_k)[0][:, -1:]
         logits = jnp.where(logits >= kth, logits, -jnp.inf)
-    if sampling.top_p is None:
+    if sampling.top_p is None or sampling.top_p >= 1:
         return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
     order = jnp.argsort(-logits, axis=-1)
     values = jnp.take_along_axis(logits, order, axis=-1)
@@ -224,14 +229,17 @@ def sample_rows(
 ) -> jax.Array:
     """int32 [R] next tokens from float32 [R, vocab] logits, each row drawn as its own
     parameters say (a server's batch mixes requests): greedy (argmax, ties to the lowest id)
-    where `temperature` is 0, else temperature / min-p (0: all) / top-k (0: all; ties with the
-    k-th kept) / top-p (1: all; over the tokens min-p and top-k keep, as vLLM) sampling with
-    the key `fold_in(key(seeds[r]), counters[r])`, so a request's draws depend on its seed and
-    its token index only, never on the batch it shares. Min-p keeps the tokens whose
-    probability (after the temperature) is at least `min_p` times the largest."""
+    where `temperature` is under `GREEDY_BELOW`, else temperature / min-p (0: all) / top-k (0:
+    all; ties with the k-th kept) / top-p (1: all; over the tokens min-p and top-k keep, as
+    vLLM) sampling with the key `fold_in(key(seeds[r]), counters[r])`, so a request's draws
+    depend on its seed and its token index only, never on the batch it shares. Min-p keeps the
+    tokens whose probability (after the temperature) is at least `min_p` times the largest.
+    Logits a penalty made infinite count as float32's largest (the most likely tokens)."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     vocab = logits.shape[-1]
-    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    sampled_rows = temperature >= GREEDY_BELOW
+    scaled = logits / jnp.where(sampled_rows, temperature, 1.0)[:, None]
+    scaled = jnp.minimum(scaled, jnp.finfo(scaled.dtype).max)
     order = jnp.argsort(-scaled, axis=-1)
     values = jnp.take_along_axis(scaled, order, axis=-1)
     kth = jnp.take_along_axis(values, jnp.clip(top_k - 1, 0, vocab - 1)[:, None], axis=-1)
@@ -241,14 +249,14 @@ def sample_rows(
         keep &= jnp.exp(values - values[:, :1]) >= min_p[:, None]
     probs = jax.nn.softmax(jnp.where(keep, values, -jnp.inf), axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs
-    keep &= before < top_p[:, None]
+    keep &= (before < top_p[:, None]) | (top_p[:, None] >= 1)
     values = jnp.where(keep, values, -jnp.inf)
     keys = jax.vmap(lambda seed, count: jax.random.fold_in(jax.random.key(seed), count))(
         seeds, counters
     )
     choice = jax.vmap(jax.random.categorical)(keys, values)
     sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
-    return jnp.where(temperature > 0, sampled, greedy)
+    return jnp.where(sampled_rows, sampled, greedy)
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -160,7 +160,7 @@ class Server:
             raise ApiError("the server is shutting down", status=503, kind="server_error")
         try:
             body = json.loads(await http.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        except ValueError as error:  # JSONDecodeError, UnicodeDecodeError, an integer too long
             raise ApiError(f"the body is not valid JSON: {error}") from None
         spec = parse_request(
             body,
@@ -304,7 +304,8 @@ class Server:
         return {
             "tokens": [e["token"] for e in entries],
             "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [dict(e["top"]) for e in entries],
+            # OpenAI's completions add the sampled token to the top (up to logprobs + 1).
+            "top_logprobs": [{**dict(e["top"]), e["token"]: e["logprob"]} for e in entries],
             "text_offset": offsets,
         }
 

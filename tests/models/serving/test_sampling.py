@@ -172,3 +172,41 @@ def test_hold_stops_masks_held_ids_until_min_tokens():
     )
     assert np.isneginf(got[0, 0]) and np.isneginf(got[1, 2]) and not np.isinf(got[0, 1])
     np.testing.assert_array_equal(got[2], np.zeros(4))
+
+
+def test_overflowing_logits_draw_the_most_likely_token():
+    """A temperature under `GREEDY_BELOW` (dividing by it overflows float32, and the two largest
+    logits tie at inf) draws greedily, as vLLM; a repetition penalty that made a logit infinite
+    draws that token, in both samplers."""
+    logits = jnp.asarray([[49.0, 50.0, 1.0, 0.5]] * 64)
+    rows = logits.shape[0]
+    ones, zeros = jnp.ones(rows), jnp.zeros(rows, jnp.int32)
+    seeds = jnp.arange(rows, dtype=jnp.uint32)
+    no_min_p = jnp.zeros(rows)
+    draw = jax.jit(sample_rows)
+    got = draw(logits, jnp.full(rows, 1e-37), zeros, ones, seeds, zeros, no_min_p)
+    assert set(np.asarray(got).tolist()) == {1}
+    got = sample_tokens(logits, jax.random.key(0), Sampling(1e-37))
+    assert set(np.asarray(got).tolist()) == {1}
+    got = draw(logits.at[:, 1].set(jnp.inf), ones, zeros, ones, seeds, zeros, no_min_p)
+    assert set(np.asarray(got).tolist()) == {1}
+
+
+def test_top_p_one_keeps_every_token(monkeypatch):
+    """top_p 1 keeps the tail whose probability float32's cumulative sum rounds away (a token
+    is kept while the mass before it is under p, and that mass reaches 1.0 early): the draw is
+    replaced by the least likely token still drawable."""
+
+    def least_likely_kept(key, logits, axis=-1):
+        positions = jnp.arange(logits.shape[-1])
+        return jnp.max(jnp.where(jnp.isfinite(logits), positions, -1), axis=axis)
+
+    monkeypatch.setattr(jax.random, "categorical", least_likely_kept)
+    logits = jnp.asarray([[30.0] + [0.0] * 9, [0.0] * 10])
+    rows = logits.shape[0]
+    ones, zeros = jnp.ones(rows), jnp.zeros(rows, jnp.int32)
+    seeds = jnp.arange(rows, dtype=jnp.uint32)
+    got = sample_rows(logits, ones, zeros, ones, seeds, zeros, jnp.zeros(rows))
+    np.testing.assert_array_equal(got, [9, 9])
+    got = sample_tokens(logits[:1], jax.random.key(0), Sampling(1.0, top_p=1.0))
+    np.testing.assert_array_equal(got, [9])

@@ -19,6 +19,7 @@ import pytest
 
 import boundary_jax as bj
 from models.build import load_model
+from models.serving import engine as engine_module
 from models.serving import server as server_module
 from models.serving.api import (
     ChoiceText,
@@ -156,6 +157,14 @@ def test_raw_http_token_ids_logprobs_stream_and_chat(served):
     ]
     assert streamed_offsets == logprobs["text_offset"]
     assert logprobs["text_offset"][-1] == len("".join(logprobs["tokens"][:-1]))
+    # As OpenAI's completions: the sampled token is among the top, logprobs 0 included.
+    only = HTTP.post(f"{served.url}/v1/completions", json=body | {"logprobs": 0}).json()
+    only = only["choices"][0]["logprobs"]
+    assert only["tokens"] == logprobs["tokens"]
+    for token, logprob, top in zip(
+        only["tokens"], only["token_logprobs"], only["top_logprobs"], strict=True
+    ):
+        assert top == {token: logprob}
     messages = [{"role": "user", "content": "a quiet wind"}]
     chat = HTTP.post(
         f"{served.url}/v1/chat/completions",
@@ -336,6 +345,19 @@ BAD = [
     ),
     ({"model": MODEL, "prompt": "a", "logit_bias": {"5": 101}}, "logit_bias"),
     ({"model": MODEL, "prompt": "a", "logit_bias": {"five": 1}}, "logit_bias"),
+    ({"model": MODEL, "prompt": "a", "logit_bias": {"\u00b2": 1}}, "logit_bias"),
+    ({"model": MODEL, "prompt": "a", "logit_bias": {"5": 1, "05": 2}}, "logit_bias"),
+    ({"model": MODEL, "prompt": "a", "temperature": 10**400}, "temperature"),
+    (f'{{"model": "{MODEL}", "prompt": "a", "top_p": 1{"0" * 5000}}}'.encode(), None),
+    ({"model": MODEL, "prompt": "a", "top_k": 2**31}, "top_k"),
+    (
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "min_tokens": 2**31},
+        "min_tokens",
+    ),
+    (
+        {"model": MODEL, "prompt": "a", "stream": True, "stream_options": {"include_usage": "no"}},
+        "include_usage",
+    ),
     ({"model": MODEL, "prompt": "a", "logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
     (
         {"model": MODEL, "prompt": "a", "response_format": {"type": "json_object"}},
@@ -356,7 +378,7 @@ BAD = [
 
 
 def test_malformed_requests_get_400_and_good_ones_answers(served):
-    """31 bad requests interleaved with good ones, concurrently: every bad one is a 400 with an
+    """42 bad requests interleaved with good ones, concurrently: every bad one is a 400 with an
     OpenAI error body naming the field; every good one is answered."""
 
     async def send(client: httpx.AsyncClient, index: int):
@@ -496,6 +518,38 @@ def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(served, engine, 
     while engine.run_once():
         pass
     assert after.output == served.expected(prompt, 5)
+
+
+def test_a_step_the_followers_cannot_be_sent_fails_its_requests_only(engine, monkeypatch):
+    """Process 0 of several: a step whose message to the other processes cannot be made fails
+    the running requests before anything launches; the loop goes on, sending the next step."""
+    sent = []
+
+    class Channel:
+        def send(self, kind, payload=None):
+            sent.append(kind)
+
+        def settle(self, launched):
+            pass
+
+    def unencodable(*args):
+        monkeypatch.setattr(engine_module, "encode", encode)
+        raise OverflowError("Python integer 2147483648 out of bounds for int32")
+
+    encode = engine_module.encode
+    monkeypatch.setattr(engine_module, "encode", unencodable)
+    engine.channel = Channel()
+    heard = []
+    broken = Request("broken", [5, 6, 7], 4)
+    engine.submit(broken, heard.append)
+    engine.run_once()
+    assert isinstance(heard[-1], OverflowError) and broken.finish is Finish.ABORT
+    assert sent == [] and engine.scheduler.used_pages == 0
+    after = Request("after", [5, 6, 7], 2)
+    engine.submit(after, lambda token: None)
+    while engine.run_once():
+        pass
+    assert len(after.output) == 2 and sent
 
 
 def test_a_listener_that_raises_loses_its_request_only(engine):
