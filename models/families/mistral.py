@@ -1,5 +1,6 @@
 """Mistral (Hugging Face `MistralForCausalLM`): grouped-query attention with a sliding window on
-every layer where the config gives one."""
+every layer where the config gives one, or on the layers its `layer_types` mark sliding
+(transformers then builds the checkpoint as Ministral)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ from typing import Any
 
 from ..config import Activation, DecoderConfig
 from ..config.hf import (
+    layer_windows,
     plain_decoder,
     plain_decoder_json,
     read_activation,
+    required,
     window_json,
 )
 from ..config.registry import add_presets, register
@@ -19,7 +22,8 @@ from ..decoder.model import CausalLM
 
 @register
 class MistralForCausalLM(CausalLM):
-    """Mistral: every layer within `sliding_window` (or full attention without one)."""
+    """Mistral: every layer within `sliding_window` (or full attention without one), unless
+    `layer_types` names each layer's kind."""
 
     architectures = ("MistralForCausalLM",)
     image_text_architectures = ("Mistral3ForConditionalGeneration",)
@@ -46,12 +50,13 @@ class MistralForCausalLM(CausalLM):
     def read_config(cls, hf_config: Mapping[str, Any]) -> DecoderConfig:
         architecture = cls.architectures[0]
         read_activation(hf_config, Activation.SILU)
-        window = hf_config.get("sliding_window") or None
-        return plain_decoder(hf_config, architecture, sliding_window=window)
+        window, kinds = layer_windows(hf_config, required(hf_config, "num_hidden_layers"), None)
+        return plain_decoder(hf_config, architecture, sliding_window=window, layer_types=kinds)
 
     @classmethod
     def write_config(cls, config: DecoderConfig) -> dict[str, Any]:
-        return plain_decoder_json(config, cls.model_type) | window_json(config, layer_types=False)
+        kinds = config.layer_types is not None
+        return plain_decoder_json(config, cls.model_type) | window_json(config, layer_types=kinds)
 
 
 add_presets(

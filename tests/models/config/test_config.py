@@ -78,6 +78,18 @@ def test_mistral_config():
     assert read_hf_config(golden_config("mistral") | {"sliding_window": 32}).sliding_window
 
 
+def test_mistral_layer_types_name_the_sliding_layers():
+    """A Mistral config.json with `layer_types` slides on the layers they mark only (transformers
+    builds it as Ministral), and writes them back."""
+    kinds = ["full_attention", "sliding_attention"]
+    hf = golden_config("mistral") | {"sliding_window": 8, "layer_types": kinds}
+    config = read_hf_config(hf)
+    assert config.sliding_window == 8
+    assert [kind.value for kind in config.layer_types] == kinds
+    assert read_hf_config(write_hf_config(config)) == config
+    assert read_hf_config(hf | {"layer_types": kinds[1:] * 2}).layer_types is None
+
+
 def test_rope_parameters_llama3_form():
     """transformers-5 rope_parameters with rope_type llama3 equals the legacy form."""
     legacy = golden_config("llama")
