@@ -175,17 +175,26 @@ def read_rope(config: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
     """The RoPE base and frequency scaling of a `config.json` (as a dict).
 
     Reads transformers 5's `rope_parameters` and the legacy top-level `rope_theta` +
-    `rope_scaling` (which wins where a file holds both). A YaRN `factor` defaults, as in
-    transformers, to `max_position_embeddings / original_max_position_embeddings`.
+    `rope_scaling` (which wins where a file holds both). A YaRN `factor` defaults to
+    `max_position_embeddings / original_max_position_embeddings`.
 
     Args:
       config: The config as a dict.
 
     Raises:
-      ValueError: No `rope_theta`, a kind outside `RopeType`, or a scaling missing a key.
+      ValueError: No `rope_theta`, a kind outside `RopeType`, a scaling missing a key, or a
+        file holding both forms with another base in `rope_parameters` than at the top level
+        (transformers then reads the top level's, or its default, and drops `rope_parameters`).
     """
     parameters = config.get("rope_parameters") or {}
     theta = parameters.get("rope_theta", config.get("rope_theta"))
+    if config.get("rope_scaling") and theta != config.get("rope_theta"):
+        raise ValueError(
+            f"config.json holds rope_scaling beside rope_parameters, whose rope_theta ({theta}) "
+            f"is not the top-level rope_theta ({config.get('rope_theta')}): transformers reads "
+            "rope_scaling with the top-level base and drops rope_parameters. Keep one of the two "
+            "forms (the scaling inside rope_parameters, or rope_theta at the top level)"
+        )
     if theta is None:
         raise ValueError(
             "config.json names no rope_theta (at the top level or in rope_parameters); it is "
@@ -223,7 +232,8 @@ def rope_scaling(
 
     As transformers does, a llama3 or YaRN entry without `original_max_position_embeddings`
     takes the config's top-level one, else its `max_position_embeddings`; a YaRN entry without
-    `factor` takes `max_position_embeddings / original_max_position_embeddings`.
+    `factor` (which transformers refuses) takes `max_position_embeddings /
+    original_max_position_embeddings`.
 
     Raises:
       ValueError: A kind outside `RopeType` (dynamic NTK, longrope...), or a scaling missing a

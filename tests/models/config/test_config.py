@@ -90,6 +90,18 @@ def test_mistral_layer_types_name_the_sliding_layers():
     assert read_hf_config(hf | {"layer_types": kinds[1:] * 2}).layer_types is None
 
 
+def test_rope_scaling_beside_rope_parameters_of_another_base_is_refused():
+    """A legacy rope_scaling added to a transformers-5 config (as model cards say to add YaRN)
+    leaves the base ambiguous: transformers drops rope_parameters and its rope_theta. Refused,
+    unless the top level names the same base."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    hf = golden_config("qwen3") | {"rope_scaling": yarn}
+    with pytest.raises(ValueError, match="drops rope_parameters"):
+        read_hf_config(hf)
+    config = read_hf_config(hf | {"rope_theta": 1e6})
+    assert config.rope_theta == 1e6 and config.rope_scaling.factor == 4.0
+
+
 def test_rope_parameters_llama3_form():
     """transformers-5 rope_parameters with rope_type llama3 equals the legacy form."""
     legacy = golden_config("llama")
