@@ -472,6 +472,7 @@ class _Checkpoint(contextlib.AbstractContextManager):
         self._directory = directory
         self._files = contextlib.ExitStack()
         self._handles: dict[str, object] = {}
+        self._held: dict[str, set[str]] = {}
         self._mxfp4 = Mxfp4Tensors({})
         self._fp8 = Fp8Dequantized({})
         self._dequantize_fp8 = dequantize_fp8
@@ -514,6 +515,7 @@ class _Checkpoint(contextlib.AbstractContextManager):
             raise ValueError(
                 f"checkpoint {self._directory} has no tensor {name!r}, needed for parameter {path}"
             )
+        self._check_held(name)
         tensor = self._open(self._file_of[name]).get_slice(self._stored[name])
         shape = tuple(tensor.get_shape())
         if tensor.get_dtype() in OTHER_FP8:
@@ -545,9 +547,22 @@ class _Checkpoint(contextlib.AbstractContextManager):
         return tensor[index]
 
     def open_all(self) -> None:
-        """Opens every weights file (reading each header only)."""
+        """Opens every weights file (reading each header only); each tensor must be in the file
+        the index names for it."""
         for file in sorted(set(self._file_of.values())):
             self._open(file)
+        for name in self._file_of:
+            self._check_held(name)
+
+    def _check_held(self, name: str) -> None:
+        file = self._file_of[name]
+        if file not in self._held:
+            self._held[file] = set(self._open(file).keys())
+        if self._stored[name] not in self._held[file]:
+            raise ValueError(
+                f"checkpoint {self._directory}'s {INDEX_FILE} maps {self._stored[name]} to "
+                f"{file}, which does not hold it"
+            )
 
     def _open(self, file: str):
         if file not in self._handles:

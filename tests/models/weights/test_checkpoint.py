@@ -262,6 +262,32 @@ def test_a_single_file_beside_an_index_is_the_one_read(tmp_path):
     check_loaded(directory, loaded, mesh, jnp.float32)
 
 
+def test_an_index_naming_the_wrong_shard_is_refused_naming_both(tmp_path):
+    """A tensor the index maps to a shard that does not hold it is refused before any value is
+    read (by the command line's file check and by the load), naming the tensor and the file."""
+    directory = copy_checkpoint(GOLDEN / "mistral", tmp_path / "wrong", lambda t: t)
+    tensors = load_file(str(directory / checkpoint.SINGLE_FILE))
+    (directory / checkpoint.SINGLE_FILE).unlink()
+    names = sorted(tensors)
+    shards = {"a.safetensors": names[::2], "b.safetensors": names[1::2]}
+    weight_map = {}
+    for file, held in shards.items():
+        save_file({name: tensors[name] for name in held}, str(directory / file))
+        weight_map |= dict.fromkeys(held, file)
+    index = directory / checkpoint.INDEX_FILE
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    mesh = make_mesh(1, 2)
+    loaded = load_params(directory, abstract_params(directory, mesh), mesh, jnp.float32)
+    check_loaded(directory, loaded, mesh, jnp.float32)
+    moved = names[0]
+    index.write_text(json.dumps({"weight_map": weight_map | {moved: "b.safetensors"}}))
+    match = f"maps {moved} to b.safetensors, which does not hold it"
+    with pytest.raises(ValueError, match=match):
+        checkpoint.check_checkpoint_files(directory)
+    with pytest.raises(ValueError, match=match):
+        load_params(directory, abstract_params(directory, mesh), mesh, jnp.float32)
+
+
 def test_missing_files(tmp_path):
     """A directory without config.json or weights fails with FileNotFoundError naming it."""
     with pytest.raises(FileNotFoundError, match="config.json"):
