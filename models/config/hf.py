@@ -39,6 +39,15 @@ def refuse_true(config: Mapping[str, Any], architecture: str, keys: tuple[str, .
             )
 
 
+ACTIVATION_ALIASES = {
+    "swish": Activation.SILU.value,
+    "gelu_new": Activation.GELU_TANH.value,
+    "gelu_fast": Activation.GELU_TANH.value,
+    "gelu_python_tanh": Activation.GELU_TANH.value,
+}
+"""transformers' other names (`ACT2FN`) of the same functions: tanh GELU written out three ways."""
+
+
 def read_activation(config: Mapping[str, Any], supported: Activation, *keys: str) -> Activation:
     """The MLP's activation the first present of `keys` names (`hidden_act` by default),
     which must be `supported`.
@@ -48,7 +57,7 @@ def read_activation(config: Mapping[str, Any], supported: Activation, *keys: str
     """
     keys = keys or ("hidden_act",)
     name = next((config[key] for key in keys if config.get(key)), supported.value)
-    if name != supported.value:
+    if ACTIVATION_ALIASES.get(name, name) != supported.value:
         raise ValueError(
             f"the {'gated ' if supported.gated else ''}MLP here computes {supported.label} "
             f"only; got {keys[0]}={name!r}"

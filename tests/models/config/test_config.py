@@ -222,6 +222,15 @@ def test_rejects_unsupported(change, match):
         read_hf_config(golden_config("qwen3") | change)
 
 
+def test_activations_read_by_transformers_other_names():
+    """transformers' `swish` is SiLU and `gelu_new` tanh GELU (`ACT2FN`): read as them."""
+    for name, want in (("qwen3", "swish"), ("gemma3", "gelu_new")):
+        key = "hidden_activation" if name == "gemma3" else "hidden_act"
+        assert read_hf_config(golden_config(name) | {key: want}) == read_hf_config(
+            golden_config(name)
+        )
+
+
 def test_validates_head_grouping():
     """num_heads must be a multiple of num_kv_heads."""
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
