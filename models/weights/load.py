@@ -212,6 +212,7 @@ def load_params(
         if unused:
             raise ValueError(
                 f"checkpoint {checkpoint_dir} has tensors the model does not use: {unused}"
+                + _unused_hint(unused, used)
             )
         if "lm_head.kernel" not in sources and "lm_head.weight" in checkpoint.names:
             _check_tied_head(checkpoint, sources["embed.embedding"].name, checkpoint_dir)
@@ -442,6 +443,22 @@ def _read_tensor(
         index = (slice(first + index[0].start, first + index[0].stop), *index[1:])
     stored = checkpoint.read(name, index)
     return stored.T if source.transpose else stored
+
+
+def _unused_hint(unused: list[str], used: set[str]) -> str:
+    """Why a checkpoint's tensors may go unused, where their names show a layout transformers
+    writes for another model: a base model's (no `model.` prefix) or fused experts."""
+    if any(f"model.{name}" in used for name in unused):
+        return (
+            " (named without the 'model.' prefix, as a base model's: save the ForCausalLM "
+            "model, which holds the LM head too)"
+        )
+    if any(name.endswith(("experts.gate_up_proj", "experts.down_proj")) for name in unused):
+        return (
+            " (experts fused per layer, as transformers holds them in memory: this family reads "
+            "one tensor per expert, which save_pretrained writes)"
+        )
+    return ""
 
 
 def _check_tied_head(checkpoint: _Checkpoint, embedding: str, checkpoint_dir: Path) -> None:

@@ -219,6 +219,39 @@ def test_unused_tensor_and_wrong_model_rejected(tmp_path):
         load_params(GOLDEN / "llama", state, mesh, jnp.float32)
 
 
+def _fused_experts(tensors: dict) -> dict:
+    """The per-expert tensors of each layer as transformers holds them in memory: one
+    gate_up_proj [experts, 2 x width, hidden] and one down_proj [experts, hidden, width]."""
+    fused = {k: v for k, v in tensors.items() if ".experts." not in k}
+    layers = {k.split(".experts.")[0] for k in tensors if ".experts." in k}
+    for layer in layers:
+        experts = sorted(
+            {int(k.split(".")[5]) for k in tensors if k.startswith(f"{layer}.experts.")}
+        )
+
+        def stacked(projection, layer=layer, experts=experts):
+            return np.stack([tensors[f"{layer}.experts.{e}.{projection}.weight"] for e in experts])
+
+        fused[f"{layer}.experts.gate_up_proj"] = np.concatenate(
+            [stacked("gate_proj"), stacked("up_proj")], axis=1
+        )
+        fused[f"{layer}.experts.down_proj"] = stacked("down_proj")
+    return fused
+
+
+def test_tensors_of_another_layout_are_refused_saying_which(tmp_path):
+    """A base model's tensors (no 'model.' prefix) and experts fused per layer are refused,
+    the message saying which layout it found."""
+    strip = lambda t: {k.removeprefix("model."): v for k, v in t.items()}  # noqa: E731
+    directory = copy_checkpoint(GOLDEN / "mistral", tmp_path / "base", strip)
+    mesh = make_mesh(1, 2)
+    with pytest.raises(ValueError, match="without the 'model.' prefix"):
+        load_params(directory, abstract_params(directory, mesh), mesh, jnp.float32)
+    directory = copy_checkpoint(GOLDEN / "qwen3_moe", tmp_path / "fused", _fused_experts)
+    with pytest.raises(ValueError, match="experts fused per layer"):
+        load_model(directory, mesh)
+
+
 def test_a_tied_checkpoints_lm_head_must_equal_its_embedding(tmp_path):
     """A tied model's checkpoint holding lm_head.weight as well loads where the two are equal
     (torch's files hold both); where they differ transformers unties them, so it is refused
