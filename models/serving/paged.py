@@ -95,10 +95,10 @@ class Chunk:
 class SlotSampling:
     """One sequence's sampling parameters on the device: temperature 0 (or under
     `sampling.GREEDY_BELOW`) is greedy; top_k 0, top_p 1 and min_p 0 keep every token; the seed
-    and the index of the token drawn key the draw. A logit bias ((token id, bias) pairs, at most `MAX_LOGIT_BIAS`) is added to the
-    logits, then the penalties (`sampling.penalize`; neutral at 0, 0 and 1) apply, then the
-    sequence's stop ids are held back until it has `min_tokens` tokens, before the draw,
-    greedy or not."""
+    and the index of the token drawn key the draw. A logit bias ((token id, bias) pairs, at
+    most `MAX_LOGIT_BIAS`) is added to the logits, then the penalties (`sampling.penalize`;
+    neutral at 0, 0 and 1) apply, then the sequence's stop ids are held back until it has
+    `min_tokens` tokens, before the draw, greedy or not."""
 
     temperature: float = 0.0
     top_k: int = 0
