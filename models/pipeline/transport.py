@@ -226,7 +226,10 @@ class Collect:
 
     def __init__(self, meshes: tuple[Mesh, ...]):
         self._group = _GroupArrays(meshes)
-        gather = bj.ops.all_gather((bj.TokenAxis.ATTN_DP,), bj.Topology.from_mesh(self._group.mesh))
+        topology = bj.Topology.from_mesh(self._group.mesh)
+        # Without attention DP the rows are whole on every device: nothing to gather.
+        axes = (bj.TokenAxis.ATTN_DP,) if topology.attn_dp > 1 else ()
+        gather = bj.ops.all_gather(axes, topology)
         self._program = jax.jit(
             jax.shard_map(
                 lambda x: bj.ops.run(
