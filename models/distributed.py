@@ -115,7 +115,11 @@ class ProcessGroup:
         any other JAX work).
 
         Cluster auto-detection is off, so a scheduler's environment variables cannot override
-        the group's.
+        the group's. In a group of several processes the programs' locations keep only their
+        innermost frame: jaxlib pairs the processes' collectives by a launch id drawn from the
+        executable's fingerprint, which holds each op's location, so the same collective traced
+        from two call stacks (process 0's serving engine sends what the others' `follow`
+        receives) never met its peers and both processes waited forever.
 
         Raises:
           JoinError: A process did not join within `join_timeout`.
@@ -126,6 +130,8 @@ class ProcessGroup:
                 self._call_roll(deadline)
             else:
                 self._answer_roll(deadline)
+        if self.num_processes > 1:
+            jax.config.update("jax_include_full_tracebacks_in_locations", False)
         jax.distributed.initialize(
             self.coordinator,
             self.num_processes,

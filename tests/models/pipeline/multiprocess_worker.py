@@ -13,7 +13,11 @@ every process's checkpoint bytes read and whether each raised to OUT (.npz) and 
            processes and each TP rank's handoff crosses from one process to the other;
   stages   4 processes x 2 devices, pp=2 x attn_tp=4: each stage's TP group spans two
            processes, the handoff crosses to the other two;
-  die      2 processes: process 1 exits with code 3 before joining (nothing else runs).
+  die      2 processes: process 1 exits with code 3 before joining (nothing else runs);
+  channel  2 processes: process 0 sends a step through the serving `Channel` from a thread,
+           as the server's engine does, and process 1 receives it in `follow`'s place (another
+           call stack); process 1 writes what it received to OUT. A process still waiting
+           after CHANNEL_TIMEOUT seconds exits with code 1.
 
 JAX and the models are imported after that, so a process that dies costs no import.
 """
@@ -26,6 +30,7 @@ import sys
 GOLDEN = pathlib.Path(__file__).parents[2] / "golden" / "llama"
 LOCAL_DEVICES = 2
 NEW_TOKENS = 6
+CHANNEL_TIMEOUT = 60
 
 
 def main(layout: str, out: str) -> int:
@@ -38,7 +43,30 @@ def main(layout: str, out: str) -> int:
     group = ProcessGroup.from_environment()
     jax.config.update("jax_num_cpu_devices", LOCAL_DEVICES)
     group.join()
+    if layout == "channel":
+        return exchange(out, group.process_id)
     return run(layout, out, group.process_id)
+
+
+def exchange(out: str, process: int) -> int:
+    import faulthandler
+    import threading
+
+    import numpy as np
+
+    from models.serving.lockstep import Channel, Kind
+
+    faulthandler.dump_traceback_later(CHANNEL_TIMEOUT, exit=True)
+    if process == 0:
+        sender = threading.Thread(
+            target=Channel().send, args=(Kind.STEP, np.asarray([7, 8, 9], np.int32))
+        )
+        sender.start()
+        sender.join()
+    else:
+        kind, payload = Channel().receive()
+        np.savez(out, kind=int(kind), payload=payload)
+    return 0
 
 
 def run(layout: str, out: str, process: int) -> int:

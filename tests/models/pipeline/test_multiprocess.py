@@ -16,6 +16,7 @@ from models.build import load_model
 from models.cli.launch import free_port_pair, launch
 from models.cli.main import main
 from models.distributed import JoinError, ProcessGroup
+from models.serving.lockstep import Kind
 from models.serving.runtime import ShardedCausalLM
 from tests.models.pipeline.multiprocess_worker import GOLDEN, NEW_TOKENS
 
@@ -50,9 +51,9 @@ def _launch(monkeypatch, processes: int, layout: str, out: pathlib.Path, **optio
     return launch(processes, [layout, str(out)], module=WORKER, **options)
 
 
-# Two processes run by default: each stage's TP group and each handoff cross them, and each
-# process reads its devices' checkpoint blocks. Four (each stage on two processes: the same
-# crossings, at twice the processes' start-up on a 2-core machine) run under -m slow.
+# Both run under -m slow. Two processes: each stage's TP group and each handoff cross them, and
+# each process reads its devices' checkpoint blocks. Four: each stage on two processes, the same
+# crossings at twice the processes' start-up on a 2-core machine.
 @pytest.mark.parametrize(
     "processes,layout,share",
     [
@@ -121,6 +122,17 @@ def test_a_process_that_dies_before_joining_ends_the_launch(monkeypatch, capfd, 
     """The launcher stops the other processes and returns the failing one's exit code."""
     assert _launch(monkeypatch, 2, "die", tmp_path / "none.npz", join_timeout=60) == 3
     assert "process 1 exited with code 3; stopping processes [0]" in capfd.readouterr().err
+
+
+def test_a_message_sent_from_another_call_stack_reaches_the_other_process(monkeypatch, tmp_path):
+    """Serving over processes: process 0's engine thread sends a step through `Channel` and
+    process 1 receives it from another call stack, as `serve` under `launch` does (its first
+    request hung there when the programs' locations held each process's whole stack)."""
+    out = tmp_path / "received.npz"
+    assert _launch(monkeypatch, 2, "channel", out) == 0
+    received = np.load(out)
+    assert int(received["kind"]) == int(Kind.STEP)
+    np.testing.assert_array_equal(received["payload"], [7, 8, 9])
 
 
 def test_a_process_that_never_joins_is_an_error_after_the_timeout():
