@@ -73,7 +73,7 @@ from .common import (
     kernel_ms,
     kv_bytes_per_gpu,
     median_wall_ms,
-    ms_or_oom,
+    or_out_of_memory,
     prefill_flops_per_gpu,
     print_table,
     ratio,
@@ -212,7 +212,7 @@ def run_config(
 
             return median_wall_ms(project_prefill, cases.prefill_repeats)
 
-        times["project"] = ms_or_oom(project_prefill_ms)
+        times["project"] = or_out_of_memory(project_prefill_ms)
         for name, (_, step, _) in baselines.items():
 
             def baseline_prefill_ms(step=step):
@@ -224,7 +224,7 @@ def run_config(
 
                 return median_wall_ms(baseline_prefill, cases.prefill_repeats)
 
-            times[name] = ms_or_oom(baseline_prefill_ms)
+            times[name] = or_out_of_memory(baseline_prefill_ms)
         flops = prefill_flops_per_gpu(config, tp, sequences, length)
         results.append(
             (
@@ -258,7 +258,7 @@ def run_config(
 
             return median_wall_ms(project_decode, cases.decode_repeats) / steps
 
-        times["project"] = ms_or_oom(project_decode_ms)
+        times["project"] = or_out_of_memory(project_decode_ms)
         tokens = jax.device_put(decode_ids(config.vocab_size, sequences), replicated)
         positions = jax.device_put(np.full(sequences, start, np.int32), replicated)
         for name, (_, _, decode) in baselines.items():
@@ -272,7 +272,7 @@ def run_config(
 
                 return median_wall_ms(baseline_decode, cases.decode_repeats) / steps
 
-            times[name] = ms_or_oom(baseline_decode_ms)
+            times[name] = or_out_of_memory(baseline_decode_ms)
         context = start + steps / 2
         nbytes = weight_bytes_per_gpu(config, tp) + kv_bytes_per_gpu(config, tp, sequences, context)
         results.append(

@@ -421,9 +421,10 @@ OUT_OF_MEMORY = "OOM"
 """What a table shows for a contender that could not run its case for lack of device memory."""
 
 
-def ms_or_oom(call: Callable[[], float]) -> float | str:
-    """`call()`'s milliseconds, or `OUT_OF_MEMORY` when the device had too little memory for it
-    (its buffers are dropped with the error, so the run goes on with the next contender)."""
+def or_out_of_memory[T](call: Callable[[], T]) -> T | str:
+    """`call()`'s result (a time, a reference output), or `OUT_OF_MEMORY` when the device had
+    too little memory for it (its buffers are dropped with the error, so the run goes on with
+    the next contender)."""
     try:
         return call()
     except jax.errors.JaxRuntimeError as error:

@@ -7,7 +7,7 @@ import jax
 import pytest
 
 from benchmarks import common
-from benchmarks.common import OUT_OF_MEMORY, Cases, hbm_bytes_per_s, header, ms_or_oom, ratio
+from benchmarks.common import OUT_OF_MEMORY, Cases, hbm_bytes_per_s, header, or_out_of_memory, ratio
 from benchmarks.name_kernels import moved_bytes, trace_ops
 
 
@@ -19,11 +19,13 @@ def _raise(message: str):
 
 
 def test_an_out_of_memory_contender_is_reported_and_the_run_goes_on():
-    assert ms_or_oom(lambda: 1.5) == 1.5
-    assert ms_or_oom(_raise("RESOURCE_EXHAUSTED: Out of memory allocating 62.00GiB")) == "OOM"
+    assert or_out_of_memory(lambda: 1.5) == 1.5
+    assert (
+        or_out_of_memory(_raise("RESOURCE_EXHAUSTED: Out of memory allocating 62.00GiB")) == "OOM"
+    )
     assert OUT_OF_MEMORY == "OOM"
     with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
-        ms_or_oom(_raise("INTERNAL: a kernel failed"))
+        or_out_of_memory(_raise("INTERNAL: a kernel failed"))
 
 
 def test_ratios_leave_out_what_was_not_measured():
