@@ -97,7 +97,7 @@ class Replicated:
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"a replicated part needs a non-empty name; got {self.name=}")
+            raise ValueError(f"a replicated part needs a non-empty name; got name={self.name!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,7 +173,9 @@ class StageDeclaration:
         if self.kind is StageKind.ATTN and self.output_complete:
             raise ValueError("output_complete is an FFN fact; attention stages always owe a sum")
         if self.output_complete and self.reduction is not ProducerReduction.EXIT_SCOPED:
-            raise ValueError(f"output_complete=True needs EXIT_SCOPED; got {self.reduction=}")
+            raise ValueError(
+                f"output_complete=True needs EXIT_SCOPED; got reduction={self.reduction!r}"
+            )
         if self.transform_before_reduce_scatter and not self.has_output_transform:
             raise ValueError("transform_before_reduce_scatter=True needs an output_transform")
         if self.sparse and self.dense_tp_size is not None:
@@ -184,7 +186,8 @@ class StageDeclaration:
             not isinstance(self.dense_tp_size, int) or self.dense_tp_size < 1
         ):
             raise ValueError(
-                f"dense_tp_size must be a positive int or None; got {self.dense_tp_size=}"
+                "dense_tp_size must be a positive int or None; got "
+                f"dense_tp_size={self.dense_tp_size!r}"
             )
         self._check_replicated()
 

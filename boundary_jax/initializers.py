@@ -40,7 +40,7 @@ class Normal:
 
     def __post_init__(self):
         if not self.std > 0:
-            raise ValueError(f"Normal needs a positive std; got {self.std=}")
+            raise ValueError(f"Normal needs a positive std; got std={self.std!r}")
 
     def __call__(
         self, key: jax.Array | None, shape: tuple[int, ...], dtype: jnp.dtype

@@ -84,7 +84,7 @@ class Layout:
     def __post_init__(self):
         if tuple(self.sharded) != canonical(self.sharded):
             raise ValueError(
-                f"Layout axes must be distinct and in canonical order; got {self.sharded=}"
+                f"Layout axes must be distinct and in canonical order; got sharded={self.sharded!r}"
             )
 
     def __contains__(self, axis: TokenAxis) -> bool:
@@ -164,7 +164,7 @@ class Topology:
         if self.tp_size % self.moe_ep:
             raise ValueError(
                 f"moe_ep must divide the full TP group (attn_dp x attn_cp x attn_tp = "
-                f"{self.tp_size}); got {self.moe_ep=}. Choose moe_ep among "
+                f"{self.tp_size}); got moe_ep={self.moe_ep!r}. Choose moe_ep among "
                 f"{[d for d in range(1, self.tp_size + 1) if self.tp_size % d == 0]}"
             )
 
@@ -181,7 +181,7 @@ class Topology:
         """
         if num_experts % self.moe_ep:
             raise ValueError(
-                f"moe_ep must divide the number of experts; got {self.moe_ep=} for "
+                f"moe_ep must divide the number of experts; got moe_ep={self.moe_ep!r} for "
                 f"{num_experts=}. Choose an expert-parallel size that divides {num_experts}"
             )
         return num_experts // self.moe_ep

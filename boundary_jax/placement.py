@@ -27,7 +27,9 @@ class Placement:
 
     def __post_init__(self):
         if tuple(self.owed) != canonical(self.owed):
-            raise ValueError(f"owed axes must be distinct, in canonical order; got {self.owed=}")
+            raise ValueError(
+                f"owed axes must be distinct, in canonical order; got owed={self.owed!r}"
+            )
 
     @property
     def complete(self) -> bool:

@@ -148,8 +148,8 @@ class LayerStack:
             if self.topology.attn_cp > 1:
                 raise NotImplementedError(
                     f"branches under attention context parallelism are not supported (branch "
-                    f"transport moves ordinary token rows only); got {self.topology=}. Build the "
-                    f"model with attn_cp=1 (the branch appended at "
+                    f"transport moves ordinary token rows only); got topology={self.topology!r}. "
+                    "Build the model with attn_cp=1 (the branch appended at "
                     f"{self.branches[0].stages[0].call_site})"
                 )
             scattered = BatchVariant.INPUT_SCATTERED

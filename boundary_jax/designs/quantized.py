@@ -64,7 +64,7 @@ class Fp8TokenGroups:
 
     def __post_init__(self):
         if not isinstance(self.group, int) or isinstance(self.group, bool) or self.group < 1:
-            raise ValueError(f"group must be a positive int; got {self.group=}")
+            raise ValueError(f"group must be a positive int; got group={self.group!r}")
 
     @property
     def name(self) -> str:
