@@ -1,6 +1,7 @@
 """The same model over 2 and 4 local processes under `jax.distributed` (tensor parallelism and the
 pipeline across processes, each process reading only its devices' checkpoint blocks) equals one
-process; processes that fail to join, die or lack the checkpoint end the run with an error."""
+process; processes that fail to join, die or lack the checkpoint end the run with an error; a
+serving step sent from process 0's engine thread reaches the others."""
 
 import functools
 import json
