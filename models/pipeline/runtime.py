@@ -41,7 +41,16 @@ from ..serving.generation import check_context, check_prompts
 from ..serving.sampling import GREEDY, Sampling, head_tokens, rank_key
 from .schedule import Microbatch, bubble, gpipe_ticks, split_microbatches
 from .split import PipelineSplit
-from .transport import Collect, Transfer, holds, place_rows, rows_spec, settle, stage_meshes
+from .transport import (
+    REPLICATED,
+    Collect,
+    Transfer,
+    holds,
+    place_rows,
+    rows_spec,
+    settle,
+    stage_meshes,
+)
 
 Tree = Any
 
@@ -96,7 +105,7 @@ class Stage:
         self._sharded = bj.ShardedModule(model, mesh, held=self.held)
         self._programs: dict[tuple, Callable] = {}
         self._shapes: dict[tuple, Tree] = {}
-        self.rows = rows_spec(mesh)
+        self.rows = rows_spec(self.topology)
         self.cache_specs = model.cache_specs()
 
     @property
@@ -175,8 +184,10 @@ class Stage:
 
     def place(self, packed: PackedBatch, variant: bj.BatchVariant) -> tuple[TokenRows, Tree]:
         """A packed batch's rows and batch facts on this stage's devices."""
-        counts = place_rows(np.asarray(packed.token_counts, np.int32), self.mesh, rows=False)
-        return place_rows(packed.rows, self.mesh), bj.BatchFacts(variant, self.topology, counts)
+        counts = place_rows(np.asarray(packed.token_counts, np.int32), self.mesh, REPLICATED)
+        return place_rows(packed.rows, self.mesh, self.rows), bj.BatchFacts(
+            variant, self.topology, counts
+        )
 
     def new_caches(self, config, slots: int, max_len: int, dtype) -> tuple[KVCache, ...]:
         """Zero decode caches of this stage's layers, one per block, `slots` slots in all (the
@@ -279,9 +290,12 @@ class PipelineCausalLM:
         )
         for model in stages:
             model.check_batch_variant(self.variant)
-        self.sends = tuple(Transfer(a, b) for a, b in zip(meshes[:-1], meshes[1:], strict=True))
-        self._loop = Transfer(meshes[-1], meshes[0]) if len(meshes) > 1 else None
-        self._collect = Collect(meshes)
+        rows = stages[0].topology
+        self.sends = tuple(
+            Transfer(a, b, rows) for a, b in zip(meshes[:-1], meshes[1:], strict=True)
+        )
+        self._loop = Transfer(meshes[-1], meshes[0], rows) if len(meshes) > 1 else None
+        self._collect = Collect(meshes, rows)
 
     @property
     def bubble(self) -> float:
@@ -481,10 +495,10 @@ class PipelineCausalLM:
         processes, every process must leave it at the same point (each gets the same tokens).
         Checks the request before anything runs.
         """
-        if chunk < 1:
-            raise ValueError(f"chunk must be at least 1 decode step; got {chunk=}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1; got {max_new_tokens}")
+        if chunk < 1:
+            raise ValueError(f"chunk must be at least 1 decode step; got {chunk}")
         prompts = check_prompts(prompts, self.config.vocab_size)
         check_context(prompts, max_new_tokens, self.config.max_position_embeddings)
         packed = self.pack(prompts, bucketed=True, adapters=adapters)
@@ -516,14 +530,15 @@ class PipelineCausalLM:
         """Fills `caches` (in place) with every microbatch; returns the first token per slot,
         on the last stage."""
         parts = self._microbatches(packed, bucketed=True)
-        keys = [place_rows(jax.random.key_data(key), s.mesh, rows=False) for s in self.stages]
+        keys = [place_rows(jax.random.key_data(key), s.mesh, REPLICATED) for s in self.stages]
         programs = [self._prefill_program(stage, sampling) for stage in self.stages]
         slots = len(packed.last_row_index())
-        tokens = [place_rows(np.zeros(slots, np.int32), self.stages[-1].mesh)]
+        last = self.stages[-1]
+        tokens = [place_rows(np.zeros(slots, np.int32), last.mesh, last.rows)]
 
         def run(s, m, inputs):
             stage, part = self.stages[s], parts[m].packed
-            last_rows = place_rows(part.last_row_index(), stage.mesh)
+            last_rows = place_rows(part.last_row_index(), stage.mesh, stage.rows)
             args = (inputs, *stage.place(part, self.variant), caches[s], last_rows, keys[s])
             out, caches[s] = stage.run(programs[s], *args, tokens[0] if stage.last else ())
             if stage.last:
@@ -542,10 +557,11 @@ class PipelineCausalLM:
         lengths = np.asarray(packed.lengths, np.int32)
         host = decode_rows(packed, np.zeros_like(lengths), lengths)
         placed = [stage.place(host, self.variant) for stage in self.stages]
-        keys = [place_rows(jax.random.key_data(key), s.mesh, rows=False) for s in self.stages]
-        counters = [place_rows(np.int32(0), stage.mesh, rows=False) for stage in self.stages]
+        keys = [place_rows(jax.random.key_data(key), s.mesh, REPLICATED) for s in self.stages]
+        counters = [place_rows(np.int32(0), stage.mesh, REPLICATED) for stage in self.stages]
         slots, capacity = len(packed.last_row_index()), bucket(max(steps, MIN_STEPS))
-        out = place_rows(np.zeros((slots, capacity), np.int32), self.stages[-1].mesh)
+        last = self.stages[-1]
+        out = place_rows(np.zeros((slots, capacity), np.int32), last.mesh, last.rows)
         programs = [self._decode_program(stage, sampling) for stage in self.stages]
         tokens, done = first, 0
         for step in range(1, steps + 1):

@@ -36,7 +36,7 @@ from ..layers.buffer import Buffer
 from ..training.trainer import TrainConfig, next_token_labels
 from .runtime import PipelineCausalLM, Stage, enter_stage
 from .schedule import Microbatch, gpipe_ticks, split_microbatches
-from .transport import Transfer, place_rows
+from .transport import REPLICATED, Transfer, place_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,8 +108,10 @@ class PipelineTrainer:
         ]
         self.step_count = 0
         stage_meshes = [stage.mesh for stage in self.runner.stages]
+        topology = self.runner.stages[0].topology
         self._returns = tuple(
-            Transfer(b, a) for a, b in zip(stage_meshes[:-1], stage_meshes[1:], strict=True)
+            Transfer(b, a, topology)
+            for a, b in zip(stage_meshes[:-1], stage_meshes[1:], strict=True)
         )
 
     # -- batches --------------------------------------------------------------------------
@@ -126,8 +128,10 @@ class PipelineTrainer:
             tuple(stage.place(part.packed, runner.variant) for part in parts)
             for stage in runner.stages
         )
-        last = runner.stages[-1].mesh
-        labels = tuple(place_rows(next_token_labels(part.packed), last) for part in parts)
+        last = runner.stages[-1]
+        labels = tuple(
+            place_rows(next_token_labels(part.packed), last.mesh, last.rows) for part in parts
+        )
         tokens = int(np.sum(next_token_labels(packed) >= 0))
         return PipelineTrainBatch(parts, placed, labels, tokens)
 
@@ -234,7 +238,7 @@ class PipelineTrainer:
                     losses.append(out)
                 else:
                     inputs[(index + 1, microbatch)] = self.runner.sends[index](out)
-        scale = place_rows(np.float32(1.0 / max(batch.tokens, 1)), stages[-1].mesh, rows=False)
+        scale = place_rows(np.float32(1.0 / max(batch.tokens, 1)), stages[-1].mesh, REPLICATED)
         grads = [
             stage.run(self._zeros_program(stage), leaves=params)
             for stage, params in zip(stages, self.params, strict=True)
@@ -286,7 +290,7 @@ class PipelineTrainer:
         for index, stage in enumerate(stages):
             if not stage.held:
                 continue
-            value = place_rows(np.float32(norm), stage.mesh, rows=False)
+            value = place_rows(np.float32(norm), stage.mesh, REPLICATED)
             self.params[index], self.opt_state[index] = stage.run(
                 self._update_program(stage),
                 grads[index],

@@ -67,16 +67,21 @@ def settle(tree: Any, mesh: Mesh) -> Any:
     return jax.block_until_ready(tree) if over_gloo(mesh) else tree
 
 
-def rows_spec(mesh: Mesh) -> PartitionSpec:
-    """The spec of a rows-leading array on a stage mesh: rows over attention DP."""
-    return PartitionSpec(bj.Topology.from_mesh(mesh).spec_entry((bj.TokenAxis.ATTN_DP,)))
+REPLICATED = PartitionSpec()
+"""The spec of a value every device of a stage holds whole."""
 
 
-def place_rows(tree: Any, mesh: Mesh, *, rows: bool = True) -> Any:
-    """Host arrays placed on `mesh`, rows-leading (or replicated, `rows=False`); their
+def rows_spec(topology: bj.Topology) -> PartitionSpec:
+    """The spec of a rows-leading array on a stage mesh of `topology`: rows over attention DP
+    (over both its mesh axes where `moe_ep` splits it)."""
+    return PartitionSpec(topology.spec_entry((bj.TokenAxis.ATTN_DP,)))
+
+
+def place_rows(tree: Any, mesh: Mesh, spec: PartitionSpec) -> Any:
+    """Host arrays placed on `mesh` by `spec` (`rows_spec`, or `REPLICATED`); their
     `jax.ShapeDtypeStruct`s on a process that holds none of its devices. Every process passes
     the same values; each builds only its own devices' shards."""
-    sharding = NamedSharding(mesh, rows_spec(mesh) if rows else PartitionSpec())
+    sharding = NamedSharding(mesh, spec)
     if not holds(mesh):
         return jax.tree.map(lambda value: _shape_of(np.asarray(value), sharding), tree)
 
@@ -100,7 +105,7 @@ def _pp_first(spec: PartitionSpec) -> PartitionSpec:
 class _GroupArrays:
     """Assembles arrays over a mesh of several stages from per-stage arrays, and back."""
 
-    def __init__(self, meshes: tuple[Mesh, ...]):
+    def __init__(self, meshes: tuple[Mesh, ...], spec: PartitionSpec):
         self.meshes = meshes
         names = meshes[0].axis_names
         self.mesh = Mesh(
@@ -108,7 +113,7 @@ class _GroupArrays:
             names,
             axis_types=meshes[0].axis_types,
         )
-        self.spec = rows_spec(meshes[0])
+        self.spec = spec
         self._zeros: dict[tuple, jax.Array] = {}
 
     def assemble(self, value: jax.Array | jax.ShapeDtypeStruct, stage: int) -> jax.Array:
@@ -161,7 +166,7 @@ class Transfer:
       involved: This process holds devices of either stage (and must call the transfer).
     """
 
-    def __init__(self, source: Mesh, target: Mesh):
+    def __init__(self, source: Mesh, target: Mesh, topology: bj.Topology):
         if source.axis_names != target.axis_names or source.devices.shape != target.devices.shape:
             raise ValueError(
                 f"pipeline stages have meshes of one shape; got {dict(source.shape)} and "
@@ -169,8 +174,7 @@ class Transfer:
             )
         self.source, self.target = source, target
         self.involved = holds(source) or holds(target)
-        self._group = _GroupArrays((source, target))
-        topology = bj.Topology.from_mesh(self._group.mesh)
+        self._group = _GroupArrays((source, target), rows_spec(topology))
         self._tp = topology.active((bj.TokenAxis.ATTN_TP,))
         self._tp_size = topology.attn_tp
         self._slice = bj.ops.take_block(self._tp, topology)
@@ -224,9 +228,8 @@ class Collect:
     stages contribute zeros, so the values are exact) and gathered over attention DP.
     """
 
-    def __init__(self, meshes: tuple[Mesh, ...]):
-        self._group = _GroupArrays(meshes)
-        topology = bj.Topology.from_mesh(self._group.mesh)
+    def __init__(self, meshes: tuple[Mesh, ...], topology: bj.Topology):
+        self._group = _GroupArrays(meshes, rows_spec(topology))
         # Without attention DP the rows are whole on every device: nothing to gather.
         axes = (bj.TokenAxis.ATTN_DP,) if topology.attn_dp > 1 else ()
         gather = bj.ops.all_gather(axes, topology)

@@ -585,7 +585,7 @@ class ShardedCausalLM:
         end-of-sequence id).
         """
         if chunk < 1:
-            raise ValueError(f"chunk must be at least 1 decode step; got {chunk=}")
+            raise ValueError(f"chunk must be at least 1 decode step; got {chunk}")
         packed, chunks = token_chunks(
             self,
             prompts,

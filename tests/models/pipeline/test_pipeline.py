@@ -157,6 +157,32 @@ def test_every_family_split_into_stages_equals_the_one_program_model(family, pp)
         assert not np.any(got[index, len(prompt) :]), "logits past a sequence's end are zero"
 
 
+@pytest.mark.xdist_group("moe-ep")
+@pytest.mark.parametrize(
+    "tokens",
+    [
+        pytest.param({"attn_dp": 4}, id="attn_dp_ep-x-attn_dp"),
+        pytest.param({"attn_tp": 4}, id="attn_tp_ep-x-attn_tp", marks=SLOW),
+    ],
+)
+def test_expert_parallelism_splitting_a_token_axis_runs_in_stages(tokens):
+    """moe_ep 2 on a token axis of 4 splits it into two mesh axes: the stages' rows, handoffs
+    and collected tokens take both, and two stages give the one-program model's logits and
+    greedy tokens (such a mesh was refused, read as moe_ep 1)."""
+    config = FAMILIES["moe-ep"][0]
+    model = build_model(config, bj.Topology(**tokens, moe_ep=2), _options("moe-ep"))
+    one_program = ShardedCausalLM(model, bj.make_mesh(bj.Topology(**tokens, moe_ep=2)))
+    topology = bj.Topology(pp=2, **tokens, moe_ep=2)
+    mesh = bj.make_mesh(topology)
+    assert dict(mesh.shape)[f"{next(iter(tokens))}_ep"] == 2
+    split = PipelineSplit.of_sizes((2, 2), config.num_layers)
+    stages = build_pipeline(config, topology, mesh, _options("moe-ep"), split=split, weights=model)
+    runner = PipelineCausalLM(stages, mesh, microbatches=2)
+    want, got = one_program.forward(PROMPTS), runner.forward(PROMPTS)
+    assert np.max(np.abs(got - want)) <= 1e-5 * np.max(np.abs(want))
+    np.testing.assert_array_equal(runner.generate(PROMPTS, 3), one_program.generate(PROMPTS, 3))
+
+
 @SLOW
 @pytest.mark.xdist_group("dense")
 def test_generation_through_the_stages_equals_the_one_program_model():
@@ -183,6 +209,9 @@ def test_generation_streams_the_one_program_tokens_in_chunks():
     limit = runner.config.max_position_embeddings
     with pytest.raises(ValueError, match=f"{limit + 1} tokens.*exceed max_position_embeddings"):
         runner.forward([*PROMPTS, [1] * (limit + 1)])
+    for generate in (runner.generate, one.generate):
+        with pytest.raises(ValueError, match="max_new_tokens must be at least 1; got 0"):
+            generate(PROMPTS, 0)
 
 
 @pytest.mark.xdist_group("dense")
