@@ -89,6 +89,12 @@ def raise_pending() -> None:
         raise Interrupted(_received[-1])
 
 
+def handed_on() -> None:
+    """The signals received so far were passed to processes that end the command themselves
+    (`launch`'s): none is left to raise or report."""
+    _received.clear()
+
+
 def report(interrupted: Interrupted) -> int:
     """Says on stderr, in one line, what stopped the command; returns its exit code."""
     _received.clear()

@@ -4,7 +4,10 @@ Each process gets the environment of `models.distributed.ProcessGroup` (a coordi
 127.0.0.1, the process count and its index) and runs `python -m models.cli <command>`; its
 devices are its share of the mesh (CPU devices: the mesh's size over the processes). The
 launcher waits for them all; when one fails, it stops the others and returns that process's
-exit code, so a process that dies or never joins ends the run instead of hanging it.
+exit code, so a process that dies or never joins ends the run instead of hanging it. SIGINT or
+SIGTERM to the launcher goes to every process, and the launcher waits for them to end as the
+command ends in one process (`serve` lets running requests finish); a second signal stops
+them at once.
 
 Only process 0's standard output comes through (results are printed there), without the lines
 the CPU collectives library (gloo) prints as its devices connect; every process's standard
@@ -23,6 +26,7 @@ from collections.abc import Sequence
 from typing import IO
 
 from ..distributed import DEFAULT_JOIN_TIMEOUT, ProcessGroup
+from .interrupts import handed_on, interruption
 
 HOST = "127.0.0.1"
 STOP_GRACE = 5.0
@@ -94,7 +98,15 @@ def launch(
         children.append(child)
         readers.append(reader)
     try:
-        return _wait(children)
+        try:
+            return _wait(children)
+        except KeyboardInterrupt as error:
+            signum = interruption(error).signum
+            for child in children:
+                if child.poll() is None:
+                    child.send_signal(signum)
+            handed_on()
+            return _wait(children)
     finally:
         _stop(children)
         for reader in readers:
@@ -113,7 +125,9 @@ def _forward(stream: IO[bytes], shown: bool) -> None:
 def _wait(children: list[subprocess.Popen]) -> int:
     """Waits for every child; at the first failure, reports it and returns its code."""
     while True:
+        # A process a signal ended reads as a shell reports it, 128 + the signal.
         codes = [child.poll() for child in children]
+        codes = [128 - code if code is not None and code < 0 else code for code in codes]
         failed = [(index, code) for index, code in enumerate(codes) if code not in (None, 0)]
         if failed:
             index, code = failed[0]

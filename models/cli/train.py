@@ -25,6 +25,7 @@ import numpy as np
 
 import boundary_jax as bj
 
+from ..distributed import fetch, is_first_process
 from ..layers.attention.self_attention import AttentionImpl
 from ..serving.text import TEXT_FILES, TextCodec
 from ..training.trainer import TrainConfig, Trainer
@@ -269,6 +270,11 @@ class _Run:
                 f"step {step}/{self.args.steps}: the parameters are not finite; stopped, "
                 f"{self._kept()}. Lower --lr (now {self.args.lr:g})"
             )
+        # Every process takes part in reading the parameters back; process 0 writes them.
+        params = {path: fetch(value) for path, value in params.items()}
+        if not is_first_process():
+            self.saved_step = step
+            return
         staged = None
         try:
             with commands.status(out, f"writing the checkpoint of step {step} to {self.args.out}"):
@@ -281,7 +287,7 @@ class _Run:
             if staged is not None:  # interrupted between writing and renaming
                 shutil.rmtree(staged, ignore_errors=True)
 
-    def _stage(self, params: dict[str, jax.Array]) -> Path:
+    def _stage(self, params: dict[str, np.ndarray]) -> Path:
         """The checkpoint (a PEFT adapter folder under `--train-lora`) written into a new
         temporary directory beside `--out`."""
         lora = self.args.train_lora

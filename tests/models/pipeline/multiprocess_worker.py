@@ -17,7 +17,10 @@ every process's checkpoint bytes read and whether each raised to OUT (.npz) and 
   channel  2 processes: process 0 sends a step through the serving `Channel` from a thread,
            as the server's engine does, and process 1 receives it in `follow`'s place (another
            call stack); process 1 writes what it received to OUT. A process still waiting
-           after CHANNEL_TIMEOUT seconds exits with code 1.
+           after CHANNEL_TIMEOUT seconds exits with code 1;
+  drain    2 processes, no group: each writes OUT.ready.<process>, waits for SIGTERM, then
+           takes DRAIN seconds to end (as a server finishing its requests), writes
+           OUT.<process> and exits 0.
 
 JAX and the models are imported after that, so a process that dies costs no import.
 """
@@ -31,11 +34,14 @@ GOLDEN = pathlib.Path(__file__).parents[2] / "golden" / "llama"
 LOCAL_DEVICES = 2
 NEW_TOKENS = 6
 CHANNEL_TIMEOUT = 60
+DRAIN = 1.5
 
 
 def main(layout: str, out: str) -> int:
     if layout == "die" and os.environ["BOUNDARY_JAX_PROCESS_ID"] == "1":
         return 3
+    if layout == "drain":
+        return drain(out, os.environ["BOUNDARY_JAX_PROCESS_ID"])
     import jax
 
     from models.distributed import ProcessGroup
@@ -46,6 +52,20 @@ def main(layout: str, out: str) -> int:
     if layout == "channel":
         return exchange(out, group.process_id)
     return run(layout, out, group.process_id)
+
+
+def drain(out: str, process: str) -> int:
+    import signal
+    import threading
+    import time
+
+    stopped = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stopped.set())
+    pathlib.Path(f"{out}.ready.{process}").touch()
+    stopped.wait()
+    time.sleep(DRAIN)
+    pathlib.Path(f"{out}.{process}").touch()
+    return 0
 
 
 def exchange(out: str, process: int) -> int:

@@ -5,8 +5,12 @@ serving step sent from process 0's engine thread reaches the others."""
 
 import functools
 import json
+import os
 import pathlib
+import signal
 import socket
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -14,12 +18,14 @@ from safetensors import safe_open
 
 import boundary_jax as bj
 from models.build import load_model
+from models.cli import launch as launch_module
+from models.cli.interrupts import Interrupted, signals_interrupt
 from models.cli.launch import free_port_pair, launch
 from models.cli.main import main
 from models.distributed import JoinError, ProcessGroup
 from models.serving.lockstep import Kind
 from models.serving.runtime import ShardedCausalLM
-from tests.models.pipeline.multiprocess_worker import GOLDEN, NEW_TOKENS
+from tests.models.pipeline.multiprocess_worker import DRAIN, GOLDEN, NEW_TOKENS
 
 ROOT = pathlib.Path(__file__).parents[3]
 WORKER = "tests.models.pipeline.multiprocess_worker"
@@ -90,6 +96,28 @@ def test_processes_give_the_one_process_logits_and_tokens(
     assert np.all(read < share * checkpoint_bytes()), read
 
 
+@pytest.mark.slow
+def test_training_over_processes_writes_the_one_process_checkpoint(monkeypatch, tmp_path):
+    """`launch --processes 2 -- train --out` on DP 2 x TP 2 across the processes: every process
+    reads the parameters back, process 0 writes them, and the checkpoint equals the one a
+    single process trains (it failed reading arrays of the other process's devices)."""
+    text = tmp_path / "train.txt"
+    text.write_text(" ".join(f"word{i % 37} and token {i % 11}." for i in range(400)))
+    args = ["train", "--checkpoint", str(ROOT / "tests" / "golden" / "text"), "--mesh"]
+    args += ["attn_dp=2,attn_tp=2", "--steps", "3", "--batch-tokens", "64", "--seq-len", "16"]
+    args += ["--text", str(text)]
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    assert launch(2, [*args, "--out", str(tmp_path / "two")]) == 0
+    assert main([*args, "--out", str(tmp_path / "one")]) == 0
+    with (
+        safe_open(str(tmp_path / "two" / "model.safetensors"), framework="numpy") as two,
+        safe_open(str(tmp_path / "one" / "model.safetensors"), framework="numpy") as one,
+    ):
+        assert set(two.keys()) == set(one.keys())
+        for name in one.keys():  # noqa: SIM118
+            np.testing.assert_allclose(two.get_tensor(name), one.get_tensor(name), atol=1e-6)
+
+
 @pytest.mark.parametrize(
     "command,message",
     [
@@ -134,6 +162,33 @@ def test_a_message_sent_from_another_call_stack_reaches_the_other_process(monkey
     received = np.load(out)
     assert int(received["kind"]) == int(Kind.STEP)
     np.testing.assert_array_equal(received["payload"], [7, 8, 9])
+
+
+def test_a_signal_to_the_launcher_reaches_every_process_and_is_waited_for(monkeypatch, tmp_path):
+    """SIGTERM to the launcher goes to each process, and the launcher waits while they end as
+    they would alone (here for longer than STOP_GRACE, as a server finishing its requests):
+    exit code 0, no process killed (`serve` under launch cut off a running stream)."""
+    monkeypatch.setattr(launch_module, "STOP_GRACE", DRAIN / 3)
+    out = tmp_path / "drained"
+
+    def signal_when_ready():
+        deadline = time.monotonic() + 60
+        while not all(pathlib.Path(f"{out}.ready.{i}").exists() for i in range(2)):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signaller = threading.Thread(target=signal_when_ready)
+    signaller.start()
+    try:
+        with signals_interrupt():
+            code = _launch(monkeypatch, 2, "drain", out)
+    except Interrupted:
+        pytest.fail("the launcher stopped the processes instead of waiting for them")
+    finally:
+        signaller.join()
+    assert code == 0
+    assert all(pathlib.Path(f"{out}.{i}").exists() for i in range(2))
 
 
 def test_a_process_that_never_joins_is_an_error_after_the_timeout():
