@@ -19,12 +19,14 @@ fail with an error naming it, where the coordination service itself would abort 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import socket
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -252,6 +254,19 @@ def require_everywhere(path: Path, what: str) -> None:
 def is_first_process() -> bool:
     """This is process 0, which prints and writes results (the others compute the same)."""
     return jax.process_index() == 0
+
+
+def gather_json(value: Any) -> list[Any]:
+    """Every process's `value` (anything `json` writes), in process order; all of them must
+    call it. For facts only some processes can compute, as a stage's compiled collectives."""
+    if jax.process_count() == 1:
+        return [value]
+    data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.int32(data.size))).reshape(-1)
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[: data.size] = data
+    rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(sizes.size, -1)
+    return [json.loads(row[:size].tobytes()) for row, size in zip(rows, sizes, strict=True)]
 
 
 def fetch(value: jax.Array) -> np.ndarray:

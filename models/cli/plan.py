@@ -62,8 +62,9 @@ def weight_bytes_per_device(runner: ShardedCausalLM) -> list[int]:
     parameter; FP8 values count one byte, their scales four), in the mesh's device order."""
     totals = dict.fromkeys(runner.mesh.devices.flat, 0)
     for leaf in jax.tree.leaves(runner.state):
-        for shard in leaf.addressable_shards:
-            totals[shard.device] += math.prod(shard.data.shape) * leaf.dtype.itemsize
+        shard = math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+        for device in leaf.sharding.device_set:  # other processes' devices too
+            totals[device] += shard
     return list(totals.values())
 
 

@@ -14,6 +14,7 @@ import boundary_jax as bj
 from boundary_jax.report import parse_hlo
 
 from ..decoder.moe import MoeCausalLM
+from ..distributed import gather_json
 from .runtime import PipelineCausalLM
 
 
@@ -25,9 +26,10 @@ def pipeline_plan_report(
 
     Returns a dict with the split, microbatches and GPipe bubble, and per stage: its layers, its
     layers' bound plans (`boundary_jax.report.describe_stages`), the collectives its compiled
-    program runs per layer (stages this process holds; `None` for the others), and its handoff to
-    the next stage: the tensors `to_pp` sends, their bytes per token and the bytes each
-    attention-TP rank sends per token (it sends its slice of the rows, the receiver gathers).
+    program runs per layer (compiled by a process that holds the stage, gathered by every
+    process), and its handoff to the next stage: the tensors `to_pp` sends, their bytes per
+    token and the bytes each attention-TP rank sends per token (it sends its slice of the rows,
+    the receiver gathers).
     """
     variant = (
         bj.BatchVariant.INPUT_SCATTERED if runner.input_scattered else bj.BatchVariant.ORDINARY
@@ -81,6 +83,12 @@ def pipeline_plan_report(
                 "collectives_by_layer": collectives,
                 "handoff": handoff,
             }
+        )
+    # A stage compiles only on the processes that hold its devices.
+    held = gather_json([report["collectives_by_layer"] for report in reports])
+    for index, report in enumerate(reports):
+        report["collectives_by_layer"] = next(
+            stages[index] for stages in held if stages[index] is not None
         )
     first = runner.stages[0].model
     return {

@@ -97,6 +97,20 @@ def test_processes_give_the_one_process_logits_and_tokens(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mesh", ["attn_tp=2", "pp=2"])
+def test_plan_over_processes_reports_what_one_process_does(monkeypatch, capfd, mesh):
+    """`plan --json` under `launch --processes 2` equals one process's: every device's parameter
+    bytes (each process holds only its own shards) and each stage's collectives (a stage
+    compiles only where its devices are; process 0 printed an empty table for stage 1)."""
+    args = ["plan", "--preset", "tiny-qwen3", "--mesh", mesh, "--json"]
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    assert launch(2, args) == 0
+    over_processes = json.loads(capfd.readouterr().out.strip().splitlines()[-1])
+    assert main(args) == 0
+    assert over_processes == json.loads(capfd.readouterr().out.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
 def test_training_over_processes_writes_the_one_process_checkpoint(monkeypatch, tmp_path):
     """`launch --processes 2 -- train --out` on DP 2 x TP 2 across the processes: every process
     reads the parameters back, process 0 writes them, and the checkpoint equals the one a
