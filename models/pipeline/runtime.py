@@ -290,12 +290,12 @@ class PipelineCausalLM:
         )
         for model in stages:
             model.check_batch_variant(self.variant)
-        rows = stages[0].topology
+        stage_topology = stages[0].topology
         self.sends = tuple(
-            Transfer(a, b, rows) for a, b in zip(meshes[:-1], meshes[1:], strict=True)
+            Transfer(a, b, stage_topology) for a, b in zip(meshes[:-1], meshes[1:], strict=True)
         )
-        self._loop = Transfer(meshes[-1], meshes[0], rows) if len(meshes) > 1 else None
-        self._collect = Collect(meshes, rows)
+        self._loop = Transfer(meshes[-1], meshes[0], stage_topology) if len(meshes) > 1 else None
+        self._collect = Collect(meshes, stage_topology)
 
     @property
     def bubble(self) -> float:
