@@ -1,9 +1,8 @@
 """The benchmarks' smoke modes run to completion on CPU, in a fresh process, and print their tables.
 
 Each runs as a user runs it (`python -m benchmarks.X --smoke`) on one CPU device or on simulated
-ones (JAX_NUM_CPU_DEVICES), with the suite's XLA flags from `conftest.py` inherited. The fast
-ones run by default (about 30 s together on two cores); the rest are `slow` (`-m slow`,
-about 110 s).
+ones (JAX_NUM_CPU_DEVICES), with the suite's XLA flags from `conftest.py` inherited. The
+interpreted GEMM one runs by default; the rest are `slow` (`-m slow`).
 """
 
 import itertools
@@ -48,7 +47,8 @@ def table_rows(stdout: str, column: str) -> list[list[str]]:
     raise AssertionError(f"no table with a {column!r} column in:\n{stdout[-4000:]}")
 
 
-@pytest.mark.parametrize("devices", [1, pytest.param(2, marks=SLOW)])
+@SLOW
+@pytest.mark.parametrize("devices", [1, 2])
 def test_e2e_smoke_runs_every_tp_the_devices_hold(devices):
     """bench_e2e --smoke times a prefill and a decode case at TP 1, and at TP 2 where two
     devices exist (both baselines' prefill logits within bf16 error of the project's), then
@@ -65,6 +65,7 @@ def test_e2e_smoke_runs_every_tp_the_devices_hold(devices):
     assert ("TP [2] left out" in out) == (devices == 1)
 
 
+@SLOW
 def test_ssd_smoke_compares_the_two_forms():
     """bench_ssd --smoke prints the scan against its chunked forms."""
     rows = table_rows(run_smoke("bench_ssd", "--smoke"), "rel err vs lax.scan")

@@ -114,14 +114,13 @@ def _error(got, want):
 
 SLOW = pytest.mark.slow
 # Post-norm and the gated read run on every layout by default; MHC (4 streams, several times the
-# compile) runs by default on the input-scattered DP x TP layout cut before layer 3, which no
-# other MHC test covers, and on the other two under -m slow.
+# compile) on every layout under -m slow.
 DESIGN_CASES = [
     pytest.param(
         design,
         *mesh,
         id=f"kinds{index}-{mesh[1]}-{mesh[2]}-{mesh[3].name}-{mesh[4]}-{design}",
-        marks=[SLOW] if design == "mhc" and mesh[3] is not V.INPUT_SCATTERED else [],
+        marks=[SLOW] if design == "mhc" else [],
     )
     for index, mesh in enumerate(MESHES)
     for design in DESIGNS
@@ -146,7 +145,7 @@ def test_a_design_with_parameters_equals_one_device_uncut_and_cut(
 
 # The gated design (a read and an update both with parameters) and the post-norm update cover a
 # design's parameters on either side of the stage by default; MHC's (its stream of several
-# residual copies costs the most to compile) runs under -m slow, its forward parity by default.
+# residual copies costs the most to compile) runs under -m slow, as its forward parity does.
 @pytest.mark.parametrize(
     "design", [pytest.param(d, marks=[SLOW] if d == "mhc" else []) for d in DESIGNS]
 )

@@ -37,11 +37,16 @@ def test_stack_equals_single_device_reference(dp, tp, layers, policy, scattered)
             assert _relative_error(got, want) < 1e-12, name
 
 
-# TP alone, DP alone and input-scattered DP x TP by default; DP 4 x TP 2 (ordinary rows, a
-# repeat of the DP x TP sums) under -m slow.
+# TP alone by default; input-scattered DP x TP, DP 4 x TP 2 (ordinary rows, a repeat of the
+# DP x TP sums) and DP alone under -m slow.
 @pytest.mark.parametrize(
     "dp,tp,scattered",
-    [(1, 8, False), (2, 4, True), pytest.param(4, 2, False, marks=pytest.mark.slow), (8, 1, False)],
+    [
+        (1, 8, False),
+        pytest.param(2, 4, True, marks=pytest.mark.slow),
+        pytest.param(4, 2, False, marks=pytest.mark.slow),
+        pytest.param(8, 1, False, marks=pytest.mark.slow),
+    ],
 )
 def test_float32_stack_within_1e6(dp, tp, scattered):
     """In float32 the parallel stack stays within 1e-6 (relative to the largest output)."""

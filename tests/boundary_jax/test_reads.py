@@ -53,7 +53,9 @@ MATRIX = [
         tp,
         scattered,
         id=f"dp{dp}-tp{tp}-{'scattered' if scattered else 'ordinary'}",
-        marks=[] if not scattered or (dp, tp) == (2, 2) else [pytest.mark.slow],
+        marks=[]
+        if (dp, tp) == (2, 2) or (dp, tp, scattered) == (1, 4, False)
+        else [pytest.mark.slow],
     )
     for dp, tp in SWEEP_MESHES
     for scattered in ((False, True) if tp > 1 else (False,))

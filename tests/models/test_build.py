@@ -91,6 +91,7 @@ def test_one_initializer_draws_each_unit_once_whatever_the_layer_count():
     assert many > few and many_draws == few_draws > 0
 
 
+@pytest.mark.slow
 def test_draws_past_the_batch_bytes_come_in_smaller_batches_with_the_same_values():
     """Units larger than a share of `max_batch_bytes` are drawn in batches of fewer layers, one
     batch after another, so the initializer's temporaries stay within about one batch (they

@@ -50,7 +50,7 @@ def _documented() -> dict[tuple[int, int, int, CpAttentionMode], dict[str, tuple
 
 
 DOCUMENTED = _documented()
-DEFAULT = {(1, 4, 1, CpAttentionMode.RING), (2, 2, 2, CpAttentionMode.ALL_GATHER)}
+DEFAULT = {(2, 2, 2, CpAttentionMode.ALL_GATHER)}
 
 
 @functools.cache

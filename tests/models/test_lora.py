@@ -48,20 +48,16 @@ LAYOUTS = {
     "pipeline 2": (1, 2, False, 2, 1),
     "DP 2 x CP 2 x TP 2": (2, 2, False, 1, 2),
 }
-# The default run: Llama's logits on every layout, Qwen3's on input-scattered TP 4 (A before the
-# column-parallel projections on the gathered rows, B split like the columns) and pipeline 2;
-# greedy decoding on Qwen3 input-scattered TP 4 and Llama DP 2 x TP 2 (the FFN over the full TP
-# group on both DP ranks' rows: the adapters gathered with them). The rest under slow.
-DEFAULT_LOGITS = {("llama", layout) for layout in LAYOUTS if "CP" not in layout} | {
-    ("qwen3", "input-scattered TP 4"),
+# The default run: the logits of Llama on TP 4, Qwen3 on pipeline 2, and Qwen3-MoE and GPT-OSS on
+# DP 2 x TP 2; greedy decoding on Llama DP 2 x TP 2 (the FFN over the full TP group on both DP
+# ranks' rows: the adapters gathered with them). The rest under slow.
+DEFAULT_LOGITS = {
+    ("llama", "TP 4"),
     ("qwen3", "pipeline 2"),
     ("qwen3_moe", "DP 2 x TP 2"),
-    ("gemma3", "DP 2 x TP 2"),  # sandwich norms, `1 + w` q/k norms
-    ("olmo2", "input-scattered TP 4"),  # post-norm, q/k norms over the whole projection
     ("gpt_oss", "DP 2 x TP 2"),  # sinks, q/k/v/o biases, experts
-    ("arcee", "DP 2 x TP 2"),  # the ungated MLP's up and down
 }
-DEFAULT_DECODE = {("qwen3", "input-scattered TP 4"), ("llama", "DP 2 x TP 2")}
+DEFAULT_DECODE = {("llama", "DP 2 x TP 2")}
 
 
 def cases(default: set[tuple[str, str]]) -> list:

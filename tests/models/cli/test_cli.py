@@ -135,15 +135,15 @@ def test_generate_under_context_parallelism_gives_the_greedy_ids(capsys):
     assert report["mesh"] == {"pp": 1, "attn_dp": 1, "attn_cp": 2, "attn_tp": 2}
 
 
-# By default MoE forward with each dispatch (gathered over EP 4; all-to-all and gathered with
-# EP 2 splitting attn_tp) and dense Qwen2's generate; under -m slow MoE generate through the CLI
-# (the same options reaching the runner whose greedy tokens
+# By default Qwen3-MoE forward (all-to-all with EP 2 splitting attn_tp); under -m slow the
+# gathered dispatch (over EP 4; with EP 2 splitting attn_tp), dense Qwen2's generate, MoE
+# generate through the CLI (the same options reaching the runner whose greedy tokens
 # tests/models/families/test_moe_decoder.py checks) and the attn_dp mesh (attn_dp reaches
 # forward in the ragged-sequences test above).
 @pytest.mark.parametrize(
     "name,command,mesh,extra",
     [
-        ("qwen2_moe", "forward", "attn_tp=4", ["--moe-ep", "4"]),
+        pytest.param("qwen2_moe", "forward", "attn_tp=4", ["--moe-ep", "4"], marks=SLOW),
         pytest.param(
             "qwen2_moe",
             "generate",
@@ -151,7 +151,7 @@ def test_generate_under_context_parallelism_gives_the_greedy_ids(capsys):
             ["--moe-ep", "4", "--moe-dispatch", "all-to-all"],
             marks=SLOW,
         ),
-        ("qwen2", "generate", "attn_tp=4", []),
+        pytest.param("qwen2", "generate", "attn_tp=4", [], marks=SLOW),
     ]
     + [  # --moe-ep splitting a mesh axis: attn_tp 4 as attn_tp_ep 2 x attn_tp 2
         pytest.param(
@@ -159,7 +159,7 @@ def test_generate_under_context_parallelism_gives_the_greedy_ids(capsys):
             command,
             mesh,
             extra,
-            marks=[] if command == "forward" and "attn_dp" not in mesh else [SLOW],
+            marks=[] if (name, command) == ("qwen3_moe", "forward") else [SLOW],
         )
         for name, mesh, extra in (
             ("qwen3_moe", "attn_tp=4", ["--moe-ep", "2", "--moe-dispatch", "all-to-all"]),
@@ -188,16 +188,12 @@ def test_checkpoint_runs_with_expert_parallelism(tmp_path, capsys, name, command
         assert json.loads(last) == reference["generated"].tolist()
 
 
-@pytest.mark.parametrize(  # all-to-all's counts run by default on the Qwen2-MoE checkpoint below
+@pytest.mark.slow  # all-to-all's counts run by default on the Qwen2-MoE checkpoint below
+@pytest.mark.parametrize(
     "dispatch,per_layer,scan",
     [
         ("gather", {"all-reduce": 2}, True),
-        pytest.param(
-            "all-to-all",
-            {"all-gather": 1, "reduce-scatter": 1, "all-to-all": 3},
-            False,
-            marks=SLOW,
-        ),
+        ("all-to-all", {"all-gather": 1, "reduce-scatter": 1, "all-to-all": 3}, False),
     ],
 )
 def test_plan_json_reports_a_middle_sparse_layer(capsys, dispatch, per_layer, scan):
@@ -214,6 +210,7 @@ def test_plan_json_reports_a_middle_sparse_layer(capsys, dispatch, per_layer, sc
     assert counts == per_layer
 
 
+@pytest.mark.slow
 def test_plan_json_of_an_expert_parallel_group_splitting_a_mesh_axis(capsys):
     """plan --json with --moe-ep 2 on attn_tp=4 reports the split mesh (attn_tp_ep x attn_tp)
     and the middle sparse layer's collectives as docs/collectives.md documents them."""
@@ -230,7 +227,7 @@ def test_plan_json_of_an_expert_parallel_group_splitting_a_mesh_axis(capsys):
 @pytest.mark.parametrize(
     "dispatch,per_layer",
     [
-        ("gather", {"all-reduce": 2}),
+        pytest.param("gather", {"all-reduce": 2}, marks=SLOW),
         ("all-to-all", {"all-gather": 1, "reduce-scatter": 1, "all-to-all": 3}),
     ],
 )
@@ -247,15 +244,15 @@ def test_plan_json_of_a_qwen2_moe_checkpoint(capsys, dispatch, per_layer):
     assert counts == per_layer
 
 
-# By default each mesh kind once (TP, DP x TP, input-scattered TP, DP); the other policies on
-# DP x TP under -m slow (tests/boundary_jax/test_collectives.py checks every policy on every mesh).
+# By default DP x TP and input-scattered TP; TP, DP and the other policies on DP x TP under
+# -m slow (tests/boundary_jax/test_collectives.py checks every policy on every mesh).
 PLANS = [
-    ("attn_tp=8", P.AR, False),
+    pytest.param("attn_tp=8", P.AR, False, marks=SLOW),
     ("attn_dp=2,attn_tp=4", P.RS_RSV, False),
     pytest.param("attn_dp=2,attn_tp=4", P.RS, False, marks=SLOW),
     pytest.param("attn_dp=2,attn_tp=4", P.AR, False, marks=SLOW),
     ("attn_tp=4", P.RS_RSV, True),
-    ("attn_dp=8", P.AUTO, False),
+    pytest.param("attn_dp=8", P.AUTO, False, marks=SLOW),
 ]
 
 
@@ -515,6 +512,7 @@ def test_the_installed_command_reports_bad_input_without_a_traceback(tmp_path):
     ]
 
 
+@pytest.mark.slow
 def test_norm_family_checkpoints_run_forward_generate_and_plan(tmp_path, capsys):
     """The post-norm and sandwich-norm checkpoints run on the command line: EXAONE 4.0 forward
     input-scattered (HF's logits within 1e-4), Gemma 3 generate under DP 2 x TP 2 (HF's greedy

@@ -296,6 +296,7 @@ def test_one_apertus_step_on_dp2_tp2_equals_one_device_and_trains_the_alphas():
     assert not any(".alpha_" in path for path in got["frozen"])
 
 
+@pytest.mark.slow
 def test_the_step_clips_and_reports_a_norm_without_the_buffers_gradients():
     """beta and eps get gradients (`Trainer.gradients`), but the step's `grad_norm`, which the
     clipping scales by, is the norm of the parameters' alone, as transformers' buffers have no

@@ -234,6 +234,7 @@ def one_biased_step(dp: int, tp: int) -> dict:
     return {"metrics": metrics, "initial": initial, "params": params}
 
 
+@pytest.mark.slow
 def test_one_biased_step_on_dp2_tp2_equals_one_device():
     """The loss, the gradients' norm and every updated parameter within 1e-5 (relative) of one
     device, and every bias trained: the down bias, added on one rank of its sum, still gets the

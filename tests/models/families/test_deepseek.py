@@ -55,12 +55,15 @@ V2_LAYOUTS = (
     MoeLayout(1, 4, ep=4),
     MoeLayout(2, 2, ep=4, dispatch=ALL_TO_ALL, scattered=True),
 )
+DEFAULT_CASES = {("deepseek_v3", layout) for layout in V3_LAYOUTS[2:]} | {
+    ("deepseek_v2", V2_LAYOUTS[-1])
+}
 CASES = [
     pytest.param(
         name,
         layout,
         id=f"{name}-{layout}",
-        marks=[pytest.mark.slow] if name == "deepseek_v2" and layout != V2_LAYOUTS[-1] else [],
+        marks=[] if (name, layout) in DEFAULT_CASES else [pytest.mark.slow],
     )
     for name, layouts in (
         ("deepseek_v3", V3_LAYOUTS),
@@ -70,8 +73,8 @@ CASES = [
 ]
 """V3 (q LoRA, the correction bias, MTP tensors) on every layout; V2 (no q LoRA, softmax
 routing, two shared experts) on TP 1, TP 4 with EP 4 gather (ordinary rows) and
-input-scattered DP 2 x TP 2 with EP 4 all-to-all, by default only on the last (V3 runs the
-other two layouts' paths)."""
+input-scattered DP 2 x TP 2 with EP 4 all-to-all. By default V3 on its two attention-DP layouts
+and V2 on the last; the rest under -m slow."""
 
 
 @functools.cache

@@ -171,8 +171,8 @@ LAYOUTS = (
 deferred finalize), attention DP 2 x TP 2, and EP 4 in both dispatch modes (all-to-all from
 each TP 4 rank's own rows, its last MoE merging into the final read; gathered rows under
 attention DP 2 x TP 2)."""
-SLOW = {MoeLayout(1, 1), MoeLayout(2, 2)}
-"""Under -m slow: TP 1, and DP 2 x TP 2 without EP (the EP 4 layouts run its rows' path)."""
+SLOW = {MoeLayout(1, 1), MoeLayout(1, 4, defer=True), MoeLayout(2, 2), MoeLayout(2, 2, ep=4)}
+"""Under -m slow: every layout but EP 4 all-to-all on TP 4."""
 
 
 @functools.cache
@@ -235,6 +235,7 @@ def test_logits_and_greedy_tokens_match_transformers(layout):
     assert transformers_error(runner(layout).forward(teacher_forced())) <= 1e-4
 
 
+@pytest.mark.slow
 def test_pipeline_stages_match_transformers():
     """Two pipeline stages (a layer each) on attention TP 2 with EP 2 all-to-all, two
     microbatches, each stage holding its layer's two latent caches: HF's logits and greedy

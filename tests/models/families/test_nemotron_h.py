@@ -99,7 +99,7 @@ def test_logits_and_greedy_tokens_match_transformers(name, dp, tp, ep):
     "name,dp,tp,ep,dispatch",
     [
         pytest.param(MAMBA, 1, 4, 1, "gather", marks=pytest.mark.xdist_group(MAMBA)),
-        pytest.param(MOE, 2, 2, 2, "all-to-all", marks=pytest.mark.xdist_group(MOE)),
+        pytest.param(MOE, 2, 2, 2, "all-to-all", marks=(pytest.mark.xdist_group(MOE), *SLOW)),
         pytest.param(MOE, 1, 4, 2, "gather", marks=SLOW),
     ],
 )
@@ -154,7 +154,7 @@ def test_all_to_all_moe_before_each_mixer_matches_transformers(name, dp, tp, ep)
 @pytest.mark.parametrize(
     "name,sizes,tp,ep",
     [
-        (MOE, (2, 3), 2, 2),
+        pytest.param(MOE, (2, 3), 2, 2, marks=SLOW),
         pytest.param(MAMBA, (2, 4), 2, 1, marks=SLOW),
         pytest.param(ATTN_MOE, (3, 2), 4, 4, marks=SLOW),
     ],
@@ -445,6 +445,7 @@ def test_a_compute_mutant_moves_the_logits(monkeypatch, mutant):
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_plan_names_each_mixer_exit(capsys):
     """`plan --preset tiny-nemotron-h --json` lists one stage per layer; under attention DP
     the Mamba2 mixer before the attention mixer completes its sum at its exit, the attention

@@ -174,6 +174,7 @@ def test_cp_cache_shards_hold_one_devices_keys_once_and_evenly(dp, cp, tp, mode)
             assert shares.max() - shares.min() <= 3, (layer, index, shares)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("dp", "cp", "tp", "mode"), CASES)
 def test_cp_decode_logits_equal_one_device(dp, cp, tp, mode):
     """The prefill's last-row logits and each decode step's logits equal one device's within

@@ -94,7 +94,7 @@ CASES = [
     pytest.param(("tiny-deepseek-v3", 2, 2), 14, id="latent-moe-preempting", marks=SLOW),
     pytest.param(("tiny-nemotron-h", 2, 2), 64, id="hybrid-mamba2-dp2-tp2", marks=SLOW),
     pytest.param(("tiny-nemotron-h", 2, 2), 14, id="hybrid-preempting", marks=SLOW),
-    pytest.param(("short-hybrid", 2, 2), 64, id="hybrid-delta-dp2-tp2"),
+    pytest.param(("short-hybrid", 2, 2), 64, id="hybrid-delta-dp2-tp2", marks=SLOW),
     pytest.param(("short-hybrid", 2, 2), 14, id="hybrid-delta-preempting", marks=SLOW),
     pytest.param(("kimi_linear", 2, 2), 64, id="kimi-delta-latent-dp2-tp2", marks=SLOW),
     pytest.param(("tiny-longcat-flash", 2, 2), 64, id="longcat-latent-pairs-dp2-tp2", marks=SLOW),

@@ -254,6 +254,7 @@ def test_usage_counts_the_tokens_up_to_the_stop_string(served, monkeypatch):
     assert json.loads(events[-2])["usage"]["completion_tokens"] == taken
 
 
+@pytest.mark.slow
 def test_sampling_options_are_served(served):
     """Presence, frequency and repetition penalties reach the draw: a greedy completion with
     them is the greedy penalized one (`test_paged.penalized_choices` step by step), not the plain
@@ -297,6 +298,7 @@ def test_sampling_options_are_served(served):
     assert text == served.codec.decode([forced] * NEW_TOKENS)
 
 
+@pytest.mark.slow
 def test_shared_prefix_reuses_pages_with_unchanged_outputs(served):
     """Requests after one with the same long prefix reuse its pages (counted in /metrics) and
     answer as `generate` alone does."""
@@ -455,6 +457,7 @@ def test_stop_cancels_what_outlives_the_grace_period(engine):
     assert engine.scheduler.used_pages == 0
 
 
+@pytest.mark.slow
 def test_sigterm_finishes_running_requests_and_exits_0(tmp_path):
     """`boundary-jax serve`: SIGTERM while a request streams lets it finish (within the grace
     period) and the process exits 0."""

@@ -105,6 +105,7 @@ def test_a_concurrent_batch_of_adapters_equals_generate_alone(served):
     assert len({answers[0], answers[1], answers[2]}) > 1  # the adapters change the answer
 
 
+@pytest.mark.slow
 def test_a_shared_prefix_is_not_reused_across_adapters(served):
     """The same long prompt under a1 then a2 reuses no page (their keys and values differ);
     under a1 again it reuses a1's; every answer equals its adapter's `generate`."""

@@ -61,6 +61,7 @@ def test_lora_step_trains_the_stacks_only_and_equals_one_device():
     )
 
 
+@pytest.mark.slow
 def test_written_peft_adapter_loads_back_with_the_trained_logits(tmp_path):
     """The trained adapter written in the PEFT layout (scaling taken out of B) and loaded as an
     adapter gives the trained model's logits; the base rows stay the base model's."""

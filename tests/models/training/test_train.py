@@ -65,16 +65,15 @@ class Layout:
 
 SINGLE = Layout(1, 1)
 SLOW = pytest.mark.slow
-# By default one dense and one MoE layout that together cover DP x TP, input-scattered rows and
-# EP all-to-all at the largest EP (4) (the Pallas test below steps the MoE gathered on TP 2); the
-# other layouts (TP alone, EP gather, EP 2 all-to-all with each expert's width split, MHC) under
-# -m slow.
+# By default one MoE layout that covers DP x TP, input-scattered rows and EP all-to-all at the
+# largest EP (4) (the Pallas test below steps the MoE gathered on TP 2); the other layouts (the
+# dense ones, EP gather, EP 2 all-to-all with each expert's width split, MHC) under -m slow.
 CASES = [
     pytest.param("dense", Layout(1, 2), id="dense-TP2", marks=SLOW),
     pytest.param("dense", Layout(1, 4), id="dense-TP4", marks=SLOW),
     pytest.param("dense", Layout(1, 8), id="dense-TP8", marks=SLOW),
     pytest.param("dense", Layout(4, 2), id="dense-DP4xTP2", marks=SLOW),
-    pytest.param("dense", Layout(2, 2, scattered=True), id="dense-DP2xTP2-scattered"),
+    pytest.param("dense", Layout(2, 2, scattered=True), id="dense-DP2xTP2-scattered", marks=SLOW),
     pytest.param("dense", Layout(1, 4, scattered=True), id="dense-TP4-scattered", marks=SLOW),
     pytest.param("moe", Layout(1, 4, ep=4, dispatch=GATHER), id="moe-TP4-EP4-gather", marks=SLOW),
     pytest.param(
@@ -347,7 +346,7 @@ def test_a_float32_step_multiplies_in_float32():
     assert dots and all("precision = [HIGHEST, HIGHEST]" in line for line in dots)
 
 
-@pytest.mark.parametrize("golden", ["llama", "qwen3"])
+@pytest.mark.parametrize("golden", ["llama", pytest.param("qwen3", marks=SLOW)])
 def test_the_pad_token_row_takes_no_gradient_from_lookups(golden, tmp_path):
     """A checkpoint's pad_token_id is transformers' `nn.Embedding(padding_idx)`: where it
     occurs, its lookups give its row no gradient (llama's untied row none at all), while

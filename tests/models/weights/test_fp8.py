@@ -60,12 +60,12 @@ MESHES = {
     "DP 2 x TP 2": (2, 2, 1, None),
     "EP 4": (1, 4, 4, A2A),  # MoE: 2 experts per rank, rows sent all-to-all
 }
-# Dense TP 4 runs in float32 below; the float64 reference itself runs on TP 1. By default each
-# mesh once over the two families (MoE DP 2 x TP 2 repeats dense DP 2 x TP 2's attention and
-# MoE TP 4's experts, and EP 4's experts run padded below: under -m slow).
+# Dense TP 4 runs in float32 below; the float64 reference itself runs on TP 1. By default dense
+# DP 2 x TP 2 and MoE TP 4; under -m slow dense TP 1, shared-kv TP 4, MoE DP 2 x TP 2 (it repeats
+# dense DP 2 x TP 2's attention and MoE TP 4's experts) and EP 4 (its experts run padded below).
 CASES = [("dense", "TP 1"), ("dense", "DP 2 x TP 2"), ("moe", "TP 4")]
 CASES += [("moe", "DP 2 x TP 2"), ("moe", "EP 4"), ("shared-kv", "TP 4")]
-SLOW_CASES = {("moe", "DP 2 x TP 2"), ("moe", "EP 4")}
+SLOW_CASES = {("dense", "TP 1"), ("moe", "DP 2 x TP 2"), ("moe", "EP 4"), ("shared-kv", "TP 4")}
 FP8_FORMAT = Fp8Quantization().activations
 SEQUENCES = ([3, 1, 4, 1, 5, 9, 2], [6, 5, 3], [5, 8, 9, 7, 9])
 

@@ -300,7 +300,7 @@ def test_cudnn_takes_heads_as_wide_as_the_gpu_allows(monkeypatch, fresh_max_head
     "preset, module",
     [
         ("tiny-gpt-oss", "models.layers.attention.self_attention"),
-        ("tiny-deepseek-v3", "models.layers.attention.latent"),
+        pytest.param("tiny-deepseek-v3", "models.layers.attention.latent", marks=pytest.mark.slow),
     ],
 )
 def test_cudnn_prefill_without_a_cache_is_bounded_by_the_packed_slots(monkeypatch, preset, module):

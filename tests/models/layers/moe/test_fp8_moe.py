@@ -54,7 +54,11 @@ def inputs() -> jax.Array:
 
 @pytest.mark.parametrize(
     "busiest_load, branch",
-    [(32, "padded 32"), pytest.param(40, "padded 40", marks=pytest.mark.slow), (41, "grouped")],
+    [
+        pytest.param(32, "padded 32", marks=pytest.mark.slow),
+        pytest.param(40, "padded 40", marks=pytest.mark.slow),
+        (41, "grouped"),
+    ],
 )
 def test_padded_fp8_experts_take_the_first_bucket_that_fits(monkeypatch, busiest_load, branch):
     """The busiest expert's load picks the branch (the first bucket that holds it, else the
