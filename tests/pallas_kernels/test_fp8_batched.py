@@ -46,11 +46,7 @@ def batched_operands(groups, m, k, n, seed=0):
 @pytest.mark.parametrize(
     "shape, tiling",
     [
-        pytest.param(
-            (3, 64, 256, 256),
-            MosaicFp8Tiling(tile_n=128, grid_block_n=1, split_columns=True),
-            marks=pytest.mark.slow,
-        ),
+        ((3, 64, 256, 256), MosaicFp8Tiling(tile_n=128, grid_block_n=1, split_columns=True)),
         pytest.param(
             (2, 192, 256, 128),
             MosaicFp8Tiling(tile_n=64, split_k=2, grid_block_n=2, split_columns=True),

@@ -78,9 +78,9 @@ and it cannot agree by sharing a wrong collective with an unrolled model on its 
 # Each case compiles four scanned programs (forward, prefill, decode, train step); each model's
 # unrolled reference compiles four more, once. By default the dense model runs on TP4-scattered,
 # the layout its round-trip and while-loop tests below share (so its scanned and reference
-# programs compile once for all three); the MoE model's and Gemma 3's splits into runs are
-# checked by default by test_runs_split_where_layers_differ; their layout matrices, the MoE
-# while-loop test and the golden parity tests are slow.
+# programs compile once for all three); the MoE model's runs are covered by default by the
+# Qwen2-MoE golden parity, Gemma 3's split into runs by test_runs_split_where_layers_differ;
+# their full layout matrices and the MoE while-loop test are slow.
 FAST = {("dense", "TP4-scattered")}
 # The dense model runs on TP4 and TP4-scattered. On every layout its layers bind exactly the
 # stage paths that Gemma 3's scanned runs [1, 3) and [3, 5) bind (dense-FFN layers, scanned two
@@ -312,16 +312,14 @@ def test_trained_scanned_model_round_trips_through_a_checkpoint(
     assert np.max(np.abs(scanned - unrolled)) <= 1e-5 * np.max(np.abs(unrolled))
 
 
-@pytest.mark.parametrize(
-    "name", [pytest.param("qwen2_moe", marks=SLOW), pytest.param("gemma3", marks=SLOW)]
-)
+@pytest.mark.parametrize("name", ["qwen2_moe", pytest.param("gemma3", marks=SLOW)])
 def test_golden_parity_with_scanned_layers(name):
     """Loaded scanned, the logits equal transformers' within 1e-4 and the greedy tokens are
     transformers'. Qwen2-MoE (sparse, dense, sparse, sparse) on TP 4 with EP 4 and a fusion
     provider deferring each sparse FFN's finalize to the next input: its dense layer 1 and
     sparse layer 2 are separate runs, and each run's first layer takes the carry in another
     form than it hands on, so it runs from its slice before the scan. Gemma 3 on DP 2 x TP 2:
-    its global layer 1. Both under -m slow (their splits into runs are checked by
+    its global layer 1 (under -m slow: its split into runs is checked by
     test_runs_split_where_layers_differ). (Dense goldens scan in
     tests/models/decoder/test_captures.py, OLMo 2 in test_norm_decoders.py.)"""
     prompts = json.loads((GOLDEN / name / "prompts.json").read_text())
