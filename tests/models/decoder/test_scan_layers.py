@@ -23,7 +23,7 @@ from safetensors.numpy import load_file
 import boundary_jax as bj
 from boundary_jax.report import parse_hlo
 from models import weights as checkpoint
-from models.build import build_model, load_model
+from models.build import abstract_model, build_model, load_model
 from models.cli.plan import PLAN_SEQUENCES, plan_report
 from models.config import PRESETS, DecoderConfig, hf_name_map, read_hf_config
 from models.options import BuildOptions, Remat
@@ -230,14 +230,14 @@ def test_runs_split_where_layers_differ():
     """The scanned models hold the stack entry and the terminal layer alone and each run of one
     structure as a `StackedLayers` whose parameters carry a leading layer axis, unsplit."""
     for name, config in CONFIGS.items():
-        model = build_model(config, bj.Topology(attn_tp=4), BuildOptions(scan_layers=True))
+        model = abstract_model(config, bj.Topology(attn_tp=4), BuildOptions(scan_layers=True))
         runs = [block for block in model.layers if isinstance(block, bj.StackedLayers)]
         assert [run.indices for run in runs] == list(RUNS[name]), name
         for run in runs:
             kernel = run.layer.attn.q_proj.kernel
             assert kernel.shape[0] == len(run)
             assert kernel.get_metadata()["out_sharding"][0] is None
-    moe = build_model(CONFIGS["moe"], bj.Topology(), BuildOptions(scan_layers=True))
+    moe = abstract_model(CONFIGS["moe"], bj.Topology(), BuildOptions(scan_layers=True))
     ffns = [type(block.layer.mlp).__name__ for block in moe.layers[1:-1]]
     assert ffns == ["MoeFfn", "SwiGLU", "MoeFfn", "MoeFfn"]
 

@@ -39,12 +39,13 @@ MAMBA, MOE = "nemotron_h_mm_f_m_a_f", "nemotron_h_f_e_m_e_a"
 ATTN_MOE = "nemotron_h_a_e_f_m_e"  # *E-ME: attention before a MoE, 16 experts (EP 8 divides)
 SLOW = (pytest.mark.slow,)
 # (name, attn_dp, attn_tp, moe_ep, marks): every layout the issue asks for (EP 2 inside TP 4 as
-# attention DP 2 x TP 2: an EP group is whole mesh axes). The fast one holds the most: attention
-# DP with expert parallelism (the Mamba2 model runs input-scattered on TP 4 below). The slow ones
-# repeat the same paths at other sizes, and B/C groups and kv heads shared by 4 ranks on TP 8.
+# attention DP 2 x TP 2: an EP group is whole mesh axes), all under -m slow: by default the MoE
+# model runs on attention DP 2 x TP 2 with EP 2 all-to-all and the Mamba2 model input-scattered on
+# TP 4 (below), greedy tokens through the Mamba2 states included. The rest repeat the same paths
+# at other sizes, gathered rows, and B/C groups and kv heads shared by 4 ranks on TP 8.
 LAYOUTS = [
     (MAMBA, 1, 8, 1, SLOW),
-    (MOE, 2, 2, 2, ()),
+    (MOE, 2, 2, 2, SLOW),
     (MAMBA, 1, 1, 1, SLOW),
     (MAMBA, 1, 2, 1, SLOW),
     (MAMBA, 1, 4, 1, SLOW),
