@@ -11,7 +11,10 @@ them at once.
 
 Only process 0's standard output comes through (results are printed there), without the lines
 the CPU collectives library (gloo) prints as its devices connect; every process's standard
-error does.
+error does, but a one-line message of the command line (`boundary-jax: error: ...`,
+`boundary-jax: interrupted ...`) comes once however many processes print it: every process
+refuses a bad command alike. A process that refused its command (exit code 2 after its error
+line) ends the run with that one line, as the command does in one process.
 """
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ from .interrupts import handed_on, interruption
 HOST = "127.0.0.1"
 STOP_GRACE = 5.0
 """Seconds a stopped process gets to exit before it is killed."""
+ONE_LINE = b"boundary-jax: "
+"""How the command line's one-line messages (errors, interruptions) begin."""
+REFUSED = 2
+"""The command line's exit code for input it refuses."""
 GLOO_MARKS = (b"[Gloo] ", b"connected peer ranks")
 """Pieces of the CPU collectives library's connection messages (which two devices' threads may
 print into each other's line)."""
@@ -85,32 +92,35 @@ def launch(
             "-- plan --preset tiny-qwen3 --mesh pp=2"
         )
     coordinator = f"{HOST}:{free_port_pair() if port is None else port}"
-    children, readers = [], []
+    children, readers, errors = [], [], _Errors()
     for index in range(processes):
         group = ProcessGroup(coordinator, processes, index, join_timeout)
         child = subprocess.Popen(
             [python, "-m", module, *command],
             env={**os.environ, **group.environment()},
             stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
         )
         reader = threading.Thread(target=_forward, args=(child.stdout, index == 0), daemon=True)
         reader.start()
         children.append(child)
         readers.append(reader)
+        errors.read(index, child.stderr)
     try:
         try:
-            return _wait(children)
+            return _wait(children, errors)
         except KeyboardInterrupt as error:
             signum = interruption(error).signum
             for child in children:
                 if child.poll() is None:
                     child.send_signal(signum)
             handed_on()
-            return _wait(children)
+            return _wait(children, errors)
     finally:
         _stop(children)
         for reader in readers:
             reader.join()
+        errors.join()
 
 
 def _forward(stream: IO[bytes], shown: bool) -> None:
@@ -122,8 +132,50 @@ def _forward(stream: IO[bytes], shown: bool) -> None:
     stream.close()
 
 
-def _wait(children: list[subprocess.Popen]) -> int:
-    """Waits for every child; at the first failure, reports it and returns its code."""
+class _Errors:
+    """The children's standard error, copied to ours line by line, each one-line message of the
+    command line once (the first process to print it shows it)."""
+
+    def __init__(self):
+        self._shown: set[bytes] = set()
+        self._lock = threading.Lock()
+        self._readers: list[threading.Thread] = []
+        self._refused: set[int] = set()
+
+    def read(self, index: int, stream: IO[bytes]) -> None:
+        """Starts copying child `index`'s standard error."""
+        reader = threading.Thread(target=self._copy, args=(index, stream), daemon=True)
+        reader.start()
+        self._readers.append(reader)
+
+    def refused(self, index: int) -> bool:
+        """Whether child `index` printed an error line (read to its end: the child has
+        exited)."""
+        self._readers[index].join(STOP_GRACE)
+        return index in self._refused
+
+    def join(self) -> None:
+        """Waits until every child's standard error is copied to its end."""
+        for reader in self._readers:
+            reader.join()
+
+    def _copy(self, index: int, stream: IO[bytes]) -> None:
+        for line in stream:
+            if line.startswith(ONE_LINE):
+                with self._lock:
+                    if line.startswith(ONE_LINE + b"error: "):
+                        self._refused.add(index)
+                    if line in self._shown:
+                        continue
+                    self._shown.add(line)
+            sys.stderr.buffer.write(line)
+            sys.stderr.buffer.flush()
+        stream.close()
+
+
+def _wait(children: list[subprocess.Popen], errors: _Errors) -> int:
+    """Waits for every child; at the first failure, reports it (unless the child refused its
+    command in its own one line) and returns its code."""
     while True:
         # A process a signal ended reads as a shell reports it, 128 + the signal.
         codes = [child.poll() for child in children]
@@ -131,6 +183,8 @@ def _wait(children: list[subprocess.Popen]) -> int:
         failed = [(index, code) for index, code in enumerate(codes) if code not in (None, 0)]
         if failed:
             index, code = failed[0]
+            if code == REFUSED and errors.refused(index):
+                return code
             running = [i for i, c in enumerate(codes) if c is None]
             print(
                 f"boundary-jax launch: process {index} exited with code {code}"

@@ -14,6 +14,8 @@ every process's checkpoint bytes read and whether each raised to OUT (.npz) and 
   stages   4 processes x 2 devices, pp=2 x attn_tp=4: each stage's TP group spans two
            processes, the handoff crosses to the other two;
   die      2 processes: process 1 exits with code 3 before joining (nothing else runs);
+  refuse   2 processes: each prints a note and REFUSAL to its standard error and exits 2
+           before joining, as every process of a command refused on its input does;
   channel  2 processes: process 0 sends a step through the serving `Channel` from a thread,
            as the server's engine does, and process 1 receives it in `follow`'s place (another
            call stack); process 1 writes what it received to OUT. A process still waiting
@@ -35,11 +37,16 @@ LOCAL_DEVICES = 2
 NEW_TOKENS = 6
 CHANNEL_TIMEOUT = 60
 DRAIN = 1.5
+REFUSAL = "boundary-jax: error: every process refuses this alike"
 
 
 def main(layout: str, out: str) -> int:
     if layout == "die" and os.environ["BOUNDARY_JAX_PROCESS_ID"] == "1":
         return 3
+    if layout == "refuse":
+        print(f"a note from process {os.environ['BOUNDARY_JAX_PROCESS_ID']}", file=sys.stderr)
+        print(REFUSAL, file=sys.stderr)
+        return 2
     if layout == "drain":
         return drain(out, os.environ["BOUNDARY_JAX_PROCESS_ID"])
     import jax

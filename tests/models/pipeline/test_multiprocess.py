@@ -25,7 +25,7 @@ from models.cli.main import main
 from models.distributed import JoinError, ProcessGroup
 from models.serving.lockstep import Kind
 from models.serving.runtime import ShardedCausalLM
-from tests.models.pipeline.multiprocess_worker import DRAIN, GOLDEN, NEW_TOKENS
+from tests.models.pipeline.multiprocess_worker import DRAIN, GOLDEN, NEW_TOKENS, REFUSAL
 
 ROOT = pathlib.Path(__file__).parents[3]
 WORKER = "tests.models.pipeline.multiprocess_worker"
@@ -165,6 +165,16 @@ def test_a_process_that_dies_before_joining_ends_the_launch(monkeypatch, capfd, 
     """The launcher stops the other processes and returns the failing one's exit code."""
     assert _launch(monkeypatch, 2, "die", tmp_path / "none.npz", join_timeout=60) == 3
     assert "process 1 exited with code 3; stopping processes [0]" in capfd.readouterr().err
+
+
+def test_a_command_every_process_refuses_ends_in_its_one_line(monkeypatch, capfd, tmp_path):
+    """Every process prints the same error line and exits 2: the run ends with exit code 2 and
+    that line once, nothing from the launcher, and the failing process's other lines."""
+    assert _launch(monkeypatch, 2, "refuse", tmp_path / "none.npz") == 2
+    lines = capfd.readouterr().err.splitlines()
+    assert lines.count(REFUSAL) == 1, lines
+    assert not [line for line in lines if line.startswith("boundary-jax launch:")], lines
+    assert any(line.startswith("a note from process") for line in lines), lines
 
 
 def test_a_message_sent_from_another_call_stack_reaches_the_other_process(monkeypatch, tmp_path):
