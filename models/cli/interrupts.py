@@ -12,6 +12,8 @@ import sys
 import threading
 from collections.abc import Iterator
 
+from .lines import PREFIX
+
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _received: list[int] = []
 """The signals raised as `Interrupted` within `signals_interrupt` and not yet reported."""
@@ -99,7 +101,7 @@ def report(interrupted: Interrupted) -> int:
     """Says on stderr, in one line, what stopped the command; returns its exit code."""
     _received.clear()
     note = f" {interrupted.note}" if interrupted.note else ""
-    print(f"boundary-jax: interrupted by {interrupted.name}{note}", file=sys.stderr)
+    print(f"{PREFIX}interrupted by {interrupted.name}{note}", file=sys.stderr)
     return interrupted.exit_code
 
 

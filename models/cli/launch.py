@@ -30,14 +30,11 @@ from typing import IO
 
 from ..distributed import DEFAULT_JOIN_TIMEOUT, ProcessGroup
 from .interrupts import handed_on, interruption
+from .lines import ERROR, EXIT_BAD_INPUT, PREFIX
 
 HOST = "127.0.0.1"
 STOP_GRACE = 5.0
 """Seconds a stopped process gets to exit before it is killed."""
-ONE_LINE = b"boundary-jax: "
-"""How the command line's one-line messages (errors, interruptions) begin."""
-REFUSED = 2
-"""The command line's exit code for input it refuses."""
 GLOO_MARKS = (b"[Gloo] ", b"connected peer ranks")
 """Pieces of the CPU collectives library's connection messages (which two devices' threads may
 print into each other's line)."""
@@ -161,9 +158,9 @@ class _Errors:
 
     def _copy(self, index: int, stream: IO[bytes]) -> None:
         for line in stream:
-            if line.startswith(ONE_LINE):
+            if line.startswith(PREFIX.encode()):
                 with self._lock:
-                    if line.startswith(ONE_LINE + b"error: "):
+                    if line.startswith(ERROR.encode()):
                         self._refused.add(index)
                     if line in self._shown:
                         continue
@@ -183,7 +180,7 @@ def _wait(children: list[subprocess.Popen], errors: _Errors) -> int:
         failed = [(index, code) for index, code in enumerate(codes) if code not in (None, 0)]
         if failed:
             index, code = failed[0]
-            if code == REFUSED and errors.refused(index):
+            if code == EXIT_BAD_INPUT and errors.refused(index):
                 return code
             running = [i for i, c in enumerate(codes) if c is None]
             print(

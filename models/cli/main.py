@@ -33,12 +33,12 @@ from . import commands, options
 from .demo import run_demo
 from .interrupts import interruption, report, signals_interrupt
 from .launch import launch
+from .lines import ERROR, EXIT_BAD_INPUT
 from .lora import add_lora_args, lora_training
 from .options import InputError
 from .serve import add_serve_args, serve
 from .train import train
 
-EXIT_BAD_INPUT = 2
 EXIT_BROKEN_PIPE = 141
 """128 + SIGPIPE: what a shell reports for a writer whose reader left (`plan --json | head`)."""
 
@@ -409,7 +409,7 @@ def _out_of_memory(error: BaseException) -> bool:
 
 
 def _fail(message: str) -> int:
-    print(f"boundary-jax: error: {message}", file=sys.stderr)
+    print(f"{ERROR}{message}", file=sys.stderr)
     return EXIT_BAD_INPUT
 
 
