@@ -85,6 +85,15 @@ def _served(preset: str, dp: int, tp: int, scan: bool = False):
     return runner, prompts, runner.generate(prompts, NEW_TOKENS), roomy
 
 
+@functools.cache
+def _pool(case: tuple, pages: int) -> PagedRunner:
+    """The case's shared paged runner of `pages` pages per rank (the roomy one at 64)."""
+    runner, _, _, roomy = _served(*case)
+    if pages == roomy.pages_per_rank:
+        return roomy
+    return PagedRunner(runner, page_size=4, pages_per_rank=pages, slots_per_rank=4, max_rows=16)
+
+
 DEFAULT = ("tiny-mistral", 2, 2)
 SLOW = pytest.mark.slow
 CASES = [
@@ -141,12 +150,8 @@ def test_paged_greedy_equals_generate(case, pages, monkeypatch):
     pages (with a sliding window), MLA latent pages (with MoE layers; LongCat-Flash's pair per
     layer), Mamba2 and delta-rule states stepped row by row in their slots (Nemotron-H,
     Qwen3-Next, Kimi-Linear), unrolled and scanned layers."""
-    runner, prompts, want, roomy = _served(*case)
-    paged = roomy
-    if pages != roomy.pages_per_rank:
-        paged = PagedRunner(
-            runner, page_size=4, pages_per_rank=pages, slots_per_rank=4, max_rows=16
-        )
+    runner, prompts, want, _ = _served(*case)
+    paged = _pool(case, pages)
     launched = []
     launch = paged.launch
 
@@ -284,12 +289,8 @@ def test_penalties_equal_the_full_sequence_reference(pages):
     slots passing between requests of each kind: each answer is its greedy penalized choice at
     every step by the forward of its whole sequence, and differs from `generate`'s for most of
     the 12 prompts."""
-    runner, prompts, want, roomy = _served(*DEFAULT)
-    paged = roomy
-    if pages != roomy.pages_per_rank:
-        paged = PagedRunner(
-            runner, page_size=4, pages_per_rank=pages, slots_per_rank=4, max_rows=16
-        )
+    runner, prompts, want, _ = _served(*DEFAULT)
+    paged = _pool(DEFAULT, pages)
     sampling = [PENALTIES[i % len(PENALTIES)] for i in range(len(prompts))]
     engine = Engine(paged)
     requests = [
