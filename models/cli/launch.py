@@ -13,8 +13,9 @@ Only process 0's standard output comes through (results are printed there), with
 the CPU collectives library (gloo) prints as its devices connect; every process's standard
 error does, but a one-line message of the command line (`boundary-jax: error: ...`,
 `boundary-jax: interrupted ...`) comes once however many processes print it: every process
-refuses a bad command alike. A process that refused its command (exit code 2 after its error
-line) ends the run with that one line, as the command does in one process.
+refuses a bad command alike. A process that said in its one line why it stopped (refused its
+command, exit code 2; interrupted, 128 + the signal) ends the run with that line, as the
+command does in one process.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import IO
 
 from ..distributed import DEFAULT_JOIN_TIMEOUT, ProcessGroup
 from .interrupts import handed_on, interruption
-from .lines import ERROR, EXIT_BAD_INPUT, PREFIX
+from .lines import PREFIX
 
 HOST = "127.0.0.1"
 STOP_GRACE = 5.0
@@ -114,7 +115,7 @@ def launch(
             handed_on()
             return _wait(children, errors)
     finally:
-        _stop(children)
+        _stop(children, errors)
         for reader in readers:
             reader.join()
         errors.join()
@@ -137,7 +138,7 @@ class _Errors:
         self._shown: set[bytes] = set()
         self._lock = threading.Lock()
         self._readers: list[threading.Thread] = []
-        self._refused: set[int] = set()
+        self._said_why: set[int] = set()
 
     def read(self, index: int, stream: IO[bytes]) -> None:
         """Starts copying child `index`'s standard error."""
@@ -145,11 +146,11 @@ class _Errors:
         reader.start()
         self._readers.append(reader)
 
-    def refused(self, index: int) -> bool:
-        """Whether child `index` printed an error line (read to its end: the child has
-        exited)."""
+    def said_why(self, index: int) -> bool:
+        """Whether child `index` printed a one-line message saying why it stopped (read to its
+        end: the child has exited)."""
         self._readers[index].join(STOP_GRACE)
-        return index in self._refused
+        return index in self._said_why
 
     def join(self) -> None:
         """Waits until every child's standard error is copied to its end."""
@@ -160,8 +161,7 @@ class _Errors:
         for line in stream:
             if line.startswith(PREFIX.encode()):
                 with self._lock:
-                    if line.startswith(ERROR.encode()):
-                        self._refused.add(index)
+                    self._said_why.add(index)
                     if line in self._shown:
                         continue
                     self._shown.add(line)
@@ -171,8 +171,8 @@ class _Errors:
 
 
 def _wait(children: list[subprocess.Popen], errors: _Errors) -> int:
-    """Waits for every child; at the first failure, reports it (unless the child refused its
-    command in its own one line) and returns its code."""
+    """Waits for every child; at the first failure, reports it (unless the child said why in
+    its own one line) and returns its code."""
     while True:
         # A process a signal ended reads as a shell reports it, 128 + the signal.
         codes = [child.poll() for child in children]
@@ -180,7 +180,7 @@ def _wait(children: list[subprocess.Popen], errors: _Errors) -> int:
         failed = [(index, code) for index, code in enumerate(codes) if code not in (None, 0)]
         if failed:
             index, code = failed[0]
-            if code == EXIT_BAD_INPUT and errors.refused(index):
+            if errors.said_why(index):
                 return code
             running = [i for i, c in enumerate(codes) if c is None]
             print(
@@ -194,10 +194,11 @@ def _wait(children: list[subprocess.Popen], errors: _Errors) -> int:
         time.sleep(0.05)
 
 
-def _stop(children: list[subprocess.Popen]) -> None:
+def _stop(children: list[subprocess.Popen], errors: _Errors) -> None:
     """Stops the children still running: terminate, then kill after `STOP_GRACE`; says which
-    of them exited with an error of their own (a command that stops cleanly on SIGTERM, as
-    `serve`, exits 0; one ended by the signal itself is not reported)."""
+    of them exited with an error of their own that they did not say in their one line (a
+    command that stops cleanly on SIGTERM, as `serve`, exits 0; one ended by the signal itself
+    is not reported)."""
     running = [(index, child) for index, child in enumerate(children) if child.poll() is None]
     for _, child in running:
         child.terminate()
@@ -208,7 +209,7 @@ def _stop(children: list[subprocess.Popen]) -> None:
         except subprocess.TimeoutExpired:
             child.kill()
             child.wait()
-        if child.returncode > 0:
+        if child.returncode > 0 and not errors.said_why(index):
             print(
                 f"boundary-jax launch: stopped process {index} exited with code {child.returncode}",
                 file=sys.stderr,

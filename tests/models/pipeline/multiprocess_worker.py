@@ -16,6 +16,10 @@ every process's checkpoint bytes read and whether each raised to OUT (.npz) and 
   die      2 processes: process 1 exits with code 3 before joining (nothing else runs);
   refuse   2 processes: each prints a note and REFUSAL to its standard error and exits 2
            before joining, as every process of a command refused on its input does;
+  interrupted
+           2 processes, no group: each prints a note and INTERRUPTION and exits 130, as every
+           process of an interrupted command does; process 1 first writes OUT.ready.1 and
+           waits for SIGTERM (the launcher stopping it), process 0 for that file;
   channel  2 processes: process 0 sends a step through the serving `Channel` from a thread,
            as the server's engine does, and process 1 receives it in `follow`'s place (another
            call stack); process 1 writes what it received to OUT. A process still waiting
@@ -38,6 +42,7 @@ NEW_TOKENS = 6
 CHANNEL_TIMEOUT = 60
 DRAIN = 1.5
 REFUSAL = "boundary-jax: error: every process refuses this alike"
+INTERRUPTION = "boundary-jax: interrupted by SIGINT"
 
 
 def main(layout: str, out: str) -> int:
@@ -47,6 +52,8 @@ def main(layout: str, out: str) -> int:
         print(f"a note from process {os.environ['BOUNDARY_JAX_PROCESS_ID']}", file=sys.stderr)
         print(REFUSAL, file=sys.stderr)
         return 2
+    if layout == "interrupted":
+        return interrupted(out, os.environ["BOUNDARY_JAX_PROCESS_ID"])
     if layout == "drain":
         return drain(out, os.environ["BOUNDARY_JAX_PROCESS_ID"])
     import jax
@@ -59,6 +66,26 @@ def main(layout: str, out: str) -> int:
     if layout == "channel":
         return exchange(out, group.process_id)
     return run(layout, out, group.process_id)
+
+
+def interrupted(out: str, process: str) -> int:
+    import signal
+    import threading
+    import time
+
+    ready = pathlib.Path(f"{out}.ready.1")
+    if process == "1":
+        stopped = threading.Event()
+        signal.signal(signal.SIGTERM, lambda signum, frame: stopped.set())
+        ready.touch()
+        stopped.wait(CHANNEL_TIMEOUT)
+    else:
+        deadline = time.monotonic() + CHANNEL_TIMEOUT
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+    print(f"a note from process {process}", file=sys.stderr)
+    print(INTERRUPTION, file=sys.stderr)
+    return 130
 
 
 def drain(out: str, process: str) -> int:

@@ -25,7 +25,13 @@ from models.cli.main import main
 from models.distributed import JoinError, ProcessGroup
 from models.serving.lockstep import Kind
 from models.serving.runtime import ShardedCausalLM
-from tests.models.pipeline.multiprocess_worker import DRAIN, GOLDEN, NEW_TOKENS, REFUSAL
+from tests.models.pipeline.multiprocess_worker import (
+    DRAIN,
+    GOLDEN,
+    INTERRUPTION,
+    NEW_TOKENS,
+    REFUSAL,
+)
 
 ROOT = pathlib.Path(__file__).parents[3]
 WORKER = "tests.models.pipeline.multiprocess_worker"
@@ -167,12 +173,18 @@ def test_a_process_that_dies_before_joining_ends_the_launch(monkeypatch, capfd, 
     assert "process 1 exited with code 3; stopping processes [0]" in capfd.readouterr().err
 
 
-def test_a_command_every_process_refuses_ends_in_its_one_line(monkeypatch, capfd, tmp_path):
-    """Every process prints the same error line and exits 2: the run ends with exit code 2 and
-    that line once, nothing from the launcher, and the failing process's other lines."""
-    assert _launch(monkeypatch, 2, "refuse", tmp_path / "none.npz") == 2
+@pytest.mark.parametrize(
+    ("layout", "code", "line"), [("refuse", 2, REFUSAL), ("interrupted", 130, INTERRUPTION)]
+)
+def test_a_command_every_process_stops_alike_ends_in_its_one_line(
+    monkeypatch, capfd, tmp_path, layout, code, line
+):
+    """Every process prints the same line saying why it stops (refused, exit code 2;
+    interrupted, 130; one of them only once the launcher stops it): the run ends with that exit
+    code and that line once, nothing from the launcher, and the processes' other lines."""
+    assert _launch(monkeypatch, 2, layout, tmp_path / "out") == code
     lines = capfd.readouterr().err.splitlines()
-    assert lines.count(REFUSAL) == 1, lines
+    assert lines.count(line) == 1, lines
     assert not [line for line in lines if line.startswith("boundary-jax launch:")], lines
     assert any(line.startswith("a note from process") for line in lines), lines
 
