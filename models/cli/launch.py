@@ -122,9 +122,16 @@ def launch(
 
 
 def _forward(stream: IO[bytes], shown: bool) -> None:
-    """Copies a child's standard output to ours (`shown`) or drops it, line by line."""
+    """Copies a child's standard output to ours (`shown`) or drops it, line by line, without
+    gloo's connection messages. Where its threads printed several into one line, each one's
+    own line end comes after it as an empty line, dropped too."""
+    line_ends_owed = 0
     for line in stream:
-        if shown and not any(mark in line for mark in GLOO_MARKS):
+        if any(mark in line for mark in GLOO_MARKS):
+            line_ends_owed += max(line.count(GLOO_MARKS[0]) - 1, 0)
+        elif line_ends_owed and not line.strip():
+            line_ends_owed -= 1
+        elif shown:
             sys.stdout.buffer.write(line)
             sys.stdout.buffer.flush()
     stream.close()

@@ -4,6 +4,7 @@ process; processes that fail to join, die or lack the checkpoint end the run wit
 serving step sent from process 0's engine thread reaches the others."""
 
 import functools
+import io
 import json
 import os
 import pathlib
@@ -256,6 +257,28 @@ def test_the_process_group_is_read_from_the_environment():
         ProcessGroup.from_environment({**environ, "BOUNDARY_JAX_PROCESS_ID": "4"})
     with pytest.raises(ValueError, match="host:port"):
         ProcessGroup.from_environment({**environ, "BOUNDARY_JAX_COORDINATOR": "10.0.0.1"})
+
+
+def test_process_zero_output_comes_through_without_the_connection_messages(capsysbinary):
+    """gloo's messages are dropped, whole or printed into each other's line by two threads (each
+    one's own line end then comes alone, dropped as well); process 0's lines, empty ones
+    included, come through; the other processes' do not."""
+    message = b"[Gloo] Rank %d is connected to 1 peer ranks. Expected number of connected peer"
+    message += b" ranks is : 1"
+    output = [
+        message % 0 + b"\n",
+        message % 0 + message % 1 + b"\n",
+        b"\n",
+        b"[[1, 2]]\n",
+        b"\n",
+        message % 1 + message % 0 + message % 1 + b"\n",
+        b"\n",
+        b"\n",
+        b"done\n",
+    ]
+    for shown in (True, False):
+        launch_module._forward(io.BytesIO(b"".join(output)), shown)
+        assert capsysbinary.readouterr().out == (b"[[1, 2]]\n\ndone\n" if shown else b"")
 
 
 def test_free_port_pair_gives_two_free_ports():
