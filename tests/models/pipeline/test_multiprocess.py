@@ -26,7 +26,7 @@ from models.cli.main import main
 from models.distributed import JoinError, ProcessGroup
 from models.serving.lockstep import Kind
 from models.serving.runtime import ShardedCausalLM
-from tests.models.pipeline.multiprocess_worker import (
+from tests.multiprocess_worker import (
     DRAIN,
     GOLDEN,
     INTERRUPTION,
@@ -35,7 +35,7 @@ from tests.models.pipeline.multiprocess_worker import (
 )
 
 ROOT = pathlib.Path(__file__).parents[3]
-WORKER = "tests.models.pipeline.multiprocess_worker"
+WORKER = "tests.multiprocess_worker"
 
 # Launches on one machine interfere when they overlap (two at once failed with a gloo size
 # mismatch, each passing alone), so one xdist worker runs them all, one after another.

@@ -1,6 +1,6 @@
 """One process of the multi-process tests, started by `models.cli.launch.launch(module=...)`.
 
-    python -m tests.models.pipeline.multiprocess_worker LAYOUT OUT
+    python -m tests.multiprocess_worker LAYOUT OUT
 
 It joins its group (`ProcessGroup.from_environment`), checks that a checkpoint missing on
 process 1 stops every process (each records that it raised), loads the golden Llama checkpoint
@@ -28,7 +28,8 @@ every process's checkpoint bytes read and whether each raised to OUT (.npz) and 
            takes DRAIN seconds to end (as a server finishing its requests), writes
            OUT.<process> and exits 0.
 
-JAX and the models are imported after that, so a process that dies costs no import.
+JAX and the models are imported after that, and the module sits in the top `tests` package
+(`tests.models` imports them), so a process that dies, refuses or drains costs no import.
 """
 
 import json
@@ -36,7 +37,7 @@ import os
 import pathlib
 import sys
 
-GOLDEN = pathlib.Path(__file__).parents[2] / "golden" / "llama"
+GOLDEN = pathlib.Path(__file__).parent / "golden" / "llama"
 LOCAL_DEVICES = 2
 NEW_TOKENS = 6
 CHANNEL_TIMEOUT = 60
