@@ -99,7 +99,9 @@ def launch(
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
         )
-        reader = threading.Thread(target=_forward, args=(child.stdout, index == 0), daemon=True)
+        reader = threading.Thread(
+            target=forward_output, args=(child.stdout, index == 0), daemon=True
+        )
         reader.start()
         children.append(child)
         readers.append(reader)
@@ -121,7 +123,7 @@ def launch(
         errors.join()
 
 
-def _forward(stream: IO[bytes], shown: bool) -> None:
+def forward_output(stream: IO[bytes], shown: bool) -> None:
     """Copies a child's standard output to ours (`shown`) or drops it, line by line, without
     gloo's connection messages. Where its threads printed several into one line, each one's
     own line end comes after it as an empty line, dropped too."""

@@ -277,7 +277,7 @@ def test_process_zero_output_comes_through_without_the_connection_messages(capsy
         b"done\n",
     ]
     for shown in (True, False):
-        launch_module._forward(io.BytesIO(b"".join(output)), shown)
+        launch_module.forward_output(io.BytesIO(b"".join(output)), shown)
         assert capsysbinary.readouterr().out == (b"[[1, 2]]\n\ndone\n" if shown else b"")
 
 
