@@ -28,7 +28,7 @@ import boundary_jax as bj
 from ..build import build_model, load_model
 from ..config import PRESETS, DecoderConfig
 from ..decoder.model import CausalLM
-from ..distributed import is_first_process, require_everywhere
+from ..distributed import gather_json, is_first_process, require_everywhere
 from ..layers.attention.self_attention import AttentionImpl
 from ..layers.lora import LoraSpec
 from ..pipeline import PipelineCausalLM, PipelineSplit, build_pipeline, load_pipeline
@@ -60,6 +60,25 @@ def status(out: Console, message: str) -> Iterator[None]:
 
 
 # -- the model's source -----------------------------------------------------------------------
+
+
+def check_on_first_process(check: Callable[[], None]) -> None:
+    """Runs `check` (of what only process 0 uses: where it writes, where it listens) there, and
+    every process raises its `InputError`, so that none goes on into a collective the first
+    one left (one line from each, the same, which `launch` shows once).
+
+    Raises:
+      InputError: `check` raised it on process 0.
+    """
+    problem = None
+    if is_first_process():
+        try:
+            check()
+        except InputError as error:
+            problem = str(error)
+    first = gather_json(problem)[0]
+    if first is not None:
+        raise InputError(first)
 
 
 def checkpoint_dir(args: argparse.Namespace) -> Path | None:
@@ -295,10 +314,13 @@ def forward(args: argparse.Namespace) -> None:
             )
         if adapters is not None:
             raise InputError("--capture-layers captures the base model; drop the adapters")
-    if is_first_process():
+
+    def check_out() -> None:
         options.check_output_file("--out", args.out)
         if layers is not None:
             options.check_output_file("--out", captures_path(args.out))
+
+    check_on_first_process(check_out)
     if text is not None:
         out.log(f"{len(sequences)} prompts encoded with {text.description}")
     model = runner(args, out, config)

@@ -19,7 +19,15 @@ from ..serving.runtime import ShardedCausalLM
 from ..serving.server import Server, run_server
 from ..serving.text import eos_token_ids, generation_config
 from . import options
-from .commands import checkpoint_dir, codec, console, runner, source_config, status
+from .commands import (
+    check_on_first_process,
+    checkpoint_dir,
+    codec,
+    console,
+    runner,
+    source_config,
+    status,
+)
 from .interrupts import SIGNALS, raise_pending
 from .lora import lora_sources
 from .options import InputError
@@ -162,8 +170,7 @@ def serve(args: argparse.Namespace) -> None:
             "would run the base model; name the adapter otherwise (--lora NAME=DIR) or set "
             "--served-model-name"
         )
-    if is_first_process():
-        check_listening(args.host, args.port)
+    check_on_first_process(lambda: check_listening(args.host, args.port))
     out = console()
     config = source_config(args)
     model = runner(args, out, config)

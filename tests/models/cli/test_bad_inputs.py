@@ -63,3 +63,26 @@ def test_a_closed_stdout_ends_quietly(monkeypatch, capsys):
     assert main(["plan", "--preset", "tiny-qwen3", "--json"]) == EXIT_BROKEN_PIPE
     stdout.close()
     assert "Error" not in capsys.readouterr().err
+
+
+def test_what_the_first_process_refuses_every_process_refuses_in_its_line(monkeypatch):
+    """A check of what only process 0 uses (its `--out`, its port) runs there alone, and every
+    process raises process 0's line: the others do not run on into a collective it left."""
+    problem = "--out /proc/x.npy: cannot write in /proc (No such file or directory)"
+    checked = []
+
+    def refuse():
+        checked.append(True)
+        raise commands.InputError(problem)
+
+    monkeypatch.setattr(commands, "is_first_process", lambda: False)
+    monkeypatch.setattr(commands, "gather_json", lambda value: [problem, value])
+    with pytest.raises(commands.InputError, match=re.escape(problem)):
+        commands.check_on_first_process(refuse)
+    assert not checked
+    monkeypatch.setattr(commands, "is_first_process", lambda: True)
+    monkeypatch.setattr(commands, "gather_json", lambda value: [value, None])
+    with pytest.raises(commands.InputError, match=re.escape(problem)):
+        commands.check_on_first_process(refuse)
+    assert checked == [True]
+    commands.check_on_first_process(lambda: None)
