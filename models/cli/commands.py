@@ -59,9 +59,6 @@ def status(out: Console, message: str) -> Iterator[None]:
     out.log(f"{message} done in {time.perf_counter() - start:.1f}s")
 
 
-# -- the model's source -----------------------------------------------------------------------
-
-
 def check_on_first_process(check: Callable[[], None]) -> None:
     """Runs `check` (of what only process 0 uses: where it writes, where it listens) there, and
     every process raises its `InputError`, so that none goes on into a collective the first
@@ -79,6 +76,9 @@ def check_on_first_process(check: Callable[[], None]) -> None:
     first = gather_json(problem)[0]
     if first is not None:
         raise InputError(first)
+
+
+# -- the model's source -----------------------------------------------------------------------
 
 
 def checkpoint_dir(args: argparse.Namespace) -> Path | None:
